@@ -1,0 +1,1 @@
+"""Benchmarks: run with `.venv/bin/python -m pytest benchmarks` (not part of the test suite)."""

@@ -1,0 +1,230 @@
+"""The unit of data that crosses the EDP: a batch of items, column by column."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from conduit.errors import SchemaError
+from conduit.schema import ExperienceSchema
+
+__all__ = ["Ragged", "ExperienceBatch", "as_tensor", "ranges"]
+
+
+def as_tensor(x: object) -> torch.Tensor:
+    """A torch view of ``x`` without copying where possible (NumPy arrays are shared)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x)
+        return torch.from_numpy(x)
+    return torch.as_tensor(x)
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """Variable-length sequences packed end to end.
+
+    ``values[offsets[i]:offsets[i] + lengths[i]]`` is item ``i``'s sequence, where
+    ``offsets`` is the exclusive cumulative sum of ``lengths``.
+    """
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def from_sequences(cls, seqs: Sequence[object]) -> Ragged:
+        """Pack a list of per-item sequences (tensors or arrays)."""
+        ts = [as_tensor(s) for s in seqs]
+        lengths = torch.tensor([t.shape[0] for t in ts], dtype=torch.int64)
+        values = torch.cat(ts) if ts else torch.empty(0)
+        return cls(values, lengths)
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """Start of each item's sequence in ``values``."""
+        return torch.cumsum(self.lengths, 0) - self.lengths
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = int(self.lengths[:i].sum())
+        return self.values[start:start + int(self.lengths[i])]
+
+    def padded(self, pad_value: float = 0) -> torch.Tensor:
+        """A dense ``[n, max_len, *shape]`` copy, right-padded with ``pad_value``."""
+        n = len(self)
+        max_len = int(self.lengths.max()) if n else 0
+        out = self.values.new_full((n, max_len, *self.values.shape[1:]), pad_value)
+        mask = torch.arange(max_len, device=self.lengths.device)[None, :] < self.lengths[:, None]
+        out[mask] = self.values
+        return out
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Ragged:
+        """The same sequences on ``device``."""
+        return Ragged(self.values.to(device, non_blocking=non_blocking),
+                      self.lengths.to(device, non_blocking=non_blocking))
+
+
+class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
+    """A mapping of field name to a column with one shared leading batch size.
+
+    Fixed fields are tensors ``[n, *shape]``; ragged fields are :class:`Ragged`.
+    Construction is cheap and copies nothing; :meth:`from_mapping` converts NumPy
+    arrays and lists of sequences without copying fixed fields.
+    """
+
+    __slots__ = ("_columns", "batch_size")
+
+    def __init__(self, columns: dict[str, torch.Tensor | Ragged], batch_size: int) -> None:
+        self._columns = columns
+        self.batch_size = batch_size
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, object]) -> ExperienceBatch:
+        """Build a batch from tensors, NumPy arrays, :class:`Ragged` or lists of sequences.
+
+        Raises:
+            SchemaError: the columns disagree on the batch size.
+        """
+        if isinstance(data, ExperienceBatch):
+            return data
+        cols: dict[str, torch.Tensor | Ragged] = {}
+        for k, v in data.items():
+            if isinstance(v, Ragged):
+                cols[k] = v
+            elif isinstance(v, (list, tuple)) and v and not isinstance(v[0], (int, float, bool)):
+                cols[k] = Ragged.from_sequences(v)
+            else:
+                t = as_tensor(v)
+                if t.dim() == 0:
+                    raise SchemaError(f"Field {k!r} is a scalar; give one row per item (shape [n, ...]).")
+                cols[k] = t
+        sizes = {k: (len(c) if isinstance(c, Ragged) else int(c.shape[0])) for k, c in cols.items()}
+        if len(set(sizes.values())) > 1:
+            raise SchemaError(f"Fields disagree on the batch size: {sizes}. Give every field one row per item.")
+        return cls(cols, next(iter(sizes.values()), 0))
+
+    def __getitem__(self, name: str) -> torch.Tensor | Ragged:
+        return self._columns[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._columns)
+
+    def __len__(self) -> int:
+        return len(self._columns)
+
+    def __repr__(self) -> str:
+        parts = []
+        for k, c in self._columns.items():
+            if isinstance(c, Ragged):
+                parts.append(f"{k}=Ragged({c.values.dtype}, total={c.values.shape[0]})")
+            else:
+                parts.append(f"{k}={c.dtype}{list(c.shape)}")
+        return f"ExperienceBatch(n={self.batch_size}, {', '.join(parts)})"
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The fixed field ``name`` as a tensor (a type-narrowing accessor)."""
+        c = self._columns[name]
+        if isinstance(c, Ragged):
+            raise TypeError(f"Field {name!r} is ragged; use batch[{name!r}] to get its Ragged value.")
+        return c
+
+    def nbytes(self) -> int:
+        """Bytes held by the columns."""
+        total = 0
+        for c in self._columns.values():
+            if isinstance(c, Ragged):
+                total += c.values.numel() * c.values.element_size() + c.lengths.numel() * 8
+            else:
+                total += c.numel() * c.element_size()
+        return total
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ExperienceBatch:
+        """The same batch on ``device``."""
+        return ExperienceBatch({k: c.to(device, non_blocking=non_blocking) for k, c in self._columns.items()},
+                               self.batch_size)
+
+    def clone(self) -> ExperienceBatch:
+        """A batch that owns its memory (use it to keep a delivered batch past its validity)."""
+        return ExperienceBatch({k: (Ragged(c.values.clone(), c.lengths.clone()) if isinstance(c, Ragged)
+                                    else c.clone()) for k, c in self._columns.items()}, self.batch_size)
+
+    def select(self, index: torch.Tensor | slice) -> ExperienceBatch:
+        """Rows ``index`` of every column (a copy for tensor indices, a view for slices of fixed fields)."""
+        cols: dict[str, torch.Tensor | Ragged] = {}
+        n = -1
+        for k, c in self._columns.items():
+            if isinstance(c, Ragged):
+                idx = torch.arange(len(c))[index]
+                starts, lens = c.offsets[idx], c.lengths[idx]
+                flat = ranges(starts, lens)
+                cols[k] = Ragged(c.values[flat], lens.clone())
+                n = int(lens.shape[0])
+            else:
+                cols[k] = c[index]
+                n = int(cols[k].shape[0])  # type: ignore[union-attr]
+        return ExperienceBatch(cols, n if n >= 0 else 0)
+
+    def numpy(self) -> dict[str, np.ndarray]:
+        """Fixed fields as NumPy arrays sharing memory (host tensors only); ragged fields padded."""
+        out: dict[str, np.ndarray] = {}
+        for k, c in self._columns.items():
+            out[k] = (c.padded() if isinstance(c, Ragged) else c).cpu().numpy()
+        return out
+
+    def validate(self, schema: ExperienceSchema) -> None:
+        """Check this batch against ``schema``.
+
+        Raises:
+            SchemaError: a missing or extra field, a wrong dtype, shape, or lengths.
+        """
+        missing = [n for n in schema if n not in self._columns]
+        extra = [n for n in self._columns if n not in schema]
+        if missing or extra:
+            raise SchemaError(
+                f"Batch fields do not match the schema: missing {missing}, unexpected {extra}. "
+                f"The schema has {list(schema)}; give exactly those fields.")
+        n = self.batch_size
+        for name, f in schema.items():
+            c = self._columns[name]
+            if f.ragged:
+                if not isinstance(c, Ragged):
+                    raise SchemaError(f"Field {name!r} is ragged in the schema; give a conduit.Ragged or a "
+                                      f"list of per-item sequences.")
+                v, lens = c.values, c.lengths
+                if v.dtype != f.dtype:
+                    raise SchemaError(f"Field {name!r} has dtype {v.dtype}, the schema says {f.dtype}; "
+                                      f"convert it before ingesting.")
+                if tuple(v.shape[1:]) != f.shape:
+                    raise SchemaError(f"Field {name!r} has element shape {tuple(v.shape[1:])}, the schema "
+                                      f"says {f.shape}.")
+                if lens.dtype != torch.int64 or lens.dim() != 1 or lens.shape[0] != n:
+                    raise SchemaError(f"Field {name!r} needs int64 lengths of shape [{n}].")
+                if n and (int(lens.min()) < 0 or int(lens.sum()) != v.shape[0]):
+                    raise SchemaError(f"Field {name!r}: lengths must be >= 0 and sum to the number of "
+                                      f"packed values ({v.shape[0]}).")
+            else:
+                if isinstance(c, Ragged):
+                    raise SchemaError(f"Field {name!r} is fixed-size in the schema; give a tensor [n, *shape].")
+                if c.dtype != f.dtype:
+                    raise SchemaError(f"Field {name!r} has dtype {c.dtype}, the schema says {f.dtype}; "
+                                      f"convert it before ingesting.")
+                if tuple(c.shape[1:]) != f.shape:
+                    raise SchemaError(f"Field {name!r} has per-item shape {tuple(c.shape[1:])}, the schema "
+                                      f"says {f.shape}.")
+
+
+def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenation of ``arange(s, s + l)`` for each (s, l), without a Python loop."""
+    total = int(lengths.sum())
+    if total == 0:
+        return torch.empty(0, dtype=torch.int64)
+    rep_starts = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths,
+                                         output_size=total)
+    return torch.arange(total, dtype=torch.int64) + rep_starts

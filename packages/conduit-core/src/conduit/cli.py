@@ -1,0 +1,59 @@
+"""The ``conduit`` command line.
+
+``conduit demo`` runs the main job: the demo an installed adapter registers under the
+``conduit.demos`` entry-point group (conduit-rllib registers DQN), or the synthetic
+actor/learner loop of conduit-core with ``--synthetic`` or when no adapter registers one.
+Other subcommands are registered the same way under ``conduit.commands``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+
+__all__ = ["main"]
+
+#: ``register(subparsers)`` adds one subcommand whose handler is ``args.func(args) -> int``
+Registrar = Callable[[argparse._SubParsersAction], None]  # type: ignore[type-arg]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if not args.synthetic:
+        demos = sorted(entry_points(group="conduit.demos"), key=lambda e: e.name)
+        if demos:
+            run = demos[0].load()
+            return int(run(args.rest) or 0)
+    from conduit.demo import run_synthetic
+
+    return run_synthetic(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conduit", description="Conduit: an Experience Data Plane for RL.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run the main job and print where the experience-path time went",
+                          add_help=False)
+    demo.add_argument("--synthetic", action="store_true", help="run core's synthetic loop, not an adapter's")
+    demo.set_defaults(func=_demo)
+    from conduit import commands
+
+    commands.register(sub)
+    for ep in sorted(entry_points(group="conduit.commands"), key=lambda e: e.name):
+        ep.load()(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":
+        args.rest = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""The Experience Data Plane: ingest -> place -> deliver, with each step a pluggable role."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from conduit.batch import ExperienceBatch, Ragged
+from conduit.errors import CapacityError, ConfigurationError
+from conduit.placement.base import HostPlacement, Placement
+from conduit.scheduling.base import Scheduler, Synchronous
+from conduit.schema import ExperienceSchema
+from conduit.semantics.base import SampleInfo, Semantics
+from conduit.semantics.onpolicy import OnPolicy
+from conduit.semantics.replay import Replay
+from conduit.storage.base import Storage
+from conduit.telemetry import Telemetry
+
+__all__ = ["ExperienceDataPlane"]
+
+
+class _OutputRing:
+    """Preallocated delivery buffers for the fixed fields, rotated over ``depth`` slots."""
+
+    def __init__(self, schema: ExperienceSchema, device: torch.device, depth: int, pin: bool) -> None:
+        self.schema, self.device, self.depth, self.pin = schema, device, max(1, depth), pin
+        self._bufs: list[dict[str, torch.Tensor]] = []
+        self._rows = 0
+        self._i = 0
+
+    def next(self, n: int) -> dict[str, torch.Tensor]:
+        if n > self._rows:
+            self._rows = n
+            self._bufs = [{k: torch.empty((n, *self.schema[k].shape), dtype=self.schema[k].dtype,
+                                          device=self.device, pin_memory=self.pin) for k in self.schema.fixed}
+                          for _ in range(self.depth)]
+        self._i = (self._i + 1) % self.depth
+        buf = self._bufs[self._i]
+        if n == self._rows:
+            return buf
+        return {k: v[:n] for k, v in buf.items()}
+
+
+class ExperienceDataPlane:
+    """The object a framework adapter holds: one buffer of experience and its three control points.
+
+    * **ingest** (actor -> buffer): validate a batch against the schema, then store it
+      in the placed tier, when the scheduler says so.
+    * **placement**: the :class:`~conduit.placement.Placement` role builds the storage
+      (host memory by default).
+    * **deliver** (buffer -> learner): the :class:`~conduit.semantics.Semantics` role
+      selects items (replay sample or on-policy minibatch), the storage gathers them into
+      reused output buffers, and they move to ``device``.
+
+    Delivered fixed-field tensors live in reused buffers: a delivered batch stays valid
+    until ``scheduler.output_depth`` further deliveries (the second one after it by
+    default). Call :meth:`ExperienceBatch.clone` to keep one longer.
+
+    All public methods are thread-safe. Bad input raises a typed
+    :class:`~conduit.ConduitError` and leaves the buffer unchanged.
+
+    Args:
+        schema: the fields of one item.
+
+    Keyword Args:
+        capacity: item slots.
+        semantics: ``Replay(...)`` (default: uniform) or ``OnPolicy(...)``.
+        placement: where the storage lives (default: host memory).
+        scheduler: when work runs (default: synchronously in the caller).
+        device: the learner's device delivered batches land on (default: the storage's).
+        ragged_capacity: elements per ragged field's pool (default ``64 * capacity``).
+
+    Examples:
+        >>> import torch
+        >>> from conduit import ExperienceDataPlane, ExperienceSchema, Field
+        >>> edp = ExperienceDataPlane(ExperienceSchema(obs=Field((3,))), capacity=8)
+        >>> handles = edp.ingest({"obs": torch.ones(5, 3)})
+        >>> batch, info = edp.deliver(4)
+        >>> batch["obs"].shape, len(edp)
+        (torch.Size([4, 3]), 5)
+    """
+
+    def __init__(self, schema: ExperienceSchema, *, capacity: int, semantics: Semantics | None = None,
+                 placement: Placement | None = None, scheduler: Scheduler | None = None,
+                 device: torch.device | str | None = None, ragged_capacity: int | None = None) -> None:
+        if not isinstance(schema, ExperienceSchema):
+            raise ConfigurationError("schema must be a conduit.ExperienceSchema.")
+        self.schema = schema
+        self.semantics: Semantics = semantics if semantics is not None else Replay()
+        self.placement: Placement = placement if placement is not None else HostPlacement()
+        self.storage: Storage = self.placement.storage(schema, capacity, ragged_capacity=ragged_capacity)
+        self.semantics.bind(self.storage)
+        self.device = torch.device(device) if device is not None else self.storage.device
+        self.telemetry = Telemetry()
+        self._lock = threading.RLock()
+        self._replay = isinstance(self.semantics, Replay)
+        self.scheduler: Scheduler = scheduler if scheduler is not None else Synchronous()
+        self._build_outputs()
+        self.scheduler.attach(self)
+
+    def _build_outputs(self) -> None:
+        same = self.device == self.storage.device
+        pin = self.storage.device.type == "cpu" and self.device.type == "cuda"
+        depth = self.scheduler.output_depth
+        self._gather_out = _OutputRing(self.schema, self.storage.device, depth, pin)
+        self._device_out = None if same else _OutputRing(self.schema, self.device, depth, False)
+
+    # -- properties ------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.storage.capacity
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self.storage)
+
+    def __repr__(self) -> str:
+        return (f"ExperienceDataPlane({self.schema!r}, capacity={self.capacity}, "
+                f"semantics={type(self.semantics).__name__}, tier={self.storage.tier}, device={self.device})")
+
+    # -- ingestion -------------------------------------------------------------------------
+    def ingest(self, batch: Mapping[str, Any] | ExperienceBatch, *, version: int | None = None,
+               priorities: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Hand a batch of items to the buffer.
+
+        Args:
+            batch: one row per item for every schema field (tensors, NumPy arrays, ``Ragged``
+                or lists of sequences for ragged fields).
+
+        Keyword Args:
+            version: the policy version that produced the batch (required on-policy).
+            priorities: initial priorities (prioritized replay only; default: the max seen).
+
+        Returns:
+            The items' handles (int64), or None when the scheduler stores the batch later.
+
+        Raises:
+            SchemaError: fields, dtypes or shapes do not match the schema.
+            CapacityError: the batch is larger than the capacity.
+            PriorityError: a priority is NaN, infinite or negative.
+            ConfigurationError: a version or priority the semantics cannot take.
+        """
+        b = ExperienceBatch.from_mapping(batch)
+        b.validate(self.schema)
+        n = b.batch_size
+        if n > self.storage.capacity:
+            raise CapacityError(f"A batch of {n} items is larger than the capacity ({self.storage.capacity}); "
+                                f"split it or raise capacity.")
+        self.semantics.check_ingest(n, version=version, priorities=priorities)
+        return self.scheduler.ingest(b, version=version, priorities=priorities)
+
+    def ingest_now(self, batch: ExperienceBatch, *, version: int | None = None,
+                   priorities: torch.Tensor | None = None) -> torch.Tensor:
+        """Store an already validated batch now (the scheduler's primitive)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            res = self.storage.append(batch, evict=self._replay)
+            self.semantics.on_append(res, version=version, priorities=priorities)
+        self.telemetry.record("ingest", res.count, batch.nbytes(), t0, time.perf_counter())
+        return torch.arange(res.first, res.first + res.count, dtype=torch.int64)
+
+    def flush(self) -> None:
+        """Block until every batch handed to ``ingest`` is in storage."""
+        self.scheduler.flush()
+
+    # -- delivery --------------------------------------------------------------------------
+    def deliver(self, n: int | None = None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
+        """The next batch for the learner, on ``device``.
+
+        Replay: ``n`` items drawn by the sampler (keyword ``replace=True``, ``beta=None``).
+        On-policy: the next minibatch of the oldest sealed rollout (call with no ``n``).
+
+        Raises:
+            EmptyBufferError: nothing to deliver.
+            CapacityError: a draw without replacement larger than the contents.
+            StaleExperienceError: on-policy data too stale and ``on_stale="raise"``.
+        """
+        return self.scheduler.deliver(n, **kwargs)
+
+    def deliver_now(self, n: int | None = None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
+        """Select and gather now (the scheduler's primitive)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            sel = self.semantics.select(n, **kwargs)
+            k = int(sel.slots.shape[0])
+            batch = self.storage.gather(sel.slots, self._gather_out.next(k))
+            self.semantics.after_gather(sel)
+        if self._device_out is not None:
+            batch = self._to_device(batch, self._device_out.next(k))
+        self.telemetry.record("deliver", k, batch.nbytes(), t0, time.perf_counter())
+        return batch, sel.info
+
+    def _to_device(self, batch: ExperienceBatch, out: dict[str, torch.Tensor]) -> ExperienceBatch:
+        cols: dict[str, torch.Tensor | Ragged] = {}
+        for name in self.schema:
+            c = batch[name]
+            if isinstance(c, Ragged):
+                cols[name] = c.to(self.device, non_blocking=True)
+            else:
+                cols[name] = out[name].copy_(c, non_blocking=True)
+        return ExperienceBatch(cols, batch.batch_size)
+
+    def update_priorities(self, handles: torch.Tensor, priorities: torch.Tensor) -> int:
+        """New priorities for delivered items, by handle.
+
+        Returns:
+            How many handles were live; updates for evicted handles are ignored.
+
+        Raises:
+            PriorityError: NaN, infinite or negative priorities, or a length mismatch.
+            ConfigurationError: the buffer is not prioritized.
+        """
+        if not isinstance(self.semantics, Replay):
+            raise ConfigurationError("update_priorities needs Replay semantics with a PrioritizedSampler.")
+        with self._lock:
+            applied = self.semantics.update_priorities(handles, priorities)
+        self.scheduler.invalidate()
+        return applied
+
+    # -- on-policy control -------------------------------------------------------------------
+    def _on_policy(self) -> OnPolicy:
+        if not isinstance(self.semantics, OnPolicy):
+            raise ConfigurationError("This call needs OnPolicy semantics.")
+        return self.semantics
+
+    def seal(self) -> None:
+        """Close the open on-policy rollout so it can be delivered."""
+        sem = self._on_policy()
+        self.flush()
+        with self._lock:
+            sem.seal()
+
+    def set_policy_version(self, version: int) -> None:
+        """Tell the buffer which policy version the learner is at (staleness is measured against it)."""
+        sem = self._on_policy()
+        with self._lock:
+            sem.policy_version = int(version)
+        self.scheduler.invalidate()
+
+    # -- checkpoint --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Contents, handles and sampler state (RNG included); exact round trip."""
+        self.flush()
+        with self._lock:
+            return {"format": 1, "storage": self.storage.state_dict(), "semantics": self.semantics.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved into a buffer built with the same schema and capacity."""
+        if state.get("format") != 1:
+            raise ConfigurationError("Unknown checkpoint format; it was not written by ExperienceDataPlane.")
+        self.flush()
+        self.scheduler.invalidate()
+        with self._lock:
+            self.storage.load_state_dict(state["storage"])
+            self.semantics.load_state_dict(state["semantics"])
+
+    def close(self) -> None:
+        """Stop background work, storing everything handed over first."""
+        self.scheduler.close()
+
+    def __enter__(self) -> ExperienceDataPlane:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

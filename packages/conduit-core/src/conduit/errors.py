@@ -1,0 +1,46 @@
+"""Typed errors. Every error says what to do, and is raised before any state changes."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConduitError",
+    "SchemaError",
+    "CapacityError",
+    "EmptyBufferError",
+    "PriorityError",
+    "StaleExperienceError",
+    "ConfigurationError",
+    "PlacementError",
+]
+
+
+class ConduitError(Exception):
+    """Base class of every error Conduit raises on purpose."""
+
+
+class SchemaError(ConduitError, ValueError):
+    """A batch does not match the experience schema (field set, dtype, shape, lengths)."""
+
+
+class CapacityError(ConduitError, ValueError):
+    """A request does not fit: a batch larger than capacity, or a sample larger than the contents."""
+
+
+class EmptyBufferError(ConduitError, LookupError):
+    """Sampling or delivering from a buffer that holds nothing to deliver."""
+
+
+class PriorityError(ConduitError, ValueError):
+    """A priority is NaN, infinite or negative, or does not pair with the handles given."""
+
+
+class StaleExperienceError(ConduitError):
+    """On-policy experience fell behind the staleness bound and the policy is to raise."""
+
+
+class ConfigurationError(ConduitError, ValueError):
+    """A constructor or a role got arguments that cannot work together."""
+
+
+class PlacementError(ConduitError):
+    """No placement fits the request, or a topology/profile cannot be used here."""

@@ -1,0 +1,68 @@
+"""The scheduling role: *when* ingestion and delivery work runs, and in what granularity."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from conduit.batch import ExperienceBatch
+    from conduit.edp import ExperienceDataPlane
+    from conduit.semantics.base import SampleInfo
+
+__all__ = ["Scheduler", "Synchronous"]
+
+
+class Scheduler(ABC):
+    """Decides when the EDP's ingest and deliver work runs.
+
+    The EDP validates every call in the caller's thread before handing it to the
+    scheduler, so errors surface at the call that caused them. A scheduler then calls
+    ``edp.ingest_now`` / ``edp.deliver_now`` (the synchronous primitives) when it chooses.
+
+    Contract for implementations:
+      * nothing handed over is lost, duplicated or reordered within one producer;
+      * ``flush`` returns once everything handed over is in storage;
+      * delivered batches keep the semantics' guarantees (on-policy never crosses a version).
+    """
+
+    #: how many delivered batches may be alive at once (output buffers rotate over this many)
+    output_depth: int = 2
+    #: ingestion granularity: rollouts (off-policy) or rollout fractions (on-policy) per call
+    g_ing: float = 1
+    #: delivery granularity: batches prepared per delivery call
+    g_del: float = 1
+
+    def attach(self, edp: ExperienceDataPlane) -> None:
+        self.edp = edp
+
+    @abstractmethod
+    def ingest(self, batch: ExperienceBatch, *, version: int | None,
+               priorities: torch.Tensor | None) -> torch.Tensor | None:
+        """Hand over one validated batch; returns its handles, or None if it is stored later."""
+
+    @abstractmethod
+    def deliver(self, n: int | None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
+        """The next delivery."""
+
+    def flush(self) -> None:  # noqa: B027
+        """Block until every handed-over batch is in storage."""
+
+    def invalidate(self) -> None:  # noqa: B027
+        """Drop prepared deliveries (the contents or the policy changed under them)."""
+
+    def close(self) -> None:
+        self.flush()
+
+
+class Synchronous(Scheduler):
+    """Everything runs in the caller's thread, one call at a time, in call order."""
+
+    def ingest(self, batch: ExperienceBatch, *, version: int | None,
+               priorities: torch.Tensor | None) -> torch.Tensor | None:
+        return self.edp.ingest_now(batch, version=version, priorities=priorities)
+
+    def deliver(self, n: int | None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
+        return self.edp.deliver_now(n, **kwargs)

@@ -1,0 +1,81 @@
+"""The semantics role: *what* is delivered. The framework defines it; Conduit keeps it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from conduit.storage.base import AppendResult, Storage
+
+__all__ = ["Semantics", "Selection", "SampleInfo"]
+
+
+@dataclass
+class Selection:
+    """Which slots one delivery reads, and what the learner must know about them."""
+
+    slots: torch.Tensor
+    info: SampleInfo
+
+
+@dataclass
+class SampleInfo:
+    """Per-delivery metadata returned next to the batch.
+
+    Replay fills ``handles`` and, for prioritized sampling, ``probabilities`` and
+    ``weights``; on-policy delivery fills ``version``, ``epoch``, ``minibatch``,
+    ``num_minibatches``, ``staleness`` and ``last`` (the last minibatch of the rollout).
+    """
+
+    #: stable handles of the delivered items (int64); pass them to ``update_priorities``
+    handles: torch.Tensor
+    #: importance-sampling weights, normalised by the largest possible weight (prioritized only)
+    weights: torch.Tensor | None = None
+    #: probability each item had of being drawn (prioritized only)
+    probabilities: torch.Tensor | None = None
+    version: int | None = None
+    epoch: int | None = None
+    minibatch: int | None = None
+    num_minibatches: int | None = None
+    staleness: int | None = None
+    last: bool = False
+
+
+class Semantics(ABC):
+    """Selects what one delivery returns, from the live items of a storage.
+
+    Contract for implementations:
+      * ``select`` decides before anything changes; on error the state is unchanged.
+      * ``on_append`` sees every append (including evictions it caused) in order.
+      * ``state_dict``/``load_state_dict`` round-trip the RNG, so draws continue identically.
+    """
+
+    #: "replay" or "on_policy"
+    kind: str
+
+    def bind(self, storage: Storage) -> None:
+        """Attach to ``storage`` (called once, and again after a migration)."""
+        self.storage = storage
+
+    @abstractmethod
+    def on_append(self, result: AppendResult, *, version: int | None, priorities: torch.Tensor | None) -> None:
+        """Record that ``result.count`` items were appended (and some maybe evicted)."""
+
+    @abstractmethod
+    def select(self, n: int | None, **kwargs: Any) -> Selection:
+        """The slots of the next delivery."""
+
+    def check_ingest(self, n: int, *, version: int | None, priorities: torch.Tensor | None) -> None:  # noqa: B027
+        """Raise before any state changes if an ingestion of ``n`` items is not acceptable."""
+
+    def after_gather(self, selection: Selection) -> None:  # noqa: B027
+        """Called once the selected rows have been read (on-policy releases consumed data here)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

@@ -1,0 +1,215 @@
+"""On-policy semantics: a rollout is delivered as M minibatches per epoch for E epochs.
+
+A *rollout* is the set of items ingested with one policy version. It is *sealed* when
+``seal()`` is called or when items of another version arrive. Delivery serves sealed
+rollouts oldest first; within one rollout each epoch is a fresh seeded permutation cut
+into M minibatches (sizes differ by at most one), so each item appears exactly once per
+epoch and a minibatch never mixes versions. After the last minibatch of the last epoch
+the rollout's storage is released.
+
+Staleness is ``policy_version - rollout_version``; when it exceeds ``max_staleness`` at
+delivery time the rollout is dropped (``on_stale="drop"``, counted in ``dropped_items``)
+or :class:`conduit.StaleExperienceError` is raised (``on_stale="raise"``, state unchanged).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from conduit.errors import ConfigurationError, EmptyBufferError, StaleExperienceError
+from conduit.semantics.base import SampleInfo, Selection, Semantics
+from conduit.storage.base import AppendResult
+
+__all__ = ["OnPolicy"]
+
+
+@dataclass
+class _Rollout:
+    version: int
+    first: int
+    count: int
+
+
+class OnPolicy(Semantics):
+    """On-policy freshness semantics.
+
+    Keyword Args:
+        num_minibatches: M, minibatches per epoch (give this or ``minibatch_size``).
+        minibatch_size: alternatively, the minibatch size; M = ceil(N / size), the last one smaller.
+        num_epochs: E, passes over each rollout.
+        max_staleness: versions a rollout may fall behind the policy and still be delivered.
+        on_stale: ``"drop"`` or ``"raise"``.
+        shuffle: reshuffle per epoch (``False`` keeps ingestion order).
+        seed: seeds the per-epoch permutations.
+    """
+
+    kind = "on_policy"
+
+    def __init__(self, *, num_minibatches: int | None = None, minibatch_size: int | None = None,
+                 num_epochs: int = 1, max_staleness: int = 0, on_stale: Literal["drop", "raise"] = "drop",
+                 shuffle: bool = True, seed: int = 0) -> None:
+        if (num_minibatches is None) == (minibatch_size is None):
+            raise ConfigurationError("Give exactly one of num_minibatches (M) or minibatch_size.")
+        for name, v in (("num_minibatches", num_minibatches), ("minibatch_size", minibatch_size)):
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise ConfigurationError(f"{name} must be a positive int, got {v!r}.")
+        if not isinstance(num_epochs, int) or num_epochs <= 0:
+            raise ConfigurationError(f"num_epochs must be a positive int, got {num_epochs!r}.")
+        if max_staleness < 0:
+            raise ConfigurationError(f"max_staleness must be >= 0, got {max_staleness}.")
+        if on_stale not in ("drop", "raise"):
+            raise ConfigurationError(f"on_stale must be 'drop' or 'raise', got {on_stale!r}.")
+        self.num_minibatches = num_minibatches
+        self.minibatch_size = minibatch_size
+        self.num_epochs = num_epochs
+        self.max_staleness = max_staleness
+        self.on_stale = on_stale
+        self.shuffle = shuffle
+        self.seed = seed
+        self.policy_version = 0
+        self.dropped_items = 0
+        self._gen = torch.Generator().manual_seed(seed)
+        self._open: _Rollout | None = None
+        self._sealed: deque[_Rollout] = deque()
+        self._cur: _Rollout | None = None
+        self._epoch = 0
+        self._k = 0
+        self._perm: torch.Tensor | None = None
+        self._bounds: list[int] = []
+        self._finished_end: int | None = None
+
+    # -- ingestion -------------------------------------------------------------------------
+    def check_ingest(self, n: int, *, version: int | None, priorities: torch.Tensor | None) -> None:
+        if version is None:
+            raise ConfigurationError("On-policy ingestion needs the producing policy version: ingest(batch, "
+                                     "version=v).")
+        if priorities is not None:
+            raise ConfigurationError("On-policy buffers take no priorities.")
+        if self._open is not None and version < self._open.version:
+            raise ConfigurationError(f"Version {version} arrived after version {self._open.version}; on-policy "
+                                     f"versions must not go backwards.")
+
+    def on_append(self, result: AppendResult, *, version: int | None, priorities: torch.Tensor | None) -> None:
+        assert version is not None
+        if self._open is not None and self._open.version != version:
+            self.seal()
+        if self._open is None:
+            self._open = _Rollout(version, result.first, 0)
+        self._open.count += result.count
+
+    def seal(self) -> None:
+        """Close the open rollout: it becomes deliverable and later items start a new one."""
+        if self._open is not None and self._open.count:
+            self._sealed.append(self._open)
+        self._open = None
+
+    @property
+    def pending_rollouts(self) -> int:
+        """Sealed rollouts not yet fully delivered (including the one in progress)."""
+        return len(self._sealed) + (self._cur is not None)
+
+    # -- delivery --------------------------------------------------------------------------
+    def _start_epoch(self) -> None:
+        assert self._cur is not None
+        n = self._cur.count
+        self._perm = torch.randperm(n, generator=self._gen) if self.shuffle else torch.arange(n)
+        if self.num_minibatches is not None:
+            m = min(self.num_minibatches, n)
+            q, r = divmod(n, m)
+            sizes = [q + (1 if i < r else 0) for i in range(m)]
+        else:
+            assert self.minibatch_size is not None
+            sizes = [min(self.minibatch_size, n - s) for s in range(0, n, self.minibatch_size)]
+        self._bounds = [0]
+        for s in sizes:
+            self._bounds.append(self._bounds[-1] + s)
+        self._k = 0
+
+    def _stale(self, r: _Rollout) -> bool:
+        return self.policy_version - r.version > self.max_staleness
+
+    def _drop(self, r: _Rollout) -> None:
+        self.dropped_items += r.count
+        self.storage.release(r.first + r.count)
+
+    def select(self, n: int | None = None, **_: Any) -> Selection:
+        if n is not None:
+            raise ConfigurationError("On-policy delivery sizes are set by num_minibatches/minibatch_size; "
+                                     "call deliver() without n.")
+        if self._cur is not None and self._stale(self._cur):
+            if self.on_stale == "raise":
+                raise self._stale_error(self._cur)
+            self._drop(self._cur)
+            self._cur = None
+        while self._cur is None:
+            if not self._sealed:
+                hint = " (an open rollout exists: call seal())" if self._open is not None else ""
+                raise EmptyBufferError(f"No sealed rollout is waiting for delivery{hint}; ingest a rollout and "
+                                       f"seal it.")
+            r = self._sealed[0]
+            if self._stale(r):
+                if self.on_stale == "raise":
+                    raise self._stale_error(r)
+                self._sealed.popleft()
+                self._drop(r)
+                continue
+            self._sealed.popleft()
+            self._cur, self._epoch = r, 0
+            self._start_epoch()
+        cur = self._cur
+        assert self._perm is not None
+        lo, hi = self._bounds[self._k], self._bounds[self._k + 1]
+        slots = (self._perm[lo:hi] + cur.first) % self.storage.capacity
+        m = len(self._bounds) - 1
+        last = self._epoch == self.num_epochs - 1 and self._k == m - 1
+        info = SampleInfo(handles=self.storage.handles_of(slots), version=cur.version,
+                          epoch=self._epoch, minibatch=self._k, num_minibatches=m,
+                          staleness=self.policy_version - cur.version, last=last)
+        self._k += 1
+        if self._k == m:
+            self._epoch += 1
+            if self._epoch == self.num_epochs:
+                self._finished_end = cur.first + cur.count
+                self._cur = None
+            else:
+                self._start_epoch()
+        return Selection(slots, info)
+
+    def after_gather(self, selection: Selection) -> None:
+        """Release a rollout's storage once its last minibatch has been read."""
+        if selection.info.last and self._finished_end is not None:
+            self.storage.release(self._finished_end)
+            self._finished_end = None
+
+    def _stale_error(self, r: _Rollout) -> StaleExperienceError:
+        return StaleExperienceError(
+            f"Rollout of policy version {r.version} is {self.policy_version - r.version} versions behind policy "
+            f"{self.policy_version} (max_staleness={self.max_staleness}); deliver it sooner, raise max_staleness, "
+            f"or use on_stale='drop'.")
+
+    # -- checkpoint ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        def rd(r: _Rollout | None) -> tuple[int, int, int] | None:
+            return None if r is None else (r.version, r.first, r.count)
+        return {"rng": self._gen.get_state(), "policy_version": self.policy_version,
+                "dropped_items": self.dropped_items, "open": rd(self._open),
+                "sealed": [rd(r) for r in self._sealed], "cur": rd(self._cur), "epoch": self._epoch,
+                "k": self._k, "perm": None if self._perm is None else self._perm.clone(),
+                "bounds": list(self._bounds)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        def rr(t: tuple[int, int, int] | None) -> _Rollout | None:
+            return None if t is None else _Rollout(*t)
+        self._gen.set_state(state["rng"])
+        self.policy_version = state["policy_version"]
+        self.dropped_items = state["dropped_items"]
+        self._open = rr(state["open"])
+        self._sealed = deque(r for r in (rr(t) for t in state["sealed"]) if r is not None)
+        self._cur = rr(state["cur"])
+        self._epoch, self._k = state["epoch"], state["k"]
+        self._perm = state["perm"]
+        self._bounds = list(state["bounds"])

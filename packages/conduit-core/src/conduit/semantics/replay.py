@@ -1,0 +1,233 @@
+"""Replay semantics: sampling from a FIFO-evicting buffer, uniform or prioritized."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+import torch
+
+from conduit.errors import CapacityError, ConfigurationError, EmptyBufferError, PriorityError
+from conduit.semantics.base import SampleInfo, Selection, Semantics
+from conduit.semantics.sumtree import SumTree
+from conduit.storage.base import AppendResult, Storage
+
+__all__ = ["Replay", "Sampler", "UniformSampler", "PrioritizedSampler"]
+
+
+class Sampler(ABC):
+    """Chooses slots among the live items of a storage.
+
+    Contract for implementations:
+      * draws are a deterministic function of the seed and the call sequence;
+      * ``sample`` never returns an evicted slot;
+      * state round-trips through ``state_dict``/``load_state_dict``.
+    """
+
+    #: whether this sampler keeps priorities (and accepts ``update_priorities``)
+    prioritized: bool = False
+
+    def reset(self, storage: Storage, seed: int) -> None:
+        self.storage = storage
+
+    def on_append(self, result: AppendResult, priorities: torch.Tensor | None) -> None:  # noqa: B027
+        """Track appended and evicted items."""
+
+    @abstractmethod
+    def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection: ...
+
+    def update(self, handles: torch.Tensor, priorities: torch.Tensor) -> int:
+        raise ConfigurationError(f"{type(self).__name__} keeps no priorities; use PrioritizedSampler.")
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def _live_slots(self, r: torch.Tensor) -> torch.Tensor:
+        """Slots of the ``r``-th oldest live items."""
+        st = self.storage
+        size = st.next_handle - st.oldest
+        if size == st.capacity and st.oldest % st.capacity == 0:
+            return r
+        return (r + st.oldest) % st.capacity
+
+
+class UniformSampler(Sampler):
+    """Every live item is equally likely; with ``replace=False`` a draw has no repeats."""
+
+    def reset(self, storage: Storage, seed: int) -> None:
+        super().reset(storage, seed)
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
+        st = self.storage
+        size = st.next_handle - st.oldest
+        if replace:
+            r = torch.randint(size, (n,), generator=self._gen)
+        else:
+            r = torch.randperm(size, generator=self._gen)[:n]
+        slots = self._live_slots(r)
+        return Selection(slots, SampleInfo(handles=st.handles_of(slots)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self._gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._gen.set_state(state["rng"])
+
+
+class PrioritizedSampler(Sampler):
+    """Proportional prioritized replay (Schaul et al.): ``P(i) = p_i^alpha / sum_j p_j^alpha``.
+
+    New items get the largest priority seen so far (1.0 at first) unless the ingestion
+    gives priorities. Importance weights are ``(N * P(i))^-beta`` divided by the largest
+    possible weight, ``(N * min_j P(j))^-beta``. Priority updates name items by handle;
+    updates for evicted handles are ignored (never applied to a slot's new occupant).
+
+    Args:
+        alpha: priority exponent (0 gives uniform sampling).
+        beta: default importance-weight exponent (a ``deliver(beta=...)`` overrides it).
+    """
+
+    prioritized = True
+
+    def __init__(self, *, alpha: float = 0.6, beta: float = 0.4) -> None:
+        if not (alpha >= 0 and np.isfinite(alpha)) or not (beta >= 0 and np.isfinite(beta)):
+            raise ConfigurationError(f"alpha and beta must be finite and >= 0, got alpha={alpha}, beta={beta}.")
+        self.alpha = float(alpha)
+        self.beta = float(beta)
+
+    def reset(self, storage: Storage, seed: int) -> None:
+        super().reset(storage, seed)
+        self._tree = SumTree(storage.capacity)
+        self._rng = np.random.Generator(np.random.PCG64(seed))
+        self._max_priority = 1.0
+
+    @staticmethod
+    def check(priorities: torch.Tensor | np.ndarray) -> np.ndarray:
+        """Priorities as float64 NumPy, or :class:`PriorityError` if any is NaN, inf or negative."""
+        p = np.asarray(priorities.detach().cpu().numpy() if isinstance(priorities, torch.Tensor) else priorities,
+                       dtype=np.float64).reshape(-1)
+        bad = ~np.isfinite(p) | (p < 0)
+        if bad.any():
+            raise PriorityError(f"{int(bad.sum())} priorities are NaN, infinite or negative (first: "
+                                f"{p[bad][0]}); pass finite values >= 0, e.g. |td_error| + 1e-6.")
+        return p
+
+    def on_append(self, result: AppendResult, priorities: torch.Tensor | None) -> None:
+        cap = self.storage.capacity
+        if result.evicted_to > result.evicted_from:
+            ev = np.arange(result.evicted_from, result.evicted_to, dtype=np.int64)
+            self._tree.set(ev % cap, np.zeros(ev.shape[0]))
+        if result.count:
+            slots = np.arange(result.first, result.first + result.count, dtype=np.int64) % cap
+            if priorities is None:
+                vals = np.full(result.count, self._max_priority ** self.alpha)
+            else:
+                p = self.check(priorities)
+                self._max_priority = max(self._max_priority, float(p.max(initial=0.0)))
+                vals = p ** self.alpha
+            self._tree.set(slots, vals)
+
+    def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
+        if not replace:
+            raise ConfigurationError("PrioritizedSampler draws with replacement; use replace=True.")
+        total = self._tree.total
+        if total <= 0:
+            raise EmptyBufferError("Every live item has priority 0, so none can be drawn; update priorities "
+                                   "with positive values (e.g. |td_error| + 1e-6).")
+        slots = self._tree.find(self._rng.random(n) * total)
+        leaf = self._tree.get(slots)
+        for _ in range(8):  # rounding can land on a zero leaf at an interval edge: redraw those
+            zero = leaf <= 0
+            if not zero.any():
+                break
+            slots[zero] = self._tree.find(self._rng.random(int(zero.sum())) * total)
+            leaf = self._tree.get(slots)
+        st = self.storage
+        size = st.next_handle - st.oldest
+        probs = leaf / total
+        b = self.beta if beta is None else float(beta)
+        max_w = (size * self._tree.min / total) ** (-b)
+        weights = (size * probs) ** (-b) / max_w
+        t_slots = torch.from_numpy(slots)
+        info = SampleInfo(handles=st.handles_of(t_slots), weights=torch.from_numpy(weights.astype(np.float32)),
+                          probabilities=torch.from_numpy(probs))
+        return Selection(t_slots, info)
+
+    def update(self, handles: torch.Tensor, priorities: torch.Tensor) -> int:
+        p = self.check(priorities)
+        h = np.asarray(handles.cpu().numpy() if isinstance(handles, torch.Tensor) else handles,
+                       dtype=np.int64).reshape(-1)
+        if h.shape != p.shape:
+            raise PriorityError(f"Got {h.shape[0]} handles and {p.shape[0]} priorities; pass one priority "
+                                f"per handle.")
+        st = self.storage
+        live = (h >= st.oldest) & (h < st.next_handle)
+        if live.any():
+            self._tree.set(h[live] % st.capacity, p[live] ** self.alpha)
+            self._max_priority = max(self._max_priority, float(p[live].max()))
+        return int(live.sum())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self._rng.bit_generator.state, "leaves": self._tree.state(), "max_priority": self._max_priority}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._rng.bit_generator.state = state["rng"]
+        self._tree.load(np.asarray(state["leaves"]))
+        self._max_priority = float(state["max_priority"])
+
+
+class Replay(Semantics):
+    """Replay semantics: a bounded buffer with FIFO eviction, sampled by a :class:`Sampler`.
+
+    Args:
+        sampler: ``UniformSampler()`` (default) or ``PrioritizedSampler(alpha=..., beta=...)``.
+        seed: seeds the sampler; the same seed and call sequence give the same draws.
+    """
+
+    kind = "replay"
+
+    def __init__(self, sampler: Sampler | None = None, *, seed: int = 0) -> None:
+        self.sampler = sampler if sampler is not None else UniformSampler()
+        self.seed = seed
+
+    def bind(self, storage: Storage) -> None:
+        super().bind(storage)
+        self.sampler.reset(storage, self.seed)
+
+    def check_ingest(self, n: int, *, version: int | None, priorities: torch.Tensor | None) -> None:
+        if priorities is not None:
+            if not self.sampler.prioritized:
+                raise ConfigurationError("Priorities were given, but this buffer samples uniformly; "
+                                         "use Replay(PrioritizedSampler()) or drop the priorities.")
+            p = PrioritizedSampler.check(priorities)
+            if p.shape[0] != n:
+                raise PriorityError(f"Got {p.shape[0]} priorities for {n} items; pass one per item.")
+
+    def on_append(self, result: AppendResult, *, version: int | None, priorities: torch.Tensor | None) -> None:
+        self.sampler.on_append(result, priorities)
+
+    def select(self, n: int | None, *, replace: bool = True, beta: float | None = None, **_: Any) -> Selection:
+        if n is None or n <= 0:
+            raise ConfigurationError(f"Replay delivery needs a positive batch size n, got {n!r}.")
+        size = len(self.storage)
+        if size == 0:
+            raise EmptyBufferError("The buffer is empty; ingest experience before sampling.")
+        if not replace and n > size:
+            raise CapacityError(f"Cannot draw {n} distinct items from {size}; ask for at most {size} "
+                                f"or sample with replacement.")
+        return self.sampler.sample(n, replace=replace, beta=beta)
+
+    def update_priorities(self, handles: torch.Tensor, priorities: torch.Tensor) -> int:
+        """Set new priorities; returns how many handles were live (the rest were evicted and ignored)."""
+        return self.sampler.update(handles, priorities)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])

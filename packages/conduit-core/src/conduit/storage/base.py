@@ -1,0 +1,98 @@
+"""The storage role: where the bytes of experience live, and how items map to slots.
+
+Every storage is a FIFO ring of ``capacity`` slots. Items get consecutive *handles*
+(int64 sequence numbers) in ingestion order; the live items are exactly the handles in
+``[oldest, next_handle)``. A handle is stable: it names one item for its whole life and is
+never reused, so it carries the slot's generation (``slot = handle % capacity``,
+``generation = handle // capacity``). A handle below ``oldest`` names an evicted item.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from conduit.batch import ExperienceBatch
+from conduit.schema import ExperienceSchema
+
+__all__ = ["Storage", "AppendResult"]
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """What one append did: the handles it assigned and the handles it evicted."""
+
+    #: first handle written; the batch got ``first .. first + n - 1``
+    first: int
+    #: number of items written
+    count: int
+    #: handles ``[evicted_from, evicted_to)`` were evicted to make room (empty range if none)
+    evicted_from: int
+    evicted_to: int
+
+
+class Storage(ABC):
+    """Columnar FIFO ring storage on one tier.
+
+    Contract for implementations:
+      * ``append`` validates room before writing anything; on error the storage is unchanged.
+      * ``append`` evicts the oldest items first (FIFO), and only when asked to (``evict=True``).
+      * ``gather`` writes rows for ``slots`` into ``out`` (reused buffers) and never allocates
+        for fixed fields; ragged fields come back as :class:`conduit.Ragged`.
+      * ``state_dict``/``load_state_dict`` round-trip contents and handles exactly.
+    """
+
+    schema: ExperienceSchema
+    capacity: int
+    #: the torch device holding the columns (for sharded storage, the device of shard 0)
+    device: torch.device
+    #: a short tier name for reports: "host", "pinned", "gpu", "sharded", "disk", "remote"
+    tier: str = "host"
+
+    @property
+    @abstractmethod
+    def oldest(self) -> int:
+        """Handle of the oldest live item (== ``next_handle`` when empty)."""
+
+    @property
+    @abstractmethod
+    def next_handle(self) -> int:
+        """Handle the next ingested item will get."""
+
+    def __len__(self) -> int:
+        return self.next_handle - self.oldest
+
+    @abstractmethod
+    def append(self, batch: ExperienceBatch, *, evict: bool = True) -> AppendResult:
+        """Write ``batch`` after the newest item, evicting the oldest ones if needed and allowed.
+
+        Raises:
+            CapacityError: the batch cannot fit (even after eviction, or eviction is off).
+        """
+
+    @abstractmethod
+    def gather(self, slots: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> ExperienceBatch:
+        """Rows ``slots`` of every field, into ``out`` when given (shapes must match)."""
+
+    @abstractmethod
+    def handles_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The handle currently stored at each slot (int64, on the host)."""
+
+    @abstractmethod
+    def release(self, upto: int) -> None:
+        """Evict every live item with a handle below ``upto`` (consumed on-policy data)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Contents and handles, as plain tensors and ints."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+
+    def nbytes(self) -> int:
+        """Bytes reserved for the columns."""
+        return 0

@@ -1,0 +1,198 @@
+"""Preallocated columnar ring storage on one torch device (host, pinned host, one GPU, disk)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from conduit.batch import ExperienceBatch, Ragged, ranges
+from conduit.errors import CapacityError, ConfigurationError
+from conduit.schema import ExperienceSchema
+from conduit.storage.base import AppendResult, Storage
+
+__all__ = ["ColumnarStorage", "Allocator"]
+
+#: ``allocate(shape, dtype, name)`` returns an uninitialised tensor for one column.
+Allocator = Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor]
+
+
+class ColumnarStorage(Storage):
+    """One contiguous preallocated tensor per field; ragged fields in a packed element pool.
+
+    Ingestion writes each field with at most two ``copy_`` calls (one if the ring does not
+    wrap) straight from the caller's tensors: no copy beyond the one into storage.
+
+    Args:
+        schema: the fields.
+        capacity: number of item slots.
+        device: where the columns live.
+
+    Keyword Args:
+        ragged_capacity: elements in each ragged field's pool (default ``capacity * 64``).
+        pin_memory: allocate host columns in page-locked memory (needs CUDA).
+        allocator: custom column allocation (e.g. memory-mapped files for the disk tier).
+        tier: the tier name reported by placement.
+    """
+
+    def __init__(self, schema: ExperienceSchema, capacity: int, device: torch.device | str = "cpu", *,
+                 ragged_capacity: int | None = None, pin_memory: bool = False,
+                 allocator: Allocator | None = None, tier: str | None = None) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+            raise ConfigurationError(f"capacity must be a positive int, got {capacity!r}.")
+        self.schema = schema
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self.tier = tier or ("host" if self.device.type == "cpu" else "gpu")
+        self.ragged_capacity = int(ragged_capacity if ragged_capacity is not None else capacity * 64)
+        if schema.ragged and self.ragged_capacity <= 0:
+            raise ConfigurationError("ragged_capacity must be positive for a schema with ragged fields.")
+
+        def default_alloc(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+
+        alloc = allocator or default_alloc
+        self._cols = {n: alloc((capacity, *schema[n].shape), schema[n].dtype, n) for n in schema.fixed}
+        self._pools = {n: alloc((self.ragged_capacity, *schema[n].shape), schema[n].dtype, n)
+                       for n in schema.ragged}
+        # Per-slot bookkeeping on the host: handle, ragged start/length (shared by ragged fields).
+        self._handle_of_slot = torch.full((capacity,), -1, dtype=torch.int64)
+        self._rstart = {n: torch.zeros(capacity, dtype=torch.int64) for n in schema.ragged}
+        self._rlen = {n: torch.zeros(capacity, dtype=torch.int64) for n in schema.ragged}
+        self._rhead = {n: 0 for n in schema.ragged}
+        self._oldest = 0
+        self._next = 0
+        self._ragged_out: dict[str, torch.Tensor] = {}
+
+    # -- ring ------------------------------------------------------------------------------
+    @property
+    def oldest(self) -> int:
+        return self._oldest
+
+    @property
+    def next_handle(self) -> int:
+        return self._next
+
+    def nbytes(self) -> int:
+        cols = list(self._cols.values()) + list(self._pools.values())
+        return sum(c.numel() * c.element_size() for c in cols)
+
+    def handles_of(self, slots: torch.Tensor) -> torch.Tensor:
+        return self._handle_of_slot[slots]
+
+    def _evictions_for(self, batch: ExperienceBatch) -> tuple[int, dict[str, int]]:
+        """How many oldest items must go for ``batch`` to fit, and where each ragged block starts."""
+        n = batch.batch_size
+        if n > self.capacity:
+            raise CapacityError(f"A batch of {n} items is larger than the capacity ({self.capacity}); "
+                                f"split it or raise capacity.")
+        size = self._next - self._oldest
+        k = max(0, size + n - self.capacity)
+        starts: dict[str, int] = {}
+        for name in self.schema.ragged:
+            col = batch[name]
+            assert isinstance(col, Ragged)
+            total = int(col.values.shape[0])
+            if total > self.ragged_capacity:
+                raise CapacityError(f"Ragged field {name!r} brings {total} elements, more than its pool "
+                                    f"({self.ragged_capacity}); raise ragged_capacity.")
+            head = self._rhead[name]
+            if head + total > self.ragged_capacity:
+                head = 0
+            starts[name] = head
+            if size and total:
+                live = (torch.arange(self._oldest, self._next) % self.capacity)
+                s, ln = self._rstart[name][live], self._rlen[name][live]
+                hit = ((s < head + total) & (s + ln > head) & (ln > 0)).nonzero()
+                if hit.numel():
+                    k = max(k, int(hit[-1]) + 1)
+        return k, starts
+
+    def append(self, batch: ExperienceBatch, *, evict: bool = True) -> AppendResult:
+        n = batch.batch_size
+        k, starts = self._evictions_for(batch)
+        if k and not evict:
+            raise CapacityError(f"Storing {n} more items needs {k} live items evicted, and this buffer may "
+                                f"not evict (on-policy data not yet consumed). Consume first or raise capacity.")
+        ev_from = self._oldest
+        self._oldest += k
+        first = self._next
+        s = first % self.capacity
+        if n:
+            a = min(n, self.capacity - s)
+            for name in self.schema.fixed:
+                src = batch[name]
+                dst = self._cols[name]
+                assert isinstance(src, torch.Tensor)
+                dst[s:s + a].copy_(src[:a])
+                if a < n:
+                    dst[:n - a].copy_(src[a:])
+            hs = torch.arange(first, first + n, dtype=torch.int64)
+            self._handle_of_slot[s:s + a] = hs[:a]
+            if a < n:
+                self._handle_of_slot[:n - a] = hs[a:]
+            for name in self.schema.ragged:
+                col = batch[name]
+                assert isinstance(col, Ragged)
+                total = int(col.values.shape[0])
+                head = starts[name]
+                self._pools[name][head:head + total].copy_(col.values)
+                st = head + col.offsets
+                self._rstart[name][s:s + a] = st[:a]
+                self._rlen[name][s:s + a] = col.lengths[:a]
+                if a < n:
+                    self._rstart[name][:n - a] = st[a:]
+                    self._rlen[name][:n - a] = col.lengths[a:]
+                self._rhead[name] = head + total
+        self._next = first + n
+        return AppendResult(first, n, ev_from, self._oldest)
+
+    def release(self, upto: int) -> None:
+        self._oldest = max(self._oldest, min(int(upto), self._next))
+
+    # -- read ------------------------------------------------------------------------------
+    def gather(self, slots: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> ExperienceBatch:
+        cols: dict[str, torch.Tensor | Ragged] = {}
+        dev_slots = slots if slots.device == self.device else slots.to(self.device)
+        for name, col in self._cols.items():
+            if out is not None:
+                cols[name] = torch.index_select(col, 0, dev_slots, out=out[name])
+            else:
+                cols[name] = torch.index_select(col, 0, dev_slots)
+        for name, pool in self._pools.items():
+            st, ln = self._rstart[name][slots], self._rlen[name][slots]
+            flat = ranges(st, ln)
+            buf = self._ragged_out.get(name)
+            if buf is None or buf.shape[0] < flat.shape[0]:
+                buf = torch.empty((max(int(flat.shape[0]), 1), *pool.shape[1:]), dtype=pool.dtype,
+                                  device=pool.device)
+            vals = torch.index_select(pool, 0, flat.to(pool.device), out=buf[:flat.shape[0]])
+            cols[name] = Ragged(vals, ln)
+        return ExperienceBatch(cols, int(slots.shape[0]))
+
+    # -- checkpoint ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        slots = torch.arange(self._oldest, self._next, dtype=torch.int64) % self.capacity
+        batch = self.gather(slots)
+        data: dict[str, Any] = {}
+        for name in self.schema:
+            c = batch[name]
+            data[name] = (c.values.cpu().clone(), c.lengths.clone()) if isinstance(c, Ragged) else c.cpu().clone()
+        return {"schema": self.schema.to_dict(), "capacity": self.capacity, "oldest": self._oldest,
+                "next": self._next, "data": data}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["capacity"] != self.capacity or ExperienceSchema.from_dict(state["schema"]) != self.schema:
+            raise ConfigurationError("This checkpoint was written by a storage with another schema or capacity; "
+                                     "build the buffer with the same schema and capacity before loading.")
+        cols: dict[str, torch.Tensor | Ragged] = {}
+        for name, v in state["data"].items():
+            cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
+        n = state["next"] - state["oldest"]
+        self._oldest = self._next = state["oldest"]
+        for name in self.schema.ragged:
+            self._rhead[name] = 0
+        self._handle_of_slot.fill_(-1)
+        if n:
+            self.append(ExperienceBatch(cols, n), evict=False)

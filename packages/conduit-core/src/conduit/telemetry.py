@@ -1,0 +1,125 @@
+"""Per-call accounting of the experience path, cheap enough to leave on.
+
+Every ingest and deliver call records ``(kind, items, bytes, start, end)`` in a bounded
+ring of recent calls plus running totals. Spans from outside the EDP (rollout, update)
+can be recorded too, which is what exposed-latency accounting and traces are built from.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Telemetry", "CallRecord", "Totals"]
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One recorded call or span. Times are ``time.perf_counter()`` seconds."""
+
+    kind: str
+    items: int
+    nbytes: int
+    start: float
+    end: float
+    thread: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Totals:
+    """Running totals for one kind of call."""
+
+    calls: int = 0
+    items: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second over all calls (0 when nothing was timed)."""
+        return self.nbytes / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def per_call(self) -> float:
+        return self.seconds / self.calls if self.calls else 0.0
+
+
+@dataclass
+class Telemetry:
+    """Recent calls and totals per kind ("ingest", "deliver", "rollout", "update", ...)."""
+
+    maxlen: int = 65536
+    records: deque[CallRecord] = field(init=False)
+    totals: dict[str, Totals] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.records = deque(maxlen=self.maxlen)
+        self._lock = threading.Lock()
+
+    def record(self, kind: str, items: int, nbytes: int, start: float, end: float) -> None:
+        """Record one call (thread-safe)."""
+        rec = CallRecord(kind, items, nbytes, start, end, threading.get_ident())
+        with self._lock:
+            self.records.append(rec)
+            t = self.totals.get(kind)
+            if t is None:
+                t = self.totals[kind] = Totals()
+            t.calls += 1
+            t.items += items
+            t.nbytes += nbytes
+            t.seconds += end - start
+
+    def span(self, kind: str, items: int = 0, nbytes: int = 0) -> _Span:
+        """A context manager that records its body as one call of ``kind``."""
+        return _Span(self, kind, items, nbytes)
+
+    def since(self, t0: float) -> list[CallRecord]:
+        """Records that started at or after ``t0``."""
+        with self._lock:
+            return [r for r in self.records if r.start >= t0]
+
+    def reset(self) -> None:
+        with self._lock:
+            self.records.clear()
+            self.totals.clear()
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Totals per kind as plain numbers."""
+        with self._lock:
+            return {k: {"calls": t.calls, "items": t.items, "bytes": t.nbytes, "seconds": t.seconds}
+                    for k, t in self.totals.items()}
+
+    def chrome_trace(self, path: str | Path | None = None) -> dict[str, Any]:
+        """The recorded calls as a Chrome trace (``chrome://tracing``, Perfetto); written to ``path`` if given."""
+        with self._lock:
+            recs = list(self.records)
+        t0 = min((r.start for r in recs), default=0.0)
+        events = [{"name": r.kind, "ph": "X", "ts": (r.start - t0) * 1e6, "dur": r.seconds * 1e6, "pid": 0,
+                   "tid": r.thread, "args": {"items": r.items, "bytes": r.nbytes}} for r in recs]
+        trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+        if path is not None:
+            Path(path).write_text(json.dumps(trace))
+        return trace
+
+
+class _Span:
+    __slots__ = ("_tel", "_kind", "_items", "_nbytes", "_t0")
+
+    def __init__(self, tel: Telemetry, kind: str, items: int, nbytes: int) -> None:
+        self._tel, self._kind, self._items, self._nbytes = tel, kind, items, nbytes
+
+    def __enter__(self) -> _Span:
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tel.record(self._kind, self._items, self._nbytes, self._t0, time.perf_counter())

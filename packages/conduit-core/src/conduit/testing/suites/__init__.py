@@ -1,0 +1,1 @@
+"""The suites (assertion-rewritten by pytest for readable failures)."""

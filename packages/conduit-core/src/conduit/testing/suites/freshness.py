@@ -1,0 +1,114 @@
+"""On-policy freshness: exactly once per epoch, M minibatches, version purity, staleness bound."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conduit.errors import EmptyBufferError, StaleExperienceError
+from conduit.testing.endpoints import OnPolicyEndpoint
+from conduit.testing.suites.base import SuiteBase
+
+__all__ = ["FreshnessSuite"]
+
+
+class FreshnessSuite(SuiteBase):
+    """On-policy semantics every adapter keeps. Subclass and implement :meth:`make_on_policy`."""
+
+    @abstractmethod
+    def make_on_policy(self, *, num_minibatches: int, num_epochs: int, max_staleness: int = 0,
+                       on_stale: str = "drop", seed: int = 0) -> OnPolicyEndpoint:
+        """An EMPTY on-policy endpoint wired through the adapter."""
+
+    @contextmanager
+    def on_policy(self, **kwargs: Any) -> Iterator[OnPolicyEndpoint]:
+        ep = self.make_on_policy(**kwargs)
+        try:
+            yield ep
+        finally:
+            ep.close()
+
+    def test_endpoint_is_fresh(self) -> None:
+        """``make_on_policy`` returns an endpoint with nothing to deliver.
+
+        Troubleshooting: build a new buffer per call.
+        """
+        with self.on_policy(num_minibatches=2, num_epochs=1) as ep:
+            with pytest.raises(EmptyBufferError):
+                ep.consume()
+
+    def test_each_item_exactly_once_per_epoch(self) -> None:
+        """Each epoch delivers every item of the rollout exactly once, in M minibatches of N/M (+-1).
+
+        Troubleshooting: permute once per epoch and cut the permutation; never sample with replacement.
+        """
+        n, m, e = 103, 4, 3
+        with self.on_policy(num_minibatches=m, num_epochs=e, seed=1) as ep:
+            ep.ingest(np.arange(n), version=0)
+            ep.end_rollout()
+            mbs = ep.consume()
+            assert len(mbs) == m * e, f"got {len(mbs)} minibatches, expected M*E = {m * e}"
+            for epoch in range(e):
+                part = [mb for mb in mbs if mb.epoch == epoch]
+                assert len(part) == m, f"epoch {epoch} has {len(part)} minibatches, expected {m}"
+                sizes = sorted(len(mb.ids) for mb in part)
+                assert sizes[0] >= n // m and sizes[-1] <= -(-n // m), f"minibatch sizes {sizes} for N={n}, M={m}"
+                ids = np.concatenate([mb.ids for mb in part])
+                assert sorted(ids.tolist()) == list(range(n)), (
+                    f"epoch {epoch} is not a permutation of the rollout: "
+                    f"{len(ids) - len(set(ids.tolist()))} repeats, {n - len(set(ids.tolist()))} missing")
+            orders = [np.concatenate([mb.ids for mb in mbs if mb.epoch == k]).tolist() for k in range(e)]
+            assert orders[0] != orders[1], "epochs were not reshuffled"
+
+    def test_version_purity(self) -> None:
+        """A minibatch never mixes items of two policy versions; rollouts come oldest first.
+
+        Troubleshooting: seal a rollout when a new version arrives; cut minibatches inside one rollout.
+        """
+        with self.on_policy(num_minibatches=3, num_epochs=2, max_staleness=5) as ep:
+            ep.ingest(np.arange(0, 30), version=0)
+            ep.ingest(np.arange(1000, 1030), version=1)
+            ep.end_rollout()
+            for version, base in ((0, 0), (1, 1000)):
+                mbs = ep.consume()
+                assert len(mbs) == 6
+                for mb in mbs:
+                    assert mb.version == version, f"expected version {version}, got {mb.version}"
+                    assert ((mb.ids >= base) & (mb.ids < base + 30)).all(), (
+                        f"minibatch of version {version} holds ids {mb.ids.tolist()}")
+
+    def test_staleness_bound_drop(self) -> None:
+        """A rollout more than max_staleness versions behind the policy is dropped, the next one delivered.
+
+        Troubleshooting: compare policy_version - rollout_version with max_staleness at delivery time.
+        """
+        with self.on_policy(num_minibatches=2, num_epochs=1, max_staleness=1, on_stale="drop") as ep:
+            ep.ingest(np.arange(10), version=0)
+            ep.end_rollout()
+            ep.ingest(np.arange(10, 20), version=1)
+            ep.end_rollout()
+            ep.set_policy_version(2)
+            mbs = ep.consume()
+            got = sorted(np.concatenate([mb.ids for mb in mbs]).tolist())
+            assert got == list(range(10, 20)), f"expected only version 1's items, got {got}"
+            assert all(mb.version == 1 for mb in mbs)
+
+    def test_staleness_bound_raise(self) -> None:
+        """With on_stale="raise", a too-stale rollout raises and stays in the buffer.
+
+        Troubleshooting: raise conduit.StaleExperienceError before changing any state.
+        """
+        with self.on_policy(num_minibatches=2, num_epochs=1, max_staleness=0, on_stale="raise") as ep:
+            ep.ingest(np.arange(8), version=0)
+            ep.end_rollout()
+            ep.set_policy_version(1)
+            with pytest.raises(StaleExperienceError):
+                ep.consume()
+            ep.set_policy_version(0)
+            got = sorted(np.concatenate([mb.ids for mb in ep.consume()]).tolist())
+            assert got == list(range(8)), f"the rollout was changed by the failed delivery: {got}"

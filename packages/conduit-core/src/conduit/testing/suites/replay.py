@@ -1,0 +1,196 @@
+"""Replay semantics: uniform and prioritized sampling, FIFO eviction, capacity, handles, checkpoints."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conduit.errors import ConduitError
+from conduit.testing.endpoints import CAP_CHECKPOINT, CAP_PRIORITIZED, ReplayEndpoint
+from conduit.testing.suites.base import SuiteBase, chi_square_p, needs
+
+__all__ = ["ReplaySuite"]
+
+#: chi-square tests reject below this p-value (draws are seeded, so results are reproducible)
+P_MIN = 1e-3
+
+
+class ReplaySuite(SuiteBase):
+    """Replay semantics every adapter keeps. Subclass and implement :meth:`make_replay`."""
+
+    #: total draws for the distribution tests
+    draws: int = 100_000
+    #: draws per sample call in the distribution tests
+    chunk: int = 1_000
+
+    @abstractmethod
+    def make_replay(self, *, capacity: int, prioritized: bool = False, alpha: float = 0.6, beta: float = 0.4,
+                    seed: int = 0) -> ReplayEndpoint:
+        """An EMPTY replay endpoint wired through the adapter."""
+
+    @contextmanager
+    def replay(self, **kwargs: Any) -> Iterator[ReplayEndpoint]:
+        ep = self.make_replay(**kwargs)
+        try:
+            yield ep
+        finally:
+            ep.close()
+
+    def _counts(self, ep: ReplayEndpoint, n_items: int) -> np.ndarray:
+        counts = np.zeros(n_items, dtype=np.int64)
+        for _ in range(self.draws // self.chunk):
+            np.add.at(counts, ep.sample(self.chunk).ids, 1)
+        return counts
+
+    def _set_priorities(self, ep: ReplayEndpoint, prio_of_id: np.ndarray) -> None:
+        """Give every item the priority ``prio_of_id[id]``, through sampled handles."""
+        seen: set[int] = set()
+        for _ in range(200):
+            d = ep.sample(self.chunk)
+            ep.update_priorities(d.handles, prio_of_id[d.ids])
+            seen.update(d.ids.tolist())
+            if len(seen) == len(prio_of_id):
+                return
+        pytest.fail(f"could not reach every item through sampling to set its priority ({len(seen)} seen)")
+
+    # -- tests ----------------------------------------------------------------------------
+    def test_endpoint_is_fresh(self) -> None:
+        """``make_replay`` returns an empty buffer.
+
+        Troubleshooting: build a new framework buffer per call; do not share state between endpoints.
+        """
+        with self.replay(capacity=16) as ep:
+            assert len(ep) == 0, f"a new endpoint holds {len(ep)} items"
+            assert len(ep.contents()) == 0
+
+    def test_uniform_draws_are_uniform(self) -> None:
+        """Uniform sampling draws every live item with equal probability (chi-square over 1e5 draws).
+
+        Troubleshooting: sample over all live slots, including after the ring wrapped.
+        """
+        n = 100
+        with self.replay(capacity=n, seed=1) as ep:
+            ep.insert(np.arange(n))
+            ep.insert(np.arange(n, n + 37))  # wrap the ring: live ids are 37..136
+            counts = self._counts(ep, n + 37)
+            assert counts[:37].sum() == 0, f"evicted ids were drawn: {np.nonzero(counts[:37])[0].tolist()}"
+            p = chi_square_p(counts[37:], np.ones(n))
+            assert p > P_MIN, f"uniform draws fail chi-square (p={p:.2e}); counts min={counts[37:].min()} " \
+                              f"max={counts[37:].max()}"
+
+    def test_prioritized_frequency_proportional_to_priority_alpha(self) -> None:
+        """Prioritized sampling draws item i with probability p_i^alpha / sum_j p_j^alpha (chi-square).
+
+        Troubleshooting: store p^alpha in the tree; sample proportionally to the stored value.
+        """
+        n, alpha = 50, 0.7
+        with self.replay(capacity=n, prioritized=True, alpha=alpha, seed=2) as ep:
+            needs(ep, CAP_PRIORITIZED)
+            ep.insert(np.arange(n))
+            prio = np.linspace(0.1, 5.0, n)
+            self._set_priorities(ep, prio)
+            counts = self._counts(ep, n)
+            p = chi_square_p(counts, prio ** alpha)
+            assert p > P_MIN, f"prioritized draws are not proportional to p^alpha (p={p:.2e})"
+            assert counts[-1] > counts[0] * 3, f"highest priority drawn {counts[-1]}x vs lowest {counts[0]}x"
+
+    def test_importance_weights(self) -> None:
+        """Weights are (N P(i))^-beta normalised by the largest possible weight.
+
+        Troubleshooting: normalise by (N min_j P(j))^-beta over all live items, not over the batch.
+        """
+        n, alpha, beta = 20, 0.6, 0.5
+        with self.replay(capacity=n, prioritized=True, alpha=alpha, beta=beta, seed=3) as ep:
+            needs(ep, CAP_PRIORITIZED)
+            ep.insert(np.arange(n))
+            prio = np.arange(1, n + 1, dtype=np.float64)
+            self._set_priorities(ep, prio)
+            d = ep.sample(256)
+            assert d.weights is not None, "a prioritized endpoint returned no importance weights"
+            probs = prio ** alpha / (prio ** alpha).sum()
+            expected = (n * probs[d.ids]) ** (-beta) / (n * probs.min()) ** (-beta)
+            np.testing.assert_allclose(d.weights, expected, rtol=1e-4,
+                                       err_msg="importance weights differ from (N P(i))^-beta / max_w")
+
+    def test_fifo_eviction_and_capacity(self) -> None:
+        """The buffer never holds more than its capacity and evicts the oldest items first.
+
+        Troubleshooting: evict in insertion order; count capacity in items (transitions).
+        """
+        cap = 10
+        with self.replay(capacity=cap, seed=4) as ep:
+            for start in range(0, 25, 5):
+                ep.insert(np.arange(start, start + 5))
+                assert len(ep) == min(start + 5, cap), f"len {len(ep)} after {start + 5} inserts (capacity {cap})"
+            assert sorted(ep.contents().tolist()) == list(range(15, 25)), \
+                f"live ids {sorted(ep.contents().tolist())}, expected the newest 10 (15..24)"
+            ids = ep.sample(2000).ids
+            assert ids.min() >= 15, f"evicted id {ids.min()} was sampled"
+
+    def test_update_for_evicted_handle_is_ignored(self) -> None:
+        """A priority update naming an evicted item is ignored, never applied to the slot's new occupant.
+
+        Troubleshooting: stamp handles with a generation and check it before applying an update.
+        """
+        cap = 10
+        with self.replay(capacity=cap, prioritized=True, alpha=1.0, seed=5) as ep:
+            needs(ep, CAP_PRIORITIZED)
+            ep.insert(np.arange(cap))
+            old = ep.sample(200)
+            ep.insert(np.arange(100, 100 + cap))  # every old item is evicted
+            ep.update_priorities(old.handles, np.full(len(old.ids), 1e6))
+            counts = np.bincount(ep.sample(5000).ids - 100, minlength=cap)
+            assert counts.max() < 0.3 * counts.sum(), (
+                f"a stale update changed a new occupant's priority: draw counts {counts.tolist()}")
+
+    def test_deterministic_under_seed(self) -> None:
+        """The same seed and the same calls give the same draws.
+
+        Troubleshooting: draw from an RNG seeded from the endpoint's seed, not a global one.
+        """
+        def run() -> list[int]:
+            with self.replay(capacity=64, seed=7) as ep:
+                ep.insert(np.arange(50))
+                ep.insert(np.arange(50, 100))
+                return np.concatenate([ep.sample(32).ids for _ in range(5)]).tolist()
+
+        a, b = run(), run()
+        assert a == b, "two endpoints with the same seed drew different items"
+
+    def test_checkpoint_round_trip(self) -> None:
+        """A restored buffer holds the same items and continues the same draws (RNG included).
+
+        Troubleshooting: save the sampler's RNG state and the priorities with the contents.
+        """
+        for prioritized in (False, True):
+            with self.replay(capacity=32, prioritized=prioritized, seed=8) as ep:
+                needs(ep, CAP_CHECKPOINT)
+                if prioritized and CAP_PRIORITIZED not in ep.capabilities:
+                    continue
+                ep.insert(np.arange(25))
+                ep.insert(np.arange(25, 50))
+                if prioritized:
+                    d = ep.sample(64)
+                    ep.update_priorities(d.handles, (d.ids % 7 + 1).astype(np.float64))
+                state = ep.state_dict()
+                after = [ep.sample(16).ids.tolist() for _ in range(4)]
+                with self.replay(capacity=32, prioritized=prioritized, seed=99) as other:
+                    other.load_state_dict(state)
+                    assert len(other) == len(ep)
+                    assert sorted(other.contents().tolist()) == sorted(ep.contents().tolist())
+                    again = [other.sample(16).ids.tolist() for _ in range(4)]
+                    assert again == after, f"restored buffer (prioritized={prioritized}) draws differently"
+
+    def test_sampling_empty_buffer_raises(self) -> None:
+        """Sampling an empty buffer raises a Conduit error, never returns garbage.
+
+        Troubleshooting: raise conduit.EmptyBufferError (or let it propagate through the adapter).
+        """
+        with self.replay(capacity=8) as ep:
+            with pytest.raises(ConduitError):
+                ep.sample(4)

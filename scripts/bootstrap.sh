@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up .venv with every package (editable) and its test tools. Idempotent and quick when
+# nothing changed. torch==2.13.0 goes in first, on its own, so pip takes the local CPU wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=.venv/.conduit-installed
+want=$(cat requirements/*.txt packages/*/pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  .venv/bin/python -m pip install -q -r requirements/torch-cpu.txt
+  .venv/bin/python -m pip install -q -r requirements/dev.txt
+  echo "$want" > "$stamp"
+fi
