@@ -13,13 +13,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["Telemetry", "CallRecord", "Totals"]
 
 
-@dataclass(frozen=True)
-class CallRecord:
+class CallRecord(NamedTuple):
     """One recorded call or span. Times are ``time.perf_counter()`` seconds."""
 
     kind: str

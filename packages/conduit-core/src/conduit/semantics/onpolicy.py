@@ -163,10 +163,11 @@ class OnPolicy(Semantics):
         cur = self._cur
         assert self._perm is not None
         lo, hi = self._bounds[self._k], self._bounds[self._k + 1]
-        slots = (self._perm[lo:hi] + cur.first) % self.storage.capacity
+        handles = self._perm[lo:hi] + cur.first
+        slots = torch.remainder(handles, self.storage.capacity)
         m = len(self._bounds) - 1
         last = self._epoch == self.num_epochs - 1 and self._k == m - 1
-        info = SampleInfo(handles=self.storage.handles_of(slots), version=cur.version,
+        info = SampleInfo(handles=handles, version=cur.version,
                           epoch=self._epoch, minibatch=self._k, num_minibatches=m,
                           staleness=self.policy_version - cur.version, last=last)
         self._k += 1

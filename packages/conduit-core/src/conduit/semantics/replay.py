@@ -46,13 +46,13 @@ class Sampler(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
-    def _live_slots(self, r: torch.Tensor) -> torch.Tensor:
-        """Slots of the ``r``-th oldest live items."""
+    def _by_rank(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, handles) of the ``r``-th oldest live items."""
         st = self.storage
-        size = st.next_handle - st.oldest
-        if size == st.capacity and st.oldest % st.capacity == 0:
-            return r
-        return (r + st.oldest) % st.capacity
+        if st.oldest == 0:  # nothing evicted yet: rank == handle == slot
+            return r, r
+        handles = r + st.oldest
+        return torch.remainder(handles, st.capacity), handles
 
 
 class UniformSampler(Sampler):
@@ -69,8 +69,8 @@ class UniformSampler(Sampler):
             r = torch.randint(size, (n,), generator=self._gen)
         else:
             r = torch.randperm(size, generator=self._gen)[:n]
-        slots = self._live_slots(r)
-        return Selection(slots, SampleInfo(handles=st.handles_of(slots)))
+        slots, handles = self._by_rank(r)
+        return Selection(slots, SampleInfo(handles=handles))
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self._gen.get_state()}

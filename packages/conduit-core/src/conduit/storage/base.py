@@ -77,9 +77,14 @@ class Storage(ABC):
     def gather(self, slots: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> ExperienceBatch:
         """Rows ``slots`` of every field, into ``out`` when given (shapes must match)."""
 
-    @abstractmethod
     def handles_of(self, slots: torch.Tensor) -> torch.Tensor:
-        """The handle currently stored at each slot (int64, on the host)."""
+        """The handle of the live item at each slot (int64; slots must hold live items).
+
+        Live handles are the consecutive range ``[oldest, next_handle)``, at most ``capacity``
+        long, so the handle is computed, not looked up: no random memory access.
+        """
+        oldest = self.oldest
+        return oldest + torch.remainder(slots - oldest, self.capacity)
 
     @abstractmethod
     def release(self, upto: int) -> None:

@@ -56,8 +56,7 @@ class ColumnarStorage(Storage):
         self._cols = {n: alloc((capacity, *schema[n].shape), schema[n].dtype, n) for n in schema.fixed}
         self._pools = {n: alloc((self.ragged_capacity, *schema[n].shape), schema[n].dtype, n)
                        for n in schema.ragged}
-        # Per-slot bookkeeping on the host: handle, ragged start/length (shared by ragged fields).
-        self._handle_of_slot = torch.full((capacity,), -1, dtype=torch.int64)
+        # Per-slot bookkeeping on the host: ragged start/length.
         self._rstart = {n: torch.zeros(capacity, dtype=torch.int64) for n in schema.ragged}
         self._rlen = {n: torch.zeros(capacity, dtype=torch.int64) for n in schema.ragged}
         self._rhead = {n: 0 for n in schema.ragged}
@@ -77,9 +76,6 @@ class ColumnarStorage(Storage):
     def nbytes(self) -> int:
         cols = list(self._cols.values()) + list(self._pools.values())
         return sum(c.numel() * c.element_size() for c in cols)
-
-    def handles_of(self, slots: torch.Tensor) -> torch.Tensor:
-        return self._handle_of_slot[slots]
 
     def _evictions_for(self, batch: ExperienceBatch) -> tuple[int, dict[str, int]]:
         """How many oldest items must go for ``batch`` to fit, and where each ragged block starts."""
@@ -128,10 +124,6 @@ class ColumnarStorage(Storage):
                 dst[s:s + a].copy_(src[:a])
                 if a < n:
                     dst[:n - a].copy_(src[a:])
-            hs = torch.arange(first, first + n, dtype=torch.int64)
-            self._handle_of_slot[s:s + a] = hs[:a]
-            if a < n:
-                self._handle_of_slot[:n - a] = hs[a:]
             for name in self.schema.ragged:
                 col = batch[name]
                 assert isinstance(col, Ragged)
@@ -193,6 +185,5 @@ class ColumnarStorage(Storage):
         self._oldest = self._next = state["oldest"]
         for name in self.schema.ragged:
             self._rhead[name] = 0
-        self._handle_of_slot.fill_(-1)
         if n:
             self.append(ExperienceBatch(cols, n), evict=False)
