@@ -10,8 +10,7 @@ never reused, so it carries the slot's generation (``slot = handle % capacity``,
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,8 +20,7 @@ from conduit.schema import ExperienceSchema
 __all__ = ["Storage", "AppendResult"]
 
 
-@dataclass(frozen=True)
-class AppendResult:
+class AppendResult(NamedTuple):
     """What one append did: the handles it assigned and the handles it evicted."""
 
     #: first handle written; the batch got ``first .. first + n - 1``

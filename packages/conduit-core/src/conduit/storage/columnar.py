@@ -117,13 +117,14 @@ class ColumnarStorage(Storage):
         s = first % self.capacity
         if n:
             a = min(n, self.capacity - s)
-            for name in self.schema.fixed:
-                src = batch[name]
-                dst = self._cols[name]
-                assert isinstance(src, torch.Tensor)
-                dst[s:s + a].copy_(src[:a])
-                if a < n:
-                    dst[:n - a].copy_(src[a:])
+            cols = batch._columns
+            for name, dst in self._cols.items():
+                src = cols[name]
+                if a == n:
+                    dst.narrow(0, s, n).copy_(src)
+                else:
+                    dst.narrow(0, s, a).copy_(src.narrow(0, 0, a))
+                    dst.narrow(0, 0, n - a).copy_(src.narrow(0, a, n - a))
             for name in self.schema.ragged:
                 col = batch[name]
                 assert isinstance(col, Ragged)
