@@ -41,7 +41,8 @@ class Draw:
 
     #: the ids of the drawn items, in draw order
     ids: np.ndarray
-    #: whatever the adapter's ``update_priorities`` takes to name these items
+    #: what the adapter's ``update_priorities`` takes to name these items, one per drawn row;
+    #: it must support indexing with an integer NumPy array (a NumPy array or a torch tensor)
     handles: Any = None
     #: importance weights, for prioritized endpoints
     weights: np.ndarray | None = None

@@ -143,7 +143,9 @@ class ReplaySuite(SuiteBase):
             ep.insert(np.arange(cap))
             old = ep.sample(200)
             ep.insert(np.arange(100, 100 + cap))  # every old item is evicted
-            ep.update_priorities(old.handles, np.full(len(old.ids), 1e6))
+            first = np.nonzero(old.ids == 0)[0][:1]  # one old item's handle: its slot now holds item 100
+            assert len(first), "item 0 was never drawn in 200 draws from 10 items"
+            ep.update_priorities(old.handles[first], np.full(1, 1e6))
             counts = np.bincount(ep.sample(5000).ids - 100, minlength=cap)
             assert counts.max() < 0.3 * counts.sum(), (
                 f"a stale update changed a new occupant's priority: draw counts {counts.tolist()}")

@@ -1,0 +1,170 @@
+"""Replay and on-policy semantics beyond the conformance suite: edge cases and error paths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conduit import (
+    CapacityError,
+    ConfigurationError,
+    EmptyBufferError,
+    ExperienceDataPlane,
+    ExperienceSchema,
+    Field,
+    OnPolicy,
+    PrioritizedSampler,
+    PriorityError,
+    Replay,
+)
+from conduit.semantics.sumtree import SumTree
+
+SCHEMA = ExperienceSchema(id=Field((), torch.int64))
+
+
+def ids(a: int, b: int) -> dict[str, torch.Tensor]:
+    return {"id": torch.arange(a, b)}
+
+
+def test_sumtree_sums_and_finds() -> None:
+    t = SumTree(5)
+    t.set(np.arange(5), np.array([1.0, 0.0, 2.0, 3.0, 4.0]))
+    assert t.total == 10.0 and t.min == 1.0
+    assert t.find(np.array([0.0, 0.99, 1.0, 2.99, 3.0, 5.99, 6.0, 9.99])).tolist() == [0, 0, 2, 2, 3, 3, 4, 4]
+    t.set(np.array([4, 4]), np.array([7.0, 0.5]))  # a repeated slot: the last value wins
+    assert t.total == 6.5 and t.min == 0.5
+
+
+def test_sampling_errors() -> None:
+    edp = ExperienceDataPlane(SCHEMA, capacity=8)
+    with pytest.raises(EmptyBufferError, match="empty"):
+        edp.deliver(4)
+    edp.ingest(ids(0, 3))
+    with pytest.raises(CapacityError, match="distinct"):
+        edp.deliver(4, replace=False)
+    with pytest.raises(ConfigurationError, match="positive batch size"):
+        edp.deliver(0)
+    batch, _ = edp.deliver(3, replace=False)
+    assert sorted(batch["id"].tolist()) == [0, 1, 2]
+
+
+def test_priority_update_errors_leave_priorities_unchanged() -> None:
+    edp = ExperienceDataPlane(SCHEMA, capacity=8, semantics=Replay(PrioritizedSampler(alpha=1.0), seed=0))
+    edp.ingest(ids(0, 4))
+    _, info = edp.deliver(4)
+    edp.update_priorities(info.handles, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    sampler = edp.semantics.sampler  # type: ignore[attr-defined]
+    before = sampler.state_dict()["leaves"].copy()
+    for bad in (torch.tensor([1.0, float("nan"), 1.0, 1.0]), torch.tensor([1.0, -2.0, 1.0, 1.0]),
+                torch.tensor([1.0, float("inf"), 1.0, 1.0])):
+        with pytest.raises(PriorityError):
+            edp.update_priorities(info.handles, bad)
+    with pytest.raises(PriorityError, match="one priority per handle"):
+        edp.update_priorities(info.handles, torch.ones(3))
+    np.testing.assert_array_equal(sampler.state_dict()["leaves"], before)
+
+
+def test_all_zero_priorities_cannot_be_sampled() -> None:
+    edp = ExperienceDataPlane(SCHEMA, capacity=4, semantics=Replay(PrioritizedSampler()))
+    edp.ingest(ids(0, 2), priorities=torch.zeros(2))
+    with pytest.raises(EmptyBufferError, match="priority 0"):
+        edp.deliver(2)
+
+
+def test_new_items_get_the_largest_priority_seen() -> None:
+    edp = ExperienceDataPlane(SCHEMA, capacity=8, semantics=Replay(PrioritizedSampler(alpha=1.0)))
+    edp.ingest(ids(0, 2), priorities=torch.tensor([5.0, 1.0]))
+    edp.ingest(ids(2, 3))
+    leaves = edp.semantics.sampler.state_dict()["leaves"]  # type: ignore[attr-defined]
+    assert leaves[:3].tolist() == [5.0, 1.0, 5.0]
+
+
+def test_update_priorities_reports_how_many_were_live() -> None:
+    edp = ExperienceDataPlane(SCHEMA, capacity=4, semantics=Replay(PrioritizedSampler()))
+    edp.ingest(ids(0, 4))
+    _, info = edp.deliver(16)
+    edp.ingest(ids(4, 6))  # handles 0 and 1 evicted
+    live = int((info.handles >= 2).sum())
+    assert edp.update_priorities(info.handles, torch.ones(16)) == live
+
+
+def test_on_policy_minibatch_size_mode_and_release() -> None:
+    edp = ExperienceDataPlane(SCHEMA, capacity=32, semantics=OnPolicy(minibatch_size=4, num_epochs=2, seed=3))
+    edp.ingest(ids(0, 10), version=0)
+    with pytest.raises(EmptyBufferError, match="seal"):
+        edp.deliver()
+    edp.seal()
+    sizes, seen = [], []
+    for _ in range(6):
+        b, info = edp.deliver()
+        sizes.append(b.batch_size)
+        seen.extend(b["id"].tolist())
+        assert info.num_minibatches == 3
+    assert sizes == [4, 4, 2, 4, 4, 2]
+    assert sorted(seen) == sorted(list(range(10)) * 2)
+    assert info.last and len(edp) == 0  # storage released after the last minibatch
+    with pytest.raises(ConfigurationError, match="without n"):
+        edp.deliver(4)
+
+
+def test_on_policy_versions_seal_automatically_and_count_drops() -> None:
+    sem = OnPolicy(num_minibatches=1, max_staleness=0)
+    edp = ExperienceDataPlane(SCHEMA, capacity=32, semantics=sem)
+    edp.ingest(ids(0, 3), version=0)
+    edp.ingest(ids(3, 5), version=1)  # version 0's rollout is sealed by the new version
+    edp.seal()
+    edp.set_policy_version(1)
+    b, info = edp.deliver()
+    assert info.version == 1 and sorted(b["id"].tolist()) == [3, 4]
+    assert sem.dropped_items == 3 and len(edp) == 0
+
+
+def test_constructor_errors_explain() -> None:
+    with pytest.raises(ConfigurationError, match="exactly one"):
+        OnPolicy()
+    with pytest.raises(ConfigurationError, match="on_stale"):
+        OnPolicy(num_minibatches=2, on_stale="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="alpha"):
+        PrioritizedSampler(alpha=-1)
+
+
+def test_state_dict_round_trip_on_policy_mid_epoch() -> None:
+    def make() -> ExperienceDataPlane:
+        return ExperienceDataPlane(SCHEMA, capacity=64, semantics=OnPolicy(num_minibatches=4, num_epochs=3, seed=1))
+
+    a = make()
+    a.ingest(ids(0, 20), version=0)
+    a.seal()
+    a.deliver()
+    a.deliver()
+    state = a.state_dict()
+    rest_a = [a.deliver()[0]["id"].tolist() for _ in range(10)]
+    b = make()
+    b.load_state_dict(state)
+    rest_b = [b.deliver()[0]["id"].tolist() for _ in range(10)]
+    assert rest_a == rest_b
+
+
+def test_telemetry_records_bytes_and_seconds_per_call(tmp_path) -> None:  # noqa: ANN001
+    edp = ExperienceDataPlane(ExperienceSchema(obs=Field((8,))), capacity=16)
+    edp.ingest({"obs": torch.zeros(4, 8)})
+    edp.deliver(2)
+    tot = edp.telemetry.totals
+    assert tot["ingest"].calls == 1 and tot["ingest"].nbytes == 4 * 8 * 4 and tot["ingest"].items == 4
+    assert tot["deliver"].calls == 1 and tot["deliver"].nbytes == 2 * 8 * 4
+    assert tot["ingest"].seconds > 0 and tot["deliver"].seconds > 0
+    trace = edp.telemetry.chrome_trace(tmp_path / "t.json")
+    assert [e["name"] for e in trace["traceEvents"]] == ["ingest", "deliver"]
+    assert (tmp_path / "t.json").read_text().startswith("{")
+
+
+def test_delivered_buffers_are_reused_after_output_depth() -> None:
+    edp = ExperienceDataPlane(SCHEMA, capacity=8)
+    edp.ingest(ids(0, 8))
+    first, _ = edp.deliver(4)
+    keep = first.clone()
+    second, _ = edp.deliver(4)
+    third, _ = edp.deliver(4)
+    assert second["id"].data_ptr() != first["id"].data_ptr()
+    assert third["id"].data_ptr() == first["id"].data_ptr()  # depth 2: the third reuses the first's buffer
+    assert keep["id"].data_ptr() != first["id"].data_ptr()

@@ -1,0 +1,111 @@
+"""The conformance suite fails on broken buffers: each test below breaks one semantic on purpose."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conduit.semantics.replay import PrioritizedSampler
+from conduit.testing import CoreOnPolicyEndpoint, CoreReplayEndpoint, Draw, FreshnessSuite, Minibatch, ReplaySuite
+
+
+class HalfBlind(CoreReplayEndpoint):
+    """Draws only from the older half of the buffer."""
+
+    def sample(self, n: int) -> Draw:
+        d = super().sample(n)
+        live = np.sort(self.contents())
+        d.ids = live[d.ids % (len(live) // 2)]
+        return d
+
+
+class IgnoresAlpha(CoreReplayEndpoint):
+    """Samples proportionally to p instead of p^alpha."""
+
+    def __init__(self, **kw: Any) -> None:
+        kw["alpha"] = 1.0
+        super().__init__(**kw)
+
+
+class NoGenerationCheck(PrioritizedSampler):
+    """Applies updates to whatever sits in the slot now."""
+
+    def update(self, handles: torch.Tensor, priorities: torch.Tensor) -> int:
+        p = self.check(priorities)
+        slots = handles.numpy() % self.storage.capacity
+        self._tree.set(slots, p ** self.alpha)
+        return len(slots)
+
+
+class StaleUpdates(CoreReplayEndpoint):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        if kw.get("prioritized"):
+            sem = self.edp.semantics
+            old = sem.sampler  # type: ignore[attr-defined]
+            sem.sampler = NoGenerationCheck(alpha=old.alpha, beta=old.beta)  # type: ignore[attr-defined]
+            sem.bind(self.edp.storage)
+
+
+class WithReplacement(CoreOnPolicyEndpoint):
+    """Cuts minibatches from draws with replacement."""
+
+    def consume(self) -> list[Minibatch]:
+        mbs = super().consume()
+        rng = np.random.default_rng(0)
+        pool = np.concatenate([m.ids for m in mbs])
+        return [Minibatch(rng.choice(pool, len(m.ids)), m.version, m.epoch) for m in mbs]
+
+
+def run(suite: type, name: str) -> None:
+    getattr(suite(), name)()
+
+
+def test_biased_uniform_sampling_fails() -> None:
+    class S(ReplaySuite):
+        def make_replay(self, **kw: Any) -> CoreReplayEndpoint:
+            return HalfBlind(**kw)
+
+    with pytest.raises(AssertionError, match="chi-square"):
+        run(S, "test_uniform_draws_are_uniform")
+
+
+def test_wrong_alpha_fails() -> None:
+    class S(ReplaySuite):
+        def make_replay(self, **kw: Any) -> CoreReplayEndpoint:
+            return IgnoresAlpha(**kw)
+
+    with pytest.raises(AssertionError, match="p\\^alpha"):
+        run(S, "test_prioritized_frequency_proportional_to_priority_alpha")
+
+
+def test_stale_priority_update_fails() -> None:
+    class S(ReplaySuite):
+        def make_replay(self, **kw: Any) -> CoreReplayEndpoint:
+            return StaleUpdates(**kw)
+
+    with pytest.raises(AssertionError, match="stale update"):
+        run(S, "test_update_for_evicted_handle_is_ignored")
+
+
+def test_sampling_with_replacement_on_policy_fails() -> None:
+    class S(FreshnessSuite):
+        def make_on_policy(self, **kw: Any) -> CoreOnPolicyEndpoint:
+            return WithReplacement(**kw)
+
+    with pytest.raises(AssertionError, match="not a permutation"):
+        run(S, "test_each_item_exactly_once_per_epoch")
+
+
+def test_overriding_a_suite_test_without_xfail_fails() -> None:
+    class S(ReplaySuite):
+        def make_replay(self, **kw: Any) -> CoreReplayEndpoint:
+            return CoreReplayEndpoint(**kw)
+
+        def test_uniform_draws_are_uniform(self) -> None:  # weakened
+            pass
+
+    with pytest.raises(AssertionError, match="without @pytest.mark.xfail"):
+        run(S, "test_no_overrides_DO_NOT_OVERRIDE")
