@@ -18,6 +18,7 @@ class SumTree:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.size = 1 << max(0, (capacity - 1).bit_length())
+        self.depth = self.size.bit_length() - 1
         self._sum = np.zeros(2 * self.size, dtype=np.float64)
         self._min = np.full(2 * self.size, np.inf, dtype=np.float64)
 
@@ -40,16 +41,13 @@ class SumTree:
         idx = slots.astype(np.int64) + self.size
         self._sum[idx] = values
         self._min[idx] = np.where(values > 0, values, np.inf)
-        if self.size == 1:
-            return
-        idx = np.unique(idx >> 1)
-        while True:
+        # Recompute each ancestor from its two children, level by level. Repeated parents
+        # write the same value, so no de-duplication is needed.
+        for _ in range(self.depth):
+            idx >>= 1
             left = idx << 1
             self._sum[idx] = self._sum[left] + self._sum[left + 1]
             self._min[idx] = np.minimum(self._min[left], self._min[left + 1])
-            if idx[0] == 1:
-                return
-            idx = np.unique(idx >> 1)
 
     def find(self, prefix: np.ndarray) -> np.ndarray:
         """Slots whose cumulative-weight interval contains each value of ``prefix``."""
