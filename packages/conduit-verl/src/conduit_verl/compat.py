@@ -1,0 +1,69 @@
+"""Which verl this adapter speaks to, and the typed errors it raises.
+
+The worker-side delivery hook replaces one module attribute of verl
+(``verl.utils.tensordict_utils.make_iterator``) whose contract changed in verl 0.8 and
+again in 0.9, so it is gated to the verl minor series it was written against.
+"""
+
+from __future__ import annotations
+
+from conduit import ConduitError, ConfigurationError
+
+__all__ = [
+    "SUPPORTED_VERL",
+    "UnsupportedVerlError",
+    "MissingKeyError",
+    "verl_version",
+    "require_supported_verl",
+]
+
+#: the verl minor series the hooks are written against (major, minor)
+SUPPORTED_VERL = (0, 9)
+
+
+class UnsupportedVerlError(ConfigurationError):
+    """The installed verl is not the series conduit-verl's hooks are written for."""
+
+
+class MissingKeyError(ConduitError, KeyError):
+    """A read asked for a sample or field that Conduit's TransferQueue storage does not hold."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; say it plainly
+        return str(self.args[0]) if self.args else ""
+
+
+def verl_version() -> str | None:
+    """The installed verl version string, or None when verl is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("verl")
+    except PackageNotFoundError:
+        return None
+
+
+def _minor(ver: str) -> tuple[int, int]:
+    parts = ver.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (-1, -1)
+
+
+def require_supported_verl(what: str = "conduit-verl") -> str:
+    """Return the installed verl version, or raise when it is not the supported series.
+
+    Raises:
+        UnsupportedVerlError: verl is missing or not 0.9.x.
+    """
+    ver = verl_version()
+    want = f"{SUPPORTED_VERL[0]}.{SUPPORTED_VERL[1]}.x"
+    if ver is None:
+        raise UnsupportedVerlError(f"{what} needs verl {want}, and verl is not installed: "
+                                   f"pip install 'verl>=0.9.1,<0.10'.")
+    if _minor(ver) != SUPPORTED_VERL:
+        raise UnsupportedVerlError(
+            f"{what} is written against verl {want} (it replaces verl.utils.tensordict_utils.make_iterator, whose "
+            f"contract changed in 0.8 and 0.9), but verl {ver} is installed. Install verl>=0.9.1,<0.10, or use a "
+            f"conduit-verl release made for verl {ver}.")
+    return ver

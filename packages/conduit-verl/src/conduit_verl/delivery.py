@@ -1,0 +1,557 @@
+"""Delivery: verl's minibatch iteration, through Conduit.
+
+In verl 0.9, ``TrainingWorker.train_mini_batch`` (actor and critic updates) receives its
+data-parallel shard as one TensorDict and walks it with
+``verl.utils.tensordict_utils.make_iterator``: ``epochs`` passes, each a DataLoader over the
+row indices (shuffled with a generator seeded ``seed + dp_rank`` when the actor's
+``shuffle`` is on), cut into minibatches of ``mini_batch_size``. One minibatch is one
+optimizer step, so one rollout feeds ``M = ppo_epochs x train_batch / ppo_mini_batch``
+updates.
+
+:func:`conduit_make_iterator` takes that call's place (installed by the plugin, gated to
+verl 0.9.x). It ingests the shard into an :class:`~conduit.ExperienceDataPlane` with
+:class:`VerlOnPolicy` semantics (Conduit's on-policy freshness: every row once per epoch, M
+minibatches per epoch, never across policy versions) whose per-epoch order is *exactly*
+verl's, so the same data and seed give the same minibatches, hence the same losses and
+gradients. Delivery granularity is one minibatch: ``g_del = 1/M``.
+
+With ``prefetch`` (the default), :class:`MinibatchPrefetch` stages minibatch k+1 while
+minibatch k trains: on a GPU the rows are gathered into page-locked buffers and copied with
+``non_blocking`` on a side stream, so ``forward_step``'s ``.to(device)`` finds them already
+there; on a CPU-only host the gather runs in a background thread (no pinning, no streams).
+
+When it is on: ``CONDUIT_VERL_DELIVERY`` = ``prefetch`` | ``sync`` | ``off`` decides when set;
+otherwise it follows ``transfer_queue.backend.Conduit.delivery`` when this process's
+TransferQueue backend is Conduit; otherwise verl's own iterator runs. A shard Conduit cannot
+represent (a nested sub-TensorDict, a non-jagged nested tensor) also goes to verl's own
+iterator, with one log line.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from conduit import (
+    ConfigurationError,
+    ExperienceDataPlane,
+    ExperienceSchema,
+    Field,
+    HostPlacement,
+    OnPolicy,
+    Ragged,
+    SampleInfo,
+    Scheduler,
+)
+from conduit.batch import ExperienceBatch
+from tensordict import NonTensorData, NonTensorStack, TensorDict
+from torch.utils.data import DataLoader
+
+__all__ = [
+    "VerlOnPolicy",
+    "MinibatchPrefetch",
+    "MinibatchDelivery",
+    "conduit_make_iterator",
+    "install",
+    "uninstall",
+    "delivery_mode",
+    "forced",
+    "ENV",
+]
+
+logger = logging.getLogger(__name__)
+
+#: environment switch, read in every process: prefetch | sync | off
+ENV = "CONDUIT_VERL_DELIVERY"
+#: when set, every Conduit minibatch iteration writes a JSON record of itself there
+TRACE_ENV = "CONDUIT_VERL_TRACE_DIR"
+Mode = Literal["prefetch", "sync", "off"]
+_MODES = ("prefetch", "sync", "off")
+
+
+# -- semantics ---------------------------------------------------------------------------------
+class VerlOnPolicy(OnPolicy):
+    """Conduit's on-policy semantics with verl's per-epoch row order.
+
+    Each rollout gets a fresh ``torch.utils.data.DataLoader`` over its row indices, built as
+    verl's ``make_iterator`` builds its own (a generator seeded with ``seed``, ``shuffle`` and
+    the other ``dataloader_kwargs``); epoch ``e``'s order is that loader's ``e``-th pass, cut
+    into M contiguous minibatches (sizes differ by at most one). When M divides the rollout
+    size this reproduces verl's minibatches row for row.
+
+    The loader state is not part of ``state_dict``: checkpoint between rollouts.
+    """
+
+    def __init__(self, *, num_minibatches: int, num_epochs: int = 1, max_staleness: int = 0,
+                 on_stale: Literal["drop", "raise"] = "drop", seed: int | None = None,
+                 dataloader_kwargs: dict[str, Any] | None = None) -> None:
+        super().__init__(num_minibatches=num_minibatches, num_epochs=num_epochs, max_staleness=max_staleness,
+                         on_stale=on_stale, shuffle=False, seed=0 if seed is None else int(seed))
+        self.loader_seed = seed
+        self.dataloader_kwargs = dict(dataloader_kwargs or {})
+        self._orders: Iterator[torch.Tensor] | None = None
+
+    def _epoch_orders(self, n: int) -> Iterator[torch.Tensor]:
+        gen = None
+        if self.loader_seed is not None:
+            gen = torch.Generator()
+            gen.manual_seed(int(self.loader_seed))
+        m = self.num_minibatches or 1
+        size = n // m if n % m == 0 else -(-n // m)
+        loader = DataLoader(torch.arange(n), batch_size=max(1, size), collate_fn=lambda x: x, generator=gen,
+                            **self.dataloader_kwargs)
+        while True:
+            yield torch.cat([torch.stack(list(b)) if b else torch.empty(0, dtype=torch.int64) for b in loader])
+
+    def _start_epoch(self) -> None:
+        super()._start_epoch()  # M near-equal contiguous bounds over the identity order
+        assert self._cur is not None
+        if self._epoch == 0:
+            self._orders = self._epoch_orders(self._cur.count)
+        assert self._orders is not None
+        self._perm = next(self._orders)
+
+
+# -- scheduling --------------------------------------------------------------------------------
+class MinibatchPrefetch(Scheduler):
+    """Stages the next on-policy minibatch while the current one trains (or not, ``prefetch=False``).
+
+    The staging of minibatch k+1 starts when minibatch k is handed out and never runs past
+    the end of a rollout, so nothing is selected that the learner will not receive. On CUDA
+    it runs on a side stream after the learner's stream has reached the hand-out point, its
+    host-side wait keeps the page-locked gather buffers safe to reuse, and the learner's
+    stream waits on it before use. Ingestion is synchronous. ``g_del`` is ``1/M`` of the
+    rollout being delivered.
+    """
+
+    output_depth = 3
+
+    def __init__(self, *, prefetch: bool = True) -> None:
+        self.prefetch = prefetch
+        self.g_ing = 1.0
+        self.g_del = 1.0
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future[tuple[ExperienceBatch, SampleInfo, Any]] | None = None
+        self._side: Any = None
+        self.staged = 0
+
+    def attach(self, edp: ExperienceDataPlane) -> None:
+        super().attach(edp)
+        self._cuda = edp.device.type == "cuda"
+        if self._cuda:
+            self._side = torch.cuda.Stream(device=edp.device)
+
+    def ingest(self, batch: ExperienceBatch, *, version: int | None,
+               priorities: torch.Tensor | None) -> torch.Tensor | None:
+        return self.edp.ingest_now(batch, version=version, priorities=priorities)
+
+    def _stage(self, after: Any) -> tuple[ExperienceBatch, SampleInfo, Any]:
+        if not self._cuda:
+            batch, info = self.edp.deliver_now()
+            return batch, info, None
+        with torch.cuda.stream(self._side):
+            if after is not None:
+                self._side.wait_event(after)
+            batch, info = self.edp.deliver_now()
+            done = torch.cuda.Event()
+            done.record(self._side)
+        done.synchronize()  # only this staging thread waits: the gather buffers are free again
+        return batch, info, done
+
+    def deliver(self, n: int | None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
+        if n is not None or kwargs:
+            return self.edp.deliver_now(n, **kwargs)
+        if self._pending is not None:
+            fut, self._pending = self._pending, None
+            batch, info, done = fut.result()
+        else:
+            batch, info, done = self._stage(None)
+        if done is not None:
+            cur = torch.cuda.current_stream(self.edp.device)
+            cur.wait_event(done)
+            for name in batch:
+                col = batch[name]
+                if isinstance(col, Ragged):  # allocated on the side stream, used on this one
+                    col.values.record_stream(cur)
+                    col.lengths.record_stream(cur)
+        if info.num_minibatches:
+            self.g_del = 1.0 / (info.num_minibatches * (getattr(self.edp.semantics, "num_epochs", 1) or 1))
+        if self.prefetch and not info.last:
+            after = None
+            if self._cuda:
+                after = torch.cuda.Event()
+                after.record(torch.cuda.current_stream(self.edp.device))
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="conduit-prefetch")
+            self._pending = self._pool.submit(self._stage, after)
+            self.staged += 1
+        return batch, info
+
+    def invalidate(self) -> None:
+        """A staged minibatch was selected before the change; it stays and is delivered next."""
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._pending is not None:
+            try:
+                self._pending.result()
+            except Exception:  # surfaced to nobody: the iteration was abandoned
+                pass
+            self._pending = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+# -- TensorDict <-> ExperienceBatch ------------------------------------------------------------------
+class _Codec:
+    """How one verl shard maps onto a Conduit schema, and back."""
+
+    def __init__(self, td: TensorDict) -> None:
+        fields: dict[str, Field] = {}
+        self.objects: list[str] = []
+        self.consts: list[str] = []
+        self.order: list[str] = []
+        for key in td.keys():
+            v = td.get(key)
+            self.order.append(key)
+            if isinstance(v, NonTensorData):
+                self.consts.append(key)
+            elif isinstance(v, NonTensorStack):
+                self.objects.append(key)
+            elif isinstance(v, torch.Tensor) and v.is_nested:
+                fields[key] = Field(tuple(v.values().shape[1:]), v.dtype, ragged=True)
+            elif isinstance(v, torch.Tensor):
+                fields[key] = Field(tuple(v.shape[1:]), v.dtype)
+        self.schema = ExperienceSchema(fields)
+
+    @staticmethod
+    def unsupported(td: TensorDict) -> str | None:
+        """Why Conduit cannot carry this shard (None when it can)."""
+        if len(td.batch_size) != 1:
+            return f"batch_size {tuple(td.batch_size)} is not one-dimensional"
+        has_tensor = False
+        for key in td.keys():
+            v = td.get(key)
+            if isinstance(v, (NonTensorData, NonTensorStack)):
+                continue
+            if not isinstance(v, torch.Tensor):
+                return f"field {key!r} is a {type(v).__name__}"
+            has_tensor = True
+            if v.is_nested:
+                if v.layout != torch.jagged or v.lengths() is not None or getattr(v, "_ragged_idx", 1) != 1:
+                    return f"field {key!r} is a nested tensor Conduit does not pack (layout/holes/ragged dim)"
+                if any(d <= 0 for d in v.values().shape[1:]):
+                    return f"field {key!r} has an empty trailing dimension"
+            elif v.dim() == 0 or any(d <= 0 for d in v.shape[1:]):
+                return f"field {key!r} has shape {tuple(v.shape)}"
+        return None if has_tensor else "no tensor field"
+
+    def encode(self, td: TensorDict) -> tuple[ExperienceBatch, dict[str, list[Any]], dict[str, Any]]:
+        n = int(td.batch_size[0])
+        cols: dict[str, torch.Tensor | Ragged] = {}
+        for key, f in self.schema.items():
+            v = td.get(key)
+            if f.ragged:
+                offsets = v.offsets()
+                cols[key] = Ragged(v.values()[int(offsets[0]):int(offsets[-1])], offsets.diff().to(torch.int64))
+            else:
+                cols[key] = v
+        objects = {k: td.get(k).tolist() for k in self.objects}
+        consts = {k: td.get(k) for k in self.consts}
+        return ExperienceBatch(cols, n), objects, consts
+
+    def decode(self, batch: ExperienceBatch, objects: dict[str, list[Any]], consts: dict[str, Any]) -> TensorDict:
+        out: dict[str, Any] = {}
+        for key in self.order:
+            if key in self.schema:
+                c = batch[key]
+                if isinstance(c, Ragged):
+                    offsets = torch.zeros(len(c) + 1, dtype=torch.int64, device=c.lengths.device)
+                    torch.cumsum(c.lengths, 0, out=offsets[1:])
+                    out[key] = torch.nested.nested_tensor_from_jagged(c.values, offsets=offsets)
+                else:
+                    out[key] = c
+            elif key in objects:
+                out[key] = NonTensorStack(*objects[key])
+            else:
+                out[key] = consts[key]
+        return TensorDict(out, batch_size=[batch.batch_size])
+
+
+# -- the verl-facing object ----------------------------------------------------------------------
+class MinibatchDelivery:
+    """verl TensorDicts in, verl minibatch TensorDicts out, through one Conduit EDP.
+
+    ``ingest`` takes a shard (one row per sample) produced by policy ``version``; ``seal``
+    closes the rollout; ``minibatches`` yields every minibatch of every epoch of the oldest
+    sealed rollout, as TensorDicts shaped like verl's own (dense columns dense, jagged
+    columns jagged, objects and constants carried along). Staleness is
+    ``policy_version - rollout_version`` and is enforced at delivery (``max_staleness``,
+    ``on_stale``), as :class:`conduit.OnPolicy` defines it.
+
+    A yielded minibatch's dense columns are reused buffers: valid until the third one after it.
+
+    Keyword Args:
+        num_minibatches: M per epoch.
+        epochs: passes over each rollout.
+        seed: the DataLoader generator seed (verl: ``seed + dp_rank``); None draws one.
+        dataloader_kwargs: verl's loader options (``shuffle``).
+        prefetch: stage minibatch k+1 while k trains.
+        device: where minibatches land (default: the current CUDA device if any, else CPU).
+        capacity: rows the buffer holds (default: the first shard's size).
+        ragged_capacity: packed elements per jagged column (default: sized from the first shard).
+    """
+
+    def __init__(self, *, num_minibatches: int, epochs: int = 1, seed: int | None = None,
+                 dataloader_kwargs: dict[str, Any] | None = None, max_staleness: int = 0,
+                 on_stale: Literal["drop", "raise"] = "drop", prefetch: bool = True,
+                 device: torch.device | str | None = None, capacity: int | None = None,
+                 ragged_capacity: int | None = None) -> None:
+        self.semantics = VerlOnPolicy(num_minibatches=num_minibatches, num_epochs=epochs, max_staleness=max_staleness,
+                                      on_stale=on_stale, seed=seed, dataloader_kwargs=dataloader_kwargs)
+        self.scheduler = MinibatchPrefetch(prefetch=prefetch)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.capacity = capacity
+        self.ragged_capacity = ragged_capacity
+        self.edp: ExperienceDataPlane | None = None
+        self.codec: _Codec | None = None
+        self._segments: list[tuple[int, dict[str, list[Any]], dict[str, Any]]] = []
+        self._firsts: list[int] = []
+        self._mid_rollout = False
+        self.delivered = 0
+
+    def _build(self, td: TensorDict) -> None:
+        self.codec = _Codec(td)
+        n = int(td.batch_size[0])
+        cap = self.capacity or max(n, 1)
+        rag = self.ragged_capacity
+        if rag is None:
+            totals = [int(td.get(k).values().shape[0]) for k, f in self.codec.schema.items() if f.ragged]
+            rag = max(1, -(-max(totals, default=1) * cap // max(n, 1)))
+        pin = self.device.type == "cuda"
+        self.edp = ExperienceDataPlane(self.codec.schema, capacity=cap, semantics=self.semantics,
+                                       placement=HostPlacement(pin_memory=pin), scheduler=self.scheduler,
+                                       device=self.device, ragged_capacity=rag)
+
+    def ingest(self, td: TensorDict, *, version: int) -> None:
+        """Add a shard produced by policy ``version`` to the open rollout.
+
+        Raises:
+            SchemaError: the shard's columns differ from the first shard's.
+            CapacityError: it does not fit next to the undelivered rollouts.
+        """
+        why = _Codec.unsupported(td)
+        if why is not None:
+            raise ConfigurationError(f"Conduit cannot carry this shard: {why}.")
+        if self.edp is None:
+            self._build(td)
+        assert self.edp is not None and self.codec is not None
+        batch, objects, consts = self.codec.encode(td)
+        handles = self.edp.ingest(batch, version=version)
+        assert handles is not None
+        first = int(handles[0]) if handles.numel() else self.edp.storage.next_handle
+        self._firsts.append(first)
+        self._segments.append((first, objects, consts))
+
+    def seal(self) -> None:
+        """Close the open rollout: it can be delivered."""
+        if self.edp is not None:
+            self.edp.seal()
+
+    def set_policy_version(self, version: int) -> None:
+        """The learner's policy is now ``version`` (between rollouts only).
+
+        Raises:
+            ConfigurationError: called while a rollout is half delivered.
+        """
+        if self._mid_rollout:
+            raise ConfigurationError("set_policy_version during a rollout's minibatches; finish the rollout first.")
+        self.semantics.policy_version = int(version)
+
+    def _rows(self, handles: torch.Tensor) -> tuple[dict[str, list[Any]], dict[str, Any]]:
+        hs = handles.tolist()
+        seg_i = [bisect.bisect_right(self._firsts, h) - 1 for h in hs]
+        consts = self._segments[seg_i[0]][2] if hs else {}
+        assert self.codec is not None
+        objects = {k: [self._segments[s][1][k][h - self._segments[s][0]] for h, s in zip(hs, seg_i, strict=True)]
+                   for k in self.codec.objects}
+        return objects, consts
+
+    def next_minibatch(self) -> tuple[TensorDict, SampleInfo]:
+        """The next minibatch of the oldest sealed rollout.
+
+        Raises:
+            EmptyBufferError: no sealed rollout is waiting.
+            StaleExperienceError: the rollout is too stale and ``on_stale="raise"``.
+        """
+        if self.edp is None:
+            from conduit import EmptyBufferError
+
+            raise EmptyBufferError("Nothing was ingested: ingest a shard and seal it.")
+        assert self.codec is not None
+        batch, info = self.edp.deliver()
+        objects, consts = self._rows(info.handles)
+        self._mid_rollout = not info.last
+        self.delivered += 1
+        if info.last:
+            self._forget_before(self.edp.storage.oldest)
+        return self.codec.decode(batch, objects, consts), info
+
+    def _forget_before(self, handle: int) -> None:
+        while len(self._segments) > 1 and self._segments[1][0] <= handle:
+            self._segments.pop(0)
+            self._firsts.pop(0)
+
+    def minibatches(self) -> Iterator[tuple[TensorDict, SampleInfo]]:
+        """Every minibatch of every epoch of the next rollout, in order."""
+        while True:
+            td, info = self.next_minibatch()
+            yield td, info
+            if info.last:
+                return
+
+    def close(self) -> None:
+        if self.edp is not None:
+            self.edp.close()
+
+
+# -- the hook ---------------------------------------------------------------------------------------
+_ORIGINAL: Any = None
+_FORCED: list[str] = []
+_iterations = 0
+_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def delivery_mode() -> Mode:
+    """``prefetch``, ``sync`` or ``off`` for this process, right now (see the module docstring)."""
+    if _FORCED:
+        return _FORCED[-1]  # type: ignore[return-value]
+    env = os.environ.get(ENV, "").strip().lower()
+    if env:
+        if env not in _MODES:
+            raise ConfigurationError(f"{ENV}={env!r}; use one of {_MODES}.")
+        return env  # type: ignore[return-value]
+    try:
+        import transfer_queue.interface as tqi
+
+        from conduit_verl.tq_storage import ConduitStorageManager
+    except ImportError:
+        return "off"
+    client = getattr(tqi, "_TQ_CLIENT", None)
+    manager = getattr(client, "storage_manager", None)
+    if isinstance(manager, ConduitStorageManager):
+        mode = manager.delivery
+        if mode not in _MODES:
+            raise ConfigurationError(f"transfer_queue.backend.Conduit.delivery={mode!r}; use one of {_MODES}.")
+        return mode  # type: ignore[return-value]
+    return "off"
+
+
+@contextmanager
+def forced(mode: Mode) -> Iterator[None]:
+    """Force the delivery mode in this process within the block (tests, in-process use)."""
+    if mode not in _MODES:
+        raise ConfigurationError(f"delivery mode {mode!r}; use one of {_MODES}.")
+    _FORCED.append(mode)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
+def conduit_make_iterator(tensordict: TensorDict, mini_batch_size: int, epochs: int, seed: int | None = None,
+                          dataloader_kwargs: dict[str, Any] | None = None) -> Iterator[TensorDict]:
+    """Drop-in for ``verl.utils.tensordict_utils.make_iterator`` (same arguments, same minibatches)."""
+    mode = delivery_mode()
+    why = None if mode == "off" else _Codec.unsupported(tensordict)
+    if mode == "off" or why is not None:
+        if why is not None and why not in _warned:
+            _warned.add(why)
+            logger.warning("Conduit delivery passes this shard to verl's iterator: %s.", why)
+        return _verl_iterator()(tensordict, mini_batch_size, epochs, seed=seed, dataloader_kwargs=dataloader_kwargs)
+    n = int(tensordict.batch_size[0])
+    if mini_batch_size <= 0 or n % mini_batch_size:
+        raise ConfigurationError(f"{n} rows do not split into minibatches of {mini_batch_size}; verl needs "
+                                 f"ppo_mini_batch_size x rollout.n divisible by the data-parallel size and dividing "
+                                 f"the batch.")
+    delivery = MinibatchDelivery(num_minibatches=n // mini_batch_size, epochs=int(epochs), seed=seed,
+                                 dataloader_kwargs=dataloader_kwargs, prefetch=mode == "prefetch")
+    delivery.ingest(tensordict, version=0)
+    delivery.seal()
+    return _iterate(delivery, mode)
+
+
+def _verl_iterator() -> Any:
+    if _ORIGINAL is not None:
+        return _ORIGINAL
+    import verl.utils.tensordict_utils as tu
+
+    assert tu.make_iterator is not conduit_make_iterator
+    return tu.make_iterator
+
+
+def _iterate(delivery: MinibatchDelivery, mode: str) -> Iterator[TensorDict]:
+    global _iterations
+    t0 = time.perf_counter()
+    count = 0
+    try:
+        for td, _info in delivery.minibatches():
+            count += 1
+            yield td
+    finally:
+        delivery.close()
+        with _lock:
+            _iterations += 1
+            seq = _iterations
+        trace_dir = os.environ.get(TRACE_ENV)
+        if trace_dir and delivery.edp is not None:
+            os.makedirs(trace_dir, exist_ok=True)
+            rec = {"pid": os.getpid(), "seq": seq, "mode": mode, "minibatches": count,
+                   "num_minibatches": delivery.semantics.num_minibatches, "epochs": delivery.semantics.num_epochs,
+                   "g_del": delivery.scheduler.g_del, "staged": delivery.scheduler.staged,
+                   "device": str(delivery.device), "seconds": time.perf_counter() - t0,
+                   "telemetry": delivery.edp.telemetry.summary()}
+            with open(os.path.join(trace_dir, f"delivery-{os.getpid()}-{seq}.json"), "w") as f:
+                json.dump(rec, f)
+
+
+def install() -> bool:
+    """Route verl's minibatch iteration through :func:`conduit_make_iterator` (idempotent).
+
+    Raises:
+        UnsupportedVerlError: verl is not 0.9.x.
+    """
+    global _ORIGINAL
+    from conduit_verl.compat import require_supported_verl
+
+    require_supported_verl("conduit-verl's minibatch delivery")
+    import verl.utils.tensordict_utils as tu
+
+    if tu.make_iterator is conduit_make_iterator:
+        return False
+    _ORIGINAL = tu.make_iterator
+    tu.make_iterator = conduit_make_iterator
+    return True
+
+
+def uninstall() -> None:
+    """Give verl its own iterator back."""
+    import verl.utils.tensordict_utils as tu
+
+    if _ORIGINAL is not None and tu.make_iterator is conduit_make_iterator:
+        tu.make_iterator = _ORIGINAL

@@ -1,0 +1,320 @@
+"""Conduit as a TransferQueue storage backend, registered under the name ``Conduit``.
+
+A verl user selects it with one hydra override::
+
+    transfer_queue.backend.storage_backend=Conduit
+
+Three parts, each registered through TransferQueue's own registries:
+
+* :class:`ConduitStorageUnit` (a Ray actor, one or more per cluster, spread over the nodes):
+  holds the bytes. Every tensor field is a :class:`~conduit_verl.columns.FieldStore`: the
+  field's samples packed end to end in a Conduit storage (variable length costs what it
+  holds), migrated to a larger placement when sequences grow. Python-object fields (uids,
+  reward info) stay objects.
+* :class:`ConduitStorageManager` (``StorageManagerFactory`` name ``Conduit``): the client side
+  TransferQueue builds in every process. A put packs each column once and ships it to the
+  units as raw arrays; a get runs in the consuming worker and rebuilds the columns there,
+  exactly as SimpleStorage returns them, optionally straight onto the worker's device.
+* :func:`bootstrap` (``StorageBootstrapProvider`` name ``Conduit``): run by ``tq.init`` on the
+  controller to start the units and fill in defaults.
+
+Samples are routed to units by ``global_index % num_units``, as SimpleStorage does.
+
+Configuration (``transfer_queue.backend.Conduit.*``, every key optional):
+
+``num_units`` (1), ``capacity`` (1024 sample slots per field and unit before the first
+migration), ``mean_length`` (256 elements per sample in the first placement),
+``growth`` (2.0, the placement map's factor), ``max_items`` (null: unbounded),
+``unit_num_cpus`` (0), ``device`` (``cpu``; ``auto`` returns tensors on the reading
+process's accelerator), ``delivery`` (``prefetch``; ``sync``, or ``off`` to leave verl's
+minibatch iteration alone: see :mod:`conduit_verl.delivery`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import torch
+from conduit import SchemaError, Telemetry
+from omegaconf import DictConfig, OmegaConf, open_dict
+from tensordict import NonTensorStack, TensorDict
+from transfer_queue.metadata import BatchMeta, extract_field_schema
+from transfer_queue.storage.bootstrap import StorageBootstrapProvider
+from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
+from transfer_queue.utils.common import get_node_round_robin_scheduling_strategies
+
+from conduit_verl.columns import FieldStore, Migration, PlacementMap
+from conduit_verl.compat import MissingKeyError
+from conduit_verl.packing import PackedColumn, concat_rows, from_wire, pack_column, select_rows, to_wire, unpack_column
+
+__all__ = ["BACKEND", "DEFAULTS", "ConduitStorageUnit", "ConduitStorageManager", "bootstrap", "unit_name"]
+
+logger = logging.getLogger(__name__)
+
+#: the name TransferQueue knows this backend by
+BACKEND = "Conduit"
+NAMESPACE = "transfer_queue"
+
+DEFAULTS: dict[str, Any] = {
+    "num_units": 1,
+    "capacity": 1024,
+    "mean_length": 256,
+    "growth": 2.0,
+    "max_items": None,
+    "unit_num_cpus": 0,
+    "device": "cpu",
+    "delivery": "prefetch",
+}
+
+
+def unit_name(run_id: str, rank: int) -> str:
+    return f"ConduitStorageUnit#{run_id}#{rank}"
+
+
+class _UnitState:
+    """What one storage unit holds (plain Python; the Ray actor wraps it)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.pmap_args = dict(items=int(config["capacity"]),
+                              elements=int(config["capacity"]) * int(config["mean_length"]),
+                              growth=float(config["growth"]), max_items=config.get("max_items"),
+                              pin_memory=torch.cuda.is_available())
+        self.fields: dict[str, FieldStore] = {}
+        self.objects: dict[str, dict[int, Any]] = {}
+        self.telemetry = Telemetry()
+
+    def put(self, gis: list[int], columns: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        decoded: dict[str, PackedColumn | list[Any]] = {}
+        for name, w in columns.items():
+            kind_is_tensor = isinstance(w, dict)
+            if kind_is_tensor and name in self.objects or not kind_is_tensor and name in self.fields:
+                raise SchemaError(f"Field {name!r} switched between tensor and object values; TransferQueue fields "
+                                  f"keep one kind.")
+            decoded[name] = from_wire(w) if kind_is_tensor else w
+        nbytes = 0
+        for name, col in decoded.items():  # all checks passed: write
+            if isinstance(col, PackedColumn):
+                store = self.fields.get(name)
+                if store is None:
+                    store = self.fields[name] = FieldStore(name, col.dtype, col.shapes.shape[1],
+                                                           PlacementMap(**self.pmap_args))
+                store.put(gis, col)
+                nbytes += col.values.numel() * col.values.element_size()
+            else:
+                objs = self.objects.setdefault(name, {})
+                for g, v in zip(gis, col, strict=True):
+                    objs[int(g)] = v
+        self.telemetry.record("put", len(gis), nbytes, t0, time.perf_counter())
+
+    def get(self, gis: list[int], fields: list[str]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        out: dict[str, Any] = {}
+        nbytes = 0
+        for name in fields:
+            if name in self.fields:
+                col = self.fields[name].get(gis)
+                nbytes += col.values.numel() * col.values.element_size()
+                out[name] = to_wire(col)
+            elif name in self.objects:
+                objs = self.objects[name]
+                try:
+                    out[name] = [objs[int(g)] for g in gis]
+                except KeyError as e:
+                    raise MissingKeyError(f"Field {name!r} holds no sample with global index {e.args[0]}.") from None
+            else:
+                raise MissingKeyError(f"No field {name!r} in Conduit storage; stored fields: "
+                                      f"{sorted([*self.fields, *self.objects])}.")
+        self.telemetry.record("get", len(gis), nbytes, t0, time.perf_counter())
+        return out
+
+    def clear(self, gis: list[int]) -> int:
+        t0 = time.perf_counter()
+        held = 0
+        for store in self.fields.values():
+            held = max(held, store.clear(gis))
+        for objs in self.objects.values():
+            for g in gis:
+                objs.pop(int(g), None)
+        self.telemetry.record("clear", len(gis), 0, t0, time.perf_counter())
+        return held
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "fields": {n: {"samples": len(s), "rung": s.rung, "slots": s.storage.capacity,
+                           "pool_elements": s.storage.ragged_capacity, "tier": s.storage.tier,
+                           "reserved_bytes": s.storage.nbytes()} for n, s in self.fields.items()},
+            "objects": {n: len(o) for n, o in self.objects.items()},
+            "migrations": [m for s in self.fields.values() for m in s.migrations],
+            "telemetry": self.telemetry.summary(),
+        }
+
+
+@ray.remote(max_concurrency=1)
+class ConduitStorageUnit:
+    """A Ray actor holding a share of the samples in Conduit storage (calls are serialised)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.state = _UnitState(config)
+
+    def put(self, gis: list[int], columns: dict[str, Any]) -> None:
+        self.state.put(gis, columns)
+
+    def get(self, gis: list[int], fields: list[str]) -> dict[str, Any]:
+        return self.state.get(gis, fields)
+
+    def clear(self, gis: list[int]) -> int:
+        return self.state.clear(gis)
+
+    def stats(self) -> dict[str, Any]:
+        return self.state.stats()
+
+    def migrations(self) -> list[Migration]:
+        return self.state.stats()["migrations"]
+
+
+def _with_defaults(cfg: Any) -> dict[str, Any]:
+    given = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
+    out = dict(DEFAULTS)
+    out.update({k: v for k, v in given.items() if v is not None or k == "max_items"})
+    return out
+
+
+@StorageBootstrapProvider.register_provider(BACKEND)
+def bootstrap(conf: DictConfig) -> dict[str, Any]:
+    """Start the storage units (``tq.init`` calls this once, in the process that creates the controller)."""
+    backend = conf.backend
+    with open_dict(backend):
+        if backend.get(BACKEND) is None:
+            backend[BACKEND] = {}
+        cfg = _with_defaults(backend[BACKEND])
+        cfg["_run_id"] = uuid.uuid4().hex[:12]
+        backend[BACKEND] = cfg
+    n = int(cfg["num_units"])
+    strategies = get_node_round_robin_scheduling_strategies(n)
+    handles = {}
+    for rank in range(n):
+        name = unit_name(cfg["_run_id"], rank)
+        handles[name] = ConduitStorageUnit.options(  # type: ignore[attr-defined]
+            name=name, namespace=NAMESPACE, scheduling_strategy=strategies[rank],
+            num_cpus=float(cfg["unit_num_cpus"])).remote(cfg)
+    ray.get([h.stats.remote() for h in handles.values()])  # started
+    logger.info("Conduit storage: %d unit(s) started (run %s)", n, cfg["_run_id"])
+    return handles
+
+
+@StorageManagerFactory.register(BACKEND)
+class ConduitStorageManager(StorageManager):
+    """TransferQueue's storage manager for the Conduit backend (one per TransferQueue client)."""
+
+    def __init__(self, controller_info: Any, config: Any, zmq_context: Any = None) -> None:
+        cfg = _with_defaults(config)
+        if "_run_id" not in cfg:
+            raise SchemaError("transfer_queue.backend.Conduit has no _run_id: the Conduit units were not started. "
+                              "Call tq.init with backend.storage_backend=Conduit from the driver first.")
+        super().__init__(controller_info, config, zmq_context)
+        self.cfg = cfg
+        self.units = [ray.get_actor(unit_name(cfg["_run_id"], r), namespace=NAMESPACE)
+                      for r in range(int(cfg["num_units"]))]
+        self.device = self._resolve_device(str(cfg["device"]))
+        self.telemetry = Telemetry()
+
+    @staticmethod
+    def _resolve_device(spec: str) -> torch.device:
+        if spec == "auto":
+            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+                torch.device("cpu")
+        return torch.device(spec)
+
+    @property
+    def delivery(self) -> str:
+        """How the consuming worker iterates minibatches: ``prefetch``, ``sync`` or ``off``."""
+        return str(self.cfg["delivery"])
+
+    def _route(self, gis: list[int]) -> dict[int, list[int]]:
+        """unit rank -> batch positions, in batch order."""
+        routes: dict[int, list[int]] = {}
+        n = len(self.units)
+        for pos, g in enumerate(gis):
+            routes.setdefault(int(g) % n, []).append(pos)
+        return routes
+
+    async def put_data(self, data: TensorDict, metadata: BatchMeta,
+                       data_parser: Callable[[Any], Any] | None = None) -> None:
+        t0 = time.perf_counter()
+        n = metadata.size
+        if data.batch_size[0] != n:
+            raise SchemaError(f"put of {data.batch_size[0]} rows with metadata for {n} samples")
+        if n == 0:
+            return
+        if data_parser is not None:
+            raise NotImplementedError("data_parser is not supported by the Conduit backend (verl does not use it); "
+                                      "parse the values before the put.")
+        columns = {k: pack_column(data.get(k), n) for k in data.keys()}
+        gis = [int(g) for g in metadata.global_indexes]
+        routes = self._route(gis)
+        refs = []
+        nbytes = 0
+        for rank, positions in routes.items():
+            rows = torch.tensor(positions, dtype=torch.int64)
+            payload: dict[str, Any] = {}
+            for k, col in columns.items():
+                if isinstance(col, PackedColumn):
+                    part = col if len(routes) == 1 else select_rows(col, rows)
+                    nbytes += part.values.numel() * part.values.element_size()
+                    payload[k] = to_wire(part)
+                else:
+                    payload[k] = col if len(routes) == 1 else [col[p] for p in positions]
+            refs.append(self.units[rank].put.remote([gis[p] for p in positions], payload))
+        await asyncio.gather(*refs)
+        self.telemetry.record("put", n, nbytes, t0, time.perf_counter())
+        await self.notify_data_update(metadata.partition_ids[0], gis, extract_field_schema(data))
+
+    async def get_data(self, metadata: BatchMeta) -> TensorDict:
+        t0 = time.perf_counter()
+        n = metadata.size
+        if n == 0:
+            return TensorDict({}, batch_size=0)
+        fields = list(metadata.field_names)
+        gis = [int(g) for g in metadata.global_indexes]
+        routes = self._route(gis)
+        parts = await asyncio.gather(*[self.units[r].get.remote([gis[p] for p in pos], fields)
+                                       for r, pos in routes.items()])
+        order = [p for pos in routes.values() for p in pos]  # batch position of each row as received
+        inverse = torch.empty(n, dtype=torch.int64)
+        inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(n, dtype=torch.int64)
+        out: dict[str, Any] = {}
+        nbytes = 0
+        for f in fields:
+            if isinstance(parts[0][f], dict):
+                col = concat_rows([from_wire(p[f]) for p in parts]) if len(parts) > 1 else from_wire(parts[0][f])
+                col = select_rows(col, inverse) if len(parts) > 1 else _owned(col)
+                nbytes += col.values.numel() * col.values.element_size()
+                t = unpack_column(col)
+                out[f] = t if self.device.type == "cpu" else t.to(self.device)
+            else:
+                items = [x for p in parts for x in p[f]]
+                out[f] = NonTensorStack(*[items[int(i)] for i in inverse]) if len(parts) > 1 else \
+                    NonTensorStack(*items)
+        self.telemetry.record("get", n, nbytes, t0, time.perf_counter())
+        return TensorDict(out, batch_size=n)
+
+    async def clear_data(self, metadata: BatchMeta) -> None:
+        gis = [int(g) for g in metadata.global_indexes]
+        routes = self._route(gis)
+        await asyncio.gather(*[self.units[r].clear.remote([gis[p] for p in pos]) for r, pos in routes.items()])
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each unit's fields, placements, migrations and call telemetry."""
+        return ray.get([u.stats.remote() for u in self.units])
+
+
+def _owned(col: PackedColumn) -> PackedColumn:
+    """Tensors that own writable memory (Ray hands read-only shared memory to readers)."""
+    return PackedColumn(col.values.clone(), col.lengths.clone(), col.shapes.clone())
