@@ -16,7 +16,7 @@ from conduit.errors import (
     StaleExperienceError,
 )
 from conduit.placement import HostPlacement, Placement
-from conduit.scheduling import Scheduler, Synchronous
+from conduit.scheduling import Overlapped, Scheduler, Synchronous
 from conduit.schema import ExperienceSchema, Field
 from conduit.semantics import OnPolicy, PrioritizedSampler, Replay, SampleInfo, Sampler, Semantics, UniformSampler
 from conduit.storage import ColumnarStorage, Storage
@@ -43,6 +43,7 @@ __all__ = [
     "HostPlacement",
     "Scheduler",
     "Synchronous",
+    "Overlapped",
     "Telemetry",
     "ConduitError",
     "SchemaError",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged
@@ -14,11 +15,14 @@ from conduit.errors import CapacityError, ConfigurationError
 from conduit.placement.base import HostPlacement, Placement
 from conduit.scheduling.base import Scheduler, Synchronous
 from conduit.schema import ExperienceSchema
-from conduit.semantics.base import SampleInfo, Semantics
+from conduit.semantics.base import SampleInfo, Selection, Semantics
 from conduit.semantics.onpolicy import OnPolicy
 from conduit.semantics.replay import Replay
 from conduit.storage.base import Storage
 from conduit.telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from conduit.placement.migration import MigrationReport
 
 __all__ = ["ExperienceDataPlane"]
 
@@ -161,7 +165,7 @@ class ExperienceDataPlane:
             res = self.storage.append(batch, evict=self._replay)
             self.semantics.on_append(res, version=version, priorities=priorities)
         self.telemetry.record("ingest", res.count, batch.nbytes(), t0, time.perf_counter())
-        return torch.arange(res.first, res.first + res.count, dtype=torch.int64)
+        return torch.from_numpy(np.arange(res.first, res.first + res.count, dtype=np.int64))
 
     def flush(self) -> None:
         """Block until every batch handed to ``ingest`` is in storage."""
@@ -189,10 +193,75 @@ class ExperienceDataPlane:
             k = int(sel.slots.shape[0])
             batch = self.storage.gather(sel.slots, self._gather_out.next(k))
             self.semantics.after_gather(sel)
-        if self._device_out is not None:
-            batch = self._to_device(batch, self._device_out.next(k))
+            device_out = self._device_out  # read under the lock: a migration may swap it
+        if device_out is not None:
+            batch = self._to_device(batch, device_out.next(k))
         self.telemetry.record("deliver", k, batch.nbytes(), t0, time.perf_counter())
         return batch, sel.info
+
+    # -- primitives for prefetching schedulers -----------------------------------------------
+    def select_now(self, sizes: Sequence[int | None], *, peek: bool = False, when: Callable[[], bool] | None = None,
+                   **kwargs: Any) -> list[Selection] | None:
+        """Select ``len(sizes)`` deliveries in order, exactly as that many ``deliver_now`` calls would.
+
+        Nothing is gathered and consumed data is not released (see :meth:`release_now`).
+        With ``peek=True`` the semantics' state is restored afterwards, so the selections
+        only *predict* the next deliveries (on-policy prefetch confirms a prediction with a
+        real selection at delivery time). When ``when`` is given it is checked under the
+        same lock first; ``None`` is returned, and nothing selected, when it is false.
+        """
+        with self._lock:
+            if when is not None and not when():
+                return None
+            snap = self.semantics.state_dict() if peek else None
+            try:
+                return [self.semantics.select(n, **kwargs) for n in sizes]
+            finally:
+                if snap is not None:
+                    self.semantics.load_state_dict(snap)
+
+    def gather_now(self, selections: Sequence[Selection],
+                   out: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]] | None = None,
+                   ) -> ExperienceBatch:
+        """The rows of ``selections``, back to back, into ``out`` (or ``out(rows)``), on the storage's device."""
+        t0 = time.perf_counter()
+        with self._lock:
+            batch = self._gather(selections, out)
+        self.telemetry.record("deliver", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
+        return batch
+
+    def prepare_now(self, sizes: Sequence[int | None],
+                    out: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]] | None = None, *,
+                    peek: bool = False, when: Callable[[], bool] | None = None,
+                    **kwargs: Any) -> tuple[ExperienceBatch, list[Selection]] | None:
+        """:meth:`select_now` and :meth:`gather_now` under one lock hold (no ingestion in between)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            sels = self.select_now(sizes, peek=peek, when=when, **kwargs)
+            if sels is None:
+                return None
+            batch = self._gather(sels, out)
+        self.telemetry.record("deliver", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
+        return batch, sels
+
+    def release_now(self, selection: Selection) -> None:
+        """Tell the semantics a selection was handed over (on-policy frees a finished rollout here)."""
+        with self._lock:
+            self.semantics.after_gather(selection)
+
+    def _gather(self, sels: Sequence[Selection],
+                out: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]] | None) -> ExperienceBatch:
+        slots = sels[0].slots if len(sels) == 1 else torch.cat([s.slots for s in sels])
+        k = int(slots.shape[0])
+        bufs = out(k) if callable(out) else out
+        view = None if bufs is None else {name: t[:k] for name, t in bufs.items()}
+        batch = self.storage.gather(slots, view)
+        if not self.schema.ragged:
+            return batch
+        # ragged values come back in the storage's scratch pool, which the next gather reuses
+        cols = {name: (Ragged(c.values.clone(), c.lengths) if isinstance(c, Ragged) else c)
+                for name, c in batch.items()}
+        return ExperienceBatch(cols, batch.batch_size)
 
     def _to_device(self, batch: ExperienceBatch, out: dict[str, torch.Tensor]) -> ExperienceBatch:
         cols: dict[str, torch.Tensor | Ragged] = {}
@@ -218,7 +287,7 @@ class ExperienceDataPlane:
             raise ConfigurationError("update_priorities needs Replay semantics with a PrioritizedSampler.")
         with self._lock:
             applied = self.semantics.update_priorities(handles, priorities)
-        self.scheduler.invalidate()
+        self.scheduler.invalidate("priorities")
         return applied
 
     # -- on-policy control -------------------------------------------------------------------
@@ -239,12 +308,48 @@ class ExperienceDataPlane:
         sem = self._on_policy()
         with self._lock:
             sem.policy_version = int(version)
-        self.scheduler.invalidate()
+        self.scheduler.invalidate("policy")
+
+    # -- placement ---------------------------------------------------------------------------
+    def migrate(self, placement: Placement, *, schema: ExperienceSchema | None = None,
+                transform: Callable[[ExperienceBatch], Any] | None = None) -> MigrationReport:
+        """Move every live item, online, to storage built by ``placement`` (same capacity).
+
+        Handles, slots, priorities, the sampler's RNG and on-policy progress are kept:
+        nothing is lost, duplicated or re-prioritised. Ingestion and delivery continue
+        between copied chunks and wait only for the last chunk and the swap (the report's
+        ``max_blocked_s``). With a new ``schema`` (experience grew), ``transform`` maps
+        each old-schema chunk to the new schema. See :mod:`conduit.placement.migration`.
+
+        Raises:
+            PlacementError: the new placement cannot hold the buffer (the buffer is unchanged).
+            ConfigurationError, SchemaError: a bad schema or transform (the buffer is unchanged).
+        """
+        from conduit.placement.migration import migrate
+
+        return migrate(self, placement, schema=schema, transform=transform)
+
+    def _adopt_storage(self, storage: Storage, placement: Placement, schema: ExperienceSchema) -> None:
+        """Swap in a storage holding the same live handles (call under the lock).
+
+        The semantics are re-pointed, not re-bound: ``bind`` would reset the sampler, and
+        slots are unchanged (same capacity), so priorities and RNG state stay valid.
+        """
+        self.storage = storage
+        self.placement = placement
+        self.schema = schema
+        self.semantics.storage = storage
+        sampler = getattr(self.semantics, "sampler", None)
+        if sampler is not None:
+            sampler.storage = storage
+        self._build_outputs()
+        self.scheduler.invalidate("contents")
 
     # -- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Contents, handles and sampler state (RNG included); exact round trip."""
         self.flush()
+        self.scheduler.invalidate("checkpoint")
         with self._lock:
             return {"format": 1, "storage": self.storage.state_dict(), "semantics": self.semantics.state_dict()}
 
@@ -253,7 +358,7 @@ class ExperienceDataPlane:
         if state.get("format") != 1:
             raise ConfigurationError("Unknown checkpoint format; it was not written by ExperienceDataPlane.")
         self.flush()
-        self.scheduler.invalidate()
+        self.scheduler.invalidate("contents")
         with self._lock:
             self.storage.load_state_dict(state["storage"])
             self.semantics.load_state_dict(state["semantics"])

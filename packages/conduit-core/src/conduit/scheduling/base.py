@@ -50,8 +50,13 @@ class Scheduler(ABC):
     def flush(self) -> None:  # noqa: B027
         """Block until every handed-over batch is in storage."""
 
-    def invalidate(self) -> None:  # noqa: B027
-        """Drop prepared deliveries (the contents or the policy changed under them)."""
+    def invalidate(self, reason: str = "contents") -> None:  # noqa: B027
+        """Something changed under prepared deliveries.
+
+        ``reason`` is ``"contents"`` (a checkpoint was loaded: drop everything prepared),
+        ``"priorities"`` (``update_priorities`` ran) or ``"policy"`` (``set_policy_version``
+        ran). A prefetching scheduler decides per reason what stays deliverable.
+        """
 
     def close(self) -> None:
         self.flush()

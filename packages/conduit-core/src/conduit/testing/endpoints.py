@@ -63,6 +63,9 @@ class ReplayEndpoint(ABC):
 
     #: capabilities this endpoint declares (CAP_* constants); the suites read them
     capabilities: frozenset[str] = frozenset()
+    #: prioritized only: how many ``update_priorities`` calls a draw may precede (a prefetching
+    #: adapter declares its delivery granularity g_del here; 0 means every draw sees every update)
+    priority_staleness: int = 0
 
     @abstractmethod
     def insert(self, ids: np.ndarray) -> None:

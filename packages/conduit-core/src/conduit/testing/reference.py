@@ -48,6 +48,7 @@ class CoreReplayEndpoint(ReplayEndpoint):
         sampler = PrioritizedSampler(alpha=alpha, beta=beta) if prioritized else UniformSampler()
         self.edp = ExperienceDataPlane(ID_SCHEMA, capacity=capacity, semantics=Replay(sampler, seed=seed),
                                        **edp_kwargs)
+        self.priority_staleness = int(getattr(self.edp.scheduler, "priority_staleness", 0))
 
     def insert(self, ids: np.ndarray) -> None:
         self.edp.ingest(id_batch(ids))

@@ -48,13 +48,19 @@ class ReplaySuite(SuiteBase):
         return counts
 
     def _set_priorities(self, ep: ReplayEndpoint, prio_of_id: np.ndarray) -> None:
-        """Give every item the priority ``prio_of_id[id]``, through sampled handles."""
+        """Give every item the priority ``prio_of_id[id]``, through sampled handles.
+
+        Then draw (and drop) the ``priority_staleness`` draws the endpoint declares may
+        still precede the last update, so later draws see every priority set here.
+        """
         seen: set[int] = set()
         for _ in range(200):
             d = ep.sample(self.chunk)
             ep.update_priorities(d.handles, prio_of_id[d.ids])
             seen.update(d.ids.tolist())
             if len(seen) == len(prio_of_id):
+                for _ in range(ep.priority_staleness):
+                    ep.sample(self.chunk)
                 return
         pytest.fail(f"could not reach every item through sampling to set its priority ({len(seen)} seen)")
 

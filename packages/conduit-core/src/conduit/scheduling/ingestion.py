@@ -1,0 +1,296 @@
+"""The ingestion side of a scheduler: hand-over, coalescing at ``g_ing``, background storing.
+
+Producers hand validated batches over; the data reaches storage in *groups*. A group is
+up to ``g_ing`` hand-overs off-policy (rollouts per ingestion call), or up to ``g_ing``
+of a rollout's items on-policy (rollout parts per ingestion call), never mixing policy
+versions or batches with and without priorities. A group of several batches is staged
+into one reused buffer and stored with one storage write (one lock hold, one semantics
+update): the per-call overhead is paid once per group.
+
+In the background (``background=True``) one worker thread stores groups; ``handover``
+returns as soon as the batch is queued. The queue is bounded (``queue_depth`` batches):
+a full queue blocks the producer (backpressure). A group is stored when it is complete,
+when the queue is full, when a version changes, or when :meth:`flush` asks for it.
+
+Nothing is lost: a batch whose storing fails stays queued (with everything after it, in
+order) and the error is raised from the producer's next ``handover``, ``flush`` or
+``close``; the worker then retries it. ``close`` drains the queue or raises, leaving the
+unstored batches readable through :meth:`Ingestion.pending`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from conduit.batch import ExperienceBatch, Ragged
+from conduit.errors import ConduitError, ConfigurationError
+
+if TYPE_CHECKING:
+    from conduit.edp import ExperienceDataPlane
+
+__all__ = ["Ingestion", "Handover"]
+
+
+@dataclass
+class Handover:
+    """One validated batch waiting to be stored."""
+
+    batch: ExperienceBatch
+    version: int | None
+    priorities: torch.Tensor | None
+
+
+class Ingestion:
+    """Queue, coalesce and store handed-over batches (in a worker thread or in the caller).
+
+    Args:
+        edp: the buffer whose ``ingest_now`` stores a group.
+
+    Keyword Args:
+        g_ing: off-policy, hand-overs per storage write (int); on-policy, the fraction of
+            a rollout's items per write (``1/M .. 1``).
+        on_policy: the buffer has on-policy semantics.
+        background: store in a worker thread (True) or in the producer's call (False).
+        queue_depth: hand-overs that may wait before ``handover`` blocks.
+        rollout_size: on-policy items per rollout (default: learned from the rollouts seen).
+    """
+
+    def __init__(self, edp: ExperienceDataPlane, *, g_ing: float, on_policy: bool, background: bool,
+                 queue_depth: int, rollout_size: int | None = None) -> None:
+        self.edp = edp
+        self.g_ing = g_ing
+        self.on_policy = on_policy
+        self.background = background
+        self.queue_depth = max(int(queue_depth), 1 if on_policy else int(g_ing), 1)
+        self.rollout_size = rollout_size
+        self._learned = 0  # largest rollout seen (on-policy, when rollout_size is not given)
+        self._cur_version: int | None = None
+        self._cur_items = 0
+        self._cv = threading.Condition()
+        self._pending: deque[Handover] = deque()
+        self._inflight: list[Handover] = []
+        self._error: BaseException | None = None
+        self._force = 0
+        self._closing = False
+        self._stage: dict[str, torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="conduit-ingest", daemon=True)
+            self._thread.start()
+
+    # -- producer side ---------------------------------------------------------------------
+    def handover(self, item: Handover) -> None:
+        """Queue one batch (blocks while the queue is full). Raises an earlier background failure first."""
+        with self._cv:
+            self._raise_failure()
+            if self._closing:
+                raise ConfigurationError("This scheduler is closed; build a new buffer to ingest more.")
+            if self.on_policy and item.version is not None:
+                last = (self._pending or self._inflight or [None])[-1]
+                if last is not None and last.version is not None and item.version < last.version:
+                    raise ConfigurationError(f"Version {item.version} arrived after version {last.version}; "
+                                             f"on-policy versions must not go backwards.")
+            while self.background and len(self._pending) >= self.queue_depth and self._error is None:
+                self._cv.wait()
+            self._raise_failure()
+            self._pending.append(item)
+            self._cv.notify_all()
+        if not self.background:
+            self._store_ready(force=False)
+
+    def flush(self) -> None:
+        """Return once every handed-over batch is stored (or raise why one cannot be)."""
+        if not self.background:
+            self._store_ready(force=True)
+            self._rollout_done()
+            return
+        with self._cv:
+            self._force += 1
+            self._cv.notify_all()
+            try:
+                while (self._pending or self._inflight) and self._error is None:
+                    self._cv.wait()
+                self._raise_failure()
+            finally:
+                self._force -= 1
+        self._rollout_done()
+
+    def close(self) -> None:
+        """Drain the queue and stop the worker; raise if some batches could not be stored."""
+        if not self.background:
+            with self._cv:
+                self._closing = True
+            self._store_ready(force=True)
+            return
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        assert self._thread is not None
+        self._thread.join()
+        with self._cv:
+            if self._error is not None:
+                e, self._error = self._error, None
+                raise self._failure(e, closing=True) from e
+
+    def pending(self) -> list[Handover]:
+        """Handed-over batches not stored yet, in order."""
+        with self._cv:
+            return list(self._inflight) + list(self._pending)
+
+    @property
+    def waiting(self) -> bool:
+        with self._cv:
+            return bool(self._pending or self._inflight)
+
+    # -- grouping --------------------------------------------------------------------------
+    def _target(self) -> float:
+        """Units per group: hand-overs off-policy, items on-policy."""
+        if not self.on_policy:
+            return self.g_ing
+        n = self.rollout_size or self._learned
+        return math.ceil(self.g_ing * n) if n else 1
+
+    def _group(self) -> tuple[list[Handover], bool]:
+        """The group at the head of the queue, and whether it is complete (must be called under the lock)."""
+        head = self._pending[0]
+        group = [head]
+        units = head.batch.batch_size if self.on_policy else 1
+        rows = head.batch.batch_size
+        target = self._target()
+        for h in list(self._pending)[1:]:
+            if units >= target:
+                return group, True
+            if (h.version != head.version or (h.priorities is None) != (head.priorities is None)
+                    or rows + h.batch.batch_size > self.edp.capacity):
+                return group, True  # the next hand-over starts another group
+            group.append(h)
+            units += h.batch.batch_size if self.on_policy else 1
+            rows += h.batch.batch_size
+        return group, units >= target
+
+    def _take(self, force: bool) -> list[Handover] | None:
+        if not self._pending or self._error is not None:
+            return None
+        group, complete = self._group()
+        if not (complete or force or self._force or self._closing or len(self._pending) >= self.queue_depth):
+            return None
+        for _ in group:
+            self._pending.popleft()
+        self._inflight = group
+        return group
+
+    # -- storing ---------------------------------------------------------------------------
+    def _store(self, group: list[Handover]) -> None:
+        head = group[0]
+        if len(group) == 1:
+            self.edp.ingest_now(head.batch, version=head.version, priorities=head.priorities)
+        else:
+            t0 = time.perf_counter()
+            batch = self._concat([h.batch for h in group])
+            prios = None if head.priorities is None else torch.cat([torch.as_tensor(h.priorities).reshape(-1)
+                                                                    for h in group])
+            self.edp.telemetry.record("stage", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
+            self.edp.ingest_now(batch, version=head.version, priorities=prios)
+        if self.on_policy:
+            with self._cv:
+                if head.version != self._cur_version:
+                    self._learned = max(self._learned, self._cur_items)
+                    self._cur_version, self._cur_items = head.version, 0
+                self._cur_items += sum(h.batch.batch_size for h in group)
+
+    def _concat(self, batches: list[ExperienceBatch]) -> ExperienceBatch:
+        """One batch of all rows, fixed fields staged in reused buffers."""
+        n = sum(b.batch_size for b in batches)
+        cols: dict[str, torch.Tensor | Ragged] = {}
+        for name in batches[0]:
+            first = batches[0][name]
+            if isinstance(first, Ragged):
+                parts = [b[name] for b in batches]
+                cols[name] = Ragged(torch.cat([p.values for p in parts]),  # type: ignore[union-attr]
+                                    torch.cat([p.lengths for p in parts]))  # type: ignore[union-attr]
+                continue
+            buf = self._stage.get(name)
+            if buf is None or buf.shape[0] < n or buf.dtype != first.dtype or buf.device != first.device:
+                pin = (torch.cuda.is_available() and first.device.type == "cpu"
+                       and self.edp.storage.device.type == "cuda")
+                buf = torch.empty((n, *first.shape[1:]), dtype=first.dtype, device=first.device, pin_memory=pin)
+                self._stage[name] = buf
+            torch.cat([b[name] for b in batches], out=buf[:n])  # type: ignore[misc]
+            cols[name] = buf[:n]
+        return ExperienceBatch(cols, n)
+
+    def _rollout_done(self) -> None:
+        """On-policy: ``seal`` flushes, so a flush may end a rollout; remember the largest size seen."""
+        if self.on_policy:
+            with self._cv:
+                self._learned = max(self._learned, self._cur_items)
+                self._cur_items = 0
+
+    def _store_ready(self, force: bool) -> None:
+        """Store complete groups in the caller (sequential mode)."""
+        while True:
+            with self._cv:
+                self._raise_failure()
+                group = self._take(force)
+            if group is None:
+                return
+            try:
+                self._store(group)
+            except BaseException:
+                with self._cv:
+                    self._pending.extendleft(reversed(group))
+                    self._inflight = []
+                raise
+            with self._cv:
+                self._inflight = []
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    group = self._take(force=False)
+                    if group is not None:
+                        break
+                    if self._closing and (not self._pending or self._error is not None):
+                        self._cv.notify_all()
+                        return
+                    self._cv.wait()
+            err: BaseException | None = None
+            try:
+                self._store(group)
+            except BaseException as e:  # noqa: BLE001 - kept and raised in the producer's thread
+                err = e
+            with self._cv:
+                if err is not None:
+                    self._pending.extendleft(reversed(group))
+                    self._error = err
+                self._inflight = []
+                self._cv.notify_all()
+
+    # -- failures --------------------------------------------------------------------------
+    def _raise_failure(self) -> None:
+        """Raise a background failure once (under the lock); the worker then retries the batch."""
+        if self._error is None:
+            return
+        e, self._error = self._error, None
+        self._cv.notify_all()
+        raise self._failure(e, closing=False) from e
+
+    def _failure(self, e: BaseException, *, closing: bool) -> BaseException:
+        n = len(self._pending) + len(self._inflight)
+        what = ("they stay in scheduler.pending()" if closing
+                else "they stay queued in order and are retried; this call's batch was not accepted")
+        msg = f"Background ingestion failed ({type(e).__name__}: {e}); {n} handed-over batches are not stored: {what}."
+        if isinstance(e, ConduitError):
+            try:
+                return type(e)(msg)
+            except TypeError:
+                return e
+        return e

@@ -1,0 +1,414 @@
+"""The overlapped scheduler: granularity, background ingestion and delivery prefetch.
+
+``Overlapped(g_ing=..., g_del=...)`` runs the experience path off the critical path:
+
+* **ingestion** -- ``ingest`` hands the validated batch to a bounded queue and returns;
+  a worker thread stores it, ``g_ing`` rollouts (off-policy) or ``g_ing`` of a rollout
+  (on-policy) per storage write. See :mod:`conduit.scheduling.ingestion`.
+* **delivery** -- each delivery call prepares a *chunk* of ``g_del`` batches (one locked
+  select-and-gather into a reused buffer); while the learner updates on one batch, a
+  worker thread prepares the next chunk (double/triple buffering, see
+  :mod:`conduit.scheduling.buffers`). With a GPU learner and host storage the chunk is
+  gathered into page-locked staging and copied by a side CUDA stream.
+
+With ``overlap=False`` the same granularity runs sequentially in the caller: that is
+"granularity alone" (the paper's sequential configuration).
+
+Semantics kept, per kind of buffer:
+
+* **on-policy** -- ``g_del`` is ``1/M``: one minibatch per delivery call. The next
+  minibatch of the *current* rollout is predicted (a peek that leaves the semantics'
+  state untouched) and gathered ahead; at delivery the real selection is made and the
+  prepared rows are used only if they are exactly the selected items. So prefetch never
+  crosses a rollout or a policy version, staleness is checked at delivery time, and the
+  delivered sequence is the synchronous one.
+* **prioritized replay** -- a prefetched batch is drawn before the learner's latest
+  priority updates reach the tree. It misses at most ``max_priority_staleness`` (default
+  ``g_del``) ``update_priorities`` calls; a prepared batch that would miss more is
+  discarded and drawn again. Importance weights use the ``beta`` of the delivery call.
+* **uniform replay** -- a prepared batch was drawn from the contents at most one chunk
+  (``g_del`` deliveries) earlier: it can hold items evicted since, and items ingested
+  since become drawable from the next chunk on.
+
+Deterministic under a seed when sequential (``overlap=False``) and, on-policy, always;
+with overlap, replay draws depend on how background ingestion interleaves with them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from conduit.batch import ExperienceBatch
+from conduit.errors import ConduitError, ConfigurationError
+from conduit.scheduling.base import Scheduler
+from conduit.scheduling.buffers import ChunkRing, buffers_needed
+from conduit.scheduling.ingestion import Handover, Ingestion
+from conduit.semantics.base import SampleInfo, Selection
+from conduit.semantics.onpolicy import OnPolicy
+from conduit.semantics.replay import Replay
+
+if TYPE_CHECKING:
+    from conduit.edp import ExperienceDataPlane
+
+__all__ = ["Overlapped"]
+
+_Key = tuple[Any, ...]
+
+
+@dataclass
+class _Prepared:
+    """One batch prepared ahead of its delivery."""
+
+    key: _Key
+    batch: ExperienceBatch
+    info: SampleInfo
+    selection: Selection
+    buf: int
+    #: priority-update count when it was drawn (prioritized replay)
+    prio_epoch: int
+    #: CUDA event of its copy to the learner's device (None off CUDA)
+    event: Any = None
+    #: the chunk's last batch frees the chunk's buffer when it leaves
+    frees_buffer: bool = False
+
+
+class Overlapped(Scheduler):
+    """Background ingestion and delivery prefetch at chosen granularities.
+
+    Keyword Args:
+        g_ing: ingestion granularity. Off-policy: rollouts (``ingest`` calls) per storage
+            write, an int >= 1. On-policy: the part of a rollout per write, in ``(0, 1]``
+            (``1/M`` pipelines minibatch-sized parts, ``1`` writes whole rollouts).
+        g_del: delivery granularity. Off-policy: batches prepared per delivery call, an
+            int >= 1. On-policy it is ``1/M`` (one minibatch per call); pass ``1`` or ``1/M``.
+        overlap: run ingestion and delivery preparation in worker threads (True), or
+            sequentially in the caller at the same granularity (False).
+        queue_depth: handed-over batches that may wait for storage before ``ingest``
+            blocks (backpressure). At least ``g_ing`` off-policy.
+        max_priority_staleness: prioritized replay only: how many ``update_priorities``
+            calls a delivered batch's draw may precede (default ``g_del``).
+        output_depth: deliveries a delivered batch stays valid for (default 2).
+        rollout_size: on-policy items per rollout, for ``g_ing`` (default: learned).
+        copy_on_ingest: copy each batch in ``ingest`` before handing it over, so the
+            producer may overwrite its arrays at once. Off by default: the producer must
+            not write into a handed-over batch until ``flush()``.
+
+    Examples:
+        >>> import torch
+        >>> from conduit import ExperienceDataPlane, ExperienceSchema, Field, Overlapped
+        >>> edp = ExperienceDataPlane(ExperienceSchema(obs=Field((3,))), capacity=64,
+        ...                           scheduler=Overlapped(g_ing=1, g_del=2))
+        >>> _ = edp.ingest({"obs": torch.ones(10, 3)})
+        >>> edp.flush()
+        >>> batch, info = edp.deliver(4)
+        >>> batch["obs"].shape
+        torch.Size([4, 3])
+        >>> edp.close()
+    """
+
+    def __init__(self, *, g_ing: float = 1, g_del: float = 1, overlap: bool = True, queue_depth: int = 8,
+                 max_priority_staleness: int | None = None, output_depth: int = 2,
+                 rollout_size: int | None = None, copy_on_ingest: bool = False) -> None:
+        if not isinstance(g_ing, (int, float)) or isinstance(g_ing, bool) or not g_ing > 0:
+            raise ConfigurationError(f"g_ing must be a positive number, got {g_ing!r}.")
+        if not isinstance(g_del, (int, float)) or isinstance(g_del, bool) or not g_del > 0:
+            raise ConfigurationError(f"g_del must be a positive number, got {g_del!r}.")
+        if not isinstance(output_depth, int) or output_depth < 1:
+            raise ConfigurationError(f"output_depth must be an int >= 1, got {output_depth!r}.")
+        if max_priority_staleness is not None and max_priority_staleness < 0:
+            raise ConfigurationError(f"max_priority_staleness must be >= 0, got {max_priority_staleness}.")
+        if queue_depth < 1:
+            raise ConfigurationError(f"queue_depth must be >= 1, got {queue_depth}.")
+        self.g_ing = g_ing
+        self.g_del = g_del
+        self.overlap = bool(overlap)
+        self.queue_depth = int(queue_depth)
+        self.output_depth = output_depth
+        self.rollout_size = rollout_size
+        self.copy_on_ingest = copy_on_ingest
+        self._max_prio_stale = max_priority_staleness
+        #: prepared batches discarded undelivered (replay: key change, staleness, checkpoint)
+        self.discarded = 0
+        #: deliveries served from a prepared batch / prepared in the delivery call
+        self.prefetch_hits = 0
+        self.prefetch_misses = 0
+        self._closed = False
+
+    # -- set-up ----------------------------------------------------------------------------
+    def attach(self, edp: ExperienceDataPlane) -> None:
+        super().attach(edp)
+        sem = edp.semantics
+        self.on_policy = isinstance(sem, OnPolicy)
+        self.prioritized = isinstance(sem, Replay) and sem.sampler.prioritized
+        if self.on_policy:
+            m = sem.num_minibatches
+            if self.g_ing > 1:
+                raise ConfigurationError(f"On-policy g_ing is a part of one rollout, in (0, 1]; got {self.g_ing}. "
+                                         f"Batching several rollouts would mix policy versions.")
+            if self.g_del not in (1, 1 / m if m else 1):
+                raise ConfigurationError(f"On-policy g_del is 1/M (one minibatch per delivery call) for freshness; "
+                                         f"got {self.g_del}. Pass g_del=1 or g_del=1/M.")
+            self.g_del = 1 / m if m else 1
+            self._chunk = 1
+        else:
+            for name, g in (("g_ing", self.g_ing), ("g_del", self.g_del)):
+                if int(g) != g:
+                    raise ConfigurationError(f"Off-policy {name} counts rollouts or batches: an int >= 1, got {g}.")
+            self.g_ing, self.g_del = int(self.g_ing), int(self.g_del)
+            self._chunk = int(self.g_del)
+        s = self._max_prio_stale
+        self.max_priority_staleness = self._chunk if s is None else int(s)
+        if self.prioritized:
+            # a chunk drawn inside a delivery call misses up to chunk - 1 updates: cap it
+            self._chunk = max(1, min(self._chunk, self.max_priority_staleness + 1))
+        self._ring = ChunkRing(edp.schema, edp.storage.device, edp.device,
+                               count=buffers_needed(self._chunk, self.output_depth), output_depth=self.output_depth)
+        self._ingestion = Ingestion(edp, g_ing=self.g_ing, on_policy=self.on_policy, background=self.overlap,
+                                    queue_depth=self.queue_depth, rollout_size=self.rollout_size)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="conduit-prefetch") if self.overlap else None
+        self._mu = threading.RLock()
+        self._ready: deque[_Prepared] = deque()
+        self._job: Future[list[_Prepared]] | None = None
+        self._job_buf = -1
+        self._delivered = 0
+        self._prio_epoch = 0
+        self._prio_lock = threading.Lock()
+        self._last: SampleInfo | None = None
+        _OPEN.add(self)
+
+    @property
+    def priority_staleness(self) -> int:
+        """How many ``update_priorities`` calls a delivered batch's draw may precede (0: none)."""
+        if not self.prioritized:
+            return 0
+        return self.max_priority_staleness if self.overlap else self._chunk - 1
+
+    def __repr__(self) -> str:
+        return f"Overlapped(g_ing={self.g_ing}, g_del={self.g_del}, overlap={self.overlap})"
+
+    # -- ingestion -------------------------------------------------------------------------
+    def ingest(self, batch: ExperienceBatch, *, version: int | None,
+               priorities: torch.Tensor | None) -> torch.Tensor | None:
+        t0 = time.perf_counter()
+        if self.copy_on_ingest:
+            batch = batch.clone()
+            priorities = None if priorities is None else torch.as_tensor(priorities).clone()
+        try:
+            self._ingestion.handover(Handover(batch, version, priorities))
+        finally:
+            self.edp.telemetry.record("ingest_wait", batch.batch_size, 0, t0, time.perf_counter())
+        return None
+
+    def flush(self) -> None:
+        self._ingestion.flush()
+
+    def pending(self) -> list[Handover]:
+        """Handed-over batches not in storage yet, in order (after a failed ``close``: what was not stored)."""
+        return self._ingestion.pending()
+
+    # -- delivery --------------------------------------------------------------------------
+    def deliver(self, n: int | None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
+        t0 = time.perf_counter()
+        k = 0
+        try:
+            if self._ingestion.waiting and len(self.edp.storage) == 0:
+                self._ingestion.flush()  # nothing stored yet: handed-over data must not stay invisible
+            with self._mu:
+                if self.on_policy:
+                    batch, info = self._deliver_on_policy()
+                else:
+                    batch, info = self._deliver_replay(n, kwargs)
+            k = batch.batch_size
+            return batch, info
+        finally:
+            self.edp.telemetry.record("deliver_wait", k, 0, t0, time.perf_counter())
+
+    def _deliver_replay(self, n: int | None, kwargs: dict[str, Any]) -> tuple[ExperienceBatch, SampleInfo]:
+        beta = kwargs.pop("beta", None) if self.prioritized else None
+        key: _Key = (n, tuple(sorted(kwargs.items())))
+        self._await_job()
+        while self._ready and (self._ready[0].key != key or self._too_stale(self._ready[0])):
+            self._discard(self._ready.popleft())
+        if self._ready:
+            p = self._ready.popleft()
+            self.prefetch_hits += 1
+        else:
+            chunk = self._prepare(key, self._ring.acquire(self._delivered, inside_call=True))
+            p = chunk[0]
+            self._ready.extend(chunk[1:])
+            self.prefetch_misses += 1
+        self._handover(p)
+        info = self._reweight(p.info, beta)
+        self._start_prefetch(key)
+        return p.batch, info
+
+    def _deliver_on_policy(self) -> tuple[ExperienceBatch, SampleInfo]:
+        self._await_job()
+        pred = self._ready.popleft() if self._ready else None
+        try:
+            sels = self.edp.select_now([None])
+        except BaseException:
+            if pred is not None:  # state unchanged: the prediction may still come true later
+                self._ready.appendleft(pred)
+            raise
+        assert sels is not None
+        sel = sels[0]
+        if pred is not None and torch.equal(pred.info.handles, sel.info.handles):
+            p = _Prepared(pred.key, pred.batch, sel.info, sel, pred.buf, 0, pred.event, True)
+            self.prefetch_hits += 1
+        else:
+            if pred is not None:
+                self._discard(pred)
+            buf = self._ring.acquire(self._delivered, inside_call=True)
+            batch = self.edp.gather_now([sel], self._ring.host(buf))
+            (batch,), event = self._ring.to_device(buf, [batch])
+            p = _Prepared((None, ()), batch, sel.info, sel, buf, 0, event, True)
+            self.prefetch_misses += 1
+        self.edp.release_now(sel)
+        self._handover(p)
+        self._last = sel.info
+        if not sel.info.last:
+            self._start_prefetch((None, ()))
+        return p.batch, sel.info
+
+    def _handover(self, p: _Prepared) -> None:
+        self._ring.handover(p.batch, p.event)
+        self._ring.delivered(p.buf, self._delivered)
+        if p.frees_buffer:
+            self._ring.free(p.buf)
+        self._delivered += 1
+
+    # -- preparing chunks -------------------------------------------------------------------
+    def _prepare(self, key: _Key, buf: int) -> list[_Prepared]:
+        """Select and gather one chunk into buffer ``buf`` (in the caller or in the worker)."""
+        try:
+            n, kw = key
+            epoch = [0]
+            if self.on_policy:
+                res = self.edp.prepare_now([None], self._ring.host(buf), peek=True, when=self._same_rollout)
+                if res is None:
+                    self._ring.free(buf)
+                    return []
+            else:
+                extra = {"beta": 1.0} if self.prioritized else {}
+
+                def stamp() -> bool:
+                    epoch[0] = self._prio_epoch
+                    return True
+
+                res = self.edp.prepare_now([n] * self._chunk, self._ring.host(buf), when=stamp, **dict(kw), **extra)
+                assert res is not None
+            batch, sels = res
+            parts, row = [], 0
+            for s in sels:
+                k = int(s.slots.shape[0])
+                parts.append(batch.select(slice(row, row + k)))
+                row += k
+            parts, event = self._ring.to_device(buf, parts)
+        except BaseException:
+            self._ring.free(buf)
+            raise
+        out = [_Prepared(key, b, s.info, s, buf, epoch[0], event) for b, s in zip(parts, sels, strict=True)]
+        out[-1].frees_buffer = True
+        return out
+
+    def _same_rollout(self) -> bool:
+        """On-policy peek guard (under the buffer's lock): the rollout just delivered from goes on, fresh."""
+        sem = self.edp.semantics
+        last = self._last
+        return (last is not None and not last.last and last.version is not None and isinstance(sem, OnPolicy)
+                and sem.policy_version - last.version <= sem.max_staleness)
+
+    def _start_prefetch(self, key: _Key) -> None:
+        if not self.overlap or self._closed or self._job is not None:
+            return
+        ahead = len(self._ready)
+        if ahead >= self._chunk:
+            return
+        if self.prioritized and ahead + self._chunk > self.max_priority_staleness:
+            return
+        buf = self._ring.acquire(self._delivered, inside_call=False)
+        assert self._pool is not None
+        self._job_buf = buf
+        self._job = self._pool.submit(self._prepare, key, buf)
+
+    def _await_job(self) -> None:
+        job, self._job = self._job, None
+        if job is None:
+            return
+        try:
+            self._ready.extend(job.result())
+        except ConduitError:
+            pass  # e.g. nothing to draw yet: the delivery call prepares (and raises) itself
+        except BaseException:
+            raise
+
+    def _too_stale(self, p: _Prepared) -> bool:
+        return self.prioritized and self._prio_epoch - p.prio_epoch > self.max_priority_staleness
+
+    def _discard(self, p: _Prepared) -> None:
+        self.discarded += 1
+        if p.frees_buffer:
+            self._ring.free(p.buf)
+
+    def _discard_all(self) -> None:
+        self._await_job()
+        while self._ready:
+            self._discard(self._ready.popleft())
+
+    def _reweight(self, info: SampleInfo, beta: float | None) -> SampleInfo:
+        """Prioritized draws are prepared with beta = 1; weights for another beta are a power of those."""
+        if not self.prioritized or info.weights is None:
+            return info
+        sem = self.edp.semantics
+        assert isinstance(sem, Replay)
+        b = float(getattr(sem.sampler, "beta", 1.0)) if beta is None else float(beta)
+        if b == 1.0:
+            return info
+        return SampleInfo(handles=info.handles, weights=info.weights.pow(b), probabilities=info.probabilities)
+
+    # -- invalidation and shutdown ---------------------------------------------------------
+    def invalidate(self, reason: str = "contents") -> None:
+        """Priority updates age prepared draws; a policy change is checked at delivery; else drop all."""
+        if reason == "priorities":
+            with self._prio_lock:
+                self._prio_epoch += 1
+            return
+        if reason == "policy":
+            return  # on-policy predictions are confirmed against the real selection at delivery
+        with self._mu:
+            self._discard_all()
+
+    def close(self) -> None:
+        """Stop prefetching, then store everything handed over (or raise, keeping it in ``pending()``)."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN.discard(self)
+        with self._mu:
+            self._discard_all()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._ingestion.close()
+
+
+#: schedulers to drain at interpreter exit (daemon workers would otherwise die with data queued)
+_OPEN: weakref.WeakSet[Overlapped] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open() -> None:
+    for s in list(_OPEN):
+        try:
+            s.close()
+        except Exception:  # noqa: BLE001 - nothing else can be done at exit
+            pass
