@@ -1,16 +1,76 @@
-"""The placement role: which tier (and devices) hold the experience state."""
+"""The placement role: which tier (and devices) hold the experience state.
+
+Tiers, all behind the one :class:`~conduit.storage.Storage` interface (so replay and
+on-policy semantics are identical on each):
+
+* :class:`HostPlacement`: host memory, pageable or page-locked (``pin_memory``, needs CUDA);
+* :class:`DevicePlacement`: one accelerator (``cuda:i``), or any torch device;
+* :class:`ShardedPlacement`: slots interleaved over several devices;
+* :class:`DiskPlacement`: memory-mapped files, for buffers larger than memory.
+
+A :class:`PlacementSpec` names a placement as plain data (``tier`` + ``devices``); it is
+what the planner chooses and what ``conduit plan --json`` prints.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from conduit.errors import PlacementError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import Storage
 from conduit.storage.columnar import ColumnarStorage
+from conduit.storage.disk import DiskStorage
+from conduit.storage.sharded import ShardedStorage
 
-__all__ = ["Placement", "HostPlacement"]
+__all__ = ["Placement", "PlacementSpec", "HostPlacement", "DevicePlacement", "ShardedPlacement", "DiskPlacement",
+           "TIERS"]
+
+#: the tier names a :class:`PlacementSpec` may carry
+TIERS = ("host", "pinned", "gpu", "sharded", "disk")
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    """A placement as data: the tier and the devices it uses.
+
+    ``devices`` are torch device strings (``"cpu"``, ``"cuda:3"``); the disk tier lists
+    ``"disk"``.
+    """
+
+    tier: str
+    devices: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise PlacementError(f"Unknown tier {self.tier!r}; use one of {', '.join(TIERS)}.")
+        object.__setattr__(self, "devices", tuple(str(d) for d in self.devices))
+
+    def build(self, *, directory: str | Path | None = None) -> Placement:
+        """The :class:`Placement` that realises this spec (``directory`` is for the disk tier)."""
+        if self.tier == "host":
+            return HostPlacement()
+        if self.tier == "pinned":
+            return HostPlacement(pin_memory=True)
+        if self.tier == "gpu":
+            return DevicePlacement(self.devices[0])
+        if self.tier == "sharded":
+            return ShardedPlacement(self.devices)
+        return DiskPlacement(directory=directory)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tier": self.tier, "devices": list(self.devices)}
+
+    def __str__(self) -> str:
+        if self.tier in ("host", "pinned", "disk"):
+            return self.tier
+        return f"{self.tier}[{','.join(self.devices)}]"
 
 
 class Placement(ABC):
@@ -28,6 +88,26 @@ class Placement(ABC):
     def describe(self) -> str:
         return type(self).__name__
 
+    @property
+    def spec(self) -> PlacementSpec | None:
+        """This placement as data, when it is one of the built-in tiers."""
+        return None
+
+
+def _check_device(device: torch.device) -> None:
+    """Raise :class:`PlacementError` for an accelerator this machine does not have."""
+    if device.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        idx = device.index if device.index is not None else 0
+        if idx >= n:
+            raise PlacementError(f"{device} is not available here ({n} CUDA device(s)); pick an existing device, "
+                                 f"or let `conduit plan --topology local` choose a placement.")
+    elif device.type not in ("cpu", "meta"):
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as e:
+            raise PlacementError(f"{device} cannot be used here ({e}); pick another device.") from e
+
 
 class HostPlacement(Placement):
     """Experience lives in host memory (page-locked when ``pin_memory`` and CUDA is present)."""
@@ -41,3 +121,87 @@ class HostPlacement(Placement):
 
     def describe(self) -> str:
         return "host (pinned)" if self.pin_memory else "host"
+
+    @property
+    def spec(self) -> PlacementSpec:
+        return PlacementSpec("pinned" if self.pin_memory else "host", ("cpu",))
+
+
+class DevicePlacement(Placement):
+    """Experience lives in one device's memory (``"cuda:i"``; any torch device works).
+
+    Args:
+        device: the device holding the columns.
+
+    Raises:
+        PlacementError: the device does not exist on this machine.
+    """
+
+    def __init__(self, device: torch.device | str = "cuda:0") -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", 0)
+        _check_device(self.device)
+
+    def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
+        tier = "gpu" if self.device.type != "cpu" else "host"
+        return ColumnarStorage(schema, capacity, self.device, ragged_capacity=ragged_capacity, tier=tier)
+
+    def describe(self) -> str:
+        return f"device {self.device}"
+
+    @property
+    def spec(self) -> PlacementSpec:
+        return PlacementSpec("gpu" if self.device.type != "cpu" else "host", (str(self.device),))
+
+
+class ShardedPlacement(Placement):
+    """Experience is sharded over ``devices`` (slot ``s`` on device ``s % K``).
+
+    Several ``"cpu"`` entries are allowed: that exercises the sharding logic without a GPU.
+
+    Args:
+        devices: one device per shard, the first one also receives delivered batches.
+
+    Raises:
+        PlacementError: no devices, or a device this machine does not have.
+    """
+
+    def __init__(self, devices: Sequence[torch.device | str]) -> None:
+        self.devices = tuple(torch.device(d) for d in devices)
+        if not self.devices:
+            raise PlacementError("ShardedPlacement needs at least one device, e.g. ShardedPlacement(['cuda:0', "
+                                 "'cuda:1']).")
+        for d in self.devices:
+            _check_device(d)
+
+    def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
+        return ShardedStorage(schema, capacity, self.devices, ragged_capacity=ragged_capacity)
+
+    def describe(self) -> str:
+        return f"sharded over {', '.join(str(d) for d in self.devices)}"
+
+    @property
+    def spec(self) -> PlacementSpec:
+        return PlacementSpec("sharded", tuple(str(d) for d in self.devices))
+
+
+class DiskPlacement(Placement):
+    """Experience lives in memory-mapped files under ``directory`` (default: the temp dir).
+
+    Keyword Args:
+        directory: the volume to use; files go into a fresh subdirectory, removed with the storage.
+    """
+
+    def __init__(self, *, directory: str | Path | None = None) -> None:
+        self.directory = directory
+
+    def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
+        return DiskStorage(schema, capacity, directory=self.directory, ragged_capacity=ragged_capacity)
+
+    def describe(self) -> str:
+        return "disk (memory-mapped)"
+
+    @property
+    def spec(self) -> PlacementSpec:
+        return PlacementSpec("disk", ("disk",))

@@ -1,0 +1,101 @@
+"""``conduit profile`` and ``conduit plan``: measure this machine, and explain a placement choice."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from conduit.errors import ConduitError, PlacementError
+
+__all__ = ["register"]
+
+
+def _count(text: str) -> int:
+    """An item count, accepting ``1e6`` and ``1_000_000``."""
+    try:
+        v = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if v <= 0 or v != int(v):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
+    return int(v)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from conduit.placement.profile import load_profile, profile_machine, profile_path
+
+    try:
+        prof = load_profile() if args.cached else profile_machine(refresh=True, quick=args.quick)
+    except PlacementError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**prof.to_dict(), "path": str(profile_path())}, indent=1))
+        return 0
+    gpus = prof.details.get("gpus", 0)
+    print(f"bandwidth profile of machine {prof.machine} ({prof.created}), cached at {profile_path()}")
+    if not gpus:
+        print("no GPU found: host and disk paths only")
+    print(f"{'path':22}{'overhead us':>13}  effective bandwidth (GB/s) by transfer size")
+    for name, link in sorted(prof.links.items()):
+        pts = "  ".join(f"{_size(b)}:{'-' if bw == float('inf') else f'{bw / 1e9:.2f}'}" for b, bw in link.points
+                        if bw != float("inf"))
+        print(f"{name:22}{link.overhead_s * 1e6:13.1f}  {pts}")
+    if not prof.details.get("disk_read_cold", True):
+        print("note: disk_read was measured with the page cache warm (this OS cannot drop it per file)")
+    return 0
+
+
+def _size(b: float) -> str:
+    for unit, s in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if b >= s:
+            return f"{b / s:g}{unit}"
+    return f"{b:g}B"
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from conduit.placement.cost import Workload
+    from conduit.placement.planner import Planner
+    from conduit.placement.profile import profile_machine
+    from conduit.placement.topology import load_topology
+
+    try:
+        topo = load_topology(args.topology)
+        profile = None
+        if topo.source == "discovered":
+            profile = profile_machine(quick=True)  # the cached one when present
+        planner = Planner(topo, profile)
+        workload = Workload.transitions(args.obs_dim, capacity=args.capacity, batch=args.batch,
+                                        learners=args.learners)
+        plan = planner.plan(workload)
+    except ConduitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+    else:
+        if topo.source == "discovered":
+            print(topo.details.get("gpus", ""))
+        print(plan.explain())
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``profile`` and ``plan`` to the ``conduit`` command line."""
+    p = sub.add_parser("profile", help="measure this machine's data paths (bandwidth, per-call overhead) and cache "
+                                       "them")
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions, smaller buffers")
+    p.add_argument("--cached", action="store_true", help="show the cached profile instead of measuring")
+    p.set_defaults(func=_profile)
+
+    q = sub.add_parser("plan", help="choose a placement for a transition buffer and explain every candidate")
+    q.add_argument("--topology", required=True, help="a declared topology (dgx-a100-80g, mi250x-node, h200x1) or "
+                                                     "'local' (this machine, measured)")
+    q.add_argument("--obs-dim", type=_count, required=True, help="observation size d (obs and next_obs, float32)")
+    q.add_argument("--capacity", type=_count, required=True, help="buffer capacity in items (1e6 is accepted)")
+    q.add_argument("--batch", type=_count, required=True, help="items per delivery, per learner")
+    q.add_argument("--learners", type=_count, default=1, help="learners (one GPU each where there are GPUs)")
+    q.add_argument("--json", action="store_true", help="print the plan as JSON (top-level 'placement')")
+    q.set_defaults(func=_plan)

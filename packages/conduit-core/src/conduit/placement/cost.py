@@ -1,0 +1,400 @@
+"""The cost model: predicted ingestion and delivery latency, and memory, of a candidate placement.
+
+Every prediction is built from the same parts the implementation executes, each priced
+by a :class:`~conduit.placement.LinkCost` (per-call overhead + bytes at the effective
+bandwidth for that transfer size):
+
+* **ingest** (actor -> buffer), per iteration: the EDP's per-call overhead plus, per field,
+  the copy from the actor's pageable host tensor into the tier (host copy, pageable
+  H2D into a GPU, a strided pack + H2D per shard, or a write into a memory-mapped file);
+* **deliver** (buffer -> learner), per iteration and learner: the EDP's per-call overhead
+  plus, per field, a random-row gather on the tier (host, GPU memory, shard by shard, or
+  a memory-mapped file) and the move to the learner's device (pinned H2D from a host tier,
+  P2P between GPUs). Work on different GPUs overlaps: a sharded delivery costs the sum of
+  the per-call overheads (issued one after another) plus the slowest shard's transfer,
+  plus the scatter of every shard's rows into the output on the gathering device.
+
+Learner ``l`` sits on ``cuda:l`` when the topology has GPUs, else on the host. Deliveries
+to several learners are serialised (the EDP delivers one call at a time).
+
+Memory: the columns plus the delivery output buffers (``output_depth`` batches on the
+gathering device and on each learner device), times ``1 + headroom``, must fit the
+usable share of each device's memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from conduit.errors import ConfigurationError, PlacementError
+from conduit.placement.base import PlacementSpec
+from conduit.placement.profile import BandwidthProfile, LinkCost
+from conduit.placement.topology import Topology
+from conduit.schema import ExperienceSchema, Field
+
+__all__ = ["Workload", "Estimate", "CostModel", "transition_schema"]
+
+
+def transition_schema(obs_dim: int, dtype: torch.dtype = torch.float32) -> ExperienceSchema:
+    """The paper's synthetic transition: ``obs``, ``next_obs`` (``obs_dim`` each), action, reward, done."""
+    return ExperienceSchema(obs=Field((obs_dim,), dtype), next_obs=Field((obs_dim,), dtype),
+                            action=Field((), torch.int64), reward=Field((), torch.float32),
+                            done=Field((), torch.bool))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a buffer holds and how one training iteration uses it.
+
+    Args:
+        field_bytes: bytes per item of each column (ragged fields: at their mean length).
+        capacity: item slots.
+        batch: items per delivery, per learner.
+        learners: learners, each taking one delivery per iteration.
+        ingest_items: items per ingestion call (default ``batch * learners``: one call per iteration).
+        growing: indices of the fields that grow with experience size (default: all);
+            :meth:`resized` scales only these.
+        name: a label for reports.
+    """
+
+    field_bytes: tuple[int, ...]
+    capacity: int
+    batch: int
+    learners: int = 1
+    ingest_items: int | None = None
+    growing: tuple[int, ...] | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.field_bytes or any(b < 0 for b in self.field_bytes):
+            raise ConfigurationError(f"field_bytes must be non-empty and >= 0, got {self.field_bytes}.")
+        for nm in ("capacity", "batch", "learners"):
+            v = getattr(self, nm)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigurationError(f"{nm} must be a positive int, got {v!r}.")
+        if self.batch > self.capacity:
+            raise ConfigurationError(f"batch ({self.batch}) exceeds capacity ({self.capacity}).")
+        object.__setattr__(self, "field_bytes", tuple(int(b) for b in self.field_bytes))
+
+    @property
+    def item_bytes(self) -> int:
+        return sum(self.field_bytes)
+
+    @property
+    def calls_per_iteration(self) -> float:
+        """Ingestion calls per iteration."""
+        items = self.ingest_items or self.batch * self.learners
+        return self.batch * self.learners / items
+
+    @property
+    def ingest_call_items(self) -> int:
+        return self.ingest_items or self.batch * self.learners
+
+    @classmethod
+    def from_schema(cls, schema: ExperienceSchema, *, capacity: int, batch: int, learners: int = 1,
+                    ingest_items: int | None = None, mean_ragged_length: float = 0.0, name: str = "") -> Workload:
+        """The workload of ``schema`` items (ragged fields counted at ``mean_ragged_length`` elements)."""
+        fb = []
+        for n in schema:
+            f = schema[n]
+            fb.append(int(round(f.element_bytes * (mean_ragged_length if f.ragged else 1))))
+        growing = tuple(i for i, n in enumerate(schema) if schema[n].ragged or schema[n].item_numel > 1) or None
+        return cls(tuple(fb), capacity, batch, learners, ingest_items, growing, name)
+
+    @classmethod
+    def transitions(cls, obs_dim: int, *, capacity: int, batch: int, learners: int = 1,
+                    ingest_items: int | None = None, dtype: torch.dtype = torch.float32) -> Workload:
+        """The paper's synthetic workload: transitions of observation size ``obs_dim``."""
+        if not isinstance(obs_dim, int) or obs_dim <= 0:
+            raise ConfigurationError(f"obs_dim must be a positive int, got {obs_dim!r}.")
+        return cls.from_schema(transition_schema(obs_dim, dtype), capacity=capacity, batch=batch, learners=learners,
+                               ingest_items=ingest_items, name=f"transitions(d={obs_dim})")
+
+    def resized(self, item_bytes: float) -> Workload:
+        """The same workload with items of ``item_bytes`` (only the growing fields change)."""
+        grow = self.growing if self.growing is not None else tuple(range(len(self.field_bytes)))
+        fixed = sum(b for i, b in enumerate(self.field_bytes) if i not in grow)
+        g_now = sum(self.field_bytes[i] for i in grow)
+        target = max(0.0, float(item_bytes) - fixed)
+        fb = list(self.field_bytes)
+        for i in grow:
+            share = self.field_bytes[i] / g_now if g_now else 1.0 / len(grow)
+            fb[i] = int(round(target * share))
+        return Workload(tuple(fb), self.capacity, self.batch, self.learners, self.ingest_items, self.growing,
+                        self.name and f"{self.name}@{int(item_bytes)}B")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "item_bytes": self.item_bytes, "field_bytes": list(self.field_bytes),
+                "capacity": self.capacity, "batch": self.batch, "learners": self.learners,
+                "ingest_items": self.ingest_call_items}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The cost model's prediction for one placement and workload (seconds per iteration, bytes)."""
+
+    spec: PlacementSpec
+    ingest_s: float
+    deliver_s: float
+    #: device -> bytes the placement needs there (columns + output buffers, before headroom)
+    memory: dict[str, int]
+    #: device -> bytes usable there
+    usable: dict[str, int]
+    headroom: float
+    #: named parts of the latency ("ingest: copy", "deliver: transfer", ...) in seconds
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        """Experience-path latency per iteration: ingestion plus delivery."""
+        return self.ingest_s + self.deliver_s
+
+    def shortfalls(self) -> list[str]:
+        """One sentence per device the placement does not fit on (empty when feasible)."""
+        out = []
+        for dev, need in self.memory.items():
+            want = need * (1 + self.headroom)
+            have = self.usable.get(dev, 0)
+            if want > have:
+                out.append(f"needs {want / 2**30:.1f} GiB on {dev} (with {self.headroom:.0%} headroom), "
+                           f"{have / 2**30:.1f} GiB usable")
+        return out
+
+    @property
+    def feasible(self) -> bool:
+        return not self.shortfalls()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.spec.to_dict(), "ingest_ms": self.ingest_s * 1e3, "deliver_ms": self.deliver_s * 1e3,
+                "total_ms": self.total_s * 1e3, "memory_bytes": dict(self.memory), "usable_bytes": dict(self.usable),
+                "feasible": self.feasible, "breakdown_ms": {k: v * 1e3 for k, v in self.breakdown.items()}}
+
+
+def _cuda_index(device: str) -> int | None:
+    return int(device.split(":", 1)[1]) if device.startswith("cuda:") else None
+
+
+class CostModel:
+    """Predicts latency and memory of placements on one topology from one bandwidth profile.
+
+    Args:
+        topology: the devices and their memory.
+        profile: the path costs (default: the topology's declared figures; a discovered
+            topology needs a measured profile, see :func:`~conduit.placement.profile_machine`).
+
+    Keyword Args:
+        headroom: extra memory kept free beyond what the buffer needs (fraction of it).
+        gpu_usable: share of each GPU's memory the buffer may use (the rest is the learner's).
+        host_usable: share of host memory the buffer may use.
+        disk_usable: share of the disk tier's free space the buffer may use.
+        output_depth: delivery output buffers kept alive (the scheduler's ``output_depth``).
+
+    Raises:
+        PlacementError: no profile for this topology, or a measured profile from another machine.
+    """
+
+    def __init__(self, topology: Topology, profile: BandwidthProfile | None = None, *, headroom: float = 0.1,
+                 gpu_usable: float = 0.9, host_usable: float = 0.75, disk_usable: float = 0.9,
+                 output_depth: int = 2) -> None:
+        prof = profile if profile is not None else topology.declared
+        if prof is None:
+            raise PlacementError(f"Topology {topology.name!r} declares no link figures; measure this machine with "
+                                 f"conduit.placement.profile_machine() (or `conduit profile`) and pass the profile.")
+        if topology.source == "discovered":
+            prof.check_machine()
+        for nm, v in (("headroom", headroom), ("gpu_usable", gpu_usable), ("host_usable", host_usable),
+                      ("disk_usable", disk_usable)):
+            if not (0 <= v <= (10 if nm == "headroom" else 1)):
+                raise ConfigurationError(f"{nm}={v} is out of range.")
+        self.topology = topology
+        self.profile = prof
+        self.headroom = headroom
+        self.gpu_usable = gpu_usable
+        self.host_usable = host_usable
+        self.disk_usable = disk_usable
+        self.output_depth = output_depth
+
+    # -- devices -----------------------------------------------------------------------------
+    def learner_devices(self, workload: Workload) -> list[str]:
+        """Where the learners sit: ``cuda:0 .. cuda:L-1`` with GPUs, else the host."""
+        n = self.topology.num_gpus
+        if not n:
+            return ["cpu"] * workload.learners
+        if workload.learners > n:
+            raise PlacementError(f"{workload.learners} learners need {workload.learners} GPUs but topology "
+                                 f"{self.topology.name!r} has {n}; use --learners {n} or fewer.")
+        return [f"cuda:{i}" for i in range(workload.learners)]
+
+    def usable_bytes(self, device: str) -> int:
+        mem = self.topology.memory_of(device)
+        share = self.host_usable if device == "cpu" else self.disk_usable if device == "disk" else self.gpu_usable
+        return int(mem * share)
+
+    # -- memory ------------------------------------------------------------------------------
+    def memory(self, spec: PlacementSpec, workload: Workload) -> dict[str, int]:
+        """Bytes the placement needs per device: columns + delivery output buffers."""
+        item = workload.item_bytes
+        out = self.output_depth * workload.batch * item
+        need: dict[str, int] = {}
+
+        def add(dev: str, b: int) -> None:
+            need[dev] = need.get(dev, 0) + int(b)
+
+        if spec.tier in ("host", "pinned"):
+            add("cpu", workload.capacity * item)
+            home = "cpu"
+        elif spec.tier == "gpu":
+            add(spec.devices[0], workload.capacity * item)
+            home = spec.devices[0]
+        elif spec.tier == "sharded":
+            k = len(spec.devices)
+            for i, d in enumerate(spec.devices):
+                add(d, ((workload.capacity - i + k - 1) // k) * item)
+            home = spec.devices[0]
+        else:
+            add("disk", workload.capacity * item)
+            home = "cpu"
+        add(home, out)
+        for ld in sorted(set(self.learner_devices(workload))):
+            if ld != home:
+                add(ld, out)
+        return need
+
+    # -- latency -----------------------------------------------------------------------------
+    def _gather(self, device: str) -> LinkCost:
+        i = _cuda_index(device)
+        if i is None:
+            return self.profile.link("host_gather")
+        return self.profile.link("gpu_gather", i)
+
+    def _move(self, src: str, dst: str, *, pinned: bool) -> LinkCost | None:
+        """The path from ``src`` to ``dst`` (None when they are the same memory)."""
+        si, di = _cuda_index(src), _cuda_index(dst)
+        if si is None and di is None:
+            return None
+        if si is not None and di is not None:
+            return None if si == di else self.profile.link("p2p", si, di)
+        if si is None:
+            assert di is not None
+            return self.profile.link("h2d_pinned" if pinned else "h2d_pageable", di)
+        assert si is not None
+        return self.profile.link("d2h_pinned" if pinned else "d2h_pageable", si)
+
+    def ingest(self, spec: PlacementSpec, workload: Workload) -> tuple[float, dict[str, float]]:
+        """Seconds per iteration to ingest ``batch * learners`` items from actors' host tensors."""
+        items = workload.ingest_call_items
+        parts = {"ingest: edp": self.profile.link("edp_ingest").overhead_s}
+        copy = 0.0
+        for fb in workload.field_bytes:
+            b = fb * items
+            if spec.tier in ("host", "pinned"):
+                copy += self.profile.link("host_copy").seconds(b)
+            elif spec.tier == "disk":
+                copy += self.profile.link("disk_write").seconds(b)
+            elif spec.tier == "gpu":
+                link = self._move("cpu", spec.devices[0], pinned=False)
+                copy += link.seconds(b) if link else self.profile.link("host_copy").seconds(b)
+            else:
+                k = len(spec.devices)
+                for d in spec.devices:
+                    share = b / k
+                    copy += self.profile.link("host_copy").seconds(share)  # the strided rows packed
+                    link = self._move("cpu", d, pinned=False)
+                    copy += link.seconds(share) if link else 0.0
+        parts["ingest: copy"] = copy
+        scale = workload.calls_per_iteration
+        parts = {k: v * scale for k, v in parts.items()}
+        return sum(parts.values()), parts
+
+    def deliver_one(self, spec: PlacementSpec, workload: Workload, learner: str) -> dict[str, float]:
+        """Latency parts of one delivery of ``batch`` items to a learner on ``learner``."""
+        rows = workload.batch
+        parts = {"deliver: edp": self.profile.link("edp_deliver").overhead_s, "deliver: gather": 0.0,
+                 "deliver: transfer": 0.0}
+        if spec.tier == "sharded":
+            k = len(spec.devices)
+            home = spec.devices[0]
+            overheads = 0.0
+            slowest = 0.0
+            scatter = self._gather(home)
+            parts["deliver: scatter"] = sum(k * scatter.seconds(fb * rows / k) for fb in workload.field_bytes)
+            for d in spec.devices:
+                g = self._gather(d)
+                link = self._move(d, home, pinned=False)
+                t_move = 0.0
+                t_gather = 0.0
+                for fb in workload.field_bytes:
+                    b = fb * rows / k
+                    overheads += g.overhead_s
+                    t_gather += g.seconds(b) - g.overhead_s
+                    if link is not None:
+                        overheads += link.overhead_s
+                        t_move += link.seconds(b) - link.overhead_s
+                slowest = max(slowest, t_gather + t_move)
+                parts["deliver: gather"] += t_gather
+                parts["deliver: transfer"] += t_move
+            # per-shard work overlaps across devices: count the slowest shard, not the sum
+            total_work = parts["deliver: gather"] + parts["deliver: transfer"]
+            if total_work > 0:
+                f = slowest / total_work
+                parts["deliver: gather"] *= f
+                parts["deliver: transfer"] *= f
+            parts["deliver: calls"] = overheads
+            src = home
+        else:
+            src = spec.devices[0] if spec.tier == "gpu" else "cpu"
+            g = self.profile.link("disk_read") if spec.tier == "disk" else self._gather(src)
+            parts["deliver: gather"] = sum(g.seconds(fb * rows) for fb in workload.field_bytes)
+        link = self._move(src, learner, pinned=src == "cpu")
+        if link is not None:
+            parts["deliver: transfer"] += sum(link.seconds(fb * rows) for fb in workload.field_bytes)
+        return parts
+
+    def deliver(self, spec: PlacementSpec, workload: Workload) -> tuple[float, dict[str, float]]:
+        """Seconds per iteration to deliver one batch to every learner (deliveries are serialised)."""
+        total: dict[str, float] = {}
+        for ld in self.learner_devices(workload):
+            for k, v in self.deliver_one(spec, workload, ld).items():
+                total[k] = total.get(k, 0.0) + v
+        return sum(total.values()), total
+
+    def estimate(self, spec: PlacementSpec, workload: Workload) -> Estimate:
+        """Latency and memory of ``spec`` for ``workload``."""
+        for d in spec.devices:
+            if d not in ("cpu", "disk"):
+                self.topology.memory_of(d)  # raises for a device the topology lacks
+        ti, pi = self.ingest(spec, workload)
+        td, pd = self.deliver(spec, workload)
+        need = self.memory(spec, workload)
+        usable = {d: self.usable_bytes(d) for d in need}
+        return Estimate(spec, ti, td, need, usable, self.headroom, {**pi, **pd})
+
+    def move_seconds(self, nbytes: float, src: PlacementSpec, dst: PlacementSpec) -> float:
+        """Predicted time to copy ``nbytes`` of live items from placement ``src`` to ``dst`` (a migration).
+
+        The bytes are read with the source's gather path and written with the destination's
+        ingestion path, spread over the destination's devices; GPU to GPU uses P2P.
+        """
+        if nbytes <= 0:
+            return 0.0
+        chunk = 64 << 20
+        calls = max(1, math.ceil(nbytes / chunk))
+        per = nbytes / calls
+        src_dev = src.devices[0] if src.tier in ("gpu", "sharded") else "cpu"
+        read = self.profile.link("disk_read") if src.tier == "disk" else self._gather(src_dev)
+        t = calls * read.seconds(per)
+        dsts = dst.devices if dst.tier in ("gpu", "sharded") else ("cpu",)
+        k = len(dsts)
+        slowest = 0.0
+        for d in dsts:
+            link = self._move(src_dev, d, pinned=False)
+            if dst.tier == "disk":
+                link = self.profile.link("disk_write")
+            if link is None:
+                link = self.profile.link("host_copy") if d == "cpu" else self._gather(d)
+            slowest = max(slowest, calls * link.seconds(per / k))
+        return t + slowest

@@ -1,0 +1,162 @@
+"""Online migration: move a live buffer to another placement without losing anything.
+
+The live items are copied oldest first, in chunks, into a storage built by the new
+placement and positioned at the same handle, with the same capacity: every item keeps its
+handle and its slot (``handle % capacity``), so sampler state keyed by slot (priorities,
+the RNG, on-policy rollouts) stays valid as it is; nothing is re-prioritised, lost or
+duplicated. Ingestion and delivery keep running between chunks (each chunk holds the
+buffer's lock for one gather + one write); the last chunk, the check that both storages
+hold exactly the same live range, and the swap run under the lock. Items evicted while
+the copy runs are dropped from the new storage as well.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from conduit.batch import ExperienceBatch
+from conduit.errors import ConfigurationError, PlacementError, SchemaError
+from conduit.schema import ExperienceSchema
+from conduit.storage.base import Storage
+
+if TYPE_CHECKING:
+    from conduit.edp import ExperienceDataPlane
+    from conduit.placement.base import Placement
+
+__all__ = ["MigrationReport", "migrate"]
+
+
+@dataclass(frozen=True)
+class MigrationReport:
+    """What one migration did and how long ingestion and delivery were blocked."""
+
+    source: str
+    target: str
+    #: live items moved (every item live at the swap)
+    items: int
+    #: bytes read from the old storage (including items evicted while copying)
+    nbytes: int
+    #: wall time of the whole migration
+    seconds: float
+    #: the longest single hold of the buffer's lock (ingest/deliver wait at most this long)
+    max_blocked_s: float
+    #: chunks copied
+    chunks: int
+    #: the live handle range ``[oldest, next)`` at the swap
+    oldest: int
+    next_handle: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "target": self.target, "items": self.items, "nbytes": self.nbytes,
+                "seconds": self.seconds, "max_blocked_s": self.max_blocked_s, "chunks": self.chunks,
+                "oldest": self.oldest, "next_handle": self.next_handle}
+
+
+def _position(storage: Storage, schema: ExperienceSchema, handle: int) -> None:
+    """Empty ``storage`` and make ``handle`` the next handle it assigns."""
+    storage.load_state_dict({"schema": schema.to_dict(), "capacity": storage.capacity, "oldest": handle,
+                             "next": handle, "data": {}})
+
+
+def _describe(storage: Storage) -> str:
+    devs = getattr(storage, "devices", None)
+    where = ",".join(str(d) for d in devs) if devs else str(storage.device)
+    return f"{storage.tier}[{where}]"
+
+
+def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: ExperienceSchema | None = None,
+            transform: Callable[[ExperienceBatch], Any] | None = None,
+            chunk_bytes: int = 16 << 20) -> MigrationReport:
+    """Move ``edp``'s live items into storage built by ``placement`` (see the module docstring).
+
+    Args:
+        edp: the buffer.
+        placement: builds the new storage (same capacity and ragged capacity).
+
+    Keyword Args:
+        schema: a new schema (e.g. a larger observation); needs ``transform``. While such a
+            migration runs, keep ingesting the old schema; new-schema batches are accepted
+            once it returns.
+        transform: maps each chunk (an old-schema :class:`ExperienceBatch`) to a mapping
+            of the new schema with the same number of items (e.g. zero-padding).
+        chunk_bytes: bytes copied per lock hold.
+
+    Raises:
+        ConfigurationError: a new schema without a transform.
+        SchemaError: the transform's output does not match the new schema.
+        PlacementError: the new placement cannot hold the buffer.
+        Any of these leaves the buffer exactly as it was.
+    """
+    new_schema = schema if schema is not None else edp.schema
+    if new_schema != edp.schema and transform is None:
+        raise ConfigurationError("Migrating to a new schema needs transform=old_batch -> new_batch (e.g. zero-pad "
+                                 "the grown fields); or migrate with the current schema.")
+    edp.flush()
+    t0 = time.perf_counter()
+    lock = edp._lock
+    with lock:
+        old = edp.storage
+        start = old.oldest
+    cap = old.capacity
+    ragged_capacity = getattr(old, "ragged_capacity", None)
+    new = placement.storage(new_schema, cap, ragged_capacity=ragged_capacity if new_schema.ragged else None)
+    _position(new, new_schema, start)
+    item = max(1, edp.schema.fixed_item_bytes + 8 * len(edp.schema.ragged))
+    chunk = max(1, min(cap, chunk_bytes // item))
+    stats = {"bytes": 0, "chunks": 0}
+
+    def copy(lo: int, hi: int) -> None:
+        for a in range(lo, hi, chunk):
+            b = min(hi, a + chunk)
+            slots = torch.arange(a, b, dtype=torch.int64) % cap
+            part = old.gather(slots)
+            stats["bytes"] += part.nbytes()
+            stats["chunks"] += 1
+            if transform is not None:
+                part = ExperienceBatch.from_mapping(transform(part))
+                part.validate(new_schema)
+                if part.batch_size != b - a:
+                    raise SchemaError(f"The migration transform returned {part.batch_size} items for {b - a}; "
+                                      f"return one item per input item.")
+            new.append(part, evict=True)
+
+    copied = start
+    max_blocked = 0.0
+    while True:
+        lock.acquire()
+        t_hold = time.perf_counter()
+        try:
+            hi, oldest = old.next_handle, old.oldest
+            if oldest > copied:  # all copied items were evicted meanwhile: start over at the oldest live one
+                _position(new, new_schema, oldest)
+                copied = oldest
+            if hi - copied > chunk:
+                copy(copied, copied + chunk)
+                copied += chunk
+                continue
+            # last chunk, check, swap: ingestion and delivery wait for this part only
+            copy(copied, hi)
+            new.release(old.oldest)
+            if (new.oldest, new.next_handle) != (old.oldest, old.next_handle):
+                # the new ragged pools evicted more than the old ones hold (fragmentation): copy anew, packed
+                _position(new, new_schema, old.oldest)
+                copy(old.oldest, old.next_handle)
+                if (new.oldest, new.next_handle) != (old.oldest, old.next_handle):
+                    raise PlacementError(
+                        f"The new placement cannot hold all {len(old)} live items (it keeps {len(new)}); raise "
+                        f"ragged_capacity or the capacity. The buffer was not changed.")
+            items, o, nx = len(new), new.oldest, new.next_handle
+            edp._adopt_storage(new, placement, new_schema)
+            break
+        finally:
+            max_blocked = max(max_blocked, time.perf_counter() - t_hold)
+            lock.release()
+    t1 = time.perf_counter()
+    edp.telemetry.record("migrate", items, stats["bytes"], t0, t1)
+    return MigrationReport(_describe(old), _describe(new), items, stats["bytes"], t1 - t0, max_blocked,
+                           stats["chunks"], o, nx)

@@ -1,0 +1,218 @@
+"""The placement map (item size -> placement, computed ahead) and the placement that follows it.
+
+Experience can grow during training (longer responses, larger observations) until the
+initial placement no longer fits or is no longer the fastest. The map is planned once,
+over the whole size range, from the same profile; :class:`AdaptivePlacement` looks the
+current size up and migrates the buffer online when it crosses a boundary, without
+re-profiling.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from conduit.errors import ConfigurationError, PlacementError
+from conduit.placement.base import Placement, PlacementSpec
+from conduit.placement.cost import Workload
+from conduit.schema import ExperienceSchema
+from conduit.storage.base import Storage
+
+if TYPE_CHECKING:
+    from conduit.batch import ExperienceBatch
+    from conduit.edp import ExperienceDataPlane
+    from conduit.placement.migration import MigrationReport
+    from conduit.placement.planner import Planner
+
+__all__ = ["MapRange", "PlacementMap", "AdaptivePlacement"]
+
+
+@dataclass(frozen=True)
+class MapRange:
+    """Items of ``lo <= item_bytes < hi`` bytes go to ``spec`` (None: nothing fits)."""
+
+    lo: float
+    hi: float
+    spec: PlacementSpec | None
+    #: predicted experience-path seconds per iteration at ``lo`` (None when nothing fits)
+    total_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"lo_bytes": self.lo, "hi_bytes": None if math.isinf(self.hi) else self.hi,
+                "placement": None if self.spec is None else self.spec.to_dict(),
+                "total_ms_at_lo": None if self.total_s is None else self.total_s * 1e3}
+
+
+class PlacementMap:
+    """Contiguous item-size ranges, each with the placement the planner chose for it.
+
+    Args:
+        ranges: sorted, contiguous ranges (the first starts at the smallest size covered).
+        workload: the template the map was planned for (capacity, batch, learners).
+        topology: the topology's name.
+    """
+
+    def __init__(self, ranges: list[MapRange], workload: Workload, topology: str) -> None:
+        if not ranges:
+            raise ConfigurationError("A placement map needs at least one range.")
+        self.ranges = tuple(ranges)
+        self.workload = workload
+        self.topology = topology
+
+    @classmethod
+    def build(cls, planner: Planner, workload: Workload, *, min_item_bytes: float, max_item_bytes: float,
+              points: int = 48, resize: Callable[[float], Workload] | None = None) -> PlacementMap:
+        """Plan over ``[min_item_bytes, max_item_bytes]`` (see :meth:`Planner.placement_map`)."""
+        if not 0 < min_item_bytes <= max_item_bytes:
+            raise ConfigurationError(f"Need 0 < min_item_bytes <= max_item_bytes, got {min_item_bytes}, "
+                                     f"{max_item_bytes}.")
+        sized = resize or workload.resized
+        cache: dict[int, tuple[PlacementSpec | None, float | None]] = {}
+
+        def at(b: int) -> tuple[PlacementSpec | None, float | None]:
+            if b not in cache:
+                try:
+                    plan = planner.plan(sized(b))
+                    cache[b] = (plan.placement, plan.chosen.estimate.total_s)
+                except PlacementError:
+                    cache[b] = (None, None)
+            return cache[b]
+
+        lo_b, hi_b = int(math.ceil(min_item_bytes)), int(math.floor(max_item_bytes))
+        n = max(2, points)
+        grid = sorted({int(round(lo_b * (hi_b / lo_b) ** (i / (n - 1)))) for i in range(n)} | {lo_b, hi_b})
+        starts = [grid[0]]
+
+        def refine(a: int, b: int) -> None:
+            """Add every boundary in ``(a, b]`` where the placement changes (``at(a) != at(b)``)."""
+            sa = at(a)[0]
+            while at(b)[0] != sa:
+                lo, hi = a, b
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if at(mid)[0] == sa:
+                        lo = mid
+                    else:
+                        hi = mid
+                starts.append(hi)
+                a, sa = hi, at(hi)[0]
+
+        for a, b in zip(grid, grid[1:], strict=False):
+            refine(a, b)
+        ranges = []
+        for i, s in enumerate(starts):
+            hi = starts[i + 1] if i + 1 < len(starts) else math.inf
+            spec, t = at(s)
+            ranges.append(MapRange(float(s), float(hi), spec, t))
+        return cls(ranges, workload, planner.topology.name)
+
+    @property
+    def boundaries(self) -> list[float]:
+        """Item sizes (bytes) where the placement changes."""
+        return [r.lo for r in self.ranges[1:]]
+
+    @property
+    def max_item_bytes(self) -> float:
+        return self.ranges[-1].lo if math.isinf(self.ranges[-1].hi) else self.ranges[-1].hi
+
+    def range_of(self, item_bytes: float) -> MapRange:
+        i = bisect.bisect_right([r.lo for r in self.ranges], item_bytes) - 1
+        return self.ranges[max(0, i)]
+
+    def lookup(self, item_bytes: float) -> PlacementSpec:
+        """The placement for items of ``item_bytes`` (sizes below the map use its first range).
+
+        Raises:
+            PlacementError: nothing fits items of this size.
+        """
+        r = self.range_of(item_bytes)
+        if r.spec is None:
+            raise PlacementError(f"No placement on {self.topology!r} fits {self.workload.capacity} items of "
+                                 f"{item_bytes:.0f} B; lower the capacity or shrink the items before they reach "
+                                 f"{r.lo:.0f} B.")
+        return r.spec
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"topology": self.topology, "workload": self.workload.to_dict(),
+                "ranges": [r.to_dict() for r in self.ranges]}
+
+    def explain(self) -> str:
+        lines = [f"placement map on {self.topology} (capacity {self.workload.capacity}, batch {self.workload.batch})"]
+        for r in self.ranges:
+            hi = "inf" if math.isinf(r.hi) else f"{r.hi:.0f}"
+            lines.append(f"  {r.lo:>12.0f} .. {hi:>12} B/item -> {r.spec if r.spec else 'nothing fits'}")
+        return "\n".join(lines)
+
+
+class AdaptivePlacement(Placement):
+    """A placement that follows a :class:`PlacementMap` and migrates when the item size crosses a boundary.
+
+    Args:
+        placement_map: the precomputed map (its workload's capacity should be the buffer's).
+
+    Keyword Args:
+        directory: where the disk tier puts its files, if the map ever chooses it.
+        mean_ragged_length: ragged elements per item assumed when the buffer is built.
+        window: recent ingestion calls averaged to observe the current item size.
+    """
+
+    def __init__(self, placement_map: PlacementMap, *, directory: str | Path | None = None,
+                 mean_ragged_length: float = 0.0, window: int = 32) -> None:
+        self.map = placement_map
+        self.directory = directory
+        self.mean_ragged_length = mean_ragged_length
+        self.window = window
+        #: the spec currently in use (set when the storage is built)
+        self.current: PlacementSpec | None = None
+        #: every migration this placement performed
+        self.migrations: list[MigrationReport] = []
+
+    def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
+        spec = self.map.lookup(schema.item_bytes(self.mean_ragged_length))
+        st = spec.build(directory=self.directory).storage(schema, capacity, ragged_capacity=ragged_capacity)
+        self.current = spec
+        return st
+
+    @property
+    def spec(self) -> PlacementSpec | None:
+        return self.current
+
+    def describe(self) -> str:
+        return f"adaptive ({self.current})"
+
+    def observed_item_bytes(self, edp: ExperienceDataPlane) -> float:
+        """Mean bytes per item over the last ``window`` ingestion calls (the schema's fixed size if none)."""
+        recs = [r for r in list(edp.telemetry.records) if r.kind == "ingest"][-self.window:]
+        items = sum(r.items for r in recs)
+        if not items:
+            return float(edp.schema.item_bytes(self.mean_ragged_length))
+        return sum(r.nbytes for r in recs) / items
+
+    def rebalance(self, edp: ExperienceDataPlane, *, item_bytes: float | None = None,
+                  schema: ExperienceSchema | None = None,
+                  transform: Callable[[ExperienceBatch], Any] | None = None) -> MigrationReport | None:
+        """Migrate ``edp`` if the map places the current item size elsewhere (no re-profiling).
+
+        The size is ``item_bytes`` if given, else the new ``schema``'s (when the schema
+        changes, e.g. a larger observation), else what recent ingestion observed.
+
+        Returns:
+            The migration's report, or None when the placement stays.
+        """
+        if item_bytes is None:
+            item_bytes = (schema.item_bytes(self.mean_ragged_length) if schema is not None
+                          else self.observed_item_bytes(edp))
+        spec = self.map.lookup(item_bytes)
+        if spec == self.current and schema is None:
+            return None
+        owner = edp.placement
+        report = edp.migrate(spec.build(directory=self.directory), schema=schema, transform=transform)
+        if owner is self:  # the buffer keeps following the map
+            edp.placement = self
+        self.current = spec
+        self.migrations.append(report)
+        return report

@@ -1,0 +1,234 @@
+"""The planner: the fastest placement that fits, with every candidate explained.
+
+Candidates span the memory hierarchy of the topology: host memory (and pinned host memory
+when there are GPUs), each single GPU, the buffer sharded over 2, 4, ... GPUs, and the
+disk tier. For every shard count the planner proposes the GPUs with the fastest links to
+the learners (on non-uniform interconnects these differ from the first ``k`` GPUs, which
+are proposed too, so the plan shows why they lose). Each candidate is priced by the
+:class:`~conduit.placement.CostModel`; the chosen one is the fastest feasible (candidates
+within ``tie_tolerance`` of it prefer fewer devices, then the simpler tier).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from conduit.errors import PlacementError
+from conduit.placement.base import TIERS, Placement, PlacementSpec
+from conduit.placement.cost import CostModel, Estimate, Workload
+from conduit.placement.profile import BandwidthProfile
+from conduit.placement.topology import Topology
+
+if TYPE_CHECKING:
+    from conduit.placement.placement_map import PlacementMap
+
+__all__ = ["Candidate", "Plan", "Planner"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One candidate placement, its prediction, and why it was chosen or lost."""
+
+    estimate: Estimate
+    chosen: bool
+    reason: str
+    #: what this candidate tries (e.g. "fastest links to the learners", "first 4 GPUs")
+    label: str = ""
+
+    @property
+    def spec(self) -> PlacementSpec:
+        return self.estimate.spec
+
+    @property
+    def feasible(self) -> bool:
+        return self.estimate.feasible
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.estimate.to_dict(), "chosen": self.chosen, "reason": self.reason, "label": self.label}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer: the chosen placement and every candidate considered."""
+
+    topology: Topology
+    workload: Workload
+    candidates: tuple[Candidate, ...]
+    profile_source: str
+
+    @property
+    def chosen(self) -> Candidate:
+        return next(c for c in self.candidates if c.chosen)
+
+    @property
+    def placement(self) -> PlacementSpec:
+        return self.chosen.spec
+
+    def build(self, **kwargs: Any) -> Placement:
+        """The chosen :class:`~conduit.placement.Placement`, ready for ``ExperienceDataPlane(placement=...)``."""
+        return self.placement.build(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.chosen
+        return {"placement": {**c.spec.to_dict(), "ingest_ms": c.estimate.ingest_s * 1e3,
+                              "deliver_ms": c.estimate.deliver_s * 1e3, "total_ms": c.estimate.total_s * 1e3},
+                "topology": self.topology.to_dict(), "profile": self.profile_source,
+                "workload": self.workload.to_dict(), "candidates": [x.to_dict() for x in self.candidates]}
+
+    def explain(self) -> str:
+        """A readable table of every candidate."""
+        w = self.workload
+        lines = [f"topology {self.topology.name} (bandwidth: {self.profile_source}), item {w.item_bytes} B, "
+                 f"capacity {w.capacity}, batch {w.batch}, learners {w.learners}",
+                 f"chosen: {self.placement}  (ingest {self.chosen.estimate.ingest_s * 1e3:.3f} ms + deliver "
+                 f"{self.chosen.estimate.deliver_s * 1e3:.3f} ms per iteration)", "",
+                 f"{'':2}{'candidate':46}{'ingest ms':>11}{'deliver ms':>12}{'memory GiB':>12}  {'fits':5} why"]
+        for c in self.candidates:
+            e = c.estimate
+            mem = max(e.memory.values()) / 2**30 if e.memory else 0.0
+            lines.append(f"{'*' if c.chosen else ' ':2}{str(c.spec):46}{e.ingest_s * 1e3:11.3f}"
+                         f"{e.deliver_s * 1e3:12.3f}{mem:12.2f}  {'yes' if c.feasible else 'no':5} {c.reason}")
+        return "\n".join(lines)
+
+
+class Planner:
+    """Capacity-constrained, bandwidth-aware placement.
+
+    Args:
+        topology: where the buffer could live.
+        profile: path costs (default: the topology's declared figures).
+
+    Keyword Args:
+        tie_tolerance: candidates this close (relative) to the fastest count as tied.
+        **cost_kwargs: passed to :class:`CostModel` (``headroom``, ``gpu_usable``, ...).
+
+    Examples:
+        >>> from conduit.placement import Planner, Workload, load_topology
+        >>> planner = Planner(load_topology("dgx-a100-80g"))
+        >>> planner.plan(Workload.transitions(5000, capacity=10**6, batch=512)).placement.tier
+        'gpu'
+        >>> planner.plan(Workload.transitions(20000, capacity=10**6, batch=512)).placement.tier
+        'sharded'
+    """
+
+    def __init__(self, topology: Topology, profile: BandwidthProfile | None = None, *, tie_tolerance: float = 0.02,
+                 **cost_kwargs: Any) -> None:
+        self.topology = topology
+        self.cost = CostModel(topology, profile, **cost_kwargs)
+        self.tie_tolerance = tie_tolerance
+
+    @property
+    def profile(self) -> BandwidthProfile:
+        return self.cost.profile
+
+    # -- candidates --------------------------------------------------------------------------
+    def _link_score(self, gpu: int, learners: Sequence[str]) -> float:
+        """Aggregate bandwidth from ``gpu`` to the learners' GPUs (higher is better)."""
+        score = 0.0
+        for ld in learners:
+            if not ld.startswith("cuda:"):
+                continue
+            j = int(ld.split(":")[1])
+            if j == gpu:
+                score += float("inf")
+            else:
+                try:
+                    score += self.profile.link("p2p", gpu, j).peak_bandwidth
+                except PlacementError:
+                    pass
+        return score
+
+    def candidates(self, workload: Workload) -> list[tuple[PlacementSpec, str]]:
+        """Every placement worth pricing, with a short label saying what it tries."""
+        topo = self.topology
+        out: list[tuple[PlacementSpec, str]] = [(PlacementSpec("host", ("cpu",)), "host memory")]
+        n = topo.num_gpus
+        if n:
+            out.append((PlacementSpec("pinned", ("cpu",)), "page-locked host memory"))
+            for g in topo.gpus:
+                out.append((PlacementSpec("gpu", (g.device,)), f"GPU {g.index} alone"))
+            learners = self.cost.learner_devices(workload)
+            order = sorted(range(n), key=lambda i: (-self._link_score(i, learners), i))
+            sizes = sorted({k for k in (2, 4, 8, 16, 32, 64) if k < n} | ({n} if n > 1 else set()))
+            seen: set[frozenset[str]] = set()
+            for k in sizes:
+                for devs, label in ((order[:k], f"{k} GPUs with the fastest links to the learners"),
+                                    (list(range(k)), f"the first {k} GPUs")):
+                    key = frozenset(devs)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    home = min(devs, key=lambda i: (-self._link_score(i, learners), i))
+                    devs_sorted = [home, *sorted(d for d in devs if d != home)]
+                    out.append((PlacementSpec("sharded", tuple(f"cuda:{i}" for i in devs_sorted)), label))
+        if topo.disk_bytes > 0 and self.profile.has("disk_read") and self.profile.has("disk_write"):
+            out.append((PlacementSpec("disk", ("disk",)), "memory-mapped files"))
+        return out
+
+    # -- choice ------------------------------------------------------------------------------
+    def plan(self, workload: Workload) -> Plan:
+        """Price every candidate and choose the fastest feasible one.
+
+        Raises:
+            PlacementError: no candidate fits (the message says by how much the best one misses).
+        """
+        priced = [(self.cost.estimate(spec, workload), label) for spec, label in self.candidates(workload)]
+        feasible = [(e, lb) for e, lb in priced if e.feasible]
+        if not feasible:
+            closest = min(priced, key=lambda p: max(n * (1 + p[0].headroom) / max(p[0].usable.get(d, 1), 1)
+                                                     for d, n in p[0].memory.items()))[0]
+            raise PlacementError(
+                f"No placement on {self.topology.name!r} fits {workload.capacity} items of {workload.item_bytes} B "
+                f"({workload.capacity * workload.item_bytes / 2**30:.1f} GiB): the closest, {closest.spec}, "
+                f"{'; '.join(closest.shortfalls())}. Lower the capacity, shrink the items, or plan on a larger "
+                f"topology.")
+        best_t = min(e.total_s for e, _ in feasible)
+        tied = [(e, lb) for e, lb in feasible if e.total_s <= best_t * (1 + self.tie_tolerance)]
+        chosen = min(tied, key=lambda p: (len(p[0].spec.devices), TIERS.index(p[0].spec.tier), p[0].total_s))[0]
+        cands = [Candidate(e, e is chosen, self._reason(e, chosen, best_t), lb) for e, lb in priced]
+        cands.sort(key=lambda c: (not c.chosen, not c.feasible, c.estimate.total_s))
+        src = self.profile.machine if self.profile.source == "declared" else f"measured:{self.profile.machine}"
+        return Plan(self.topology, workload, tuple(cands), src)
+
+    def _reason(self, e: Estimate, chosen: Estimate, best_t: float) -> str:
+        if e is chosen:
+            if e.total_s > best_t:
+                return (f"chosen: within {self.tie_tolerance:.0%} of the fastest and uses fewer devices or a simpler "
+                        f"tier")
+            return "chosen: fastest feasible"
+        short = e.shortfalls()
+        if short:
+            return "does not fit: " + "; ".join(short)
+        if e.total_s <= chosen.total_s:
+            return (f"within {self.tie_tolerance:.0%} of the chosen ({e.total_s * 1e3:.3f} ms vs "
+                    f"{chosen.total_s * 1e3:.3f} ms), which uses fewer devices or a simpler tier")
+        diffs = {k: e.breakdown.get(k, 0.0) - chosen.breakdown.get(k, 0.0)
+                 for k in set(e.breakdown) | set(chosen.breakdown)}
+        worst = max(diffs, key=lambda k: diffs[k])
+        return (f"slower: {e.total_s * 1e3:.3f} ms vs {chosen.total_s * 1e3:.3f} ms "
+                f"({e.total_s / chosen.total_s:.2f}x), mostly {worst} (+{diffs[worst] * 1e3:.3f} ms)")
+
+    # -- placement map -----------------------------------------------------------------------
+    def placement_map(self, workload: Workload, *, min_item_bytes: float, max_item_bytes: float, points: int = 48,
+                      resize: Callable[[float], Workload] | None = None) -> PlacementMap:
+        """The placement for every item size in a range, computed ahead of time.
+
+        Plans at ``points`` sizes spaced geometrically over ``[min_item_bytes, max_item_bytes]``,
+        then bisects between neighbours that differ to find each boundary to the byte.
+        Sizes where nothing fits map to no placement.
+
+        Args:
+            workload: the template workload (capacity, batch, learners, field split).
+
+        Keyword Args:
+            min_item_bytes: smallest item size covered.
+            max_item_bytes: largest item size covered.
+            points: grid points before refinement.
+            resize: ``item_bytes -> Workload`` (default: ``workload.resized``).
+        """
+        from conduit.placement.placement_map import PlacementMap
+
+        return PlacementMap.build(self, workload, min_item_bytes=min_item_bytes, max_item_bytes=max_item_bytes,
+                                  points=points, resize=resize)

@@ -1,0 +1,200 @@
+"""Topology: the devices a buffer could live on, their memory, and the links between them.
+
+A topology is either *declared* (a data file in ``conduit/placement/topologies/`` for a
+machine we do not have, carrying nominal link figures) or *discovered* on this machine
+(host memory, disk space, GPUs through torch and, when importable, NVML). A discovered
+topology has no link figures of its own: the planner uses a measured
+:class:`~conduit.placement.BandwidthProfile` for it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import torch
+
+from conduit.errors import PlacementError
+from conduit.placement.profile import BandwidthProfile, LinkCost, _host_memory, machine_id
+
+__all__ = ["Gpu", "Topology", "load_topology", "discover_topology", "available_topologies"]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One accelerator: its index, model name and memory."""
+
+    index: int
+    name: str
+    memory_bytes: int
+
+    @property
+    def device(self) -> str:
+        return f"cuda:{self.index}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The devices of one machine (or node) and, for declared machines, their link figures.
+
+    Args:
+        name: a data-file name (``"dgx-a100-80g"``) or ``"local"``.
+        host_memory_bytes: host memory.
+        gpus: the accelerators, in index order.
+        disk_bytes: space available to the disk tier (0: no disk tier).
+        declared: link figures from the data file (``None`` for a discovered topology).
+        description: one line about the machine.
+        source: ``"declared"`` or ``"discovered"``.
+        details: everything else known (NVLink counts, peer access, notes).
+    """
+
+    name: str
+    host_memory_bytes: int
+    gpus: tuple[Gpu, ...] = ()
+    disk_bytes: int = 0
+    declared: BandwidthProfile | None = None
+    description: str = ""
+    source: str = "declared"
+    details: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.gpus)
+
+    def memory_of(self, device: str) -> int:
+        """Bytes on ``device`` (``"cpu"``, ``"cuda:i"`` or ``"disk"``)."""
+        if device == "cpu":
+            return self.host_memory_bytes
+        if device == "disk":
+            return self.disk_bytes
+        if device.startswith("cuda:"):
+            i = int(device.split(":", 1)[1])
+            if 0 <= i < len(self.gpus):
+                return self.gpus[i].memory_bytes
+        raise PlacementError(f"Topology {self.name!r} has no device {device!r}; its devices are cpu, disk and "
+                             f"{', '.join(g.device for g in self.gpus) or 'no GPUs'}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, "description": self.description,
+                "host_memory_bytes": self.host_memory_bytes, "disk_bytes": self.disk_bytes,
+                "gpus": [{"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes} for g in self.gpus],
+                "details": self.details}
+
+    @classmethod
+    def from_file_dict(cls, d: dict[str, Any]) -> Topology:
+        """A declared topology from its data-file form (see the files in ``topologies/``)."""
+        try:
+            name = str(d["name"])
+            gpu = d.get("gpu") or {}
+            n = int(gpu.get("count", 0))
+            gpus = tuple(Gpu(i, str(gpu["name"]), int(float(gpu["memory_gib"]) * GIB)) for i in range(n))
+            links = {k: LinkCost.from_dict(v) for k, v in d.get("links", {}).items()}
+            p2p = d.get("p2p")
+            if p2p:
+                over = float(p2p.get("overhead_us", 0.0))
+                if "matrix_gbps" in p2p:
+                    mat = p2p["matrix_gbps"]
+                    if len(mat) != n or any(len(r) != n for r in mat):
+                        raise PlacementError(f"Topology {name!r}: p2p.matrix_gbps must be {n}x{n}.")
+                    for i in range(n):
+                        for j in range(n):
+                            if i != j and mat[i][j]:
+                                links[f"p2p:{i}:{j}"] = LinkCost.constant(float(mat[i][j]), over)
+                else:
+                    links["p2p"] = LinkCost.constant(float(p2p["gbps"]), over)
+            prof = BandwidthProfile(links, source="declared", machine=f"declared:{name}",
+                                    details={"source": d.get("source", "")})
+            return cls(name, int(float(d["host_memory_gib"]) * GIB), gpus, int(float(d.get("disk_gib", 0)) * GIB),
+                       prof, str(d.get("description", "")), "declared",
+                       {"notes": d.get("notes", ""), "source": d.get("source", "")})
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlacementError(f"Malformed topology data ({e!r}); compare with the files in "
+                                 f"conduit/placement/topologies/.") from e
+
+
+def available_topologies() -> list[str]:
+    """Names of the declared topologies shipped with Conduit (plus ``"local"``)."""
+    root = resources.files("conduit.placement") / "topologies"
+    names = sorted(p.name.removesuffix(".json") for p in root.iterdir() if p.name.endswith(".json"))
+    return [*names, "local"]
+
+
+def load_topology(name: str) -> Topology:
+    """A declared topology by name, or this machine's (``"local"``).
+
+    Raises:
+        PlacementError: no topology has that name (the message lists those that exist).
+    """
+    if name == "local":
+        return discover_topology()
+    path = resources.files("conduit.placement") / "topologies" / f"{name}.json"
+    if not path.is_file():
+        raise PlacementError(f"Unknown topology {name!r}; use one of {', '.join(available_topologies())} "
+                             f"(\"local\" discovers this machine), or add a data file to "
+                             f"conduit/placement/topologies/.")
+    return Topology.from_file_dict(json.loads(path.read_text()))
+
+
+def _nvml_details(n: int) -> dict[str, Any]:
+    """NVLink counts per GPU and P2P status per pair through NVML, when it is importable and works."""
+    try:
+        import pynvml
+    except ImportError:
+        return {"nvml": "not importable (pip install nvidia-ml-py for NVLink discovery)"}
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # NVMLError_LibraryNotFound and friends: no driver here
+        return {"nvml": f"unavailable ({type(e).__name__})"}
+    try:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+        nvlinks = []
+        for h in handles:
+            active = 0
+            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+                try:
+                    active += int(pynvml.nvmlDeviceGetNvLinkState(h, link) == pynvml.NVML_FEATURE_ENABLED)
+                except Exception:
+                    break
+            nvlinks.append(active)
+        p2p = [[i == j or _nvml_p2p_ok(pynvml, handles[i], handles[j]) for j in range(n)] for i in range(n)]
+        return {"nvml": "ok", "nvlinks_active": nvlinks, "nvml_p2p_read": p2p}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _nvml_p2p_ok(pynvml: Any, a: Any, b: Any) -> bool:
+    try:
+        return bool(pynvml.nvmlDeviceGetP2PStatus(a, b, pynvml.NVML_P2P_CAPS_INDEX_READ) == pynvml.NVML_P2P_STATUS_OK)
+    except Exception:
+        return False
+
+
+def discover_topology(*, disk_directory: str | None = None) -> Topology:
+    """This machine: host memory, disk space for the disk tier, GPUs (torch, and NVML when importable).
+
+    Without a GPU the topology says so (``details["gpus"]``) and plans cover host and disk only.
+    """
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = []
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        gpus.append(Gpu(i, p.name, int(p.total_memory)))
+    details: dict[str, Any] = {"machine": machine_id()}
+    if n:
+        details["peer_access"] = [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)]
+                                  for i in range(n)]
+        details.update(_nvml_details(n))
+        details["gpus"] = f"{n} CUDA device(s)"
+    else:
+        details["gpus"] = "no GPU found: planning over host memory and disk only"
+    disk_dir = disk_directory or tempfile.gettempdir()
+    disk = shutil.disk_usage(disk_dir).free
+    details["disk_directory"] = disk_dir
+    return Topology("local", _host_memory(), tuple(gpus), int(disk), None,
+                    f"this machine ({n} GPU(s))", "discovered", details)

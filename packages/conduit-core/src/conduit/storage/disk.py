@@ -1,0 +1,75 @@
+"""The disk tier: columns in memory-mapped files, for buffers larger than memory.
+
+Each column is one file mapped with ``torch.from_file(shared=True)``: writes go to the page
+cache and reach the disk in the background, reads fault pages in on demand, so the buffer
+may be far larger than RAM. The ring logic is :class:`ColumnarStorage`'s, unchanged.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+
+import torch
+
+from conduit.errors import PlacementError
+from conduit.schema import ExperienceSchema
+from conduit.storage.columnar import Allocator, ColumnarStorage
+
+__all__ = ["DiskStorage", "memmap_allocator"]
+
+
+def memmap_allocator(directory: str | Path) -> Allocator:
+    """An allocator that maps each column to a file ``<directory>/<name>.bin`` (created, zero-filled)."""
+    root = Path(directory)
+
+    def allocate(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        path = root / f"{name}.bin"
+        return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
+
+    return allocate
+
+
+class DiskStorage(ColumnarStorage):
+    """A :class:`ColumnarStorage` whose columns are memory-mapped files.
+
+    Args:
+        schema: the fields.
+        capacity: number of item slots.
+
+    Keyword Args:
+        directory: where to put the files (a fresh subdirectory is created inside it and
+            removed when the storage is garbage-collected); default: the system temp dir.
+        ragged_capacity: elements in each ragged field's pool (default ``capacity * 64``).
+
+    Raises:
+        PlacementError: the directory lacks the free space the columns need.
+    """
+
+    def __init__(self, schema: ExperienceSchema, capacity: int, *, directory: str | Path | None = None,
+                 ragged_capacity: int | None = None) -> None:
+        parent = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+        parent.mkdir(parents=True, exist_ok=True)
+        need = capacity * schema.fixed_item_bytes + sum(
+            (ragged_capacity if ragged_capacity is not None else capacity * 64) * schema[n].element_bytes
+            for n in schema.ragged)
+        free = shutil.disk_usage(parent).free
+        if need > free:
+            raise PlacementError(f"The disk tier needs {need / 2**30:.2f} GiB in {parent} but only "
+                                 f"{free / 2**30:.2f} GiB is free; pass DiskPlacement(directory=...) on a larger "
+                                 f"volume or lower the capacity.")
+        self.directory = Path(tempfile.mkdtemp(prefix="conduit-disk-", dir=parent))
+        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.directory), True)
+        super().__init__(schema, capacity, "cpu", ragged_capacity=ragged_capacity,
+                         allocator=memmap_allocator(self.directory), tier="disk")
+
+    def close(self) -> None:
+        """Unmap and delete the files now (the storage is unusable afterwards)."""
+        self._cols.clear()
+        self._pools.clear()
+        self._finalizer()

@@ -1,0 +1,195 @@
+"""Storage sharded over several devices (the paper's "shared-GPU" placement).
+
+Slots are interleaved over the shards: slot ``s`` lives in shard ``s % K`` at row ``s // K``.
+Every append therefore spreads over all shards (each gets a contiguous block of rows, read
+from the batch with stride ``K``) and a uniform sample draws about ``n / K`` rows from each
+shard, so the shards' links carry the delivery in parallel.
+
+The ring bookkeeping (handles, FIFO eviction, on-policy release) is the same as for every
+storage: live handles are ``[oldest, next_handle)`` and ``slot = handle % capacity``.
+Ragged fields, when the schema has any, are kept in one packed pool on the first device
+(their lengths and offsets are host bookkeeping anyway); fixed fields are sharded.
+
+The logic is device-agnostic: with several ``"cpu"`` shards it runs (and is tested) on a
+machine without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from conduit.batch import ExperienceBatch, Ragged
+from conduit.errors import CapacityError, ConfigurationError
+from conduit.schema import ExperienceSchema
+from conduit.storage.base import AppendResult, Storage
+from conduit.storage.columnar import ColumnarStorage
+
+__all__ = ["ShardedStorage"]
+
+
+class ShardedStorage(Storage):
+    """A FIFO ring whose fixed-field columns are split over ``devices`` (interleaved slots).
+
+    Args:
+        schema: the fields.
+        capacity: number of item slots (over all shards).
+        devices: one torch device per shard (repeats allowed, e.g. ``["cpu"] * 4`` for tests).
+
+    Keyword Args:
+        ragged_capacity: elements in each ragged field's pool (default ``capacity * 64``).
+        tier: the tier name reported by placement (default ``"sharded"``).
+    """
+
+    def __init__(self, schema: ExperienceSchema, capacity: int, devices: Sequence[torch.device | str], *,
+                 ragged_capacity: int | None = None, tier: str = "sharded") -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+            raise ConfigurationError(f"capacity must be a positive int, got {capacity!r}.")
+        devs = [torch.device(d) for d in devices]
+        if not devs:
+            raise ConfigurationError("ShardedStorage needs at least one device.")
+        if len(devs) > capacity:
+            raise ConfigurationError(f"{len(devs)} shards for a capacity of {capacity}: give at most one shard "
+                                     f"per slot (fewer devices or a larger capacity).")
+        self.schema = schema
+        self.capacity = capacity
+        self.devices = devs
+        self.device = devs[0]
+        self.tier = tier
+        k = len(devs)
+        #: rows in shard i: the slots s < capacity with s % K == i
+        self.shard_rows = [(capacity - i + k - 1) // k for i in range(k)]
+        self._shards = [{n: torch.empty((rows, *schema[n].shape), dtype=schema[n].dtype, device=dev)
+                         for n in schema.fixed} for rows, dev in zip(self.shard_rows, devs, strict=True)]
+        self._ragged: ColumnarStorage | None = None
+        if schema.ragged:
+            sub = ExperienceSchema({n: schema[n] for n in schema.ragged})
+            self._ragged = ColumnarStorage(sub, capacity, devs[0], ragged_capacity=ragged_capacity, tier=tier)
+        self._oldest = 0
+        self._next = 0
+
+    # -- ring ------------------------------------------------------------------------------
+    @property
+    def num_shards(self) -> int:
+        return len(self.devices)
+
+    @property
+    def ragged_capacity(self) -> int | None:
+        """Elements in each ragged field's pool (None without ragged fields)."""
+        return self._ragged.ragged_capacity if self._ragged is not None else None
+
+    @property
+    def oldest(self) -> int:
+        return self._ragged.oldest if self._ragged is not None else self._oldest
+
+    @property
+    def next_handle(self) -> int:
+        return self._ragged.next_handle if self._ragged is not None else self._next
+
+    def nbytes(self) -> int:
+        fixed = sum(c.numel() * c.element_size() for shard in self._shards for c in shard.values())
+        return fixed + (self._ragged.nbytes() if self._ragged is not None else 0)
+
+    def append(self, batch: ExperienceBatch, *, evict: bool = True) -> AppendResult:
+        n = batch.batch_size
+        if self._ragged is not None:
+            # The ragged pool decides evictions (capacity and pool room) and validates first.
+            sub = ExperienceBatch({k: batch[k] for k in self.schema.ragged}, n)
+            res = self._ragged.append(sub, evict=evict)
+        else:
+            if n > self.capacity:
+                raise CapacityError(f"A batch of {n} items is larger than the capacity ({self.capacity}); "
+                                    f"split it or raise capacity.")
+            k = max(0, self._next - self._oldest + n - self.capacity)
+            if k and not evict:
+                raise CapacityError(f"Storing {n} more items needs {k} live items evicted, and this buffer may "
+                                    f"not evict (on-policy data not yet consumed). Consume first or raise capacity.")
+            res = AppendResult(self._next, n, self._oldest, self._oldest + k)
+            self._oldest += k
+            self._next += n
+        s = res.first % self.capacity
+        a = min(n, self.capacity - s)
+        self._write(batch, s, 0, a)
+        if a < n:
+            self._write(batch, 0, a, n - a)
+        return res
+
+    def _write(self, batch: ExperienceBatch, slot: int, offset: int, count: int) -> None:
+        """Write items ``offset .. offset+count-1`` of ``batch`` to slots ``slot .. slot+count-1`` (no wrap)."""
+        k = self.num_shards
+        end = slot + count
+        for i in range(k):
+            s_i = slot + (i - slot) % k  # first slot of the range that lives in shard i
+            if s_i >= end:
+                continue
+            c = (end - s_i + k - 1) // k
+            j0 = offset + (s_i - slot)
+            r0 = s_i // k
+            for name in self.schema.fixed:
+                src = batch[name]
+                assert isinstance(src, torch.Tensor)
+                self._shards[i][name][r0:r0 + c].copy_(src[j0:j0 + (c - 1) * k + 1:k])
+
+    def release(self, upto: int) -> None:
+        if self._ragged is not None:
+            self._ragged.release(upto)
+        else:
+            self._oldest = max(self._oldest, min(int(upto), self._next))
+
+    # -- read ------------------------------------------------------------------------------
+    def gather(self, slots: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> ExperienceBatch:
+        slots = slots.to("cpu", torch.int64)
+        n = int(slots.shape[0])
+        k = self.num_shards
+        cols: dict[str, torch.Tensor | Ragged] = {}
+        dst = out if out is not None else {
+            name: torch.empty((n, *self.schema[name].shape), dtype=self.schema[name].dtype, device=self.device)
+            for name in self.schema.fixed}
+        shard_of = torch.remainder(slots, k)
+        rows = torch.div(slots, k, rounding_mode="floor")
+        for i, shard in enumerate(self._shards):
+            pos = (shard_of == i).nonzero().squeeze(1)
+            if pos.numel() == 0:
+                continue
+            r = rows[pos].to(self.devices[i])
+            for name, col in shard.items():
+                part = torch.index_select(col, 0, r)
+                target = dst[name]
+                target.index_copy_(0, pos.to(target.device), part.to(target.device, non_blocking=True))
+        for name in self.schema.fixed:
+            cols[name] = dst[name]
+        if self._ragged is not None:
+            rag = self._ragged.gather(slots)
+            for name in self.schema.ragged:
+                cols[name] = rag[name]
+        ordered = {name: cols[name] for name in self.schema}
+        return ExperienceBatch(ordered, n)
+
+    # -- checkpoint ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        slots = torch.arange(self.oldest, self.next_handle, dtype=torch.int64) % self.capacity
+        batch = self.gather(slots)
+        data: dict[str, Any] = {}
+        for name in self.schema:
+            c = batch[name]
+            data[name] = (c.values.cpu().clone(), c.lengths.clone()) if isinstance(c, Ragged) else c.cpu().clone()
+        return {"schema": self.schema.to_dict(), "capacity": self.capacity, "oldest": self.oldest,
+                "next": self.next_handle, "data": data}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["capacity"] != self.capacity or ExperienceSchema.from_dict(state["schema"]) != self.schema:
+            raise ConfigurationError("This checkpoint was written by a storage with another schema or capacity; "
+                                     "build the buffer with the same schema and capacity before loading.")
+        cols: dict[str, torch.Tensor | Ragged] = {}
+        for name, v in state["data"].items():
+            cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
+        n = state["next"] - state["oldest"]
+        if self._ragged is not None:
+            sub = ExperienceSchema({k: self.schema[k] for k in self.schema.ragged})
+            self._ragged.load_state_dict({"schema": sub.to_dict(), "capacity": self.capacity,
+                                          "oldest": state["oldest"], "next": state["oldest"], "data": {}})
+        self._oldest = self._next = state["oldest"]
+        if n:
+            self.append(ExperienceBatch(cols, n), evict=False)
