@@ -1,0 +1,193 @@
+"""The Conduit buffer: SRL's trainer-side buffer contract on an Experience Data Plane.
+
+Build one with ``make_buffer("conduit", **buffer_args)`` after :func:`conduit_srl.install`, or
+directly with ``ConduitBuffer(**buffer_args)`` (see :class:`~conduit_srl.config.BufferConfig`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import weakref
+from typing import Any
+
+from conduit import ExperienceDataPlane, Telemetry
+
+from conduit_srl.assembler import Assembler, ReplayEntry, Stats
+from conduit_srl.config import BufferConfig
+
+__all__ = ["ConduitBuffer", "ReplayEntry", "srl_prioritized_class"]
+
+
+class ConduitBuffer:
+    """SRL's ``Buffer`` contract, with Conduit deciding where experience lives and when work runs.
+
+    * ``put(sample)`` takes one ``[T, ...]`` sample (``put_batch`` or ``batched_puts=True``: a
+      ``[T, B, ...]`` one), checks it against the first sample's fields, dtypes and shapes, and
+      returns; storage happens on the buffer's assembler thread, in call order.
+    * ``get()`` returns a :class:`ReplayEntry` whose ``sample`` is a record of the put samples'
+      class with ``[T, B, ...]`` host NumPy fields (page-locked when CUDA exists), including the
+      policy-version field; ``reuses`` and ``sampling_indices`` as SRL's trainer reads them. The
+      next ``prefetch`` deliveries are prepared in the background while the trainer steps.
+    * ``empty()`` is False only when ``get()`` will deliver; ``qsize()`` counts samples not yet
+      delivered; ``update_priorities(sampling_indices, priorities)`` for prioritized replay.
+    * Thread-safe: puts from the consuming thread and gets from the training thread may overlap.
+      Everything runs in call order, so results depend on the order of calls only.
+    * Picklable (SRL's ``save_buffer_on_exit``): contents, sampler state and prepared deliveries.
+
+    Keyword Args:
+        **buffer_args: see :class:`~conduit_srl.config.BufferConfig`.
+
+    Raises:
+        ConfigurationError: unknown or inconsistent ``buffer_args``.
+    """
+
+    #: (module, class name) of the SRL class this buffer also subclasses (see :func:`srl_prioritized_class`)
+    _srl_base: tuple[str, str] | None = None
+
+    def __init__(self, **buffer_args: Any) -> None:
+        self._attach(Assembler(BufferConfig.from_args(**buffer_args)))
+
+    def _attach(self, assembler: Assembler) -> None:
+        self._a = assembler
+        self._finalizer = weakref.finalize(self, Assembler.close, assembler)
+
+    # -- SRL's contract ----------------------------------------------------------------------
+    def put(self, x: Any) -> None:
+        """Hand over one sample (``[T, ...]``, or ``[T, B, ...]`` with ``batched_puts=True``).
+
+        Raises:
+            SchemaError: the sample's fields, dtypes or shapes differ from the first sample's.
+            CapacityError: more samples than the capacity in one put.
+            StaleExperienceError: on-policy, a sample older than the open rollout with ``on_stale="raise"``.
+        """
+        self._a.put(x, batched=self._a.cfg.batched_puts)
+
+    def put_batch(self, x: Any) -> None:
+        """Hand over a batched ``[T, B, ...]`` sample as ``B`` samples."""
+        self._a.put(x, batched=True)
+
+    def get(self, batch_size: int | None = None) -> ReplayEntry:
+        """The next delivery.
+
+        Args:
+            batch_size: replay only: draw this many samples instead of the configured batch size
+                (prepared draws of another size are discarded and redrawn).
+
+        Raises:
+            EmptyBufferError: nothing to deliver (``empty()`` was True).
+            StaleExperienceError: on-policy, the next rollout is too stale and ``on_stale="raise"``.
+        """
+        return self._a.get(batch_size)
+
+    def empty(self) -> bool:
+        return self._a.empty()
+
+    def qsize(self) -> int:
+        return self._a.qsize()
+
+    def update_priorities(self, idxes: Any, priorities: Any) -> int:
+        """New priorities for delivered samples, named by ``entry.sampling_indices``.
+
+        Returns:
+            How many samples were still held (updates for evicted ones are ignored).
+
+        Raises:
+            PriorityError: NaN, infinite or negative priorities, or a length mismatch.
+            ConfigurationError: the buffer is not prioritized.
+        """
+        return self._a.update_priorities(idxes, priorities)
+
+    # -- Conduit's additions -----------------------------------------------------------------
+    def set_policy_version(self, version: int) -> None:
+        """On-policy: the learner's policy version, which staleness is measured against."""
+        self._a.set_policy_version(version)
+
+    def seal(self) -> None:
+        """On-policy: close the open rollout so it can be delivered."""
+        self._a.seal()
+
+    def flush(self) -> None:
+        """Wait until every sample put so far is stored."""
+        self._a.flush()
+
+    def __len__(self) -> int:
+        """Samples stored (after the puts made so far are stored)."""
+        self._a.flush()
+        return 0 if self._a.edp is None else len(self._a.edp)
+
+    @property
+    def config(self) -> BufferConfig:
+        return self._a.cfg
+
+    @property
+    def edp(self) -> ExperienceDataPlane | None:
+        """The Experience Data Plane underneath (None until the first put fixes the schema)."""
+        return self._a.edp
+
+    @property
+    def telemetry(self) -> Telemetry | None:
+        """Per-call records of ingest, deliver and assemble (None before the first put)."""
+        return None if self._a.edp is None else self._a.edp.telemetry
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: samples put, entries delivered, and everything dropped or redrawn, by reason."""
+        a = self._a
+        s: Stats = a.stats
+        out: dict[str, Any] = dict(vars(s))
+        edp = a.edp
+        if edp is not None:
+            sampler = getattr(edp.semantics, "sampler", None)
+            out["queue_dropped"] = getattr(sampler, "dropped", 0)
+            out["queue_abandoned"] = getattr(sampler, "abandoned", 0)
+            out["rollout_dropped"] = getattr(edp.semantics, "dropped_items", 0)
+        return out
+
+    def close(self) -> None:
+        """Store what was handed over and stop the assembler thread (also done when the buffer is collected)."""
+        self._finalizer()
+
+    def __enter__(self) -> ConduitBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        cfg = self._a.cfg
+        return (f"{type(self).__name__}(semantics={cfg.semantics!r}, batch_size={cfg.batch_size}, "
+                f"capacity={cfg.resolved_capacity}, prefetch={cfg.resolved_prefetch})")
+
+    # -- pickling ----------------------------------------------------------------------------
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore, (self._srl_base, self._a.snapshot()))
+
+
+def _restore(srl_base: tuple[str, str] | None, state: dict[str, Any]) -> ConduitBuffer:
+    cls = ConduitBuffer if srl_base is None else srl_prioritized_class(_load_class(srl_base))
+    obj = cls.__new__(cls)
+    obj._attach(Assembler.restore(state))
+    return obj
+
+
+def _load_class(ref: tuple[str, str]) -> type:
+    return getattr(importlib.import_module(ref[0]), ref[1])  # type: ignore[no-any-return]
+
+
+_MIXED: dict[type, type] = {}
+
+
+def srl_prioritized_class(base: type) -> type:
+    """A ConduitBuffer class that is also a subclass of SRL's ``PrioritizedReplayBuffer`` ``base``.
+
+    SRL's trainer sends priorities only to buffers that are instances of its prioritized
+    replay class. This class passes that check while every method is Conduit's (the SRL
+    class's ``__init__`` never runs). Pickles restore to the same class.
+    """
+    cls = _MIXED.get(base)
+    if cls is None:
+        cls = type("ConduitPrioritizedBuffer", (ConduitBuffer, base),
+                   {"__module__": __name__, "_srl_base": (base.__module__, base.__qualname__),
+                    "__doc__": ConduitBuffer.__doc__})
+        _MIXED[base] = cls
+    return cls
+

@@ -1,0 +1,169 @@
+"""``buffer_args`` of a Conduit buffer: parsed, checked and defaulted in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from conduit import ConfigurationError
+
+__all__ = ["BufferConfig", "SEMANTICS"]
+
+#: what a Conduit buffer can deliver
+SEMANTICS = ("queue", "replay", "prioritized", "on_policy")
+
+#: SRL buffer arguments that do not carry over, and what to write instead
+_SRL_HINTS = {
+    "max_size": "Conduit counts capacity in samples (trajectory segments): write capacity=...",
+    "warmup_transitions": "write warmup=<samples> (Conduit counts samples, not transitions)",
+    "sample_length": "T is taken from the first sample; drop it",
+    "batch_length": "delivered samples keep their full length T; slice them in the trainer",
+    "beta_scheduler": "pass a fixed beta=...",
+    "max_priority": "new samples get the largest priority seen so far; drop it",
+    "priority_interpolation_eta": "initial priorities are the largest seen so far; drop it",
+    "burn_in_steps": "drop it (priorities are set through update_priorities)",
+}
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """Everything a Conduit buffer is built from (``make_buffer("conduit", **buffer_args)``).
+
+    Semantics (``semantics=``):
+
+    * ``"queue"`` (default): batches of ``batch_size`` samples in arrival order, each delivered
+      ``reuses`` times (SRL's queue buffers, for on-policy trainers).
+    * ``"replay"``: ``batch_size`` samples drawn uniformly with replacement once ``warmup``
+      samples are stored (SRL's uniform replay buffer).
+    * ``"prioritized"``: proportional prioritized replay (``alpha``, ``beta``); the trainer's
+      ``update_priorities(entry.sampling_indices, priorities)`` updates them.
+    * ``"on_policy"``: Conduit's freshness semantics: rollouts of one policy version, each
+      delivered as ``num_minibatches`` minibatches per epoch for ``num_epochs`` epochs, with a
+      staleness bound (``max_staleness``, ``on_stale``).
+    """
+
+    semantics: str = "queue"
+    batch_size: int | None = None
+    capacity: int | None = None
+    reuses: int = 1
+    warmup: int | None = None
+    alpha: float = 0.6
+    beta: float = 0.4
+    #: redraw prepared batches after a priority update (exact PER); False keeps them (draws lag by `prefetch`)
+    exact_priorities: bool = True
+    num_minibatches: int | None = None
+    minibatch_size: int | None = None
+    num_epochs: int = 1
+    max_staleness: int = 0
+    on_stale: str = "drop"
+    #: seal an on-policy rollout after this many samples (None: only on a version change or seal())
+    rollout_size: int | None = None
+    seed: int = 0
+    #: deliveries prepared ahead in the background (None: 1, or 0 where a prepared one could go stale)
+    prefetch: int | None = None
+    #: every put is a batched [T, B, ...] sample (otherwise [T, ...]; put_batch always takes [T, B, ...])
+    batched_puts: bool = False
+    version_field: str = "policy_version_steps"
+    drop_fields: tuple[str, ...] = ("policy_name",)
+    #: page-lock delivered arrays (None: when CUDA is available)
+    pin_memory: bool | None = None
+    #: puts wait when this many samples are handed over but not yet stored (None: capacity)
+    max_staged: int | None = None
+
+    @classmethod
+    def from_args(cls, **kwargs: Any) -> BufferConfig:
+        """Parse ``buffer_args``.
+
+        Raises:
+            ConfigurationError: an unknown argument (with the Conduit spelling of SRL's ones), a value
+                out of range, or arguments that do not fit the semantics.
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            hints = "; ".join(f"{k}: {_SRL_HINTS[k]}" for k in unknown if k in _SRL_HINTS)
+            raise ConfigurationError(f"Unknown Conduit buffer argument(s) {unknown}. {hints + '. ' if hints else ''}"
+                                     f"Known: {sorted(known)}.")
+        if "drop_fields" in kwargs:
+            kwargs["drop_fields"] = tuple(kwargs["drop_fields"])
+        cfg = cls(**kwargs)
+        cfg._check()
+        return cfg
+
+    # -- checks ----------------------------------------------------------------------------
+    def _check(self) -> None:
+        def positive(name: str, v: Any, *, zero: bool = False) -> None:
+            ok = isinstance(v, int) and not isinstance(v, bool) and (v >= 0 if zero else v > 0)
+            if not ok:
+                raise ConfigurationError(f"{name} must be an int {'>= 0' if zero else '> 0'}, got {v!r}.")
+
+        if self.semantics not in SEMANTICS:
+            raise ConfigurationError(f"semantics must be one of {SEMANTICS}, got {self.semantics!r}.")
+        if self.semantics == "on_policy":
+            if self.batch_size is not None:
+                raise ConfigurationError("on_policy delivers minibatches sized by num_minibatches or minibatch_size; "
+                                         "drop batch_size.")
+            if self.capacity is None:
+                raise ConfigurationError("on_policy needs capacity=<samples> (at least one rollout's worth).")
+            if self.rollout_size is not None:
+                positive("rollout_size", self.rollout_size)
+        else:
+            if self.batch_size is None:
+                raise ConfigurationError(f"semantics={self.semantics!r} needs batch_size=<samples per get()>.")
+            positive("batch_size", self.batch_size)
+            if self.capacity is None and self.semantics != "queue":
+                raise ConfigurationError(f"semantics={self.semantics!r} needs capacity=<samples to keep>.")
+            if self.rollout_size is not None:
+                raise ConfigurationError("rollout_size is an on_policy argument.")
+        positive("capacity", self.resolved_capacity)
+        if self.batch_size is not None and self.batch_size > self.resolved_capacity:
+            raise ConfigurationError(f"batch_size {self.batch_size} is larger than capacity "
+                                     f"{self.resolved_capacity}; raise capacity.")
+        positive("reuses", self.reuses)
+        if self.reuses != 1 and self.semantics != "queue":
+            raise ConfigurationError("reuses applies to semantics='queue' (on_policy reuses through num_epochs).")
+        if self.warmup is not None:
+            positive("warmup", self.warmup)
+        positive("seed", self.seed, zero=True)
+        if self.prefetch is not None:
+            positive("prefetch", self.prefetch, zero=True)
+            if self.prefetch and self.semantics == "on_policy" and self.on_stale == "raise":
+                raise ConfigurationError("on_stale='raise' checks staleness when get() is called, so nothing can be "
+                                         "prepared ahead; use prefetch=0 or on_stale='drop'.")
+        if self.max_staged is not None:
+            positive("max_staged", self.max_staged)
+        if self.on_stale not in ("drop", "raise"):
+            raise ConfigurationError(f"on_stale must be 'drop' or 'raise', got {self.on_stale!r}.")
+
+    # -- resolved values -------------------------------------------------------------------
+    @property
+    def replay_like(self) -> bool:
+        """Deliveries are independent draws (prepared ones may be dropped and redrawn)."""
+        return self.semantics in ("replay", "prioritized")
+
+    @property
+    def resolved_capacity(self) -> int:
+        if self.capacity is not None:
+            return self.capacity
+        assert self.batch_size is not None
+        return 16 * self.batch_size
+
+    @property
+    def resolved_prefetch(self) -> int:
+        if self.prefetch is not None:
+            return self.prefetch
+        if self.semantics == "prioritized" and self.exact_priorities:
+            return 0
+        if self.semantics == "on_policy" and self.on_stale == "raise":
+            return 0
+        return 1
+
+    @property
+    def resolved_warmup(self) -> int:
+        if self.warmup is not None:
+            return self.warmup
+        return self.batch_size or 1
+
+    @property
+    def resolved_max_staged(self) -> int:
+        return self.max_staged if self.max_staged is not None else self.resolved_capacity

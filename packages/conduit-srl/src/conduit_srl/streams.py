@@ -1,0 +1,267 @@
+"""Conduit on SRL's sample streams: which trainer receives a sample, and how flushes are coalesced.
+
+A stream whose name starts with ``conduit:`` is *claimed* (see :func:`conduit_srl.install`): the
+actor gets a :class:`ConduitSampleProducer` over one native producer per trainer, the trainer a
+:class:`ConduitSampleConsumer` over its native consumer. The transport stays SRL's.
+
+* **Ingestion granularity.** SRL flushes every producer on every actor poll, one message per
+  sample. A Conduit producer sends ``coalesce`` samples as one ``[T, k, ...]`` message (stacked
+  on the batch axis and marked in the record's metadata), or fewer once the oldest has waited
+  ``max_delay_s``. The consumer hands a coalesced message to a Conduit buffer as one
+  ``put_batch``, or to any other buffer as ``k`` ordinary ``put`` calls, so the buffer sees the
+  same samples in the same order either way.
+* **Placement across trainers.** ``route`` picks the target of each message: ``"rank"`` (SRL's
+  rule: actor rank modulo the number of trainers), ``"round_robin"``, or ``"least_sent"`` (the
+  trainer this producer has sent the fewest samples to).
+
+Nothing posted is dropped by Conduit: ``close()`` sends what is still pending.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from conduit import ConfigurationError
+
+from conduit_srl.protocols import SampleConsumerLike, SampleProducerLike
+
+__all__ = ["StreamPolicy", "ConduitSampleProducer", "ConduitSampleConsumer", "COALESCED_KEY", "pack", "ROUTES"]
+
+#: metadata key marking a coalesced message and how many samples it holds
+COALESCED_KEY = "conduit_coalesced"
+ROUTES = ("rank", "round_robin", "least_sent")
+
+
+@dataclass(frozen=True)
+class StreamPolicy:
+    """How a claimed stream routes and coalesces.
+
+    Args:
+        route: ``"rank"``, ``"round_robin"`` or ``"least_sent"``.
+        coalesce: samples per message (1: one message per sample, as SRL does).
+        max_delay_s: the longest a posted sample waits for partners before it is sent anyway.
+    """
+
+    route: str = "rank"
+    coalesce: int = 1
+    max_delay_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.route not in ROUTES:
+            raise ConfigurationError(f"route must be one of {ROUTES}, got {self.route!r}.")
+        if not isinstance(self.coalesce, int) or isinstance(self.coalesce, bool) or self.coalesce < 1:
+            raise ConfigurationError(f"coalesce must be an int >= 1, got {self.coalesce!r}.")
+        if not self.max_delay_s >= 0:
+            raise ConfigurationError(f"max_delay_s must be >= 0, got {self.max_delay_s!r}.")
+
+
+def _signature(rec: Any) -> tuple[Any, ...]:
+    out: list[Any] = [type(rec)]
+    for k, v in rec.items():
+        if v is None:
+            out.append((k, None))
+        elif hasattr(v, "items") and not isinstance(v, np.ndarray):
+            out.append((k, _signature(v)))
+        else:
+            a = np.asarray(v)
+            out.append((k, a.dtype.str, a.shape))
+    return tuple(out)
+
+
+def _stack(recs: Sequence[Any]) -> Any:
+    first = recs[0]
+    fields: dict[str, Any] = {}
+    for k, v in first.items():
+        if v is None:
+            fields[k] = None
+        elif hasattr(v, "items") and not isinstance(v, np.ndarray):
+            fields[k] = _stack([r[k] for r in recs])
+        else:
+            fields[k] = np.stack([np.asarray(r[k]) for r in recs], axis=1)
+    return type(first)(**fields)
+
+
+def pack(samples: Sequence[Any]) -> Any:
+    """``k`` ``[T, ...]`` samples of one structure as one ``[T, k, ...]`` record marked as coalesced."""
+    msg = _stack(samples)
+    msg.register_metadata(**{COALESCED_KEY: len(samples)})
+    return msg
+
+
+class ConduitSampleProducer:
+    """An SRL sample producer that routes and coalesces (``post`` is thread-safe; one thread flushes).
+
+    Args:
+        targets: one native producer per trainer (index ``i`` reaches trainer ``i``).
+
+    Keyword Args:
+        policy: routing and coalescing.
+        rank: this actor's rank (``"rank"`` routing, and where rotation starts).
+        clock: monotonic seconds (injectable for tests).
+    """
+
+    def __init__(self, targets: Sequence[SampleProducerLike], *, policy: StreamPolicy | None = None, rank: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not targets:
+            raise ConfigurationError("A Conduit sample producer needs at least one target producer.")
+        self.targets = list(targets)
+        self.policy = policy or StreamPolicy()
+        self.rank = int(rank)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pending: deque[tuple[Any, float]] = deque()
+        self._next = self.rank % len(self.targets)
+        #: samples sent to each target
+        self.sent = [0] * len(self.targets)
+        #: messages sent to each target
+        self.messages = [0] * len(self.targets)
+
+    def post(self, sample: Any) -> None:
+        with self._lock:
+            self._pending.append((sample, self._clock()))
+
+    def flush(self) -> None:
+        """Send every full group of ``coalesce`` samples, and the rest once the oldest waited ``max_delay_s``."""
+        self._send(force=False)
+
+    def close(self) -> None:
+        """Send everything still pending, then close the targets."""
+        self._send(force=True)
+        for t in self.targets:
+            close = getattr(t, "close", None)
+            if close is not None:
+                close()
+
+    def init_monitor(self, monitor: Any) -> None:
+        for t in self.targets:
+            init = getattr(t, "init_monitor", None)
+            if init is not None:
+                init(monitor)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _send(self, *, force: bool) -> None:
+        k = self.policy.coalesce
+        with self._lock:
+            take = (len(self._pending) // k) * k
+            if self._pending and (force or self.policy.max_delay_s == 0
+                                  or self._clock() - self._pending[0][1] >= self.policy.max_delay_s):
+                take = len(self._pending)
+            samples = [self._pending.popleft()[0] for _ in range(take)]
+        touched: set[int] = set()
+        for group in self._groups(samples, k):
+            i = self._route(len(group))
+            self.targets[i].post(group[0] if len(group) == 1 else pack(group))
+            self.sent[i] += len(group)
+            self.messages[i] += 1
+            touched.add(i)
+        for i in sorted(touched):
+            self.targets[i].flush()
+
+    @staticmethod
+    def _groups(samples: list[Any], k: int) -> list[list[Any]]:
+        """Runs of up to ``k`` samples of one structure (records without metadata go alone), in order."""
+        groups: list[list[Any]] = []
+        sig: tuple[Any, ...] | None = None
+        for s in samples:
+            can = k > 1 and hasattr(s, "register_metadata")
+            this = _signature(s) if can else None
+            if groups and can and this == sig and len(groups[-1]) < k:
+                groups[-1].append(s)
+            else:
+                groups.append([s])
+                sig = this
+        return groups
+
+    def _route(self, n: int) -> int:
+        route, m = self.policy.route, len(self.targets)
+        if route == "rank":
+            return self.rank % m
+        if route == "round_robin":
+            i = self._next
+            self._next = (self._next + 1) % m
+            return i
+        start = self.rank % m
+        order = [(start + j) % m for j in range(m)]
+        return min(order, key=lambda i: self.sent[i])
+
+
+class _Unpacker:
+    """What a native consumer puts into: forwards samples to the real buffer, unpacking coalesced ones."""
+
+    def __init__(self, buffer: Any) -> None:
+        self.buffer = buffer
+        self.count = 0
+
+    def put(self, x: Any) -> None:
+        meta = getattr(x, "metadata", None)
+        k = meta.get(COALESCED_KEY) if meta is not None else None
+        if not k:
+            self.buffer.put(x)
+            self.count += 1
+            return
+        x.pop_metadata(COALESCED_KEY)
+        put_batch = getattr(self.buffer, "put_batch", None)
+        if put_batch is not None:
+            put_batch(x)
+        else:
+            for i in range(int(k)):
+                self.buffer.put(x[:, i])
+        self.count += int(k)
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def put(self, x: Any) -> None:
+        self.items.append(x)
+
+
+class ConduitSampleConsumer:
+    """An SRL sample consumer over a native one, unpacking coalesced messages.
+
+    ``consume_to(buffer, max_iter)`` receives up to ``max_iter`` messages and returns the number of
+    *samples* put into ``buffer``.
+    """
+
+    def __init__(self, inner: SampleConsumerLike) -> None:
+        self.inner = inner
+        self._backlog: deque[Any] = deque()
+
+    def consume_to(self, buffer: Any, max_iter: int = 16) -> int:
+        shim = _Unpacker(buffer)
+        while self._backlog:
+            shim.put(self._backlog.popleft())
+        self.inner.consume_to(shim, max_iter)
+        return shim.count
+
+    def consume(self) -> Any:
+        """One sample (a coalesced message is returned one sample at a time)."""
+        if not self._backlog:
+            msg = self.inner.consume()  # type: ignore[attr-defined]
+            sink = _Collector()
+            _Unpacker(sink).put(msg)
+            self._backlog.extend(sink.items)
+        return self._backlog.popleft()
+
+    def init_monitor(self, monitor: Any) -> None:
+        init = getattr(self.inner, "init_monitor", None)
+        if init is not None:
+            init(monitor)
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+    def __getattr__(self, name: str) -> Any:
+        # native consumers expose extra attributes (e.g. ``address``); reach them through the wrapper
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)

@@ -1,0 +1,1 @@
+"""Test and benchmark support for conduit-srl: a record type, an SRL-shaped driver, endpoints."""
