@@ -13,11 +13,12 @@ import pytest
 from conduit.errors import EmptyBufferError, StaleExperienceError
 from conduit.testing.endpoints import OnPolicyEndpoint
 from conduit.testing.suites.base import SuiteBase
+from conduit.testing.suites.prefetch import PrefetchFreshnessChecks
 
 __all__ = ["FreshnessSuite"]
 
 
-class FreshnessSuite(SuiteBase):
+class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
     """On-policy semantics every adapter keeps. Subclass and implement :meth:`make_on_policy`."""
 
     @abstractmethod

@@ -13,6 +13,7 @@ import pytest
 from conduit.errors import ConduitError
 from conduit.testing.endpoints import CAP_CHECKPOINT, CAP_PRIORITIZED, ReplayEndpoint
 from conduit.testing.suites.base import SuiteBase, chi_square_p, needs
+from conduit.testing.suites.prefetch import PrefetchReplayChecks
 
 __all__ = ["ReplaySuite"]
 
@@ -20,7 +21,7 @@ __all__ = ["ReplaySuite"]
 P_MIN = 1e-3
 
 
-class ReplaySuite(SuiteBase):
+class ReplaySuite(PrefetchReplayChecks, SuiteBase):
     """Replay semantics every adapter keeps. Subclass and implement :meth:`make_replay`."""
 
     #: total draws for the distribution tests
