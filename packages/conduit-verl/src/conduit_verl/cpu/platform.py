@@ -10,7 +10,7 @@ When verl picks it, :func:`activate` does the two things verl's registries need 
 
 * registers verl's FSDP engines (actor and critic) for device ``cpu`` through
   ``EngineRegistry.register`` (verl declares them for ``cuda``/``npu`` only; the engines
-  themselves are device-agnostic);
+  themselves are device-agnostic), as soon as verl has loaded them;
 * wraps ``verl.utils.distributed.initialize_global_process_group_ray``. verl builds the
   process-group backend as ``f"cpu:gloo,{device}:{backend}"``, which torch rejects when the
   device is ``cpu`` ("Duplicate device type cpu"); no registry reaches that string, so the
@@ -34,6 +34,7 @@ __all__ = ["PlatformCPU", "activate", "cpu_device_module", "no_accelerator"]
 
 logger = logging.getLogger(__name__)
 _activated = False
+_engines_registered = False
 
 
 def no_accelerator() -> bool:
@@ -93,6 +94,8 @@ class PlatformCPU(PlatformBase):
 
     @property
     def device_name(self) -> str:
+        if not _engines_registered:
+            _register_engines()  # verl asks for the device name right before it looks an engine up
         return "cpu"
 
     @property
@@ -196,15 +199,22 @@ def activate() -> None:
 
 
 def _register_engines() -> None:
-    from verl.workers.engine.base import EngineRegistry
+    """Register verl's FSDP engines for ``cpu`` once their module has finished loading.
 
-    try:
-        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
-    except Exception:  # pragma: no cover - an FSDP import problem is verl's, report it and go on
-        logger.warning("conduit-verl: verl's FSDP engines failed to import; no CPU engine registered.", exc_info=True)
+    Never imports it: verl may be in the middle of importing it (it asks for the platform at
+    import time); the engine lookup asks for the device name, which lands here again.
+    """
+    global _engines_registered
+    import sys
+
+    impl = sys.modules.get("verl.workers.engine.fsdp.transformer_impl")
+    base = sys.modules.get("verl.workers.engine.base")
+    if impl is None or base is None or not hasattr(impl, "FSDPEngineWithValueHead"):
         return
-    for model_type, cls in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
+    _engines_registered = True
+    engines = (("language_model", impl.FSDPEngineWithLMHead), ("value_model", impl.FSDPEngineWithValueHead))
+    for model_type, cls in engines:
         try:
-            EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(cls)
+            base.EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(cls)
         except AssertionError:  # registered already (verl asserts on a duplicate key)
             pass
