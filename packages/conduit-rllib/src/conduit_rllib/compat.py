@@ -1,0 +1,103 @@
+"""The RLlib internals the adapter relies on, checked so that a moved hook fails loudly.
+
+conduit-rllib changes nothing in RLlib, but it plugs into a few places that are not public
+API (underscore methods, the off-policy training step's call sequence). :func:`problems`
+inspects the installed RLlib and lists every expectation that no longer holds;
+:func:`check` raises :class:`RLlibCompatibilityError` with that list. ``enable`` calls it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from conduit import ConfigurationError
+
+__all__ = ["RLlibCompatibilityError", "HOOKS", "problems", "check", "TESTED_RAY"]
+
+#: the Ray release line this adapter was written and tested against
+TESTED_RAY = "2.60."
+
+
+class RLlibCompatibilityError(ConfigurationError):
+    """The installed RLlib moved a hook conduit-rllib relies on; install ``ray[rllib]`` 2.60.x."""
+
+
+def _source(obj: object) -> str:
+    return inspect.getsource(obj)  # type: ignore[arg-type]
+
+
+def _params(fn: Callable[..., object]) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _hooks() -> list[tuple[str, Callable[[], bool]]]:
+    import ray
+    from ray.rllib.algorithms.algorithm import Algorithm
+    from ray.rllib.algorithms.dqn.dqn import DQN
+    from ray.rllib.core.learner.learner import Learner
+    from ray.rllib.core.learner.learner_group import LearnerGroup
+    from ray.rllib.utils.checkpoints import Checkpointable
+    from ray.rllib.utils.replay_buffers import utils as rb_utils
+
+    step = _source(DQN._training_step_new_api_stack)
+    return [
+        (f"ray {ray.__version__} is the tested release line {TESTED_RAY}x",
+         lambda: ray.__version__.startswith(TESTED_RAY)),
+        ("Learner._make_batch_if_necessary(self, training_data) exists",
+         lambda: _params(Learner._make_batch_if_necessary) == ["self", "training_data"]),
+        ("Learner._create_iterator_if_necessary takes training_data, num_total_minibatches, num_epochs, "
+         "minibatch_size, shuffle_batch_per_epoch",
+         lambda: {"training_data", "num_total_minibatches", "num_epochs", "minibatch_size",
+                  "shuffle_batch_per_epoch"} <= set(_params(Learner._create_iterator_if_necessary))),
+        ("Learner.update iterates self._create_iterator_if_necessary(...) and calls self._update per minibatch",
+         lambda: "self._create_iterator_if_necessary(" in _source(Learner.update)
+         and "self._update(" in _source(Learner.update)),
+        ("Learner._create_iterator_if_necessary builds the batch with self._make_batch_if_necessary(...)",
+         lambda: "self._make_batch_if_necessary(" in _source(Learner._create_iterator_if_necessary)),
+        ("Learner.device is a property",
+         lambda: isinstance(inspect.getattr_static(Learner, "device"), property)),
+        ("Checkpointable._check_component(name, components, not_components) exists",
+         lambda: _params(Checkpointable._check_component) == ["self", "name", "components", "not_components"]),
+        ("LearnerGroup.foreach_learner exists", lambda: callable(getattr(LearnerGroup, "foreach_learner", None))),
+        ("Algorithm.setup creates self.local_replay_buffer, then runs on_algorithm_init callbacks",
+         lambda: "self.local_replay_buffer = " in _source(Algorithm.setup)
+         and '"on_algorithm_init"' in _source(Algorithm.setup)),
+        ("DQN's new-stack training step adds to and samples from self.local_replay_buffer",
+         lambda: "self.local_replay_buffer.add(" in step and "self.local_replay_buffer.sample(" in step),
+        ("DQN's training step passes n_step, gamma, beta and sample_episodes=True to sample()",
+         lambda: all(s in step for s in ("n_step=", "gamma=", "beta=", "sample_episodes=True"))),
+        ("DQN's training step hands the sample unchanged to learner_group.update(episodes=...)",
+         lambda: "self.learner_group.update(" in step and "episodes=episodes" in step),
+        ("DQN's training step updates priorities via update_priorities_in_episode_replay_buffer",
+         lambda: "update_priorities_in_episode_replay_buffer(" in step),
+        ("update_priorities_in_episode_replay_buffer calls update_priorities for PrioritizedEpisodeReplayBuffer",
+         lambda: "isinstance(replay_buffer, PrioritizedEpisodeReplayBuffer)"
+         in _source(rb_utils.update_priorities_in_episode_replay_buffer)
+         and ".update_priorities(" in _source(rb_utils.update_priorities_in_episode_replay_buffer)),
+    ]
+
+
+#: what is checked, by description (evaluated lazily: importing RLlib is slow)
+HOOKS: Callable[[], list[tuple[str, Callable[[], bool]]]] = _hooks
+
+
+def problems() -> list[str]:
+    """Every relied-on RLlib hook that is missing or changed (empty when all hold)."""
+    out = []
+    for desc, ok in _hooks():
+        try:
+            good = bool(ok())
+        except Exception as e:  # noqa: BLE001 - a vanished attribute is exactly what we report
+            good, desc = False, f"{desc} ({type(e).__name__}: {e})"
+        if not good:
+            out.append(desc)
+    return out
+
+
+def check() -> None:
+    """Raise :class:`RLlibCompatibilityError` naming every hook that moved."""
+    bad = problems()
+    if bad:
+        raise RLlibCompatibilityError("conduit-rllib relies on RLlib internals that changed in this installation:\n  - "
+                                      + "\n  - ".join(bad) + "\nInstall ray[rllib]>=2.60,<2.61, the tested release.")

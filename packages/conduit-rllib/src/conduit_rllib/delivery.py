@@ -1,0 +1,88 @@
+"""What a Conduit replay buffer's ``sample()`` hands RLlib: the train batch, already assembled.
+
+RLlib's off-policy training step passes ``sample()``'s result unchanged to
+``learner_group.update(episodes=...)``. Conduit returns a :class:`ConduitSampledEpisodes`:
+a sequence of B one-step transitions (so it stands where RLlib expects a list of one-step
+episodes) that carries them as columns on the learner's device. Conduit's learner
+(:mod:`conduit_rllib.learner`) recognises it and uses the columns as the train batch, so the
+delivery path builds no Python object per transition. Code that iterates it anyway gets real
+``SingleAgentEpisode`` objects, built on demand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+import torch
+from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
+from ray.rllib.core.columns import Columns
+from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
+
+__all__ = ["ConduitSampledEpisodes", "WEIGHTS", "N_STEP"]
+
+#: importance-weight column the DQN/SAC losses read
+WEIGHTS = "weights"
+#: n-step column the DQN/SAC losses read (gamma ** n_step bootstraps)
+N_STEP = "n_step"
+
+
+class ConduitSampledEpisodes(Sequence[SingleAgentEpisode]):
+    """B sampled transitions as a ready train batch.
+
+    Attributes:
+        columns: RLlib column name -> tensor ``[B, ...]`` on the learner's device: ``obs``,
+            ``new_obs``, ``actions``, ``rewards``, ``terminateds``, ``truncateds``, ``weights``,
+            ``n_step``. Fixed fields are Conduit's reused delivery buffers: valid until the
+            buffer's second next ``sample()``.
+        handles: the Conduit handles of the sampled items (what ``update_priorities`` names).
+        module_id: the RLModule the batch trains.
+    """
+
+    __slots__ = ("columns", "handles", "module_id", "observation_space", "action_space")
+
+    def __init__(self, columns: dict[str, torch.Tensor], handles: torch.Tensor, *,
+                 module_id: str = DEFAULT_MODULE_ID, observation_space: Any = None, action_space: Any = None) -> None:
+        self.columns = columns
+        self.handles = handles
+        self.module_id = module_id
+        self.observation_space = observation_space
+        self.action_space = action_space
+
+    def __len__(self) -> int:
+        return int(self.handles.shape[0])
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}={list(v.shape)}" for k, v in self.columns.items())
+        return f"ConduitSampledEpisodes(B={len(self)}, {shapes})"
+
+    def to_multi_agent_batch(self) -> MultiAgentBatch:
+        """The train batch RLlib's learner consumes (wraps the columns; copies nothing)."""
+        return MultiAgentBatch({self.module_id: SampleBatch(self.columns)}, env_steps=len(self))
+
+    @overload
+    def __getitem__(self, i: int) -> SingleAgentEpisode: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[SingleAgentEpisode]: ...
+
+    def __getitem__(self, i: int | slice) -> SingleAgentEpisode | list[SingleAgentEpisode]:
+        """Transition ``i`` as the one-step ``SingleAgentEpisode`` RLlib's own buffers return (slow path)."""
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"transition {i} of {len(self)}")
+        c = {k: v[i].detach().cpu().numpy() for k, v in self.columns.items()}
+        return SingleAgentEpisode(
+            agent_id=DEFAULT_AGENT_ID, module_id=self.module_id,
+            observation_space=self.observation_space, action_space=self.action_space,
+            observations=[c[Columns.OBS], c[Columns.NEXT_OBS]], actions=[c[Columns.ACTIONS]],
+            rewards=[float(c[Columns.REWARDS])], terminated=bool(c[Columns.TERMINATEDS]),
+            truncated=bool(c[Columns.TRUNCATEDS]),
+            extra_model_outputs={WEIGHTS: [float(c[WEIGHTS])], N_STEP: [int(c[N_STEP])]},
+            len_lookback_buffer=0)
+
+    def __iter__(self) -> Iterator[SingleAgentEpisode]:
+        for i in range(len(self)):
+            yield self[i]

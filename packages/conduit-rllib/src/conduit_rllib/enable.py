@@ -1,0 +1,200 @@
+"""``conduit_rllib.enable(config)``: wire Conduit into an RLlib ``AlgorithmConfig``.
+
+What it sets, all through RLlib's public configuration API:
+
+* DQN, SAC (off-policy): an ``on_algorithm_init`` callback that replaces
+  ``algorithm.local_replay_buffer`` by a Conduit buffer of the same kind (uniform or
+  prioritized, same capacity and alpha) delivering on the learner's device, and a learner
+  class with :class:`~conduit_rllib.learner.ConduitOffPolicyLearner` mixed in. The training
+  step, the loss and the replay-buffer config stay RLlib's.
+* PPO (on-policy): a learner class with :class:`~conduit_rllib.learner.ConduitOnPolicyLearner`
+  mixed in, and Conduit's options in ``config.learner_config_dict["conduit"]``.
+
+Anything else raises :class:`~conduit_rllib.errors.UnsupportedAlgorithmError` or
+:class:`~conduit_rllib.errors.UnsupportedConfigError` saying what is supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from conduit import Placement, Scheduler
+from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
+from ray.rllib.algorithms.dqn.dqn import DQN
+from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
+from ray.rllib.algorithms.ppo.ppo import PPO
+from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+from ray.rllib.algorithms.sac.sac import SAC
+from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
+from ray.rllib.utils import force_list
+from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
+from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
+
+from conduit_rllib import compat
+from conduit_rllib.errors import UnsupportedAlgorithmError, UnsupportedConfigError
+from conduit_rllib.learner import (
+    CONFIG_KEY,
+    ConduitDQNTorchLearner,
+    ConduitOffPolicyLearner,
+    ConduitOnPolicyLearner,
+    ConduitPPOTorchLearner,
+    ConduitSACTorchLearner,
+)
+from conduit_rllib.replay import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer
+
+__all__ = ["enable", "is_enabled", "SUPPORTED_ALGORITHMS", "InstallReplayBuffer"]
+
+#: what ``enable`` accepts: algorithm -> (kind, RLlib's default learner, Conduit's learner)
+_TABLE: dict[type, tuple[str, type, type]] = {
+    SAC: ("off_policy", SACTorchLearner, ConduitSACTorchLearner),
+    DQN: ("off_policy", DQNTorchLearner, ConduitDQNTorchLearner),
+    PPO: ("on_policy", PPOTorchLearner, ConduitPPOTorchLearner),
+}
+SUPPORTED_ALGORITHMS = ("DQN", "SAC", "PPO")
+_SUPPORTED = "DQN and SAC (off-policy replay) and PPO (on-policy), on RLlib's new API stack with torch"
+
+
+def _algorithm(config: AlgorithmConfig) -> type:
+    algo = config.algo_class
+    name = getattr(algo, "__name__", repr(algo))
+    if isinstance(algo, type):
+        for base in _TABLE:  # SAC before DQN: SAC subclasses DQN
+            if algo is base or (issubclass(algo, base) and not algo.__module__.startswith("ray.rllib.")):
+                return base
+    raise UnsupportedAlgorithmError(f"conduit_rllib.enable supports {_SUPPORTED} (and your own subclasses of "
+                                    f"DQN, SAC and PPO); this config builds {name}.")
+
+
+def _replay_kind(config: AlgorithmConfig) -> bool:
+    """True for prioritized replay, False for uniform (from ``replay_buffer_config["type"]``)."""
+    rb_type = config.replay_buffer_config.get("type")
+    if isinstance(rb_type, str):
+        name = rb_type.rsplit(".", 1)[-1]
+        if name in ("PrioritizedEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer"):
+            return True
+        if name in ("EpisodeReplayBuffer", "ConduitEpisodeReplayBuffer"):
+            return False
+    elif (isinstance(rb_type, type) and issubclass(rb_type, EpisodeReplayBuffer)
+          and "MultiAgent" not in rb_type.__name__):
+        return issubclass(rb_type, PrioritizedEpisodeReplayBuffer)
+    raise UnsupportedConfigError(f"replay_buffer_config['type'] is {rb_type!r}; Conduit replaces the single-agent "
+                                 f"'EpisodeReplayBuffer' (uniform) and 'PrioritizedEpisodeReplayBuffer'. Set one "
+                                 f"of those names.")
+
+
+@dataclass
+class InstallReplayBuffer:
+    """The ``on_algorithm_init`` callback: swap in a Conduit replay buffer and attach it to the learner.
+
+    Picklable (it travels inside the config into checkpoints).
+
+    Args:
+        placement: where transitions live (default: host memory, pinned for a CUDA learner).
+        scheduler: a factory for the data plane's scheduler (default: synchronous).
+    """
+
+    placement: Placement | None = None
+    scheduler: Callable[[], Scheduler] | None = None
+
+    def __call__(self, *, algorithm: Any, metrics_logger: Any = None, **kwargs: Any) -> None:
+        cfg = algorithm.config
+        group = algorithm.learner_group
+        if not group.is_local:
+            raise UnsupportedConfigError("Conduit's off-policy path needs the learner in the driver "
+                                         "(config.learners(num_learners=0)).")
+        prioritized = _replay_kind(cfg)
+        rbc = cfg.replay_buffer_config
+        device = next(iter(group.foreach_learner(lambda learner: learner.device))).get()
+        cls = ConduitPrioritizedEpisodeReplayBuffer if prioritized else ConduitEpisodeReplayBuffer
+        kwargs_rb: dict[str, Any] = {}
+        if prioritized:
+            kwargs_rb["alpha"] = float(rbc.get("alpha", 1.0))
+        buffer = cls(capacity=int(rbc.get("capacity", 50_000)), seed=cfg.seed, device=device,
+                     placement=self.placement, scheduler=self.scheduler() if self.scheduler else None,
+                     metrics_num_episodes_for_smoothing=cfg.metrics_num_episodes_for_smoothing, **kwargs_rb)
+        algorithm.local_replay_buffer = buffer
+        for res in group.foreach_learner(lambda learner: learner.conduit_attach_replay(buffer)):
+            res.get()
+
+
+def is_enabled(config: AlgorithmConfig) -> bool:
+    """Whether ``enable`` has wired Conduit into ``config``."""
+    return isinstance(config.learner_class, type) and issubclass(
+        config.learner_class, (ConduitOffPolicyLearner, ConduitOnPolicyLearner))
+
+
+def _learner_class(config: AlgorithmConfig, default: type, conduit: type, mixin: type) -> type:
+    current = config._learner_class  # None: RLlib's default for this algorithm
+    if current is None or current is default:
+        return conduit
+    if isinstance(current, type) and issubclass(current, mixin):
+        return current
+    raise UnsupportedConfigError(f"This config uses its own learner class {current!r}. Give it Conduit's mixin "
+                                 f"first in its bases, e.g. `class MyLearner(conduit_rllib.{mixin.__name__}, "
+                                 f"{getattr(current, '__name__', current)})`, and call enable() again.")
+
+
+def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
+           scheduler: Callable[[], Scheduler] | None = None, prefetch: bool = True) -> AlgorithmConfig:
+    """Wire Conduit's Experience Data Plane into ``config`` and return that same config.
+
+    Off-policy (DQN, SAC): replay goes through a Conduit buffer (uniform or prioritized, as
+    ``replay_buffer_config["type"]`` says) whose ``sample()`` delivers the assembled train batch
+    onto the learner's device. On-policy (PPO): the learner's minibatches are delivered by
+    Conduit's on-policy path (each row once per epoch, minibatch k + 1 prepared while k trains).
+    Calling it twice is harmless.
+
+    Keyword Args:
+        placement: where experience lives (default: host memory; a PPO batch stays on its device).
+        scheduler: off-policy only, a zero-argument factory for the data plane's scheduler.
+        prefetch: on-policy only, gather minibatch k + 1 on a worker thread while k trains.
+
+    Raises:
+        UnsupportedAlgorithmError: not DQN, SAC or PPO.
+        UnsupportedConfigError: a setting the adapter cannot serve (old API stack, non-torch,
+            multi-agent, several learners, RNN models, custom learner connectors off-policy, ...).
+        conduit_rllib.compat.RLlibCompatibilityError: the installed RLlib moved a hook we use.
+    """
+    if not isinstance(config, AlgorithmConfig):
+        raise UnsupportedConfigError(f"enable() takes an RLlib AlgorithmConfig (e.g. DQNConfig()), got "
+                                     f"{type(config).__name__}.")
+    base = _algorithm(config)
+    kind, default_learner, conduit_learner = _TABLE[base]
+    if not (config.enable_rl_module_and_learner and config.enable_env_runner_and_connector_v2):
+        raise UnsupportedConfigError("Conduit plugs into RLlib's new API stack (RLModule, Learner, EnvRunner); "
+                                     "enable it with config.api_stack(enable_rl_module_and_learner=True, "
+                                     "enable_env_runner_and_connector_v2=True).")
+    if config.framework_str != "torch":
+        raise UnsupportedConfigError(f"Conduit's RLlib adapter supports framework 'torch', not "
+                                     f"{config.framework_str!r}.")
+    if config.is_multi_agent:
+        raise UnsupportedConfigError("Conduit's RLlib adapter supports single-agent training; this config is "
+                                     "multi-agent.")
+    if config.model_config.get("use_lstm") or config.model_config.get("use_attention"):
+        raise UnsupportedConfigError("Stateful (LSTM/attention) modules need sequence sampling, which Conduit's "
+                                     "RLlib adapter does not support; use a feed-forward model.")
+    compat.check()
+    if kind == "off_policy":
+        if config.num_learners != 0:
+            raise UnsupportedConfigError(f"Conduit's {base.__name__} path delivers into the learner in the driver; "
+                                         f"set config.learners(num_learners=0) (got {config.num_learners}).")
+        if config._learner_connector is not None:
+            raise UnsupportedConfigError("Conduit delivers DQN/SAC train batches ready-made, so custom learner "
+                                         "connector pieces would be skipped; remove "
+                                         "config.learners(learner_connector=...) or run without Conduit.")
+        _replay_kind(config)
+        learner = _learner_class(config, default_learner, conduit_learner, ConduitOffPolicyLearner)
+        hooks = force_list(config.callbacks_on_algorithm_init)
+        hooks = [h for h in hooks if not isinstance(h, InstallReplayBuffer)]
+        config.callbacks(on_algorithm_init=[*hooks, InstallReplayBuffer(placement, scheduler)])
+        config.learners(learner_class=learner)
+    else:
+        if config.num_learners > 1:
+            raise UnsupportedConfigError(f"Conduit's PPO path runs with at most one learner (num_learners <= 1); "
+                                         f"got {config.num_learners}.")
+        learner = _learner_class(config, default_learner, conduit_learner, ConduitOnPolicyLearner)
+        config.learners(learner_class=learner,
+                        learner_config_dict={CONFIG_KEY: {"placement": placement, "prefetch": bool(prefetch)}})
+    return config

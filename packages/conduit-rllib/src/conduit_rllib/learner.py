@@ -1,0 +1,170 @@
+"""Conduit's side of RLlib's Learner: two mixins and the learner classes ``enable`` installs.
+
+* :class:`ConduitOffPolicyLearner` (DQN, SAC): when the training step hands the learner a
+  :class:`~conduit_rllib.delivery.ConduitSampledEpisodes`, its columns are the train batch:
+  the learner connector (episodes -> batch -> tensors) is skipped because Conduit already
+  delivered the batch, assembled, on the learner's device. Anything else goes through
+  RLlib's path unchanged. It also checkpoints the Conduit replay buffer with the learner's
+  state (RLlib's new API stack does not save replay buffers).
+* :class:`ConduitOnPolicyLearner` (PPO): RLlib's learner connector still builds the train
+  batch (advantages, value targets); Conduit then delivers its minibatches through
+  ``conduit.OnPolicy`` (:class:`~conduit_rllib.on_policy.MinibatchFeed`) instead of RLlib's
+  minibatch iterator.
+
+Both override private ``Learner`` hooks (``_make_batch_if_necessary``,
+``_create_iterator_if_necessary``); :mod:`conduit_rllib.compat` checks they are where we expect.
+A custom learner class gets Conduit by listing the mixin first::
+
+    class MyDQNLearner(ConduitOffPolicyLearner, MyDQNTorchLearnerSubclass): ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
+from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
+from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
+
+from conduit_rllib.delivery import ConduitSampledEpisodes
+from conduit_rllib.errors import UnsupportedConfigError
+from conduit_rllib.on_policy import MinibatchFeed
+
+__all__ = [
+    "ConduitOffPolicyLearner",
+    "ConduitOnPolicyLearner",
+    "ConduitDQNTorchLearner",
+    "ConduitSACTorchLearner",
+    "ConduitPPOTorchLearner",
+    "REPLAY_COMPONENT",
+    "CONFIG_KEY",
+]
+
+#: key of the replay buffer's state inside the learner's state (and checkpoint)
+REPLAY_COMPONENT = "conduit_replay_buffer"
+#: key of Conduit's options in ``config.learner_config_dict``
+CONFIG_KEY = "conduit"
+
+
+class ConduitOffPolicyLearner:
+    """Mixin for DQN/SAC learners: Conduit-delivered batches skip the learner connector.
+
+    Attributes:
+        conduit_replay: the Conduit replay buffer attached by ``enable`` (checkpointed with the learner).
+        conduit_batches: train batches received from Conduit so far (the fast path).
+        native_batches: train batches that went through RLlib's learner connector.
+    """
+
+    conduit_replay: Any = None
+    conduit_batches: int = 0
+    native_batches: int = 0
+    _conduit_pending_state: Any = None
+
+    def conduit_attach_replay(self, buffer: Any) -> None:
+        """Attach the driver's Conduit replay buffer (local learner only): it is saved with this learner."""
+        self.conduit_replay = buffer
+        if self._conduit_pending_state is not None:
+            buffer.set_state(self._conduit_pending_state)
+            self._conduit_pending_state = None
+
+    def _make_batch_if_necessary(self, training_data: Any) -> Any:
+        episodes = training_data.episodes
+        if isinstance(episodes, ConduitSampledEpisodes):
+            self.conduit_batches += 1
+            return episodes.to_multi_agent_batch()
+        self.native_batches += 1
+        return super()._make_batch_if_necessary(training_data)  # type: ignore[misc]
+
+    def get_state(self, components: str | Collection[str] | None = None, *,
+                  not_components: str | Collection[str] | None = None, **kwargs: Any) -> dict[str, Any]:
+        state = super().get_state(components, not_components=not_components, **kwargs)  # type: ignore[misc]
+        if self.conduit_replay is not None and self._check_component(  # type: ignore[attr-defined]
+                REPLAY_COMPONENT, components, not_components):
+            state[REPLAY_COMPONENT] = self.conduit_replay.get_state()
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if REPLAY_COMPONENT in state:
+            state = dict(state)
+            rb_state = state.pop(REPLAY_COMPONENT)
+            if self.conduit_replay is not None:
+                self.conduit_replay.set_state(rb_state)
+            else:  # restored before enable's on_algorithm_init attached the buffer
+                self._conduit_pending_state = rb_state
+        super().set_state(state)  # type: ignore[misc]
+
+
+class ConduitOnPolicyLearner:
+    """Mixin for PPO learners: minibatches come from Conduit's on-policy delivery.
+
+    Per ``update``: RLlib's connector builds the train batch; it is ingested as one rollout of
+    policy version v (v counts this learner's updates), sealed, and delivered as M minibatches
+    per epoch for ``num_epochs`` epochs, with M = round(rows / minibatch_size), so each row
+    trains exactly once per epoch. Options come from ``config.learner_config_dict["conduit"]``
+    (``prefetch``: gather minibatch k + 1 while k trains, default True; ``placement``).
+
+    Attributes:
+        conduit_feed: the :class:`~conduit_rllib.on_policy.MinibatchFeed` (its ``delivered``
+            lists the SampleInfo of each minibatch of the latest update).
+        conduit_version: the version the next rollout is ingested under.
+    """
+
+    conduit_feed: MinibatchFeed
+    conduit_version: int = 0
+
+    def build(self) -> None:
+        super().build()  # type: ignore[misc]
+        config = self.config  # type: ignore[attr-defined]
+        opts = dict(config.learner_config_dict.get(CONFIG_KEY, {}))
+        seed = config.seed
+        self.conduit_feed = MinibatchFeed(seed=0 if seed is None else int(seed), max_staleness=0, on_stale="drop",
+                                          placement=opts.get("placement"), prefetch=bool(opts.get("prefetch", True)))
+
+    def _create_iterator_if_necessary(self, *, training_data: Any, num_total_minibatches: int = 0,
+                                      num_epochs: int = 1, minibatch_size: int | None = None,
+                                      shuffle_batch_per_epoch: bool = False, **kwargs: Any) -> Iterable[Any]:
+        if training_data.data_iterators:  # offline data: RLlib's own iterator
+            return super()._create_iterator_if_necessary(  # type: ignore[misc]
+                training_data=training_data, num_total_minibatches=num_total_minibatches, num_epochs=num_epochs,
+                minibatch_size=minibatch_size, shuffle_batch_per_epoch=shuffle_batch_per_epoch, **kwargs)
+        if num_total_minibatches:
+            raise UnsupportedConfigError("Conduit's on-policy delivery runs one learner (num_learners <= 1); "
+                                         "several learners in lock step are not supported.")
+        batch: MultiAgentBatch = self._make_batch_if_necessary(training_data=training_data)  # type: ignore
+        for module_id in list(batch.policy_batches):
+            if not self.should_module_be_updated(module_id, batch):  # type: ignore[attr-defined]
+                del batch.policy_batches[module_id]
+        if not batch.policy_batches:
+            return {}
+        if len(batch.policy_batches) != 1:
+            raise UnsupportedConfigError(f"Conduit's RLlib adapter trains one RLModule; this batch has "
+                                         f"{sorted(batch.policy_batches)}. Multi-agent PPO is not supported.")
+        ((module_id, module_batch),) = batch.policy_batches.items()
+        if module_batch.zero_padded or module_batch.get(SampleBatch.SEQ_LENS) is not None:
+            raise UnsupportedConfigError("Conduit's on-policy delivery cuts minibatches by timestep; stateful "
+                                         "(RNN) modules with time-padded batches are not supported.")
+        rows = len(module_batch)
+        m = max(1, round(rows / minibatch_size)) if minibatch_size else 1
+        feed = self.conduit_feed
+        version = self.conduit_version
+        self.conduit_version += 1
+        feed.configure(num_minibatches=m, num_epochs=max(1, int(num_epochs)),
+                       shuffle=bool(shuffle_batch_per_epoch and num_epochs > 1))
+        feed.set_policy_version(version)
+        feed.ingest(module_id, module_batch, version=version)
+        feed.seal()
+        return feed.minibatches()
+
+
+class ConduitDQNTorchLearner(ConduitOffPolicyLearner, DQNTorchLearner):
+    """RLlib's DQN torch learner, taking Conduit-delivered batches."""
+
+
+class ConduitSACTorchLearner(ConduitOffPolicyLearner, SACTorchLearner):
+    """RLlib's SAC torch learner, taking Conduit-delivered batches."""
+
+
+class ConduitPPOTorchLearner(ConduitOnPolicyLearner, PPOTorchLearner):
+    """RLlib's PPO torch learner, with minibatches delivered by Conduit's on-policy path."""

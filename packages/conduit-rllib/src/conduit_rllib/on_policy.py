@@ -1,0 +1,260 @@
+"""On-policy delivery for RLlib's Learner: train batches in, minibatches out, through ``conduit.OnPolicy``.
+
+RLlib's PPO Learner turns a rollout into one train batch (its learner connector adds
+advantages and value targets) and then cuts it into minibatches for ``num_epochs`` passes.
+:class:`MinibatchFeed` takes over the cutting: the train batch is ingested into a
+:class:`conduit.ExperienceDataPlane` with :class:`conduit.OnPolicy` semantics under the
+version of the policy that produced it, sealed, and delivered as M minibatches per epoch:
+each row exactly once per epoch, never mixing versions, stale rollouts dropped or refused.
+One delivery prepares 1/M of the rollout (``g_del = 1/M``), and while minibatch k trains the
+feed is already gathering minibatch k + 1 on a worker thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from conduit import (
+    ColumnarStorage,
+    ConfigurationError,
+    EmptyBufferError,
+    ExperienceBatch,
+    ExperienceDataPlane,
+    ExperienceSchema,
+    Field,
+    HostPlacement,
+    OnPolicy,
+    Placement,
+    SampleInfo,
+    SchemaError,
+)
+from conduit.batch import as_tensor
+from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
+
+from conduit_rllib.errors import UnsupportedConfigError
+
+__all__ = ["MinibatchFeed"]
+
+
+class _DevicePlacement(HostPlacement):
+    """Columnar storage on the device the train batch already lives on (a GPU learner's batch stays there)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Any:
+        if self.device.type == "cpu":
+            return super().storage(schema, capacity, ragged_capacity=ragged_capacity)
+        return ColumnarStorage(schema, capacity, self.device, ragged_capacity=ragged_capacity, tier="gpu")
+
+    def describe(self) -> str:
+        return f"device ({self.device})"
+
+
+def _columns(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    cols: dict[str, torch.Tensor] = {}
+    for name, col in batch.items():
+        if isinstance(col, (torch.Tensor, np.ndarray)):
+            cols[name] = as_tensor(col)
+        elif name.startswith("_"):
+            continue  # SampleBatch bookkeeping
+        else:
+            raise UnsupportedConfigError(f"Train-batch column {name!r} is a {type(col).__name__}; Conduit's "
+                                         f"on-policy delivery takes flat arrays per column (nested observation "
+                                         f"spaces and RNN states are not supported).")
+    return cols
+
+
+class MinibatchFeed:
+    """An on-policy minibatch source for one RLModule, backed by a Conduit data plane.
+
+    Keyword Args:
+        num_minibatches: M, minibatches per epoch (the learner sets it per rollout with
+            :meth:`configure`).
+        num_epochs: E, passes over each rollout.
+        max_staleness: versions a rollout may lag the policy and still be delivered.
+        on_stale: ``"drop"`` (skip it, counted) or ``"raise"`` (:class:`conduit.StaleExperienceError`).
+        shuffle: reshuffle each epoch.
+        seed: seeds the per-epoch permutations.
+        placement: where rollouts live (default: the device the train batch is on).
+        prefetch: gather minibatch k + 1 on a worker thread while k trains.
+        capacity: initial rows of storage (grown between rollouts when a larger one arrives).
+    """
+
+    def __init__(self, *, num_minibatches: int = 1, num_epochs: int = 1, max_staleness: int = 0,
+                 on_stale: Literal["drop", "raise"] = "drop", shuffle: bool = True, seed: int = 0,
+                 placement: Placement | None = None, prefetch: bool = True, capacity: int = 0) -> None:
+        self._sem_args = dict(num_minibatches=num_minibatches, num_epochs=num_epochs, max_staleness=max_staleness,
+                              on_stale=on_stale, shuffle=shuffle, seed=seed)
+        OnPolicy(**self._sem_args)  # type: ignore[arg-type]  # validate now: errors at construction
+        self.placement = placement
+        self.prefetch = prefetch
+        self.capacity = int(capacity)
+        self.edp: ExperienceDataPlane | None = None
+        self.module_id: str | None = None
+        #: SampleInfo of every minibatch of the rollout being (or last) delivered, in order
+        self.delivered: list[SampleInfo] = []
+        self._policy_version = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    # -- configuration -----------------------------------------------------------------------
+    @property
+    def semantics(self) -> OnPolicy:
+        if self.edp is None:
+            return OnPolicy(**self._sem_args)  # type: ignore[arg-type]
+        sem = self.edp.semantics
+        assert isinstance(sem, OnPolicy)
+        return sem
+
+    def _idle(self) -> bool:
+        if self.edp is None:
+            return True
+        sem = self.semantics
+        return sem.pending_rollouts == 0 and len(self.edp) == 0
+
+    def configure(self, *, num_minibatches: int, num_epochs: int, shuffle: bool) -> None:
+        """Set M, E and shuffling for the next rollout (only while nothing is waiting for delivery).
+
+        Raises:
+            conduit.ConfigurationError: rollouts are still pending, or the values are invalid.
+        """
+        args = dict(self._sem_args, num_minibatches=int(num_minibatches), num_epochs=int(num_epochs),
+                    shuffle=bool(shuffle))
+        OnPolicy(**args)  # type: ignore[arg-type]  # validates
+        if args == self._sem_args:
+            return
+        if not self._idle():
+            raise ConfigurationError("Cannot change minibatching while a rollout is waiting for delivery; "
+                                     "consume it first.")
+        self._sem_args = args
+        if self.edp is not None:
+            sem = self.semantics
+            sem.num_minibatches, sem.num_epochs, sem.shuffle = args["num_minibatches"], args["num_epochs"], \
+                args["shuffle"]
+
+    def _ensure(self, cols: dict[str, torch.Tensor], n: int) -> ExperienceDataPlane:
+        schema = ExperienceSchema({k: Field(tuple(v.shape[1:]), v.dtype) for k, v in cols.items()})
+        device = next(iter(cols.values())).device
+        edp = self.edp
+        if edp is not None and edp.schema == schema and n <= edp.capacity and edp.storage.device == device:
+            return edp
+        if edp is not None and not self._idle():
+            if edp.schema != schema:
+                raise SchemaError(f"A rollout with columns {list(schema)} arrived while one with "
+                                  f"{list(edp.schema)} is waiting; consume it first.")
+            return edp  # too large: the ingest raises CapacityError
+        if edp is not None:
+            state = edp.semantics.state_dict()
+            edp.close()
+        else:
+            state = None
+        cap = max(self.capacity, 1 << int(np.ceil(np.log2(max(2 * n, 2)))))
+        sem = OnPolicy(**self._sem_args)  # type: ignore[arg-type]
+        self.edp = ExperienceDataPlane(schema, capacity=cap, semantics=sem,
+                                       placement=self.placement or _DevicePlacement(device), device=device)
+        if state is not None:  # nothing is pending: carry the permutation RNG and counters over
+            sem.load_state_dict(state)
+        sem.policy_version = self._policy_version
+        self.capacity = cap
+        return self.edp
+
+    # -- ingestion ----------------------------------------------------------------------------
+    def ingest(self, module_id: str, batch: Mapping[str, Any], *, version: int) -> None:
+        """Add a train batch (RLlib column -> array, one row per timestep) produced by policy ``version``.
+
+        Raises:
+            UnsupportedConfigError: a column is not a flat array, or a second module is fed.
+            conduit.SchemaError / conduit.CapacityError / conduit.ConfigurationError: as
+                :meth:`conduit.ExperienceDataPlane.ingest`.
+        """
+        cols = _columns(batch)
+        if not cols:
+            raise SchemaError("The train batch has no columns.")
+        n = int(next(iter(cols.values())).shape[0])
+        with self._lock:
+            if self.module_id is not None and module_id != self.module_id and not self._idle():
+                raise UnsupportedConfigError(f"This feed serves module {self.module_id!r}; Conduit's RLlib adapter "
+                                             f"supports single-agent training (one RLModule).")
+            self.module_id = module_id
+            self._ensure(cols, n).ingest(cols, version=int(version))
+
+    def seal(self) -> None:
+        """Close the current rollout: it becomes deliverable."""
+        if self.edp is not None:
+            self.edp.seal()
+
+    def set_policy_version(self, version: int) -> None:
+        """The learner's policy is now ``version``; staleness is measured against it."""
+        self._policy_version = int(version)
+        if self.edp is not None:
+            self.edp.set_policy_version(int(version))
+
+    @property
+    def dropped_items(self) -> int:
+        """Rows of stale rollouts skipped so far (``on_stale="drop"``)."""
+        return 0 if self.edp is None else self.semantics.dropped_items
+
+    # -- delivery -------------------------------------------------------------------------------
+    def _deliver(self) -> tuple[ExperienceBatch, SampleInfo]:
+        if self.edp is None:
+            raise EmptyBufferError("No rollout was ingested; ingest one and seal it.")
+        return self.edp.deliver()
+
+    def _to_rllib(self, batch: ExperienceBatch, info: SampleInfo) -> MultiAgentBatch:
+        assert self.module_id is not None
+        if info.epoch == 0 and info.minibatch == 0:
+            self.delivered = []
+        self.delivered.append(info)
+        cols = {k: batch.tensor(k) for k in batch}
+        return MultiAgentBatch({self.module_id: SampleBatch(cols)}, env_steps=batch.batch_size)
+
+    def minibatches(self) -> Iterator[MultiAgentBatch]:
+        """Every minibatch of the oldest waiting rollout (M per epoch, E epochs), as RLlib train batches.
+
+        The first delivery happens now, so an empty or stale buffer raises here. With ``prefetch``
+        the next minibatch is gathered while the caller trains on the current one; a minibatch is
+        valid until the caller asks for the one after the next.
+
+        Raises:
+            conduit.EmptyBufferError: nothing sealed is waiting.
+            conduit.StaleExperienceError: the rollout is too stale and ``on_stale="raise"``.
+        """
+        first = self._deliver()
+        return self._iterate(first)
+
+    def _iterate(self, first: tuple[ExperienceBatch, SampleInfo]) -> Iterator[MultiAgentBatch]:
+        pending: Future[tuple[ExperienceBatch, SampleInfo]] | None = None
+        current = first
+        try:
+            while True:
+                batch, info = current
+                if not info.last:
+                    if self.prefetch:
+                        if self._pool is None:
+                            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conduit-minibatch")
+                        pending = self._pool.submit(self._deliver)
+                yield self._to_rllib(batch, info)
+                if info.last:
+                    return
+                if pending is not None:
+                    current, pending = pending.result(), None
+                else:
+                    current = self._deliver()
+        finally:
+            if pending is not None:  # the caller stopped early: let the running gather finish
+                pending.exception()
+
+    def close(self) -> None:
+        """Stop the prefetch thread and the data plane."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self.edp is not None:
+            self.edp.close()

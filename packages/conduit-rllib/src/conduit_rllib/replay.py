@@ -1,0 +1,460 @@
+"""Conduit replay buffers that RLlib's off-policy training step uses as its own.
+
+:class:`ConduitEpisodeReplayBuffer` and :class:`ConduitPrioritizedEpisodeReplayBuffer` subclass
+RLlib's ``EpisodeReplayBuffer`` / ``PrioritizedEpisodeReplayBuffer`` (so every ``isinstance``
+check in RLlib passes) and honour the calls DQN's and SAC's ``training_step`` make: ``add``,
+``sample`` (with ``n_step``, ``gamma``, ``beta``, ...), ``get_metrics``,
+``update_priorities`` and ``get_state``/``set_state``. Underneath, experience is not kept as
+episode objects: every transition is one item of a :class:`conduit.ExperienceDataPlane` with
+replay semantics, stored column by column, and ``sample`` returns the train batch already
+assembled on the learner's device (:class:`~conduit_rllib.delivery.ConduitSampledEpisodes`).
+
+Semantics, compared with RLlib's buffers of the same kind:
+
+* sampling: uniform over stored transitions, or proportional to ``priority ** alpha`` with
+  importance weights ``(N P(i)) ** -beta / max_w``; the same distribution RLlib's buffers draw;
+* capacity counts transitions, and eviction is FIFO per transition (RLlib evicts whole episodes);
+* ``update_priorities(priorities)`` applies to the last ``sample()``, as in RLlib; priorities
+  below 1e-12 are raised to 1e-12, as RLlib does; a NaN or infinite one raises
+  :class:`conduit.PriorityError` instead of corrupting the tree;
+* n-step: the return sums up to ``n`` rewards of the same episode and stops at its end or at
+  the newest stored step; the ``n_step`` column carries the steps actually summed, so the
+  learner bootstraps with ``gamma ** n_actual`` (RLlib's uniform buffer writes the requested
+  ``n`` even when it summed fewer, its prioritized one redraws such items).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+from conduit import (
+    ConfigurationError,
+    EmptyBufferError,
+    ExperienceDataPlane,
+    ExperienceSchema,
+    HostPlacement,
+    Placement,
+    PrioritizedSampler,
+    PriorityError,
+    Replay,
+    Scheduler,
+    UniformSampler,
+)
+from ray.rllib.core import DEFAULT_MODULE_ID
+from ray.rllib.core.columns import Columns
+from ray.rllib.utils import force_list
+from ray.rllib.utils.metrics import (
+    ACTUAL_N_STEP,
+    NUM_ENV_STEPS_ADDED,
+    NUM_ENV_STEPS_ADDED_LIFETIME,
+    NUM_ENV_STEPS_EVICTED,
+    NUM_ENV_STEPS_EVICTED_LIFETIME,
+    NUM_ENV_STEPS_SAMPLED,
+    NUM_ENV_STEPS_SAMPLED_LIFETIME,
+    NUM_ENV_STEPS_STORED,
+    NUM_EPISODES_ADDED,
+    NUM_EPISODES_ADDED_LIFETIME,
+)
+from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
+from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
+
+from conduit_rllib.delivery import N_STEP, WEIGHTS, ConduitSampledEpisodes
+from conduit_rllib.errors import UnsupportedConfigError
+from conduit_rllib.transitions import ChunkColumns, chunk_columns, transition_schema
+
+__all__ = ["ConduitEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer", "STATE_FORMAT"]
+
+#: tag of the dict ``get_state`` returns
+STATE_FORMAT = "conduit-rllib/replay/1"
+#: RLlib's floor for priorities (``PrioritizedEpisodeReplayBuffer.update_priorities``)
+MIN_PRIORITY = 1e-12
+
+
+class _ConduitReplay:
+    """The implementation both Conduit buffers share (the RLlib base class comes second in the MRO)."""
+
+    prioritized: bool = False
+
+    def __init__(self, capacity: int = 10000, *, alpha: float = 1.0, seed: int | None = 0,
+                 device: torch.device | str | None = None, placement: Placement | None = None,
+                 scheduler: Scheduler | None = None, batch_size_B: int = 16, batch_length_T: int = 1,
+                 metrics_num_episodes_for_smoothing: int = 100, **kwargs: Any) -> None:
+        # Only the cheap base initialiser: it sets capacity, batch sizes and the MetricsLogger.
+        # PrioritizedEpisodeReplayBuffer.__init__ would allocate segment trees nobody uses.
+        EpisodeReplayBuffer.__init__(self, capacity=int(capacity), batch_size_B=batch_size_B,
+                                     batch_length_T=batch_length_T,
+                                     metrics_num_episodes_for_smoothing=metrics_num_episodes_for_smoothing)
+        if not isinstance(capacity, (int, float)) or int(capacity) <= 0:
+            raise ConfigurationError(f"capacity must be a positive number of transitions, got {capacity!r}.")
+        if not (alpha >= 0 and np.isfinite(alpha)):
+            raise ConfigurationError(f"alpha must be finite and >= 0, got {alpha!r}.")
+        self._alpha = float(alpha)
+        self.seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % (2 ** 31))
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.placement = placement
+        self.scheduler = scheduler
+        self.edp: ExperienceDataPlane | None = None
+        self.observation_space: Any = None
+        self.action_space: Any = None
+        self._lock = threading.RLock()
+        self._n_rng = np.random.Generator(np.random.PCG64(self.seed + 1))
+        self._next = 0  # handle the next ingested transition gets (we are the only producer)
+        self._tail: dict[str, int] = {}  # unfinished episode id -> handle of its newest stored step
+        self._succ = self._rew = self._done = None  # per-slot n-step links, allocated with the EDP
+        self._last_handles: torch.Tensor | None = None
+        self._counts = {"added": 0, "episodes": 0, "evicted": 0, "sampled": 0, "n_step_sum": 0}
+        self._lifetime = {"added": 0, "evicted": 0, "sampled": 0, "episodes": 0}
+        self._ones: torch.Tensor | None = None
+
+    # -- construction of the data plane ------------------------------------------------------
+    def _build(self, schema: ExperienceSchema) -> ExperienceDataPlane:
+        sampler = PrioritizedSampler(alpha=self._alpha) if self.prioritized else UniformSampler()
+        placement = self.placement or HostPlacement(pin_memory=self.device.type == "cuda")
+        edp = ExperienceDataPlane(schema, capacity=self.capacity, semantics=Replay(sampler, seed=self.seed),
+                                  placement=placement, scheduler=self.scheduler, device=self.device)
+        self._succ = np.full(self.capacity, -1, dtype=np.int64)
+        self._rew = np.zeros(self.capacity, dtype=np.float32)
+        self._done = np.zeros(self.capacity, dtype=bool)
+        self.edp = edp
+        return edp
+
+    def close(self) -> None:
+        """Stop the data plane's background work (if its scheduler runs any)."""
+        if self.edp is not None:
+            self.edp.close()
+
+    # -- add -----------------------------------------------------------------------------------
+    def add(self, episodes: Any, weight: float | None = None) -> None:
+        """Store the transitions of ``SingleAgentEpisode`` chunks (one item per step, columnar).
+
+        Chunks of one episode may arrive over several calls; their steps are linked for n-step
+        returns. ``weight`` is the initial priority (prioritized buffer; default: the largest seen).
+
+        Raises:
+            conduit.SchemaError: observations or actions change shape/dtype, or are nested.
+            conduit.ConfigurationError: a weight for the uniform buffer.
+        """
+        episodes = force_list(episodes)
+        chunks = [chunk_columns(e) for e in episodes]
+        if weight is not None and not self.prioritized:
+            raise ConfigurationError("A weight (initial priority) was given to a uniform buffer; use "
+                                     "ConduitPrioritizedEpisodeReplayBuffer or drop the weight.")
+        with self._lock:
+            for eps, chunk in zip(episodes, chunks, strict=True):
+                if chunk.length == 0:
+                    continue
+                if self.edp is None:
+                    self._build(transition_schema(chunk))
+                    self.observation_space = getattr(eps, "observation_space", None)
+                    self.action_space = getattr(eps, "action_space", None)
+                self._ingest(chunk, weight)
+
+    def _ingest(self, chunk: ChunkColumns, weight: float | None) -> None:
+        edp = self.edp
+        assert edp is not None and self._succ is not None and self._rew is not None and self._done is not None
+        n = chunk.length
+        prio = None if weight is None else torch.full((n,), float(weight), dtype=torch.float64)
+        before = edp.storage.oldest
+        handles = edp.ingest(chunk.columns, priorities=prio)
+        first = self._next
+        if handles is not None and int(handles[0]) != first:
+            raise ConfigurationError("The replay data plane was written by another producer; a Conduit RLlib "
+                                     "buffer must own its ExperienceDataPlane.")
+        self._next = first + n
+        cap = self.capacity
+        slots = np.arange(first, first + n, dtype=np.int64) % cap
+        succ = np.arange(first + 1, first + n + 1, dtype=np.int64)
+        succ[-1] = -1
+        self._succ[slots] = succ
+        self._rew[slots] = chunk.columns[Columns.REWARDS].numpy()
+        self._done[slots] = False
+        self._done[slots[-1]] = chunk.done
+        oldest = edp.storage.oldest if handles is not None else max(0, self._next - cap)
+        tail = self._tail.pop(chunk.episode_id, None)
+        if tail is not None and tail >= oldest:
+            self._succ[tail % cap] = first
+        if tail is None:
+            self._counts["episodes"] += 1
+        if not chunk.done:
+            self._tail[chunk.episode_id] = first + n - 1
+        self._counts["added"] += n
+        self._counts["evicted"] += max(0, oldest - before)
+        if len(self._tail) > 4 * cap:  # episodes that never finished (e.g. a dropped EnvRunner)
+            self._tail = {k: h for k, h in self._tail.items() if h >= oldest}
+
+    # -- sample --------------------------------------------------------------------------------
+    def sample(self, num_items: int | None = None, *, batch_size_B: int | None = None,
+               batch_length_T: int | None = None, n_step: int | tuple[int, int] | None = None,
+               beta: float | None = 0.0, gamma: float = 0.99, include_infos: bool = False,
+               include_extra_model_outputs: bool = False, sample_episodes: bool | None = True,
+               to_numpy: bool = False, lookback: int = 0, min_batch_length_T: int = 0,
+               **kwargs: Any) -> ConduitSampledEpisodes:
+        """Draw ``num_items`` transitions (with replacement) and return them as a ready train batch.
+
+        Takes the arguments RLlib's DQN/SAC training step passes. ``n_step`` may be an int or a
+        ``(low, high)`` range drawn per item; ``beta`` is the importance-weight exponent
+        (prioritized). The result is a sequence of B one-step transitions whose ``columns`` are
+        the learner's train batch on its device (see :class:`ConduitSampledEpisodes`).
+
+        Raises:
+            conduit.EmptyBufferError: the buffer holds nothing.
+            UnsupportedConfigError: sequence sampling (stateful modules), infos or extra model
+                outputs were requested.
+        """
+        if sample_episodes is False:
+            raise UnsupportedConfigError("Conduit's RLlib buffer returns one-step (n-step) transitions "
+                                         "(sample_episodes=True, as DQN and SAC ask); [B, T] sequence batches "
+                                         "are not supported.")
+        if batch_length_T or min_batch_length_T or lookback:
+            raise UnsupportedConfigError("Conduit's RLlib buffer does not sample sequences; stateful (RNN) "
+                                         "modules are not supported (batch_length_T, lookback and "
+                                         "min_batch_length_T must be 0).")
+        if include_infos or include_extra_model_outputs:
+            raise UnsupportedConfigError("Conduit's RLlib buffer stores no infos or extra model outputs; the "
+                                         "DQN and SAC losses do not need them. Call sample() without "
+                                         "include_infos/include_extra_model_outputs.")
+        b = int(num_items or batch_size_B or self.batch_size_B)
+        with self._lock:
+            edp = self.edp
+            if edp is None:
+                raise EmptyBufferError("The replay buffer is empty; add episodes before sampling.")
+            beta = 0.0 if beta is None else float(beta)
+            batch, info = edp.deliver(b, beta=beta if self.prioritized else None)
+            handles = info.handles
+            steps = self._n_steps(n_step, b)
+            cols = {name: batch.tensor(name) for name in batch}
+            if steps is not None and (steps > 1).any():
+                actual = self._apply_n_step(cols, handles.numpy(), steps, gamma)
+            else:
+                actual = None
+            cols[WEIGHTS] = (info.weights.to(self.device) if info.weights is not None else self._unit_weights(b))
+            n_actual = torch.ones(b, dtype=torch.int64) if actual is None else torch.from_numpy(actual)
+            cols[N_STEP] = n_actual.to(self.device)
+            self._last_handles = handles
+            self._counts["sampled"] += b
+            self._counts["n_step_sum"] += b if actual is None else int(actual.sum())
+            return ConduitSampledEpisodes(cols, handles, module_id=DEFAULT_MODULE_ID,
+                                          observation_space=self.observation_space, action_space=self.action_space)
+
+    def _unit_weights(self, b: int) -> torch.Tensor:
+        if self._ones is None or self._ones.shape[0] < b:
+            self._ones = torch.ones(b, dtype=torch.float32, device=self.device)
+        return self._ones[:b]
+
+    def _n_steps(self, n_step: int | tuple[int, int] | None, b: int) -> np.ndarray | None:
+        if n_step is None or (isinstance(n_step, int) and n_step == 1):
+            return None
+        if isinstance(n_step, (tuple, list)):
+            lo, hi = int(n_step[0]), int(n_step[1])
+            if not 1 <= lo < hi:
+                raise ConfigurationError(f"An n_step range must be (low, high) with 1 <= low < high, got {n_step}.")
+            return self._n_rng.integers(lo, hi, size=b)
+        if int(n_step) < 1:
+            raise ConfigurationError(f"n_step must be >= 1, got {n_step}.")
+        return np.full(b, int(n_step), dtype=np.int64)
+
+    def _apply_n_step(self, cols: dict[str, torch.Tensor], handles: np.ndarray, steps: np.ndarray,
+                      gamma: float) -> np.ndarray:
+        """Replace rewards/next obs/dones with their n-step values; returns the steps actually summed."""
+        assert self.edp is not None and self._succ is not None and self._rew is not None and self._done is not None
+        cap = self.capacity
+        cur = handles.copy()
+        ret = self._rew[cur % cap].astype(np.float64)
+        done = self._done[cur % cap].copy()
+        k = np.ones_like(cur)
+        for step in range(1, int(steps.max())):
+            nxt = self._succ[cur % cap]
+            ok = ~done & (steps > step) & (nxt >= 0)
+            if not ok.any():
+                break
+            cur = np.where(ok, nxt, cur)
+            ret += np.where(ok, gamma ** step * self._rew[cur % cap], 0.0)
+            done = np.where(ok, self._done[cur % cap], done)
+            k += ok
+        moved = cur != handles
+        if moved.any():
+            # The n-th step's next observation and done flags live in another stored item.
+            self.edp.flush()
+            rows = self.edp.storage.gather(torch.from_numpy(cur % cap))
+            for name in (Columns.NEXT_OBS, Columns.TERMINATEDS, Columns.TRUNCATEDS):
+                cols[name] = rows.tensor(name).to(self.device)
+        cols[Columns.REWARDS] = torch.from_numpy(ret.astype(np.float32)).to(self.device)
+        return k
+
+    # -- priorities ----------------------------------------------------------------------------
+    def _update_priorities(self, priorities: Any, handles: Any = None) -> int:
+        with self._lock:
+            last = handles is None
+            if last:
+                handles = self._last_handles
+                if handles is None or self.edp is None:
+                    raise PriorityError("update_priorities applies to the last sample(); call sample() first (each "
+                                        "sample takes one priority update).")
+            elif self.edp is None:
+                return 0
+            p = np.asarray(priorities.detach().cpu().numpy() if isinstance(priorities, torch.Tensor) else priorities,
+                           dtype=np.float64).reshape(-1)
+            h = torch.as_tensor(handles, dtype=torch.int64).reshape(-1)
+            if p.shape[0] != h.shape[0]:
+                what = "the last sample of" if last else "the"
+                raise PriorityError(f"Got {p.shape[0]} priorities for {what} {h.shape[0]} transitions; pass one "
+                                    f"per transition.")
+            applied = self.edp.update_priorities(h, torch.from_numpy(np.maximum(p, MIN_PRIORITY)))
+            if last:
+                self._last_handles = None
+            return applied
+
+    # -- sizes and metrics ---------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.get_num_timesteps()
+
+    def get_num_timesteps(self, module_id: str | None = None) -> int:
+        with self._lock:
+            if self.edp is None:
+                return 0
+            self.edp.flush()
+            return len(self.edp)
+
+    def get_num_episodes(self, module_id: str | None = None) -> int:
+        """Episodes with at least one live transition (counted over the stored links; O(size))."""
+        with self._lock:
+            if self.edp is None or self._succ is None:
+                return 0
+            st = self.edp.storage
+            live = np.arange(st.oldest, st.next_handle, dtype=np.int64)
+            # an episode's last stored step has no successor, or the successor is not stored yet
+            ends = (self._succ[live % self.capacity] < 0)
+            return int(ends.sum())
+
+    def get_added_timesteps(self, module_id: str | None = None) -> int:
+        return self._lifetime["added"] + self._counts["added"]
+
+    def get_sampled_timesteps(self, module_id: str | None = None) -> int:
+        return self._lifetime["sampled"] + self._counts["sampled"]
+
+    def get_num_episodes_evicted(self, module_id: str | None = None) -> int:
+        return 0  # eviction is per transition; see get_metrics() for evicted steps
+
+    def get_metrics(self) -> dict[str, Any]:
+        """RLlib-style buffer metrics since the last call (added/evicted/sampled steps, stored size)."""
+        with self._lock:
+            c, lt = self._counts, self._lifetime
+            log = self.metrics.log_value
+            log(NUM_ENV_STEPS_STORED, len(self), reduce="mean", window=self._metrics_num_episodes_for_smoothing)
+            log(NUM_ENV_STEPS_ADDED, c["added"], reduce="sum")
+            log(NUM_ENV_STEPS_ADDED_LIFETIME, c["added"], reduce="lifetime_sum")
+            log(NUM_EPISODES_ADDED, c["episodes"], reduce="sum")
+            log(NUM_EPISODES_ADDED_LIFETIME, c["episodes"], reduce="lifetime_sum")
+            log(NUM_ENV_STEPS_EVICTED, c["evicted"], reduce="sum")
+            log(NUM_ENV_STEPS_EVICTED_LIFETIME, c["evicted"], reduce="lifetime_sum")
+            log(NUM_ENV_STEPS_SAMPLED, c["sampled"], reduce="sum")
+            log(NUM_ENV_STEPS_SAMPLED_LIFETIME, c["sampled"], reduce="lifetime_sum")
+            if c["sampled"]:
+                log(ACTUAL_N_STEP, c["n_step_sum"] / c["sampled"], reduce="mean",
+                    window=self._metrics_num_episodes_for_smoothing)
+            for k in lt:
+                lt[k] += c[k]
+            for k in c:
+                c[k] = 0
+            return self.metrics.reduce()
+
+    # -- checkpoint ----------------------------------------------------------------------------
+    def get_state(self) -> dict[str, Any]:
+        """Everything needed to continue identically: contents, priorities, links, RNG states, counters."""
+        with self._lock:
+            state: dict[str, Any] = {"format": STATE_FORMAT, "prioritized": self.prioritized,
+                                     "capacity": self.capacity, "alpha": self._alpha, "seed": self.seed,
+                                     "next": self._next, "tail": dict(self._tail),
+                                     "lifetime": {k: self._lifetime[k] + self._counts[k] for k in self._lifetime},
+                                     "n_rng": self._n_rng.bit_generator.state,
+                                     "last_handles": self._last_handles,
+                                     "observation_space": self.observation_space,
+                                     "action_space": self.action_space, "edp": None}
+            if self.edp is not None:
+                assert self._succ is not None and self._rew is not None and self._done is not None
+                state.update(schema=self.edp.schema.to_dict(), edp=self.edp.state_dict(), succ=self._succ.copy(),
+                             rew=self._rew.copy(), done=self._done.copy())
+            return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`get_state`'s output into a buffer of the same kind and capacity.
+
+        Raises:
+            conduit.ConfigurationError: the state is not a Conduit replay state, or was written
+                by a buffer of another kind or capacity.
+        """
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ConfigurationError("This is not a Conduit replay-buffer state (get_state() of a Conduit "
+                                     "buffer); RLlib-native buffer states cannot be loaded into it.")
+        if state["prioritized"] != self.prioritized or state["capacity"] != self.capacity:
+            raise ConfigurationError(f"The state was saved by a {'prioritized' if state['prioritized'] else 'uniform'}"
+                                     f" buffer of capacity {state['capacity']}; build the same kind and capacity "
+                                     f"(this one: prioritized={self.prioritized}, capacity={self.capacity}).")
+        with self._lock:
+            if state["edp"] is not None:
+                schema = ExperienceSchema.from_dict(state["schema"])
+                if self.edp is None or self.edp.schema != schema:
+                    if self.edp is not None:
+                        self.edp.close()
+                    self._build(schema)
+                assert self.edp is not None
+                self.edp.load_state_dict(state["edp"])
+                self._succ, self._rew, self._done = state["succ"].copy(), state["rew"].copy(), state["done"].copy()
+            self._alpha, self.seed, self._next = state["alpha"], state["seed"], state["next"]
+            self._tail = dict(state["tail"])
+            self._lifetime = dict(state["lifetime"])
+            self._counts = dict.fromkeys(self._counts, 0)
+            self._n_rng.bit_generator.state = state["n_rng"]
+            self._last_handles = state["last_handles"]
+            self.observation_space = state["observation_space"]
+            self.action_space = state["action_space"]
+
+
+class ConduitEpisodeReplayBuffer(_ConduitReplay, EpisodeReplayBuffer):
+    """Uniform replay over transitions, stored in Conduit; RLlib uses it as an ``EpisodeReplayBuffer``.
+
+    Args:
+        capacity: transitions kept (FIFO eviction per transition).
+
+    Keyword Args:
+        seed: seeds sampling (None: a fresh random seed).
+        device: the learner's device; sampled batches are delivered there (Conduit does the copy).
+        placement: where the transitions live (default: host memory, pinned when ``device`` is CUDA).
+        scheduler: when ingestion/delivery work runs (default: synchronously).
+    """
+
+    prioritized = False
+
+
+class ConduitPrioritizedEpisodeReplayBuffer(_ConduitReplay, PrioritizedEpisodeReplayBuffer):
+    """Proportional prioritized replay over transitions, stored in Conduit.
+
+    RLlib sees a ``PrioritizedEpisodeReplayBuffer``, so it calls :meth:`update_priorities` with
+    the TD errors of the last sample.
+
+    Args:
+        capacity: transitions kept (FIFO eviction per transition).
+
+    Keyword Args:
+        alpha: priority exponent (RLlib's ``replay_buffer_config["alpha"]``).
+        seed, device, placement, scheduler: as for :class:`ConduitEpisodeReplayBuffer`.
+    """
+
+    prioritized = True
+
+    def update_priorities(self, priorities: Any, module_id: str | None = None, *, handles: Any = None) -> int:
+        """New priorities (RLlib passes |TD error|) for the transitions of the last :meth:`sample`.
+
+        Conduit extension: with ``handles`` (Conduit handles, e.g. ``sample(...).handles[idx]``)
+        the priorities apply to those transitions instead; evicted ones are ignored.
+
+        Returns:
+            How many of the named transitions were still stored (and updated).
+
+        Raises:
+            conduit.PriorityError: no sample to update, a length mismatch, or NaN/inf priorities.
+        """
+        return self._update_priorities(priorities, handles)
