@@ -23,15 +23,14 @@ class ConduitBuffer:
 
     * ``put(sample)`` takes one ``[T, ...]`` sample (``put_batch`` or ``batched_puts=True``: a
       ``[T, B, ...]`` one), checks it against the first sample's fields, dtypes and shapes, and
-      returns; storage happens on the buffer's assembler thread, in call order.
+      hands it to the EDP, whose :class:`~conduit.Overlapped` scheduler stores it in the background.
     * ``get()`` returns a :class:`ReplayEntry` whose ``sample`` is a record of the put samples'
       class with ``[T, B, ...]`` host NumPy fields (page-locked when CUDA exists), including the
       policy-version field; ``reuses`` and ``sampling_indices`` as SRL's trainer reads them. The
-      next ``prefetch`` deliveries are prepared in the background while the trainer steps.
+      next ``prefetch`` entries are gathered and assembled in the background while the trainer steps.
     * ``empty()`` is False only when ``get()`` will deliver; ``qsize()`` counts samples not yet
       delivered; ``update_priorities(sampling_indices, priorities)`` for prioritized replay.
     * Thread-safe: puts from the consuming thread and gets from the training thread may overlap.
-      Everything runs in call order, so results depend on the order of calls only.
     * Picklable (SRL's ``save_buffer_on_exit``): contents, sampler state and prepared deliveries.
 
     Keyword Args:
@@ -107,13 +106,18 @@ class ConduitBuffer:
         self._a.seal()
 
     def flush(self) -> None:
-        """Wait until every sample put so far is stored."""
+        """Wait until every sample put so far is stored (Conduit stores in the background)."""
         self._a.flush()
 
     def __len__(self) -> int:
         """Samples stored (after the puts made so far are stored)."""
         self._a.flush()
         return 0 if self._a.edp is None else len(self._a.edp)
+
+    @property
+    def priority_staleness(self) -> int:
+        """Prioritized: how many ``update_priorities`` calls a delivered draw may precede (prefetch depth)."""
+        return self._a.priority_staleness
 
     @property
     def config(self) -> BufferConfig:

@@ -49,8 +49,6 @@ class BufferConfig:
     warmup: int | None = None
     alpha: float = 0.6
     beta: float = 0.4
-    #: redraw prepared batches after a priority update (exact PER); False keeps them (draws lag by `prefetch`)
-    exact_priorities: bool = True
     num_minibatches: int | None = None
     minibatch_size: int | None = None
     num_epochs: int = 1
@@ -59,7 +57,18 @@ class BufferConfig:
     #: seal an on-policy rollout after this many samples (None: only on a version change or seal())
     rollout_size: int | None = None
     seed: int = 0
-    #: deliveries prepared ahead in the background (None: 1, or 0 where a prepared one could go stale)
+    #: Conduit's scheduler: ingestion granularity (off-policy: puts per storage write; on-policy: part of a rollout)
+    g_ing: float = 1
+    #: Conduit's scheduler: batches it gathers ahead per delivery (off-policy)
+    g_del: int = 1
+    #: run ingestion and gathering in the background (False: the same granularity, in the caller)
+    overlap: bool = True
+    #: puts that may wait for storage before ``put`` blocks (backpressure)
+    queue_depth: int = 8
+    #: copy each sample in ``put`` (otherwise its arrays are read when stored: do not write into them after put)
+    copy_on_put: bool = False
+    #: entries assembled ([T, B, ...] records) ahead in the background (None: 1; 0 for prioritized and for
+    #: on_policy with on_stale="raise", where an entry prepared ahead could miss a priority or version change)
     prefetch: int | None = None
     #: every put is a batched [T, B, ...] sample (otherwise [T, ...]; put_batch always takes [T, B, ...])
     batched_puts: bool = False
@@ -67,8 +76,6 @@ class BufferConfig:
     drop_fields: tuple[str, ...] = ("policy_name",)
     #: page-lock delivered arrays (None: when CUDA is available)
     pin_memory: bool | None = None
-    #: puts wait when this many samples are handed over but not yet stored (None: capacity)
-    max_staged: int | None = None
 
     @classmethod
     def from_args(cls, **kwargs: Any) -> BufferConfig:
@@ -130,8 +137,18 @@ class BufferConfig:
             if self.prefetch and self.semantics == "on_policy" and self.on_stale == "raise":
                 raise ConfigurationError("on_stale='raise' checks staleness when get() is called, so nothing can be "
                                          "prepared ahead; use prefetch=0 or on_stale='drop'.")
-        if self.max_staged is not None:
-            positive("max_staged", self.max_staged)
+        positive("queue_depth", self.queue_depth)
+        if not isinstance(self.g_ing, (int, float)) or isinstance(self.g_ing, bool) or not self.g_ing > 0:
+            raise ConfigurationError(f"g_ing must be a positive number, got {self.g_ing!r}.")
+        if self.semantics == "on_policy":
+            if self.g_ing > 1:
+                raise ConfigurationError(f"on_policy g_ing is a part of one rollout, in (0, 1]; got {self.g_ing}.")
+            if self.g_del != 1:
+                raise ConfigurationError("on_policy delivers one minibatch per get(): drop g_del.")
+        else:
+            if int(self.g_ing) != self.g_ing:
+                raise ConfigurationError(f"g_ing counts puts per storage write: an int >= 1, got {self.g_ing}.")
+            positive("g_del", self.g_del)
         if self.on_stale not in ("drop", "raise"):
             raise ConfigurationError(f"on_stale must be 'drop' or 'raise', got {self.on_stale!r}.")
 
@@ -152,7 +169,7 @@ class BufferConfig:
     def resolved_prefetch(self) -> int:
         if self.prefetch is not None:
             return self.prefetch
-        if self.semantics == "prioritized" and self.exact_priorities:
+        if self.semantics == "prioritized":
             return 0
         if self.semantics == "on_policy" and self.on_stale == "raise":
             return 0
@@ -163,7 +180,3 @@ class BufferConfig:
         if self.warmup is not None:
             return self.warmup
         return self.batch_size or 1
-
-    @property
-    def resolved_max_staged(self) -> int:
-        return self.max_staged if self.max_staged is not None else self.resolved_capacity

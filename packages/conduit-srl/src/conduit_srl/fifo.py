@@ -2,8 +2,14 @@
 
 This is what SRL's queue buffers do for on-policy trainers, expressed over Conduit's FIFO ring
 (``Replay(FifoSampler(reuses=R))``): the ring keeps capacity and eviction, the sampler keeps a
-cursor. Samples evicted before their first delivery (the producers outran the trainer by more
+cursor. Samples evicted before they were delivered (the producers outran the trainer by more
 than the capacity) are counted in :attr:`FifoSampler.dropped`, never delivered out of order.
+
+A prefetching scheduler selects ahead and may discard what it prepared (on a checkpoint, for
+instance). So the sampler keeps two cursors: the *selection* cursor that ``sample`` advances,
+and the *confirmed* one, advanced by :meth:`confirm` when a delivery really left the scheduler.
+Checkpoints save the confirmed cursor, and :meth:`rewind` moves the selection cursor back to it
+after a discard: nothing prepared and dropped is lost, nothing is delivered twice.
 """
 
 from __future__ import annotations
@@ -12,15 +18,17 @@ from typing import Any
 
 import torch
 from conduit import ConfigurationError, EmptyBufferError
-from conduit.semantics import SampleInfo, Sampler
-from conduit.semantics.base import Selection
+from conduit.semantics import SampleInfo, Sampler, Selection
 from conduit.storage.base import AppendResult, Storage
 
 __all__ = ["FifoSampler"]
 
+#: (handle after the last selected batch, (first, count, deliveries so far) of a batch being reused)
+_Cursor = tuple[int, "tuple[int, int, int] | None"]
+
 
 class FifoSampler(Sampler):
-    """Deliver the oldest ``n`` never-delivered items, then that same batch ``reuses - 1`` more times.
+    """Deliver the oldest ``n`` undelivered items, then that same batch ``reuses - 1`` more times.
 
     ``SampleInfo.epoch`` of a delivery is how many times its batch was delivered before.
 
@@ -35,56 +43,76 @@ class FifoSampler(Sampler):
 
     def reset(self, storage: Storage, seed: int) -> None:
         super().reset(storage, seed)
-        self._next = 0
-        self._cur: tuple[int, int, int] | None = None  # (first handle, count, deliveries so far)
-        #: items evicted before their first delivery
+        self._sel: _Cursor = (0, None)
+        self._conf: _Cursor = (0, None)
+        #: items evicted before they were delivered
         self.dropped = 0
         #: batches whose remaining reuses were skipped because eviction took some of their items
         self.abandoned = 0
 
-    @property
-    def unread(self) -> int:
-        """Live items never delivered."""
+    # -- what is left --------------------------------------------------------------------------
+    def undelivered(self) -> int:
+        """Live items not yet delivered (by the confirmed cursor)."""
         st = self.storage
-        return st.next_handle - max(self._next, st.oldest)
+        return st.next_handle - max(self._conf[0], st.oldest)
 
     def can_deliver(self, n: int) -> bool:
-        """Whether ``sample(n)`` would succeed now."""
-        return self._cur is not None or self.unread >= n
+        """Whether a batch of ``n`` is waiting (by the confirmed cursor, so prepared ones count)."""
+        return self._conf[1] is not None or self.undelivered() >= n
 
-    def on_append(self, result: AppendResult, priorities: torch.Tensor | None) -> None:
-        if result.evicted_to > self._next:
-            self.dropped += result.evicted_to - max(result.evicted_from, self._next)
-            self._next = result.evicted_to
-        if self._cur is not None and self._cur[0] < result.evicted_to:
+    # -- the two cursors -----------------------------------------------------------------------
+    def confirm(self, info: SampleInfo) -> None:
+        """A delivery selected by this sampler left the scheduler: advance the confirmed cursor past it."""
+        h = info.handles
+        first, count, uses = int(h[0]), int(h.shape[0]), int(info.epoch or 0) + 1
+        self._conf = (max(self._conf[0], first + count), None if uses >= self.reuses else (first, count, uses))
+
+    def rewind(self) -> None:
+        """Forget selections that were not confirmed (their deliveries were discarded)."""
+        oldest = self.storage.oldest
+        nxt, cur = self._conf
+        lost = min(self._sel[0], oldest) - nxt
+        if lost > 0:
+            self.dropped += lost  # selected, discarded, and evicted meanwhile
+        if cur is not None and cur[0] < oldest:
             self.abandoned += 1
-            self._cur = None
+            cur = None
+        self._sel = self._conf = (max(nxt, oldest), cur)
+
+    # -- Sampler -------------------------------------------------------------------------------
+    def on_append(self, result: AppendResult, priorities: torch.Tensor | None) -> None:
+        nxt, cur = self._sel
+        if result.evicted_to > nxt:
+            self.dropped += result.evicted_to - max(result.evicted_from, nxt)
+            nxt = result.evicted_to
+        if cur is not None and cur[0] < result.evicted_to:
+            self.abandoned += 1
+            cur = None
+        self._sel = (nxt, cur)
 
     def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
         st = self.storage
-        if self._cur is None:
-            start = max(self._next, st.oldest)
+        nxt, cur = self._sel
+        if cur is None:
+            start = max(nxt, st.oldest)
             if st.next_handle - start < n:
                 raise EmptyBufferError(f"{st.next_handle - start} new samples wait, a batch needs {n}; put more "
                                        f"samples first.")
             cur = (start, n, 0)
-        else:
-            cur = self._cur
-            if cur[1] != n:
-                raise ConfigurationError(f"A batch of {cur[1]} is being reused; ask for {cur[1]} items until its "
-                                         f"reuses are done.")
+        elif cur[1] != n:
+            raise ConfigurationError(f"A batch of {cur[1]} is being reused; ask for {cur[1]} items until its "
+                                     f"reuses are done.")
         first, count, uses = cur
         handles = torch.arange(first, first + count, dtype=torch.int64)
         uses += 1
-        self._next = max(self._next, first + count)
-        self._cur = None if uses >= self.reuses else (first, count, uses)
+        self._sel = (max(nxt, first + count), None if uses >= self.reuses else (first, count, uses))
         return Selection(handles % st.capacity, SampleInfo(handles=handles, epoch=uses - 1))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next": self._next, "cur": self._cur, "dropped": self.dropped, "abandoned": self.abandoned}
+        return {"cursor": self._conf, "dropped": self.dropped, "abandoned": self.abandoned}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._next = int(state["next"])
-        self._cur = None if state["cur"] is None else tuple(state["cur"])  # type: ignore[assignment]
+        nxt, cur = state["cursor"]
+        self._sel = self._conf = (int(nxt), None if cur is None else tuple(cur))  # type: ignore[assignment]
         self.dropped = int(state["dropped"])
         self.abandoned = int(state["abandoned"])
