@@ -1,0 +1,90 @@
+"""The one door to Ray: imported lazily, so ``import conduit`` never needs it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from conduit.distributed.errors import ClusterError, RayUnavailableError
+from conduit.errors import ConduitError
+
+__all__ = ["ray_module", "current_node_id", "wait_all", "Outcome"]
+
+
+def ray_module(*, initialized: bool = True) -> Any:
+    """The ``ray`` module; raises a typed error when it is missing or (with ``initialized``) not started."""
+    try:
+        import ray
+    except ImportError as e:  # pragma: no cover - ray is in the dev environment
+        raise RayUnavailableError("The multi-node tier needs Ray: pip install 'conduit-core[ray]'.") from e
+    if initialized and not ray.is_initialized():
+        raise ClusterError("Ray is not initialised in this process; call ray.init(address=...) (or start a local "
+                           "cluster with conduit.distributed.testing.local_cluster()) before building shards.")
+    return ray
+
+
+def current_node_id() -> str:
+    """The Ray node id of the calling process."""
+    return str(ray_module().get_runtime_context().get_node_id())
+
+
+class Outcome:
+    """The result of one remote call: a value, or the error that replaced it.
+
+    ``lost`` is True when the callee is gone (its actor or node died) or did not answer in time;
+    ``error`` then says why. A ``ConduitError`` raised inside the callee is ``error`` with ``lost`` False.
+    """
+
+    __slots__ = ("value", "error", "lost")
+
+    def __init__(self, value: Any = None, error: BaseException | None = None, lost: bool = False) -> None:
+        self.value, self.error, self.lost = value, error, lost
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _classify(ray: Any, e: BaseException) -> Outcome:
+    exc = ray.exceptions
+    if isinstance(e, (exc.RayActorError, exc.ActorUnavailableError)):
+        return Outcome(error=e, lost=True)
+    if isinstance(e, exc.RayTaskError):
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, ConduitError):
+            return Outcome(error=cause)
+        if isinstance(cause, (exc.ObjectLostError, exc.OwnerDiedError)):
+            return Outcome(error=cause)
+        return Outcome(error=e)
+    if isinstance(e, (exc.ObjectLostError, exc.OwnerDiedError)):
+        return Outcome(error=e)
+    return Outcome(error=e)
+
+
+def wait_all(refs: Mapping[Any, Any] | Sequence[Any], timeout: float) -> dict[Any, Outcome]:
+    """Wait for every ObjectRef at once, at most ``timeout`` seconds in all; never raises.
+
+    Args:
+        refs: a mapping key -> ObjectRef (or a sequence, keyed by position).
+        timeout: seconds for all of them together.
+
+    Returns:
+        key -> :class:`Outcome`. A call still pending after ``timeout`` is an outcome with
+        ``lost=True`` and a ``TimeoutError``.
+    """
+    ray = ray_module()
+    items = dict(refs) if isinstance(refs, Mapping) else dict(enumerate(refs))
+    if not items:
+        return {}
+    by_ref = {ref: key for key, ref in items.items()}
+    ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=max(0.0, timeout), fetch_local=True)
+    out: dict[Any, Outcome] = {}
+    for ref in ready:
+        try:
+            out[by_ref[ref]] = Outcome(ray.get(ref, timeout=max(1.0, timeout)))
+        except Exception as e:  # noqa: BLE001 - classified into a typed outcome
+            out[by_ref[ref]] = _classify(ray, e)
+    for key in items:
+        if key not in out:
+            out[key] = Outcome(error=TimeoutError(f"no answer within {timeout:.1f} s"), lost=True)
+    return out

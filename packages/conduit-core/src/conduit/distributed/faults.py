@@ -1,0 +1,43 @@
+"""What a shard loss did: which items were lost, which were recovered from replicas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["LossReport"]
+
+
+@dataclass(frozen=True)
+class LossReport:
+    """One lost shard, as detected by a :class:`~conduit.distributed.DistributedDataPlane`.
+
+    ``lost`` names exactly the items that can no longer be delivered (global handles, the
+    ones ``ingest`` returned); items that had a replica elsewhere are counted in
+    ``recovered`` and stay deliverable. ``re_replicated`` of those got a fresh replica on
+    another node (replication restored); the rest run with fewer copies until then.
+    """
+
+    #: shard number in the buffer
+    shard: int
+    #: Ray node id the shard lived on
+    node_id: str
+    #: why the shard counts as lost ("actor died: ...", "no answer within 5.0 s")
+    reason: str
+    #: ``time.time()`` at detection
+    detected_at: float
+    #: handles of the items lost (sorted)
+    lost: np.ndarray = field(repr=False)
+    #: items whose other replica survived
+    recovered: int = 0
+    #: of those, items copied to a new replica
+    re_replicated: int = 0
+
+    @property
+    def num_lost(self) -> int:
+        return int(self.lost.shape[0])
+
+    def __str__(self) -> str:
+        return (f"shard {self.shard} on node {self.node_id[:8]} lost ({self.reason}): {self.num_lost} items lost, "
+                f"{self.recovered} recovered from replicas ({self.re_replicated} re-replicated)")

@@ -1,0 +1,140 @@
+"""Measured links between Ray nodes: per-call latency and bandwidth, the planner's input.
+
+Nothing here is assumed: :func:`measure_links` moves probe payloads of two sizes through
+Ray's object store between every pair of nodes that hold shard servers (and this
+process's node, where the learner is) and fits ``seconds = latency + bytes / bandwidth``
+per directed pair. Same-node pairs measure the shared-memory path, cross-node pairs the
+object manager's transfer.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from conduit.distributed._ray import current_node_id, ray_module
+from conduit.distributed.errors import ClusterError, RemoteTimeoutError
+
+if TYPE_CHECKING:
+    from conduit.distributed.servers import ShardServers
+
+__all__ = ["Link", "LinkProfile", "measure_links", "fit_link"]
+
+
+@dataclass(frozen=True)
+class Link:
+    """One directed link: ``seconds(nbytes) = latency + nbytes / bandwidth``."""
+
+    #: bytes per second
+    bandwidth: float
+    #: seconds per call (control round trip and fixed costs)
+    latency: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+def fit_link(samples: Sequence[tuple[int, float]]) -> Link:
+    """Least-squares fit of ``latency + bytes / bandwidth`` to (bytes, seconds) samples of two or more sizes."""
+    xs = [float(x) for x, _ in samples]
+    ts = [float(t) for _, t in samples]
+    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var <= 0:
+        raise ValueError("fit_link needs samples of at least two payload sizes")
+    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts, strict=True)) / var
+    slope = max(slope, 1e-13)  # never faster than 10 TB/s: noise can make the slope tiny or negative
+    return Link(bandwidth=1.0 / slope, latency=max(0.0, mt - slope * mx))
+
+
+@dataclass
+class LinkProfile:
+    """Measured links between nodes, keyed by (source node, destination node)."""
+
+    links: dict[tuple[str, str], Link] = field(default_factory=dict)
+    #: the node the profile was measured from (where the learner runs)
+    learner_node: str = ""
+    #: probe sizes and repeats used
+    sizes: tuple[int, ...] = ()
+    repeats: int = 0
+
+    def link(self, src: str, dst: str) -> Link:
+        """The link from ``src`` to ``dst``.
+
+        Raises:
+            ClusterError: the pair was not measured.
+        """
+        try:
+            return self.links[(src, dst)]
+        except KeyError:
+            raise ClusterError(f"No measured link {src[:8]} -> {dst[:8]}; measure again with the servers of both "
+                               f"nodes (ShardServers.links(refresh=True)).") from None
+
+    def seconds(self, src: str, dst: str, nbytes: float) -> float:
+        return self.link(src, dst).seconds(nbytes)
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per link (node ids shortened), for reports."""
+        return [{"src": s[:8], "dst": d[:8], "same_node": s == d, "bandwidth_MBps": ln.bandwidth / 1e6,
+                 "latency_ms": ln.latency * 1e3} for (s, d), ln in sorted(self.links.items())]
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> float:
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def measure_links(servers: ShardServers, *, sizes: Sequence[int] = (1 << 16, 1 << 22), repeats: int = 3,
+                  timeout: float = 60.0) -> LinkProfile:
+    """Measure every directed link between the servers' nodes and this process's node.
+
+    Args:
+        servers: one server per node is used as that node's probe.
+
+    Keyword Args:
+        sizes: probe payload sizes in bytes (two or more).
+        repeats: timed transfers per size (the median is used), after one warm-up.
+        timeout: seconds for one probe transfer.
+
+    Raises:
+        RemoteTimeoutError: a probe did not finish within ``timeout``.
+    """
+    ray = ray_module()
+    import numpy as np
+
+    here = current_node_id()
+    probe: dict[str, Any] = {}
+    for s in servers.servers:
+        probe.setdefault(s.node_id, s.actor)
+
+    def get(ref: Any) -> Any:
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError as e:
+            raise RemoteTimeoutError(f"A link probe did not finish within {timeout:.0f} s; the cluster is "
+                                     f"overloaded or a node is unreachable.") from e
+
+    pairs: dict[tuple[str, str], Callable[[int], Callable[[], Any]]] = {}
+    for a, actor_a in probe.items():
+        for b, actor_b in probe.items():
+            pairs[(a, b)] = lambda x, pa=actor_a, pb=actor_b: (lambda: get(pb.sink.remote(pa.probe.remote(x))))
+    payloads = {x: np.ones(x, dtype=np.uint8) for x in sizes}
+    for a, actor_a in probe.items():
+        pairs[(a, here)] = lambda x, pa=actor_a: (lambda: get(pa.probe.remote(x)))
+        pairs[(here, a)] = lambda x, pa=actor_a: (lambda: get(pa.sink.remote(ray.put(payloads[x]))))
+    prof = LinkProfile(learner_node=here, sizes=tuple(sizes), repeats=repeats)
+    for key, make in pairs.items():
+        samples = []
+        for x in sizes:
+            call = make(x)
+            call()  # warm-up
+            samples.append((x, _timed(call, repeats)))
+        prof.links[key] = fit_link(samples)
+    return prof

@@ -1,0 +1,130 @@
+"""Where ingested items go: the shard plan, costed from measured links.
+
+For a batch of ``B`` bytes produced on node ``P``, storing it in a shard on node ``S``
+costs the ingestion transfer ``P -> S`` once and the delivery transfer ``S -> L`` (``L``:
+the learner's node) ``reuse`` times on average (replay: how often an item is sampled;
+on-policy: the number of epochs)::
+
+    cost(P, S) = link(P, S).seconds(B) + reuse * link(S, L).seconds(B)
+
+Shards are tried cheapest first, subject to room; costs within ``tie`` (relative) of the
+cheapest count as equal, and then the producer's node wins (its ingestion call returns
+soonest), then the learner's node. So with ``reuse`` near 1 ingestion stays on the
+producer's node; with a high ``reuse`` the plan pulls items to the learner's node while
+it has room. Replicas of one item always go to distinct nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from conduit.distributed.errors import ClusterError
+from conduit.distributed.links import LinkProfile
+
+__all__ = ["ShardPlan", "Chunk"]
+
+
+@dataclass
+class Chunk:
+    """Rows ``[start, start + count)`` of a batch and the shards holding their replicas."""
+
+    start: int
+    count: int
+    shards: list[int]
+
+
+class ShardPlan:
+    """Routes ingestion over shards.
+
+    Args:
+        shard_nodes: the node of each shard (index = shard number).
+        learner_node: where delivered batches go.
+
+    Keyword Args:
+        links: measured links (None: rank by locality only: producer's node, learner's node, others).
+        reuse: expected deliveries per stored item.
+        tie: relative cost difference below which two shards count as equally cheap.
+    """
+
+    def __init__(self, shard_nodes: Sequence[str], learner_node: str, *, links: LinkProfile | None = None,
+                 reuse: float = 1.0, tie: float = 0.1) -> None:
+        if reuse < 0:
+            raise ClusterError(f"reuse must be >= 0, got {reuse}.")
+        self.shard_nodes = list(shard_nodes)
+        self.learner_node = learner_node
+        self.links = links
+        self.reuse = float(reuse)
+        self.tie = float(tie)
+
+    def _seconds(self, src: str, dst: str, nbytes: float) -> float:
+        assert self.links is not None
+        ln = self.links.links.get((src, dst))
+        if ln is not None:
+            return ln.seconds(nbytes)
+        same = [v for (a, b), v in self.links.links.items() if (a == b) == (src == dst)]
+        if not same:
+            return 0.0 if src == dst else float("inf")
+        return max(v.seconds(nbytes) for v in same)  # an unmeasured pair: assume the slowest of its kind
+
+    def cost(self, producer: str, shard: int, nbytes: float) -> float:
+        """Predicted seconds to ingest ``nbytes`` from ``producer`` into ``shard`` and deliver them ``reuse`` times."""
+        node = self.shard_nodes[shard]
+        if self.links is None:
+            return float(node != producer) + self.reuse * float(node != self.learner_node)
+        return self._seconds(producer, node, nbytes) + self.reuse * self._seconds(node, self.learner_node, nbytes)
+
+    def order(self, producer: str, nbytes: float, shards: Sequence[int] | None = None) -> list[int]:
+        """Shards cheapest first (ties: producer's node, then learner's node, then shard number)."""
+        cand = list(range(len(self.shard_nodes))) if shards is None else list(shards)
+        if not cand:
+            return []
+        costs = {s: self.cost(producer, s, nbytes) for s in cand}
+        best = min(costs.values())
+        band = best + abs(best) * self.tie
+
+        def key(s: int) -> tuple[int, int, int, float, int]:
+            node = self.shard_nodes[s]
+            return (costs[s] > band, node != producer, node != self.learner_node, costs[s], s)
+
+        return sorted(cand, key=key)
+
+    def split(self, n: int, producer: str, nbytes: float, rooms: Mapping[int, int], replication: int
+              ) -> tuple[list[Chunk], int]:
+        """Assign ``n`` rows to shards, ``replication`` copies each on distinct nodes, within ``rooms``.
+
+        Returns:
+            (chunks, missing replicas): rows whose extra replicas found no room on another
+            node are stored with fewer copies, and counted.
+
+        Raises:
+            ClusterError: not even one copy of every row fits in the live shards.
+        """
+        room = dict(rooms)
+        order = self.order(producer, nbytes, list(room))
+        chunks = [Chunk(0, n, [])]
+        missing = 0
+        for level in range(replication):
+            placed: list[Chunk] = []
+            for ch in chunks:
+                used = {self.shard_nodes[s] for s in ch.shards}
+                pos, left = ch.start, ch.count
+                for s in order:
+                    if not left:
+                        break
+                    if self.shard_nodes[s] in used or room[s] <= 0:
+                        continue
+                    take = min(room[s], left)
+                    room[s] -= take
+                    placed.append(Chunk(pos, take, [*ch.shards, s]))
+                    pos, left = pos + take, left - take
+                if left:
+                    if level == 0:
+                        total = sum(max(0, r) for r in rooms.values())
+                        raise ClusterError(f"{n} items do not fit in the live shards (room for {total}); a shard "
+                                           f"was lost or shard_capacity is too small. Raise shard_capacity or add "
+                                           f"shard servers.")
+                    placed.append(Chunk(pos, left, list(ch.shards)))
+                    missing += left
+            chunks = placed
+        return chunks, missing

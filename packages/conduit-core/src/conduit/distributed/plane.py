@@ -1,0 +1,762 @@
+"""The multi-node Experience Data Plane: one buffer whose shards live in Ray actors on several nodes.
+
+Division of labour:
+
+* **semantics** run here, in the learner's process, on a global index of handles
+  (:class:`~conduit.distributed.index.ShardIndex`), with core's own roles: uniform
+  sampling over the union of the shards, prioritized sampling from one global sum tree,
+  on-policy M x E minibatches over the whole rollout (exactly once per epoch, across shards);
+* **payload** lives in shard servers (:mod:`conduit.distributed.server`) pinned to nodes;
+  ingestion goes to the shard the :class:`~conduit.distributed.plan.ShardPlan` picks (the
+  producer's node when the measured costs allow), delivery reads rows from the shards
+  through Ray's object store (NumPy columns, read without a copy) straight into the batch.
+
+Faults: every remote call has a ``timeout``. A shard whose actor or node dies, or that does
+not answer within ``timeout``, is *lost*: it is fenced (killed, never restarted), its items
+are either recovered from replicas (``replication=2``) or reported lost exactly, by handle,
+in a :class:`~conduit.distributed.faults.LossReport`; the buffer keeps serving from the
+other shards. A health monitor thread pings the shards every ``health_period`` seconds, so
+a loss is detected within ``health_period + timeout`` seconds of Ray reporting it, even
+when nobody calls the buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from conduit.batch import ExperienceBatch, Ragged
+from conduit.distributed._ray import Outcome, current_node_id, ray_module, wait_all
+from conduit.distributed.errors import ClusterError, DistributedError, ShardLostError, TransferError
+from conduit.distributed.experience import ExperienceRef
+from conduit.distributed.faults import LossReport
+from conduit.distributed.index import ShardIndex
+from conduit.distributed.links import LinkProfile
+from conduit.distributed.plan import Chunk, ShardPlan
+from conduit.distributed.servers import ShardServers
+from conduit.distributed.wire import from_wire, to_wire
+from conduit.errors import CapacityError, ConduitError, ConfigurationError, EmptyBufferError
+from conduit.schema import ExperienceSchema
+from conduit.semantics.base import SampleInfo, Selection, Semantics
+from conduit.semantics.onpolicy import OnPolicy
+from conduit.semantics.replay import Replay
+from conduit.telemetry import Telemetry
+
+__all__ = ["DistributedDataPlane"]
+
+log = logging.getLogger("conduit.distributed")
+
+#: redraw rounds for replay draws that hit lost items before giving up
+_MAX_REDRAWS = 256
+
+
+class _Assembly:
+    """Rows arriving from several shards, written into one batch in draw order."""
+
+    def __init__(self, schema: ExperienceSchema, k: int) -> None:
+        self.schema, self.k = schema, k
+        self.fixed = {n: torch.empty((k, *schema[n].shape), dtype=schema[n].dtype) for n in schema.fixed}
+        self.ragged: list[tuple[np.ndarray, ExperienceBatch]] = []
+
+    def put(self, dest: np.ndarray, part: ExperienceBatch) -> None:
+        d = torch.from_numpy(dest)
+        for n in self.schema.fixed:
+            self.fixed[n].index_copy_(0, d, part.tensor(n))
+        if self.schema.ragged:
+            self.ragged.append((dest, ExperienceBatch({n: part[n] for n in self.schema.ragged}, part.batch_size)))
+
+    def batch(self, keep: np.ndarray | None = None) -> ExperienceBatch:
+        """The assembled rows (only positions ``keep``, in order, when given)."""
+        cols: dict[str, torch.Tensor | Ragged] = dict(self.fixed)
+        if self.schema.ragged:
+            dests = np.concatenate([d for d, _ in self.ragged]) if self.ragged else np.zeros(0, np.int64)
+            where = np.empty(self.k, dtype=np.int64)
+            where[dests] = np.arange(dests.shape[0])
+            for n in self.schema.ragged:
+                parts = [p[n] for _, p in self.ragged]
+                vals = torch.cat([p.values for p in parts]) if parts else torch.empty(
+                    (0, *self.schema[n].shape), dtype=self.schema[n].dtype)
+                lens = torch.cat([p.lengths for p in parts]) if parts else torch.zeros(0, dtype=torch.int64)
+                cols[n] = Ragged(vals, lens)
+            tmp = ExperienceBatch({n: cols[n] for n in self.schema.ragged}, int(dests.shape[0]))
+            order = where if keep is None else where[keep]
+            tmp = tmp.select(torch.from_numpy(order))
+            cols.update({n: tmp[n] for n in self.schema.ragged})
+        n_out = self.k
+        if keep is not None:
+            kt = torch.from_numpy(keep)
+            for n in self.schema.fixed:
+                cols[n] = self.fixed[n].index_select(0, kt)
+            n_out = int(keep.shape[0])
+        return ExperienceBatch({n: cols[n] for n in self.schema}, n_out)
+
+
+class DistributedDataPlane:
+    """An experience buffer sharded over Ray nodes, with core's replay or on-policy semantics.
+
+    The same calls as :class:`conduit.ExperienceDataPlane` (``ingest``, ``deliver``,
+    ``update_priorities``, ``seal``, ``set_policy_version``, ``state_dict``...), plus
+    :meth:`ingest` of an :class:`~conduit.distributed.ExperienceRef` staged on a producer's
+    node, and fault reports (:attr:`losses`). Delivered batches own their memory.
+
+    Args:
+        schema: the fields of one item.
+
+    Keyword Args:
+        capacity: global item slots (FIFO eviction is global: the oldest items go first,
+            whichever shard holds them).
+        semantics: ``Replay(...)`` (default: uniform) or ``OnPolicy(...)``.
+        servers: a :class:`ShardServers` group to use (shared, left running on close), or
+            node ids to start one server on each (owned), or None for every alive node.
+        replication: copies of each item, on distinct nodes (1 or more).
+        shard_capacity: item slots per shard (default ``capacity``: any shard can take
+            everything, so routing never runs out of room).
+        ragged_capacity: elements per ragged field's pool per shard (default ``64 * shard_capacity``).
+        reuse: expected deliveries per item, for the plan (default: 1 for replay, the
+            number of epochs on-policy).
+        measure: measure the links between nodes for the plan (once per server group);
+            False ranks shards by locality only.
+        learner_node: the node delivered batches go to (default: this process's node).
+        device: the torch device delivered batches land on (default: host memory).
+        timeout: seconds any remote call may take; a shard that does not answer in time is lost.
+        health_period: seconds between health checks of the monitor thread (None: no thread;
+            losses are then found by the calls that hit them, or by :meth:`check_health`).
+        on_loss: called with each :class:`LossReport` (from the thread that detected it).
+
+    Raises:
+        ClusterError: Ray is not initialised, or servers cannot be started or reached.
+        ConfigurationError: arguments that cannot work together.
+    """
+
+    def __init__(self, schema: ExperienceSchema, *, capacity: int, semantics: Semantics | None = None,
+                 servers: ShardServers | Sequence[str] | None = None, replication: int = 1,
+                 shard_capacity: int | None = None, ragged_capacity: int | None = None, reuse: float | None = None,
+                 measure: bool = True, learner_node: str | None = None, device: torch.device | str | None = None,
+                 timeout: float = 30.0, health_period: float | None = 1.0,
+                 on_loss: Callable[[LossReport], None] | None = None) -> None:
+        if not isinstance(schema, ExperienceSchema):
+            raise ConfigurationError("schema must be a conduit.ExperienceSchema.")
+        if not isinstance(replication, int) or replication < 1:
+            raise ConfigurationError(f"replication must be an int >= 1, got {replication!r}.")
+        if timeout <= 0:
+            raise ConfigurationError(f"timeout must be positive, got {timeout}.")
+        ray_module()
+        self.schema = schema
+        self.semantics: Semantics = semantics if semantics is not None else Replay()
+        self._replay = isinstance(self.semantics, Replay)
+        self.index = ShardIndex(schema, capacity, replication)
+        self.replication = replication
+        self.timeout = float(timeout)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.telemetry = Telemetry()
+        self.on_loss = on_loss
+        self.losses: list[LossReport] = []
+        #: items stored with fewer than ``replication`` copies (no room on another node)
+        self.under_replicated = 0
+        self._lock = threading.RLock()
+        self._closed = False
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self.learner_node = learner_node or current_node_id()
+
+        self._owns_servers = not isinstance(servers, ShardServers)
+        self.servers = servers if isinstance(servers, ShardServers) else ShardServers(servers)
+        nodes = self.servers.nodes
+        if replication > len(set(nodes)):
+            if self._owns_servers:
+                self.servers.shutdown()
+            raise ConfigurationError(f"replication={replication} needs servers on at least {replication} distinct "
+                                     f"nodes; these servers span {len(set(nodes))}.")
+        self.shard_capacity = int(shard_capacity if shard_capacity is not None else capacity)
+        if self.shard_capacity <= 0:
+            raise ConfigurationError(f"shard_capacity must be positive, got {shard_capacity}.")
+        if self.shard_capacity * len(nodes) < capacity * replication:
+            if self._owns_servers:
+                self.servers.shutdown()
+            raise ConfigurationError(f"{len(nodes)} shards of {self.shard_capacity} slots cannot hold {capacity} "
+                                     f"items x {replication} replicas; raise shard_capacity or add servers.")
+        if reuse is None:
+            reuse = float(self.semantics.num_epochs) if isinstance(self.semantics, OnPolicy) else 1.0
+        self.links: LinkProfile | None = self.servers.links() if measure else None
+        self.plan = ShardPlan(nodes, self.learner_node, links=self.links, reuse=reuse)
+        self._alive = [True] * len(nodes)
+        self._local_next = [0] * len(nodes)
+        self._read_cost = np.array([self._deliver_seconds(s) for s in range(len(nodes))], dtype=np.float64)
+        self.buffer_id = uuid.uuid4().hex
+        opened = wait_all({s: info.actor.open.remote(self.buffer_id, schema.to_dict(), self.shard_capacity,
+                                                     ragged_capacity) for s, info in enumerate(self.servers.servers)},
+                          self.timeout)
+        bad = {s: o for s, o in opened.items() if not o.ok}
+        if bad:
+            self.close()
+            s, o = next(iter(bad.items()))
+            raise ClusterError(f"Shard {s} on node {nodes[s][:8]} could not open its partition ({o.error}); "
+                               f"check that node, or build the buffer on other servers.")
+        self.semantics.bind(self.index)
+        if health_period is not None:
+            self._monitor = threading.Thread(target=self._watch, args=(float(health_period),), daemon=True,
+                                             name=f"conduit-health-{self.buffer_id[:6]}")
+            self._monitor.start()
+
+    # -- properties -------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.index.capacity
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._alive)
+
+    @property
+    def alive_shards(self) -> list[int]:
+        """Shards not lost."""
+        return [s for s, a in enumerate(self._alive) if a]
+
+    @property
+    def lost_items(self) -> int:
+        """Items lost over the buffer's life (the sum over :attr:`losses`)."""
+        return sum(r.num_lost for r in self.losses)
+
+    def shard_node(self, shard: int) -> str:
+        return self.plan.shard_nodes[shard]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self.index)
+
+    def __repr__(self) -> str:
+        return (f"DistributedDataPlane({self.schema!r}, capacity={self.capacity}, shards={self.num_shards} on "
+                f"{len(set(self.plan.shard_nodes))} nodes, replication={self.replication}, "
+                f"semantics={type(self.semantics).__name__})")
+
+    def _deliver_seconds(self, shard: int) -> float:
+        if self.links is None:
+            return float(self.shard_node(shard) != self.learner_node)
+        return self.plan._seconds(self.shard_node(shard), self.learner_node, 1 << 20)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigurationError("This buffer is closed; build a new DistributedDataPlane.")
+
+    # -- ingestion --------------------------------------------------------------------------------
+    def ingest(self, batch: Mapping[str, Any] | ExperienceBatch | ExperienceRef, *, version: int | None = None,
+               priorities: torch.Tensor | None = None, node: str | None = None) -> torch.Tensor:
+        """Store a batch in the shards the plan picks.
+
+        Args:
+            batch: one row per item for every schema field, or an :class:`ExperienceRef`
+                staged on a producer's node.
+
+        Keyword Args:
+            version: the producing policy version (required on-policy).
+            priorities: initial priorities (prioritized replay only).
+            node: the producer's node (default: the ref's node, or this process's node).
+
+        Returns:
+            The items' global handles (int64).
+
+        Raises:
+            SchemaError, CapacityError, PriorityError, ConfigurationError: bad input (nothing stored).
+            TransferError: a staged batch could not be read (its producer or node died).
+            ClusterError: no live shard can take the items.
+        """
+        t0 = time.perf_counter()
+        if isinstance(batch, ExperienceRef):
+            if ExperienceSchema.from_dict(batch.schema) != self.schema:
+                raise ConfigurationError("This ExperienceRef was staged with another schema; stage it with the "
+                                         "buffer's schema.")
+            n, nbytes, payload = batch.batch_size, batch.nbytes, batch.ref
+            producer = node or batch.node_id
+        else:
+            b = ExperienceBatch.from_mapping(batch)
+            b.validate(self.schema)
+            n, nbytes, payload = b.batch_size, b.nbytes(), None
+            producer = node or self.learner_node
+        self.index.evictions_for(n)  # raises CapacityError for a batch larger than the capacity
+        self.semantics.check_ingest(n, version=version, priorities=priorities)
+        with self._lock:
+            self._check_open()
+            k = self.index.evictions_for(n)
+            if k and not self._replay:
+                raise CapacityError(f"Storing {n} more items needs {k} live items evicted, and this buffer may not "
+                                    f"evict (on-policy data not yet consumed). Consume first or raise capacity.")
+            new_oldest = self.index.oldest + k
+            if n:
+                if payload is None:
+                    payload = ray_module().put(to_wire(b, self.schema))
+                placed = self._store(payload, 0, n, producer, nbytes, new_oldest)
+            else:
+                placed = []
+            res = self.index.reserve(n, evict=self._replay)
+            rows = []
+            for start, count, reps in placed:
+                self.index.add_segment(res.first + start, count, reps)
+                rows.append(self.index.live_rows()[-1])
+            self.semantics.on_append(res, version=version, priorities=priorities)
+            short = [r for r, (_, _, reps) in zip(rows, placed, strict=True) if len(reps) < self.replication]
+            if short:
+                self._replicate(short)
+        self.telemetry.record("ingest", n, nbytes, t0, time.perf_counter())
+        return torch.arange(res.first, res.first + n, dtype=torch.int64)
+
+    def _room(self, shard: int, oldest: int) -> tuple[int, int]:
+        """(free slots, release point) of ``shard`` once the window starts at ``oldest``."""
+        need = self.index.needed_from(shard, oldest)
+        upto = self._local_next[shard] if need is None else need
+        return self.shard_capacity - (self._local_next[shard] - upto), upto
+
+    def _store(self, payload: Any, start: int, count: int, producer: str, nbytes: float, oldest: int
+               ) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """Write rows ``[start, start + count)`` of ``payload`` to shards; returns (start, count, replicas) runs."""
+        placed: list[tuple[int, int, list[tuple[int, int]]]] = []
+        pending = [(start, count)]
+        full: set[int] = set()
+        for _ in range(2 * self.num_shards + 2):
+            if not pending:
+                break
+            live = [s for s in self.alive_shards if s not in full]
+            if not live:
+                raise ClusterError("No live shard can take the items: every shard is lost or full. Add shard "
+                                   "servers, or raise shard_capacity / ragged_capacity.")
+            rooms, release = {}, {}
+            for s in live:
+                rooms[s], release[s] = self._room(s, oldest)
+            calls: dict[tuple[int, int], Any] = {}
+            plan: list[Chunk] = []
+            for p_start, p_count in pending:
+                chunks, _ = self.plan.split(p_count, producer, nbytes * p_count / max(count, 1), rooms,
+                                            self.replication)
+                for ch in chunks:
+                    ch.start += p_start
+                    plan.append(ch)
+                    for s in ch.shards:
+                        calls[(len(plan) - 1, s)] = self.servers[s].actor.append.remote(
+                            self.buffer_id, payload, ch.start, ch.count, release[s])
+            outs = wait_all(calls, self.timeout)
+            for (_, s), o in outs.items():
+                if o.ok:
+                    self._local_next[s] = max(self._local_next[s], int(o.value[2]))
+            pending = []
+            for ci, ch in enumerate(plan):
+                reps = []
+                for s in ch.shards:
+                    o = outs[(ci, s)]
+                    if o.ok:
+                        reps.append((s, int(o.value[0])))
+                    elif o.lost:
+                        self._lose(s, _reason(o))
+                    elif isinstance(o.error, CapacityError):
+                        full.add(s)
+                    elif isinstance(o.error, ConduitError):
+                        raise o.error
+                    else:
+                        raise TransferError(f"The batch could not be read by shard {s} ({o.error}); if it was "
+                                            f"staged on another node, its producer or node died before ingestion: "
+                                            f"produce it again.") from o.error
+                if reps:
+                    placed.append((ch.start, ch.count, reps))
+                else:
+                    pending.append((ch.start, ch.count))
+        if pending:
+            raise ClusterError(f"{sum(c for _, c in pending)} items could not be stored after retries on every "
+                               f"live shard; check the cluster's health.")
+        placed.sort(key=lambda p: p[0])
+        return placed
+
+    # -- delivery ---------------------------------------------------------------------------------
+    def deliver(self, n: int | None = None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
+        """The next batch for the learner (replay: ``n`` draws; on-policy: the next minibatch).
+
+        Replay draws never return a lost item (a draw that lands on one is redrawn, so draws
+        stay uniform, or proportional to priority, over the items that survive). An
+        on-policy minibatch leaves out the items lost since its rollout was ingested
+        (each survivor is still delivered exactly once per epoch); a minibatch whose items
+        were all lost is skipped, except the last one, which then comes back empty with
+        ``info.last`` set.
+
+        Raises:
+            EmptyBufferError: nothing to deliver.
+            CapacityError: a draw without replacement larger than the live contents.
+            StaleExperienceError: on-policy data too stale and ``on_stale="raise"``.
+        """
+        t0 = time.perf_counter()
+        with self._lock:
+            self._check_open()
+            if self._replay:
+                batch, info = self._deliver_replay(n, **kwargs)
+            else:
+                batch, info = self._deliver_on_policy(n, **kwargs)
+        if self.device.type != "cpu":
+            batch = batch.to(self.device, non_blocking=True)
+        self.telemetry.record("deliver", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
+        return batch, info
+
+    def _deliver_replay(self, n: int | None, *, replace: bool = True, beta: float | None = None, **kw: Any
+                        ) -> tuple[ExperienceBatch, SampleInfo]:
+        sel = self.semantics.select(n, replace=replace, beta=beta, **kw)
+        k = int(sel.slots.shape[0])
+        handles = sel.info.handles.numpy().copy()
+        asm = _Assembly(self.schema, k)
+        todo = np.arange(k)
+        for _ in range(_MAX_REDRAWS):
+            lost = self.index.lost_mask(handles[todo])
+            if lost.any():
+                sel, handles = self._redraw(sel, handles, todo[lost], replace, beta)
+                continue
+            todo = self._fetch(handles, todo, asm)
+            if not todo.size:
+                break
+        else:
+            raise DistributedError(f"Draws kept landing on lost items after {_MAX_REDRAWS} redraws; the buffer has "
+                                   f"lost nearly everything ({len(self.index)} items left).")
+        info = dataclasses.replace(sel.info, handles=torch.from_numpy(handles))
+        return asm.batch(), info
+
+    def _redraw(self, sel: Selection, handles: np.ndarray, pos: np.ndarray, replace: bool, beta: float | None
+                ) -> tuple[Selection, np.ndarray]:
+        """Replace the draws at ``pos`` by fresh draws (the items they named are lost)."""
+        if len(self.index) == 0:
+            raise EmptyBufferError("Every item of the buffer was lost with its shards; ingest experience again.")
+        assert isinstance(self.semantics, Replay)
+        if replace:
+            new = self.semantics.select(int(pos.shape[0]), replace=True, beta=beta)
+        else:
+            live = self.index.live_handles()
+            fresh = np.setdiff1d(live, handles, assume_unique=False)
+            if fresh.shape[0] < pos.shape[0]:
+                raise CapacityError(f"Cannot draw {handles.shape[0]} distinct items: only {live.shape[0]} survive "
+                                    f"the loss of shards.")
+            gen = torch.Generator().manual_seed(int(handles.sum()) & 0x7FFFFFFF)
+            pick = fresh[torch.randperm(fresh.shape[0], generator=gen)[:pos.shape[0]].numpy()]
+            new = Selection(torch.from_numpy(pick % self.capacity), SampleInfo(handles=torch.from_numpy(pick)))
+        handles = handles.copy()
+        handles[pos] = new.info.handles.numpy()
+        info = sel.info
+        t = torch.from_numpy(pos)
+        if info.weights is not None and new.info.weights is not None:
+            info.weights[t] = new.info.weights
+        if info.probabilities is not None and new.info.probabilities is not None:
+            info.probabilities[t] = new.info.probabilities
+        sel.slots[t] = new.slots
+        return sel, handles
+
+    def _deliver_on_policy(self, n: int | None, **kw: Any) -> tuple[ExperienceBatch, SampleInfo]:
+        while True:
+            sel = self.semantics.select(n, **kw)
+            handles = sel.info.handles.numpy().copy()
+            k = handles.shape[0]
+            asm = _Assembly(self.schema, k)
+            dropped = self.index.lost_mask(handles)
+            dropped[self._fetch(handles, np.nonzero(~dropped)[0], asm)] = True
+            self.semantics.after_gather(sel)
+            if not dropped.all() or sel.info.last or k == 0:
+                break
+        if not dropped.any():
+            return asm.batch(), sel.info
+        keep = np.nonzero(~dropped)[0]
+        info = dataclasses.replace(sel.info, handles=torch.from_numpy(handles[keep]))
+        return asm.batch(keep), info
+
+    def _fetch(self, handles: np.ndarray, pos: np.ndarray, asm: _Assembly) -> np.ndarray:
+        """Read the items at positions ``pos`` of ``handles`` into ``asm``; returns positions not read.
+
+        A shard that fails is lost (and its replicas elsewhere are read instead); positions
+        returned are those whose items have no live replica left.
+        """
+        while pos.size:
+            h = handles[pos]
+            lost = self.index.lost_mask(h)
+            if lost.any():
+                return pos[lost] if lost.all() else np.concatenate([pos[lost], self._fetch(handles, pos[~lost], asm)])
+            rows = self.index.segments_of(h)
+            shard, local = self.index.replicas(rows, h)
+            cost = np.where(shard >= 0, self._read_cost[np.maximum(shard, 0)], np.inf)
+            col = np.argmin(cost, axis=1)
+            pick = shard[np.arange(h.shape[0]), col]
+            loc = local[np.arange(h.shape[0]), col]
+            calls: dict[int, Any] = {}
+            groups: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+            for s in np.unique(pick).tolist():
+                sel = np.nonzero(pick == s)[0]
+                uniq, inv = np.unique(loc[sel], return_inverse=True)
+                groups[s] = (sel, inv)
+                calls[s] = self.servers[s].actor.gather.remote(self.buffer_id, uniq)
+            outs = wait_all(calls, self.timeout)
+            failed = []
+            for s, o in outs.items():
+                sel, inv = groups[s]
+                if o.ok:
+                    part = from_wire(o.value, self.schema)
+                    if part.batch_size == sel.shape[0]:  # no repeats: write rows straight to their positions
+                        dest = np.empty_like(sel)
+                        dest[inv] = pos[sel]
+                        asm.put(dest, part)
+                    else:
+                        asm.put(pos[sel], part.select(torch.from_numpy(inv.astype(np.int64))))
+                elif o.lost:
+                    self._lose(s, _reason(o))
+                    failed.append(sel)
+                else:
+                    raise o.error if isinstance(o.error, ConduitError) else DistributedError(
+                        f"Shard {s} failed to read items: {o.error}")
+            pos = pos[np.concatenate(failed)] if failed else pos[:0]
+        return pos
+
+    def read(self, handles: torch.Tensor | np.ndarray | Sequence[int]) -> ExperienceBatch:
+        """The items named by ``handles``, in that order (for checkpoints and inspection).
+
+        Raises:
+            CapacityError: a handle is evicted or not yet assigned.
+            ShardLostError: an item was lost with its shards.
+        """
+        h = np.asarray(handles.numpy() if isinstance(handles, torch.Tensor) else handles, dtype=np.int64).reshape(-1)
+        with self._lock:
+            self._check_open()
+            bad = (h < self.index.oldest) | (h >= self.index.next_handle)
+            if bad.any():
+                raise CapacityError(f"{int(bad.sum())} handles are not live (live: [{self.index.oldest}, "
+                                    f"{self.index.next_handle})); read only live handles.")
+            asm = _Assembly(self.schema, h.shape[0])
+            missing = self._fetch(h, np.arange(h.shape[0]), asm)
+            if missing.size:
+                raise ShardLostError(f"{missing.size} of the requested items were lost with their shards "
+                                     f"(see .losses); read live_handles() instead.",
+                                     self.losses[-1] if self.losses else None)
+            return asm.batch()
+
+    def live_handles(self) -> np.ndarray:
+        """Handles of every item that can still be delivered, oldest first."""
+        with self._lock:
+            return self.index.live_handles()
+
+    # -- priorities and on-policy control ---------------------------------------------------------
+    def update_priorities(self, handles: torch.Tensor, priorities: torch.Tensor) -> int:
+        """New priorities for delivered items, by handle; updates for evicted or lost items are ignored.
+
+        Returns:
+            How many handles were live and applied.
+
+        Raises:
+            PriorityError: NaN, infinite or negative priorities, or a length mismatch.
+            ConfigurationError: the buffer is not prioritized.
+        """
+        if not isinstance(self.semantics, Replay):
+            raise ConfigurationError("update_priorities needs Replay semantics with a PrioritizedSampler.")
+        h = torch.as_tensor(handles, dtype=torch.int64).reshape(-1)
+        p = torch.as_tensor(priorities).reshape(-1)
+        with self._lock:
+            self._check_open()
+            if self.index.lost_in_window() and h.shape[0] == p.shape[0]:
+                live = (h >= self.index.oldest) & (h < self.index.next_handle)
+                keep = torch.ones_like(h, dtype=torch.bool)
+                if live.any():
+                    lost = torch.from_numpy(self.index.lost_mask(h[live].numpy()))
+                    keep[live.nonzero().reshape(-1)[lost]] = False
+                h, p = h[keep], p[keep]
+            return self.semantics.update_priorities(h, p)
+
+    def _on_policy(self) -> OnPolicy:
+        if not isinstance(self.semantics, OnPolicy):
+            raise ConfigurationError("This call needs OnPolicy semantics.")
+        return self.semantics
+
+    def seal(self) -> None:
+        """Close the open on-policy rollout so it can be delivered."""
+        sem = self._on_policy()
+        with self._lock:
+            sem.seal()
+
+    def set_policy_version(self, version: int) -> None:
+        """The learner's policy version (on-policy staleness is measured against it)."""
+        sem = self._on_policy()
+        with self._lock:
+            sem.policy_version = int(version)
+
+    def flush(self) -> None:
+        """Every ingestion is stored when ``ingest`` returns; nothing to wait for."""
+
+    # -- faults -----------------------------------------------------------------------------------
+    def check_health(self) -> list[LossReport]:
+        """Ping every live shard once (at most ``timeout`` seconds); returns the losses this found."""
+        live = self.alive_shards
+        if self._closed or not live:
+            return []
+        outs = wait_all({s: self.servers[s].actor.ping.remote() for s in live}, self.timeout)
+        found = []
+        for s, o in outs.items():
+            if o.lost:
+                rep = self._lose(s, _reason(o))
+                if rep is not None:
+                    found.append(rep)
+        return found
+
+    def _watch(self, period: float) -> None:
+        while not self._stop.wait(period):
+            try:
+                self.check_health()
+            except Exception:  # noqa: BLE001 - the monitor must outlive transient errors
+                log.exception("conduit health check failed")
+
+    def _lose(self, shard: int, reason: str) -> LossReport | None:
+        """Declare ``shard`` lost: fence it, account its items, restore replication where possible."""
+        with self._lock:
+            if not self._alive[shard]:
+                return None
+            self._alive[shard] = False
+            self.servers.kill(shard)
+            lost, recovered, under = self.index.drop_shard(shard)
+            if lost.size and self._replay and getattr(self.semantics.sampler, "prioritized", False):  # type: ignore[attr-defined]
+                _forget_priorities(self.semantics, lost, self.capacity)
+            copied = self._replicate(under) if under else 0
+            report = LossReport(shard, self.shard_node(shard), reason, time.time(), lost, recovered, copied)
+            self.losses.append(report)
+        log.warning("conduit: %s", report)
+        if self.on_loss is not None:
+            self.on_loss(report)
+        return report
+
+    def _replicate(self, rows: list[int]) -> int:
+        """Give under-replicated segments a copy on another live node; returns items copied."""
+        if self.replication < 2:
+            return 0
+        rooms = {s: self._room(s, self.index.oldest) for s in self.alive_shards}
+        jobs: dict[int, tuple[int, int, int, int]] = {}
+        calls: dict[int, Any] = {}
+        for row in rows:
+            first, count, reps = self.index.segment(row)
+            if count <= 0 or not reps or len(reps) >= self.replication:
+                continue
+            used = {self.shard_node(s) for s, _ in reps}
+            src, src_local = reps[0]
+            cands = [s for s in self.plan.order(self.shard_node(src), count * self.schema.fixed_item_bytes,
+                                                list(rooms)) if self.shard_node(s) not in used and rooms[s][0] >= count]
+            if not cands:
+                self.under_replicated += count
+                continue
+            t = cands[0]
+            rooms[t] = (rooms[t][0] - count, rooms[t][1])
+            data = self.servers[src].actor.gather.remote(self.buffer_id, np.arange(src_local, src_local + count))
+            calls[row] = self.servers[t].actor.append.remote(self.buffer_id, data, 0, count, rooms[t][1])
+            jobs[row] = (t, count, first, src)
+        outs = wait_all(calls, self.timeout)
+        copied = 0
+        for row, o in outs.items():
+            t, count, first, src = jobs[row]
+            if o.ok:
+                self._local_next[t] = max(self._local_next[t], int(o.value[2]))
+                seg_first, _ = self.index.segment_span(row)
+                self.index.add_replica(row, t, int(o.value[0]) - (first - seg_first))
+                copied += count
+                continue
+            self.under_replicated += count
+            if o.lost and not isinstance(o.error, TimeoutError):
+                # a two-hop copy: the error names the actor that died (source or target); a timeout is
+                # left to the health monitor, which pings each one alone
+                dead = getattr(o.error, "actor_id", None)
+                self._lose(src if dead == _actor_hex(self.servers[src].actor) else t, _reason(o))
+        return copied
+
+    # -- checkpoint -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Live contents (read from the shards), handles, lost ranges and semantics state (RNG included)."""
+        with self._lock:
+            self._check_open()
+            h = self.index.live_handles()
+            batch = self.read(h)
+            data: dict[str, Any] = {}
+            for name in self.schema:
+                c = batch[name]
+                data[name] = (c.values.clone(), c.lengths.clone()) if isinstance(c, Ragged) else c.clone()
+            return {"format": "conduit.distributed/1", "schema": self.schema.to_dict(), "capacity": self.capacity,
+                    "oldest": self.index.oldest, "next": self.index.next_handle, "handles": torch.from_numpy(h),
+                    "data": data, "semantics": self.semantics.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (items go to the live shards; lost items stay lost)."""
+        if state.get("format") != "conduit.distributed/1":
+            raise ConfigurationError("Unknown checkpoint format; it was not written by DistributedDataPlane.")
+        if state["capacity"] != self.capacity or ExperienceSchema.from_dict(state["schema"]) != self.schema:
+            raise ConfigurationError("This checkpoint was written by a buffer with another schema or capacity; "
+                                     "build the buffer with the same schema and capacity before loading.")
+        with self._lock:
+            self._check_open()
+            live = self.alive_shards
+            outs = wait_all({s: self.servers[s].actor.open.remote(self.buffer_id, self.schema.to_dict(),
+                                                                  self.shard_capacity, None) for s in live},
+                            self.timeout)
+            for s, o in outs.items():
+                if o.lost:
+                    self._lose(s, _reason(o))
+                self._local_next[s] = 0
+            h = state["handles"].numpy()
+            oldest, nxt = int(state["oldest"]), int(state["next"])
+            self.index.reset(oldest)
+            cols: dict[str, torch.Tensor | Ragged] = {}
+            for name, v in state["data"].items():
+                cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
+            payload = ray_module().put(to_wire(ExperienceBatch(cols, int(h.shape[0])), self.schema)) if h.size else None
+            cursor = oldest
+            breaks = np.nonzero(np.diff(h) != 1)[0] + 1 if h.size else np.zeros(0, np.int64)
+            starts = np.concatenate([[0], breaks]).astype(np.int64) if h.size else np.zeros(0, np.int64)
+            ends = np.concatenate([breaks, [h.size]]).astype(np.int64) if h.size else np.zeros(0, np.int64)
+            for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+                first = int(h[a])
+                if first > cursor:
+                    self.index.add_segment(cursor, first - cursor, [])
+                nbytes = self.schema.fixed_item_bytes * (b - a)
+                for start, count, reps in self._store(payload, a, b - a, self.learner_node, nbytes, oldest):
+                    self.index.add_segment(first + start - a, count, reps)
+                cursor = first + (b - a)
+            if nxt > cursor:
+                self.index.add_segment(cursor, nxt - cursor, [])
+            self.index._next = nxt
+            self.semantics.load_state_dict(state["semantics"])
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the monitor, drop this buffer's partitions, and stop the servers this buffer started."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout=self.timeout + 5)
+        if self._owns_servers:
+            self.servers.shutdown()
+        else:
+            wait_all({s: self.servers[s].actor.close.remote(self.buffer_id) for s in self.alive_shards},
+                     min(self.timeout, 10.0))
+
+    def __enter__(self) -> DistributedDataPlane:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _reason(o: Outcome) -> str:
+    if isinstance(o.error, TimeoutError):
+        return str(o.error)
+    first = str(o.error).strip().splitlines()[0] if str(o.error).strip() else type(o.error).__name__
+    return f"{type(o.error).__name__}: {first}"
+
+
+def _actor_hex(actor: Any) -> str | None:
+    try:
+        return str(actor._actor_id.hex())
+    except AttributeError:  # pragma: no cover - Ray internals moved
+        return None
+
+
+def _forget_priorities(semantics: Semantics, handles: np.ndarray, capacity: int) -> None:
+    """Give lost items priority 0 in the global sum tree, so they are never drawn and not in the total."""
+    tree = semantics.sampler._tree  # type: ignore[attr-defined]
+    tree.set(handles % capacity, np.zeros(handles.shape[0]))

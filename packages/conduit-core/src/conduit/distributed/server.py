@@ -1,0 +1,125 @@
+"""The shard server: a Ray actor pinned to one node that holds buffer partitions.
+
+A server holds one *partition* per buffer that uses it (several buffers may share a
+server). A partition is a core :class:`~conduit.storage.ColumnarStorage` ring on the
+server's host memory with its own *local* handles; the driver-side index maps global
+handles to (server, local handle). The server never decides what to evict: the driver
+tells it, with each append, up to which local handle nothing is needed any more, and an
+append that would need more room fails instead of overwriting live items.
+
+This module imports no Ray at import time; :func:`server_class` wraps the class lazily.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from conduit.distributed.errors import DistributedError
+from conduit.distributed.wire import Wire, to_wire, wire_rows
+from conduit.schema import ExperienceSchema
+from conduit.storage.columnar import ColumnarStorage
+
+__all__ = ["ShardServer", "server_class", "AppendAck"]
+
+#: what an append returns: (first local handle written, items written, next local handle)
+AppendAck = tuple[int, int, int]
+
+
+class ShardServer:
+    """Holds partitions of buffers on one node (the body of the Ray actor)."""
+
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+        self._parts: dict[str, ColumnarStorage] = {}
+        self._schemas: dict[str, ExperienceSchema] = {}
+
+    # -- identity and health ----------------------------------------------------------------
+    def ready(self) -> tuple[str, int]:
+        """(node id, process id): the server is up."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id()), os.getpid()
+
+    def ping(self) -> int:
+        return len(self._parts)
+
+    # -- partitions ---------------------------------------------------------------------------
+    def open(self, buffer_id: str, schema: dict[str, Any], capacity: int, ragged_capacity: int | None) -> None:
+        """Create (or recreate, empty) the partition of ``buffer_id``."""
+        sch = ExperienceSchema.from_dict(schema)
+        self._parts[buffer_id] = ColumnarStorage(sch, capacity, "cpu", ragged_capacity=ragged_capacity,
+                                                 tier="remote")
+        self._schemas[buffer_id] = sch
+
+    def close(self, buffer_id: str) -> None:
+        self._parts.pop(buffer_id, None)
+        self._schemas.pop(buffer_id, None)
+
+    def _part(self, buffer_id: str) -> ColumnarStorage:
+        part = self._parts.get(buffer_id)
+        if part is None:
+            raise DistributedError(f"This shard server holds no partition of buffer {buffer_id!r} (it was closed "
+                                   f"or the server restarted); rebuild the buffer.")
+        return part
+
+    def append(self, buffer_id: str, cols: Wire, start: int, count: int, release_upto: int) -> AppendAck:
+        """Release local handles below ``release_upto``, then store rows ``[start, start + count)`` of ``cols``.
+
+        Raises:
+            CapacityError: the rows do not fit without overwriting live items.
+        """
+        part = self._part(buffer_id)
+        part.release(release_upto)
+        batch = wire_rows(cols, start, count, self._schemas[buffer_id])
+        res = part.append(batch, evict=False)
+        return res.first, res.count, part.next_handle
+
+    def gather(self, buffer_id: str, local: np.ndarray) -> Wire:
+        """Rows of the given local handles, as NumPy columns (they go to the object store).
+
+        Raises:
+            DistributedError: a handle is not live here (the driver's index and this shard disagree).
+        """
+        part = self._part(buffer_id)
+        h = np.asarray(local, dtype=np.int64)
+        if h.size and (h.min() < part.oldest or h.max() >= part.next_handle):
+            raise DistributedError(f"Local handles outside the live range [{part.oldest}, {part.next_handle}) "
+                                   f"were requested; the buffer's index and this shard disagree. Rebuild the buffer.")
+        slots = torch.from_numpy(h % part.capacity)
+        return to_wire(part.gather(slots), self._schemas[buffer_id])
+
+    def release(self, buffer_id: str, upto: int) -> int:
+        part = self._part(buffer_id)
+        part.release(upto)
+        return part.oldest
+
+    def span(self, buffer_id: str) -> tuple[int, int]:
+        """(oldest, next) local handles of the partition."""
+        part = self._part(buffer_id)
+        return part.oldest, part.next_handle
+
+    # -- link probes ----------------------------------------------------------------------------
+    def probe(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of data made here (a link probe's payload)."""
+        return np.ones(int(nbytes), dtype=np.uint8)
+
+    def sink(self, data: np.ndarray) -> int:
+        """Receive a probe's payload (Ray moves it to this node before the call runs)."""
+        return int(data.nbytes)
+
+
+_REMOTE: Any = None
+
+
+def server_class() -> Any:
+    """``ShardServer`` as a Ray actor class (built on first use)."""
+    global _REMOTE
+    if _REMOTE is None:
+        from conduit.distributed._ray import ray_module
+
+        _REMOTE = ray_module(initialized=False).remote(ShardServer)
+    return _REMOTE

@@ -1,0 +1,112 @@
+"""A group of shard servers pinned to nodes: start them, address them, fence them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from conduit.distributed._ray import current_node_id, ray_module, wait_all
+from conduit.distributed.errors import ClusterError
+from conduit.distributed.server import server_class
+
+__all__ = ["ShardServers", "ServerInfo", "alive_nodes"]
+
+
+def alive_nodes() -> list[str]:
+    """Ids of the alive nodes of the connected Ray cluster (the caller's node first)."""
+    ray = ray_module()
+    here = current_node_id()
+    ids = [str(n["NodeID"]) for n in ray.nodes() if n.get("Alive")]
+    return sorted(ids, key=lambda i: (i != here, i))
+
+
+@dataclass
+class ServerInfo:
+    """One started server: its actor handle, node and process."""
+
+    actor: Any
+    node_id: str
+    pid: int
+
+
+class ShardServers:
+    """Shard servers pinned to nodes (node affinity, not soft: a server never moves).
+
+    One group can serve several buffers at once (each buffer opens its own partition on
+    every server), so tests and jobs that build many buffers start servers once.
+
+    Args:
+        nodes: node ids to place servers on (default: every alive node); repeat a node for
+            several servers on it.
+
+    Keyword Args:
+        start_timeout: seconds to wait for the servers to come up.
+
+    Raises:
+        ClusterError: Ray is not initialised, a node is unknown or dead, or a server did not start in time.
+    """
+
+    def __init__(self, nodes: Sequence[str] | None = None, *, start_timeout: float = 120.0) -> None:
+        ray = ray_module()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        alive = alive_nodes()
+        wanted = list(nodes) if nodes is not None else alive
+        if not wanted:
+            raise ClusterError("No node to place shard servers on; pass node ids, e.g. alive_nodes().")
+        unknown = [n for n in wanted if n not in alive]
+        if unknown:
+            raise ClusterError(f"Nodes {unknown} are not alive members of this Ray cluster; pick from {alive}.")
+        cls = server_class()
+        actors = [cls.options(num_cpus=0, max_restarts=0,
+                              scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote()
+                  for n in wanted]
+        outcomes = wait_all([a.ready.remote() for a in actors], start_timeout)
+        failed = [i for i, o in outcomes.items() if not o.ok]
+        if failed:
+            for a in actors:
+                ray.kill(a, no_restart=True)
+            raise ClusterError(f"Shard servers on nodes {[wanted[i] for i in failed]} did not start within "
+                               f"{start_timeout:.0f} s ({outcomes[failed[0]].error}); check the nodes' health and "
+                               f"memory, or raise start_timeout.")
+        self.servers = []
+        for i, a in enumerate(actors):
+            node, pid = outcomes[i].value
+            if node != wanted[i]:  # pragma: no cover - node affinity with soft=False guarantees this
+                raise ClusterError(f"Server {i} landed on node {node}, not {wanted[i]}.")
+            self.servers.append(ServerInfo(a, node, pid))
+        self._links: Any = None
+
+    def __len__(self) -> int:
+        return len(self.servers)
+
+    def __getitem__(self, i: int) -> ServerInfo:
+        return self.servers[i]
+
+    @property
+    def nodes(self) -> list[str]:
+        """The node of each server."""
+        return [s.node_id for s in self.servers]
+
+    def links(self, *, refresh: bool = False, **kwargs: Any) -> Any:
+        """The measured :class:`~conduit.distributed.links.LinkProfile` between these servers' nodes and
+        this process's node (measured once, then cached; ``refresh`` measures again)."""
+        if self._links is None or refresh:
+            from conduit.distributed.links import measure_links
+
+            self._links = measure_links(self, **kwargs)
+        return self._links
+
+    def kill(self, i: int) -> None:
+        """Fence server ``i``: it is killed and never restarts (a lost server must not come back)."""
+        ray = ray_module()
+        try:
+            ray.kill(self.servers[i].actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead is fine
+            pass
+
+    def shutdown(self) -> None:
+        """Kill every server."""
+        for i in range(len(self.servers)):
+            self.kill(i)

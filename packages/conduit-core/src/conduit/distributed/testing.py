@@ -1,0 +1,198 @@
+"""Test helpers for the multi-node tier: a real local Ray cluster, and conformance endpoints.
+
+:func:`local_cluster` starts a :class:`ray.cluster_utils.Cluster` of several nodes on this
+machine (separate raylets and object stores on 127.0.0.1), connects this process to it
+and tears everything down afterwards. The endpoints drive a
+:class:`~conduit.distributed.DistributedDataPlane` for the conformance suites, spreading
+ingestion over the producer nodes so every suite runs on a multi-node buffer.
+
+Importing this module needs pytest (it uses ``conduit.testing``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from conduit.distributed._ray import ray_module
+from conduit.distributed.errors import ClusterError
+from conduit.distributed.plane import DistributedDataPlane
+from conduit.distributed.servers import ShardServers
+from conduit.semantics import OnPolicy, PrioritizedSampler, Replay, UniformSampler
+from conduit.testing.endpoints import (
+    CAP_CHECKPOINT,
+    CAP_CONCURRENT_INGEST,
+    CAP_PRIORITIZED,
+    Draw,
+    Minibatch,
+    OnPolicyEndpoint,
+    ReplayEndpoint,
+)
+from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch
+
+__all__ = ["LocalCluster", "local_cluster", "DistributedReplayEndpoint", "DistributedOnPolicyEndpoint",
+           "FAST_FAILURE_DETECTION"]
+
+#: Ray settings that declare a dead node within about 1.5 s (defaults take tens of seconds)
+FAST_FAILURE_DETECTION = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                          "health_check_failure_threshold": 3}
+
+
+class LocalCluster:
+    """A running local multi-node cluster: node ids, and nodes to add or kill."""
+
+    def __init__(self, cluster: Any, node_args: dict[str, Any]) -> None:
+        self.cluster = cluster
+        self._node_args = node_args
+        self._nodes: dict[str, Any] = {cluster.head_node.node_id: cluster.head_node}
+
+    @property
+    def head(self) -> str:
+        """The head node (this process runs there)."""
+        return str(self.cluster.head_node.node_id)
+
+    @property
+    def nodes(self) -> list[str]:
+        """Every node started and not killed, head first."""
+        return list(self._nodes)
+
+    @property
+    def workers(self) -> list[str]:
+        return [n for n in self._nodes if n != self.head]
+
+    def add_node(self, **kwargs: Any) -> str:
+        """Start one more node; returns its id once it is alive."""
+        node = self.cluster.add_node(**{**self._node_args, **kwargs})
+        self.cluster.wait_for_nodes()
+        self._nodes[str(node.node_id)] = node
+        return str(node.node_id)
+
+    def kill_node(self, node_id: str, *, graceful: bool = False) -> None:
+        """Kill a worker node's processes (``graceful=False``: as in a crash, no drain)."""
+        if node_id == self.head:
+            raise ClusterError("The head node runs this process; kill a worker node.")
+        node = self._nodes.pop(node_id)
+        self.cluster.remove_node(node, allow_graceful=graceful)
+
+
+@contextmanager
+def local_cluster(num_nodes: int = 2, *, num_cpus: int = 1, object_store_memory: int = 80 << 20,
+                  fast_failure_detection: bool = True) -> Iterator[LocalCluster]:
+    """A local Ray cluster of ``num_nodes`` nodes, this process connected to it; shut down on exit.
+
+    Keyword Args:
+        num_cpus: logical CPUs per node (shard servers take none).
+        object_store_memory: bytes of object store per node (keep it small on a shared machine).
+        fast_failure_detection: declare dead nodes within ~1.5 s (:data:`FAST_FAILURE_DETECTION`).
+
+    Raises:
+        ClusterError: Ray is already initialised in this process.
+    """
+    ray = ray_module(initialized=False)
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        raise ClusterError("Ray is already initialised in this process; call ray.shutdown() first.")
+    node_args = {"num_cpus": num_cpus, "object_store_memory": object_store_memory}
+    head_args: dict[str, Any] = {**node_args, "include_dashboard": False}
+    if fast_failure_detection:
+        head_args["_system_config"] = dict(FAST_FAILURE_DETECTION)
+    cluster = Cluster(initialize_head=True, head_node_args=head_args)
+    try:
+        lc = LocalCluster(cluster, node_args)
+        for _ in range(num_nodes - 1):
+            lc.add_node()
+        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+        yield lc
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+class DistributedReplayEndpoint(ReplayEndpoint):
+    """A replay :class:`DistributedDataPlane` whose inserts come from each server node in turn."""
+
+    capabilities = frozenset({CAP_PRIORITIZED, CAP_CHECKPOINT, CAP_CONCURRENT_INGEST})
+
+    def __init__(self, servers: ShardServers, *, capacity: int, prioritized: bool = False, alpha: float = 0.6,
+                 beta: float = 0.4, seed: int = 0, **plane_kwargs: Any) -> None:
+        sampler = PrioritizedSampler(alpha=alpha, beta=beta) if prioritized else UniformSampler()
+        plane_kwargs.setdefault("health_period", None)
+        self.plane = DistributedDataPlane(ID_SCHEMA, capacity=capacity, semantics=Replay(sampler, seed=seed),
+                                          servers=servers, **plane_kwargs)
+        self._producers = itertools.cycle(sorted(set(servers.nodes)))
+        self._cycle_lock = threading.Lock()
+
+    def insert(self, ids: np.ndarray) -> None:
+        with self._cycle_lock:
+            node = next(self._producers)
+        self.plane.ingest(id_batch(ids), node=node)
+
+    def sample(self, n: int) -> Draw:
+        batch, info = self.plane.deliver(n)
+        w = None if info.weights is None else info.weights.numpy().copy()
+        return Draw(check_payload(batch), info.handles.clone(), w)
+
+    def update_priorities(self, handles: Any, priorities: np.ndarray) -> None:
+        self.plane.update_priorities(handles, torch.as_tensor(priorities))
+
+    def __len__(self) -> int:
+        return len(self.plane)
+
+    def contents(self) -> np.ndarray:
+        h = self.plane.live_handles()
+        if not h.size:
+            return np.zeros(0, dtype=np.int64)
+        return self.plane.read(h).tensor("id").numpy().copy()
+
+    def state_dict(self) -> Any:
+        return self.plane.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.plane.load_state_dict(state)
+
+    def close(self) -> None:
+        self.plane.close()
+
+
+class DistributedOnPolicyEndpoint(OnPolicyEndpoint):
+    """An on-policy :class:`DistributedDataPlane` whose rollouts come from every server node."""
+
+    def __init__(self, servers: ShardServers, *, num_minibatches: int, num_epochs: int, max_staleness: int = 0,
+                 on_stale: str = "drop", seed: int = 0, capacity: int = 4096, **plane_kwargs: Any) -> None:
+        sem = OnPolicy(num_minibatches=num_minibatches, num_epochs=num_epochs, max_staleness=max_staleness,
+                       on_stale=on_stale, seed=seed)  # type: ignore[arg-type]
+        plane_kwargs.setdefault("health_period", None)
+        self.plane = DistributedDataPlane(ID_SCHEMA, capacity=capacity, semantics=sem, servers=servers,
+                                          **plane_kwargs)
+        self._nodes = sorted(set(servers.nodes))
+
+    def ingest(self, ids: np.ndarray, version: int) -> None:
+        parts = np.array_split(np.asarray(ids), len(self._nodes))
+        for node, part in zip(self._nodes, parts, strict=True):
+            if part.size:
+                self.plane.ingest(id_batch(part), version=version, node=node)
+
+    def end_rollout(self) -> None:
+        self.plane.seal()
+
+    def set_policy_version(self, version: int) -> None:
+        self.plane.set_policy_version(version)
+
+    def consume(self) -> list[Minibatch]:
+        out: list[Minibatch] = []
+        while True:
+            batch, info = self.plane.deliver()
+            assert info.version is not None and info.epoch is not None
+            out.append(Minibatch(check_payload(batch), info.version, info.epoch))
+            if info.last:
+                return out
+
+    def close(self) -> None:
+        self.plane.close()
