@@ -16,7 +16,7 @@ from conduit.errors import (
     StaleExperienceError,
 )
 from conduit.placement import HostPlacement, Placement
-from conduit.scheduling import Overlapped, Scheduler, Synchronous
+from conduit.scheduling import Automatic, Overlapped, Scheduler, Synchronous, safe_ranges
 from conduit.schema import ExperienceSchema, Field
 from conduit.semantics import OnPolicy, PrioritizedSampler, Replay, SampleInfo, Sampler, Semantics, UniformSampler
 from conduit.storage import ColumnarStorage, Storage
@@ -44,6 +44,8 @@ __all__ = [
     "Scheduler",
     "Synchronous",
     "Overlapped",
+    "Automatic",
+    "safe_ranges",
     "Telemetry",
     "ConduitError",
     "SchemaError",

@@ -185,6 +185,32 @@ class Overlapped(Scheduler):
         self._last: SampleInfo | None = None
         _OPEN.add(self)
 
+    def retune(self, *, g_ing: float | None = None, g_del: float | None = None) -> None:
+        """Change the granularities from the next ingestion write / delivery chunk on.
+
+        Off-policy ``g_del`` (batches per call) and either kind's ``g_ing`` may change; the
+        semantics' bounds are checked as in the constructor. Prepared batches stay valid.
+        """
+        if g_ing is not None:
+            ok = (0 < g_ing <= 1) if self.on_policy else (int(g_ing) == g_ing and g_ing >= 1)
+            if not ok:
+                raise ConfigurationError(f"g_ing={g_ing} is outside the safe range for this buffer.")
+            self.g_ing = g_ing if self.on_policy else int(g_ing)
+            self._ingestion.g_ing = self.g_ing
+            self._ingestion.queue_depth = max(self._ingestion.queue_depth, int(max(1, self.g_ing)))
+        if g_del is not None and g_del != self.g_del:
+            if self.on_policy or int(g_del) != g_del or g_del < 1:
+                raise ConfigurationError(f"g_del={g_del} is outside the safe range for this buffer (on-policy it "
+                                         f"is fixed at 1/M).")
+            with self._mu:
+                self.g_del = int(g_del)
+                chunk = self.g_del
+                if self._max_prio_stale is None:
+                    self.max_priority_staleness = chunk
+                if self.prioritized:
+                    chunk = max(1, min(chunk, self.max_priority_staleness + 1))
+                self._chunk = chunk
+
     @property
     def priority_staleness(self) -> int:
         """How many ``update_priorities`` calls a delivered batch's draw may precede (0: none)."""

@@ -1,0 +1,364 @@
+"""Automatic scheduling: granularities and overlap chosen from the running job's telemetry.
+
+``Automatic()`` needs nothing but the buffer: on/off-policy and M come from its
+semantics, and the caps are optional. It runs in three phases:
+
+1. **probe** -- sequentially, the first deliveries (and ingestion writes) cycle through
+   a few granularities of the safe range (1, 2, 4, 8, ...). Each call is recorded by the
+   EDP's telemetry as usual; real batches are delivered throughout.
+2. **fit** -- the latency model (per-call overhead + per-byte cost + chunk-management
+   cost, :mod:`conduit.scheduling.model`) is fitted to those calls; the caller's own time
+   between calls (the learner's update, the actor's rollout) is read from the same
+   telemetry. The model predicts the cost per batch of every granularity in the range,
+   sequential and overlapped, and picks the cheapest (the smaller on ties).
+3. **confirm** (only when ``overlap`` is left to it) -- a few deliveries run at the
+   chosen sequential configuration and a few at the chosen overlapped one; the one with
+   the shorter cycle per delivery (experience path plus everything else the caller did)
+   is kept. This catches what the model cannot see, e.g. a machine with no spare core.
+
+After that the job runs on an :class:`~conduit.scheduling.Overlapped` scheduler with the
+chosen settings; :attr:`Automatic.decision` says what was measured and why.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from conduit.batch import ExperienceBatch
+from conduit.scheduling.base import Scheduler
+from conduit.scheduling.granularity import GranularityRange, ranges_for
+from conduit.scheduling.model import (
+    LatencyFit,
+    choose_granularity,
+    exposed_per_unit,
+    fit_latency,
+    observations,
+    per_unit,
+)
+from conduit.scheduling.overlapped import Overlapped
+from conduit.semantics.base import SampleInfo
+from conduit.semantics.onpolicy import OnPolicy
+from conduit.telemetry import CallRecord
+
+if TYPE_CHECKING:
+    from conduit.edp import ExperienceDataPlane
+
+__all__ = ["Automatic", "Decision"]
+
+#: the caller-side cost assumed for one overlapped call (queueing, waking the worker, accounting) in
+#: the model's predictions; the confirm phase measures the real cycle, hand-over included (seconds)
+HANDOVER_S = 30e-6
+
+
+@dataclass
+class Decision:
+    """What :class:`Automatic` measured, predicted and chose."""
+
+    range: GranularityRange
+    g_ing: float
+    g_del: float
+    overlap: bool
+    deliver_fit: LatencyFit | None = None
+    ingest_fit: LatencyFit | None = None
+    #: bytes per delivered batch / per ingested rollout during calibration
+    batch_bytes: float = 0.0
+    rollout_bytes: float = 0.0
+    #: the caller's median time between deliveries / between ingestions (what overlap can hide behind)
+    deliver_gap_s: float = 0.0
+    ingest_gap_s: float = 0.0
+    #: predicted seconds per batch (delivery) and per rollout (ingestion), per granularity
+    deliver_sequential: dict[float, float] = field(default_factory=dict)
+    deliver_overlapped: dict[float, float] = field(default_factory=dict)
+    ingest_sequential: dict[float, float] = field(default_factory=dict)
+    ingest_overlapped: dict[float, float] = field(default_factory=dict)
+    #: measured cycle per delivery in the confirm phase: {"sequential": s, "overlapped": s}
+    confirmed: dict[str, float] = field(default_factory=dict)
+    reason: str = ""
+
+    def explain(self) -> str:
+        def row(name: str, costs: dict[float, float]) -> str:
+            return f"  {name:22}" + "".join(f"  g={g:g}: {c * 1e3:.3f} ms" for g, c in sorted(costs.items()))
+        lines = [f"safe ranges: {self.range.describe()}",
+                 f"chosen: g_ing={self.g_ing:g}, g_del={self.g_del:g}, overlap={'on' if self.overlap else 'off'} "
+                 f"({self.reason})"]
+        if self.deliver_fit is not None:
+            lines += [f"delivery model: {self.deliver_fit.describe()}; batch {self.batch_bytes / 2**20:.2f} MiB, "
+                      f"learner time between deliveries {self.deliver_gap_s * 1e3:.3f} ms",
+                      row("deliver, sequential", self.deliver_sequential),
+                      row("deliver, overlapped", self.deliver_overlapped)]
+        if self.ingest_fit is not None:
+            lines += [f"ingestion model: {self.ingest_fit.describe()}; rollout {self.rollout_bytes / 2**20:.2f} MiB, "
+                      f"time between ingestions {self.ingest_gap_s * 1e3:.3f} ms",
+                      row("ingest, sequential", self.ingest_sequential),
+                      row("ingest, overlapped", self.ingest_overlapped)]
+        if self.confirmed:
+            lines.append("confirmed by measurement, cycle per delivery: "
+                         + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.confirmed.items()))
+        return "\n".join(lines)
+
+
+def _probe_values(values: tuple[float, ...]) -> list[float]:
+    """1, 2, 4, ... within the range, plus its top (off-policy); every value on-policy (M is small)."""
+    if not values:
+        return []
+    if values[0] < 1:  # on-policy fractions
+        return [values[0], values[-1]] if len(values) > 1 else [values[0]]
+    out = [v for v in values if v >= 1 and (int(v) & (int(v) - 1)) == 0]
+    if values[-1] not in out:
+        out.append(values[-1])
+    return out
+
+
+class Automatic(Scheduler):
+    """Chooses ``g_ing``, ``g_del`` and overlap for this job, from this job's telemetry.
+
+    Keyword Args:
+        overlap: force overlap on or off; ``None`` (default) lets the measurement decide.
+        g_ing_max: cap on rollouts per ingestion write (off-policy; bounds ingestion lag).
+        g_del_max: cap on batches per delivery call (off-policy; bounds priority staleness).
+        memory_budget: bytes the delivery buffers may take (caps ``g_del``).
+        probe_rounds: how many chunks of each probed granularity to time.
+        confirm_deliveries: deliveries per configuration in the confirm phase.
+        output_depth: deliveries a delivered batch stays valid for.
+        queue_depth: ingestion queue bound (backpressure) once overlapped.
+
+    Examples:
+        >>> import torch
+        >>> from conduit import Automatic, ExperienceDataPlane, ExperienceSchema, Field
+        >>> edp = ExperienceDataPlane(ExperienceSchema(obs=Field((8,))), capacity=4096, scheduler=Automatic())
+        >>> for _ in range(8):
+        ...     edp.ingest({"obs": torch.randn(256, 8)})
+        >>> for _ in range(80):
+        ...     batch, info = edp.deliver(64)
+        >>> edp.scheduler.decision is not None
+        True
+        >>> edp.close()
+    """
+
+    def __init__(self, *, overlap: bool | None = None, g_ing_max: int = 8, g_del_max: int = 8,
+                 memory_budget: int | None = 1 << 30, probe_rounds: int = 2, confirm_deliveries: int = 12,
+                 output_depth: int = 2, queue_depth: int = 8) -> None:
+        self.force_overlap = overlap
+        self.g_ing_max = g_ing_max
+        self.g_del_max = g_del_max
+        self.memory_budget = memory_budget
+        self.probe_rounds = max(1, int(probe_rounds))
+        self.confirm_deliveries = max(1, int(confirm_deliveries))
+        self.output_depth = output_depth
+        self.queue_depth = queue_depth
+        #: set once calibration is over
+        self.decision: Decision | None = None
+
+    # -- set-up ----------------------------------------------------------------------------
+    def attach(self, edp: ExperienceDataPlane) -> None:
+        super().attach(edp)
+        self.on_policy = isinstance(edp.semantics, OnPolicy)
+        self.range = ranges_for(edp.semantics, g_ing_max=self.g_ing_max, g_del_max=self.g_del_max)
+        self._ing_plan = _probe_values(self.range.g_ing) * self.probe_rounds
+        self._del_plan: list[float] | None = None  # set at the first delivery, when the batch size is known
+        self._ing_seen = 0
+        self._del_left = 0
+        self._phase = "probe"
+        self._confirm: list[tuple[str, Overlapped]] = []
+        self._confirm_start = 0.0
+        self._confirm_left = 0
+        self._since = time.perf_counter()
+        self.inner = self._make(self._ing_plan[0] if self._ing_plan else 1, 1, overlap=False)
+
+    def _make(self, g_ing: float, g_del: float, *, overlap: bool) -> Overlapped:
+        s = Overlapped(g_ing=g_ing, g_del=g_del, overlap=overlap, output_depth=self.output_depth,
+                       queue_depth=self.queue_depth)
+        s.attach(self.edp)
+        return s
+
+    def _switch(self, new: Overlapped) -> None:
+        old, self.inner = self.inner, new
+        old.close()
+
+    @property
+    def g_ing(self) -> float:  # type: ignore[override]
+        return self.inner.g_ing
+
+    @property
+    def g_del(self) -> float:  # type: ignore[override]
+        return self.inner.g_del
+
+    @property
+    def priority_staleness(self) -> int:
+        return self.inner.priority_staleness if self.decision is not None else max(
+            (int(g) for g in (self._del_plan or [1])), default=1)
+
+    def __repr__(self) -> str:
+        return f"Automatic(phase={self._phase}, inner={self.inner!r})"
+
+    # -- the scheduler role ------------------------------------------------------------------
+    def ingest(self, batch: ExperienceBatch, *, version: int | None,
+               priorities: torch.Tensor | None) -> torch.Tensor | None:
+        out = self.inner.ingest(batch, version=version, priorities=priorities)
+        if self._phase == "probe" and self._ing_plan and not self.on_policy:
+            self._ing_seen += 1
+            if self._ing_seen >= self._ing_plan[0] and not self.inner.pending():
+                self._ing_plan.pop(0)
+                self._ing_seen = 0
+                if self._ing_plan:
+                    self.inner.retune(g_ing=self._ing_plan[0])
+        return out
+
+    def flush(self) -> None:
+        self.inner.flush()
+        if self._phase == "probe" and self.on_policy and self._ing_plan:  # seal flushes: one rollout per value
+            self._ing_plan.pop(0)
+            if self._ing_plan:
+                self.inner.retune(g_ing=self._ing_plan[0])
+
+    def deliver(self, n: int | None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
+        if self._phase == "probe" and self._del_plan is None:
+            self._start_delivery_probe(n)
+        out = self.inner.deliver(n, **kwargs)
+        if self._phase == "probe":
+            self._del_left -= 1
+            if self._del_left <= 0:
+                assert self._del_plan is not None
+                if self._del_plan:
+                    self._del_plan.pop(0)
+                if self._del_plan:
+                    if not self.on_policy:
+                        self.inner.retune(g_del=self._del_plan[0])
+                    self._del_left = int(self._del_plan[0])
+                else:
+                    self._decide()
+        elif self._phase == "confirm":
+            self._confirm_left -= 1
+            if self._confirm_left <= 0:
+                self._next_confirm()
+        return out
+
+    def invalidate(self, reason: str = "contents") -> None:
+        self.inner.invalidate(reason)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def pending(self) -> list[Any]:
+        return self.inner.pending()
+
+    # -- calibration ---------------------------------------------------------------------------
+    def _start_delivery_probe(self, n: int | None) -> None:
+        if self.on_policy:
+            self._del_plan = [1.0] * (2 * self.probe_rounds)  # g_del is fixed; time a few deliveries
+        else:
+            item = _item_bytes(self.edp)
+            rng = ranges_for(self.edp.semantics, g_ing_max=self.g_ing_max, g_del_max=self.g_del_max,
+                             batch_bytes=int(item * (n or 1)), memory_budget=self.memory_budget,
+                             output_depth=self.output_depth)
+            self.range = GranularityRange(False, self.range.g_ing, rng.g_del)
+            self._del_plan = _probe_values(self.range.g_del) * self.probe_rounds
+            self.inner.retune(g_del=self._del_plan[0])
+        self._del_left = int(self._del_plan[0])
+
+    def _records(self) -> list[CallRecord]:
+        return self.edp.telemetry.since(self._since)
+
+    def _decide(self) -> None:
+        recs = self._records()
+        d_obs = observations(recs, "deliver")
+        i_obs = observations(recs, "ingest")
+        dfit = fit_latency(d_obs) if d_obs else None
+        ifit = fit_latency(i_obs) if len({(b, s) for b, _, s in i_obs}) >= 2 else None
+        waits = [r for r in recs if r.kind == "deliver_wait"]
+        ing = [r for r in recs if r.kind == "ingest_wait"]
+        batch_bytes = _bytes_per_call(recs, "deliver", waits)
+        rollout_bytes = _bytes_per_call(recs, "ingest", ing)
+        d = Decision(self.range, 1, self.range.g_del[0], False, dfit, ifit, batch_bytes, rollout_bytes,
+                     _median_gap(waits), _median_gap(ing))
+        prioritized = getattr(getattr(self.edp.semantics, "sampler", None), "prioritized", False)
+        if dfit is not None and not self.on_policy:
+            for g in self.range.g_del:
+                d.deliver_sequential[g] = per_unit(dfit, g, batch_bytes)
+                d.deliver_overlapped[g] = exposed_per_unit(dfit, g, batch_bytes, gap_s=d.deliver_gap_s,
+                                                           handover_s=HANDOVER_S,
+                                                           window_units=1 if prioritized else None)
+        if ifit is not None:
+            for g in self.range.g_ing:
+                staged = not self.on_policy and g > 1
+                d.ingest_sequential[g] = per_unit(ifit, g, rollout_bytes, staged=staged)
+                d.ingest_overlapped[g] = exposed_per_unit(ifit, g, rollout_bytes, gap_s=d.ingest_gap_s,
+                                                          handover_s=HANDOVER_S, staged=staged)
+        gd_seq = choose_granularity(d.deliver_sequential) if d.deliver_sequential else self.range.g_del[0]
+        gd_ovl = choose_granularity(d.deliver_overlapped) if d.deliver_overlapped else self.range.g_del[0]
+        gi_seq = choose_granularity(d.ingest_sequential) if d.ingest_sequential else self.range.g_ing[0]
+        gi_ovl = choose_granularity(d.ingest_overlapped) if d.ingest_overlapped else self.range.g_ing[0]
+        if self.on_policy and not d.ingest_sequential:
+            gi_seq = gi_ovl = self.range.g_ing[0]
+        self.decision = d
+        self._choices = {False: (gi_seq, gd_seq), True: (gi_ovl, gd_ovl)}
+        if self.force_overlap is not None:
+            self._finish(self.force_overlap, "overlap fixed by the caller; granularity from the model")
+            return
+        self._phase = "confirm"
+        self._confirm = [("sequential", self._make(gi_seq, gd_seq, overlap=False)),
+                         ("overlapped", self._make(gi_ovl, gd_ovl, overlap=True))]
+        self._next_confirm()
+
+    def _next_confirm(self) -> None:
+        now = time.perf_counter()
+        assert self.decision is not None
+        if self._confirm_start:
+            self.decision.confirmed[self._confirm_name] = (now - self._confirm_start) / self.confirm_deliveries
+        if not self._confirm:
+            c = self.decision.confirmed
+            on = c.get("overlapped", float("inf")) < c.get("sequential", float("inf"))
+            self._finish(on, "shorter measured cycle per delivery " + ("with" if on else "without") + " overlap")
+            return
+        self._confirm_name, sched = self._confirm.pop(0)
+        self._switch(sched)
+        self._confirm_left = self.confirm_deliveries
+        self._confirm_start = time.perf_counter()
+
+    def _finish(self, overlap: bool, reason: str) -> None:
+        assert self.decision is not None
+        gi, gd = self._choices[overlap]
+        self.decision.g_ing, self.decision.g_del, self.decision.overlap = gi, gd, overlap
+        self.decision.reason = reason
+        if self.on_policy:
+            self.decision.g_del = self.range.g_del[0]
+        cur = self.inner
+        if cur.overlap == overlap and cur.g_ing == gi and (self.on_policy or cur.g_del == gd):
+            pass  # the confirm phase already runs the chosen configuration
+        else:
+            self._switch(self._make(gi, gd if not self.on_policy else 1, overlap=overlap))
+        for _, s in self._confirm:
+            s.close()
+        self._confirm = []
+        self._phase = "run"
+
+
+def _item_bytes(edp: ExperienceDataPlane) -> int:
+    """Bytes of one item's fixed fields (ragged fields are not in the delivery buffers)."""
+    total = 0
+    for name in edp.schema.fixed:
+        f = edp.schema[name]
+        total += f.item_numel * torch.empty((), dtype=f.dtype).element_size()
+    return total
+
+
+def _median_gap(recs: list[CallRecord]) -> float:
+    """Median time between the end of one call and the start of the next on the same thread."""
+    by_thread: dict[int, list[CallRecord]] = {}
+    for r in recs:
+        by_thread.setdefault(r.thread, []).append(r)
+    gaps = [b.start - a.end for rs in by_thread.values() for a, b in zip(rs, rs[1:], strict=False)]
+    gaps = [g for g in gaps if g >= 0]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def _bytes_per_call(recs: list[CallRecord], work: str, calls: list[CallRecord]) -> float:
+    """Bytes one caller-side call moves: bytes per item of the ``work`` records times items per call."""
+    per_item = [r.nbytes / r.items for r in recs if r.kind == work and r.items]
+    items = [r.items for r in calls]
+    return statistics.median(per_item) * statistics.median(items) if per_item and items else 0.0

@@ -1,0 +1,100 @@
+"""Safe granularity ranges, derived from what the framework already states.
+
+The framework tells Conduit two things: whether the algorithm is on- or off-policy, and
+(on-policy) M, the number of minibatch updates one rollout feeds. From those alone:
+
+* **off-policy**: ``g_ing`` in ``1 .. g_ing_max`` rollouts per ingestion call (batching
+  rollouts delays when the newest become drawable by at most ``g_ing - 1`` rollouts), and
+  ``g_del`` in ``1 .. g_del_max`` batches per delivery call, prepared ahead (a prioritized
+  draw may then miss up to ``g_del`` priority updates, and ``g_del`` batches of output
+  buffers are kept per chunk);
+* **on-policy**: ``g_ing`` in ``{1/M, 2/M, ..., 1}`` of a rollout per ingestion call
+  (pipelining parts of one rollout, never mixing rollouts), and ``g_del = 1/M``: one
+  minibatch per delivery call, so freshness is checked minibatch by minibatch.
+
+The caps are the user's only knobs: ``g_ing_max`` bounds ingestion lag, ``g_del_max``
+bounds priority staleness, and ``memory_budget`` bounds the delivery buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from conduit.errors import ConfigurationError
+from conduit.scheduling.buffers import buffers_needed
+from conduit.semantics.base import Semantics
+from conduit.semantics.onpolicy import OnPolicy
+
+__all__ = ["GranularityRange", "safe_ranges"]
+
+
+@dataclass(frozen=True)
+class GranularityRange:
+    """The granularities a job may use without leaving its semantics."""
+
+    on_policy: bool
+    #: candidate ingestion granularities (rollouts, or fractions of a rollout on-policy)
+    g_ing: tuple[float, ...]
+    #: candidate delivery granularities (batches per call, or ``1/M`` on-policy)
+    g_del: tuple[float, ...]
+    #: M, minibatches per rollout (on-policy; None off-policy or when only a minibatch size is known)
+    num_minibatches: int | None = None
+
+    def describe(self) -> str:
+        def fmt(v: float) -> str:
+            f = Fraction(v).limit_denominator(1024)
+            return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
+        kind = f"on-policy (M={self.num_minibatches})" if self.on_policy else "off-policy"
+        return (f"{kind}: g_ing in {{{', '.join(fmt(g) for g in self.g_ing)}}}, "
+                f"g_del in {{{', '.join(fmt(g) for g in self.g_del)}}}")
+
+
+def safe_ranges(*, on_policy: bool, num_minibatches: int | None = None, g_ing_max: int = 8, g_del_max: int = 8,
+                batch_bytes: int | None = None, memory_budget: int | None = None,
+                output_depth: int = 2) -> GranularityRange:
+    """The safe ranges for a job described only by on/off-policy and M.
+
+    Keyword Args:
+        on_policy: the algorithm's kind.
+        num_minibatches: M (on-policy). Without it only whole rollouts are ingested.
+        g_ing_max: cap on rollouts per ingestion call (off-policy).
+        g_del_max: cap on batches per delivery call (off-policy).
+        batch_bytes: bytes of one delivered batch; with ``memory_budget``, caps ``g_del``
+            so the delivery buffers (``buffers_needed`` chunks of ``g_del`` batches) fit.
+        memory_budget: bytes the delivery buffers may take.
+        output_depth: deliveries a delivered batch stays valid for.
+
+    Examples:
+        >>> safe_ranges(on_policy=False, g_ing_max=4, g_del_max=4).describe()
+        'off-policy: g_ing in {1, 2, 3, 4}, g_del in {1, 2, 3, 4}'
+        >>> safe_ranges(on_policy=True, num_minibatches=4).describe()
+        'on-policy (M=4): g_ing in {1/4, 1/2, 3/4, 1}, g_del in {1/4}'
+    """
+    for name, v in (("g_ing_max", g_ing_max), ("g_del_max", g_del_max)):
+        if not isinstance(v, int) or v < 1:
+            raise ConfigurationError(f"{name} must be an int >= 1, got {v!r}.")
+    if on_policy:
+        if num_minibatches is not None and (not isinstance(num_minibatches, int) or num_minibatches < 1):
+            raise ConfigurationError(f"num_minibatches (M) must be a positive int, got {num_minibatches!r}.")
+        m = num_minibatches or 1
+        return GranularityRange(True, tuple(k / m for k in range(1, m + 1)), (1 / m,), num_minibatches)
+    top = g_del_max
+    if memory_budget is not None and batch_bytes:
+        fits = [g for g in range(1, g_del_max + 1)
+                if buffers_needed(g, output_depth) * g * batch_bytes <= memory_budget]
+        if not fits:
+            raise ConfigurationError(
+                f"Even one batch per delivery call needs {buffers_needed(1, output_depth) * batch_bytes / 2**20:.0f} "
+                f"MiB of delivery buffers, over memory_budget={memory_budget / 2**20:.0f} MiB; raise the budget "
+                f"or deliver smaller batches.")
+        top = max(fits)
+    return GranularityRange(False, tuple(float(g) for g in range(1, g_ing_max + 1)),
+                            tuple(float(g) for g in range(1, top + 1)))
+
+
+def ranges_for(semantics: Semantics, **caps: int | None) -> GranularityRange:
+    """:func:`safe_ranges` for a buffer's semantics (on-policy M is read from it)."""
+    if isinstance(semantics, OnPolicy):
+        return safe_ranges(on_policy=True, num_minibatches=semantics.num_minibatches, **caps)  # type: ignore[arg-type]
+    return safe_ranges(on_policy=False, **caps)  # type: ignore[arg-type]
