@@ -1,0 +1,367 @@
+"""A driver that reproduces SRL's call pattern around a buffer, with real threads and ZMQ sockets.
+
+Written from how SRL's workers use their streams and buffers (not from their code):
+
+* **actors** build ``[T, ...]`` samples, ``post`` each to a sample producer and ``flush`` the
+  producer once per poll (SRL flushes every producer on every actor poll);
+* the **trainer's main thread** calls ``consumer.consume_to(buffer, max_iter=...)`` in a loop;
+* the trainer's **training thread** loops ``if not buffer.empty(): entry = buffer.get()`` (else a
+  5 ms sleep), reads ``entry.sample.min_of("policy_version_steps")`` for staleness,
+  ``length(0) * length(1)`` for the sample count and ``entry.reuses``, sends priorities back
+  for prioritized buffers, and advances the learner's version once per step;
+* a **buffer worker** loop consumes into its own buffer, takes ``get().sample`` and re-posts it
+  unpacked along the batch axis (``sample[:, i]``) to the next stream.
+
+The transport mirrors SRL's IP sample stream: ZMQ PUSH/PULL over TCP, pickled samples, consumer
+bound to a free port on 127.0.0.1. Each socket is used by one thread at a time and closed after
+its last use, every loop is bounded (a timeout raises), every thread is joined.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from conduit_srl.testing.records import make_sample
+
+__all__ = ["NothingToConsume", "ZmqSampleProducer", "ZmqSampleConsumer", "Delivery", "DriverReport", "SrlDriver",
+           "run_buffer_worker", "LOCALHOST"]
+
+LOCALHOST = "127.0.0.1"
+
+
+class NothingToConsume(Exception):
+    """``consume()`` found nothing (SRL's consumers raise an exception of this name)."""
+
+
+def _zmq() -> Any:
+    import zmq  # the 'testing' extra
+
+    return zmq
+
+
+class ZmqSampleProducer:
+    """An IP sample producer: ``post`` caches under a lock (thread-safe), ``flush`` sends (one flushing thread).
+
+    Unlike SRL's, it waits up to ``send_timeout_ms`` for a slow consumer instead of dropping at once;
+    whatever it still cannot send is counted in :attr:`dropped`.
+    """
+
+    def __init__(self, address: str, *, hwm: int = 1000, send_timeout_ms: int = 10_000) -> None:
+        zmq = _zmq()
+        self._zmq = zmq
+        self._socket = zmq.Context.instance().socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, hwm)
+        self._socket.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
+        self._socket.setsockopt(zmq.LINGER, 5_000)
+        self._socket.connect(f"tcp://{address}")
+        self._lock = threading.Lock()
+        self._pending: list[Any] = []
+        self.sent = 0
+        self.dropped = 0
+
+    def post(self, sample: Any) -> None:
+        with self._lock:
+            self._pending.append(sample)
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for sample in pending:
+            try:
+                self._socket.send(pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+                self.sent += 1
+            except self._zmq.Again:
+                self.dropped += 1
+
+    def close(self) -> None:
+        self.flush()
+        self._socket.close()
+
+
+class ZmqSampleConsumer:
+    """An IP sample consumer bound to a free port on 127.0.0.1; ``consume_to`` never blocks."""
+
+    def __init__(self, host: str = LOCALHOST, *, hwm: int = 1000) -> None:
+        zmq = _zmq()
+        self._zmq = zmq
+        self._socket = zmq.Context.instance().socket(zmq.PULL)
+        self._socket.setsockopt(zmq.RCVHWM, hwm)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"{host}:{port}"
+        self.received = 0
+
+    def consume_to(self, buffer: Any, max_iter: int = 16) -> int:
+        count = 0
+        for _ in range(max_iter):
+            try:
+                data = self._socket.recv(self._zmq.NOBLOCK, copy=False)
+            except self._zmq.Again:
+                break
+            buffer.put(pickle.loads(data.buffer))
+            count += 1
+        self.received += count
+        return count
+
+    def consume(self) -> Any:
+        try:
+            data = self._socket.recv(self._zmq.NOBLOCK, copy=False)
+        except self._zmq.Again:
+            raise NothingToConsume() from None
+        self.received += 1
+        return pickle.loads(data.buffer)
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+@dataclass
+class Delivery:
+    """What the training thread saw in one entry."""
+
+    ids: np.ndarray  # the sample ids of the batch (time step 0), in batch order
+    reuses: float
+    staleness: float  # learner version - smallest policy version in the entry
+    samples: int  # length(0) * length(1)
+    time_steps: int
+    get_seconds: float
+
+
+@dataclass
+class DriverReport:
+    """The outcome of one run."""
+
+    deliveries: list[Delivery] = field(default_factory=list)
+    sent: int = 0
+    received: int = 0
+    dropped: int = 0
+    seconds: float = 0.0
+    #: ids of every posted sample
+    posted: list[int] = field(default_factory=list)
+
+    @property
+    def delivered_ids(self) -> np.ndarray:
+        return np.concatenate([d.ids for d in self.deliveries]) if self.deliveries else np.empty(0, np.int64)
+
+    @property
+    def get_latencies(self) -> np.ndarray:
+        return np.array([d.get_seconds for d in self.deliveries])
+
+
+class SrlDriver:
+    """Actors -> ZMQ -> a trainer (main thread ``consume_to``, training thread ``empty``/``get``) around ``buffer``.
+
+    Args:
+        buffer: the trainer's buffer (a Conduit buffer, or any object with SRL's buffer calls).
+
+    Keyword Args:
+        actors: actor threads, each with its own producer socket.
+        samples_per_actor: samples each actor posts (ids ``actor * samples_per_actor + i``).
+        per_poll: samples an actor posts between flushes.
+        time_steps, dim: sample shape (``[T, ...]``, observation width ``dim``).
+        max_steps: training steps before the training thread stops (None: until the buffer
+            runs dry after every sample arrived).
+        step_seconds: simulated duration of one training step (the learner's update).
+        priorities: prioritized buffers: ``priorities(entry) -> array`` sent with ``update_priorities``.
+        max_iter: ``consume_to``'s ``max_iter`` (SRL's trainer uses 1024, its buffer worker 64).
+        make_sample_fn: ``(ids, version) -> sample``; default :func:`make_sample`.
+    """
+
+    def __init__(self, buffer: Any, *, actors: int = 2, samples_per_actor: int = 32, per_poll: int = 4,
+                 time_steps: int = 4, dim: int = 3, max_steps: int | None = None, step_seconds: float = 0.0,
+                 priorities: Callable[[Any], np.ndarray] | None = None, max_iter: int = 1024,
+                 make_sample_fn: Callable[[int, int], Any] | None = None) -> None:
+        self.buffer = buffer
+        self.actors = actors
+        self.samples_per_actor = samples_per_actor
+        self.per_poll = per_poll
+        self.max_steps = max_steps
+        self.step_seconds = step_seconds
+        self.priorities = priorities
+        self.max_iter = max_iter
+        self.make = make_sample_fn or (lambda i, v: make_sample([i], time_steps=time_steps, dim=dim, version=v))
+        self.version = 0  # the learner's policy version (actors read it, the training thread advances it)
+
+    def run(self, timeout_s: float = 60.0) -> DriverReport:
+        """Run actors, the training thread and the consuming loop until done; everything is joined."""
+        report = DriverReport()
+        consumer = ZmqSampleConsumer()
+        stop = threading.Event()
+        arrived = threading.Event()
+        errors: list[BaseException] = []
+        producers: list[ZmqSampleProducer] = []
+        lock = threading.Lock()
+
+        def actor(a: int) -> None:
+            try:
+                producer = ZmqSampleProducer(consumer.address)
+                with lock:
+                    producers.append(producer)
+                ids = range(a * self.samples_per_actor, (a + 1) * self.samples_per_actor)
+                try:
+                    for start in range(0, len(ids), self.per_poll):
+                        if stop.is_set():
+                            return
+                        for i in ids[start:start + self.per_poll]:
+                            producer.post(self.make(i, self.version))
+                            with lock:
+                                report.posted.append(i)
+                        producer.flush()
+                finally:
+                    producer.close()
+            except BaseException as e:  # noqa: BLE001 - reported by run()
+                errors.append(e)
+
+        def training() -> None:
+            try:
+                steps = 0
+                while not stop.is_set():
+                    if self.max_steps is not None and steps >= self.max_steps:
+                        return
+                    if self.buffer.empty():
+                        if arrived.is_set() and self.max_steps is None:
+                            return  # everything arrived and nothing is left to deliver
+                        time.sleep(0.005)
+                        continue
+                    t0 = time.perf_counter()
+                    entry = self.buffer.get()
+                    dt = time.perf_counter() - t0
+                    s = entry.sample
+                    version_min = s.min_of("policy_version_steps")
+                    report.deliveries.append(Delivery(
+                        ids=np.asarray(s.id)[0].copy(), reuses=float(entry.reuses),
+                        staleness=float(self.version - version_min), samples=s.length(0) * s.length(1),
+                        time_steps=s.length(0), get_seconds=dt))
+                    if self.step_seconds:
+                        time.sleep(self.step_seconds)
+                    if self.priorities is not None:
+                        self.buffer.update_priorities(entry.sampling_indices, self.priorities(entry))
+                    self.version += 1
+                    steps += 1
+            except BaseException as e:  # noqa: BLE001 - reported by run()
+                errors.append(e)
+
+        expected = self.actors * self.samples_per_actor
+        threads = [threading.Thread(target=actor, args=(a,), name=f"actor-{a}") for a in range(self.actors)]
+        trainer = threading.Thread(target=training, name="training-thread")
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
+        try:
+            trainer.start()
+            for t in threads:
+                t.start()
+            while report.received < expected and not errors:  # the trainer's main thread
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"only {report.received} of {expected} samples arrived in {timeout_s} s")
+                got = consumer.consume_to(self.buffer, max_iter=self.max_iter)
+                report.received += got
+                if not got:
+                    time.sleep(0.001)
+            arrived.set()
+            trainer.join(timeout=max(0.0, deadline - time.monotonic()))
+            if trainer.is_alive():
+                raise TimeoutError("the training thread did not finish in time")
+        finally:
+            stop.set()
+            arrived.set()
+            for t in threads:
+                t.join()
+            trainer.join()
+            consumer.close()
+        report.seconds = time.perf_counter() - t0
+        report.sent = sum(p.sent for p in producers)
+        report.dropped = sum(p.dropped for p in producers)
+        if errors:
+            raise errors[0]
+        return report
+
+
+def run_buffer_worker(upstream: Sequence[Any], buffer: Any, downstream_buffer: Any, *, max_iter: int = 64,
+                      timeout_s: float = 30.0) -> tuple[int, int]:
+    """SRL's buffer-worker pattern between two real streams.
+
+    ``upstream`` samples are posted by an actor thread to stream 1; the buffer worker (this
+    thread) loops ``consume_to(buffer, max_iter)`` then, while the buffer is not empty, takes
+    ``get().sample`` (``[T, B, ...]``) and posts ``sample[:, i]`` for each ``i`` to stream 2,
+    flushing after each; a trainer thread consumes stream 2 into ``downstream_buffer``.
+
+    Returns:
+        (samples the buffer worker re-posted, samples that reached ``downstream_buffer``).
+    """
+    stream1 = ZmqSampleConsumer()
+    stream2 = ZmqSampleConsumer()
+    errors: list[BaseException] = []
+    done = threading.Event()
+    reached = [0]
+
+    def actor() -> None:
+        try:
+            p = ZmqSampleProducer(stream1.address)
+            try:
+                for s in upstream:
+                    p.post(s)
+                    p.flush()
+            finally:
+                p.close()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def trainer() -> None:
+        try:
+            while not done.is_set() or reached[0] < reposted:
+                got = stream2.consume_to(downstream_buffer, max_iter=1024)
+                reached[0] += got
+                if not got:
+                    if done.is_set() and reached[0] >= reposted:
+                        break
+                    time.sleep(0.001)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    reposted = 0
+    expected = len(upstream)
+    a = threading.Thread(target=actor, name="actor")
+    t = threading.Thread(target=trainer, name="trainer")
+    deadline = time.monotonic() + timeout_s
+    try:
+        a.start()
+        t.start()
+        out = ZmqSampleProducer(stream2.address)
+        try:
+            consumed = 0
+            while not errors:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"buffer worker re-posted {reposted} of {expected} samples in {timeout_s} s")
+                consumed += stream1.consume_to(buffer, max_iter=max_iter)
+                moved = False
+                while not buffer.empty():
+                    sample = buffer.get().sample
+                    for i in range(sample.length(1)):
+                        out.post(sample[:, i])
+                        reposted += 1
+                    out.flush()
+                    moved = True
+                if consumed >= expected and buffer.empty():
+                    break
+                if not moved:
+                    time.sleep(0.001)
+        finally:
+            out.close()
+        done.set()
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        done.set()
+        a.join()
+        t.join()
+        stream1.close()
+        stream2.close()
+    if errors:
+        raise errors[0]
+    return reposted, reached[0]
