@@ -1,67 +1,234 @@
-"""The synthetic actor/learner loop: experience through the EDP, and where the time went."""
+"""The synthetic actor/learner loop: experience through the EDP, and where the time went.
+
+One iteration: the actor runs its policy to produce a rollout of transitions (``rollout``
+span), ingests it, and the learner takes ``updates`` batches, each followed by a real
+update step of a small MLP Q-network (``update`` span). The scheduler decides when the
+experience path runs: synchronously, sequentially at a granularity, overlapped behind the
+rollout and the updates, or chosen automatically. Every iteration is accounted for
+(:mod:`conduit.exposure`): experience-path time in total, the part hidden behind rollout
+and update, the part exposed on the critical path. The spans are written as a Chrome trace.
+
+``conduit demo --synthetic`` runs it; the benchmarks and the configuration sweep reuse
+:func:`run_loop`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from conduit.edp import ExperienceDataPlane
+from conduit.exposure import ExposureLog, IterationExposure
+from conduit.placement.base import HostPlacement, Placement
+from conduit.scheduling import Automatic, Overlapped, Scheduler, Synchronous
 from conduit.schema import ExperienceSchema, Field
 from conduit.semantics import Replay
 
-__all__ = ["run_synthetic"]
+__all__ = ["run_synthetic", "run_loop", "LoopResult", "make_scheduler", "SCHEDULERS"]
+
+#: ``--scheduler`` choices
+SCHEDULERS = ("sync", "sequential", "overlapped", "auto")
+
+
+def transition_schema(d: int) -> ExperienceSchema:
+    """The synthetic transition: ``obs`` and ``next_obs`` of ``d`` floats, action, reward, done."""
+    return ExperienceSchema(obs=Field((d,)), next_obs=Field((d,)), action=Field((), torch.int64),
+                            reward=Field(()), done=Field((), torch.bool))
+
+
+def make_scheduler(kind: str, *, g_ing: int = 1, g_del: int = 1) -> Scheduler:
+    """``sync``: Synchronous; ``sequential``: granularity only; ``overlapped``: granularity + overlap;
+    ``auto``: :class:`~conduit.scheduling.Automatic` (granularity and overlap from telemetry)."""
+    if kind == "sync":
+        return Synchronous()
+    if kind == "sequential":
+        return Overlapped(g_ing=g_ing, g_del=g_del, overlap=False)
+    if kind == "overlapped":
+        return Overlapped(g_ing=g_ing, g_del=g_del, overlap=True)
+    if kind == "auto":
+        return Automatic()
+    raise ValueError(f"unknown scheduler {kind!r}; choose from {SCHEDULERS}")
+
+
+@dataclass
+class LoopResult:
+    """Per-iteration accounting of one run (after warm-up)."""
+
+    obs_dim: int
+    scheduler: str
+    placement: str
+    iterations: list[IterationExposure] = field(default_factory=list)
+    #: what the automatic scheduler decided (its ``explain()``), if it was used
+    decision: str = ""
+
+    def median(self, key: str) -> float:
+        return statistics.median(getattr(i, key) for i in self.iterations) if self.iterations else 0.0
+
+    def mean(self, key: str) -> float:
+        return statistics.fmean(getattr(i, key) for i in self.iterations) if self.iterations else 0.0
+
+
+class _Learner:
+    """A small MLP Q-network and one SGD step of a TD loss on a delivered batch."""
+
+    def __init__(self, d: int, hidden: int, actions: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(d, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, actions))
+        with torch.no_grad():
+            for p in self.net.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=1e-3)
+
+    def act(self, obs: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.net(obs).argmax(1)
+
+    def update(self, batch: object) -> float:
+        b = batch  # an ExperienceBatch; fixed fields are tensors
+        q = self.net(b["obs"]).gather(1, b["action"][:, None]).squeeze(1)  # type: ignore[index]
+        with torch.no_grad():
+            nxt = self.net(b["next_obs"]).max(1).values  # type: ignore[index]
+            target = b["reward"] + 0.99 * (~b["done"]).float() * nxt  # type: ignore[index, operator]
+        loss = torch.nn.functional.mse_loss(q, target)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        return float(loss.detach())
+
+
+def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Placement | None = None,
+             iterations: int = 10, warmup: int = 2, rollout: int = 256, batch: int = 512, updates: int = 4,
+             capacity: int = 8192, hidden: int = 64, actions: int = 4, seed: int = 0, trace: str | Path | None = None,
+             on_iteration: Callable[[int, IterationExposure], None] | None = None) -> LoopResult:
+    """Run the synthetic loop and account for every iteration after ``warmup``.
+
+    Keyword Args:
+        obs_dim: d, the observation size (transitions carry ``obs`` and ``next_obs``).
+        scheduler: how the experience path runs (default: synchronous).
+        placement: where the buffer lives (default: host memory).
+        iterations: accounted iterations.
+        warmup: iterations run first and not accounted (calibration, allocation).
+        rollout: transitions the actor produces per iteration.
+        batch: transitions per learner update.
+        updates: learner updates per iteration.
+        capacity: buffer capacity (it is filled to ``batch`` before the first iteration).
+        hidden: width of the MLP's hidden layer.
+        actions: size of the action space.
+        seed: seeds the buffer's sampler, the network and the synthetic environment.
+        trace: write a Chrome trace of the accounted iterations there.
+        on_iteration: called with (index, accounting) after each accounted iteration.
+    """
+    sched = scheduler if scheduler is not None else Synchronous()
+    plc = placement if placement is not None else HostPlacement()
+    edp = ExperienceDataPlane(transition_schema(obs_dim), capacity=capacity, semantics=Replay(seed=seed),
+                              placement=plc, scheduler=sched)
+    env = torch.Generator().manual_seed(seed + 1)
+    learner = _Learner(obs_dim, hidden, actions, seed)
+    tel = edp.telemetry
+    log = ExposureLog(tel)
+    result = LoopResult(obs_dim, repr(sched), plc.describe())
+
+    def make_rollout() -> dict[str, torch.Tensor]:
+        obs = torch.randn((rollout, obs_dim), generator=env)
+        act = learner.act(obs)
+        nxt = torch.randn((rollout, obs_dim), generator=env)
+        return {"obs": obs, "next_obs": nxt, "action": act, "reward": torch.randn((rollout,), generator=env),
+                "done": torch.rand((rollout,), generator=env) < 0.01}
+
+    try:
+        while len(edp) < batch:
+            edp.ingest(make_rollout())
+            edp.flush()
+        t_start = 0.0
+        for it in range(warmup + iterations):
+            if it == warmup:
+                t_start = time.perf_counter()
+            with log.iteration():
+                with tel.span("rollout", rollout):
+                    data = make_rollout()
+                edp.ingest(data)
+                for _ in range(updates):
+                    b, _info = edp.deliver(batch)
+                    with tel.span("update", batch):
+                        learner.update(b)
+            if it >= warmup:
+                result.iterations.append(log.iterations[-1])
+                if on_iteration is not None:
+                    on_iteration(it - warmup, log.iterations[-1])
+        if trace is not None:
+            tel.chrome_trace(trace, since=t_start)
+        decision = getattr(sched, "decision", None)
+        if decision is not None:
+            result.decision = decision.explain()
+        result.scheduler = repr(sched)
+    finally:
+        edp.close()
+    return result
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:9.2f}"
 
 
 def run_synthetic(argv: Sequence[str] | None = None) -> int:
-    """Run the loop and print per-iteration ingest, deliver, exposed and iteration time."""
-    p = argparse.ArgumentParser(prog="conduit demo --synthetic")
-    p.add_argument("--obs-dim", type=int, default=5000)
-    p.add_argument("--iterations", type=int, default=30)
+    """``conduit demo --synthetic``: run the loop, print per-iteration accounting, write a Chrome trace."""
+    p = argparse.ArgumentParser(prog="conduit demo --synthetic",
+                                description="Synthetic actor/learner loop through the EDP, with exposed-latency "
+                                            "accounting per iteration.")
+    p.add_argument("--obs-dim", type=int, default=5000, help="d: observation size (default 5000)")
+    p.add_argument("--iterations", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="iterations run before accounting starts")
     p.add_argument("--rollout", type=int, default=256, help="transitions per actor rollout")
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--updates", type=int, default=4, help="learner updates per iteration")
-    p.add_argument("--capacity", type=int, default=20_000)
+    p.add_argument("--capacity", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=64, help="MLP hidden width")
+    p.add_argument("--scheduler", choices=SCHEDULERS, default="overlapped")
+    p.add_argument("--g-ing", type=int, default=1, help="rollouts per ingestion call (sequential/overlapped)")
+    p.add_argument("--g-del", type=int, default=1, help="batches per delivery call (sequential/overlapped)")
+    p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the synchronous baseline and report the exposed-latency reduction")
+    p.add_argument("--trace", default="conduit-synthetic-trace.json", help="Chrome trace output ('' for none)")
     args = p.parse_args(list(argv or []))
     torch.manual_seed(0)
-    d = args.obs_dim
-    schema = ExperienceSchema(obs=Field((d,)), action=Field((), torch.int64), reward=Field(()),
-                              next_obs=Field((d,)), done=Field((), torch.bool))
-    edp = ExperienceDataPlane(schema, capacity=args.capacity, semantics=Replay(seed=0))
-    net = torch.nn.Sequential(torch.nn.Linear(d, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
-    rows = []
-    for _ in tqdm(range(args.iterations), desc=f"synthetic loop d={d}", unit="it"):
-        t_it = time.perf_counter()
-        t = time.perf_counter()
-        rollout = {"obs": torch.randn(args.rollout, d), "action": torch.randint(4, (args.rollout,)),
-                   "reward": torch.randn(args.rollout), "next_obs": torch.randn(args.rollout, d),
-                   "done": torch.zeros(args.rollout, dtype=torch.bool)}
-        t_roll = time.perf_counter() - t
-        t = time.perf_counter()
-        edp.ingest(rollout)
-        t_ing = time.perf_counter() - t
-        t_del = t_upd = 0.0
-        for _ in range(args.updates):
-            t = time.perf_counter()
-            batch, _info = edp.deliver(args.batch)
-            t_del += time.perf_counter() - t
-            t = time.perf_counter()
-            q = net(batch["obs"]).gather(1, batch["action"][:, None]).squeeze(1)
-            loss = torch.nn.functional.mse_loss(q, batch["reward"])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            t_upd += time.perf_counter() - t
-        rows.append((t_roll, t_ing, t_del, t_upd, time.perf_counter() - t_it))
-    n = len(rows)
-    mean = [sum(r[i] for r in rows) / n * 1e3 for i in range(5)]
-    exposed = mean[1] + mean[2]  # synchronous: the whole experience path is on the critical path
-    print(f"\nper iteration (ms), d={d}, batch={args.batch}, {args.updates} updates, synchronous scheduling")
-    print(f"  rollout {mean[0]:8.2f}   update {mean[3]:8.2f}")
-    print(f"  ingest  {mean[1]:8.2f}   deliver {mean[2]:8.2f}   exposed experience path {exposed:8.2f}")
-    print(f"  iteration {mean[4]:8.2f}   experience path share {exposed / mean[4]:.0%}")
+    common = dict(obs_dim=args.obs_dim, iterations=args.iterations, warmup=args.warmup, rollout=args.rollout,
+                  batch=args.batch, updates=args.updates, capacity=args.capacity, hidden=args.hidden)
+    print(f"synthetic loop: d={args.obs_dim}, rollout {args.rollout}, {args.updates} updates of batch {args.batch} "
+          f"per iteration, MLP hidden {args.hidden}, torch threads {torch.get_num_threads()}")
+    header = f"{'iter':>5}{'iteration':>10}{'rollout':>10}{'update':>10}{'exp.path':>10}{'hidden':>10}{'exposed':>10}"
+
+    def show(i: int, e: IterationExposure) -> None:
+        print(f"{i:5d}{_ms(e.iteration_s)}{_ms(e.rollout_s)}{_ms(e.update_s)}{_ms(e.total_s)}{_ms(e.hidden_s)}"
+              f"{_ms(e.exposed_s)}")
+
+    sched = make_scheduler(args.scheduler, g_ing=args.g_ing, g_del=args.g_del)
+    print(f"\nscheduler {sched!r} (ms per iteration)\n{header}")
+    res = run_loop(scheduler=sched, trace=args.trace or None, on_iteration=show, **common)  # type: ignore[arg-type]
+    _summary(res)
+    if res.decision:
+        print("\nautomatic configuration:\n" + res.decision)
+    if args.trace:
+        print(f"\nChrome trace of the accounted iterations: {args.trace} (open in chrome://tracing or Perfetto)")
+    if args.baseline and args.scheduler != "sync":
+        print("\nbaseline: synchronous scheduling of the same loop")
+        base = run_loop(scheduler=Synchronous(), **common)  # type: ignore[arg-type]
+        _summary(base)
+        e0, e1 = base.median("exposed_s"), res.median("exposed_s")
+        i0, i1 = base.median("iteration_s"), res.median("iteration_s")
+        if e0 > 0 and i0 > 0:
+            print(f"\nexposed experience-path latency {e1 * 1e3:.2f} ms vs {e0 * 1e3:.2f} ms synchronous "
+                  f"({1 - e1 / e0:.0%} lower); iteration {i1 * 1e3:.2f} ms vs {i0 * 1e3:.2f} ms "
+                  f"({1 - i1 / i0:.0%} lower)")
     return 0
+
+
+def _summary(res: LoopResult) -> None:
+    it, tot, hid, exp = (res.median(k) for k in ("iteration_s", "total_s", "hidden_s", "exposed_s"))
+    print(f"median: iteration {it * 1e3:.2f} ms, experience path {tot * 1e3:.2f} ms = hidden {hid * 1e3:.2f} + "
+          f"exposed {exp * 1e3:.2f} ({exp / it:.0%} of the iteration exposed)" if it else "no iterations")

@@ -97,13 +97,19 @@ class Telemetry:
             return {k: {"calls": t.calls, "items": t.items, "bytes": t.nbytes, "seconds": t.seconds}
                     for k, t in self.totals.items()}
 
-    def chrome_trace(self, path: str | Path | None = None) -> dict[str, Any]:
-        """The recorded calls as a Chrome trace (``chrome://tracing``, Perfetto); written to ``path`` if given."""
+    def chrome_trace(self, path: str | Path | None = None, *, since: float | None = None) -> dict[str, Any]:
+        """The recorded calls as a Chrome trace (``chrome://tracing``, Perfetto); written to ``path`` if given.
+
+        ``since`` keeps only the calls that ended after that ``time.perf_counter()`` time.
+        """
         with self._lock:
-            recs = list(self.records)
+            recs = [r for r in self.records if since is None or r.end > since]
         t0 = min((r.start for r in recs), default=0.0)
         events = [{"name": r.kind, "ph": "X", "ts": (r.start - t0) * 1e6, "dur": r.seconds * 1e6, "pid": 0,
                    "tid": r.thread, "args": {"items": r.items, "bytes": r.nbytes}} for r in recs]
+        names = {t.ident: t.name for t in threading.enumerate()}  # the loop's thread vs the scheduler's workers
+        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid,
+                    "args": {"name": names.get(tid, f"thread {tid}")}} for tid in sorted({r.thread for r in recs})]
         trace = {"traceEvents": events, "displayTimeUnit": "ms"}
         if path is not None:
             Path(path).write_text(json.dumps(trace))

@@ -1,0 +1,161 @@
+"""Exposed-latency accounting: how much experience-path time the training loop actually waited for.
+
+Per iteration of a loop, from the spans in a :class:`~conduit.Telemetry`:
+
+* **exposed** -- experience-path time on the *critical path*: the union of ingest and
+  deliver spans (the work itself, or the caller's wait for background work and its
+  hand-over) on the threads that run the loop (those that record ``rollout``,
+  ``update`` or ``iteration`` spans);
+* **hidden** -- experience-path work that other threads (the scheduler's workers) did
+  while the loop was doing something else: the union of their ingest/deliver/stage
+  spans, minus the part that coincided with the loop waiting for it;
+* **total** -- exposed + hidden: the experience path's time in this iteration.
+
+All measures are unions of intervals clipped to the iteration, so overlapping spans are
+never counted twice. A synchronous scheduler does everything on the loop's thread, so
+its experience path is all exposed; an overlapped one leaves the hand-over exposed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from conduit.telemetry import CallRecord, Telemetry
+
+__all__ = ["IterationExposure", "ExposureLog", "measure_iteration", "EXPERIENCE_KINDS", "WORK_KINDS",
+           "LOOP_KINDS"]
+
+#: spans that belong to the experience path (work, or the caller's wait for it)
+EXPERIENCE_KINDS = frozenset({"ingest", "deliver", "stage", "ingest_wait", "deliver_wait"})
+#: experience-path work itself, wherever it runs
+WORK_KINDS = frozenset({"ingest", "deliver", "stage"})
+#: spans the training loop records on its own thread(s)
+LOOP_KINDS = frozenset({"rollout", "update", "iteration"})
+
+_Interval = tuple[float, float]
+
+
+def _union(intervals: Iterable[_Interval]) -> list[_Interval]:
+    out: list[_Interval] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(intervals: Sequence[_Interval]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(x: Sequence[_Interval], y: Sequence[_Interval]) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if hi > lo:
+            total += hi - lo
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+@dataclass(frozen=True)
+class IterationExposure:
+    """Where one iteration's time went (seconds)."""
+
+    start: float
+    end: float
+    #: experience-path time: exposed + hidden
+    total_s: float
+    #: experience-path time on the critical path
+    exposed_s: float
+    #: experience-path work done off the critical path while the loop did something else
+    hidden_s: float
+    rollout_s: float
+    update_s: float
+
+    @property
+    def iteration_s(self) -> float:
+        return self.end - self.start
+
+    @property
+    def hidden_share(self) -> float:
+        """Share of the experience path hidden (0 when there was none)."""
+        return self.hidden_s / self.total_s if self.total_s > 0 else 0.0
+
+
+def measure_iteration(records: Iterable[CallRecord], start: float, end: float,
+                      loop_threads: Iterable[int] | None = None) -> IterationExposure:
+    """Exposed / hidden / total experience-path time in ``[start, end)``.
+
+    Args:
+        records: telemetry records (any order; only those overlapping the window count).
+        start: the iteration's start (``time.perf_counter()``).
+        end: its end.
+        loop_threads: the loop's thread ids (default: those with rollout/update/iteration spans).
+    """
+    recs = [r for r in records if r.end > start and r.start < end]
+    loop = set(loop_threads) if loop_threads is not None else {r.thread for r in recs if r.kind in LOOP_KINDS}
+
+    def clip(r: CallRecord) -> _Interval:
+        return max(r.start, start), min(r.end, end)
+
+    exposed = _union(clip(r) for r in recs if r.kind in EXPERIENCE_KINDS and r.thread in loop)
+    background = _union(clip(r) for r in recs if r.kind in WORK_KINDS and r.thread not in loop)
+    e = _length(exposed)
+    h = _length(background) - _intersection(background, exposed)
+    rollout = _length(_union(clip(r) for r in recs if r.kind == "rollout"))
+    update = _length(_union(clip(r) for r in recs if r.kind == "update"))
+    return IterationExposure(start, end, e + h, e, h, rollout, update)
+
+
+class ExposureLog:
+    """Per-iteration exposure of a loop that records its rollout and update spans in ``telemetry``.
+
+    Examples:
+        >>> import time
+        >>> from conduit import Telemetry
+        >>> from conduit.exposure import ExposureLog
+        >>> tel = Telemetry()
+        >>> log = ExposureLog(tel)
+        >>> with log.iteration():
+        ...     with tel.span("rollout"):
+        ...         time.sleep(0.002)
+        ...     with tel.span("deliver"):
+        ...         time.sleep(0.001)
+        >>> it = log.iterations[-1]
+        >>> it.exposed_s > 0 and it.hidden_s == 0 and it.total_s == it.exposed_s
+        True
+    """
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+        self.iterations: list[IterationExposure] = []
+
+    @contextmanager
+    def iteration(self) -> Iterator[None]:
+        """Time the body as one iteration (recorded as an ``iteration`` span) and account for it."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            t1 = time.perf_counter()
+            self.telemetry.record("iteration", 0, 0, t0, t1)
+            self.iterations.append(measure_iteration(self.telemetry.since(t0 - 60.0), t0, t1))
+
+    def summary(self, skip: int = 0) -> dict[str, float]:
+        """Median seconds per iteration of each part, over the iterations after the first ``skip``."""
+        its = self.iterations[skip:] or self.iterations
+        if not its:
+            return {}
+        keys = ("iteration_s", "rollout_s", "update_s", "total_s", "hidden_s", "exposed_s")
+        return {k: statistics.median(getattr(i, k) for i in its) for k in keys}
