@@ -59,6 +59,8 @@ class Workload:
         growing: indices of the fields that grow with experience size (default: all);
             :meth:`resized` scales only these.
         name: a label for reports.
+        scalar: indices of the fields with one element per item (1-D columns, gathered
+            by a different kernel than rows).
     """
 
     field_bytes: tuple[int, ...]
@@ -68,6 +70,7 @@ class Workload:
     ingest_items: int | None = None
     growing: tuple[int, ...] | None = None
     name: str = ""
+    scalar: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.field_bytes or any(b < 0 for b in self.field_bytes):
@@ -103,7 +106,8 @@ class Workload:
             f = schema[n]
             fb.append(int(round(f.element_bytes * (mean_ragged_length if f.ragged else 1))))
         growing = tuple(i for i, n in enumerate(schema) if schema[n].ragged or schema[n].item_numel > 1) or None
-        return cls(tuple(fb), capacity, batch, learners, ingest_items, growing, name)
+        scalar = tuple(i for i, n in enumerate(schema) if not schema[n].ragged and schema[n].item_numel == 1)
+        return cls(tuple(fb), capacity, batch, learners, ingest_items, growing, name, scalar)
 
     @classmethod
     def transitions(cls, obs_dim: int, *, capacity: int, batch: int, learners: int = 1,
@@ -125,7 +129,7 @@ class Workload:
             share = self.field_bytes[i] / g_now if g_now else 1.0 / len(grow)
             fb[i] = int(round(target * share))
         return Workload(tuple(fb), self.capacity, self.batch, self.learners, self.ingest_items, self.growing,
-                        self.name and f"{self.name}@{int(item_bytes)}B")
+                        self.name and f"{self.name}@{int(item_bytes)}B", self.scalar)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "item_bytes": self.item_bytes, "field_bytes": list(self.field_bytes),
@@ -265,11 +269,25 @@ class CostModel:
         return need
 
     # -- latency -----------------------------------------------------------------------------
-    def _gather(self, device: str) -> LinkCost:
+    def _gather(self, device: str, workload: Workload | None = None, field: int = -1,
+                column_rows: float = 0) -> LinkCost:
+        """The gather path on ``device`` for field ``field`` (a column of ``column_rows`` items).
+
+        On the host, scalar columns use the 1-D gather figures, in or out of cache by the
+        column's size against the last-level cache; wide rows use the row-gather figures.
+        """
+        if device == "disk":
+            return self.profile.link("disk_read")
         i = _cuda_index(device)
-        if i is None:
-            return self.profile.link("host_gather")
-        return self.profile.link("gpu_gather", i)
+        if i is not None:
+            return self.profile.link("gpu_gather", i)
+        if workload is not None and field in workload.scalar:
+            column = column_rows * workload.field_bytes[field]
+            llc = int(self.profile.details.get("llc_bytes", 0))
+            kind = "host_gather_scalar_cached" if column <= llc // 2 else "host_gather_scalar"
+            if kind in self.profile.links:
+                return self.profile.links[kind]
+        return self.profile.link("host_gather")
 
     def _move(self, src: str, dst: str, *, pinned: bool) -> LinkCost | None:
         """The path from ``src`` to ``dst`` (None when they are the same memory)."""
@@ -313,42 +331,46 @@ class CostModel:
     def deliver_one(self, spec: PlacementSpec, workload: Workload, learner: str) -> dict[str, float]:
         """Latency parts of one delivery of ``batch`` items to a learner on ``learner``."""
         rows = workload.batch
+        fields = list(enumerate(workload.field_bytes))
         parts = {"deliver: edp": self.profile.link("edp_deliver").overhead_s, "deliver: gather": 0.0,
                  "deliver: transfer": 0.0}
         if spec.tier == "sharded":
             k = len(spec.devices)
             home = spec.devices[0]
+            col_rows = workload.capacity / k
+            scatter = 0.0
+            for f, fb in fields:
+                link = self._gather(home, workload, f, workload.batch)
+                scatter += k * link.seconds(fb * rows / k, rows / k)
+            parts["deliver: scatter"] = scatter
             overheads = 0.0
             slowest = 0.0
-            scatter = self._gather(home)
-            parts["deliver: scatter"] = sum(k * scatter.seconds(fb * rows / k) for fb in workload.field_bytes)
+            gather_sum = move_sum = 0.0
             for d in spec.devices:
-                g = self._gather(d)
-                link = self._move(d, home, pinned=False)
-                t_move = 0.0
-                t_gather = 0.0
-                for fb in workload.field_bytes:
+                move = self._move(d, home, pinned=False)
+                t_move = t_gather = 0.0
+                for f, fb in fields:
+                    g = self._gather(d, workload, f, col_rows)
                     b = fb * rows / k
                     overheads += g.overhead_s
-                    t_gather += g.seconds(b) - g.overhead_s
-                    if link is not None:
-                        overheads += link.overhead_s
-                        t_move += link.seconds(b) - link.overhead_s
+                    t_gather += g.seconds(b, rows / k) - g.overhead_s
+                    if move is not None:
+                        overheads += move.overhead_s
+                        t_move += move.seconds(b) - move.overhead_s
                 slowest = max(slowest, t_gather + t_move)
-                parts["deliver: gather"] += t_gather
-                parts["deliver: transfer"] += t_move
-            # per-shard work overlaps across devices: count the slowest shard, not the sum
-            total_work = parts["deliver: gather"] + parts["deliver: transfer"]
-            if total_work > 0:
-                f = slowest / total_work
-                parts["deliver: gather"] *= f
-                parts["deliver: transfer"] *= f
+                gather_sum += t_gather
+                move_sum += t_move
+            # the shards' work overlaps across devices (their calls do not): count the slowest shard
+            f_par = slowest / (gather_sum + move_sum) if gather_sum + move_sum > 0 else 0.0
+            parts["deliver: gather"] = gather_sum * f_par
+            parts["deliver: transfer"] = move_sum * f_par
             parts["deliver: calls"] = overheads
             src = home
         else:
             src = spec.devices[0] if spec.tier == "gpu" else "cpu"
-            g = self.profile.link("disk_read") if spec.tier == "disk" else self._gather(src)
-            parts["deliver: gather"] = sum(g.seconds(fb * rows) for fb in workload.field_bytes)
+            where = "disk" if spec.tier == "disk" else src
+            parts["deliver: gather"] = sum(self._gather(where, workload, f, workload.capacity).seconds(fb * rows, rows)
+                                           for f, fb in fields)
         link = self._move(src, learner, pinned=src == "cpu")
         if link is not None:
             parts["deliver: transfer"] += sum(link.seconds(fb * rows) for fb in workload.field_bytes)

@@ -10,6 +10,8 @@ Path names (``BandwidthProfile.links`` keys):
 ==================  =====================================================================
 ``host_copy``        host memory -> host memory (ingestion into a host-tier buffer)
 ``host_gather``      random-row gather within host memory (delivery from a host buffer)
+``host_gather_scalar``         the same for 1-D columns (one element per item) larger than the cache
+``host_gather_scalar_cached``  1-D columns that fit in the last-level cache
 ``h2d_pinned``       page-locked host -> GPU (``h2d_pinned:i`` for GPU ``i``)
 ``h2d_pageable``     pageable host -> GPU (actors' tensors into a GPU buffer)
 ``d2h_pinned``       GPU -> page-locked host; ``d2h_pageable`` likewise
@@ -47,8 +49,8 @@ import torch
 
 from conduit.errors import PlacementError
 
-__all__ = ["LinkCost", "BandwidthProfile", "profile_machine", "load_profile", "machine_id", "machine_summary",
-           "cache_dir", "profile_path", "PATHS"]
+__all__ = ["LinkCost", "BandwidthProfile", "profile_machine", "measure_host_paths", "load_profile", "machine_id",
+           "machine_summary", "cache_dir", "profile_path", "PATHS"]
 
 #: every path name a profile may carry (per-device variants add ``:i`` / ``:i:j``)
 PATHS = ("host_copy", "host_gather", "h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable", "gpu_gather",
@@ -57,31 +59,38 @@ PATHS = ("host_copy", "host_gather", "h2d_pinned", "h2d_pageable", "d2h_pinned",
 
 @dataclass(frozen=True)
 class LinkCost:
-    """The cost of one call on one data path: ``overhead_s + nbytes / bandwidth(nbytes)``.
+    """The cost of one call on one data path.
 
-    ``points`` are ``(bytes, bytes_per_second)`` pairs sorted by size; the bandwidth for a
-    size in between is interpolated linearly in ``log(bytes)``, and clamped to the nearest
-    point outside the measured range. A path known by one figure has one point.
+    ``seconds(nbytes, rows) = overhead_s + rows * per_row_s + nbytes / bandwidth(nbytes)``:
+    a fixed per-call overhead, a per-row cost for gathers (a random row costs a cache or
+    TLB miss whatever its width; bulk copies have no rows), and the bytes at the effective
+    bandwidth. ``points`` are ``(bytes, bytes_per_second)`` pairs sorted by size; the
+    bandwidth for a size in between is interpolated linearly in ``log(bytes)`` and clamped
+    to the nearest point outside the measured range. A path known by one figure has one point.
     """
 
     overhead_s: float
     points: tuple[tuple[float, float], ...] = ((1.0, math.inf),)
+    per_row_s: float = 0.0
+    #: for gathers: ``points`` are keyed by the bytes of one row, not of the whole call
+    by_row: bool = False
 
     def __post_init__(self) -> None:
         pts = tuple(sorted((float(b), float(bw)) for b, bw in self.points))
-        if not pts or any(b <= 0 or bw <= 0 for b, bw in pts) or self.overhead_s < 0:
-            raise PlacementError(f"A link needs overhead >= 0 and positive (bytes, bandwidth) points, got "
-                                 f"overhead={self.overhead_s}, points={self.points}; re-run `conduit profile`.")
+        if not pts or any(b <= 0 or bw <= 0 for b, bw in pts) or self.overhead_s < 0 or self.per_row_s < 0:
+            raise PlacementError(f"A link needs overhead >= 0, per-row cost >= 0 and positive (bytes, bandwidth) "
+                                 f"points, got overhead={self.overhead_s}, per_row={self.per_row_s}, "
+                                 f"points={self.points}; re-run `conduit profile`.")
         object.__setattr__(self, "points", pts)
 
     @classmethod
-    def constant(cls, gbps: float, overhead_us: float = 0.0) -> LinkCost:
-        """A path with one bandwidth (GB/s, 1e9 bytes) and a per-call overhead (microseconds)."""
-        return cls(overhead_us * 1e-6, ((1.0, gbps * 1e9),))
+    def constant(cls, gbps: float, overhead_us: float = 0.0, per_row_ns: float = 0.0) -> LinkCost:
+        """A path with one bandwidth (GB/s, 1e9 bytes), a per-call overhead (us) and a per-row cost (ns)."""
+        return cls(overhead_us * 1e-6, ((1.0, gbps * 1e9),), per_row_ns * 1e-9)
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[float, float]], overhead_s: float) -> LinkCost:
-        """From measured ``(bytes, seconds)`` samples and a measured per-call overhead.
+        """A bulk-copy path from measured ``(bytes, seconds)`` samples and a measured per-call overhead.
 
         Each sample's bandwidth is ``bytes / (seconds - overhead)``; a sample no slower than
         the overhead alone (noise) is dropped.
@@ -95,6 +104,50 @@ class LinkCost:
             raise PlacementError("Every measurement was within the per-call overhead; the machine was too busy to "
                                  "measure. Re-run `conduit profile` when it is quieter.")
         return cls(max(0.0, overhead_s), tuple(pts))
+
+    @classmethod
+    def fit_rows(cls, samples: Iterable[tuple[float, float, float]], overhead_s: float) -> LinkCost:
+        """A gather path from ``(rows, bytes, seconds)`` samples of several row widths and a 1-row overhead.
+
+        Each sample gives the effective bandwidth for rows of its width,
+        ``bytes / (seconds - overhead)``; a call of ``r`` rows of ``w`` bytes then costs
+        ``overhead + r * w / bandwidth(w)``, the bandwidth interpolated between widths.
+        """
+        pts = []
+        for rows, b, t in samples:
+            moving = t - overhead_s
+            if rows > 0 and b > 0 and moving > 0:
+                pts.append((b / rows, b / moving))
+        if not pts:
+            raise PlacementError("Every gather was within the per-call overhead; the machine was too busy to "
+                                 "measure. Re-run `conduit profile` when it is quieter.")
+        return cls(max(0.0, overhead_s), tuple(pts), by_row=True)
+
+    @classmethod
+    def fit_gather(cls, samples: Iterable[tuple[float, float, float]], *, bytes_term: bool = True) -> LinkCost:
+        """A gather path from measured ``(rows, bytes, seconds)`` samples, by a 3-term fit.
+
+        Fits ``overhead + rows * per_row + bytes / bandwidth`` by least squares on the
+        relative error (so small and large calls count alike); a coefficient that comes out
+        negative is fixed at 0 and the rest refitted. ``bytes_term=False`` fits no bandwidth
+        (for scalar columns, whose bytes are proportional to rows).
+        """
+        rows_, bytes_, secs = (list(x) for x in zip(*samples, strict=True))
+        active = [0, 1, 2] if bytes_term else [0, 1]
+        for _ in range(3):
+            cols = [[1.0, r, b][j] for r, b in zip(rows_, bytes_, strict=True) for j in active]
+            a = torch.tensor(cols, dtype=torch.float64).view(len(secs), len(active))
+            t = torch.tensor(secs, dtype=torch.float64)
+            coef = torch.linalg.lstsq(a / t[:, None], torch.ones_like(t)[:, None]).solution.view(-1)
+            neg = [j for j, c in zip(active, coef.tolist(), strict=True) if c < 0]
+            if not neg:
+                break
+            active = [j for j in active if j not in neg]
+        full = dict.fromkeys(range(3), 0.0)
+        full.update(zip(active, coef.tolist(), strict=True))
+        inv_bw = full[2]
+        bw = 1.0 / inv_bw if inv_bw > 0 else math.inf
+        return cls(full[0], ((1.0, bw),), full[1])
 
     def bandwidth(self, nbytes: float) -> float:
         """Effective bytes per second for one transfer of ``nbytes``."""
@@ -110,30 +163,34 @@ class LinkCost:
                 return w0 + f * (w1 - w0)
         return pts[-1][1]  # pragma: no cover - unreachable, points are sorted
 
-    def seconds(self, nbytes: float) -> float:
-        """Predicted seconds for one call moving ``nbytes`` (0 bytes costs nothing)."""
+    def seconds(self, nbytes: float, rows: float = 0) -> float:
+        """Predicted seconds for one call moving ``nbytes`` (in ``rows`` random rows, for a gather).
+
+        A call that moves nothing costs nothing.
+        """
         if nbytes <= 0:
             return 0.0
-        bw = self.bandwidth(nbytes)
-        return self.overhead_s + (0.0 if math.isinf(bw) else nbytes / bw)
+        bw = self.bandwidth(nbytes / rows if self.by_row and rows > 0 else nbytes)
+        return self.overhead_s + rows * self.per_row_s + (0.0 if math.isinf(bw) else nbytes / bw)
 
     @property
     def peak_bandwidth(self) -> float:
         return max(bw for _, bw in self.points)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"overhead_us": self.overhead_s * 1e6,
+        return {"overhead_us": self.overhead_s * 1e6, "per_row_ns": self.per_row_s * 1e9, "by_row": self.by_row,
                 "points": [[b, None if math.isinf(bw) else bw / 1e9] for b, bw in self.points]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LinkCost:
         """Inverse of :meth:`to_dict`; also accepts the data-file form ``{"gbps": G, "overhead_us": U}``."""
+        per_row = float(d.get("per_row_ns", 0.0))
         if "gbps" in d:
-            return cls.constant(float(d["gbps"]), float(d.get("overhead_us", 0.0)))
+            return cls.constant(float(d["gbps"]), float(d.get("overhead_us", 0.0)), per_row)
         if "points" not in d:  # a pure per-call overhead
-            return cls(float(d["overhead_us"]) * 1e-6)
+            return cls(float(d["overhead_us"]) * 1e-6, per_row_s=per_row * 1e-9)
         pts = tuple((float(b), math.inf if g is None else float(g) * 1e9) for b, g in d["points"])
-        return cls(float(d["overhead_us"]) * 1e-6, pts)
+        return cls(float(d["overhead_us"]) * 1e-6, pts, per_row * 1e-9, bool(d.get("by_row", False)))
 
 
 def _gpu_names() -> list[str]:
@@ -277,21 +334,26 @@ def load_profile(path: str | Path | None = None) -> BandwidthProfile:
 
 
 # -- measurement ---------------------------------------------------------------------------
+#: a clock returning seconds: ``time.perf_counter`` (wall) or ``time.thread_time`` (CPU time of this thread)
+Clock = Callable[[], float]
+
+
 def _median_seconds(fn: Callable[[], object], *, reps: int, warmup: int = 2,
-                    sync: Callable[[], None] | None = None, before: Callable[[], object] | None = None) -> float:
-    """Median wall time of ``fn`` over ``reps`` runs after ``warmup`` runs (``before`` runs untimed)."""
+                    sync: Callable[[], None] | None = None, before: Callable[[], object] | None = None,
+                    clock: Clock = time.perf_counter) -> float:
+    """Median time of ``fn`` over ``reps`` runs after ``warmup`` runs (``before`` runs untimed)."""
     times = []
     for i in range(warmup + reps):
         if before is not None:
             before()
         if sync is not None:
             sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         if sync is not None:
             sync()
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -312,45 +374,75 @@ def _measure_copy(src_dev: torch.device, dst_dev: torch.device, sizes: list[int]
     return LinkCost.fit(samples, overhead)
 
 
-def _measure_gather(device: torch.device, source_bytes: int, row_bytes: list[int], rows: int, reps: int,
-                    source: torch.Tensor | None = None, before: Callable[[], object] | None = None) -> LinkCost:
-    """Gather ``rows`` random rows (fresh indices every call) of several widths from a large column."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else None
-    flat = source if source is not None else torch.ones(source_bytes // 4, dtype=torch.float32, device=device)
-    gen = torch.Generator().manual_seed(0)
+#: row widths (bytes) the gather paths are measured at; 0 means a 1-D column (scalar items)
+_ROW_WIDTHS = (16, 256, 2048, 16384, 131072)
+#: rows per measured gather
+_GATHER_ROWS = 512
 
-    def one(width: int, k: int) -> float:
-        col = flat[: (flat.numel() // width) * width].view(-1, width)
-        out = torch.empty((k, width), dtype=flat.dtype, device=device)
-        idx: list[torch.Tensor] = []
+
+def _measure_gather(flat: torch.Tensor, widths: Iterable[int], reps: int, *, rows: int = _GATHER_ROWS,
+                    before: Callable[[], object] | None = None, clock: Clock = time.perf_counter,
+                    outputs: int = 2) -> LinkCost:
+    """Gather ``rows`` random rows (fresh indices every call) of several widths from the column ``flat``.
+
+    A width ``w`` views ``flat`` as rows of ``w`` bytes (``w = 0``: the 1-D column itself).
+    Outputs rotate over ``outputs`` buffers, as the EDP's delivery buffers do. The per-call
+    overhead comes from 1-row gathers.
+    """
+    device = flat.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    gen = torch.Generator().manual_seed(0)
+    esize = flat.element_size()
+
+    def timed(col: torch.Tensor, k: int) -> float:
+        outs = [torch.empty((k, *col.shape[1:]), dtype=flat.dtype, device=device) for _ in range(outputs)]
+        state = {"i": 0, "idx": torch.zeros(k, dtype=torch.int64, device=device)}
 
         def draw() -> None:
-            idx.clear()
-            idx.append(torch.randint(col.shape[0], (k,), generator=gen).to(device))
+            state["i"] = (state["i"] + 1) % outputs
+            state["idx"] = torch.randint(col.shape[0], (k,), generator=gen).to(device)
             if before is not None:
                 before()
 
-        return _median_seconds(lambda: torch.index_select(col, 0, idx[0], out=out), reps=reps, sync=sync,
-                               before=draw)
+        def gather() -> None:
+            torch.index_select(col, 0, state["idx"], out=outs[state["i"]])
 
-    overhead = one(1, 1)
-    samples = [(float(rows * w), one(max(1, w // 4), rows)) for w in row_bytes]
-    return LinkCost.fit(samples, overhead)
+        return _median_seconds(gather, reps=reps, sync=sync, before=draw, clock=clock)
+
+    def view(width: int) -> torch.Tensor:
+        if width == 0:
+            return flat
+        per = max(1, width // esize)
+        return flat[: (flat.numel() // per) * per].view(-1, per)
+
+    ws = list(widths)
+    overhead = timed(view(ws[0]), 1)
+    samples = []
+    for w in ws:
+        col = view(w)
+        k = min(rows, col.shape[0])
+        row_bytes = (col.shape[1] if col.dim() > 1 else 1) * esize
+        samples.append((float(k), float(k * row_bytes), timed(col, k)))
+    if ws == [0]:  # a 1-D column: elements are tiny, the cost is per row whatever the dtype
+        k, _, t = samples[0]
+        return LinkCost(overhead, per_row_s=max(0.0, t - overhead) / k)
+    return LinkCost.fit_rows(samples, overhead)
 
 
-def _measure_edp(host_gather: LinkCost, host_copy: LinkCost, reps: int) -> tuple[LinkCost, LinkCost]:
+def _measure_edp(reps: int, scalar_gather: LinkCost, host_copy: LinkCost,
+                 clock: Clock = time.perf_counter) -> tuple[LinkCost, LinkCost]:
     """The EDP's own per-call overhead: a delivery/ingestion of 8-byte items minus the data movement."""
     from conduit.edp import ExperienceDataPlane
     from conduit.schema import ExperienceSchema, Field
 
     edp = ExperienceDataPlane(ExperienceSchema(x=Field((), torch.int64)), capacity=4096)
     edp.ingest({"x": torch.arange(4096)})
-    rows = 256
-    t_del = _median_seconds(lambda: edp.deliver(rows), reps=max(50, reps * 5), warmup=10)
+    rows = 512
+    t_del = _median_seconds(lambda: edp.deliver(rows), reps=max(50, reps * 5), warmup=10, clock=clock)
     one = {"x": torch.zeros(1, dtype=torch.int64)}
-    t_ing = _median_seconds(lambda: edp.ingest(one), reps=max(50, reps * 5), warmup=10)
+    t_ing = _median_seconds(lambda: edp.ingest(one), reps=max(50, reps * 5), warmup=10, clock=clock)
     edp.close()
-    deliver = LinkCost(max(0.0, t_del - host_gather.seconds(rows * 8)))
+    deliver = LinkCost(max(0.0, t_del - scalar_gather.seconds(rows * 8, rows)))
     ingest = LinkCost(max(0.0, t_ing - host_copy.seconds(8)))
     return deliver, ingest
 
@@ -369,7 +461,7 @@ def _drop_page_cache(path: str) -> bool:
 
 
 def _measure_disk(directory: str | None, file_bytes: int, reps: int) -> tuple[LinkCost, LinkCost, bool]:
-    """Writes into and cold random-row reads from a memory-mapped file (the disk tier's paths)."""
+    """Writes into, and random-row reads (page cache dropped first) from, a memory-mapped file."""
     with tempfile.TemporaryDirectory(prefix="conduit-profile-", dir=directory) as d:
         path = os.path.join(d, "col.bin")
         mm = torch.from_file(path, shared=True, size=file_bytes // 4, dtype=torch.float32)
@@ -381,26 +473,68 @@ def _measure_disk(directory: str | None, file_bytes: int, reps: int) -> tuple[Li
             n = b // 4
             samples.append((float(b), _median_seconds(lambda n=n: mm[:n].copy_(host[:n]), reps=reps)))
         write = LinkCost.fit(samples, overhead)
-        mm[:].copy_(host)
+        mm.copy_(host)
         cold = _drop_page_cache(path)
-        read = _measure_gather(torch.device("cpu"), file_bytes, [4096, 65536], 64, max(3, reps // 2), source=mm,
+        read = _measure_gather(mm, [4096, 65536], max(3, reps // 2), rows=32,
                                before=(lambda: _drop_page_cache(path)) if cold else None)
     return read, write, cold
+
+
+def _llc_bytes() -> int:
+    """The last-level cache size (32 MiB when the OS does not say)."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    best = 0
+    try:
+        for idx in base.glob("index*"):
+            txt = (idx / "size").read_text().strip()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1:], 1)
+            best = max(best, int(txt.rstrip("KMG")) * mult)
+    except (OSError, ValueError):
+        pass
+    return best or (32 << 20)
+
+
+def measure_host_paths(*, quick: bool = False, clock: Clock = time.perf_counter) -> dict[str, LinkCost]:
+    """Measure the host-memory paths: bulk copy, row and scalar gathers, the EDP's per-call overheads.
+
+    Keyword Args:
+        quick: fewer repetitions and a smaller (still larger than the caches) gather column.
+        clock: ``time.perf_counter`` (wall time, the default) or ``time.thread_time`` (CPU
+            time of this thread: on a shared machine it leaves out the time other processes
+            held the core; valid for host paths when torch runs single-threaded).
+    """
+    reps = 7 if quick else 15
+    cpu = torch.device("cpu")
+    llc = _llc_bytes()
+    links: dict[str, LinkCost] = {}
+    copy_sizes = [64 << 10, 1 << 20, 16 << 20] if quick else [64 << 10, 1 << 20, 16 << 20, 64 << 20]
+    links["host_copy"] = _measure_copy(cpu, cpu, copy_sizes, reps)
+    big = max(4 * llc, (128 << 20) if quick else (256 << 20))
+    column = torch.ones(big // 4, dtype=torch.float32)
+    links["host_gather"] = _measure_gather(column, _ROW_WIDTHS, reps, clock=clock)
+    links["host_gather_scalar"] = _measure_gather(column, [0], reps, clock=clock)
+    del column
+    links["host_gather_scalar_cached"] = _measure_gather(torch.ones(llc // 64, dtype=torch.float32), [0], reps,
+                                                         clock=clock)
+    links["edp_deliver"], links["edp_ingest"] = _measure_edp(reps, links["host_gather_scalar_cached"],
+                                                             links["host_copy"], clock=clock)
+    return links
 
 
 def profile_machine(*, cache: bool = True, refresh: bool = False, quick: bool = False,
                     disk_directory: str | None = None) -> BandwidthProfile:
     """Measure this machine's data paths (or return the cached profile).
 
-    Measures host copy and host gather bandwidth curves and per-call overheads, the EDP's
-    own per-call overhead, memory-mapped file reads (page cache dropped first where the OS
-    allows) and writes, and, where CUDA exists, H2D/D2H pinned and pageable copies,
-    on-GPU gathers and P2P copies for every GPU pair.
+    Measures bulk host copies, random-row host gathers (rows of several widths from a
+    column larger than the caches, and scalar columns in and out of cache), the EDP's own
+    per-call overhead, memory-mapped file writes and cold reads (page cache dropped first
+    where the OS allows), and, where CUDA exists, H2D/D2H pinned and pageable copies,
+    on-GPU gathers and P2P copies for every GPU pair. Timings are medians after warm-up.
 
     Keyword Args:
         cache: read the cached profile if there is one, and write the new one to the cache.
         refresh: measure even if a cached profile exists.
-        quick: fewer repetitions and smaller buffers (seconds instead of tens of seconds).
+        quick: fewer repetitions and smaller buffers (a few seconds).
         disk_directory: where to measure the disk tier (default: the temp dir).
     """
     if cache and not refresh:
@@ -408,14 +542,11 @@ def profile_machine(*, cache: bool = True, refresh: bool = False, quick: bool = 
             return load_profile()
         except PlacementError:
             pass
-    reps = 5 if quick else 11
+    reps = 7 if quick else 15
     cpu = torch.device("cpu")
-    links: dict[str, LinkCost] = {}
+    llc = _llc_bytes()
     copy_sizes = [64 << 10, 1 << 20, 16 << 20] if quick else [64 << 10, 1 << 20, 16 << 20, 64 << 20]
-    links["host_copy"] = _measure_copy(cpu, cpu, copy_sizes, reps)
-    gather_source = (64 << 20) if quick else (256 << 20)
-    links["host_gather"] = _measure_gather(cpu, gather_source, [16, 256, 4096, 65536, 262144], 256, reps)
-    links["edp_deliver"], links["edp_ingest"] = _measure_edp(links["host_gather"], links["host_copy"], reps)
+    links = measure_host_paths(quick=quick)
     disk_read, disk_write, cold = _measure_disk(disk_directory, (16 << 20) if quick else (64 << 20), reps)
     links["disk_read"], links["disk_write"] = disk_read, disk_write
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -427,18 +558,18 @@ def profile_machine(*, cache: bool = True, refresh: bool = False, quick: bool = 
             links["h2d_pageable" + sfx] = _measure_copy(cpu, g, copy_sizes, reps)
             links["d2h_pinned" + sfx] = _measure_copy(g, cpu, copy_sizes, reps, pin_dst=True)
             links["d2h_pageable" + sfx] = _measure_copy(g, cpu, copy_sizes, reps)
-            links["gpu_gather" + sfx] = _measure_gather(g, 256 << 20, [16, 256, 4096, 65536, 262144], 512, reps)
+            links["gpu_gather" + sfx] = _measure_gather(torch.ones((256 << 20) // 4, device=g), _ROW_WIDTHS, reps)
     for i in range(n_gpu):
         for j in range(n_gpu):
             if i != j:
                 links[f"p2p:{i}:{j}"] = _measure_copy(torch.device("cuda", i), torch.device("cuda", j),
                                                       [1 << 20, 16 << 20, 64 << 20], reps)
-    # unsuffixed defaults for GPU paths point at GPU 0's figures (already stored unsuffixed)
     if n_gpu > 1:
         links["p2p"] = links["p2p:0:1"]
     prof = BandwidthProfile(links, source="measured", machine=machine_id(),
                             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                             details={"machine": machine_summary(), "quick": quick, "torch": torch.__version__,
+                                     "torch_threads": torch.get_num_threads(), "llc_bytes": llc,
                                      "disk_read_cold": cold, "gpus": n_gpu})
     if cache:
         prof.save()

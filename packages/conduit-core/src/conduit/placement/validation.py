@@ -1,0 +1,144 @@
+"""Checking the cost model against the machine: predicted vs measured host-tier delivery.
+
+For each observation size ``d`` a host-tier :class:`~conduit.ExperienceDataPlane` of
+transitions is filled (the buffer larger than the caches, as real buffers are) and its
+``deliver(batch)`` timed: the median over ``reps`` calls after a warm-up. The prediction is
+the :class:`~conduit.placement.CostModel`'s delivery latency for the same workload on the
+host tier, from host paths measured with other sizes and shapes (single-column gathers of
+1 to 512 rows, scalar columns, the EDP's overhead on an 8-byte item).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from conduit.placement.base import PlacementSpec
+from conduit.placement.cost import CostModel, Workload, transition_schema
+from conduit.placement.profile import BandwidthProfile, Clock, _llc_bytes, machine_id, measure_host_paths
+from conduit.placement.topology import Topology, discover_topology
+
+__all__ = ["DeliveryCheck", "measure_host_delivery", "check_host_delivery", "buffer_capacity"]
+
+
+@dataclass(frozen=True)
+class DeliveryCheck:
+    """Predicted vs measured host-tier delivery latency at one observation size."""
+
+    obs_dim: int
+    capacity: int
+    batch: int
+    #: per round: the prediction from that round's profile, and the measured median delivery
+    predicted_rounds: tuple[float, ...]
+    measured_rounds: tuple[float, ...]
+
+    @property
+    def predicted_s(self) -> float:
+        return statistics.median(self.predicted_rounds)
+
+    @property
+    def measured_s(self) -> float:
+        return statistics.median(self.measured_rounds)
+
+    @property
+    def error(self) -> float:
+        """Median over rounds of the relative error ``(predicted - measured) / measured``.
+
+        Each round pairs a prediction and a measurement taken moments apart, under the
+        same machine load; the median drops a round disturbed by other processes.
+        """
+        return statistics.median((p - m) / m for p, m in zip(self.predicted_rounds, self.measured_rounds,
+                                                                 strict=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"obs_dim": self.obs_dim, "capacity": self.capacity, "batch": self.batch,
+                "predicted_ms": self.predicted_s * 1e3, "measured_ms": self.measured_s * 1e3, "error": self.error,
+                "rounds": len(self.predicted_rounds)}
+
+
+def buffer_capacity(obs_dim: int, batch: int, buffer_bytes: int) -> int:
+    """Items that make a transition buffer of about ``buffer_bytes`` (at least ``4 * batch``)."""
+    item = transition_schema(obs_dim).fixed_item_bytes
+    return max(4 * batch, buffer_bytes // item)
+
+
+def _filled_buffer(obs_dim: int, capacity: int, seed: int) -> Any:
+    from conduit.edp import ExperienceDataPlane
+    from conduit.semantics import Replay, UniformSampler
+
+    schema = transition_schema(obs_dim)
+    edp = ExperienceDataPlane(schema, capacity=capacity, semantics=Replay(UniformSampler(), seed=seed))
+    chunk = max(1, min(capacity, (32 << 20) // schema.fixed_item_bytes))
+    filled = 0
+    while filled < capacity:
+        n = min(chunk, capacity - filled)
+        ids = torch.arange(filled, filled + n)
+        edp.ingest({"obs": ids[:, None].float().expand(n, obs_dim), "next_obs": ids[:, None].float().expand(n, obs_dim),
+                    "action": ids % 16, "reward": ids.float(), "done": ids % 100 == 0})
+        filled += n
+    return edp
+
+
+def _median_deliver(edp: Any, batch: int, reps: int, warmup: int, clock: Clock) -> float:
+    times = []
+    for i in range(warmup + reps):
+        t0 = clock()
+        edp.deliver(batch)
+        t1 = clock()
+        if i >= warmup:
+            times.append(t1 - t0)
+    return statistics.median(times)
+
+
+def measure_host_delivery(obs_dim: int, *, batch: int = 512, capacity: int, reps: int = 31, warmup: int = 5,
+                          seed: int = 0, clock: Clock = time.perf_counter) -> float:
+    """Median seconds of ``deliver(batch)`` from a full host-tier transition buffer."""
+    edp = _filled_buffer(obs_dim, capacity, seed)
+    try:
+        return _median_deliver(edp, batch, reps, warmup, clock)
+    finally:
+        edp.close()
+
+
+def check_host_delivery(obs_dims: Sequence[int] = (128, 1000, 5000, 20000), *, batch: int = 512,
+                        buffer_bytes: int = 128 << 20, reps: int = 21, rounds: int = 5,
+                        profile: BandwidthProfile | None = None, clock: Clock = time.perf_counter,
+                        topology: Topology | None = None) -> list[DeliveryCheck]:
+    """Predicted and measured host-tier delivery latency for each of ``obs_dims``.
+
+    Runs ``rounds`` rounds; each measures the host paths (:func:`measure_host_paths`,
+    single-column gathers of other sizes than the deliveries; skipped when ``profile`` is
+    given) and then every delivery, so prediction and measurement see the same machine
+    load. Reports each round; :attr:`DeliveryCheck.error` is the median of the rounds' errors.
+
+    Keyword Args:
+        clock: ``time.perf_counter`` (wall) or ``time.thread_time`` (this thread's CPU time:
+            on a shared machine it leaves out time other processes held the core), used for
+            both the profile and the deliveries.
+    """
+    topo = topology if topology is not None else discover_topology()
+    host = PlacementSpec("host", ("cpu",))
+    caps = {d: buffer_capacity(d, batch, buffer_bytes) for d in obs_dims}
+    predicted: dict[int, list[float]] = {d: [] for d in obs_dims}
+    measured: dict[int, list[float]] = {d: [] for d in obs_dims}
+    buffers = {d: _filled_buffer(d, caps[d], seed=d) for d in obs_dims}
+    try:
+        for _ in range(rounds):
+            prof = profile
+            if prof is None:
+                prof = BandwidthProfile(measure_host_paths(quick=True, clock=clock), machine=machine_id(),
+                                        details={"llc_bytes": _llc_bytes()})
+            model = CostModel(topo, prof)
+            for d in obs_dims:
+                w = Workload.transitions(d, capacity=caps[d], batch=batch)
+                predicted[d].append(sum(model.deliver_one(host, w, "cpu").values()))
+                measured[d].append(_median_deliver(buffers[d], batch, reps, 3, clock))
+    finally:
+        for b in buffers.values():
+            b.close()
+    return [DeliveryCheck(d, caps[d], batch, tuple(predicted[d]), tuple(measured[d])) for d in obs_dims]
