@@ -105,7 +105,8 @@ def test_links_are_measured_between_every_pair(cluster, servers):
     assert prof.learner_node == cluster.head
     assert {(a, b) for a in nodes for b in nodes} <= set(prof.links)
     for ln in prof.links.values():
-        assert ln.bandwidth > 0 and ln.latency >= 0
+        assert ln.overhead_s > 0 and ln.peak_bandwidth > 0
+        assert ln.seconds(4 << 20) > ln.seconds(4 << 10) > 0
 
 
 def test_ingestion_goes_to_the_producers_node(cluster, servers):

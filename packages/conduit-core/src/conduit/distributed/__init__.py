@@ -23,7 +23,7 @@ from conduit.distributed.errors import (
 )
 from conduit.distributed.experience import ExperienceRef, stage
 from conduit.distributed.faults import LossReport
-from conduit.distributed.links import Link, LinkProfile, measure_links
+from conduit.distributed.links import LinkProfile, measure_links
 from conduit.distributed.plan import ShardPlan
 from conduit.distributed.plane import DistributedDataPlane
 from conduit.distributed.servers import ShardServers, alive_nodes
@@ -35,7 +35,6 @@ __all__ = [
     "ExperienceRef",
     "stage",
     "LossReport",
-    "Link",
     "LinkProfile",
     "measure_links",
     "ShardPlan",

@@ -1,10 +1,12 @@
-"""Measured links between Ray nodes: per-call latency and bandwidth, the planner's input.
+"""Measured links between Ray nodes: per-call overhead and bandwidth, the shard plan's input.
 
-Nothing here is assumed: :func:`measure_links` moves probe payloads of two sizes through
-Ray's object store between every pair of nodes that hold shard servers (and this
-process's node, where the learner is) and fits ``seconds = latency + bytes / bandwidth``
-per directed pair. Same-node pairs measure the shared-memory path, cross-node pairs the
-object manager's transfer.
+Nothing here is assumed: :func:`measure_links` moves probe payloads through Ray's object
+store between every pair of nodes that hold shard servers (and this process's node, where
+the learner is): a tiny payload gives the per-call overhead, larger ones the effective
+bandwidth at each size. Each directed pair becomes a placement
+:class:`~conduit.placement.LinkCost` (``overhead + bytes / bandwidth(bytes)``), the same
+link type the placement cost model prices devices with. Same-node pairs measure the
+shared-memory path, cross-node pairs the object manager's transfer.
 """
 
 from __future__ import annotations
@@ -17,51 +19,27 @@ from typing import TYPE_CHECKING, Any
 
 from conduit.distributed._ray import current_node_id, ray_module
 from conduit.distributed.errors import ClusterError, RemoteTimeoutError
+from conduit.errors import PlacementError
+from conduit.placement.profile import LinkCost
 
 if TYPE_CHECKING:
     from conduit.distributed.servers import ShardServers
 
-__all__ = ["Link", "LinkProfile", "measure_links", "fit_link"]
-
-
-@dataclass(frozen=True)
-class Link:
-    """One directed link: ``seconds(nbytes) = latency + nbytes / bandwidth``."""
-
-    #: bytes per second
-    bandwidth: float
-    #: seconds per call (control round trip and fixed costs)
-    latency: float
-
-    def seconds(self, nbytes: float) -> float:
-        return self.latency + nbytes / self.bandwidth
-
-
-def fit_link(samples: Sequence[tuple[int, float]]) -> Link:
-    """Least-squares fit of ``latency + bytes / bandwidth`` to (bytes, seconds) samples of two or more sizes."""
-    xs = [float(x) for x, _ in samples]
-    ts = [float(t) for _, t in samples]
-    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
-    var = sum((x - mx) ** 2 for x in xs)
-    if var <= 0:
-        raise ValueError("fit_link needs samples of at least two payload sizes")
-    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts, strict=True)) / var
-    slope = max(slope, 1e-13)  # never faster than 10 TB/s: noise can make the slope tiny or negative
-    return Link(bandwidth=1.0 / slope, latency=max(0.0, mt - slope * mx))
+__all__ = ["LinkProfile", "measure_links"]
 
 
 @dataclass
 class LinkProfile:
     """Measured links between nodes, keyed by (source node, destination node)."""
 
-    links: dict[tuple[str, str], Link] = field(default_factory=dict)
+    links: dict[tuple[str, str], LinkCost] = field(default_factory=dict)
     #: the node the profile was measured from (where the learner runs)
     learner_node: str = ""
     #: probe sizes and repeats used
     sizes: tuple[int, ...] = ()
     repeats: int = 0
 
-    def link(self, src: str, dst: str) -> Link:
+    def link(self, src: str, dst: str) -> LinkCost:
         """The link from ``src`` to ``dst``.
 
         Raises:
@@ -78,8 +56,9 @@ class LinkProfile:
 
     def table(self) -> list[dict[str, Any]]:
         """One row per link (node ids shortened), for reports."""
-        return [{"src": s[:8], "dst": d[:8], "same_node": s == d, "bandwidth_MBps": ln.bandwidth / 1e6,
-                 "latency_ms": ln.latency * 1e3} for (s, d), ln in sorted(self.links.items())]
+        return [{"src": s[:8], "dst": d[:8], "same_node": s == d, "overhead_ms": ln.overhead_s * 1e3,
+                 **{f"MBps@{int(b) >> 10}KiB": bw / 1e6 for b, bw in ln.points}}
+                for (s, d), ln in sorted(self.links.items())]
 
 
 def _timed(fn: Callable[[], Any], repeats: int) -> float:
@@ -91,7 +70,7 @@ def _timed(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(ts)
 
 
-def measure_links(servers: ShardServers, *, sizes: Sequence[int] = (1 << 16, 1 << 22), repeats: int = 3,
+def measure_links(servers: ShardServers, *, sizes: Sequence[int] = (1 << 18, 1 << 22), repeats: int = 3,
                   timeout: float = 60.0) -> LinkProfile:
     """Measure every directed link between the servers' nodes and this process's node.
 
@@ -99,7 +78,8 @@ def measure_links(servers: ShardServers, *, sizes: Sequence[int] = (1 << 16, 1 <
         servers: one server per node is used as that node's probe.
 
     Keyword Args:
-        sizes: probe payload sizes in bytes (two or more).
+        sizes: probe payload sizes in bytes for the bandwidth points (the per-call overhead
+            comes from an 8-byte probe).
         repeats: timed transfers per size (the median is used), after one warm-up.
         timeout: seconds for one probe transfer.
 
@@ -129,12 +109,17 @@ def measure_links(servers: ShardServers, *, sizes: Sequence[int] = (1 << 16, 1 <
     for a, actor_a in probe.items():
         pairs[(a, here)] = lambda x, pa=actor_a: (lambda: get(pa.probe.remote(x)))
         pairs[(here, a)] = lambda x, pa=actor_a: (lambda: get(pa.sink.remote(ray.put(payloads[x]))))
+    payloads[8] = np.ones(8, dtype=np.uint8)
     prof = LinkProfile(learner_node=here, sizes=tuple(sizes), repeats=repeats)
     for key, make in pairs.items():
         samples = []
-        for x in sizes:
+        for x in (8, *sizes):
             call = make(x)
             call()  # warm-up
             samples.append((x, _timed(call, repeats)))
-        prof.links[key] = fit_link(samples)
+        overhead = samples[0][1]
+        try:
+            prof.links[key] = LinkCost.fit(samples[1:], overhead)
+        except PlacementError:  # every sample within the overhead (a very busy machine): no bandwidth limit seen
+            prof.links[key] = LinkCost(overhead)
     return prof
