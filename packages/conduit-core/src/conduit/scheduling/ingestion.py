@@ -12,10 +12,12 @@ returns as soon as the batch is queued. The queue is bounded (``queue_depth`` ba
 a full queue blocks the producer (backpressure). A group is stored when it is complete,
 when the queue is full, when a version changes, or when :meth:`flush` asks for it.
 
-Nothing is lost: a batch whose storing fails stays queued (with everything after it, in
-order) and the error is raised from the producer's next ``handover``, ``flush`` or
-``close``; the worker then retries it. ``close`` drains the queue or raises, leaving the
-unstored batches readable through :meth:`Ingestion.pending`.
+Nothing is lost: a batch whose storing fails stays at the head of the queue (with
+everything after it, in order), storing pauses, and the error is raised once from the
+producer's next ``handover``, ``flush`` or ``close``. The next ``flush`` (``seal`` flushes)
+or ``close`` retries it, and raises again if it still fails. While paused, hand-overs
+are queued until the queue is full, then refused with the reason. ``close`` drains the
+queue or raises, leaving the unstored batches readable through :meth:`Ingestion.pending`.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class Ingestion:
         self._pending: deque[Handover] = deque()
         self._inflight: list[Handover] = []
         self._error: BaseException | None = None
+        self._paused = False
         self._force = 0
         self._closing = False
         self._stage: dict[str, torch.Tensor] = {}
@@ -98,12 +101,22 @@ class Ingestion:
                     raise ConfigurationError(f"Version {item.version} arrived after version {last.version}; "
                                              f"on-policy versions must not go backwards.")
             while self.background and len(self._pending) >= self.queue_depth and self._error is None:
+                if self._paused:
+                    raise ConfigurationError(
+                        f"Ingestion is paused after a failed background write and its queue is full "
+                        f"({len(self._pending)} batches); call flush() to retry them. This batch was not accepted.")
                 self._cv.wait()
             self._raise_failure()
             self._pending.append(item)
             self._cv.notify_all()
         if not self.background:
-            self._store_ready(force=False)
+            try:
+                self._store_ready(force=False)
+            except BaseException:
+                with self._cv:  # the call raises, so its batch was not accepted (earlier ones stay queued)
+                    if any(h is item for h in self._pending):
+                        self._pending = deque(h for h in self._pending if h is not item)
+                raise
 
     def flush(self) -> None:
         """Return once every handed-over batch is stored (or raise why one cannot be)."""
@@ -112,7 +125,9 @@ class Ingestion:
             self._rollout_done()
             return
         with self._cv:
+            self._raise_failure()  # an unreported failure is reported first; the retry is the next flush
             self._force += 1
+            self._paused = False
             self._cv.notify_all()
             try:
                 while (self._pending or self._inflight) and self._error is None:
@@ -131,6 +146,8 @@ class Ingestion:
             return
         with self._cv:
             self._closing = True
+            self._paused = False  # one last try
+            self._error = None
             self._cv.notify_all()
         assert self._thread is not None
         self._thread.join()
@@ -176,7 +193,7 @@ class Ingestion:
         return group, units >= target
 
     def _take(self, force: bool) -> list[Handover] | None:
-        if not self._pending or self._error is not None:
+        if not self._pending or self._error is not None or self._paused:
             return None
         group, complete = self._group()
         if not (complete or force or self._force or self._closing or len(self._pending) >= self.queue_depth):
@@ -258,7 +275,7 @@ class Ingestion:
                     group = self._take(force=False)
                     if group is not None:
                         break
-                    if self._closing and (not self._pending or self._error is not None):
+                    if self._closing and (not self._pending or self._error is not None or self._paused):
                         self._cv.notify_all()
                         return
                     self._cv.wait()
@@ -271,12 +288,13 @@ class Ingestion:
                 if err is not None:
                     self._pending.extendleft(reversed(group))
                     self._error = err
+                    self._paused = True
                 self._inflight = []
                 self._cv.notify_all()
 
     # -- failures --------------------------------------------------------------------------
     def _raise_failure(self) -> None:
-        """Raise a background failure once (under the lock); the worker then retries the batch."""
+        """Raise a background failure once (under the lock); storing stays paused until a flush."""
         if self._error is None:
             return
         e, self._error = self._error, None
@@ -286,7 +304,7 @@ class Ingestion:
     def _failure(self, e: BaseException, *, closing: bool) -> BaseException:
         n = len(self._pending) + len(self._inflight)
         what = ("they stay in scheduler.pending()" if closing
-                else "they stay queued in order and are retried; this call's batch was not accepted")
+                else "they stay queued in order and flush() retries them; this call's batch was not accepted")
         msg = f"Background ingestion failed ({type(e).__name__}: {e}); {n} handed-over batches are not stored: {what}."
         if isinstance(e, ConduitError):
             try:
