@@ -178,19 +178,22 @@ class LinkCost:
         return max(bw for _, bw in self.points)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"overhead_us": self.overhead_s * 1e6, "per_row_ns": self.per_row_s * 1e9, "by_row": self.by_row,
-                "points": [[b, None if math.isinf(bw) else bw / 1e9] for b, bw in self.points]}
+        """SI units: seconds, bytes, bytes per second (``None`` for an unlimited bandwidth)."""
+        return {"overhead_s": self.overhead_s, "per_row_s": self.per_row_s, "by_row": self.by_row,
+                "points": [[b, None if math.isinf(bw) else bw] for b, bw in self.points]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LinkCost:
-        """Inverse of :meth:`to_dict`; also accepts the data-file form ``{"gbps": G, "overhead_us": U}``."""
+        """Inverse of :meth:`to_dict`; also accepts the data-file form
+        ``{"gbps": G, "overhead_us": U, "per_row_ns": R}`` (any of the three may be left out)."""
+        if "overhead_s" in d:
+            pts = tuple((float(b), math.inf if bw is None else float(bw)) for b, bw in d["points"])
+            return cls(float(d["overhead_s"]), pts, float(d.get("per_row_s", 0.0)), bool(d.get("by_row", False)))
+        over = float(d.get("overhead_us", 0.0))
         per_row = float(d.get("per_row_ns", 0.0))
         if "gbps" in d:
-            return cls.constant(float(d["gbps"]), float(d.get("overhead_us", 0.0)), per_row)
-        if "points" not in d:  # a pure per-call overhead
-            return cls(float(d["overhead_us"]) * 1e-6, per_row_s=per_row * 1e-9)
-        pts = tuple((float(b), math.inf if g is None else float(g) * 1e9) for b, g in d["points"])
-        return cls(float(d["overhead_us"]) * 1e-6, pts, per_row * 1e-9, bool(d.get("by_row", False)))
+            return cls.constant(float(d["gbps"]), over, per_row)
+        return cls(over * 1e-6, per_row_s=per_row * 1e-9)  # a pure per-call (and per-row) cost
 
 
 def _gpu_names() -> list[str]:
