@@ -17,7 +17,7 @@ fits in the learner's (or actor's) time between calls is hidden; what remains ex
 the hand-over plus the part that does not fit.
 
 The fit uses robust per-size medians and non-negative least squares on relative errors
-(the knee ``C`` chosen among the observed sizes). With as many sizes as parameters it
+(the knee ``C`` searched between the observed sizes). With as many sizes as parameters it
 interpolates the measurements, so its choice is the measured best among probed sizes.
 """
 
@@ -118,8 +118,12 @@ def fit_latency(obs: Sequence[tuple[float, float, bool]]) -> LatencyFit:
     st = np.array([1.0 if p[1] else 0.0 for p in pts])
     y = np.array([p[2] for p in pts])
     w = 1.0 / np.maximum(y, 1e-9)  # relative errors: small and large calls count alike
-    # a knee at the smallest size would only duplicate the linear term: try the inner sizes
-    knees = [math.inf] + sorted(set(xb.tolist()))[1:-1]
+    # knees strictly inside the observed sizes (at the smallest it would only duplicate the linear term)
+    sizes = sorted(set(xb.tolist()))
+    knees = [math.inf]
+    if len(sizes) >= 3:
+        knees += [k for k in np.geomspace(sizes[0], sizes[-1], 48)[1:-1].tolist() if k < sizes[-2]]
+        knees += sizes[1:-1]
     best: tuple[float, np.ndarray, float] | None = None
     for knee in knees:
         cols = [np.ones_like(xb), xb]
