@@ -38,6 +38,9 @@ class SumTree:
         """Set leaves ``slots`` to ``values`` (for a repeated slot the last value wins)."""
         if slots.size == 0:
             return
+        if slots.size <= 8:  # a few leaves (one env step, one small update): scalar walk, ~10x fewer NumPy calls
+            self._set_few(slots, values)
+            return
         idx = slots.astype(np.int64) + self.size
         self._sum[idx] = values
         self._min[idx] = np.where(values > 0, values, np.inf)
@@ -48,6 +51,21 @@ class SumTree:
             left = idx << 1
             self._sum[idx] = self._sum[left] + self._sum[left + 1]
             self._min[idx] = np.minimum(self._min[left], self._min[left + 1])
+
+    def _set_few(self, slots: np.ndarray, values: np.ndarray) -> None:
+        """:meth:`set` one leaf after the other, walking up with scalar reads (same results, bit for bit)."""
+        s, m = self._sum, self._min
+        vals = np.broadcast_to(np.asarray(values, dtype=np.float64), slots.shape).tolist()
+        for slot, v in zip(slots.astype(np.int64).tolist(), vals, strict=True):
+            i = slot + self.size
+            s[i] = v
+            m[i] = v if v > 0 else np.inf
+            for _ in range(self.depth):
+                i >>= 1
+                left = i << 1
+                s[i] = s[left] + s[left + 1]
+                a, b = m[left], m[left + 1]
+                m[i] = a if a < b else b
 
     def find(self, prefix: np.ndarray) -> np.ndarray:
         """Slots whose cumulative-weight interval contains each value of ``prefix``."""
