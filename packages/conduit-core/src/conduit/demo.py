@@ -104,7 +104,8 @@ class _Learner:
 
 def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Placement | None = None,
              iterations: int = 10, warmup: int = 2, rollout: int = 256, batch: int = 512, updates: int = 4,
-             capacity: int = 8192, hidden: int = 64, actions: int = 4, seed: int = 0, trace: str | Path | None = None,
+             capacity: int = 8192, hidden: int = 64, actions: int = 4, seed: int = 0, prefill: int | None = None,
+             trace: str | Path | None = None,
              on_iteration: Callable[[int, IterationExposure], None] | None = None) -> LoopResult:
     """Run the synthetic loop and account for every iteration after ``warmup``.
 
@@ -117,7 +118,8 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
         rollout: transitions the actor produces per iteration.
         batch: transitions per learner update.
         updates: learner updates per iteration.
-        capacity: buffer capacity (it is filled to ``batch`` before the first iteration).
+        capacity: buffer capacity.
+        prefill: items ingested before the first iteration (default ``batch``).
         hidden: width of the MLP's hidden layer.
         actions: size of the action space.
         seed: seeds the buffer's sampler, the network and the synthetic environment.
@@ -142,7 +144,8 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
                 "done": torch.rand((rollout,), generator=env) < 0.01}
 
     try:
-        while len(edp) < batch:
+        target = min(capacity, max(batch, prefill or 0))
+        while len(edp) < target:
             edp.ingest(make_rollout())
             edp.flush()
         t_start = 0.0

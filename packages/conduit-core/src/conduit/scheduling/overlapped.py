@@ -212,6 +212,11 @@ class Overlapped(Scheduler):
                 self._chunk = chunk
 
     @property
+    def prepared(self) -> int:
+        """Batches prepared and not yet delivered (a job in flight not counted)."""
+        return len(self._ready)
+
+    @property
     def priority_staleness(self) -> int:
         """How many ``update_priorities`` calls a delivered batch's draw may precede (0: none)."""
         if not self.prioritized:

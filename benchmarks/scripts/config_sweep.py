@@ -1,0 +1,254 @@
+"""Configuration sweep on the synthetic actor/learner loop: placement x overlap x granularity, and the automatic choice.
+
+For each observation size d, every placement available on this machine (host memory and
+memory-mapped disk files here; page-locked host, one GPU and sharded GPUs where CUDA
+exists) is run with overlap off and on, at g = g_ing = g_del in {1, 2, 4, 8}, plus the
+synchronous baseline and the automatic configuration (placement from the planner,
+scheduling from :class:`conduit.Automatic`, which calibrates on the running loop during
+its warm-up iterations). Rounds interleave every configuration, in a shuffled order, so
+the load other jobs put on a shared machine falls on all of them alike; each figure is the
+median over rounds of the per-round median iteration.
+
+Run::
+
+    .venv/bin/python benchmarks/scripts/config_sweep.py            # d = 128, 1000, 5000, 10000
+    .venv/bin/python benchmarks/scripts/config_sweep.py --dims 128 1000 --rounds 2
+
+It writes ``benchmarks/results/config_sweep.json`` and the plot
+``benchmarks/docs/config_sweep.png``, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from conduit import Automatic, Overlapped, Synchronous
+from conduit.demo import run_loop
+from conduit.placement import DevicePlacement, DiskPlacement, HostPlacement, Placement
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results" / "config_sweep.json"
+PLOT = ROOT / "benchmarks" / "docs" / "config_sweep.png"
+GS = (1, 2, 4, 8)
+
+#: the loop's shape: transitions per rollout, updates of ``BATCH`` per iteration, MLP width
+ROLLOUT, BATCH, UPDATES, HIDDEN = 256, 512, 4, 64
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the sweep: ``placement`` x overlap x g, or a named special one."""
+
+    placement: str
+    overlap: bool | None = None
+    g: int | None = None
+    special: str = ""  # "sync" (the synchronous baseline) or "auto"
+
+    @property
+    def name(self) -> str:
+        if self.special:
+            return self.special
+        return f"{self.placement}/{'overlap' if self.overlap else 'sequential'}/g={self.g}"
+
+
+def placements() -> dict[str, Callable[[], Placement]]:
+    """Every placement this machine offers (the disk tier in a fresh temporary directory per run)."""
+    out: dict[str, Callable[[], Placement]] = {
+        "host": HostPlacement,
+        "disk": lambda: DiskPlacement(directory=tempfile.mkdtemp(prefix="conduit-sweep-")),
+    }
+    if torch.cuda.is_available():
+        out["pinned"] = lambda: HostPlacement(pin_memory=True)
+        out["gpu"] = lambda: DevicePlacement("cuda:0")
+    return out
+
+
+def capacity_for(d: int) -> int:
+    """At most 16k transitions and about 512 MiB of columns."""
+    return int(min(16384, (512 << 20) // (8 * d + 13)))
+
+
+def auto_placement(d: int) -> tuple[Placement, str]:
+    """The planner's choice for this machine and workload (host memory if it cannot plan here)."""
+    try:
+        from conduit.placement import Planner, Workload, discover_topology, profile_machine
+
+        plan = Planner(discover_topology(), profile_machine(quick=True)).plan(
+            Workload.transitions(d, capacity=capacity_for(d), batch=BATCH))
+        spec = plan.placement
+        directory = tempfile.mkdtemp(prefix="conduit-sweep-") if spec.tier == "disk" else None
+        return spec.build(directory=directory), f"planner: {spec}"
+    except Exception as e:  # noqa: BLE001 - report and fall back
+        return HostPlacement(), f"planner unavailable ({type(e).__name__}: {e}); host"
+
+
+def run_config(cfg: Config, d: int, *, iterations: int, warmup: int, auto_warmup: int) -> dict[str, Any]:
+    """One run of the loop; medians of its accounted iterations (seconds)."""
+    note = ""
+    if cfg.special == "sync":
+        sched: Any = Synchronous()
+        plc = HostPlacement()
+    elif cfg.special == "auto":
+        sched = Automatic()
+        plc, note = auto_placement(d)
+    else:
+        assert cfg.g is not None and cfg.overlap is not None
+        sched = Overlapped(g_ing=cfg.g, g_del=cfg.g, overlap=cfg.overlap)
+        plc = placements()[cfg.placement]()
+    cap = capacity_for(d)
+    res = run_loop(obs_dim=d, scheduler=sched, placement=plc, iterations=iterations,
+                   warmup=auto_warmup if cfg.special == "auto" else warmup, rollout=ROLLOUT, batch=BATCH,
+                   updates=UPDATES, capacity=cap, hidden=HIDDEN, prefill=min(cap, 8 * BATCH))
+    out = {k: res.median(k) for k in ("iteration_s", "exposed_s", "hidden_s", "total_s", "update_s", "rollout_s")}
+    out["note"] = note
+    out["decision"] = res.decision
+    return out
+
+
+def sweep(dims: Sequence[int], *, gs: Sequence[int] = GS, rounds: int = 3, iterations: int = 5, warmup: int = 2,
+          auto_warmup: int = 16, placement_names: Sequence[str] | None = None, seed: int = 0,
+          log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the sweep; returns ``{"dims": {d: {config: {...medians...}}}, ...}``."""
+    torch.set_num_threads(1)
+    names = list(placement_names) if placement_names is not None else list(placements())
+    configs = [Config("host", special="sync"), Config("auto", special="auto")]
+    configs += [Config(p, ov, g) for p in names for ov in (False, True) for g in gs]
+    rng = random.Random(seed)
+    out: dict[str, Any] = {"machine": _machine(), "loop": {"rollout": ROLLOUT, "batch": BATCH, "updates": UPDATES,
+                                                            "hidden": HIDDEN},
+                           "rounds": rounds, "iterations": iterations, "dims": {}}
+    for d in dims:
+        runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
+        t0 = time.perf_counter()
+        for r in range(rounds):
+            order = configs[:]
+            rng.shuffle(order)
+            for cfg in order:
+                runs[cfg.name].append(run_config(cfg, d, iterations=iterations, warmup=warmup,
+                                                 auto_warmup=auto_warmup))
+            log(f"d={d}: round {r + 1}/{rounds} done ({time.perf_counter() - t0:.0f} s)")
+        table = {}
+        for name, rs in runs.items():
+            med = {k: statistics.median(x[k] for x in rs) for k in rs[0] if k.endswith("_s")}
+            med["rounds"] = [x["iteration_s"] for x in rs]
+            med["note"] = rs[-1]["note"]
+            med["decision"] = rs[-1]["decision"]
+            table[name] = med
+        out["dims"][str(d)] = summarize(table)
+    return out
+
+
+def summarize(table: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Add the comparisons: best manual configuration, auto vs best, overlap vs the synchronous baseline."""
+    manual = {k: v for k, v in table.items() if k not in ("sync", "auto")}
+    best = min(manual, key=lambda k: manual[k]["iteration_s"])
+    worst = max(manual, key=lambda k: manual[k]["iteration_s"])
+    overl = {k: v for k, v in manual.items() if "/overlap/" in k}
+    best_ovl = min(overl, key=lambda k: overl[k]["exposed_s"]) if overl else best
+    sync = table["sync"]
+    auto = table["auto"]
+    return {"configs": table, "best": best, "worst": worst,
+            "spread_s": manual[worst]["iteration_s"] - manual[best]["iteration_s"],
+            "auto_vs_best": auto["iteration_s"] / manual[best]["iteration_s"],
+            "best_overlap_exposed": best_ovl,
+            "exposed_reduction": 1 - overl[best_ovl]["exposed_s"] / sync["exposed_s"] if overl else 0.0,
+            "exposed_reduction_host_g1": (1 - table["host/overlap/g=1"]["exposed_s"] / sync["exposed_s"]
+                                          if "host/overlap/g=1" in table else None)}
+
+
+def _machine() -> dict[str, Any]:
+    import os
+    import platform
+
+    return {"cpus": os.cpu_count(), "cuda": torch.cuda.is_available(), "torch": torch.__version__,
+            "python": platform.python_version(), "torch_threads": 1}
+
+
+def plot(results: dict[str, Any], path: Path = PLOT) -> Path:
+    """Iteration time per configuration against d, with the automatic choice on top (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dims = sorted(int(d) for d in results["dims"])
+    names = sorted({n for d in dims for n in results["dims"][str(d)]["configs"]} - {"auto", "sync"})
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    ax = axes[0]
+    for n in names:
+        ys = [results["dims"][str(d)]["configs"][n]["iteration_s"] * 1e3 for d in dims]
+        style = "-" if "/overlap/" in n else "--"
+        ax.plot(dims, ys, style, color="0.75" if "disk" in n else "0.55", lw=0.9)
+    env = [min(results["dims"][str(d)]["configs"][n]["iteration_s"] for n in names) * 1e3 for d in dims]
+    ax.plot(dims, env, color="tab:green", lw=2.5, label="lower envelope (best manual)")
+    ax.plot(dims, [results["dims"][str(d)]["configs"]["sync"]["iteration_s"] * 1e3 for d in dims], color="tab:red",
+            lw=1.5, label="synchronous baseline")
+    ax.plot(dims, [results["dims"][str(d)]["configs"]["auto"]["iteration_s"] * 1e3 for d in dims], "o",
+            color="tab:blue", ms=8, label="automatic choice")
+    ax.set(xscale="log", yscale="log", xlabel="transition dimension d", ylabel="iteration time (ms, median)",
+           title=f"{len(names)} manual configurations (grey; dashed = sequential)")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    width = 0.35
+    xs = range(len(dims))
+    sync_e = [results["dims"][str(d)]["configs"]["sync"]["exposed_s"] * 1e3 for d in dims]
+    best_e = [results["dims"][str(d)]["configs"][results["dims"][str(d)]["best_overlap_exposed"]]["exposed_s"] * 1e3
+              for d in dims]
+    ax.bar([x - width / 2 for x in xs], sync_e, width, color="tab:red", label="synchronous")
+    ax.bar([x + width / 2 for x in xs], best_e, width, color="tab:blue", label="overlapped (best)")
+    ax.set_xticks(list(xs), [str(d) for d in dims])
+    ax.set(yscale="log", xlabel="transition dimension d", ylabel="exposed experience path (ms / iteration)",
+           title="exposed experience-path latency")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def table_text(results: dict[str, Any]) -> str:
+    lines = []
+    for d, r in results["dims"].items():
+        c = r["configs"]
+        lines.append(f"\nd = {d}: best manual {r['best']} {c[r['best']]['iteration_s'] * 1e3:.1f} ms, auto "
+                     f"{c['auto']['iteration_s'] * 1e3:.1f} ms ({r['auto_vs_best']:.3f}x best), spread "
+                     f"{r['spread_s'] * 1e3:.1f} ms; exposed with overlap ({r['best_overlap_exposed']}) "
+                     f"{r['exposed_reduction']:.1%} below synchronous")
+        for name in sorted(c, key=lambda k: c[k]["iteration_s"]):
+            v = c[name]
+            lines.append(f"  {name:26} iteration {v['iteration_s'] * 1e3:8.2f}  exposed {v['exposed_s'] * 1e3:7.3f}  "
+                         f"hidden {v['hidden_s'] * 1e3:7.3f}  update {v['update_s'] * 1e3:7.2f} ms")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dims", type=int, nargs="+", default=[128, 1000, 5000, 10000])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iterations", type=int, default=5)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--plot", type=Path, default=PLOT)
+    args = p.parse_args(argv)
+    res = sweep(args.dims, rounds=args.rounds, iterations=args.iterations)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__")
+                                   else str(o)))
+    print(table_text(res))
+    print(f"\nwrote {args.out} and {plot(res, args.plot)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
