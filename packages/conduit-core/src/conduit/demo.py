@@ -77,19 +77,21 @@ class LoopResult:
 class _Learner:
     """A small MLP Q-network and one SGD step of a TD loss on a delivered batch."""
 
-    def __init__(self, d: int, hidden: int, actions: int, seed: int) -> None:
+    def __init__(self, d: int, hidden: int, actions: int, seed: int, device: torch.device) -> None:
         g = torch.Generator().manual_seed(seed)
         self.net = torch.nn.Sequential(torch.nn.Linear(d, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, actions))
         with torch.no_grad():
             for p in self.net.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+        self.net.to(device)
+        self.device = device
         self.opt = torch.optim.SGD(self.net.parameters(), lr=1e-3)
 
     def act(self, obs: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return self.net(obs).argmax(1)
 
-    def update(self, batch: object) -> float:
+    def update(self, batch: object) -> None:
         b = batch  # an ExperienceBatch; fixed fields are tensors
         q = self.net(b["obs"]).gather(1, b["action"][:, None]).squeeze(1)  # type: ignore[index]
         with torch.no_grad():
@@ -99,13 +101,14 @@ class _Learner:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
-        return float(loss.detach())
+        if self.device.type == "cuda":  # the update's span covers its GPU work
+            torch.cuda.synchronize(self.device)
 
 
 def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Placement | None = None,
              iterations: int = 10, warmup: int = 2, rollout: int = 256, batch: int = 512, updates: int = 4,
              capacity: int = 8192, hidden: int = 64, actions: int = 4, seed: int = 0, prefill: int | None = None,
-             trace: str | Path | None = None,
+             device: torch.device | str | None = None, trace: str | Path | None = None,
              on_iteration: Callable[[int, IterationExposure], None] | None = None) -> LoopResult:
     """Run the synthetic loop and account for every iteration after ``warmup``.
 
@@ -120,6 +123,7 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
         updates: learner updates per iteration.
         capacity: buffer capacity.
         prefill: items ingested before the first iteration (default ``batch``).
+        device: the learner's device (default: the storage's); the actor stays on the host.
         hidden: width of the MLP's hidden layer.
         actions: size of the action space.
         seed: seeds the buffer's sampler, the network and the synthetic environment.
@@ -129,16 +133,17 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
     sched = scheduler if scheduler is not None else Synchronous()
     plc = placement if placement is not None else HostPlacement()
     edp = ExperienceDataPlane(transition_schema(obs_dim), capacity=capacity, semantics=Replay(seed=seed),
-                              placement=plc, scheduler=sched)
+                              placement=plc, scheduler=sched, device=device)
     env = torch.Generator().manual_seed(seed + 1)
-    learner = _Learner(obs_dim, hidden, actions, seed)
+    learner = _Learner(obs_dim, hidden, actions, seed, edp.device)
+    actor = _Learner(obs_dim, 16, actions, seed + 2, torch.device("cpu"))
     tel = edp.telemetry
     log = ExposureLog(tel)
     result = LoopResult(obs_dim, repr(sched), plc.describe())
 
     def make_rollout() -> dict[str, torch.Tensor]:
         obs = torch.randn((rollout, obs_dim), generator=env)
-        act = learner.act(obs)
+        act = actor.act(obs)
         nxt = torch.randn((rollout, obs_dim), generator=env)
         return {"obs": obs, "next_obs": nxt, "action": act, "reward": torch.randn((rollout,), generator=env),
                 "done": torch.rand((rollout,), generator=env) < 0.01}

@@ -5,19 +5,27 @@ A *chunk* is what one delivery call prepares: ``g_del`` batches gathered back to
 a delivered batch stays valid until ``output_depth`` further deliveries (the EDP's
 contract), so a buffer is reusable only once every batch it handed out has expired.
 
-On a GPU learner with host storage, the host side of each buffer is page-locked (the
-staging area) and a side CUDA stream copies it to the device side with ``non_blocking``
-copies. Hand-over makes the learner's current stream wait on the copy's event; before a
-buffer's device side is overwritten, the side stream waits on an event recorded on the
-learner's stream when the buffer's last batch expired; before its host side is
-overwritten, the worker waits for the previous copy out of it. None of this runs on a
-machine without CUDA: there the host side is what the learner gets.
+With CUDA, a buffer is filled on a side stream (:meth:`ChunkRing.filling`): for a GPU
+learner and host storage the host side is page-locked staging, gathered on the CPU and
+copied to the device side with ``non_blocking`` copies; for GPU storage the gather
+kernels themselves run on the side stream. Stream order is kept by events:
+
+* every delivery call marks the learner's current stream as it starts; a buffer whose
+  batches expired at call ``E`` is refilled only after the side stream waits on call
+  ``E``'s mark, so no kernel the learner enqueued on those batches can see new data;
+* hand-over makes the learner's stream wait on the event recorded after the fill, and
+  calls ``record_stream`` on tensors allocated on the side stream (ragged columns) so the
+  caching allocator does not reuse them under the learner;
+* before the CPU overwrites a staging area, it waits for the previous copy out of it.
+
+None of this runs without CUDA: there the host side is what the learner gets.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,10 +52,8 @@ class _Slot:
     expires: int = 0
     #: holds prepared, not yet delivered batches (or a job is filling it)
     busy: bool = False
-    #: CUDA: the last copy out of the host side finished
+    #: CUDA: the last fill of this buffer (its copy out of the host side) finished
     copied: Any = None
-    #: CUDA: the learner's stream finished with the device side
-    released: Any = None
 
 
 class ChunkRing:
@@ -71,10 +77,12 @@ class ChunkRing:
         self.cuda = torch.cuda.is_available() and "cuda" in (device.type, storage_device.type)
         self.pin = self.cuda and storage_device.type == "cpu" and device.type == "cuda"
         self.stream: Any = None
+        self.cuda_device = device if device.type == "cuda" else storage_device
         if self.cuda:
-            dev = device if device.type == "cuda" else storage_device
-            self.stream = torch.cuda.Stream(device=dev)
+            self.stream = torch.cuda.Stream(device=self.cuda_device)
         self.slots = [_Slot() for _ in range(count)]
+        #: CUDA: delivery call index -> event on the learner's stream at the call's start
+        self._calls: dict[int, Any] = {}
 
     # -- buffer life cycle -----------------------------------------------------------------
     def acquire(self, delivered: int, *, inside_call: bool) -> int:
@@ -100,16 +108,46 @@ class ChunkRing:
         """Batch number ``index`` (0-based delivery count) was handed out of buffer ``i``."""
         s = self.slots[i]
         s.expires = max(s.expires, index + self.output_depth)
-        if self.cuda and self.move:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            s.released = ev
+
+    def call_started(self, index: int) -> None:
+        """Delivery call ``index`` begins (CUDA: mark the learner's stream; batches expiring now were used before)."""
+        if not self.cuda:
+            return
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.cuda_device))
+        self._calls[index] = ev
+        if len(self._calls) > 4 * len(self.slots) + 4 * self.output_depth + 64:
+            for k in sorted(self._calls)[: len(self._calls) // 2]:
+                if not any(s.expires == k for s in self.slots):
+                    del self._calls[k]
+
+    @contextmanager
+    def filling(self, i: int) -> Iterator[None]:
+        """Fill buffer ``i`` in the body: on CUDA, on the side stream, after the learner is done with it."""
+        if not self.cuda:
+            yield
+            return
+        s = self.slots[i]
+        with torch.cuda.stream(self.stream):
+            ev = self._calls.get(s.expires) if s.expires else None
+            if ev is not None:
+                self.stream.wait_event(ev)
+            yield
+
+    def filled(self, i: int) -> Any:
+        """The event marking the end of buffer ``i``'s fill (``None`` off CUDA)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        self.slots[i].copied = ev
+        return ev
 
     def host(self, i: int) -> Callable[[int], dict[str, torch.Tensor]]:
         """``rows -> buffers``: the host side of buffer ``i``, grown to ``rows`` when needed."""
         def get(rows: int) -> dict[str, torch.Tensor]:
             s = self.slots[i]
-            if s.copied is not None:  # the previous copy out of this staging area must be done
+            if s.copied is not None and self.storage_device.type == "cpu":  # the last copy out of the staging
                 s.copied.synchronize()
                 s.copied = None
             if rows > s.rows:
@@ -124,26 +162,14 @@ class ChunkRing:
                                pin_memory=pin) for n in self.schema.fixed}
 
     # -- the learner's device ----------------------------------------------------------------
-    def to_device(self, i: int, parts: list[ExperienceBatch]) -> tuple[list[ExperienceBatch], Any]:
+    def to_device(self, i: int, parts: list[ExperienceBatch]) -> list[ExperienceBatch]:
         """Move the batches of a gathered chunk (back to back in buffer ``i``) to the learner's device.
 
-        Returns the moved batches and the CUDA event of their copies (``None`` off CUDA).
-        On CUDA the copies are ``non_blocking`` on the side stream, which first waits until
-        the learner's stream is done with this buffer's previous contents.
+        Call it inside :meth:`filling`: on CUDA the copies are ``non_blocking`` on the side stream.
         """
         if not self.move:
-            return parts, None
-        s = self.slots[i]
-        if not self.cuda:  # a learner device that is neither the storage's nor CUDA: plain copies
-            return self._copy(parts, s, non_blocking=False), None
-        with torch.cuda.stream(self.stream):
-            if s.released is not None:
-                self.stream.wait_event(s.released)
-            out = self._copy(parts, s, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-        s.copied = ev
-        return out, ev
+            return parts
+        return self._copy(parts, self.slots[i], non_blocking=self.cuda)
 
     def _copy(self, parts: list[ExperienceBatch], s: _Slot, *, non_blocking: bool) -> list[ExperienceBatch]:
         out = []

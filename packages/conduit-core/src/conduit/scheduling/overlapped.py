@@ -254,6 +254,7 @@ class Overlapped(Scheduler):
             if self._ingestion.waiting and len(self.edp.storage) == 0:
                 self._ingestion.flush()  # nothing stored yet: handed-over data must not stay invisible
             with self._mu:
+                self._ring.call_started(self._delivered)
                 if self.on_policy:
                     batch, info = self._deliver_on_policy()
                 else:
@@ -300,8 +301,10 @@ class Overlapped(Scheduler):
             if pred is not None:
                 self._discard(pred)
             buf = self._ring.acquire(self._delivered, inside_call=True)
-            batch = self.edp.gather_now([sel], self._ring.host(buf))
-            (batch,), event = self._ring.to_device(buf, [batch])
+            with self._ring.filling(buf):
+                batch = self.edp.gather_now([sel], self._ring.host(buf))
+                (batch,) = self._ring.to_device(buf, [batch])
+                event = self._ring.filled(buf)
             p = _Prepared((None, ()), batch, sel.info, sel, buf, 0, event, True)
             self.prefetch_misses += 1
         self.edp.release_now(sel)
@@ -324,27 +327,30 @@ class Overlapped(Scheduler):
         try:
             n, kw = key
             epoch = [0]
-            if self.on_policy:
-                res = self.edp.prepare_now([None], self._ring.host(buf), peek=True, when=self._same_rollout)
-                if res is None:
-                    self._ring.free(buf)
-                    return []
-            else:
-                extra = {"beta": 1.0} if self.prioritized else {}
+            with self._ring.filling(buf):
+                if self.on_policy:
+                    res = self.edp.prepare_now([None], self._ring.host(buf), peek=True, when=self._same_rollout)
+                    if res is None:
+                        self._ring.free(buf)
+                        return []
+                else:
+                    extra = {"beta": 1.0} if self.prioritized else {}
 
-                def stamp() -> bool:
-                    epoch[0] = self._prio_epoch
-                    return True
+                    def stamp() -> bool:
+                        epoch[0] = self._prio_epoch
+                        return True
 
-                res = self.edp.prepare_now([n] * self._chunk, self._ring.host(buf), when=stamp, **dict(kw), **extra)
-                assert res is not None
-            batch, sels = res
-            parts, row = [], 0
-            for s in sels:
-                k = int(s.slots.shape[0])
-                parts.append(batch.select(slice(row, row + k)))
-                row += k
-            parts, event = self._ring.to_device(buf, parts)
+                    res = self.edp.prepare_now([n] * self._chunk, self._ring.host(buf), when=stamp, **dict(kw),
+                                               **extra)
+                    assert res is not None
+                batch, sels = res
+                parts, row = [], 0
+                for s in sels:
+                    k = int(s.slots.shape[0])
+                    parts.append(batch.select(slice(row, row + k)))
+                    row += k
+                parts = self._ring.to_device(buf, parts)
+                event = self._ring.filled(buf)
         except BaseException:
             self._ring.free(buf)
             raise
