@@ -25,7 +25,6 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -63,11 +62,8 @@ class Config:
 
 
 def placements() -> dict[str, Callable[[], Placement]]:
-    """Every placement this machine offers (the disk tier in a fresh temporary directory per run)."""
-    out: dict[str, Callable[[], Placement]] = {
-        "host": HostPlacement,
-        "disk": lambda: DiskPlacement(directory=tempfile.mkdtemp(prefix="conduit-sweep-")),
-    }
+    """Every placement this machine offers (the disk tier's files live in the temp dir, removed with the storage)."""
+    out: dict[str, Callable[[], Placement]] = {"host": HostPlacement, "disk": DiskPlacement}
     if torch.cuda.is_available():
         out["pinned"] = lambda: HostPlacement(pin_memory=True)
         out["gpu"] = lambda: DevicePlacement("cuda:0")
@@ -87,8 +83,7 @@ def auto_placement(d: int) -> tuple[Placement, str]:
         plan = Planner(discover_topology(), profile_machine(quick=True)).plan(
             Workload.transitions(d, capacity=capacity_for(d), batch=BATCH))
         spec = plan.placement
-        directory = tempfile.mkdtemp(prefix="conduit-sweep-") if spec.tier == "disk" else None
-        return spec.build(directory=directory), f"planner: {spec}"
+        return spec.build(), f"planner: {spec}"
     except Exception as e:  # noqa: BLE001 - report and fall back
         return HostPlacement(), f"planner unavailable ({type(e).__name__}: {e}); host"
 
