@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from conduit.testing import ConcurrencySuite, FreshnessSuite, ReplaySuite
-
 from conduit_srl.testing import SrlOnPolicyEndpoint, SrlReplayEndpoint
 
 

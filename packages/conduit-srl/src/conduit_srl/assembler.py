@@ -217,12 +217,16 @@ class Assembler:
             self._check_open()
             if self.edp is None:
                 return True
-            if self._ready or self._deliverable():
+            if self._ready:
                 return False
-        if self._ingest_pending():
-            self.edp.flush()
+        with self._deliver_lock:  # an entry being assembled right now counts
             with self._cv:
-                return not (self._ready or self._deliverable())
+                if self._ready or self._deliverable():
+                    return False
+            if self._ingest_pending():
+                self.edp.flush()
+                with self._cv:
+                    return not (self._ready or self._deliverable())
         return True
 
     def qsize(self) -> int:

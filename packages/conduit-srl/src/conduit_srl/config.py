@@ -123,7 +123,7 @@ class BufferConfig:
             if self.rollout_size is not None:
                 raise ConfigurationError("rollout_size is an on_policy argument.")
         positive("capacity", self.resolved_capacity)
-        if self.batch_size is not None and self.batch_size > self.resolved_capacity:
+        if self.semantics == "queue" and self.batch_size is not None and self.batch_size > self.resolved_capacity:
             raise ConfigurationError(f"batch_size {self.batch_size} is larger than capacity "
                                      f"{self.resolved_capacity}; raise capacity.")
         positive("reuses", self.reuses)
@@ -131,6 +131,9 @@ class BufferConfig:
             raise ConfigurationError("reuses applies to semantics='queue' (on_policy reuses through num_epochs).")
         if self.warmup is not None:
             positive("warmup", self.warmup)
+            if self.warmup > self.resolved_capacity:
+                raise ConfigurationError(f"warmup {self.warmup} is larger than capacity {self.resolved_capacity}; "
+                                         f"it could never be reached.")
         positive("seed", self.seed, zero=True)
         if self.prefetch is not None:
             positive("prefetch", self.prefetch, zero=True)
@@ -179,4 +182,4 @@ class BufferConfig:
     def resolved_warmup(self) -> int:
         if self.warmup is not None:
             return self.warmup
-        return self.batch_size or 1
+        return min(self.batch_size or 1, self.resolved_capacity)
