@@ -385,47 +385,56 @@ _GATHER_ROWS = 512
 
 def _measure_gather(flat: torch.Tensor, widths: Iterable[int], reps: int, *, rows: int = _GATHER_ROWS,
                     before: Callable[[], object] | None = None, clock: Clock = time.perf_counter,
-                    outputs: int = 2) -> LinkCost:
-    """Gather ``rows`` random rows (fresh indices every call) of several widths from the column ``flat``.
+                    outputs: int = 2, columns: int = 1) -> LinkCost:
+    """Gather ``rows`` random rows (fresh indices every call) of several widths from ``flat``.
 
-    A width ``w`` views ``flat`` as rows of ``w`` bytes (``w = 0``: the 1-D column itself).
-    Outputs rotate over ``outputs`` buffers, as the EDP's delivery buffers do. The per-call
-    overhead comes from 1-row gathers.
+    ``flat`` is split into ``columns`` equal columns, gathered one after another with the
+    same rows (as a delivery gathers every field of a batch); the cost per column is the
+    call's time divided by ``columns``. A width ``w`` views each column as rows of ``w``
+    bytes (``w = 0``: the 1-D column itself). Outputs rotate over ``outputs`` buffers per
+    column, as the EDP's delivery buffers do. The per-call overhead comes from 1-row gathers.
     """
     device = flat.device
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     gen = torch.Generator().manual_seed(0)
     esize = flat.element_size()
+    part = flat.numel() // columns
 
-    def timed(col: torch.Tensor, k: int) -> float:
-        outs = [torch.empty((k, *col.shape[1:]), dtype=flat.dtype, device=device) for _ in range(outputs)]
+    def timed(cols: list[torch.Tensor], k: int) -> float:
+        outs = [[torch.empty((k, *c.shape[1:]), dtype=flat.dtype, device=device) for _ in range(outputs)]
+                for c in cols]
         state = {"i": 0, "idx": torch.zeros(k, dtype=torch.int64, device=device)}
 
         def draw() -> None:
             state["i"] = (state["i"] + 1) % outputs
-            state["idx"] = torch.randint(col.shape[0], (k,), generator=gen).to(device)
+            state["idx"] = torch.randint(cols[0].shape[0], (k,), generator=gen).to(device)
             if before is not None:
                 before()
 
         def gather() -> None:
-            torch.index_select(col, 0, state["idx"], out=outs[state["i"]])
+            for c, o in zip(cols, outs, strict=True):
+                torch.index_select(c, 0, state["idx"], out=o[state["i"]])
 
-        return _median_seconds(gather, reps=reps, sync=sync, before=draw, clock=clock)
+        return _median_seconds(gather, reps=reps, sync=sync, before=draw, clock=clock) / len(cols)
 
-    def view(width: int) -> torch.Tensor:
-        if width == 0:
-            return flat
-        per = max(1, width // esize)
-        return flat[: (flat.numel() // per) * per].view(-1, per)
+    def view(width: int) -> list[torch.Tensor]:
+        out = []
+        for j in range(columns):
+            col = flat[j * part:(j + 1) * part]
+            if width:
+                per = max(1, width // esize)
+                col = col[: (col.numel() // per) * per].view(-1, per)
+            out.append(col)
+        return out
 
     ws = list(widths)
     overhead = timed(view(ws[0]), 1)
     samples = []
     for w in ws:
-        col = view(w)
-        k = min(rows, col.shape[0])
-        row_bytes = (col.shape[1] if col.dim() > 1 else 1) * esize
-        samples.append((float(k), float(k * row_bytes), timed(col, k)))
+        cols = view(w)
+        k = min(rows, cols[0].shape[0])
+        row_bytes = (cols[0].shape[1] if cols[0].dim() > 1 else 1) * esize
+        samples.append((float(k), float(k * row_bytes), timed(cols, k)))
     if ws == [0]:  # a 1-D column: elements are tiny, the cost is per row whatever the dtype
         k, _, t = samples[0]
         return LinkCost(overhead, per_row_s=max(0.0, t - overhead) / k)
@@ -501,7 +510,7 @@ def measure_host_paths(*, quick: bool = False, clock: Clock = time.perf_counter)
     """Measure the host-memory paths: bulk copy, row and scalar gathers, the EDP's per-call overheads.
 
     Keyword Args:
-        quick: fewer repetitions and a smaller (still larger than the caches) gather column.
+        quick: fewer repetitions and smaller (still twice the last-level cache) gather columns.
         clock: ``time.perf_counter`` (wall time, the default) or ``time.thread_time`` (CPU
             time of this thread: on a shared machine it leaves out the time other processes
             held the core; valid for host paths when torch runs single-threaded).
@@ -512,9 +521,10 @@ def measure_host_paths(*, quick: bool = False, clock: Clock = time.perf_counter)
     links: dict[str, LinkCost] = {}
     copy_sizes = [64 << 10, 1 << 20, 16 << 20] if quick else [64 << 10, 1 << 20, 16 << 20, 64 << 20]
     links["host_copy"] = _measure_copy(cpu, cpu, copy_sizes, reps)
-    big = max(4 * llc, (128 << 20) if quick else (256 << 20))
+    big = max(4 * llc, (128 << 20) if quick else (512 << 20))
     column = torch.ones(big // 4, dtype=torch.float32)
-    links["host_gather"] = _measure_gather(column, _ROW_WIDTHS, reps, clock=clock)
+    # two columns, each several times the last-level cache, gathered with the same rows
+    links["host_gather"] = _measure_gather(column, _ROW_WIDTHS, reps, clock=clock, columns=2)
     links["host_gather_scalar"] = _measure_gather(column, [0], reps, clock=clock)
     del column
     links["host_gather_scalar_cached"] = _measure_gather(torch.ones(llc // 64, dtype=torch.float32), [0], reps,

@@ -1,0 +1,48 @@
+"""The cost model against this machine: predicted host-tier delivery latency within 25% of measured."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from conduit.placement.validation import check_host_delivery
+
+#: the issue's tolerance on the relative error of the predicted delivery latency
+TOLERANCE = 0.25
+
+
+def _overloaded() -> str | None:
+    """Why timings mean nothing here now (more than 2 runnable processes per core), or None."""
+    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    return f"machine overloaded: load {load:.1f} on {cpus} cores" if load > 2 * cpus else None
+
+
+@pytest.mark.skipif(torch.get_num_threads() != 1,
+                    reason="the thread-CPU clock is only valid with torch single-threaded (OMP_NUM_THREADS=1)")
+def test_predicted_host_delivery_within_25_percent_of_measured() -> None:
+    """For d in {128, 1000, 5000, 20000}, batch 512, from a 128 MiB transition buffer (larger than the caches):
+    the cost model's delivery latency, built from single-column gathers measured at other widths, matches the
+    EDP's measured ``deliver(512)`` within 25%. Skipped, with the reason, when the machine runs more than two
+    processes per core: then other processes decide the timings, not the code.
+
+    Both sides use this thread's CPU time (on a shared machine, time other processes hold the core does not
+    count; on an idle machine it equals wall time), medians after warm-up, in 3 rounds that each re-measure the
+    host paths right before the deliveries; the error is the median over rounds.
+
+    Troubleshooting: a failure on a loaded machine shows as a negative error at small d (other processes
+    evicting the caches); rerun on a quieter machine before changing the model.
+    """
+    busy = _overloaded()
+    if busy:
+        pytest.skip(f"{busy}: a latency comparison is meaningless; the benchmark table records the figures")
+    checks = check_host_delivery((128, 1000, 5000, 20000), batch=512, rounds=3, buffer_bytes=96 << 20,
+                                 clock=time.thread_time)
+    table = "\n".join(f"d={c.obs_dim:>6}: predicted {c.predicted_s * 1e3:7.3f} ms, measured {c.measured_s * 1e3:7.3f}"
+                      f" ms, error {c.error:+.1%}" for c in checks)
+    assert all(c.measured_s > 0 and c.predicted_s > 0 for c in checks)
+    # the latency grows with d, in the model and on the machine
+    assert [c.predicted_s for c in checks] == sorted(c.predicted_s for c in checks), table
+    assert [c.measured_s for c in checks] == sorted(c.measured_s for c in checks), table
+    assert all(abs(c.error) <= TOLERANCE for c in checks), table
