@@ -1,17 +1,23 @@
 """Where ingested items go: the shard plan, costed from measured links.
 
 For a batch of ``B`` bytes produced on node ``P``, storing it in a shard on node ``S``
-costs the ingestion transfer ``P -> S`` once and the delivery transfer ``S -> L`` (``L``:
-the learner's node) ``reuse`` times on average (replay: how often an item is sampled;
-on-policy: the number of epochs)::
+moves it ``P -> S`` once at ingestion and ``S -> L`` (``L``: the learner's node) ``reuse``
+times on average at delivery (replay: how often an item is sampled; on-policy: the number
+of epochs)::
 
-    cost(P, S) = link(P, S).seconds(B) + reuse * link(S, L).seconds(B)
+    cost(P, S) = B / bandwidth(P, S) + reuse * B / bandwidth(S, L)
 
-Shards are tried cheapest first, subject to room; costs within ``tie`` (relative) of the
-cheapest count as equal, and then the producer's node wins (its ingestion call returns
-soonest), then the learner's node. So with ``reuse`` near 1 ingestion stays on the
-producer's node; with a high ``reuse`` the plan pulls items to the learner's node while
-it has room. Replicas of one item always go to distinct nodes.
+with each link's measured effective bandwidth at that size. Per-call overheads are left
+out on purpose: one ingestion is one call wherever it goes, and a delivery calls every
+shard that holds sampled items, so where one batch goes does not change the number of
+calls, only the bytes each link carries (and the measured overheads of a busy machine are
+noise that would make the choice random).
+
+Shards are tried cheapest first, subject to room; costs within ``tie`` (relative) or
+``tie_seconds`` (absolute) of the cheapest count as equal, and then the producer's node wins (its ingestion call returns
+soonest), then the learner's node. So small batches and ``reuse`` near 1 stay on the
+producer's node; with a high ``reuse`` large batches are pulled to the learner's node
+while it has room. Replicas of one item always go to distinct nodes.
 """
 
 from __future__ import annotations
@@ -42,13 +48,15 @@ class ShardPlan:
         learner_node: where delivered batches go.
 
     Keyword Args:
-        links: measured links (None: rank by locality only: producer's node, learner's node, others).
+        links: measured links (None: count node crossings instead, one at ingestion and ``reuse``
+            at delivery).
         reuse: expected deliveries per stored item.
         tie: relative cost difference below which two shards count as equally cheap.
+        tie_seconds: absolute cost difference below which two shards count as equally cheap.
     """
 
     def __init__(self, shard_nodes: Sequence[str], learner_node: str, *, links: LinkProfile | None = None,
-                 reuse: float = 1.0, tie: float = 0.1) -> None:
+                 reuse: float = 1.0, tie: float = 0.1, tie_seconds: float = 1e-3) -> None:
         if reuse < 0:
             raise ClusterError(f"reuse must be >= 0, got {reuse}.")
         self.shard_nodes = list(shard_nodes)
@@ -56,23 +64,28 @@ class ShardPlan:
         self.links = links
         self.reuse = float(reuse)
         self.tie = float(tie)
+        self.tie_seconds = float(tie_seconds)
 
-    def _seconds(self, src: str, dst: str, nbytes: float) -> float:
+    def transfer_seconds(self, src: str, dst: str, nbytes: float) -> float:
+        """Seconds the link ``src -> dst`` spends moving ``nbytes`` (its per-call overhead excluded)."""
         assert self.links is not None
+        if nbytes <= 0:
+            return 0.0
         ln = self.links.links.get((src, dst))
         if ln is not None:
-            return ln.seconds(nbytes)
+            return nbytes / ln.bandwidth(nbytes)
         same = [v for (a, b), v in self.links.links.items() if (a == b) == (src == dst)]
         if not same:
             return 0.0 if src == dst else float("inf")
-        return max(v.seconds(nbytes) for v in same)  # an unmeasured pair: assume the slowest of its kind
+        return max(nbytes / v.bandwidth(nbytes) for v in same)  # an unmeasured pair: the slowest of its kind
 
     def cost(self, producer: str, shard: int, nbytes: float) -> float:
         """Predicted seconds to ingest ``nbytes`` from ``producer`` into ``shard`` and deliver them ``reuse`` times."""
         node = self.shard_nodes[shard]
         if self.links is None:
             return float(node != producer) + self.reuse * float(node != self.learner_node)
-        return self._seconds(producer, node, nbytes) + self.reuse * self._seconds(node, self.learner_node, nbytes)
+        return (self.transfer_seconds(producer, node, nbytes)
+                + self.reuse * self.transfer_seconds(node, self.learner_node, nbytes))
 
     def order(self, producer: str, nbytes: float, shards: Sequence[int] | None = None) -> list[int]:
         """Shards cheapest first (ties: producer's node, then learner's node, then shard number)."""
@@ -81,7 +94,7 @@ class ShardPlan:
             return []
         costs = {s: self.cost(producer, s, nbytes) for s in cand}
         best = min(costs.values())
-        band = best + abs(best) * self.tie
+        band = best + max(abs(best) * self.tie, self.tie_seconds)
 
         def key(s: int) -> tuple[int, int, int, float, int]:
             node = self.shard_nodes[s]

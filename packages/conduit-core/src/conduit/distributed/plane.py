@@ -35,12 +35,19 @@ import torch
 
 from conduit.batch import ExperienceBatch, Ragged
 from conduit.distributed._ray import Outcome, current_node_id, ray_module, wait_all
-from conduit.distributed.errors import ClusterError, DistributedError, ShardLostError, TransferError
+from conduit.distributed.errors import (
+    ClusterError,
+    DistributedError,
+    RemoteTimeoutError,
+    ShardLostError,
+    TransferError,
+)
 from conduit.distributed.experience import ExperienceRef
 from conduit.distributed.faults import LossReport
 from conduit.distributed.index import ShardIndex
 from conduit.distributed.links import LinkProfile
 from conduit.distributed.plan import Chunk, ShardPlan
+from conduit.distributed.server import ping
 from conduit.distributed.servers import ShardServers
 from conduit.distributed.wire import from_wire, to_wire
 from conduit.errors import CapacityError, ConduitError, ConfigurationError, EmptyBufferError
@@ -240,7 +247,7 @@ class DistributedDataPlane:
     def _deliver_seconds(self, shard: int) -> float:
         if self.links is None:
             return float(self.shard_node(shard) != self.learner_node)
-        return self.plan._seconds(self.shard_node(shard), self.learner_node, 1 << 20)
+        return self.plan.transfer_seconds(self.shard_node(shard), self.learner_node, 1 << 20)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -344,6 +351,12 @@ class DistributedDataPlane:
             for (_, s), o in outs.items():
                 if o.ok:
                     self._local_next[s] = max(self._local_next[s], int(o.value[2]))
+            stuck = self._settle({s: o for (_, s), o in outs.items() if o.lost})
+            if stuck:
+                raise TransferError(f"Shards {sorted(stuck)} answer health checks but could not store the batch "
+                                    f"within {self.timeout:.0f} s: the batch is unreadable (if it was staged on "
+                                    f"another node, its producer or node died) or the shards are overloaded. Produce "
+                                    f"it again, or raise timeout.")
             pending = []
             for ci, ch in enumerate(plan):
                 reps = []
@@ -352,7 +365,7 @@ class DistributedDataPlane:
                     if o.ok:
                         reps.append((s, int(o.value[0])))
                     elif o.lost:
-                        self._lose(s, _reason(o))
+                        pass  # settled above: the shard is lost
                     elif isinstance(o.error, CapacityError):
                         full.add(s)
                     elif isinstance(o.error, ConduitError):
@@ -490,6 +503,11 @@ class DistributedDataPlane:
                 groups[s] = (sel, inv)
                 calls[s] = self.servers[s].actor.gather.remote(self.buffer_id, uniq)
             outs = wait_all(calls, self.timeout)
+            stuck = self._settle({s: o for s, o in outs.items() if o.lost})
+            if stuck:
+                raise RemoteTimeoutError(f"Shards {sorted(stuck)} answer health checks but did not deliver within "
+                                         f"{self.timeout:.0f} s; they are overloaded. Deliver smaller batches or raise "
+                                         f"timeout.")
             failed = []
             for s, o in outs.items():
                 sel, inv = groups[s]
@@ -502,7 +520,6 @@ class DistributedDataPlane:
                     else:
                         asm.put(pos[sel], part.select(torch.from_numpy(inv.astype(np.int64))))
                 elif o.lost:
-                    self._lose(s, _reason(o))
                     failed.append(sel)
                 else:
                     raise o.error if isinstance(o.error, ConduitError) else DistributedError(
@@ -589,7 +606,7 @@ class DistributedDataPlane:
         live = self.alive_shards
         if self._closed or not live:
             return []
-        outs = wait_all({s: self.servers[s].actor.ping.remote() for s in live}, self.timeout)
+        outs = wait_all({s: ping(self.servers[s].actor) for s in live}, self.timeout)
         found = []
         for s, o in outs.items():
             if o.lost:
@@ -604,6 +621,32 @@ class DistributedDataPlane:
                 self.check_health()
             except Exception:  # noqa: BLE001 - the monitor must outlive transient errors
                 log.exception("conduit health check failed")
+
+    def _settle(self, failed: dict[int, Outcome]) -> set[int]:
+        """Decide which shards whose call failed are lost; returns those found alive (their call is stuck).
+
+        A shard whose actor or node died is lost. A shard whose call only timed out is
+        pinged (health checks run on their own thread there): no answer within ``timeout``
+        makes it lost; an answer means it lives and the call itself is stuck.
+        """
+        probe = set()
+        for s, o in failed.items():
+            if not self._alive[s]:
+                continue
+            if isinstance(o.error, TimeoutError):
+                probe.add(s)
+            else:
+                self._lose(s, _reason(o))
+        if not probe:
+            return set()
+        answers = wait_all({s: ping(self.servers[s].actor) for s in probe}, self.timeout)
+        stuck = set()
+        for s, a in answers.items():
+            if a.ok:
+                stuck.add(s)
+            else:
+                self._lose(s, _reason(a))
+        return stuck
 
     def _lose(self, shard: int, reason: str) -> LossReport | None:
         """Declare ``shard`` lost: fence it, account its items, restore replication where possible."""
@@ -744,7 +787,7 @@ class DistributedDataPlane:
 
 def _reason(o: Outcome) -> str:
     if isinstance(o.error, TimeoutError):
-        return str(o.error)
+        return f"no answer: {o.error}"
     first = str(o.error).strip().splitlines()[0] if str(o.error).strip() else type(o.error).__name__
     return f"{type(o.error).__name__}: {first}"
 

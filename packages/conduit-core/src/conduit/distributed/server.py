@@ -7,6 +7,10 @@ handles to (server, local handle). The server never decides what to evict: the d
 tells it, with each append, up to which local handle nothing is needed any more, and an
 append that would need more room fails instead of overwriting live items.
 
+Data calls run one at a time in submission order; health checks (:func:`ping`) run in a
+separate concurrency group, so a server whose data call waits for an unreadable argument
+still answers them, and only a server that answers nothing is lost.
+
 This module imports no Ray at import time; :func:`server_class` wraps the class lazily.
 """
 
@@ -23,7 +27,7 @@ from conduit.distributed.wire import Wire, to_wire, wire_rows
 from conduit.schema import ExperienceSchema
 from conduit.storage.columnar import ColumnarStorage
 
-__all__ = ["ShardServer", "server_class", "AppendAck"]
+__all__ = ["ShardServer", "server_class", "ping", "AppendAck"]
 
 #: what an append returns: (first local handle written, items written, next local handle)
 AppendAck = tuple[int, int, int]
@@ -45,6 +49,8 @@ class ShardServer:
         return str(ray.get_runtime_context().get_node_id()), os.getpid()
 
     def ping(self) -> int:
+        """Answer a health check (runs in the ``health`` concurrency group, so a data call stuck
+        waiting for its argument does not hold it up); returns the number of partitions."""
         return len(self._parts)
 
     # -- partitions ---------------------------------------------------------------------------
@@ -121,5 +127,10 @@ def server_class() -> Any:
     if _REMOTE is None:
         from conduit.distributed._ray import ray_module
 
-        _REMOTE = ray_module(initialized=False).remote(ShardServer)
+        _REMOTE = ray_module(initialized=False).remote(concurrency_groups={"health": 1})(ShardServer)
     return _REMOTE
+
+
+def ping(actor: Any) -> Any:
+    """ObjectRef of a health check of a server (its own thread: data calls cannot delay it)."""
+    return actor.ping.options(concurrency_group="health").remote()

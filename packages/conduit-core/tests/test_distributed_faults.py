@@ -1,0 +1,237 @@
+"""Shard faults on a real local Ray cluster: a node dies (or hangs) in the middle of a run.
+
+The module's cluster has a head node (this process, the learner) and one stable worker;
+each test adds its own victim node, places a shard server there, and kills it. Ray is
+configured to declare a dead node within ~1.5 s (``FAST_FAILURE_DETECTION``); Conduit's
+health monitor pings every 0.2 s, so losses are found within a few seconds, and the
+bound asserted below (``DETECTION_BOUND``) is generous for a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ray")
+
+from conduit import OnPolicy, Replay  # noqa: E402
+from conduit.distributed import DistributedDataPlane, ShardServers, TransferError, stage  # noqa: E402
+from conduit.distributed.testing import local_cluster  # noqa: E402
+from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+#: seconds within which a killed node's shard must be reported lost (health_period + timeout + Ray's detection)
+DETECTION_BOUND = 30.0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_cluster(2) as lc:
+        yield lc
+
+
+def _ids_of(plane, handles) -> set[int]:
+    return set(check_payload(plane.read(handles)).tolist()) if len(handles) else set()
+
+
+def _shard_of(plane, handles) -> np.ndarray:
+    h = np.asarray(handles)
+    shard, _ = plane.index.replicas(plane.index.segments_of(h), h)
+    return shard
+
+
+def _wait_for_loss(plane, t0: float, work) -> float:
+    """Keep the training loop going (``work()``) until a loss is reported; returns seconds since ``t0``."""
+    while not plane.losses:
+        assert time.monotonic() - t0 < DETECTION_BOUND, "the loss was not detected within the bound"
+        work()
+    return time.monotonic() - t0
+
+
+def test_killed_node_is_detected_and_exactly_its_items_are_reported_lost(cluster):
+    victim = cluster.add_node()
+    servers = ShardServers([cluster.workers[0], victim])
+    reports = []
+    plane = DistributedDataPlane(ID_SCHEMA, capacity=5000, servers=servers, semantics=Replay(seed=1),
+                                 health_period=0.2, timeout=10.0, measure=False, on_loss=reports.append)
+    try:
+        id_of_handle: dict[int, int] = {}
+        nxt = 0
+        for _ in range(5):  # the run: producers on both nodes, the learner sampling
+            for node in (cluster.workers[0], victim):
+                ids = np.arange(nxt, nxt + 100)
+                nxt += 100
+                h = plane.ingest(id_batch(ids), node=node)
+                id_of_handle.update(zip(h.tolist(), ids.tolist(), strict=True))
+            plane.deliver(64)
+        on_victim = {id_of_handle[h] for h in plane.live_handles().tolist()
+                     if _shard_of(plane, [h])[0, 0] == 1}
+        assert len(on_victim) == 500
+
+        t0 = time.monotonic()
+        cluster.kill_node(victim)
+        delivered_after: list[np.ndarray] = []
+
+        def step() -> None:
+            delivered_after.append(check_payload(plane.deliver(64)[0]))
+            ids = np.arange(nxt + 10_000 + 10 * len(delivered_after), nxt + 10_000 + 10 * len(delivered_after) + 10)
+            plane.ingest(id_batch(ids), node=cluster.workers[0])  # the surviving producer keeps producing
+
+        detected = _wait_for_loss(plane, t0, step)
+        assert detected < DETECTION_BOUND
+        rep = plane.losses[0]
+        assert reports == [rep]
+        assert rep.shard == 1 and rep.node_id == victim and rep.recovered == 0
+        lost_ids = {id_of_handle[h] for h in rep.lost.tolist()}
+        assert lost_ids == on_victim, "the report must name exactly the items the dead shard held"
+        assert plane.lost_items == 500 and plane.alive_shards == [0]
+
+        # the loop continues on the survivors: nothing lost is delivered, nothing survivor is missing
+        survivors = set(check_payload(plane.read(plane.live_handles())).tolist())
+        assert survivors.isdisjoint(on_victim) and len(plane) == len(survivors)
+        assert set(range(nxt)) - on_victim <= survivors
+        for _ in range(20):
+            got = set(check_payload(plane.deliver(500)[0]).tolist())
+            assert got <= survivors
+        h = plane.ingest(id_batch(np.arange(90_000, 90_010)))
+        assert (_shard_of(plane, h)[:, 0] == 0).all()
+    finally:
+        plane.close()
+        servers.shutdown()
+
+
+def test_replication_two_recovers_every_item_and_restores_the_copies(cluster):
+    victim = cluster.add_node()
+    servers = ShardServers([cluster.head, cluster.workers[0], victim])
+    plane = DistributedDataPlane(ID_SCHEMA, capacity=3000, servers=servers, replication=2, health_period=0.2,
+                                 timeout=10.0, measure=False)
+    try:
+        for i, node in enumerate(servers.nodes):
+            plane.ingest(id_batch(np.arange(1000 * i, 1000 * i + 300)), node=node)
+        shard = _shard_of(plane, plane.live_handles())
+        assert (shard >= 0).all() and (shard[:, 0] != shard[:, 1]).all()
+        had_copy_on_victim = int((shard == 2).any(axis=1).sum())
+        assert had_copy_on_victim > 0
+        all_ids = set(check_payload(plane.read(plane.live_handles())).tolist())
+
+        t0 = time.monotonic()
+        cluster.kill_node(victim)
+        _wait_for_loss(plane, t0, lambda: plane.deliver(32))
+        rep = plane.losses[0]
+        assert rep.shard == 2 and rep.num_lost == 0 and plane.lost_items == 0
+        assert rep.recovered == had_copy_on_victim and rep.re_replicated == had_copy_on_victim
+
+        assert set(check_payload(plane.read(plane.live_handles())).tolist()) == all_ids and len(plane) == 900
+        shard = _shard_of(plane, plane.live_handles())
+        assert (shard >= 0).all() and not (shard == 2).any() and (shard[:, 0] != shard[:, 1]).all(), \
+            "every item should again have two copies, on the two surviving nodes"
+        for _ in range(10):
+            assert set(check_payload(plane.deliver(300)[0]).tolist()) <= all_ids
+    finally:
+        plane.close()
+        servers.shutdown()
+
+
+def test_on_policy_loss_mid_rollout_keeps_exactly_once_for_the_survivors(cluster):
+    victim = cluster.add_node()
+    servers = ShardServers([cluster.workers[0], victim])
+    plane = DistributedDataPlane(ID_SCHEMA, capacity=1000, servers=servers, health_period=0.2, timeout=10.0,
+                                 measure=False, semantics=OnPolicy(num_minibatches=4, num_epochs=2, seed=3))
+    try:
+        plane.ingest(id_batch(np.arange(0, 40)), version=0, node=cluster.workers[0])
+        plane.ingest(id_batch(np.arange(100, 140)), version=0, node=victim)
+        plane.seal()
+        first, info = plane.deliver()
+        before = check_payload(first)
+        assert info.epoch == 0 and info.minibatch == 0
+
+        cluster.kill_node(victim)
+        t0 = time.monotonic()
+        while not plane.losses:  # the learner waits for the monitor before its next step
+            assert time.monotonic() - t0 < DETECTION_BOUND
+            time.sleep(0.05)
+        rep = plane.losses[0]
+        assert sorted(rep.lost.tolist()) == list(range(40, 80)), "all 40 victim items were live (not yet consumed)"
+
+        epochs: dict[int, list[int]] = {0: before.tolist()}
+        while True:
+            batch, info = plane.deliver()
+            ids = check_payload(batch)
+            assert not (ids >= 100).any(), "a lost item was delivered after its loss was reported"
+            assert info.handles.shape[0] == ids.shape[0]
+            epochs.setdefault(info.epoch, []).extend(ids.tolist())
+            if info.last:
+                break
+        survivors = list(range(40))
+        assert sorted(i for i in epochs[0] if i < 100) == survivors
+        assert sorted(epochs[1]) == survivors
+        assert len(plane) == 0
+    finally:
+        plane.close()
+        servers.shutdown()
+
+
+def test_hung_shard_times_out_is_fenced_and_nothing_hangs(cluster):
+    """A shard that stops answering (SIGSTOP) is lost after ``timeout``; the delivery returns meanwhile."""
+    servers = ShardServers([cluster.workers[0], cluster.workers[0]])
+    hung_pid = servers[1].pid
+    plane = DistributedDataPlane(ID_SCHEMA, capacity=200, shard_capacity=100, servers=servers, health_period=None,
+                                 measure=False, timeout=3.0, semantics=Replay(seed=2))
+    try:
+        h = plane.ingest(id_batch(np.arange(200)))
+        shard = _shard_of(plane, h)[:, 0]
+        assert (shard == 0).sum() == 100 and (shard == 1).sum() == 100
+        on_hung = set(np.arange(200)[shard == 1].tolist())
+        os.kill(hung_pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        batch, _ = plane.deliver(400)
+        took = time.monotonic() - t0
+        assert took < 3 * plane.timeout + 10, f"a delivery hung for {took:.1f} s"
+        assert set(check_payload(batch).tolist()).isdisjoint(on_hung)
+        rep = plane.losses[0]
+        assert rep.shard == 1 and "no answer" in rep.reason
+        assert set(rep.lost.tolist()) == on_hung
+    finally:
+        try:
+            os.kill(hung_pid, signal.SIGKILL)  # the stopped server process this test started
+        except ProcessLookupError:
+            pass
+        plane.close()
+        servers.shutdown()
+
+
+def test_experience_staged_on_a_dead_node_is_a_typed_error_not_a_hang(cluster):
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    victim = cluster.add_node()
+
+    @ray.remote(num_cpus=0)
+    class Producer:
+        def produce(self, ids):
+            return stage(id_batch(ids), ID_SCHEMA)
+
+    producer = Producer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(victim, soft=False)).remote()
+    ref = ray.get(producer.produce.remote(np.arange(50)), timeout=120)
+    servers = ShardServers([cluster.workers[0]])
+    plane = DistributedDataPlane(ID_SCHEMA, capacity=100, servers=servers, health_period=None, timeout=5.0,
+                                 measure=False)
+    try:
+        cluster.kill_node(victim)
+        t0 = time.monotonic()
+        with pytest.raises(TransferError):
+            plane.ingest(ref)
+        assert time.monotonic() - t0 < 3 * plane.timeout + 10
+        assert len(plane) == 0 and not plane.losses, "the shard is fine: only the producer's data is gone"
+        plane.ingest(id_batch(np.arange(10)))
+        assert sorted(check_payload(plane.deliver(100)[0]).tolist()) != [] and len(plane) == 10
+        assert torch.equal(plane.read(plane.live_handles())["id"], torch.arange(10))
+    finally:
+        plane.close()
+        servers.shutdown()
