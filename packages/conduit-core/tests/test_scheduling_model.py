@@ -175,3 +175,23 @@ def test_automatic_prioritized_declares_its_staleness_bound() -> None:
         edp.update_priorities(info.handles, torch.rand(16, dtype=torch.float64) + 0.1)
         assert sched.priority_staleness <= 2
     edp.close()
+
+
+# -- the command line ---------------------------------------------------------------------------------------------
+def test_cli_prints_safe_ranges(capsys: pytest.CaptureFixture[str]) -> None:
+    from conduit.cli import main
+
+    assert main(["schedule", "ranges", "--on-policy", "-M", "4"]) == 0
+    assert capsys.readouterr().out.strip() == "on-policy (M=4): g_ing in {1/4, 1/2, 3/4, 1}, g_del in {1/4}"
+    assert main(["schedule", "ranges", "--g-del-max", "8", "--batch-bytes", str(100 << 20),
+                 "--memory-budget", str(1 << 20)]) == 2
+    assert "memory_budget" in capsys.readouterr().err
+
+
+def test_cli_calibrate_explains_the_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    from conduit.cli import main
+
+    assert main(["schedule", "calibrate", "--obs-dim", "16", "--batch", "32", "--rollout", "64", "--capacity", "512",
+                 "--g-del-max", "2", "--g-ing-max", "2", "--iterations", "1", "--warmup", "9"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: g_ing=" in out and "delivery model:" in out and "confirmed by measurement" in out

@@ -16,7 +16,7 @@ A granularity ``g`` moves ``g`` units of ``u`` bytes per call, so the cost per u
 fits in the learner's (or actor's) time between calls is hidden; what remains exposed is
 the hand-over plus the part that does not fit.
 
-The fit uses robust per-size medians and non-negative least squares on relative errors
+The fit uses a robust low quantile per size and non-negative least squares on relative errors
 (the knee ``C`` searched between the observed sizes). With as many sizes as parameters it
 interpolates the measurements, so its choice is the measured best among probed sizes.
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -102,6 +101,12 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
     return best, best_err
 
 
+def _low_quantile(v: list[float]) -> float:
+    """The 25th percentile: interference from other work only ever adds time, so the low end of a
+    size's calls is the closest to what the call itself costs (the minimum, below four calls)."""
+    return sorted(v)[len(v) // 4]
+
+
 def fit_latency(obs: Sequence[tuple[float, float, bool]]) -> LatencyFit:
     """Fit the model to ``(bytes, seconds, staged)`` observations.
 
@@ -113,7 +118,7 @@ def fit_latency(obs: Sequence[tuple[float, float, bool]]) -> LatencyFit:
     groups: dict[tuple[float, bool], list[float]] = {}
     for b, s, st in obs:
         groups.setdefault((b, st), []).append(s)
-    pts = sorted((b, st, statistics.median(v)) for (b, st), v in groups.items())
+    pts = sorted((b, st, _low_quantile(v)) for (b, st), v in groups.items())
     xb = np.array([p[0] for p in pts])
     st = np.array([1.0 if p[1] else 0.0 for p in pts])
     y = np.array([p[2] for p in pts])

@@ -1,0 +1,76 @@
+"""``conduit schedule``: the safe granularity ranges of a job, and what the automatic scheduler picks here.
+
+* ``conduit schedule ranges --on-policy -M 4`` -- the granularities a job may use, from
+  nothing but on/off-policy and M (and the optional caps);
+* ``conduit schedule calibrate --obs-dim 5000`` -- run the synthetic actor/learner loop with
+  :class:`~conduit.scheduling.Automatic` on this machine and explain its choice (the fitted
+  latency model, the predicted cost per granularity, the measured confirmation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from conduit.errors import ConduitError
+
+__all__ = ["register"]
+
+
+def _ranges(args: argparse.Namespace) -> int:
+    from conduit.scheduling.granularity import safe_ranges
+
+    try:
+        r = safe_ranges(on_policy=args.on_policy, num_minibatches=args.num_minibatches, g_ing_max=args.g_ing_max,
+                        g_del_max=args.g_del_max, batch_bytes=args.batch_bytes, memory_budget=args.memory_budget)
+    except ConduitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(r.describe())
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from conduit.demo import run_loop
+    from conduit.scheduling.auto import Automatic
+
+    overlap = {"auto": None, "on": True, "off": False}[args.overlap]
+    sched = Automatic(overlap=overlap, g_ing_max=args.g_ing_max, g_del_max=args.g_del_max)
+    print(f"calibrating on the synthetic loop: d={args.obs_dim}, batch {args.batch}, rollout {args.rollout}, "
+          f"{args.updates} updates per iteration ...")
+    res = run_loop(obs_dim=args.obs_dim, scheduler=sched, iterations=args.iterations, warmup=args.warmup,
+                   rollout=args.rollout, batch=args.batch, updates=args.updates, capacity=args.capacity)
+    if sched.decision is None:
+        print("error: calibration did not finish; raise --warmup", file=sys.stderr)
+        return 2
+    print(sched.decision.explain())
+    print(f"\nafter calibration: iteration {res.median('iteration_s') * 1e3:.2f} ms, exposed experience path "
+          f"{res.median('exposed_s') * 1e3:.3f} ms, hidden {res.median('hidden_s') * 1e3:.3f} ms (medians)")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``conduit schedule`` to the ``conduit`` parser."""
+    p = sub.add_parser("schedule", help="granularity ranges and the automatic scheduling choice",
+                       description=__doc__)
+    sp = p.add_subparsers(dest="schedule_command", required=True)
+    r = sp.add_parser("ranges", help="safe g_ing / g_del ranges from on/off-policy and M")
+    r.add_argument("--on-policy", action="store_true", help="an on-policy job (default: off-policy)")
+    r.add_argument("-M", "--num-minibatches", type=int, default=None, help="minibatch updates per rollout")
+    r.add_argument("--g-ing-max", type=int, default=8)
+    r.add_argument("--g-del-max", type=int, default=8)
+    r.add_argument("--batch-bytes", type=int, default=None, help="bytes per delivered batch (with --memory-budget)")
+    r.add_argument("--memory-budget", type=int, default=None, help="bytes the delivery buffers may take")
+    r.set_defaults(func=_ranges)
+    c = sp.add_parser("calibrate", help="run the synthetic loop under the automatic scheduler and explain its choice")
+    c.add_argument("--obs-dim", type=int, default=1000)
+    c.add_argument("--batch", type=int, default=512)
+    c.add_argument("--rollout", type=int, default=256)
+    c.add_argument("--updates", type=int, default=4)
+    c.add_argument("--capacity", type=int, default=8192)
+    c.add_argument("--overlap", choices=("auto", "on", "off"), default="auto")
+    c.add_argument("--g-ing-max", type=int, default=8)
+    c.add_argument("--g-del-max", type=int, default=8)
+    c.add_argument("--warmup", type=int, default=16, help="iterations for calibration (not accounted)")
+    c.add_argument("--iterations", type=int, default=5)
+    c.set_defaults(func=_calibrate)
