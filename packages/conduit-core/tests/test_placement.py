@@ -335,3 +335,12 @@ def test_cli_profile_cached_json(measured: BandwidthProfile, monkeypatch: pytest
     assert out["machine"] == machine_id() and "host_gather" in out["links"]
     assert main(["profile", "--cached"]) == 0
     assert "host_gather" in capsys.readouterr().out
+
+
+def test_planner_docstring_example_runs() -> None:
+    import doctest
+
+    import conduit.placement.planner
+
+    result = doctest.testmod(conduit.placement.planner)
+    assert result.attempted > 0 and result.failed == 0, result

@@ -15,7 +15,16 @@ from conduit.errors import (
     SchemaError,
     StaleExperienceError,
 )
-from conduit.placement import HostPlacement, Placement
+from conduit.placement import (
+    AdaptivePlacement,
+    DevicePlacement,
+    DiskPlacement,
+    HostPlacement,
+    Placement,
+    PlacementSpec,
+    Planner,
+    ShardedPlacement,
+)
 from conduit.scheduling import Automatic, Overlapped, Scheduler, Synchronous, safe_ranges
 from conduit.schema import ExperienceSchema, Field
 from conduit.semantics import OnPolicy, PrioritizedSampler, Replay, SampleInfo, Sampler, Semantics, UniformSampler
@@ -41,6 +50,12 @@ __all__ = [
     "ColumnarStorage",
     "Placement",
     "HostPlacement",
+    "DevicePlacement",
+    "ShardedPlacement",
+    "DiskPlacement",
+    "PlacementSpec",
+    "AdaptivePlacement",
+    "Planner",
     "Scheduler",
     "Synchronous",
     "Overlapped",

@@ -1,0 +1,148 @@
+"""Experience growth, simulated on the cost model: the paper's online-migration experiment.
+
+Over a schedule of observation sizes (one per training iteration) three strategies keep a
+replay buffer of transitions on a topology:
+
+* **greedy**: the fastest placement for the first size, never moved; it fails (runs out of
+  memory) at the first size its placement cannot hold;
+* **conservative**: sharded over every GPU from the start;
+* **conduit**: follows a placement map computed ahead of time over the whole size range
+  and migrates when the size crosses a boundary, paying the predicted cost of moving the
+  live items (no re-profiling).
+
+Every figure is a :class:`~conduit.placement.CostModel` prediction; nothing is executed.
+An iteration runs ``updates`` learner updates, each with one ingestion and one delivery of
+``batch`` items per learner; the buffer gains ``batch * updates`` items per iteration (up
+to its capacity), which is what a migration must move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from conduit.errors import PlacementError
+from conduit.placement.base import PlacementSpec
+from conduit.placement.cost import Workload
+from conduit.placement.planner import Planner
+
+__all__ = ["StrategyTrace", "GrowthResult", "simulate_growth", "paper_schedule"]
+
+
+def paper_schedule(iterations: int = 40, sizes: Sequence[int] = (128, 1000, 5000, 10000, 20000)) -> list[int]:
+    """Observation sizes growing from 128 to 20000 in equal stages over ``iterations``."""
+    per = iterations / len(sizes)
+    return [sizes[min(len(sizes) - 1, int(i / per))] for i in range(iterations)]
+
+
+@dataclass
+class StrategyTrace:
+    """One strategy's predicted experience-path latency per iteration."""
+
+    name: str
+    #: seconds per iteration (``None`` from the iteration it failed on)
+    latency_s: list[float | None] = field(default_factory=list)
+    #: the placement used in each iteration (``None`` once failed)
+    placements: list[str | None] = field(default_factory=list)
+    #: ``(iteration, seconds, from, to)`` of each migration (included in ``latency_s``)
+    migrations: list[tuple[int, float, str, str]] = field(default_factory=list)
+    #: the iteration it could not run (out of memory), if any
+    failed_at: int | None = None
+    reason: str = ""
+
+    @property
+    def cumulative_s(self) -> float:
+        """Total latency over the iterations it completed."""
+        return sum(x for x in self.latency_s if x is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "latency_ms": [None if x is None else x * 1e3 for x in self.latency_s],
+                "placements": self.placements, "migrations": [
+                    {"iteration": i, "ms": s * 1e3, "from": a, "to": b} for i, s, a, b in self.migrations],
+                "failed_at": self.failed_at, "reason": self.reason, "cumulative_ms": self.cumulative_s * 1e3}
+
+
+@dataclass
+class GrowthResult:
+    """The three strategies over one schedule."""
+
+    schedule: list[int]
+    strategies: dict[str, StrategyTrace]
+    settings: dict[str, Any]
+
+    @property
+    def conservative_over_conduit(self) -> float:
+        """Cumulative latency of Conservative divided by Conduit's (the paper reports 1.9x)."""
+        return self.strategies["conservative"].cumulative_s / self.strategies["conduit"].cumulative_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "settings": self.settings,
+                "conservative_over_conduit": self.conservative_over_conduit,
+                "strategies": {k: v.to_dict() for k, v in self.strategies.items()}}
+
+
+def simulate_growth(planner: Planner, schedule: Sequence[int], *, capacity: int = 10**6, batch: int = 512,
+                    learners: int = 1, updates: int = 16) -> GrowthResult:
+    """Predict the three strategies over ``schedule`` (observation size per iteration).
+
+    Raises:
+        PlacementError: the topology has no GPU to shard over, or nothing fits the first size.
+    """
+    topo = planner.topology
+    if topo.num_gpus < 2:
+        raise PlacementError(f"Topology {topo.name!r} has {topo.num_gpus} GPU(s); the experiment shards over "
+                             f"several. Use e.g. dgx-a100-80g.")
+    model = planner.cost
+
+    def workload(d: int) -> Workload:
+        return Workload.transitions(d, capacity=capacity, batch=batch, learners=learners)
+
+    def per_iteration(spec: PlacementSpec, w: Workload) -> float | None:
+        e = model.estimate(spec, w)
+        return updates * e.total_s if e.feasible else None
+
+    ws = [workload(d) for d in schedule]
+    greedy = StrategyTrace("greedy")
+    g_spec = planner.plan(ws[0]).placement
+    for i, w in enumerate(ws):
+        t = per_iteration(g_spec, w) if greedy.failed_at is None else None
+        if t is None and greedy.failed_at is None:
+            greedy.failed_at = i
+            greedy.reason = f"{g_spec} cannot hold {capacity} items at d={schedule[i]}: " + \
+                "; ".join(model.estimate(g_spec, w).shortfalls())
+        greedy.latency_s.append(t)
+        greedy.placements.append(str(g_spec) if t is not None else None)
+
+    conservative = StrategyTrace("conservative")
+    c_spec = PlacementSpec("sharded", tuple(g.device for g in topo.gpus))
+    for i, w in enumerate(ws):
+        t = per_iteration(c_spec, w)
+        if t is None and conservative.failed_at is None:
+            conservative.failed_at = i
+            conservative.reason = "; ".join(model.estimate(c_spec, w).shortfalls())
+        conservative.latency_s.append(t)
+        conservative.placements.append(str(c_spec) if t is not None else None)
+
+    conduit = StrategyTrace("conduit")
+    pmap = planner.placement_map(ws[0], min_item_bytes=min(w.item_bytes for w in ws),
+                                 max_item_bytes=max(w.item_bytes for w in ws), points=32,
+                                 resize=lambda b: ws[0].resized(b))
+    current: PlacementSpec | None = None
+    for i, w in enumerate(ws):
+        spec = pmap.lookup(w.item_bytes)
+        t = per_iteration(spec, w)
+        assert t is not None  # the map only holds feasible placements
+        if current is not None and spec != current:
+            live = min(capacity, i * batch * learners * updates)
+            move = model.move_seconds(live * w.item_bytes, current, spec)
+            conduit.migrations.append((i, move, str(current), str(spec)))
+            t += move
+        current = spec
+        conduit.latency_s.append(t)
+        conduit.placements.append(str(spec))
+    settings = {"topology": topo.name, "capacity": capacity, "batch": batch, "learners": learners,
+                "updates_per_iteration": updates, "profile": planner.profile.machine,
+                "boundaries_bytes": pmap.boundaries}
+    return GrowthResult(list(schedule), {"greedy": greedy, "conservative": conservative, "conduit": conduit},
+                        settings)
