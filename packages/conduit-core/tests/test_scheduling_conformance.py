@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from conduit.errors import ConduitError
-from conduit.scheduling import Overlapped, Scheduler
+from conduit.scheduling import Automatic, Overlapped, Scheduler
 from conduit.testing import (
     ConcurrencySuite,
     CoreOnPolicyEndpoint,
@@ -29,6 +29,16 @@ class TestSequentialGranularReplay(ReplaySuite):
 class TestOverlappedFreshness(FreshnessSuite):
     def make_on_policy(self, **kwargs: Any) -> CoreOnPolicyEndpoint:
         return CoreOnPolicyEndpoint(scheduler=Overlapped(g_ing=0.5), **kwargs)
+
+
+class TestAutomaticReplay(ReplaySuite):
+    def make_replay(self, **kwargs: Any) -> CoreReplayEndpoint:
+        return CoreReplayEndpoint(scheduler=Automatic(g_ing_max=2, g_del_max=2, confirm_deliveries=3), **kwargs)
+
+
+class TestAutomaticFreshness(FreshnessSuite):
+    def make_on_policy(self, **kwargs: Any) -> CoreOnPolicyEndpoint:
+        return CoreOnPolicyEndpoint(scheduler=Automatic(confirm_deliveries=2), **kwargs)
 
 
 class TestOverlappedConcurrency(ConcurrencySuite):

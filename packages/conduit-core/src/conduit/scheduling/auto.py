@@ -190,8 +190,8 @@ class Automatic(Scheduler):
 
     @property
     def priority_staleness(self) -> int:
-        return self.inner.priority_staleness if self.decision is not None else max(
-            (int(g) for g in (self._del_plan or [1])), default=1)
+        """The bound over every phase: a prioritized draw misses at most ``g_del_max`` priority updates."""
+        return 0 if self.on_policy else self.g_del_max
 
     def __repr__(self) -> str:
         return f"Automatic(phase={self._phase}, inner={self.inner!r})"
