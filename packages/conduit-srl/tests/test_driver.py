@@ -7,7 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conduit_srl import ConduitBuffer
+from conduit_srl import ConduitBuffer, StreamPolicy
 from conduit_srl.testing import make_sample
 from conduit_srl.testing.driver import SrlDriver, run_buffer_worker
 from conduit_srl.testing.fifo import FifoBuffer
@@ -103,3 +103,14 @@ def test_buffer_worker_reposts_along_the_batch_axis(closing) -> None:
     while not trainer_buffer.empty():
         got.extend(trainer_buffer.get().sample.id[0].tolist())
     assert got == list(range(20)), "the buffer worker re-posted out of order, lost or repeated samples"
+
+
+@pytest.mark.parametrize("kind", ["conduit", "fifo"])
+def test_coalesced_stream_through_the_driver(closing, kind: str) -> None:
+    """Conduit's producer sends 5 samples per message; every sample still arrives once, batches in order."""
+    buffer = closing(batch_size=5, capacity=128) if kind == "conduit" else FifoBuffer(batch_size=5)
+    r = SrlDriver(buffer, actors=2, samples_per_actor=30, per_poll=3,
+                  stream_policy=StreamPolicy(coalesce=5, max_delay_s=0.05)).run(timeout_s=60)
+    assert r.received == 60 and r.sent < 60 and r.dropped == 0
+    counts = Counter(r.delivered_ids.tolist())
+    assert set(counts) == set(range(60)) and set(counts.values()) == {1}

@@ -446,10 +446,16 @@ class Assembler:
             return self.edp.semantics.pending_rollouts > 0  # type: ignore[attr-defined,no-any-return]
         return len(self.edp) >= self.cfg.resolved_warmup
 
-    def _deliver(self) -> ReplayEntry:
-        """One delivery from the EDP, assembled (the caller holds ``_deliver_lock``)."""
+    def _deliver(self, *, demand: bool = True) -> ReplayEntry:
+        """One delivery from the EDP, assembled (the caller holds ``_deliver_lock``).
+
+        On demand (a ``get``), samples still on their way to storage are waited for; ahead of
+        demand (the assembler thread), only what is stored is looked at.
+        """
         edp = self.edp
         assert edp is not None
+        if not demand and not self._deliverable():
+            raise EmptyBufferError("Nothing stored is deliverable yet.")
         for attempt in (0, 1):
             try:
                 if self.cfg.replay_like and len(edp) < self.cfg.resolved_warmup:
@@ -466,7 +472,7 @@ class Assembler:
                     batch, info = edp.deliver(self._n)
                 break
             except EmptyBufferError:
-                if attempt == 0 and self._ingest_pending():
+                if demand and attempt == 0 and self._ingest_pending():
                     edp.flush()  # samples put before this call count
                     continue
                 raise
@@ -562,7 +568,7 @@ class Assembler:
                         if self.cfg.semantics == "on_policy" and not self._rollout_open:
                             break  # never assemble past the end of a rollout
                     try:
-                        entry = self._deliver()
+                        entry = self._deliver(demand=False)
                     except ConduitError:
                         # nothing to deliver yet (or an error the next get() meets itself)
                         with self._cv:

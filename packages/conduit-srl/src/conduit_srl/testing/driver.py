@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from conduit_srl.streams import ConduitSampleConsumer, ConduitSampleProducer, StreamPolicy
 from conduit_srl.testing.records import make_sample
 
 __all__ = ["NothingToConsume", "ZmqSampleProducer", "ZmqSampleConsumer", "Delivery", "DriverReport", "SrlDriver",
@@ -139,10 +140,14 @@ class DriverReport:
     """The outcome of one run."""
 
     deliveries: list[Delivery] = field(default_factory=list)
+    #: messages the actors' sockets sent (samples, unless the stream coalesces)
     sent: int = 0
+    #: samples the trainer's consumer put into the buffer
     received: int = 0
     dropped: int = 0
     seconds: float = 0.0
+    #: time the trainer's main thread spent inside ``consume_to`` (receiving and ``put``)
+    consume_seconds: float = 0.0
     #: ids of every posted sample
     posted: list[int] = field(default_factory=list)
 
@@ -172,12 +177,16 @@ class SrlDriver:
         priorities: prioritized buffers: ``priorities(entry) -> array`` sent with ``update_priorities``.
         max_iter: ``consume_to``'s ``max_iter`` (SRL's trainer uses 1024, its buffer worker 64).
         make_sample_fn: ``(ids, version) -> sample``; default :func:`make_sample`.
+        stream_policy: carry the stream through Conduit's producer and consumer
+            (:class:`~conduit_srl.ConduitSampleProducer` over each actor's socket, coalescing as the
+            policy says; :class:`~conduit_srl.ConduitSampleConsumer` on the trainer). None: plain.
     """
 
     def __init__(self, buffer: Any, *, actors: int = 2, samples_per_actor: int = 32, per_poll: int = 4,
                  time_steps: int = 4, dim: int = 3, max_steps: int | None = None, step_seconds: float = 0.0,
                  priorities: Callable[[Any], np.ndarray] | None = None, max_iter: int = 1024,
-                 make_sample_fn: Callable[[int, int], Any] | None = None) -> None:
+                 make_sample_fn: Callable[[int, int], Any] | None = None,
+                 stream_policy: StreamPolicy | None = None) -> None:
         self.buffer = buffer
         self.actors = actors
         self.samples_per_actor = samples_per_actor
@@ -186,13 +195,15 @@ class SrlDriver:
         self.step_seconds = step_seconds
         self.priorities = priorities
         self.max_iter = max_iter
+        self.stream_policy = stream_policy
         self.make = make_sample_fn or (lambda i, v: make_sample([i], time_steps=time_steps, dim=dim, version=v))
         self.version = 0  # the learner's policy version (actors read it, the training thread advances it)
 
     def run(self, timeout_s: float = 60.0) -> DriverReport:
         """Run actors, the training thread and the consuming loop until done; everything is joined."""
         report = DriverReport()
-        consumer = ZmqSampleConsumer()
+        socket = ZmqSampleConsumer()
+        consumer: Any = socket if self.stream_policy is None else ConduitSampleConsumer(socket)
         stop = threading.Event()
         arrived = threading.Event()
         errors: list[BaseException] = []
@@ -201,9 +212,12 @@ class SrlDriver:
 
         def actor(a: int) -> None:
             try:
-                producer = ZmqSampleProducer(consumer.address)
+                sender = ZmqSampleProducer(socket.address)
                 with lock:
-                    producers.append(producer)
+                    producers.append(sender)
+                producer: Any = sender
+                if self.stream_policy is not None:
+                    producer = ConduitSampleProducer([sender], policy=self.stream_policy, rank=a)
                 ids = range(a * self.samples_per_actor, (a + 1) * self.samples_per_actor)
                 try:
                     for start in range(0, len(ids), self.per_poll):
@@ -260,7 +274,9 @@ class SrlDriver:
             while report.received < expected and not errors:  # the trainer's main thread
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"only {report.received} of {expected} samples arrived in {timeout_s} s")
+                c0 = time.perf_counter()
                 got = consumer.consume_to(self.buffer, max_iter=self.max_iter)
+                report.consume_seconds += time.perf_counter() - c0
                 report.received += got
                 if not got:
                     time.sleep(0.001)
@@ -274,7 +290,7 @@ class SrlDriver:
             for t in threads:
                 t.join()
             trainer.join()
-            consumer.close()
+            socket.close()
         report.seconds = time.perf_counter() - t0
         report.sent = sum(p.sent for p in producers)
         report.dropped = sum(p.dropped for p in producers)
