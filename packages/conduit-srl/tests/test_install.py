@@ -188,12 +188,13 @@ def test_claimed_name_stream_routes_over_every_trainer_and_coalesces(srl_layout)
             producer.post(make_sample([i]))
             producer.flush()
         assert producer.messages == [2, 2] and producer.sent == [6, 6]
-        got = []
+        got = {}
         for t, b in zip(trainers, buffers, strict=True):
             assert _drain(t, b, 6) == 6  # each trainer got 2 messages = 6 samples, as 2 puts
-            got.append(sorted(np.concatenate([b.get().sample.id[0] for _ in range(2)]).tolist()))
-        # the rank-1 actor starts on trainer 1: samples 0-2 and 6-8 went there, 3-5 and 9-11 to trainer 0
-        assert got == [[3, 4, 5, 9, 10, 11], [0, 1, 2, 6, 7, 8]]
+            got[t.address] = sorted(np.concatenate([b.get().sample.id[0] for _ in range(2)]).tolist())
+        # target i is the i-th registered trainer (SRL's order); the rank-1 actor starts on target 1
+        assert got[producer.targets[1].target] == [0, 1, 2, 6, 7, 8]
+        assert got[producer.targets[0].target] == [3, 4, 5, 9, 10, 11]
         # unclaimed names are SRL's own streams
         plain = ss.make_consumer("traj", cfg.WorkerInformation())
         assert type(plain).__name__ == "NameResolvingSampleConsumer"

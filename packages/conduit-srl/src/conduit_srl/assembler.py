@@ -223,11 +223,15 @@ class Assembler:
             with self._cv:
                 if self._ready or self._deliverable():
                     return False
-            if self._ingest_pending():
-                self.edp.flush()
-                with self._cv:
-                    return not (self._ready or self._deliverable())
-        return True
+            pending = self._scheduler().pending()
+            if not pending:
+                return True
+            if self.cfg.semantics != "on_policy":
+                # samples on their way to storage: get() waits for them if they make a batch
+                return not self._deliverable(extra=sum(h.batch.batch_size for h in pending))
+            self.edp.flush()  # on-policy: whether a rollout closes depends on the versions: store and look
+            with self._cv:
+                return not (self._ready or self._deliverable())
 
     def qsize(self) -> int:
         """Samples not yet delivered (queue: never delivered; replay: held; on-policy: in unfinished rollouts)."""
@@ -437,14 +441,16 @@ class Assembler:
             self._cv.wait(timeout=0.05)
 
     # -- get: delivering and assembling -------------------------------------------------------
-    def _deliverable(self) -> bool:
+    def _deliverable(self, extra: int = 0) -> bool:
+        """Whether a delivery would succeed from what is stored (plus ``extra`` samples still being stored)."""
         assert self.edp is not None
         sem = self.cfg.semantics
         if sem == "queue":
-            return self._fifo().can_deliver(self._n or 1)
+            fifo = self._fifo()
+            return fifo.can_deliver(self._n or 1) or fifo.undelivered() + extra >= (self._n or 1)
         if sem == "on_policy":
             return self.edp.semantics.pending_rollouts > 0  # type: ignore[attr-defined,no-any-return]
-        return len(self.edp) >= self.cfg.resolved_warmup
+        return len(self.edp) + extra >= self.cfg.resolved_warmup
 
     def _deliver(self, *, demand: bool = True) -> ReplayEntry:
         """One delivery from the EDP, assembled (the caller holds ``_deliver_lock``).
