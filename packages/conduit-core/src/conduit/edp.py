@@ -333,7 +333,8 @@ class ExperienceDataPlane:
         """Swap in a storage holding the same live handles (call under the lock).
 
         The semantics are re-pointed, not re-bound: ``bind`` would reset the sampler, and
-        slots are unchanged (same capacity), so priorities and RNG state stay valid.
+        slots are unchanged (same capacity), so priorities and RNG state stay valid. The
+        caller tells the scheduler afterwards, outside the lock.
         """
         self.storage = storage
         self.placement = placement
@@ -343,7 +344,6 @@ class ExperienceDataPlane:
         if sampler is not None:
             sampler.storage = storage
         self._build_outputs()
-        self.scheduler.invalidate("contents")
 
     # -- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

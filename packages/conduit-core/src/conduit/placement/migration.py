@@ -71,7 +71,7 @@ def _describe(storage: Storage) -> str:
 
 def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: ExperienceSchema | None = None,
             transform: Callable[[ExperienceBatch], Any] | None = None,
-            chunk_bytes: int = 16 << 20) -> MigrationReport:
+            chunk_bytes: int = 16 << 20, progress: Callable[[int, int], None] | None = None) -> MigrationReport:
     """Move ``edp``'s live items into storage built by ``placement`` (see the module docstring).
 
     Args:
@@ -85,6 +85,7 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
         transform: maps each chunk (an old-schema :class:`ExperienceBatch`) to a mapping
             of the new schema with the same number of items (e.g. zero-padding).
         chunk_bytes: bytes copied per lock hold.
+        progress: called between chunks, outside the lock, with (chunks copied, handle copied up to).
 
     Raises:
         ConfigurationError: a new schema without a transform.
@@ -128,6 +129,10 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
     copied = start
     max_blocked = 0.0
     while True:
+        if stats["chunks"]:
+            if progress is not None:
+                progress(stats["chunks"], copied)
+            time.sleep(0)  # let a waiting ingest or deliver take the lock between chunks
         lock.acquire()
         t_hold = time.perf_counter()
         try:
@@ -156,6 +161,8 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
         finally:
             max_blocked = max(max_blocked, time.perf_counter() - t_hold)
             lock.release()
+    # prepared deliveries hold the same items, but in buffers sized and placed for the old storage
+    edp.scheduler.invalidate("contents")
     t1 = time.perf_counter()
     edp.telemetry.record("migrate", items, stats["bytes"], t0, t1)
     return MigrationReport(_describe(old), _describe(new), items, stats["bytes"], t1 - t0, max_blocked,
