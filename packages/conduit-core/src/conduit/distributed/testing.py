@@ -68,7 +68,7 @@ class LocalCluster:
 
     def add_node(self, **kwargs: Any) -> str:
         """Start one more node; returns its id once it is alive."""
-        node = self.cluster.add_node(**{**self._node_args, **kwargs})
+        node = _retry_startup(lambda: self.cluster.add_node(**{**self._node_args, **kwargs}))
         self.cluster.wait_for_nodes()
         self._nodes[str(node.node_id)] = node
         return str(node.node_id)
@@ -103,7 +103,7 @@ def local_cluster(num_nodes: int = 2, *, num_cpus: int = 1, object_store_memory:
     head_args: dict[str, Any] = {**node_args, "include_dashboard": False}
     if fast_failure_detection:
         head_args["_system_config"] = dict(FAST_FAILURE_DETECTION)
-    cluster = Cluster(initialize_head=True, head_node_args=head_args)
+    cluster = _retry_startup(lambda: Cluster(initialize_head=True, head_node_args=head_args))
     try:
         lc = LocalCluster(cluster, node_args)
         for _ in range(num_nodes - 1):
@@ -113,6 +113,18 @@ def local_cluster(num_nodes: int = 2, *, num_cpus: int = 1, object_store_memory:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def _retry_startup(start: Any, attempts: int = 3) -> Any:
+    """Run ``start`` again when Ray gives up on a slow node start (it waits a fixed 30 s for the raylet,
+    which a heavily loaded machine can exceed); processes of a failed try are stopped at exit by Ray."""
+    for i in range(attempts):
+        try:
+            return start()
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+            if "timed out during startup" not in str(e) or i == attempts - 1:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 class DistributedReplayEndpoint(ReplayEndpoint):

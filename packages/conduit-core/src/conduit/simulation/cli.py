@@ -1,0 +1,131 @@
+"""``conduit simulate``: the paper's scaling experiments in the scale simulator (a SIMULATION).
+
+Writes, per scenario, a Markdown table and a JSON file, and one PNG plot of all scenarios
+next to the paper's figures, into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from conduit.simulation.cluster import NETWORKS, SCENARIOS, Scenario
+from conduit.simulation.model import BASELINES, run_scenario
+
+__all__ = ["register", "simulate", "table", "plot"]
+
+LABEL = "SIMULATION"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def table(scenario: Scenario, rows: list[dict[str, Any]], baseline: str) -> str:
+    """The rows as a Markdown table, labelled as simulation, with the paper's figures beside them."""
+    net = NETWORKS[scenario.network]
+    head = [f"**{LABEL}** - {scenario.description}: {scenario.topology} nodes, {net.name}, transitions "
+            f"d={scenario.obs_dim}, capacity {scenario.capacity}, replay ratio {scenario.replay_ratio:g}, "
+            f"non-adaptive = {baseline}", "",
+            "| GPUs | nodes | placement per node (adaptive) | sim ms | sim non-adaptive ms (range) | sim gain "
+            "| paper ms | paper non-adaptive ms | busiest resources (s) |",
+            "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lo, hi = r["non_adaptive_range_ms"]
+        rng = f" ({lo:.1f}-{hi:.1f})" if hi - lo > 0.05 else ""
+        busy = ", ".join(f"{k} {v * 1e3:.1f}ms" for k, v in r["busiest"][:2])
+        head.append(f"| {r['gpus']} | {r['nodes']} | {r['placement']} | {r['sim_ms']:.1f} | "
+                    f"{r['sim_non_adaptive_ms']:.1f}{rng} | {r['gain']:+.1%} | {_ms(r['paper_ms'])} | "
+                    f"{_ms(r['paper_non_adaptive_ms'])} | {busy} |")
+    return "\n".join(head)
+
+
+def plot(results: dict[str, tuple[Scenario, list[dict[str, Any]]]], path: Path) -> Path | None:
+    """One panel per scenario: simulated adaptive and non-adaptive latency, and the paper's points.
+
+    Returns None when matplotlib is missing (``pip install 'conduit-core[plot]'``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
+    for ax, (scenario, rows) in zip(axes[0], results.values(), strict=True):
+        g = [r["gpus"] for r in rows]
+        ax.plot(g, [r["sim_ms"] for r in rows], "o-", label="simulation: Conduit (adaptive placement)")
+        ax.plot(g, [r["sim_non_adaptive_ms"] for r in rows], "s--", label="simulation: adaptive placement off")
+        pg = sorted(scenario.paper)
+        ax.plot(pg, [scenario.paper[x][0] for x in pg], "k*", markersize=12, label="paper: Conduit")
+        pb = [x for x in pg if scenario.paper[x][1] is not None]
+        if pb:
+            ax.plot(pb, [scenario.paper[x][1] for x in pb], "kx", markersize=10, label="paper: adaptive off")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("experience-path latency per iteration (ms)")
+        ax.set_title(f"{LABEL}: {scenario.description}", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Conduit scale simulator (discrete-event SIMULATION, not a measurement)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def simulate(args: argparse.Namespace) -> int:
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, tuple[Scenario, list[dict[str, Any]]]] = {}
+    for name in names:
+        sc = SCENARIOS[name]
+        changes: dict[str, Any] = {}
+        for field in ("obs_dim", "capacity", "replay_ratio"):
+            v = getattr(args, field)
+            if v is not None:
+                changes[field] = v
+        if args.gpus:
+            changes["gpus"] = tuple(int(x) for x in args.gpus.split(","))
+        sc = dataclasses.replace(sc, **changes)
+        net = NETWORKS[sc.network]
+        if args.rpc_us is not None:
+            net = dataclasses.replace(net, rpc_overhead_s=args.rpc_us * 1e-6)
+        rows = run_scenario(sc, baseline=args.baseline, samples=args.samples, network=net)
+        results[name] = (sc, rows)
+        md = table(sc, rows, args.baseline)
+        (out / f"scale-{name}.md").write_text(md + "\n")
+        (out / f"scale-{name}.json").write_text(json.dumps({"label": LABEL, "scenario": dataclasses.asdict(sc),
+                                                            "network": net.source, "baseline": args.baseline,
+                                                            "rows": rows}, indent=1, default=str))
+        print(md, "\n")
+    png = plot(results, out / "scale.png")
+    print(f"wrote {out}/scale-*.md, scale-*.json" + (f" and {png}" if png else
+                                                      " (no PNG: pip install 'conduit-core[plot]')"))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``conduit simulate``."""
+    p = sub.add_parser("simulate", help="simulate the paper's scaling experiments (discrete-event SIMULATION)",
+                       description="Simulate one iteration of Conduit's experience path on declared clusters "
+                                   "(a SIMULATION driving the placement planner and cost model) and write a "
+                                   "table and a PNG next to the paper's figures.")
+    p.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
+    p.add_argument("--out", default="simulation-out", help="directory for the tables and the plot")
+    p.add_argument("--baseline", choices=BASELINES, default="link-blind",
+                   help="what 'adaptive placement off' means (see docs)")
+    p.add_argument("--samples", type=int, default=8, help="link-blind placements simulated per scale")
+    p.add_argument("--gpus", help="comma-separated scales (default: the paper's)")
+    p.add_argument("--obs-dim", dest="obs_dim", type=int, help="transition size d (default 20000)")
+    p.add_argument("--capacity", type=int, help="global buffer capacity (default 1e6)")
+    p.add_argument("--replay-ratio", dest="replay_ratio", type=float, help="deliveries per ingested item")
+    p.add_argument("--rpc-us", dest="rpc_us", type=float, help="cost of one remote fetch at the requester (us)")
+    p.set_defaults(func=simulate)

@@ -1,0 +1,92 @@
+"""Declared clusters for the scale simulator: nodes of a declared topology joined by a network.
+
+A node is one of placement's declared topologies (``conduit/placement/topologies/``), so
+the GPUs, their memory and their links are exactly what the planner sees. What a node
+file does not hold is the fabric between nodes; :class:`Network` declares it (nominal
+vendor figures, not measurements), as placement :class:`~conduit.placement.LinkCost`s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conduit.errors import ConfigurationError
+from conduit.placement.profile import LinkCost
+
+__all__ = ["Network", "NETWORKS", "Scenario", "SCENARIOS"]
+
+
+@dataclass(frozen=True)
+class Network:
+    """The fabric between nodes, per node.
+
+    Args:
+        name: a short label.
+        nic: one node's injection link (bandwidth per direction, per-message latency).
+        rpc_overhead_s: the requester's own cost of one remote fetch (issue it, take the
+            answer), serial per node: the EDP's remote delivery path.
+        source: where the figures come from.
+    """
+
+    name: str
+    nic: LinkCost
+    rpc_overhead_s: float
+    source: str = ""
+
+
+#: nominal fabrics of the paper's two clusters
+NETWORKS = {
+    "hdr-ib-8x": Network("8x HDR InfiniBand per node", LinkCost.constant(200.0, overhead_us=2.0), 50e-6,
+                         "nominal: DGX A100 SuperPOD, 8 x 200 Gb/s HDR HCAs per node (8 x 25 GB/s), GPUDirect RDMA; "
+                         "50 us per remote fetch is an assumption (a tuned RPC), not a measurement"),
+    "slingshot-4x": Network("4x Slingshot-11 per node", LinkCost.constant(100.0, overhead_us=2.0), 50e-6,
+                            "nominal: HPE Cray EX (MI250X) node, 4 x 200 Gb/s Slingshot-11 NICs (4 x 25 GB/s); "
+                            "50 us per remote fetch is an assumption, not a measurement"),
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A scaling experiment: a node type, a fabric, a workload and the scales to simulate.
+
+    Args:
+        name: a short key.
+        topology: the declared node topology (placement data file name).
+        network: key of :data:`NETWORKS`.
+        gpus: total GPUs at each scale (one learner per GPU; nodes fill up 8 GPUs at a time).
+        total_batch: items delivered per iteration over all learners (split evenly).
+        obs_dim: transition observation size (the paper's synthetic workload).
+        capacity: global buffer capacity (split evenly over the nodes).
+        replay_ratio: deliveries per ingested item (1: as many items ingested as delivered).
+        paper: the paper's figures, ``{gpus: (conduit_ms, adaptive_off_ms)}`` (None where not given).
+    """
+
+    name: str
+    topology: str
+    network: str
+    gpus: tuple[int, ...]
+    total_batch: int
+    obs_dim: int = 20000
+    capacity: int = 1_000_000
+    replay_ratio: float = 1.0
+    paper: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.network not in NETWORKS:
+            raise ConfigurationError(f"Unknown network {self.network!r}; use one of {sorted(NETWORKS)}.")
+        if not self.gpus or any(g <= 0 for g in self.gpus):
+            raise ConfigurationError(f"gpus must be positive counts, got {self.gpus}.")
+        if self.total_batch <= 0 or self.obs_dim <= 0 or self.capacity <= 0 or self.replay_ratio <= 0:
+            raise ConfigurationError("total_batch, obs_dim, capacity and replay_ratio must be positive.")
+
+
+#: the paper's two scaling experiments (figures from its evaluation; see docs/scale.md)
+SCENARIOS = {
+    "a100": Scenario("a100", "dgx-a100-80g", "hdr-ib-8x", (1, 2, 4, 8, 16), 2048,
+                     paper={1: (95.0, None), 16: (15.0, None)},
+                     description="A100 cluster, 1-16 GPUs, total batch 2048"),
+    "mi250x": Scenario("mi250x", "mi250x-node", "slingshot-4x", (8, 16, 32, 64, 128, 256, 512, 1024), 32768,
+                       paper={8: (614.0, None), 64: (110.0, 140.0), 1024: (50.0, 55.0)},
+                       description="MI250X supercomputer, 8-1024 GPUs (GCDs), workload 32768"),
+}
