@@ -71,7 +71,7 @@ def _describe(storage: Storage) -> str:
 
 def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: ExperienceSchema | None = None,
             transform: Callable[[ExperienceBatch], Any] | None = None,
-            chunk_bytes: int = 16 << 20, progress: Callable[[int, int], None] | None = None) -> MigrationReport:
+            chunk_bytes: int = 4 << 20, progress: Callable[[int, int], None] | None = None) -> MigrationReport:
     """Move ``edp``'s live items into storage built by ``placement`` (see the module docstring).
 
     Args:

@@ -515,7 +515,7 @@ def measure_host_paths(*, quick: bool = False, clock: Clock = time.perf_counter)
             time of this thread: on a shared machine it leaves out the time other processes
             held the core; valid for host paths when torch runs single-threaded).
     """
-    reps = 7 if quick else 15
+    reps = 11 if quick else 21
     cpu = torch.device("cpu")
     llc = _llc_bytes()
     links: dict[str, LinkCost] = {}
@@ -555,7 +555,7 @@ def profile_machine(*, cache: bool = True, refresh: bool = False, quick: bool = 
             return load_profile()
         except PlacementError:
             pass
-    reps = 7 if quick else 15
+    reps = 11 if quick else 21
     cpu = torch.device("cpu")
     llc = _llc_bytes()
     copy_sizes = [64 << 10, 1 << 20, 16 << 20] if quick else [64 << 10, 1 << 20, 16 << 20, 64 << 20]
