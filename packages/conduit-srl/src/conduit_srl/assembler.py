@@ -178,7 +178,7 @@ class Assembler:
                     edp.seal()
             with self._cv:
                 self.stats.samples_put += n
-                if self._armed and self._starved:
+                if self._armed and self._starved and self._deliverable(extra=n):
                     self._kick()
         return n
 
@@ -223,22 +223,22 @@ class Assembler:
             with self._cv:
                 if self._ready or self._deliverable():
                     return False
-            pending = self._scheduler().pending()
-            if not pending:
-                return True
-            if self.cfg.semantics != "on_policy":
-                # samples on their way to storage: get() waits for them if they make a batch
-                return not self._deliverable(extra=sum(h.batch.batch_size for h in pending))
-            self.edp.flush()  # on-policy: whether a rollout closes depends on the versions: store and look
-            with self._cv:
-                return not (self._ready or self._deliverable())
+        pending = self._pending_samples()
+        if not pending:
+            return True
+        if self.cfg.semantics != "on_policy" and not self._deliverable(extra=pending):
+            return True  # even with what is on its way to storage, no batch is complete
+        # what is on its way completes a batch (or, on-policy, may close a rollout): let it land, then look
+        self.edp.flush()
+        with self._deliver_lock, self._cv:
+            return not (self._ready or self._deliverable())
 
     def qsize(self) -> int:
         """Samples not yet delivered (queue: never delivered; replay: held; on-policy: in unfinished rollouts)."""
         edp = self.edp
         if edp is None:
             return 0
-        pending = sum(h.batch.batch_size for h in edp.scheduler.pending())  # type: ignore[attr-defined]
+        pending = self._pending_samples()
         if self.cfg.semantics == "queue":
             with self._cv:
                 fresh = sum(int(e.sampling_indices.shape[0]) for e in self._ready if e.reuses == 0)
@@ -379,6 +379,9 @@ class Assembler:
     def _ingest_pending(self) -> bool:
         return self.edp is not None and bool(self._scheduler().pending())
 
+    def _pending_samples(self) -> int:
+        return sum(h.batch.batch_size for h in self._scheduler().pending())
+
     # -- put: versions, rollouts, room ----------------------------------------------------------
     def _plan(self, arrays: dict[str, np.ndarray], n: int) -> list[tuple[int, int, int | None, bool]]:
         """``(lo, hi, version, seal_after)`` runs of a put; version -1 marks late samples that are dropped."""
@@ -430,7 +433,7 @@ class Assembler:
         assert edp is not None
         while True:
             self._check_open()
-            pending = sum(h.batch.batch_size for h in self._scheduler().pending())
+            pending = self._pending_samples()
             if pending + len(edp) + n <= edp.capacity:
                 return
             sem = edp.semantics
@@ -461,7 +464,11 @@ class Assembler:
         edp = self.edp
         assert edp is not None
         if not demand and not self._deliverable():
-            raise EmptyBufferError("Nothing stored is deliverable yet.")
+            pending = self._pending_samples()
+            if pending and self._deliverable(extra=pending):
+                edp.flush()  # a batch is complete once what is on its way is stored
+            if not self._deliverable():
+                raise EmptyBufferError("Nothing stored is deliverable yet.")
         for attempt in (0, 1):
             try:
                 if self.cfg.replay_like and len(edp) < self.cfg.resolved_warmup:
@@ -478,9 +485,10 @@ class Assembler:
                     batch, info = edp.deliver(self._n)
                 break
             except EmptyBufferError:
-                if demand and attempt == 0 and self._ingest_pending():
-                    edp.flush()  # samples put before this call count
-                    continue
+                if demand and attempt == 0:
+                    if self._ingest_pending():
+                        edp.flush()  # samples put before this call count
+                    continue  # (and storing may have finished since the selection looked)
                 raise
         if self.cfg.semantics == "queue":
             self._fifo().confirm(info)
