@@ -37,11 +37,12 @@ def _profile(args: argparse.Namespace) -> int:
     print(f"bandwidth profile of machine {prof.machine} ({prof.created}), cached at {profile_path()}")
     if not gpus:
         print("no GPU found: host and disk paths only")
-    print(f"{'path':22}{'overhead us':>13}  effective bandwidth (GB/s) by transfer size")
+    print(f"{'path':28}{'overhead us':>12}{'per row ns':>12}  effective GB/s by transfer size (row width for "
+          f"gathers)")
     for name, link in sorted(prof.links.items()):
-        pts = "  ".join(f"{_size(b)}:{'-' if bw == float('inf') else f'{bw / 1e9:.2f}'}" for b, bw in link.points
+        pts = "  ".join(f"{_size(b)}{'/row' if link.by_row else ''}:{bw / 1e9:.2f}" for b, bw in link.points
                         if bw != float("inf"))
-        print(f"{name:22}{link.overhead_s * 1e6:13.1f}  {pts}")
+        print(f"{name:28}{link.overhead_s * 1e6:12.1f}{link.per_row_s * 1e9:12.1f}  {pts}")
     if not prof.details.get("disk_read_cold", True):
         print("note: disk_read was measured with the page cache warm (this OS cannot drop it per file)")
     return 0

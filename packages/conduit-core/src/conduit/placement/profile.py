@@ -1,27 +1,25 @@
 """Bandwidth profiles: measured (or declared) cost of each data path, and the profiler.
 
-A path's cost for one call moving ``b`` bytes is ``overhead + b / bandwidth(b)``: a fixed
-per-call overhead plus the bytes at the effective bandwidth for transfers of that size
-(small transfers reach less bandwidth than large ones; the profile keeps a few measured
-points and interpolates in log-size between them).
+A path's cost for one call is ``overhead + rows * per_row + bytes / bandwidth``: a fixed
+per-call overhead, a per-row cost for gathers, and the bytes at the effective bandwidth
+for a transfer of that size (small transfers reach less bandwidth than large ones; a
+profile keeps a few measured points and interpolates in log-size between them; for row
+gathers the points are keyed by the width of one row). See :class:`LinkCost`.
 
 Path names (``BandwidthProfile.links`` keys):
 
-==================  =====================================================================
-``host_copy``        host memory -> host memory (ingestion into a host-tier buffer)
-``host_gather``      random-row gather within host memory (delivery from a host buffer)
-``host_gather_scalar``         the same for 1-D columns (one element per item) larger than the cache
-``host_gather_scalar_cached``  1-D columns that fit in the last-level cache
-``h2d_pinned``       page-locked host -> GPU (``h2d_pinned:i`` for GPU ``i``)
-``h2d_pageable``     pageable host -> GPU (actors' tensors into a GPU buffer)
-``d2h_pinned``       GPU -> page-locked host; ``d2h_pageable`` likewise
-``gpu_gather``       random-row gather within one GPU's memory (``gpu_gather:i``)
-``p2p``              GPU -> GPU copy (``p2p:i:j`` for the pair; ``p2p`` as the default)
-``disk_read``        random-row gather from a memory-mapped file, pages not cached
-``disk_write``       writes into a memory-mapped file (page cache, written back later)
-``edp_deliver``      the EDP's own per-delivery overhead (sampling, locking, accounting)
-``edp_ingest``       the EDP's own per-ingestion overhead (validation, locking, accounting)
-==================  =====================================================================
+* ``host_copy``: host memory -> host memory (ingestion into a host-tier buffer);
+* ``host_gather``: random-row gather within host memory (delivery from a host buffer);
+* ``host_gather_scalar`` / ``host_gather_scalar_cached``: the same for 1-D columns (one
+  element per item) larger than / within the last-level cache;
+* ``h2d_pinned``, ``h2d_pageable``: page-locked / pageable host -> GPU (``h2d_pinned:i``
+  for GPU ``i``; unsuffixed: GPU 0 and the default); ``d2h_pinned``, ``d2h_pageable`` back;
+* ``gpu_gather``: random-row gather within one GPU's memory (``gpu_gather:i``);
+* ``p2p``: GPU -> GPU copy (``p2p:i:j`` for the pair, ``p2p`` as the default);
+* ``disk_read``: random-row gather from a memory-mapped file whose pages are not cached;
+* ``disk_write``: writes into a memory-mapped file (page cache, written back later);
+* ``edp_deliver``, ``edp_ingest``: the EDP's own per-call overhead (sampling or validation,
+  locking, accounting).
 
 :func:`profile_machine` measures these on the machine it runs on and caches the result
 in the user cache directory, keyed by machine; loading a profile measured on another
@@ -52,9 +50,12 @@ from conduit.errors import PlacementError
 __all__ = ["LinkCost", "BandwidthProfile", "profile_machine", "measure_host_paths", "load_profile", "machine_id",
            "machine_summary", "cache_dir", "profile_path", "PATHS"]
 
+#: the version of the profile file layout (bumped when it changes; older files are re-measured)
+PROFILE_FORMAT = 2
+
 #: every path name a profile may carry (per-device variants add ``:i`` / ``:i:j``)
-PATHS = ("host_copy", "host_gather", "h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable", "gpu_gather",
-         "p2p", "disk_read", "disk_write", "edp_deliver", "edp_ingest")
+PATHS = ("host_copy", "host_gather", "host_gather_scalar", "host_gather_scalar_cached", "h2d_pinned", "h2d_pageable",
+         "d2h_pinned", "d2h_pageable", "gpu_gather", "p2p", "disk_read", "disk_write", "edp_deliver", "edp_ingest")
 
 
 @dataclass(frozen=True)
@@ -298,13 +299,14 @@ class BandwidthProfile:
                 f"here to measure it, or plan with a declared topology (`conduit plan --topology NAME`).")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": 1, "source": self.source, "machine": self.machine, "created": self.created,
+        return {"format": PROFILE_FORMAT, "source": self.source, "machine": self.machine, "created": self.created,
                 "details": self.details, "links": {k: v.to_dict() for k, v in sorted(self.links.items())}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BandwidthProfile:
-        if d.get("format") != 1 or "links" not in d:
-            raise PlacementError("Not a Conduit bandwidth profile (format 1); re-create it with `conduit profile`.")
+        if d.get("format") != PROFILE_FORMAT or "links" not in d:
+            raise PlacementError(f"Not a Conduit bandwidth profile of format {PROFILE_FORMAT} (an older Conduit, or "
+                                 f"another file); re-create it with `conduit profile`.")
         return cls({k: LinkCost.from_dict(v) for k, v in d["links"].items()}, source=d.get("source", "measured"),
                    machine=d.get("machine", ""), created=d.get("created", ""), details=d.get("details", {}))
 
