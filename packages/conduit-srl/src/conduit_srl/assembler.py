@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -79,7 +79,7 @@ class ReplayEntry:
     weights: np.ndarray | None = None
     info: SampleInfo | None = None
     #: priority updates seen when it left the EDP (prioritized)
-    _stamp: int = 0
+    _stamp: int = field(default=0, repr=False)
 
 
 @dataclass
