@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged
@@ -147,17 +148,22 @@ class ShardedStorage(Storage):
         dst = out if out is not None else {
             name: torch.empty((n, *self.schema[name].shape), dtype=self.schema[name].dtype, device=self.device)
             for name in self.schema.fixed}
-        shard_of = torch.remainder(slots, k)
-        rows = torch.div(slots, k, rounding_mode="floor")
+        s = slots.numpy()
+        shard_of = s % k
         for i, shard in enumerate(self._shards):
-            pos = (shard_of == i).nonzero().squeeze(1)
-            if pos.numel() == 0:
+            where = np.flatnonzero(shard_of == i)  # positions in the batch served by shard i
+            if where.size == 0:
                 continue
-            r = rows[pos].to(self.devices[i])
+            pos = torch.from_numpy(where)
+            r = torch.from_numpy(s[where] // k)
+            if self.devices[i].type != "cpu":
+                r = r.to(self.devices[i], non_blocking=True)
             for name, col in shard.items():
                 part = torch.index_select(col, 0, r)
                 target = dst[name]
-                target.index_copy_(0, pos.to(target.device), part.to(target.device, non_blocking=True))
+                if target.device != part.device:
+                    part = part.to(target.device, non_blocking=True)
+                target.index_copy_(0, pos if target.device.type == "cpu" else pos.to(target.device), part)
         for name in self.schema.fixed:
             cols[name] = dst[name]
         if self._ragged is not None:
