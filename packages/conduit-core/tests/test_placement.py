@@ -344,3 +344,15 @@ def test_planner_docstring_example_runs() -> None:
 
     result = doctest.testmod(conduit.placement.planner)
     assert result.attempted > 0 and result.failed == 0, result
+
+
+def test_measured_figures_replace_declared_ones_where_present(measured: BandwidthProfile) -> None:
+    """Planning a declared machine with a profile: measured paths win, declared ones fill the rest."""
+    model = CostModel(load_topology("h200x1"), measured)
+    assert model.profile.link("host_gather") == measured.link("host_gather")
+    assert model.profile.link("gpu_gather") == load_topology("h200x1").declared.link("gpu_gather")
+    p = Planner(load_topology("h200x1"), measured).plan(Workload.transitions(1000, capacity=10**5, batch=256))
+    host = next(c for c in p.candidates if c.spec.tier == "host")
+    declared_host = next(c for c in Planner(load_topology("h200x1")).plan(
+        Workload.transitions(1000, capacity=10**5, batch=256)).candidates if c.spec.tier == "host")
+    assert host.estimate.deliver_s != declared_host.estimate.deliver_s

@@ -189,6 +189,8 @@ class CostModel:
         topology: the devices and their memory.
         profile: the path costs (default: the topology's declared figures; a discovered
             topology needs a measured profile, see :func:`~conduit.placement.profile_machine`).
+            With a declared topology, the profile's figures replace the declared ones path by
+            path and the declared ones fill the rest.
 
     Keyword Args:
         headroom: extra memory kept free beyond what the buffer needs (fraction of it).
@@ -210,6 +212,11 @@ class CostModel:
                                  f"conduit.placement.profile_machine() (or `conduit profile`) and pass the profile.")
         if topology.source == "discovered":
             prof.check_machine()
+        if profile is not None and topology.declared is not None and profile is not topology.declared:
+            # measured figures where the profile has them, the declared ones for the rest
+            prof = BandwidthProfile({**topology.declared.links, **profile.links}, source=profile.source,
+                                    machine=profile.machine, created=profile.created,
+                                    details={**profile.details, "declared_fallback": topology.name})
         for nm, v in (("headroom", headroom), ("gpu_usable", gpu_usable), ("host_usable", host_usable),
                       ("disk_usable", disk_usable)):
             if not (0 <= v <= (10 if nm == "headroom" else 1)):
