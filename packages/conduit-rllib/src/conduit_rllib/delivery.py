@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
 import torch
-from ray.rllib.core import DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
+from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
@@ -75,7 +75,6 @@ class ConduitSampledEpisodes(Sequence[SingleAgentEpisode]):
             raise IndexError(f"transition {i} of {len(self)}")
         c = {k: v[i].detach().cpu().numpy() for k, v in self.columns.items()}
         return SingleAgentEpisode(
-            agent_id=DEFAULT_AGENT_ID, module_id=self.module_id,
             observation_space=self.observation_space, action_space=self.action_space,
             observations=[c[Columns.OBS], c[Columns.NEXT_OBS]], actions=[c[Columns.ACTIONS]],
             rewards=[float(c[Columns.REWARDS])], terminated=bool(c[Columns.TERMINATEDS]),

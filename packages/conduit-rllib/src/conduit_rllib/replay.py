@@ -80,8 +80,8 @@ class _ConduitReplay:
 
     def __init__(self, capacity: int = 10000, *, alpha: float = 1.0, seed: int | None = 0,
                  device: torch.device | str | None = None, placement: Placement | None = None,
-                 scheduler: Scheduler | None = None, batch_size_B: int = 16, batch_length_T: int = 1,
-                 metrics_num_episodes_for_smoothing: int = 100, **kwargs: Any) -> None:
+                 scheduler: Scheduler | None = None, metrics_every: int = 16, batch_size_B: int = 16,
+                 batch_length_T: int = 1, metrics_num_episodes_for_smoothing: int = 100, **kwargs: Any) -> None:
         # Only the cheap base initialiser: it sets capacity, batch sizes and the MetricsLogger.
         # PrioritizedEpisodeReplayBuffer.__init__ would allocate segment trees nobody uses.
         EpisodeReplayBuffer.__init__(self, capacity=int(capacity), batch_size_B=batch_size_B,
@@ -108,6 +108,10 @@ class _ConduitReplay:
         self._counts = {"added": 0, "episodes": 0, "evicted": 0, "sampled": 0, "n_step_sum": 0}
         self._lifetime = {"added": 0, "evicted": 0, "sampled": 0, "episodes": 0}
         self._ones: torch.Tensor | None = None
+        if int(metrics_every) < 1:
+            raise ConfigurationError(f"metrics_every must be >= 1, got {metrics_every!r}.")
+        self.metrics_every = int(metrics_every)
+        self._metrics_calls = 0
 
     # -- construction of the data plane ------------------------------------------------------
     def _build(self, schema: ExperienceSchema) -> ExperienceDataPlane:
@@ -165,13 +169,19 @@ class _ConduitReplay:
                                      "buffer must own its ExperienceDataPlane.")
         self._next = first + n
         cap = self.capacity
-        slots = np.arange(first, first + n, dtype=np.int64) % cap
-        succ = np.arange(first + 1, first + n + 1, dtype=np.int64)
-        succ[-1] = -1
-        self._succ[slots] = succ
-        self._rew[slots] = chunk.columns[Columns.REWARDS].numpy()
-        self._done[slots] = False
-        self._done[slots[-1]] = chunk.done
+        if n == 1:  # the common case (one env step per add): scalar writes
+            slot = first % cap
+            self._succ[slot] = -1
+            self._rew[slot] = float(chunk.columns[Columns.REWARDS][0])
+            self._done[slot] = chunk.done
+        else:
+            slots = np.arange(first, first + n, dtype=np.int64) % cap
+            succ = np.arange(first + 1, first + n + 1, dtype=np.int64)
+            succ[-1] = -1
+            self._succ[slots] = succ
+            self._rew[slots] = chunk.columns[Columns.REWARDS].numpy()
+            self._done[slots] = False
+            self._done[slots[-1]] = chunk.done
         oldest = edp.storage.oldest if handles is not None else max(0, self._next - cap)
         tail = self._tail.pop(chunk.episode_id, None)
         if tail is not None and tail >= oldest:
@@ -339,8 +349,17 @@ class _ConduitReplay:
         return 0  # eviction is per transition; see get_metrics() for evicted steps
 
     def get_metrics(self) -> dict[str, Any]:
-        """RLlib-style buffer metrics since the last call (added/evicted/sampled steps, stored size)."""
+        """RLlib-style buffer metrics (added/evicted/sampled steps, stored size), every ``metrics_every`` calls.
+
+        RLlib calls this once per training step; logging into its MetricsLogger costs more than
+        Conduit's add and sample together, so counts accumulate and are logged and reduced on
+        every ``metrics_every``-th call (an empty dict in between). Sums and lifetime counts
+        stay exact; they are reported up to ``metrics_every - 1`` calls late.
+        """
         with self._lock:
+            self._metrics_calls += 1
+            if self._metrics_calls % self.metrics_every:
+                return {}
             c, lt = self._counts, self._lifetime
             log = self.metrics.log_value
             log(NUM_ENV_STEPS_STORED, len(self), reduce="mean", window=self._metrics_num_episodes_for_smoothing)
@@ -424,6 +443,7 @@ class ConduitEpisodeReplayBuffer(_ConduitReplay, EpisodeReplayBuffer):
         device: the learner's device; sampled batches are delivered there (Conduit does the copy).
         placement: where the transitions live (default: host memory, pinned when ``device`` is CUDA).
         scheduler: when ingestion/delivery work runs (default: synchronously).
+        metrics_every: log metrics on every n-th ``get_metrics`` call (see :meth:`get_metrics`).
     """
 
     prioritized = False
@@ -440,7 +460,7 @@ class ConduitPrioritizedEpisodeReplayBuffer(_ConduitReplay, PrioritizedEpisodeRe
 
     Keyword Args:
         alpha: priority exponent (RLlib's ``replay_buffer_config["alpha"]``).
-        seed, device, placement, scheduler: as for :class:`ConduitEpisodeReplayBuffer`.
+        seed, device, placement, scheduler, metrics_every: as for :class:`ConduitEpisodeReplayBuffer`.
     """
 
     prioritized = True

@@ -54,11 +54,14 @@ def chunk_columns(episode: Any) -> ChunkColumns:
     n = len(episode)
     obs = episode.get_observations()
     acts = episode.get_actions()
-    if isinstance(obs, (dict, tuple)) or isinstance(acts, (dict, tuple)):
+    nested = isinstance(obs, (dict, tuple)) or isinstance(acts, (dict, tuple))
+    if not nested:
+        obs, acts = np.asarray(obs), np.asarray(acts)
+        nested = obs.dtype == object or acts.dtype == object
+    if nested:
         raise SchemaError("conduit-rllib stores Box/Discrete observations and actions; this episode has nested "
                           "(Dict/Tuple) data. Flatten the observation space (e.g. with a FlattenObservations "
                           "connector) or run without Conduit.")
-    obs = np.asarray(obs)
     if obs.shape[0] != n + 1:
         raise SchemaError(f"Episode {episode.id_!r} has {obs.shape[0]} observations for {n} steps; expected "
                           f"{n + 1}.")
@@ -69,7 +72,7 @@ def chunk_columns(episode: Any) -> ChunkColumns:
     if n:
         term[-1] = bool(episode.is_terminated)
         trunc[-1] = bool(episode.is_truncated)
-    cols = {Columns.OBS: o[:-1], Columns.NEXT_OBS: o[1:], Columns.ACTIONS: _as_tensor(np.asarray(acts)),
+    cols = {Columns.OBS: o[:-1], Columns.NEXT_OBS: o[1:], Columns.ACTIONS: _as_tensor(acts),
             Columns.REWARDS: rewards, Columns.TERMINATEDS: term, Columns.TRUNCATEDS: trunc}
     return ChunkColumns(str(episode.id_), cols, n, bool(episode.is_done))
 

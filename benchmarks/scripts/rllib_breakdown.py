@@ -1,0 +1,78 @@
+"""Experience-path breakdown, native RLlib vs Conduit, iterations interleaved (outside CI; minutes).
+
+Both variants are built in one process and alternate ``train()`` calls, so machine load hits
+both alike. Prints the per-iteration table and the medians; writes JSON with every row.
+
+    .venv/bin/python benchmarks/scripts/rllib_breakdown.py dqn --obs-dim 5000 --iterations 6
+    .venv/bin/python benchmarks/scripts/rllib_breakdown.py sac --iterations 6
+    .venv/bin/python benchmarks/scripts/rllib_breakdown.py ppo --iterations 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("algo", choices=["dqn", "sac", "ppo"])
+    p.add_argument("--obs-dim", type=int, default=5000, help="DQN: observation size")
+    p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--steps", type=int, default=200, help="DQN/SAC: env steps per iteration; PPO: train batch")
+    p.add_argument("--batch", type=int, default=None, help="train batch (DQN 32, SAC 256) or PPO minibatch (128)")
+    p.add_argument("--uniform", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+
+    import ray
+    import torch
+    from conduit_rllib.compare import run_interleaved, summarize, table
+    from conduit_rllib.workloads import dqn_large_obs, ppo_cartpole, sac_pendulum
+
+    torch.set_num_threads(1)
+    if args.algo == "dqn":
+        def make():
+            return dqn_large_obs(args.obs_dim, steps=args.steps, batch=args.batch or 32, seed=args.seed,
+                                 prioritized=not args.uniform)
+        name = f"dqn_d{args.obs_dim}_b{args.batch or 32}{'_uniform' if args.uniform else ''}"
+    elif args.algo == "sac":
+        def make():
+            return sac_pendulum(steps=args.steps, batch=args.batch or 256, seed=args.seed,
+                                prioritized=not args.uniform)
+        name = f"sac_pendulum_b{args.batch or 256}{'_uniform' if args.uniform else ''}"
+    else:
+        def make():
+            return ppo_cartpole(batch=max(args.steps, 500), minibatch=args.batch or 128, seed=args.seed)
+        name = f"ppo_cartpole_{max(args.steps, 500)}"
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        rows = run_interleaved({"native": make(), "conduit": make()}, args.iterations)
+    finally:
+        ray.shutdown()
+    print(table(rows))
+    s = summarize(rows)
+    for v in ("native", "conduit"):
+        parts = " ".join(f"{k}={x * 1e3:.1f}" for k, x in s[v]["parts"].items())
+        print(f"{v:>8}: experience {s[v]['experience_s'] * 1e3:.1f} ms, exposed {s[v]['exposed_s'] * 1e3:.1f} ms, "
+              f"iteration {s[v]['iteration_s']:.2f} s, cpu {s[v]['cpu_s']:.2f} s  [{parts} ms]")
+    ch = s["conduit"]["change"]
+    print(f"conduit vs native: experience {ch['experience_s']:+.0%}, exposed {ch['exposed_s']:+.0%}, "
+          f"iteration {ch['iteration_s']:+.0%}, cpu {ch['cpu_s']:+.0%}")
+    out = args.out or Path(__file__).resolve().parents[1] / "results" / f"rllib_breakdown_{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"workload": name, "args": vars(args) | {"out": str(out)}, "summary": s,
+                               "rows": {k: [r.to_dict() for r in v] for k, v in rows.items()}}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""Where an RLlib iteration's experience-path time goes, measured the same way for native RLlib and Conduit.
+
+:class:`ExperiencePathProbe` wraps, on one built ``Algorithm`` instance (measurement only;
+nothing in RLlib's classes changes), the calls that make up the experience path:
+
+* ``add`` -- replay-buffer ``add`` (off-policy);
+* ``sample`` -- replay-buffer ``sample`` and ``get_metrics`` (off-policy);
+* ``priorities`` -- replay-buffer ``update_priorities`` (prioritized);
+* ``batch`` -- the learner turning what it was handed into a train batch
+  (``Learner._make_batch_if_necessary``: RLlib's learner connector, or Conduit's ready batch);
+* ``minibatch`` -- producing the minibatches the learner trains on (building the iterator
+  and each ``next()`` on it; for PPO that is RLlib's slicing or Conduit's delivery).
+
+Time inside these calls is *exposed*: the training loop waits for it. Conduit may also run
+experience-path work on its own threads (background ingestion, prefetch); that time comes
+from the data planes' telemetry and is reported as ``background``. Times are exclusive:
+a wrapped call nested in another counts once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from functools import wraps
+from typing import Any
+
+__all__ = ["ExperiencePathProbe", "PARTS"]
+
+PARTS = ("add", "sample", "priorities", "batch", "minibatch")
+
+
+class _TimedIterator:
+    def __init__(self, it: Iterable[Any], probe: ExperiencePathProbe) -> None:
+        self._it: Iterator[Any] = iter(it)
+        self._probe = probe
+
+    def __iter__(self) -> _TimedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        return self._probe._timed("minibatch", self._it.__next__)
+
+
+class ExperiencePathProbe:
+    """Accumulates exposed experience-path time per part; :meth:`take` returns and resets it.
+
+    Args:
+        algo: a built RLlib ``Algorithm`` with a local learner (``num_learners=0``).
+    """
+
+    def __init__(self, algo: Any) -> None:
+        self.algo = algo
+        self._acc: dict[str, float] = defaultdict(float)
+        self._local = threading.local()
+        self._main = threading.get_ident()
+        self._t0 = time.perf_counter()
+        rb = getattr(algo, "local_replay_buffer", None)
+        self.buffer = rb
+        if rb is not None:
+            for name, part in (("add", "add"), ("sample", "sample"), ("get_metrics", "sample"),
+                               ("update_priorities", "priorities")):
+                if hasattr(rb, name):
+                    self._wrap(rb, name, part)
+        results = list(algo.learner_group.foreach_learner(lambda learner: learner))
+        self.learner = results[0].get()
+        self._wrap(self.learner, "_make_batch_if_necessary", "batch")
+        orig = self.learner._create_iterator_if_necessary
+
+        @wraps(orig)
+        def create_iterator(*args: Any, **kwargs: Any) -> Any:
+            return _TimedIterator(self._timed("minibatch", orig, *args, **kwargs), self)
+
+        self.learner._create_iterator_if_necessary = create_iterator
+
+    def _wrap(self, obj: Any, name: str, part: str) -> None:
+        orig = getattr(obj, name)
+
+        @wraps(orig)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            return self._timed(part, orig, *args, **kwargs)
+
+        setattr(obj, name, timed)
+
+    def _timed(self, part: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        stack: list[float] = getattr(self._local, "stack", None) or []
+        self._local.stack = stack
+        stack.append(0.0)  # time spent in nested wrapped calls
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            dt = time.perf_counter() - t0
+            inner = stack.pop()
+            self._acc[part] += dt - inner
+            if stack:
+                stack[-1] += dt
+
+    def _planes(self) -> list[Any]:
+        planes = []
+        if self.buffer is not None and getattr(self.buffer, "edp", None) is not None:
+            planes.append(self.buffer.edp)
+        feed = getattr(self.learner, "conduit_feed", None)
+        if feed is not None and feed.edp is not None:
+            planes.append(feed.edp)
+        return planes
+
+    def background(self, since: float) -> float:
+        """Seconds Conduit's worker threads spent ingesting/gathering since ``since``."""
+        total = 0.0
+        for edp in self._planes():
+            for r in edp.telemetry.since(since):
+                if r.thread != self._main and r.kind in ("ingest", "deliver"):
+                    total += r.end - r.start
+        return total
+
+    def take(self) -> dict[str, float]:
+        """Seconds per part since the last call, plus ``exposed``, ``background`` and ``total``."""
+        out = {p: self._acc.get(p, 0.0) for p in PARTS}
+        out["exposed"] = sum(out[p] for p in PARTS)
+        out["background"] = self.background(self._t0)
+        out["total"] = out["exposed"] + out["background"]
+        self._acc.clear()
+        self._t0 = time.perf_counter()
+        return out

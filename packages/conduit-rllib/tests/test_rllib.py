@@ -1,0 +1,134 @@
+"""Conduit inside real RLlib runs (local Ray, CPU): DQN, SAC and PPO, the learner's batch, checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import conduit_rllib
+import numpy as np
+import pytest
+import torch
+from conduit_rllib import ConduitPrioritizedEpisodeReplayBuffer, ConduitSampledEpisodes
+from conduit_rllib.workloads import dqn_large_obs, ppo_cartpole, sac_pendulum
+from ray.rllib.algorithms.algorithm import Algorithm
+from ray.rllib.core.columns import Columns
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def learner_of(algo: Algorithm) -> Any:
+    return next(iter(algo.learner_group.foreach_learner(lambda learner: learner))).get()
+
+
+@pytest.fixture(scope="module")
+def dqn(ray_local: None) -> Any:
+    """A Conduit DQN on 8-dimensional observations after one iteration (learning from step 60)."""
+    config = dqn_large_obs(8, steps=120, batch=16, capacity=100, learning_starts=60)
+    algo = conduit_rllib.enable(config).build_algo()
+    algo.train()
+    yield algo
+    algo.stop()
+
+
+def test_dqn_trains_from_conduit_batches(dqn: Algorithm) -> None:
+    buf = dqn.local_replay_buffer
+    assert isinstance(buf, ConduitPrioritizedEpisodeReplayBuffer)
+    assert len(buf) == 100, "capacity 100, 120 steps added: FIFO per transition"
+    learner = learner_of(dqn)
+    assert learner.conduit_batches >= 50 and learner.native_batches == 0, (learner.conduit_batches,
+                                                                          learner.native_batches)
+    assert learner.conduit_replay is buf
+    stats = buf.edp.telemetry.summary()
+    assert stats["deliver"]["calls"] == learner.conduit_batches, "one Conduit delivery per learner update"
+    leaves = buf.edp.semantics.sampler.state_dict()["leaves"]
+    assert len(np.unique(leaves[leaves > 0])) > 10, "TD errors reached the priorities"
+
+
+def test_the_learner_batch_equals_what_rllibs_connector_builds(dqn: Algorithm) -> None:
+    """The same transitions, turned into a train batch by RLlib's own learner connector, give the same tensors."""
+    learner = learner_of(dqn)
+    s = dqn.local_replay_buffer.sample(num_items=16, n_step=1, gamma=0.99, beta=0.4, sample_episodes=True)
+    assert isinstance(s, ConduitSampledEpisodes)
+    native = learner._learner_connector(rl_module=learner.module, batch={}, episodes=list(s), shared_data={},
+                                        metrics=learner.metrics)["default_policy"]
+    ours = s.to_multi_agent_batch().policy_batches["default_policy"]
+    assert set(native) == set(ours), (sorted(native), sorted(ours))
+    for k in native:
+        a, b = torch.as_tensor(native[k]), ours[k]
+        assert a.dtype == b.dtype and a.shape == b.shape, (k, a.dtype, b.dtype, a.shape, b.shape)
+        torch.testing.assert_close(a, b, msg=f"column {k}")
+
+
+def test_checkpoint_round_trip_keeps_the_buffer(dqn: Algorithm, tmp_path: Path) -> None:
+    buf = dqn.local_replay_buffer
+    calls = {"n": 0}
+    orig = buf.get_state
+
+    def counting() -> dict[str, Any]:
+        calls["n"] += 1
+        return orig()
+
+    buf.get_state = counting
+    dqn.train()
+    assert calls["n"] == 0, "training (weight sync included) must not serialize the buffer"
+    buf.get_state = orig
+    path = dqn.save_to_path(tmp_path / "ckpt")
+    before = buf.get_state()
+    restored = Algorithm.from_checkpoint(path)
+    try:
+        rb = restored.local_replay_buffer
+        assert isinstance(rb, ConduitPrioritizedEpisodeReplayBuffer) and rb is not buf
+        after = rb.get_state()
+        assert len(rb) == len(buf)
+        for k, v in before["edp"]["storage"]["data"].items():
+            assert torch.equal(after["edp"]["storage"]["data"][k], v), f"column {k} not restored"
+        np.testing.assert_array_equal(after["edp"]["semantics"]["sampler"]["leaves"],
+                                      before["edp"]["semantics"]["sampler"]["leaves"])
+        x = buf.sample(num_items=8, n_step=1, beta=0.4, sample_episodes=True)
+        y = rb.sample(num_items=8, n_step=1, beta=0.4, sample_episodes=True)
+        assert torch.equal(x.columns[Columns.OBS], y.columns[Columns.OBS]), "the restored sampler draws alike"
+        restored.train()  # and training goes on from the restored buffer
+        assert learner_of(restored).conduit_batches > 0
+        # restore_from_path into a running algorithm replaces its buffer's contents too
+        dqn.local_replay_buffer.add(list(x))
+        dqn.restore_from_path(path)
+        assert len(dqn.local_replay_buffer) == len(rb)
+    finally:
+        restored.stop()
+
+
+def test_sac_trains_from_conduit_batches() -> None:
+    config = sac_pendulum(steps=60, batch=32, learning_starts=30)
+    algo = conduit_rllib.enable(config).build_algo()
+    try:
+        algo.train()
+        learner = learner_of(algo)
+        assert isinstance(algo.local_replay_buffer, ConduitPrioritizedEpisodeReplayBuffer)
+        assert learner.conduit_batches >= 25 and learner.native_batches == 0
+        assert algo.local_replay_buffer.edp.schema[Columns.ACTIONS].dtype == torch.float32
+    finally:
+        algo.stop()
+
+
+def test_ppo_minibatches_come_from_conduit_each_row_once_per_epoch() -> None:
+    config = ppo_cartpole(batch=400, minibatch=64, epochs=3)
+    algo = conduit_rllib.enable(config).build_algo()
+    try:
+        for version in range(2):
+            algo.train()
+            learner = learner_of(algo)
+            feed = learner.conduit_feed
+            infos = feed.delivered
+            m = infos[0].num_minibatches
+            assert {i.version for i in infos} == {version}, "one rollout, one policy version per update"
+            assert len(infos) == 3 * m and m == round(len(np.concatenate([i.handles for i in infos])) / 3 / 64)
+            for epoch in range(3):
+                handles = np.concatenate([i.handles.numpy() for i in infos if i.epoch == epoch])
+                assert len(handles) == len(set(handles.tolist())), "a row trained twice in one epoch"
+                first = np.concatenate([i.handles.numpy() for i in infos if i.epoch == 0])
+                assert sorted(handles.tolist()) == sorted(first.tolist()), "every row once per epoch"
+            assert feed.prefetch and feed._pool is not None, "minibatch k+1 is gathered on the prefetch thread"
+        assert learner.conduit_version == 2
+    finally:
+        algo.stop()
