@@ -33,6 +33,8 @@ CPU_SHARDS = ["cpu", "cpu", "cpu"]
 
 
 # -- the conformance suites on every tier --------------------------------------------------------
+# GPU-tier classes deliver to a host learner (device="cpu"): the endpoints read ids with NumPy; the
+# storage, the sampling and the gathers still run on the GPU.
 class TestShardedCpuReplay(ReplaySuite):
     def make_replay(self, **kwargs):
         return CoreReplayEndpoint(placement=ShardedPlacement(CPU_SHARDS), **kwargs)
@@ -61,13 +63,13 @@ class TestDiskFreshness(FreshnessSuite):
 @pytest.mark.gpu
 class TestGpuReplay(ReplaySuite):
     def make_replay(self, **kwargs):
-        return CoreReplayEndpoint(placement=DevicePlacement("cuda:0"), **kwargs)
+        return CoreReplayEndpoint(placement=DevicePlacement("cuda:0"), device="cpu", **kwargs)
 
 
 @pytest.mark.gpu
 class TestGpuFreshness(FreshnessSuite):
     def make_on_policy(self, **kwargs):
-        return CoreOnPolicyEndpoint(placement=DevicePlacement("cuda:0"), **kwargs)
+        return CoreOnPolicyEndpoint(placement=DevicePlacement("cuda:0"), device="cpu", **kwargs)
 
 
 @pytest.mark.gpu
@@ -81,13 +83,13 @@ class TestShardedMixedReplay(ReplaySuite):
     """Shards on the GPU and on the host: cross-device gathers and scatters."""
 
     def make_replay(self, **kwargs):
-        return CoreReplayEndpoint(placement=ShardedPlacement(["cuda:0", "cpu", "cuda:0"]), **kwargs)
+        return CoreReplayEndpoint(placement=ShardedPlacement(["cuda:0", "cpu", "cuda:0"]), device="cpu", **kwargs)
 
 
 @pytest.mark.gpu
 class TestShardedMixedFreshness(FreshnessSuite):
     def make_on_policy(self, **kwargs):
-        return CoreOnPolicyEndpoint(placement=ShardedPlacement(["cuda:0", "cpu"]), **kwargs)
+        return CoreOnPolicyEndpoint(placement=ShardedPlacement(["cuda:0", "cpu"]), device="cpu", **kwargs)
 
 
 # -- sharded storage -------------------------------------------------------------------------------
