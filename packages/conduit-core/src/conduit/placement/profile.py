@@ -344,7 +344,7 @@ Clock = Callable[[], float]
 
 
 def _median_seconds(fn: Callable[[], object], *, reps: int, warmup: int = 2,
-                    sync: Callable[[], None] | None = None, before: Callable[[], object] | None = None,
+                    sync: Callable[[], object] | None = None, before: Callable[[], object] | None = None,
                     clock: Clock = time.perf_counter) -> float:
     """Median time of ``fn`` over ``reps`` runs after ``warmup`` runs (``before`` runs untimed)."""
     times = []
@@ -365,7 +365,8 @@ def _median_seconds(fn: Callable[[], object], *, reps: int, warmup: int = 2,
 def _measure_copy(src_dev: torch.device, dst_dev: torch.device, sizes: list[int], reps: int, *,
                   pin_src: bool = False, pin_dst: bool = False) -> LinkCost:
     """Bulk copy ``src_dev`` -> ``dst_dev`` at several sizes, and the 4-byte per-call overhead."""
-    sync = torch.cuda.synchronize if "cuda" in (src_dev.type, dst_dev.type) else None
+    cuda_devs = [d for d in (src_dev, dst_dev) if d.type == "cuda"]
+    sync = (lambda: [torch.cuda.synchronize(d) for d in cuda_devs]) if cuda_devs else None
     big = max(sizes)
     src = torch.empty(big // 4, dtype=torch.float32, device=src_dev, pin_memory=pin_src)
     dst = torch.empty(big // 4, dtype=torch.float32, device=dst_dev, pin_memory=pin_dst)
