@@ -105,8 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         links = servers.links(refresh=True)
         delivery = _delivery(lc, servers, [int(x) for x in a.dims.split(",")], a.batch, a.repeats)
         servers.shutdown()
+        names = {lc.head[:8]: "head (learner)", lc.workers[0][:8]: "worker"}
         detect = _detection(lc, a.kills)
-    names = {lc.head[:8]: "head (learner)", lc.workers[0][:8]: "worker"}
     link_rows = [{**r, "src": names.get(r["src"], r["src"]), "dst": names.get(r["dst"], r["dst"])}
                  for r in links.table()]
     print("## Links (measured)\n\n" + _table(link_rows))

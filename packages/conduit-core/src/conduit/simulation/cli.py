@@ -31,7 +31,7 @@ def table(scenario: Scenario, rows: list[dict[str, Any]], baseline: str) -> str:
             f"d={scenario.obs_dim}, capacity {scenario.capacity}, replay ratio {scenario.replay_ratio:g}, "
             f"non-adaptive = {baseline}", "",
             "| GPUs | nodes | placement per node (adaptive) | sim ms | sim non-adaptive ms (range) | sim gain "
-            "| paper ms | paper non-adaptive ms | busiest resources (s) |",
+            "| paper ms | paper non-adaptive ms | busiest resources |",
             "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lo, hi = r["non_adaptive_range_ms"]
