@@ -11,10 +11,11 @@ semantics, and the caps are optional. It runs in three phases:
    between calls (the learner's update, the actor's rollout) is read from the same
    telemetry. The model predicts the cost per batch of every granularity in the range,
    sequential and overlapped, and picks the cheapest (the smaller on ties).
-3. **confirm** (only when ``overlap`` is left to it) -- a few deliveries run at the
-   chosen sequential configuration and a few at the chosen overlapped one; the one with
-   the shorter cycle per delivery (experience path plus everything else the caller did)
-   is kept. This catches what the model cannot see, e.g. a machine with no spare core.
+3. **confirm** (only when ``overlap`` is left to it) -- windows of a few deliveries
+   alternate between the chosen sequential configuration and the chosen overlapped one;
+   the one with the shorter median cycle per delivery (experience path plus everything
+   else the caller did) is kept. This catches what the model cannot see, e.g. a machine
+   with no spare core, where worker threads slow the learner down.
 
 After that the job runs on an :class:`~conduit.scheduling.Overlapped` scheduler with the
 chosen settings; :attr:`Automatic.decision` says what was measured and why.
@@ -123,7 +124,8 @@ class Automatic(Scheduler):
         g_del_max: cap on batches per delivery call (off-policy; bounds priority staleness).
         memory_budget: bytes the delivery buffers may take (caps ``g_del``).
         probe_rounds: how many chunks of each probed granularity to time.
-        confirm_deliveries: deliveries per configuration in the confirm phase.
+        confirm_deliveries: deliveries per window in the confirm phase.
+        confirm_windows: windows per configuration in the confirm phase (alternating, median kept).
         output_depth: deliveries a delivered batch stays valid for.
         queue_depth: ingestion queue bound (backpressure) once overlapped.
 
@@ -141,14 +143,15 @@ class Automatic(Scheduler):
     """
 
     def __init__(self, *, overlap: bool | None = None, g_ing_max: int = 8, g_del_max: int = 8,
-                 memory_budget: int | None = 1 << 30, probe_rounds: int = 2, confirm_deliveries: int = 12,
-                 output_depth: int = 2, queue_depth: int = 8) -> None:
+                 memory_budget: int | None = 1 << 30, probe_rounds: int = 2, confirm_deliveries: int = 6,
+                 confirm_windows: int = 2, output_depth: int = 2, queue_depth: int = 8) -> None:
         self.force_overlap = overlap
         self.g_ing_max = g_ing_max
         self.g_del_max = g_del_max
         self.memory_budget = memory_budget
         self.probe_rounds = max(1, int(probe_rounds))
         self.confirm_deliveries = max(1, int(confirm_deliveries))
+        self.confirm_windows = max(1, int(confirm_windows))
         self.output_depth = output_depth
         self.queue_depth = queue_depth
         #: set once calibration is over
@@ -164,7 +167,7 @@ class Automatic(Scheduler):
         self._ing_seen = 0
         self._del_left = 0
         self._phase = "probe"
-        self._confirm: list[tuple[str, Overlapped]] = []
+        self._confirm: list[str] = []
         self._confirm_start = 0.0
         self._confirm_left = 0
         self._since = time.perf_counter()
@@ -301,22 +304,25 @@ class Automatic(Scheduler):
             self._finish(self.force_overlap, "overlap fixed by the caller; granularity from the model")
             return
         self._phase = "confirm"
-        self._confirm = [("sequential", self._make(gi_seq, gd_seq, overlap=False)),
-                         ("overlapped", self._make(gi_ovl, gd_ovl, overlap=True))]
+        self._confirm = ["sequential", "overlapped"] * self.confirm_windows
+        self._cycles: dict[str, list[float]] = {"sequential": [], "overlapped": []}
         self._next_confirm()
 
     def _next_confirm(self) -> None:
+        """Alternate windows of sequential and overlapped delivery; keep the shorter median cycle."""
         now = time.perf_counter()
         assert self.decision is not None
         if self._confirm_start:
-            self.decision.confirmed[self._confirm_name] = (now - self._confirm_start) / self.confirm_deliveries
+            self._cycles[self._confirm_name].append((now - self._confirm_start) / self.confirm_deliveries)
         if not self._confirm:
             c = self.decision.confirmed
+            c.update({k: statistics.median(v) for k, v in self._cycles.items() if v})
             on = c.get("overlapped", float("inf")) < c.get("sequential", float("inf"))
             self._finish(on, "shorter measured cycle per delivery " + ("with" if on else "without") + " overlap")
             return
-        self._confirm_name, sched = self._confirm.pop(0)
-        self._switch(sched)
+        self._confirm_name = self._confirm.pop(0)
+        gi, gd = self._choices[self._confirm_name == "overlapped"]
+        self._switch(self._make(gi, gd, overlap=self._confirm_name == "overlapped"))
         self._confirm_left = self.confirm_deliveries
         self._confirm_start = time.perf_counter()
 
@@ -332,8 +338,6 @@ class Automatic(Scheduler):
             pass  # the confirm phase already runs the chosen configuration
         else:
             self._switch(self._make(gi, gd if not self.on_policy else 1, overlap=overlap))
-        for _, s in self._confirm:
-            s.close()
         self._confirm = []
         self._phase = "run"
 
