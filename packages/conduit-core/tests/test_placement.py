@@ -206,7 +206,8 @@ def test_every_candidate_is_explained() -> None:
     assert sum(c.chosen for c in p.candidates) == 1 and p.candidates[0].chosen
     assert p.chosen.reason.startswith("chosen")
     for c in p.candidates[1:]:
-        assert c.reason.startswith(("slower", "does not fit", "within")), c.reason
+        assert c.reason.startswith(("slower", "does not fit", "within", "not needed")), c.reason
+        assert c.reason.startswith("not needed") == (c.spec.tier == "disk")  # memory holds 40 GB
         e = c.estimate
         assert e.ingest_s > 0 and e.deliver_s > 0 and e.memory and e.usable
     tiers = {c.spec.tier for c in p.candidates}
@@ -356,3 +357,15 @@ def test_measured_figures_replace_declared_ones_where_present(measured: Bandwidt
     declared_host = next(c for c in Planner(load_topology("h200x1")).plan(
         Workload.transitions(1000, capacity=10**5, batch=256)).candidates if c.spec.tier == "host")
     assert host.estimate.deliver_s != declared_host.estimate.deliver_s
+
+
+def test_disk_tier_only_when_memory_cannot_hold_the_buffer() -> None:
+    topo = load_topology("h200x1")
+    small = Planner(topo).plan(Workload.transitions(1000, capacity=10**6, batch=512))
+    assert small.placement.tier != "disk"
+    # 37 GiB of transitions on a machine with 16 GiB of memory, no GPU and a 1 TiB disk: only the disk holds it
+    no_gpu = Topology("small-host-big-disk", 16 << 30, (), 1 << 40, topo.declared)
+    big = Planner(no_gpu).plan(Workload.transitions(5000, capacity=10**6, batch=512))
+    assert big.placement.tier == "disk"
+    host = next(c for c in big.candidates if c.spec.tier == "host")
+    assert not host.feasible

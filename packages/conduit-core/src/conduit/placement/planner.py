@@ -6,7 +6,8 @@ disk tier. For every shard count the planner proposes the GPUs with the fastest 
 the learners (on non-uniform interconnects these differ from the first ``k`` GPUs, which
 are proposed too, so the plan shows why they lose). Each candidate is priced by the
 :class:`~conduit.placement.CostModel`; the chosen one is the fastest feasible (candidates
-within ``tie_tolerance`` of it prefer fewer devices, then the simpler tier).
+within ``tie_tolerance`` of it prefer fewer devices, then the simpler tier). The disk tier
+is chosen only when nothing in memory fits: it is for buffers larger than memory.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ class Planner:
         'sharded'
     """
 
+    #: tiers chosen only when no other feasible candidate exists (the disk tier: for buffers larger than memory)
+    fallback_tiers: tuple[str, ...] = ("disk",)
+
     def __init__(self, topology: Topology, profile: BandwidthProfile | None = None, *, tie_tolerance: float = 0.02,
                  **cost_kwargs: Any) -> None:
         self.topology = topology
@@ -184,15 +188,18 @@ class Planner:
                 f"({workload.capacity * workload.item_bytes / 2**30:.1f} GiB): the closest, {closest.spec}, "
                 f"{'; '.join(closest.shortfalls())}. Lower the capacity, shrink the items, or plan on a larger "
                 f"topology.")
-        best_t = min(e.total_s for e, _ in feasible)
-        tied = [(e, lb) for e, lb in feasible if e.total_s <= best_t * (1 + self.tie_tolerance)]
+        in_memory = [(e, lb) for e, lb in feasible if e.spec.tier not in self.fallback_tiers]
+        eligible = in_memory or feasible
+        best_t = min(e.total_s for e, _ in eligible)
+        tied = [(e, lb) for e, lb in eligible if e.total_s <= best_t * (1 + self.tie_tolerance)]
         chosen = min(tied, key=lambda p: (len(p[0].spec.devices), TIERS.index(p[0].spec.tier), p[0].total_s))[0]
-        cands = [Candidate(e, e is chosen, self._reason(e, chosen, best_t), lb) for e, lb in priced]
+        cands = [Candidate(e, e is chosen, self._reason(e, chosen, best_t, fallback_only=bool(in_memory)), lb)
+                 for e, lb in priced]
         cands.sort(key=lambda c: (not c.chosen, not c.feasible, c.estimate.total_s))
         src = self.profile.machine if self.profile.source == "declared" else f"measured:{self.profile.machine}"
         return Plan(self.topology, workload, tuple(cands), src)
 
-    def _reason(self, e: Estimate, chosen: Estimate, best_t: float) -> str:
+    def _reason(self, e: Estimate, chosen: Estimate, best_t: float, *, fallback_only: bool = False) -> str:
         if e is chosen:
             if e.total_s > best_t:
                 return (f"chosen: within {self.tie_tolerance:.0%} of the fastest and uses fewer devices or a simpler "
@@ -201,6 +208,9 @@ class Planner:
         short = e.shortfalls()
         if short:
             return "does not fit: " + "; ".join(short)
+        if fallback_only and e.spec.tier in self.fallback_tiers:
+            return (f"not needed: memory holds the buffer ({e.spec.tier} is for buffers larger than memory; its "
+                    f"reads are only this fast while its pages stay cached)")
         if e.total_s <= chosen.total_s:
             return (f"within {self.tie_tolerance:.0%} of the chosen ({e.total_s * 1e3:.3f} ms vs "
                     f"{chosen.total_s * 1e3:.3f} ms), which uses fewer devices or a simpler tier")
