@@ -24,7 +24,7 @@ from conduit.distributed import DistributedDataPlane, ShardServers, TransferErro
 from conduit.distributed.testing import local_cluster  # noqa: E402
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 #: seconds within which a killed node's shard must be reported lost (health_period + timeout + Ray's detection)
 DETECTION_BOUND = 30.0
