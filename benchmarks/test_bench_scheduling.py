@@ -73,7 +73,7 @@ def _fill(edp: ExperienceDataPlane, d: int, n: int) -> None:
 
 def _calibrate(d: int, cap: int, batch: int, rollout: dict[str, torch.Tensor]) -> tuple[int, int, str]:
     """What the automatic scheduler picks for this job (sequential), after calibrating on it."""
-    sched = Automatic(overlap=False, g_ing_max=8, g_del_max=8, probe_rounds=3)
+    sched = Automatic(overlap=False, g_ing_max=8, g_del_max=8, probe_rounds=6)
     edp = ExperienceDataPlane(_schema(d), capacity=cap, semantics=Replay(seed=1), scheduler=sched)
     try:
         _fill(edp, d, min(cap, 4 * batch))
@@ -158,18 +158,19 @@ def test_configuration_sweep(benchmark: Any, d: int) -> None:
         pytest.skip("smoke run (--benchmark-disable): the sweep runs at d=128 only")
     cs = _load_sweep()
     if smoke:
-        res = cs.sweep([d], gs=(1, 2), rounds=1, iterations=1, warmup=1, auto_warmup=12, placement_names=["host"],
+        res = cs.sweep([d], gs=(1, 2), rounds=1, iterations=1, warmup=1, auto_warmup=18, placement_names=["host"],
                        log=lambda s: None)
     else:
         res = cs.sweep([d], rounds=3, iterations=5)
     r = res["dims"][str(d)]
     c = r["configs"]
     assert "auto" in c and "sync" in c and r["best"] in c
+    assert c["auto"]["calibrated"], "the automatic scheduler did not finish calibrating within its warm-up"
     for v in c.values():
         assert v["iteration_s"] > 0 and v["total_s"] >= v["exposed_s"] >= 0
 
     def auto_once() -> None:
-        cs.run_config(cs.Config("auto", special="auto"), d, iterations=1, warmup=1, auto_warmup=12)
+        cs.run_config(cs.Config("auto", special="auto"), d, iterations=1, warmup=1, auto_warmup=18)
 
     benchmark.group = f"config-sweep-d{d}"
     benchmark.pedantic(auto_once, rounds=1, iterations=1)

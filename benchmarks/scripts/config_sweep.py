@@ -108,11 +108,12 @@ def run_config(cfg: Config, d: int, *, iterations: int, warmup: int, auto_warmup
     out = {k: res.median(k) for k in ("iteration_s", "exposed_s", "hidden_s", "total_s", "update_s", "rollout_s")}
     out["note"] = note
     out["decision"] = res.decision
+    out["calibrated"] = cfg.special != "auto" or bool(res.decision)  # auto finished calibrating in its warm-up
     return out
 
 
 def sweep(dims: Sequence[int], *, gs: Sequence[int] = GS, rounds: int = 3, iterations: int = 5, warmup: int = 2,
-          auto_warmup: int = 16, placement_names: Sequence[str] | None = None, seed: int = 0,
+          auto_warmup: int = 20, placement_names: Sequence[str] | None = None, seed: int = 0,
           log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the sweep; returns ``{"dims": {d: {config: {...medians...}}}, ...}``."""
     torch.set_num_threads(1)
@@ -138,6 +139,7 @@ def sweep(dims: Sequence[int], *, gs: Sequence[int] = GS, rounds: int = 3, itera
             med = {k: statistics.median(x[k] for x in rs) for k in rs[0] if k.endswith("_s")}
             med["rounds"] = [x["iteration_s"] for x in rs]
             med["note"] = rs[-1]["note"]
+            med["calibrated"] = all(x["calibrated"] for x in rs)
             med["decision"] = rs[-1]["decision"]
             table[name] = med
         out["dims"][str(d)] = summarize(table)

@@ -143,7 +143,7 @@ class Automatic(Scheduler):
     """
 
     def __init__(self, *, overlap: bool | None = None, g_ing_max: int = 8, g_del_max: int = 8,
-                 memory_budget: int | None = 1 << 30, probe_rounds: int = 2, confirm_deliveries: int = 6,
+                 memory_budget: int | None = 1 << 30, probe_rounds: int = 3, confirm_deliveries: int = 6,
                  confirm_windows: int = 2, output_depth: int = 2, queue_depth: int = 8) -> None:
         self.force_overlap = overlap
         self.g_ing_max = g_ing_max
