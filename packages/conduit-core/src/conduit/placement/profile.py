@@ -345,8 +345,12 @@ Clock = Callable[[], float]
 
 def _median_seconds(fn: Callable[[], object], *, reps: int, warmup: int = 2,
                     sync: Callable[[], object] | None = None, before: Callable[[], object] | None = None,
-                    clock: Clock = time.perf_counter) -> float:
-    """Median time of ``fn`` over ``reps`` runs after ``warmup`` runs (``before`` runs untimed)."""
+                    clock: Clock = time.perf_counter, min_total: float = 0.02) -> float:
+    """Median time of ``fn`` over ``reps`` runs after ``warmup`` runs (``before`` runs untimed).
+
+    Short calls get more runs: as many as fit in ``min_total`` seconds (at most 8x ``reps``),
+    so the median of a cheap call is as stable as that of an expensive one.
+    """
     times = []
     for i in range(warmup + reps):
         if before is not None:
@@ -359,6 +363,17 @@ def _median_seconds(fn: Callable[[], object], *, reps: int, warmup: int = 2,
             sync()
         if i >= warmup:
             times.append(clock() - t0)
+    extra = min(7 * reps, int(min_total / max(statistics.median(times), 1e-9))) - reps
+    for _ in range(max(0, extra)):
+        if before is not None:
+            before()
+        if sync is not None:
+            sync()
+        t0 = clock()
+        fn()
+        if sync is not None:
+            sync()
+        times.append(clock() - t0)
     return statistics.median(times)
 
 

@@ -20,7 +20,14 @@ import torch
 
 from conduit.placement.base import PlacementSpec
 from conduit.placement.cost import CostModel, Workload, transition_schema
-from conduit.placement.profile import BandwidthProfile, Clock, _llc_bytes, machine_id, measure_host_paths
+from conduit.placement.profile import (
+    BandwidthProfile,
+    Clock,
+    _llc_bytes,
+    _median_seconds,
+    machine_id,
+    measure_host_paths,
+)
 from conduit.placement.topology import Topology, discover_topology
 
 __all__ = ["DeliveryCheck", "measure_host_delivery", "check_host_delivery", "buffer_capacity"]
@@ -85,14 +92,8 @@ def _filled_buffer(obs_dim: int, capacity: int, seed: int) -> Any:
 
 
 def _median_deliver(edp: Any, batch: int, reps: int, warmup: int, clock: Clock) -> float:
-    times = []
-    for i in range(warmup + reps):
-        t0 = clock()
-        edp.deliver(batch)
-        t1 = clock()
-        if i >= warmup:
-            times.append(t1 - t0)
-    return statistics.median(times)
+    """Median of ``deliver(batch)`` (cheap calls get more runs, as the profile's measurements do)."""
+    return _median_seconds(lambda: edp.deliver(batch), reps=reps, warmup=warmup, clock=clock)
 
 
 def measure_host_delivery(obs_dim: int, *, batch: int = 512, capacity: int, reps: int = 31, warmup: int = 5,
