@@ -195,3 +195,14 @@ def test_cli_calibrate_explains_the_choice(capsys: pytest.CaptureFixture[str]) -
                  "--g-del-max", "2", "--g-ing-max", "2", "--iterations", "1", "--warmup", "9"]) == 0
     out = capsys.readouterr().out
     assert "chosen: g_ing=" in out and "delivery model:" in out and "confirmed by measurement" in out
+
+
+# -- the docstring examples -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["conduit.scheduling.overlapped", "conduit.scheduling.auto",
+                                  "conduit.scheduling.granularity", "conduit.exposure"])
+def test_docstring_examples_run(name: str) -> None:
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, result

@@ -15,6 +15,7 @@ from conduit.errors import (
     SchemaError,
     StaleExperienceError,
 )
+from conduit.exposure import ExposureLog, IterationExposure
 from conduit.placement import (
     AdaptivePlacement,
     DevicePlacement,
@@ -62,6 +63,8 @@ __all__ = [
     "Automatic",
     "safe_ranges",
     "Telemetry",
+    "ExposureLog",
+    "IterationExposure",
     "ConduitError",
     "SchemaError",
     "CapacityError",
