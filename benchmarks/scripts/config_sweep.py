@@ -21,13 +21,14 @@ It writes ``benchmarks/results/config_sweep.json`` and the plot
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +115,8 @@ def run_config(cfg: Config, d: int, *, iterations: int, warmup: int, auto_warmup
 
 def sweep(dims: Sequence[int], *, gs: Sequence[int] = GS, rounds: int = 3, iterations: int = 5, warmup: int = 2,
           auto_warmup: int = 20, placement_names: Sequence[str] | None = None, seed: int = 0,
-          log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the sweep; returns ``{"dims": {d: {config: {...medians...}}}, ...}``."""
+          log: Callable[[str], None] = print, save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the sweep; returns ``{"dims": {d: {config: {...medians...}}}, ...}`` (``save`` gets it after each d)."""
     torch.set_num_threads(1)
     names = list(placement_names) if placement_names is not None else list(placements())
     configs = [Config("host", special="sync"), Config("auto", special="auto")]
@@ -133,6 +134,7 @@ def sweep(dims: Sequence[int], *, gs: Sequence[int] = GS, rounds: int = 3, itera
             for cfg in order:
                 runs[cfg.name].append(run_config(cfg, d, iterations=iterations, warmup=warmup,
                                                  auto_warmup=auto_warmup))
+                gc.collect()  # the next configuration gets the memory of this one's buffer
             log(f"d={d}: round {r + 1}/{rounds} done ({time.perf_counter() - t0:.0f} s)")
         table = {}
         for name, rs in runs.items():
@@ -143,6 +145,8 @@ def sweep(dims: Sequence[int], *, gs: Sequence[int] = GS, rounds: int = 3, itera
             med["decision"] = rs[-1]["decision"]
             table[name] = med
         out["dims"][str(d)] = summarize(table)
+        if save is not None:
+            save(out)
     return out
 
 
@@ -238,10 +242,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--plot", type=Path, default=PLOT)
     args = p.parse_args(argv)
-    res = sweep(args.dims, rounds=args.rounds, iterations=args.iterations)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__")
-                                   else str(o)))
+
+    def save(res: dict[str, Any]) -> None:
+        args.out.write_text(json.dumps(res, indent=1, default=str))
+
+    res = sweep(args.dims, rounds=args.rounds, iterations=args.iterations, save=save)
     print(table_text(res))
     print(f"\nwrote {args.out} and {plot(res, args.plot)}")
     return 0

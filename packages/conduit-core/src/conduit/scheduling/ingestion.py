@@ -151,6 +151,7 @@ class Ingestion:
             self._cv.notify_all()
         assert self._thread is not None
         self._thread.join()
+        self._stage.clear()
         with self._cv:
             if self._error is not None:
                 e, self._error = self._error, None

@@ -435,6 +435,7 @@ class Overlapped(Scheduler):
             self._discard_all()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self._ring.slots.clear()  # delivered batches the caller still holds keep their own memory alive
         self._ingestion.close()
 
 
