@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,3 +47,42 @@ def gloo() -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def ray_local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A fresh local Ray instance (never someone else's cluster); yields the delivery trace directory."""
+    import ray
+
+    trace = tmp_path_factory.mktemp("conduit-trace")
+    env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "RAY_AUTH_MODE": "disabled", "CONDUIT_VERL_TRACE_DIR": str(trace)}
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": env})
+    try:
+        yield trace
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def tq_session(ray_local: Path) -> Iterator[Callable[..., Any]]:
+    """``start(backend, **backend_cfg)``: a TransferQueue on the local Ray, closed afterwards."""
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+
+    started = []
+
+    def start(backend: str, **cfg: Any) -> Any:
+        conf = {"backend": {"storage_backend": backend,
+                            "SimpleStorage": {"num_data_storage_units": 1, "total_storage_size": 4096}}}
+        if backend == "Conduit":
+            conf["backend"]["Conduit"] = cfg
+        started.append(True)
+        return tq.init(OmegaConf.create(conf))
+
+    try:
+        yield start
+    finally:
+        if started:
+            tq.close()

@@ -99,3 +99,22 @@ def test_typed_errors_leave_state_unchanged() -> None:
     with pytest.raises(CapacityError):
         s.put([2, 3], pack_column(_jagged([1, 1]), 2))
     assert len(s) == 2 and s.get([0, 1]).values.tolist() == [0, 100, 101]
+
+
+def test_unit_state_put_get_clear_and_typed_errors() -> None:
+    """A storage unit's state: tensor and object fields, typed errors for unknown fields or samples."""
+    from conduit_verl.packing import to_wire
+    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+
+    unit = _UnitState(dict(DEFAULTS, capacity=2, mean_length=2))
+    unit.put([5, 6], {"responses": to_wire(pack_column(_jagged([3, 1]), 2)), "uid": ["a", "b"]})
+    got = unit.get([6, 5], ["responses", "uid"])
+    assert from_wire(got["responses"]).values.tolist() == [100, 0, 1, 2] and got["uid"] == ["b", "a"]
+    with pytest.raises(MissingKeyError):
+        unit.get([5], ["no_such_field"])
+    with pytest.raises(MissingKeyError):
+        unit.get([7], ["uid"])
+    with pytest.raises(SchemaError):  # a tensor field cannot turn into objects; nothing is written
+        unit.put([8], {"responses": ["x"], "uid": ["c"]})
+    assert unit.get([5], ["uid"])["uid"] == ["a"] and 8 not in unit.fields["responses"]
+    assert unit.clear([5, 6]) == 2 and len(unit.fields["responses"]) == 0

@@ -56,6 +56,8 @@ from conduit.batch import ExperienceBatch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from torch.utils.data import DataLoader
 
+from conduit_verl.packing import jagged
+
 __all__ = [
     "VerlOnPolicy",
     "MinibatchPrefetch",
@@ -278,9 +280,7 @@ class _Codec:
             if key in self.schema:
                 c = batch[key]
                 if isinstance(c, Ragged):
-                    offsets = torch.zeros(len(c) + 1, dtype=torch.int64, device=c.lengths.device)
-                    torch.cumsum(c.lengths, 0, out=offsets[1:])
-                    out[key] = torch.nested.nested_tensor_from_jagged(c.values, offsets=offsets)
+                    out[key] = jagged(c.values, c.lengths)
                 else:
                     out[key] = c
             elif key in objects:

@@ -22,7 +22,8 @@ import torch
 from conduit.batch import ranges
 from tensordict import NonTensorData, NonTensorStack
 
-__all__ = ["PackedColumn", "pack_column", "unpack_column", "select_rows", "concat_rows", "to_wire", "from_wire"]
+__all__ = ["PackedColumn", "pack_column", "unpack_column", "jagged", "select_rows", "concat_rows", "to_wire",
+           "from_wire"]
 
 
 @dataclass
@@ -148,10 +149,22 @@ def unpack_column(col: PackedColumn) -> torch.Tensor | NonTensorStack:
         trailing = col.shapes[:, 2:1 + nd]
         if trailing.shape[1] == 0 or bool((trailing == trailing[0]).all()):
             tr = tuple(int(x) for x in trailing[0]) if trailing.shape[1] else ()
-            offsets = torch.zeros(n + 1, dtype=torch.int64)
-            torch.cumsum(col.shapes[:, 1], 0, out=offsets[1:])
-            return torch.nested.nested_tensor_from_jagged(col.values.view(-1, *tr), offsets=offsets)
+            return jagged(col.values.view(-1, *tr), col.shapes[:, 1])
     return _unpack_slow(col)
+
+
+def jagged(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A jagged nested tensor over ``values`` (shared) with rows of ``lengths``.
+
+    The min/max row lengths are recorded as ``as_nested_tensor`` records them; without them
+    ``TensorDict.to_padded_tensor`` pads a column to its total length instead of its longest row.
+    """
+    n = int(lengths.shape[0])
+    host = lengths if lengths.device.type == "cpu" else lengths.cpu()
+    offsets = torch.zeros(n + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    lo, hi = (int(host.min()), int(host.max())) if n else (0, 0)
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets, min_seqlen=lo, max_seqlen=hi)
 
 
 def _unpack_slow(col: PackedColumn) -> torch.Tensor | NonTensorStack:
