@@ -178,7 +178,6 @@ class Overlapped(Scheduler):
         self._mu = threading.RLock()
         self._ready: deque[_Prepared] = deque()
         self._job: Future[list[_Prepared]] | None = None
-        self._job_buf = -1
         self._delivered = 0
         self._prio_epoch = 0
         self._prio_lock = threading.Lock()
@@ -375,7 +374,6 @@ class Overlapped(Scheduler):
             return
         buf = self._ring.acquire(self._delivered, inside_call=False)
         assert self._pool is not None
-        self._job_buf = buf
         self._job = self._pool.submit(self._prepare, key, buf)
 
     def _await_job(self) -> None:
