@@ -1,0 +1,55 @@
+"""The V1 replay-buffer plug: Conduit's staleness rule inside verl's sampler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conduit import ExperienceDataPlane, ExperienceSchema, Field, OnPolicy, StaleExperienceError
+
+pytestmark = pytest.mark.requires("verl")
+
+
+def buffer(mode: str = "separate_async", threshold: int | None = 2, **sampler_kwargs: Any) -> Any:
+    from conduit_verl.replay import ConduitReplayBuffer
+
+    return ConduitReplayBuffer(trainer_mode=mode, trainer_config={}, max_off_policy_threshold=threshold,
+                               max_off_policy_strategy="drop", sampler_kwargs=sampler_kwargs, refill_fn=lambda k: None)
+
+
+def with_groups(buf: Any, steps: dict[str, int]) -> Any:
+    buf.finished_keys["train"] = set(steps)
+    buf.prompt_global_steps["train"] = dict(steps)
+    return buf
+
+
+def test_stale_groups_match_conduit_on_policy() -> None:
+    """A group is stale exactly when conduit.OnPolicy would drop a rollout of that version (max_staleness = T - 1)."""
+    steps = {"a": 5, "b": 4, "c": 3, "d": 2}
+    got = with_groups(buffer(threshold=2), steps)._stale_terminal_keys(5, "train")
+    edp = ExperienceDataPlane(ExperienceSchema(v=Field((), torch.int64)), capacity=16,
+                              semantics=OnPolicy(num_minibatches=1, max_staleness=1, on_stale="drop"))
+    for uid in sorted(steps, key=steps.get):  # rollouts oldest first, one per group version
+        edp.ingest({"v": torch.tensor([steps[uid]])}, version=steps[uid])
+    edp.seal()
+    edp.set_policy_version(5)
+    delivered = {int(edp.deliver()[0]["v"][0]) for _ in range(2)}  # what Conduit still serves
+    assert delivered == {5, 4}
+    assert got == {u for u, s in steps.items() if s not in delivered} == {"c", "d"}
+
+
+def test_raise_and_wait_and_off() -> None:
+    """on_stale=raise stops with a typed error; wait never evicts; a null threshold disables the check."""
+    with pytest.raises(StaleExperienceError):
+        with_groups(buffer(on_stale="raise"), {"x": 1})._stale_terminal_keys(9, "train")
+    assert with_groups(buffer(on_stale="wait"), {"x": 1})._stale_terminal_keys(9, "train") == set()
+    assert with_groups(buffer(threshold=None), {"x": 1})._stale_terminal_keys(9, "train") == set()
+    assert with_groups(buffer(), {"x": 1})._stale_terminal_keys(9, "val") == set()
+
+
+def test_bad_on_stale_is_a_configuration_error() -> None:
+    from conduit import ConfigurationError
+
+    with pytest.raises(ConfigurationError):
+        buffer(on_stale="sometimes")
