@@ -152,15 +152,17 @@ def per_unit(fit: LatencyFit, g: float, unit_bytes: float, *, staged: bool = Fal
 
 
 def exposed_per_unit(fit: LatencyFit, g: float, unit_bytes: float, *, gap_s: float, handover_s: float,
-                     window_units: float | None = None, staged: bool = False) -> float:
+                     wake_s: float = 0.0, window_units: float | None = None, staged: bool = False) -> float:
     """Seconds per unit left on the critical path with overlap.
 
     A call of ``g`` units runs in the background during ``window_units`` gaps of the
     caller's own work (``g`` by default: prepared one chunk ahead); what does not fit is
-    exposed, plus the hand-over on every call.
+    exposed, plus the hand-over on every unit and ``wake_s`` per background call (handing
+    a job to the worker thread and waking it, which on a busy machine can also take the
+    caller's core for a moment).
     """
     window = (g if window_units is None else window_units) * gap_s
-    return handover_s + max(0.0, fit.seconds(g * unit_bytes, staged=staged) - window) / g
+    return handover_s + (wake_s + max(0.0, fit.seconds(g * unit_bytes, staged=staged) - window)) / g
 
 
 def choose_granularity(costs: dict[float, float], *, tolerance: float = 0.02) -> float:
