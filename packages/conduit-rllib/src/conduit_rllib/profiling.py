@@ -4,7 +4,8 @@
 nothing in RLlib's classes changes), the calls that make up the experience path:
 
 * ``add`` -- replay-buffer ``add`` (off-policy);
-* ``sample`` -- replay-buffer ``sample`` and ``get_metrics`` (off-policy);
+* ``sample`` -- replay-buffer ``sample``, ``get_metrics`` and folding those metrics into the
+  algorithm's (what RLlib's own ``replay_buffer_sampling_timer`` covers; off-policy);
 * ``priorities`` -- replay-buffer ``update_priorities`` (prioritized);
 * ``batch`` -- the learner turning what it was handed into a train batch
   (``Learner._make_batch_if_necessary``: RLlib's learner connector, or Conduit's ready batch);
@@ -63,6 +64,8 @@ class ExperiencePathProbe:
                                ("update_priorities", "priorities")):
                 if hasattr(rb, name):
                     self._wrap(rb, name, part)
+        if rb is not None:
+            self._wrap_metrics_aggregation(algo)
         results = list(algo.learner_group.foreach_learner(lambda learner: learner))
         self.learner = results[0].get()
         self._wrap(self.learner, "_make_batch_if_necessary", "batch")
@@ -82,6 +85,19 @@ class ExperiencePathProbe:
             return self._timed(part, orig, *args, **kwargs)
 
         setattr(obj, name, timed)
+
+    def _wrap_metrics_aggregation(self, algo: Any) -> None:
+        from ray.rllib.utils.metrics import REPLAY_BUFFER_RESULTS
+
+        orig = algo.metrics.aggregate
+
+        @wraps(orig)
+        def aggregate(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("key") == REPLAY_BUFFER_RESULTS:
+                return self._timed("sample", orig, *args, **kwargs)
+            return orig(*args, **kwargs)
+
+        algo.metrics.aggregate = aggregate
 
     def _timed(self, part: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         stack: list[float] = getattr(self._local, "stack", None) or []

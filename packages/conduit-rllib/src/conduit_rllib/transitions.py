@@ -35,6 +35,21 @@ def _as_tensor(a: np.ndarray) -> torch.Tensor:
     return t.to(torch.float32) if t.dtype == torch.float64 else t
 
 
+#: one-step chunks (the common case) share these read-only flag columns; ingestion copies them
+_FLAGS1 = {False: torch.zeros(1, dtype=torch.bool), True: torch.ones(1, dtype=torch.bool)}
+
+
+def _done_flags(n: int, terminated: bool, truncated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Terminated/truncated per step: only the chunk's last step can carry them."""
+    if n == 1:
+        return _FLAGS1[terminated], _FLAGS1[truncated]
+    term = np.zeros(n, dtype=bool)
+    trunc = np.zeros(n, dtype=bool)
+    if n:
+        term[-1], trunc[-1] = terminated, truncated
+    return torch.from_numpy(term), torch.from_numpy(trunc)
+
+
 @dataclass(frozen=True)
 class ChunkColumns:
     """The transitions of one episode chunk, as tensors that share the episode's memory where possible."""
@@ -67,11 +82,7 @@ def chunk_columns(episode: Any) -> ChunkColumns:
                           f"{n + 1}.")
     o = _as_tensor(obs)
     rewards = torch.from_numpy(np.asarray(episode.get_rewards(), dtype=np.float32).reshape(n))
-    term = torch.zeros(n, dtype=torch.bool)
-    trunc = torch.zeros(n, dtype=torch.bool)
-    if n:
-        term[-1] = bool(episode.is_terminated)
-        trunc[-1] = bool(episode.is_truncated)
+    term, trunc = _done_flags(n, bool(episode.is_terminated), bool(episode.is_truncated))
     cols = {Columns.OBS: o[:-1], Columns.NEXT_OBS: o[1:], Columns.ACTIONS: _as_tensor(acts),
             Columns.REWARDS: rewards, Columns.TERMINATEDS: term, Columns.TRUNCATEDS: trunc}
     return ChunkColumns(str(episode.id_), cols, n, bool(episode.is_done))

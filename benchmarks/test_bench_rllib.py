@@ -1,0 +1,156 @@
+"""RLlib with and without Conduit: the experience path of one training step, and whole iterations.
+
+Workloads (one local EnvRunner and learner in this process, CPU, one thread):
+
+* ``dqn-d128`` / ``dqn-d5000``: DQN on LargeObsCartPole with d float32 observations, RLlib's
+  defaults (batch 32, prioritized replay, one env step and one update per training step);
+* ``sac-pendulum``: SAC on Pendulum-v1 (batch 256, prioritized replay);
+* ``ppo-cartpole``: PPO on CartPole-v1 (2000 steps per update, 6 epochs of minibatch 128).
+
+Two measurements per workload, native vs Conduit, each a ratio table in ``benchmarks/results``:
+
+* ``rllib_experience_step``: the experience path of ONE training step, called the way RLlib's
+  training step calls it, on the algorithm's own buffer and learner. Off-policy: ``add`` of a
+  fresh one-step chunk from the EnvRunner, ``sample``, ``get_metrics`` (folded into the algorithm's
+  metrics, as RLlib's training step does), the learner turning the
+  sample into a train batch (``_make_batch_if_necessary``) and ``update_priorities``. PPO: the
+  learner building the train batch from 2000 steps of episodes and producing every minibatch of
+  the update (no gradient steps). All of it is exposed in RLlib, and with Conduit's default
+  (synchronous) scheduler.
+* ``rllib_iteration``: one ``algo.train()`` (DQN/SAC: 50 env steps and updates; PPO: 2000 steps).
+
+The longer, interleaved runs and their tables are in ``benchmarks/docs/rllib.md``
+(``benchmarks/scripts/rllib_breakdown.py``). Run: ``.venv/bin/python -m pytest benchmarks/test_bench_rllib.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+WORKLOADS = ["dqn-d128", "dqn-d5000", "sac-pendulum", "ppo-cartpole"]
+VARIANTS = ["native", "conduit"]
+STEPS = 50
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    import ray
+    import torch
+
+    torch.set_num_threads(1)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def make_config(workload: str) -> Any:
+    from conduit_rllib.workloads import dqn_large_obs, ppo_cartpole, sac_pendulum
+
+    if workload.startswith("dqn"):
+        return dqn_large_obs(int(workload.split("-d")[1]), steps=STEPS, batch=32, capacity=5000)
+    if workload == "sac-pendulum":
+        return sac_pendulum(steps=STEPS, batch=256)
+    return ppo_cartpole(batch=2000, minibatch=128, epochs=6)
+
+
+class Built:
+    """One variant of one workload: the algorithm, its learner, and the one-step experience path."""
+
+    def __init__(self, workload: str, variant: str) -> None:
+        import conduit_rllib
+
+        cfg = make_config(workload)
+        if variant == "conduit":
+            conduit_rllib.enable(cfg)
+        self.workload, self.variant = workload, variant
+        self.algo = cfg.build_algo()
+        self.algo.train()  # fills the buffer past learning start, warms every code path
+        self.learner = next(iter(self.algo.learner_group.foreach_learner(lambda learner: learner))).get()
+        self.runner = self.algo.env_runner
+
+    def next_chunk(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """pytest-benchmark ``setup``: a fresh one-step chunk from the EnvRunner (not timed)."""
+        return (self.runner.sample(num_timesteps=1),), {}
+
+    def off_policy_step(self, chunk: list[Any]) -> None:
+        from ray.rllib.core.learner.training_data import TrainingData
+
+        cfg = self.algo.config
+        buf = self.algo.local_replay_buffer
+        buf.add(chunk)
+        sample = buf.sample(num_items=cfg.total_train_batch_size, n_step=cfg.n_step, batch_length_T=0, lookback=0,
+                            min_batch_length_T=0, gamma=cfg.gamma, beta=cfg.replay_buffer_config.get("beta"),
+                            sample_episodes=True)
+        self.algo.metrics.aggregate([buf.get_metrics()], key="replay_buffer")
+        self.learner._make_batch_if_necessary(TrainingData(episodes=sample))
+        if hasattr(buf, "update_priorities"):
+            buf.update_priorities(np.abs(np.random.randn(cfg.total_train_batch_size)) + 0.01, "default_policy")
+
+    def rollout(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """pytest-benchmark ``setup`` for PPO: 2000 steps of episodes from the EnvRunner (not timed)."""
+        return (self.runner.sample(num_timesteps=self.algo.config.total_train_batch_size),), {}
+
+    def on_policy_update_path(self, episodes: list[Any]) -> None:
+        from ray.rllib.core.learner.training_data import TrainingData
+
+        cfg = self.algo.config
+        it = self.learner._create_iterator_if_necessary(
+            training_data=TrainingData(episodes=episodes), num_epochs=cfg.num_epochs,
+            minibatch_size=cfg.minibatch_size, shuffle_batch_per_epoch=cfg.shuffle_batch_per_epoch)
+        for _ in it:
+            pass
+
+    def close(self) -> None:
+        self.algo.stop()
+
+
+@pytest.fixture(scope="module", params=WORKLOADS)
+def built(request: pytest.FixtureRequest, ray_local: None) -> Iterator[dict[str, Built]]:
+    made = {v: Built(request.param, v) for v in VARIANTS}
+    yield made
+    for b in made.values():
+        b.close()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_experience_path_of_one_step(benchmark: Any, built: dict[str, Built], variant: str, ratios: Any) -> None:
+    b = built[variant]
+    benchmark.group = f"rllib-experience-{b.workload}"
+    fn: Callable[..., None]
+    if b.workload.startswith("ppo"):
+        fn, setup, rounds = b.on_policy_update_path, b.rollout, 5
+    else:
+        fn, setup, rounds = b.off_policy_step, b.next_chunk, 60
+    benchmark.pedantic(fn, setup=setup, rounds=rounds, iterations=1, warmup_rounds=2)
+    ratios.add("rllib_experience_step", b.workload, variant, benchmark, baseline="native",
+               note="Experience path of one training step as RLlib calls it (off-policy: add 1 step, sample, "
+                    "get_metrics, learner batch, update_priorities; PPO: train batch + all minibatches of one "
+                    "update). All exposed in RLlib and with Conduit's default synchronous scheduler.")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_iteration(benchmark: Any, built: dict[str, Built], variant: str, ratios: Any) -> None:
+    from conduit_rllib.profiling import ExperiencePathProbe
+
+    b = built[variant]
+    benchmark.group = f"rllib-iteration-{b.workload}"
+    probe = ExperiencePathProbe(b.algo)
+    exposed: list[float] = []
+
+    def iteration() -> None:
+        probe.take()
+        b.algo.train()
+        exposed.append(probe.take()["exposed"])
+
+    benchmark.pedantic(iteration, rounds=3, iterations=1, warmup_rounds=0)
+    benchmark.extra_info["exposed_experience_path_s_median"] = float(np.median(exposed))
+    ratios.add("rllib_iteration", b.workload, variant, benchmark, baseline="native",
+               note=f"One algo.train() (DQN/SAC: {STEPS} env steps and updates; PPO: 2000 steps, 6 epochs).")
