@@ -33,7 +33,9 @@ minibatch iteration alone: see :mod:`conduit_verl.delivery`).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -274,6 +276,7 @@ class ConduitStorageManager(StorageManager):
             refs.append(self.units[rank].put.remote([gis[p] for p in positions], payload))
         await asyncio.gather(*refs)
         self.telemetry.record("put", n, nbytes, t0, time.perf_counter())
+        self._trace()
         await self.notify_data_update(metadata.partition_ids[0], gis, extract_field_schema(data))
 
     async def get_data(self, metadata: BatchMeta) -> TensorDict:
@@ -303,12 +306,25 @@ class ConduitStorageManager(StorageManager):
                 out[f] = NonTensorStack(*[items[int(i)] for i in inverse]) if len(parts) > 1 else \
                     NonTensorStack(*items)
         self.telemetry.record("get", n, nbytes, t0, time.perf_counter())
+        self._trace()
         return TensorDict(out, batch_size=n)
 
     async def clear_data(self, metadata: BatchMeta) -> None:
         gis = [int(g) for g in metadata.global_indexes]
         routes = self._route(gis)
         await asyncio.gather(*[self.units[r].clear.remote([gis[p] for p in pos]) for r, pos in routes.items()])
+
+    def _trace(self) -> None:
+        """With ``CONDUIT_VERL_TRACE_DIR`` set, keep this process's call totals in a JSON file there."""
+        trace_dir = os.environ.get("CONDUIT_VERL_TRACE_DIR")
+        if not trace_dir:
+            return
+        os.makedirs(trace_dir, exist_ok=True)
+        rec = {"pid": os.getpid(), "run": self.cfg["_run_id"], "telemetry": self.telemetry.summary()}
+        path = os.path.join(trace_dir, f"storage-{os.getpid()}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(rec, f)
+        os.replace(path + ".tmp", path)
 
     def stats(self) -> list[dict[str, Any]]:
         """Each unit's fields, placements, migrations and call telemetry."""

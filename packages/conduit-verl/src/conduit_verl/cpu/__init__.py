@@ -11,6 +11,18 @@ from __future__ import annotations
 __all__ = ["maybe_register"]
 
 
+def _load_hf_replica() -> type:
+    from conduit_verl.cpu.rollout import HFReplica
+
+    return HFReplica
+
+
 def maybe_register() -> None:
-    """Register the ``cpu`` platform (verl picks it only when no accelerator is present)."""
+    """Register the ``cpu`` platform (picked only when no accelerator is present) and the ``hf`` rollout."""
+    from verl.workers.rollout import base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
     from conduit_verl.cpu import platform  # noqa: F401  (PlatformRegistry.register("cpu"))
+
+    RolloutReplicaRegistry.register("hf", _load_hf_replica)
+    base._ROLLOUT_REGISTRY.setdefault(("hf", "async"), "conduit_verl.cpu.rollout.HFServerAdapter")

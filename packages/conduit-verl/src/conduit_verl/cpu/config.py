@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["cpu_overrides", "compose"]
+__all__ = ["cpu_overrides", "main_ppo_overrides", "compose"]
 
 
 def cpu_overrides(model_path: str, *, n: int = 4, mini_batch: int = 1, micro_batch: int = 4, epochs: int = 1,
@@ -35,6 +35,43 @@ def cpu_overrides(model_path: str, *, n: int = 4, mini_batch: int = 1, micro_bat
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro_batch}",
         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False",
         "trainer.device=cpu",
+    ]
+
+
+def main_ppo_overrides(root: str, *, steps: int = 2) -> list[str]:
+    """Everything ``python -m verl.trainer.main_ppo`` needs for a few GRPO steps on a CPU with Conduit.
+
+    ``root`` is what ``python -m conduit_verl.tiny ROOT`` wrote. The README shows the same list.
+    """
+    return [
+        f"data.train_files={root}/data/train.parquet",
+        f"data.val_files={root}/data/val.parquet",
+        "data.train_batch_size=2",
+        "data.max_prompt_length=32",
+        "data.max_response_length=8",
+        "data.dataloader_num_workers=0",
+        "algorithm.adv_estimator=grpo",
+        *cpu_overrides(f"{root}/model", n=4, mini_batch=1, micro_batch=4),
+        "actor_rollout_ref.actor.use_kl_loss=False",
+        "actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "reward.custom_reward_function.path=pkg://conduit_verl.tiny",
+        "reward.custom_reward_function.name=compute_score",
+        "reward.num_workers=1",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        f"trainer.total_training_steps={steps}",
+        "trainer.logger=[console]",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "transfer_queue.backend.storage_backend=Conduit",
+        "trainer.v1.sampler.custom_sampler.path=pkg://conduit_verl.replay",
+        "trainer.v1.sampler.custom_sampler.name=ConduitReplayBuffer",
+        "+ray_kwargs.ray_init.address=local",
+        "ray_kwargs.ray_init.num_cpus=8",
+        "+ray_kwargs.ray_init.num_gpus=1",
     ]
 
 
