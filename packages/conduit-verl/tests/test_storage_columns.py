@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conduit import CapacityError, SchemaError
-from conduit_verl.columns import FieldStore, PlacementMap
+from conduit_verl.columns import FieldStore, PoolLadder
 from conduit_verl.compat import MissingKeyError
 from conduit_verl.packing import from_wire, pack_column, select_rows, to_wire, unpack_column
 from tensordict import NonTensorStack
@@ -50,7 +50,7 @@ def test_dense_scalar_object_and_bf16_columns() -> None:
 
 
 def _store(items: int = 4, elements: int = 16, **kw: object) -> FieldStore:
-    return FieldStore("responses", torch.int64, 2, PlacementMap(items, elements, **kw))  # type: ignore[arg-type]
+    return FieldStore("responses", torch.int64, 2, PoolLadder(items, elements, **kw))  # type: ignore[arg-type]
 
 
 def test_put_get_replace_clear_in_any_order() -> None:
@@ -69,8 +69,8 @@ def test_put_get_replace_clear_in_any_order() -> None:
 
 
 def test_growing_lengths_migrate_without_loss() -> None:
-    """Longer sequences than the pool holds move the field to a larger placement; every sample survives."""
-    s = _store(items=4, elements=8)
+    """Longer sequences than the pool holds move the field to a larger pool (core migrate); every sample survives."""
+    s = _store(items=16, elements=8)
     expect = {}
     g = 0
     for length in (2, 3, 8, 20, 40):  # responses grow
@@ -81,11 +81,23 @@ def test_growing_lengths_migrate_without_loss() -> None:
         s.clear([g - 3]) if g else None
         expect.pop(g - 3, None)
         g += 3
-    assert s.migrations, "no migration happened"
+    assert {m.kind for m in s.migrations} == {"pool"}, s.migrations  # longer sequences: conduit-core migrate()
     assert all(m.target.elements > m.source.elements or m.target.items > m.source.items for m in s.migrations)
     got = unpack_column(s.get(list(expect)))
     for (gi, (length, val)), row in zip(expect.items(), got.unbind(), strict=True):
         assert row.shape == (length,) and bool((row == val).all()), gi
+
+
+def test_more_samples_than_slots_reslot_without_loss() -> None:
+    """Samples beyond the slot count, and slots held by out-of-order clears, move to more slots; nothing lost."""
+    s = _store(items=2, elements=64)
+    s.put([0, 1], pack_column(_jagged([1, 2]), 2))
+    s.clear([1])  # cleared out of order: slot of 0 still pins the ring
+    s.put([2, 3, 4], pack_column(_jagged([3, 1, 2]), 3))
+    assert any(m.kind == "slots" for m in s.migrations), s.migrations
+    got = unpack_column(s.get([4, 0, 2, 3]))
+    want = [_jagged([3, 1, 2]).unbind()[2], _jagged([1, 2]).unbind()[0], *_jagged([3, 1, 2]).unbind()[:2]]
+    _same_nested(got, torch.nested.as_nested_tensor(want, layout=torch.jagged))
 
 
 def test_typed_errors_leave_state_unchanged() -> None:

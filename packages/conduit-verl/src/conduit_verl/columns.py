@@ -1,22 +1,28 @@
 """One TransferQueue field's samples in Conduit storage, and their online migration.
 
-Each tensor field lives in a :class:`conduit.ColumnarStorage` with two columns: ``values``
-(``Field((), dtype, ragged=True)``: every sample's elements packed end to end in one pool)
-and ``shape`` (the per-sample shape row, see :class:`~conduit_verl.packing.PackedColumn`).
-TransferQueue names samples by *global index*; the store maps each to a Conduit handle.
+Each tensor field lives in an :class:`~conduit.ExperienceDataPlane` over a columnar storage
+with two columns: ``values`` (``Field((), dtype, ragged=True)``: every sample's elements
+packed end to end in one pool) and ``shape`` (the per-sample shape row, see
+:class:`~conduit_verl.packing.PackedColumn`). It uses :class:`conduit.OnPolicy` semantics
+only because they never evict: nothing leaves a TransferQueue field unless TransferQueue
+clears it. TransferQueue names samples by *global index*; the store maps each to a handle.
 
-TransferQueue clears samples in any order, while a Conduit storage frees its oldest items
-first. Cleared samples are therefore marked dead and their slots come back once every
-older sample is dead too.
+TransferQueue clears samples in any order, while Conduit storage frees its oldest items
+first. Cleared samples are therefore marked dead and their slots come back once every older
+sample is dead too.
 
-**Migration.** When a put does not fit (more samples than slots, or longer sequences than
-the packed pool holds: GRPO responses grow during training), the store moves its live
-samples to the next placement of a :class:`PlacementMap` computed up front, then stores the
-put. Nothing is lost, reordered or re-profiled; dead samples are dropped on the way, so a
-migration also compacts. Each one is recorded as a :class:`Migration`.
+**Migration** when a put does not fit:
 
-Fallback note: conduit-core has no placement-map/migration API yet; this is the adapter's
-own, limited to host tiers (``host``, or ``pinned`` when CUDA is present).
+* *Sequences grew* (GRPO responses get longer during training) and the packed pool is
+  full: the field moves online to a placement with a larger pool, through conduit-core's
+  :meth:`ExperienceDataPlane.migrate <conduit.ExperienceDataPlane.migrate>` (every sample
+  keeps its handle and slot; nothing is lost, reordered or re-profiled). The pool sizes come
+  from a :class:`PoolLadder` computed up front (size -> placement).
+* *More samples than slots* (or slots held by samples cleared out of order): core's
+  migration keeps the slot count by design, so here the adapter copies the live samples,
+  packed, into a store with more slots (the next rung) and re-maps their handles.
+
+Every move is recorded as a :class:`Migration`.
 """
 
 from __future__ import annotations
@@ -26,13 +32,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from conduit import CapacityError, ColumnarStorage, ConfigurationError, ExperienceSchema, Field, Ragged, SchemaError
+from conduit import (
+    CapacityError,
+    ConfigurationError,
+    ExperienceDataPlane,
+    ExperienceSchema,
+    Field,
+    HostPlacement,
+    OnPolicy,
+    Ragged,
+    SchemaError,
+    Storage,
+)
 from conduit.batch import ExperienceBatch
+from conduit.storage import ColumnarStorage
 
 from conduit_verl.compat import MissingKeyError
 from conduit_verl.packing import PackedColumn
 
-__all__ = ["Rung", "PlacementMap", "Migration", "FieldStore"]
+__all__ = ["Rung", "PoolLadder", "PoolPlacement", "Migration", "FieldStore"]
 
 
 @dataclass(frozen=True)
@@ -46,9 +64,14 @@ class Rung:
 
 @dataclass(frozen=True)
 class Migration:
-    """A move of a field's live samples from one placement to a larger one."""
+    """A move of a field's samples to a larger placement.
+
+    ``kind`` is ``"pool"`` (conduit-core's online migration to a larger packed pool, handles
+    kept) or ``"slots"`` (the adapter's re-slotting into more sample slots, handles re-mapped).
+    """
 
     field: str
+    kind: str
     source: Rung
     target: Rung
     moved_items: int
@@ -56,7 +79,22 @@ class Migration:
     seconds: float
 
 
-class PlacementMap:
+class PoolPlacement(HostPlacement):
+    """Host placement (page-locked when CUDA is present) whose ragged pools hold ``elements`` each."""
+
+    def __init__(self, elements: int, *, pin_memory: bool = False) -> None:
+        super().__init__(pin_memory=pin_memory)
+        self.elements = int(elements)
+
+    def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
+        return ColumnarStorage(schema, capacity, "cpu", ragged_capacity=self.elements, pin_memory=self.pin_memory,
+                               tier="pinned" if self.pin_memory else "host")
+
+    def describe(self) -> str:
+        return f"{super().describe()}, pool {self.elements}"
+
+
+class PoolLadder:
     """The size -> placement map, computed once: rung ``k`` holds ``growth**k`` times rung 0.
 
     Args:
@@ -65,64 +103,80 @@ class PlacementMap:
 
     Keyword Args:
         growth: factor between rungs (> 1).
-        pin_memory: place pools in page-locked host memory (only when CUDA is present).
+        pin_memory: page-locked host pools (only when CUDA is present).
         max_items: no rung holds more samples than this (None: unbounded).
     """
 
     def __init__(self, items: int, elements: int, *, growth: float = 2.0, pin_memory: bool = False,
                  max_items: int | None = None) -> None:
         if items <= 0 or elements <= 0:
-            raise ConfigurationError(f"PlacementMap needs positive items and elements, got {items}, {elements}.")
+            raise ConfigurationError(f"PoolLadder needs positive items and elements, got {items}, {elements}.")
         if growth <= 1:
-            raise ConfigurationError(f"PlacementMap growth must be > 1, got {growth}.")
+            raise ConfigurationError(f"PoolLadder growth must be > 1, got {growth}.")
         if max_items is not None and max_items < 1:
             raise ConfigurationError(f"max_items must be >= 1 or None, got {max_items}.")
         self.growth = float(growth)
         self.pin_memory = bool(pin_memory and torch.cuda.is_available())
         self.max_items = max_items
-        tier = "pinned" if self.pin_memory else "host"
-        self.rungs: list[Rung] = []
+        self.tier = "pinned" if self.pin_memory else "host"
+        self.items: list[int] = []
+        self.elements: list[int] = []
         it, el = items, elements
         for _ in range(48):  # 2**48 times rung 0 is beyond any host
-            self.rungs.append(Rung(it if max_items is None else min(it, max_items), el, tier))
+            self.items.append(it if max_items is None else min(it, max_items))
+            self.elements.append(el)
             it, el = int(it * self.growth) + 1, int(el * self.growth) + 1
 
-    def place(self, items: int, elements: int, at_least: int = 0) -> int:
-        """Index of the smallest rung (from ``at_least`` on) holding ``items`` samples and ``elements``.
-
-        Raises:
-            CapacityError: no rung is large enough (``max_items`` reached).
-        """
-        for k in range(at_least, len(self.rungs)):
-            r = self.rungs[k]
-            if r.items >= items and r.elements >= elements:
-                return k
-        raise CapacityError(f"{items} samples exceed the storage limit (max_items={self.max_items}); clear consumed "
+    def _rung(self, k: int, key: list[int], need: int, what: str) -> int:
+        for j in range(k, len(key)):
+            if key[j] >= need:
+                return j
+        raise CapacityError(f"{need} {what} exceed the storage limit (max_items={self.max_items}); clear consumed "
                             f"samples (tq.kv_clear) sooner or raise transfer_queue.backend.Conduit.max_items.")
 
-    def build(self, schema: ExperienceSchema, k: int) -> ColumnarStorage:
-        r = self.rungs[k]
-        return ColumnarStorage(schema, r.items, "cpu", ragged_capacity=r.elements, pin_memory=self.pin_memory,
-                               tier=r.tier)
+    def slots(self, need: int, at_least: int = 0) -> int:
+        """Index of the smallest slot rung (from ``at_least``) with ``need`` slots."""
+        return self._rung(at_least, self.items, need, "samples")
+
+    def pool(self, need: int, at_least: int = 0) -> int:
+        """Index of the smallest pool rung (from ``at_least``) with ``need`` elements."""
+        return self._rung(at_least, self.elements, need, "packed elements")
+
+    def placement(self, pool_rung: int) -> PoolPlacement:
+        return PoolPlacement(self.elements[pool_rung], pin_memory=self.pin_memory)
 
 
 class FieldStore:
-    """One tensor field of TransferQueue samples, packed in a Conduit storage.
+    """One tensor field of TransferQueue samples, packed in Conduit storage.
 
     Not thread-safe: a storage unit serialises the calls.
     """
 
-    def __init__(self, name: str, dtype: torch.dtype, width: int, pmap: PlacementMap) -> None:
+    def __init__(self, name: str, dtype: torch.dtype, width: int, ladder: PoolLadder) -> None:
         self.name = name
         self.dtype = dtype
         self.width = width
         self.schema = ExperienceSchema(values=Field((), dtype, ragged=True), shape=Field((width,), torch.int64))
-        self.pmap = pmap
-        self.rung = 0
-        self.storage = pmap.build(self.schema, 0)
-        self._alive = torch.zeros(self.storage.capacity, dtype=torch.bool)
-        self._handle: dict[int, int] = {}
+        self.ladder = ladder
         self.migrations: list[Migration] = []
+        self._handle: dict[int, int] = {}
+        self._build(0, 0)
+
+    def _build(self, slot_rung: int, pool_rung: int) -> None:
+        self.slot_rung, self.pool_rung = slot_rung, pool_rung
+        cap = self.ladder.items[slot_rung]
+        self.edp = ExperienceDataPlane(self.schema, capacity=cap, semantics=OnPolicy(num_minibatches=1),
+                                       placement=self.ladder.placement(pool_rung))
+        self._alive = torch.zeros(cap, dtype=torch.bool)
+        self._elems = torch.zeros(cap, dtype=torch.int64)  # packed elements held, by slot
+
+    @property
+    def storage(self) -> Storage:
+        return self.edp.storage
+
+    @property
+    def rung(self) -> Rung:
+        return Rung(self.ladder.items[self.slot_rung], self.ladder.elements[self.pool_rung], self.ladder.tier)
 
     def __len__(self) -> int:
         return len(self._handle)
@@ -130,17 +184,9 @@ class FieldStore:
     def __contains__(self, gi: int) -> bool:
         return gi in self._handle
 
-    @property
-    def live_elements(self) -> int:
-        return int(self._live_batch_lengths().sum()) if self._handle else 0
-
-    def _live_slots(self) -> torch.Tensor:
+    def _range_slots(self) -> torch.Tensor:
         st = self.storage
-        slots = torch.arange(st.oldest, st.next_handle, dtype=torch.int64) % st.capacity
-        return slots[self._alive[slots]]
-
-    def _live_batch_lengths(self) -> torch.Tensor:
-        return self.storage.gather(self._live_slots())["values"].lengths  # type: ignore[union-attr]
+        return torch.arange(st.oldest, st.next_handle, dtype=torch.int64) % st.capacity
 
     # -- write -----------------------------------------------------------------------------
     def put(self, gis: Sequence[int], col: PackedColumn) -> None:
@@ -170,62 +216,78 @@ class FieldStore:
         batch = ExperienceBatch({"values": Ragged(col.values, col.lengths), "shape": shapes}, n)
         batch.validate(self.schema)
         new_items = sum(1 for g in gis if g not in self._handle)
-        if self.pmap.max_items is not None and len(self._handle) + new_items > self.pmap.max_items:
+        if self.ladder.max_items is not None and len(self._handle) + new_items > self.ladder.max_items:
             raise CapacityError(f"Field {self.name!r}: {len(self._handle)} stored + {new_items} new samples exceed "
-                                f"max_items={self.pmap.max_items}; clear consumed samples or raise max_items.")
+                                f"max_items={self.ladder.max_items}; clear consumed samples or raise max_items.")
+        total = int(col.values.shape[0])
         try:
-            res = self.storage.append(batch, evict=False)
+            handles = self.edp.ingest_now(batch, version=0)
         except CapacityError:
-            self._migrate(n, int(col.values.shape[0]))
-            res = self.storage.append(batch, evict=False)
+            self._make_room(n, total)
+            handles = self.edp.ingest_now(batch, version=0)
         cap = self.storage.capacity
-        replaced = [self._handle[g] for g in gis if g in self._handle]  # after a migration: the new handles
+        replaced = [self._handle[g] for g in gis if g in self._handle]  # after a migration: the current handles
         if replaced:
             self._alive[torch.tensor(replaced, dtype=torch.int64) % cap] = False
-        self._alive[torch.arange(res.first, res.first + n, dtype=torch.int64) % cap] = True
-        for i, g in enumerate(gis):
-            self._handle[int(g)] = res.first + i
+        slots = handles % cap
+        self._alive[slots] = True
+        self._elems[slots] = col.lengths
+        for g, h in zip(gis, handles.tolist(), strict=True):
+            self._handle[g] = h
         self._release_dead_prefix()
 
     def _release_dead_prefix(self) -> None:
         st = self.storage
         if st.oldest == st.next_handle:
             return
-        slots = torch.arange(st.oldest, st.next_handle, dtype=torch.int64) % st.capacity
-        alive = self._alive[slots]
-        first = int(alive.to(torch.int8).argmax()) if bool(alive.any()) else int(slots.shape[0])
+        alive = self._alive[self._range_slots()]
+        first = int(alive.to(torch.int8).argmax()) if bool(alive.any()) else int(alive.shape[0])
         if first:
             st.release(st.oldest + first)
 
-    def _migrate(self, new_items: int, new_elements: int) -> None:
-        """Move the live samples to the placement that also holds ``new_items``/``new_elements`` more."""
+    def _make_room(self, n: int, elements: int) -> None:
+        """Migrate so that ``n`` more samples of ``elements`` packed elements fit."""
+        range_slots = self._range_slots()
+        in_range = int(range_slots.shape[0])
+        live = int(self._alive[range_slots].sum())
+        if in_range + n > self.storage.capacity:  # out of slots (or held by samples cleared out of order)
+            self._reslot(live + n, int(self._elems[range_slots][self._alive[range_slots]].sum()) + elements)
+            return
+        need = int(self._elems[range_slots].sum()) + elements  # the pool keeps the whole handle range
+        k = self.ladder.pool(2 * need, at_least=self.pool_rung + 1)  # room to grow before the next move
+        src = self.rung
+        report = self.edp.migrate(self.ladder.placement(k))  # conduit-core: online, handles and slots kept
+        self.pool_rung = k
+        self.migrations.append(Migration(self.name, "pool", src, self.rung, report.items, report.nbytes,
+                                         report.seconds))
+
+    def _reslot(self, need_items: int, need_elems: int) -> None:
+        """Copy the live samples, packed, into a store with enough slots; re-map their handles."""
         t0 = time.perf_counter()
-        src_rung = self.pmap.rungs[self.rung]
-        slots = self._live_slots()
-        live = self.storage.gather(slots)
+        src = self.rung
+        range_slots = self._range_slots()
+        live_slots = range_slots[self._alive[range_slots]]
+        live = self.storage.gather(live_slots)
         vals = live["values"]
         assert isinstance(vals, Ragged)
-        need_items = int(slots.shape[0]) + new_items
-        need_elems = int(vals.values.shape[0]) + new_elements
-        k = self.pmap.place(need_items, need_elems, at_least=self.rung)
-        r = self.pmap.rungs[k]
-        if k == self.rung and (need_items * 4 > r.items * 3 or need_elems * 4 > r.elements * 3):
-            k = self.pmap.place(need_items, need_elems, at_least=self.rung + 1)  # compaction alone would not last
-        target = self.pmap.build(self.schema, k)
-        handles = self.storage.handles_of(slots)
-        if slots.numel():
+        handles = self.storage.handles_of(live_slots).tolist()
+        old_edp = self.edp
+        sk = self.ladder.slots(2 * need_items, at_least=self.slot_rung + 1)
+        pk = self.ladder.pool(2 * need_elems, at_least=self.pool_rung)
+        self._build(sk, pk)
+        remap: dict[int, int] = {}
+        if live_slots.numel():
             moved = ExperienceBatch({"values": Ragged(vals.values.clone(), vals.lengths.clone()),
-                                     "shape": live.tensor("shape").clone()}, int(slots.shape[0]))
-            res = target.append(moved, evict=False)
-            remap = {int(h): res.first + i for i, h in enumerate(handles.tolist())}
-        else:
-            remap = {}
-        alive = torch.zeros(target.capacity, dtype=torch.bool)
-        alive[torch.arange(target.oldest, target.next_handle, dtype=torch.int64) % target.capacity] = True
+                                     "shape": live.tensor("shape").clone()}, int(live_slots.shape[0]))
+            new_handles = self.edp.ingest_now(moved, version=0)
+            slots = new_handles % self.storage.capacity
+            self._alive[slots] = True
+            self._elems[slots] = vals.lengths
+            remap = dict(zip(handles, new_handles.tolist(), strict=True))
         self._handle = {g: remap[h] for g, h in self._handle.items()}
-        nbytes = vals.values.numel() * vals.values.element_size() + int(slots.shape[0]) * self.width * 8
-        self.storage, self._alive, self.rung = target, alive, k
-        self.migrations.append(Migration(self.name, src_rung, self.pmap.rungs[k], int(slots.shape[0]), nbytes,
+        old_edp.close()
+        nbytes = vals.values.numel() * vals.values.element_size() + int(live_slots.shape[0]) * self.width * 8
+        self.migrations.append(Migration(self.name, "slots", src, self.rung, int(live_slots.shape[0]), nbytes,
                                          time.perf_counter() - t0))
 
     # -- read ------------------------------------------------------------------------------
@@ -240,8 +302,7 @@ class FieldStore:
         except KeyError as e:
             raise MissingKeyError(f"Field {self.name!r} holds no sample with global index {e.args[0]}; it was never "
                                   f"put, or was cleared.") from None
-        slots = handles % self.storage.capacity
-        b = self.storage.gather(slots)
+        b = self.storage.gather(handles % self.storage.capacity)
         vals = b["values"]
         assert isinstance(vals, Ragged)
         return PackedColumn(vals.values, vals.lengths, b.tensor("shape"))

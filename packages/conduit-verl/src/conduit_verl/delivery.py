@@ -198,8 +198,12 @@ class MinibatchPrefetch(Scheduler):
             self.staged += 1
         return batch, info
 
-    def invalidate(self) -> None:
-        """A staged minibatch was selected before the change; it stays and is delivered next."""
+    def invalidate(self, reason: str = "contents") -> None:
+        """A staged minibatch was selected before the change; it stays and is delivered next.
+
+        (Policy changes are refused mid-rollout by :class:`MinibatchDelivery`, so a staged
+        minibatch is never one the new policy would have dropped.)
+        """
 
     def flush(self) -> None:
         pass

@@ -51,7 +51,7 @@ from transfer_queue.storage.bootstrap import StorageBootstrapProvider
 from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
 from transfer_queue.utils.common import get_node_round_robin_scheduling_strategies
 
-from conduit_verl.columns import FieldStore, Migration, PlacementMap
+from conduit_verl.columns import FieldStore, Migration, PoolLadder
 from conduit_verl.compat import MissingKeyError
 from conduit_verl.packing import PackedColumn, concat_rows, from_wire, pack_column, select_rows, to_wire, unpack_column
 
@@ -83,7 +83,7 @@ class _UnitState:
     """What one storage unit holds (plain Python; the Ray actor wraps it)."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        self.pmap_args = dict(items=int(config["capacity"]),
+        self.ladder_args = dict(items=int(config["capacity"]),
                               elements=int(config["capacity"]) * int(config["mean_length"]),
                               growth=float(config["growth"]), max_items=config.get("max_items"),
                               pin_memory=torch.cuda.is_available())
@@ -106,7 +106,7 @@ class _UnitState:
                 store = self.fields.get(name)
                 if store is None:
                     store = self.fields[name] = FieldStore(name, col.dtype, col.shapes.shape[1],
-                                                           PlacementMap(**self.pmap_args))
+                                                           PoolLadder(**self.ladder_args))
                 store.put(gis, col)
                 nbytes += col.values.numel() * col.values.element_size()
             else:
@@ -149,8 +149,8 @@ class _UnitState:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "fields": {n: {"samples": len(s), "rung": s.rung, "slots": s.storage.capacity,
-                           "pool_elements": s.storage.ragged_capacity, "tier": s.storage.tier,
+            "fields": {n: {"samples": len(s), "slots": s.storage.capacity,
+                           "pool_elements": getattr(s.storage, "ragged_capacity", None), "tier": s.storage.tier,
                            "reserved_bytes": s.storage.nbytes()} for n, s in self.fields.items()},
             "objects": {n: len(o) for n, o in self.objects.items()},
             "migrations": [m for s in self.fields.values() for m in s.migrations],
