@@ -20,14 +20,13 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from conduit import (
-    ColumnarStorage,
     ConfigurationError,
+    DevicePlacement,
     EmptyBufferError,
     ExperienceBatch,
     ExperienceDataPlane,
     ExperienceSchema,
     Field,
-    HostPlacement,
     OnPolicy,
     Placement,
     SampleInfo,
@@ -39,22 +38,6 @@ from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from conduit_rllib.errors import UnsupportedConfigError
 
 __all__ = ["MinibatchFeed"]
-
-
-class _DevicePlacement(HostPlacement):
-    """Columnar storage on the device the train batch already lives on (a GPU learner's batch stays there)."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self.device = device
-
-    def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Any:
-        if self.device.type == "cpu":
-            return super().storage(schema, capacity, ragged_capacity=ragged_capacity)
-        return ColumnarStorage(schema, capacity, self.device, ragged_capacity=ragged_capacity, tier="gpu")
-
-    def describe(self) -> str:
-        return f"device ({self.device})"
 
 
 def _columns(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -158,7 +141,7 @@ class MinibatchFeed:
         cap = max(self.capacity, 1 << int(np.ceil(np.log2(max(2 * n, 2)))))
         sem = OnPolicy(**self._sem_args)  # type: ignore[arg-type]
         self.edp = ExperienceDataPlane(schema, capacity=cap, semantics=sem,
-                                       placement=self.placement or _DevicePlacement(device), device=device)
+                                       placement=self.placement or DevicePlacement(device), device=device)
         if state is not None:  # nothing is pending: carry the permutation RNG and counters over
             sem.load_state_dict(state)
         sem.policy_version = self._policy_version
