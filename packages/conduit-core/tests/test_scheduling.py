@@ -428,3 +428,25 @@ def test_gpu_prefetch_stages_pinned_and_copies_on_a_side_stream() -> None:
         assert torch.equal(b["obs"][:, 0].cpu(), info.handles.float())
     assert any(s.host and s.host["obs"].is_pinned() for s in ring.slots)
     edp.close()
+
+
+def test_prefetch_follows_an_online_migration_to_a_grown_schema() -> None:
+    from conduit.placement import DiskPlacement
+
+    edp = _filled(Overlapped(g_del=2, g_ing=2))
+    for _ in range(5):
+        edp.deliver(16)
+    grown = ExperienceSchema(id=Field((), torch.int64), obs=Field((5,), torch.float32))
+
+    def pad(b: Any) -> dict[str, torch.Tensor]:
+        return {"id": b["id"], "obs": torch.nn.functional.pad(b["obs"], (0, 2))}
+
+    edp.migrate(DiskPlacement(), schema=grown, transform=pad)
+    edp.ingest({"id": torch.arange(500, 520), "obs": torch.arange(500, 520).float()[:, None].expand(-1, 5)})
+    edp.ingest({"id": torch.arange(520, 540), "obs": torch.arange(520, 540).float()[:, None].expand(-1, 5)})
+    edp.flush()
+    for _ in range(10):
+        b, info = edp.deliver(16)
+        assert b["obs"].shape == (16, 5), "a batch prepared for the old schema was delivered after the migration"
+        assert torch.equal(b["id"], info.handles) and torch.equal(b["obs"][:, 0], b["id"].float())
+    edp.close()

@@ -235,7 +235,8 @@ class Ingestion:
                                     torch.cat([p.lengths for p in parts]))  # type: ignore[union-attr]
                 continue
             buf = self._stage.get(name)
-            if buf is None or buf.shape[0] < n or buf.dtype != first.dtype or buf.device != first.device:
+            if (buf is None or buf.shape[0] < n or buf.shape[1:] != first.shape[1:] or buf.dtype != first.dtype
+                    or buf.device != first.device):
                 pin = (torch.cuda.is_available() and first.device.type == "cpu"
                        and self.edp.storage.device.type == "cuda")
                 buf = torch.empty((n, *first.shape[1:]), dtype=first.dtype, device=first.device, pin_memory=pin)

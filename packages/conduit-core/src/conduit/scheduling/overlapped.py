@@ -422,6 +422,12 @@ class Overlapped(Scheduler):
             return  # on-policy predictions are confirmed against the real selection at delivery
         with self._mu:
             self._discard_all()
+            edp = self.edp
+            ring = self._ring
+            if (ring.schema != edp.schema or ring.storage_device != edp.storage.device
+                    or ring.device != edp.device):  # migrated: new tier or a grown schema
+                self._ring = ChunkRing(edp.schema, edp.storage.device, edp.device, count=len(ring.slots),
+                                       output_depth=self.output_depth)
 
     def close(self) -> None:
         """Stop prefetching, then store everything handed over (or raise, keeping it in ``pending()``)."""
