@@ -278,3 +278,12 @@ def test_delivery_lands_on_the_gpu() -> None:
     assert all(v.device.type == "cuda" for v in s.columns.values())
     ids = s.columns[Columns.OBS][:, 0].long().cpu()
     assert torch.equal(s.columns[Columns.ACTIONS].cpu(), ids)
+
+
+def test_a_capacity_that_cannot_be_allocated_is_a_typed_error() -> None:
+    from conduit import CapacityError
+
+    buf = ConduitEpisodeReplayBuffer(capacity=10 ** 13)
+    with pytest.raises(CapacityError, match="replay_buffer_config"):
+        buf.add([id_episode(np.arange(3))])
+    assert len(buf) == 0 and buf.edp is None

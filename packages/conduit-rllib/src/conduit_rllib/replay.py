@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 from conduit import (
+    CapacityError,
     ConfigurationError,
     EmptyBufferError,
     ExperienceDataPlane,
@@ -82,13 +83,13 @@ class _ConduitReplay:
                  device: torch.device | str | None = None, placement: Placement | None = None,
                  scheduler: Scheduler | None = None, metrics_every: int = 16, batch_size_B: int = 16,
                  batch_length_T: int = 1, metrics_num_episodes_for_smoothing: int = 100, **kwargs: Any) -> None:
+        if not isinstance(capacity, (int, float)) or int(capacity) <= 0:
+            raise ConfigurationError(f"capacity must be a positive number of transitions, got {capacity!r}.")
         # Only the cheap base initialiser: it sets capacity, batch sizes and the MetricsLogger.
         # PrioritizedEpisodeReplayBuffer.__init__ would allocate segment trees nobody uses.
         EpisodeReplayBuffer.__init__(self, capacity=int(capacity), batch_size_B=batch_size_B,
                                      batch_length_T=batch_length_T,
                                      metrics_num_episodes_for_smoothing=metrics_num_episodes_for_smoothing)
-        if not isinstance(capacity, (int, float)) or int(capacity) <= 0:
-            raise ConfigurationError(f"capacity must be a positive number of transitions, got {capacity!r}.")
         if not (alpha >= 0 and np.isfinite(alpha)):
             raise ConfigurationError(f"alpha must be finite and >= 0, got {alpha!r}.")
         self._alpha = float(alpha)
@@ -117,8 +118,14 @@ class _ConduitReplay:
     def _build(self, schema: ExperienceSchema) -> ExperienceDataPlane:
         sampler = PrioritizedSampler(alpha=self._alpha) if self.prioritized else UniformSampler()
         placement = self.placement or HostPlacement(pin_memory=self.device.type == "cuda")
-        edp = ExperienceDataPlane(schema, capacity=self.capacity, semantics=Replay(sampler, seed=self.seed),
-                                  placement=placement, scheduler=self.scheduler, device=self.device)
+        try:
+            edp = ExperienceDataPlane(schema, capacity=self.capacity, semantics=Replay(sampler, seed=self.seed),
+                                      placement=placement, scheduler=self.scheduler, device=self.device)
+        except (RuntimeError, MemoryError) as e:  # the columns are preallocated for the whole capacity
+            need = self.capacity * schema.fixed_item_bytes / 2 ** 30
+            raise CapacityError(f"Could not allocate {self.capacity} transitions of {schema.fixed_item_bytes} bytes "
+                                f"(~{need:.1f} GiB) on {placement.describe()}: {e}. Lower "
+                                f"replay_buffer_config['capacity'] or choose another placement.") from e
         self._succ = np.full(self.capacity, -1, dtype=np.int64)
         self._rew = np.zeros(self.capacity, dtype=np.float32)
         self._done = np.zeros(self.capacity, dtype=bool)
