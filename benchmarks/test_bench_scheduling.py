@@ -158,7 +158,7 @@ def test_configuration_sweep(benchmark: Any, d: int) -> None:
         pytest.skip("smoke run (--benchmark-disable): the sweep runs at d=128 only")
     cs = _load_sweep()
     if smoke:
-        res = cs.sweep([d], gs=(1, 2), rounds=1, iterations=1, warmup=1, auto_warmup=22, placement_names=["host"],
+        res = cs.sweep([d], gs=(1, 2), rounds=1, iterations=1, warmup=1, auto_warmup=28, placement_names=["host"],
                        log=lambda s: None)
     else:
         res = cs.sweep([d], rounds=3, iterations=5)
@@ -170,7 +170,7 @@ def test_configuration_sweep(benchmark: Any, d: int) -> None:
         assert v["iteration_s"] > 0 and v["total_s"] >= v["exposed_s"] >= 0
 
     def auto_once() -> None:
-        cs.run_config(cs.Config("auto", special="auto"), d, iterations=1, warmup=1, auto_warmup=22)
+        cs.run_config(cs.Config("auto", special="auto"), d, iterations=1, warmup=1, auto_warmup=28)
 
     benchmark.group = f"config-sweep-d{d}"
     benchmark.pedantic(auto_once, rounds=1, iterations=1)

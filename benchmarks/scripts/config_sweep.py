@@ -114,7 +114,7 @@ def run_config(cfg: Config, d: int, *, iterations: int, warmup: int, auto_warmup
 
 
 def sweep(dims: Sequence[int], *, gs: Sequence[int] = GS, rounds: int = 3, iterations: int = 5, warmup: int = 2,
-          auto_warmup: int = 20, placement_names: Sequence[str] | None = None, seed: int = 0,
+          auto_warmup: int = 28, placement_names: Sequence[str] | None = None, seed: int = 0,
           log: Callable[[str], None] = print, save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the sweep; returns ``{"dims": {d: {config: {...medians...}}}, ...}`` (``save`` gets it after each d)."""
     torch.set_num_threads(1)

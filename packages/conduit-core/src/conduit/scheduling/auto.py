@@ -240,6 +240,8 @@ class Automatic(Scheduler):
                     self._decide()
         elif self._phase == "confirm":
             self._confirm_left -= 1
+            if self._confirm_left == self.confirm_deliveries:  # the window's first chunk primed it: time the rest
+                self._confirm_start = time.perf_counter()
             if self._confirm_left <= 0:
                 self._next_confirm()
         return out
@@ -248,6 +250,9 @@ class Automatic(Scheduler):
         self.inner.invalidate(reason)
 
     def close(self) -> None:
+        for c in getattr(self, "_candidates", {}).values():
+            if c is not self.inner:
+                c.close()
         self.inner.close()
 
     def pending(self) -> list[Any]:
@@ -307,12 +312,19 @@ class Automatic(Scheduler):
             self._finish(self.force_overlap, "overlap fixed by the caller; granularity from the model")
             return
         self._phase = "confirm"
+        # both candidates live through the whole phase, so no window pays for allocating buffers or threads
+        self._candidates = {name: self._make(*self._choices[name == "overlapped"], overlap=name == "overlapped")
+                            for name in ("sequential", "overlapped")}
         self._confirm = ["sequential", "overlapped"] * self.confirm_windows
         self._cycles: dict[str, list[float]] = {"sequential": [], "overlapped": []}
         self._next_confirm()
 
     def _next_confirm(self) -> None:
-        """Alternate windows of sequential and overlapped delivery; keep the shorter median cycle."""
+        """Alternate windows of sequential and overlapped delivery; keep the shorter median cycle.
+
+        Each window first delivers one chunk untimed (the overlapped candidate's prefetch is
+        not primed yet after a switch), then times ``confirm_deliveries`` deliveries.
+        """
         now = time.perf_counter()
         assert self.decision is not None
         if self._confirm_start:
@@ -324,10 +336,22 @@ class Automatic(Scheduler):
             self._finish(on, "shorter measured cycle per delivery " + ("with" if on else "without") + " overlap")
             return
         self._confirm_name = self._confirm.pop(0)
-        gi, gd = self._choices[self._confirm_name == "overlapped"]
-        self._switch(self._make(gi, gd, overlap=self._confirm_name == "overlapped"))
-        self._confirm_left = self.confirm_deliveries
-        self._confirm_start = time.perf_counter()
+        cand = self._candidates[self._confirm_name]
+        self._activate(cand)
+        warm = 1 if self.on_policy else int(cand.g_del)
+        self._confirm_left = warm + self.confirm_deliveries
+        self._confirm_start = 0.0
+
+    def _activate(self, new: Overlapped) -> None:
+        """Route calls to ``new``: the current scheduler stores what it was handed and drops what it prepared."""
+        old = self.inner
+        if old is new:
+            return
+        old.flush()
+        old.invalidate("contents")
+        self.inner = new
+        if old not in getattr(self, "_candidates", {}).values():
+            old.close()
 
     def _finish(self, overlap: bool, reason: str) -> None:
         assert self.decision is not None
@@ -336,11 +360,16 @@ class Automatic(Scheduler):
         self.decision.reason = reason
         if self.on_policy:
             self.decision.g_del = self.range.g_del[0]
-        cur = self.inner
-        if cur.overlap == overlap and cur.g_ing == gi and (self.on_policy or cur.g_del == gd):
-            pass  # the confirm phase already runs the chosen configuration
-        else:
+        candidates = getattr(self, "_candidates", {})
+        chosen = candidates.get("overlapped" if overlap else "sequential")
+        if chosen is None:
             self._switch(self._make(gi, gd if not self.on_policy else 1, overlap=overlap))
+        else:
+            self._activate(chosen)
+        for c in candidates.values():
+            if c is not chosen:
+                c.close()
+        self._candidates = {}
         self._confirm = []
         self._phase = "run"
 

@@ -71,6 +71,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     c.add_argument("--overlap", choices=("auto", "on", "off"), default="auto")
     c.add_argument("--g-ing-max", type=int, default=8)
     c.add_argument("--g-del-max", type=int, default=8)
-    c.add_argument("--warmup", type=int, default=20, help="iterations for calibration (not accounted)")
+    c.add_argument("--warmup", type=int, default=28, help="iterations for calibration (not accounted)")
     c.add_argument("--iterations", type=int, default=5)
     c.set_defaults(func=_calibrate)
