@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from conduit.batch import ExperienceBatch
+from conduit.batch import ExperienceBatch, Ragged
+from conduit.errors import ConfigurationError
 from conduit.schema import ExperienceSchema
 
 __all__ = ["Storage", "AppendResult"]
@@ -88,13 +89,34 @@ class Storage(ABC):
     def release(self, upto: int) -> None:
         """Evict every live item with a handle below ``upto`` (consumed on-policy data)."""
 
-    @abstractmethod
     def state_dict(self) -> dict[str, Any]:
-        """Contents and handles, as plain tensors and ints."""
+        """The live items in handle order, as host tensors, with the handle range."""
+        slots = torch.remainder(torch.arange(self.oldest, self.next_handle, dtype=torch.int64), self.capacity)
+        batch = self.gather(slots)
+        data: dict[str, Any] = {}
+        for name in self.schema:
+            c = batch[name]
+            data[name] = (c.values.cpu().clone(), c.lengths.clone()) if isinstance(c, Ragged) else c.cpu().clone()
+        return {"schema": self.schema.to_dict(), "capacity": self.capacity, "oldest": self.oldest,
+                "next": self.next_handle, "data": data}
+
+    def checkpoint_batch(self, state: dict[str, Any]) -> tuple[int, ExperienceBatch]:
+        """Check that ``state`` (from :meth:`state_dict`) fits this storage; its oldest handle and live items.
+
+        Raises:
+            ConfigurationError: the checkpoint has another schema or capacity.
+        """
+        if state["capacity"] != self.capacity or ExperienceSchema.from_dict(state["schema"]) != self.schema:
+            raise ConfigurationError("This checkpoint was written by a storage with another schema or capacity; "
+                                     "build the buffer with the same schema and capacity before loading.")
+        cols: dict[str, torch.Tensor | Ragged] = {}
+        for name, v in state["data"].items():
+            cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
+        return state["oldest"], ExperienceBatch(cols, state["next"] - state["oldest"])
 
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
+        """Restore what :meth:`state_dict` saved (handles included)."""
 
     def nbytes(self) -> int:
         """Bytes reserved for the columns."""

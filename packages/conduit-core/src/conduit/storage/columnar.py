@@ -18,6 +18,28 @@ __all__ = ["ColumnarStorage", "Allocator"]
 Allocator = Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor]
 
 
+#: mean ragged length from which a gather copies whole segments instead of indexing every element
+_SEGMENT_COPY_MIN_MEAN = 64
+
+
+def _copy_segments(pool: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``pool[starts[i]:starts[i] + lengths[i]]`` for each i, end to end into ``out``; adjacent segments in one copy."""
+    n = int(starts.shape[0])
+    if n == 0:
+        return out
+    ends = starts + lengths
+    breaks = (torch.nonzero(starts[1:] != ends[:-1]).flatten() + 1).tolist()
+    run_first = [0, *breaks]
+    run_last = [*(b - 1 for b in breaks), n - 1]
+    s_list, e_list = starts.tolist(), ends.tolist()
+    o = 0
+    for a, b in zip(run_first, run_last, strict=True):
+        lo, hi = s_list[a], e_list[b]
+        out[o:o + hi - lo].copy_(pool[lo:hi])
+        o += hi - lo
+    return out
+
+
 class ColumnarStorage(Storage):
     """One contiguous preallocated tensor per field; ragged fields in a packed element pool.
 
@@ -155,36 +177,23 @@ class ColumnarStorage(Storage):
                 cols[name] = torch.index_select(col, 0, dev_slots)
         for name, pool in self._pools.items():
             st, ln = self._rstart[name][slots], self._rlen[name][slots]
-            flat = ranges(st, ln)
+            total = int(ln.sum())
             buf = self._ragged_out.get(name)
-            if buf is None or buf.shape[0] < flat.shape[0]:
-                buf = torch.empty((max(int(flat.shape[0]), 1), *pool.shape[1:]), dtype=pool.dtype,
-                                  device=pool.device)
-            vals = torch.index_select(pool, 0, flat.to(pool.device), out=buf[:flat.shape[0]])
+            if buf is None or buf.shape[0] < total:
+                buf = torch.empty((max(total, 1), *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
+            if total >= _SEGMENT_COPY_MIN_MEAN * max(int(ln.shape[0]), 1):
+                vals = _copy_segments(pool, st, ln, buf[:total])  # long sequences: memcpy whole runs
+            else:
+                flat = ranges(st, ln)
+                vals = torch.index_select(pool, 0, flat.to(pool.device), out=buf[:total])
             cols[name] = Ragged(vals, ln)
         return ExperienceBatch(cols, int(slots.shape[0]))
 
     # -- checkpoint ------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        slots = torch.arange(self._oldest, self._next, dtype=torch.int64) % self.capacity
-        batch = self.gather(slots)
-        data: dict[str, Any] = {}
-        for name in self.schema:
-            c = batch[name]
-            data[name] = (c.values.cpu().clone(), c.lengths.clone()) if isinstance(c, Ragged) else c.cpu().clone()
-        return {"schema": self.schema.to_dict(), "capacity": self.capacity, "oldest": self._oldest,
-                "next": self._next, "data": data}
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["capacity"] != self.capacity or ExperienceSchema.from_dict(state["schema"]) != self.schema:
-            raise ConfigurationError("This checkpoint was written by a storage with another schema or capacity; "
-                                     "build the buffer with the same schema and capacity before loading.")
-        cols: dict[str, torch.Tensor | Ragged] = {}
-        for name, v in state["data"].items():
-            cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
-        n = state["next"] - state["oldest"]
-        self._oldest = self._next = state["oldest"]
+        oldest, batch = self.checkpoint_batch(state)
+        self._oldest = self._next = oldest
         for name in self.schema.ragged:
             self._rhead[name] = 0
-        if n:
-            self.append(ExperienceBatch(cols, n), evict=False)
+        if batch.batch_size:
+            self.append(batch, evict=False)

@@ -174,28 +174,12 @@ class ShardedStorage(Storage):
         return ExperienceBatch(ordered, n)
 
     # -- checkpoint ------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        slots = torch.arange(self.oldest, self.next_handle, dtype=torch.int64) % self.capacity
-        batch = self.gather(slots)
-        data: dict[str, Any] = {}
-        for name in self.schema:
-            c = batch[name]
-            data[name] = (c.values.cpu().clone(), c.lengths.clone()) if isinstance(c, Ragged) else c.cpu().clone()
-        return {"schema": self.schema.to_dict(), "capacity": self.capacity, "oldest": self.oldest,
-                "next": self.next_handle, "data": data}
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["capacity"] != self.capacity or ExperienceSchema.from_dict(state["schema"]) != self.schema:
-            raise ConfigurationError("This checkpoint was written by a storage with another schema or capacity; "
-                                     "build the buffer with the same schema and capacity before loading.")
-        cols: dict[str, torch.Tensor | Ragged] = {}
-        for name, v in state["data"].items():
-            cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
-        n = state["next"] - state["oldest"]
+        oldest, batch = self.checkpoint_batch(state)
         if self._ragged is not None:
             sub = ExperienceSchema({k: self.schema[k] for k in self.schema.ragged})
             self._ragged.load_state_dict({"schema": sub.to_dict(), "capacity": self.capacity,
-                                          "oldest": state["oldest"], "next": state["oldest"], "data": {}})
-        self._oldest = self._next = state["oldest"]
-        if n:
-            self.append(ExperienceBatch(cols, n), evict=False)
+                                          "oldest": oldest, "next": oldest, "data": {}})
+        self._oldest = self._next = oldest
+        if batch.batch_size:
+            self.append(batch, evict=False)
