@@ -71,9 +71,9 @@ def _fill(edp: ExperienceDataPlane, d: int, n: int) -> None:
         edp.flush()
 
 
-def _calibrate(d: int, cap: int, batch: int, rollout: dict[str, torch.Tensor]) -> tuple[int, int, str]:
+def _calibrate(d: int, cap: int, batch: int, rollout: dict[str, torch.Tensor], rounds: int) -> tuple[int, int, str]:
     """What the automatic scheduler picks for this job (sequential), after calibrating on it."""
-    sched = Automatic(overlap=False, g_ing_max=8, g_del_max=8, probe_rounds=6)
+    sched = Automatic(overlap=False, g_ing_max=8, g_del_max=8, probe_rounds=rounds)
     edp = ExperienceDataPlane(_schema(d), capacity=cap, semantics=Replay(seed=1), scheduler=sched)
     try:
         _fill(edp, d, min(cap, 4 * batch))
@@ -102,7 +102,7 @@ def test_granularity_sweep(benchmark: Any, d: int) -> None:
     cap = 4 * batch if smoke else (65536 if d <= 1000 else 8192)
     rounds, per = (1, 8) if smoke else (9, 16)
     rollout = _rollout(d, batch)
-    g_ing, g_del, explain = _calibrate(d, cap, batch, rollout)
+    g_ing, g_del, explain = _calibrate(d, cap, batch, rollout, 1 if smoke else 6)
     assert 1 <= g_ing <= 8 and 1 <= g_del <= 8
     configs = {f"g={g}": (g, g) for g in GS}
     auto_key = f"g={g_del}" if g_ing == g_del and g_del in GS else f"auto (g_ing={g_ing}, g_del={g_del})"
