@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.requires("verl")
+pytestmark = [pytest.mark.requires("verl"), pytest.mark.slow]
 
 
 def rollout_batch(tokenizer: Any, *, prompts: int, n: int, p_len: int = 8, r_len: int = 8, seed: int = 0) -> Any:

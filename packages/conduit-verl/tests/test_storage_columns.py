@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from conduit import CapacityError, SchemaError
@@ -130,3 +132,22 @@ def test_unit_state_put_get_clear_and_typed_errors() -> None:
         unit.put([8], {"responses": ["x"], "uid": ["c"]})
     assert unit.get([5], ["uid"])["uid"] == ["a"] and 8 not in unit.fields["responses"]
     assert unit.clear([5, 6]) == 2 and len(unit.fields["responses"]) == 0
+
+
+def test_unit_state_checkpoint_round_trip(tmp_path: Any) -> None:
+    """What a unit saves (TransferQueue's save_checkpoint) comes back exactly on load."""
+    from conduit_verl.packing import to_wire
+    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+
+    unit = _UnitState(dict(DEFAULTS, capacity=2, mean_length=2))
+    unit.put([3, 4, 5], {"responses": to_wire(pack_column(_jagged([2, 5, 1]), 3)), "uid": ["a", "b", "c"]})
+    unit.clear([4])
+    path = str(tmp_path / "unit.pt")
+    assert unit.save(path) == 2
+    fresh = _UnitState(dict(DEFAULTS, capacity=2, mean_length=2))
+    assert fresh.load(path) == 2
+    a, b = unit.get([5, 3], ["responses", "uid"]), fresh.get([5, 3], ["responses", "uid"])
+    assert from_wire(a["responses"]).values.tolist() == from_wire(b["responses"]).values.tolist()
+    assert b["uid"] == ["c", "a"]
+    with pytest.raises(MissingKeyError):
+        fresh.get([4], ["uid"])

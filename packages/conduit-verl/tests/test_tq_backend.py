@@ -70,3 +70,20 @@ def test_same_columns_as_simple_storage(tq_session: Any) -> None:
     stats = got["stats"]
     assert len(stats) == 2 and all(s["fields"]["responses"]["samples"] == 2 for s in stats)  # 4 of 8 left, 2 units
     assert any(s["migrations"] for s in stats), "tiny first placements should have migrated"
+
+
+def test_checkpoint_through_transfer_queue(tq_session: Any, tmp_path: Any) -> None:
+    """tq.save_checkpoint / tq.load_checkpoint (what verl's async trainers call) keep Conduit's samples."""
+    import transfer_queue as tq
+    import verl  # noqa: F401
+
+    tq_session("Conduit", num_units=2)
+    keys = [f"c{i}" for i in range(6)]
+    tq.kv_batch_put(keys=keys, partition_id="train", fields=trajectories(6, 3), tags=[{}] * 6)
+    before = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["responses", "uid"])
+    tq.save_checkpoint(str(tmp_path / "ckpt"))
+    tq.kv_clear(keys=keys, partition_id="train")
+    tq.load_checkpoint(str(tmp_path / "ckpt"))
+    after = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["responses", "uid"])
+    assert [r.tolist() for r in after["responses"].unbind()] == [r.tolist() for r in before["responses"].unbind()]
+    assert list(after["uid"]) == list(before["uid"])

@@ -147,6 +147,31 @@ class _UnitState:
         self.telemetry.record("clear", len(gis), 0, t0, time.perf_counter())
         return held
 
+    def save(self, path: str) -> int:
+        """Write every held sample (tensor fields packed, object fields as they are) to ``path``."""
+        state: dict[str, Any] = {"format": 1, "fields": {}, "objects": self.objects}
+        for name, store in self.fields.items():
+            gis = sorted(store._handle)
+            col = store.get(gis) if gis else None
+            state["fields"][name] = {"dtype": str(store.dtype).removeprefix("torch."), "width": store.width,
+                                     "gis": gis, "column": None if col is None else to_wire(col)}
+        torch.save(state, path)
+        return sum(len(s) for s in self.fields.values())
+
+    def load(self, path: str) -> int:
+        """Replace the held samples with what :meth:`save` wrote to ``path``."""
+        state = torch.load(path, weights_only=False)
+        if state.get("format") != 1:
+            raise SchemaError(f"{path} was not written by a Conduit storage unit.")
+        fields: dict[str, FieldStore] = {}
+        for name, f in state["fields"].items():
+            store = fields[name] = FieldStore(name, getattr(torch, f["dtype"]), f["width"],
+                                              PoolLadder(**self.ladder_args))
+            if f["gis"]:
+                store.put(f["gis"], from_wire(f["column"], copy=True))
+        self.fields, self.objects = fields, state["objects"]
+        return sum(len(s) for s in fields.values())
+
     def stats(self) -> dict[str, Any]:
         return {
             "fields": {n: {"samples": len(s), "slots": s.storage.capacity,
@@ -176,6 +201,12 @@ class ConduitStorageUnit:
 
     def stats(self) -> dict[str, Any]:
         return self.state.stats()
+
+    def save(self, path: str) -> int:
+        return self.state.save(path)
+
+    def load(self, path: str) -> int:
+        return self.state.load(path)
 
     def migrations(self) -> list[Migration]:
         return self.state.stats()["migrations"]
@@ -325,6 +356,21 @@ class ConduitStorageManager(StorageManager):
         with open(path + ".tmp", "w") as f:
             json.dump(rec, f)
         os.replace(path + ".tmp", path)
+
+    async def save_checkpoint(self, checkpoint_dir: str) -> None:
+        """Each unit writes its samples to ``checkpoint_dir/conduit_unit_<rank>.pt``."""
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        await asyncio.gather(*[u.save.remote(os.path.join(checkpoint_dir, f"conduit_unit_{r}.pt"))
+                               for r, u in enumerate(self.units)])
+
+    async def load_checkpoint(self, checkpoint_dir: str) -> None:
+        """Each unit restores what :meth:`save_checkpoint` wrote (same ``num_units``)."""
+        paths = [os.path.join(checkpoint_dir, f"conduit_unit_{r}.pt") for r in range(len(self.units))]
+        missing = [p for p in paths if not os.path.exists(p)]
+        if missing:
+            raise FileNotFoundError(f"Conduit checkpoint files missing: {missing}; restore with the num_units the "
+                                    f"checkpoint was written with.")
+        await asyncio.gather(*[u.load.remote(p) for u, p in zip(self.units, paths, strict=True)])
 
     def stats(self) -> list[dict[str, Any]]:
         """Each unit's fields, placements, migrations and call telemetry."""
