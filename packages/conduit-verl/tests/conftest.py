@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,38 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+#: environment variable every Ray worker a test starts carries, so leftovers can be found by id
+MARKER = "CONDUIT_TEST_RUN"
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Processes whose environment carries ``MARKER=marker`` (started by one test run)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if f"{MARKER}={marker}".encode() in (d / "environ").read_bytes():
+                    pids.append(int(d.name))
+            except OSError:
+                continue
+    return pids
+
+
+def kill_marked(marker: str) -> None:
+    """End, by id, every process a test run left behind (Ray workers outliving their raylet)."""
+    for pid in marked_pids(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def reaper() -> Callable[[str], None]:
+    """``reaper(marker)`` ends the processes a run tagged with ``CONDUIT_TEST_RUN=marker`` left behind."""
+    return kill_marked
 
 
 def free_port() -> int:
@@ -55,14 +89,16 @@ def ray_local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     import ray
 
     trace = tmp_path_factory.mktemp("conduit-trace")
+    marker = uuid.uuid4().hex
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "RAY_AUTH_MODE": "disabled", "CONDUIT_VERL_TRACE_DIR": str(trace)}
+           "RAY_AUTH_MODE": "disabled", "CONDUIT_VERL_TRACE_DIR": str(trace), MARKER: marker}
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": env})
     try:
         yield trace
     finally:
         ray.shutdown()
+        kill_marked(marker)
 
 
 @pytest.fixture

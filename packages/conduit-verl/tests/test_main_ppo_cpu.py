@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,21 +22,10 @@ import pytest
 pytestmark = [pytest.mark.requires("verl"), pytest.mark.slow]
 
 
-def _marked_pids(marker: str) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if f"CONDUIT_TEST_RUN={marker}".encode() in (d / "environ").read_bytes():
-                pids.append(int(d.name))
-        except OSError:
-            continue
-    return pids
-
-
-def test_main_ppo_runs_grpo_steps_through_conduit(tiny: dict[str, Path], tmp_path: Path) -> None:
+def test_main_ppo_runs_grpo_steps_through_conduit(tiny: dict[str, Path], tmp_path: Path,
+                                                   reaper: Callable[[str], None]) -> None:
     from conduit_verl.cpu.config import main_ppo_overrides
+
 
     root = tiny["model"].parent
     marker = uuid.uuid4().hex
@@ -50,11 +39,7 @@ def test_main_ppo_runs_grpo_steps_through_conduit(tiny: dict[str, Path], tmp_pat
     try:
         proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
     finally:
-        for pid in _marked_pids(marker):  # Ray workers outliving the driver, if any
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        reaper(marker)  # Ray workers outliving the driver, if any
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     steps = [line for line in out.splitlines() if " step:" in line and "actor/pg_loss" in line]

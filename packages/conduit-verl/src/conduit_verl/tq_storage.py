@@ -75,6 +75,10 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+#: run ids of the units this process started (bootstrap); their managers stop them on close
+_OWNED_RUNS: set[str] = set()
+
+
 def unit_name(run_id: str, rank: int) -> str:
     return f"ConduitStorageUnit#{run_id}#{rank}"
 
@@ -238,6 +242,7 @@ def bootstrap(conf: DictConfig) -> dict[str, Any]:
             name=name, namespace=NAMESPACE, scheduling_strategy=strategies[rank],
             num_cpus=float(cfg["unit_num_cpus"])).remote(cfg)
     ray.get([h.stats.remote() for h in handles.values()])  # started
+    _OWNED_RUNS.add(cfg["_run_id"])
     logger.info("Conduit storage: %d unit(s) started (run %s)", n, cfg["_run_id"])
     return handles
 
@@ -371,6 +376,21 @@ class ConduitStorageManager(StorageManager):
             raise FileNotFoundError(f"Conduit checkpoint files missing: {missing}; restore with the num_units the "
                                     f"checkpoint was written with.")
         await asyncio.gather(*[u.load.remote(p) for u, p in zip(self.units, paths, strict=True)])
+
+    def close(self) -> None:
+        """Close TransferQueue's sockets; in the process that started the units (``tq.init``), stop them too.
+
+        ``tq.close()`` stops only SimpleStorage's units itself; this is where Conduit's go.
+        """
+        run = self.cfg.get("_run_id")
+        if run in _OWNED_RUNS:
+            _OWNED_RUNS.discard(run)
+            for u in getattr(self, "units", []):
+                try:
+                    ray.kill(u)
+                except Exception:  # already gone with its node
+                    pass
+        super().close()
 
     def stats(self) -> list[dict[str, Any]]:
         """Each unit's fields, placements, migrations and call telemetry."""
