@@ -16,9 +16,11 @@ verl's, so the same data and seed give the same minibatches, hence the same loss
 gradients. Delivery granularity is one minibatch: ``g_del = 1/M``.
 
 With ``prefetch`` (the default), :class:`MinibatchPrefetch` stages minibatch k+1 while
-minibatch k trains: on a GPU the rows are gathered into page-locked buffers and copied with
-``non_blocking`` on a side stream, so ``forward_step``'s ``.to(device)`` finds them already
-there; on a CPU-only host the gather runs in a background thread (no pinning, no streams).
+minibatch k trains: on a GPU the shard sits in page-locked host memory, dense columns are
+gathered into page-locked buffers and every column is copied with ``non_blocking`` on a side
+stream (jagged columns from the gather's fresh, pageable buffer), so ``forward_step``'s
+``.to(device)`` finds them already there; on a CPU-only host the gather runs in a background
+thread (no pinning, no streams).
 
 When it is on: ``CONDUIT_VERL_DELIVERY`` = ``prefetch`` | ``sync`` | ``off`` decides when set;
 otherwise it follows ``transfer_queue.backend.Conduit.delivery`` when this process's
