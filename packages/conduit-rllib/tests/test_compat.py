@@ -34,3 +34,14 @@ def test_a_changed_call_sequence_is_reported(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(DQN, "_training_step_new_api_stack", training_step_without_the_buffer)
     found = compat.problems()
     assert any("local_replay_buffer" in p for p in found), found
+
+
+def test_ray_actor_tracing_parameters_are_not_a_moved_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray adds ``_ray_trace_ctx`` to methods of classes it runs as actors (EnvRunner, Learner): still compatible."""
+    from ray.rllib.utils.checkpoints import Checkpointable
+
+    def traced(self, name, components, not_components, *, _ray_trace_ctx=None):  # noqa: ANN001, ANN202
+        return True
+
+    monkeypatch.setattr(Checkpointable, "_check_component", traced)
+    assert compat.problems() == []

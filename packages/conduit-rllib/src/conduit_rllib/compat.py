@@ -28,7 +28,8 @@ def _source(obj: object) -> str:
 
 
 def _params(fn: Callable[..., object]) -> list[str]:
-    return list(inspect.signature(fn).parameters)
+    """Parameter names, without the ``_ray_trace_ctx`` Ray adds to methods of classes it runs as actors."""
+    return [p for p in inspect.signature(fn).parameters if p != "_ray_trace_ctx"]
 
 
 def _hooks() -> list[tuple[str, Callable[[], bool]]]:
