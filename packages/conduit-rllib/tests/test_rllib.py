@@ -98,8 +98,8 @@ def test_checkpoint_round_trip_keeps_the_buffer(dqn: Algorithm, tmp_path: Path) 
         restored.stop()
 
 
-def test_sac_trains_from_conduit_batches() -> None:
-    config = sac_pendulum(steps=60, batch=32, learning_starts=30)
+def test_sac_trains_from_conduit_batches_of_a_remote_env_runner() -> None:
+    config = sac_pendulum(steps=60, batch=32, learning_starts=30).env_runners(num_env_runners=1)
     algo = conduit_rllib.enable(config).build_algo()
     try:
         algo.train()
@@ -130,5 +130,20 @@ def test_ppo_minibatches_come_from_conduit_each_row_once_per_epoch() -> None:
                 assert sorted(handles.tolist()) == sorted(first.tolist()), "every row once per epoch"
             assert feed.prefetch and feed._pool is not None, "minibatch k+1 is gathered on the prefetch thread"
         assert learner.conduit_version == 2
+    finally:
+        algo.stop()
+
+
+def test_ppo_with_one_remote_learner_delivers_through_conduit_in_the_actor() -> None:
+    config = ppo_cartpole(batch=400, minibatch=64, epochs=2).learners(num_learners=1)
+    algo = conduit_rllib.enable(config).build_algo()
+    try:
+        algo.train()
+        algo.train()
+        got = [r.get() for r in algo.learner_group.foreach_learner(
+            lambda learner: (learner.conduit_version, [(i.version, i.epoch) for i in learner.conduit_feed.delivered]))]
+        assert len(got) == 1
+        version, infos = got[0]
+        assert version == 2 and infos and {v for v, _ in infos} == {1} and {e for _, e in infos} == {0, 1}
     finally:
         algo.stop()
