@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
-import time
+import subprocess
+import sys
 
 import pytest
 import torch
-from conduit.placement.validation import check_host_delivery
 
 #: the issue's tolerance on the relative error of the predicted delivery latency
 TOLERANCE = 0.25
@@ -37,12 +38,31 @@ def test_predicted_host_delivery_within_25_percent_of_measured() -> None:
     busy = _overloaded()
     if busy:
         pytest.skip(f"{busy}: a latency comparison is meaningless; the benchmark table records the figures")
-    checks = check_host_delivery((128, 1000, 5000, 20000), batch=512, rounds=3, buffer_bytes=96 << 20,
-                                 clock=time.thread_time)
-    table = "\n".join(f"d={c.obs_dim:>6}: predicted {c.predicted_s * 1e3:7.3f} ms, measured {c.measured_s * 1e3:7.3f}"
-                      f" ms, error {c.error:+.1%}" for c in checks)
-    assert all(c.measured_s > 0 and c.predicted_s > 0 for c in checks)
+    checks = _checks_in_fresh_interpreter()
+    table = "\n".join(f"d={c['obs_dim']:>6}: predicted {c['predicted_ms']:7.3f} ms, measured {c['measured_ms']:7.3f}"
+                      f" ms, error {c['error']:+.1%}" for c in checks)
+    assert [c["obs_dim"] for c in checks] == [128, 1000, 5000, 20000]
+    assert all(c["measured_ms"] > 0 and c["predicted_ms"] > 0 for c in checks)
     # the latency grows with d, in the model and on the machine
-    assert [c.predicted_s for c in checks] == sorted(c.predicted_s for c in checks), table
-    assert [c.measured_s for c in checks] == sorted(c.measured_s for c in checks), table
-    assert all(abs(c.error) <= TOLERANCE for c in checks), table
+    assert [c["predicted_ms"] for c in checks] == sorted(c["predicted_ms"] for c in checks), table
+    assert [c["measured_ms"] for c in checks] == sorted(c["measured_ms"] for c in checks), table
+    assert all(abs(c["error"]) <= TOLERANCE for c in checks), table
+
+
+_MEASURE = """
+import json, time
+from conduit.placement.validation import check_host_delivery
+checks = check_host_delivery((128, 1000, 5000, 20000), batch=512, rounds=3, buffer_bytes=96 << 20,
+                             clock=time.thread_time)
+print(json.dumps([c.to_dict() for c in checks]))
+"""
+
+
+def _checks_in_fresh_interpreter() -> list[dict[str, float]]:
+    """Run the check in a new Python process: the suite's earlier state (Ray's threads, a large heap)
+    slows the EDP's Python path in this process and would bias the measured side only."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _MEASURE], env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
