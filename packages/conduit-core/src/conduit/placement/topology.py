@@ -112,7 +112,8 @@ class Topology:
                                     details={"source": d.get("source", "")})
             return cls(name, int(float(d["host_memory_gib"]) * GIB), gpus, int(float(d.get("disk_gib", 0)) * GIB),
                        prof, str(d.get("description", "")), "declared",
-                       {"notes": d.get("notes", ""), "source": d.get("source", "")})
+                       {"notes": d.get("notes", ""), "source": d.get("source", ""),
+                        **({"host_link_groups": d["host_link_groups"]} if "host_link_groups" in d else {})})
         except (KeyError, TypeError, ValueError) as e:
             raise PlacementError(f"Malformed topology data ({e!r}); compare with the files in "
                                  f"conduit/placement/topologies/.") from e

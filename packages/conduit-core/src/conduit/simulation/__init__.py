@@ -16,7 +16,7 @@ from conduit.simulation.model import (
     simulate_iteration,
     simulate_scale,
 )
-from conduit.simulation.planning import ClusterPlanner, ParallelIngestCostModel, uniform_view
+from conduit.simulation.planning import ClusterPlanner, DeliverySteps, IngestSteps, StagedCostModel, uniform_view
 
 __all__ = [
     "Simulation",
@@ -32,6 +32,8 @@ __all__ = [
     "run_scenario",
     "equivalent_specs",
     "ClusterPlanner",
-    "ParallelIngestCostModel",
+    "StagedCostModel",
+    "IngestSteps",
+    "DeliverySteps",
     "uniform_view",
 ]

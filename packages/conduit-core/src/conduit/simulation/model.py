@@ -2,27 +2,32 @@
 
 Every GPU runs one data-parallel learner; nodes fill up ``gpus_per_node`` GPUs at a time.
 Each node keeps its share of the buffer in the placement the planner chose for that node
-(core's :class:`~conduit.placement.Planner`, through :class:`~.planning.ClusterPlanner`),
-and every duration below comes from core's :class:`~conduit.placement.CostModel` for that
-placement and a node-sized :class:`~conduit.placement.Workload`. One iteration is:
+(:class:`~.planning.ClusterPlanner`: core's planner with the paper's staged ingestion), and
+every duration below comes from :class:`~.planning.StagedCostModel` for that placement and
+a node-sized :class:`~conduit.placement.Workload`, step by step (its ``ingest_steps`` and
+``delivery_steps``). One iteration is:
 
 1. **ingestion**: each node's actors hand over their share of the items in calls of one
-   learner's batch (EDP overhead on the node's CPU, packing on host memory, copy into the
-   placement's devices), all nodes at once;
+   learner's batch: the EDP call and the copies' issue costs on the node's CPU, then the
+   copies, each on the host link (PCIe switch uplink) of the GPU it fills, all at once;
 2. a barrier (the learners sample from the buffer as it stands after ingestion);
 3. **delivery**: each learner draws its batch uniformly over the union of all nodes'
    buffers (the multi-node semantics of :mod:`conduit.distributed`), so ``1/N`` of it is
-   local (CPU -> gather on the placement -> transfer to the learner's GPU) and the rest comes
-   from the other nodes: per pair of nodes, the requester issues the fetches (RPC overhead
-   on its CPU), the holder serves and gathers them, and the bytes cross the requester's NIC.
+   local and the rest comes from the other nodes. A local delivery is what the EDP does:
+   the calls on the CPU; every shard gathers its rows on its GPU and sends them over the
+   GPU-GPU link to the gathering (home) GPU; the home GPU scatters them into the output;
+   the output crosses the home -> learner link. A remote fetch: the requester issues it
+   (RPC overhead on its CPU), the holder serves it as a delivery to its home GPU, and the
+   bytes cross the requester's NIC.
 
 Resources (each serves one task at a time, first come first served): ``cpu:n`` (the node's
-EDP calls), ``host:n`` (host memory copies), ``store:n`` (the placement's devices),
-``link:n:i:j`` (GPU ``i`` to GPU ``j``, or the host link of GPU ``j``), ``nic:n``. Where
-several learners or nodes need the same resource they queue: that contention, and the
-overlap where they do not, is what the simulation adds to the cost model (which prices
-one node's deliveries one after another and has no network). Durations are expectations
-(fractional items and calls are kept as such).
+EDP calls), ``host:n`` (host memory), ``disk:n``, ``gpu:n:i`` (GPU ``i``'s gathers and
+scatters), ``link:n:i:j`` (the GPU ``i`` -> GPU ``j`` link), ``hostlink:n:g`` (host link
+``g``, shared by the GPUs behind one PCIe switch), ``nic:n``. Where several learners or
+nodes need the same resource they queue: that contention, and the overlap where they do
+not, is what the simulation adds to the cost model (which prices one node's deliveries one
+after another and has no network). Durations are expectations (fractional items and calls
+are kept as such).
 """
 
 from __future__ import annotations
@@ -31,15 +36,16 @@ import itertools
 import math
 import random
 from dataclasses import dataclass, field, replace
+from statistics import fmean
 from typing import Any
 
 from conduit.errors import ConfigurationError
 from conduit.placement.base import PlacementSpec
-from conduit.placement.cost import CostModel, Workload
+from conduit.placement.cost import Workload
 from conduit.placement.topology import Topology, load_topology
 from conduit.simulation.cluster import NETWORKS, Network, Scenario
 from conduit.simulation.engine import Simulation, Task
-from conduit.simulation.planning import ClusterPlanner, uniform_view
+from conduit.simulation.planning import ClusterPlanner, DeliverySteps, StagedCostModel, uniform_view
 
 __all__ = ["ReplayWorkload", "ScalePoint", "Layout", "simulate_iteration", "node_workload", "node_in_use",
            "equivalent_specs",
@@ -90,15 +96,38 @@ def _resized(w: Workload, batch: int) -> Workload:
     return Workload(w.field_bytes, w.capacity, max(1, batch), w.learners, max(1, batch), w.growing, w.name, w.scalar)
 
 
-def _split(parts: dict[str, float]) -> tuple[float, float, float]:
-    """(CPU-side, store-side, transfer) seconds of a delivery's cost-model parts."""
-    cpu = parts.get("deliver: edp", 0.0) + parts.get("deliver: calls", 0.0)
-    store = parts.get("deliver: gather", 0.0) + parts.get("deliver: scatter", 0.0)
-    return cpu, store, parts.get("deliver: transfer", 0.0)
+def _device(n: int, device: str) -> str:
+    """The resource of a storage device on node ``n``: host memory, the disk, or one GPU."""
+    if device == "cpu":
+        return f"host:{n}"
+    if device == "disk":
+        return f"disk:{n}"
+    return f"gpu:{n}:{device.split(':', 1)[1]}"
 
 
-def _home(spec: PlacementSpec) -> str:
-    return spec.devices[0] if spec.tier in ("gpu", "sharded") else "host"
+def _link(cost: StagedCostModel, n: int, src: str, dst: str) -> str:
+    """The resource carrying bytes from ``src`` to ``dst`` on node ``n``: a GPU pair, or a GPU's host link."""
+    if src.startswith("cuda:") and dst.startswith("cuda:"):
+        return f"link:{n}:{src.split(':')[1]}:{dst.split(':')[1]}"
+    gpu = dst if dst.startswith("cuda:") else src
+    return f"hostlink:{n}:{cost.host_link_group(int(gpu.split(':')[1]))}"
+
+
+def _delivery(sim: Simulation, cost: StagedCostModel, st: DeliverySteps, n: int, label: str, deps: list[Task],
+              f_calls: float, f_bytes: float) -> list[Task]:
+    """The tasks of one delivery (``st``) on node ``n``: calls, shard gathers and moves, scatter, transfer."""
+    t = sim.task(f"{label}: calls", f_calls * st.calls_s, f"cpu:{n}", deps)
+    ends = []
+    for d, g, m in st.shards:
+        x = sim.task(f"{label}: gather {d}", f_bytes * g, _device(n, d), [t])
+        if m:
+            x = sim.task(f"{label}: move {d}->{st.home}", f_bytes * m, _link(cost, n, d, st.home), [x])
+        ends.append(x)
+    if st.scatter_s:
+        ends = [sim.task(f"{label}: scatter", f_bytes * st.scatter_s, _device(n, st.home), ends)]
+    if st.transfer_s:
+        ends = [sim.task(f"{label}: transfer", f_bytes * st.transfer_s, _link(cost, n, st.home, st.learner), ends)]
+    return ends
 
 
 @dataclass
@@ -114,33 +143,32 @@ class ScalePoint:
     busiest: list[tuple[str, float]] = field(default_factory=list)
     #: the cost model's one-node estimate (ingest + deliver), for reference
     cost_model_s: float = 0.0
+    #: busy seconds of every resource
+    busy: dict[str, float] = field(default_factory=dict)
 
 
-def simulate_iteration(cost: CostModel, spec: PlacementSpec, scenario: Scenario, lay: Layout,
+def simulate_iteration(cost: StagedCostModel, spec: PlacementSpec, scenario: Scenario, lay: Layout,
                        network: Network) -> ScalePoint:
-    """Simulate one iteration with ``spec`` as every node's placement."""
+    """Simulate one iteration with ``spec`` as every node's placement (see the module docstring)."""
     w = node_workload(scenario, lay)
     sim = Simulation()
     n_nodes, g = lay.nodes, lay.gpus_per_node
-    home = _home(spec)
     item = w.item_bytes
 
-    # 1. ingestion
-    _, ing = cost.ingest(spec, w)
+    # 1. ingestion: calls on the node's CPU, then the copies on their host links (or host memory, or disk)
+    ing = cost.ingest_steps(spec, w)
     calls = w.calls_per_iteration
     n_calls = max(1, math.ceil(calls))
     scale = calls / n_calls
-    edp = ing.get("ingest: edp", 0.0) / calls * scale if calls else 0.0
-    pack = ing.get("ingest: pack", 0.0) / calls * scale if calls else 0.0
-    copy = ing.get("ingest: copy", 0.0) / calls * scale if calls else 0.0
     ingest_tasks: list[Task] = []
     for n in range(n_nodes):
         for c in range(n_calls):
-            t = sim.task(f"ingest n{n} c{c}: edp", edp, f"cpu:{n}")
-            t = sim.task(f"ingest n{n} c{c}: pack", pack, f"host:{n}", [t])
-            ingest_tasks.append(sim.task(f"ingest n{n} c{c}: copy", copy, f"store:{n}", [t]))
+            t = sim.task(f"ingest n{n} c{c}: calls", ing.calls_s * scale, f"cpu:{n}")
+            for key, secs in ing.copies.items():
+                kind, _, rest = key.partition(":")
+                res = f"{kind}:{n}" + (f":{rest}" if rest else "")
+                ingest_tasks.append(sim.task(f"ingest n{n} c{c}: {key}", secs * scale, res, [t]))
     barrier = sim.task("barrier", 0.0, None, ingest_tasks)
-    ingest_end = [0.0]
 
     # 2. delivery: each learner's batch b, uniform over the union of the nodes' buffers
     b = lay.batch
@@ -148,32 +176,26 @@ def simulate_iteration(cost: CostModel, spec: PlacementSpec, scenario: Scenario,
     per_touch = (b / n_nodes) / p_touch  # items drawn from that node, given it is touched
     local_w = _resized(w, round(per_touch))
     f_items = per_touch / local_w.batch  # the rounding, corrected on byte-proportional parts
-    # the placement's own work (gather, and for shards their moves to the home GPU) vs the move to the learner
-    serve_cpu, serve_store, serve_move = _split(cost.deliver_one(spec, local_w, home if home != "host" else "cpu"))
     for n in range(n_nodes):
         for j in range(g):
             learner = f"cuda:{j}" if cost.topology.num_gpus else "cpu"
-            c_cpu, c_store, c_xfer = _split(cost.deliver_one(spec, local_w, learner))
-            to_learner = max(0.0, c_xfer - serve_move)
-            t = sim.task(f"deliver n{n} l{j}: calls", p_touch * c_cpu, f"cpu:{n}", [barrier])
-            t = sim.task(f"deliver n{n} l{j}: gather", p_touch * f_items * (c_store + serve_move), f"store:{n}", [t])
-            sim.task(f"deliver n{n} l{j}: transfer", p_touch * f_items * to_learner, f"link:{n}:{home}:{learner}",
-                     [t])
+            st = cost.delivery_steps(spec, local_w, learner)
+            _delivery(sim, cost, st, n, f"deliver n{n} l{j}", [barrier], p_touch, p_touch * f_items)
     if n_nodes > 1:
+        # remote fetches: served as a delivery to the holder's home device, then over the requester's NIC
+        home = spec.devices[0] if spec.tier in ("gpu", "sharded") else "cpu"
+        serve = cost.delivery_steps(spec, local_w, home)
         fetches = g * p_touch  # expected fetches from one node to another per iteration
         nbytes = g * b / n_nodes * item
         rpc = fetches * network.rpc_overhead_s
         wire = fetches * network.nic.overhead_s + nbytes / network.nic.bandwidth(nbytes / max(fetches, 1e-9))
         for n, m in itertools.permutations(range(n_nodes), 2):
             t = sim.task(f"fetch n{n}<-n{m}: rpc", rpc, f"cpu:{n}", [barrier])
-            t = sim.task(f"fetch n{n}<-n{m}: serve", fetches * serve_cpu, f"cpu:{m}", [t])
-            t = sim.task(f"fetch n{n}<-n{m}: gather", fetches * f_items * (serve_store + serve_move), f"store:{m}",
-                         [t])
-            sim.task(f"fetch n{n}<-n{m}: network", wire, f"nic:{n}", [t])
+            ends = _delivery(sim, cost, serve, m, f"fetch n{n}<-n{m}: serve", [t], fetches, fetches * f_items)
+            sim.task(f"fetch n{n}<-n{m}: network", wire, f"nic:{n}", ends)
     total = sim.run()
-    ingest_end[0] = barrier.end
     est = cost.estimate(spec, w)
-    return ScalePoint(lay.gpus, n_nodes, spec, total, ingest_end[0], sim.busiest(3), est.total_s)
+    return ScalePoint(lay.gpus, n_nodes, spec, total, barrier.end, sim.busiest(3), est.total_s, dict(sim.busy))
 
 
 def node_in_use(topology: Topology, gpus: int) -> Topology:
@@ -196,23 +218,35 @@ def equivalent_specs(spec: PlacementSpec, num_gpus: int, *, samples: int, seed: 
     return random.Random(seed).sample(every, samples)
 
 
+def _links_busy(busy: dict[str, float]) -> float:
+    """Busy seconds of node 0's busiest GPU-GPU link."""
+    return max((v for k, v in busy.items() if k.startswith("link:0:")), default=0.0)
+
+
 #: the "adaptive placement off" baselines
-BASELINES = ("link-blind", "all-gpus")
+BASELINES = ("rank-order", "link-blind", "all-gpus")
 
 
-def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, baseline: str = "link-blind",
-                   samples: int = 8, network: Network | None = None, topology: Topology | None = None
-                   ) -> list[ScalePoint]:
+def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, baseline: str = "rank-order",
+                   samples: int = 8, network: Network | None = None, topology: Topology | None = None,
+                   staged: bool = True) -> list[ScalePoint]:
     """Simulate one scale point.
 
     ``adaptive=True``: every node uses the placement :class:`ClusterPlanner` chooses on the
     real (non-uniform) links; returns one point. ``adaptive=False``, by ``baseline``:
 
+    * ``"rank-order"``: what a planner that does not see the GPU-GPU link speeds chooses,
+      taken as it proposes it: the same planner on uniform links (:func:`uniform_view`),
+      whose GPUs come in rank order (``0..k-1``, home ``cuda:0``; on MI250X these mix fast
+      and slow links); returns one point;
     * ``"link-blind"``: the same planner on uniform links (:func:`uniform_view`); each
       placement it cannot tell apart (same tier and GPU count, any GPUs, any home) is
       simulated on the real links; returns one point per placement (up to ``samples``);
     * ``"all-gpus"``: the buffer sharded over every GPU of the node in rank order (the
       paper's "Conservative" placement), whatever the workload; returns one point.
+
+    ``staged=False`` prices ingestion as core's :class:`~conduit.placement.CostModel` does
+    (pageable copies, shard after shard) instead of the paper's staged, parallel DMA.
     """
     if baseline not in BASELINES:
         raise ConfigurationError(f"baseline must be one of {BASELINES}, got {baseline!r}.")
@@ -222,7 +256,7 @@ def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, base
     lay = layout(gpus, scenario.total_batch, min(gpus, gpn))
     topo = node_in_use(full, lay.gpus_per_node)
     w = node_workload(scenario, lay)
-    real = ClusterPlanner(topo)
+    real = ClusterPlanner(topo, staged=staged)
     if adaptive:
         spec = real.plan(w).placement
         return [simulate_iteration(real.cost, spec, scenario, lay, net)]
@@ -231,20 +265,23 @@ def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, base
         spec = PlacementSpec("sharded", tuple(f"cuda:{i}" for i in range(n))) if n > 1 else \
             PlacementSpec("gpu", ("cuda:0",)) if n else PlacementSpec("host", ("cpu",))
         return [simulate_iteration(real.cost, spec, scenario, lay, net)]
-    blind = ClusterPlanner(uniform_view(topo)).plan(w).placement
+    blind = ClusterPlanner(uniform_view(topo), staged=real.cost.staged).plan(w).placement
+    if baseline == "rank-order":
+        return [simulate_iteration(real.cost, blind, scenario, lay, net)]
     specs = equivalent_specs(blind, lay.gpus_per_node, samples=samples)
     return [simulate_iteration(real.cost, s, scenario, lay, net) for s in specs]
 
 
-def run_scenario(scenario: Scenario, *, baseline: str = "link-blind", samples: int = 8,
-                 network: Network | None = None, gpus: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
+def run_scenario(scenario: Scenario, *, baseline: str = "rank-order", samples: int = 8,
+                 network: Network | None = None, gpus: tuple[int, ...] | None = None,
+                 staged: bool = True) -> list[dict[str, Any]]:
     """Every scale of ``scenario``, adaptive and not; one row per scale (latencies in ms)."""
     topo = load_topology(scenario.topology)
     rows = []
     for n in gpus or scenario.gpus:
-        a = simulate_scale(scenario, n, adaptive=True, network=network, topology=topo)[0]
+        a = simulate_scale(scenario, n, adaptive=True, network=network, topology=topo, staged=staged)[0]
         blind = simulate_scale(scenario, n, adaptive=False, baseline=baseline, samples=samples, network=network,
-                               topology=topo)
+                               topology=topo, staged=staged)
         mean_blind = sum(p.latency_s for p in blind) / len(blind)
         paper_a, paper_b = scenario.paper.get(n, (None, None))
         rows.append({"gpus": n, "nodes": a.nodes, "placement": str(a.placement),
@@ -255,5 +292,8 @@ def run_scenario(scenario: Scenario, *, baseline: str = "link-blind", samples: i
                                                max(p.latency_s for p in blind) * 1e3),
                      "gain": 1.0 - a.latency_s / mean_blind if mean_blind > 0 else 0.0,
                      "paper_ms": paper_a, "paper_non_adaptive_ms": paper_b,
-                     "busiest": a.busiest, "cost_model_node_ms": a.cost_model_s * 1e3})
+                     "busiest": a.busiest, "cost_model_node_ms": a.cost_model_s * 1e3,
+                     "non_adaptive_placement": str(blind[0].placement) if len(blind) == 1 else "various",
+                     "gpu_links_busy_ms": _links_busy(a.busy) * 1e3,
+                     "non_adaptive_gpu_links_busy_ms": fmean(_links_busy(p.busy) for p in blind) * 1e3})
     return rows
