@@ -190,6 +190,14 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         Raises:
             SchemaError: a missing or extra field, a wrong dtype, shape, or lengths.
         """
+        cols = self._columns
+        if not schema.ragged and len(cols) == len(schema.fixed_checks):  # fast path: tensors that all match
+            for name, dtype, shape in schema.fixed_checks:
+                c = cols.get(name)
+                if type(c) is not torch.Tensor or c.dtype != dtype or c.shape[1:] != shape:
+                    break
+            else:
+                return
         missing = [n for n in schema if n not in self._columns]
         extra = [n for n in self._columns if n not in schema]
         if missing or extra:

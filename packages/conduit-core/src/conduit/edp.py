@@ -113,6 +113,10 @@ class ExperienceDataPlane:
         self._gather_out = _OutputRing(self.schema, self.storage.device, depth, pin)
         self._device_out = None if same else _OutputRing(self.schema, self.device, depth, False)
 
+    def _nbytes(self, batch: ExperienceBatch) -> int:
+        """Bytes of ``batch`` (from the schema when every field is fixed-size)."""
+        return batch.batch_size * self.schema.fixed_item_bytes if not self.schema.ragged else batch.nbytes()
+
     # -- properties ------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
@@ -164,7 +168,7 @@ class ExperienceDataPlane:
         with self._lock:
             res = self.storage.append(batch, evict=self._replay)
             self.semantics.on_append(res, version=version, priorities=priorities)
-        self.telemetry.record("ingest", res.count, batch.nbytes(), t0, time.perf_counter())
+        self.telemetry.record("ingest", res.count, self._nbytes(batch), t0, time.perf_counter())
         return torch.from_numpy(np.arange(res.first, res.first + res.count, dtype=np.int64))
 
     def flush(self) -> None:
@@ -196,7 +200,7 @@ class ExperienceDataPlane:
             device_out = self._device_out  # read under the lock: a migration may swap it
         if device_out is not None:
             batch = self._to_device(batch, device_out.next(k))
-        self.telemetry.record("deliver", k, batch.nbytes(), t0, time.perf_counter())
+        self.telemetry.record("deliver", k, self._nbytes(batch), t0, time.perf_counter())
         return batch, sel.info
 
     # -- primitives for prefetching schedulers -----------------------------------------------

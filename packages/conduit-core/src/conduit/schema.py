@@ -75,6 +75,9 @@ class ExperienceSchema(Mapping[str, Field]):
         self._fields = merged
         self.fixed = tuple(n for n, f in merged.items() if not f.ragged)
         self.ragged = tuple(n for n, f in merged.items() if f.ragged)
+        self._fixed_item_bytes = sum(merged[n].element_bytes for n in self.fixed)
+        #: (name, dtype, per-item shape) of every fixed field: the checks a batch of tensors needs
+        self.fixed_checks = tuple((n, f.dtype, torch.Size(f.shape)) for n, f in merged.items() if not f.ragged)
 
     def __getitem__(self, name: str) -> Field:
         return self._fields[name]
@@ -98,7 +101,7 @@ class ExperienceSchema(Mapping[str, Field]):
     @property
     def fixed_item_bytes(self) -> int:
         """Bytes one item takes in the fixed fields."""
-        return sum(self._fields[n].element_bytes for n in self.fixed)
+        return self._fixed_item_bytes
 
     def item_bytes(self, mean_ragged_length: float = 0.0) -> float:
         """Bytes one item takes, counting ``mean_ragged_length`` elements per ragged field."""

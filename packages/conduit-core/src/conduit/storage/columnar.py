@@ -40,11 +40,23 @@ def _copy_segments(pool: torch.Tensor, starts: torch.Tensor, lengths: torch.Tens
     return out
 
 
+def _numpy_view(column: torch.Tensor) -> Any:
+    """A NumPy array sharing ``column``'s memory (host columns of NumPy-representable dtypes), or None."""
+    if column.device.type != "cpu":
+        return None
+    try:
+        return column.numpy()
+    except (TypeError, RuntimeError):  # e.g. bfloat16 has no NumPy dtype
+        return None
+
+
 class ColumnarStorage(Storage):
     """One contiguous preallocated tensor per field; ragged fields in a packed element pool.
 
-    Ingestion writes each field with at most two ``copy_`` calls (one if the ring does not
-    wrap) straight from the caller's tensors: no copy beyond the one into storage.
+    Ingestion writes each field with at most two copies (one if the ring does not wrap)
+    straight from the caller's tensors: no copy beyond the one into storage. Host columns
+    are written through a NumPy view of the same memory (a few microseconds less per call
+    than ``copy_`` for small batches; the same memcpy for large ones).
 
     Args:
         schema: the fields.
@@ -85,6 +97,7 @@ class ColumnarStorage(Storage):
         self._oldest = 0
         self._next = 0
         self._ragged_out: dict[str, torch.Tensor] = {}
+        self._np_cols = {n: _numpy_view(c) for n, c in self._cols.items()}
 
     # -- ring ------------------------------------------------------------------------------
     @property
@@ -142,6 +155,13 @@ class ColumnarStorage(Storage):
             cols = batch._columns
             for name, dst in self._cols.items():
                 src = cols[name]
+                dnp = self._np_cols[name]
+                if dnp is not None and src.is_cpu and not src.requires_grad:
+                    snp = src.numpy()
+                    dnp[s:s + a] = snp[:a]
+                    if a < n:
+                        dnp[:n - a] = snp[a:]
+                    continue
                 if a == n:
                     dst.narrow(0, s, n).copy_(src)
                 else:

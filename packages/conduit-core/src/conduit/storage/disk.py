@@ -71,5 +71,6 @@ class DiskStorage(ColumnarStorage):
     def close(self) -> None:
         """Unmap and delete the files now (the storage is unusable afterwards)."""
         self._cols.clear()
+        self._np_cols.clear()
         self._pools.clear()
         self._finalizer()
