@@ -35,6 +35,32 @@ def test_sumtree_sums_and_finds() -> None:
     assert t.total == 6.5 and t.min == 0.5
 
 
+@pytest.mark.parametrize("capacity", [1, 17, 1000, 70_001])
+def test_sumtree_matches_a_brute_force_prefix_search(capacity: int) -> None:
+    """Several blocks, zero weights, repeated updates: totals, minima and searches agree with NumPy."""
+    rng = np.random.default_rng(capacity)
+    t = SumTree(capacity)
+    w = np.zeros(capacity)
+    for _ in range(5):
+        k = int(rng.integers(1, min(capacity, 600) + 1))
+        slots = rng.integers(0, capacity, k)
+        vals = rng.random(k) * (rng.random(k) > 0.3)  # about 30% zeros
+        t.set(slots, vals)
+        for s_, v in zip(slots, vals, strict=True):  # the last value wins for a repeated slot
+            w[s_] = v
+        cum = np.cumsum(w)
+        assert t.total == pytest.approx(cum[-1], rel=1e-12)
+        assert t.min == (w[w > 0].min() if (w > 0).any() else np.inf)
+        if cum[-1] > 0:
+            u = rng.random(512) * cum[-1]
+            found = t.find(u)
+            assert (w[found] > 0).all(), "a zero weight was found"
+            assert np.array_equal(found, np.searchsorted(cum, u, side="right"))
+    t2 = SumTree(capacity)
+    t2.load(t.state())
+    assert np.array_equal(t2.state(), w) and t2.total == t.total and t2.min == t.min
+
+
 def test_sampling_errors() -> None:
     edp = ExperienceDataPlane(SCHEMA, capacity=8)
     with pytest.raises(EmptyBufferError, match="empty"):
