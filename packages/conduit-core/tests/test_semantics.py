@@ -194,3 +194,29 @@ def test_delivered_buffers_are_reused_after_output_depth() -> None:
     assert second["id"].data_ptr() != first["id"].data_ptr()
     assert third["id"].data_ptr() == first["id"].data_ptr()  # depth 2: the third reuses the first's buffer
     assert keep["id"].data_ptr() != first["id"].data_ptr()
+
+
+def test_on_policy_epoch_order_hook_is_followed_and_checked() -> None:
+    """An adapter's own per-epoch order is delivered as given; one that skips or repeats an item is refused."""
+
+    class Reversed(OnPolicy):
+        def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
+            return torch.arange(n - 1, -1, -1) if epoch == 0 else torch.arange(n)
+
+    edp = ExperienceDataPlane(SCHEMA, capacity=8, semantics=Reversed(num_minibatches=2, num_epochs=2))
+    edp.ingest(ids(0, 6), version=0)
+    edp.seal()
+    got = [edp.deliver()[0]["id"].tolist() for _ in range(4)]
+    assert got == [[5, 4, 3], [2, 1, 0], [0, 1, 2], [3, 4, 5]]
+
+    class Repeats(OnPolicy):
+        def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int64)
+
+    bad = ExperienceDataPlane(SCHEMA, capacity=8, semantics=Repeats(num_minibatches=2))
+    bad.ingest(ids(0, 4), version=0)
+    bad.seal()
+    for _ in range(2):  # the rollout stays pending: the error repeats, nothing is consumed
+        with pytest.raises(ConfigurationError, match="not a permutation"):
+            bad.deliver()
+    assert len(bad) == 4 and bad.semantics.pending_rollouts == 1  # type: ignore[attr-defined]

@@ -116,13 +116,11 @@ class VerlOnPolicy(OnPolicy):
         while True:
             yield torch.cat([torch.stack(list(b)) if b else torch.empty(0, dtype=torch.int64) for b in loader])
 
-    def _start_epoch(self) -> None:
-        super()._start_epoch()  # M near-equal contiguous bounds over the identity order
-        assert self._cur is not None
-        if self._epoch == 0:
-            self._orders = self._epoch_orders(self._cur.count)
-        assert self._orders is not None
-        self._perm = next(self._orders)
+    def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
+        """The order verl's loader visits the rollout's items in epoch ``epoch`` (a fresh loader per rollout)."""
+        if epoch == 0 or self._orders is None:
+            self._orders = self._epoch_orders(n)
+        return next(self._orders)
 
 
 # -- scheduling --------------------------------------------------------------------------------

@@ -113,10 +113,25 @@ class OnPolicy(Semantics):
         return len(self._sealed) + (self._cur is not None)
 
     # -- delivery --------------------------------------------------------------------------
+    def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
+        """The order in which epoch ``epoch`` of the current rollout (``n`` items) visits them.
+
+        Default: a permutation from the seeded generator (the identity with ``shuffle=False``).
+        Adapters override it to reproduce a framework's own loader order; whatever it returns
+        must be a permutation of ``range(n)`` (checked, so an override can never skip or
+        repeat an item within an epoch).
+        """
+        return torch.randperm(n, generator=self._gen) if self.shuffle else torch.arange(n)
+
     def _start_epoch(self) -> None:
         assert self._cur is not None
         n = self._cur.count
-        self._perm = torch.randperm(n, generator=self._gen) if self.shuffle else torch.arange(n)
+        perm = self.epoch_order(n, self._epoch)
+        if type(self).epoch_order is not OnPolicy.epoch_order and (
+                tuple(perm.shape) != (n,) or not torch.equal(torch.sort(perm).values, torch.arange(n))):
+            raise ConfigurationError(f"{type(self).__name__}.epoch_order returned {tuple(perm.shape)} indices that "
+                                     f"are not a permutation of range({n}); return each index exactly once.")
+        self._perm = perm
         if self.num_minibatches is not None:
             m = min(self.num_minibatches, n)
             q, r = divmod(n, m)
@@ -157,9 +172,13 @@ class OnPolicy(Semantics):
                 self._sealed.popleft()
                 self._drop(r)
                 continue
-            self._sealed.popleft()
             self._cur, self._epoch = r, 0
-            self._start_epoch()
+            try:
+                self._start_epoch()
+            except ConfigurationError:
+                self._cur = None  # the rollout stays pending
+                raise
+            self._sealed.popleft()
         cur = self._cur
         assert self._perm is not None
         lo, hi = self._bounds[self._k], self._bounds[self._k + 1]
