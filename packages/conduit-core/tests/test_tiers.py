@@ -253,3 +253,26 @@ def test_sharded_gpu_and_host_shards_deliver_on_the_learner_device() -> None:
     b, info = edp.deliver(6)
     assert b["id"].device.type == "cuda"
     assert torch.equal(b["id"].cpu(), info.handles)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity,k", [(12, 2), (10, 3)])
+def test_sharded_gpu_shards_are_written_through_pinned_staging(capacity: int, k: int) -> None:
+    """Host batches reach GPU shards through page-locked staging (non-blocking copies); the layout and
+    every read are those of the synchronous path, also across wraps and back-to-back appends."""
+    st = ShardedStorage(SCHEMA, capacity, ["cuda:0"] * k)
+    assert st._staging is not None
+    first = 0
+    for n in (3, capacity - 1, 2, capacity, 1):
+        st.append(_batch(range(first, first + n)))
+        first += n
+        slots = torch.arange(st.oldest, st.next_handle) % capacity
+        got = st.gather(slots)
+        assert got["id"].cpu().tolist() == list(range(st.oldest, st.next_handle))
+        assert torch.equal(got["obs"][:, 1].cpu(), -got["id"].float().cpu())
+    assert st._staging._bufs and all(b.is_pinned() for b in st._staging._bufs.values())
+
+
+def test_sharded_host_shards_need_no_staging() -> None:
+    """Only host-to-GPU shard writes are staged: host shards are written directly."""
+    assert ShardedStorage(SCHEMA, 8, ["cpu"] * 2)._staging is None

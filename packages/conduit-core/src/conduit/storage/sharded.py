@@ -10,6 +10,10 @@ storage: live handles are ``[oldest, next_handle)`` and ``slot = handle % capaci
 Ragged fields, when the schema has any, are kept in one packed pool on the first device
 (their lengths and offsets are host bookkeeping anyway); fixed fields are sharded.
 
+Host batches bound for GPU shards are staged: each shard's rows are gathered into a
+page-locked buffer of that shard and copied with ``non_blocking=True``, so the copies to
+different GPUs run at once over their own host links (the cost model's staged ingestion).
+
 The logic is device-agnostic: with several ``"cpu"`` shards it runs (and is tested) on a
 machine without a GPU.
 """
@@ -29,6 +33,37 @@ from conduit.storage.base import AppendResult, Storage
 from conduit.storage.columnar import ColumnarStorage
 
 __all__ = ["ShardedStorage"]
+
+
+class _Staging:
+    """Page-locked staging buffers per (shard, field) for host-to-GPU shard writes.
+
+    A shard's rows are gathered (strided read of the batch) into its buffer, then copied to
+    the GPU without blocking, on that GPU's current stream: later reads of the shard on that
+    stream are ordered after the copy, and the copies to different GPUs overlap. A buffer is
+    rewritten only after its previous copy finished (one event per shard).
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[int, str], torch.Tensor] = {}
+        self._events: dict[int, Any] = {}
+
+    def copy(self, shard: int, name: str, src: torch.Tensor, dst: torch.Tensor) -> None:
+        ev = self._events.pop(shard, None)
+        if ev is not None:
+            ev.synchronize()
+        c = int(src.shape[0])
+        buf = self._bufs.get((shard, name))
+        if buf is None or buf.shape[0] < c:
+            buf = torch.empty((c, *src.shape[1:]), dtype=src.dtype, pin_memory=True)
+            self._bufs[(shard, name)] = buf
+        buf[:c].copy_(src)
+        dst.copy_(buf[:c], non_blocking=True)
+
+    def record(self, shard: int, device: torch.device) -> None:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(device))
+        self._events[shard] = ev
 
 
 class ShardedStorage(Storage):
@@ -70,6 +105,7 @@ class ShardedStorage(Storage):
             self._ragged = ColumnarStorage(sub, capacity, devs[0], ragged_capacity=ragged_capacity, tier=tier)
         self._oldest = 0
         self._next = 0
+        self._staging = _Staging() if any(d.type == "cuda" for d in devs) else None
 
     # -- ring ------------------------------------------------------------------------------
     @property
@@ -128,10 +164,19 @@ class ShardedStorage(Storage):
             c = (end - s_i + k - 1) // k
             j0 = offset + (s_i - slot)
             r0 = s_i // k
+            staged = False
             for name in self.schema.fixed:
                 src = batch[name]
                 assert isinstance(src, torch.Tensor)
-                self._shards[i][name][r0:r0 + c].copy_(src[j0:j0 + (c - 1) * k + 1:k])
+                rows, dst = src[j0:j0 + (c - 1) * k + 1:k], self._shards[i][name][r0:r0 + c]
+                if self._staging is not None and dst.is_cuda and not rows.is_cuda:
+                    self._staging.copy(i, name, rows, dst)
+                    staged = True
+                else:
+                    dst.copy_(rows)
+            if staged:
+                assert self._staging is not None
+                self._staging.record(i, self.devices[i])
 
     def release(self, upto: int) -> None:
         if self._ragged is not None:
