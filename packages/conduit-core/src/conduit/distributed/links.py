@@ -38,6 +38,8 @@ class LinkProfile:
     #: probe sizes and repeats used
     sizes: tuple[int, ...] = ()
     repeats: int = 0
+    #: the delivery path measured: ``"object_store"`` (Ray) or ``"torch"`` (torch.distributed)
+    transport: str = "object_store"
 
     def link(self, src: str, dst: str) -> LinkCost:
         """The link from ``src`` to ``dst``.

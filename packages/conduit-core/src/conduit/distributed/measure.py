@@ -3,10 +3,11 @@
 Starts a 2-node :func:`~conduit.distributed.testing.local_cluster` (head = learner, one
 worker), then prints Markdown tables of:
 
-* the measured links between the nodes (what the shard plan uses);
+* the measured links between the nodes (what the shard plan uses), through the object store
+  and through a torch.distributed (gloo) group;
 * delivery latency of ``deliver(batch)`` from a shard on the learner's node (object store,
   no copy) and from a shard on the other node (one transfer), next to the single-machine
-  :class:`~conduit.ExperienceDataPlane` on the host tier, as ratios in one run;
+  :class:`~conduit.ExperienceDataPlane` on the host tier, through both transports, as ratios in one run;
 * loss detection: the time from killing a node (a crash, no drain) to the loss report.
 
 Needs pytest (for :mod:`conduit.distributed.testing`) and Ray.
@@ -50,12 +51,15 @@ def _delivery(lc: Any, servers: Any, dims: Sequence[int], batch: int, repeats: i
         host = ExperienceDataPlane(schema, capacity=n, semantics=Replay(seed=0))
         host.ingest(data)
         row["host_tier_ms"] = _median_ms(lambda h=host: h.deliver(batch), repeats)
-        for where, node in (("same_node_shard_ms", lc.head), ("other_node_shard_ms", lc.workers[0])):
-            with DistributedDataPlane(schema, capacity=n, servers=servers, health_period=None) as p:
-                p.ingest(data, node=node)
-                row[where] = _median_ms(lambda p=p: p.deliver(batch), repeats)
+        for transport, tag in (("object_store", ""), ("torch", "torch_")):
+            for where, node in (("same_node_shard_ms", lc.head), ("other_node_shard_ms", lc.workers[0])):
+                with DistributedDataPlane(schema, capacity=n, servers=servers, health_period=None,
+                                          transport=transport) as p:
+                    p.ingest(data, node=node)
+                    row[tag + where] = _median_ms(lambda p=p: p.deliver(batch), repeats)
         row["same_vs_host"] = row["same_node_shard_ms"] / row["host_tier_ms"]
         row["other_vs_same"] = row["other_node_shard_ms"] / row["same_node_shard_ms"]
+        row["torch_vs_object_store_other"] = row["torch_other_node_shard_ms"] / row["other_node_shard_ms"]
         rows.append(row)
     return rows
 
@@ -103,18 +107,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     with local_cluster(2) as lc:
         servers = ShardServers([lc.head, lc.workers[0]])
         links = servers.links(refresh=True)
+        torch_links = servers.torch_group().links
         delivery = _delivery(lc, servers, [int(x) for x in a.dims.split(",")], a.batch, a.repeats)
         servers.shutdown()
         names = {lc.head[:8]: "head (learner)", lc.workers[0][:8]: "worker"}
         detect = _detection(lc, a.kills)
     link_rows = [{**r, "src": names.get(r["src"], r["src"]), "dst": names.get(r["dst"], r["dst"])}
                  for r in links.table()]
+    torch_rows = [{**r, "src": names.get(r["src"], r["src"]), "dst": names.get(r["dst"], r["dst"])}
+                  for r in torch_links.table()]
     print("## Links (measured)\n\n" + _table(link_rows))
+    print("\n## torch.distributed (gloo) links, server -> learner (measured)\n\n" + _table(torch_rows))
     print("\n## Delivery, median ms\n\n" + _table(delivery))
     print("\n## Loss detection after a node is killed (s)\n\n" + ", ".join(f"{x:.2f}" for x in detect))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"links": link_rows, "delivery": delivery, "detection_s": detect}, f, indent=1)
+            json.dump({"links": link_rows, "torch_links": torch_rows, "delivery": delivery,
+                       "detection_s": detect}, f, indent=1)
     return 0
 
 

@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
 from typing import Any
 
 import numpy as np
@@ -49,8 +50,10 @@ from conduit.distributed.links import LinkProfile
 from conduit.distributed.plan import Chunk, ShardPlan
 from conduit.distributed.server import ping
 from conduit.distributed.servers import ShardServers
-from conduit.distributed.wire import from_wire, to_wire
+from conduit.distributed.transport import OBJECT_STORE, TORCH, TRANSPORTS, TorchGroup
+from conduit.distributed.wire import from_wire, packed_nbytes, to_wire, unpack_rows
 from conduit.errors import CapacityError, ConduitError, ConfigurationError, EmptyBufferError
+from conduit.scheduling.base import Scheduler, Synchronous
 from conduit.schema import ExperienceSchema
 from conduit.semantics.base import SampleInfo, Selection, Semantics
 from conduit.semantics.onpolicy import OnPolicy
@@ -68,9 +71,10 @@ _MAX_REDRAWS = 256
 class _Assembly:
     """Rows arriving from several shards, written into one batch in draw order."""
 
-    def __init__(self, schema: ExperienceSchema, k: int) -> None:
+    def __init__(self, schema: ExperienceSchema, k: int, out: Mapping[str, torch.Tensor] | None = None) -> None:
         self.schema, self.k = schema, k
-        self.fixed = {n: torch.empty((k, *schema[n].shape), dtype=schema[n].dtype) for n in schema.fixed}
+        self.fixed = {n: (out[n][:k] if out is not None else torch.empty((k, *schema[n].shape), dtype=schema[n].dtype))
+                      for n in schema.fixed}
         self.ragged: list[tuple[np.ndarray, ExperienceBatch]] = []
 
     def put(self, dest: np.ndarray, part: ExperienceBatch) -> None:
@@ -106,13 +110,50 @@ class _Assembly:
         return ExperienceBatch({n: cols[n] for n in self.schema}, n_out)
 
 
+class _Produced(ExperienceBatch):
+    """A validated batch handed to a scheduler, remembering its producer's node for the shard plan."""
+
+    __slots__ = ("producer",)
+
+    def __init__(self, batch: ExperienceBatch, producer: str) -> None:
+        super().__init__({name: batch[name] for name in batch}, batch.batch_size)
+        self.producer = producer
+
+
+def _concat(schema: ExperienceSchema, parts: list[ExperienceBatch], fixed: Mapping[str, torch.Tensor] | None
+            ) -> ExperienceBatch:
+    """Batches back to back; fixed fields are already back to back in ``fixed`` when given."""
+    n = sum(p.batch_size for p in parts)
+    cols: dict[str, torch.Tensor | Ragged] = {}
+    for name in schema:
+        if schema[name].ragged:
+            rs = [p[name] for p in parts]
+            cols[name] = Ragged(torch.cat([r.values for r in rs]), torch.cat([r.lengths for r in rs]))  # type: ignore[union-attr]
+        elif fixed is not None:
+            cols[name] = fixed[name][:n]
+        else:
+            cols[name] = torch.cat([p.tensor(name) for p in parts])
+    return ExperienceBatch(cols, n)
+
+
 class DistributedDataPlane:
     """An experience buffer sharded over Ray nodes, with core's replay or on-policy semantics.
 
     The same calls as :class:`conduit.ExperienceDataPlane` (``ingest``, ``deliver``,
     ``update_priorities``, ``seal``, ``set_policy_version``, ``state_dict``...), plus
     :meth:`ingest` of an :class:`~conduit.distributed.ExperienceRef` staged on a producer's
-    node, and fault reports (:attr:`losses`). Delivered batches own their memory.
+    node, and fault reports (:attr:`losses`). Delivered batches own their memory (with the
+    default :class:`~conduit.scheduling.Synchronous` scheduler).
+
+    Core's schedulers drive it as they drive :class:`~conduit.ExperienceDataPlane`: with
+    ``scheduler=Overlapped(...)`` ``ingest`` hands the batch to a bounded queue and returns
+    (a full queue blocks: backpressure) while a worker thread stores it in the shards, and
+    the next batches are read from the shards while the learner updates on this one, with
+    the scheduler's bounds (prioritized: a draw precedes at most ``priority_staleness``
+    priority updates; on-policy: prefetch never crosses a rollout or a policy version).
+    Batches delivered by a prefetching scheduler are its reused buffers, valid for
+    ``scheduler.output_depth`` deliveries. An :class:`ExperienceRef` is stored in the call
+    (after what is queued before it); so is everything with the synchronous scheduler.
 
     Args:
         schema: the fields of one item.
@@ -137,6 +178,16 @@ class DistributedDataPlane:
         health_period: seconds between health checks of the monitor thread (None: no thread;
             losses are then found by the calls that hit them, or by :meth:`check_health`).
         on_loss: called with each :class:`LossReport` (from the thread that detected it).
+        scheduler: when ingestion and delivery work runs (default: ``Synchronous()``, in the
+            caller); e.g. ``Overlapped(g_ing=..., g_del=...)`` from :mod:`conduit.scheduling`.
+        transport: how shards deliver rows to the learner: ``"object_store"`` (Ray's object
+            store), ``"torch"`` (a torch.distributed group of this process and the servers,
+            formed on first use by :meth:`ShardServers.torch_group`; gloo on CPU), or
+            ``"auto"`` (default): the torch group where this process already has one with
+            these servers, per shard where its measured link is faster than the object
+            store's (unmeasured: for shards on other nodes), else the object store. A torch
+            transfer that fails between live peers retires the group for this buffer, which
+            goes on through the object store.
 
     Raises:
         ClusterError: Ray is not initialised, or servers cannot be started or reached.
@@ -148,13 +199,16 @@ class DistributedDataPlane:
                  shard_capacity: int | None = None, ragged_capacity: int | None = None, reuse: float | None = None,
                  measure: bool = True, learner_node: str | None = None, device: torch.device | str | None = None,
                  timeout: float = 30.0, health_period: float | None = 1.0,
-                 on_loss: Callable[[LossReport], None] | None = None) -> None:
+                 on_loss: Callable[[LossReport], None] | None = None, transport: str = "auto",
+                 scheduler: Scheduler | None = None) -> None:
         if not isinstance(schema, ExperienceSchema):
             raise ConfigurationError("schema must be a conduit.ExperienceSchema.")
         if not isinstance(replication, int) or replication < 1:
             raise ConfigurationError(f"replication must be an int >= 1, got {replication!r}.")
         if timeout <= 0:
             raise ConfigurationError(f"timeout must be positive, got {timeout}.")
+        if transport not in TRANSPORTS:
+            raise ConfigurationError(f"transport must be one of {TRANSPORTS}, got {transport!r}.")
         ray_module()
         self.schema = schema
         self.semantics: Semantics = semantics if semantics is not None else Replay()
@@ -196,6 +250,20 @@ class DistributedDataPlane:
         self.plan = ShardPlan(nodes, self.learner_node, links=self.links, reuse=reuse)
         self._alive = [True] * len(nodes)
         self._local_next = [0] * len(nodes)
+        self.transport = transport
+        self._torch: TorchGroup | None = None
+        self._recv_pool: futures.ThreadPoolExecutor | None = None
+        try:
+            if transport == TORCH:
+                self._torch = self.servers.torch_group(timeout=self.timeout)
+            elif transport == "auto":
+                g = self.servers.torch_group(create=False)
+                self._torch = g if g is not None and g.broken is None else None
+        except BaseException:
+            if self._owns_servers:
+                self.servers.shutdown()
+            raise
+        self._via_torch = [self._choose_torch(s) for s in range(len(nodes))]
         self._read_cost = np.array([self._deliver_seconds(s) for s in range(len(nodes))], dtype=np.float64)
         self.buffer_id = uuid.uuid4().hex
         opened = wait_all({s: info.actor.open.remote(self.buffer_id, schema.to_dict(), self.shard_capacity,
@@ -208,6 +276,8 @@ class DistributedDataPlane:
             raise ClusterError(f"Shard {s} on node {nodes[s][:8]} could not open its partition ({o.error}); "
                                f"check that node, or build the buffer on other servers.")
         self.semantics.bind(self.index)
+        self.scheduler: Scheduler = scheduler if scheduler is not None else Synchronous()
+        self.scheduler.attach(self)  # type: ignore[arg-type]
         if health_period is not None:
             self._monitor = threading.Thread(target=self._watch, args=(float(health_period),), daemon=True,
                                              name=f"conduit-health-{self.buffer_id[:6]}")
@@ -217,6 +287,11 @@ class DistributedDataPlane:
     @property
     def capacity(self) -> int:
         return self.index.capacity
+
+    @property
+    def storage(self) -> ShardIndex:
+        """The global index: the payload-free :class:`~conduit.storage.Storage` the semantics and schedulers see."""
+        return self.index
 
     @property
     def num_shards(self) -> int:
@@ -244,10 +319,34 @@ class DistributedDataPlane:
                 f"{len(set(self.plan.shard_nodes))} nodes, replication={self.replication}, "
                 f"semantics={type(self.semantics).__name__})")
 
+    @property
+    def transports(self) -> list[str]:
+        """The delivery path of each shard now (``"torch"`` or ``"object_store"``)."""
+        return [TORCH if self._uses_torch(s) else OBJECT_STORE for s in range(self.num_shards)]
+
+    def _uses_torch(self, shard: int) -> bool:
+        return self._via_torch[shard] and self._torch is not None and self._torch.broken is None
+
+    def _choose_torch(self, shard: int) -> bool:
+        if self._torch is None:
+            return False
+        if self.transport == TORCH:
+            return True
+        node = self.shard_node(shard)
+        tl = self._torch.links
+        if self.links is None or tl is None or (node, self.learner_node) not in tl.links:
+            return node != self.learner_node
+        mib = float(1 << 20)
+        return tl.seconds(node, self.learner_node, mib) < self.links.seconds(node, self.learner_node, mib)
+
     def _deliver_seconds(self, shard: int) -> float:
         if self.links is None:
             return float(self.shard_node(shard) != self.learner_node)
-        return self.plan.transfer_seconds(self.shard_node(shard), self.learner_node, 1 << 20)
+        node = self.shard_node(shard)
+        tl = self._torch.links if self._torch is not None else None
+        if self._via_torch[shard] and tl is not None and (node, self.learner_node) in tl.links:
+            return tl.link(node, self.learner_node).seconds(1 << 20) - tl.link(node, self.learner_node).overhead_s
+        return self.plan.transfer_seconds(node, self.learner_node, 1 << 20)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -255,7 +354,7 @@ class DistributedDataPlane:
 
     # -- ingestion --------------------------------------------------------------------------------
     def ingest(self, batch: Mapping[str, Any] | ExperienceBatch | ExperienceRef, *, version: int | None = None,
-               priorities: torch.Tensor | None = None, node: str | None = None) -> torch.Tensor:
+               priorities: torch.Tensor | None = None, node: str | None = None) -> torch.Tensor | None:
         """Store a batch in the shards the plan picks.
 
         Args:
@@ -268,13 +367,34 @@ class DistributedDataPlane:
             node: the producer's node (default: the ref's node, or this process's node).
 
         Returns:
-            The items' global handles (int64).
+            The items' global handles (int64), or None when the scheduler stores the batch later.
 
         Raises:
             SchemaError, CapacityError, PriorityError, ConfigurationError: bad input (nothing stored).
             TransferError: a staged batch could not be read (its producer or node died).
             ClusterError: no live shard can take the items.
         """
+        sync = isinstance(self.scheduler, Synchronous)
+        if isinstance(batch, ExperienceRef) or sync:
+            if not sync:
+                self.scheduler.flush()  # what was queued before it is stored before it
+            return self._ingest(batch, version, priorities, node, validated=False)
+        self._check_open()
+        b = ExperienceBatch.from_mapping(batch)
+        b.validate(self.schema)
+        self.index.evictions_for(b.batch_size)  # raises CapacityError for a batch larger than the capacity
+        self.semantics.check_ingest(b.batch_size, version=version, priorities=priorities)
+        if node is not None and node != self.learner_node:
+            b = _Produced(b, node)
+        return self.scheduler.ingest(b, version=version, priorities=priorities)  # type: ignore[return-value]
+
+    def ingest_now(self, batch: ExperienceBatch, *, version: int | None = None,
+                   priorities: torch.Tensor | None = None) -> torch.Tensor:
+        """Store an already validated batch now (the scheduler's primitive)."""
+        return self._ingest(batch, version, priorities, getattr(batch, "producer", None), validated=True)
+
+    def _ingest(self, batch: Mapping[str, Any] | ExperienceBatch | ExperienceRef, version: int | None,
+                priorities: torch.Tensor | None, node: str | None, *, validated: bool) -> torch.Tensor:
         t0 = time.perf_counter()
         if isinstance(batch, ExperienceRef):
             if ExperienceSchema.from_dict(batch.schema) != self.schema:
@@ -283,8 +403,9 @@ class DistributedDataPlane:
             n, nbytes, payload = batch.batch_size, batch.nbytes, batch.ref
             producer = node or batch.node_id
         else:
-            b = ExperienceBatch.from_mapping(batch)
-            b.validate(self.schema)
+            b = batch if validated else ExperienceBatch.from_mapping(batch)  # type: ignore[assignment]
+            if not validated:
+                b.validate(self.schema)
             n, nbytes, payload = b.batch_size, b.nbytes(), None
             producer = node or self.learner_node
         self.index.evictions_for(n)  # raises CapacityError for a batch larger than the capacity
@@ -393,13 +514,18 @@ class DistributedDataPlane:
         on-policy minibatch leaves out the items lost since its rollout was ingested
         (each survivor is still delivered exactly once per epoch); a minibatch whose items
         were all lost is skipped, except the last one, which then comes back empty with
-        ``info.last`` set.
+        ``info.last`` set (under a prefetching scheduler such a minibatch comes back empty).
 
         Raises:
             EmptyBufferError: nothing to deliver.
             CapacityError: a draw without replacement larger than the live contents.
             StaleExperienceError: on-policy data too stale and ``on_stale="raise"``.
         """
+        self._check_open()
+        return self.scheduler.deliver(n, **kwargs)
+
+    def deliver_now(self, n: int | None = None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
+        """Select and read now (the scheduler's primitive)."""
         t0 = time.perf_counter()
         with self._lock:
             self._check_open()
@@ -412,12 +538,93 @@ class DistributedDataPlane:
         self.telemetry.record("deliver", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
         return batch, info
 
+    # -- primitives for prefetching schedulers (as ExperienceDataPlane's) ----------------------------
+    def select_now(self, sizes: Sequence[int | None], *, peek: bool = False, when: Callable[[], bool] | None = None,
+                   **kwargs: Any) -> list[Selection] | None:
+        """Select ``len(sizes)`` deliveries in order, as that many deliveries would (nothing read or released).
+
+        ``peek`` restores the semantics' state afterwards; ``when`` is checked under the same
+        lock first (None is returned, nothing selected, when it is false).
+        """
+        with self._lock:
+            self._check_open()
+            if when is not None and not when():
+                return None
+            snap = self.semantics.state_dict() if peek else None
+            try:
+                return [self.semantics.select(n, **kwargs) for n in sizes]
+            finally:
+                if snap is not None:
+                    self.semantics.load_state_dict(snap)
+
+    def gather_now(self, selections: Sequence[Selection],
+                   out: Mapping[str, torch.Tensor] | Callable[[int], Mapping[str, torch.Tensor]] | None = None,
+                   *, replace: bool = True, beta: float | None = None) -> ExperienceBatch:
+        """Read the rows of ``selections`` from the shards, back to back (fixed fields into ``out``).
+
+        A selection is updated in place to what was read: replay draws that landed on lost
+        items are redrawn (``replace``, ``beta`` as drawn); an on-policy selection loses its
+        lost items.
+        """
+        t0 = time.perf_counter()
+        with self._lock:
+            self._check_open()
+            total = sum(int(s.slots.shape[0]) for s in selections)
+            bufs = out(total) if callable(out) else out
+            parts, row = [], 0
+            for sel in selections:
+                k = int(sel.slots.shape[0])
+                view = None if bufs is None else {name: bufs[name][row:row + k] for name in self.schema.fixed}
+                if self._replay:
+                    parts.append(self._read_replay(sel, replace, beta, view))
+                else:
+                    parts.append(self._read_on_policy(sel, view))
+                row += k
+            shrunk = any(p.batch_size != int(s.slots.shape[0]) for p, s in zip(parts, selections, strict=True))
+            batch = parts[0] if len(parts) == 1 else _concat(self.schema, parts, None if shrunk else bufs)
+        self.telemetry.record("deliver", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
+        return batch
+
+    def prepare_now(self, sizes: Sequence[int | None],
+                    out: Mapping[str, torch.Tensor] | Callable[[int], Mapping[str, torch.Tensor]] | None = None, *,
+                    peek: bool = False, when: Callable[[], bool] | None = None,
+                    **kwargs: Any) -> tuple[ExperienceBatch, list[Selection]] | None:
+        """:meth:`select_now` and :meth:`gather_now` under one lock hold (no ingestion in between)."""
+        with self._lock:
+            sels = self.select_now(sizes, peek=peek, when=when, **kwargs)
+            if sels is None:
+                return None
+            return self.gather_now(sels, out, replace=kwargs.get("replace", True), beta=kwargs.get("beta")), sels
+
+    def release_now(self, selection: Selection) -> None:
+        """Tell the semantics a selection was handed over (on-policy frees a finished rollout here)."""
+        with self._lock:
+            self.semantics.after_gather(selection)
+
+    def _read_on_policy(self, sel: Selection, out: Mapping[str, torch.Tensor] | None) -> ExperienceBatch:
+        handles = sel.info.handles.numpy().copy()
+        asm = _Assembly(self.schema, handles.shape[0], out)
+        dropped = self.index.lost_mask(handles)
+        dropped[self._fetch(handles, np.nonzero(~dropped)[0], asm)] = True
+        if not dropped.any():
+            return asm.batch()
+        keep = np.nonzero(~dropped)[0]
+        sel.slots = sel.slots[torch.from_numpy(keep)]
+        sel.info = dataclasses.replace(sel.info, handles=torch.from_numpy(handles[keep]))
+        return asm.batch(keep)
+
     def _deliver_replay(self, n: int | None, *, replace: bool = True, beta: float | None = None, **kw: Any
                         ) -> tuple[ExperienceBatch, SampleInfo]:
         sel = self.semantics.select(n, replace=replace, beta=beta, **kw)
+        batch = self._read_replay(sel, replace, beta, None)
+        return batch, sel.info
+
+    def _read_replay(self, sel: Selection, replace: bool, beta: float | None, out: Mapping[str, torch.Tensor] | None
+                     ) -> ExperienceBatch:
+        """Read a replay selection's rows, redrawing draws that land on lost items (``sel`` is updated)."""
         k = int(sel.slots.shape[0])
         handles = sel.info.handles.numpy().copy()
-        asm = _Assembly(self.schema, k)
+        asm = _Assembly(self.schema, k, out)
         todo = np.arange(k)
         for _ in range(_MAX_REDRAWS):
             lost = self.index.lost_mask(handles[todo])
@@ -430,8 +637,8 @@ class DistributedDataPlane:
         else:
             raise DistributedError(f"Draws kept landing on lost items after {_MAX_REDRAWS} redraws; the buffer has "
                                    f"lost nearly everything ({len(self.index)} items left).")
-        info = dataclasses.replace(sel.info, handles=torch.from_numpy(handles))
-        return asm.batch(), info
+        sel.info = dataclasses.replace(sel.info, handles=torch.from_numpy(handles))
+        return asm.batch()
 
     def _redraw(self, sel: Selection, handles: np.ndarray, pos: np.ndarray, replace: bool, beta: float | None
                 ) -> tuple[Selection, np.ndarray]:
@@ -496,13 +703,18 @@ class DistributedDataPlane:
             pick = shard[np.arange(h.shape[0]), col]
             loc = local[np.arange(h.shape[0]), col]
             calls: dict[int, Any] = {}
+            by_torch: dict[int, np.ndarray] = {}
             groups: dict[int, tuple[np.ndarray, np.ndarray]] = {}
             for s in np.unique(pick).tolist():
                 sel = np.nonzero(pick == s)[0]
                 uniq, inv = np.unique(loc[sel], return_inverse=True)
                 groups[s] = (sel, inv)
-                calls[s] = self.servers[s].actor.gather.remote(self.buffer_id, uniq)
-            outs = wait_all(calls, self.timeout)
+                if self._uses_torch(s):
+                    by_torch[s] = uniq
+                else:
+                    calls[s] = self.servers[s].actor.gather.remote(self.buffer_id, uniq)
+            outs = self._torch_reads(by_torch) if by_torch else {}
+            outs.update(wait_all(calls, self.timeout))
             stuck = self._settle({s: o for s, o in outs.items() if o.lost})
             if stuck:
                 raise RemoteTimeoutError(f"Shards {sorted(stuck)} answer health checks but did not deliver within "
@@ -512,7 +724,7 @@ class DistributedDataPlane:
             for s, o in outs.items():
                 sel, inv = groups[s]
                 if o.ok:
-                    part = from_wire(o.value, self.schema)
+                    part = o.value if isinstance(o.value, ExperienceBatch) else from_wire(o.value, self.schema)
                     if part.batch_size == sel.shape[0]:  # no repeats: write rows straight to their positions
                         dest = np.empty_like(sel)
                         dest[inv] = pos[sel]
@@ -526,6 +738,74 @@ class DistributedDataPlane:
                         f"Shard {s} failed to read items: {o.error}")
             pos = pos[np.concatenate(failed)] if failed else pos[:0]
         return pos
+
+    def _torch_reads(self, reads: dict[int, np.ndarray]) -> dict[int, Outcome]:
+        """Read rows from shards over the torch group: ``reads`` maps shard -> sorted local handles.
+
+        Returns shard -> :class:`Outcome` holding the rows as an :class:`ExperienceBatch`,
+        or the failure of the shard's call (a dead or hung peer: ``lost``). A receive that
+        fails while the shard's call succeeded means the group broke between live peers:
+        the group is retired and those shards are read through the object store.
+        """
+        g = self._torch
+        assert g is not None
+        deadline = time.monotonic() + self.timeout
+        tags = {s: g.tags() for s in reads}
+        refs = {s: self.servers[s].actor.gather_send.remote(self.buffer_id, uniq, g.group_id, tags[s])
+                for s, uniq in reads.items()}
+        # one waiter per shard: a peer that hangs must not hold up the others (their sends wait for
+        # our receives and would time out on their side)
+        pool = self._receivers()
+        futs = {s: pool.submit(self._receive, g, s, int(uniq.shape[0]), tags[s]) for s, uniq in reads.items()}
+        futures.wait(list(futs.values()), timeout=max(0.0, deadline - time.monotonic()))
+        got: dict[int, ExperienceBatch] = {}
+        failed: dict[int, BaseException] = {}
+        for s, f in futs.items():
+            if not f.done():
+                failed[s] = TimeoutError(f"no rows from shard {s} within {self.timeout:.1f} s")
+            elif f.exception() is not None:
+                failed[s] = f.exception()  # type: ignore[assignment]
+            else:
+                got[s] = f.result()
+        done = wait_all(refs, max(0.5, deadline - time.monotonic()))
+        outs: dict[int, Outcome] = {}
+        retry: dict[int, Any] = {}
+        for s in reads:
+            o = done[s]
+            if o.ok and s in got:
+                outs[s] = Outcome(got[s])
+                continue
+            # gloo closes every pair of a group after a timeout, and a peer's reset may leave the group
+            # half-open: any failed transfer retires the group (ShardServers.torch_group(refresh=True)
+            # forms a new one)
+            why = failed.get(s) or o.error
+            if g.broken is None:
+                g.broken = f"a transfer from shard {s} failed: {why}"
+                log.warning("conduit: torch.distributed transport retired (%s); delivering through the object "
+                            "store", g.broken)
+            if o.lost or isinstance(o.error, ConduitError):
+                outs[s] = o  # the peer died, hung, or refused: settled like any failed call
+            else:  # the shard is fine, the transport failed: read its rows through the object store
+                retry[s] = self.servers[s].actor.gather.remote(self.buffer_id, reads[s])
+        if retry:
+            outs.update(wait_all(retry, self.timeout))
+        return outs
+
+    def _receivers(self) -> futures.ThreadPoolExecutor:
+        if self._recv_pool is None:
+            self._recv_pool = futures.ThreadPoolExecutor(2 * self.num_shards, thread_name_prefix="conduit-recv")
+        return self._recv_pool
+
+    def _receive(self, g: TorchGroup, shard: int, n: int, tag: int) -> ExperienceBatch:
+        """Receive one shard's rows (ragged lengths first, then the packed columns); raises what gloo raises."""
+        lengths = None
+        if self.schema.ragged:
+            lengths = g.empty((n, len(self.schema.ragged)), torch.int64)
+            g.recv(lengths, shard, tag).wait()
+            lengths = lengths.cpu()
+        payload = g.empty((packed_nbytes(n, lengths, self.schema),), torch.uint8)
+        g.recv(payload, shard, tag + 1).wait()
+        return unpack_rows(payload.cpu(), n, lengths, self.schema)
 
     def read(self, handles: torch.Tensor | np.ndarray | Sequence[int]) -> ExperienceBatch:
         """The items named by ``handles``, in that order (for checkpoints and inspection).
@@ -578,7 +858,9 @@ class DistributedDataPlane:
                     lost = torch.from_numpy(self.index.lost_mask(h[live].numpy()))
                     keep[live.nonzero().reshape(-1)[lost]] = False
                 h, p = h[keep], p[keep]
-            return self.semantics.update_priorities(h, p)
+            applied = self.semantics.update_priorities(h, p)
+        self.scheduler.invalidate("priorities")
+        return applied
 
     def _on_policy(self) -> OnPolicy:
         if not isinstance(self.semantics, OnPolicy):
@@ -588,6 +870,7 @@ class DistributedDataPlane:
     def seal(self) -> None:
         """Close the open on-policy rollout so it can be delivered."""
         sem = self._on_policy()
+        self.scheduler.flush()
         with self._lock:
             sem.seal()
 
@@ -596,9 +879,11 @@ class DistributedDataPlane:
         sem = self._on_policy()
         with self._lock:
             sem.policy_version = int(version)
+        self.scheduler.invalidate("policy")
 
     def flush(self) -> None:
-        """Every ingestion is stored when ``ingest`` returns; nothing to wait for."""
+        """Block until every batch handed to ``ingest`` is in the shards (the scheduler's queue drained)."""
+        self.scheduler.flush()
 
     # -- faults -----------------------------------------------------------------------------------
     def check_health(self) -> list[LossReport]:
@@ -710,6 +995,8 @@ class DistributedDataPlane:
     # -- checkpoint -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Live contents (read from the shards), handles, lost ranges and semantics state (RNG included)."""
+        self.scheduler.flush()
+        self.scheduler.invalidate("checkpoint")
         with self._lock:
             self._check_open()
             h = self.index.live_handles()
@@ -729,6 +1016,8 @@ class DistributedDataPlane:
         if state["capacity"] != self.capacity or ExperienceSchema.from_dict(state["schema"]) != self.schema:
             raise ConfigurationError("This checkpoint was written by a buffer with another schema or capacity; "
                                      "build the buffer with the same schema and capacity before loading.")
+        self.scheduler.flush()
+        self.scheduler.invalidate("contents")
         with self._lock:
             self._check_open()
             live = self.alive_shards
@@ -768,10 +1057,20 @@ class DistributedDataPlane:
         """Stop the monitor, drop this buffer's partitions, and stop the servers this buffer started."""
         if self._closed:
             return
-        self._closed = True
-        self._stop.set()
+        scheduler = getattr(self, "scheduler", None)
+        try:
+            if scheduler is not None:
+                scheduler.close()  # stores what was handed over first
+        finally:
+            self._closed = True
+            self._stop.set()
+            self._close_shards()
+
+    def _close_shards(self) -> None:
         if self._monitor is not None:
             self._monitor.join(timeout=self.timeout + 5)
+        if self._recv_pool is not None:
+            self._recv_pool.shutdown(wait=False)
         if self._owns_servers:
             self.servers.shutdown()
         else:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from conduit.distributed.errors import DistributedError
-from conduit.distributed.wire import Wire, to_wire, wire_rows
+from conduit.distributed.wire import Wire, pack_rows, ragged_lengths, to_wire, wire_rows
 from conduit.schema import ExperienceSchema
 from conduit.storage.columnar import ColumnarStorage
 
@@ -40,6 +40,8 @@ class ShardServer:
         torch.set_num_threads(1)
         self._parts: dict[str, ColumnarStorage] = {}
         self._schemas: dict[str, ExperienceSchema] = {}
+        #: torch.distributed groups joined: group id -> (process group, backend)
+        self._groups: dict[str, tuple[Any, str]] = {}
 
     # -- identity and health ----------------------------------------------------------------
     def ready(self) -> tuple[str, int]:
@@ -90,13 +92,55 @@ class ShardServer:
         Raises:
             DistributedError: a handle is not live here (the driver's index and this shard disagree).
         """
+        return to_wire(self._gathered(buffer_id, local), self._schemas[buffer_id])
+
+    def _gathered(self, buffer_id: str, local: np.ndarray) -> Any:
         part = self._part(buffer_id)
         h = np.asarray(local, dtype=np.int64)
         if h.size and (h.min() < part.oldest or h.max() >= part.next_handle):
             raise DistributedError(f"Local handles outside the live range [{part.oldest}, {part.next_handle}) "
                                    f"were requested; the buffer's index and this shard disagree. Rebuild the buffer.")
-        slots = torch.from_numpy(h % part.capacity)
-        return to_wire(part.gather(slots), self._schemas[buffer_id])
+        return part.gather(torch.from_numpy(h % part.capacity))
+
+    # -- the torch.distributed transport -------------------------------------------------------
+    def join_group(self, group_id: str, host: str, port: int, rank: int, world: int, backend: str,
+                   timeout: float) -> int:
+        """Join a learner's torch.distributed group as ``rank`` (blocks until every rank joined)."""
+        from conduit.distributed.transport import make_process_group
+
+        self._groups[group_id] = (make_process_group(backend, group_id, host, port, rank, world, timeout), backend)
+        return rank
+
+    def _group(self, group_id: str) -> tuple[Any, torch.device]:
+        from conduit.distributed.transport import wire_device
+
+        got = self._groups.get(group_id)
+        if got is None:
+            raise DistributedError(f"This shard server is not in torch.distributed group {group_id!r}; form the "
+                                   f"group again (ShardServers.torch_group(refresh=True)).")
+        return got[0], wire_device(got[1])
+
+    def gather_send(self, buffer_id: str, local: np.ndarray, group_id: str, tag: int) -> int:
+        """Send the rows of the given local handles to the learner (rank 0) over torch.distributed.
+
+        Message ``tag`` carries the ragged lengths (only when the schema has ragged fields),
+        message ``tag + 1`` every column's bytes (:func:`~conduit.distributed.wire.pack_rows`).
+        Returns the bytes sent.
+        """
+        pg, dev = self._group(group_id)
+        sch = self._schemas[buffer_id]
+        batch = self._gathered(buffer_id, local)
+        if sch.ragged:
+            pg.send([ragged_lengths(batch, sch).to(dev)], 0, tag).wait()
+        payload = pack_rows(batch, sch).to(dev)
+        pg.send([payload], 0, tag + 1).wait()
+        return int(payload.numel())
+
+    def probe_send(self, group_id: str, nbytes: int, tag: int) -> int:
+        """Send ``nbytes`` to the learner over torch.distributed (a link probe)."""
+        pg, dev = self._group(group_id)
+        pg.send([torch.ones(int(nbytes), dtype=torch.uint8, device=dev)], 0, tag).wait()
+        return int(nbytes)
 
     def release(self, buffer_id: str, upto: int) -> int:
         part = self._part(buffer_id)

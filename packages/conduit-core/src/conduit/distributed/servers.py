@@ -77,6 +77,12 @@ class ShardServers:
                 raise ClusterError(f"Server {i} landed on node {node}, not {wanted[i]}.")
             self.servers.append(ServerInfo(a, node, pid))
         self._links: Any = None
+        self._torch: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (e.g. into a learner actor): the measured links and the torch group belong to this
+        process (its node, its sockets), so the copy measures and forms its own."""
+        return {**self.__dict__, "_links": None, "_torch": None}
 
     def __len__(self) -> int:
         return len(self.servers)
@@ -97,6 +103,25 @@ class ShardServers:
 
             self._links = measure_links(self, **kwargs)
         return self._links
+
+    def torch_group(self, *, backend: str = "gloo", timeout: float = 60.0, refresh: bool = False,
+                    create: bool = True) -> Any:
+        """The torch.distributed group of this process (rank 0) and these servers, formed on first use.
+
+        Keyword Args:
+            backend: ``"gloo"`` or ``"nccl"`` (used when the group is formed).
+            timeout: seconds to form it, and the bound on every transfer over it.
+            refresh: form a new group even when one exists (e.g. after it broke).
+            create: False returns the existing group or None (what ``transport="auto"`` uses).
+
+        Returns:
+            A :class:`~conduit.distributed.transport.TorchGroup` (or None, see ``create``).
+        """
+        if (self._torch is None or refresh) and create:
+            from conduit.distributed.transport import TorchGroup
+
+            self._torch = TorchGroup(self, backend=backend, timeout=timeout)
+        return self._torch
 
     def kill(self, i: int) -> None:
         """Fence server ``i``: it is killed and never restarts (a lost server must not come back)."""

@@ -11,10 +11,12 @@ Importing this module needs pytest (it uses ``conduit.testing``).
 
 from __future__ import annotations
 
+import atexit
+import importlib.util
 import itertools
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,7 @@ from conduit.testing.endpoints import (
     CAP_CONCURRENT_INGEST,
     CAP_PRIORITIZED,
     Draw,
+    EndpointFactory,
     Minibatch,
     OnPolicyEndpoint,
     ReplayEndpoint,
@@ -37,7 +40,7 @@ from conduit.testing.endpoints import (
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch
 
 __all__ = ["LocalCluster", "local_cluster", "DistributedReplayEndpoint", "DistributedOnPolicyEndpoint",
-           "FAST_FAILURE_DETECTION"]
+           "FAST_FAILURE_DETECTION", "ENDPOINTS", "shared_servers", "shutdown_shared"]
 
 #: Ray settings that declare a dead node within about 1.5 s (defaults take tens of seconds)
 FAST_FAILURE_DETECTION = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
@@ -140,6 +143,7 @@ class DistributedReplayEndpoint(ReplayEndpoint):
                                           servers=servers, **plane_kwargs)
         self._producers = itertools.cycle(sorted(set(servers.nodes)))
         self._cycle_lock = threading.Lock()
+        self.priority_staleness = int(getattr(self.plane.scheduler, "priority_staleness", 0))
 
     def insert(self, ids: np.ndarray) -> None:
         with self._cycle_lock:
@@ -147,6 +151,7 @@ class DistributedReplayEndpoint(ReplayEndpoint):
         self.plane.ingest(id_batch(ids), node=node)
 
     def sample(self, n: int) -> Draw:
+        self.plane.flush()
         batch, info = self.plane.deliver(n)
         w = None if info.weights is None else info.weights.numpy().copy()
         return Draw(check_payload(batch), info.handles.clone(), w)
@@ -155,9 +160,11 @@ class DistributedReplayEndpoint(ReplayEndpoint):
         self.plane.update_priorities(handles, torch.as_tensor(priorities))
 
     def __len__(self) -> int:
+        self.plane.flush()
         return len(self.plane)
 
     def contents(self) -> np.ndarray:
+        self.plane.flush()
         h = self.plane.live_handles()
         if not h.size:
             return np.zeros(0, dtype=np.int64)
@@ -208,3 +215,59 @@ class DistributedOnPolicyEndpoint(OnPolicyEndpoint):
 
     def close(self) -> None:
         self.plane.close()
+
+
+# -- the registered endpoints (``conduit.conformance``): one shared 2-node cluster per process -----------------------
+_SHARED: dict[str, Any] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_servers() -> ShardServers:
+    """Shard servers on both nodes of a 2-node local cluster shared by this process (started on first use).
+
+    The cluster has a small object store (80 MiB per node); :func:`shutdown_shared` stops it
+    (integration-tests/conftest.py does at the end of the session; at exit otherwise).
+
+    Raises:
+        ClusterError: Ray is already initialised in this process by someone else.
+    """
+    with _SHARED_LOCK:
+        if "servers" not in _SHARED:
+            stack = ExitStack()
+            try:
+                lc = stack.enter_context(local_cluster(2))
+                _SHARED["servers"] = ShardServers([lc.head, lc.workers[0]])
+            except BaseException:
+                stack.close()
+                raise
+            _SHARED["stack"] = stack
+        return _SHARED["servers"]
+
+
+def shutdown_shared() -> None:
+    """Stop the shared servers and cluster, if started (safe to call any time)."""
+    with _SHARED_LOCK:
+        servers = _SHARED.pop("servers", None)
+        stack = _SHARED.pop("stack", None)
+        if servers is not None:
+            servers.shutdown()
+        if stack is not None:
+            stack.close()
+
+
+atexit.register(shutdown_shared)
+
+
+def _make_replay(**kwargs: Any) -> DistributedReplayEndpoint:
+    return DistributedReplayEndpoint(shared_servers(), **kwargs)
+
+
+def _make_on_policy(**kwargs: Any) -> DistributedOnPolicyEndpoint:
+    return DistributedOnPolicyEndpoint(shared_servers(), **kwargs)
+
+
+_HAS_RAY = importlib.util.find_spec("ray") is not None
+
+#: the multi-node buffer for ``integration-tests/`` (no endpoints where Ray is not installed)
+ENDPOINTS = EndpointFactory("distributed", make_replay=_make_replay if _HAS_RAY else None,
+                            make_on_policy=_make_on_policy if _HAS_RAY else None)

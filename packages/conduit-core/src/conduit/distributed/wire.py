@@ -18,7 +18,8 @@ import torch
 from conduit.batch import ExperienceBatch, Ragged
 from conduit.schema import ExperienceSchema
 
-__all__ = ["Wire", "to_wire", "from_wire", "wire_rows", "wire_nbytes"]
+__all__ = ["Wire", "to_wire", "from_wire", "wire_rows", "wire_nbytes", "pack_rows", "unpack_rows", "ragged_lengths",
+           "packed_nbytes"]
 
 #: name -> array (fixed field) or (values, lengths) (ragged field)
 Wire = dict[str, Any]
@@ -93,3 +94,68 @@ def wire_nbytes(cols: Wire) -> int:
     for c in cols.values():
         total += (c[0].nbytes + c[1].nbytes) if isinstance(c, tuple) else c.nbytes
     return total
+
+
+# -- one byte buffer per transfer (the torch.distributed transport) -------------------------------------
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def ragged_lengths(batch: ExperienceBatch, schema: ExperienceSchema) -> torch.Tensor:
+    """The lengths of every ragged field as one int64 ``[n, ragged fields]`` tensor (the first message)."""
+    cols = [batch[name].lengths.to(torch.int64) for name in schema.ragged]  # type: ignore[union-attr]
+    return torch.stack(cols, dim=1).contiguous() if cols else torch.zeros((batch.batch_size, 0), dtype=torch.int64)
+
+
+#: every column starts at a multiple of this many bytes in a packed buffer (so each can be viewed in place)
+_ALIGN = 8
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def pack_rows(batch: ExperienceBatch, schema: ExperienceSchema) -> torch.Tensor:
+    """Every column of ``batch`` as the bytes of one ``uint8`` tensor: fixed fields in schema order,
+    then the values of each ragged field (their lengths travel first, see :func:`ragged_lengths`);
+    each column starts at a multiple of 8 bytes."""
+    cols = [batch.tensor(name) for name in schema.fixed] + [batch[name].values  # type: ignore[union-attr]
+                                                            for name in schema.ragged]
+    parts = []
+    for c in cols:
+        b = _bytes(c)
+        parts.append(b)
+        pad = _padded(b.numel()) - b.numel()
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+
+
+def packed_nbytes(n: int, lengths: torch.Tensor | None, schema: ExperienceSchema) -> int:
+    """Bytes :func:`pack_rows` makes of ``n`` rows whose ragged lengths are ``lengths``."""
+    total = sum(_padded(n * schema[name].element_bytes) for name in schema.fixed)
+    for j, name in enumerate(schema.ragged):
+        assert lengths is not None
+        total += _padded(int(lengths[:, j].sum()) * schema[name].element_bytes)
+    return total
+
+
+def unpack_rows(payload: torch.Tensor, n: int, lengths: torch.Tensor | None, schema: ExperienceSchema
+                ) -> ExperienceBatch:
+    """The batch :func:`pack_rows` packed (views of ``payload``, no copy)."""
+    out: dict[str, torch.Tensor | Ragged] = {}
+    at = 0
+    for name in schema.fixed:
+        f = schema[name]
+        size = n * f.element_bytes
+        out[name] = payload[at:at + size].view(f.dtype).reshape(n, *f.shape)
+        at += _padded(size)
+    for j, name in enumerate(schema.ragged):
+        f = schema[name]
+        assert lengths is not None
+        lens = lengths[:, j].contiguous()
+        count = int(lens.sum())
+        size = count * f.element_bytes
+        out[name] = Ragged(payload[at:at + size].view(f.dtype).reshape(count, *f.shape), lens)
+        at += _padded(size)
+    return ExperienceBatch({name: out[name] for name in schema}, n)

@@ -1,0 +1,140 @@
+"""Core's Overlapped scheduler on the multi-node buffer: background ingestion into the shards and
+prefetch from them, with the prefetch conformance checks and the suites run over it.
+
+One 2-node ``ray.cluster_utils.Cluster`` serves the module (head = learner, one worker).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ray")
+
+from conduit import OnPolicy, Overlapped, PrioritizedSampler, Replay  # noqa: E402
+from conduit.distributed import DistributedDataPlane, ShardServers  # noqa: E402
+from conduit.distributed.testing import (  # noqa: E402
+    DistributedOnPolicyEndpoint,
+    DistributedReplayEndpoint,
+    local_cluster,
+)
+from conduit.testing import FreshnessSuite, ReplaySuite  # noqa: E402
+from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with local_cluster(2) as lc:
+        yield lc
+
+
+@pytest.fixture(scope="module")
+def servers(cluster):
+    group = ShardServers([cluster.head, cluster.workers[0]])
+    yield group
+    group.shutdown()
+
+
+def _shard_of(plane, handles) -> np.ndarray:
+    h = np.asarray(handles)
+    shard, _ = plane.index.replicas(plane.index.segments_of(h), h)
+    return shard[:, 0]
+
+
+def test_ingest_returns_at_once_and_keeps_the_producers_node(cluster, servers):
+    """Hand-overs are queued (None returned), stored in order by the worker, each on its producer's node."""
+    sched = Overlapped(g_ing=1, g_del=2, queue_depth=2)
+    with DistributedDataPlane(ID_SCHEMA, capacity=400, servers=servers, health_period=None, scheduler=sched) as p:
+        for i in range(6):
+            node = cluster.workers[0] if i % 2 else cluster.head
+            assert p.ingest(id_batch(np.arange(20 * i, 20 * i + 20)), node=node) is None
+        p.flush()
+        assert len(p) == 120
+        h = p.live_handles()
+        assert check_payload(p.read(h)).tolist() == list(range(120)), "queued batches were reordered"
+        on = _shard_of(p, h).reshape(6, 20)
+        assert (on[1::2] == 1).all() and (on[0::2] == 0).all()
+
+
+def test_prefetch_reads_the_next_batch_from_the_shards_while_the_learner_updates(cluster, servers):
+    sched = Overlapped(g_ing=1, g_del=2)
+    with DistributedDataPlane(ID_SCHEMA, capacity=400, servers=servers, health_period=None, scheduler=sched) as p:
+        p.ingest(id_batch(np.arange(100)), node=cluster.head)
+        p.ingest(id_batch(np.arange(100, 200)), node=cluster.workers[0])
+        seen = set()
+        for _ in range(8):
+            b, info = p.deliver(32)
+            ids = check_payload(b)
+            assert (info.handles.numpy() == ids).all()  # id == handle in this buffer
+            seen |= set(ids.tolist())
+            time.sleep(0.05)  # the learner's update: the next chunk is read meanwhile
+        assert sched.prefetch_hits >= 4, (sched.prefetch_hits, sched.prefetch_misses)
+        assert any(i < 100 for i in seen) and any(i >= 100 for i in seen)
+
+
+@pytest.mark.parametrize("transport", ["object_store", "torch"])
+def test_on_policy_prefetch_delivers_the_synchronous_sequence(cluster, servers, transport):
+    """On-policy prefetch only predicts: the minibatches are exactly the synchronous buffer's, epoch by epoch."""
+    runs = {}
+    for name, sched in (("sync", None), ("overlapped", Overlapped(g_ing=0.5))):
+        with DistributedDataPlane(ID_SCHEMA, capacity=400, servers=servers, health_period=None, transport=transport,
+                                  semantics=OnPolicy(num_minibatches=4, num_epochs=2, seed=9), scheduler=sched) as p:
+            out = []
+            for v in range(2):
+                p.set_policy_version(v)
+                p.ingest(id_batch(np.arange(100 * v, 100 * v + 60)), version=v, node=cluster.head)
+                p.ingest(id_batch(np.arange(100 * v + 60, 100 * v + 100)), version=v, node=cluster.workers[0])
+                p.seal()
+                while True:
+                    b, info = p.deliver()
+                    out.append((info.version, info.epoch, check_payload(b).tolist()))
+                    if info.last:
+                        break
+            runs[name] = out
+            if sched is not None:
+                assert sched.prefetch_hits > 0
+    assert runs["overlapped"] == runs["sync"]
+    assert len(runs["sync"]) == 16
+
+
+def test_prioritized_prefetch_sees_updates_within_the_declared_staleness(cluster, servers):
+    sched = Overlapped(g_del=2)
+    with DistributedDataPlane(ID_SCHEMA, capacity=50, servers=servers, health_period=None, scheduler=sched,
+                              semantics=Replay(PrioritizedSampler(alpha=1.0), seed=1)) as p:
+        p.ingest(id_batch(np.arange(25)), node=cluster.head)
+        p.ingest(id_batch(np.arange(25, 50)), node=cluster.workers[0])
+        assert sched.priority_staleness == 2
+        prio = torch.full((50,), 1e-6)
+        prio[49] = 1e6
+        b, info = p.deliver(64)
+        p.update_priorities(info.handles, prio[info.handles])
+        shares = []
+        for _ in range(5):
+            b, info = p.deliver(64)
+            shares.append(float((check_payload(b) == 49).mean()))
+            p.update_priorities(info.handles, prio[info.handles])
+        assert min(shares[2:]) > 0.99, shares
+
+
+# -- the suites (prefetch checks included) over an overlapped multi-node buffer -------------------------------------
+class TestOverlappedDistributedReplay(ReplaySuite):
+    @pytest.fixture(autouse=True)
+    def _servers(self, servers):
+        self.servers = servers
+
+    def make_replay(self, **kwargs):
+        return DistributedReplayEndpoint(self.servers, scheduler=Overlapped(g_ing=2, g_del=2), **kwargs)
+
+
+class TestOverlappedDistributedFreshness(FreshnessSuite):
+    @pytest.fixture(autouse=True)
+    def _servers(self, servers):
+        self.servers = servers
+
+    def make_on_policy(self, **kwargs):
+        return DistributedOnPolicyEndpoint(self.servers, scheduler=Overlapped(g_ing=0.5), **kwargs)
