@@ -8,12 +8,35 @@ vendor figures, not measurements), as placement :class:`~conduit.placement.LinkC
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
+from importlib import resources
 
 from conduit.errors import ConfigurationError
 from conduit.placement.profile import LinkCost
+from conduit.placement.topology import Topology, load_topology
 
-__all__ = ["Network", "NETWORKS", "Scenario", "SCENARIOS"]
+__all__ = ["Network", "NETWORKS", "Scenario", "SCENARIOS", "load_node"]
+
+
+def load_node(name: str) -> Topology:
+    """A declared node topology (:func:`~conduit.placement.load_topology`) with its network cards.
+
+    A node file may declare ``"nics"``: its network cards (``gbps`` and ``overhead_us`` per
+    card, ``attached_gpus``: the GPU each card is attached to, ``source``). Placement's
+    loader keeps only what one node needs, so the simulator reads this section itself and
+    puts it in ``details["nics"]`` (see :meth:`~.planning.StagedCostModel.cards`).
+    """
+    topo = load_topology(name)
+    path = resources.files("conduit.placement") / "topologies" / f"{name}.json"
+    if not path.is_file():
+        return topo
+    nics = json.loads(path.read_text()).get("nics")
+    if not nics:
+        return topo
+    if not isinstance(nics.get("attached_gpus"), list) or "gbps" not in nics:
+        raise ConfigurationError(f"Topology {name!r}: 'nics' needs 'gbps' and a list 'attached_gpus'.")
+    return replace(topo, details={**topo.details, "nics": nics})
 
 
 @dataclass(frozen=True)
@@ -22,7 +45,9 @@ class Network:
 
     Args:
         name: a short label.
-        nic: one node's injection link (bandwidth per direction, per-message latency).
+        nic: one node's injection link (bandwidth per direction, per-message latency), used
+            as one card every GPU reaches directly when the node file declares no ``"nics"``
+            (node files that do, like ``mi250x-node``, give per-card figures and attachment).
         rpc_overhead_s: the requester's own cost of one remote fetch (issue it, take the
             answer), serial per node: the EDP's remote delivery path.
         source: where the figures come from.
@@ -40,7 +65,8 @@ NETWORKS = {
                          "nominal: DGX A100 SuperPOD, 8 x 200 Gb/s HDR HCAs per node (8 x 25 GB/s), GPUDirect RDMA; "
                          "50 us per remote fetch is an assumption (a tuned RPC), not a measurement"),
     "slingshot-4x": Network("4x Slingshot-11 per node", LinkCost.constant(100.0, overhead_us=2.0), 50e-6,
-                            "nominal: HPE Cray EX (MI250X) node, 4 x 200 Gb/s Slingshot-11 NICs (4 x 25 GB/s); "
+                            "nominal: HPE Cray EX (MI250X) node, 4 x 200 Gb/s Slingshot-11 NICs (4 x 25 GB/s; the "
+                            "mi250x-node file declares each card and the GCD it is attached to); "
                             "50 us per remote fetch is an assumption, not a measurement"),
 }
 

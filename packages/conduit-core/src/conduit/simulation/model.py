@@ -17,16 +17,27 @@ a node-sized :class:`~conduit.placement.Workload`, step by step (its ``ingest_st
    the calls on the CPU; every shard gathers its rows on its GPU and sends them over the
    GPU-GPU link to the gathering (home) GPU; the home GPU scatters them into the output;
    the output crosses the home -> learner link. A remote fetch: the requester issues it
-   (RPC overhead on its CPU), the holder serves it as a delivery to its home GPU, and the
-   bytes cross the requester's NIC.
+   (RPC overhead on its CPU); the holder's shard server (a process of its own, as in
+   :mod:`conduit.distributed`, where each node's shard server is an actor that runs its
+   data calls one at a time) issues the serve
+   (:meth:`~.planning.StagedCostModel.serve_steps`); every shard gathers its rows on its
+   GPU and sends them out through the network card nearest it (crossing the GPU-GPU link
+   to the GPU the card is attached to, when it is another); they enter the requesting
+   node through the card nearest each learner and cross the GPU-GPU link from that
+   card's GPU to the learner's. The sending and the receiving card are busy with the
+   bytes at the same time (the transfer is cut through, not stored and forwarded).
+   Without declared cards a node has one, reached from every GPU directly.
 
 Resources (each serves one task at a time, first come first served): ``cpu:n`` (the node's
-EDP calls), ``host:n`` (host memory), ``disk:n``, ``gpu:n:i`` (GPU ``i``'s gathers and
+EDP calls and fetch requests), ``server:n`` (the node's shard server, serving other nodes),
+``host:n`` (host memory), ``disk:n``, ``gpu:n:i`` (GPU ``i``'s gathers and
 scatters), ``link:n:i:j`` (the GPU ``i`` -> GPU ``j`` link), ``hostlink:n:g`` (host link
-``g``, shared by the GPUs behind one PCIe switch), ``nic:n``. Where several learners or
+``g``, shared by the GPUs behind one PCIe switch), ``nic-out:n:c`` and ``nic-in:n:c`` (card
+``c``, each direction). Where several learners or
 nodes need the same resource they queue: that contention, and the overlap where they do
 not, is what the simulation adds to the cost model (which prices one node's deliveries one
-after another and has no network). Durations are expectations (fractional items and calls
+after another and has no network; with several nodes the planner prices a node by
+:func:`node_loads`, the busy time of the same steps). Durations are expectations (fractional items and calls
 are kept as such).
 """
 
@@ -35,6 +46,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from statistics import fmean
 from typing import Any
@@ -42,8 +54,8 @@ from typing import Any
 from conduit.errors import ConfigurationError
 from conduit.placement.base import PlacementSpec
 from conduit.placement.cost import Workload
-from conduit.placement.topology import Topology, load_topology
-from conduit.simulation.cluster import NETWORKS, Network, Scenario
+from conduit.placement.topology import Topology
+from conduit.simulation.cluster import NETWORKS, Network, Scenario, load_node
 from conduit.simulation.engine import Simulation, Task
 from conduit.simulation.planning import ClusterPlanner, DeliverySteps, StagedCostModel, uniform_view
 
@@ -113,7 +125,7 @@ def _link(cost: StagedCostModel, n: int, src: str, dst: str) -> str:
     return f"hostlink:{n}:{cost.host_link_group(int(gpu.split(':')[1]))}"
 
 
-def _delivery(sim: Simulation, cost: StagedCostModel, st: DeliverySteps, n: int, label: str, deps: list[Task],
+def _delivery(sim: Simulation | Loads, cost: StagedCostModel, st: DeliverySteps, n: int, label: str, deps: list[Task],
               f_calls: float, f_bytes: float) -> list[Task]:
     """The tasks of one delivery (``st``) on node ``n``: calls, shard gathers and moves, scatter, transfer."""
     t = sim.task(f"{label}: calls", f_calls * st.calls_s, f"cpu:{n}", deps)
@@ -128,6 +140,105 @@ def _delivery(sim: Simulation, cost: StagedCostModel, st: DeliverySteps, n: int,
     if st.transfer_s:
         ends = [sim.task(f"{label}: transfer", f_bytes * st.transfer_s, _link(cost, n, st.home, st.learner), ends)]
     return ends
+
+
+class Loads:
+    """A stand-in for :class:`Simulation` that only adds up each resource's busy seconds (times ``scale``)."""
+
+    def __init__(self) -> None:
+        self.busy: dict[str, float] = {}
+        self.scale = 1.0
+
+    def task(self, name: str, duration: float, resource: str | None = None, deps: Iterable[Task] = ()) -> Task:
+        if resource is not None:
+            self.busy[resource] = self.busy.get(resource, 0.0) + duration * self.scale
+        return Task(name, duration, resource)
+
+
+Sink = Simulation | Loads
+
+
+def _fetch(sim: Sink, cost: StagedCostModel, spec: PlacementSpec, local_w: Workload, n: int, m: int,
+           fetches: float, f_items: float, nbytes: float, network: Network, deps: list[Task]) -> None:
+    """Node ``n``'s learners fetch from node ``m`` (see the module docstring, step 3)."""
+    g = local_w.learners
+    label = f"fetch n{n}<-n{m}"
+    cards = cost.cards()
+    rpc = sim.task(f"{label}: rpc", fetches * network.rpc_overhead_s, f"cpu:{n}", deps)
+    serve = cost.serve_steps(spec, local_w)
+    calls = sim.task(f"{label}: serve calls", fetches * serve.calls_s, f"server:{m}", [rpc])
+    k = len(serve.shards)
+    ready: list[Task] = []
+    sent: list[Task] = []
+    for d, gather_s, _ in serve.shards:
+        x = sim.task(f"{label}: gather {d}", fetches * f_items * gather_s, _device(m, d), [calls])
+        c = cost.card_of(d)
+        link, at = cards[c][0], cost.card_gpu(c)
+        share = nbytes / k
+        if at is not None and d != at:  # to the GPU the card is attached to
+            hop = cost._move(d, at, pinned=False)
+            assert hop is not None
+            x = sim.task(f"{label}: {d}->{at}", hop.seconds(share) - hop.overhead_s, _link(cost, m, d, at), [x])
+        ready.append(x)
+        sent.append(sim.task(f"{label}: out card {c}", share / link.bandwidth(share / max(fetches, 1e-9)),
+                             f"nic-out:{m}:{c}", [x]))
+    # the bytes enter node n through the card nearest each learner, then cross to the learner's GPU
+    per_card: dict[int, list[str]] = {}
+    for j in range(g):
+        learner = f"cuda:{j}" if cost.topology.num_gpus else "cpu"
+        per_card.setdefault(cost.card_of(learner), []).append(learner)
+    for c, learners in per_card.items():
+        link, at = cards[c][0], cost.card_gpu(c)
+        share = nbytes * len(learners) / g
+        msgs = fetches * len(learners) / g
+        wire = msgs * link.overhead_s + share / link.bandwidth(share / max(msgs, 1e-9))
+        into = sim.task(f"{label}: in card {c}", wire, f"nic-in:{n}:{c}", ready)  # with the sending cards
+        done = [into, *sent]
+        for learner in learners:
+            hop = cost._move(at, learner, pinned=False) if at is not None else None
+            if hop is not None:
+                b = nbytes / g
+                sim.task(f"{label}: {at}->{learner}", hop.seconds(b) - hop.overhead_s, _link(cost, n, at, learner),
+                         done)
+
+
+def delivery_phase(sim: Sink, cost: StagedCostModel, spec: PlacementSpec, w: Workload, batch: float, n_nodes: int,
+                   network: Network | None, deps: list[Task], *, nodes: Iterable[int] | None = None,
+                   pairs: Iterable[tuple[int, int]] | None = None) -> None:
+    """Add the delivery phase's tasks to ``sim``: every learner's local delivery on every node in ``nodes``
+    and, with several nodes, the fetches of every ordered pair ``(requester, holder)`` in ``pairs``."""
+    g = w.learners
+    b = batch
+    p_touch = 1.0 - (1.0 - 1.0 / n_nodes) ** b  # a learner draws at least one item from a given node
+    per_touch = (b / n_nodes) / p_touch  # items drawn from that node, given it is touched
+    local_w = _resized(w, round(per_touch))
+    f_items = per_touch / local_w.batch  # the rounding, corrected on byte-proportional parts
+    # remote fetches are requested first (their serving and transfer overlap the local deliveries)
+    if n_nodes > 1:
+        if network is None:
+            raise ConfigurationError("several nodes need a network")
+        fetches = g * p_touch  # expected fetches from one node to another per iteration
+        nbytes = g * b / n_nodes * w.item_bytes
+        for n, m in itertools.permutations(range(n_nodes), 2) if pairs is None else pairs:
+            _fetch(sim, cost, spec, local_w, n, m, fetches, f_items, nbytes, network, deps)
+    for n in range(n_nodes) if nodes is None else nodes:
+        for j in range(g):
+            learner = f"cuda:{j}" if cost.topology.num_gpus else "cpu"
+            st = cost.delivery_steps(spec, local_w, learner)
+            _delivery(sim, cost, st, n, f"deliver n{n} l{j}", deps, p_touch, p_touch * f_items)
+
+
+def node_loads(cost: StagedCostModel, spec: PlacementSpec, w: Workload, batch: float, n_nodes: int,
+               network: Network | None) -> dict[str, float]:
+    """Busy seconds of every resource of one node in the delivery phase of a cluster of ``n_nodes``
+    identical nodes: exactly what :func:`simulate_iteration` puts on node 0 after the barrier
+    (its learners' deliveries and fetches, and the fetches it serves), without running it."""
+    loads = Loads()
+    delivery_phase(loads, cost, spec, w, batch, n_nodes, network, [], nodes=(0,), pairs=())
+    if n_nodes > 1:
+        loads.scale = n_nodes - 1  # every other node is alike: one pair each way, n_nodes - 1 times
+        delivery_phase(loads, cost, spec, w, batch, n_nodes, network, [], nodes=(), pairs=((0, 1), (1, 0)))
+    return {k: v for k, v in loads.busy.items() if k.split(":")[1] == "0"}
 
 
 @dataclass
@@ -152,8 +263,7 @@ def simulate_iteration(cost: StagedCostModel, spec: PlacementSpec, scenario: Sce
     """Simulate one iteration with ``spec`` as every node's placement (see the module docstring)."""
     w = node_workload(scenario, lay)
     sim = Simulation()
-    n_nodes, g = lay.nodes, lay.gpus_per_node
-    item = w.item_bytes
+    n_nodes = lay.nodes
 
     # 1. ingestion: calls on the node's CPU, then the copies on their host links (or host memory, or disk)
     ing = cost.ingest_steps(spec, w)
@@ -171,28 +281,7 @@ def simulate_iteration(cost: StagedCostModel, spec: PlacementSpec, scenario: Sce
     barrier = sim.task("barrier", 0.0, None, ingest_tasks)
 
     # 2. delivery: each learner's batch b, uniform over the union of the nodes' buffers
-    b = lay.batch
-    p_touch = 1.0 - (1.0 - 1.0 / n_nodes) ** b  # a learner draws at least one item from a given node
-    per_touch = (b / n_nodes) / p_touch  # items drawn from that node, given it is touched
-    local_w = _resized(w, round(per_touch))
-    f_items = per_touch / local_w.batch  # the rounding, corrected on byte-proportional parts
-    for n in range(n_nodes):
-        for j in range(g):
-            learner = f"cuda:{j}" if cost.topology.num_gpus else "cpu"
-            st = cost.delivery_steps(spec, local_w, learner)
-            _delivery(sim, cost, st, n, f"deliver n{n} l{j}", [barrier], p_touch, p_touch * f_items)
-    if n_nodes > 1:
-        # remote fetches: served as a delivery to the holder's home device, then over the requester's NIC
-        home = spec.devices[0] if spec.tier in ("gpu", "sharded") else "cpu"
-        serve = cost.delivery_steps(spec, local_w, home)
-        fetches = g * p_touch  # expected fetches from one node to another per iteration
-        nbytes = g * b / n_nodes * item
-        rpc = fetches * network.rpc_overhead_s
-        wire = fetches * network.nic.overhead_s + nbytes / network.nic.bandwidth(nbytes / max(fetches, 1e-9))
-        for n, m in itertools.permutations(range(n_nodes), 2):
-            t = sim.task(f"fetch n{n}<-n{m}: rpc", rpc, f"cpu:{n}", [barrier])
-            ends = _delivery(sim, cost, serve, m, f"fetch n{n}<-n{m}: serve", [t], fetches, fetches * f_items)
-            sim.task(f"fetch n{n}<-n{m}: network", wire, f"nic:{n}", ends)
+    delivery_phase(sim, cost, spec, w, lay.batch, n_nodes, network, [barrier])
     total = sim.run()
     est = cost.estimate(spec, w)
     return ScalePoint(lay.gpus, n_nodes, spec, total, barrier.end, sim.busiest(3), est.total_s, dict(sim.busy))
@@ -250,13 +339,13 @@ def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, base
     """
     if baseline not in BASELINES:
         raise ConfigurationError(f"baseline must be one of {BASELINES}, got {baseline!r}.")
-    full = topology or load_topology(scenario.topology)
+    full = topology or load_node(scenario.topology)
     net = network or NETWORKS[scenario.network]
     gpn = full.num_gpus or 1
     lay = layout(gpus, scenario.total_batch, min(gpus, gpn))
     topo = node_in_use(full, lay.gpus_per_node)
     w = node_workload(scenario, lay)
-    real = ClusterPlanner(topo, staged=staged)
+    real = ClusterPlanner(topo, staged=staged, nodes=lay.nodes, network=net)
     if adaptive:
         spec = real.plan(w).placement
         return [simulate_iteration(real.cost, spec, scenario, lay, net)]
@@ -265,7 +354,7 @@ def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, base
         spec = PlacementSpec("sharded", tuple(f"cuda:{i}" for i in range(n))) if n > 1 else \
             PlacementSpec("gpu", ("cuda:0",)) if n else PlacementSpec("host", ("cpu",))
         return [simulate_iteration(real.cost, spec, scenario, lay, net)]
-    blind = ClusterPlanner(uniform_view(topo), staged=real.cost.staged).plan(w).placement
+    blind = ClusterPlanner(uniform_view(topo), staged=real.cost.staged, nodes=lay.nodes, network=net).plan(w).placement
     if baseline == "rank-order":
         return [simulate_iteration(real.cost, blind, scenario, lay, net)]
     specs = equivalent_specs(blind, lay.gpus_per_node, samples=samples)
@@ -276,7 +365,7 @@ def run_scenario(scenario: Scenario, *, baseline: str = "rank-order", samples: i
                  network: Network | None = None, gpus: tuple[int, ...] | None = None,
                  staged: bool = True) -> list[dict[str, Any]]:
     """Every scale of ``scenario``, adaptive and not; one row per scale (latencies in ms)."""
-    topo = load_topology(scenario.topology)
+    topo = load_node(scenario.topology)
     rows = []
     for n in gpus or scenario.gpus:
         a = simulate_scale(scenario, n, adaptive=True, network=network, topology=topo, staged=staged)[0]
