@@ -94,12 +94,14 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         """
         if isinstance(data, ExperienceBatch):
             return data
-        if type(data) is dict:  # fast path: all fixed fields given as tensors of one length
-            vals = list(data.values())
-            if vals and all(type(v) is torch.Tensor for v in vals):
-                n = vals[0].shape[0] if vals[0].dim() else -1
-                if n >= 0 and all(v.dim() and v.shape[0] == n for v in vals):
-                    return cls(dict(data), n)
+        if type(data) is dict and data:  # fast path: all fixed fields given as tensors of one length
+            n = -1
+            for v in data.values():
+                if type(v) is not torch.Tensor or not v.dim() or (n >= 0 and v.shape[0] != n):
+                    break
+                n = v.shape[0]
+            else:
+                return cls(dict(data), n)
         cols: dict[str, torch.Tensor | Ragged] = {}
         for k, v in data.items():
             if isinstance(v, Ragged):

@@ -142,7 +142,10 @@ class ColumnarStorage(Storage):
 
     def append(self, batch: ExperienceBatch, *, evict: bool = True) -> AppendResult:
         n = batch.batch_size
-        k, starts = self._evictions_for(batch)
+        if not self._pools and n <= self.capacity:  # fixed fields only: evictions are a subtraction
+            k, starts = max(0, self._next - self._oldest + n - self.capacity), {}
+        else:
+            k, starts = self._evictions_for(batch)
         if k and not evict:
             raise CapacityError(f"Storing {n} more items needs {k} live items evicted, and this buffer may "
                                 f"not evict (on-policy data not yet consumed). Consume first or raise capacity.")
