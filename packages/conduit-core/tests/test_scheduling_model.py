@@ -18,6 +18,7 @@ from conduit import (
     safe_ranges,
 )
 from conduit.scheduling import fit_latency
+from conduit.scheduling.auto import confirm_choice
 from conduit.scheduling.model import choose_granularity, exposed_per_unit, observations, per_unit
 from conduit.telemetry import CallRecord
 from conduit.testing.reference import ID_SCHEMA, id_batch
@@ -78,6 +79,14 @@ def test_without_a_chunk_cost_larger_granularity_wins() -> None:
     assert choose_granularity(costs) == 8
 
 
+def test_slack_makes_differences_far_below_the_cycle_ties() -> None:
+    """Overlapped costs of 90 us vs 38 us per batch behind a 25 ms learner step are a tie: the smallest g wins."""
+    costs = {1: 90e-6, 2: 60e-6, 4: 45e-6, 8: 38e-6}
+    assert choose_granularity(costs) == 8
+    assert choose_granularity(costs, slack_s=0.01 * 25e-3) == 1
+    assert choose_granularity(costs, slack_s=0.01 * 4e-3) == 2  # a 4 ms cycle: 40 us of slack
+
+
 def test_ties_prefer_the_smaller_granularity() -> None:
     assert choose_granularity({1: 1.0, 2: 1.005, 4: 1.01, 8: 0.999}, tolerance=0.02) == 1
     assert choose_granularity({1: 2.0, 2: 1.0, 4: 1.0}) == 2
@@ -112,6 +121,16 @@ def _drive(edp: ExperienceDataPlane, steps: int, n: int = 32) -> list[list[int]]
     return out
 
 
+def test_confirm_choice_measures_first_and_lets_the_model_break_ties_within_noise() -> None:
+    clear = {"sequential": [0.040, 0.041, 0.042], "overlapped": [0.030, 0.031, 0.029]}
+    assert confirm_choice(clear, model_prefers_overlap=False)[0] is True  # a clear measurement beats the model
+    assert confirm_choice({"sequential": clear["overlapped"], "overlapped": clear["sequential"]}, True)[0] is False
+    noisy = {"sequential": [0.041, 0.036, 0.046], "overlapped": [0.043, 0.040, 0.047]}  # 2 ms apart, 5 ms spread
+    for model in (True, False):
+        on, why = confirm_choice(noisy, model_prefers_overlap=model)
+        assert on is model and "spread" in why
+
+
 def test_automatic_probes_fits_confirms_and_settles_within_the_safe_range() -> None:
     sched = Automatic(g_ing_max=4, g_del_max=4, confirm_deliveries=4)
     edp = ExperienceDataPlane(ID_SCHEMA, capacity=4096, semantics=Replay(seed=0), scheduler=sched)
@@ -122,7 +141,7 @@ def test_automatic_probes_fits_confirms_and_settles_within_the_safe_range() -> N
     assert d.g_del in d.range.g_del and d.g_ing in d.range.g_ing
     assert set(d.deliver_sequential) == {1.0, 2.0, 3.0, 4.0} and d.deliver_fit is not None
     assert set(d.confirmed) == {"sequential", "overlapped"}
-    assert d.overlap == (d.confirmed["overlapped"] < d.confirmed["sequential"])
+    assert (d.overlap, d.reason) == confirm_choice(sched._cycles, sched._model_prefers_overlap())
     assert sched.inner.overlap == d.overlap and sched.inner.g_del == d.g_del
     assert "chosen:" in d.explain()
     # probing covered the range: delivery calls of 1, 2 and 4 batches were timed

@@ -15,7 +15,9 @@ semantics, and the caps are optional. It runs in three phases:
    alternate between the chosen sequential configuration and the chosen overlapped one;
    the one with the shorter median cycle per delivery (experience path plus everything
    else the caller did) is kept. This catches what the model cannot see, e.g. a machine
-   with no spare core, where worker threads slow the learner down.
+   with no spare core, where worker threads slow the learner down. When the two medians
+   differ by less than the windows' own spread (half the range of a configuration's
+   windows), the measurement cannot tell them apart and the model's prediction decides.
 
 After that the job runs on an :class:`~conduit.scheduling.Overlapped` scheduler with the
 chosen settings; :attr:`Automatic.decision` says what was measured and why.
@@ -49,11 +51,14 @@ from conduit.telemetry import CallRecord
 if TYPE_CHECKING:
     from conduit.edp import ExperienceDataPlane
 
-__all__ = ["Automatic", "Decision"]
+__all__ = ["Automatic", "Decision", "confirm_choice"]
 
 #: the caller-side cost assumed for one overlapped call (queueing, waking the worker, accounting) in
 #: the model's predictions; the confirm phase measures the real cycle, hand-over included (seconds)
 HANDOVER_S = 30e-6
+#: overlapped granularities whose predicted exposed time per unit differs by less than this share of the
+#: caller's time between calls are ties (the smaller wins): below it a larger chunk buys nothing measurable
+TIE_SHARE = 0.01
 #: the cost assumed for handing one background job (a delivery chunk) to its worker thread and waking it;
 #: it makes larger chunks cheaper once everything is hidden (measured: a wake-up per batch slowed the loop)
 WAKE_S = 60e-6
@@ -147,7 +152,7 @@ class Automatic(Scheduler):
 
     def __init__(self, *, overlap: bool | None = None, g_ing_max: int = 8, g_del_max: int = 8,
                  memory_budget: int | None = 1 << 30, probe_rounds: int = 3, confirm_deliveries: int = 6,
-                 confirm_windows: int = 2, output_depth: int = 2, queue_depth: int = 8) -> None:
+                 confirm_windows: int = 3, output_depth: int = 2, queue_depth: int = 8) -> None:
         self.force_overlap = overlap
         self.g_ing_max = g_ing_max
         self.g_del_max = g_del_max
@@ -301,9 +306,11 @@ class Automatic(Scheduler):
                 d.ingest_overlapped[g] = exposed_per_unit(ifit, g, rollout_bytes, gap_s=d.ingest_gap_s,
                                                           handover_s=HANDOVER_S, staged=staged)
         gd_seq = choose_granularity(d.deliver_sequential) if d.deliver_sequential else self.range.g_del[0]
-        gd_ovl = choose_granularity(d.deliver_overlapped) if d.deliver_overlapped else self.range.g_del[0]
+        gd_ovl = (choose_granularity(d.deliver_overlapped, slack_s=TIE_SHARE * d.deliver_gap_s)
+                  if d.deliver_overlapped else self.range.g_del[0])
         gi_seq = choose_granularity(d.ingest_sequential) if d.ingest_sequential else self.range.g_ing[0]
-        gi_ovl = choose_granularity(d.ingest_overlapped) if d.ingest_overlapped else self.range.g_ing[0]
+        gi_ovl = (choose_granularity(d.ingest_overlapped, slack_s=TIE_SHARE * d.ingest_gap_s)
+                  if d.ingest_overlapped else self.range.g_ing[0])
         if self.on_policy and not d.ingest_sequential:
             gi_seq = gi_ovl = self.range.g_ing[0]
         self.decision = d
@@ -332,8 +339,7 @@ class Automatic(Scheduler):
         if not self._confirm:
             c = self.decision.confirmed
             c.update({k: statistics.median(v) for k, v in self._cycles.items() if v})
-            on = c.get("overlapped", float("inf")) < c.get("sequential", float("inf"))
-            self._finish(on, "shorter measured cycle per delivery " + ("with" if on else "without") + " overlap")
+            self._finish(*confirm_choice(self._cycles, self._model_prefers_overlap()))
             return
         self._confirm_name = self._confirm.pop(0)
         cand = self._candidates[self._confirm_name]
@@ -341,6 +347,21 @@ class Automatic(Scheduler):
         warm = 1 if self.on_policy else int(cand.g_del)
         self._confirm_left = warm + self.confirm_deliveries
         self._confirm_start = 0.0
+
+    def _model_prefers_overlap(self) -> bool:
+        """Whether the fitted model predicts less exposed time per delivery with overlap (both chosen granularities)."""
+        d = self.decision
+        assert d is not None
+        gi_s, gd_s = self._choices[False]
+        gi_o, gd_o = self._choices[True]
+        # ingestions per delivery, from the caller's own pacing (time between ingestions vs between deliveries)
+        share = min(1.0, d.deliver_gap_s / d.ingest_gap_s) if d.ingest_gap_s > 0 else 0.0
+
+        def exposed(deliver: dict[float, float], ingest: dict[float, float], gi: float, gd: float) -> float:
+            return deliver.get(gd, 0.0) + share * ingest.get(gi, 0.0)
+
+        return (exposed(d.deliver_overlapped, d.ingest_overlapped, gi_o, gd_o)
+                < exposed(d.deliver_sequential, d.ingest_sequential, gi_s, gd_s))
 
     def _activate(self, new: Overlapped) -> None:
         """Route calls to ``new``: the current scheduler stores what it was handed and drops what it prepared."""
@@ -372,6 +393,24 @@ class Automatic(Scheduler):
         self._candidates = {}
         self._confirm = []
         self._phase = "run"
+
+
+def confirm_choice(cycles: dict[str, list[float]], model_prefers_overlap: bool) -> tuple[bool, str]:
+    """Overlap on or off from the confirm phase's windows (seconds per delivery, per configuration).
+
+    The shorter median cycle wins, unless the two medians differ by no more than the windows'
+    own spread (half the range of a configuration's windows, the larger of the two): then the
+    measurement cannot tell them apart and the model's prediction decides.
+    """
+    seq = statistics.median(cycles["sequential"]) if cycles.get("sequential") else float("inf")
+    ovl = statistics.median(cycles["overlapped"]) if cycles.get("overlapped") else float("inf")
+    noise = max(((max(v) - min(v)) / 2 for v in cycles.values() if v), default=0.0)
+    if abs(ovl - seq) <= noise:
+        on = model_prefers_overlap
+        return on, (f"measured cycles within their window-to-window spread ({noise * 1e3:.3f} ms); the model "
+                    f"predicts less exposed time {'with' if on else 'without'} overlap")
+    on = ovl < seq
+    return on, "shorter measured cycle per delivery " + ("with" if on else "without") + " overlap"
 
 
 def _item_bytes(edp: ExperienceDataPlane) -> int:

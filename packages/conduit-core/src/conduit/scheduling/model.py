@@ -165,10 +165,15 @@ def exposed_per_unit(fit: LatencyFit, g: float, unit_bytes: float, *, gap_s: flo
     return handover_s + (wake_s + max(0.0, fit.seconds(g * unit_bytes, staged=staged) - window)) / g
 
 
-def choose_granularity(costs: dict[float, float], *, tolerance: float = 0.02) -> float:
-    """The smallest granularity whose predicted cost is within ``tolerance`` of the cheapest.
+def choose_granularity(costs: dict[float, float], *, tolerance: float = 0.02, slack_s: float = 0.0) -> float:
+    """The smallest granularity whose predicted cost is within ``tolerance`` (relative) plus
+    ``slack_s`` (seconds) of the cheapest.
 
-    Smaller is preferred on ties: it bounds staleness and memory at no predicted cost.
+    Smaller is preferred on ties: it bounds staleness and memory at no predicted cost. With
+    overlap the predicted exposed costs are tiny, and differences far below the caller's own
+    cycle buy nothing measurable, while larger chunks take more memory and compete longer with
+    the caller for caches and memory bandwidth; ``slack_s`` (e.g. 1% of that cycle) says how
+    small a difference counts as a tie.
     """
     best = min(costs.values())
-    return min(g for g, c in costs.items() if c <= best * (1 + tolerance) + 1e-9)
+    return min(g for g, c in costs.items() if c <= best * (1 + tolerance) + slack_s + 1e-9)
