@@ -12,7 +12,6 @@ import gc
 import numpy as np
 import pytest
 import torch
-
 from conduit import ExperienceDataPlane, ExperienceSchema, Field, Replay
 
 DIMS = [128, 1000, 5000, 20000]

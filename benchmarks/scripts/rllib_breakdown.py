@@ -4,6 +4,7 @@ Both variants are built in one process and alternate ``train()`` calls, so machi
 both alike. Prints the per-iteration table and the medians; writes JSON with every row.
 
     .venv/bin/python benchmarks/scripts/rllib_breakdown.py dqn --obs-dim 5000 --iterations 6
+    .venv/bin/python benchmarks/scripts/rllib_breakdown.py dqn --obs-dim 5000 --iterations 6 --overlap 2
     .venv/bin/python benchmarks/scripts/rllib_breakdown.py sac --iterations 6
     .venv/bin/python benchmarks/scripts/rllib_breakdown.py ppo --iterations 6
 """
@@ -28,6 +29,9 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=None, help="train batch (DQN 32, SAC 256) or PPO minibatch (128)")
     p.add_argument("--uniform", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overlap", type=int, default=0, metavar="G_DEL",
+                   help="DQN/SAC: also run Conduit with core's Overlapped scheduler prefetching G_DEL batches "
+                        "(variant 'conduit-overlapped'; prioritized draws at most G_DEL updates stale)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -54,18 +58,28 @@ def main() -> int:
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:
-        rows = run_interleaved({"native": make(), "conduit": make()}, args.iterations)
+        configs = {"native": make(), "conduit": make()}
+        if args.overlap and args.algo != "ppo":
+            import conduit_rllib
+            from conduit import Overlapped
+
+            g = args.overlap
+            configs["conduit-overlapped"] = conduit_rllib.enable(make(), scheduler=lambda: Overlapped(g_del=g))
+        rows = run_interleaved(configs, args.iterations)
     finally:
         ray.shutdown()
     print(table(rows))
     s = summarize(rows)
-    for v in ("native", "conduit"):
+    for v in rows:
         parts = " ".join(f"{k}={x * 1e3:.1f}" for k, x in s[v]["parts"].items())
         print(f"{v:>8}: experience {s[v]['experience_s'] * 1e3:.1f} ms, exposed {s[v]['exposed_s'] * 1e3:.1f} ms, "
               f"iteration {s[v]['iteration_s']:.2f} s, cpu {s[v]['cpu_s']:.2f} s  [{parts} ms]")
-    ch = s["conduit"]["change"]
-    print(f"conduit vs native: experience {ch['experience_s']:+.0%}, exposed {ch['exposed_s']:+.0%}, "
-          f"iteration {ch['iteration_s']:+.0%}, cpu {ch['cpu_s']:+.0%}")
+    for v in rows:
+        if v == "native":
+            continue
+        ch = s[v]["change"]
+        print(f"{v} vs native: experience {ch['experience_s']:+.0%}, exposed {ch['exposed_s']:+.0%}, "
+              f"iteration {ch['iteration_s']:+.0%}, cpu {ch['cpu_s']:+.0%}")
     out = args.out or Path(__file__).resolve().parents[1] / "results" / f"rllib_breakdown_{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"workload": name, "args": vars(args) | {"out": str(out)}, "summary": s,

@@ -6,10 +6,9 @@ import doctest
 import re
 from pathlib import Path
 
-import pytest
-
 import conduit.edp
 import conduit.schema
+import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 
