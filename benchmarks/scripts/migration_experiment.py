@@ -6,13 +6,14 @@ of GPU memory, Conservative shards over all 8 GPUs from the start, Conduit follo
 placement map computed ahead and migrates online. Every latency is the cost model's
 prediction from the topology's declared link figures.
 
-The cost model is :class:`conduit.simulation.StagedCostModel` (``--ingest staged``, the
-default): the paper's mechanism, in which actors write into the EDP's page-locked staging
-and a sharded buffer is filled over its GPUs' host links in parallel (GPUs behind one PCIe
-switch share it). ``--ingest pageable`` prices ingestion as core's ``CostModel`` does
-(copies from the actors' pageable tensors, shard after shard), for comparison.
+The planner and cost model are core's (:class:`conduit.placement.Planner`,
+:class:`conduit.placement.CostModel`), which price Conduit's implementation: one GPU takes
+a pageable copy from the actors' tensors; a sharded buffer stages each shard's rows in
+page-locked memory and fills the shards over their GPUs' host links in parallel (GPUs
+behind one PCIe switch share it); a sharded delivery uploads per-shard row indices and
+per-field positions.
 
-Run:  .venv/bin/python benchmarks/scripts/migration_experiment.py [--ingest staged|pageable] [--json out.json]
+Run:  .venv/bin/python benchmarks/scripts/migration_experiment.py [--json out.json]
 Writes benchmarks/docs/migration.png and prints the markdown table used in docs/placement.md.
 """
 
@@ -22,9 +23,8 @@ import argparse
 import json
 from pathlib import Path
 
-from conduit.placement import load_topology
+from conduit.placement import Planner, load_topology
 from conduit.placement.growth import paper_schedule, simulate_growth
-from conduit.simulation import ClusterPlanner
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -36,20 +36,17 @@ def main() -> int:
     ap.add_argument("--updates", type=int, default=16, help="learner updates (ingest + deliver) per iteration")
     ap.add_argument("--capacity", type=int, default=10**6)
     ap.add_argument("--batch", type=int, default=512)
-    ap.add_argument("--ingest", choices=("staged", "pageable"), default="staged",
-                    help="staged: the paper's mechanism (page-locked staging, shards over their host links in "
-                         "parallel); pageable: core's cost model")
     ap.add_argument("--json", type=Path, help="also write the full result as JSON here")
     ap.add_argument("--png", type=Path, default=DOCS / "migration.png")
     args = ap.parse_args()
 
     schedule = paper_schedule(args.iterations)
-    planner = ClusterPlanner(load_topology(args.topology), staged=args.ingest == "staged")
+    planner = Planner(load_topology(args.topology))
     res = simulate_growth(planner, schedule, capacity=args.capacity,
                           batch=args.batch, updates=args.updates)
     g, c, k = (res.strategies[n] for n in ("greedy", "conservative", "conduit"))
 
-    print(f"Cost-model simulation ({args.ingest} ingestion) on {args.topology}: "
+    print(f"Cost-model simulation on {args.topology}: "
           f"capacity {args.capacity}, batch {args.batch}, "
           f"{args.updates} updates per iteration, d = {sorted(set(schedule))} over {len(schedule)} iterations.\n")
     print("| d | iterations | Greedy ms/iter | Conservative ms/iter | Conduit ms/iter | Conduit below Conservative "
@@ -92,7 +89,7 @@ def main() -> int:
                     (i, k.latency_s[i] * 1e3), fontsize=7, xytext=(-105, -4), textcoords="offset points",
                     arrowprops={"arrowstyle": "->", "lw": 0.6})
     ax.set_ylabel("experience-path latency per iteration (ms)")
-    ax.set_title(f"Online migration, cost-model simulation ({args.ingest} ingestion) on {args.topology}\n"
+    ax.set_title(f"Online migration, cost-model simulation on {args.topology}\n"
                  f"cumulative: Conservative / Conduit = {res.conservative_over_conduit:.2f}x (paper: 1.9x)",
                  fontsize=10)
     ax.legend(fontsize=8)

@@ -70,6 +70,9 @@ def test_malformed_topology_data_is_a_placement_error() -> None:
     with pytest.raises(PlacementError, match="2x2"):
         Topology.from_file_dict({"name": "x", "host_memory_gib": 1, "gpu": {"count": 2, "name": "g", "memory_gib": 1},
                                  "p2p": {"matrix_gbps": [[None, 1]]}})
+    with pytest.raises(PlacementError, match="host_link_groups"):
+        Topology.from_file_dict({"name": "x", "host_memory_gib": 1, "gpu": {"count": 2, "name": "g", "memory_gib": 1},
+                                 "host_link_groups": [[0, 1], [1]]})
 
 
 def test_local_topology_without_gpu_says_so_and_plans_host_and_disk_only() -> None:
@@ -232,6 +235,100 @@ def test_mi250x_sharded_plan_prefers_fast_ranks() -> None:
     assert first4.feasible and not first4.chosen
     assert first4.estimate.deliver_s > p.chosen.estimate.deliver_s
     assert first4.estimate.breakdown["deliver: transfer"] > p.chosen.estimate.breakdown["deliver: transfer"]
+
+
+def test_planner_ranks_learner_gpus_by_their_links_to_the_other_learners() -> None:
+    """With a learner on every GCD, the fastest-linked ones (0/2/4/6) still come first, not all tied in rank order."""
+    topo = load_topology(MI)
+    w = Workload.transitions(20000, capacity=2_000_000, batch=512, learners=8)
+    planner = Planner(topo)
+    learners = planner.cost.learner_devices(w)
+    scores = [planner._link_score(i, learners) for i in range(8)]
+    assert min(scores[0], scores[2], scores[4], scores[6]) > max(scores[1], scores[3], scores[5], scores[7])
+    cands = dict(planner.candidates(w))
+    assert cands[PlacementSpec("sharded", ("cuda:0", "cuda:2", "cuda:4", "cuda:6"))].startswith("4 GPUs with the "
+                                                                                               "fastest links")
+
+
+def test_planner_proposes_shards_spread_over_the_pcie_switches() -> None:
+    w = Workload.transitions(20000, capacity=10**6, batch=512)
+    cands = dict(Planner(load_topology(DGX)).candidates(w))
+    assert cands[PlacementSpec("sharded", ("cuda:0", "cuda:2"))] == "2 GPUs spread over the host links"
+    assert cands[PlacementSpec("sharded", ("cuda:0", "cuda:2", "cuda:4", "cuda:6"))].endswith("host links")
+    no_groups = load_topology(DGX)
+    no_groups = Topology(no_groups.name, no_groups.host_memory_bytes, no_groups.gpus, no_groups.disk_bytes,
+                         no_groups.declared)  # the same machine without host_link_groups
+    assert not any("spread" in label for _, label in Planner(no_groups).candidates(w))
+
+
+# -- the cost model prices the implementation's steps -------------------------------------------------------
+def test_sharded_ingestion_is_staged_and_fills_the_shards_host_links_in_parallel() -> None:
+    """ShardedStorage.append packs each shard's rows into page-locked memory and copies without blocking."""
+    topo = load_topology(MI)  # every GCD has its own host link
+    model = CostModel(topo)
+    prof = model.profile
+    w = Workload.transitions(20000, capacity=100_000, batch=512)
+    spec = PlacementSpec("sharded", tuple(f"cuda:{i}" for i in range(8)))
+    st = model.ingest_steps(spec, w)
+    assert len(st.steps) == 8 * 5  # one step per shard and field
+    for j, step in enumerate(st.steps):
+        i, b = j // 5, w.field_bytes[j % 5] * 512 / 8  # shard after shard, field after field
+        assert step.shard == i and step.resource == f"hostlink:{i}"
+        assert step.cpu_s == pytest.approx(prof.link("host_copy").seconds(b) + prof.link("h2d_pinned").overhead_s)
+        assert step.link_s == pytest.approx(prof.link("h2d_pinned").seconds(b) - prof.link("h2d_pinned").overhead_s)
+    # the DMAs run behind the packing, on eight links at once
+    dma = sum(s.link_s for s in st.steps)
+    assert st.calls_s + st.thread_s < st.total_s < st.calls_s + st.thread_s + dma / 4
+    total, parts = model.ingest(spec, w)
+    assert total == pytest.approx(st.total_s) and set(parts) == {"ingest: edp", "ingest: stage", "ingest: copy"}
+    # the same bytes shard after shard, each packed and copied from pageable memory, cost more
+    serial = st.calls_s + sum(prof.link("host_copy").seconds(fb * 64) + prof.link("h2d_pageable").seconds(fb * 64)
+                              for _ in range(8) for fb in w.field_bytes)
+    assert total < 0.7 * serial
+    # one GPU (ColumnarStorage): one synchronous pageable copy per field from the actor's tensor
+    one = model.ingest_steps(PlacementSpec("gpu", ("cuda:0",)), w)
+    assert [s.resource for s in one.steps] == [None] * 5
+    assert [s.cpu_s for s in one.steps] == pytest.approx([prof.link("h2d_pageable").seconds(fb * 512)
+                                                          for fb in w.field_bytes])
+
+
+def test_gpus_behind_one_pcie_switch_share_its_uplink() -> None:
+    """DGX A100 pairs (0/1, 2/3, ...) share a switch: their DMAs queue on one link; spread shards do not."""
+    dgx = load_topology(DGX)
+    # fast packing, so that the DMAs rather than the thread decide (with the declared 10 GB/s packing they
+    # never overlap on a link)
+    fast = BandwidthProfile({**dgx.declared.links, "host_copy": LinkCost.constant(1000)}, source="declared",
+                            machine="declared:fast-pack")
+    w = Workload.transitions(20000, capacity=100_000, batch=512)
+    pair, spread = PlacementSpec("sharded", ("cuda:0", "cuda:1")), PlacementSpec("sharded", ("cuda:0", "cuda:2"))
+    model = CostModel(dgx, fast)
+    assert model.host_link_group(0) == model.host_link_group(1) != model.host_link_group(2)
+    t_pair, t_spread = model.ingest(pair, w)[0], model.ingest(spread, w)[0]
+    dma = w.item_bytes * 512 / 22e9  # every byte once over one link at the pinned rate
+    assert t_pair > dma and t_spread < 0.6 * dma + 0.5e-3
+    no_groups = Topology(dgx.name, dgx.host_memory_bytes, dgx.gpus, dgx.disk_bytes, dgx.declared)
+    ungrouped = CostModel(no_groups, fast)
+    assert ungrouped.ingest(pair, w)[0] == pytest.approx(ungrouped.ingest(spread, w)[0]) == pytest.approx(t_spread)
+    declared = CostModel(dgx)  # never faster on one switch
+    assert declared.ingest(pair, w)[0] >= declared.ingest(spread, w)[0]
+
+
+def test_sharded_delivery_uploads_row_indices_per_shard_and_positions_per_field() -> None:
+    """ShardedStorage.gather: r.to(shard device) per shard, pos.to(gathering device) per field and shard."""
+    model = CostModel(load_topology(DGX))
+    prof = model.profile
+    w = Workload.transitions(128, capacity=100_000, batch=512)
+    totals = []
+    for k in (2, 4, 8):
+        spec = PlacementSpec("sharded", tuple(f"cuda:{i}" for i in range(k)))
+        parts = model.deliver_one(spec, w, "cuda:0")
+        upload = prof.link("h2d_pageable").seconds(8 * 512 / k)
+        issued = k * 5 * prof.link("gpu_gather").overhead_s + (k - 1) * 5 * prof.link("p2p").overhead_s
+        assert parts["deliver: calls"] == pytest.approx(issued + k * (1 + 5) * upload)
+        totals.append(model.deliver(spec, w)[0])
+    assert totals[0] < totals[1] < totals[2]
+    one = model.deliver_one(PlacementSpec("gpu", ("cuda:0",)), w, "cuda:0")
+    assert "deliver: calls" not in one and sum(one.values()) < totals[0]
 
 
 def test_more_learners_take_more_gpus_and_are_checked() -> None:

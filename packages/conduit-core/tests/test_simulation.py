@@ -8,14 +8,14 @@ import math
 
 import pytest
 from conduit.cli import main
-from conduit.placement import CostModel, PlacementSpec, Planner, Workload, load_topology
+from conduit.placement import PlacementSpec, Planner, Workload, load_topology
 from conduit.placement.growth import paper_schedule, simulate_growth
 from conduit.simulation import (
     NETWORKS,
     SCENARIOS,
+    ClusterCostModel,
     ClusterPlanner,
     Simulation,
-    StagedCostModel,
     equivalent_specs,
     run_scenario,
     simulate_iteration,
@@ -76,45 +76,28 @@ def test_learners_of_one_node_overlap_where_the_cost_model_adds_them_up():
     assert est.ingest_s <= point.latency_s <= est.total_s * (1 + 1e-9)
 
 
-def test_staged_ingest_runs_the_shards_host_links_in_parallel():
-    topo = load_topology("mi250x-node")
-    w = Workload.transitions(20000, capacity=100_000, batch=1024, learners=8)
-    spec = PlacementSpec("sharded", tuple(f"cuda:{i}" for i in range(8)))
-    serial, _ = CostModel(topo).ingest(spec, w)
-    staged = StagedCostModel(topo)
-    parallel, parts = staged.ingest(spec, w)
-    assert parallel < serial
-    one, one_parts = staged.ingest(PlacementSpec("gpu", ("cuda:0",)), w)
-    assert parts["ingest: copy"] == pytest.approx(one_parts["ingest: copy"] / 8, rel=0.01)  # 8 links at once
-    assert StagedCostModel(topo, staged=False).ingest(spec, w)[0] == pytest.approx(serial)
+def test_a_nodes_ingestion_calls_run_on_one_thread_and_their_dmas_overlap_the_next_call():
+    """Several calls on a node: the thread packs them one after another; a call's DMAs overlap the next's packing."""
+    sc = dataclasses.replace(SCENARIOS["a100"], capacity=100_000)
+    lay = layout(4, sc.total_batch, 4)
+    w = node_workload(sc, lay)
+    cost = ClusterPlanner(load_topology(sc.topology)).cost
+    spec = PlacementSpec("sharded", ("cuda:0", "cuda:2", "cuda:4", "cuda:6"))
+    st = cost.ingest_steps(spec, w)
+    calls = w.calls_per_iteration
+    assert calls == 4
+    point = simulate_iteration(cost, spec, sc, lay, NETWORKS[sc.network])
+    assert calls * (st.calls_s + st.thread_s) <= point.ingest_s < cost.estimate(spec, w).ingest_s
+    assert point.busy["cpu:0"] >= calls * (st.calls_s + st.thread_s)
+    assert point.busy["hostlink:0:0"] == pytest.approx(calls * sum(s.link_s for s in st.steps if s.shard == 0))
 
 
-def test_gpus_behind_one_pcie_switch_share_its_host_link():
-    cost = StagedCostModel(load_topology("dgx-a100-80g"))
-    w = Workload.transitions(20000, capacity=100_000, batch=512)
-    same = cost.ingest(PlacementSpec("sharded", ("cuda:0", "cuda:1")), w)[1]["ingest: copy"]
-    spread = cost.ingest(PlacementSpec("sharded", ("cuda:0", "cuda:2")), w)[1]["ingest: copy"]
-    one = cost.ingest(PlacementSpec("gpu", ("cuda:0",)), w)[1]["ingest: copy"]
-    assert same == pytest.approx(one) and spread == pytest.approx(one / 2)
-    spread4 = PlacementSpec("sharded", ("cuda:0", "cuda:2", "cuda:4", "cuda:6"))
-    assert spread4 in [s for s, _ in ClusterPlanner(load_topology("dgx-a100-80g")).candidates(w)]
-
-
-def test_a_sharded_delivery_costs_more_the_more_shards_it_spans():
-    cost = StagedCostModel(load_topology("dgx-a100-80g"))
-    w = Workload.transitions(128, capacity=100_000, batch=512)
-    calls = [cost.deliver(PlacementSpec("sharded", tuple(f"cuda:{i}" for i in range(k))), w)[0] for k in (2, 4, 8)]
-    assert calls[0] < calls[1] < calls[2]
-    core = CostModel(load_topology("dgx-a100-80g")).deliver(PlacementSpec("sharded", ("cuda:0", "cuda:1")), w)[0]
-    assert calls[0] > core  # the per-shard index uploads core does not count
-
-
-def test_cluster_planner_ranks_fast_links_first_when_every_gpu_hosts_a_learner():
+def test_the_link_blind_view_proposes_gpus_in_rank_order():
     topo = load_topology("mi250x-node")
     w = Workload.transitions(20000, capacity=2_000_000, batch=512, learners=8)
     fast = PlacementSpec("sharded", ("cuda:0", "cuda:2", "cuda:4", "cuda:6"))
     assert fast in [s for s, _ in ClusterPlanner(topo).candidates(w)]
-    assert fast not in [s for s, _ in Planner(topo).candidates(w)], "core's ranking ties every learner GPU"
+    assert [s for s, _ in ClusterPlanner(topo).candidates(w)] == [s for s, _ in Planner(topo).candidates(w)]
     blind = ClusterPlanner(uniform_view(topo)).candidates(w)
     assert fast not in [s for s, _ in blind], "a planner blind to the links proposes GPUs in rank order"
 
@@ -140,16 +123,18 @@ def test_a100_latency_falls_from_one_to_sixteen_gpus():
 def test_mi250x_adaptive_placement_is_never_worse_and_wins_where_gpu_links_carry_traffic():
     rows = run_scenario(dataclasses.replace(SCENARIOS["mi250x"], gpus=(8, 16, 32, 64, 1024)))
     ms = {r["gpus"]: r["sim_ms"] for r in rows}
-    # changed with the NIC attachment and the shard server model: 1024 GCDs are 1.4x below 8 (was 1.8x)
-    assert ms[1024] < ms[8] / 1.3, ms
-    assert ms[16] < ms[8], ms  # the planner sees the fetches it serves: a second node no longer slows it down
+    # each node's packing thread binds ingestion (core's staged model), and more nodes share it out
+    assert ms[1024] < ms[8] / 10, ms
+    assert ms[16] < ms[8], ms
     for r in rows:
         assert r["sim_ms"] <= r["sim_non_adaptive_ms"] * (1 + 1e-9), r
         if r["placement"] == r["non_adaptive_placement"]:
             assert r["sim_ms"] == pytest.approx(r["sim_non_adaptive_ms"], rel=1e-9), r
-    for r in (rows[2], rows[3]):  # 32 and 64 GCDs: fast, NIC-attached ranks against ranks in order
+    for r in rows[:4]:  # 8-64 GCDs: fast, NIC-attached ranks against ranks in order
         assert r["placement"] != r["non_adaptive_placement"], r
-        assert r["gain"] > 0.05 and r["gpu_links_busy_ms"] < r["non_adaptive_gpu_links_busy_ms"], r
+        assert r["sim_non_adaptive_ms"] - r["sim_ms"] > 4.0, r  # ms saved in the delivery phase
+        assert r["gpu_links_busy_ms"] < r["non_adaptive_gpu_links_busy_ms"], r
+    assert rows[3]["gain"] > 0.05  # 64 GCDs: the delivery phase is a larger share of the iteration
     sc = dataclasses.replace(SCENARIOS["mi250x"], gpus=(64,))
     conservative = simulate_scale(sc, 64, adaptive=False, baseline="all-gpus")[0]
     assert conservative.latency_s > ms[64] / 1e3
@@ -157,12 +142,12 @@ def test_mi250x_adaptive_placement_is_never_worse_and_wins_where_gpu_links_carry
 
 def test_mi250x_network_cards_are_attached_to_gcds_and_the_link_blind_view_does_not_see_them():
     topo = load_node("mi250x-node")
-    cost = StagedCostModel(topo, nodes=2, network=NETWORKS["slingshot-4x"])
+    cost = ClusterCostModel(topo, nodes=2, network=NETWORKS["slingshot-4x"])
     assert [g for _, g in cost.cards()] == [0, 2, 4, 6]
     assert [cost.card_of(f"cuda:{i}") for i in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # its package's card
-    blind = StagedCostModel(uniform_view(topo), nodes=2, network=NETWORKS["slingshot-4x"])
+    blind = ClusterCostModel(uniform_view(topo), nodes=2, network=NETWORKS["slingshot-4x"])
     assert blind.cards() == [(NETWORKS["slingshot-4x"].nic, None)]
-    assert StagedCostModel(load_node("dgx-a100-80g")).cards() == []  # no network, no declared cards
+    assert ClusterCostModel(load_node("dgx-a100-80g")).cards() == []  # no network, no declared cards
 
 
 def test_remote_bytes_cross_gcd_links_from_the_card_and_one_gcd_serves_through_one_card():
@@ -198,10 +183,9 @@ def test_the_planners_node_loads_are_the_simulations_busy_time_on_a_node():
 
 
 # -- the online-migration experiment (issue: the paper's 40 iterations, d 128 -> 20000) -------------
-@pytest.mark.parametrize("staged", [True, False])
-def test_migration_greedy_runs_out_conduit_migrates_at_the_boundaries_and_beats_conservative(staged: bool):
+def test_migration_greedy_runs_out_conduit_migrates_at_the_boundaries_and_beats_conservative():
     schedule = paper_schedule(40)
-    res = simulate_growth(ClusterPlanner(load_topology("dgx-a100-80g"), staged=staged), schedule)
+    res = simulate_growth(Planner(load_topology("dgx-a100-80g")), schedule)
     g, c, k = (res.strategies[n] for n in ("greedy", "conservative", "conduit"))
     assert g.failed_at == schedule.index(10000) and g.latency_s[-1] is None  # out of GPU memory
     assert c.failed_at is None and k.failed_at is None
@@ -212,19 +196,7 @@ def test_migration_greedy_runs_out_conduit_migrates_at_the_boundaries_and_beats_
     for i, d in enumerate(schedule):  # Conduit is below Conservative in every iteration it does not migrate
         if all(m[0] != i for m in k.migrations):
             assert k.latency_s[i] < c.latency_s[i], (i, d)
-
-
-def test_staged_ingestion_leaves_conservative_paying_for_its_shards_at_large_d():
-    """Once bytes move at the host links' DMA rate, Conservative's eight shards' calls cost it at every size."""
-    schedule = paper_schedule(40)
-    topo = load_topology("dgx-a100-80g")
-    staged = simulate_growth(ClusterPlanner(topo), schedule)
-    pageable = simulate_growth(ClusterPlanner(topo, staged=False), schedule)
-    assert staged.conservative_over_conduit > pageable.conservative_over_conduit > 1
-    last = len(schedule) - 1
-    c, k = staged.strategies["conservative"], staged.strategies["conduit"]
-    assert k.latency_s[last] < 0.8 * c.latency_s[last]
-    assert k.placements[last] == "sharded[cuda:0,cuda:2,cuda:4,cuda:6]"  # one GPU per PCIe switch
+    assert res.conservative_over_conduit > 1.2
 
 
 # -- the CLI -------------------------------------------------------------------------------------------

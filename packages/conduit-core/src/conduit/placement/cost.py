@@ -1,21 +1,36 @@
 """The cost model: predicted ingestion and delivery latency, and memory, of a candidate placement.
 
-Every prediction is built from the same parts the implementation executes, each priced
-by a :class:`~conduit.placement.LinkCost` (per-call overhead + bytes at the effective
-bandwidth for that transfer size):
+Every prediction is built from the steps the implementation executes, each priced by a
+:class:`~conduit.placement.LinkCost` (per-call overhead + bytes at the effective bandwidth
+for that transfer size), and only those:
 
-* **ingest** (actor -> buffer), per iteration: the EDP's per-call overhead plus, per field,
-  the copy from the actor's pageable host tensor into the tier (host copy, pageable
-  H2D into a GPU, a strided pack + H2D per shard, or a write into a memory-mapped file);
-* **deliver** (buffer -> learner), per iteration and learner: the EDP's per-call overhead
-  plus, per field, a random-row gather on the tier (host, GPU memory, shard by shard, or
-  a memory-mapped file) and the move to the learner's device (pinned H2D from a host tier,
-  P2P between GPUs). Work on different GPUs overlaps: a sharded delivery costs the sum of
-  the per-call overheads (issued one after another) plus the slowest shard's transfer,
-  plus the scatter of every shard's rows into the output on the gathering device.
+* **ingest** (actor -> buffer), per call (:meth:`CostModel.ingest_steps`): the EDP's per-call
+  overhead plus, per field, the write into the tier from the actor's pageable host tensor.
+  Host tiers: a host copy. One GPU (``ColumnarStorage.append``): a synchronous pageable
+  host-to-device copy from the actor's tensor. Disk: a write into a memory-mapped file.
+  GPU shards (``ShardedStorage.append``) are *staged*: per shard and field, the calling
+  thread gathers the shard's rows into that shard's page-locked buffer (a host copy) and
+  issues a ``non_blocking`` copy, a DMA at the *pinned* host-link rate that runs on the
+  GPU's host link while the thread packs the next shard; so the shards' host links fill in
+  parallel. GPUs behind one PCIe switch (the topology's ``host_link_groups``, e.g. DGX A100
+  pairs 0/1, 2/3, 4/5, 6/7) share its uplink: their DMAs queue on it. A call lasts until
+  its last DMA has landed (:attr:`IngestSteps.total_s`).
+* **deliver** (buffer -> learner), per iteration and learner (:meth:`CostModel.delivery_steps`):
+  the EDP's per-call overhead plus, per field, a random-row gather on the tier (host, GPU
+  memory, shard by shard, or a memory-mapped file) and the move to the learner's device
+  (pinned H2D from a host tier, P2P between GPUs). A sharded delivery
+  (``ShardedStorage.gather``) also uploads, per GPU shard, its row indices to that GPU and,
+  per field, the output positions to the gathering GPU (small pageable host-to-device
+  copies on the calling thread): the more shards, the more uploads. Work on different GPUs
+  overlaps: a sharded delivery costs its calls (issued one after another by one thread)
+  plus the slowest shard's gather and move, plus the scatter of every shard's rows into the
+  output on the gathering device.
 
 Learner ``l`` sits on ``cuda:l`` when the topology has GPUs, else on the host. Deliveries
-to several learners are serialised (the EDP delivers one call at a time).
+to several learners are serialised (the EDP delivers one call at a time). Not priced: the
+staging's event record/wait per shard (microseconds), the second write of a call that
+wraps around the ring, ragged fields beyond their mean bytes, and what a scheduler adds
+(a coalescing scheduler's grouped copy, overlap of ingestion with delivery).
 
 Memory: the columns plus the delivery output buffers (``output_depth`` batches on the
 gathering device and on each learner device), times ``1 + headroom``, must fit the
@@ -36,7 +51,7 @@ from conduit.placement.profile import BandwidthProfile, LinkCost
 from conduit.placement.topology import Topology
 from conduit.schema import ExperienceSchema, Field
 
-__all__ = ["Workload", "Estimate", "CostModel", "transition_schema"]
+__all__ = ["Workload", "Estimate", "CostModel", "IngestStep", "IngestSteps", "DeliverySteps", "transition_schema"]
 
 
 def transition_schema(obs_dim: int, dtype: torch.dtype = torch.float32) -> ExperienceSchema:
@@ -178,6 +193,82 @@ class Estimate:
                 "feasible": self.feasible, "breakdown_ms": {k: v * 1e3 for k, v in self.breakdown.items()}}
 
 
+@dataclass(frozen=True)
+class IngestStep:
+    """One step of an ingestion call (seconds).
+
+    ``cpu_s`` runs on the calling thread: a copy it makes itself, or the packing and issue
+    cost of an asynchronous one. When ``resource`` is set (``"hostlink:g"``: host link
+    ``g``), ``link_s`` then runs there without holding the thread (a DMA), queued behind
+    earlier steps on the same resource. ``shard`` is the shard whose page-locked staging
+    buffer the step rewrites (``None``: none), which waits for that shard's previous copies.
+    """
+
+    cpu_s: float
+    resource: str | None = None
+    link_s: float = 0.0
+    shard: int | None = None
+
+
+@dataclass(frozen=True)
+class IngestSteps:
+    """One ingestion call as the steps it runs, in issue order.
+
+    The calling thread runs ``calls_s`` (the EDP's call), then every step's ``cpu_s`` one
+    after another; each step's asynchronous part starts when its thread part is done and
+    its resource is free.
+    """
+
+    calls_s: float
+    steps: tuple[IngestStep, ...]
+
+    @property
+    def thread_s(self) -> float:
+        """The steps' time on the calling thread (without the EDP call)."""
+        return sum(s.cpu_s for s in self.steps)
+
+    @property
+    def total_s(self) -> float:
+        """Until the thread is done and every asynchronous copy it issued has landed."""
+        t = self.calls_s
+        free: dict[str, float] = {}
+        for s in self.steps:
+            t += s.cpu_s
+            if s.resource is not None:
+                free[s.resource] = max(t, free.get(s.resource, 0.0)) + s.link_s
+        return max(t, *free.values()) if free else t
+
+
+@dataclass(frozen=True)
+class DeliverySteps:
+    """One delivery to one learner, as the resources it occupies (seconds).
+
+    ``calls_s`` (the EDP call, every gather, copy and index upload issued, one after
+    another) runs on the calling thread; then every shard at once: ``(device, gather_s,
+    move_s)``, the gather on that device, then its rows over the link to ``home``
+    (``move_s`` 0 for the home shard); then ``scatter_s`` on ``home`` (the shards' rows into
+    the output), then ``transfer_s`` from ``home`` to ``learner`` (0 when they are one
+    device). ``home`` is ``"cpu"`` for host tiers and ``"disk"`` for the disk tier; an
+    unsharded tier has one "shard" and no scatter.
+    """
+
+    calls_s: float
+    shards: tuple[tuple[str, float, float], ...]
+    home: str
+    scatter_s: float
+    transfer_s: float
+    learner: str
+
+    @property
+    def total_s(self) -> float:
+        slowest = max((g + m for _, g, m in self.shards), default=0.0)
+        return self.calls_s + slowest + self.scatter_s + self.transfer_s
+
+
+#: bytes of one row index or output position (int64) a sharded delivery uploads
+_INDEX_BYTES = 8
+
+
 def _cuda_index(device: str) -> int | None:
     return int(device.split(":", 1)[1]) if device.startswith("cuda:") else None
 
@@ -309,78 +400,123 @@ class CostModel:
         assert si is not None
         return self.profile.link("d2h_pinned" if pinned else "d2h_pageable", si)
 
-    def ingest(self, spec: PlacementSpec, workload: Workload) -> tuple[float, dict[str, float]]:
-        """Seconds per iteration to ingest ``batch * learners`` items from actors' host tensors."""
+    def host_link_group(self, gpu: int) -> int:
+        """The host link GPU ``gpu`` reaches host memory through.
+
+        With ``host_link_groups`` in the topology (GPUs behind one PCIe switch share its
+        uplink), the index of its group; otherwise its own link, numbered after the groups.
+        """
+        groups = self.topology.details.get("host_link_groups") or ()
+        for g, members in enumerate(groups):
+            if gpu in members:
+                return g
+        return len(groups) + gpu
+
+    def ingest_steps(self, spec: PlacementSpec, workload: Workload) -> IngestSteps:
+        """One ingestion call of ``workload.ingest_call_items`` items from actors' pageable host tensors,
+        step by step, as the storage of ``spec``'s tier runs it (see the module docstring)."""
         items = workload.ingest_call_items
-        parts = {"ingest: edp": self.profile.link("edp_ingest").overhead_s}
-        copy = 0.0
-        for fb in workload.field_bytes:
-            b = fb * items
+        edp = self.profile.link("edp_ingest").overhead_s
+        fields = workload.field_bytes
+        if spec.tier != "sharded":
             if spec.tier in ("host", "pinned"):
-                copy += self.profile.link("host_copy").seconds(b)
+                link = self.profile.link("host_copy")
             elif spec.tier == "disk":
-                copy += self.profile.link("disk_write").seconds(b)
-            elif spec.tier == "gpu":
-                link = self._move("cpu", spec.devices[0], pinned=False)
-                copy += link.seconds(b) if link else self.profile.link("host_copy").seconds(b)
-            else:
-                k = len(spec.devices)
-                for d in spec.devices:
-                    share = b / k
-                    copy += self.profile.link("host_copy").seconds(share)  # the strided rows packed
-                    link = self._move("cpu", d, pinned=False)
-                    copy += link.seconds(share) if link else 0.0
-        parts["ingest: copy"] = copy
+                link = self.profile.link("disk_write")
+            else:  # ColumnarStorage on one GPU: a synchronous copy from the actor's pageable tensor
+                link = self._move("cpu", spec.devices[0], pinned=False) or self.profile.link("host_copy")
+            return IngestSteps(edp, tuple(IngestStep(link.seconds(fb * items)) for fb in fields))
+        k = len(spec.devices)
+        pack = self.profile.link("host_copy")
+        steps = []
+        for s, d in enumerate(spec.devices):
+            i = _cuda_index(d)
+            for fb in fields:
+                b = fb * items / k
+                if i is None:  # a host shard takes its rows directly
+                    steps.append(IngestStep(pack.seconds(b)))
+                    continue
+                dma = self.profile.link("h2d_pinned", i)
+                steps.append(IngestStep(pack.seconds(b) + dma.overhead_s, f"hostlink:{self.host_link_group(i)}",
+                                        dma.seconds(b) - dma.overhead_s, s))
+        return IngestSteps(edp, tuple(steps))
+
+    def ingest(self, spec: PlacementSpec, workload: Workload) -> tuple[float, dict[str, float]]:
+        """Seconds per iteration to ingest ``batch * learners`` items from actors' host tensors.
+
+        Parts: ``ingest: edp`` (the call), ``ingest: copy`` (the copies on the calling thread;
+        for GPU shards, the DMAs still running once it is done) and, for GPU shards,
+        ``ingest: stage`` (packing each shard's rows into page-locked memory and issuing its DMAs).
+        Calls of one iteration are priced one after another.
+        """
+        st = self.ingest_steps(spec, workload)
+        thread = st.thread_s
+        parts = {"ingest: edp": st.calls_s}
+        if any(s.resource is not None for s in st.steps):
+            parts["ingest: stage"] = thread
+            parts["ingest: copy"] = max(0.0, st.total_s - st.calls_s - thread)
+        else:
+            parts["ingest: copy"] = thread
         scale = workload.calls_per_iteration
         parts = {k: v * scale for k, v in parts.items()}
         return sum(parts.values()), parts
 
-    def deliver_one(self, spec: PlacementSpec, workload: Workload, learner: str) -> dict[str, float]:
-        """Latency parts of one delivery of ``batch`` items to a learner on ``learner``."""
+    def delivery_steps(self, spec: PlacementSpec, workload: Workload, learner: str) -> DeliverySteps:
+        """One delivery of ``workload.batch`` items to a learner on ``learner``, step by step."""
         rows = workload.batch
         fields = list(enumerate(workload.field_bytes))
-        parts = {"deliver: edp": self.profile.link("edp_deliver").overhead_s, "deliver: gather": 0.0,
-                 "deliver: transfer": 0.0}
-        if spec.tier == "sharded":
-            k = len(spec.devices)
-            home = spec.devices[0]
-            col_rows = workload.capacity / k
-            scatter = 0.0
-            for f, fb in fields:
-                link = self._gather(home, workload, f, workload.batch)
-                scatter += k * link.seconds(fb * rows / k, rows / k)
-            parts["deliver: scatter"] = scatter
-            overheads = 0.0
-            slowest = 0.0
-            gather_sum = move_sum = 0.0
-            for d in spec.devices:
-                move = self._move(d, home, pinned=False)
-                t_move = t_gather = 0.0
-                for f, fb in fields:
-                    g = self._gather(d, workload, f, col_rows)
-                    b = fb * rows / k
-                    overheads += g.overhead_s
-                    t_gather += g.seconds(b, rows / k) - g.overhead_s
-                    if move is not None:
-                        overheads += move.overhead_s
-                        t_move += move.seconds(b) - move.overhead_s
-                slowest = max(slowest, t_gather + t_move)
-                gather_sum += t_gather
-                move_sum += t_move
-            # the shards' work overlaps across devices (their calls do not): count the slowest shard
-            f_par = slowest / (gather_sum + move_sum) if gather_sum + move_sum > 0 else 0.0
-            parts["deliver: gather"] = gather_sum * f_par
-            parts["deliver: transfer"] = move_sum * f_par
-            parts["deliver: calls"] = overheads
-            src = home
-        else:
+        edp = self.profile.link("edp_deliver").overhead_s
+        if spec.tier != "sharded":
             src = spec.devices[0] if spec.tier == "gpu" else "cpu"
             where = "disk" if spec.tier == "disk" else src
-            parts["deliver: gather"] = sum(self._gather(where, workload, f, workload.capacity).seconds(fb * rows, rows)
-                                           for f, fb in fields)
-        link = self._move(src, learner, pinned=src == "cpu")
-        if link is not None:
-            parts["deliver: transfer"] += sum(link.seconds(fb * rows) for fb in workload.field_bytes)
+            gather = sum(self._gather(where, workload, f, workload.capacity).seconds(fb * rows, rows)
+                         for f, fb in fields)
+            link = self._move(src, learner, pinned=src == "cpu")
+            transfer = sum(link.seconds(fb * rows) for _, fb in fields) if link is not None else 0.0
+            return DeliverySteps(edp, ((where, gather, 0.0),), where, 0.0, transfer, learner)
+        k = len(spec.devices)
+        home = spec.devices[0]
+        hi = _cuda_index(home)
+        share = rows / k
+        calls = edp
+        scatter = 0.0
+        for f, fb in fields:
+            scatter += k * self._gather(home, workload, f, rows).seconds(fb * share, share)
+        shards = []
+        for d in spec.devices:
+            i = _cuda_index(d)
+            if i is not None:  # the shard's row indices, to its GPU
+                calls += self.profile.link("h2d_pageable", i).seconds(_INDEX_BYTES * share)
+            move = self._move(d, home, pinned=False)
+            g_s = m_s = 0.0
+            for f, fb in fields:
+                if hi is not None:  # this field's output positions, to the gathering GPU
+                    calls += self.profile.link("h2d_pageable", hi).seconds(_INDEX_BYTES * share)
+                g = self._gather(d, workload, f, workload.capacity / k)
+                calls += g.overhead_s
+                g_s += g.seconds(fb * share, share) - g.overhead_s
+                if move is not None:
+                    calls += move.overhead_s
+                    m_s += move.seconds(fb * share) - move.overhead_s
+            shards.append((d, g_s, m_s))
+        link = self._move(home, learner, pinned=False)
+        transfer = sum(link.seconds(fb * rows) for _, fb in fields) if link is not None else 0.0
+        return DeliverySteps(calls, tuple(shards), home, scatter, transfer, learner)
+
+    def deliver_one(self, spec: PlacementSpec, workload: Workload, learner: str) -> dict[str, float]:
+        """Latency parts of one delivery of ``batch`` items to a learner on ``learner``.
+
+        ``deliver: gather`` and the shard part of ``deliver: transfer`` are the slowest
+        shard's; a sharded delivery adds ``deliver: calls`` (every gather, copy and index
+        upload issued) and ``deliver: scatter``.
+        """
+        st = self.delivery_steps(spec, workload, learner)
+        edp = self.profile.link("edp_deliver").overhead_s
+        _, g, m = max(st.shards, key=lambda x: x[1] + x[2])
+        parts = {"deliver: edp": edp, "deliver: gather": g, "deliver: transfer": m + st.transfer_s}
+        if spec.tier == "sharded":
+            parts["deliver: calls"] = st.calls_s - edp
+            parts["deliver: scatter"] = st.scatter_s
         return parts
 
     def deliver(self, spec: PlacementSpec, workload: Workload) -> tuple[float, dict[str, float]]:

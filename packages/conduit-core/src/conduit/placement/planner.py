@@ -4,10 +4,17 @@ Candidates span the memory hierarchy of the topology: host memory (and pinned ho
 when there are GPUs), each single GPU, the buffer sharded over 2, 4, ... GPUs, and the
 disk tier. For every shard count the planner proposes the GPUs with the fastest links to
 the learners (on non-uniform interconnects these differ from the first ``k`` GPUs, which
-are proposed too, so the plan shows why they lose). Each candidate is priced by the
+are proposed too, so the plan shows why they lose) and, when the topology declares
+``host_link_groups`` (GPUs behind one PCIe switch), the best-ranked GPUs spread over as
+many host links as possible (staged ingestion fills the shards over their host links at
+once, so GPUs sharing a switch ingest no faster than one). Each candidate is priced by the
 :class:`~conduit.placement.CostModel`; the chosen one is the fastest feasible (candidates
 within ``tie_tolerance`` of it prefer fewer devices, then the simpler tier). The disk tier
 is chosen only when nothing in memory fits: it is for buffers larger than memory.
+
+GPUs are ranked by their links to the learners: a GPU that hosts a learner scores a large
+constant *plus* its bandwidth to the other learners, so with a learner on every GPU the
+ones with the fastest links to the rest (MI250X: 0/2/4/6) still come first.
 """
 
 from __future__ import annotations
@@ -26,6 +33,10 @@ if TYPE_CHECKING:
     from conduit.placement.placement_map import PlacementMap
 
 __all__ = ["Candidate", "Plan", "Planner"]
+
+#: the score a learner-hosting GPU starts from: above any sum of link bandwidths (B/s), small enough that
+#: adding such sums to it stays exact in float64
+_LEARNER_SCORE = 1e15
 
 
 @dataclass(frozen=True)
@@ -129,20 +140,37 @@ class Planner:
 
     # -- candidates --------------------------------------------------------------------------
     def _link_score(self, gpu: int, learners: Sequence[str]) -> float:
-        """Aggregate bandwidth from ``gpu`` to the learners' GPUs (higher is better)."""
-        score = 0.0
+        """How well ``gpu`` is linked to the learners' GPUs (higher is better).
+
+        Each learner it hosts counts :data:`_LEARNER_SCORE`; to that is added its
+        bandwidth to every other learner's GPU (the constant added last, so equal sums give
+        equal scores whatever the GPU's rank).
+        """
+        hosts = 0
+        bandwidth = 0.0
         for ld in learners:
             if not ld.startswith("cuda:"):
                 continue
             j = int(ld.split(":")[1])
             if j == gpu:
-                score += float("inf")
-            else:
-                try:
-                    score += self.profile.link("p2p", gpu, j).peak_bandwidth
-                except PlacementError:
-                    pass
-        return score
+                hosts += 1
+                continue
+            try:
+                bandwidth += self.profile.link("p2p", gpu, j).peak_bandwidth
+            except PlacementError:
+                pass
+        return hosts * _LEARNER_SCORE + bandwidth
+
+    def _spread(self, order: Sequence[int], k: int) -> list[int]:
+        """``k`` GPUs over as many host links as possible: each time the best-ranked one on the least-used link."""
+        picked: list[int] = []
+        used: dict[int, int] = {}
+        for _ in range(k):
+            i = min((i for i in order if i not in picked),
+                    key=lambda i: (used.get(self.cost.host_link_group(i), 0), order.index(i)))
+            picked.append(i)
+            used[self.cost.host_link_group(i)] = used.get(self.cost.host_link_group(i), 0) + 1
+        return picked
 
     def candidates(self, workload: Workload) -> list[tuple[PlacementSpec, str]]:
         """Every placement worth pricing, with a short label saying what it tries."""
@@ -155,11 +183,15 @@ class Planner:
                 out.append((PlacementSpec("gpu", (g.device,)), f"GPU {g.index} alone"))
             learners = self.cost.learner_devices(workload)
             order = sorted(range(n), key=lambda i: (-self._link_score(i, learners), i))
+            grouped = bool(topo.details.get("host_link_groups"))
             sizes = sorted({k for k in (2, 4, 8, 16, 32, 64) if k < n} | ({n} if n > 1 else set()))
-            seen: set[frozenset[str]] = set()
+            seen: set[frozenset[int]] = set()
             for k in sizes:
-                for devs, label in ((order[:k], f"{k} GPUs with the fastest links to the learners"),
-                                    (list(range(k)), f"the first {k} GPUs")):
+                tries = [(order[:k], f"{k} GPUs with the fastest links to the learners")]
+                if grouped and k < n:
+                    tries.append((self._spread(order, k), f"{k} GPUs spread over the host links"))
+                tries.append((list(range(k)), f"the first {k} GPUs"))
+                for devs, label in tries:
                     key = frozenset(devs)
                     if key in seen:
                         continue

@@ -51,7 +51,9 @@ class Topology:
         declared: link figures from the data file (``None`` for a discovered topology).
         description: one line about the machine.
         source: ``"declared"`` or ``"discovered"``.
-        details: everything else known (NVLink counts, peer access, notes).
+        details: everything else known (NVLink counts, peer access, notes; for declared
+            machines ``host_link_groups``: the GPUs behind each PCIe switch, which share its
+            uplink to the host, as the cost model prices staged ingestion).
     """
 
     name: str
@@ -110,10 +112,19 @@ class Topology:
                     links["p2p"] = LinkCost.constant(float(p2p["gbps"]), over)
             prof = BandwidthProfile(links, source="declared", machine=f"declared:{name}",
                                     details={"source": d.get("source", "")})
+            groups = d.get("host_link_groups")
+            if groups is not None:
+                flat = [i for g in groups for i in g] if isinstance(groups, list) and all(
+                    isinstance(g, list) for g in groups) else None
+                if flat is None or any(not isinstance(i, int) or not 0 <= i < n for i in flat) or \
+                        len(set(flat)) != len(flat):
+                    raise PlacementError(f"Topology {name!r}: host_link_groups must be lists of GPU indices "
+                                         f"(0..{n - 1}), each GPU in at most one group (the GPUs behind one PCIe "
+                                         f"switch), got {groups!r}.")
             return cls(name, int(float(d["host_memory_gib"]) * GIB), gpus, int(float(d.get("disk_gib", 0)) * GIB),
                        prof, str(d.get("description", "")), "declared",
                        {"notes": d.get("notes", ""), "source": d.get("source", ""),
-                        **({"host_link_groups": d["host_link_groups"]} if "host_link_groups" in d else {})})
+                        **({"host_link_groups": groups} if groups is not None else {})})
         except (KeyError, TypeError, ValueError) as e:
             raise PlacementError(f"Malformed topology data ({e!r}); compare with the files in "
                                  f"conduit/placement/topologies/.") from e

@@ -2,8 +2,10 @@
 
 A discrete-event simulation of one training iteration on clusters of declared node
 topologies (``conduit/placement/topologies/``) joined by a declared network, driving the
-same placement planner and cost model as :mod:`conduit.placement`. ``conduit simulate``
-runs the paper's two scaling experiments and writes a table and a plot.
+same placement planner and cost model as :mod:`conduit.placement` (core's model prices each
+node; :mod:`.planning` adds the cluster: network cards, serving other nodes, multi-node
+pricing). ``conduit simulate`` runs the paper's two scaling experiments and writes a table
+and a plot.
 """
 
 from conduit.simulation.cluster import NETWORKS, SCENARIOS, Network, Scenario
@@ -16,7 +18,7 @@ from conduit.simulation.model import (
     simulate_iteration,
     simulate_scale,
 )
-from conduit.simulation.planning import ClusterPlanner, DeliverySteps, IngestSteps, StagedCostModel, uniform_view
+from conduit.simulation.planning import ClusterCostModel, ClusterPlanner, ServeSteps, uniform_view
 
 __all__ = [
     "Simulation",
@@ -32,8 +34,7 @@ __all__ = [
     "run_scenario",
     "equivalent_specs",
     "ClusterPlanner",
-    "StagedCostModel",
-    "IngestSteps",
-    "DeliverySteps",
+    "ClusterCostModel",
+    "ServeSteps",
     "uniform_view",
 ]

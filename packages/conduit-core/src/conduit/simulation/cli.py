@@ -98,8 +98,7 @@ def simulate(args: argparse.Namespace) -> int:
         net = NETWORKS[sc.network]
         if args.rpc_us is not None:
             net = dataclasses.replace(net, rpc_overhead_s=args.rpc_us * 1e-6)
-        rows = run_scenario(sc, baseline=args.baseline, samples=args.samples, network=net,
-                            staged=args.ingest == "staged")
+        rows = run_scenario(sc, baseline=args.baseline, samples=args.samples, network=net)
         results[name] = (sc, rows)
         md = table(sc, rows, args.baseline)
         (out / f"scale-{name}.md").write_text(md + "\n")
@@ -123,10 +122,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--out", default="simulation-out", help="directory for the tables and the plot")
     p.add_argument("--baseline", choices=BASELINES, default="rank-order",
                    help="what 'adaptive placement off' means (see docs)")
-    p.add_argument("--ingest", choices=("staged", "pageable"), default="staged",
-                   help="staged: actors write into the EDP's page-locked staging, shards fill over their host links "
-                        "in parallel (the paper's mechanism); pageable: core's cost model (copies from pageable "
-                        "memory, shard after shard)")
     p.add_argument("--samples", type=int, default=8, help="link-blind placements simulated per scale")
     p.add_argument("--gpus", help="comma-separated scales (default: the paper's)")
     p.add_argument("--obs-dim", dest="obs_dim", type=int, help="transition size d (default 20000)")

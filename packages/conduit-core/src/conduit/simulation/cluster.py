@@ -25,7 +25,7 @@ def load_node(name: str) -> Topology:
     A node file may declare ``"nics"``: its network cards (``gbps`` and ``overhead_us`` per
     card, ``attached_gpus``: the GPU each card is attached to, ``source``). Placement's
     loader keeps only what one node needs, so the simulator reads this section itself and
-    puts it in ``details["nics"]`` (see :meth:`~.planning.StagedCostModel.cards`).
+    puts it in ``details["nics"]`` (see :meth:`~.planning.ClusterCostModel.cards`).
     """
     topo = load_topology(name)
     path = resources.files("conduit.placement") / "topologies" / f"{name}.json"

@@ -2,14 +2,17 @@
 
 Every GPU runs one data-parallel learner; nodes fill up ``gpus_per_node`` GPUs at a time.
 Each node keeps its share of the buffer in the placement the planner chose for that node
-(:class:`~.planning.ClusterPlanner`: core's planner with the paper's staged ingestion), and
-every duration below comes from :class:`~.planning.StagedCostModel` for that placement and
-a node-sized :class:`~conduit.placement.Workload`, step by step (its ``ingest_steps`` and
-``delivery_steps``). One iteration is:
+(:class:`~.planning.ClusterPlanner`: core's planner for a node of the cluster), and every
+duration below comes from :class:`~.planning.ClusterCostModel` (core's cost model plus the
+cluster) for that placement and a node-sized :class:`~conduit.placement.Workload`, step by
+step (core's ``ingest_steps`` and ``delivery_steps``). One iteration is:
 
 1. **ingestion**: each node's actors hand over their share of the items in calls of one
-   learner's batch: the EDP call and the copies' issue costs on the node's CPU, then the
-   copies, each on the host link (PCIe switch uplink) of the GPU it fills, all at once;
+   learner's batch, one call after another on the node's CPU: the EDP call, then each
+   step's work on the thread (a copy; for GPU shards, packing the shard's rows into its
+   page-locked staging and issuing the DMA), each DMA then on the host link (PCIe switch
+   uplink) of the GPU it fills while the thread goes on; rewriting a shard's staging waits
+   for that shard's copies of the previous call;
 2. a barrier (the learners sample from the buffer as it stands after ingestion);
 3. **delivery**: each learner draws its batch uniformly over the union of all nodes'
    buffers (the multi-node semantics of :mod:`conduit.distributed`), so ``1/N`` of it is
@@ -20,7 +23,7 @@ a node-sized :class:`~conduit.placement.Workload`, step by step (its ``ingest_st
    (RPC overhead on its CPU); the holder's shard server (a process of its own, as in
    :mod:`conduit.distributed`, where each node's shard server is an actor that runs its
    data calls one at a time) issues the serve
-   (:meth:`~.planning.StagedCostModel.serve_steps`); every shard gathers its rows on its
+   (:meth:`~.planning.ClusterCostModel.serve_steps`); every shard gathers its rows on its
    GPU and sends them out through the network card nearest it (crossing the GPU-GPU link
    to the GPU the card is attached to, when it is another); they enter the requesting
    node through the card nearest each learner and cross the GPU-GPU link from that
@@ -53,11 +56,11 @@ from typing import Any
 
 from conduit.errors import ConfigurationError
 from conduit.placement.base import PlacementSpec
-from conduit.placement.cost import Workload
+from conduit.placement.cost import DeliverySteps, Workload
 from conduit.placement.topology import Topology
 from conduit.simulation.cluster import NETWORKS, Network, Scenario, load_node
 from conduit.simulation.engine import Simulation, Task
-from conduit.simulation.planning import ClusterPlanner, DeliverySteps, StagedCostModel, uniform_view
+from conduit.simulation.planning import ClusterCostModel, ClusterPlanner, uniform_view
 
 __all__ = ["ReplayWorkload", "ScalePoint", "Layout", "simulate_iteration", "node_workload", "node_in_use",
            "equivalent_specs",
@@ -117,7 +120,7 @@ def _device(n: int, device: str) -> str:
     return f"gpu:{n}:{device.split(':', 1)[1]}"
 
 
-def _link(cost: StagedCostModel, n: int, src: str, dst: str) -> str:
+def _link(cost: ClusterCostModel, n: int, src: str, dst: str) -> str:
     """The resource carrying bytes from ``src`` to ``dst`` on node ``n``: a GPU pair, or a GPU's host link."""
     if src.startswith("cuda:") and dst.startswith("cuda:"):
         return f"link:{n}:{src.split(':')[1]}:{dst.split(':')[1]}"
@@ -125,7 +128,7 @@ def _link(cost: StagedCostModel, n: int, src: str, dst: str) -> str:
     return f"hostlink:{n}:{cost.host_link_group(int(gpu.split(':')[1]))}"
 
 
-def _delivery(sim: Simulation | Loads, cost: StagedCostModel, st: DeliverySteps, n: int, label: str, deps: list[Task],
+def _delivery(sim: Simulation | Loads, cost: ClusterCostModel, st: DeliverySteps, n: int, label: str, deps: list[Task],
               f_calls: float, f_bytes: float) -> list[Task]:
     """The tasks of one delivery (``st``) on node ``n``: calls, shard gathers and moves, scatter, transfer."""
     t = sim.task(f"{label}: calls", f_calls * st.calls_s, f"cpu:{n}", deps)
@@ -158,7 +161,7 @@ class Loads:
 Sink = Simulation | Loads
 
 
-def _fetch(sim: Sink, cost: StagedCostModel, spec: PlacementSpec, local_w: Workload, n: int, m: int,
+def _fetch(sim: Sink, cost: ClusterCostModel, spec: PlacementSpec, local_w: Workload, n: int, m: int,
            fetches: float, f_items: float, nbytes: float, network: Network, deps: list[Task]) -> None:
     """Node ``n``'s learners fetch from node ``m`` (see the module docstring, step 3)."""
     g = local_w.learners
@@ -202,7 +205,7 @@ def _fetch(sim: Sink, cost: StagedCostModel, spec: PlacementSpec, local_w: Workl
                          done)
 
 
-def delivery_phase(sim: Sink, cost: StagedCostModel, spec: PlacementSpec, w: Workload, batch: float, n_nodes: int,
+def delivery_phase(sim: Sink, cost: ClusterCostModel, spec: PlacementSpec, w: Workload, batch: float, n_nodes: int,
                    network: Network | None, deps: list[Task], *, nodes: Iterable[int] | None = None,
                    pairs: Iterable[tuple[int, int]] | None = None) -> None:
     """Add the delivery phase's tasks to ``sim``: every learner's local delivery on every node in ``nodes``
@@ -228,7 +231,7 @@ def delivery_phase(sim: Sink, cost: StagedCostModel, spec: PlacementSpec, w: Wor
             _delivery(sim, cost, st, n, f"deliver n{n} l{j}", deps, p_touch, p_touch * f_items)
 
 
-def node_loads(cost: StagedCostModel, spec: PlacementSpec, w: Workload, batch: float, n_nodes: int,
+def node_loads(cost: ClusterCostModel, spec: PlacementSpec, w: Workload, batch: float, n_nodes: int,
                network: Network | None) -> dict[str, float]:
     """Busy seconds of every resource of one node in the delivery phase of a cluster of ``n_nodes``
     identical nodes: exactly what :func:`simulate_iteration` puts on node 0 after the barrier
@@ -258,26 +261,41 @@ class ScalePoint:
     busy: dict[str, float] = field(default_factory=dict)
 
 
-def simulate_iteration(cost: StagedCostModel, spec: PlacementSpec, scenario: Scenario, lay: Layout,
+def simulate_iteration(cost: ClusterCostModel, spec: PlacementSpec, scenario: Scenario, lay: Layout,
                        network: Network) -> ScalePoint:
     """Simulate one iteration with ``spec`` as every node's placement (see the module docstring)."""
     w = node_workload(scenario, lay)
     sim = Simulation()
     n_nodes = lay.nodes
 
-    # 1. ingestion: calls on the node's CPU, then the copies on their host links (or host memory, or disk)
+    # 1. ingestion: the calls one after another on the node's CPU; each DMA on its host link while the thread goes on
     ing = cost.ingest_steps(spec, w)
     calls = w.calls_per_iteration
     n_calls = max(1, math.ceil(calls))
     scale = calls / n_calls
     ingest_tasks: list[Task] = []
     for n in range(n_nodes):
+        thread: list[Task] = []
+        copies: dict[int, list[Task]] = {}  # shard -> the copies out of its staging issued by the last call
         for c in range(n_calls):
-            t = sim.task(f"ingest n{n} c{c}: calls", ing.calls_s * scale, f"cpu:{n}")
-            for key, secs in ing.copies.items():
-                kind, _, rest = key.partition(":")
-                res = f"{kind}:{n}" + (f":{rest}" if rest else "")
-                ingest_tasks.append(sim.task(f"ingest n{n} c{c}: {key}", secs * scale, res, [t]))
+            t = sim.task(f"ingest n{n} c{c}: call", ing.calls_s * scale, f"cpu:{n}", thread)
+            issued: dict[int, list[Task]] = {}
+            for j, step in enumerate(ing.steps):
+                deps = [t]
+                if step.shard is not None and step.shard not in issued:  # its staging is free once copied out
+                    deps += copies.get(step.shard, [])
+                    issued[step.shard] = []
+                t = sim.task(f"ingest n{n} c{c}: step {j}", step.cpu_s * scale, f"cpu:{n}", deps)
+                if step.resource is not None:
+                    kind, _, rest = step.resource.partition(":")
+                    res = f"{kind}:{n}" + (f":{rest}" if rest else "")
+                    x = sim.task(f"ingest n{n} c{c}: copy {j}", step.link_s * scale, res, [t])
+                    ingest_tasks.append(x)
+                    if step.shard is not None:
+                        issued[step.shard].append(x)
+            thread = [t]
+            copies.update(issued)
+        ingest_tasks.extend(thread)
     barrier = sim.task("barrier", 0.0, None, ingest_tasks)
 
     # 2. delivery: each learner's batch b, uniform over the union of the nodes' buffers
@@ -317,8 +335,8 @@ BASELINES = ("rank-order", "link-blind", "all-gpus")
 
 
 def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, baseline: str = "rank-order",
-                   samples: int = 8, network: Network | None = None, topology: Topology | None = None,
-                   staged: bool = True) -> list[ScalePoint]:
+                   samples: int = 8, network: Network | None = None,
+                   topology: Topology | None = None) -> list[ScalePoint]:
     """Simulate one scale point.
 
     ``adaptive=True``: every node uses the placement :class:`ClusterPlanner` chooses on the
@@ -333,9 +351,6 @@ def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, base
       simulated on the real links; returns one point per placement (up to ``samples``);
     * ``"all-gpus"``: the buffer sharded over every GPU of the node in rank order (the
       paper's "Conservative" placement), whatever the workload; returns one point.
-
-    ``staged=False`` prices ingestion as core's :class:`~conduit.placement.CostModel` does
-    (pageable copies, shard after shard) instead of the paper's staged, parallel DMA.
     """
     if baseline not in BASELINES:
         raise ConfigurationError(f"baseline must be one of {BASELINES}, got {baseline!r}.")
@@ -345,7 +360,7 @@ def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, base
     lay = layout(gpus, scenario.total_batch, min(gpus, gpn))
     topo = node_in_use(full, lay.gpus_per_node)
     w = node_workload(scenario, lay)
-    real = ClusterPlanner(topo, staged=staged, nodes=lay.nodes, network=net)
+    real = ClusterPlanner(topo, nodes=lay.nodes, network=net)
     if adaptive:
         spec = real.plan(w).placement
         return [simulate_iteration(real.cost, spec, scenario, lay, net)]
@@ -354,7 +369,7 @@ def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, base
         spec = PlacementSpec("sharded", tuple(f"cuda:{i}" for i in range(n))) if n > 1 else \
             PlacementSpec("gpu", ("cuda:0",)) if n else PlacementSpec("host", ("cpu",))
         return [simulate_iteration(real.cost, spec, scenario, lay, net)]
-    blind = ClusterPlanner(uniform_view(topo), staged=real.cost.staged, nodes=lay.nodes, network=net).plan(w).placement
+    blind = ClusterPlanner(uniform_view(topo), nodes=lay.nodes, network=net).plan(w).placement
     if baseline == "rank-order":
         return [simulate_iteration(real.cost, blind, scenario, lay, net)]
     specs = equivalent_specs(blind, lay.gpus_per_node, samples=samples)
@@ -362,15 +377,14 @@ def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, base
 
 
 def run_scenario(scenario: Scenario, *, baseline: str = "rank-order", samples: int = 8,
-                 network: Network | None = None, gpus: tuple[int, ...] | None = None,
-                 staged: bool = True) -> list[dict[str, Any]]:
+                 network: Network | None = None, gpus: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
     """Every scale of ``scenario``, adaptive and not; one row per scale (latencies in ms)."""
     topo = load_node(scenario.topology)
     rows = []
     for n in gpus or scenario.gpus:
-        a = simulate_scale(scenario, n, adaptive=True, network=network, topology=topo, staged=staged)[0]
+        a = simulate_scale(scenario, n, adaptive=True, network=network, topology=topo)[0]
         blind = simulate_scale(scenario, n, adaptive=False, baseline=baseline, samples=samples, network=network,
-                               topology=topo, staged=staged)
+                               topology=topo)
         mean_blind = sum(p.latency_s for p in blind) / len(blind)
         paper_a, paper_b = scenario.paper.get(n, (None, None))
         rows.append({"gpus": n, "nodes": a.nodes, "placement": str(a.placement),
