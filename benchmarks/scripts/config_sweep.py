@@ -41,6 +41,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "config_sweep.json"
 PLOT = ROOT / "benchmarks" / "docs" / "config_sweep.png"
 GS = (1, 2, 4, 8)
+#: short iterations get more of them, so each figure covers a few tenths of a second of the loop (at d = 128
+#: an iteration is ~9 ms and the learner step alone varies by +-25% from one iteration to the next)
+MIN_ITERATIONS = {128: 40, 1000: 12}
 
 #: the loop's shape: transitions per rollout, updates of ``BATCH`` per iteration, MLP width
 ROLLOUT, BATCH, UPDATES, HIDDEN = 256, 512, 4, 64
@@ -114,7 +117,7 @@ def run_config(cfg: Config, d: int, *, iterations: int, warmup: int, auto_warmup
 
 
 def sweep(dims: Sequence[int], *, gs: Sequence[int] = GS, rounds: int = 3, iterations: int = 5, warmup: int = 2,
-          auto_warmup: int = 28, placement_names: Sequence[str] | None = None, seed: int = 0,
+          auto_warmup: int = 28, placement_names: Sequence[str] | None = None, seed: int = 0, confirm_rounds: int = 0,
           log: Callable[[str], None] = print, save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the sweep; returns ``{"dims": {d: {config: {...medians...}}}, ...}`` (``save`` gets it after each d)."""
     torch.set_num_threads(1)
@@ -132,8 +135,8 @@ def sweep(dims: Sequence[int], *, gs: Sequence[int] = GS, rounds: int = 3, itera
             order = configs[:]
             rng.shuffle(order)
             for cfg in order:
-                runs[cfg.name].append(run_config(cfg, d, iterations=iterations, warmup=warmup,
-                                                 auto_warmup=auto_warmup))
+                runs[cfg.name].append(run_config(cfg, d, iterations=max(iterations, MIN_ITERATIONS.get(d, 0)),
+                                                 warmup=warmup, auto_warmup=auto_warmup))
                 gc.collect()  # the next configuration gets the memory of this one's buffer
             log(f"d={d}: round {r + 1}/{rounds} done ({time.perf_counter() - t0:.0f} s)")
         table = {}
@@ -144,10 +147,36 @@ def sweep(dims: Sequence[int], *, gs: Sequence[int] = GS, rounds: int = 3, itera
             med["calibrated"] = all(x["calibrated"] for x in rs)
             med["decision"] = rs[-1]["decision"]
             table[name] = med
-        out["dims"][str(d)] = summarize(table)
+        summary = summarize(table)
+        if confirm_rounds:
+            summary["confirm"] = head_to_head(summary["best"], configs, d, rounds=confirm_rounds,
+                                              iterations=max(iterations, MIN_ITERATIONS.get(d, 0)), warmup=warmup,
+                                              auto_warmup=auto_warmup, rng=rng)
+            log(f"d={d}: head-to-head auto vs {summary['best']}: {summary['confirm']['auto_vs_best']:.3f}x")
+        out["dims"][str(d)] = summary
         if save is not None:
             save(out)
     return out
+
+
+def head_to_head(best: str, configs: Sequence[Config], d: int, *, rounds: int, iterations: int, warmup: int,
+                 auto_warmup: int, rng: random.Random) -> dict[str, Any]:
+    """Re-measure the automatic choice against the sweep's best manual configuration, alternating, in fresh runs.
+
+    The sweep's best is the minimum over many noisy configurations, so its own figure is biased
+    low (the winner's curse); runs independent of the selection compare the two without that bias.
+    """
+    pair = [c for c in configs if c.name in (best, "auto")]
+    times: dict[str, list[float]] = {c.name: [] for c in pair}
+    for _ in range(rounds):
+        rng.shuffle(pair)
+        for cfg in pair:
+            times[cfg.name].append(run_config(cfg, d, iterations=iterations, warmup=warmup,
+                                              auto_warmup=auto_warmup)["iteration_s"])
+            gc.collect()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"best": best, "rounds": rounds, "iteration_s": med, "per_round": times,
+            "auto_vs_best": med["auto"] / med[best]}
 
 
 def summarize(table: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -227,6 +256,11 @@ def table_text(results: dict[str, Any]) -> str:
                      f"{c['auto']['iteration_s'] * 1e3:.1f} ms ({r['auto_vs_best']:.3f}x best), spread "
                      f"{r['spread_s'] * 1e3:.1f} ms; exposed with overlap ({r['best_overlap_exposed']}) "
                      f"{r['exposed_reduction']:.1%} below synchronous")
+        if "confirm" in r:
+            h = r["confirm"]
+            t_auto, t_best = h["iteration_s"]["auto"] * 1e3, h["iteration_s"][h["best"]] * 1e3
+            lines.append(f"  head-to-head ({h['rounds']} fresh alternating rounds): auto {t_auto:.2f} ms vs "
+                         f"{h['best']} {t_best:.2f} ms = {h['auto_vs_best']:.3f}x")
         for name in sorted(c, key=lambda k: c[k]["iteration_s"]):
             v = c[name]
             lines.append(f"  {name:26} iteration {v['iteration_s'] * 1e3:8.2f}  exposed {v['exposed_s'] * 1e3:7.3f}  "
@@ -239,6 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dims", type=int, nargs="+", default=[128, 1000, 5000, 10000])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iterations", type=int, default=5)
+    p.add_argument("--confirm-rounds", type=int, default=5,
+                   help="head-to-head rounds of the automatic choice against the best manual configuration")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--plot", type=Path, default=PLOT)
     args = p.parse_args(argv)
@@ -247,7 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def save(res: dict[str, Any]) -> None:
         args.out.write_text(json.dumps(res, indent=1, default=str))
 
-    res = sweep(args.dims, rounds=args.rounds, iterations=args.iterations, save=save)
+    res = sweep(args.dims, rounds=args.rounds, iterations=args.iterations, confirm_rounds=args.confirm_rounds,
+                save=save)
     print(table_text(res))
     print(f"\nwrote {args.out} and {plot(res, args.plot)}")
     return 0
