@@ -244,8 +244,11 @@ class Planner:
             return (f"not needed: memory holds the buffer ({e.spec.tier} is for buffers larger than memory; its "
                     f"reads are only this fast while its pages stay cached)")
         if e.total_s <= chosen.total_s:
+            simpler = (len(chosen.spec.devices), TIERS.index(chosen.spec.tier)) < (len(e.spec.devices),
+                                                                                  TIERS.index(e.spec.tier))
             return (f"within {self.tie_tolerance:.0%} of the chosen ({e.total_s * 1e3:.3f} ms vs "
-                    f"{chosen.total_s * 1e3:.3f} ms), which uses fewer devices or a simpler tier")
+                    f"{chosen.total_s * 1e3:.3f} ms), which "
+                    + ("uses fewer devices or a simpler tier" if simpler else "the planner proposed first"))
         diffs = {k: e.breakdown.get(k, 0.0) - chosen.breakdown.get(k, 0.0)
                  for k in set(e.breakdown) | set(chosen.breakdown)}
         worst = max(diffs, key=lambda k: diffs[k])
