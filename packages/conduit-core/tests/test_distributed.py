@@ -29,27 +29,12 @@ from conduit.distributed import DistributedDataPlane, ShardServers, stage  # noq
 from conduit.distributed.testing import (  # noqa: E402
     DistributedOnPolicyEndpoint,
     DistributedReplayEndpoint,
-    local_cluster,
 )
 from conduit.testing import ConcurrencySuite, FreshnessSuite, ReplaySuite  # noqa: E402
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
 from conduit.testing.suites.base import chi_square_p  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_cluster(2) as lc:
-        yield lc
-
-
-@pytest.fixture(scope="module")
-def servers(cluster):
-    """One shard server on the head node (the learner's) and one on the worker node."""
-    group = ShardServers([cluster.head, cluster.workers[0]])
-    yield group
-    group.shutdown()
 
 
 def _plane(servers, **kwargs):

@@ -15,29 +15,15 @@ import torch
 pytest.importorskip("ray")
 
 from conduit import OnPolicy, Overlapped, PrioritizedSampler, Replay  # noqa: E402
-from conduit.distributed import DistributedDataPlane, ShardServers  # noqa: E402
+from conduit.distributed import DistributedDataPlane  # noqa: E402
 from conduit.distributed.testing import (  # noqa: E402
     DistributedOnPolicyEndpoint,
     DistributedReplayEndpoint,
-    local_cluster,
 )
 from conduit.testing import FreshnessSuite, ReplaySuite  # noqa: E402
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_cluster(2) as lc:
-        yield lc
-
-
-@pytest.fixture(scope="module")
-def servers(cluster):
-    group = ShardServers([cluster.head, cluster.workers[0]])
-    yield group
-    group.shutdown()
 
 
 def _shard_of(plane, handles) -> np.ndarray:

@@ -27,7 +27,6 @@ from conduit import (  # noqa: E402
     Replay,
 )
 from conduit.distributed import DistributedDataPlane, ShardServers  # noqa: E402
-from conduit.distributed.testing import local_cluster  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,19 +74,6 @@ def _run(plane, nodes, kind: str) -> list:
         if kind == "prioritized":
             plane.update_priorities(info.handles, (b.tensor("id") % 7 + 1).double())
     return out
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_cluster(2) as lc:
-        yield lc
-
-
-@pytest.fixture(scope="module")
-def servers(cluster):
-    group = ShardServers([cluster.head, cluster.workers[0]])
-    yield group
-    group.shutdown()
 
 
 def _semantics(kind: str):

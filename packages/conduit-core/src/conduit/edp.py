@@ -15,7 +15,7 @@ from conduit.errors import CapacityError, ConfigurationError
 from conduit.placement.base import HostPlacement, Placement
 from conduit.scheduling.base import Scheduler, Synchronous
 from conduit.schema import ExperienceSchema
-from conduit.semantics.base import SampleInfo, Selection, Semantics
+from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy
 from conduit.semantics.replay import Replay
 from conduit.storage.base import Storage
@@ -217,12 +217,7 @@ class ExperienceDataPlane:
         with self._lock:
             if when is not None and not when():
                 return None
-            snap = self.semantics.state_dict() if peek else None
-            try:
-                return [self.semantics.select(n, **kwargs) for n in sizes]
-            finally:
-                if snap is not None:
-                    self.semantics.load_state_dict(snap)
+            return select_many(self.semantics, sizes, peek=peek, **kwargs)
 
     def gather_now(self, selections: Sequence[Selection],
                    out: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]] | None = None,

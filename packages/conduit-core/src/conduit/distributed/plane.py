@@ -55,7 +55,7 @@ from conduit.distributed.wire import from_wire, packed_nbytes, to_wire, unpack_r
 from conduit.errors import CapacityError, ConduitError, ConfigurationError, EmptyBufferError
 from conduit.scheduling.base import Scheduler, Synchronous
 from conduit.schema import ExperienceSchema
-from conduit.semantics.base import SampleInfo, Selection, Semantics
+from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy
 from conduit.semantics.replay import Replay
 from conduit.telemetry import Telemetry
@@ -550,12 +550,7 @@ class DistributedDataPlane:
             self._check_open()
             if when is not None and not when():
                 return None
-            snap = self.semantics.state_dict() if peek else None
-            try:
-                return [self.semantics.select(n, **kwargs) for n in sizes]
-            finally:
-                if snap is not None:
-                    self.semantics.load_state_dict(snap)
+            return select_many(self.semantics, sizes, peek=peek, **kwargs)
 
     def gather_now(self, selections: Sequence[Selection],
                    out: Mapping[str, torch.Tensor] | Callable[[int], Mapping[str, torch.Tensor]] | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 
 from conduit.storage.base import AppendResult, Storage
 
-__all__ = ["Semantics", "Selection", "SampleInfo"]
+__all__ = ["Semantics", "Selection", "SampleInfo", "select_many"]
 
 
 @dataclass
@@ -79,3 +80,18 @@ class Semantics(ABC):
 
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def select_many(semantics: Semantics, sizes: Sequence[int | None], *, peek: bool = False,
+                **kwargs: Any) -> list[Selection]:
+    """``len(sizes)`` selections in order, exactly as that many deliveries would make them.
+
+    With ``peek=True`` the semantics' state is restored afterwards, so the selections only
+    *predict* the next deliveries. The caller holds the buffer's lock.
+    """
+    snap = semantics.state_dict() if peek else None
+    try:
+        return [semantics.select(n, **kwargs) for n in sizes]
+    finally:
+        if snap is not None:
+            semantics.load_state_dict(snap)
