@@ -19,7 +19,7 @@ from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy
 from conduit.semantics.replay import Replay
 from conduit.storage.base import Storage
-from conduit.storage.columnar import host_empty
+from conduit.storage.columnar import empty_column
 from conduit.telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -37,15 +37,11 @@ class _OutputRing:
         self._rows = 0
         self._i = 0
 
-    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        if self.device.type == "cpu" and not self.pin:
-            return host_empty(shape, dtype)
-        return torch.empty(shape, dtype=dtype, device=self.device, pin_memory=self.pin)
-
     def next(self, n: int) -> dict[str, torch.Tensor]:
         if n > self._rows:
             self._rows = n
-            self._bufs = [{k: self._empty((n, *self.schema[k].shape), self.schema[k].dtype) for k in self.schema.fixed}
+            self._bufs = [{k: empty_column((n, *self.schema[k].shape), self.schema[k].dtype, self.device,
+                                           pin_memory=self.pin) for k in self.schema.fixed}
                           for _ in range(self.depth)]
         self._i = (self._i + 1) % self.depth
         buf = self._bufs[self._i]

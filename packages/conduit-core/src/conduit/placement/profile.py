@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from conduit.errors import PlacementError
-from conduit.storage.columnar import host_empty
+from conduit.storage.columnar import empty_column
 
 __all__ = ["LinkCost", "BandwidthProfile", "profile_machine", "measure_host_paths", "load_profile", "machine_id",
            "machine_summary", "cache_dir", "profile_path", "PATHS"]
@@ -402,11 +402,6 @@ _ROW_WIDTHS = (16, 256, 2048, 16384, 131072)
 _GATHER_ROWS = 512
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An output buffer allocated as the EDP's delivery buffers are."""
-    return host_empty(shape, dtype) if device.type == "cpu" else torch.empty(shape, dtype=dtype, device=device)
-
-
 def _measure_gather(flat: torch.Tensor, widths: Iterable[int], reps: int, *, rows: int = _GATHER_ROWS,
                     before: Callable[[], object] | None = None, clock: Clock = time.perf_counter,
                     outputs: int = 2, columns: int = 1) -> LinkCost:
@@ -425,7 +420,7 @@ def _measure_gather(flat: torch.Tensor, widths: Iterable[int], reps: int, *, row
     part = flat.numel() // columns
 
     def timed(cols: list[torch.Tensor], k: int) -> float:
-        outs = [[_empty((k, *c.shape[1:]), flat.dtype, device) for _ in range(outputs)]
+        outs = [[empty_column((k, *c.shape[1:]), flat.dtype, device) for _ in range(outputs)]
                 for c in cols]
         state = {"i": 0, "idx": torch.zeros(k, dtype=torch.int64, device=device)}
 
@@ -546,13 +541,13 @@ def measure_host_paths(*, quick: bool = False, clock: Clock = time.perf_counter)
     copy_sizes = [64 << 10, 1 << 20, 16 << 20] if quick else [64 << 10, 1 << 20, 16 << 20, 64 << 20]
     links["host_copy"] = _measure_copy(cpu, cpu, copy_sizes, reps)
     big = max(4 * llc, (128 << 20) if quick else (512 << 20))
-    column = host_empty((big // 4,), torch.float32).fill_(1.0)  # allocated as storage columns are
+    column = empty_column((big // 4,), torch.float32).fill_(1.0)  # allocated as storage columns are
     # two columns, each several times the last-level cache, gathered with the same rows
     links["host_gather"] = _measure_gather(column, _ROW_WIDTHS, reps, clock=clock, columns=2)
     links["host_gather_scalar"] = _measure_gather(column, [0], reps, clock=clock)
     del column
-    links["host_gather_scalar_cached"] = _measure_gather(host_empty((llc // 64,), torch.float32).fill_(1.0), [0], reps,
-                                                         clock=clock)
+    cached = empty_column((llc // 64,), torch.float32).fill_(1.0)
+    links["host_gather_scalar_cached"] = _measure_gather(cached, [0], reps, clock=clock)
     links["edp_deliver"], links["edp_ingest"] = _measure_edp(reps, links["host_gather_scalar_cached"],
                                                              links["host_copy"], clock=clock)
     return links

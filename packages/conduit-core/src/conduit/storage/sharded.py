@@ -30,7 +30,7 @@ from conduit.batch import ExperienceBatch, Ragged
 from conduit.errors import CapacityError, ConfigurationError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import AppendResult, Storage
-from conduit.storage.columnar import ColumnarStorage, host_empty
+from conduit.storage.columnar import ColumnarStorage, empty_column
 
 __all__ = ["ShardedStorage"]
 
@@ -97,9 +97,8 @@ class ShardedStorage(Storage):
         k = len(devs)
         #: rows in shard i: the slots s < capacity with s % K == i
         self.shard_rows = [(capacity - i + k - 1) // k for i in range(k)]
-        self._shards = [{n: (host_empty((rows, *schema[n].shape), schema[n].dtype) if dev.type == "cpu" else
-                             torch.empty((rows, *schema[n].shape), dtype=schema[n].dtype, device=dev))
-                         for n in schema.fixed} for rows, dev in zip(self.shard_rows, devs, strict=True)]
+        self._shards = [{n: empty_column((rows, *schema[n].shape), schema[n].dtype, dev) for n in schema.fixed}
+                        for rows, dev in zip(self.shard_rows, devs, strict=True)]
         self._ragged: ColumnarStorage | None = None
         if schema.ragged:
             sub = ExperienceSchema({n: schema[n] for n in schema.ragged})
