@@ -6,6 +6,8 @@ One 2-node ``ray.cluster_utils.Cluster`` serves the module (head = learner, one 
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -15,7 +17,7 @@ import torch
 pytest.importorskip("ray")
 
 from conduit import OnPolicy, Overlapped, PrioritizedSampler, Replay  # noqa: E402
-from conduit.distributed import DistributedDataPlane  # noqa: E402
+from conduit.distributed import DistributedDataPlane, ShardServers  # noqa: E402
 from conduit.distributed.testing import (  # noqa: E402
     DistributedOnPolicyEndpoint,
     DistributedReplayEndpoint,
@@ -45,6 +47,70 @@ def test_ingest_returns_at_once_and_keeps_the_producers_node(cluster, servers):
         assert check_payload(p.read(h)).tolist() == list(range(120)), "queued batches were reordered"
         on = _shard_of(p, h).reshape(6, 20)
         assert (on[1::2] == 1).all() and (on[0::2] == 0).all()
+
+
+@pytest.mark.parametrize(("overlap", "g_ing", "copy"), [(True, 3, False), (False, 3, False), (True, 1, True)],
+                         ids=["coalesced-background", "coalesced-in-caller", "copied-on-ingest"])
+def test_coalesced_ingestion_keeps_each_batchs_producer_node(cluster, servers, overlap, g_ing, copy):
+    """Hand-overs coalesced into one write (``g_ing > 1``) or copied on ingest are still stored each on its
+    producer's shard, in order, once, and the coalescing itself is kept (one write per group)."""
+    producers = [1, 1, 0, 1, 0, 0]  # shard = node: servers are [head, worker]
+    nodes = [cluster.head, cluster.workers[0]]
+    sched = Overlapped(g_ing=g_ing, g_del=1, overlap=overlap, queue_depth=8, copy_on_ingest=copy)
+    with DistributedDataPlane(ID_SCHEMA, capacity=400, servers=servers, health_period=None, scheduler=sched) as p:
+        t0 = time.perf_counter()
+        for i, s in enumerate(producers):
+            p.ingest(id_batch(np.arange(20 * i, 20 * i + 20)), node=nodes[s])
+        p.flush()
+        writes = [r for r in p.telemetry.since(t0) if r.kind == "ingest"]
+        assert len(writes) == len(producers) // g_ing, "the hand-overs were not coalesced as g_ing asks"
+        assert len(p) == 120
+        h = p.live_handles()
+        assert check_payload(p.read(h)).tolist() == list(range(120)), "coalesced batches were reordered"
+        on = _shard_of(p, h).reshape(len(producers), 20)
+        assert (on == np.array(producers)[:, None]).all(), f"rows left their producer's node: {on[:, 0].tolist()}"
+
+
+def _on_policy_run_with_a_crashed_shard(cluster, scheduler):
+    """Four minibatches of 20 per epoch (no shuffle), the 2nd and 4th held by a shard whose server crashes before
+    delivery; returns each delivery's (epoch, minibatch, last, ids) and the buffer's loss reports."""
+    servers = ShardServers([cluster.head, cluster.workers[0]])
+    victim_pid = servers[1].pid
+    try:
+        with DistributedDataPlane(ID_SCHEMA, capacity=200, servers=servers, health_period=None, measure=False,
+                                  reuse=1.0, timeout=20.0, scheduler=scheduler,
+                                  semantics=OnPolicy(num_minibatches=4, num_epochs=2, shuffle=False)) as p:
+            for i, node in enumerate([cluster.head, cluster.workers[0]] * 2):
+                p.ingest(id_batch(np.arange(20 * i, 20 * i + 20)), version=0, node=node)
+            p.seal()
+            h = p.live_handles()
+            assert (_shard_of(p, h).reshape(4, 20) == np.array([[0], [1], [0], [1]])).all()
+            os.kill(victim_pid, signal.SIGKILL)  # the worker's shard server crashes: items 20-39 and 60-79 are gone
+            out = []
+            while True:
+                batch, info = p.deliver()
+                ids = check_payload(batch)
+                assert info.handles.tolist() == ids.tolist()  # handle == id here
+                out.append((info.epoch, info.minibatch, info.last, ids.tolist()))
+                if info.last or len(out) > 8:
+                    break
+            return out, list(p.losses)
+    finally:
+        servers.shutdown()
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["synchronous", "overlapped"])
+def test_on_policy_minibatch_whose_items_were_all_lost_is_skipped_as_the_synchronous_buffer_does(cluster, prefetch):
+    """A minibatch whose items all died with their shard is skipped and reported (a LossReport names them), with
+    or without prefetch; only the rollout's last minibatch, when it is all lost, comes back empty, with
+    ``info.last`` set, to end the rollout."""
+    out, losses = _on_policy_run_with_a_crashed_shard(cluster, Overlapped() if prefetch else None)
+    assert [(e, m, last) for e, m, last, _ in out] == [(0, 0, False), (0, 2, False), (1, 0, False), (1, 2, False),
+                                                       (1, 3, True)]
+    assert [ids for *_, ids in out] == [list(range(20)), list(range(40, 60)), list(range(20)),
+                                        list(range(40, 60)), []]
+    assert len(losses) == 1 and losses[0].shard == 1
+    assert sorted(losses[0].lost.tolist()) == list(range(20, 40)) + list(range(60, 80))
 
 
 def test_prefetch_reads_the_next_batch_from_the_shards_while_the_learner_updates(cluster, servers):

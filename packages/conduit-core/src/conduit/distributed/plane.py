@@ -110,14 +110,10 @@ class _Assembly:
         return ExperienceBatch({n: cols[n] for n in self.schema}, n_out)
 
 
-class _Produced(ExperienceBatch):
-    """A validated batch handed to a scheduler, remembering its producer's node for the shard plan."""
-
-    __slots__ = ("producer",)
-
-    def __init__(self, batch: ExperienceBatch, producer: str) -> None:
-        super().__init__({name: batch[name] for name in batch}, batch.batch_size)
-        self.producer = producer
+#: the column a batch handed to a scheduler carries: each row's producer node (an index into the buffer's list of
+#: producers). A column, not an attribute, so it survives whatever the scheduler does to the rows: copy them
+#: (``copy_on_ingest``) or coalesce several hand-overs into one write (``g_ing > 1``).
+_PRODUCER = "conduit.distributed/producer"
 
 
 def _concat(schema: ExperienceSchema, parts: list[ExperienceBatch], fixed: Mapping[str, torch.Tensor] | None
@@ -209,6 +205,8 @@ class DistributedDataPlane:
             raise ConfigurationError(f"timeout must be positive, got {timeout}.")
         if transport not in TRANSPORTS:
             raise ConfigurationError(f"transport must be one of {TRANSPORTS}, got {transport!r}.")
+        if _PRODUCER in schema:
+            raise ConfigurationError(f"The field name {_PRODUCER!r} is reserved by DistributedDataPlane; rename it.")
         ray_module()
         self.schema = schema
         self.semantics: Semantics = semantics if semantics is not None else Replay()
@@ -227,6 +225,10 @@ class DistributedDataPlane:
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self.learner_node = learner_node or current_node_id()
+        #: producer nodes of the batches handed to the scheduler (the rows' producer column indexes this list)
+        self._producers: list[str] = [self.learner_node]
+        self._producer_index = {self.learner_node: 0}
+        self._producers_lock = threading.Lock()
 
         self._owns_servers = not isinstance(servers, ShardServers)
         self.servers = servers if isinstance(servers, ShardServers) else ShardServers(servers)
@@ -384,14 +386,31 @@ class DistributedDataPlane:
         b.validate(self.schema)
         self.index.evictions_for(b.batch_size)  # raises CapacityError for a batch larger than the capacity
         self.semantics.check_ingest(b.batch_size, version=version, priorities=priorities)
-        if node is not None and node != self.learner_node:
-            b = _Produced(b, node)
-        return self.scheduler.ingest(b, version=version, priorities=priorities)  # type: ignore[return-value]
+        tagged = ExperienceBatch({**{name: b[name] for name in b},
+                                  _PRODUCER: torch.full((b.batch_size,), self._producer_id(node), dtype=torch.int32)},
+                                 b.batch_size)
+        return self.scheduler.ingest(tagged, version=version, priorities=priorities)  # type: ignore[return-value]
+
+    def _producer_id(self, node: str | None) -> int:
+        """The index of ``node`` (None: the learner's node) in the list the producer column refers to."""
+        node = node or self.learner_node
+        with self._producers_lock:
+            i = self._producer_index.get(node)
+            if i is None:
+                i = self._producer_index[node] = len(self._producers)
+                self._producers.append(node)
+            return i
 
     def ingest_now(self, batch: ExperienceBatch, *, version: int | None = None,
                    priorities: torch.Tensor | None = None) -> torch.Tensor:
-        """Store an already validated batch now (the scheduler's primitive)."""
-        return self._ingest(batch, version, priorities, getattr(batch, "producer", None), validated=True)
+        """Store an already validated batch now (the scheduler's primitive).
+
+        Rows that carry a producer column (what :meth:`ingest` hands to the scheduler) are
+        routed by each row's producer node, so one write that coalesces batches of several
+        producers still places each batch as the plan wants it for its producer; rows
+        without one count as produced on the learner's node.
+        """
+        return self._ingest(batch, version, priorities, None, validated=True)
 
     def _ingest(self, batch: Mapping[str, Any] | ExperienceBatch | ExperienceRef, version: int | None,
                 priorities: torch.Tensor | None, node: str | None, *, validated: bool) -> torch.Tensor:
@@ -401,13 +420,15 @@ class DistributedDataPlane:
                 raise ConfigurationError("This ExperienceRef was staged with another schema; stage it with the "
                                          "buffer's schema.")
             n, nbytes, payload = batch.batch_size, batch.nbytes, batch.ref
-            producer = node or batch.node_id
+            runs = [(0, n, node or batch.node_id)]
         else:
             b = batch if validated else ExperienceBatch.from_mapping(batch)  # type: ignore[assignment]
             if not validated:
                 b.validate(self.schema)
+            runs = self._producer_runs(b, node)
+            if _PRODUCER in b:
+                b = ExperienceBatch({name: b[name] for name in self.schema}, b.batch_size)
             n, nbytes, payload = b.batch_size, b.nbytes(), None
-            producer = node or self.learner_node
         self.index.evictions_for(n)  # raises CapacityError for a batch larger than the capacity
         self.semantics.check_ingest(n, version=version, priorities=priorities)
         with self._lock:
@@ -420,7 +441,7 @@ class DistributedDataPlane:
             if n:
                 if payload is None:
                     payload = ray_module().put(to_wire(b, self.schema))
-                placed = self._store(payload, 0, n, producer, nbytes, new_oldest)
+                placed = self._store(payload, runs, nbytes / n, new_oldest)
             else:
                 placed = []
             res = self.index.reserve(n, evict=self._replay)
@@ -435,17 +456,32 @@ class DistributedDataPlane:
         self.telemetry.record("ingest", n, nbytes, t0, time.perf_counter())
         return torch.arange(res.first, res.first + n, dtype=torch.int64)
 
+    def _producer_runs(self, batch: ExperienceBatch, node: str | None) -> list[tuple[int, int, str]]:
+        """(start, count, producer node) of each run of consecutive rows with one producer, in row order."""
+        n = batch.batch_size
+        if _PRODUCER not in batch or n == 0:
+            return [(0, n, node or self.learner_node)]
+        ids = batch.tensor(_PRODUCER).cpu().numpy()
+        starts = [0, *(np.nonzero(ids[1:] != ids[:-1])[0] + 1).tolist()]
+        ends = [*starts[1:], n]
+        with self._producers_lock:
+            return [(a, e - a, self._producers[int(ids[a])]) for a, e in zip(starts, ends, strict=True)]
+
     def _room(self, shard: int, oldest: int) -> tuple[int, int]:
         """(free slots, release point) of ``shard`` once the window starts at ``oldest``."""
         need = self.index.needed_from(shard, oldest)
         upto = self._local_next[shard] if need is None else need
         return self.shard_capacity - (self._local_next[shard] - upto), upto
 
-    def _store(self, payload: Any, start: int, count: int, producer: str, nbytes: float, oldest: int
+    def _store(self, payload: Any, runs: Sequence[tuple[int, int, str]], row_bytes: float, oldest: int
                ) -> list[tuple[int, int, list[tuple[int, int]]]]:
-        """Write rows ``[start, start + count)`` of ``payload`` to shards; returns (start, count, replicas) runs."""
+        """Write rows of ``payload`` to shards; returns (start, count, replicas) runs in row order.
+
+        ``runs`` are (start, count, producer node): each run is placed by the plan for its
+        producer, and every run's writes go out in one round of parallel calls.
+        """
         placed: list[tuple[int, int, list[tuple[int, int]]]] = []
-        pending = [(start, count)]
+        pending = list(runs)
         full: set[int] = set()
         for _ in range(2 * self.num_shards + 2):
             if not pending:
@@ -458,14 +494,14 @@ class DistributedDataPlane:
             for s in live:
                 rooms[s], release[s] = self._room(s, oldest)
             calls: dict[tuple[int, int], Any] = {}
-            plan: list[Chunk] = []
-            for p_start, p_count in pending:
-                chunks, _ = self.plan.split(p_count, producer, nbytes * p_count / max(count, 1), rooms,
-                                            self.replication)
+            plan: list[tuple[Chunk, str]] = []
+            for p_start, p_count, producer in pending:
+                chunks, _ = self.plan.split(p_count, producer, row_bytes * p_count, rooms, self.replication)
                 for ch in chunks:
                     ch.start += p_start
-                    plan.append(ch)
+                    plan.append((ch, producer))
                     for s in ch.shards:
+                        rooms[s] -= ch.count  # the next run sees what this one took
                         calls[(len(plan) - 1, s)] = self.servers[s].actor.append.remote(
                             self.buffer_id, payload, ch.start, ch.count, release[s])
             outs = wait_all(calls, self.timeout)
@@ -479,7 +515,7 @@ class DistributedDataPlane:
                                     f"another node, its producer or node died) or the shards are overloaded. Produce "
                                     f"it again, or raise timeout.")
             pending = []
-            for ci, ch in enumerate(plan):
+            for ci, (ch, producer) in enumerate(plan):
                 reps = []
                 for s in ch.shards:
                     o = outs[(ci, s)]
@@ -498,9 +534,9 @@ class DistributedDataPlane:
                 if reps:
                     placed.append((ch.start, ch.count, reps))
                 else:
-                    pending.append((ch.start, ch.count))
+                    pending.append((ch.start, ch.count, producer))
         if pending:
-            raise ClusterError(f"{sum(c for _, c in pending)} items could not be stored after retries on every "
+            raise ClusterError(f"{sum(c for _, c, _ in pending)} items could not be stored after retries on every "
                                f"live shard; check the cluster's health.")
         placed.sort(key=lambda p: p[0])
         return placed
@@ -1038,8 +1074,8 @@ class DistributedDataPlane:
                 first = int(h[a])
                 if first > cursor:
                     self.index.add_segment(cursor, first - cursor, [])
-                nbytes = self.schema.fixed_item_bytes * (b - a)
-                for start, count, reps in self._store(payload, a, b - a, self.learner_node, nbytes, oldest):
+                for start, count, reps in self._store(payload, [(a, b - a, self.learner_node)],
+                                                      self.schema.fixed_item_bytes, oldest):
                     self.index.add_segment(first + start - a, count, reps)
                 cursor = first + (b - a)
             if nxt > cursor:
