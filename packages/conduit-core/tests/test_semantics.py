@@ -37,12 +37,12 @@ def test_sumtree_sums_and_finds() -> None:
 
 @pytest.mark.parametrize("capacity", [1, 17, 1000, 70_001])
 def test_sumtree_matches_a_brute_force_prefix_search(capacity: int) -> None:
-    """Several blocks, zero weights, repeated updates: totals, minima and searches agree with NumPy."""
+    """Several blocks, zero weights, repeated and one-slot updates: totals, minima and searches agree with NumPy."""
     rng = np.random.default_rng(capacity)
     t = SumTree(capacity)
     w = np.zeros(capacity)
-    for _ in range(5):
-        k = int(rng.integers(1, min(capacity, 600) + 1))
+    for i in range(8):
+        k = 1 if i % 2 else int(rng.integers(1, min(capacity, 600) + 1))  # odd rounds: the one-slot path
         slots = rng.integers(0, capacity, k)
         vals = rng.random(k) * (rng.random(k) > 0.3)  # about 30% zeros
         t.set(slots, vals)
@@ -220,3 +220,20 @@ def test_on_policy_epoch_order_hook_is_followed_and_checked() -> None:
         with pytest.raises(ConfigurationError, match="not a permutation"):
             bad.deliver()
     assert len(bad) == 4 and bad.semantics.pending_rollouts == 1  # type: ignore[attr-defined]
+
+
+def test_prioritized_never_draws_items_a_ragged_pool_evicted() -> None:
+    """A long sequence evicts more items than it adds: the vacated slots get weight 0 and are never drawn."""
+    from conduit import Ragged
+
+    schema = ExperienceSchema(id=Field((), torch.int64), tokens=Field((), torch.int64, ragged=True))
+    edp = ExperienceDataPlane(schema, capacity=8, ragged_capacity=32,
+                              semantics=Replay(PrioritizedSampler(alpha=1.0), seed=0))
+    for i in range(8):  # eight items of 4 tokens fill the pool
+        edp.ingest({"id": torch.tensor([i]), "tokens": Ragged(torch.full((4,), i), torch.tensor([4]))})
+    edp.ingest({"id": torch.tensor([8]), "tokens": Ragged(torch.full((20,), 8), torch.tensor([20]))})
+    live = set(edp.deliver(4096)[0]["id"].tolist())
+    oldest = edp.storage.oldest
+    assert oldest > 1, "the 20-token item should evict more than one item"
+    assert live <= set(range(oldest, 9)), f"drew evicted ids {sorted(live - set(range(oldest, 9)))}"
+    assert live == set(range(oldest, 9)), "every live item should be drawn at least once in 4096 draws"

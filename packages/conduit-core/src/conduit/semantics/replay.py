@@ -119,8 +119,10 @@ class PrioritizedSampler(Sampler):
 
     def on_append(self, result: AppendResult, priorities: torch.Tensor | None) -> None:
         cap = self.storage.capacity
-        if result.evicted_to > result.evicted_from:
-            ev = np.arange(result.evicted_from, result.evicted_to, dtype=np.int64)
+        # Evicted items whose slots the new ones take need no zeroing: the new weights overwrite them.
+        vacated = max(result.evicted_from, result.first + result.count - cap)
+        if result.evicted_to > vacated:
+            ev = np.arange(vacated, result.evicted_to, dtype=np.int64)
             self._tree.set(ev % cap, np.zeros(ev.shape[0]))
         if result.count:
             slots = np.arange(result.first, result.first + result.count, dtype=np.int64) % cap
@@ -153,10 +155,10 @@ class PrioritizedSampler(Sampler):
         b = self.beta if beta is None else float(beta)
         max_w = (size * self._tree.min / total) ** (-b)
         weights = (size * probs) ** (-b) / max_w
-        t_slots = torch.from_numpy(slots)
-        info = SampleInfo(handles=st.handles_of(t_slots), weights=torch.from_numpy(weights.astype(np.float32)),
+        handles = st.oldest + (slots - st.oldest) % st.capacity  # as Storage.handles_of, in NumPy
+        info = SampleInfo(handles=torch.from_numpy(handles), weights=torch.from_numpy(weights.astype(np.float32)),
                           probabilities=torch.from_numpy(probs))
-        return Selection(t_slots, info)
+        return Selection(torch.from_numpy(slots), info)
 
     def update(self, handles: torch.Tensor, priorities: torch.Tensor) -> int:
         p = self.check(priorities)

@@ -55,6 +55,15 @@ class SumTree:
         """Set the weights of ``slots`` to ``values`` (for a repeated slot the last value wins)."""
         if slots.size == 0:
             return
+        if slots.size == 1:  # one env step per call is common: scalar indexing, one block
+            slot = int(slots.reshape(-1)[0])
+            self._leaves[slot] = float(np.asarray(values).reshape(-1)[-1])
+            b = slot // self.block
+            row = self._rows[b]
+            self._bsum[b] = row.sum()
+            positive = row[row > 0]
+            self._bmin[b] = positive.min() if positive.size else np.inf
+            return
         slots = np.asarray(slots, dtype=np.int64)
         self._leaves[slots] = values
         touched = np.unique(slots // self.block)
