@@ -10,6 +10,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 PARTS = ("add", "sample", "priorities", "batch", "minibatch", "background")
+#: the rest of an iteration (not experience path), where the probe recorded it
+CONTEXT = ("env", "weights", "update")
 
 
 def main() -> int:
@@ -35,6 +37,18 @@ def main() -> int:
     for name, n, c in parts:
         for variant, p in (("native", n), ("conduit", c)):
             print(f"| {name} | {variant} | " + " | ".join(f"{p.get(k, 0.0) * 1e3:.0f}" for k in PARTS) + " |")
+    context = [(f, json.loads(f.read_text())) for f in files]
+    context = [(d["workload"], d["summary"]) for f, d in context if "env" in d["summary"]["native"]["parts"]]
+    if context:
+        print()
+        print("| workload | variant | iteration ms | exposed | " + " | ".join(CONTEXT) + " | other |")
+        print("|---|---|---|---|" + "---|" * (len(CONTEXT) + 1))
+        for name, s in context:
+            for variant in ("native", "conduit"):
+                v, p = s[variant], s[variant]["parts"]
+                other = v["iteration_s"] - v["exposed_s"] - sum(p[k] for k in CONTEXT)
+                print(f"| {name} | {variant} | {v['iteration_s'] * 1e3:.0f} | {v['exposed_s'] * 1e3:.0f} | "
+                      + " | ".join(f"{p[k] * 1e3:.0f}" for k in CONTEXT) + f" | {other * 1e3:.0f} |")
     return 0
 
 

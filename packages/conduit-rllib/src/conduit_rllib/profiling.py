@@ -16,6 +16,11 @@ Time inside these calls is *exposed*: the training loop waits for it. Conduit ma
 experience-path work on its own threads (background ingestion, prefetch); that time comes
 from the data planes' telemetry and is reported as ``background``. Times are exclusive:
 a wrapped call nested in another counts once.
+
+The rest of an iteration is timed too, as *context* (not experience path), so a difference
+in iteration time can be placed: ``env`` (the local EnvRunner's ``sample``), ``weights``
+(``sync_weights`` to the EnvRunners) and ``update`` (the learner's ``update`` without the
+experience-path calls nested in it: forward, loss, backward, optimizer step).
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import wraps
 from typing import Any
 
-__all__ = ["ExperiencePathProbe", "PARTS"]
+__all__ = ["ExperiencePathProbe", "PARTS", "CONTEXT"]
 
 PARTS = ("add", "sample", "priorities", "batch", "minibatch")
+CONTEXT = ("env", "weights", "update")
 
 
 class _TimedIterator:
@@ -69,6 +75,13 @@ class ExperiencePathProbe:
         results = list(algo.learner_group.foreach_learner(lambda learner: learner))
         self.learner = results[0].get()
         self._wrap(self.learner, "_make_batch_if_necessary", "batch")
+        self._wrap(self.learner, "update", "update")
+        runners = getattr(algo, "env_runner_group", None)
+        local = getattr(runners, "local_env_runner", None)
+        if local is not None:
+            self._wrap(local, "sample", "env")
+        if runners is not None:
+            self._wrap(runners, "sync_weights", "weights")
         orig = self.learner._create_iterator_if_necessary
 
         @wraps(orig)
@@ -132,8 +145,8 @@ class ExperiencePathProbe:
         return total
 
     def take(self) -> dict[str, float]:
-        """Seconds per part since the last call, plus ``exposed``, ``background`` and ``total``."""
-        out = {p: self._acc.get(p, 0.0) for p in PARTS}
+        """Seconds per part and context part since the last call, plus ``exposed``, ``background`` and ``total``."""
+        out = {p: self._acc.get(p, 0.0) for p in PARTS + CONTEXT}
         out["exposed"] = sum(out[p] for p in PARTS)
         out["background"] = self.background(self._t0)
         out["total"] = out["exposed"] + out["background"]
