@@ -71,46 +71,69 @@ def test_coalesced_ingestion_keeps_each_batchs_producer_node(cluster, servers, o
         assert (on == np.array(producers)[:, None]).all(), f"rows left their producer's node: {on[:, 0].tolist()}"
 
 
-def _on_policy_run_with_a_crashed_shard(cluster, scheduler):
-    """Four minibatches of 20 per epoch (no shuffle), the 2nd and 4th held by a shard whose server crashes before
-    delivery; returns each delivery's (epoch, minibatch, last, ids) and the buffer's loss reports."""
+class _Primitives:
+    """Deliveries made the way a prefetching scheduler makes them, with the buffer's primitives: a real selection,
+    then a gather into buffers allocated at exactly the size asked (what a fresh prefetch buffer does)."""
+
+    def __init__(self, plane):
+        self.plane, self.asked = plane, []
+
+    def _out(self, rows):
+        self.asked.append(rows)
+        return {n: torch.empty((rows, *ID_SCHEMA[n].shape), dtype=ID_SCHEMA[n].dtype) for n in ID_SCHEMA.fixed}
+
+    def deliver(self):
+        (sel,) = self.plane.select_now([None])
+        batch = self.plane.gather_now([sel], self._out)
+        self.plane.release_now(sel)
+        return batch, sel.info
+
+
+def _on_policy_run_with_a_crashed_shard(cluster, scheduler, primitives=False):
+    """Minibatches of 20, 20, 20 and 10 items per epoch (no shuffle), the 2nd and 4th held by a shard whose server
+    crashes before delivery; returns each delivery's (epoch, minibatch, last, ids) and the buffer's loss reports."""
     servers = ShardServers([cluster.head, cluster.workers[0]])
     victim_pid = servers[1].pid
     try:
         with DistributedDataPlane(ID_SCHEMA, capacity=200, servers=servers, health_period=None, measure=False,
                                   reuse=1.0, timeout=20.0, scheduler=scheduler,
-                                  semantics=OnPolicy(num_minibatches=4, num_epochs=2, shuffle=False)) as p:
+                                  semantics=OnPolicy(minibatch_size=20, num_epochs=2, shuffle=False)) as p:
             for i, node in enumerate([cluster.head, cluster.workers[0]] * 2):
-                p.ingest(id_batch(np.arange(20 * i, 20 * i + 20)), version=0, node=node)
+                p.ingest(id_batch(np.arange(20 * i, min(20 * i + 20, 70))), version=0, node=node)
             p.seal()
-            h = p.live_handles()
-            assert (_shard_of(p, h).reshape(4, 20) == np.array([[0], [1], [0], [1]])).all()
-            os.kill(victim_pid, signal.SIGKILL)  # the worker's shard server crashes: items 20-39 and 60-79 are gone
+            assert _shard_of(p, p.live_handles()).tolist() == [0] * 20 + [1] * 20 + [0] * 20 + [1] * 10
+            os.kill(victim_pid, signal.SIGKILL)  # the worker's shard server crashes: items 20-39 and 60-69 are gone
+            driver = _Primitives(p) if primitives else p
             out = []
             while True:
-                batch, info = p.deliver()
+                batch, info = driver.deliver()
                 ids = check_payload(batch)
                 assert info.handles.tolist() == ids.tolist()  # handle == id here
                 out.append((info.epoch, info.minibatch, info.last, ids.tolist()))
                 if info.last or len(out) > 8:
                     break
+            if primitives:  # buffers asked per delivery; epoch 0's lost 10-item minibatch was replaced by a
+                # 20-item one, so the buffers were grown to 20 (the 20-item skips reuse theirs)
+                assert driver.asked == [20, 20, 10, 20, 20, 10], driver.asked
             return out, list(p.losses)
     finally:
         servers.shutdown()
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["synchronous", "overlapped"])
-def test_on_policy_minibatch_whose_items_were_all_lost_is_skipped_as_the_synchronous_buffer_does(cluster, prefetch):
+@pytest.mark.parametrize("driver", ["synchronous", "overlapped", "primitives"])
+def test_on_policy_minibatch_whose_items_were_all_lost_is_skipped_as_the_synchronous_buffer_does(cluster, driver):
     """A minibatch whose items all died with their shard is skipped and reported (a LossReport names them), with
-    or without prefetch; only the rollout's last minibatch, when it is all lost, comes back empty, with
-    ``info.last`` set, to end the rollout."""
-    out, losses = _on_policy_run_with_a_crashed_shard(cluster, Overlapped() if prefetch else None)
+    or without prefetch (and through the primitives a prefetching scheduler uses, where epoch 0's lost 10-item
+    minibatch is replaced by a 20-item one: the buffers grow); only the rollout's last minibatch, when it is all
+    lost, comes back empty, with ``info.last`` set, to end the rollout."""
+    out, losses = _on_policy_run_with_a_crashed_shard(cluster, Overlapped() if driver == "overlapped" else None,
+                                                      primitives=driver == "primitives")
     assert [(e, m, last) for e, m, last, _ in out] == [(0, 0, False), (0, 2, False), (1, 0, False), (1, 2, False),
                                                        (1, 3, True)]
     assert [ids for *_, ids in out] == [list(range(20)), list(range(40, 60)), list(range(20)),
                                         list(range(40, 60)), []]
     assert len(losses) == 1 and losses[0].shard == 1
-    assert sorted(losses[0].lost.tolist()) == list(range(20, 40)) + list(range(60, 80))
+    assert sorted(losses[0].lost.tolist()) == list(range(20, 40)) + list(range(60, 70))
 
 
 def test_prefetch_reads_the_next_batch_from_the_shards_while_the_learner_updates(cluster, servers):

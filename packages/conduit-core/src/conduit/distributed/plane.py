@@ -549,8 +549,10 @@ class DistributedDataPlane:
         stay uniform, or proportional to priority, over the items that survive). An
         on-policy minibatch leaves out the items lost since its rollout was ingested
         (each survivor is still delivered exactly once per epoch); a minibatch whose items
-        were all lost is skipped, except the last one, which then comes back empty with
-        ``info.last`` set (under a prefetching scheduler such a minibatch comes back empty).
+        were all lost is skipped (the next one is delivered in its place; the lost items
+        are in :attr:`losses`), except the rollout's last, which then comes back empty with
+        ``info.last`` set, so the learner still sees the rollout end. The same holds under a
+        prefetching scheduler.
 
         Raises:
             EmptyBufferError: nothing to deliver.
@@ -590,28 +592,41 @@ class DistributedDataPlane:
 
     def gather_now(self, selections: Sequence[Selection],
                    out: Mapping[str, torch.Tensor] | Callable[[int], Mapping[str, torch.Tensor]] | None = None,
-                   *, replace: bool = True, beta: float | None = None) -> ExperienceBatch:
+                   *, replace: bool = True, beta: float | None = None, skip_lost: bool = True) -> ExperienceBatch:
         """Read the rows of ``selections`` from the shards, back to back (fixed fields into ``out``).
 
         A selection is updated in place to what was read: replay draws that landed on lost
         items are redrawn (``replace``, ``beta`` as drawn); an on-policy selection loses its
-        lost items.
+        lost items, and with ``skip_lost`` (the selections are real, not a prefetch's
+        prediction) the last selection, when its items were all lost, becomes the
+        semantics' next minibatch, as :meth:`deliver` skips it.
         """
         t0 = time.perf_counter()
         with self._lock:
             self._check_open()
             total = sum(int(s.slots.shape[0]) for s in selections)
             bufs = out(total) if callable(out) else out
-            parts, row = [], 0
-            for sel in selections:
-                k = int(sel.slots.shape[0])
-                view = None if bufs is None else {name: bufs[name][row:row + k] for name in self.schema.fixed}
+            row, took, grown = 0, 0, False
+
+            def view(k: int) -> Mapping[str, torch.Tensor] | None:
+                """Rows ``[row, row + k)`` of the buffers (the selection being read takes ``k`` rows)."""
+                nonlocal bufs, took, grown
+                took = k
+                fixed = self.schema.fixed
+                if bufs is not None and callable(out) and any(bufs[n].shape[0] < row + k for n in fixed):
+                    bufs, grown = out(row + k), True  # a skipped minibatch was followed by a larger one
+                if bufs is None or any(bufs[n].shape[0] < row + k for n in fixed):
+                    return None
+                return {n: bufs[n][row:row + k] for n in fixed}
+
+            parts = []
+            for i, sel in enumerate(selections):
                 if self._replay:
-                    parts.append(self._read_replay(sel, replace, beta, view))
-                else:
-                    parts.append(self._read_on_policy(sel, view))
-                row += k
-            shrunk = any(p.batch_size != int(s.slots.shape[0]) for p, s in zip(parts, selections, strict=True))
+                    parts.append(self._read_replay(sel, replace, beta, view(int(sel.slots.shape[0]))))
+                else:  # only the latest selection may be replaced by the semantics' next one
+                    parts.append(self._read_on_policy(sel, view, skip_lost=skip_lost and i == len(selections) - 1))
+                row += took
+            shrunk = grown or any(p.batch_size != int(s.slots.shape[0]) for p, s in zip(parts, selections, strict=True))
             batch = parts[0] if len(parts) == 1 else _concat(self.schema, parts, None if shrunk else bufs)
         self.telemetry.record("deliver", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
         return batch
@@ -625,18 +640,34 @@ class DistributedDataPlane:
             sels = self.select_now(sizes, peek=peek, when=when, **kwargs)
             if sels is None:
                 return None
-            return self.gather_now(sels, out, replace=kwargs.get("replace", True), beta=kwargs.get("beta")), sels
+            return self.gather_now(sels, out, replace=kwargs.get("replace", True), beta=kwargs.get("beta"),
+                                   skip_lost=not peek), sels
 
     def release_now(self, selection: Selection) -> None:
         """Tell the semantics a selection was handed over (on-policy frees a finished rollout here)."""
         with self._lock:
             self.semantics.after_gather(selection)
 
-    def _read_on_policy(self, sel: Selection, out: Mapping[str, torch.Tensor] | None) -> ExperienceBatch:
-        handles = sel.info.handles.numpy().copy()
-        asm = _Assembly(self.schema, handles.shape[0], out)
-        dropped = self.index.lost_mask(handles)
-        dropped[self._fetch(handles, np.nonzero(~dropped)[0], asm)] = True
+    def _read_on_policy(self, sel: Selection, out: Callable[[int], Mapping[str, torch.Tensor] | None], *,
+                        skip_lost: bool) -> ExperienceBatch:
+        """Read an on-policy selection, leaving out its lost items (``sel`` is updated to what was read).
+
+        ``out(k)`` gives the buffers for ``k`` rows (None: new memory). With ``skip_lost`` a
+        minibatch whose items were all lost is skipped: it is released and the semantics'
+        next minibatch takes its place in ``sel``, until one has a survivor or is the
+        rollout's last (which then comes back empty, with ``info.last``, to end the rollout).
+        """
+        while True:
+            handles = sel.info.handles.numpy().copy()
+            k = handles.shape[0]
+            asm = _Assembly(self.schema, k, out(k))
+            dropped = self.index.lost_mask(handles)
+            dropped[self._fetch(handles, np.nonzero(~dropped)[0], asm)] = True
+            if not skip_lost or not dropped.all() or sel.info.last or k == 0:
+                break
+            self.semantics.after_gather(sel)
+            nxt = self.semantics.select(None)
+            sel.slots, sel.info = nxt.slots, nxt.info
         if not dropped.any():
             return asm.batch()
         keep = np.nonzero(~dropped)[0]
@@ -700,21 +731,10 @@ class DistributedDataPlane:
         return sel, handles
 
     def _deliver_on_policy(self, n: int | None, **kw: Any) -> tuple[ExperienceBatch, SampleInfo]:
-        while True:
-            sel = self.semantics.select(n, **kw)
-            handles = sel.info.handles.numpy().copy()
-            k = handles.shape[0]
-            asm = _Assembly(self.schema, k)
-            dropped = self.index.lost_mask(handles)
-            dropped[self._fetch(handles, np.nonzero(~dropped)[0], asm)] = True
-            self.semantics.after_gather(sel)
-            if not dropped.all() or sel.info.last or k == 0:
-                break
-        if not dropped.any():
-            return asm.batch(), sel.info
-        keep = np.nonzero(~dropped)[0]
-        info = dataclasses.replace(sel.info, handles=torch.from_numpy(handles[keep]))
-        return asm.batch(keep), info
+        sel = self.semantics.select(n, **kw)
+        batch = self._read_on_policy(sel, lambda k: None, skip_lost=True)
+        self.semantics.after_gather(sel)
+        return batch, sel.info
 
     def _fetch(self, handles: np.ndarray, pos: np.ndarray, asm: _Assembly) -> np.ndarray:
         """Read the items at positions ``pos`` of ``handles`` into ``asm``; returns positions not read.
