@@ -273,8 +273,8 @@ class ExperienceDataPlane:
                 cols[name] = out[name].copy_(c, non_blocking=True)
         return ExperienceBatch(cols, batch.batch_size)
 
-    def update_priorities(self, handles: torch.Tensor, priorities: torch.Tensor) -> int:
-        """New priorities for delivered items, by handle.
+    def update_priorities(self, handles: torch.Tensor | np.ndarray, priorities: torch.Tensor | np.ndarray) -> int:
+        """New priorities for delivered items, by handle (tensors or NumPy arrays).
 
         Returns:
             How many handles were live; updates for evicted handles are ignored.

@@ -108,7 +108,7 @@ class _ConduitReplay:
         self._last_handles: torch.Tensor | None = None
         self._counts = {"added": 0, "episodes": 0, "evicted": 0, "sampled": 0, "n_step_sum": 0}
         self._lifetime = {"added": 0, "evicted": 0, "sampled": 0, "episodes": 0}
-        self._ones: torch.Tensor | None = None
+        self._ones: dict[torch.dtype, torch.Tensor] = {}
         if int(metrics_every) < 1:
             raise ConfigurationError(f"metrics_every must be >= 1, got {metrics_every!r}.")
         self.metrics_every = int(metrics_every)
@@ -247,19 +247,21 @@ class _ConduitReplay:
                 actual = self._apply_n_step(cols, handles.numpy(), steps, gamma)
             else:
                 actual = None
-            cols[WEIGHTS] = (info.weights.to(self.device) if info.weights is not None else self._unit_weights(b))
-            n_actual = torch.ones(b, dtype=torch.int64) if actual is None else torch.from_numpy(actual)
-            cols[N_STEP] = n_actual.to(self.device)
+            cols[WEIGHTS] = (info.weights.to(self.device) if info.weights is not None
+                             else self._unit(b, torch.float32))
+            cols[N_STEP] = self._unit(b, torch.int64) if actual is None else torch.from_numpy(actual).to(self.device)
             self._last_handles = handles
             self._counts["sampled"] += b
             self._counts["n_step_sum"] += b if actual is None else int(actual.sum())
             return ConduitSampledEpisodes(cols, handles, module_id=DEFAULT_MODULE_ID,
                                           observation_space=self.observation_space, action_space=self.action_space)
 
-    def _unit_weights(self, b: int) -> torch.Tensor:
-        if self._ones is None or self._ones.shape[0] < b:
-            self._ones = torch.ones(b, dtype=torch.float32, device=self.device)
-        return self._ones[:b]
+    def _unit(self, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """``b`` ones on the learner's device (unit weights, one-step returns), kept between samples."""
+        ones = self._ones.get(dtype)
+        if ones is None or ones.shape[0] < b:
+            ones = self._ones[dtype] = torch.ones(b, dtype=dtype, device=self.device)
+        return ones[:b]
 
     def _n_steps(self, n_step: int | tuple[int, int] | None, b: int) -> np.ndarray | None:
         if n_step is None or (isinstance(n_step, int) and n_step == 1):
@@ -314,12 +316,13 @@ class _ConduitReplay:
                 return 0
             p = np.asarray(priorities.detach().cpu().numpy() if isinstance(priorities, torch.Tensor) else priorities,
                            dtype=np.float64).reshape(-1)
-            h = torch.as_tensor(handles, dtype=torch.int64).reshape(-1)
+            h = np.asarray(handles.cpu().numpy() if isinstance(handles, torch.Tensor) else handles,
+                           dtype=np.int64).reshape(-1)
             if p.shape[0] != h.shape[0]:
                 what = "the last sample of" if last else "the"
                 raise PriorityError(f"Got {p.shape[0]} priorities for {what} {h.shape[0]} transitions; pass one "
                                     f"per transition.")
-            applied = self.edp.update_priorities(h, torch.from_numpy(np.maximum(p, MIN_PRIORITY)))
+            applied = self.edp.update_priorities(h, np.maximum(p, MIN_PRIORITY))
             if last:
                 self._last_handles = None
             return applied

@@ -111,8 +111,8 @@ class PrioritizedSampler(Sampler):
         """Priorities as float64 NumPy, or :class:`PriorityError` if any is NaN, inf or negative."""
         p = np.asarray(priorities.detach().cpu().numpy() if isinstance(priorities, torch.Tensor) else priorities,
                        dtype=np.float64).reshape(-1)
-        bad = ~np.isfinite(p) | (p < 0)
-        if bad.any():
+        if p.size and not (p.min() >= 0 and p.max() < np.inf):  # NaN fails both comparisons
+            bad = ~np.isfinite(p) | (p < 0)
             raise PriorityError(f"{int(bad.sum())} priorities are NaN, infinite or negative (first: "
                                 f"{p[bad][0]}); pass finite values >= 0, e.g. |td_error| + 1e-6.")
         return p
@@ -124,7 +124,9 @@ class PrioritizedSampler(Sampler):
         if result.evicted_to > vacated:
             ev = np.arange(vacated, result.evicted_to, dtype=np.int64)
             self._tree.set(ev % cap, np.zeros(ev.shape[0]))
-        if result.count:
+        if result.count == 1 and priorities is None:  # one env step per call is common
+            self._tree.set_one(result.first % cap, self._max_priority ** self.alpha)
+        elif result.count:
             slots = np.arange(result.first, result.first + result.count, dtype=np.int64) % cap
             if priorities is None:
                 vals = np.full(result.count, self._max_priority ** self.alpha)
@@ -144,9 +146,9 @@ class PrioritizedSampler(Sampler):
         slots = self._tree.find(self._rng.random(n) * total)
         leaf = self._tree.get(slots)
         for _ in range(8):  # rounding can land on a zero leaf at an interval edge: redraw those
-            zero = leaf <= 0
-            if not zero.any():
+            if leaf.min() > 0:
                 break
+            zero = leaf <= 0
             slots[zero] = self._tree.find(self._rng.random(int(zero.sum())) * total)
             leaf = self._tree.get(slots)
         st = self.storage
@@ -160,19 +162,24 @@ class PrioritizedSampler(Sampler):
                           probabilities=torch.from_numpy(probs))
         return Selection(torch.from_numpy(slots), info)
 
-    def update(self, handles: torch.Tensor, priorities: torch.Tensor) -> int:
+    def update(self, handles: torch.Tensor | np.ndarray, priorities: torch.Tensor | np.ndarray) -> int:
         p = self.check(priorities)
         h = np.asarray(handles.cpu().numpy() if isinstance(handles, torch.Tensor) else handles,
                        dtype=np.int64).reshape(-1)
         if h.shape != p.shape:
             raise PriorityError(f"Got {h.shape[0]} handles and {p.shape[0]} priorities; pass one priority "
                                 f"per handle.")
+        if not h.size:
+            return 0
         st = self.storage
-        live = (h >= st.oldest) & (h < st.next_handle)
-        if live.any():
-            self._tree.set(h[live] % st.capacity, p[live] ** self.alpha)
-            self._max_priority = max(self._max_priority, float(p[live].max()))
-        return int(live.sum())
+        if not (h.min() >= st.oldest and h.max() < st.next_handle):  # some were evicted: update the rest
+            live = (h >= st.oldest) & (h < st.next_handle)
+            h, p = h[live], p[live]
+            if not h.size:
+                return 0
+        self._tree.set(h % st.capacity, p ** self.alpha)
+        self._max_priority = max(self._max_priority, float(p.max()))
+        return int(h.size)
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self._rng.bit_generator.state, "leaves": self._tree.state(), "max_priority": self._max_priority}
@@ -224,7 +231,7 @@ class Replay(Semantics):
                                 f"or sample with replacement.")
         return self.sampler.sample(n, replace=replace, beta=beta)
 
-    def update_priorities(self, handles: torch.Tensor, priorities: torch.Tensor) -> int:
+    def update_priorities(self, handles: torch.Tensor | np.ndarray, priorities: torch.Tensor | np.ndarray) -> int:
         """Set new priorities; returns how many handles were live (the rest were evicted and ignored)."""
         return self.sampler.update(handles, priorities)
 

@@ -55,14 +55,8 @@ class SumTree:
         """Set the weights of ``slots`` to ``values`` (for a repeated slot the last value wins)."""
         if slots.size == 0:
             return
-        if slots.size == 1:  # one env step per call is common: scalar indexing, one block
-            slot = int(slots.reshape(-1)[0])
-            self._leaves[slot] = float(np.asarray(values).reshape(-1)[-1])
-            b = slot // self.block
-            row = self._rows[b]
-            self._bsum[b] = row.sum()
-            positive = row[row > 0]
-            self._bmin[b] = positive.min() if positive.size else np.inf
+        if slots.size == 1:
+            self.set_one(int(slots.reshape(-1)[0]), float(np.asarray(values).reshape(-1)[-1]))
             return
         slots = np.asarray(slots, dtype=np.int64)
         self._leaves[slots] = values
@@ -70,6 +64,15 @@ class SumTree:
         rows = self._rows[touched]
         self._bsum[touched] = rows.sum(axis=1)
         self._bmin[touched] = np.where(rows > 0, rows, np.inf).min(axis=1)
+
+    def set_one(self, slot: int, value: float) -> None:
+        """Set one weight (one env step per call is common: scalar indexing, one block)."""
+        self._leaves[slot] = value
+        b = slot // self.block
+        row = self._rows[b]
+        self._bsum[b] = row.sum()
+        positive = row[row > 0]
+        self._bmin[b] = positive.min() if positive.size else np.inf
 
     def find(self, prefix: np.ndarray) -> np.ndarray:
         """For each value ``u`` of ``prefix``: the slot ``i`` with ``sum(w[:i]) <= u < sum(w[:i+1])``.
