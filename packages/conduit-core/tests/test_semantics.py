@@ -26,8 +26,9 @@ def ids(a: int, b: int) -> dict[str, torch.Tensor]:
     return {"id": torch.arange(a, b)}
 
 
-def test_sumtree_sums_and_finds() -> None:
-    t = SumTree(5)
+@pytest.mark.parametrize("flat", [True, False], ids=["leaves-only", "two-level"])
+def test_sumtree_sums_and_finds(flat: bool) -> None:
+    t = SumTree(5, flat=flat)
     t.set(np.arange(5), np.array([1.0, 0.0, 2.0, 3.0, 4.0]))
     assert t.total == 10.0 and t.min == 1.0
     assert t.find(np.array([0.0, 0.99, 1.0, 2.99, 3.0, 5.99, 6.0, 9.99])).tolist() == [0, 0, 2, 2, 3, 3, 4, 4]
@@ -35,11 +36,12 @@ def test_sumtree_sums_and_finds() -> None:
     assert t.total == 6.5 and t.min == 0.5
 
 
+@pytest.mark.parametrize("flat", [True, False], ids=["leaves-only", "two-level"])
 @pytest.mark.parametrize("capacity", [1, 17, 1000, 70_001])
-def test_sumtree_matches_a_brute_force_prefix_search(capacity: int) -> None:
+def test_sumtree_matches_a_brute_force_prefix_search(capacity: int, flat: bool) -> None:
     """Several blocks, zero weights, repeated and one-slot updates: totals, minima and searches agree with NumPy."""
     rng = np.random.default_rng(capacity)
-    t = SumTree(capacity)
+    t = SumTree(capacity, flat=flat)
     w = np.zeros(capacity)
     for i in range(8):
         k = 1 if i % 2 else int(rng.integers(1, min(capacity, 600) + 1))  # odd rounds: the one-slot path
@@ -56,7 +58,7 @@ def test_sumtree_matches_a_brute_force_prefix_search(capacity: int) -> None:
             found = t.find(u)
             assert (w[found] > 0).all(), "a zero weight was found"
             assert np.array_equal(found, np.searchsorted(cum, u, side="right"))
-    t2 = SumTree(capacity)
+    t2 = SumTree(capacity, flat=flat)
     t2.load(t.state())
     assert np.array_equal(t2.state(), w) and t2.total == t.total and t2.min == t.min
 
