@@ -28,6 +28,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200, help="DQN/SAC: env steps per iteration; PPO: train batch")
     p.add_argument("--batch", type=int, default=None, help="train batch (DQN 32, SAC 256) or PPO minibatch (128)")
     p.add_argument("--uniform", action="store_true")
+    p.add_argument("--capacity", type=int, default=5000, help="DQN: replay capacity (transitions)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overlap", type=int, default=0, metavar="G_DEL",
                    help="DQN/SAC: also run Conduit with core's Overlapped scheduler prefetching G_DEL batches "
@@ -44,8 +45,9 @@ def main() -> int:
     if args.algo == "dqn":
         def make():
             return dqn_large_obs(args.obs_dim, steps=args.steps, batch=args.batch or 32, seed=args.seed,
-                                 prioritized=not args.uniform)
-        name = f"dqn_d{args.obs_dim}_b{args.batch or 32}{'_uniform' if args.uniform else ''}"
+                                 prioritized=not args.uniform, capacity=args.capacity)
+        name = (f"dqn_d{args.obs_dim}_b{args.batch or 32}{'_uniform' if args.uniform else ''}"
+                f"{f'_cap{args.capacity}' if args.capacity != 5000 else ''}")
     elif args.algo == "sac":
         def make():
             return sac_pendulum(steps=args.steps, batch=args.batch or 256, seed=args.seed,
