@@ -89,6 +89,19 @@ def test_local_topology_without_gpu_says_so_and_plans_host_and_disk_only() -> No
 
 
 # -- link costs and profiles ------------------------------------------------------------------------------
+def test_a_link_measured_on_a_busy_machine_is_bounded_not_infinitely_fast() -> None:
+    """The 8-byte probe took longer than the big ones (noise): larger transfers must still cost more."""
+    samples = [(1 << 18, 0.007), (1 << 22, 0.008)]
+    with pytest.raises(PlacementError):
+        LinkCost.fit(samples, 0.009)
+    link = LinkCost.fit_or_bound(samples, 0.009)
+    assert link.overhead_s == 0.007
+    assert math.isfinite(link.bandwidth(1 << 22)) and link.bandwidth(1 << 22) == pytest.approx((1 << 22) / 0.008)
+    assert link.seconds(4 << 20) > link.seconds(4 << 10) > 0
+    fitted = LinkCost.fit_or_bound(samples, 0.001)  # a normal measurement is the plain fit
+    assert fitted == LinkCost.fit(samples, 0.001)
+
+
 def test_link_cost_arithmetic() -> None:
     link = LinkCost.constant(10.0, overhead_us=5.0, per_row_ns=100.0)
     assert link.seconds(0) == 0.0

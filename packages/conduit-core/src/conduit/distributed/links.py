@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 from conduit.distributed._ray import current_node_id, ray_module
 from conduit.distributed.errors import ClusterError, RemoteTimeoutError
-from conduit.errors import PlacementError
 from conduit.placement.profile import LinkCost
 
 if TYPE_CHECKING:
@@ -121,9 +120,5 @@ def measure_links(servers: ShardServers, *, sizes: Sequence[int] = (1 << 18, 1 <
             call = make(x)
             call()  # warm-up
             samples.append((x, _timed(call, repeats)))
-        overhead = samples[0][1]
-        try:
-            prof.links[key] = LinkCost.fit(samples[1:], overhead)
-        except PlacementError:  # every sample within the overhead (a very busy machine): no bandwidth limit seen
-            prof.links[key] = LinkCost(overhead)
+        prof.links[key] = LinkCost.fit_or_bound(samples[1:], samples[0][1])
     return prof

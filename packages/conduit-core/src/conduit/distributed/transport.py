@@ -39,7 +39,7 @@ import torch
 from conduit.distributed._ray import current_node_id, ray_module, wait_all
 from conduit.distributed.errors import ClusterError, RemoteTimeoutError
 from conduit.distributed.links import LinkProfile
-from conduit.errors import ConfigurationError, PlacementError
+from conduit.errors import ConfigurationError
 from conduit.placement.profile import LinkCost
 
 if TYPE_CHECKING:
@@ -204,10 +204,7 @@ class TorchGroup:
             for x in (8, *sizes):
                 once(server, x)  # warm-up
                 samples.append((x, statistics.median(once(server, x) for _ in range(repeats))))
-            try:
-                prof.links[(node, self.learner_node)] = LinkCost.fit(samples[1:], samples[0][1])
-            except PlacementError:  # every sample within the overhead: no bandwidth limit seen
-                prof.links[(node, self.learner_node)] = LinkCost(samples[0][1])
+            prof.links[(node, self.learner_node)] = LinkCost.fit_or_bound(samples[1:], samples[0][1])
         return prof
 
     def close(self) -> None:

@@ -38,7 +38,7 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,20 @@ class LinkCost:
             raise PlacementError("Every measurement was within the per-call overhead; the machine was too busy to "
                                  "measure. Re-run `conduit profile` when it is quieter.")
         return cls(max(0.0, overhead_s), tuple(pts))
+
+    @classmethod
+    def fit_or_bound(cls, samples: Sequence[tuple[float, float]], overhead_s: float) -> LinkCost:
+        """:meth:`fit`, or where every sample was within the overhead (a busy machine), a conservative bound.
+
+        The bound takes the smallest measured time as the per-call overhead and each sample's
+        whole time as moving its bytes, so larger transfers still cost more (never an infinite
+        bandwidth from a noisy measurement).
+        """
+        try:
+            return cls.fit(samples, overhead_s)
+        except PlacementError:
+            floor = min([overhead_s, *(t for _, t in samples)])
+            return cls(max(0.0, floor), tuple((b, b / t) for b, t in samples if b > 0 and t > 0) or ((1.0, math.inf),))
 
     @classmethod
     def fit_rows(cls, samples: Iterable[tuple[float, float, float]], overhead_s: float) -> LinkCost:
