@@ -33,6 +33,8 @@ def main() -> int:
     p.add_argument("--overlap", type=int, default=0, metavar="G_DEL",
                    help="DQN/SAC: also run Conduit with core's Overlapped scheduler prefetching G_DEL batches "
                         "(variant 'conduit-overlapped'; prioritized draws at most G_DEL updates stale)")
+    p.add_argument("--sequential", action="store_true",
+                   help="PPO: also run Conduit without minibatch prefetch (variant 'conduit-sequential')")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -67,6 +69,10 @@ def main() -> int:
 
             g = args.overlap
             configs["conduit-overlapped"] = conduit_rllib.enable(make(), scheduler=lambda: Overlapped(g_del=g))
+        if args.sequential and args.algo == "ppo":
+            import conduit_rllib
+
+            configs["conduit-sequential"] = conduit_rllib.enable(make(), prefetch=False)
         rows = run_interleaved(configs, args.iterations)
     finally:
         ray.shutdown()
