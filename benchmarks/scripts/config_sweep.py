@@ -175,8 +175,37 @@ def head_to_head(best: str, configs: Sequence[Config], d: int, *, rounds: int, i
                                               auto_warmup=auto_warmup)["iteration_s"])
             gc.collect()
     med = {k: statistics.median(v) for k, v in times.items()}
+    paired = [a / b for a, b in zip(times["auto"], times[best], strict=True)]
     return {"best": best, "rounds": rounds, "iteration_s": med, "per_round": times,
-            "auto_vs_best": med["auto"] / med[best]}
+            "auto_vs_best": med["auto"] / med[best], "paired_ratio": statistics.median(paired),
+            "paired_ratio_ci95": bootstrap_ci(paired, rng=rng)}
+
+
+def bootstrap_ci(values: Sequence[float], *, rng: random.Random, draws: int = 2000) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the median of ``values``."""
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
+
+
+def confirm_only(path: Path, dims: Sequence[int] | None, *, rounds: int, iterations: int, warmup: int = 2,
+                 auto_warmup: int = 28, seed: int = 1, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Head-to-head runs only: the automatic configuration against the best manual one a previous sweep found."""
+    torch.set_num_threads(1)
+    sweep_res = json.loads(path.read_text())
+    rng = random.Random(seed)
+    configs = [Config("auto", special="auto")] + [Config(p, ov, g) for p in placements() for ov in (False, True)
+                                                  for g in GS]
+    out: dict[str, Any] = {"machine": _machine(), "from": path.name, "dims": {}}
+    for d in dims or [int(k) for k in sweep_res["dims"]]:
+        best = sweep_res["dims"][str(d)]["best"]
+        t0 = time.perf_counter()
+        h = head_to_head(best, configs, d, rounds=rounds, iterations=max(iterations, MIN_ITERATIONS.get(d, 0)),
+                         warmup=warmup, auto_warmup=auto_warmup, rng=rng)
+        lo, hi = h["paired_ratio_ci95"]
+        log(f"d={d}: auto vs {best}, {rounds} paired rounds: median ratio {h['paired_ratio']:.3f} "
+            f"(95% CI {lo:.3f}-{hi:.3f}), {time.perf_counter() - t0:.0f} s")
+        out["dims"][str(d)] = h
+    return out
 
 
 def summarize(table: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -275,10 +304,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--confirm-rounds", type=int, default=5,
                    help="head-to-head rounds of the automatic choice against the best manual configuration")
+    p.add_argument("--confirm-only", action="store_true",
+                   help="skip the sweep: run --confirm-rounds paired head-to-head rounds against the best manual "
+                        "configurations in --out, and write them to config_sweep_confirm.json beside it")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--plot", type=Path, default=PLOT)
     args = p.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.confirm_only:
+        res = confirm_only(args.out, args.dims, rounds=args.confirm_rounds, iterations=args.iterations)
+        dest = args.out.with_name("config_sweep_confirm.json")
+        dest.write_text(json.dumps(res, indent=1, default=str))
+        print(f"wrote {dest}")
+        return 0
 
     def save(res: dict[str, Any]) -> None:
         args.out.write_text(json.dumps(res, indent=1, default=str))
