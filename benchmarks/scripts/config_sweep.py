@@ -187,8 +187,26 @@ def bootstrap_ci(values: Sequence[float], *, rng: random.Random, draws: int = 20
     return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
+def exposed_pairs(d: int, overlapped: str, *, rounds: int, iterations: int, warmup: int, rng: random.Random,
+                  ) -> dict[str, Any]:
+    """Exposed experience-path time of an overlapped configuration against the synchronous baseline, paired rounds."""
+    placement, _, g = overlapped.split("/")
+    pair = [Config("host", special="sync"), Config(placement, True, int(g.split("=")[1]))]
+    exposed: dict[str, list[float]] = {c.name: [] for c in pair}
+    for _ in range(rounds):
+        rng.shuffle(pair)
+        for cfg in pair:
+            exposed[cfg.name].append(run_config(cfg, d, iterations=iterations, warmup=warmup,
+                                                auto_warmup=0)["exposed_s"])
+            gc.collect()
+    reduction = [1 - o / s for o, s in zip(exposed[overlapped], exposed["sync"], strict=True)]
+    return {"overlapped": overlapped, "rounds": rounds, "exposed_s": exposed,
+            "reduction": statistics.median(reduction), "reduction_ci95": bootstrap_ci(reduction, rng=rng)}
+
+
 def confirm_only(path: Path, dims: Sequence[int] | None, *, rounds: int, iterations: int, warmup: int = 2,
-                 auto_warmup: int = 28, seed: int = 1, log: Callable[[str], None] = print) -> dict[str, Any]:
+                 auto_warmup: int = 28, seed: int = 1, exposed_rounds: int = 0,
+                 log: Callable[[str], None] = print) -> dict[str, Any]:
     """Head-to-head runs only: the automatic configuration against the best manual one a previous sweep found."""
     torch.set_num_threads(1)
     sweep_res = json.loads(path.read_text())
@@ -199,11 +217,20 @@ def confirm_only(path: Path, dims: Sequence[int] | None, *, rounds: int, iterati
     for d in dims or [int(k) for k in sweep_res["dims"]]:
         best = sweep_res["dims"][str(d)]["best"]
         t0 = time.perf_counter()
-        h = head_to_head(best, configs, d, rounds=rounds, iterations=max(iterations, MIN_ITERATIONS.get(d, 0)),
-                         warmup=warmup, auto_warmup=auto_warmup, rng=rng)
-        lo, hi = h["paired_ratio_ci95"]
-        log(f"d={d}: auto vs {best}, {rounds} paired rounds: median ratio {h['paired_ratio']:.3f} "
-            f"(95% CI {lo:.3f}-{hi:.3f}), {time.perf_counter() - t0:.0f} s")
+        its = max(iterations, MIN_ITERATIONS.get(d, 0))
+        h: dict[str, Any] = {}
+        if rounds:
+            h = head_to_head(best, configs, d, rounds=rounds, iterations=its, warmup=warmup,
+                             auto_warmup=auto_warmup, rng=rng)
+            lo, hi = h["paired_ratio_ci95"]
+            log(f"d={d}: auto vs {best}, {rounds} paired rounds: median ratio {h['paired_ratio']:.3f} "
+                f"(95% CI {lo:.3f}-{hi:.3f}), {time.perf_counter() - t0:.0f} s")
+        if exposed_rounds:
+            ovl = sweep_res["dims"][str(d)]["best_overlap_exposed"]
+            e = h["exposed"] = exposed_pairs(d, ovl, rounds=exposed_rounds, iterations=its, warmup=warmup, rng=rng)
+            lo, hi = e["reduction_ci95"]
+            log(f"d={d}: exposed, {ovl} vs synchronous, {exposed_rounds} paired rounds: median "
+                f"{e['reduction']:.2%} lower (95% CI {lo:.2%}-{hi:.2%})")
         out["dims"][str(d)] = h
     return out
 
@@ -307,13 +334,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--confirm-only", action="store_true",
                    help="skip the sweep: run --confirm-rounds paired head-to-head rounds against the best manual "
                         "configurations in --out, and write them to config_sweep_confirm.json beside it")
+    p.add_argument("--exposed-rounds", type=int, default=0,
+                   help="with --confirm-only: also pair the synchronous baseline with the sweep's best overlapped "
+                        "configuration this many times and report the exposed-time reduction")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--plot", type=Path, default=PLOT)
     args = p.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.confirm_only:
-        res = confirm_only(args.out, args.dims, rounds=args.confirm_rounds, iterations=args.iterations)
-        dest = args.out.with_name("config_sweep_confirm.json")
+        res = confirm_only(args.out, args.dims, rounds=args.confirm_rounds, iterations=args.iterations,
+                           exposed_rounds=args.exposed_rounds)
+        dest = args.out.with_name(f"config_sweep_confirm{'_exposed' if not args.confirm_rounds else ''}.json")
         dest.write_text(json.dumps(res, indent=1, default=str))
         print(f"wrote {dest}")
         return 0
