@@ -276,3 +276,23 @@ def test_sharded_gpu_shards_are_written_through_pinned_staging(capacity: int, k:
 def test_sharded_host_shards_need_no_staging() -> None:
     """Only host-to-GPU shard writes are staged: host shards are written directly."""
     assert ShardedStorage(SCHEMA, 8, ["cpu"] * 2)._staging is None
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc to read resident memory")
+def test_host_columns_are_committed_at_construction_unless_prefault_is_off() -> None:
+    """prefault=True writes every page of a host column up front; prefault=False leaves them to the first write."""
+    schema = ExperienceSchema(obs=Field((1024,), torch.float32))  # 4 KiB per item, 64 MiB per storage
+    before = _resident_bytes()
+    lazy = ColumnarStorage(schema, 16384, prefault=False)
+    lazy_growth = _resident_bytes() - before
+    before = _resident_bytes()
+    eager = ColumnarStorage(schema, 16384)
+    eager_growth = _resident_bytes() - before
+    assert eager_growth >= 60 << 20, f"prefaulted storage grew resident memory by only {eager_growth >> 20} MiB"
+    assert lazy_growth < 16 << 20, f"prefault=False committed {lazy_growth >> 20} MiB at construction"
+    assert len(lazy) == len(eager) == 0
