@@ -157,7 +157,8 @@ class PrioritizedSampler(Sampler):
         b = self.beta if beta is None else float(beta)
         max_w = (size * self._tree.min / total) ** (-b)
         weights = (size * probs) ** (-b) / max_w
-        handles = slots.copy() if st.oldest == 0 else st.handles_of(slots)  # nothing evicted yet: handle == slot
+        # as Storage.handles_of, in NumPy (nothing evicted yet: handle == slot)
+        handles = slots.copy() if st.oldest == 0 else st.oldest + (slots - st.oldest) % st.capacity
         info = SampleInfo(handles=torch.from_numpy(handles), weights=torch.from_numpy(weights.astype(np.float32)),
                           probabilities=torch.from_numpy(probs))
         return Selection(torch.from_numpy(slots), info)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged
@@ -77,14 +76,14 @@ class Storage(ABC):
     def gather(self, slots: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> ExperienceBatch:
         """Rows ``slots`` of every field, into ``out`` when given (shapes must match)."""
 
-    def handles_of(self, slots: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
-        """The handle of the live item at each slot (int64, tensor or NumPy as given; slots must hold live items).
+    def handles_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """The handle of the live item at each slot (int64; slots must hold live items).
 
         Live handles are the consecutive range ``[oldest, next_handle)``, at most ``capacity``
         long, so the handle is computed, not looked up: no random memory access.
         """
         oldest = self.oldest
-        return oldest + (slots - oldest) % self.capacity  # torch's % is torch.remainder, NumPy's the same floor mod
+        return oldest + torch.remainder(slots - oldest, self.capacity)
 
     @abstractmethod
     def release(self, upto: int) -> None:
