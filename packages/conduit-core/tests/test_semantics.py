@@ -181,8 +181,15 @@ def test_telemetry_records_bytes_and_seconds_per_call(tmp_path) -> None:  # noqa
     assert tot["ingest"].calls == 1 and tot["ingest"].nbytes == 4 * 8 * 4 and tot["ingest"].items == 4
     assert tot["deliver"].calls == 1 and tot["deliver"].nbytes == 2 * 8 * 4
     assert tot["ingest"].seconds > 0 and tot["deliver"].seconds > 0
+    # the caller's whole call ("*_wait") is recorded around the work it did
+    assert tot["ingest_wait"].calls == 1 and tot["ingest_wait"].items == 4 and tot["deliver_wait"].items == 2
+    spans = {r.kind: r for r in edp.telemetry.records}
+    for kind in ("ingest", "deliver"):
+        outer, inner = spans[f"{kind}_wait"], spans[kind]
+        assert outer.start <= inner.start and inner.end <= outer.end, (outer, inner)
     trace = edp.telemetry.chrome_trace(tmp_path / "t.json")
-    assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"] == ["ingest", "deliver"]
+    assert sorted(e["name"] for e in trace["traceEvents"] if e["ph"] == "X") == [
+        "deliver", "deliver_wait", "ingest", "ingest_wait"]
     assert (tmp_path / "t.json").read_text().startswith("{")
 
 

@@ -118,6 +118,33 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
             raise SchemaError(f"Fields disagree on the batch size: {sizes}. Give every field one row per item.")
         return cls(cols, next(iter(sizes.values()), 0))
 
+    @classmethod
+    def checked(cls, data: Mapping[str, object], schema: ExperienceSchema) -> ExperienceBatch:
+        """:meth:`from_mapping` then :meth:`validate` against ``schema``.
+
+        A dict holding exactly the schema's fixed fields as tensors of the right dtype and
+        per-item shape, all of one length, is checked in a single pass.
+
+        Raises:
+            SchemaError: as :meth:`from_mapping` and :meth:`validate`.
+        """
+        checks = schema.fixed_checks
+        if type(data) is dict and checks and not schema.ragged and len(data) == len(checks):
+            n = -1
+            for name, dtype, shape in checks:
+                c = data.get(name)
+                if type(c) is not torch.Tensor or c.dtype != dtype:
+                    break
+                s = c.shape
+                if len(s) != len(shape) + 1 or s[1:] != shape or (n >= 0 and s[0] != n):
+                    break
+                n = s[0]
+            else:
+                return cls(dict(data), n)
+        b = cls.from_mapping(data)
+        b.validate(schema)
+        return b
+
     def __getitem__(self, name: str) -> torch.Tensor | Ragged:
         return self._columns[name]
 

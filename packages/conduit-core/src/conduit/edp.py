@@ -153,14 +153,17 @@ class ExperienceDataPlane:
             PriorityError: a priority is NaN, infinite or negative.
             ConfigurationError: a version or priority the semantics cannot take.
         """
-        b = ExperienceBatch.from_mapping(batch)
-        b.validate(self.schema)
+        t0 = time.perf_counter()
+        b = ExperienceBatch.checked(batch, self.schema)
         n = b.batch_size
         if n > self.storage.capacity:
             raise CapacityError(f"A batch of {n} items is larger than the capacity ({self.storage.capacity}); "
                                 f"split it or raise capacity.")
         self.semantics.check_ingest(n, version=version, priorities=priorities)
-        return self.scheduler.ingest(b, version=version, priorities=priorities)
+        out = self.scheduler.ingest(b, version=version, priorities=priorities)
+        # the caller's whole call (validation, and storing or handing over); see conduit.exposure
+        self.telemetry.record("ingest_wait", n, 0, t0, time.perf_counter())
+        return out
 
     def ingest_now(self, batch: ExperienceBatch, *, version: int | None = None,
                    priorities: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,7 +191,11 @@ class ExperienceDataPlane:
             CapacityError: a draw without replacement larger than the contents.
             StaleExperienceError: on-policy data too stale and ``on_stale="raise"``.
         """
-        return self.scheduler.deliver(n, **kwargs)
+        t0 = time.perf_counter()
+        batch, info = self.scheduler.deliver(n, **kwargs)
+        # the caller's whole call (selecting and gathering, or taking a prepared batch); see conduit.exposure
+        self.telemetry.record("deliver_wait", batch.batch_size, 0, t0, time.perf_counter())
+        return batch, info
 
     def deliver_now(self, n: int | None = None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
         """Select and gather now (the scheduler's primitive)."""

@@ -2,10 +2,11 @@
 
 Per iteration of a loop, from the spans in a :class:`~conduit.Telemetry`:
 
-* **exposed** -- experience-path time on the *critical path*: the union of ingest and
-  deliver spans (the work itself, or the caller's wait for background work and its
-  hand-over) on the threads that run the loop (those that record ``rollout``,
-  ``update`` or ``iteration`` spans);
+* **exposed** -- experience-path time on the *critical path*: the union of the caller's
+  ``ingest``/``deliver`` calls (``ingest_wait``/``deliver_wait``: validation, the work
+  itself or the hand-over to background work, and any wait for it) and of the work spans,
+  on the threads that run the loop (those that record ``rollout``, ``update`` or
+  ``iteration`` spans);
 * **hidden** -- experience-path work that other threads (the scheduler's workers) did
   while the loop was doing something else: the union of their ingest/deliver/stage
   spans, minus the part that coincided with the loop waiting for it;

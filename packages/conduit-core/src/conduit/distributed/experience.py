@@ -40,8 +40,7 @@ def stage(batch: Mapping[str, Any] | ExperienceBatch, schema: ExperienceSchema) 
     Raises:
         SchemaError: the batch does not match the schema (nothing is staged).
     """
-    b = ExperienceBatch.from_mapping(batch)
-    b.validate(schema)
+    b = ExperienceBatch.checked(batch, schema)
     ray = ray_module()
     ref = ray.put(to_wire(b, schema))
     return ExperienceRef(ref, current_node_id(), b.batch_size, b.nbytes(), schema.to_dict())

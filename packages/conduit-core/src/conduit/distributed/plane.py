@@ -376,20 +376,24 @@ class DistributedDataPlane:
             TransferError: a staged batch could not be read (its producer or node died).
             ClusterError: no live shard can take the items.
         """
+        t0 = time.perf_counter()
         sync = isinstance(self.scheduler, Synchronous)
         if isinstance(batch, ExperienceRef) or sync:
             if not sync:
                 self.scheduler.flush()  # what was queued before it is stored before it
-            return self._ingest(batch, version, priorities, node, validated=False)
-        self._check_open()
-        b = ExperienceBatch.from_mapping(batch)
-        b.validate(self.schema)
-        self.index.evictions_for(b.batch_size)  # raises CapacityError for a batch larger than the capacity
-        self.semantics.check_ingest(b.batch_size, version=version, priorities=priorities)
-        tagged = ExperienceBatch({**{name: b[name] for name in b},
-                                  _PRODUCER: torch.full((b.batch_size,), self._producer_id(node), dtype=torch.int32)},
-                                 b.batch_size)
-        return self.scheduler.ingest(tagged, version=version, priorities=priorities)  # type: ignore[return-value]
+            out = self._ingest(batch, version, priorities, node, validated=False)
+            n = int(out.shape[0])
+        else:
+            self._check_open()
+            b = ExperienceBatch.checked(batch, self.schema)
+            n = b.batch_size
+            self.index.evictions_for(n)  # raises CapacityError for a batch larger than the capacity
+            self.semantics.check_ingest(n, version=version, priorities=priorities)
+            tagged = ExperienceBatch({**{name: b[name] for name in b},
+                                      _PRODUCER: torch.full((n,), self._producer_id(node), dtype=torch.int32)}, n)
+            out = self.scheduler.ingest(tagged, version=version, priorities=priorities)  # type: ignore[assignment]
+        self.telemetry.record("ingest_wait", n, 0, t0, time.perf_counter())  # the caller's whole call
+        return out
 
     def _producer_id(self, node: str | None) -> int:
         """The index of ``node`` (None: the learner's node) in the list the producer column refers to."""
@@ -422,9 +426,7 @@ class DistributedDataPlane:
             n, nbytes, payload = batch.batch_size, batch.nbytes, batch.ref
             runs = [(0, n, node or batch.node_id)]
         else:
-            b = batch if validated else ExperienceBatch.from_mapping(batch)  # type: ignore[assignment]
-            if not validated:
-                b.validate(self.schema)
+            b = batch if validated else ExperienceBatch.checked(batch, self.schema)  # type: ignore[assignment,arg-type]
             runs = self._producer_runs(b, node)
             if _PRODUCER in b:
                 b = ExperienceBatch({name: b[name] for name in self.schema}, b.batch_size)
@@ -560,7 +562,10 @@ class DistributedDataPlane:
             StaleExperienceError: on-policy data too stale and ``on_stale="raise"``.
         """
         self._check_open()
-        return self.scheduler.deliver(n, **kwargs)
+        t0 = time.perf_counter()
+        batch, info = self.scheduler.deliver(n, **kwargs)
+        self.telemetry.record("deliver_wait", batch.batch_size, 0, t0, time.perf_counter())  # the caller's whole call
+        return batch, info
 
     def deliver_now(self, n: int | None = None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
         """Select and read now (the scheduler's primitive)."""

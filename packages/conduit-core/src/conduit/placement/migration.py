@@ -119,8 +119,7 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
             stats["bytes"] += part.nbytes()
             stats["chunks"] += 1
             if transform is not None:
-                part = ExperienceBatch.from_mapping(transform(part))
-                part.validate(new_schema)
+                part = ExperienceBatch.checked(transform(part), new_schema)
                 if part.batch_size != b - a:
                     raise SchemaError(f"The migration transform returned {part.batch_size} items for {b - a}; "
                                       f"return one item per input item.")

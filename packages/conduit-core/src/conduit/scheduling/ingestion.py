@@ -108,7 +108,8 @@ class Ingestion:
                 self._cv.wait()
             self._raise_failure()
             self._pending.append(item)
-            self._cv.notify_all()
+            if self.background and self._due(force=False) is not None:
+                self._cv.notify_all()  # wake the worker only when it has a group to store
         if not self.background:
             try:
                 self._store_ready(force=False)
@@ -193,11 +194,18 @@ class Ingestion:
             rows += h.batch.batch_size
         return group, units >= target
 
-    def _take(self, force: bool) -> list[Handover] | None:
+    def _due(self, force: bool) -> list[Handover] | None:
+        """The group to store now, or None while it may still grow (must be called under the lock)."""
         if not self._pending or self._error is not None or self._paused:
             return None
         group, complete = self._group()
         if not (complete or force or self._force or self._closing or len(self._pending) >= self.queue_depth):
+            return None
+        return group
+
+    def _take(self, force: bool) -> list[Handover] | None:
+        group = self._due(force)
+        if group is None:
             return None
         for _ in group:
             self._pending.popleft()

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import atexit
 import threading
-import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -228,14 +227,10 @@ class Overlapped(Scheduler):
     # -- ingestion -------------------------------------------------------------------------
     def ingest(self, batch: ExperienceBatch, *, version: int | None,
                priorities: torch.Tensor | None) -> torch.Tensor | None:
-        t0 = time.perf_counter()
         if self.copy_on_ingest:
             batch = batch.clone()
             priorities = None if priorities is None else torch.as_tensor(priorities).clone()
-        try:
-            self._ingestion.handover(Handover(batch, version, priorities))
-        finally:
-            self.edp.telemetry.record("ingest_wait", batch.batch_size, 0, t0, time.perf_counter())
+        self._ingestion.handover(Handover(batch, version, priorities))
         return None
 
     def flush(self) -> None:
@@ -247,30 +242,28 @@ class Overlapped(Scheduler):
 
     # -- delivery --------------------------------------------------------------------------
     def deliver(self, n: int | None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
-        t0 = time.perf_counter()
-        k = 0
-        try:
-            if self._ingestion.waiting and len(self.edp.storage) == 0:
-                self._ingestion.flush()  # nothing stored yet: handed-over data must not stay invisible
-            with self._mu:
+        if len(self.edp.storage) == 0 and self._ingestion.waiting:
+            self._ingestion.flush()  # nothing stored yet: handed-over data must not stay invisible
+        with self._mu:
+            if self._ring.cuda:
                 self._ring.call_started(self._delivered)
-                if self.on_policy:
-                    batch, info = self._deliver_on_policy()
-                else:
-                    batch, info = self._deliver_replay(n, kwargs)
-            k = batch.batch_size
-            return batch, info
-        finally:
-            self.edp.telemetry.record("deliver_wait", k, 0, t0, time.perf_counter())
+            if self.on_policy:
+                return self._deliver_on_policy()
+            return self._deliver_replay(n, kwargs)
 
     def _deliver_replay(self, n: int | None, kwargs: dict[str, Any]) -> tuple[ExperienceBatch, SampleInfo]:
         beta = kwargs.pop("beta", None) if self.prioritized else None
-        key: _Key = (n, tuple(sorted(kwargs.items())))
-        self._await_job()
-        while self._ready and (self._ready[0].key != key or self._too_stale(self._ready[0])):
-            self._discard(self._ready.popleft())
-        if self._ready:
-            p = self._ready.popleft()
+        key: _Key = (n, tuple(sorted(kwargs.items())) if kwargs else ())
+        ready = self._ready
+        if not ready or ready[0].key != key or self._too_stale(ready[0]):
+            # the prepared batch at the head is not usable (or there is none): wait for the job in flight,
+            # then drop what does not fit this call. A usable head is older than the job's batches, so
+            # taking it without waiting keeps the order of draws.
+            self._await_job()
+            while ready and (ready[0].key != key or self._too_stale(ready[0])):
+                self._discard(ready.popleft())
+        if ready:
+            p = ready.popleft()
             self.prefetch_hits += 1
         else:
             chunk = self._prepare(key, self._ring.acquire(self._delivered, inside_call=True))
@@ -365,8 +358,13 @@ class Overlapped(Scheduler):
                 and sem.policy_version - last.version <= sem.max_staleness)
 
     def _start_prefetch(self, key: _Key) -> None:
-        if not self.overlap or self._closed or self._job is not None:
+        if not self.overlap or self._closed:
             return
+        job = self._job
+        if job is not None:
+            if not job.done():
+                return
+            self._await_job()  # collect the finished job's batches (behind the ones already ready)
         ahead = len(self._ready)
         if ahead >= self._chunk:
             return
