@@ -7,11 +7,12 @@ can be recorded too, which is what exposed-latency accounting and traces are bui
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -52,30 +53,58 @@ class Totals:
         return self.seconds / self.calls if self.calls else 0.0
 
 
-@dataclass
 class Telemetry:
-    """Recent calls and totals per kind ("ingest", "deliver", "rollout", "update", ...)."""
+    """Recent calls and totals per kind ("ingest", "deliver", "rollout", "update", ...).
 
-    maxlen: int = 65536
-    records: deque[CallRecord] = field(init=False)
-    totals: dict[str, Totals] = field(default_factory=dict)
+    Recording is on every experience-path call, so it only appends a tuple to a queue
+    (atomic, no lock); the queue is folded into :attr:`records` and :attr:`totals` when
+    it grows past ``fold_every`` and whenever they are read.
 
-    def __post_init__(self) -> None:
-        self.records = deque(maxlen=self.maxlen)
+    Args:
+        maxlen: how many recent calls :attr:`records` keeps.
+        fold_every: recorded calls held before they are folded.
+    """
+
+    def __init__(self, maxlen: int = 65536, fold_every: int = 1024) -> None:
+        self.maxlen = maxlen
+        self._records: deque[CallRecord] = deque(maxlen=maxlen)
+        self._totals: dict[str, Totals] = {}
+        self._new: deque[CallRecord] = deque()
+        self._fold_every = fold_every
         self._lock = threading.Lock()
 
     def record(self, kind: str, items: int, nbytes: int, start: float, end: float) -> None:
         """Record one call (thread-safe)."""
-        rec = CallRecord(kind, items, nbytes, start, end, threading.get_ident())
+        new = self._new
+        new.append(_new_record((kind, items, nbytes, start, end, _get_ident())))
+        if len(new) >= self._fold_every:
+            self._fold()
+
+    def _fold(self) -> None:
         with self._lock:
-            self.records.append(rec)
-            t = self.totals.get(kind)
-            if t is None:
-                t = self.totals[kind] = Totals()
-            t.calls += 1
-            t.items += items
-            t.nbytes += nbytes
-            t.seconds += end - start
+            new = self._new
+            for _ in range(len(new)):  # what other threads append meanwhile waits for the next fold
+                rec = new.popleft()
+                self._records.append(rec)
+                t = self._totals.get(rec.kind)
+                if t is None:
+                    t = self._totals[rec.kind] = Totals()
+                t.calls += 1
+                t.items += rec.items
+                t.nbytes += rec.nbytes
+                t.seconds += rec.end - rec.start
+
+    @property
+    def records(self) -> deque[CallRecord]:
+        """The most recent calls, oldest first (at most ``maxlen``)."""
+        self._fold()
+        return self._records
+
+    @property
+    def totals(self) -> dict[str, Totals]:
+        """Running totals per kind, over every call recorded."""
+        self._fold()
+        return self._totals
 
     def span(self, kind: str, items: int = 0, nbytes: int = 0) -> _Span:
         """A context manager that records its body as one call of ``kind``."""
@@ -83,27 +112,31 @@ class Telemetry:
 
     def since(self, t0: float) -> list[CallRecord]:
         """Records that started at or after ``t0``."""
+        self._fold()
         with self._lock:
-            return [r for r in self.records if r.start >= t0]
+            return [r for r in self._records if r.start >= t0]
 
     def reset(self) -> None:
+        self._fold()
         with self._lock:
-            self.records.clear()
-            self.totals.clear()
+            self._records.clear()
+            self._totals.clear()
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Totals per kind as plain numbers."""
+        self._fold()
         with self._lock:
             return {k: {"calls": t.calls, "items": t.items, "bytes": t.nbytes, "seconds": t.seconds}
-                    for k, t in self.totals.items()}
+                    for k, t in self._totals.items()}
 
     def chrome_trace(self, path: str | Path | None = None, *, since: float | None = None) -> dict[str, Any]:
         """The recorded calls as a Chrome trace (``chrome://tracing``, Perfetto); written to ``path`` if given.
 
         ``since`` keeps only the calls that ended after that ``time.perf_counter()`` time.
         """
+        self._fold()
         with self._lock:
-            recs = [r for r in self.records if since is None or r.end > since]
+            recs = [r for r in self._records if since is None or r.end > since]
         t0 = min((r.start for r in recs), default=0.0)
         events = [{"name": r.kind, "ph": "X", "ts": (r.start - t0) * 1e6, "dur": r.seconds * 1e6, "pid": 0,
                    "tid": r.thread, "args": {"items": r.items, "bytes": r.nbytes}} for r in recs]
@@ -114,6 +147,10 @@ class Telemetry:
         if path is not None:
             Path(path).write_text(json.dumps(trace))
         return trace
+
+
+_new_record = functools.partial(tuple.__new__, CallRecord)
+_get_ident = threading.get_ident
 
 
 class _Span:

@@ -22,6 +22,7 @@ queue or raises, leaving the unstored batches readable through :meth:`Ingestion.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -183,7 +184,7 @@ class Ingestion:
         units = head.batch.batch_size if self.on_policy else 1
         rows = head.batch.batch_size
         target = self._target()
-        for h in list(self._pending)[1:]:
+        for h in itertools.islice(self._pending, 1, None):
             if units >= target:
                 return group, True
             if (h.version != head.version or (h.priorities is None) != (head.priorities is None)

@@ -40,7 +40,6 @@ import atexit
 import threading
 import weakref
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +50,7 @@ from conduit.errors import ConduitError, ConfigurationError
 from conduit.scheduling.base import Scheduler
 from conduit.scheduling.buffers import ChunkRing, buffers_needed
 from conduit.scheduling.ingestion import Handover, Ingestion
+from conduit.scheduling.worker import Job, Worker
 from conduit.semantics.base import SampleInfo, Selection
 from conduit.semantics.onpolicy import OnPolicy
 from conduit.semantics.replay import Replay
@@ -173,10 +173,10 @@ class Overlapped(Scheduler):
                                count=buffers_needed(self._chunk, self.output_depth), output_depth=self.output_depth)
         self._ingestion = Ingestion(edp, g_ing=self.g_ing, on_policy=self.on_policy, background=self.overlap,
                                     queue_depth=self.queue_depth, rollout_size=self.rollout_size)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="conduit-prefetch") if self.overlap else None
+        self._pool = Worker("conduit-prefetch") if self.overlap else None
         self._mu = threading.RLock()
         self._ready: deque[_Prepared] = deque()
-        self._job: Future[list[_Prepared]] | None = None
+        self._job: Job[list[_Prepared]] | None = None
         self._delivered = 0
         self._prio_epoch = 0
         self._prio_lock = threading.Lock()
@@ -271,8 +271,9 @@ class Overlapped(Scheduler):
             self._ready.extend(chunk[1:])
             self.prefetch_misses += 1
         self._handover(p)
-        info = self._reweight(p.info, beta)
-        self._start_prefetch(key)
+        info = self._reweight(p.info, beta) if self.prioritized else p.info
+        if self.overlap and (self._job is not None or len(ready) < self._chunk):
+            self._start_prefetch(key)
         return p.batch, info
 
     def _deliver_on_policy(self) -> tuple[ExperienceBatch, SampleInfo]:
@@ -307,7 +308,8 @@ class Overlapped(Scheduler):
         return p.batch, sel.info
 
     def _handover(self, p: _Prepared) -> None:
-        self._ring.handover(p.batch, p.event)
+        if p.event is not None:
+            self._ring.handover(p.batch, p.event)
         self._ring.delivered(p.buf, self._delivered)
         if p.frees_buffer:
             self._ring.free(p.buf)
@@ -436,7 +438,7 @@ class Overlapped(Scheduler):
         with self._mu:
             self._discard_all()
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown()
         self._ring.slots.clear()  # delivered batches the caller still holds keep their own memory alive
         self._ingestion.close()
 

@@ -1,0 +1,84 @@
+"""A single background thread that runs one job at a time, with a hand-off cheap enough for every delivery.
+
+:class:`concurrent.futures.ThreadPoolExecutor` costs the submitting thread a future, a
+work item, a semaphore and Python-level condition variables per job. A prefetching
+scheduler submits a job every few deliveries and checks it on every one, on the
+learner's critical path, so :class:`Worker` keeps that path to a C-level queue put
+and a lock test: a job's completion is a lock, held from submission until the job ends.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Worker", "Job"]
+
+T = TypeVar("T")
+
+
+class Job(Generic[T]):
+    """One call to run in the worker; :meth:`result` waits for it and returns or raises what it did."""
+
+    __slots__ = ("_fn", "_args", "_value", "_error", "_running")
+
+    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...]) -> None:
+        self._fn = fn
+        self._args = args
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self._running = threading.Lock()
+        self._running.acquire()  # released when the job has finished
+
+    def _run(self) -> None:
+        try:
+            self._value = self._fn(*self._args)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread by result()
+            self._error = e
+        finally:
+            self._running.release()
+
+    def done(self) -> bool:
+        """Whether the job has finished (never blocks)."""
+        return not self._running.locked()
+
+    def result(self) -> T:
+        """Wait for the job, then return its value or raise its exception."""
+        with self._running:
+            pass
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+
+class Worker:
+    """One daemon thread running submitted jobs in order.
+
+    Args:
+        name: the thread's name (shown in traces).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[Job[Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Job[T]:
+        """Queue ``fn(*args)``; the returned job reports its outcome."""
+        job: Job[T] = Job(fn, args)
+        self._queue.put(job)
+        return job
+
+    def shutdown(self) -> None:
+        """Finish the queued jobs, then stop the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            job._run()
