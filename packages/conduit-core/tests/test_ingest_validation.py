@@ -130,3 +130,30 @@ def test_ragged_pool_evicts_oldest_items_fifo_when_it_wraps() -> None:
     with pytest.raises(CapacityError, match="ragged_capacity"):
         edp.ingest({"tokens": [torch.zeros(11, dtype=torch.int64)], "reward": torch.zeros(1)})
     assert len(edp) == 2
+
+
+@pytest.mark.parametrize("data", [
+    good(3),
+    {"obs": torch.zeros(3, 4), "action": torch.zeros(3, 1, dtype=torch.int64)},  # a per-item shape (1,), not ()
+    {"obs": torch.zeros(3, 4), "action": torch.tensor(7)},  # a scalar column
+    {"obs": torch.zeros(3, 2, 2), "action": torch.zeros(3, dtype=torch.int64)},  # same numel, other shape
+    {"obs": torch.zeros(3, 4, dtype=torch.float64), "action": torch.zeros(3, dtype=torch.int64)},
+    {"obs": torch.zeros(3, 4), "action": torch.zeros(2, dtype=torch.int64)},
+    {"obs": torch.zeros(3, 4), "act": torch.zeros(3, dtype=torch.int64)},
+    {"obs": np.zeros((3, 4), np.float32), "action": np.zeros(3, np.int64)},
+    {"obs": torch.zeros(0, 4), "action": torch.zeros(0, dtype=torch.int64)},
+])
+def test_the_one_pass_check_agrees_with_from_mapping_then_validate(data: dict) -> None:
+    from conduit.batch import ExperienceBatch
+
+    try:
+        ref = ExperienceBatch.from_mapping(data)
+        ref.validate(SCHEMA)
+    except SchemaError as e:
+        with pytest.raises(SchemaError) as info:
+            ExperienceBatch.checked(data, SCHEMA)
+        assert str(info.value) == str(e)
+        return
+    got = ExperienceBatch.checked(data, SCHEMA)
+    assert got.batch_size == ref.batch_size and list(got) == list(ref)
+    assert all(got[k] is ref[k] or torch.equal(got[k], ref[k]) for k in ref)

@@ -131,12 +131,12 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         checks = schema.fixed_checks
         if type(data) is dict and checks and not schema.ragged and len(data) == len(checks):
             n = -1
-            for name, dtype, shape in checks:
+            for name, dtype, shape, dims in checks:
                 c = data.get(name)
-                if type(c) is not torch.Tensor or c.dtype != dtype:
+                if type(c) is not torch.Tensor or c.dtype is not dtype:
                     break
                 s = c.shape
-                if len(s) != len(shape) + 1 or s[1:] != shape or (n >= 0 and s[0] != n):
+                if len(s) != dims or (dims > 1 and s[1:] != shape) or (n >= 0 and s[0] != n):
                     break
                 n = s[0]
             else:
@@ -221,7 +221,7 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         """
         cols = self._columns
         if not schema.ragged and len(cols) == len(schema.fixed_checks):  # fast path: tensors that all match
-            for name, dtype, shape in schema.fixed_checks:
+            for name, dtype, shape, _ in schema.fixed_checks:
                 c = cols.get(name)
                 if type(c) is not torch.Tensor or c.dtype != dtype or c.shape[1:] != shape:
                     break

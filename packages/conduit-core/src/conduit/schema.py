@@ -76,8 +76,9 @@ class ExperienceSchema(Mapping[str, Field]):
         self.fixed = tuple(n for n, f in merged.items() if not f.ragged)
         self.ragged = tuple(n for n, f in merged.items() if f.ragged)
         self._fixed_item_bytes = sum(merged[n].element_bytes for n in self.fixed)
-        #: (name, dtype, per-item shape) of every fixed field: the checks a batch of tensors needs
-        self.fixed_checks = tuple((n, f.dtype, torch.Size(f.shape)) for n, f in merged.items() if not f.ragged)
+        #: (name, dtype, per-item shape, column dims) of every fixed field: the checks a batch of tensors needs
+        self.fixed_checks = tuple((n, f.dtype, torch.Size(f.shape), len(f.shape) + 1) for n, f in merged.items()
+                                  if not f.ragged)
 
     def __getitem__(self, name: str) -> Field:
         return self._fields[name]
