@@ -39,18 +39,29 @@ def test_sumtree_sums_and_finds(flat: bool) -> None:
 @pytest.mark.parametrize("flat", [True, False], ids=["leaves-only", "two-level"])
 @pytest.mark.parametrize("capacity", [1, 17, 1000, 70_001])
 def test_sumtree_matches_a_brute_force_prefix_search(capacity: int, flat: bool) -> None:
-    """Several blocks, zero weights, repeated and one-slot updates: totals, minima and searches agree with NumPy."""
+    """Several blocks, zero weights, repeated and one-slot updates: totals, minima and searches agree with NumPy.
+
+    Some rounds read nothing (updates pile up between two reads) and the first read alternates
+    between a search and the total (either one brings stale blocks up to date).
+    """
     rng = np.random.default_rng(capacity)
     t = SumTree(capacity, flat=flat)
     w = np.zeros(capacity)
-    for i in range(8):
+    for i in range(12):
         k = 1 if i % 2 else int(rng.integers(1, min(capacity, 600) + 1))  # odd rounds: the one-slot path
         slots = rng.integers(0, capacity, k)
         vals = rng.random(k) * (rng.random(k) > 0.3)  # about 30% zeros
         t.set(slots, vals)
         for s_, v in zip(slots, vals, strict=True):  # the last value wins for a repeated slot
             w[s_] = v
+        if i % 3 == 1:
+            continue  # no read: the next round's updates land on top of this one's
         cum = np.cumsum(w)
+        if cum[-1] > 0 and i % 2 == 0:
+            u = rng.random(512) * cum[-1]
+            found = t.find(u)
+            assert (w[found] > 0).all(), "a zero weight was found"
+            assert np.array_equal(found, np.searchsorted(cum, u, side="right"))
         assert t.total == pytest.approx(cum[-1], rel=1e-12)
         assert t.min == (w[w > 0].min() if (w > 0).any() else np.inf)
         if cum[-1] > 0:

@@ -2,7 +2,10 @@
 
 A two-level structure rather than a binary tree: leaves are grouped in blocks of ``B``
 (64 by default), and each block keeps its sum and its smallest positive leaf. An update
-rewrites the leaves and recomputes the touched blocks from their leaves; a draw finds the
+rewrites the leaves and marks their blocks stale; the next read (a draw, the total, the
+minimum) recomputes the stale blocks from their leaves, once however many updates came
+between. So a priority update is two NumPy calls, and with prefetching the block work runs
+on the worker thread that draws, off the learner's critical path. A draw finds the
 block by a cumulative sum over the block sums, then the leaf by a cumulative sum inside the
 block. Both are a fixed handful of vectorised NumPy calls whatever the capacity, where a
 binary tree needs several calls per level (``log2 C`` levels): for the small batches RL
@@ -47,17 +50,34 @@ class SumTree:
         self._rows = self._leaves.reshape(self.blocks, self.block)
         self._bsum = np.zeros(self.blocks, dtype=np.float64)
         self._bmin = np.full(self.blocks, np.inf, dtype=np.float64)
+        self._stale = np.zeros(self.blocks, dtype=bool)  # blocks whose sum and minimum are out of date
+        self._any_stale = False
 
     @property
     def total(self) -> float:
-        return float((self._leaves if self.flat else self._bsum).sum())
+        if self.flat:
+            return float(self._leaves.sum())
+        self._refresh()
+        return float(self._bsum.sum())
 
     @property
     def min(self) -> float:
         """Smallest positive weight (``inf`` when every weight is zero)."""
         if self.flat:
             return float(np.min(self._leaves, where=self._leaves > 0, initial=np.inf))
+        self._refresh()
         return float(self._bmin.min())
+
+    def _refresh(self) -> None:
+        """Recompute the sums and minima of the blocks updated since the last read."""
+        if not self._any_stale:
+            return
+        touched = np.flatnonzero(self._stale)
+        rows = self._rows[touched]
+        self._bsum[touched] = rows.sum(axis=1)
+        self._bmin[touched] = np.where(rows > 0, rows, np.inf).min(axis=1)
+        self._stale[touched] = False
+        self._any_stale = False
 
     def get(self, slots: np.ndarray) -> np.ndarray:
         return self._leaves[slots]
@@ -73,21 +93,15 @@ class SumTree:
         self._leaves[slots] = values
         if self.flat:
             return
-        touched = np.unique(slots // self.block)
-        rows = self._rows[touched]
-        self._bsum[touched] = rows.sum(axis=1)
-        self._bmin[touched] = np.where(rows > 0, rows, np.inf).min(axis=1)
+        self._stale[slots // self.block] = True
+        self._any_stale = True
 
     def set_one(self, slot: int, value: float) -> None:
         """Set one weight (one env step per call is common: scalar indexing, one block)."""
         self._leaves[slot] = value
-        if self.flat:
-            return
-        b = slot // self.block
-        row = self._rows[b]
-        self._bsum[b] = row.sum()
-        positive = row[row > 0]
-        self._bmin[b] = positive.min() if positive.size else np.inf
+        if not self.flat:
+            self._stale[slot // self.block] = True
+            self._any_stale = True
 
     def find(self, prefix: np.ndarray) -> np.ndarray:
         """For each value ``u`` of ``prefix``: the slot ``i`` with ``sum(w[:i]) <= u < sum(w[:i+1])``.
@@ -98,6 +112,7 @@ class SumTree:
         u = np.asarray(prefix, dtype=np.float64)
         if self.flat:
             return np.minimum(np.searchsorted(np.cumsum(self._leaves), u, side="right"), self.capacity - 1)
+        self._refresh()
         cum = np.cumsum(self._bsum)
         blk = np.minimum(np.searchsorted(cum, u, side="right"), self.blocks - 1)
         rest = u - (cum[blk] - self._bsum[blk])
@@ -113,3 +128,5 @@ class SumTree:
         self._leaves[:self.capacity] = leaves
         self._bsum[:] = self._rows.sum(axis=1)
         self._bmin[:] = np.where(self._rows > 0, self._rows, np.inf).min(axis=1)
+        self._stale[:] = False
+        self._any_stale = False
