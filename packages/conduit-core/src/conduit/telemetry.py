@@ -1,8 +1,9 @@
 """Per-call accounting of the experience path, cheap enough to leave on.
 
-Every ingest and deliver call records ``(kind, items, bytes, start, end)`` in a bounded
-ring of recent calls plus running totals. Spans from outside the EDP (rollout, update)
-can be recorded too, which is what exposed-latency accounting and traces are built from.
+Every ingest and deliver call records ``(kind, items, bytes, start, end)``: a lock-free
+append, folded later into a bounded ring of recent calls plus running totals. Spans from
+outside the EDP (rollout, update) can be recorded too, which is what exposed-latency
+accounting and traces are built from.
 """
 
 from __future__ import annotations

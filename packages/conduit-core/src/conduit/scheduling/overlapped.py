@@ -384,8 +384,6 @@ class Overlapped(Scheduler):
             self._ready.extend(job.result())
         except ConduitError:
             pass  # e.g. nothing to draw yet: the delivery call prepares (and raises) itself
-        except BaseException:
-            raise
 
     def _too_stale(self, p: _Prepared) -> bool:
         return self.prioritized and self._prio_epoch - p.prio_epoch > self.max_priority_staleness
