@@ -38,7 +38,7 @@ def build(lib: str, d: int, data: torch.Tensor) -> tuple[Callable[[], Any], Call
         sched = Overlapped(g_ing=1, g_del=2) if lib == "conduit-prefetch" else None
         edp = ExperienceDataPlane(ExperienceSchema(obs=Field((d,))), capacity=CAPACITY, semantics=Replay(seed=0),
                                   scheduler=sched)
-        for s in range(0, CAPACITY, data.shape[0]):
+        for _ in range(CAPACITY // data.shape[0]):
             edp.ingest({"obs": data})
         edp.flush()
         return (lambda: edp.deliver(BATCH)), edp.close
@@ -47,7 +47,7 @@ def build(lib: str, d: int, data: torch.Tensor) -> tuple[Callable[[], Any], Call
 
     rb = ReplayBuffer(storage=LazyTensorStorage(CAPACITY), batch_size=BATCH,
                       prefetch=2 if lib == "torchrl-prefetch" else None)
-    for s in range(0, CAPACITY, data.shape[0]):
+    for _ in range(CAPACITY // data.shape[0]):
         rb.extend(TensorDict({"obs": data}, batch_size=[data.shape[0]]))
     return rb.sample, lambda: None
 

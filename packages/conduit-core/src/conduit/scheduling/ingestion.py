@@ -76,7 +76,8 @@ class Ingestion:
         self._learned = 0  # largest rollout seen (on-policy, when rollout_size is not given)
         self._cur_version: int | None = None
         self._cur_items = 0
-        self._cv = threading.Condition()
+        self._mutex = threading.RLock()  # the condition's lock, entered directly on the producer's hot path
+        self._cv = threading.Condition(self._mutex)
         self._pending: deque[Handover] = deque()
         self._inflight: list[Handover] = []
         self._error: BaseException | None = None
@@ -92,8 +93,9 @@ class Ingestion:
     # -- producer side ---------------------------------------------------------------------
     def handover(self, item: Handover) -> None:
         """Queue one batch (blocks while the queue is full). Raises an earlier background failure first."""
-        with self._cv:
-            self._raise_failure()
+        with self._mutex:
+            if self._error is not None:
+                self._raise_failure()
             if self._closing:
                 raise ConfigurationError("This scheduler is closed; build a new buffer to ingest more.")
             if self.on_policy and item.version is not None:
@@ -107,7 +109,8 @@ class Ingestion:
                         f"Ingestion is paused after a failed background write and its queue is full "
                         f"({len(self._pending)} batches); call flush() to retry them. This batch was not accepted.")
                 self._cv.wait()
-            self._raise_failure()
+            if self._error is not None:
+                self._raise_failure()
             self._pending.append(item)
             if self.background and self._due(force=False) is not None:
                 self._cv.notify_all()  # wake the worker only when it has a group to store

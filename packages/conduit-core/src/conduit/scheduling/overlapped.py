@@ -242,7 +242,7 @@ class Overlapped(Scheduler):
 
     # -- delivery --------------------------------------------------------------------------
     def deliver(self, n: int | None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
-        if len(self.edp.storage) == 0 and self._ingestion.waiting:
+        if not self._ready and len(self.edp.storage) == 0 and self._ingestion.waiting:
             self._ingestion.flush()  # nothing stored yet: handed-over data must not stay invisible
         with self._mu:
             if self._ring.cuda:
@@ -255,7 +255,7 @@ class Overlapped(Scheduler):
         beta = kwargs.pop("beta", None) if self.prioritized else None
         key: _Key = (n, tuple(sorted(kwargs.items())) if kwargs else ())
         ready = self._ready
-        if not ready or ready[0].key != key or self._too_stale(ready[0]):
+        if not ready or ready[0].key != key or (self.prioritized and self._too_stale(ready[0])):
             # the prepared batch at the head is not usable (or there is none): wait for the job in flight,
             # then drop what does not fit this call. A usable head is older than the job's batches, so
             # taking it without waiting keeps the order of draws.
