@@ -33,6 +33,9 @@ def main() -> int:
     p.add_argument("--overlap", type=int, default=0, metavar="G_DEL",
                    help="DQN/SAC: also run Conduit with core's Overlapped scheduler prefetching G_DEL batches "
                         "(variant 'conduit-overlapped'; prioritized draws at most G_DEL updates stale)")
+    p.add_argument("--ingest-in-caller", action="store_true",
+                   help="with --overlap: store each add in the caller (Overlapped(background_ingest=False)); "
+                        "delivery still prefetches")
     p.add_argument("--sequential", action="store_true",
                    help="PPO: also run Conduit without minibatch prefetch (variant 'conduit-sequential')")
     p.add_argument("--out", type=Path, default=None)
@@ -67,8 +70,9 @@ def main() -> int:
             import conduit_rllib
             from conduit import Overlapped
 
-            g = args.overlap
-            configs["conduit-overlapped"] = conduit_rllib.enable(make(), scheduler=lambda: Overlapped(g_del=g))
+            g, bg = args.overlap, not args.ingest_in_caller
+            configs["conduit-overlapped"] = conduit_rllib.enable(
+                make(), scheduler=lambda: Overlapped(g_del=g, background_ingest=bg))
         if args.sequential and args.algo == "ppo":
             import conduit_rllib
 

@@ -227,6 +227,25 @@ def test_prefetched_batches_are_the_drawn_items() -> None:
     edp.close()
 
 
+def test_prefetch_with_ingestion_in_the_caller() -> None:
+    """background_ingest=False: each ingest is stored before it returns, and delivery still prefetches."""
+    edp = replay(Overlapped(g_del=2, background_ingest=False))
+    assert "background_ingest=False" in repr(edp.scheduler)
+    assert edp.scheduler._ingestion._thread is None, "an ingestion worker thread was started"
+    for k in range(10):
+        edp.ingest(id_batch(np.arange(50 * k, 50 * (k + 1))))
+        assert len(edp) == 50 * (k + 1), "an ingest returned before its batch was stored"
+    for i in range(20):
+        b, info = edp.deliver(32)
+        assert torch.equal(b["id"], info.handles), "a prefetched batch does not hold the items its handles name"
+        edp.ingest(id_batch(np.arange(500 + 10 * i, 510 + 10 * i)))
+        assert len(edp) == 510 + 10 * i
+    s = edp.scheduler
+    assert s.prefetch_hits >= 10, f"prefetch served {s.prefetch_hits} deliveries, missed {s.prefetch_misses}"
+    assert ids_of(edp) == list(range(700))
+    edp.close()
+
+
 def test_delivered_batches_stay_valid_for_output_depth_deliveries() -> None:
     for sched in (Overlapped(g_del=1), Overlapped(g_del=3), Overlapped(g_del=2, overlap=False),
                   Overlapped(g_del=1, output_depth=3)):

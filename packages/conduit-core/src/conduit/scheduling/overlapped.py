@@ -91,6 +91,11 @@ class Overlapped(Scheduler):
             int >= 1. On-policy it is ``1/M`` (one minibatch per call); pass ``1`` or ``1/M``.
         overlap: run ingestion and delivery preparation in worker threads (True), or
             sequentially in the caller at the same granularity (False).
+        background_ingest: store ingested batches on a worker thread (default: ``overlap``).
+            ``False`` with ``overlap=True`` keeps ingestion in the caller (at ``g_ing``) while
+            delivery still prefetches: the better choice when each ``ingest`` call is small
+            (a few env steps), where handing a batch over costs about what storing it does and
+            the second worker only competes with the prefetch for the interpreter.
         queue_depth: handed-over batches that may wait for storage before ``ingest``
             blocks (backpressure). At least ``g_ing`` off-policy.
         max_priority_staleness: prioritized replay only: how many ``update_priorities``
@@ -116,7 +121,8 @@ class Overlapped(Scheduler):
 
     def __init__(self, *, g_ing: float = 1, g_del: float = 1, overlap: bool = True, queue_depth: int = 8,
                  max_priority_staleness: int | None = None, output_depth: int = 2,
-                 rollout_size: int | None = None, copy_on_ingest: bool = False) -> None:
+                 rollout_size: int | None = None, copy_on_ingest: bool = False,
+                 background_ingest: bool | None = None) -> None:
         if not isinstance(g_ing, (int, float)) or isinstance(g_ing, bool) or not g_ing > 0:
             raise ConfigurationError(f"g_ing must be a positive number, got {g_ing!r}.")
         if not isinstance(g_del, (int, float)) or isinstance(g_del, bool) or not g_del > 0:
@@ -130,6 +136,7 @@ class Overlapped(Scheduler):
         self.g_ing = g_ing
         self.g_del = g_del
         self.overlap = bool(overlap)
+        self.background_ingest = self.overlap if background_ingest is None else bool(background_ingest)
         self.queue_depth = int(queue_depth)
         self.output_depth = output_depth
         self.rollout_size = rollout_size
@@ -171,8 +178,9 @@ class Overlapped(Scheduler):
             self._chunk = max(1, min(self._chunk, self.max_priority_staleness + 1))
         self._ring = ChunkRing(edp.schema, edp.storage.device, edp.device,
                                count=buffers_needed(self._chunk, self.output_depth), output_depth=self.output_depth)
-        self._ingestion = Ingestion(edp, g_ing=self.g_ing, on_policy=self.on_policy, background=self.overlap,
-                                    queue_depth=self.queue_depth, rollout_size=self.rollout_size)
+        self._ingestion = Ingestion(edp, g_ing=self.g_ing, on_policy=self.on_policy,
+                                    background=self.background_ingest, queue_depth=self.queue_depth,
+                                    rollout_size=self.rollout_size)
         self._pool = Worker("conduit-prefetch") if self.overlap else None
         self._mu = threading.RLock()
         self._ready: deque[_Prepared] = deque()
@@ -222,7 +230,8 @@ class Overlapped(Scheduler):
         return self.max_priority_staleness if self.overlap else self._chunk - 1
 
     def __repr__(self) -> str:
-        return f"Overlapped(g_ing={self.g_ing}, g_del={self.g_del}, overlap={self.overlap})"
+        extra = "" if self.background_ingest == self.overlap else f", background_ingest={self.background_ingest}"
+        return f"Overlapped(g_ing={self.g_ing}, g_del={self.g_del}, overlap={self.overlap}{extra})"
 
     # -- ingestion -------------------------------------------------------------------------
     def ingest(self, batch: ExperienceBatch, *, version: int | None,
