@@ -107,8 +107,7 @@ class ChunkRing:
     def delivered(self, i: int, index: int) -> None:
         """Batch number ``index`` (0-based delivery count) was handed out of buffer ``i``."""
         s = self.slots[i]
-        if index + self.output_depth > s.expires:
-            s.expires = index + self.output_depth
+        s.expires = max(s.expires, index + self.output_depth)
 
     def call_started(self, index: int) -> None:
         """Delivery call ``index`` begins (CUDA: mark the learner's stream; batches expiring now were used before)."""

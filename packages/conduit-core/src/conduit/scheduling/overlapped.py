@@ -264,7 +264,7 @@ class Overlapped(Scheduler):
         beta = kwargs.pop("beta", None) if self.prioritized else None
         key: _Key = (n, tuple(sorted(kwargs.items())) if kwargs else ())
         ready = self._ready
-        if not ready or ready[0].key != key or (self.prioritized and self._too_stale(ready[0])):
+        if not ready or ready[0].key != key or self._too_stale(ready[0]):
             # the prepared batch at the head is not usable (or there is none): wait for the job in flight,
             # then drop what does not fit this call. A usable head is older than the job's batches, so
             # taking it without waiting keeps the order of draws.
@@ -280,9 +280,8 @@ class Overlapped(Scheduler):
             self._ready.extend(chunk[1:])
             self.prefetch_misses += 1
         self._handover(p)
-        info = self._reweight(p.info, beta) if self.prioritized else p.info
-        if self.overlap and (self._job is not None or len(ready) < self._chunk):
-            self._start_prefetch(key)
+        info = self._reweight(p.info, beta)
+        self._start_prefetch(key)
         return p.batch, info
 
     def _deliver_on_policy(self) -> tuple[ExperienceBatch, SampleInfo]:
@@ -317,8 +316,7 @@ class Overlapped(Scheduler):
         return p.batch, sel.info
 
     def _handover(self, p: _Prepared) -> None:
-        if p.event is not None:
-            self._ring.handover(p.batch, p.event)
+        self._ring.handover(p.batch, p.event)
         self._ring.delivered(p.buf, self._delivered)
         if p.frees_buffer:
             self._ring.free(p.buf)
