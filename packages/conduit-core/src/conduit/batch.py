@@ -128,18 +128,9 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         Raises:
             SchemaError: as :meth:`from_mapping` and :meth:`validate`.
         """
-        checks = schema.fixed_checks
-        if type(data) is dict and checks and not schema.ragged and len(data) == len(checks):
-            n = -1
-            for name, dtype, shape, dims in checks:
-                c = data.get(name)
-                if type(c) is not torch.Tensor or c.dtype is not dtype:
-                    break
-                s = c.shape
-                if len(s) != dims or (dims > 1 and s[1:] != shape) or (n >= 0 and s[0] != n):
-                    break
-                n = s[0]
-            else:
+        if type(data) is dict:
+            n = _matching_rows(data, schema)
+            if n >= 0:
                 return cls(dict(data), n)
         b = cls.from_mapping(data)
         b.validate(schema)
@@ -219,14 +210,8 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         Raises:
             SchemaError: a missing or extra field, a wrong dtype, shape, or lengths.
         """
-        cols = self._columns
-        if not schema.ragged and len(cols) == len(schema.fixed_checks):  # fast path: tensors that all match
-            for name, dtype, shape, _ in schema.fixed_checks:
-                c = cols.get(name)
-                if type(c) is not torch.Tensor or c.dtype != dtype or c.shape[1:] != shape:
-                    break
-            else:
-                return
+        if _matching_rows(self._columns, schema) >= 0:  # fast path: tensors that all match
+            return
         missing = [n for n in schema if n not in self._columns]
         extra = [n for n in self._columns if n not in schema]
         if missing or extra:
@@ -261,6 +246,25 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                 if tuple(c.shape[1:]) != f.shape:
                     raise SchemaError(f"Field {name!r} has per-item shape {tuple(c.shape[1:])}, the schema "
                                       f"says {f.shape}.")
+
+
+def _matching_rows(columns: Mapping[str, object], schema: ExperienceSchema) -> int:
+    """The shared row count when ``columns`` are exactly the schema's fixed fields, each a tensor
+    of the field's dtype and per-item shape, all of one length; -1 otherwise (then the full checks
+    say what is wrong)."""
+    checks = schema.fixed_checks
+    if schema.ragged or not checks or len(columns) != len(checks):
+        return -1
+    n = -1
+    for name, dtype, shape, dims in checks:
+        c = columns.get(name)
+        if type(c) is not torch.Tensor or c.dtype is not dtype:
+            return -1
+        s = c.shape
+        if len(s) != dims or (dims > 1 and s[1:] != shape) or (n >= 0 and s[0] != n):
+            return -1
+        n = s[0]
+    return n
 
 
 def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
