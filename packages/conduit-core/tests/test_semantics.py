@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -257,3 +259,32 @@ def test_prioritized_never_draws_items_a_ragged_pool_evicted() -> None:
     assert oldest > 1, "the 20-token item should evict more than one item"
     assert live <= set(range(oldest, 9)), f"drew evicted ids {sorted(live - set(range(oldest, 9)))}"
     assert live == set(range(oldest, 9)), "every live item should be drawn at least once in 4096 draws"
+
+
+def test_telemetry_folds_concurrent_records_without_losing_any() -> None:
+    """Records from several threads cross the fold threshold many times; totals and recent records stay exact."""
+    from conduit.telemetry import Telemetry
+
+    tel = Telemetry(maxlen=100, fold_every=8)
+    per_thread = 2000
+
+    def work(k: int) -> None:
+        for i in range(per_thread):
+            tel.record(f"kind{k % 2}", 1, k, float(i), float(i) + 0.5)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tot = tel.totals
+    assert {k: (t.calls, t.items, t.nbytes) for k, t in tot.items()} == {
+        "kind0": (2 * per_thread, 2 * per_thread, per_thread * (0 + 2)),
+        "kind1": (2 * per_thread, 2 * per_thread, per_thread * (1 + 3)),
+    }
+    assert tot["kind0"].seconds == pytest.approx(2 * per_thread * 0.5)
+    recs = list(tel.records)
+    assert len(recs) == 100
+    for thread in {r.thread for r in recs}:  # each thread's records stay in the order it made them
+        starts = [r.start for r in recs if r.thread == thread]
+        assert starts == sorted(starts)
