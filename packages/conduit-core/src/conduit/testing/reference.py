@@ -33,7 +33,7 @@ def id_batch(ids: np.ndarray) -> dict[str, torch.Tensor]:
 
 
 def check_payload(batch: Any) -> np.ndarray:
-    ids = batch["id"].numpy().copy()
+    ids = batch["id"].cpu().numpy().copy()  # the batch may sit on a GPU tier's device
     assert torch.equal(batch["obs"][:, 0], batch["id"].to(torch.float32)), "payload does not match its id"
     return ids
 
@@ -56,7 +56,7 @@ class CoreReplayEndpoint(ReplayEndpoint):
     def sample(self, n: int) -> Draw:
         self.edp.flush()
         batch, info = self.edp.deliver(n)
-        w = None if info.weights is None else info.weights.numpy().copy()
+        w = None if info.weights is None else info.weights.cpu().numpy().copy()
         return Draw(check_payload(batch), info.handles.clone(), w)
 
     def update_priorities(self, handles: Any, priorities: np.ndarray) -> None:
