@@ -18,7 +18,8 @@ def _overloaded() -> str | None:
 
 
 def test_predicted_host_delivery_within_25_percent_of_measured() -> None:
-    """For d in {128, 1000, 5000, 20000}, batch 512, from a 128 MiB transition buffer (larger than the caches):
+    """For d in {128, 1000, 5000, 20000}, batch 512, from a transition buffer of
+    at least 96 MiB and twice the last-level cache:
     the cost model's delivery latency, built from single-column gathers measured at other widths, matches the
     EDP's measured ``deliver(512)`` within 25%. Skipped, with the reason, when the machine runs more than two
     processes per core: then other processes decide the timings, not the code.

@@ -411,7 +411,7 @@ def _measure_copy(src_dev: torch.device, dst_dev: torch.device, sizes: list[int]
 
 
 #: row widths (bytes) the gather paths are measured at; 0 means a 1-D column (scalar items)
-_ROW_WIDTHS = (16, 256, 2048, 16384, 131072)
+_ROW_WIDTHS = (16, 256, 2048, 16384, 65536, 131072)
 #: rows per measured gather
 _GATHER_ROWS = 512
 

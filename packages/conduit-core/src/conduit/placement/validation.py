@@ -121,6 +121,9 @@ def check_host_delivery(obs_dims: Sequence[int] = (128, 1000, 5000, 20000), *, b
     single-column gathers of other sizes than the deliveries; skipped when ``profile`` is
     given) and then every delivery, so prediction and measurement see the same machine
     load. Reports each round; :attr:`DeliveryCheck.error` is the median of the rounds' errors.
+    Each buffer holds at least ``buffer_bytes`` and at least twice the last-level cache, so
+    deliveries read from memory, as the profile's gathers do (a buffer that fits the cache
+    would be served from it, faster than any prediction from memory bandwidth).
 
     Keyword Args:
         clock: ``time.perf_counter`` (wall) or ``time.thread_time`` (this thread's CPU time:
@@ -129,6 +132,7 @@ def check_host_delivery(obs_dims: Sequence[int] = (128, 1000, 5000, 20000), *, b
     """
     topo = topology if topology is not None else discover_topology()
     host = PlacementSpec("host", ("cpu",))
+    buffer_bytes = max(buffer_bytes, 2 * _llc_bytes())
     caps = {d: buffer_capacity(d, batch, buffer_bytes) for d in obs_dims}
     predicted: dict[int, list[float]] = {d: [] for d in obs_dims}
     measured: dict[int, list[float]] = {d: [] for d in obs_dims}
