@@ -471,9 +471,12 @@ class CostModel:
             where = "disk" if spec.tier == "disk" else src
             gather = sum(self._gather(where, workload, f, workload.capacity).seconds(fb * rows, rows)
                          for f, fb in fields)
+            calls = edp
+            if spec.tier == "gpu":  # the drawn rows' indices, to the GPU (once per gather)
+                calls += self.profile.link("h2d_pageable", _cuda_index(src)).seconds(_INDEX_BYTES * rows)
             link = self._move(src, learner, pinned=src == "cpu")
             transfer = sum(link.seconds(fb * rows) for _, fb in fields) if link is not None else 0.0
-            return DeliverySteps(edp, ((where, gather, 0.0),), where, 0.0, transfer, learner)
+            return DeliverySteps(calls, ((where, gather, 0.0),), where, 0.0, transfer, learner)
         k = len(spec.devices)
         home = spec.devices[0]
         hi = _cuda_index(home)
@@ -507,15 +510,16 @@ class CostModel:
         """Latency parts of one delivery of ``batch`` items to a learner on ``learner``.
 
         ``deliver: gather`` and the shard part of ``deliver: transfer`` are the slowest
-        shard's; a sharded delivery adds ``deliver: calls`` (every gather, copy and index
-        upload issued) and ``deliver: scatter``.
+        shard's; ``deliver: calls`` holds the index uploads to GPUs (a sharded delivery's
+        also every gather and copy issued), and a sharded delivery adds ``deliver: scatter``.
         """
         st = self.delivery_steps(spec, workload, learner)
         edp = self.profile.link("edp_deliver").overhead_s
         _, g, m = max(st.shards, key=lambda x: x[1] + x[2])
         parts = {"deliver: edp": edp, "deliver: gather": g, "deliver: transfer": m + st.transfer_s}
-        if spec.tier == "sharded":
+        if st.calls_s > edp:
             parts["deliver: calls"] = st.calls_s - edp
+        if spec.tier == "sharded":
             parts["deliver: scatter"] = st.scatter_s
         return parts
 

@@ -14,7 +14,8 @@ Path names (``BandwidthProfile.links`` keys):
   element per item) larger than / within the last-level cache;
 * ``h2d_pinned``, ``h2d_pageable``: page-locked / pageable host -> GPU (``h2d_pinned:i``
   for GPU ``i``; unsuffixed: GPU 0 and the default); ``d2h_pinned``, ``d2h_pageable`` back;
-* ``gpu_gather``: random-row gather within one GPU's memory (``gpu_gather:i``);
+* ``gpu_gather``: random-row gather within one GPU's memory (``gpu_gather:i``), timed as a
+  delivery runs it: several columns' kernels queued back to back, one synchronisation per call;
 * ``p2p``: GPU -> GPU copy (``p2p:i:j`` for the pair, ``p2p`` as the default);
 * ``disk_read``: random-row gather from a memory-mapped file whose pages are not cached;
 * ``disk_write``: writes into a memory-mapped file (page cache, written back later);
@@ -604,7 +605,8 @@ def profile_machine(*, cache: bool = True, refresh: bool = False, quick: bool = 
             links["h2d_pageable" + sfx] = _measure_copy(cpu, g, copy_sizes, reps)
             links["d2h_pinned" + sfx] = _measure_copy(g, cpu, copy_sizes, reps, pin_dst=True)
             links["d2h_pageable" + sfx] = _measure_copy(g, cpu, copy_sizes, reps)
-            links["gpu_gather" + sfx] = _measure_gather(torch.ones((256 << 20) // 4, device=g), _ROW_WIDTHS, reps)
+            links["gpu_gather" + sfx] = _measure_gather(torch.ones((1 << 30) // 4, device=g), _ROW_WIDTHS, reps,
+                                                        columns=4)
     for i in range(n_gpu):
         for j in range(n_gpu):
             if i != j:
