@@ -71,6 +71,49 @@ def test_coalesced_ingestion_keeps_each_batchs_producer_node(cluster, servers, o
         assert (on == np.array(producers)[:, None]).all(), f"rows left their producer's node: {on[:, 0].tolist()}"
 
 
+class _CountingActor:
+    """A shard server's actor handle whose ``gather`` requests are counted (everything else passes through)."""
+
+    def __init__(self, actor):
+        self._actor, self.gathers = actor, 0
+
+    def __getattr__(self, name):
+        return getattr(self._actor, name)
+
+    @property
+    def gather(self):
+        outer = self
+
+        class _Method:
+            def remote(self, *args, **kwargs):
+                outer.gathers += 1
+                return outer._actor.gather.remote(*args, **kwargs)
+
+        return _Method()
+
+
+def test_replay_selections_read_together_take_one_request_per_shard(cluster, servers):
+    """``gather_now`` of several replay selections (a prefetch chunk, or several learners' batches) sends each
+    shard one request for all of their rows, and returns every selection's rows back to back, in draw order."""
+    with DistributedDataPlane(ID_SCHEMA, capacity=400, servers=servers, health_period=None, measure=False,
+                              semantics=Replay(seed=3)) as p:
+        for i, node in enumerate([cluster.head, cluster.workers[0]] * 2):
+            p.ingest(id_batch(np.arange(50 * i, 50 * i + 50)), node=node)
+        sels = p.select_now([32, 32, 32, 32])
+        spies = [_CountingActor(servers[s].actor) for s in range(2)]
+        try:
+            for s in range(2):
+                servers[s].actor = spies[s]
+            batch = p.gather_now(sels)
+        finally:
+            for s in range(2):
+                servers[s].actor = spies[s]._actor
+        assert [s.gathers for s in spies] == [1, 1], "a shard got one request per selection, not one in all"
+        drawn = torch.cat([s.info.handles for s in sels])
+        assert check_payload(batch).tolist() == drawn.tolist()  # handle == id here
+        assert set(_shard_of(p, drawn).tolist()) == {0, 1}
+
+
 class _Primitives:
     """Deliveries made the way a prefetching scheduler makes them, with the buffer's primitives: a real selection,
     then a gather into buffers allocated at exactly the size asked (what a fresh prefetch buffer does)."""

@@ -600,6 +600,9 @@ class DistributedDataPlane:
                    *, replace: bool = True, beta: float | None = None, skip_lost: bool = True) -> ExperienceBatch:
         """Read the rows of ``selections`` from the shards, back to back (fixed fields into ``out``).
 
+        Replay selections are read together: each shard gets one request for all of their rows
+        on it, however many selections (a prefetch chunk, or several learners' batches) there are.
+
         A selection is updated in place to what was read: replay draws that landed on lost
         items are redrawn (``replace``, ``beta`` as drawn); an on-policy selection loses its
         lost items, and with ``skip_lost`` (the selections are real, not a prefetch's
@@ -624,15 +627,16 @@ class DistributedDataPlane:
                     return None
                 return {n: bufs[n][row:row + k] for n in fixed}
 
-            parts = []
-            for i, sel in enumerate(selections):
-                if self._replay:
-                    parts.append(self._read_replay(sel, replace, beta, view(int(sel.slots.shape[0]))))
-                else:  # only the latest selection may be replaced by the semantics' next one
+            if self._replay:  # every selection's rows in one read: one request per shard, not per selection
+                batch = self._read_replay(list(selections), replace, beta, view(total))
+            else:
+                parts = []
+                for i, sel in enumerate(selections):  # only the latest may be replaced by the semantics' next one
                     parts.append(self._read_on_policy(sel, view, skip_lost=skip_lost and i == len(selections) - 1))
-                row += took
-            shrunk = grown or any(p.batch_size != int(s.slots.shape[0]) for p, s in zip(parts, selections, strict=True))
-            batch = parts[0] if len(parts) == 1 else _concat(self.schema, parts, None if shrunk else bufs)
+                    row += took
+                shrunk = grown or any(p.batch_size != int(s.slots.shape[0])
+                                      for p, s in zip(parts, selections, strict=True))
+                batch = parts[0] if len(parts) == 1 else _concat(self.schema, parts, None if shrunk else bufs)
         self.telemetry.record("deliver", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
         return batch
 
@@ -683,20 +687,26 @@ class DistributedDataPlane:
     def _deliver_replay(self, n: int | None, *, replace: bool = True, beta: float | None = None, **kw: Any
                         ) -> tuple[ExperienceBatch, SampleInfo]:
         sel = self.semantics.select(n, replace=replace, beta=beta, **kw)
-        batch = self._read_replay(sel, replace, beta, None)
+        batch = self._read_replay([sel], replace, beta, None)
         return batch, sel.info
 
-    def _read_replay(self, sel: Selection, replace: bool, beta: float | None, out: Mapping[str, torch.Tensor] | None
-                     ) -> ExperienceBatch:
-        """Read a replay selection's rows, redrawing draws that land on lost items (``sel`` is updated)."""
-        k = int(sel.slots.shape[0])
-        handles = sel.info.handles.numpy().copy()
-        asm = _Assembly(self.schema, k, out)
-        todo = np.arange(k)
+    def _read_replay(self, sels: list[Selection], replace: bool, beta: float | None,
+                     out: Mapping[str, torch.Tensor] | None) -> ExperienceBatch:
+        """Read replay selections' rows back to back, redrawing draws that land on lost items (each selection
+        is updated to what was read). All selections are read together: one request per shard."""
+        sizes = np.array([int(s.slots.shape[0]) for s in sels], dtype=np.int64)
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
+        handles = np.concatenate([s.info.handles.numpy() for s in sels]) if sels else np.zeros(0, np.int64)
+        asm = _Assembly(self.schema, int(handles.shape[0]), out)
+        todo = np.arange(handles.shape[0])
         for _ in range(_MAX_REDRAWS):
-            lost = self.index.lost_mask(handles[todo])
-            if lost.any():
-                sel, handles = self._redraw(sel, handles, todo[lost], replace, beta)
+            lost = todo[self.index.lost_mask(handles[todo])]
+            if lost.size:  # redrawn within each selection (a draw without replacement stays distinct there)
+                for i, (a, b) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+                    mine = lost[(lost >= a) & (lost < b)]
+                    if mine.size:
+                        sels[i], handles[a:b] = self._redraw(sels[i], handles[a:b], mine - a, replace, beta)
                 continue
             todo = self._fetch(handles, todo, asm)
             if not todo.size:
@@ -704,7 +714,8 @@ class DistributedDataPlane:
         else:
             raise DistributedError(f"Draws kept landing on lost items after {_MAX_REDRAWS} redraws; the buffer has "
                                    f"lost nearly everything ({len(self.index)} items left).")
-        sel.info = dataclasses.replace(sel.info, handles=torch.from_numpy(handles))
+        for s, a, b in zip(sels, starts.tolist(), ends.tolist(), strict=True):
+            s.info = dataclasses.replace(s.info, handles=torch.from_numpy(handles[a:b].copy()))
         return asm.batch()
 
     def _redraw(self, sel: Selection, handles: np.ndarray, pos: np.ndarray, replace: bool, beta: float | None
