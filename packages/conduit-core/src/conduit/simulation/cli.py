@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from conduit.simulation.cluster import NETWORKS, SCENARIOS, Scenario
+from conduit.simulation.cluster import NETWORKS, SCENARIOS, Network, Scenario
 from conduit.simulation.model import BASELINES, run_scenario
 
 __all__ = ["register", "simulate", "table", "plot"]
@@ -24,10 +24,11 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-def table(scenario: Scenario, rows: list[dict[str, Any]], baseline: str) -> str:
+def table(scenario: Scenario, rows: list[dict[str, Any]], baseline: str, network: Network | None = None) -> str:
     """The rows as a Markdown table, labelled as simulation, with the paper's figures beside them."""
-    net = NETWORKS[scenario.network]
-    head = [f"**{LABEL}** - {scenario.description}: {scenario.topology} nodes, {net.name}, transitions "
+    net = network or NETWORKS[scenario.network]
+    fetch = "one fetch per pair of nodes" if net.node_fetch else "one fetch per learner"
+    head = [f"**{LABEL}** - {scenario.description}: {scenario.topology} nodes, {net.name}, {fetch}, transitions "
             f"d={scenario.obs_dim}, capacity {scenario.capacity}, replay ratio {scenario.replay_ratio:g}, "
             f"non-adaptive = {baseline}", "",
             "| GPUs | nodes | placement per node (adaptive) | sim ms | sim non-adaptive ms (range) | sim gain "
@@ -98,12 +99,14 @@ def simulate(args: argparse.Namespace) -> int:
         net = NETWORKS[sc.network]
         if args.rpc_us is not None:
             net = dataclasses.replace(net, rpc_overhead_s=args.rpc_us * 1e-6)
+        net = dataclasses.replace(net, node_fetch=args.fetch == "per-node")
         rows = run_scenario(sc, baseline=args.baseline, samples=args.samples, network=net)
         results[name] = (sc, rows)
-        md = table(sc, rows, args.baseline)
+        md = table(sc, rows, args.baseline, net)
         (out / f"scale-{name}.md").write_text(md + "\n")
         (out / f"scale-{name}.json").write_text(json.dumps({"label": LABEL, "scenario": dataclasses.asdict(sc),
-                                                            "network": net.source, "baseline": args.baseline,
+                                                            "network": net.source, "fetch": args.fetch,
+                                                            "baseline": args.baseline,
                                                             "rows": rows}, indent=1, default=str))
         print(md, "\n")
     png = plot(results, out / "scale.png")
@@ -128,4 +131,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--capacity", type=int, help="global buffer capacity (default 1e6)")
     p.add_argument("--replay-ratio", dest="replay_ratio", type=float, help="deliveries per ingested item")
     p.add_argument("--rpc-us", dest="rpc_us", type=float, help="cost of one remote fetch at the requester (us)")
+    p.add_argument("--fetch", choices=("per-node", "per-learner"), default="per-node",
+                   help="remote fetches: one per pair of nodes for all of a node's learners (default), or one "
+                        "per learner")
     p.set_defaults(func=simulate)

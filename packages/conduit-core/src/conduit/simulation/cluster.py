@@ -51,12 +51,17 @@ class Network:
         rpc_overhead_s: the requester's own cost of one remote fetch (issue it, take the
             answer), serial per node: the EDP's remote delivery path.
         source: where the figures come from.
+        node_fetch: a node's learners draw their batches together and fetch from each other
+            node once, with one request per shard for all of their rows there (what
+            ``DistributedDataPlane.prepare_now`` / ``gather_now`` of one selection per learner
+            does). False: every learner fetches on its own.
     """
 
     name: str
     nic: LinkCost
     rpc_overhead_s: float
     source: str = ""
+    node_fetch: bool = True
 
 
 #: nominal fabrics of the paper's two clusters

@@ -19,7 +19,10 @@ step (core's ``ingest_steps`` and ``delivery_steps``). One iteration is:
    local and the rest comes from the other nodes. A local delivery is what the EDP does:
    the calls on the CPU; every shard gathers its rows on its GPU and sends them over the
    GPU-GPU link to the gathering (home) GPU; the home GPU scatters them into the output;
-   the output crosses the home -> learner link. A remote fetch: the requester issues it
+   the output crosses the home -> learner link. A node's learners draw together and fetch
+   from each other node once (``Network.node_fetch``, the default: one request per shard
+   for all their rows there, as ``conduit.distributed`` reads several selections), or each
+   learner on its own (``node_fetch=False``). A remote fetch: the requester issues it
    (RPC overhead on its CPU); the holder's shard server (a process of its own, as in
    :mod:`conduit.distributed`, where each node's shard server is an actor that runs its
    data calls one at a time) issues the serve
@@ -163,7 +166,8 @@ Sink = Simulation | Loads
 
 def _fetch(sim: Sink, cost: ClusterCostModel, spec: PlacementSpec, local_w: Workload, n: int, m: int,
            fetches: float, f_items: float, nbytes: float, network: Network, deps: list[Task]) -> None:
-    """Node ``n``'s learners fetch from node ``m`` (see the module docstring, step 3)."""
+    """Node ``n``'s learners fetch from node ``m`` (see the module docstring, step 3): ``fetches`` fetches
+    per iteration, each of ``local_w.batch * f_items`` items, ``nbytes`` in all."""
     g = local_w.learners
     label = f"fetch n{n}<-n{m}"
     cards = cost.cards()
@@ -193,7 +197,7 @@ def _fetch(sim: Sink, cost: ClusterCostModel, spec: PlacementSpec, local_w: Work
     for c, learners in per_card.items():
         link, at = cards[c][0], cost.card_gpu(c)
         share = nbytes * len(learners) / g
-        msgs = fetches * len(learners) / g
+        msgs = fetches if network.node_fetch else fetches * len(learners) / g
         wire = msgs * link.overhead_s + share / link.bandwidth(share / max(msgs, 1e-9))
         into = sim.task(f"{label}: in card {c}", wire, f"nic-in:{n}:{c}", ready)  # with the sending cards
         done = [into, *sent]
@@ -220,10 +224,16 @@ def delivery_phase(sim: Sink, cost: ClusterCostModel, spec: PlacementSpec, w: Wo
     if n_nodes > 1:
         if network is None:
             raise ConfigurationError("several nodes need a network")
-        fetches = g * p_touch  # expected fetches from one node to another per iteration
+        if network.node_fetch:  # one fetch per pair of nodes, when any of n's learners draws from m
+            fetches = 1.0 - (1.0 - 1.0 / n_nodes) ** (g * b)
+            per_fetch = (g * b / n_nodes) / fetches
+            fetch_w = _resized(w, round(per_fetch))
+            f_fetch = per_fetch / fetch_w.batch
+        else:  # every learner fetches on its own
+            fetches, fetch_w, f_fetch = g * p_touch, local_w, f_items
         nbytes = g * b / n_nodes * w.item_bytes
         for n, m in itertools.permutations(range(n_nodes), 2) if pairs is None else pairs:
-            _fetch(sim, cost, spec, local_w, n, m, fetches, f_items, nbytes, network, deps)
+            _fetch(sim, cost, spec, fetch_w, n, m, fetches, f_fetch, nbytes, network, deps)
     for n in range(n_nodes) if nodes is None else nodes:
         for j in range(g):
             learner = f"cuda:{j}" if cost.topology.num_gpus else "cpu"
