@@ -472,8 +472,9 @@ class CostModel:
             gather = sum(self._gather(where, workload, f, workload.capacity).seconds(fb * rows, rows)
                          for f, fb in fields)
             calls = edp
-            if spec.tier == "gpu":  # the drawn rows' indices, to the GPU (once per gather)
-                calls += self.profile.link("h2d_pageable", _cuda_index(src)).seconds(_INDEX_BYTES * rows)
+            gi = _cuda_index(src)
+            if gi is not None:  # one GPU: the drawn rows' indices go up once per gather
+                calls += self.profile.link("h2d_pageable", gi).seconds(_INDEX_BYTES * rows)
             link = self._move(src, learner, pinned=src == "cpu")
             transfer = sum(link.seconds(fb * rows) for _, fb in fields) if link is not None else 0.0
             return DeliverySteps(calls, ((where, gather, 0.0),), where, 0.0, transfer, learner)
