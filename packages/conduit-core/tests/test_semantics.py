@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -259,6 +260,41 @@ def test_prioritized_never_draws_items_a_ragged_pool_evicted() -> None:
     assert oldest > 1, "the 20-token item should evict more than one item"
     assert live <= set(range(oldest, 9)), f"drew evicted ids {sorted(live - set(range(oldest, 9)))}"
     assert live == set(range(oldest, 9)), "every live item should be drawn at least once in 4096 draws"
+
+
+def test_telemetry_can_be_read_while_other_threads_record() -> None:
+    """``records`` is a snapshot and ``recent`` reads under the lock: iterating either while worker threads
+    record (and fold) never sees the queue change under it; ``recent`` gives the newest calls of a kind."""
+    from conduit.telemetry import Telemetry
+
+    tel = Telemetry(maxlen=500, fold_every=4)
+    stop = threading.Event()
+
+    def work(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            tel.record(f"kind{k}", 1, 8, float(i), float(i) + 1.0)
+            i += 1
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often, so the workers fold while the reader iterates
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(300):
+            snap = tel.records
+            assert all(r.end > r.start for r in snap) and len(snap) <= 500
+            last = tel.recent("kind0", 5)
+            assert len(last) <= 5 and all(r.kind == "kind0" for r in last)
+            assert [r.start for r in last] == sorted(r.start for r in last)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(interval)
+    newest = [r for r in tel.records if r.kind == "kind1"][-3:]
+    assert tel.recent("kind1", 3) == newest
 
 
 def test_telemetry_folds_concurrent_records_without_losing_any() -> None:

@@ -96,10 +96,24 @@ class Telemetry:
                 t.seconds += rec.end - rec.start
 
     @property
-    def records(self) -> deque[CallRecord]:
-        """The most recent calls, oldest first (at most ``maxlen``)."""
+    def records(self) -> tuple[CallRecord, ...]:
+        """The most recent calls, oldest first (at most ``maxlen``): a snapshot, safe to iterate while
+        other threads record."""
         self._fold()
-        return self._records
+        with self._lock:
+            return tuple(self._records)
+
+    def recent(self, kind: str, n: int) -> list[CallRecord]:
+        """The newest ``n`` calls of ``kind``, oldest first (read from the newest end, without a full copy)."""
+        self._fold()
+        out: list[CallRecord] = []
+        with self._lock:
+            for r in reversed(self._records):
+                if len(out) >= n:
+                    break
+                if r.kind == kind:
+                    out.append(r)
+        return out[::-1]
 
     @property
     def totals(self) -> dict[str, Totals]:

@@ -186,7 +186,7 @@ class AdaptivePlacement(Placement):
 
     def observed_item_bytes(self, edp: ExperienceDataPlane) -> float:
         """Mean bytes per item over the last ``window`` ingestion calls (the schema's fixed size if none)."""
-        recs = [r for r in list(edp.telemetry.records) if r.kind == "ingest"][-self.window:]
+        recs = edp.telemetry.recent("ingest", self.window)
         items = sum(r.items for r in recs)
         if not items:
             return float(edp.schema.item_bytes(self.mean_ragged_length))
