@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 import numpy as np
@@ -33,6 +32,7 @@ from conduit import (
     SchemaError,
 )
 from conduit.batch import as_tensor
+from conduit.scheduling.worker import Job, Worker
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
 from conduit_rllib.errors import UnsupportedConfigError
@@ -84,7 +84,7 @@ class MinibatchFeed:
         #: SampleInfo of every minibatch of the rollout being (or last) delivered, in order
         self.delivered: list[SampleInfo] = []
         self._policy_version = 0
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: Worker | None = None
         self._lock = threading.Lock()
 
     # -- configuration -----------------------------------------------------------------------
@@ -213,7 +213,7 @@ class MinibatchFeed:
         return self._iterate(first)
 
     def _iterate(self, first: tuple[ExperienceBatch, SampleInfo]) -> Iterator[MultiAgentBatch]:
-        pending: Future[tuple[ExperienceBatch, SampleInfo]] | None = None
+        pending: Job[tuple[ExperienceBatch, SampleInfo]] | None = None
         current = first
         try:
             while True:
@@ -221,7 +221,7 @@ class MinibatchFeed:
                 if not info.last:
                     if self.prefetch:
                         if self._pool is None:
-                            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conduit-minibatch")
+                            self._pool = Worker("conduit-minibatch")
                         pending = self._pool.submit(self._deliver)
                 yield self._to_rllib(batch, info)
                 if info.last:
@@ -232,12 +232,15 @@ class MinibatchFeed:
                     current = self._deliver()
         finally:
             if pending is not None:  # the caller stopped early: let the running gather finish
-                pending.exception()
+                try:
+                    pending.result()
+                except Exception:  # noqa: BLE001 - nobody takes this minibatch any more
+                    pass
 
     def close(self) -> None:
         """Stop the prefetch thread and the data plane."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown()
             self._pool = None
         if self.edp is not None:
             self.edp.close()

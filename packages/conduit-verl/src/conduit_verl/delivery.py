@@ -38,7 +38,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -55,6 +54,7 @@ from conduit import (
     Scheduler,
 )
 from conduit.batch import ExperienceBatch
+from conduit.scheduling.worker import Job, Worker
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from torch.utils.data import DataLoader
 
@@ -141,8 +141,8 @@ class MinibatchPrefetch(Scheduler):
         self.prefetch = prefetch
         self.g_ing = 1.0
         self.g_del = 1.0
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: Future[tuple[ExperienceBatch, SampleInfo, Any]] | None = None
+        self._pool: Worker | None = None
+        self._pending: Job[tuple[ExperienceBatch, SampleInfo, Any]] | None = None
         self._side: Any = None
         self.staged = 0
 
@@ -193,7 +193,7 @@ class MinibatchPrefetch(Scheduler):
                 after = torch.cuda.Event()
                 after.record(torch.cuda.current_stream(self.edp.device))
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="conduit-prefetch")
+                self._pool = Worker("conduit-prefetch")
             self._pending = self._pool.submit(self._stage, after)
             self.staged += 1
         return batch, info
@@ -216,7 +216,7 @@ class MinibatchPrefetch(Scheduler):
                 pass
             self._pending = None
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown()
             self._pool = None
 
 
