@@ -37,6 +37,8 @@ def test_an_error_is_raised_by_result_and_the_worker_goes_on() -> None:
 
     bad = w.submit(boom)
     good = w.submit(lambda: "next")
+    bad.wait()  # waits for the outcome without raising it
+    assert bad.done()
     with pytest.raises(KeyError, match="no such field"):
         bad.result()
     assert good.result() == "next"

@@ -232,10 +232,7 @@ class MinibatchFeed:
                     current = self._deliver()
         finally:
             if pending is not None:  # the caller stopped early: let the running gather finish
-                try:
-                    pending.result()
-                except Exception:  # noqa: BLE001 - nobody takes this minibatch any more
-                    pass
+                pending.wait()
 
     def close(self) -> None:
         """Stop the prefetch thread and the data plane."""

@@ -44,10 +44,14 @@ class Job(Generic[T]):
         """Whether the job has finished (never blocks)."""
         return not self._running.locked()
 
-    def result(self) -> T:
-        """Wait for the job, then return its value or raise its exception."""
+    def wait(self) -> None:
+        """Wait for the job to finish, whatever its outcome (nothing is raised)."""
         with self._running:
             pass
+
+    def result(self) -> T:
+        """Wait for the job, then return its value or raise its exception."""
+        self.wait()
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
