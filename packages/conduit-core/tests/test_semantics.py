@@ -219,6 +219,24 @@ def test_delivered_buffers_are_reused_after_output_depth() -> None:
     assert keep["id"].data_ptr() != first["id"].data_ptr()
 
 
+def test_an_unreferenced_host_batch_buffer_is_reused_and_a_referenced_one_never() -> None:
+    edp = ExperienceDataPlane(SCHEMA, capacity=64)
+    edp.ingest(ids(0, 64))
+
+    def ptr() -> int:  # deliver, drop the batch, return where it was written
+        return edp.deliver(16)[0]["id"].data_ptr()
+
+    assert len({ptr() for _ in range(4)}) == 1  # dropped each time: one cache-warm buffer
+    for keep in (lambda t: t, lambda t: t[1:], lambda t: t.numpy()):
+        batch, _ = edp.deliver(16)
+        held, where, before = keep(batch["id"]), batch["id"].data_ptr(), batch["id"].clone()
+        del batch  # only ``held`` (the tensor, a view or a NumPy array) still refers to the buffer
+        for _ in range(3):
+            assert edp.deliver(16)[0]["id"].data_ptr() != where
+        assert torch.equal(torch.as_tensor(held), before[-len(held):]), "a referenced batch was overwritten"
+        del held
+
+
 def test_on_policy_epoch_order_hook_is_followed_and_checked() -> None:
     """An adapter's own per-epoch order is delivered as given; one that skips or repeats an item is refused."""
 

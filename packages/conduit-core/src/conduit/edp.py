@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,10 +30,21 @@ __all__ = ["ExperienceDataPlane"]
 
 
 class _OutputRing:
-    """Preallocated delivery buffers for the fixed fields, rotated over ``depth`` slots."""
+    """Preallocated delivery buffers for the fixed fields, rotated over ``depth`` slots.
 
-    def __init__(self, schema: ExperienceSchema, device: torch.device, depth: int, pin: bool) -> None:
+    With ``reuse_free`` (host buffers that are the delivery's final destination), the buffer
+    returned last is handed out again when nothing references it any more: no tensor, view,
+    NumPy array or autograd node holds any of its fields. A loop that drops each batch before
+    asking for the next one then writes into one cache-warm buffer instead of ``depth``
+    alternating ones, and a batch that is still held is never overwritten before ``depth``
+    further deliveries, as without it. (Not for buffers an asynchronous device copy may still
+    read: no reference is left once such a copy is enqueued.)
+    """
+
+    def __init__(self, schema: ExperienceSchema, device: torch.device, depth: int, pin: bool,
+                 reuse_free: bool = False) -> None:
         self.schema, self.device, self.depth, self.pin = schema, device, max(1, depth), pin
+        self.reuse_free = reuse_free and self.depth > 1
         self._bufs: list[dict[str, torch.Tensor]] = []
         self._rows = 0
         self._i = 0
@@ -43,11 +55,23 @@ class _OutputRing:
             self._bufs = [{k: empty_column((n, *self.schema[k].shape), self.schema[k].dtype, self.device,
                                            pin_memory=self.pin) for k in self.schema.fixed}
                           for _ in range(self.depth)]
-        self._i = (self._i + 1) % self.depth
+        elif not (self.reuse_free and _unreferenced(self._bufs[self._i])):
+            self._i = (self._i + 1) % self.depth
         buf = self._bufs[self._i]
         if n == self._rows:
             return buf
         return {k: v[:n] for k, v in buf.items()}
+
+
+def _unreferenced(buf: dict[str, torch.Tensor]) -> bool:
+    """True when only ``buf`` itself holds its tensors: no Python reference, view or C++ owner elsewhere."""
+    for t in buf.values():
+        # references: buf's dict, the loop variable and getrefcount's argument; one TensorImpl owner
+        # (buf's tensor) and two storage owners (that TensorImpl and the temporary storage object)
+        if (sys.getrefcount(t) > 3 or t._use_count() > 1
+                or torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2):
+            return False
+    return True
 
 
 class ExperienceDataPlane:
@@ -111,7 +135,8 @@ class ExperienceDataPlane:
         same = self.device == self.storage.device
         pin = self.storage.device.type == "cpu" and self.device.type == "cuda"
         depth = self.scheduler.output_depth
-        self._gather_out = _OutputRing(self.schema, self.storage.device, depth, pin)
+        host_final = same and self.device.type == "cpu"
+        self._gather_out = _OutputRing(self.schema, self.storage.device, depth, pin, reuse_free=host_final)
         self._device_out = None if same else _OutputRing(self.schema, self.device, depth, False)
 
     def _nbytes(self, batch: ExperienceBatch) -> int:
