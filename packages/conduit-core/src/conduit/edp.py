@@ -68,7 +68,7 @@ def _unreferenced(buf: dict[str, torch.Tensor]) -> bool:
     for t in buf.values():
         # references: buf's dict, the loop variable and getrefcount's argument; one TensorImpl owner
         # (buf's tensor) and two storage owners (that TensorImpl and the temporary storage object)
-        if (sys.getrefcount(t) > 3 or t._use_count() > 1
+        if (sys.getrefcount(t) > 3 or t._use_count() > 1  # type: ignore[attr-defined]  # private torch API
                 or torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2):
             return False
     return True

@@ -88,7 +88,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     print(f"RLlib DQN on LargeObsCartPole: d={args.obs_dim} float32 observations, batch {args.batch}, "
           f"{'uniform' if args.uniform else 'prioritized'} replay (capacity {args.capacity}), {args.steps} env steps "
           f"and learner updates per iteration, seed {args.seed}. Native RLlib first, then Conduit.", flush=True)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             logging_level="ERROR")  # type: ignore[arg-type]  # ray takes level names too; its hint says int
     try:
         rows = run_sequential({"native": dqn_large_obs(args.obs_dim, **kw),
                                "conduit": dqn_large_obs(args.obs_dim, **kw)},

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from conduit import Placement, Scheduler
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
-from ray.rllib.algorithms.dqn.dqn import DQN
+from ray.rllib.algorithms.dqn.dqn import DQN, DQNConfig
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
 from ray.rllib.algorithms.ppo.ppo import PPO
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
-from ray.rllib.algorithms.sac.sac import SAC
+from ray.rllib.algorithms.sac.sac import SAC, SACConfig
 from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
 from ray.rllib.utils import force_list
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
@@ -69,7 +69,8 @@ def _algorithm(config: AlgorithmConfig) -> type:
 
 def _replay_kind(config: AlgorithmConfig) -> bool:
     """True for prioritized replay, False for uniform (from ``replay_buffer_config["type"]``)."""
-    rb_type = config.replay_buffer_config.get("type")
+    # only DQN/SAC (sub)class configs come here; they define replay_buffer_config
+    rb_type = cast("DQNConfig | SACConfig", config).replay_buffer_config.get("type")
     if isinstance(rb_type, str):
         name = rb_type.rsplit(".", 1)[-1]
         if name in ("PrioritizedEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer"):

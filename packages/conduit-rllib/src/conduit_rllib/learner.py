@@ -162,7 +162,8 @@ class ConduitDQNTorchLearner(ConduitOffPolicyLearner, DQNTorchLearner):
     """RLlib's DQN torch learner, taking Conduit-delivered batches."""
 
 
-class ConduitSACTorchLearner(ConduitOffPolicyLearner, SACTorchLearner):
+# RLlib's own SACLearner and TorchLearner disagree on remove_module's signature (hence the ignore).
+class ConduitSACTorchLearner(ConduitOffPolicyLearner, SACTorchLearner):  # type: ignore[misc]
     """RLlib's SAC torch learner, taking Conduit-delivered batches."""
 
 

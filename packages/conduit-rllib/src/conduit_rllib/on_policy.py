@@ -73,9 +73,10 @@ class MinibatchFeed:
     def __init__(self, *, num_minibatches: int = 1, num_epochs: int = 1, max_staleness: int = 0,
                  on_stale: Literal["drop", "raise"] = "drop", shuffle: bool = True, seed: int = 0,
                  placement: Placement | None = None, prefetch: bool = True, capacity: int = 0) -> None:
-        self._sem_args = dict(num_minibatches=num_minibatches, num_epochs=num_epochs, max_staleness=max_staleness,
-                              on_stale=on_stale, shuffle=shuffle, seed=seed)
-        OnPolicy(**self._sem_args)  # type: ignore[arg-type]  # validate now: errors at construction
+        self._sem_args: dict[str, Any] = dict(num_minibatches=num_minibatches, num_epochs=num_epochs,
+                                              max_staleness=max_staleness, on_stale=on_stale, shuffle=shuffle,
+                                              seed=seed)
+        OnPolicy(**self._sem_args)  # validate now: errors at construction
         self.placement = placement
         self.prefetch = prefetch
         self.capacity = int(capacity)
@@ -91,7 +92,7 @@ class MinibatchFeed:
     @property
     def semantics(self) -> OnPolicy:
         if self.edp is None:
-            return OnPolicy(**self._sem_args)  # type: ignore[arg-type]
+            return OnPolicy(**self._sem_args)
         sem = self.edp.semantics
         assert isinstance(sem, OnPolicy)
         return sem
@@ -110,7 +111,7 @@ class MinibatchFeed:
         """
         args = dict(self._sem_args, num_minibatches=int(num_minibatches), num_epochs=int(num_epochs),
                     shuffle=bool(shuffle))
-        OnPolicy(**args)  # type: ignore[arg-type]  # validates
+        OnPolicy(**args)  # validates
         if args == self._sem_args:
             return
         if not self._idle():
@@ -139,7 +140,7 @@ class MinibatchFeed:
         else:
             state = None
         cap = max(self.capacity, 1 << int(np.ceil(np.log2(max(2 * n, 2)))))
-        sem = OnPolicy(**self._sem_args)  # type: ignore[arg-type]
+        sem = OnPolicy(**self._sem_args)
         self.edp = ExperienceDataPlane(schema, capacity=cap, semantics=sem,
                                        placement=self.placement or DevicePlacement(device), device=device)
         if state is not None:  # nothing is pending: carry the permutation RNG and counters over

@@ -26,7 +26,7 @@ Semantics, compared with RLlib's buffers of the same kind:
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -66,6 +66,9 @@ from conduit_rllib.delivery import N_STEP, WEIGHTS, ConduitSampledEpisodes
 from conduit_rllib.errors import UnsupportedConfigError
 from conduit_rllib.transitions import ChunkColumns, chunk_columns, transition_schema
 
+if TYPE_CHECKING:
+    from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+
 __all__ = ["ConduitEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer", "STATE_FORMAT"]
 
 #: tag of the dict ``get_state`` returns
@@ -79,6 +82,16 @@ class _ConduitReplay:
 
     prioritized: bool = False
 
+    # Set by EpisodeReplayBuffer.__init__ (called on this instance below); declared for the type checker.
+    capacity: int
+    batch_size_B: int
+    metrics: MetricsLogger
+    _metrics_num_episodes_for_smoothing: int
+    # Per-slot n-step links (successor handle, reward, done), allocated with the EDP in _build.
+    _succ: np.ndarray | None
+    _rew: np.ndarray | None
+    _done: np.ndarray | None
+
     def __init__(self, capacity: int = 10000, *, alpha: float = 1.0, seed: int | None = 0,
                  device: torch.device | str | None = None, placement: Placement | None = None,
                  scheduler: Scheduler | None = None, metrics_every: int = 16, batch_size_B: int = 16,
@@ -87,13 +100,13 @@ class _ConduitReplay:
             raise ConfigurationError(f"capacity must be a positive number of transitions, got {capacity!r}.")
         # Only the cheap base initialiser: it sets capacity, batch sizes and the MetricsLogger.
         # PrioritizedEpisodeReplayBuffer.__init__ would allocate segment trees nobody uses.
-        EpisodeReplayBuffer.__init__(self, capacity=int(capacity), batch_size_B=batch_size_B,
+        EpisodeReplayBuffer.__init__(cast(EpisodeReplayBuffer, self), capacity=int(capacity), batch_size_B=batch_size_B,
                                      batch_length_T=batch_length_T,
                                      metrics_num_episodes_for_smoothing=metrics_num_episodes_for_smoothing)
         if not (alpha >= 0 and np.isfinite(alpha)):
             raise ConfigurationError(f"alpha must be finite and >= 0, got {alpha!r}.")
         self._alpha = float(alpha)
-        self.seed = int(seed) if seed is not None else int(np.random.SeedSequence().entropy % (2 ** 31))
+        self.seed = int(seed) if seed is not None else int(cast(int, np.random.SeedSequence().entropy) % (2 ** 31))
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.placement = placement
         self.scheduler = scheduler
@@ -128,7 +141,7 @@ class _ConduitReplay:
                                 f"replay_buffer_config['capacity'] or choose another placement.") from e
         self._succ = np.full(self.capacity, -1, dtype=np.int64)
         self._rew = np.zeros(self.capacity, dtype=np.float32)
-        self._done = np.zeros(self.capacity, dtype=bool)
+        self._done = np.zeros(self.capacity, dtype=np.bool_)
         self.edp = edp
         return edp
 
@@ -442,7 +455,9 @@ class _ConduitReplay:
             self.action_space = state["action_space"]
 
 
-class ConduitEpisodeReplayBuffer(_ConduitReplay, EpisodeReplayBuffer):
+# The ignores below: _ConduitReplay's add/sample take the arguments RLlib's DQN/SAC pass but intentionally differ
+# from the RLlib bases' signatures (add takes a weight; sample returns ConduitSampledEpisodes).
+class ConduitEpisodeReplayBuffer(_ConduitReplay, EpisodeReplayBuffer):  # type: ignore[misc]
     """Uniform replay over transitions, stored in Conduit; RLlib uses it as an ``EpisodeReplayBuffer``.
 
     Args:
@@ -459,7 +474,7 @@ class ConduitEpisodeReplayBuffer(_ConduitReplay, EpisodeReplayBuffer):
     prioritized = False
 
 
-class ConduitPrioritizedEpisodeReplayBuffer(_ConduitReplay, PrioritizedEpisodeReplayBuffer):
+class ConduitPrioritizedEpisodeReplayBuffer(_ConduitReplay, PrioritizedEpisodeReplayBuffer):  # type: ignore[misc]
     """Proportional prioritized replay over transitions, stored in Conduit.
 
     RLlib sees a ``PrioritizedEpisodeReplayBuffer``, so it calls :meth:`update_priorities` with
@@ -475,7 +490,9 @@ class ConduitPrioritizedEpisodeReplayBuffer(_ConduitReplay, PrioritizedEpisodeRe
 
     prioritized = True
 
-    def update_priorities(self, priorities: Any, module_id: str | None = None, *, handles: Any = None) -> int:
+    # Intentionally differs from RLlib's: returns how many transitions were updated (RLlib's returns None).
+    def update_priorities(  # type: ignore[override]
+            self, priorities: Any, module_id: str | None = None, *, handles: Any = None) -> int:
         """New priorities (RLlib passes |TD error|) for the transitions of the last :meth:`sample`.
 
         Conduit extension: with ``handles`` (Conduit handles, e.g. ``sample(...).handles[idx]``)

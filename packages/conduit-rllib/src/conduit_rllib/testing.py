@@ -44,7 +44,7 @@ __all__ = ["RLlibReplayEndpoint", "RLlibOnPolicyEndpoint", "ENDPOINTS", "id_epis
 #: observation = (id, id) as float32 (ids up to 2**24 are exact)
 OBS_SPACE = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
 #: action = id
-ACTION_SPACE = gym.spaces.Discrete(2 ** 31 - 1)
+ACTION_SPACE: gym.spaces.Discrete = gym.spaces.Discrete(2 ** 31 - 1)
 _episode_ids = itertools.count()
 
 
@@ -57,8 +57,11 @@ def id_episode(ids: np.ndarray, *, episode_id: str | None = None, terminated: bo
     n = len(ids)
     o = np.append(ids.astype(np.float32), np.float32(ids[-1] + 0.5) if n else np.float32(0.5))
     obs = np.repeat(o[:, None], 2, axis=1)
-    return SingleAgentEpisode(id_=episode_id or f"ids-{next(_episode_ids)}", observations=obs,
-                              infos=[{}] * (n + 1), actions=ids.copy(), rewards=np.zeros(n, dtype=np.float32),
+    # SingleAgentEpisode takes numpy arrays for observations/actions/rewards (RLlib's hints say lists).
+    return SingleAgentEpisode(id_=episode_id or f"ids-{next(_episode_ids)}",
+                              observations=obs,  # type: ignore[arg-type]
+                              infos=[{}] * (n + 1), actions=ids.copy(),  # type: ignore[arg-type]
+                              rewards=np.zeros(n, dtype=np.float32),  # type: ignore[arg-type]
                               terminated=terminated, observation_space=OBS_SPACE, action_space=ACTION_SPACE,
                               len_lookback_buffer=0)
 
@@ -79,8 +82,8 @@ class RLlibReplayEndpoint(ReplayEndpoint):
     def __init__(self, *, capacity: int, prioritized: bool = False, alpha: float = 0.6, beta: float = 0.4,
                  seed: int = 0) -> None:
         if prioritized:
-            self.buffer: ConduitEpisodeReplayBuffer = ConduitPrioritizedEpisodeReplayBuffer(
-                capacity=capacity, alpha=alpha, seed=seed)
+            self.buffer: ConduitEpisodeReplayBuffer | ConduitPrioritizedEpisodeReplayBuffer = (
+                ConduitPrioritizedEpisodeReplayBuffer(capacity=capacity, alpha=alpha, seed=seed))
         else:
             self.buffer = ConduitEpisodeReplayBuffer(capacity=capacity, seed=seed)
         self.beta = beta

@@ -310,7 +310,7 @@ class Assembler:
     def snapshot(self) -> dict[str, Any]:
         """Contents, sampler state and undelivered entries, at a point between puts and gets."""
         with self._put_lock, self._deliver_lock:
-            base = {"cfg": self.cfg, "layout": self.layout, "pending_version": self._pending_version}
+            base: dict[str, Any] = {"cfg": self.cfg, "layout": self.layout, "pending_version": self._pending_version}
             if self.edp is None:
                 return base
             edp_state = self.edp.state_dict()  # stores every put first; Conduit drops prepared draws

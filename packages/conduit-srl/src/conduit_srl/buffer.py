@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import weakref
-from typing import Any
+from typing import Any, cast
 
 from conduit import ExperienceDataPlane, Telemetry
 
@@ -177,10 +177,10 @@ def _load_class(ref: tuple[str, str]) -> type:
     return getattr(importlib.import_module(ref[0]), ref[1])  # type: ignore[no-any-return]
 
 
-_MIXED: dict[type, type] = {}
+_MIXED: dict[type, type[ConduitBuffer]] = {}
 
 
-def srl_prioritized_class(base: type) -> type:
+def srl_prioritized_class(base: type) -> type[ConduitBuffer]:
     """A ConduitBuffer class that is also a subclass of SRL's ``PrioritizedReplayBuffer`` ``base``.
 
     SRL's trainer sends priorities only to buffers that are instances of its prioritized
@@ -189,9 +189,10 @@ def srl_prioritized_class(base: type) -> type:
     """
     cls = _MIXED.get(base)
     if cls is None:
-        cls = type("ConduitPrioritizedBuffer", (ConduitBuffer, base),
-                   {"__module__": __name__, "_srl_base": (base.__module__, base.__qualname__),
-                    "__doc__": ConduitBuffer.__doc__})
+        cls = cast("type[ConduitBuffer]", type(
+            "ConduitPrioritizedBuffer", (ConduitBuffer, base),
+            {"__module__": __name__, "_srl_base": (base.__module__, base.__qualname__),
+             "__doc__": ConduitBuffer.__doc__}))
         _MIXED[base] = cls
     return cls
 

@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 from conduit import ConfigurationError
 
@@ -109,7 +109,7 @@ def make_conduit_buffer(name: str, buffer_args: Mapping[str, Any], prioritized_b
                                      f"disagree; give the semantics once.")
         args["semantics"] = sem
     if args.get("semantics") == "prioritized" and isinstance(prioritized_base, type):
-        return srl_prioritized_class(prioritized_base)(**args)  # type: ignore[no-any-return]
+        return srl_prioritized_class(prioritized_base)(**args)
     return ConduitBuffer(**args)
 
 
@@ -129,7 +129,7 @@ def check_trainer_config(cfg: Any) -> None:
     """
     if not is_conduit_buffer_name(getattr(cfg, "buffer_name", None)):
         return
-    stream = getattr(cfg, "sample_stream", None)
+    stream: Any = getattr(cfg, "sample_stream", None)
     kind = getattr(getattr(stream, "type_", None), "name", None)
     if kind != "SHARED_MEMORY":
         return
@@ -232,7 +232,7 @@ def uninstall() -> bool:
         return True
 
 
-def _once(done: set[int], mod: ModuleType, patch: Callable[[], None]) -> None:
+def _once(done: set[int], mod: ModuleType, patch: Callable[..., None]) -> None:
     if id(mod) not in done:
         done.add(id(mod))
         patch()
@@ -281,7 +281,7 @@ def _patch_config(mod: ModuleType, inst: Installation) -> None:
     if not isinstance(cls, type):
         inst.skipped[mod.__name__] = "has no TrainerWorker class"
         return
-    original = cls.__init__
+    original: Callable[..., None] = cast("Any", cls).__init__  # the class's own or inherited __init__
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)

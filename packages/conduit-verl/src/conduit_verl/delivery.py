@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from conduit import (
@@ -56,7 +56,7 @@ from conduit import (
 from conduit.batch import ExperienceBatch
 from conduit.scheduling.worker import Job, Worker
 from tensordict import NonTensorData, NonTensorStack, TensorDict
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from conduit_verl.packing import jagged
 
@@ -111,8 +111,10 @@ class VerlOnPolicy(OnPolicy):
             gen.manual_seed(int(self.loader_seed))
         m = self.num_minibatches or 1
         size = n // m if n % m == 0 else -(-n // m)
-        loader = DataLoader(torch.arange(n), batch_size=max(1, size), collate_fn=lambda x: x, generator=gen,
-                            **self.dataloader_kwargs)
+        # a tensor is a map-style dataset at runtime (__getitem__/__len__), not in torch's stubs
+        loader: DataLoader[torch.Tensor] = DataLoader(cast("Dataset[torch.Tensor]", torch.arange(n)),
+                                                      batch_size=max(1, size), collate_fn=lambda x: x,
+                                                      generator=gen, **self.dataloader_kwargs)
         while True:
             yield torch.cat([torch.stack(list(b)) if b else torch.empty(0, dtype=torch.int64) for b in loader])
 
@@ -256,7 +258,7 @@ class _Codec:
                 return f"field {key!r} is a {type(v).__name__}"
             has_tensor = True
             if v.is_nested:
-                if v.layout != torch.jagged or v.lengths() is not None or getattr(v, "_ragged_idx", 1) != 1:
+                if v.layout != torch.jagged or cast(Any, v).lengths() is not None or getattr(v, "_ragged_idx", 1) != 1:
                     return f"field {key!r} is a nested tensor Conduit does not pack (layout/holes/ragged dim)"
                 if any(d <= 0 for d in v.values().shape[1:]):
                     return f"field {key!r} has an empty trailing dimension"

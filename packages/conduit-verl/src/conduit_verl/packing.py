@@ -92,9 +92,10 @@ def pack_column(value: Any, n: int) -> PackedColumn | list[Any]:
 
 
 def _pack_nested(t: torch.Tensor, n: int) -> PackedColumn:
-    if t.layout == torch.jagged and t.lengths() is None and getattr(t, "_ragged_idx", 1) == 1:
+    nt: Any = t  # a nested tensor: lengths()/offsets() are not in torch's Tensor stubs
+    if t.layout == torch.jagged and nt.lengths() is None and getattr(t, "_ragged_idx", 1) == 1:
         vals = t.values()
-        offsets = t.offsets().to(torch.int64)
+        offsets = nt.offsets().to(torch.int64)
         per_len = offsets.diff()
         trailing = tuple(vals.shape[1:])
         tnumel = int(np.prod(trailing, dtype=np.int64)) if trailing else 1

@@ -58,7 +58,9 @@ def make_model(tokenizer: Any, *, hidden: int = 32, layers: int = 2, heads: int 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+    # LlamaConfig accepts torch_dtype at runtime (extra kwargs); its typed signature does not list it
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden,  # type: ignore[call-arg]
+                      intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       max_position_embeddings=max_positions, tie_word_embeddings=False,
                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -39,7 +39,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import ray
 import torch
@@ -87,10 +87,10 @@ class _UnitState:
     """What one storage unit holds (plain Python; the Ray actor wraps it)."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        self.ladder_args = dict(items=int(config["capacity"]),
-                              elements=int(config["capacity"]) * int(config["mean_length"]),
-                              growth=float(config["growth"]), max_items=config.get("max_items"),
-                              pin_memory=torch.cuda.is_available())
+        self.ladder_args: dict[str, Any] = dict(items=int(config["capacity"]),
+                                                elements=int(config["capacity"]) * int(config["mean_length"]),
+                                                growth=float(config["growth"]), max_items=config.get("max_items"),
+                                                pin_memory=torch.cuda.is_available())
         self.fields: dict[str, FieldStore] = {}
         self.objects: dict[str, dict[int, Any]] = {}
         self.telemetry = Telemetry()
@@ -187,7 +187,7 @@ class _UnitState:
         }
 
 
-@ray.remote(max_concurrency=1)
+@ray.remote(max_concurrency=1)  # type: ignore[call-overload]  # ray's option overload omits actor options
 class ConduitStorageUnit:
     """A Ray actor holding a share of the samples in Conduit storage (calls are serialised)."""
 
@@ -217,7 +217,8 @@ class ConduitStorageUnit:
 
 
 def _with_defaults(cfg: Any) -> dict[str, Any]:
-    given = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {})
+    given = cast("dict[str, Any]",
+                 OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg or {}))
     out = dict(DEFAULTS)
     out.update({k: v for k, v in given.items() if v is not None or k == "max_items"})
     return out
@@ -297,7 +298,7 @@ class ConduitStorageManager(StorageManager):
         columns = {k: pack_column(data.get(k), n) for k in data.keys()}
         gis = [int(g) for g in metadata.global_indexes]
         routes = self._route(gis)
-        refs = []
+        refs: list[Any] = []
         nbytes = 0
         for rank, positions in routes.items():
             rows = torch.tensor(positions, dtype=torch.int64)
@@ -323,8 +324,8 @@ class ConduitStorageManager(StorageManager):
         fields = list(metadata.field_names)
         gis = [int(g) for g in metadata.global_indexes]
         routes = self._route(gis)
-        parts = await asyncio.gather(*[self.units[r].get.remote([gis[p] for p in pos], fields)
-                                       for r, pos in routes.items()])
+        parts: list[dict[str, Any]] = await asyncio.gather(*[self.units[r].get.remote([gis[p] for p in pos], fields)
+                                                             for r, pos in routes.items()])
         order = [p for pos in routes.values() for p in pos]  # batch position of each row as received
         inverse = torch.empty(n, dtype=torch.int64)
         inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(n, dtype=torch.int64)

@@ -105,13 +105,23 @@ def measure_links(servers: ShardServers, *, sizes: Sequence[int] = (1 << 18, 1 <
     pairs: dict[tuple[str, str], Callable[[int], Callable[[], Any]]] = {}
     for a, actor_a in probe.items():
         for b, actor_b in probe.items():
-            pairs[(a, b)] = lambda x, pa=actor_a, pb=actor_b: (lambda: get(pb.sink.remote(pa.probe.remote(x))))
+            def server_to_server(x: int, pa: Any = actor_a, pb: Any = actor_b) -> Callable[[], Any]:
+                return lambda: get(pb.sink.remote(pa.probe.remote(x)))
+
+            pairs[(a, b)] = server_to_server
     payloads = {x: np.ones(x, dtype=np.uint8) for x in sizes}
     for a, actor_a in probe.items():
         if a == here:  # same-node links are measured one way on every node (server to server), comparably
             continue
-        pairs[(a, here)] = lambda x, pa=actor_a: (lambda: get(pa.probe.remote(x)))
-        pairs[(here, a)] = lambda x, pa=actor_a: (lambda: get(pa.sink.remote(ray.put(payloads[x]))))
+
+        def server_to_here(x: int, pa: Any = actor_a) -> Callable[[], Any]:
+            return lambda: get(pa.probe.remote(x))
+
+        def here_to_server(x: int, pa: Any = actor_a) -> Callable[[], Any]:
+            return lambda: get(pa.sink.remote(ray.put(payloads[x])))
+
+        pairs[(a, here)] = server_to_here
+        pairs[(here, a)] = here_to_server
     payloads[8] = np.ones(8, dtype=np.uint8)
     prof = LinkProfile(learner_node=here, sizes=tuple(sizes), repeats=repeats)
     for key, make in pairs.items():

@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -92,7 +92,7 @@ class _Assembly:
             where = np.empty(self.k, dtype=np.int64)
             where[dests] = np.arange(dests.shape[0])
             for n in self.schema.ragged:
-                parts = [p[n] for _, p in self.ragged]
+                parts = cast("list[Ragged]", [p[n] for _, p in self.ragged])
                 vals = torch.cat([p.values for p in parts]) if parts else torch.empty(
                     (0, *self.schema[n].shape), dtype=self.schema[n].dtype)
                 lens = torch.cat([p.lengths for p in parts]) if parts else torch.zeros(0, dtype=torch.int64)
@@ -123,8 +123,8 @@ def _concat(schema: ExperienceSchema, parts: list[ExperienceBatch], fixed: Mappi
     cols: dict[str, torch.Tensor | Ragged] = {}
     for name in schema:
         if schema[name].ragged:
-            rs = [p[name] for p in parts]
-            cols[name] = Ragged(torch.cat([r.values for r in rs]), torch.cat([r.lengths for r in rs]))  # type: ignore[union-attr]
+            rs = cast("list[Ragged]", [p[name] for p in parts])
+            cols[name] = Ragged(torch.cat([r.values for r in rs]), torch.cat([r.lengths for r in rs]))
         elif fixed is not None:
             cols[name] = fixed[name][:n]
         else:
@@ -426,7 +426,7 @@ class DistributedDataPlane:
             n, nbytes, payload = batch.batch_size, batch.nbytes, batch.ref
             runs = [(0, n, node or batch.node_id)]
         else:
-            b = batch if validated else ExperienceBatch.checked(batch, self.schema)  # type: ignore[assignment,arg-type]
+            b = cast(ExperienceBatch, batch) if validated else ExperienceBatch.checked(batch, self.schema)
             runs = self._producer_runs(b, node)
             if _PRODUCER in b:
                 b = ExperienceBatch({name: b[name] for name in self.schema}, b.batch_size)

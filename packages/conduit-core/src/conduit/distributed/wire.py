@@ -10,7 +10,7 @@ bytes (``uint8``) and are viewed back with the schema's dtype.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -119,7 +119,7 @@ def pack_rows(batch: ExperienceBatch, schema: ExperienceSchema) -> torch.Tensor:
     """Every column of ``batch`` as the bytes of one ``uint8`` tensor: fixed fields in schema order,
     then the values of each ragged field (their lengths travel first, see :func:`ragged_lengths`);
     each column starts at a multiple of 8 bytes."""
-    cols = [batch.tensor(name) for name in schema.fixed] + [batch[name].values  # type: ignore[union-attr]
+    cols = [batch.tensor(name) for name in schema.fixed] + [cast(Ragged, batch[name]).values
                                                             for name in schema.ragged]
     parts = []
     for c in cols:

@@ -397,7 +397,12 @@ def _measure_copy(src_dev: torch.device, dst_dev: torch.device, sizes: list[int]
                   pin_src: bool = False, pin_dst: bool = False) -> LinkCost:
     """Bulk copy ``src_dev`` -> ``dst_dev`` at several sizes, and the 4-byte per-call overhead."""
     cuda_devs = [d for d in (src_dev, dst_dev) if d.type == "cuda"]
-    sync = (lambda: [torch.cuda.synchronize(d) for d in cuda_devs]) if cuda_devs else None
+
+    def sync_all() -> None:
+        for d in cuda_devs:
+            torch.cuda.synchronize(d)
+
+    sync = sync_all if cuda_devs else None
     big = max(sizes)
     src = torch.empty(big // 4, dtype=torch.float32, device=src_dev, pin_memory=pin_src)
     dst = torch.empty(big // 4, dtype=torch.float32, device=dst_dev, pin_memory=pin_dst)
@@ -407,7 +412,11 @@ def _measure_copy(src_dev: torch.device, dst_dev: torch.device, sizes: list[int]
     samples = []
     for b in sizes:
         n = b // 4
-        samples.append((float(b), _median_seconds(lambda n=n: dst[:n].copy_(src[:n]), reps=reps, sync=sync)))
+
+        def copy_n(n: int = n) -> torch.Tensor:
+            return dst[:n].copy_(src[:n])
+
+        samples.append((float(b), _median_seconds(copy_n, reps=reps, sync=sync)))
     return LinkCost.fit(samples, overhead)
 
 
@@ -437,7 +446,7 @@ def _measure_gather(flat: torch.Tensor, widths: Iterable[int], reps: int, *, row
     def timed(cols: list[torch.Tensor], k: int) -> float:
         outs = [[empty_column((k, *c.shape[1:]), flat.dtype, device) for _ in range(outputs)]
                 for c in cols]
-        state = {"i": 0, "idx": torch.zeros(k, dtype=torch.int64, device=device)}
+        state: dict[str, Any] = {"i": 0, "idx": torch.zeros(k, dtype=torch.int64, device=device)}
 
         def draw() -> None:
             state["i"] = (state["i"] + 1) % outputs
@@ -470,8 +479,8 @@ def _measure_gather(flat: torch.Tensor, widths: Iterable[int], reps: int, *, row
         row_bytes = (cols[0].shape[1] if cols[0].dim() > 1 else 1) * esize
         samples.append((float(k), float(k * row_bytes), timed(cols, k)))
     if ws == [0]:  # a 1-D column: elements are tiny, the cost is per row whatever the dtype
-        k, _, t = samples[0]
-        return LinkCost(overhead, per_row_s=max(0.0, t - overhead) / k)
+        k0, _, t = samples[0]
+        return LinkCost(overhead, per_row_s=max(0.0, t - overhead) / k0)
     return LinkCost.fit_rows(samples, overhead)
 
 
@@ -517,7 +526,11 @@ def _measure_disk(directory: str | None, file_bytes: int, reps: int) -> tuple[Li
         samples = []
         for b in sizes:
             n = b // 4
-            samples.append((float(b), _median_seconds(lambda n=n: mm[:n].copy_(host[:n]), reps=reps)))
+
+            def write_n(n: int = n) -> torch.Tensor:
+                return mm[:n].copy_(host[:n])
+
+            samples.append((float(b), _median_seconds(write_n, reps=reps)))
         write = LinkCost.fit(samples, overhead)
         mm.copy_(host)
         cold = _drop_page_cache(path)

@@ -177,6 +177,7 @@ class Automatic(Scheduler):
         self._phase = "probe"
         self._confirm: list[str] = []
         self._confirm_start = 0.0
+        self._confirm_name: str  # set by _next_confirm before it is read
         self._confirm_left = 0
         self._since = time.perf_counter()
         self.inner = self._make(self._ing_plan[0] if self._ing_plan else 1, 1, overlap=False)

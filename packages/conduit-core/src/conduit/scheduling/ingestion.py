@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -99,7 +99,7 @@ class Ingestion:
             if self._closing:
                 raise ConfigurationError("This scheduler is closed; build a new buffer to ingest more.")
             if self.on_policy and item.version is not None:
-                last = (self._pending or self._inflight or [None])[-1]
+                last = (self._pending or self._inflight or (None,))[-1]
                 if last is not None and last.version is not None and item.version < last.version:
                     raise ConfigurationError(f"Version {item.version} arrived after version {last.version}; "
                                              f"on-policy versions must not go backwards.")
@@ -242,9 +242,8 @@ class Ingestion:
         for name in batches[0]:
             first = batches[0][name]
             if isinstance(first, Ragged):
-                parts = [b[name] for b in batches]
-                cols[name] = Ragged(torch.cat([p.values for p in parts]),  # type: ignore[union-attr]
-                                    torch.cat([p.lengths for p in parts]))  # type: ignore[union-attr]
+                parts = cast("list[Ragged]", [b[name] for b in batches])
+                cols[name] = Ragged(torch.cat([p.values for p in parts]), torch.cat([p.lengths for p in parts]))
                 continue
             buf = self._stage.get(name)
             if (buf is None or buf.shape[0] < n or buf.shape[1:] != first.shape[1:] or buf.dtype != first.dtype

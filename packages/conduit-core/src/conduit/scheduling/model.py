@@ -116,8 +116,8 @@ def fit_latency(obs: Sequence[tuple[float, float, bool]]) -> LatencyFit:
     if not obs:
         raise ValueError("no calls to fit a latency model to; run some ingest/deliver calls first")
     groups: dict[tuple[float, bool], list[float]] = {}
-    for b, s, st in obs:
-        groups.setdefault((b, st), []).append(s)
+    for b, s, staged in obs:
+        groups.setdefault((b, staged), []).append(s)
     pts = sorted((b, st, _low_quantile(v)) for (b, st), v in groups.items())
     xb = np.array([p[0] for p in pts])
     st = np.array([1.0 if p[1] else 0.0 for p in pts])

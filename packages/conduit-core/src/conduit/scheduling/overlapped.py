@@ -155,7 +155,7 @@ class Overlapped(Scheduler):
         sem = edp.semantics
         self.on_policy = isinstance(sem, OnPolicy)
         self.prioritized = isinstance(sem, Replay) and sem.sampler.prioritized
-        if self.on_policy:
+        if isinstance(sem, OnPolicy):
             m = sem.num_minibatches
             if self.g_ing > 1:
                 raise ConfigurationError(f"On-policy g_ing is a part of one rollout, in (0, 1]; got {self.g_ing}. "
@@ -335,7 +335,7 @@ class Overlapped(Scheduler):
                         self._ring.free(buf)
                         return []
                 else:
-                    extra = {"beta": 1.0} if self.prioritized else {}
+                    extra: dict[str, Any] = {"beta": 1.0} if self.prioritized else {}
 
                     def stamp() -> bool:
                         epoch[0] = self._prio_epoch

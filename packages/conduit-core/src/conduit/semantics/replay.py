@@ -37,7 +37,7 @@ class Sampler(ABC):
     @abstractmethod
     def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection: ...
 
-    def update(self, handles: torch.Tensor, priorities: torch.Tensor) -> int:
+    def update(self, handles: torch.Tensor | np.ndarray, priorities: torch.Tensor | np.ndarray) -> int:
         raise ConfigurationError(f"{type(self).__name__} keeps no priorities; use PrioritizedSampler.")
 
     @abstractmethod

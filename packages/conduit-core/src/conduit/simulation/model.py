@@ -201,8 +201,10 @@ def _fetch(sim: Sink, cost: ClusterCostModel, spec: PlacementSpec, local_w: Work
         wire = msgs * link.overhead_s + share / link.bandwidth(share / max(msgs, 1e-9))
         into = sim.task(f"{label}: in card {c}", wire, f"nic-in:{n}:{c}", ready)  # with the sending cards
         done = [into, *sent]
+        if at is None:  # no GPU behind this card: no hop to a learner's GPU
+            continue
         for learner in learners:
-            hop = cost._move(at, learner, pinned=False) if at is not None else None
+            hop = cost._move(at, learner, pinned=False)
             if hop is not None:
                 b = nbytes / g
                 sim.task(f"{label}: {at}->{learner}", hop.seconds(b) - hop.overhead_s, _link(cost, n, at, learner),

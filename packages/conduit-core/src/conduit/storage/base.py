@@ -27,7 +27,7 @@ class AppendResult(NamedTuple):
     #: first handle written; the batch got ``first .. first + n - 1``
     first: int
     #: number of items written
-    count: int
+    count: int  # type: ignore[assignment]  # a field named like tuple.count, by design (public API)
     #: handles ``[evicted_from, evicted_to)`` were evicted to make room (empty range if none)
     evicted_from: int
     evicted_to: int

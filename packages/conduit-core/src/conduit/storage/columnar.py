@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -173,6 +173,7 @@ class ColumnarStorage(Storage):
 
     def append(self, batch: ExperienceBatch, *, evict: bool = True) -> AppendResult:
         n = batch.batch_size
+        starts: dict[str, int]
         if not self._pools and n <= self.capacity:  # fixed fields only: evictions are a subtraction
             k, starts = max(0, self._next - self._oldest + n - self.capacity), {}
         else:
@@ -186,7 +187,7 @@ class ColumnarStorage(Storage):
         s = first % self.capacity
         if n:
             a = min(n, self.capacity - s)
-            cols = batch._columns
+            cols = cast("dict[str, torch.Tensor]", batch._columns)  # this loop reads the fixed fields only
             for name, dst in self._cols.items():
                 src = cols[name]
                 dnp = self._np_cols[name]

@@ -30,6 +30,10 @@ class Record:
       it survives pickling.
     """
 
+    # Set with ``object.__setattr__`` in ``__init__``; declared here for the type checker only.
+    _fields: tuple[str, ...]
+    _metadata: MappingProxyType[str, Any]
+
     def __init__(self, **fields: Any) -> None:
         object.__setattr__(self, "_fields", tuple(sorted(fields)))
         object.__setattr__(self, "_metadata", MappingProxyType({}))
@@ -88,7 +92,7 @@ class Record:
     # -- metadata --------------------------------------------------------------------------
     @property
     def metadata(self) -> MappingProxyType[str, Any]:
-        return self._metadata  # type: ignore[no-any-return]
+        return self._metadata
 
     def register_metadata(self, **kwargs: Any) -> None:
         clash = [k for k in kwargs if k in self._fields]

@@ -192,7 +192,7 @@ def activate() -> None:
         import sys
 
         for modname in ("verl.workers.engine_workers", "verl.checkpoint_engine.base"):
-            mod = sys.modules.get(modname)
+            mod: Any = sys.modules.get(modname)
             if mod is not None and getattr(mod, "initialize_global_process_group_ray", None) is original:
                 mod.initialize_global_process_group_ray = initialize_global_process_group_ray
     _register_engines()

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 from collections.abc import Generator
-from typing import Any
+from typing import Any, cast
 
 import ray
 import torch
@@ -53,7 +53,8 @@ class _Server:
         self.eos = tok.eos_token_id
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.response_length = int(response_length)
-        self.max_model_len = int(max_model_len or getattr(self.model.config, "max_position_embeddings", 2048))
+        self.max_model_len = int(max_model_len
+                                 or cast(int, getattr(self.model.config, "max_position_embeddings", 2048)))
         self.seed = int(seed)
         self.global_steps: int | None = None
         self.requests = 0

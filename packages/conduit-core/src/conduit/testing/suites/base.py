@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Container
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ def chi_square_p(observed: np.ndarray, expected: np.ndarray) -> float:
 
 def needs(endpoint: object, capability: str) -> None:
     """Skip (with a reason) when the endpoint does not declare ``capability``."""
-    caps = getattr(endpoint, "capabilities", frozenset())
+    caps: Container[str] = getattr(endpoint, "capabilities", frozenset())
     if capability not in caps:
         pytest.skip(f"{type(endpoint).__name__} does not declare {capability!r}")
 
