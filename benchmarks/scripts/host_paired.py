@@ -1,0 +1,109 @@
+"""Host tier, paired: Conduit vs cpprb vs TorchRL vs the floor, in alternating rounds (outside CI).
+
+pytest-benchmark times one library after the other, so the machine's slow drift (on these
+shared vCPUs, 10-30% within a minute) lands on whichever library ran during it. Here every
+round times every library once, in a shuffled order, ``--calls`` calls each (median of the
+calls, the thread's CPU clock), and a ratio is taken within the round. The figure per cell is
+the median of the per-round ratios with a 95% bootstrap interval: the form in which "faster
+than cpprb" can be told apart from a tie. The buffers are the benchmark's own
+(``benchmarks/test_bench_host.py``: same capacities, data and floor).
+
+    .venv/bin/python benchmarks/scripts/host_paired.py [--dims 128 1000 5000 20000] [--rounds 30]
+
+Writes ``benchmarks/results/host_paired.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+from config_sweep import bootstrap_ci  # noqa: E402
+from test_bench_host import LIBS, build, capacity_for  # noqa: E402
+
+OPS = {"sample512": 2, "ingest256": 1, "ingest1": 0}  # index into build()'s (ingest one, ingest 256, sample)
+
+
+def time_call(fn: Callable[[], object], calls: int) -> float:
+    """Median thread-CPU seconds of one call, after one untimed warm-up call."""
+    fn()
+    ts = []
+    for _ in range(calls):
+        t = time.thread_time()
+        fn()
+        ts.append(time.thread_time() - t)
+    return statistics.median(ts)
+
+
+def measure(d: int, rounds: int, calls: int, libs: list[str], rng: random.Random) -> dict[str, dict[str, list[float]]]:
+    """Per op, per library: one median per round."""
+    data = torch.randn(1024, d)
+    made = {lib: build(lib, d, capacity_for(d), data) for lib in libs}
+    out: dict[str, dict[str, list[float]]] = {op: {lib: [] for lib in libs} for op in OPS}
+    for _ in range(rounds):
+        for op, i in OPS.items():
+            order = list(libs)
+            rng.shuffle(order)
+            for lib in order:
+                out[op][lib].append(time_call(made[lib][i], calls))
+    made.clear()
+    gc.collect()
+    return out
+
+
+def cell(num: list[float], den: list[float], rng: random.Random) -> str:
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    lo, hi = bootstrap_ci(ratios, rng=rng)
+    return f"{statistics.median(ratios):.2f}x ({lo:.2f}-{hi:.2f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dims", type=int, nargs="+", default=[128, 1000, 5000, 20000])
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--calls", type=int, default=15)
+    ap.add_argument("--no-torchrl", action="store_true", help="leave TorchRL out (its d = 20000 sample takes ~50 ms)")
+    ap.add_argument("--out", type=Path, default=HERE.parent / "results" / "host_paired.md")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    libs = [lib for lib in LIBS if not (args.no_torchrl and lib == "torchrl")]
+    others = [lib for lib in libs if lib != "floor"]
+    rng = random.Random(0)
+    lines = ["# host_paired", "",
+             f"Paired rounds ({args.rounds} per d, {args.calls} calls per library per round, shuffled order, "
+             "thread CPU clock, 1 torch thread): the median of the per-round ratios, with its 95% bootstrap "
+             "interval. `benchmarks/scripts/host_paired.py`.", ""]
+    for op in OPS:
+        lines += [f"## {op}", "", "| d | floor, ms | " + " | ".join(f"{lib} / floor" for lib in others)
+                  + " | conduit / cpprb |", "|---" * (len(others) + 3) + "|"]
+        lines.append("<!-- rows -->")
+    rows: dict[str, list[str]] = {op: [] for op in OPS}
+    for d in args.dims:
+        res = measure(d, args.rounds, args.calls, libs, rng)
+        for op in OPS:
+            r = res[op]
+            cells = [cell(r[lib], r["floor"], rng) for lib in others]
+            row = (f"| d={d} | {statistics.median(r['floor']) * 1e3:.4f} | " + " | ".join(cells)
+                   + f" | {cell(r['conduit'], r['cpprb'], rng)} |")
+            rows[op].append(row)
+            print(op, row, flush=True)
+    text = "\n".join(lines)
+    for op in OPS:
+        text = text.replace("<!-- rows -->", "\n".join(rows[op]) + "\n", 1)
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
