@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from conduit.placement.profile import _median_seconds
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
@@ -37,13 +38,7 @@ OPS = {"sample512": 2, "ingest256": 1, "ingest1": 0}  # index into build()'s (in
 
 def time_call(fn: Callable[[], object], calls: int) -> float:
     """Median thread-CPU seconds of one call, after one untimed warm-up call."""
-    fn()
-    ts = []
-    for _ in range(calls):
-        t = time.thread_time()
-        fn()
-        ts.append(time.thread_time() - t)
-    return statistics.median(ts)
+    return _median_seconds(fn, reps=calls, warmup=1, clock=time.thread_time, min_total=0)
 
 
 def measure(d: int, rounds: int, calls: int, libs: list[str], rng: random.Random) -> dict[str, dict[str, list[float]]]:

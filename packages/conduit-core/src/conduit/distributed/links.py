@@ -11,15 +11,13 @@ shared-memory path, cross-node pairs the object manager's transfer.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from conduit.distributed._ray import current_node_id, ray_module
 from conduit.distributed.errors import ClusterError, RemoteTimeoutError
-from conduit.placement.profile import LinkCost
+from conduit.placement.profile import LinkCost, _median_seconds
 
 if TYPE_CHECKING:
     from conduit.distributed.servers import ShardServers
@@ -60,15 +58,6 @@ class LinkProfile:
         return [{"src": s[:8], "dst": d[:8], "same_node": s == d, "overhead_ms": ln.overhead_s * 1e3,
                  **{f"MBps@{int(b) >> 10}KiB": bw / 1e6 for b, bw in ln.points}}
                 for (s, d), ln in sorted(self.links.items())]
-
-
-def _timed(fn: Callable[[], Any], repeats: int) -> float:
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def measure_links(servers: ShardServers, *, sizes: Sequence[int] = (1 << 18, 1 << 22), repeats: int = 3,
@@ -127,8 +116,6 @@ def measure_links(servers: ShardServers, *, sizes: Sequence[int] = (1 << 18, 1 <
     for key, make in pairs.items():
         samples = []
         for x in (8, *sizes):
-            call = make(x)
-            call()  # warm-up
-            samples.append((x, _timed(call, repeats)))
+            samples.append((x, _median_seconds(make(x), reps=repeats, warmup=1, min_total=0)))
         prof.links[key] = LinkCost.fit_or_bound(samples[1:], samples[0][1])
     return prof

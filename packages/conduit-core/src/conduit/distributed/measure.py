@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,17 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from conduit.placement.profile import _median_seconds
+
 __all__ = ["main"]
 
 
 def _median_ms(fn: Any, repeats: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+    return _median_seconds(fn, reps=repeats, warmup=1, min_total=0) * 1e3
 
 
 def _delivery(lc: Any, servers: Any, dims: Sequence[int], batch: int, repeats: int) -> list[dict[str, Any]]:
