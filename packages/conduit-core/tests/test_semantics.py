@@ -236,6 +236,19 @@ def test_an_unreferenced_host_batch_buffer_is_reused_and_a_referenced_one_never(
         assert torch.equal(torch.as_tensor(held), before[-len(held):]), "a referenced batch was overwritten"
         del held
 
+    # a C++ owner only: autograd saved the delivered tensor for the backward pass
+    floats = ExperienceDataPlane(ExperienceSchema(x=Field((4,))), capacity=64)
+    floats.ingest({"x": torch.randn(64, 4)})
+    batch, _ = floats.deliver(16)
+    w = torch.ones(4, requires_grad=True)
+    loss = (batch["x"] * w).sum()
+    where, expected = batch["x"].data_ptr(), batch["x"].sum(0)
+    del batch
+    for _ in range(3):
+        assert floats.deliver(16)[0]["x"].data_ptr() != where
+    loss.backward()
+    assert w.grad is not None and torch.allclose(w.grad, expected), "a tensor autograd saved was overwritten"
+
 
 def test_on_policy_epoch_order_hook_is_followed_and_checked() -> None:
     """An adapter's own per-epoch order is delivered as given; one that skips or repeats an item is refused."""

@@ -46,6 +46,7 @@ class _OutputRing:
         self.schema, self.device, self.depth, self.pin = schema, device, max(1, depth), pin
         self.reuse_free = reuse_free and self.depth > 1
         self._bufs: list[dict[str, torch.Tensor]] = []
+        self._free: list[tuple[int, ...]] = []
         self._rows = 0
         self._i = 0
 
@@ -55,7 +56,10 @@ class _OutputRing:
             self._bufs = [{k: empty_column((n, *self.schema[k].shape), self.schema[k].dtype, self.device,
                                            pin_memory=self.pin) for k in self.schema.fixed}
                           for _ in range(self.depth)]
-        elif not (self.reuse_free and _unreferenced(self._bufs[self._i])):
+            # what "nobody else holds it" reads as, taken while that is certain (the counts an
+            # interpreter reports for a loop variable or an argument differ between Python versions)
+            self._free = [_owners(b) for b in self._bufs] if self.reuse_free else []
+        elif not (self.reuse_free and _owners(self._bufs[self._i]) == self._free[self._i]):
             self._i = (self._i + 1) % self.depth
         buf = self._bufs[self._i]
         if n == self._rows:
@@ -63,15 +67,14 @@ class _OutputRing:
         return {k: v[:n] for k, v in buf.items()}
 
 
-def _unreferenced(buf: dict[str, torch.Tensor]) -> bool:
-    """True when only ``buf`` itself holds its tensors: no Python reference, view or C++ owner elsewhere."""
+def _owners(buf: dict[str, torch.Tensor]) -> tuple[int, ...]:
+    """Per tensor of ``buf``: its Python references, its TensorImpl's owners (autograd, other
+    tensors) and its storage's owners (views, NumPy arrays, storage objects)."""
+    out: list[int] = []
     for t in buf.values():
-        # references: buf's dict, the loop variable and getrefcount's argument; one TensorImpl owner
-        # (buf's tensor) and two storage owners (that TensorImpl and the temporary storage object)
-        if (sys.getrefcount(t) > 3 or t._use_count() > 1  # type: ignore[attr-defined]  # private torch API
-                or torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2):
-            return False
-    return True
+        out += (sys.getrefcount(t), t._use_count(),  # type: ignore[attr-defined]  # private torch API
+                torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+    return tuple(out)
 
 
 class ExperienceDataPlane:
