@@ -220,32 +220,41 @@ def test_delivered_buffers_are_reused_after_output_depth() -> None:
 
 
 def test_an_unreferenced_host_batch_buffer_is_reused_and_a_referenced_one_never() -> None:
-    edp = ExperienceDataPlane(SCHEMA, capacity=64)
-    edp.ingest(ids(0, 64))
+    rows = 64  # 64 x 4096 float32 = 1 MiB: large enough for the reuse (smaller batches just rotate)
+    edp = ExperienceDataPlane(ExperienceSchema(x=Field((4096,))), capacity=256)
+    edp.ingest({"x": torch.randn(256, 4096)})
 
     def ptr() -> int:  # deliver, drop the batch, return where it was written
-        return edp.deliver(16)[0]["id"].data_ptr()
+        return edp.deliver(rows)[0]["x"].data_ptr()
 
     assert len({ptr() for _ in range(4)}) == 1  # dropped each time: one cache-warm buffer
-    for keep in (lambda t: t, lambda t: t[1:], lambda t: t.numpy()):
-        batch, _ = edp.deliver(16)
-        held, where, before = keep(batch["id"]), batch["id"].data_ptr(), batch["id"].clone()
-        del batch  # only ``held`` (the tensor, a view or a NumPy array) still refers to the buffer
+    small = ExperienceDataPlane(SCHEMA, capacity=8)
+    small.ingest(ids(0, 8))
+    assert len({small.deliver(4)[0]["id"].data_ptr() for _ in range(4)}) == 2  # below 1 MiB: plain rotation
+    holders = {  # a way to keep a delivered tensor's memory -> reading it back as rows of the batch
+        "tensor": (lambda t: t, lambda h: h),
+        "view": (lambda t: t[1:], lambda h: h),  # rows 1.. of the batch
+        "numpy": (lambda t: t.numpy(), torch.from_numpy),
+        "storage": (lambda t: t.untyped_storage(), lambda h: torch.empty(0).set_(h)[: rows * 4096].view(rows, 4096)),
+    }
+    for name, (keep, read) in holders.items():
+        batch, _ = edp.deliver(rows)
+        held, where, before = keep(batch["x"]), batch["x"].data_ptr(), batch["x"].clone()
+        del batch  # only ``held`` still refers to the buffer
         for _ in range(3):
-            assert edp.deliver(16)[0]["id"].data_ptr() != where
-        assert torch.equal(torch.as_tensor(held), before[-len(held):]), "a referenced batch was overwritten"
-        del held
+            assert edp.deliver(rows)[0]["x"].data_ptr() != where, f"{name}: a held buffer was reused"
+        got = read(held)
+        assert torch.equal(got, before[-got.shape[0]:]), f"{name}: a referenced batch was overwritten"
+        del held, got
 
     # a C++ owner only: autograd saved the delivered tensor for the backward pass
-    floats = ExperienceDataPlane(ExperienceSchema(x=Field((4,))), capacity=64)
-    floats.ingest({"x": torch.randn(64, 4)})
-    batch, _ = floats.deliver(16)
-    w = torch.ones(4, requires_grad=True)
+    batch, _ = edp.deliver(rows)
+    w = torch.ones(4096, requires_grad=True)
     loss = (batch["x"] * w).sum()
     where, expected = batch["x"].data_ptr(), batch["x"].sum(0)
     del batch
     for _ in range(3):
-        assert floats.deliver(16)[0]["x"].data_ptr() != where
+        assert edp.deliver(rows)[0]["x"].data_ptr() != where
     loss.backward()
     assert w.grad is not None and torch.allclose(w.grad, expected), "a tensor autograd saved was overwritten"
 

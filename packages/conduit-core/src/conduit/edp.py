@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 __all__ = ["ExperienceDataPlane"]
 
 
+#: smallest delivery (bytes over its fixed fields) for which an unreferenced output buffer is reused
+_REUSE_MIN_BYTES = 1 << 20
+
+
 class _OutputRing:
     """Preallocated delivery buffers for the fixed fields, rotated over ``depth`` slots.
 
@@ -38,7 +42,9 @@ class _OutputRing:
     asking for the next one then writes into one cache-warm buffer instead of ``depth``
     alternating ones, and a batch that is still held is never overwritten before ``depth``
     further deliveries, as without it. (Not for buffers an asynchronous device copy may still
-    read: no reference is left once such a copy is enqueued.)
+    read: no reference is left once such a copy is enqueued.) Checked only for batches of at
+    least ``_REUSE_MIN_BYTES``: smaller ones stay in cache either way, and the check costs about
+    a microsecond per field.
     """
 
     def __init__(self, schema: ExperienceSchema, device: torch.device, depth: int, pin: bool,
@@ -58,8 +64,9 @@ class _OutputRing:
                           for _ in range(self.depth)]
             # what "nobody else holds it" reads as, taken while that is certain (the counts an
             # interpreter reports for a loop variable or an argument differ between Python versions)
-            self._free = [_owners(b) for b in self._bufs] if self.reuse_free else []
-        elif not (self.reuse_free and _owners(self._bufs[self._i]) == self._free[self._i]):
+            big = sum(t.numel() * t.element_size() for t in self._bufs[0].values()) >= _REUSE_MIN_BYTES
+            self._free = [_owners(b) for b in self._bufs] if self.reuse_free and big else []
+        elif not (self._free and _owners(self._bufs[self._i]) == self._free[self._i]):
             self._i = (self._i + 1) % self.depth
         buf = self._bufs[self._i]
         if n == self._rows:
@@ -69,11 +76,12 @@ class _OutputRing:
 
 def _owners(buf: dict[str, torch.Tensor]) -> tuple[int, ...]:
     """Per tensor of ``buf``: its Python references, its TensorImpl's owners (autograd, other
-    tensors) and its storage's owners (views, NumPy arrays, storage objects)."""
+    tensors), its storage's owners (views, NumPy arrays) and the references to its storage object."""
     out: list[int] = []
     for t in buf.values():
+        st = t.untyped_storage()
         out += (sys.getrefcount(t), t._use_count(),  # type: ignore[attr-defined]  # private torch API
-                torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+                torch._C._storage_Use_Count(st._cdata), sys.getrefcount(st))
     return tuple(out)
 
 
