@@ -7,7 +7,8 @@
 # Here (downloads from PyPI; torch, numpy, scipy, pandas and pyarrow are left out: the H200 image has
 # them, see ../.library/device/KINDS.md; ~95 MB in two parts of PART_MB):
 #   bash benchmarks/scripts/gpu_rllib_bundle.sh pack            # -> .whl/rllib/part-00, part-01, ...
-# There, one call per part, each with carry [".whl/rllib/part-NN"], back to back:
+# There, one call per part, each with carry [".whl/rllib/part-NN"] (the first also ".whl/rllib/SHA256SUMS"),
+# back to back:
 #   bash benchmarks/scripts/gpu_rllib_bundle.sh keep            # moves the carried part into .bundle/
 # and in the call that carries the last part (or a later one):
 #   bash benchmarks/scripts/gpu_rllib_bundle.sh keep && bash benchmarks/scripts/gpu_rllib_bundle.sh install \
@@ -43,8 +44,12 @@ keep)
 install)
   rm -rf /tmp/rllib-bundle /tmp/rllib-site && mkdir -p /tmp/rllib-bundle
   cat .bundle/part-* | tar xf - -C /tmp/rllib-bundle
-  root=$PWD
-  (cd /tmp/rllib-bundle && sha256sum -c --quiet "$root/.bundle/SHA256SUMS")
+  if [ -e .bundle/SHA256SUMS ]; then
+    root=$PWD
+    (cd /tmp/rllib-bundle && sha256sum -c --quiet "$root/.bundle/SHA256SUMS")
+  else
+    echo "no .bundle/SHA256SUMS carried: wheels not checked" >&2
+  fi
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/rllib-site /tmp/rllib-bundle/*.whl
   PYTHONPATH=/tmp/rllib-site "$PY" -c "import ray, ray.rllib, conduit_rllib; print('ray', ray.__version__, 'ok')"
   ;;
