@@ -75,14 +75,6 @@ def main() -> None:
     libs = [lib for lib in LIBS if not (args.no_torchrl and lib == "torchrl")]
     others = [lib for lib in libs if lib != "floor"]
     rng = random.Random(0)
-    lines = ["# host_paired", "",
-             f"Paired rounds ({args.rounds} per d, {args.calls} calls per library per round, shuffled order, "
-             "thread CPU clock, 1 torch thread): the median of the per-round ratios, with its 95% bootstrap "
-             "interval. `benchmarks/scripts/host_paired.py`.", ""]
-    for op in OPS:
-        lines += [f"## {op}", "", "| d | floor, ms | " + " | ".join(f"{lib} / floor" for lib in others)
-                  + " | conduit / cpprb |", "|---" * (len(others) + 3) + "|"]
-        lines.append("<!-- rows -->")
     rows: dict[str, list[str]] = {op: [] for op in OPS}
     for d in args.dims:
         res = measure(d, args.rounds, args.calls, libs, rng)
@@ -93,9 +85,14 @@ def main() -> None:
                    + f" | {cell(r['conduit'], r['cpprb'], rng)} |")
             rows[op].append(row)
             print(op, row, flush=True)
-    text = "\n".join(lines)
+    lines = ["# host_paired", "",
+             f"Paired rounds ({args.rounds} per d, {args.calls} calls per library per round, shuffled order, "
+             "thread CPU clock, 1 torch thread): the median of the per-round ratios, with its 95% bootstrap "
+             "interval. `benchmarks/scripts/host_paired.py`.", ""]
     for op in OPS:
-        text = text.replace("<!-- rows -->", "\n".join(rows[op]) + "\n", 1)
+        lines += [f"## {op}", "", "| d | floor, ms | " + " | ".join(f"{lib} / floor" for lib in others)
+                  + " | conduit / cpprb |", "|---" * (len(others) + 3) + "|", *rows[op], ""]
+    text = "\n".join(lines)
     args.out.write_text(text)
     print(f"wrote {args.out}")
 
