@@ -38,7 +38,7 @@ class _OutputRing:
 
     With ``reuse_free`` (host buffers that are the delivery's final destination), the buffer
     returned last is handed out again when nothing references it any more: no tensor, view,
-    NumPy array or autograd node holds any of its fields. A loop that drops each batch before
+    NumPy array, storage object or autograd node holds any of its fields. A loop that drops each batch before
     asking for the next one then writes into one cache-warm buffer instead of ``depth``
     alternating ones, and a batch that is still held is never overwritten before ``depth``
     further deliveries, as without it. (Not for buffers an asynchronous device copy may still
@@ -64,7 +64,7 @@ class _OutputRing:
                           for _ in range(self.depth)]
             # what "nobody else holds it" reads as, taken while that is certain (the counts an
             # interpreter reports for a loop variable or an argument differ between Python versions)
-            big = sum(t.numel() * t.element_size() for t in self._bufs[0].values()) >= _REUSE_MIN_BYTES
+            big = n * self.schema.fixed_item_bytes >= _REUSE_MIN_BYTES
             self._free = [_owners(b) for b in self._bufs] if self.reuse_free and big else []
         elif not (self._free and _owners(self._bufs[self._i]) == self._free[self._i]):
             self._i = (self._i + 1) % self.depth
