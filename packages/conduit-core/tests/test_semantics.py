@@ -259,6 +259,29 @@ def test_an_unreferenced_host_batch_buffer_is_reused_and_a_referenced_one_never(
     assert w.grad is not None and torch.allclose(w.grad, expected), "a tensor autograd saved was overwritten"
 
 
+def test_without_torchs_owner_counts_delivery_buffers_rotate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reuse reads private torch counters; a torch without them must still deliver correctly."""
+    import conduit.edp as edp_mod
+
+    assert edp_mod._owner_counts_work(), "this torch has the counters: the reuse is on in the tests above"
+
+    def renamed(buf: object) -> tuple[int, ...]:
+        raise AttributeError("'Tensor' object has no attribute '_use_count'")
+
+    monkeypatch.setattr(edp_mod, "_owners", renamed)
+    assert not edp_mod._owner_counts_work()
+    monkeypatch.setattr(edp_mod, "_OWNER_COUNTS", edp_mod._owner_counts_work())
+    edp = ExperienceDataPlane(ExperienceSchema(x=Field((4096,))), capacity=256)
+    edp.ingest({"x": torch.arange(256, dtype=torch.float32)[:, None].expand(256, 4096).contiguous()})
+    ptrs = {edp.deliver(64)[0]["x"].data_ptr() for _ in range(4)}
+    assert len(ptrs) == 2, "without the counters, deliveries rotate over the two output buffers"
+    first, _ = edp.deliver(64)
+    before = first["x"].clone()
+    second, _ = edp.deliver(64)
+    assert first["x"].data_ptr() != second["x"].data_ptr()
+    assert torch.equal(first["x"], before), "a batch was overwritten before the second delivery after it"
+
+
 def test_on_policy_epoch_order_hook_is_followed_and_checked() -> None:
     """An adapter's own per-epoch order is delivered as given; one that skips or repeats an item is refused."""
 

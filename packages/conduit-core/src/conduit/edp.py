@@ -50,7 +50,7 @@ class _OutputRing:
     def __init__(self, schema: ExperienceSchema, device: torch.device, depth: int, pin: bool,
                  reuse_free: bool = False) -> None:
         self.schema, self.device, self.depth, self.pin = schema, device, max(1, depth), pin
-        self.reuse_free = reuse_free and self.depth > 1
+        self.reuse_free = reuse_free and self.depth > 1 and _OWNER_COUNTS
         self._bufs: list[dict[str, torch.Tensor]] = []
         self._free: list[tuple[int, ...]] = []
         self._rows = 0
@@ -83,6 +83,25 @@ def _owners(buf: dict[str, torch.Tensor]) -> tuple[int, ...]:
         out += (sys.getrefcount(t), t._use_count(),  # type: ignore[attr-defined]  # private torch API
                 torch._C._storage_Use_Count(st._cdata), sys.getrefcount(st))
     return tuple(out)
+
+
+def _owner_counts_work() -> bool:
+    """Whether this torch has the private owner counts :func:`_owners` reads, and they see a view.
+
+    Without them (a torch that renamed or dropped them), delivery buffers just rotate: the
+    reuse is an optimisation, never a reason for a delivery to fail.
+    """
+    try:
+        t = torch.zeros(2)
+        before = _owners({"t": t})
+        view = t[1:]
+        return _owners({"t": t}) != before and view.shape[0] == 1
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
+#: checked once at import; False turns the output ring's reuse off
+_OWNER_COUNTS = _owner_counts_work()
 
 
 class ExperienceDataPlane:
