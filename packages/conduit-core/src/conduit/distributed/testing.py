@@ -20,24 +20,14 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import numpy as np
-import torch
 
 from conduit.distributed._ray import ray_module
 from conduit.distributed.errors import ClusterError
 from conduit.distributed.plane import DistributedDataPlane
 from conduit.distributed.servers import ShardServers
-from conduit.semantics import OnPolicy, PrioritizedSampler, Replay, UniformSampler
-from conduit.testing.endpoints import (
-    CAP_CHECKPOINT,
-    CAP_CONCURRENT_INGEST,
-    CAP_PRIORITIZED,
-    Draw,
-    EndpointFactory,
-    Minibatch,
-    OnPolicyEndpoint,
-    ReplayEndpoint,
-)
-from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch
+from conduit.semantics import Semantics
+from conduit.testing.endpoints import EndpointFactory
+from conduit.testing.reference import ID_SCHEMA, CoreOnPolicyEndpoint, CoreReplayEndpoint, id_batch
 
 __all__ = ["LocalCluster", "local_cluster", "DistributedReplayEndpoint", "DistributedOnPolicyEndpoint",
            "FAST_FAILURE_DETECTION", "ENDPOINTS", "shared_servers", "shutdown_shared"]
@@ -130,38 +120,23 @@ def _retry_startup(start: Any, attempts: int = 3) -> Any:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-class DistributedReplayEndpoint(ReplayEndpoint):
+class DistributedReplayEndpoint(CoreReplayEndpoint):
     """A replay :class:`DistributedDataPlane` whose inserts come from each server node in turn."""
 
-    capabilities = frozenset({CAP_PRIORITIZED, CAP_CHECKPOINT, CAP_CONCURRENT_INGEST})
-
-    def __init__(self, servers: ShardServers, *, capacity: int, prioritized: bool = False, alpha: float = 0.6,
-                 beta: float = 0.4, seed: int = 0, **plane_kwargs: Any) -> None:
-        sampler = PrioritizedSampler(alpha=alpha, beta=beta) if prioritized else UniformSampler()
-        plane_kwargs.setdefault("health_period", None)
-        self.plane = DistributedDataPlane(ID_SCHEMA, capacity=capacity, semantics=Replay(sampler, seed=seed),
-                                          servers=servers, **plane_kwargs)
+    def __init__(self, servers: ShardServers, *, capacity: int, **kwargs: Any) -> None:
+        self._servers = servers
         self._producers = itertools.cycle(sorted(set(servers.nodes)))
         self._cycle_lock = threading.Lock()
-        self.priority_staleness = int(getattr(self.plane.scheduler, "priority_staleness", 0))
+        super().__init__(capacity=capacity, **kwargs)
+        self.plane: DistributedDataPlane = self.edp
+
+    def _build(self, capacity: int, semantics: Semantics, **kwargs: Any) -> DistributedDataPlane:
+        return _plane(self._servers, capacity, semantics, kwargs)
 
     def insert(self, ids: np.ndarray) -> None:
         with self._cycle_lock:
             node = next(self._producers)
         self.plane.ingest(id_batch(ids), node=node)
-
-    def sample(self, n: int) -> Draw:
-        self.plane.flush()
-        batch, info = self.plane.deliver(n)
-        w = None if info.weights is None else info.weights.numpy().copy()
-        return Draw(check_payload(batch), info.handles.clone(), w)
-
-    def update_priorities(self, handles: Any, priorities: np.ndarray) -> None:
-        self.plane.update_priorities(handles, torch.as_tensor(priorities))
-
-    def __len__(self) -> int:
-        self.plane.flush()
-        return len(self.plane)
 
     def contents(self) -> np.ndarray:
         self.plane.flush()
@@ -170,27 +145,18 @@ class DistributedReplayEndpoint(ReplayEndpoint):
             return np.zeros(0, dtype=np.int64)
         return self.plane.read(h).tensor("id").numpy().copy()
 
-    def state_dict(self) -> Any:
-        return self.plane.state_dict()
 
-    def load_state_dict(self, state: Any) -> None:
-        self.plane.load_state_dict(state)
-
-    def close(self) -> None:
-        self.plane.close()
-
-
-class DistributedOnPolicyEndpoint(OnPolicyEndpoint):
+class DistributedOnPolicyEndpoint(CoreOnPolicyEndpoint):
     """An on-policy :class:`DistributedDataPlane` whose rollouts come from every server node."""
 
-    def __init__(self, servers: ShardServers, *, num_minibatches: int, num_epochs: int, max_staleness: int = 0,
-                 on_stale: str = "drop", seed: int = 0, capacity: int = 4096, **plane_kwargs: Any) -> None:
-        sem = OnPolicy(num_minibatches=num_minibatches, num_epochs=num_epochs, max_staleness=max_staleness,
-                       on_stale=on_stale, seed=seed)  # type: ignore[arg-type]
-        plane_kwargs.setdefault("health_period", None)
-        self.plane = DistributedDataPlane(ID_SCHEMA, capacity=capacity, semantics=sem, servers=servers,
-                                          **plane_kwargs)
+    def __init__(self, servers: ShardServers, **kwargs: Any) -> None:
+        self._servers = servers
         self._nodes = sorted(set(servers.nodes))
+        super().__init__(**kwargs)
+        self.plane: DistributedDataPlane = self.edp
+
+    def _build(self, capacity: int, semantics: Semantics, **kwargs: Any) -> DistributedDataPlane:
+        return _plane(self._servers, capacity, semantics, kwargs)
 
     def ingest(self, ids: np.ndarray, version: int) -> None:
         parts = np.array_split(np.asarray(ids), len(self._nodes))
@@ -198,23 +164,11 @@ class DistributedOnPolicyEndpoint(OnPolicyEndpoint):
             if part.size:
                 self.plane.ingest(id_batch(part), version=version, node=node)
 
-    def end_rollout(self) -> None:
-        self.plane.seal()
 
-    def set_policy_version(self, version: int) -> None:
-        self.plane.set_policy_version(version)
-
-    def consume(self) -> list[Minibatch]:
-        out: list[Minibatch] = []
-        while True:
-            batch, info = self.plane.deliver()
-            assert info.version is not None and info.epoch is not None
-            out.append(Minibatch(check_payload(batch), info.version, info.epoch))
-            if info.last:
-                return out
-
-    def close(self) -> None:
-        self.plane.close()
+def _plane(servers: ShardServers, capacity: int, semantics: Semantics, kwargs: dict[str, Any]) -> DistributedDataPlane:
+    """A test buffer on ``servers`` (no background health checks unless asked: the suites kill nothing)."""
+    kwargs.setdefault("health_period", None)
+    return DistributedDataPlane(ID_SCHEMA, capacity=capacity, semantics=semantics, servers=servers, **kwargs)
 
 
 # -- the registered endpoints (``conduit.conformance``): one shared 2-node cluster per process -----------------------

@@ -9,7 +9,7 @@ import torch
 
 from conduit.edp import ExperienceDataPlane
 from conduit.schema import ExperienceSchema, Field
-from conduit.semantics import OnPolicy, PrioritizedSampler, Replay, UniformSampler
+from conduit.semantics import OnPolicy, PrioritizedSampler, Replay, Semantics, UniformSampler
 from conduit.testing.endpoints import (
     CAP_CHECKPOINT,
     CAP_CONCURRENT_INGEST,
@@ -39,16 +39,23 @@ def check_payload(batch: Any) -> np.ndarray:
 
 
 class CoreReplayEndpoint(ReplayEndpoint):
-    """An :class:`~conduit.ExperienceDataPlane` with replay semantics, driven directly."""
+    """An :class:`~conduit.ExperienceDataPlane` with replay semantics, driven directly.
+
+    Another buffer with the data plane's methods (``ingest``, ``deliver``, ``flush``, ...)
+    reuses these endpoints by overriding :meth:`_build`.
+    """
 
     capabilities = frozenset({CAP_PRIORITIZED, CAP_CHECKPOINT, CAP_CONCURRENT_INGEST})
 
     def __init__(self, *, capacity: int, prioritized: bool = False, alpha: float = 0.6, beta: float = 0.4,
                  seed: int = 0, **edp_kwargs: Any) -> None:
         sampler = PrioritizedSampler(alpha=alpha, beta=beta) if prioritized else UniformSampler()
-        self.edp = ExperienceDataPlane(ID_SCHEMA, capacity=capacity, semantics=Replay(sampler, seed=seed),
-                                       **edp_kwargs)
+        self.edp = self._build(capacity, Replay(sampler, seed=seed), **edp_kwargs)
         self.priority_staleness = int(getattr(self.edp.scheduler, "priority_staleness", 0))
+
+    def _build(self, capacity: int, semantics: Semantics, **kwargs: Any) -> Any:
+        """The buffer under test, holding :data:`ID_SCHEMA` items."""
+        return ExperienceDataPlane(ID_SCHEMA, capacity=capacity, semantics=semantics, **kwargs)
 
     def insert(self, ids: np.ndarray) -> None:
         self.edp.ingest(id_batch(ids))
@@ -81,13 +88,17 @@ class CoreReplayEndpoint(ReplayEndpoint):
 
 
 class CoreOnPolicyEndpoint(OnPolicyEndpoint):
-    """An :class:`~conduit.ExperienceDataPlane` with on-policy semantics, driven directly."""
+    """An :class:`~conduit.ExperienceDataPlane` with on-policy semantics, driven directly
+    (another buffer with its methods: override :meth:`_build`)."""
 
     def __init__(self, *, num_minibatches: int, num_epochs: int, max_staleness: int = 0, on_stale: str = "drop",
                  seed: int = 0, capacity: int = 4096, **edp_kwargs: Any) -> None:
         sem = OnPolicy(num_minibatches=num_minibatches, num_epochs=num_epochs, max_staleness=max_staleness,
                        on_stale=on_stale, seed=seed)  # type: ignore[arg-type]
-        self.edp = ExperienceDataPlane(ID_SCHEMA, capacity=capacity, semantics=sem, **edp_kwargs)
+        self.edp = self._build(capacity, sem, **edp_kwargs)
+
+    def _build(self, capacity: int, semantics: Semantics, **kwargs: Any) -> Any:
+        return ExperienceDataPlane(ID_SCHEMA, capacity=capacity, semantics=semantics, **kwargs)
 
     def ingest(self, ids: np.ndarray, version: int) -> None:
         self.edp.ingest(id_batch(ids), version=version)
