@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -20,8 +21,13 @@ def test_probe_parts_and_context_add_up_to_at_most_the_iteration(ray_local: None
         v.algo.train()
         wall = time.perf_counter() - t0
         p = v.probe.take()
+        gc.collect()  # a full collection between two takes is the next take's gc time, and nothing else's
+        collected = v.probe.take()
     finally:
         v.close()
+    assert v.probe._on_gc not in gc.callbacks, "close() must stop timing the garbage collector"
+    assert 0 <= p["gc"] <= wall
+    assert collected["gc"] > 0 and collected["exposed"] == 0, collected
     for name in ("add", "sample", "batch", "env", "update"):
         assert p[name] > 0, f"{variant}: part {name!r} recorded nothing in a training iteration: {p}"
     assert p["exposed"] == pytest.approx(sum(p[k] for k in PARTS))

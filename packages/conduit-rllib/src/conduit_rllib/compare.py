@@ -62,6 +62,7 @@ class Variant:
         return row
 
     def close(self) -> None:
+        self.probe.close()
         self.algo.stop()
 
 

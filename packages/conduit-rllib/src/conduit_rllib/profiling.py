@@ -21,10 +21,16 @@ The rest of an iteration is timed too, as *context* (not experience path), so a 
 in iteration time can be placed: ``env`` (the local EnvRunner's ``sample``), ``weights``
 (``sync_weights`` to the EnvRunners) and ``update`` (the learner's ``update`` without the
 experience-path calls nested in it: forward, loss, backward, optimizer step).
+
+``gc`` is the time Python's cyclic garbage collector ran in between (any thread). It is not
+a part of its own: a collection runs inside whichever call allocated when it fell due, and
+stops every thread while it walks all tracked objects of the process, so a buffer that keeps
+one Python object per transition makes every collection longer, whoever triggers it.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections import defaultdict
@@ -63,6 +69,8 @@ class ExperiencePathProbe:
         self._local = threading.local()
         self._main = threading.get_ident()
         self._t0 = time.perf_counter()
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
         rb = getattr(algo, "local_replay_buffer", None)
         self.buffer = rb
         if rb is not None:
@@ -126,6 +134,18 @@ class ExperiencePathProbe:
             if stack:
                 stack[-1] += dt
 
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start:
+            self._acc["gc"] += time.perf_counter() - self._gc_start
+            self._gc_start = 0.0
+
+    def close(self) -> None:
+        """Stop timing the garbage collector (the wrapped calls stay timed while the algorithm lives)."""
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
     def _planes(self) -> list[Any]:
         planes = []
         if self.buffer is not None and getattr(self.buffer, "edp", None) is not None:
@@ -145,8 +165,10 @@ class ExperiencePathProbe:
         return total
 
     def take(self) -> dict[str, float]:
-        """Seconds per part and context part since the last call, plus ``exposed``, ``background`` and ``total``."""
+        """Seconds per part and context part since the last call, plus ``exposed``, ``background``, ``total``
+        and ``gc`` (garbage collection, overlapping the parts)."""
         out = {p: self._acc.get(p, 0.0) for p in PARTS + CONTEXT}
+        out["gc"] = self._acc.get("gc", 0.0)
         out["exposed"] = sum(out[p] for p in PARTS)
         out["background"] = self.background(self._t0)
         out["total"] = out["exposed"] + out["background"]
