@@ -150,7 +150,10 @@ def test_iteration(benchmark: Any, built: dict[str, Built], variant: str, ratios
         b.algo.train()
         exposed.append(probe.take()["exposed"])
 
-    benchmark.pedantic(iteration, rounds=3, iterations=1, warmup_rounds=0)
+    try:
+        benchmark.pedantic(iteration, rounds=3, iterations=1, warmup_rounds=0)
+    finally:
+        probe.close()
     benchmark.extra_info["exposed_experience_path_s_median"] = float(np.median(exposed))
     ratios.add("rllib_iteration", b.workload, variant, benchmark, baseline="native",
                note=f"One algo.train() (DQN/SAC: {STEPS} env steps and updates; PPO: 2000 steps, 6 epochs).")
