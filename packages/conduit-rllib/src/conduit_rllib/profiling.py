@@ -33,6 +33,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from functools import wraps
@@ -70,7 +71,9 @@ class ExperiencePathProbe:
         self._main = threading.get_ident()
         self._t0 = time.perf_counter()
         self._gc_start = 0.0
-        gc.callbacks.append(self._on_gc)
+        self._gc_callback = _gc_callback(weakref.ref(self))
+        gc.callbacks.append(self._gc_callback)
+        weakref.finalize(self, _remove_callback, self._gc_callback)
         rb = getattr(algo, "local_replay_buffer", None)
         self.buffer = rb
         if rb is not None:
@@ -143,8 +146,7 @@ class ExperiencePathProbe:
 
     def close(self) -> None:
         """Stop timing the garbage collector (the wrapped calls stay timed while the algorithm lives)."""
-        if self._on_gc in gc.callbacks:
-            gc.callbacks.remove(self._on_gc)
+        _remove_callback(self._gc_callback)
 
     def _planes(self) -> list[Any]:
         planes = []
@@ -175,3 +177,17 @@ class ExperiencePathProbe:
         self._acc.clear()
         self._t0 = time.perf_counter()
         return out
+
+
+def _gc_callback(probe: weakref.ref[ExperiencePathProbe]) -> Callable[[str, dict[str, int]], None]:
+    """A ``gc.callbacks`` entry that does not keep the probe (and its algorithm) alive."""
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        p = probe()
+        if p is not None:
+            p._on_gc(phase, info)
+    return on_gc
+
+
+def _remove_callback(callback: Callable[[str, dict[str, int]], None]) -> None:
+    if callback in gc.callbacks:
+        gc.callbacks.remove(callback)
