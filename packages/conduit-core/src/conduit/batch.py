@@ -210,7 +210,7 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         Raises:
             SchemaError: a missing or extra field, a wrong dtype, shape, or lengths.
         """
-        if _matching_rows(self._columns, schema) >= 0:  # fast path: tensors that all match
+        if _matching_rows(self._columns, schema) == self.batch_size:  # fast path: tensors that all match
             return
         missing = [n for n in schema if n not in self._columns]
         extra = [n for n in self._columns if n not in schema]
@@ -234,7 +234,7 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                                       f"says {f.shape}.")
                 if lens.dtype != torch.int64 or lens.dim() != 1 or lens.shape[0] != n:
                     raise SchemaError(f"Field {name!r} needs int64 lengths of shape [{n}].")
-                if n and (int(lens.min()) < 0 or int(lens.sum()) != v.shape[0]):
+                if (n and int(lens.min()) < 0) or int(lens.sum()) != v.shape[0]:
                     raise SchemaError(f"Field {name!r}: lengths must be >= 0 and sum to the number of "
                                       f"packed values ({v.shape[0]}).")
             else:
@@ -246,6 +246,9 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                 if tuple(c.shape[1:]) != f.shape:
                     raise SchemaError(f"Field {name!r} has per-item shape {tuple(c.shape[1:])}, the schema "
                                       f"says {f.shape}.")
+                if c.dim() == 0 or c.shape[0] != n:
+                    raise SchemaError(f"Field {name!r} has {c.shape[0] if c.dim() else 0} rows for a batch of {n} "
+                                      f"items; give every field one row per item.")
 
 
 def _matching_rows(columns: Mapping[str, object], schema: ExperienceSchema) -> int:

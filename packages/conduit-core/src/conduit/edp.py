@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged
-from conduit.errors import CapacityError, ConfigurationError
+from conduit.errors import CapacityError, ConduitError, ConfigurationError, SchemaError
 from conduit.placement.base import HostPlacement, Placement
 from conduit.scheduling.base import Scheduler, Synchronous
 from conduit.schema import ExperienceSchema
@@ -156,6 +156,8 @@ class ExperienceDataPlane:
         self.device = torch.device(device) if device is not None else self.storage.device
         self.telemetry = Telemetry()
         self._lock = threading.RLock()
+        #: (replaced schema, its migration's transform), oldest first: see :meth:`_current`
+        self._upgrades: list[tuple[ExperienceSchema, Callable[[ExperienceBatch], Any]]] = []
         self._replay = isinstance(self.semantics, Replay)
         self.scheduler: Scheduler = scheduler if scheduler is not None else Synchronous()
         self._build_outputs()
@@ -225,10 +227,45 @@ class ExperienceDataPlane:
         """Store an already validated batch now (the scheduler's primitive)."""
         t0 = time.perf_counter()
         with self._lock:
+            if self._upgrades:
+                batch = self._current(batch)
             res = self.storage.append(batch, evict=self._replay)
             self.semantics.on_append(res, version=version, priorities=priorities)
         self.telemetry.record("ingest", res.count, self._nbytes(batch), t0, time.perf_counter())
         return torch.from_numpy(np.arange(res.first, res.first + res.count, dtype=np.int64))
+
+    def _current(self, batch: ExperienceBatch) -> ExperienceBatch:
+        """``batch`` in the current schema (call under the lock).
+
+        A batch validated against a schema that a migration has replaced since (a producer
+        between validation and storing, or a batch queued for background storage) is mapped
+        through that migration's transform, and any later one's, as the migrated items were.
+
+        Raises:
+            SchemaError: the batch fits neither the current schema nor a replaced one, or a
+                transform fails on it (nothing is stored).
+        """
+        if _fits(batch, self.schema):
+            return batch
+        for i, (old, _) in enumerate(self._upgrades):
+            if not _fits(batch, old):
+                continue
+            n = batch.batch_size
+            targets = [s for s, _ in self._upgrades[i + 1:]] + [self.schema]
+            for (_, transform), target in zip(self._upgrades[i:], targets, strict=True):
+                try:
+                    batch = ExperienceBatch.checked(transform(batch), target)
+                except ConduitError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the user's transform: report it typed
+                    raise SchemaError(f"A batch of the schema a migration replaced could not be transformed to "
+                                      f"the current one ({type(e).__name__}: {e}); it was not stored.") from e
+                if batch.batch_size != n:
+                    raise SchemaError(f"The migration transform returned {batch.batch_size} items for {n}; "
+                                      f"it was not stored.")
+            return batch
+        raise SchemaError("This batch matches neither the buffer's schema nor one a migration replaced; it was "
+                          "not stored.")
 
     def flush(self) -> None:
         """Block until every batch handed to ``ingest`` is in storage."""
@@ -260,9 +297,10 @@ class ExperienceDataPlane:
             k = int(sel.slots.shape[0])
             batch = self.storage.gather(sel.slots, self._gather_out.next(k))
             self.semantics.after_gather(sel)
-            device_out = self._device_out  # read under the lock: a migration may swap it
-        if device_out is not None:
-            batch = self._to_device(batch, device_out.next(k))
+            # taken under the lock: a migration may swap the ring, and concurrent deliveries get distinct buffers
+            dev_bufs = self._device_out.next(k) if self._device_out is not None else None
+        if dev_bufs is not None:
+            batch = self._to_device(batch, dev_bufs)
         self.telemetry.record("deliver", k, self._nbytes(batch), t0, time.perf_counter())
         return batch, sel.info
 
@@ -317,13 +355,7 @@ class ExperienceDataPlane:
         k = int(slots.shape[0])
         bufs = out(k) if callable(out) else out
         view = None if bufs is None else {name: t[:k] for name, t in bufs.items()}
-        batch = self.storage.gather(slots, view)
-        if not self.schema.ragged:
-            return batch
-        # ragged values come back in the storage's scratch pool, which the next gather reuses
-        cols = {name: (Ragged(c.values.clone(), c.lengths) if isinstance(c, Ragged) else c)
-                for name, c in batch.items()}
-        return ExperienceBatch(cols, batch.batch_size)
+        return self.storage.gather(slots, view)
 
     def _to_device(self, batch: ExperienceBatch, out: dict[str, torch.Tensor]) -> ExperienceBatch:
         cols: dict[str, torch.Tensor | Ragged] = {}
@@ -391,13 +423,21 @@ class ExperienceDataPlane:
 
         return migrate(self, placement, schema=schema, transform=transform)
 
-    def _adopt_storage(self, storage: Storage, placement: Placement, schema: ExperienceSchema) -> None:
+    def _adopt_storage(self, storage: Storage, placement: Placement, schema: ExperienceSchema,
+                       transform: Callable[[ExperienceBatch], Any] | None = None) -> None:
         """Swap in a storage holding the same live handles (call under the lock).
+
+        With a new ``schema``, ``transform`` (old-schema batch -> new schema) is kept for the
+        old-schema batches still on their way to storage (:meth:`_current`).
 
         The semantics are re-pointed, not re-bound: ``bind`` would reset the sampler, and
         slots are unchanged (same capacity), so priorities and RNG state stay valid. The
         caller tells the scheduler afterwards, outside the lock.
         """
+        if schema != self.schema:
+            if transform is None:
+                raise ConfigurationError("A new schema needs the transform that maps old-schema batches to it.")
+            self._upgrades.append((self.schema, transform))
         self.storage = storage
         self.placement = placement
         self.schema = schema
@@ -422,8 +462,21 @@ class ExperienceDataPlane:
         self.flush()
         self.scheduler.invalidate("contents")
         with self._lock:
-            self.storage.load_state_dict(state["storage"])
-            self.semantics.load_state_dict(state["semantics"])
+            self.storage.checkpoint_batch(state["storage"])  # schema and capacity, before anything changes
+            before = self.semantics.state_dict()
+            try:
+                self.semantics.load_state_dict(state["semantics"])
+            except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+                self.semantics.load_state_dict(before)
+                raise ConfigurationError(
+                    f"This checkpoint's semantics state does not fit this buffer's {type(self.semantics).__name__} "
+                    f"({type(e).__name__}: {e}); load it into a buffer built with the same semantics and "
+                    f"sampler.") from e
+            try:
+                self.storage.load_state_dict(state["storage"])
+            except BaseException:
+                self.semantics.load_state_dict(before)
+                raise
 
     def close(self) -> None:
         """Stop background work, storing everything handed over first."""
@@ -434,3 +487,11 @@ class ExperienceDataPlane:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _fits(batch: ExperienceBatch, schema: ExperienceSchema) -> bool:
+    try:
+        batch.validate(schema)
+    except SchemaError:
+        return False
+    return True

@@ -81,7 +81,9 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
     Keyword Args:
         schema: a new schema (e.g. a larger observation); needs ``transform``. While such a
             migration runs, keep ingesting the old schema; new-schema batches are accepted
-            once it returns.
+            once it returns. Old-schema batches that reach storage after the swap (handed
+            to a background scheduler, or validated just before it) go through ``transform``
+            as the migrated items did.
         transform: maps each chunk (an old-schema :class:`ExperienceBatch`) to a mapping
             of the new schema with the same number of items (e.g. zero-padding).
         chunk_bytes: bytes copied per lock hold.
@@ -155,7 +157,7 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
                         f"The new placement cannot hold all {len(old)} live items (it keeps {len(new)}); raise "
                         f"ragged_capacity or the capacity. The buffer was not changed.")
             items, o, nx = len(new), new.oldest, new.next_handle
-            edp._adopt_storage(new, placement, new_schema)
+            edp._adopt_storage(new, placement, new_schema, transform)
             break
         finally:
             max_blocked = max(max_blocked, time.perf_counter() - t_hold)

@@ -74,7 +74,10 @@ class Storage(ABC):
 
     @abstractmethod
     def gather(self, slots: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> ExperienceBatch:
-        """Rows ``slots`` of every field, into ``out`` when given (shapes must match)."""
+        """Rows ``slots`` of every field, into ``out`` when given (shapes must match).
+
+        Ragged fields come back in newly allocated tensors: the caller owns them.
+        """
 
     def handles_of(self, slots: torch.Tensor) -> torch.Tensor:
         """The handle of the live item at each slot (int64; slots must hold live items).

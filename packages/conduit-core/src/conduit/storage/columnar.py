@@ -127,7 +127,6 @@ class ColumnarStorage(Storage):
         self._rhead = {n: 0 for n in schema.ragged}
         self._oldest = 0
         self._next = 0
-        self._ragged_out: dict[str, torch.Tensor] = {}
         self._np_cols = {n: _numpy_view(c) for n, c in self._cols.items()}
 
     # -- ring ------------------------------------------------------------------------------
@@ -233,14 +232,12 @@ class ColumnarStorage(Storage):
         for name, pool in self._pools.items():
             st, ln = self._rstart[name][slots], self._rlen[name][slots]
             total = int(ln.sum())
-            buf = self._ragged_out.get(name)
-            if buf is None or buf.shape[0] < total:
-                buf = torch.empty((max(total, 1), *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
+            buf = torch.empty((total, *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
             if total >= _SEGMENT_COPY_MIN_MEAN * max(int(ln.shape[0]), 1):
-                vals = _copy_segments(pool, st, ln, buf[:total])  # long sequences: memcpy whole runs
+                vals = _copy_segments(pool, st, ln, buf)  # long sequences: memcpy whole runs
             else:
                 flat = ranges(st, ln)
-                vals = torch.index_select(pool, 0, flat.to(pool.device), out=buf[:total])
+                vals = torch.index_select(pool, 0, flat.to(pool.device), out=buf)
             cols[name] = Ragged(vals, ln)
         return ExperienceBatch(cols, int(slots.shape[0]))
 
