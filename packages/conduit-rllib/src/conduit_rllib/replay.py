@@ -34,6 +34,7 @@ from conduit import (
     CapacityError,
     ConfigurationError,
     EmptyBufferError,
+    ExperienceBatch,
     ExperienceDataPlane,
     ExperienceSchema,
     HostPlacement,
@@ -167,6 +168,8 @@ class _ConduitReplay:
             raise ConfigurationError("A weight (initial priority) was given to a uniform buffer; use "
                                      "ConduitPrioritizedEpisodeReplayBuffer or drop the weight.")
         with self._lock:
+            if len(chunks) > 1:  # a bad chunk after good ones must not leave the good ones stored
+                self._check_chunks(chunks)
             for eps, chunk in zip(episodes, chunks, strict=True):
                 if chunk.length == 0:
                     continue
@@ -175,6 +178,18 @@ class _ConduitReplay:
                     self.observation_space = getattr(eps, "observation_space", None)
                     self.action_space = getattr(eps, "action_space", None)
                 self._ingest(chunk, weight)
+
+    def _check_chunks(self, chunks: list[ChunkColumns]) -> None:
+        """Validate every chunk of one ``add`` before any is stored (as ``ExperienceDataPlane.ingest`` would)."""
+        live = [c for c in chunks if c.length]
+        if not live:
+            return
+        schema = self.edp.schema if self.edp is not None else transition_schema(live[0])
+        for c in live:
+            ExperienceBatch.checked(c.columns, schema)
+            if c.length > self.capacity:
+                raise CapacityError(f"An episode chunk of {c.length} steps is larger than the capacity "
+                                    f"({self.capacity} transitions); raise replay_buffer_config['capacity'].")
 
     def _ingest(self, chunk: ChunkColumns, weight: float | None) -> None:
         edp = self.edp
@@ -445,6 +460,10 @@ class _ConduitReplay:
                 assert self.edp is not None
                 self.edp.load_state_dict(state["edp"])
                 self._succ, self._rew, self._done = state["succ"].copy(), state["rew"].copy(), state["done"].copy()
+            elif self.edp is not None:  # the state was saved before anything was added: drop our contents
+                self.edp.close()
+                self.edp = None
+                self._succ = self._rew = self._done = None
             self._alpha, self.seed, self._next = state["alpha"], state["seed"], state["next"]
             self._tail = dict(state["tail"])
             self._lifetime = dict(state["lifetime"])
