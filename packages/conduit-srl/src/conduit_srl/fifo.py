@@ -45,6 +45,8 @@ class FifoSampler(Sampler):
         super().reset(storage, seed)
         self._sel: _Cursor = (0, None)
         self._conf: _Cursor = (0, None)
+        #: handle after the last item ``sample`` selected (unlike ``_sel``, not moved past evicted items)
+        self._picked = 0
         #: items evicted before they were delivered
         self.dropped = 0
         #: batches whose remaining reuses were skipped because eviction took some of their items
@@ -67,17 +69,23 @@ class FifoSampler(Sampler):
         first, count, uses = int(h[0]), int(h.shape[0]), int(info.epoch or 0) + 1
         self._conf = (max(self._conf[0], first + count), None if uses >= self.reuses else (first, count, uses))
 
+    def _lost(self) -> int:
+        """Items selected but not confirmed that were evicted meanwhile (lost if their delivery is discarded).
+
+        Items evicted before any selection reached them were counted in :meth:`on_append` already.
+        """
+        return max(0, min(self._picked, self.storage.oldest) - self._conf[0])
+
     def rewind(self) -> None:
         """Forget selections that were not confirmed (their deliveries were discarded)."""
         oldest = self.storage.oldest
         nxt, cur = self._conf
-        lost = min(self._sel[0], oldest) - nxt
-        if lost > 0:
-            self.dropped += lost  # selected, discarded, and evicted meanwhile
+        self.dropped += self._lost()  # selected, discarded, and evicted meanwhile
         if cur is not None and cur[0] < oldest:
             self.abandoned += 1
             cur = None
         self._sel = self._conf = (max(nxt, oldest), cur)
+        self._picked = self._sel[0]
 
     # -- Sampler -------------------------------------------------------------------------------
     def on_append(self, result: AppendResult, priorities: torch.Tensor | None) -> None:
@@ -106,13 +114,23 @@ class FifoSampler(Sampler):
         handles = torch.arange(first, first + count, dtype=torch.int64)
         uses += 1
         self._sel = (max(nxt, first + count), None if uses >= self.reuses else (first, count, uses))
+        self._picked = max(self._picked, first + count)
         return Selection(handles % st.capacity, SampleInfo(handles=handles, epoch=uses - 1))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self._conf, "dropped": self.dropped, "abandoned": self.abandoned}
+        # The cursor saved is the confirmed one, as rewind() leaves it: past evicted items, without a reused
+        # batch that eviction took (a restored sampler would otherwise redeliver its slots' new occupants).
+        oldest = self.storage.oldest
+        nxt, cur = self._conf
+        abandoned = self.abandoned
+        if cur is not None and cur[0] < oldest:
+            abandoned += 1
+            cur = None
+        return {"cursor": (max(nxt, oldest), cur), "dropped": self.dropped + self._lost(), "abandoned": abandoned}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         nxt, cur = state["cursor"]
         self._sel = self._conf = (int(nxt), None if cur is None else tuple(cur))  # type: ignore[assignment]
+        self._picked = int(nxt)
         self.dropped = int(state["dropped"])
         self.abandoned = int(state["abandoned"])
