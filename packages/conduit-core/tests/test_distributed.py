@@ -26,6 +26,7 @@ from conduit import (  # noqa: E402
     SchemaError,
 )
 from conduit.distributed import DistributedDataPlane, ShardServers, stage  # noqa: E402
+from conduit.distributed.errors import ClusterError  # noqa: E402
 from conduit.distributed.testing import (  # noqa: E402
     DistributedOnPolicyEndpoint,
     DistributedReplayEndpoint,
@@ -152,6 +153,17 @@ def test_bad_input_leaves_the_buffer_unchanged(servers):
         assert len(p) == 10 and p.index.next_handle == 10
 
 
+def test_a_checkpoint_of_other_semantics_is_refused_and_changes_nothing(servers):
+    with _plane(servers, semantics=OnPolicy(num_minibatches=2)) as donor, _plane(servers) as p:
+        donor.ingest(id_batch(np.arange(4)), version=0)
+        p.ingest(id_batch(np.arange(100, 110)))
+        rng = p.semantics.state_dict()["sampler"]["rng"].clone()
+        with pytest.raises(ConfigurationError, match="semantics"):
+            p.load_state_dict(donor.state_dict())
+        assert len(p) == 10 and sorted(p.read(p.live_handles()).tensor("id").tolist()) == list(range(100, 110))
+        assert torch.equal(p.semantics.state_dict()["sampler"]["rng"], rng)
+
+
 def test_replication_needs_distinct_nodes(cluster):
     group = ShardServers([cluster.workers[0]])
     try:
@@ -227,6 +239,36 @@ def test_ragged_fields_cross_shards_in_draw_order(cluster, servers):
         ids = b.tensor("id")
         for i, tok in zip(ids.tolist(), [b["tokens"][j] for j in range(len(ids))], strict=True):
             assert tok.tolist() == [i] * (i % 7 + 1)
+
+
+RAGGED_IDS = ExperienceSchema(id=Field((), torch.int64), tokens=Field((), torch.int64, ragged=True))
+
+
+def _ragged_ids(ids, length):
+    return {"id": torch.as_tensor(ids, dtype=torch.int64), "tokens": [torch.full((length,), int(i)) for i in ids]}
+
+
+def test_an_ingestion_every_shard_refuses_leaves_the_stored_items_readable(servers):
+    """A full buffer, then a batch whose ragged field fits no shard's pool: the typed error leaves every
+    stored item readable (a refusing shard used to keep the eviction it had made room with)."""
+    with DistributedDataPlane(RAGGED_IDS, capacity=4, ragged_capacity=8, servers=servers, health_period=None) as p:
+        p.ingest(_ragged_ids([0, 1, 2, 3], 1))
+        with pytest.raises(ClusterError):
+            p.ingest(_ragged_ids([4], 20))
+        assert len(p) == 4
+        got = p.read(p.live_handles())
+        assert sorted(got.tensor("id").tolist()) == [0, 1, 2, 3]
+
+
+def test_a_checkpoint_loads_into_shards_with_the_buffers_ragged_capacity(servers):
+    """800 ragged elements in a 4-item buffer: more than the default pool (64 per item slot)."""
+    with DistributedDataPlane(RAGGED_IDS, capacity=4, ragged_capacity=1000, servers=servers,
+                              health_period=None) as p:
+        p.ingest(_ragged_ids([0, 1, 2, 3], 200))
+        p.load_state_dict(p.state_dict())
+        got = p.read(p.live_handles())
+        assert sorted(got.tensor("id").tolist()) == [0, 1, 2, 3]
+        assert got["tokens"].lengths.tolist() == [200] * 4
 
 
 def test_delivery_reads_object_store_arrays_without_copying(servers):

@@ -463,15 +463,7 @@ class ExperienceDataPlane:
         self.scheduler.invalidate("contents")
         with self._lock:
             self.storage.checkpoint_batch(state["storage"])  # schema and capacity, before anything changes
-            before = self.semantics.state_dict()
-            try:
-                self.semantics.load_state_dict(state["semantics"])
-            except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
-                self.semantics.load_state_dict(before)
-                raise ConfigurationError(
-                    f"This checkpoint's semantics state does not fit this buffer's {type(self.semantics).__name__} "
-                    f"({type(e).__name__}: {e}); load it into a buffer built with the same semantics and "
-                    f"sampler.") from e
+            before = self.semantics.load_checked(state["semantics"])
             try:
                 self.storage.load_state_dict(state["storage"])
             except BaseException:

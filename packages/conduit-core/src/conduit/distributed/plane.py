@@ -239,6 +239,7 @@ class DistributedDataPlane:
             raise ConfigurationError(f"replication={replication} needs servers on at least {replication} distinct "
                                      f"nodes; these servers span {len(set(nodes))}.")
         self.shard_capacity = int(shard_capacity if shard_capacity is not None else capacity)
+        self._ragged_capacity = ragged_capacity
         if self.shard_capacity <= 0:
             raise ConfigurationError(f"shard_capacity must be positive, got {shard_capacity}.")
         if self.shard_capacity * len(nodes) < capacity * replication:
@@ -447,10 +448,11 @@ class DistributedDataPlane:
             else:
                 placed = []
             res = self.index.reserve(n, evict=self._replay)
-            rows = []
             for start, count, reps in placed:
                 self.index.add_segment(res.first + start, count, reps)
-                rows.append(self.index.live_rows()[-1])
+            # row numbers once every segment is in (adding one may compact the index's arrays)
+            live = list(self.index.live_rows())
+            rows = live[len(live) - len(placed):]
             self.semantics.on_append(res, version=version, priorities=priorities)
             short = [r for r, (_, _, reps) in zip(rows, placed, strict=True) if len(reps) < self.replication]
             if short:
@@ -482,7 +484,7 @@ class DistributedDataPlane:
         ``runs`` are (start, count, producer node): each run is placed by the plan for its
         producer, and every run's writes go out in one round of parallel calls.
         """
-        placed: list[tuple[int, int, list[tuple[int, int]]]] = []
+        placed: list[tuple[int, int, list[tuple[int, int]], str]] = []
         pending = list(runs)
         full: set[int] = set()
         for _ in range(2 * self.num_shards + 2):
@@ -517,12 +519,23 @@ class DistributedDataPlane:
                                     f"another node, its producer or node died) or the shards are overloaded. Produce "
                                     f"it again, or raise timeout.")
             pending = []
+            # a shard lost in this round may hold rows it stored earlier in this call: keep no replica on it
+            # (the index must never name a fenced shard), store rows left with none again
+            kept = []
+            for p_start, p_count, p_reps, producer in placed:
+                p_reps = [(s, lf) for s, lf in p_reps if self._alive[s]]
+                if p_reps:
+                    kept.append((p_start, p_count, p_reps, producer))
+                else:
+                    pending.append((p_start, p_count, producer))
+            placed = kept
             for ci, (ch, producer) in enumerate(plan):
                 reps = []
                 for s in ch.shards:
                     o = outs[(ci, s)]
                     if o.ok:
-                        reps.append((s, int(o.value[0])))
+                        if self._alive[s]:  # (a later call of this round may have found it lost)
+                            reps.append((s, int(o.value[0])))
                     elif o.lost:
                         pass  # settled above: the shard is lost
                     elif isinstance(o.error, CapacityError):
@@ -534,14 +547,14 @@ class DistributedDataPlane:
                                             f"staged on another node, its producer or node died before ingestion: "
                                             f"produce it again.") from o.error
                 if reps:
-                    placed.append((ch.start, ch.count, reps))
+                    placed.append((ch.start, ch.count, reps, producer))
                 else:
                     pending.append((ch.start, ch.count, producer))
         if pending:
             raise ClusterError(f"{sum(c for _, c, _ in pending)} items could not be stored after retries on every "
                                f"live shard; check the cluster's health.")
         placed.sort(key=lambda p: p[0])
-        return placed
+        return [(a, c, reps) for a, c, reps, _ in placed]
 
     # -- delivery ---------------------------------------------------------------------------------
     def deliver(self, n: int | None = None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
@@ -1087,37 +1100,47 @@ class DistributedDataPlane:
         self.scheduler.invalidate("contents")
         with self._lock:
             self._check_open()
-            live = self.alive_shards
-            outs = wait_all({s: self.servers[s].actor.open.remote(self.buffer_id, self.schema.to_dict(),
-                                                                  self.shard_capacity, None) for s in live},
-                            self.timeout)
-            for s, o in outs.items():
-                if o.lost:
-                    self._lose(s, _reason(o))
-                self._local_next[s] = 0
-            h = state["handles"].numpy()
-            oldest, nxt = int(state["oldest"]), int(state["next"])
-            self.index.reset(oldest)
-            cols: dict[str, torch.Tensor | Ragged] = {}
-            for name, v in state["data"].items():
-                cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
-            payload = ray_module().put(to_wire(ExperienceBatch(cols, int(h.shape[0])), self.schema)) if h.size else None
-            cursor = oldest
-            breaks = np.nonzero(np.diff(h) != 1)[0] + 1 if h.size else np.zeros(0, np.int64)
-            starts = np.concatenate([[0], breaks]).astype(np.int64) if h.size else np.zeros(0, np.int64)
-            ends = np.concatenate([breaks, [h.size]]).astype(np.int64) if h.size else np.zeros(0, np.int64)
-            for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-                first = int(h[a])
-                if first > cursor:
-                    self.index.add_segment(cursor, first - cursor, [])
-                for start, count, reps in self._store(payload, [(a, b - a, self.learner_node)],
-                                                      self.schema.fixed_item_bytes, oldest):
-                    self.index.add_segment(first + start - a, count, reps)
-                cursor = first + (b - a)
-            if nxt > cursor:
-                self.index.add_segment(cursor, nxt - cursor, [])
-            self.index._next = nxt
-            self.semantics.load_state_dict(state["semantics"])
+            before = self.semantics.load_checked(state["semantics"])  # a checkpoint of other semantics: unchanged
+            try:
+                self._load_contents(state)
+            except BaseException:
+                self.semantics.load_state_dict(before)
+                raise
+            self.semantics.load_state_dict(state["semantics"])  # again: a shard lost while loading forgot priorities
+
+    def _load_contents(self, state: dict[str, Any]) -> None:
+        """Replace every live shard's items and the index by the checkpoint's (under the lock)."""
+        live = self.alive_shards
+        outs = wait_all({s: self.servers[s].actor.open.remote(self.buffer_id, self.schema.to_dict(),
+                                                              self.shard_capacity, self._ragged_capacity)
+                         for s in live},
+                        self.timeout)
+        h = state["handles"].numpy()
+        oldest, nxt = int(state["oldest"]), int(state["next"])
+        self.index.reset(oldest)  # first: a shard lost now held only contents being replaced (none is lost)
+        for s, o in outs.items():
+            if o.lost:
+                self._lose(s, _reason(o))
+            self._local_next[s] = 0
+        cols: dict[str, torch.Tensor | Ragged] = {}
+        for name, v in state["data"].items():
+            cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
+        payload = ray_module().put(to_wire(ExperienceBatch(cols, int(h.shape[0])), self.schema)) if h.size else None
+        cursor = oldest
+        breaks = np.nonzero(np.diff(h) != 1)[0] + 1 if h.size else np.zeros(0, np.int64)
+        starts = np.concatenate([[0], breaks]).astype(np.int64) if h.size else np.zeros(0, np.int64)
+        ends = np.concatenate([breaks, [h.size]]).astype(np.int64) if h.size else np.zeros(0, np.int64)
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            first = int(h[a])
+            if first > cursor:
+                self.index.add_segment(cursor, first - cursor, [])
+            for start, count, reps in self._store(payload, [(a, b - a, self.learner_node)],
+                                                  self.schema.fixed_item_bytes, oldest):
+                self.index.add_segment(first + start - a, count, reps)
+            cursor = first + (b - a)
+        if nxt > cursor:
+            self.index.add_segment(cursor, nxt - cursor, [])
+        self.index._next = nxt
 
     # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:

@@ -81,9 +81,16 @@ class ShardServer:
             CapacityError: the rows do not fit without overwriting live items.
         """
         part = self._part(buffer_id)
+        before = part.oldest
         part.release(release_upto)
-        batch = wire_rows(cols, start, count, self._schemas[buffer_id])
-        res = part.append(batch, evict=False)
+        try:
+            batch = wire_rows(cols, start, count, self._schemas[buffer_id])
+            res = part.append(batch, evict=False)
+        except BaseException:
+            # a refused append changes nothing: the driver still indexes the items it would have released
+            # (an append checks before it writes, so undoing the release restores the partition exactly)
+            part._oldest = before
+            raise
         return res.first, res.count, part.next_handle
 
     def gather(self, buffer_id: str, local: np.ndarray) -> Wire:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from conduit.errors import ConduitError, ConfigurationError
 from conduit.storage.base import AppendResult, Storage
 
 __all__ = ["Semantics", "Selection", "SampleInfo", "select_many"]
@@ -80,6 +81,27 @@ class Semantics(ABC):
 
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def load_checked(self, state: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`load_state_dict`, or a typed error with this state unchanged.
+
+        Returns the state it replaced, for the caller to roll back if the rest of its load fails.
+
+        Raises:
+            ConfigurationError: ``state`` was saved by other semantics (or another sampler).
+        """
+        before = self.state_dict()
+        try:
+            self.load_state_dict(state)
+        except ConduitError:
+            self.load_state_dict(before)
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+            self.load_state_dict(before)
+            raise ConfigurationError(
+                f"This checkpoint's semantics state does not fit {type(self).__name__} ({type(e).__name__}: {e}); "
+                f"load it into a buffer built with the same semantics and sampler.") from e
+        return before
 
 
 def select_many(semantics: Semantics, sizes: Sequence[int | None], *, peek: bool = False,

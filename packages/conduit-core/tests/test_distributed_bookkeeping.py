@@ -1,0 +1,240 @@
+"""The multi-node driver's bookkeeping under faults at exact points, without a cluster.
+
+A real cluster cannot kill a shard between two writes of one ingestion round on demand, so these
+tests inject the faults: the shard servers are real :class:`~conduit.distributed.server.ShardServer`
+bodies, called in-process through a small stand-in for Ray's remote calls (a call runs at once; a
+"dead" actor answers every call as lost). The driver (``_store``, ``_ingest``, ``_fetch``,
+``load_state_dict``) runs unchanged. The same behaviours on a real local cluster, where a run can
+produce them, are in ``test_distributed.py`` and ``test_distributed_faults*.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conduit import ExperienceBatch, ExperienceSchema, Field, Ragged
+from conduit.distributed import plane as plane_mod
+from conduit.distributed import servers as servers_mod
+from conduit.distributed._ray import Outcome
+from conduit.distributed.errors import ClusterError
+from conduit.distributed.plane import DistributedDataPlane
+from conduit.distributed.server import ShardServer
+from conduit.distributed.servers import ServerInfo, ShardServers
+from conduit.errors import ConduitError
+from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- an in-process stand-in for Ray ------------------------------------------------------------------
+class _Ref:
+    def __init__(self, value: Any = None, error: BaseException | None = None, lost: bool = False) -> None:
+        self.value, self.error, self.lost = value, error, lost
+
+
+class _Method:
+    def __init__(self, actor: _Actor, name: str) -> None:
+        self.actor, self.name = actor, name
+
+    def options(self, **_: Any) -> _Method:
+        return self
+
+    def remote(self, *args: Any) -> _Ref:
+        return self.actor.call(self.name, args)
+
+
+class _Actor:
+    """A ShardServer called in-process; ``die_after_appends`` kills it after that many appends."""
+
+    def __init__(self) -> None:
+        self.server = ShardServer()
+        self.dead = False
+        self.appends = 0
+        self.die_after_appends: int | None = None
+
+    def __getattr__(self, name: str) -> _Method:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Method(self, name)
+
+    def call(self, name: str, args: tuple[Any, ...]) -> _Ref:
+        if name == "append" and self.die_after_appends is not None and self.appends >= self.die_after_appends:
+            self.dead = True
+        if self.dead:
+            return _Ref(error=RuntimeError("The actor died unexpectedly"), lost=True)
+        vals = []
+        for a in args:
+            if isinstance(a, _Ref):
+                if a.error is not None:
+                    return _Ref(error=a.error, lost=a.lost)
+                a = a.value
+            vals.append(a)
+        try:
+            out = getattr(self.server, name)(*vals)
+        except ConduitError as e:
+            return _Ref(error=e)
+        if name == "append":
+            self.appends += 1
+        return _Ref(out)
+
+
+class _FakeRay:
+    @staticmethod
+    def put(x: Any) -> Any:
+        return x
+
+    @staticmethod
+    def kill(actor: _Actor, no_restart: bool = True) -> None:
+        actor.dead = True
+
+
+def _wait_all(refs: Any, timeout: float) -> dict[Any, Outcome]:
+    items = dict(refs) if isinstance(refs, dict) else dict(enumerate(refs))
+    return {k: Outcome(r.value, r.error, r.lost) for k, r in items.items()}
+
+
+@pytest.fixture
+def fake_ray(monkeypatch: pytest.MonkeyPatch) -> Any:
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(plane_mod, "ray_module", lambda **_: _FakeRay)
+    monkeypatch.setattr(plane_mod, "wait_all", _wait_all)
+    monkeypatch.setattr(servers_mod, "ray_module", lambda **_: _FakeRay)
+    yield _FakeRay
+    torch.set_num_threads(threads)
+
+
+def _servers(nodes: list[str]) -> ShardServers:
+    group = object.__new__(ShardServers)
+    group.servers = [ServerInfo(_Actor(), n, 0) for n in nodes]
+    group._links = None
+    group._torch = None
+    return group
+
+
+def _plane(nodes: list[str], schema: ExperienceSchema = ID_SCHEMA, **kw: Any) -> DistributedDataPlane:
+    kw.setdefault("capacity", 100)
+    return DistributedDataPlane(schema, servers=_servers(nodes), learner_node=nodes[0], measure=False,
+                                health_period=None, transport="object_store", **kw)
+
+
+def _ids(plane: DistributedDataPlane) -> list[int]:
+    return sorted(check_payload(plane.read(plane.live_handles())).tolist())
+
+
+RAGGED = ExperienceSchema(id=Field((), torch.int64), tok=Field((), torch.int64, ragged=True))
+
+
+def _ragged_batch(ids: list[int], length: int) -> ExperienceBatch:
+    n = len(ids)
+    return ExperienceBatch({"id": torch.tensor(ids, dtype=torch.int64),
+                            "tok": Ragged(torch.arange(n * length, dtype=torch.int64),
+                                          torch.full((n,), length, dtype=torch.int64))}, n)
+
+
+# -- the harness itself --------------------------------------------------------------------------------
+def test_harness_round_trip_over_two_shards(fake_ray):
+    p = _plane(["a", "b"], capacity=10)
+    p.ingest(id_batch(np.arange(6)))
+    p.ingest(id_batch(np.arange(6, 12)))  # evicts 0, 1
+    assert _ids(p) == list(range(2, 12)) and len(p) == 10
+
+
+# -- probes --------------------------------------------------------------------------------------------
+def test_an_ingestion_every_shard_refuses_leaves_the_stored_items_readable(fake_ray):
+    """A full buffer, then a batch no shard can take (its ragged field overflows every pool): the
+    typed error must leave the buffer as it was. The shards used to release the items the
+    ingestion would have evicted before refusing it, while the index still lists them, so every
+    later read of those items failed ("the buffer's index and this shard disagree")."""
+    p = _plane(["a", "b"], schema=RAGGED, capacity=4, ragged_capacity=8)
+    p.ingest(_ragged_batch([0, 1, 2, 3], 1))
+    with pytest.raises(ClusterError):
+        p.ingest(_ragged_batch([4], 20))
+    assert len(p) == 4 and p.index.oldest == 0
+    got = p.read(p.live_handles())
+    assert got.tensor("id").tolist() == [0, 1, 2, 3]
+
+
+def test_a_shard_that_dies_between_two_writes_of_one_round_is_not_left_in_the_index(fake_ray):
+    """Two producers' runs coalesced in one write both go to shard 0; it dies after storing the first.
+    The first run must not be recorded on the dead shard (the buffer then read it from a shard it
+    had fenced, forever: _fetch retried the dead shard without end). Its rows are stored elsewhere."""
+    p = _plane(["a", "b"], capacity=100)
+    producer = plane_mod._PRODUCER
+    b = ExperienceBatch({**id_batch(np.arange(10)),
+                         producer: torch.tensor([0] * 5 + [p._producer_id("a2")] * 5, dtype=torch.int32)}, 10)
+    # both runs' producers rank shard 0 (node "a") first: "a2" is on no shard, so the learner's node wins
+    p.servers[0].actor.die_after_appends = 1
+    h = p.ingest_now(b)
+    assert h.tolist() == list(range(10))
+    assert not p._alive[0]
+    rows = list(p.index.live_rows())
+    assert not (p.index._shard[rows] == 0).any(), "a segment is recorded on the fenced shard"
+    assert _ids(p) == list(range(10)) and not p.lost_items
+
+
+def test_rows_stored_on_a_shard_lost_in_a_later_round_are_stored_again(fake_ray):
+    """Round 1: run A goes to shard 0, run B to shard 1, which is lost. Round 2: B goes to shard 0, which
+    dies at that write, taking A with it. A must not stay recorded on shard 0: both runs land on shard 2."""
+    p = _plane(["a", "b", "c"], capacity=100)
+    producer = plane_mod._PRODUCER
+    b = ExperienceBatch({**id_batch(np.arange(10)),
+                         producer: torch.tensor([0] * 5 + [p._producer_id("b")] * 5, dtype=torch.int32)}, 10)
+    p.servers[1].actor.die_after_appends = 0
+    p.servers[0].actor.die_after_appends = 1
+    p.ingest_now(b)
+    assert p.alive_shards == [2]
+    rows = list(p.index.live_rows())
+    assert (p.index._shard[rows][:, 0] == 2).all(), "a segment is recorded on a fenced shard"
+    assert _ids(p) == list(range(10)) and not p.lost_items
+
+
+def test_rows_replicated_after_an_ingestion_are_the_segments_it_added(fake_ray, monkeypatch):
+    """Segments an ingestion adds with too few replicas get a copy right after: the rows named must be
+    those segments even when adding the second one compacted the index's arrays."""
+    p = _plane(["a", "b", "c"], capacity=8, replication=2)
+    for i in range(63):  # one segment each, FIFO-evicted: the segment arrays fill with dead rows
+        p.ingest(id_batch([i]))
+    assert p.index._hi == p.index._first.shape[0] - 1
+    seen: list[tuple[int, int]] = []
+
+    def fake_store(payload, runs, row_bytes, oldest):
+        return [(0, 1, [(0, 900)]), (1, 1, [(1, 900)])]  # two single-replica segments
+
+    def record(rows):
+        for r in rows:
+            assert r in p.index.live_rows(), f"row {r} is not a live segment"
+            seen.append(p.index.segment(r)[:2])
+        return 0
+
+    monkeypatch.setattr(p, "_store", fake_store)
+    monkeypatch.setattr(p, "_replicate", record)
+    h = p.ingest(id_batch([100, 101]))
+    assert seen == [(int(h[0]), 1), (int(h[1]), 1)]
+
+
+def test_loading_a_checkpoint_keeps_the_buffers_ragged_capacity(fake_ray):
+    """The shards' partitions are reopened on load with the buffer's own ragged_capacity (they were
+    reopened with the default, 64 x shard_capacity, so a checkpoint this buffer held no longer fit)."""
+    p = _plane(["a", "b"], schema=RAGGED, capacity=4, ragged_capacity=1000)
+    p.ingest(_ragged_batch([0, 1, 2, 3], 200))  # 800 elements > 64 * 4
+    state = p.state_dict()
+    p.load_state_dict(state)
+    got = p.read(p.live_handles())
+    assert got.tensor("id").tolist() == [0, 1, 2, 3] and got["tok"].lengths.tolist() == [200] * 4
+
+
+def test_a_shard_found_dead_while_loading_reports_no_item_of_the_checkpoint_lost(fake_ray):
+    """A shard found dead by the load's reopen held only the contents the load replaces: its report
+    must not name handles that the loaded buffer then delivers."""
+    p = _plane(["a", "b"], capacity=20)
+    p.ingest(id_batch(np.arange(10)), node="b")  # on shard 1
+    state = p.state_dict()
+    p.servers[1].actor.dead = True
+    p.load_state_dict(state)
+    assert _ids(p) == list(range(10))
+    assert len(p.losses) == 1 and p.losses[0].shard == 1
+    live = set(p.live_handles().tolist())
+    assert not live & set(p.losses[0].lost.tolist()), "the report names items that are delivered"
