@@ -48,6 +48,15 @@ def test_raise_and_wait_and_off() -> None:
     assert with_groups(buffer(), {"x": 1})._stale_terminal_keys(9, "val") == set()
 
 
+def test_sampled_groups_past_the_bound_stop_the_run_except_under_verls_dropless_wait() -> None:
+    """verl's wait holds sampling until stale in-flight groups finish, then trains them: no guard there."""
+    with pytest.raises(StaleExperienceError, match="2 versions behind"):
+        buffer(on_stale="drop")._check_sampled([0, 2], 3)
+    buffer(on_stale="drop")._check_sampled([0, 1], 3)  # within max_staleness = threshold - 1 = 1
+    buffer(on_stale="wait")._check_sampled([0, 2], 3)
+    buffer(threshold=None)._check_sampled([7], 9)
+
+
 def test_bad_on_stale_is_a_configuration_error() -> None:
     from conduit import ConfigurationError
 

@@ -189,8 +189,8 @@ class FieldStore:
         return torch.arange(st.oldest, st.next_handle, dtype=torch.int64) % st.capacity
 
     # -- write -----------------------------------------------------------------------------
-    def put(self, gis: Sequence[int], col: PackedColumn) -> None:
-        """Store ``col``'s samples under global indexes ``gis`` (a put of a stored index replaces it).
+    def check(self, gis: Sequence[int], col: PackedColumn) -> torch.Tensor:
+        """Raise what :meth:`put` would raise for this input, changing nothing; the shape rows padded to the width.
 
         Raises:
             SchemaError: another dtype or shape rank than this field's.
@@ -211,19 +211,32 @@ class FieldStore:
                 raise SchemaError(f"Field {self.name!r} holds samples of rank <= {self.width - 1}, a put brought rank "
                                   f"{shapes.shape[1] - 1}; TransferQueue fields keep one rank.")
             shapes = torch.nn.functional.pad(shapes, (0, self.width - shapes.shape[1]))
-        if n == 0:
-            return
-        batch = ExperienceBatch({"values": Ragged(col.values, col.lengths), "shape": shapes}, n)
-        batch.validate(self.schema)
+        if n:
+            ExperienceBatch({"values": Ragged(col.values, col.lengths), "shape": shapes}, n).validate(self.schema)
         new_items = sum(1 for g in gis if g not in self._handle)
         if self.ladder.max_items is not None and len(self._handle) + new_items > self.ladder.max_items:
             raise CapacityError(f"Field {self.name!r}: {len(self._handle)} stored + {new_items} new samples exceed "
                                 f"max_items={self.ladder.max_items}; clear consumed samples or raise max_items.")
+        return shapes
+
+    def put(self, gis: Sequence[int], col: PackedColumn) -> None:
+        """Store ``col``'s samples under global indexes ``gis`` (a put of a stored index replaces it).
+
+        Raises:
+            SchemaError: another dtype or shape rank than this field's.
+            CapacityError: the storage limit would be exceeded.
+        """
+        gis = [int(g) for g in gis]
+        n = len(gis)
+        shapes = self.check(gis, col)
+        if n == 0:
+            return
+        batch = ExperienceBatch({"values": Ragged(col.values, col.lengths), "shape": shapes}, n)
         total = int(col.values.shape[0])
         try:
             handles = self.edp.ingest_now(batch, version=0)
         except CapacityError:
-            self._make_room(n, total)
+            self._make_room(n, total, [g for g in gis if g in self._handle])
             handles = self.edp.ingest_now(batch, version=0)
         cap = self.storage.capacity
         replaced = [self._handle[g] for g in gis if g in self._handle]  # after a migration: the current handles
@@ -245,13 +258,15 @@ class FieldStore:
         if first:
             st.release(st.oldest + first)
 
-    def _make_room(self, n: int, elements: int) -> None:
-        """Migrate so that ``n`` more samples of ``elements`` packed elements fit."""
+    def _make_room(self, n: int, elements: int, replacing: Sequence[int] = ()) -> None:
+        """Migrate so that ``n`` more samples of ``elements`` packed elements fit (``replacing``: stored global
+        indexes the put overwrites, not worth moving)."""
         range_slots = self._range_slots()
         in_range = int(range_slots.shape[0])
         live = int(self._alive[range_slots].sum())
         if in_range + n > self.storage.capacity:  # out of slots (or held by samples cleared out of order)
-            self._reslot(live + n, int(self._elems[range_slots][self._alive[range_slots]].sum()) + elements)
+            self._reslot(live - len(replacing) + n,
+                         int(self._elems[range_slots][self._alive[range_slots]].sum()) + elements, replacing)
             return
         need = int(self._elems[range_slots].sum()) + elements  # the pool keeps the whole handle range
         k = self.ladder.pool(2 * need, at_least=self.pool_rung + 1)  # room to grow before the next move
@@ -261,18 +276,27 @@ class FieldStore:
         self.migrations.append(Migration(self.name, "pool", src, self.rung, report.items, report.nbytes,
                                          report.seconds))
 
-    def _reslot(self, need_items: int, need_elems: int) -> None:
-        """Copy the live samples, packed, into a store with enough slots; re-map their handles."""
+    def _reslot(self, need_items: int, need_elems: int, replacing: Sequence[int] = ()) -> None:
+        """Copy the live samples, packed, into a store with enough slots; re-map their handles.
+
+        The samples of ``replacing`` are not copied (the caller's put stores their new values right after).
+        """
         t0 = time.perf_counter()
         src = self.rung
         range_slots = self._range_slots()
         live_slots = range_slots[self._alive[range_slots]]
+        if replacing:
+            gone = torch.tensor([self._handle[g] for g in replacing], dtype=torch.int64) % self.storage.capacity
+            live_slots = live_slots[~torch.isin(live_slots, gone)]
         live = self.storage.gather(live_slots)
         vals = live["values"]
         assert isinstance(vals, Ragged)
         handles = self.storage.handles_of(live_slots).tolist()
         old_edp = self.edp
-        sk = self.ladder.slots(2 * need_items, at_least=self.slot_rung + 1)
+        want = 2 * need_items  # room to grow before the next move
+        if self.ladder.max_items is not None:  # max_items caps that headroom, not what must fit
+            want = max(need_items, min(want, self.ladder.max_items))
+        sk = self.ladder.slots(want, at_least=self.slot_rung + 1)
         pk = self.ladder.pool(2 * need_elems, at_least=self.pool_rung)
         self._build(sk, pk)
         remap: dict[int, int] = {}
@@ -284,7 +308,7 @@ class FieldStore:
             self._alive[slots] = True
             self._elems[slots] = vals.lengths
             remap = dict(zip(handles, new_handles.tolist(), strict=True))
-        self._handle = {g: remap[h] for g, h in self._handle.items()}
+        self._handle = {g: remap[h] for g, h in self._handle.items() if h in remap}  # not: the replaced
         old_edp.close()
         nbytes = vals.values.numel() * vals.values.element_size() + int(live_slots.shape[0]) * self.width * 8
         self.migrations.append(Migration(self.name, "slots", src, self.rung, int(live_slots.shape[0]), nbytes,

@@ -14,9 +14,11 @@ refills) and replaces its staleness rule with Conduit's on-policy one
 trajectory *spans* (staleness + 1), so ``max_staleness = max_off_policy_threshold - 1`` and
 the two agree where both apply. On top of verl's ``drop`` and ``wait`` it adds Conduit's
 ``raise`` (``trainer.v1.sampler.sampler_kwargs.on_stale=raise``): a stale group stops the
-run with :class:`conduit.StaleExperienceError` instead of being silently dropped. Every
-sampled batch is re-checked against the bound before it reaches the learner, and its
-staleness is reported (``conduit/staleness/mean``, ``.../max``, ``conduit/stale_groups``).
+run with :class:`conduit.StaleExperienceError` instead of being silently dropped. Under
+``drop`` and ``raise`` every sampled batch is re-checked against the bound before it reaches
+the learner; verl's ``wait`` is dropless (it holds sampling until stale in-flight groups finish,
+then trains them, past the bound by design), so there the bound is not enforced. Every sampled
+batch's staleness is reported (``conduit/staleness/mean``, ``.../max``, ``conduit/stale_groups``).
 """
 
 from __future__ import annotations
@@ -86,11 +88,16 @@ class ConduitReplayBuffer(ReplayBufferAsync):
         groups = {key.split("_")[0] for key in batch.keys}
         steps = {**steps_before, **self.prompt_global_steps[partition_id]}
         ages = [staleness(global_steps, steps[g]) for g in groups if g in steps]
-        if self.max_staleness is not None and ages and max(ages) > self.max_staleness:
-            raise StaleExperienceError(f"The sampler selected a group {max(ages)} versions behind step "
-                                       f"{global_steps} (max_staleness={self.max_staleness}); nothing was trained.")
+        self._check_sampled(ages, global_steps)
         if ages:
             metrics["conduit/staleness/mean"] = sum(ages) / len(ages)
             metrics["conduit/staleness/max"] = max(ages)
         metrics["conduit/stale_groups"] = self.stale_groups
         return batch, metrics
+
+    def _check_sampled(self, ages: list[int], global_steps: int) -> None:
+        """Raise if a sampled group is past the bound (not under ``wait``: verl trains what it waited for)."""
+        if self.on_stale == "wait" or self.max_staleness is None or not ages or max(ages) <= self.max_staleness:
+            return
+        raise StaleExperienceError(f"The sampler selected a group {max(ages)} versions behind step "
+                                   f"{global_steps} (max_staleness={self.max_staleness}); nothing was trained.")

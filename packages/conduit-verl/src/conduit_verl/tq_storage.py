@@ -104,13 +104,20 @@ class _UnitState:
                 raise SchemaError(f"Field {name!r} switched between tensor and object values; TransferQueue fields "
                                   f"keep one kind.")
             decoded[name] = from_wire(w) if kind_is_tensor else w
-        nbytes = 0
-        for name, col in decoded.items():  # all checks passed: write
+        stores: dict[str, FieldStore] = {}
+        for name, col in decoded.items():  # every column is checked before any is written
             if isinstance(col, PackedColumn):
                 store = self.fields.get(name)
                 if store is None:
-                    store = self.fields[name] = FieldStore(name, col.dtype, col.shapes.shape[1],
-                                                           PoolLadder(**self.ladder_args))
+                    store = FieldStore(name, col.dtype, col.shapes.shape[1], PoolLadder(**self.ladder_args))
+                store.check(gis, col)
+                stores[name] = store
+            elif len(col) != len(gis):
+                raise SchemaError(f"Field {name!r}: {len(col)} values for {len(gis)} global indexes.")
+        nbytes = 0
+        for name, col in decoded.items():  # all checks passed: write
+            if isinstance(col, PackedColumn):
+                store = self.fields[name] = stores[name]
                 store.put(gis, col)
                 nbytes += col.values.numel() * col.values.element_size()
             else:
