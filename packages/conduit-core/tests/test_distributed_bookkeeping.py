@@ -238,3 +238,15 @@ def test_a_shard_found_dead_while_loading_reports_no_item_of_the_checkpoint_lost
     assert len(p.losses) == 1 and p.losses[0].shard == 1
     live = set(p.live_handles().tolist())
     assert not live & set(p.losses[0].lost.tolist()), "the report names items that are delivered"
+
+
+def test_a_read_from_a_shard_the_index_still_names_after_fencing_raises_instead_of_looping(fake_ray):
+    """Should the index ever name a fenced shard, reading those items must end in a typed error."""
+    from conduit.distributed.errors import DistributedError
+
+    p = _plane(["a", "b"], capacity=20)
+    p.ingest(id_batch(np.arange(5)), node="a")
+    p.servers[0].actor.dead = True
+    p._alive[0] = False  # fenced without the index being told: the state the bound guards against
+    with pytest.raises(DistributedError, match="index names a lost shard"):
+        p.read(p.live_handles())

@@ -770,8 +770,14 @@ class DistributedDataPlane:
 
         A shard that fails is lost (and its replicas elsewhere are read instead); positions
         returned are those whose items have no live replica left.
+
+        Raises:
+            DistributedError: reads kept failing on shards already fenced (the index names a
+                lost shard for some items): a bound, so that such a state never loops forever.
         """
-        while pos.size:
+        for _ in range(self.num_shards + 1):  # every round that fails fences a shard: more rounds cannot help
+            if not pos.size:
+                return pos
             h = handles[pos]
             lost = self.index.lost_mask(h)
             if lost.any():
@@ -817,7 +823,11 @@ class DistributedDataPlane:
                     raise o.error if isinstance(o.error, ConduitError) else DistributedError(
                         f"Shard {s} failed to read items: {o.error}")
             pos = pos[np.concatenate(failed)] if failed else pos[:0]
-        return pos
+        if not pos.size:
+            return pos
+        raise DistributedError(f"{pos.size} items could not be read: their shards failed after being fenced, so the "
+                               f"buffer's index names a lost shard for them. Report this as a bug; rebuild the buffer "
+                               f"from a checkpoint to continue.")
 
     def _torch_reads(self, reads: dict[int, np.ndarray]) -> dict[int, Outcome]:
         """Read rows from shards over the torch group: ``reads`` maps shard -> sorted local handles.
