@@ -84,6 +84,7 @@ class Ingestion:
         self._paused = False
         self._force = 0
         self._closing = False
+        self._stopped = False  # the worker thread has exited (after close)
         self._stage: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         if background:
@@ -131,6 +132,14 @@ class Ingestion:
             return
         with self._cv:
             self._raise_failure()  # an unreported failure is reported first; the retry is the next flush
+            stopped = self._stopped
+            if stopped:
+                self._paused = False  # a flush retries
+        if stopped:  # a close that could not store everything stopped the worker: retry in the caller
+            self._store_ready(force=True)
+            self._rollout_done()
+            return
+        with self._cv:
             self._force += 1
             self._paused = False
             self._cv.notify_all()
@@ -289,6 +298,7 @@ class Ingestion:
                     if group is not None:
                         break
                     if self._closing and (not self._pending or self._error is not None or self._paused):
+                        self._stopped = True
                         self._cv.notify_all()
                         return
                     self._cv.wait()

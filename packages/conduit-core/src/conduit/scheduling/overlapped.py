@@ -37,6 +37,7 @@ with overlap, replay draws depend on how background ingestion interleaves with t
 from __future__ import annotations
 
 import atexit
+import math
 import threading
 import weakref
 from collections import deque
@@ -61,6 +62,11 @@ if TYPE_CHECKING:
 __all__ = ["Overlapped"]
 
 _Key = tuple[Any, ...]
+
+
+def _whole(g: Any) -> bool:
+    """``g`` is a finite whole number (a count of rollouts or batches)."""
+    return isinstance(g, (int, float)) and not isinstance(g, bool) and math.isfinite(g) and int(g) == g
 
 
 @dataclass
@@ -167,7 +173,7 @@ class Overlapped(Scheduler):
             self._chunk = 1
         else:
             for name, g in (("g_ing", self.g_ing), ("g_del", self.g_del)):
-                if int(g) != g:
+                if not _whole(g):
                     raise ConfigurationError(f"Off-policy {name} counts rollouts or batches: an int >= 1, got {g}.")
             self.g_ing, self.g_del = int(self.g_ing), int(self.g_del)
             self._chunk = int(self.g_del)
@@ -198,14 +204,17 @@ class Overlapped(Scheduler):
         semantics' bounds are checked as in the constructor. Prepared batches stay valid.
         """
         if g_ing is not None:
-            ok = (0 < g_ing <= 1) if self.on_policy else (int(g_ing) == g_ing and g_ing >= 1)
+            if self.on_policy:
+                ok = isinstance(g_ing, (int, float)) and 0 < g_ing <= 1
+            else:
+                ok = _whole(g_ing) and g_ing >= 1
             if not ok:
                 raise ConfigurationError(f"g_ing={g_ing} is outside the safe range for this buffer.")
             self.g_ing = g_ing if self.on_policy else int(g_ing)
             self._ingestion.g_ing = self.g_ing
             self._ingestion.queue_depth = max(self._ingestion.queue_depth, int(max(1, self.g_ing)))
         if g_del is not None and g_del != self.g_del:
-            if self.on_policy or int(g_del) != g_del or g_del < 1:
+            if self.on_policy or not _whole(g_del) or g_del < 1:
                 raise ConfigurationError(f"g_del={g_del} is outside the safe range for this buffer (on-policy it "
                                          f"is fixed at 1/M).")
             with self._mu:
