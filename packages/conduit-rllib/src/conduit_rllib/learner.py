@@ -150,9 +150,11 @@ class ConduitOnPolicyLearner:
         feed = self.conduit_feed
         version = self.conduit_version
         self.conduit_version += 1
+        feed.set_policy_version(version)
+        if feed.semantics.max_staleness == 0 and feed.semantics.on_stale == "drop":
+            feed._drop_leftovers()  # an earlier update that stopped mid-epoch left its (now stale) rollout
         feed.configure(num_minibatches=m, num_epochs=max(1, int(num_epochs)),
                        shuffle=bool(shuffle_batch_per_epoch and num_epochs > 1))
-        feed.set_policy_version(version)
         feed.ingest(module_id, module_batch, version=version)
         feed.seal()
         return feed.minibatches()

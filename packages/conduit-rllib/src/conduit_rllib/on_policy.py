@@ -180,6 +180,24 @@ class MinibatchFeed:
         if self.edp is not None:
             self.edp.set_policy_version(int(version))
 
+    def _drop_leftovers(self) -> None:
+        """Drop what an abandoned iteration left pending (the caller has moved the policy version past it).
+
+        An update that stopped mid-epoch (its ``_update`` raised) leaves its rollout waiting. The next
+        update drops it here, before configuring and ingesting its own rollout, so the leftover neither
+        blocks a change of M nor is delivered. Only for a feed whose pending rollouts are all stale
+        (``max_staleness=0``, ``on_stale="drop"``, the policy version already moved on), as in
+        :class:`~conduit_rllib.learner.ConduitOnPolicyLearner`.
+        """
+        if self._pool is not None:  # let a gather the abandoned iteration started finish first
+            self._pool.submit(lambda: None).wait()
+        with self._lock:
+            while not self._idle():
+                try:
+                    self._deliver()  # stale: dropped by the semantics, then EmptyBufferError
+                except EmptyBufferError:
+                    return
+
     @property
     def dropped_items(self) -> int:
         """Rows of stale rollouts skipped so far (``on_stale="drop"``)."""
