@@ -42,6 +42,19 @@ def test_each_row_once_per_epoch_in_m_minibatches(prefetch: bool) -> None:
     feed.close()
 
 
+def test_the_first_epoch_keeps_the_batch_order_and_later_ones_are_reshuffled() -> None:
+    """As RLlib's MiniBatchCyclicIterator: it walks epoch 0 in the train batch's order and shuffles the
+    batch only once an epoch is covered."""
+    feed = MinibatchFeed(num_minibatches=4, num_epochs=3, seed=0)
+    mbs = run(feed, 0, 100, version=0)
+    first = [r for ep, _, ids in mbs if ep == 0 for r in ids]
+    assert first == list(range(100)), "epoch 0 must be contiguous slices of the batch, in order"
+    for e in (1, 2):
+        later = [r for ep, _, ids in mbs if ep == e for r in ids]
+        assert sorted(later) == list(range(100)) and later != list(range(100)), f"epoch {e} was not reshuffled"
+    feed.close()
+
+
 def test_prefetch_delivers_exactly_the_synchronous_sequence() -> None:
     a, b = MinibatchFeed(num_minibatches=5, num_epochs=2, seed=3, prefetch=False), \
         MinibatchFeed(num_minibatches=5, num_epochs=2, seed=3, prefetch=True)

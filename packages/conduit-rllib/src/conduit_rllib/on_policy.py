@@ -54,6 +54,15 @@ def _columns(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return cols
 
 
+class _CyclicOrder(OnPolicy):
+    """RLlib's minibatch order: ``MiniBatchCyclicIterator`` walks the first epoch in the train
+    batch's own order and reshuffles only when an epoch is covered; so here epoch 0 is the
+    identity and each later epoch a seeded permutation (with ``shuffle``)."""
+
+    def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
+        return torch.arange(n) if epoch == 0 else super().epoch_order(n, epoch)
+
+
 class MinibatchFeed:
     """An on-policy minibatch source for one RLModule, backed by a Conduit data plane.
 
@@ -63,7 +72,8 @@ class MinibatchFeed:
         num_epochs: E, passes over each rollout.
         max_staleness: versions a rollout may lag the policy and still be delivered.
         on_stale: ``"drop"`` (skip it, counted) or ``"raise"`` (:class:`conduit.StaleExperienceError`).
-        shuffle: reshuffle each epoch.
+        shuffle: reshuffle each epoch after the first (the first keeps the batch's order, as
+            RLlib's ``MiniBatchCyclicIterator`` does).
         seed: seeds the per-epoch permutations.
         placement: where rollouts live (default: the device the train batch is on).
         prefetch: gather minibatch k + 1 on a worker thread while k trains.
@@ -140,7 +150,7 @@ class MinibatchFeed:
         else:
             state = None
         cap = max(self.capacity, 1 << int(np.ceil(np.log2(max(2 * n, 2)))))
-        sem = OnPolicy(**self._sem_args)
+        sem = _CyclicOrder(**self._sem_args)
         self.edp = ExperienceDataPlane(schema, capacity=cap, semantics=sem,
                                        placement=self.placement or DevicePlacement(device), device=device)
         if state is not None:  # nothing is pending: carry the permutation RNG and counters over
