@@ -153,18 +153,26 @@ class Assembler:
         with self._put_lock:
             with self._cv:
                 self._check_open()
-                if self.layout is None:
-                    self._start(RecordLayout(sample, batched=batched, drop_fields=self.cfg.drop_fields))
-            edp, layout = self.edp, self.layout
-            assert edp is not None and layout is not None
+                layout = self.layout
+            fresh = layout is None  # the first sample fixes the layout only once it is accepted
+            if layout is None:
+                layout = RecordLayout(sample, batched=batched, drop_fields=self.cfg.drop_fields)
+                self._check_version_field(layout)
             arrays, n = layout.split(sample, batched=batched)
-            if n == 0:
-                return 0
-            if n > edp.capacity:
-                raise CapacityError(f"A put of {n} samples is larger than the capacity ({edp.capacity}); split it "
+            capacity = self.cfg.resolved_capacity
+            if n > capacity:
+                raise CapacityError(f"A put of {n} samples is larger than the capacity ({capacity}); split it "
                                     f"or raise capacity.")
             with self._cv:
-                plan = self._plan(arrays, n)
+                plan = self._plan(arrays, n) if n else []
+                if fresh:
+                    self._check_open()
+                    self._start(layout)
+            edp = self.edp
+            assert edp is not None
+            if n == 0:
+                return 0
+            with self._cv:
                 stored = sum(hi - lo for lo, hi, v, _ in plan if v != -1)
                 if stored and self.cfg.semantics == "on_policy":
                     self._wait_for_room(stored)
@@ -206,6 +214,8 @@ class Assembler:
             if self._usable(entry):
                 break
         with self._cv:
+            if self.cfg.replay_like:
+                entry.reuses = self._count_reuses(entry.sampling_indices)
             self.stats.entries_delivered += 1
             self._armed = True
             self._kick()
@@ -356,9 +366,7 @@ class Assembler:
 
     def _start(self, layout: RecordLayout) -> None:
         cfg = self.cfg
-        if cfg.semantics == "on_policy" and layout.leaf(cfg.version_field) is None:
-            raise SchemaError(f"on_policy needs the policy version in field {cfg.version_field!r}, which the sample "
-                              f"does not have; set version_field= to the field that holds it.")
+        self._check_version_field(layout)
         edp = ExperienceDataPlane(layout.schema(), capacity=cfg.resolved_capacity, semantics=_semantics(cfg),
                                   scheduler=_scheduler(cfg))
         if self._pending_version is not None:
@@ -367,6 +375,12 @@ class Assembler:
             self._slot_handle = np.full(cfg.resolved_capacity, -1, dtype=np.int64)
             self._slot_uses = np.zeros(cfg.resolved_capacity, dtype=np.int64)
         self.layout, self.edp = layout, edp
+
+    def _check_version_field(self, layout: RecordLayout) -> None:
+        cfg = self.cfg
+        if cfg.semantics == "on_policy" and layout.leaf(cfg.version_field) is None:
+            raise SchemaError(f"on_policy needs the policy version in field {cfg.version_field!r}, which the sample "
+                              f"does not have; set version_field= to the field that holds it.")
 
     def _scheduler(self) -> Overlapped:
         assert self.edp is not None
@@ -515,6 +529,17 @@ class Assembler:
                 return False
         return True
 
+    def _count_reuses(self, handles: np.ndarray) -> float:
+        """Replay: how many times these samples were handed out before (mean); counts this delivery (holds ``_cv``)."""
+        assert self._slot_handle is not None and self._slot_uses is not None and self.edp is not None
+        slots = handles % self.edp.capacity
+        fresh = self._slot_handle[slots] != handles
+        self._slot_uses[slots[fresh]] = 0
+        self._slot_handle[slots] = handles
+        reuses = float(self._slot_uses[slots].mean()) if handles.shape[0] else 0.0
+        np.add.at(self._slot_uses, slots, 1)
+        return reuses
+
     def _discard_ready(self) -> None:
         self.stats.redrawn += len(self._ready)
         self._ready.clear()
@@ -542,13 +567,7 @@ class Assembler:
             reuses: float = uses
             left = total - uses - 1
         else:
-            assert self._slot_handle is not None and self._slot_uses is not None
-            slots = handles % self.edp.capacity
-            fresh = self._slot_handle[slots] != handles
-            self._slot_uses[slots[fresh]] = 0
-            self._slot_handle[slots] = handles
-            reuses = float(self._slot_uses[slots].mean()) if k else 0.0
-            np.add.at(self._slot_uses, slots, 1)
+            reuses = 0.0  # counted when the entry is handed out (_count_reuses): a prepared draw may be discarded
             left = -1
         return ReplayEntry(sample=record, reuses=reuses, sampling_indices=handles, reuses_left=left,
                            receive_time=time.time(), weights=weights, info=info, _stamp=self._prio_updates)

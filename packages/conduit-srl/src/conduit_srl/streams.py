@@ -165,11 +165,15 @@ class ConduitSampleProducer:
 
     @staticmethod
     def _groups(samples: list[Any], k: int) -> list[list[Any]]:
-        """Runs of up to ``k`` samples of one structure (records without metadata go alone), in order."""
+        """Runs of up to ``k`` samples of one structure, in order.
+
+        Records that cannot carry metadata go alone, and so do records that carry some: stacking
+        would drop it.
+        """
         groups: list[list[Any]] = []
         sig: tuple[Any, ...] | None = None
         for s in samples:
-            can = k > 1 and hasattr(s, "register_metadata")
+            can = k > 1 and hasattr(s, "register_metadata") and not getattr(s, "metadata", None)
             this = _signature(s) if can else None
             if groups and can and this == sig and len(groups[-1]) < k:
                 groups[-1].append(s)
