@@ -326,7 +326,8 @@ class Assembler:
             edp_state = self.edp.state_dict()  # stores every put first; Conduit drops prepared draws
             with self._cv:
                 if self.cfg.replay_like:
-                    self._discard_ready()  # draws, not data: the live buffer continues like a restored one
+                    self._discard_ready()  # draws, not data: the live buffer continues like a restored one,
+                    self._armed = False  # which assembles nothing ahead before its first get()
                 base.update(edp=edp_state, ready=list(self._ready), stats=self.stats, n=self._n,
                             open=(self._open_version, self._open_count), rollout_open=self._rollout_open,
                             prio_updates=self._prio_updates,
@@ -596,7 +597,8 @@ class Assembler:
             while True:
                 with self._deliver_lock:
                     with self._cv:
-                        if self._closed or len(self._ready) >= self.prefetch:
+                        if self._closed or len(self._ready) >= self.prefetch or (
+                                self.cfg.replay_like and not self._armed):  # (a snapshot disarms a pending kick)
                             break
                         if self.cfg.semantics == "on_policy" and not self._rollout_open:
                             break  # never assemble past the end of a rollout
