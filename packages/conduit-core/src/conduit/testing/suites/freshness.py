@@ -48,7 +48,7 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
 
         Troubleshooting: permute once per epoch and cut the permutation; never sample with replacement.
         """
-        n, m, e = 103, 4, 3
+        n, m, e = 102, 4, 3  # ceil-sized cuts would leave the last minibatch short (26, 26, 26, 24)
         with self.on_policy(num_minibatches=m, num_epochs=e, seed=1) as ep:
             ep.ingest(np.arange(n), version=0)
             ep.end_rollout()
@@ -65,6 +65,8 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
                     f"{len(ids) - len(set(ids.tolist()))} repeats, {n - len(set(ids.tolist()))} missing")
             orders = [np.concatenate([mb.ids for mb in mbs if mb.epoch == k]).tolist() for k in range(e)]
             assert orders[0] != orders[1], "epochs were not reshuffled"
+            parts = [{frozenset(mb.ids.tolist()) for mb in mbs if mb.epoch == k} for k in range(e)]
+            assert parts[0] != parts[1], "every epoch cut the same minibatches: reshuffle the items each epoch"
 
     def test_version_purity(self) -> None:
         """A minibatch never mixes items of two policy versions; rollouts come oldest first.

@@ -81,11 +81,17 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
         Troubleshooting: sample over all live slots, including after the ring wrapped.
         """
         n = 100
+        with self.replay(capacity=n, seed=1) as ep:  # partly filled: only the 60 live items are drawn, evenly
+            ep.insert(np.arange(60))
+            counts = np.bincount(np.concatenate([ep.sample(self.chunk).ids for _ in range(20)]), minlength=n)
+            assert counts[60:].sum() == 0, f"ids that are not live were drawn: {np.nonzero(counts[60:])[0] + 60}"
+            p = chi_square_p(counts[:60], np.ones(60))
+            assert p > P_MIN, f"uniform draws from a partly filled buffer fail chi-square (p={p:.2e})"
         with self.replay(capacity=n, seed=1) as ep:
             ep.insert(np.arange(n))
             ep.insert(np.arange(n, n + 37))  # wrap the ring: live ids are 37..136
             counts = self._counts(ep, n + 37)
-            assert counts[:37].sum() == 0, f"evicted ids were drawn: {np.nonzero(counts[:37])[0].tolist()}"
+            assert counts[:37].sum() == 0, f"evicted (not live) ids were drawn: {np.nonzero(counts[:37])[0].tolist()}"
             p = chi_square_p(counts[37:], np.ones(n))
             assert p > P_MIN, f"uniform draws fail chi-square (p={p:.2e}); counts min={counts[37:].min()} " \
                               f"max={counts[37:].max()}"
@@ -150,26 +156,55 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             ep.insert(np.arange(cap))
             old = ep.sample(200)
             ep.insert(np.arange(100, 100 + cap))  # every old item is evicted
-            first = np.nonzero(old.ids == 0)[0][:1]  # one old item's handle: its slot now holds item 100
-            assert len(first), "item 0 was never drawn in 200 draws from 10 items"
-            ep.update_priorities(old.handles[first], np.full(1, 1e6))
+            # the first and the most recently evicted item (slots now holding 100 and 109), and live item 105
+            stale = [np.nonzero(old.ids == i)[0][:1] for i in (0, cap - 1)]
+            assert all(len(s) for s in stale), "items 0 and 9 were not both drawn in 200 draws from 10 items"
+            for _ in range(10):  # a prefetching endpoint may first deliver draws made before the insert
+                new = ep.sample(200)
+                live = np.nonzero(new.ids == 105)[0][:1]
+                if len(live):
+                    break
+            assert len(live), "item 105 was never drawn in 10 x 200 draws after it was inserted"
+            ep.update_priorities(old.handles[np.concatenate(stale)], np.full(2, 1e6))
+            ep.update_priorities(new.handles[live], np.full(1, 1e6))
+            for _ in range(ep.priority_staleness):
+                ep.sample(self.chunk)
+            counts = np.bincount(ep.sample(5000).ids - 100, minlength=cap)
+            assert counts[[0, cap - 1]].max() < 0.01 * counts.sum(), (
+                f"a stale update changed a new occupant's priority: draw counts of 100..109 {counts.tolist()}")
+            ep.update_priorities(np.concatenate([old.handles[stale[1]], new.handles[live]]), np.array([1e6, 1.0]))
+            for _ in range(ep.priority_staleness):
+                ep.sample(self.chunk)
             counts = np.bincount(ep.sample(5000).ids - 100, minlength=cap)
             assert counts.max() < 0.3 * counts.sum(), (
-                f"a stale update changed a new occupant's priority: draw counts {counts.tolist()}")
+                f"an update naming an evicted and a live handle was not applied to the live handle only: "
+                f"draw counts of 100..109 {counts.tolist()} (item 105 set back to 1, evicted 9's handle to 1e6)")
 
     def test_deterministic_under_seed(self) -> None:
         """The same seed and the same calls give the same draws.
 
         Troubleshooting: draw from an RNG seeded from the endpoint's seed, not a global one.
         """
-        def run() -> list[int]:
-            with self.replay(capacity=64, seed=7) as ep:
+        def run(seed: int = 7) -> list[int]:
+            with self.replay(capacity=64, seed=seed) as ep:
                 ep.insert(np.arange(50))
                 ep.insert(np.arange(50, 100))
                 return np.concatenate([ep.sample(32).ids for _ in range(5)]).tolist()
 
         a, b = run(), run()
         assert a == b, "two endpoints with the same seed drew different items"
+        assert run(seed=8) != a, "endpoints with different seeds drew the same items: the seed is ignored"
+        with self.replay(capacity=64, seed=7) as e1, self.replay(capacity=64, seed=7) as e2:
+            for ep in (e1, e2):
+                ep.insert(np.arange(50))
+                ep.insert(np.arange(50, 100))
+            d1, d2 = [], []
+            for _ in range(5):
+                d1.append(e1.sample(32).ids)
+                d2.append(e2.sample(32).ids)
+            assert np.concatenate(d1).tolist() == a == np.concatenate(d2).tolist(), (
+                "two interleaved endpoints with the same seed drew differently from one alone: "
+                "they share an RNG (a global one?)")
 
     def test_checkpoint_round_trip(self) -> None:
         """A restored buffer holds the same items and continues the same draws (RNG included).
@@ -183,17 +218,27 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                     continue
                 ep.insert(np.arange(25))
                 ep.insert(np.arange(25, 50))
+                d = ep.sample(64)  # advance the RNG past its seed
                 if prioritized:
-                    d = ep.sample(64)
                     ep.update_priorities(d.handles, (d.ids % 7 + 1).astype(np.float64))
+                    for _ in range(ep.priority_staleness):
+                        ep.sample(16)
                 state = ep.state_dict()
                 after = [ep.sample(16).ids.tolist() for _ in range(4)]
+                live = sorted(ep.contents().tolist())
+                ep.insert(np.arange(50, 60))
+                after_insert = sorted(ep.contents().tolist())
                 with self.replay(capacity=32, prioritized=prioritized, seed=99) as other:
                     other.load_state_dict(state)
-                    assert len(other) == len(ep)
-                    assert sorted(other.contents().tolist()) == sorted(ep.contents().tolist())
+                    assert len(other) == len(live), f"restored buffer holds {len(other)} items, saved {len(live)}"
+                    assert sorted(other.contents().tolist()) == live, "restored buffer holds other items"
                     again = [other.sample(16).ids.tolist() for _ in range(4)]
                     assert again == after, f"restored buffer (prioritized={prioritized}) draws differently"
+                    other.insert(np.arange(50, 60))
+                    got = sorted(other.contents().tolist())
+                    assert got == after_insert == list(range(28, 60)), (
+                        f"restored buffer (prioritized={prioritized}) evicts differently after an insert: live ids "
+                        f"{got}, expected 28..59 (the write position was not restored?)")
 
     def test_sampling_empty_buffer_raises(self) -> None:
         """Sampling an empty buffer raises a Conduit error, never returns garbage.

@@ -1,0 +1,323 @@
+"""The conformance suite fails broken endpoints (mutation testing): more of them than test_suite_catches_bugs.py.
+
+``MiniReplay`` is a small, correct, pure-NumPy replay endpoint (slot-based ring, handles
+stamped with their insertion index); each mutant breaks one semantic. The on-policy
+mutants post-process the core endpoint's deliveries.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from conduit.errors import EmptyBufferError
+from conduit.testing import (
+    CAP_CHECKPOINT,
+    CAP_CONCURRENT_INGEST,
+    CAP_PRIORITIZED,
+    ConcurrencySuite,
+    CoreOnPolicyEndpoint,
+    CoreReplayEndpoint,
+    Draw,
+    FreshnessSuite,
+    Minibatch,
+    ReplaySuite,
+)
+
+
+class MiniReplay:
+    """Correct reference: passes the whole ReplaySuite (see test_mini_replay_conforms)."""
+
+    capabilities = frozenset({CAP_PRIORITIZED, CAP_CHECKPOINT, CAP_CONCURRENT_INGEST})
+    priority_staleness = 0
+
+    def __init__(self, *, capacity: int, prioritized: bool = False, alpha: float = 0.6, beta: float = 0.4,
+                 seed: int = 0) -> None:
+        self.cap, self.prioritized, self.alpha, self.beta = capacity, prioritized, alpha, beta
+        self.data = np.zeros(capacity, dtype=np.int64)
+        self.prio = np.zeros(capacity)  # p^alpha per slot, 0 for empty slots
+        self.next = 0  # handle of the next insert; handle h lives in slot h % cap
+        self.max_p = 1.0
+        self.rng = self._make_rng(seed)
+        self.lock = threading.Lock()
+
+    def _make_rng(self, seed: int) -> Any:
+        return np.random.default_rng(seed)
+
+    @property
+    def oldest(self) -> int:
+        return max(0, self.next - self.cap)
+
+    def __len__(self) -> int:
+        return self.next - self.oldest
+
+    def insert(self, ids: np.ndarray) -> None:
+        ids = np.asarray(ids, dtype=np.int64)
+        with self.lock:
+            h = np.arange(self.next, self.next + len(ids))[-self.cap:]
+            self.data[h % self.cap] = ids[-self.cap:]
+            self.prio[h % self.cap] = self.max_p ** self.alpha
+            self.next += len(ids)
+
+    def _slots(self, n: int) -> np.ndarray:
+        if self.prioritized:
+            return self.rng.choice(self.cap, n, p=self.prio / self.prio.sum())
+        return self.rng.integers(0, len(self), n)  # slots 0..len-1 are live (full ring: all of them)
+
+    def sample(self, n: int) -> Draw:
+        if len(self) == 0:
+            raise EmptyBufferError("empty")
+        slots = self._slots(n)
+        handles = self.oldest + (slots - self.oldest) % self.cap
+        w = None
+        if self.prioritized:
+            probs = self.prio / self.prio.sum()
+            live = probs[np.arange(self.oldest, self.next) % self.cap]
+            w = (len(self) * probs[slots]) ** (-self.beta) / (len(self) * live.min()) ** (-self.beta)
+        return Draw(self.data[slots].copy(), handles, w)
+
+    def _live(self, h: np.ndarray) -> np.ndarray:
+        return (h >= self.oldest) & (h < self.next)
+
+    def update_priorities(self, handles: Any, priorities: np.ndarray) -> None:
+        h, p = np.asarray(handles), np.asarray(priorities, dtype=np.float64)
+        ok = self._live(h)
+        self.prio[h[ok] % self.cap] = p[ok] ** self.alpha
+        self.max_p = max(self.max_p, float(p.max(initial=0)))
+
+    def contents(self) -> np.ndarray:
+        return self.data[np.arange(self.oldest, self.next) % self.cap].copy()
+
+    def state_dict(self) -> Any:
+        return copy.deepcopy({"data": self.data, "prio": self.prio, "next": self.next, "max_p": self.max_p,
+                              "rng": self.rng.bit_generator.state})
+
+    def load_state_dict(self, state: Any) -> None:
+        s = copy.deepcopy(state)
+        self.data, self.prio, self.next, self.max_p = s["data"], s["prio"], s["next"], s["max_p"]
+        self.rng.bit_generator.state = s["rng"]
+
+    def close(self) -> None:
+        pass
+
+
+# -- replay mutants -----------------------------------------------------------------------
+class SamplesEmptySlots(MiniReplay):
+    """Uniform draws over every slot of the ring, live or not (fine once full)."""
+
+    def _slots(self, n: int) -> np.ndarray:
+        return super()._slots(n) if self.prioritized else self.rng.integers(0, self.cap, n)
+
+
+class NewestHalf(MiniReplay):
+    """Uniform draws over the newer half of the live items only."""
+
+    def _slots(self, n: int) -> np.ndarray:
+        if self.prioritized:
+            return super()._slots(n)
+        k = len(self) // 2 + self.rng.integers(0, len(self) - len(self) // 2, n)
+        return (self.oldest + k) % self.cap
+
+
+class ReseedsOnLoad(MiniReplay):
+    """The checkpoint keeps the seed, not the RNG state: a restored buffer restarts the stream."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.seed = kw.get("seed", 0)
+
+    def state_dict(self) -> Any:
+        s = super().state_dict()
+        s["rng"] = self.seed
+        return s
+
+    def load_state_dict(self, state: Any) -> None:
+        s = dict(state)
+        self.seed = s.pop("rng")
+        s["rng"] = np.random.default_rng(self.seed).bit_generator.state
+        super().load_state_dict(s)
+
+
+class ReseedsOnLoadUniformOnly(ReseedsOnLoad):
+    """As ReseedsOnLoad, for an endpoint without prioritized sampling."""
+
+    capabilities = frozenset({CAP_CHECKPOINT})
+
+
+class LosesWriteCursor(MiniReplay):
+    """The checkpoint drops the ring's write cursor: after restore the next insert evicts the wrong items."""
+
+    def state_dict(self) -> Any:
+        s = super().state_dict()
+        s["size"] = len(self)
+        del s["next"]
+        return s
+
+    def load_state_dict(self, state: Any) -> None:
+        s = dict(state)
+        s["next"] = s.pop("size")
+        super().load_state_dict(s)
+
+
+class GlobalRng(MiniReplay):
+    """Draws from NumPy's global RNG, seeded at construction: shared by every endpoint of the process."""
+
+    def _make_rng(self, seed: int) -> Any:
+        np.random.seed(seed)
+        return self
+
+    def integers(self, lo: int, hi: int, n: int) -> np.ndarray:
+        return np.random.randint(lo, hi, n)
+
+    def choice(self, k: int, n: int, p: np.ndarray) -> np.ndarray:
+        return np.random.choice(k, n, p=p)
+
+
+class IgnoresSeed(MiniReplay):
+    def _make_rng(self, seed: int) -> Any:
+        return np.random.default_rng(0)
+
+
+class OffByOneGeneration(MiniReplay):
+    """Accepts an update for the most recently evicted handle (``>= oldest - 1``)."""
+
+    def _live(self, h: np.ndarray) -> np.ndarray:
+        return (h >= self.oldest - 1) & (h < self.next)
+
+
+class AllOrNothingUpdates(MiniReplay):
+    """Drops a whole update call when any of its handles was evicted."""
+
+    def update_priorities(self, handles: Any, priorities: np.ndarray) -> None:
+        if self._live(np.asarray(handles)).all():
+            super().update_priorities(handles, priorities)
+
+
+class WeightsOffByConstant(MiniReplay):
+    def sample(self, n: int) -> Draw:
+        d = super().sample(n)
+        if d.weights is not None:
+            d.weights = d.weights * 0.9
+        return d
+
+
+class DuplicatesUnderConcurrency(CoreReplayEndpoint):
+    """Re-inserts the last item of a call when another thread inserted concurrently."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._busy = 0
+        self._lk = threading.Lock()
+
+    def insert(self, ids: np.ndarray) -> None:
+        with self._lk:
+            self._busy += 1
+            raced = self._busy > 1
+        super().insert(ids)
+        if raced:
+            super().insert(ids[-1:])
+        with self._lk:
+            self._busy -= 1
+
+
+# -- on-policy mutants --------------------------------------------------------------------
+def _recut(mbs: list[Minibatch], cut: Any) -> list[Minibatch]:
+    out = []
+    for e in sorted({m.epoch for m in mbs}):
+        part = [m for m in mbs if m.epoch == e]
+        ids = np.concatenate([m.ids for m in part])
+        out += [Minibatch(c, part[0].version, e) for c in cut(ids, len(part), e)]
+    return out
+
+
+class ShortLastMinibatch(CoreOnPolicyEndpoint):
+    """Cuts minibatches of ceil(N/M) items: the last one comes short (N=102, M=4: 26, 26, 26, 24)."""
+
+    def consume(self) -> list[Minibatch]:
+        def cut(ids: np.ndarray, m: int, e: int) -> list[np.ndarray]:
+            s = -(-len(ids) // m)
+            return [ids[i:i + s] for i in range(0, len(ids), s)]
+        return _recut(super().consume(), cut)
+
+
+class SamePartitionEveryEpoch(CoreOnPolicyEndpoint):
+    """Permutes once per rollout; later epochs reorder the same minibatches instead of reshuffling."""
+
+    def consume(self) -> list[Minibatch]:
+        first: list[np.ndarray] = []
+
+        def cut(ids: np.ndarray, m: int, e: int) -> list[np.ndarray]:
+            if e == 0:
+                first.extend(np.array_split(ids, m))
+                return list(first)
+            return [first[(i + e) % m][::-1] for i in range(m)]
+        return _recut(super().consume(), cut)
+
+
+def run(suite: type, name: str) -> None:
+    getattr(suite(), name)()
+
+
+def replay_suite(ep: type) -> type:
+    class S(ReplaySuite):
+        def make_replay(self, **kw: Any) -> Any:
+            return ep(**kw)
+    return S
+
+
+def freshness_suite(ep: type) -> type:
+    class S(FreshnessSuite):
+        def make_on_policy(self, **kw: Any) -> Any:
+            return ep(**kw)
+    return S
+
+
+REPLAY_TESTS = [n for n in dir(ReplaySuite) if n.startswith("test_")]
+
+
+@pytest.mark.parametrize("name", REPLAY_TESTS)
+def test_mini_replay_conforms(name: str) -> None:
+    """The mutants' base is correct: any failure below comes from the injected bug."""
+    run(replay_suite(MiniReplay), name)
+
+
+@pytest.mark.parametrize(("ep", "test", "match"), [
+    # gaps the suite let through before this review
+    (SamplesEmptySlots, "test_uniform_draws_are_uniform", "not live|chi-square"),
+    (ReseedsOnLoad, "test_checkpoint_round_trip", "draws differently"),
+    (ReseedsOnLoadUniformOnly, "test_checkpoint_round_trip", "draws differently"),
+    (LosesWriteCursor, "test_checkpoint_round_trip", "after an insert"),
+    (GlobalRng, "test_deterministic_under_seed", "interleaved"),
+    (IgnoresSeed, "test_deterministic_under_seed", "different seeds"),
+    (OffByOneGeneration, "test_update_for_evicted_handle_is_ignored", "stale update"),
+    (AllOrNothingUpdates, "test_update_for_evicted_handle_is_ignored", "live handle"),
+    # already caught (kept as regression)
+    (NewestHalf, "test_uniform_draws_are_uniform", "chi-square"),
+    (WeightsOffByConstant, "test_importance_weights", "importance weights"),
+])
+def test_replay_mutant_fails(ep: type, test: str, match: str) -> None:
+    with pytest.raises(AssertionError, match=match):
+        run(replay_suite(ep), test)
+
+
+@pytest.mark.parametrize(("ep", "test", "match"), [
+    (ShortLastMinibatch, "test_each_item_exactly_once_per_epoch", "minibatch sizes"),
+    (SamePartitionEveryEpoch, "test_each_item_exactly_once_per_epoch", "same minibatches"),
+])
+def test_freshness_mutant_fails(ep: type, test: str, match: str) -> None:
+    with pytest.raises(AssertionError, match=match):
+        run(freshness_suite(ep), test)
+
+
+def test_duplicate_under_concurrency_fails() -> None:
+    class S(ConcurrencySuite):
+        items_per_thread = 20_000
+
+        def make_replay(self, **kw: Any) -> Any:
+            return DuplicatesUnderConcurrency(**kw)
+
+    with pytest.raises(AssertionError, match="stored|duplicates"):
+        run(S, "test_concurrent_producers_lose_and_duplicate_nothing")
