@@ -51,6 +51,9 @@ class PlacementSpec:
         if self.tier not in TIERS:
             raise PlacementError(f"Unknown tier {self.tier!r}; use one of {', '.join(TIERS)}.")
         object.__setattr__(self, "devices", tuple(str(d) for d in self.devices))
+        if not self.devices:
+            raise PlacementError(f"A {self.tier!r} placement needs at least one device (e.g. ('cpu',), ('cuda:0',) "
+                                 f"or ('disk',)).")
 
     def build(self, *, directory: str | Path | None = None) -> Placement:
         """The :class:`Placement` that realises this spec (``directory`` is for the disk tier)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from conduit.errors import ConduitError, PlacementError
@@ -17,7 +18,7 @@ def _count(text: str) -> int:
         v = float(text.replace("_", ""))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if v <= 0 or v != int(v):
+    if not math.isfinite(v) or v <= 0 or v != int(v):
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
     return int(v)
 

@@ -94,6 +94,8 @@ class Workload:
             v = getattr(self, nm)
             if not isinstance(v, int) or v <= 0:
                 raise ConfigurationError(f"{nm} must be a positive int, got {v!r}.")
+        if self.ingest_items is not None and (not isinstance(self.ingest_items, int) or self.ingest_items <= 0):
+            raise ConfigurationError(f"ingest_items must be a positive int (or None), got {self.ingest_items!r}.")
         if self.batch > self.capacity:
             raise ConfigurationError(f"batch ({self.batch}) exceeds capacity ({self.capacity}).")
         object.__setattr__(self, "field_bytes", tuple(int(b) for b in self.field_bytes))
@@ -140,9 +142,13 @@ class Workload:
         g_now = sum(self.field_bytes[i] for i in grow)
         target = max(0.0, float(item_bytes) - fixed)
         fb = list(self.field_bytes)
+        exact = {i: target * (self.field_bytes[i] / g_now if g_now else 1.0 / len(grow)) for i in grow}
         for i in grow:
-            share = self.field_bytes[i] / g_now if g_now else 1.0 / len(grow)
-            fb[i] = int(round(target * share))
+            fb[i] = int(math.floor(exact[i]))
+        # hand the bytes lost to rounding down to the largest remainders: the item is exactly item_bytes
+        short = int(round(target)) - sum(fb[i] for i in grow)
+        for i in sorted(grow, key=lambda i: (-(exact[i] - fb[i]), i))[:max(0, short)]:
+            fb[i] += 1
         return Workload(tuple(fb), self.capacity, self.batch, self.learners, self.ingest_items, self.growing,
                         self.name and f"{self.name}@{int(item_bytes)}B", self.scalar)
 

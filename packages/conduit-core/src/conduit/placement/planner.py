@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from conduit.errors import PlacementError
+from conduit.errors import ConfigurationError, PlacementError
 from conduit.placement.base import TIERS, Placement, PlacementSpec
 from conduit.placement.cost import CostModel, Estimate, Workload
 from conduit.placement.profile import BandwidthProfile
@@ -130,6 +130,8 @@ class Planner:
 
     def __init__(self, topology: Topology, profile: BandwidthProfile | None = None, *, tie_tolerance: float = 0.02,
                  **cost_kwargs: Any) -> None:
+        if not tie_tolerance >= 0:
+            raise ConfigurationError(f"tie_tolerance must be >= 0, got {tie_tolerance!r}.")
         self.topology = topology
         self.cost = CostModel(topology, profile, **cost_kwargs)
         self.tie_tolerance = tie_tolerance

@@ -75,8 +75,8 @@ class Topology:
             return self.host_memory_bytes
         if device == "disk":
             return self.disk_bytes
-        if device.startswith("cuda:"):
-            i = int(device.split(":", 1)[1])
+        if device.startswith("cuda:") and device[5:].isdigit():
+            i = int(device[5:])
             if 0 <= i < len(self.gpus):
                 return self.gpus[i].memory_bytes
         raise PlacementError(f"Topology {self.name!r} has no device {device!r}; its devices are cpu, disk and "
@@ -125,7 +125,7 @@ class Topology:
                        prof, str(d.get("description", "")), "declared",
                        {"notes": d.get("notes", ""), "source": d.get("source", ""),
                         **({"host_link_groups": groups} if groups is not None else {})})
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise PlacementError(f"Malformed topology data ({e!r}); compare with the files in "
                                  f"conduit/placement/topologies/.") from e
 
