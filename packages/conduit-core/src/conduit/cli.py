@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
+from conduit.errors import ConduitError
+
 __all__ = ["main"]
 
 #: ``register(subparsers)`` adds one subcommand whose handler is ``args.func(args) -> int``
@@ -52,7 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.rest = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ConduitError as e:  # a refused argument or configuration: say why, without a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

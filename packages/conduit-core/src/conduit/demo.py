@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from conduit.edp import ExperienceDataPlane
+from conduit.errors import ConfigurationError
 from conduit.exposure import ExposureLog, IterationExposure
 from conduit.placement.base import HostPlacement, Placement
 from conduit.scheduling import Automatic, Overlapped, Scheduler, Synchronous
@@ -130,6 +131,8 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
         trace: write a Chrome trace of the accounted iterations there.
         on_iteration: called with (index, accounting) after each accounted iteration.
     """
+    if rollout < 1:  # the prefill below would ingest empty rollouts forever
+        raise ConfigurationError(f"rollout must be a positive number of transitions, got {rollout!r}.")
     sched = scheduler if scheduler is not None else Synchronous()
     plc = placement if placement is not None else HostPlacement()
     edp = ExperienceDataPlane(transition_schema(obs_dim), capacity=capacity, semantics=Replay(seed=seed),

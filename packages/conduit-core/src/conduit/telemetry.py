@@ -117,9 +117,11 @@ class Telemetry:
 
     @property
     def totals(self) -> dict[str, Totals]:
-        """Running totals per kind, over every call recorded."""
+        """Running totals per kind, over every call recorded: a consistent snapshot, safe to iterate while
+        other threads record."""
         self._fold()
-        return self._totals
+        with self._lock:
+            return {k: Totals(t.calls, t.items, t.nbytes, t.seconds) for k, t in self._totals.items()}
 
     def span(self, kind: str, items: int = 0, nbytes: int = 0) -> _Span:
         """A context manager that records its body as one call of ``kind``."""
