@@ -279,3 +279,18 @@ def srl_layout(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[Layout]]:
         yield make  # type: ignore[misc]
     finally:
         conduit_srl.uninstall()
+
+
+@pytest.fixture
+def closing() -> Iterator[object]:
+    """``closing(**buffer_args)`` builds a :class:`conduit_srl.ConduitBuffer` that is closed after the test."""
+    made: list[conduit_srl.ConduitBuffer] = []
+
+    def make(**kw: object) -> conduit_srl.ConduitBuffer:
+        b = conduit_srl.ConduitBuffer(**kw)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()

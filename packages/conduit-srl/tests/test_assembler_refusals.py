@@ -13,20 +13,6 @@ from conduit_srl import ConduitBuffer
 from conduit_srl.testing import Record, entry_ids, make_sample
 
 
-@pytest.fixture
-def closing():
-    made: list[ConduitBuffer] = []
-
-    def make(**kw: object) -> ConduitBuffer:
-        b = ConduitBuffer(**kw)
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.close()
-
-
 def _wait_prepared(b: ConduitBuffer) -> None:
     deadline = time.monotonic() + 5
     while not b._a._ready and time.monotonic() < deadline:

@@ -33,20 +33,6 @@ def ids_of(b: ConduitBuffer) -> list[int]:
     return entry_ids(b.get()).tolist()
 
 
-@pytest.fixture
-def closing():
-    made: list[ConduitBuffer] = []
-
-    def make(**kw: object) -> ConduitBuffer:
-        b = ConduitBuffer(**kw)
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.close()
-
-
 # -- the delivered entry ----------------------------------------------------------------------------
 def test_entry_is_a_T_B_record_of_the_put_class_with_owned_host_arrays(closing) -> None:
     b = closing(batch_size=3, capacity=16)

@@ -13,20 +13,6 @@ from conduit_srl.testing.driver import SrlDriver, run_buffer_worker
 from conduit_srl.testing.fifo import FifoBuffer
 
 
-@pytest.fixture
-def closing():
-    made: list[ConduitBuffer] = []
-
-    def make(**kw: object) -> ConduitBuffer:
-        b = ConduitBuffer(**kw)
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.close()
-
-
 def test_many_producers_nothing_lost_or_duplicated_and_reuses_honoured(closing) -> None:
     actors, per_actor, reuses, batch = 6, 40, 2, 8
     b = closing(batch_size=batch, capacity=actors * per_actor, reuses=reuses)
