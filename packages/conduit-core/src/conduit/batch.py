@@ -41,7 +41,10 @@ class Ragged:
         """Pack a list of per-item sequences (tensors or arrays)."""
         ts = [as_tensor(s) for s in seqs]
         lengths = torch.tensor([t.shape[0] for t in ts], dtype=torch.int64)
-        values = torch.cat(ts) if ts else torch.empty(0)
+        # Zero-length sequences hold no elements: leave them out of the concatenation, so that
+        # one given as an empty list (float32 to torch) cannot change the others' dtype.
+        parts = [t for t in ts if t.shape[0]] or ts
+        values = torch.cat(parts) if parts else torch.empty(0)
         return cls(values, lengths)
 
     @property

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged
-from conduit.errors import ConfigurationError
+from conduit.errors import CapacityError, ConfigurationError
 from conduit.schema import ExperienceSchema
 
 __all__ = ["Storage", "AppendResult"]
@@ -108,13 +108,20 @@ class Storage(ABC):
 
         Raises:
             ConfigurationError: the checkpoint has another schema or capacity.
+            CapacityError: a ragged field's live elements exceed this storage's ragged pool
+                (checked before anything is changed).
         """
         if state["capacity"] != self.capacity or ExperienceSchema.from_dict(state["schema"]) != self.schema:
             raise ConfigurationError("This checkpoint was written by a storage with another schema or capacity; "
                                      "build the buffer with the same schema and capacity before loading.")
+        pool = getattr(self, "ragged_capacity", None)
         cols: dict[str, torch.Tensor | Ragged] = {}
         for name, v in state["data"].items():
             cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
+            if isinstance(v, tuple) and pool is not None and int(v[0].shape[0]) > pool:
+                raise CapacityError(f"This checkpoint holds {int(v[0].shape[0])} elements of ragged field "
+                                    f"{name!r}, more than this storage's pool ({pool}); build the buffer with "
+                                    f"a ragged_capacity of at least that before loading.")
         return state["oldest"], ExperienceBatch(cols, state["next"] - state["oldest"])
 
     @abstractmethod
