@@ -141,3 +141,16 @@ def test_prefetch_on_cuda_matches_verl_on_cpu() -> None:
         assert m["input_ids"].is_cuda and m["advantages"].is_cuda
         got.append(as_lists(m.cpu()))
     assert got == ref and d.scheduler.staged == 7
+
+
+@pytest.mark.parametrize("mode", ["sync", "prefetch"])
+def test_zero_epochs_yields_nothing_like_verl(mode: str) -> None:
+    """verl's iterator yields no minibatch for epochs=0; the drop-in must not raise instead."""
+    from conduit_verl import delivery
+
+    delivery.install()
+    td = TensorDict({"x": torch.arange(8, dtype=torch.float32)}, batch_size=[8])
+    ref = list(delivery._verl_iterator()(td, 4, 0, seed=1))
+    with delivery.forced(mode):  # type: ignore[arg-type]
+        got = list(delivery.conduit_make_iterator(td, 4, 0, seed=1))
+    assert ref == [] and got == []

@@ -485,7 +485,7 @@ def conduit_make_iterator(tensordict: TensorDict, mini_batch_size: int, epochs: 
     """Drop-in for ``verl.utils.tensordict_utils.make_iterator`` (same arguments, same minibatches)."""
     mode = delivery_mode()
     why = None if mode == "off" else _Codec.unsupported(tensordict)
-    if mode == "off" or why is not None:
+    if mode == "off" or why is not None or int(epochs) < 1:  # no epochs: verl's iterator yields nothing
         if why is not None and why not in _warned:
             _warned.add(why)
             logger.warning("Conduit delivery passes this shard to verl's iterator: %s.", why)
