@@ -232,3 +232,32 @@ def test_conduit_simulate_writes_a_labelled_table_json_and_plot(tmp_path, capsys
     png = tmp_path / "scale.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "SIMULATION" in capsys.readouterr().out
+
+
+def test_tasks_ready_at_the_same_time_take_a_resource_in_submission_order():
+    """The engine's docstring: FCFS at a resource, ties in submission order. Two tasks become ready
+    at t=1 (their dependencies end together); the one submitted first must run first, whatever the
+    order of their dependencies."""
+    sim = Simulation()
+    x = sim.task("x", 1.0)
+    y = sim.task("y", 1.0)
+    b = sim.task("b", 2.0, "r", [y])  # submitted first, its dependency submitted second
+    a = sim.task("a", 2.0, "r", [x])
+    assert sim.run() == 5.0
+    assert (b.start, a.start) == (1.0, 3.0)
+
+
+def test_a_resource_freed_as_two_tasks_become_ready_goes_to_the_one_submitted_first():
+    """r frees at t=1 as two tasks become ready there: they run in submission order, and r's busy
+    time is the sum of its tasks' durations (zero-duration tasks included)."""
+    sim = Simulation()
+    t0 = sim.task("t0", 1.0, "r")
+    x = sim.task("x", 1.0)
+    y = sim.task("y", 1.0)
+    b = sim.task("b", 1.0, "r", [y])
+    zero = sim.task("zero", 0.0, "r", [b])
+    a = sim.task("a", 1.0, "r", [x])
+    total = sim.run()
+    assert t0.end == 1.0
+    assert (b.start, a.start, zero.start) == (1.0, 2.0, 3.0)
+    assert total == 3.0 and sim.busy["r"] == 3.0

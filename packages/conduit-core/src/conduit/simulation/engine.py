@@ -82,19 +82,26 @@ class Simulation:
                 ready(t, 0.0)
         done = 0
         while events:
-            now, _, t = heapq.heappop(events)
-            done += 1
-            if t.resource is not None:
-                self.busy[t.resource] = self.busy.get(t.resource, 0.0) + t.duration
-                q = queues.get(t.resource)
-                if q:
-                    start(q.popleft(), now)
-                else:
-                    free[t.resource] = True
-            for nxt in t._next:
-                nxt._waiting -= 1
-                if nxt._waiting == 0:
-                    ready(nxt, now)
+            # every task ending at ``now`` first (queued tasks take the resources they free), then the
+            # tasks this made ready, in submission order (ties at a resource: submission order)
+            now = events[0][0]
+            became: list[Task] = []
+            while events and events[0][0] == now:
+                _, _, t = heapq.heappop(events)
+                done += 1
+                if t.resource is not None:
+                    self.busy[t.resource] = self.busy.get(t.resource, 0.0) + t.duration
+                    q = queues.get(t.resource)
+                    if q:
+                        start(q.popleft(), now)
+                    else:
+                        free[t.resource] = True
+                for nxt in t._next:
+                    nxt._waiting -= 1
+                    if nxt._waiting == 0:
+                        became.append(nxt)
+            for nxt in sorted(became, key=lambda x: x._seq):
+                ready(nxt, now)
         if done != len(self.tasks):  # pragma: no cover - deps are built from earlier tasks, so no cycles
             raise RuntimeError("some tasks never became ready (a dependency cycle)")
         return now
