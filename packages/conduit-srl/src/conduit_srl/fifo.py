@@ -69,23 +69,28 @@ class FifoSampler(Sampler):
         first, count, uses = int(h[0]), int(h.shape[0]), int(info.epoch or 0) + 1
         self._conf = (max(self._conf[0], first + count), None if uses >= self.reuses else (first, count, uses))
 
-    def _lost(self) -> int:
-        """Items selected but not confirmed that were evicted meanwhile (lost if their delivery is discarded).
+    def _rewound(self) -> tuple[_Cursor, int, int]:
+        """The cursor, ``dropped`` and ``abandoned`` once unconfirmed selections are forgotten.
 
-        Items evicted before any selection reached them were counted in :meth:`on_append` already.
+        The cursor is the confirmed one moved past evicted items, without a reused batch that
+        eviction took. ``dropped`` adds the items selected, not confirmed and evicted meanwhile
+        (lost if their delivery is discarded); items evicted before any selection reached them
+        were counted in :meth:`on_append` already.
         """
-        return max(0, min(self._picked, self.storage.oldest) - self._conf[0])
+        oldest = self.storage.oldest
+        nxt, cur = self._conf
+        lost = max(0, min(self._picked, oldest) - nxt)
+        abandoned = self.abandoned
+        if cur is not None and cur[0] < oldest:
+            abandoned += 1
+            cur = None
+        return (max(nxt, oldest), cur), self.dropped + lost, abandoned
 
     def rewind(self) -> None:
         """Forget selections that were not confirmed (their deliveries were discarded)."""
-        oldest = self.storage.oldest
-        nxt, cur = self._conf
-        self.dropped += self._lost()  # selected, discarded, and evicted meanwhile
-        if cur is not None and cur[0] < oldest:
-            self.abandoned += 1
-            cur = None
-        self._sel = self._conf = (max(nxt, oldest), cur)
-        self._picked = self._sel[0]
+        cursor, self.dropped, self.abandoned = self._rewound()
+        self._sel = self._conf = cursor
+        self._picked = cursor[0]
 
     # -- Sampler -------------------------------------------------------------------------------
     def on_append(self, result: AppendResult, priorities: torch.Tensor | None) -> None:
@@ -118,15 +123,9 @@ class FifoSampler(Sampler):
         return Selection(handles % st.capacity, SampleInfo(handles=handles, epoch=uses - 1))
 
     def state_dict(self) -> dict[str, Any]:
-        # The cursor saved is the confirmed one, as rewind() leaves it: past evicted items, without a reused
-        # batch that eviction took (a restored sampler would otherwise redeliver its slots' new occupants).
-        oldest = self.storage.oldest
-        nxt, cur = self._conf
-        abandoned = self.abandoned
-        if cur is not None and cur[0] < oldest:
-            abandoned += 1
-            cur = None
-        return {"cursor": (max(nxt, oldest), cur), "dropped": self.dropped + self._lost(), "abandoned": abandoned}
+        # saved as rewind() would leave it (a restored sampler would otherwise redeliver evicted slots' new occupants)
+        cursor, dropped, abandoned = self._rewound()
+        return {"cursor": cursor, "dropped": dropped, "abandoned": abandoned}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         nxt, cur = state["cursor"]
