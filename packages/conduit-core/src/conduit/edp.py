@@ -245,24 +245,22 @@ class ExperienceDataPlane:
             SchemaError: the batch fits neither the current schema nor a replaced one, or a
                 transform fails on it (nothing is stored).
         """
+        from conduit.placement.migration import transformed
+
         if _fits(batch, self.schema):
             return batch
         for i, (old, _) in enumerate(self._upgrades):
             if not _fits(batch, old):
                 continue
-            n = batch.batch_size
             targets = [s for s, _ in self._upgrades[i + 1:]] + [self.schema]
             for (_, transform), target in zip(self._upgrades[i:], targets, strict=True):
                 try:
-                    batch = ExperienceBatch.checked(transform(batch), target)
+                    batch = transformed(transform, batch, target)
                 except ConduitError:
                     raise
                 except Exception as e:  # noqa: BLE001 - the user's transform: report it typed
                     raise SchemaError(f"A batch of the schema a migration replaced could not be transformed to "
                                       f"the current one ({type(e).__name__}: {e}); it was not stored.") from e
-                if batch.batch_size != n:
-                    raise SchemaError(f"The migration transform returned {batch.batch_size} items for {n}; "
-                                      f"it was not stored.")
             return batch
         raise SchemaError("This batch matches neither the buffer's schema nor one a migration replaced; it was "
                           "not stored.")

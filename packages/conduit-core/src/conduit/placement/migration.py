@@ -63,6 +63,20 @@ def _position(storage: Storage, schema: ExperienceSchema, handle: int) -> None:
                              "next": handle, "data": {}})
 
 
+def transformed(transform: Callable[[ExperienceBatch], Any], batch: ExperienceBatch,
+                schema: ExperienceSchema) -> ExperienceBatch:
+    """``transform(batch)``, validated against ``schema`` and holding one item per item of ``batch``.
+
+    Raises:
+        SchemaError: the output does not match ``schema`` or has another number of items.
+    """
+    out = ExperienceBatch.checked(transform(batch), schema)
+    if out.batch_size != batch.batch_size:
+        raise SchemaError(f"The migration transform returned {out.batch_size} items for {batch.batch_size}; "
+                          f"return one item per input item.")
+    return out
+
+
 def _describe(storage: Storage) -> str:
     devs = getattr(storage, "devices", None)
     where = ",".join(str(d) for d in devs) if devs else str(storage.device)
@@ -121,10 +135,7 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
             stats["bytes"] += part.nbytes()
             stats["chunks"] += 1
             if transform is not None:
-                part = ExperienceBatch.checked(transform(part), new_schema)
-                if part.batch_size != b - a:
-                    raise SchemaError(f"The migration transform returned {part.batch_size} items for {b - a}; "
-                                      f"return one item per input item.")
+                part = transformed(transform, part, new_schema)
             new.append(part, evict=True)
 
     copied = start
