@@ -62,3 +62,14 @@ def test_an_abandoned_rollout_does_not_crowd_out_a_larger_next_one() -> None:
            learner.iterator(1000, 1200, minibatch_size=1000, num_epochs=1)]  # M = 1 again, 200 rows
     assert len(got) == 1 and torch.equal(got[0].sort().values, torch.arange(1000, 1200))
     learner.conduit_feed.close()
+
+
+def test_drop_leftovers_keeps_rollouts_a_feed_may_still_deliver() -> None:
+    """Only a feed that drops every rollout behind the policy treats pending ones as leftovers."""
+    feed = MinibatchFeed(num_minibatches=2, max_staleness=1, prefetch=False)
+    feed.ingest("default_policy", rollout(0, 8), version=0)
+    feed.seal()
+    feed.set_policy_version(1)  # one version behind: still deliverable under max_staleness=1
+    feed.drop_leftovers()
+    assert feed.semantics.pending_rollouts == 1 and feed.dropped_items == 0
+    feed.close()

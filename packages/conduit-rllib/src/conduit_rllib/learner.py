@@ -151,8 +151,7 @@ class ConduitOnPolicyLearner:
         version = self.conduit_version
         self.conduit_version += 1
         feed.set_policy_version(version)
-        if feed.semantics.max_staleness == 0 and feed.semantics.on_stale == "drop":
-            feed._drop_leftovers()  # an earlier update that stopped mid-epoch left its (now stale) rollout
+        feed.drop_leftovers()  # an earlier update that stopped mid-epoch may have left its (now stale) rollout
         feed.configure(num_minibatches=m, num_epochs=max(1, int(num_epochs)),
                        shuffle=bool(shuffle_batch_per_epoch and num_epochs > 1))
         feed.ingest(module_id, module_batch, version=version)

@@ -190,15 +190,19 @@ class MinibatchFeed:
         if self.edp is not None:
             self.edp.set_policy_version(int(version))
 
-    def _drop_leftovers(self) -> None:
-        """Drop what an abandoned iteration left pending (the caller has moved the policy version past it).
+    def drop_leftovers(self) -> None:
+        """Drop what an abandoned iteration left pending (call after moving the policy version past it).
 
         An update that stopped mid-epoch (its ``_update`` raised) leaves its rollout waiting. The next
         update drops it here, before configuring and ingesting its own rollout, so the leftover neither
-        blocks a change of M nor is delivered. Only for a feed whose pending rollouts are all stale
-        (``max_staleness=0``, ``on_stale="drop"``, the policy version already moved on), as in
-        :class:`~conduit_rllib.learner.ConduitOnPolicyLearner`.
+        blocks a change of M nor is delivered. Does nothing unless this feed drops every rollout behind
+        the policy (``max_staleness=0``, ``on_stale="drop"``, as
+        :class:`~conduit_rllib.learner.ConduitOnPolicyLearner` builds it): only then are all pending
+        rollouts stale.
         """
+        sem = self.semantics
+        if sem.max_staleness != 0 or sem.on_stale != "drop":
+            return
         if self._pool is not None:  # let a gather the abandoned iteration started finish first
             self._pool.submit(lambda: None).wait()
         with self._lock:
