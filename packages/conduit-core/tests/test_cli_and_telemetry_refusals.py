@@ -76,6 +76,8 @@ def test_run_loop_refuses_an_empty_rollout_instead_of_spinning_forever() -> None
     ["demo", "--synthetic", "--no-baseline", "--trace", "", "--g-ing", "0", *TINY],
     ["demo", "--synthetic", "--no-baseline", "--trace", "", *TINY, "--rollout", "0"],
     ["schedule", "calibrate", "--g-ing-max", "0", "--warmup", "1", *TINY],
+    ["schedule", "ranges", "--on-policy", "-M", "0"],
+    ["plan", "--topology", "no-such-topology", "--obs-dim", "4", "--capacity", "8", "--batch", "2"],
 ])
 @pytest.mark.timeout(60)
 def test_cli_bad_arguments_give_an_error_and_a_nonzero_exit(argv: list[str],

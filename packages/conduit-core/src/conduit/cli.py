@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return int(args.func(args) or 0)
-    except ConduitError as e:  # a refused argument or configuration: say why, without a traceback
+    except ConduitError as e:  # every subcommand: a refused argument or configuration, said without a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
-
-from conduit.errors import ConduitError, PlacementError
 
 __all__ = ["register"]
 
@@ -26,11 +23,7 @@ def _count(text: str) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from conduit.placement.profile import load_profile, profile_machine, profile_path
 
-    try:
-        prof = load_profile() if args.cached else profile_machine(refresh=True, quick=args.quick)
-    except PlacementError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    prof = load_profile() if args.cached else profile_machine(refresh=True, quick=args.quick)
     if args.json:
         print(json.dumps({**prof.to_dict(), "path": str(profile_path())}, indent=1))
         return 0
@@ -62,18 +55,13 @@ def _plan(args: argparse.Namespace) -> int:
     from conduit.placement.profile import profile_machine
     from conduit.placement.topology import load_topology
 
-    try:
-        topo = load_topology(args.topology)
-        profile = None
-        if topo.source == "discovered":
-            profile = profile_machine(quick=True)  # the cached one when present
-        planner = Planner(topo, profile)
-        workload = Workload.transitions(args.obs_dim, capacity=args.capacity, batch=args.batch,
-                                        learners=args.learners)
-        plan = planner.plan(workload)
-    except ConduitError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    topo = load_topology(args.topology)
+    profile = None
+    if topo.source == "discovered":
+        profile = profile_machine(quick=True)  # the cached one when present
+    planner = Planner(topo, profile)
+    workload = Workload.transitions(args.obs_dim, capacity=args.capacity, batch=args.batch, learners=args.learners)
+    plan = planner.plan(workload)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
     else:

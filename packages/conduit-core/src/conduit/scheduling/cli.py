@@ -12,20 +12,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from conduit.errors import ConduitError
-
 __all__ = ["register"]
 
 
 def _ranges(args: argparse.Namespace) -> int:
     from conduit.scheduling.granularity import safe_ranges
 
-    try:
-        r = safe_ranges(on_policy=args.on_policy, num_minibatches=args.num_minibatches, g_ing_max=args.g_ing_max,
-                        g_del_max=args.g_del_max, batch_bytes=args.batch_bytes, memory_budget=args.memory_budget)
-    except ConduitError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    r = safe_ranges(on_policy=args.on_policy, num_minibatches=args.num_minibatches, g_ing_max=args.g_ing_max,
+                    g_del_max=args.g_del_max, batch_bytes=args.batch_bytes, memory_budget=args.memory_budget)
     print(r.describe())
     return 0
 
