@@ -47,13 +47,15 @@ class _Method:
 
 
 class _Actor:
-    """A ShardServer called in-process; ``die_after_appends`` kills it after that many appends."""
+    """A ShardServer called in-process; ``die_after_appends`` kills it after that many appends, and
+    ``fail_appends_after`` makes later appends fail as an unreadable argument does (the actor lives)."""
 
     def __init__(self) -> None:
         self.server = ShardServer()
         self.dead = False
         self.appends = 0
         self.die_after_appends: int | None = None
+        self.fail_appends_after: int | None = None
 
     def __getattr__(self, name: str) -> _Method:
         if name.startswith("_"):
@@ -65,6 +67,8 @@ class _Actor:
             self.dead = True
         if self.dead:
             return _Ref(error=RuntimeError("The actor died unexpectedly"), lost=True)
+        if name == "append" and self.fail_appends_after is not None and self.appends >= self.fail_appends_after:
+            return _Ref(error=RuntimeError("the batch's object could not be fetched"))
         vals = []
         for a in args:
             if isinstance(a, _Ref):
@@ -250,3 +254,70 @@ def test_a_read_from_a_shard_the_index_still_names_after_fencing_raises_instead_
     p._alive[0] = False  # fenced without the index being told: the state the bound guards against
     with pytest.raises(DistributedError, match="index names a lost shard"):
         p.read(p.live_handles())
+
+
+# -- an ingestion that fails after some shards stored their rows ------------------------------------------
+def _two_producer_batch(p: DistributedDataPlane, ids: list[int]) -> ExperienceBatch:
+    """Rows of ``ids``: the first half produced on node "a" (shard 0), the rest on node "b" (shard 1)."""
+    half = len(ids) // 2
+    producer = torch.tensor([p._producer_id("a")] * half + [p._producer_id("b")] * (len(ids) - half),
+                            dtype=torch.int32)
+    return ExperienceBatch({**id_batch(np.asarray(ids)), plane_mod._PRODUCER: producer}, len(ids))
+
+
+def test_a_failed_ingestion_leaves_no_row_on_the_shards_that_stored_theirs(fake_ray):
+    """Shard 0 stores its run, shard 1 cannot read the batch: the typed error must leave no row of the
+    batch on shard 0 (the index never names it: it only took the shard's space, for good)."""
+    from conduit.distributed.errors import TransferError
+
+    p = _plane(["a", "b"], capacity=100)
+    p.ingest(id_batch(np.arange(4)), node="a")
+    span = p.servers[0].actor.server.span(p.buffer_id)
+    p.servers[1].actor.fail_appends_after = 0
+    with pytest.raises(TransferError):
+        p.ingest_now(_two_producer_batch(p, [10, 11, 12, 13]))
+    assert p.servers[0].actor.server.span(p.buffer_id) == span, "shard 0 kept rows of the failed batch"
+    assert p._local_next[0] == span[1]
+    assert _ids(p) == [0, 1, 2, 3] and len(p) == 4
+    p.servers[1].actor.fail_appends_after = None
+    p.ingest_now(_two_producer_batch(p, [20, 21]))
+    assert _ids(p) == [0, 1, 2, 3, 20, 21]
+
+
+def test_a_failed_ingestion_into_a_full_buffer_evicts_what_the_shards_released_and_every_item_reads(fake_ray):
+    """A full buffer: the failed ingestion's shard 0 released the 2 oldest items (its own) to make room
+    and wrote over their slots. The index must evict them too (FIFO, the error says so): it used to
+    keep listing them, and every later read of them failed ("the buffer's index and this shard disagree")."""
+    from conduit.distributed.errors import TransferError
+
+    p = _plane(["a", "b"], capacity=4, shard_capacity=2)
+    p.ingest(id_batch([0, 1]), node="a")
+    p.ingest(id_batch([2, 3]), node="b")
+    p.servers[1].actor.fail_appends_after = 1
+    with pytest.raises(TransferError) as err:
+        p.ingest_now(_two_producer_batch(p, [10, 11, 12, 13]))
+    assert any("4 oldest items" in n for n in getattr(err.value, "__notes__", [])), err.value
+    assert p.index.oldest == 4 and len(p) == 0 and p.live_handles().size == 0
+    p.servers[1].actor.fail_appends_after = None
+    h = p.ingest_now(_two_producer_batch(p, [20, 21, 22, 23]))
+    assert _ids(p) == [20, 21, 22, 23] and h.tolist() == [4, 5, 6, 7]
+    batch, _ = p.deliver(64)
+    assert set(check_payload(batch).tolist()) == {20, 21, 22, 23}
+
+
+def test_a_failed_ingestion_that_evicts_keeps_the_rest_readable_with_priorities(fake_ray):
+    """Prioritized: items the failed ingestion evicted leave the sum tree; the others keep being drawn."""
+    from conduit.distributed.errors import TransferError
+    from conduit.semantics.replay import PrioritizedSampler, Replay
+
+    p = _plane(["a", "b"], capacity=4, shard_capacity=3, semantics=Replay(PrioritizedSampler(alpha=1.0), seed=0))
+    p.ingest(id_batch([0, 1]), node="a")
+    p.ingest(id_batch([2, 3]), node="b")
+    p.servers[1].actor.fail_appends_after = 1  # shard 0 stores 10 (releasing 0 and 1), shard 1 fails on 11
+    with pytest.raises(TransferError):
+        p.ingest_now(_two_producer_batch(p, [10, 11]))
+    assert p.index.oldest == 2
+    live = _ids(p)
+    assert live == [2, 3]
+    batch, _ = p.deliver(200)
+    assert set(check_payload(batch).tolist()) == set(live)

@@ -296,3 +296,19 @@ def test_host_columns_are_committed_at_construction_unless_prefault_is_off() -> 
     assert eager_growth >= 60 << 20, f"prefaulted storage grew resident memory by only {eager_growth >> 20} MiB"
     assert lazy_growth < 16 << 20, f"prefault=False committed {lazy_growth >> 20} MiB at construction"
     assert len(lazy) == len(eager) == 0
+
+
+def test_truncate_forgets_the_newest_items_and_their_slots_take_the_next_append() -> None:
+    """``truncate`` undoes appends: the newest handles go, older items stay, the next append reuses the
+    handles; it never reaches below the oldest live item."""
+    st = ColumnarStorage(SCHEMA, 6)
+    st.append(_batch(range(4)))
+    st.release(1)
+    st.append(_batch([90, 91]))
+    st.truncate(4)
+    assert (st.oldest, st.next_handle) == (1, 4)
+    res = st.append(_batch([4, 5, 6]))
+    assert res.first == 4 and res.evicted_from == res.evicted_to == 1  # room again: nothing evicted
+    assert st.gather(torch.arange(1, 7) % 6)["id"].tolist() == [1, 2, 3, 4, 5, 6]
+    st.truncate(0)
+    assert (st.oldest, st.next_handle) == (1, 1)

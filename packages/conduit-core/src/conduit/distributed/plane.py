@@ -58,6 +58,7 @@ from conduit.schema import ExperienceSchema
 from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy
 from conduit.semantics.replay import Replay
+from conduit.storage.base import AppendResult
 from conduit.telemetry import Telemetry
 
 __all__ = ["DistributedDataPlane"]
@@ -444,7 +445,12 @@ class DistributedDataPlane:
             if n:
                 if payload is None:
                     payload = ray_module().put(to_wire(b, self.schema))
-                placed = self._store(payload, runs, nbytes / n, new_oldest)
+                before = list(self._local_next)
+                try:
+                    placed = self._store(payload, runs, nbytes / n, new_oldest)
+                except BaseException as e:
+                    self._undo_store(before, new_oldest, e)
+                    raise
             else:
                 placed = []
             res = self.index.reserve(n, evict=self._replay)
@@ -555,6 +561,31 @@ class DistributedDataPlane:
                                f"live shard; check the cluster's health.")
         placed.sort(key=lambda p: p[0])
         return [(a, c, reps) for a, c, reps, _ in placed]
+
+    def _undo_store(self, before: list[int], oldest: int, error: BaseException) -> None:
+        """Undo an ingestion that failed after some shards stored their rows (under the lock).
+
+        Those shards forget the rows again (the index never named them), so no shard holds a
+        row the index does not know. A shard that stored rows had first released the items the
+        ingestion evicts, and the rows may have overwritten them: those evictions stand, and
+        the index evicts the same oldest items (FIFO order kept). ``error`` gets a note saying so.
+        """
+        touched = [s for s, nxt in enumerate(self._local_next) if nxt > before[s]]
+        if not touched:
+            return  # no shard released or stored anything: the buffer is unchanged
+        outs = wait_all({s: self.servers[s].actor.truncate.remote(self.buffer_id, before[s])
+                         for s in touched if self._alive[s]}, self.timeout)
+        for s, o in outs.items():
+            if o.ok:
+                self._local_next[s] = int(o.value)
+        self._settle({s: o for s, o in outs.items() if o.lost})  # (a stuck shard keeps the rows: never read)
+        ev_from = self.index.oldest
+        if oldest > ev_from:
+            self.index.release(oldest)
+            self.semantics.on_append(AppendResult(self.index.next_handle, 0, ev_from, self.index.oldest),
+                                     version=None, priorities=None)
+            error.add_note(f"Conduit stored none of this batch; the {oldest - ev_from} oldest items it evicted to "
+                           f"make room stay evicted (shards had already reused their space).")
 
     # -- delivery ---------------------------------------------------------------------------------
     def deliver(self, n: int | None = None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:

@@ -93,6 +93,13 @@ class ShardServer:
             raise
         return res.first, res.count, part.next_handle
 
+    def truncate(self, buffer_id: str, upto: int) -> int:
+        """Forget local handles from ``upto`` on: undo appends of an ingestion the driver could not
+        complete on every shard (it never indexed them). Returns the next local handle."""
+        part = self._part(buffer_id)
+        part.truncate(upto)
+        return part.next_handle
+
     def gather(self, buffer_id: str, local: np.ndarray) -> Wire:
         """Rows of the given local handles, as NumPy columns (they go to the object store).
 

@@ -220,6 +220,15 @@ class ColumnarStorage(Storage):
     def release(self, upto: int) -> None:
         self._oldest = max(self._oldest, min(int(upto), self._next))
 
+    def truncate(self, upto: int) -> None:
+        """Forget the newest items, from handle ``upto`` on, as if they had never been appended.
+
+        Undoes appends whose items the caller could not keep (a sharded write that failed on
+        another shard). Older items are untouched; the forgotten items' slots are free again,
+        and their ragged pool space is reused when the pool wraps.
+        """
+        self._next = max(self._oldest, min(int(upto), self._next))
+
     # -- read ------------------------------------------------------------------------------
     def gather(self, slots: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> ExperienceBatch:
         cols: dict[str, torch.Tensor | Ragged] = {}
