@@ -87,3 +87,35 @@ def test_checkpoint_through_transfer_queue(tq_session: Any, tmp_path: Any) -> No
     after = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["responses", "uid"])
     assert [r.tolist() for r in after["responses"].unbind()] == [r.tolist() for r in before["responses"].unbind()]
     assert list(after["uid"]) == list(before["uid"])
+
+
+def test_a_put_one_unit_refuses_stores_nothing_on_the_others(tq_session: Any, monkeypatch: Any) -> None:
+    """A put split over two units, one of them at ``max_items``: the typed error must leave the other unit
+    as it was. It used to store its share, so half of the put landed."""
+    import transfer_queue as tq
+    import verl  # noqa: F401
+    from conduit_verl.tq_storage import ConduitStorageManager
+
+    routes: list[dict[int, list[int]]] = []
+    route = ConduitStorageManager._route
+
+    def recorded(self: Any, gis: list[int]) -> dict[int, list[int]]:
+        routes.append(route(self, gis))
+        return routes[-1]
+
+    monkeypatch.setattr(ConduitStorageManager, "_route", recorded)
+    tq_session("Conduit", num_units=2, capacity=4, max_items=2)
+    keys = [f"a{i}" for i in range(4)]
+    tq.kv_batch_put(keys=keys, partition_id="train", fields=trajectories(4, 5), tags=[{}] * 4)
+    manager = tq.get_client().storage_manager
+    assert [s["fields"]["responses"]["samples"] for s in manager.stats()] == [2, 2]
+    tq.kv_clear(keys=keys[1:2], partition_id="train")  # unit 1 has room for one more sample, unit 0 none
+    held = [s["fields"]["responses"]["samples"] for s in manager.stats()]
+    assert held == [2, 1]
+    with pytest.raises(Exception, match="max_items"):
+        tq.kv_batch_put(keys=["b0", "b1"], partition_id="train", fields=trajectories(2, 6), tags=[{}] * 2)
+    assert len(routes[-1]) == 2, f"the refused put should span both units: {routes[-1]}"
+    after = [s["fields"]["responses"]["samples"] for s in manager.stats()]
+    assert after == held, f"a refused put stored part of its samples: {held} -> {after}"
+    left = tq.kv_batch_get(keys=[keys[0], *keys[2:]], partition_id="train", select_fields=["responses"])
+    assert len(left["responses"].unbind()) == 3

@@ -95,8 +95,15 @@ class _UnitState:
         self.objects: dict[str, dict[int, Any]] = {}
         self.telemetry = Telemetry()
 
-    def put(self, gis: list[int], columns: dict[str, Any]) -> None:
-        t0 = time.perf_counter()
+    def check(self, gis: list[int], columns: dict[str, Any]
+              ) -> tuple[dict[str, PackedColumn | list[Any]], dict[str, FieldStore]]:
+        """Raise what :meth:`put` would raise for this input, changing nothing; returns the decoded
+        columns and the store each tensor column goes to (new stores are not kept yet).
+
+        Raises:
+            SchemaError: a field switched kind, dtype or rank, or a column's length is not ``len(gis)``.
+            CapacityError: a field would exceed ``max_items``.
+        """
         decoded: dict[str, PackedColumn | list[Any]] = {}
         for name, w in columns.items():
             kind_is_tensor = isinstance(w, dict)
@@ -114,6 +121,12 @@ class _UnitState:
                 stores[name] = store
             elif len(col) != len(gis):
                 raise SchemaError(f"Field {name!r}: {len(col)} values for {len(gis)} global indexes.")
+        return decoded, stores
+
+    def put(self, gis: list[int], columns: dict[str, Any]) -> None:
+        """Store the columns' samples under ``gis``: every column, or (on an error) none."""
+        t0 = time.perf_counter()
+        decoded, stores = self.check(gis, columns)
         nbytes = 0
         for name, col in decoded.items():  # all checks passed: write
             if isinstance(col, PackedColumn):
@@ -200,6 +213,9 @@ class ConduitStorageUnit:
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.state = _UnitState(config)
+
+    def check(self, gis: list[int], columns: dict[str, Any]) -> None:
+        self.state.check(gis, columns)
 
     def put(self, gis: list[int], columns: dict[str, Any]) -> None:
         self.state.put(gis, columns)
@@ -305,7 +321,7 @@ class ConduitStorageManager(StorageManager):
         columns = {k: pack_column(data.get(k), n) for k in data.keys()}
         gis = [int(g) for g in metadata.global_indexes]
         routes = self._route(gis)
-        refs: list[Any] = []
+        parts: list[tuple[int, list[int], Any]] = []
         nbytes = 0
         for rank, positions in routes.items():
             rows = torch.tensor(positions, dtype=torch.int64)
@@ -317,8 +333,11 @@ class ConduitStorageManager(StorageManager):
                     payload[k] = to_wire(part)
                 else:
                     payload[k] = col if len(routes) == 1 else [col[p] for p in positions]
-            refs.append(self.units[rank].put.remote([gis[p] for p in positions], payload))
-        await asyncio.gather(*refs)
+            parts.append((rank, [gis[p] for p in positions], payload))
+        if len(parts) > 1:  # all units check before any writes: a put refused by one unit stores nothing
+            parts = [(rank, part_gis, ray.put(payload)) for rank, part_gis, payload in parts]
+            await asyncio.gather(*[self.units[rank].check.remote(part_gis, ref) for rank, part_gis, ref in parts])
+        await asyncio.gather(*[self.units[rank].put.remote(part_gis, payload) for rank, part_gis, payload in parts])
         self.telemetry.record("put", n, nbytes, t0, time.perf_counter())
         self._trace()
         await self.notify_data_update(metadata.partition_ids[0], gis, extract_field_schema(data))
