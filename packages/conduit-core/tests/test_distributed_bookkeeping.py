@@ -321,3 +321,42 @@ def test_a_failed_ingestion_that_evicts_keeps_the_rest_readable_with_priorities(
     assert live == [2, 3]
     batch, _ = p.deliver(200)
     assert set(check_payload(batch).tolist()) == set(live)
+
+
+# -- checkpoint loads that cannot complete -------------------------------------------------------------------
+def test_a_checkpoint_larger_than_the_live_shards_is_refused_before_anything_changes(fake_ray):
+    """Ten items cannot fit the one live shard of five slots left: a typed error, and the buffer keeps its
+    items (the shards used to be reopened first, so its contents were gone before the load failed)."""
+    from conduit.errors import CapacityError
+
+    p = _plane(["a", "b"], capacity=10, shard_capacity=5)
+    p.ingest(id_batch(np.arange(10)))
+    state = p.state_dict()
+    p.servers[1].actor.dead = True
+    p._lose(1, "test: actor died")
+    kept = _ids(p)
+    assert len(kept) == 5
+    with pytest.raises(CapacityError, match="add shard servers or raise shard_capacity"):
+        p.load_state_dict(state)
+    assert _ids(p) == kept
+
+
+def test_a_load_that_stops_part_way_marks_the_rest_of_the_checkpoint_lost_and_the_buffer_stays_usable(fake_ray):
+    """The shard cannot read the checkpoint's rows: the old contents are gone already, so the buffer must
+    describe the checkpoint with its missing items lost, not mix the old semantics (here: the old sum tree)
+    with an index that holds nothing, where every draw failed."""
+    from conduit.semantics.replay import PrioritizedSampler, Replay
+
+    p = _plane(["a"], capacity=8, semantics=Replay(PrioritizedSampler(alpha=1.0), seed=0))
+    p.ingest(id_batch(np.arange(6)))
+    state = p.state_dict()
+    p.ingest(id_batch([50, 51]))
+    p.servers[0].actor.fail_appends_after = p.servers[0].actor.appends
+    with pytest.raises(ClusterError, match="Loading stopped after 0 of the checkpoint's 6 items"):
+        p.load_state_dict(state)
+    assert len(p) == 0 and p.index.lost_in_window() == 6 and p.index.next_handle == 6
+    p.servers[0].actor.fail_appends_after = None
+    h = p.ingest(id_batch([70, 71]))
+    assert h.tolist() == [6, 7] and _ids(p) == [70, 71]
+    batch, _ = p.deliver(100)
+    assert set(check_payload(batch).tolist()) == {70, 71}

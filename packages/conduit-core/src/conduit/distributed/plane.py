@@ -1141,9 +1141,16 @@ class DistributedDataPlane:
         self.scheduler.invalidate("contents")
         with self._lock:
             self._check_open()
+            n, live = int(state["handles"].shape[0]), len(self.alive_shards)
+            if n > self.shard_capacity * live:
+                raise CapacityError(f"This checkpoint holds {n} items and the {live} live shards hold at most "
+                                    f"{self.shard_capacity * live}; add shard servers or raise shard_capacity.")
             before = self.semantics.load_checked(state["semantics"])  # a checkpoint of other semantics: unchanged
             try:
                 self._load_contents(state)
+            except _PartlyLoaded:
+                self.semantics.load_state_dict(state["semantics"])  # the index now describes the checkpoint
+                raise
             except BaseException:
                 self.semantics.load_state_dict(before)
                 raise
@@ -1171,14 +1178,24 @@ class DistributedDataPlane:
         breaks = np.nonzero(np.diff(h) != 1)[0] + 1 if h.size else np.zeros(0, np.int64)
         starts = np.concatenate([[0], breaks]).astype(np.int64) if h.size else np.zeros(0, np.int64)
         ends = np.concatenate([breaks, [h.size]]).astype(np.int64) if h.size else np.zeros(0, np.int64)
-        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-            first = int(h[a])
-            if first > cursor:
-                self.index.add_segment(cursor, first - cursor, [])
-            for start, count, reps in self._store(payload, [(a, b - a, self.learner_node)],
-                                                  self.schema.fixed_item_bytes, oldest):
-                self.index.add_segment(first + start - a, count, reps)
-            cursor = first + (b - a)
+        try:
+            for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+                first = int(h[a])
+                if first > cursor:
+                    self.index.add_segment(cursor, first - cursor, [])
+                for start, count, reps in self._store(payload, [(a, b - a, self.learner_node)],
+                                                      self.schema.fixed_item_bytes, oldest):
+                    self.index.add_segment(first + start - a, count, reps)
+                cursor = first + (b - a)
+        except ConduitError as e:
+            # the old contents are gone (the shards were reopened): describe the whole checkpoint, the rest
+            # of it lost, so the buffer stays consistent and usable
+            missing = int((h >= cursor).sum())
+            self.index.add_segment(cursor, nxt - cursor, [])
+            self.index._next = nxt
+            raise _PartlyLoaded(f"Loading stopped after {h.size - missing} of the checkpoint's {h.size} items "
+                                f"({e}); the other {missing} are lost (never delivered, not counted by len()). "
+                                f"Check the cluster's health, then load again.") from e
         if nxt > cursor:
             self.index.add_segment(cursor, nxt - cursor, [])
         self.index._next = nxt
@@ -1213,6 +1230,10 @@ class DistributedDataPlane:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _PartlyLoaded(ClusterError):
+    """A checkpoint load that stopped part way: the rest of the checkpoint is marked lost."""
 
 
 def _reason(o: Outcome) -> str:
