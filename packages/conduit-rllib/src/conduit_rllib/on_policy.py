@@ -43,6 +43,10 @@ __all__ = ["MinibatchFeed"]
 def _columns(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     cols: dict[str, torch.Tensor] = {}
     for name, col in batch.items():
+        if isinstance(col, np.ndarray) and col.dtype.kind in "OSUVMm":  # objects, strings, records, dates
+            raise UnsupportedConfigError(f"Train-batch column {name!r} holds {col.dtype} values; Conduit's "
+                                         f"on-policy delivery takes numeric arrays per column. Drop the column "
+                                         f"from the train batch (or encode it as numbers).")
         if isinstance(col, (torch.Tensor, np.ndarray)):
             cols[name] = as_tensor(col)
         elif name.startswith("_"):

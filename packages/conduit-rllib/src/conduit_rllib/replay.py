@@ -151,6 +151,13 @@ class _ConduitReplay:
         if self.edp is not None:
             self.edp.close()
 
+    def _discard(self) -> None:
+        """Drop the data plane and its links: the buffer is as before its first add."""
+        if self.edp is not None:
+            self.edp.close()
+        self.edp = None
+        self._succ = self._rew = self._done = None
+
     # -- add -----------------------------------------------------------------------------------
     def add(self, episodes: Any, weight: float | None = None) -> None:
         """Store the transitions of ``SingleAgentEpisode`` chunks (one item per step, columnar).
@@ -175,8 +182,14 @@ class _ConduitReplay:
                     continue
                 if self.edp is None:
                     self._build(transition_schema(chunk))
+                    try:
+                        self._ingest(chunk, weight)
+                    except BaseException:  # refused (too large, bad weight): the next add decides the schema
+                        self._discard()
+                        raise
                     self.observation_space = getattr(eps, "observation_space", None)
                     self.action_space = getattr(eps, "action_space", None)
+                    continue
                 self._ingest(chunk, weight)
 
     def _check_chunks(self, chunks: list[ChunkColumns]) -> None:
@@ -196,9 +209,11 @@ class _ConduitReplay:
         assert edp is not None and self._succ is not None and self._rew is not None and self._done is not None
         n = chunk.length
         prio = None if weight is None else torch.full((n,), float(weight), dtype=torch.float64)
-        before = edp.storage.oldest
         handles = edp.ingest(chunk.columns, priorities=prio)
         first = self._next
+        # FIFO per transition: before this add the oldest was first - cap. (The storage's own oldest lags
+        # behind with a scheduler that stores in the background, so it would count evictions twice.)
+        before = max(0, first - self.capacity)
         if handles is not None and int(handles[0]) != first:
             raise ConfigurationError("The replay data plane was written by another producer; a Conduit RLlib "
                                      "buffer must own its ExperienceDataPlane.")
@@ -246,6 +261,8 @@ class _ConduitReplay:
 
         Raises:
             conduit.EmptyBufferError: the buffer holds nothing.
+            conduit.ConfigurationError: ``n_step`` below 1, or a range not ``1 <= low < high``
+                (refused before anything is drawn).
             UnsupportedConfigError: sequence sampling (stateful modules), infos or extra model
                 outputs were requested.
         """
@@ -262,14 +279,15 @@ class _ConduitReplay:
                                          "DQN and SAC losses do not need them. Call sample() without "
                                          "include_infos/include_extra_model_outputs.")
         b = int(num_items or batch_size_B or self.batch_size_B)
+        n_checked = self._check_n_step(n_step)  # before anything is drawn: a refused call draws nothing
+        beta = 0.0 if beta is None else float(beta)
         with self._lock:
             edp = self.edp
             if edp is None:
                 raise EmptyBufferError("The replay buffer is empty; add episodes before sampling.")
-            beta = 0.0 if beta is None else float(beta)
             batch, info = edp.deliver(b, beta=beta if self.prioritized else None)
             handles = info.handles
-            steps = self._n_steps(n_step, b)
+            steps = self._n_steps(n_checked, b)
             cols = {name: batch.tensor(name) for name in batch}
             if steps is not None and (steps > 1).any():
                 actual = self._apply_n_step(cols, handles.numpy(), steps, gamma)
@@ -291,17 +309,31 @@ class _ConduitReplay:
             ones = self._ones[dtype] = torch.ones(b, dtype=dtype, device=self.device)
         return ones[:b]
 
-    def _n_steps(self, n_step: int | tuple[int, int] | None, b: int) -> np.ndarray | None:
-        if n_step is None or (isinstance(n_step, int) and n_step == 1):
+    @staticmethod
+    def _check_n_step(n_step: int | tuple[int, int] | None) -> int | tuple[int, int] | None:
+        """``n_step`` validated: an int n >= 2, a ``(low, high)`` range, or None for one-step returns.
+
+        Raises:
+            conduit.ConfigurationError: n < 1, or a range that is not ``1 <= low < high``.
+        """
+        if n_step is None:
             return None
         if isinstance(n_step, (tuple, list)):
             lo, hi = int(n_step[0]), int(n_step[1])
             if not 1 <= lo < hi:
                 raise ConfigurationError(f"An n_step range must be (low, high) with 1 <= low < high, got {n_step}.")
-            return self._n_rng.integers(lo, hi, size=b)
+            return lo, hi
         if int(n_step) < 1:
             raise ConfigurationError(f"n_step must be >= 1, got {n_step}.")
-        return np.full(b, int(n_step), dtype=np.int64)
+        return None if int(n_step) == 1 else int(n_step)
+
+    def _n_steps(self, n_step: int | tuple[int, int] | None, b: int) -> np.ndarray | None:
+        """The n of each of ``b`` items (a range is drawn per item), None for one-step returns."""
+        if n_step is None:
+            return None
+        if isinstance(n_step, tuple):
+            return self._n_rng.integers(n_step[0], n_step[1], size=b)
+        return np.full(b, n_step, dtype=np.int64)
 
     def _apply_n_step(self, cols: dict[str, torch.Tensor], handles: np.ndarray, steps: np.ndarray,
                       gamma: float) -> np.ndarray:
@@ -309,8 +341,12 @@ class _ConduitReplay:
         assert self.edp is not None and self._succ is not None and self._rew is not None and self._done is not None
         cap = self.capacity
         cur = handles.copy()
-        ret = self._rew[cur % cap].astype(np.float64)
-        done = self._done[cur % cap].copy()
+        # The links of the newest `cap` handles only: an older item may still be stored (and drawn) while a
+        # background ingestion, or a prepared draw, lags behind, but its slot's links describe a newer step.
+        # Such an item keeps its one-step transition as delivered.
+        linked = cur >= self._next - cap
+        ret = np.where(linked, self._rew[cur % cap].astype(np.float64), 0.0)
+        done = self._done[cur % cap] | ~linked
         k = np.ones_like(cur)
         for step in range(1, int(steps.max())):
             nxt = self._succ[cur % cap]
@@ -326,9 +362,18 @@ class _ConduitReplay:
             # The n-th step's next observation and done flags live in another stored item.
             self.edp.flush()
             rows = self.edp.storage.gather(torch.from_numpy(cur % cap))
+            # an unmoved item the flush evicted has another step in its slot now: keep its delivered values
+            kept = np.flatnonzero(~moved & (cur < self.edp.storage.oldest))
             for name in (Columns.NEXT_OBS, Columns.TERMINATEDS, Columns.TRUNCATEDS):
-                cols[name] = rows.tensor(name).to(self.device)
-        cols[Columns.REWARDS] = torch.from_numpy(ret.astype(np.float32)).to(self.device)
+                col = rows.tensor(name).to(self.device)
+                if kept.size:
+                    idx = torch.from_numpy(kept).to(self.device)
+                    col[idx] = cols[name][idx]
+                cols[name] = col
+        rewards = torch.from_numpy(ret.astype(np.float32)).to(self.device)
+        if not linked.all():
+            rewards = torch.where(torch.from_numpy(linked).to(self.device), rewards, cols[Columns.REWARDS])
+        cols[Columns.REWARDS] = rewards
         return k
 
     # -- priorities ----------------------------------------------------------------------------
@@ -371,6 +416,7 @@ class _ConduitReplay:
         with self._lock:
             if self.edp is None or self._succ is None:
                 return 0
+            self.edp.flush()  # the links already name steps a background ingestion has not stored yet
             st = self.edp.storage
             live = np.arange(st.oldest, st.next_handle, dtype=np.int64)
             # an episode's last stored step has no successor, or the successor is not stored yet
@@ -439,6 +485,8 @@ class _ConduitReplay:
     def set_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`get_state`'s output into a buffer of the same kind and capacity.
 
+        The saved ``alpha`` replaces this buffer's (the saved priorities were raised to it).
+
         Raises:
             conduit.ConfigurationError: the state is not a Conduit replay state, or was written
                 by a buffer of another kind or capacity.
@@ -451,6 +499,8 @@ class _ConduitReplay:
                                      f" buffer of capacity {state['capacity']}; build the same kind and capacity "
                                      f"(this one: prioritized={self.prioritized}, capacity={self.capacity}).")
         with self._lock:
+            # the saved priorities are p ** alpha of the saving buffer: sample (and update) with its alpha
+            self._alpha = float(state["alpha"])
             if state["edp"] is not None:
                 schema = ExperienceSchema.from_dict(state["schema"])
                 if self.edp is None or self.edp.schema != schema:
@@ -459,12 +509,13 @@ class _ConduitReplay:
                     self._build(schema)
                 assert self.edp is not None
                 self.edp.load_state_dict(state["edp"])
+                sampler = cast(Replay, self.edp.semantics).sampler
+                if isinstance(sampler, PrioritizedSampler):
+                    sampler.alpha = self._alpha
                 self._succ, self._rew, self._done = state["succ"].copy(), state["rew"].copy(), state["done"].copy()
             elif self.edp is not None:  # the state was saved before anything was added: drop our contents
-                self.edp.close()
-                self.edp = None
-                self._succ = self._rew = self._done = None
-            self._alpha, self.seed, self._next = state["alpha"], state["seed"], state["next"]
+                self._discard()
+            self.seed, self._next = state["seed"], state["next"]
             self._tail = dict(state["tail"])
             self._lifetime = dict(state["lifetime"])
             self._counts = dict.fromkeys(self._counts, 0)
