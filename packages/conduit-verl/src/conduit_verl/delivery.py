@@ -52,6 +52,7 @@ from conduit import (
     Ragged,
     SampleInfo,
     Scheduler,
+    SchemaError,
 )
 from conduit.batch import ExperienceBatch
 from conduit.scheduling.worker import Job, Worker
@@ -141,6 +142,9 @@ class MinibatchPrefetch(Scheduler):
 
     def __init__(self, *, prefetch: bool = True) -> None:
         self.prefetch = prefetch
+        # the staged minibatch takes a gather buffer of its own: one more keeps every handed-out
+        # minibatch valid until the third one after it is handed out, as without prefetching
+        self.output_depth = 4 if prefetch else 3
         self.g_ing = 1.0
         self.g_del = 1.0
         self._pool: Worker | None = None
@@ -266,6 +270,26 @@ class _Codec:
                 return f"field {key!r} has shape {tuple(v.shape)}"
         return None if has_tensor else "no tensor field"
 
+    @staticmethod
+    def _kind(v: Any) -> str:
+        if isinstance(v, NonTensorData):
+            return "constant"
+        if isinstance(v, NonTensorStack):
+            return "objects"
+        return "jagged tensor" if isinstance(v, torch.Tensor) and v.is_nested else "tensor"
+
+    def mismatch(self, td: TensorDict) -> str | None:
+        """How ``td``'s columns differ from the first shard's (None when they match; dtypes and shapes are the
+        schema's to check)."""
+        kinds = {k: self._kind(td.get(k)) for k in td.keys()}
+        want = {k: "constant" if k in self.consts else "objects" if k in self.objects else
+                "jagged tensor" if self.schema[k].ragged else "tensor" for k in self.order}
+        if kinds.keys() != want.keys():
+            return (f"columns {sorted(kinds)}, the first shard's {sorted(want)} (missing "
+                    f"{sorted(want.keys() - kinds.keys())}, extra {sorted(kinds.keys() - want.keys())})")
+        bad = [f"{k!r} is {kinds[k]}, was {want[k]}" for k in self.order if kinds[k] != want[k]]
+        return "; ".join(bad) if bad else None
+
     def encode(self, td: TensorDict) -> tuple[ExperienceBatch, dict[str, list[Any]], dict[str, Any]]:
         n = int(td.batch_size[0])
         cols: dict[str, torch.Tensor | Ragged] = {}
@@ -366,6 +390,10 @@ class MinibatchDelivery:
         if self.edp is None:
             self._build(td)
         assert self.edp is not None and self.codec is not None
+        differs = self.codec.mismatch(td)
+        if differs is not None:
+            raise SchemaError(f"This shard's columns differ from the first shard's: {differs}; every shard carries "
+                              f"the same columns, of the same kinds.")
         batch, objects, consts = self.codec.encode(td)
         handles = self.edp.ingest(batch, version=version)
         assert handles is not None
@@ -485,7 +513,8 @@ def conduit_make_iterator(tensordict: TensorDict, mini_batch_size: int, epochs: 
     """Drop-in for ``verl.utils.tensordict_utils.make_iterator`` (same arguments, same minibatches)."""
     mode = delivery_mode()
     why = None if mode == "off" else _Codec.unsupported(tensordict)
-    if mode == "off" or why is not None or int(epochs) < 1:  # no epochs: verl's iterator yields nothing
+    empty = why is None and mode != "off" and int(tensordict.batch_size[0]) == 0
+    if mode == "off" or why is not None or int(epochs) < 1 or empty:  # no epochs or rows: verl's yields nothing
         if why is not None and why not in _warned:
             _warned.add(why)
             logger.warning("Conduit delivery passes this shard to verl's iterator: %s.", why)

@@ -150,7 +150,8 @@ def unpack_column(col: PackedColumn) -> torch.Tensor | NonTensorStack:
         trailing = col.shapes[:, 2:1 + nd]
         if trailing.shape[1] == 0 or bool((trailing == trailing[0]).all()):
             tr = tuple(int(x) for x in trailing[0]) if trailing.shape[1] else ()
-            return jagged(col.values.view(-1, *tr), col.shapes[:, 1])
+            rows = col.shapes[:, 1]  # counted, not inferred: a zero-size trailing dimension leaves -1 ambiguous
+            return jagged(col.values.view(int(rows.sum()), *tr), rows)
     return _unpack_slow(col)
 
 

@@ -53,8 +53,9 @@ class ConduitReplayBuffer(ReplayBufferAsync):
                                      f"or raise.")
         self.on_stale = on_stale
         self.max_staleness = None if self.max_off_policy_threshold is None else self.max_off_policy_threshold - 1
-        if on_stale != "wait":  # verl's async sampler evicts only under its "drop" strategy
-            self.max_off_policy_strategy = "drop"
+        # verl's async sampler evicts only under its "drop" strategy and holds sampling only under "wait"
+        self.max_off_policy_strategy = "wait" if on_stale == "wait" else "drop"
+        #: finished groups evicted as stale (each counted once, when it is cleared)
         self.stale_groups = 0
 
     def _terminal_eviction_reasons(self, global_steps: int, partition_id: str) -> Any:
@@ -74,8 +75,13 @@ class ConduitReplayBuffer(ReplayBufferAsync):
                 f"{len(stale)} finished GRPO group(s) are up to {worst} policy versions behind step {global_steps} "
                 f"(max_staleness={self.max_staleness}, i.e. max_off_policy_threshold={self.max_off_policy_threshold})"
                 f"; raise the threshold, generate closer to training, or use on_stale=drop.")
-        self.stale_groups += len(stale)
         return stale
+
+    def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons: Any) -> Any:
+        """verl's eviction; counts the stale groups it cleared (``get_sampleable_count`` only looks at them)."""
+        out = super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
+        self.stale_groups += out[1]
+        return out
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
         steps_before = dict(self.prompt_global_steps[partition_id])

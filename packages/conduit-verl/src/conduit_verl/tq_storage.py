@@ -43,7 +43,7 @@ from typing import Any, cast
 
 import ray
 import torch
-from conduit import SchemaError, Telemetry
+from conduit import ConduitError, ConfigurationError, SchemaError, Telemetry
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tensordict import NonTensorStack, TensorDict
 from transfer_queue.metadata import BatchMeta, extract_field_schema
@@ -91,6 +91,7 @@ class _UnitState:
                                                 elements=int(config["capacity"]) * int(config["mean_length"]),
                                                 growth=float(config["growth"]), max_items=config.get("max_items"),
                                                 pin_memory=torch.cuda.is_available())
+        self.num_units = int(config.get("num_units", 1))
         self.fields: dict[str, FieldStore] = {}
         self.objects: dict[str, dict[int, Any]] = {}
         self.telemetry = Telemetry()
@@ -173,7 +174,7 @@ class _UnitState:
 
     def save(self, path: str) -> int:
         """Write every held sample (tensor fields packed, object fields as they are) to ``path``."""
-        state: dict[str, Any] = {"format": 1, "fields": {}, "objects": self.objects}
+        state: dict[str, Any] = {"format": 1, "num_units": self.num_units, "fields": {}, "objects": self.objects}
         for name, store in self.fields.items():
             gis = sorted(store._handle)
             col = store.get(gis) if gis else None
@@ -183,10 +184,20 @@ class _UnitState:
         return sum(len(s) for s in self.fields.values())
 
     def load(self, path: str) -> int:
-        """Replace the held samples with what :meth:`save` wrote to ``path``."""
+        """Replace the held samples with what :meth:`save` wrote to ``path``.
+
+        Raises:
+            SchemaError: ``path`` was not written by a Conduit unit, or by one of another ``num_units``
+                (samples are routed by ``global_index % num_units``); nothing is changed.
+        """
         state = torch.load(path, weights_only=False)
-        if state.get("format") != 1:
+        if not isinstance(state, dict) or state.get("format") != 1:
             raise SchemaError(f"{path} was not written by a Conduit storage unit.")
+        saved_units = state.get("num_units", self.num_units)  # absent: written before it was recorded
+        if saved_units != self.num_units:
+            raise SchemaError(f"{path} was written with num_units={saved_units}, this storage has "
+                              f"num_units={self.num_units}; samples are routed by global_index % num_units, so restore "
+                              f"with transfer_queue.backend.Conduit.num_units={saved_units}.")
         fields: dict[str, FieldStore] = {}
         for name, f in state["fields"].items():
             store = fields[name] = FieldStore(name, getattr(torch, f["dtype"]), f["width"],
@@ -247,10 +258,44 @@ def _with_defaults(cfg: Any) -> dict[str, Any]:
     return out
 
 
+def _validated(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` (defaults filled in) when every key is known and every value usable.
+
+    Raises:
+        ConfigurationError: an unknown key or a bad value, named with the hydra path to fix.
+    """
+    where = f"transfer_queue.backend.{BACKEND}"
+    unknown = sorted(set(cfg) - set(DEFAULTS) - {"_run_id"})
+    if unknown:
+        raise ConfigurationError(f"{where} has unknown key(s) {unknown}; known: {sorted(DEFAULTS)}.")
+    try:
+        units, cpus = int(cfg["num_units"]), float(cfg["unit_num_cpus"])
+        PoolLadder(int(cfg["capacity"]), int(cfg["capacity"]) * int(cfg["mean_length"]), growth=float(cfg["growth"]),
+                   max_items=None if cfg["max_items"] is None else int(cfg["max_items"]))
+        if cfg["device"] != "auto":
+            torch.device(str(cfg["device"]))
+    except ConduitError as e:
+        raise ConfigurationError(f"{where}: {e}") from None
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ConfigurationError(f"{where} has a value of the wrong type or form ({e}); see the defaults "
+                                 f"{DEFAULTS}.") from None
+    if units < 1 or cpus < 0 or int(cfg["mean_length"]) < 1:
+        raise ConfigurationError(f"{where} needs num_units >= 1, mean_length >= 1 and unit_num_cpus >= 0; got "
+                                 f"{units}, {cfg['mean_length']}, {cpus}.")
+    if cfg["delivery"] not in ("prefetch", "sync", "off"):
+        raise ConfigurationError(f"{where}.delivery={cfg['delivery']!r}; use prefetch, sync or off.")
+    return cfg
+
+
 @StorageBootstrapProvider.register_provider(BACKEND)
 def bootstrap(conf: DictConfig) -> dict[str, Any]:
-    """Start the storage units (``tq.init`` calls this once, in the process that creates the controller)."""
+    """Start the storage units (``tq.init`` calls this once, in the process that creates the controller).
+
+    Raises:
+        ConfigurationError: ``transfer_queue.backend.Conduit`` has an unknown key or a bad value (nothing started).
+    """
     backend = conf.backend
+    _validated(_with_defaults(backend.get(BACKEND)))
     with open_dict(backend):
         if backend.get(BACKEND) is None:
             backend[BACKEND] = {}
