@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 import time
@@ -159,6 +160,8 @@ class ExperienceDataPlane:
         #: (replaced schema, its migration's transform), oldest first: see :meth:`_current`
         self._upgrades: list[tuple[ExperienceSchema, Callable[[ExperienceBatch], Any]]] = []
         self._replay = isinstance(self.semantics, Replay)
+        #: set by close(): the scheduler may then serve another buffer
+        self.closed = False
         self.scheduler: Scheduler = scheduler if scheduler is not None else Synchronous()
         self._build_outputs()
         self.scheduler.attach(self)
@@ -396,10 +399,21 @@ class ExperienceDataPlane:
             sem.seal()
 
     def set_policy_version(self, version: int) -> None:
-        """Tell the buffer which policy version the learner is at (staleness is measured against it)."""
+        """Tell the buffer which policy version the learner is at (staleness is measured against it).
+
+        Raises:
+            ConfigurationError: ``version`` is not an integer (a NumPy or 0-d tensor integer is fine);
+                the version is then unchanged.
+        """
         sem = self._on_policy()
+        try:
+            v = operator.index(version) if not isinstance(version, bool) else None
+        except TypeError:
+            v = None
+        if v is None:
+            raise ConfigurationError(f"A policy version is an int, got {version!r}.")
         with self._lock:
-            sem.policy_version = int(version)
+            sem.policy_version = v
         self.scheduler.invalidate("policy")
 
     # -- placement ---------------------------------------------------------------------------
@@ -454,9 +468,15 @@ class ExperienceDataPlane:
             return {"format": 1, "storage": self.storage.state_dict(), "semantics": self.semantics.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved into a buffer built with the same schema and capacity."""
-        if state.get("format") != 1:
-            raise ConfigurationError("Unknown checkpoint format; it was not written by ExperienceDataPlane.")
+        """Restore what :meth:`state_dict` saved into a buffer built with the same schema and capacity.
+
+        Raises:
+            ConfigurationError: ``state`` is not what :meth:`state_dict` returns (the buffer is unchanged).
+        """
+        if (not isinstance(state, Mapping) or state.get("format") != 1
+                or not isinstance(state.get("storage"), Mapping) or not isinstance(state.get("semantics"), Mapping)):
+            raise ConfigurationError("Unknown checkpoint format; it was not written by ExperienceDataPlane "
+                                     "(expected the dict its state_dict() returns).")
         self.flush()
         self.scheduler.invalidate("contents")
         with self._lock:
@@ -469,8 +489,10 @@ class ExperienceDataPlane:
                 raise
 
     def close(self) -> None:
-        """Stop background work, storing everything handed over first."""
+        """Stop background work, storing everything handed over first (then the scheduler is free to serve
+        another buffer)."""
         self.scheduler.close()
+        self.closed = True
 
     def __enter__(self) -> ExperienceDataPlane:
         return self

@@ -73,11 +73,16 @@ class Telemetry:
         self._new: deque[CallRecord] = deque()
         self._fold_every = fold_every
         self._lock = threading.Lock()
+        #: thread id -> its name when it first recorded (a trace written after a worker exited still names it)
+        self._names: dict[int, str] = {}
 
     def record(self, kind: str, items: int, nbytes: int, start: float, end: float) -> None:
         """Record one call (thread-safe)."""
         new = self._new
-        new.append(_new_record((kind, items, nbytes, start, end, _get_ident())))
+        ident = _get_ident()
+        new.append(_new_record((kind, items, nbytes, start, end, ident)))
+        if ident not in self._names:
+            self._names[ident] = threading.current_thread().name
         if len(new) >= self._fold_every:
             self._fold()
 
@@ -157,7 +162,9 @@ class Telemetry:
         t0 = min((r.start for r in recs), default=0.0)
         events = [{"name": r.kind, "ph": "X", "ts": (r.start - t0) * 1e6, "dur": r.seconds * 1e6, "pid": 0,
                    "tid": r.thread, "args": {"items": r.items, "bytes": r.nbytes}} for r in recs]
-        names = {t.ident: t.name for t in threading.enumerate()}  # the loop's thread vs the scheduler's workers
+        # the loop's thread vs the scheduler's workers: live threads by their name now, exited ones as they recorded
+        names = dict(self._names)
+        names.update({t.ident: t.name for t in threading.enumerate() if t.ident is not None})
         events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid,
                     "args": {"name": names.get(tid, f"thread {tid}")}} for tid in sorted({r.thread for r in recs})]
         trace = {"traceEvents": events, "displayTimeUnit": "ms"}

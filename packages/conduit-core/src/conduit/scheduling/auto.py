@@ -25,14 +25,17 @@ chosen settings; :attr:`Automatic.decision` says what was measured and why.
 
 from __future__ import annotations
 
+import numbers
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from conduit.batch import ExperienceBatch
+from conduit.errors import ConfigurationError
 from conduit.scheduling.base import Scheduler
 from conduit.scheduling.granularity import GranularityRange, ranges_for
 from conduit.scheduling.model import (
@@ -153,6 +156,10 @@ class Automatic(Scheduler):
     def __init__(self, *, overlap: bool | None = None, g_ing_max: int = 8, g_del_max: int = 8,
                  memory_budget: int | None = 1 << 30, probe_rounds: int = 3, confirm_deliveries: int = 6,
                  confirm_windows: int = 3, output_depth: int = 2, queue_depth: int = 8) -> None:
+        for name, v in (("probe_rounds", probe_rounds), ("confirm_deliveries", confirm_deliveries),
+                        ("confirm_windows", confirm_windows)):
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+                raise ConfigurationError(f"{name} must be an int (values below 1 count as 1), got {v!r}.")
         self.force_overlap = overlap
         self.g_ing_max = g_ing_max
         self.g_del_max = g_del_max
@@ -168,6 +175,13 @@ class Automatic(Scheduler):
     # -- set-up ----------------------------------------------------------------------------
     def attach(self, edp: ExperienceDataPlane) -> None:
         super().attach(edp)
+        try:
+            self._attach(edp)
+        except BaseException:
+            del self.edp  # refused: free to serve another buffer
+            raise
+
+    def _attach(self, edp: ExperienceDataPlane) -> None:
         self.on_policy = isinstance(edp.semantics, OnPolicy)
         self.range = ranges_for(edp.semantics, g_ing_max=self.g_ing_max, g_del_max=self.g_del_max)
         self._ing_plan = _probe_values(self.range.g_ing) * self.probe_rounds
@@ -180,6 +194,9 @@ class Automatic(Scheduler):
         self._confirm_name: str  # set by _next_confirm before it is read
         self._confirm_left = 0
         self._since = time.perf_counter()
+        self._candidates: dict[str, Overlapped] = {}
+        #: a switch of scheduler that waits until the current one's queue can be stored (see _activate)
+        self._retry: Callable[[], None] | None = None
         self.inner = self._make(self._ing_plan[0] if self._ing_plan else 1, 1, overlap=False)
 
     def _make(self, g_ing: float, g_del: float, *, overlap: bool) -> Overlapped:
@@ -187,10 +204,6 @@ class Automatic(Scheduler):
                        queue_depth=self.queue_depth)
         s.attach(self.edp)
         return s
-
-    def _switch(self, new: Overlapped) -> None:
-        old, self.inner = self.inner, new
-        old.close()
 
     @property
     def g_ing(self) -> float:  # type: ignore[override]
@@ -232,7 +245,10 @@ class Automatic(Scheduler):
         if self._phase == "probe" and self._del_plan is None:
             self._start_delivery_probe(n)
         out = self.inner.deliver(n, **kwargs)
-        if self._phase == "probe":
+        if self._retry is not None:
+            retry, self._retry = self._retry, None
+            retry()
+        elif self._phase == "probe":
             self._del_left -= 1
             if self._del_left <= 0:
                 assert self._del_plan is not None
@@ -253,10 +269,15 @@ class Automatic(Scheduler):
         return out
 
     def invalidate(self, reason: str = "contents") -> None:
+        """Forwarded to the active scheduler and to the confirm phase's idle candidate, which a migration
+        must re-size too before it is switched back in."""
         self.inner.invalidate(reason)
+        for c in self._candidates.values():
+            if c is not self.inner:
+                c.invalidate(reason)
 
     def close(self) -> None:
-        for c in getattr(self, "_candidates", {}).values():
+        for c in self._candidates.values():
             if c is not self.inner:
                 c.close()
         self.inner.close()
@@ -337,14 +358,17 @@ class Automatic(Scheduler):
         assert self.decision is not None
         if self._confirm_start:
             self._cycles[self._confirm_name].append((now - self._confirm_start) / self.confirm_deliveries)
+            self._confirm_start = 0.0
         if not self._confirm:
             c = self.decision.confirmed
             c.update({k: statistics.median(v) for k, v in self._cycles.items() if v})
             self._finish(*confirm_choice(self._cycles, self._model_prefers_overlap()))
             return
+        cand = self._candidates[self._confirm[0]]
+        if not self._activate(cand):
+            self._retry = self._next_confirm
+            return
         self._confirm_name = self._confirm.pop(0)
-        cand = self._candidates[self._confirm_name]
-        self._activate(cand)
         warm = 1 if self.on_policy else int(cand.g_del)
         self._confirm_left = warm + self.confirm_deliveries
         self._confirm_start = 0.0
@@ -364,16 +388,24 @@ class Automatic(Scheduler):
         return (exposed(d.deliver_overlapped, d.ingest_overlapped, gi_o, gd_o)
                 < exposed(d.deliver_sequential, d.ingest_sequential, gi_s, gd_s))
 
-    def _activate(self, new: Overlapped) -> None:
-        """Route calls to ``new``: the current scheduler stores what it was handed and drops what it prepared."""
+    def _activate(self, new: Overlapped) -> bool:
+        """Route calls to ``new``: the current scheduler stores what it was handed and drops what it prepared.
+
+        Runs after a delivery has its batch. When the current scheduler's queue cannot be stored now
+        (e.g. on-policy, the next rollout fits only once the learner has consumed the current one),
+        nothing is switched and False is returned: the caller retries after a later delivery, the
+        delivered batch is not lost, and the failure stays for the producer's next call to raise.
+        """
         old = self.inner
         if old is new:
-            return
-        old.flush()
+            return True
+        if not old.drain():
+            return False
         old.invalidate("contents")
         self.inner = new
-        if old not in getattr(self, "_candidates", {}).values():
+        if old not in self._candidates.values():
             old.close()
+        return True
 
     def _finish(self, overlap: bool, reason: str) -> None:
         assert self.decision is not None
@@ -382,13 +414,14 @@ class Automatic(Scheduler):
         self.decision.reason = reason
         if self.on_policy:
             self.decision.g_del = self.range.g_del[0]
-        candidates = getattr(self, "_candidates", {})
-        chosen = candidates.get("overlapped" if overlap else "sequential")
-        if chosen is None:
-            self._switch(self._make(gi, gd if not self.on_policy else 1, overlap=overlap))
-        else:
-            self._activate(chosen)
-        for c in candidates.values():
+        name = "overlapped" if overlap else "sequential"
+        chosen = self._candidates.get(name)
+        if chosen is None:  # kept with the candidates, so that a retry does not build another
+            chosen = self._candidates[name] = self._make(gi, gd if not self.on_policy else 1, overlap=overlap)
+        if not self._activate(chosen):
+            self._retry = lambda: self._finish(overlap, reason)
+            return
+        for c in self._candidates.values():
             if c is not chosen:
                 c.close()
         self._candidates = {}

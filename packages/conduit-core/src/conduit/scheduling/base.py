@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from conduit.errors import ConfigurationError
+
 if TYPE_CHECKING:
     from conduit.batch import ExperienceBatch
     from conduit.edp import ExperienceDataPlane
@@ -36,6 +38,19 @@ class Scheduler(ABC):
     g_del: float = 1
 
     def attach(self, edp: ExperienceDataPlane) -> None:
+        """Serve ``edp`` (the buffer calls this once, when it is built).
+
+        A scheduler whose buffer was closed may serve a new one (an adapter that rebuilds its
+        buffer passes the same scheduler again).
+
+        Raises:
+            ConfigurationError: this scheduler already serves another open buffer (a shared
+                scheduler would store one buffer's batches in the other); build one scheduler per buffer.
+        """
+        prev = self.__dict__.get("edp")
+        if prev is not None and prev is not edp and not getattr(prev, "closed", False):
+            raise ConfigurationError(f"This {type(self).__name__} scheduler already serves another buffer; build one "
+                                     f"scheduler per buffer.")
         self.edp = edp
 
     @abstractmethod

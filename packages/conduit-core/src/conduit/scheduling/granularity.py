@@ -72,10 +72,14 @@ def safe_ranges(*, on_policy: bool, num_minibatches: int | None = None, g_ing_ma
         'on-policy (M=4): g_ing in {1/4, 1/2, 3/4, 1}, g_del in {1/4}'
     """
     for name, v in (("g_ing_max", g_ing_max), ("g_del_max", g_del_max)):
-        if not isinstance(v, int) or v < 1:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigurationError(f"{name} must be an int >= 1, got {v!r}.")
+    for name, b in (("batch_bytes", batch_bytes), ("memory_budget", memory_budget)):
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
+            raise ConfigurationError(f"{name} must be None or an int >= 0 (bytes), got {b!r}.")
     if on_policy:
-        if num_minibatches is not None and (not isinstance(num_minibatches, int) or num_minibatches < 1):
+        if num_minibatches is not None and (not isinstance(num_minibatches, int) or isinstance(num_minibatches, bool)
+                                            or num_minibatches < 1):
             raise ConfigurationError(f"num_minibatches (M) must be a positive int, got {num_minibatches!r}.")
         m = num_minibatches or 1
         return GranularityRange(True, tuple(k / m for k in range(1, m + 1)), (1 / m,), num_minibatches)

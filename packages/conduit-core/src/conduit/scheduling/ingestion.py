@@ -95,10 +95,10 @@ class Ingestion:
     def handover(self, item: Handover) -> None:
         """Queue one batch (blocks while the queue is full). Raises an earlier background failure first."""
         with self._mutex:
+            if self._closing:  # before a failure: the error of close()'s last try is close()'s to raise
+                raise ConfigurationError("This scheduler is closed; build a new buffer to ingest more.")
             if self._error is not None:
                 self._raise_failure()
-            if self._closing:
-                raise ConfigurationError("This scheduler is closed; build a new buffer to ingest more.")
             if self.on_policy and item.version is not None:
                 last = (self._pending or self._inflight or (None,))[-1]
                 if last is not None and last.version is not None and item.version < last.version:
@@ -110,6 +110,9 @@ class Ingestion:
                         f"Ingestion is paused after a failed background write and its queue is full "
                         f"({len(self._pending)} batches); call flush() to retry them. This batch was not accepted.")
                 self._cv.wait()
+            if self._closing:  # closed while this producer waited for room: the worker may be gone
+                raise ConfigurationError("This scheduler was closed while this batch waited for room in the "
+                                         "ingestion queue; it was not accepted. Build a new buffer to ingest more.")
             if self._error is not None:
                 self._raise_failure()
             self._pending.append(item)
@@ -150,6 +153,32 @@ class Ingestion:
             finally:
                 self._force -= 1
         self._rollout_done()
+
+    def drain(self) -> bool:
+        """Store everything handed over, as :meth:`flush` does, but never raise: when storing fails (or
+        is paused after a failure), the batches stay queued in order, the failure stays for the
+        producer's next ``handover``/``flush``/``close`` to raise, and False is returned."""
+        if not self.background:
+            try:
+                self._store_ready(force=True)
+            except Exception:  # noqa: BLE001 - the batches stay queued; the producer's next call meets it
+                return False
+            self._rollout_done()
+            return True
+        with self._cv:
+            if self._error is not None or self._paused or self._stopped:
+                return not (self._pending or self._inflight)
+            self._force += 1
+            self._cv.notify_all()
+            try:
+                while (self._pending or self._inflight) and self._error is None:
+                    self._cv.wait()
+                ok = self._error is None and not self._pending
+            finally:
+                self._force -= 1
+        if ok:
+            self._rollout_done()
+        return ok
 
     def close(self) -> None:
         """Drain the queue and stop the worker; raise if some batches could not be stored."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import numbers
 import threading
 import weakref
 from collections import deque
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from conduit.batch import ExperienceBatch
-from conduit.errors import ConduitError, ConfigurationError
+from conduit.errors import ConfigurationError
 from conduit.scheduling.base import Scheduler
 from conduit.scheduling.buffers import ChunkRing, buffers_needed
 from conduit.scheduling.ingestion import Handover, Ingestion
@@ -67,6 +68,11 @@ _Key = tuple[Any, ...]
 def _whole(g: Any) -> bool:
     """``g`` is a finite whole number (a count of rollouts or batches)."""
     return isinstance(g, (int, float)) and not isinstance(g, bool) and math.isfinite(g) and int(g) == g
+
+
+def _count(v: Any, least: int) -> bool:
+    """``v`` is an integer (not a bool) of at least ``least``."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) >= least
 
 
 @dataclass
@@ -133,19 +139,22 @@ class Overlapped(Scheduler):
             raise ConfigurationError(f"g_ing must be a positive number, got {g_ing!r}.")
         if not isinstance(g_del, (int, float)) or isinstance(g_del, bool) or not g_del > 0:
             raise ConfigurationError(f"g_del must be a positive number, got {g_del!r}.")
-        if not isinstance(output_depth, int) or output_depth < 1:
+        if not _count(output_depth, 1):
             raise ConfigurationError(f"output_depth must be an int >= 1, got {output_depth!r}.")
-        if max_priority_staleness is not None and max_priority_staleness < 0:
-            raise ConfigurationError(f"max_priority_staleness must be >= 0, got {max_priority_staleness}.")
-        if queue_depth < 1:
-            raise ConfigurationError(f"queue_depth must be >= 1, got {queue_depth}.")
+        if max_priority_staleness is not None and not _count(max_priority_staleness, 0):
+            raise ConfigurationError(f"max_priority_staleness must be None or an int >= 0, got "
+                                     f"{max_priority_staleness!r}.")
+        if not _count(queue_depth, 1):
+            raise ConfigurationError(f"queue_depth must be an int >= 1, got {queue_depth!r}.")
+        if rollout_size is not None and not _count(rollout_size, 1):
+            raise ConfigurationError(f"rollout_size must be None (learned) or an int >= 1, got {rollout_size!r}.")
         self.g_ing = g_ing
         self.g_del = g_del
         self.overlap = bool(overlap)
         self.background_ingest = self.overlap if background_ingest is None else bool(background_ingest)
         self.queue_depth = int(queue_depth)
-        self.output_depth = output_depth
-        self.rollout_size = rollout_size
+        self.output_depth = int(output_depth)
+        self.rollout_size = None if rollout_size is None else int(rollout_size)
         self.copy_on_ingest = copy_on_ingest
         self._max_prio_stale = max_priority_staleness
         #: prepared batches discarded undelivered (replay: key change, staleness, checkpoint)
@@ -158,6 +167,13 @@ class Overlapped(Scheduler):
     # -- set-up ----------------------------------------------------------------------------
     def attach(self, edp: ExperienceDataPlane) -> None:
         super().attach(edp)
+        try:
+            self._attach(edp)
+        except BaseException:
+            del self.edp  # refused: free to serve another buffer
+            raise
+
+    def _attach(self, edp: ExperienceDataPlane) -> None:
         sem = edp.semantics
         self.on_policy = isinstance(sem, OnPolicy)
         self.prioritized = isinstance(sem, Replay) and sem.sampler.prioritized
@@ -195,6 +211,7 @@ class Overlapped(Scheduler):
         self._prio_epoch = 0
         self._prio_lock = threading.Lock()
         self._last: SampleInfo | None = None
+        self._closed = False  # (a scheduler whose buffer was closed serves a new one afresh)
         _OPEN.add(self)
 
     def retune(self, *, g_ing: float | None = None, g_del: float | None = None) -> None:
@@ -254,6 +271,11 @@ class Overlapped(Scheduler):
     def flush(self) -> None:
         self._ingestion.flush()
 
+    def drain(self) -> bool:
+        """Store everything handed over unless storing fails; then keep it queued (and the failure for the
+        producer's next call) and return False. See :meth:`Ingestion.drain`."""
+        return self._ingestion.drain()
+
     def pending(self) -> list[Handover]:
         """Handed-over batches not in storage yet, in order (after a failed ``close``: what was not stored)."""
         return self._ingestion.pending()
@@ -266,7 +288,7 @@ class Overlapped(Scheduler):
             if self._ring.cuda:
                 self._ring.call_started(self._delivered)
             if self.on_policy:
-                return self._deliver_on_policy()
+                return self._deliver_on_policy(n)
             return self._deliver_replay(n, kwargs)
 
     def _deliver_replay(self, n: int | None, kwargs: dict[str, Any]) -> tuple[ExperienceBatch, SampleInfo]:
@@ -293,11 +315,11 @@ class Overlapped(Scheduler):
         self._start_prefetch(key)
         return p.batch, info
 
-    def _deliver_on_policy(self) -> tuple[ExperienceBatch, SampleInfo]:
+    def _deliver_on_policy(self, n: int | None) -> tuple[ExperienceBatch, SampleInfo]:
         self._await_job()
         pred = self._ready.popleft() if self._ready else None
         try:
-            sels = self.edp.select_now([None])
+            sels = self.edp.select_now([n])  # the semantics refuse an n, as a synchronous delivery does
         except BaseException:
             if pred is not None:  # state unchanged: the prediction may still come true later
                 self._ready.appendleft(pred)
@@ -393,13 +415,20 @@ class Overlapped(Scheduler):
         self._job = self._pool.submit(self._prepare, key, buf)
 
     def _await_job(self) -> None:
+        """Collect the job in flight's batches; a failed job prepared nothing and raises nothing here.
+
+        Prefetch is speculative: whatever made it fail (nothing to draw yet, a storage error) is
+        met again by the delivery call that prepares in the caller, and raised there, to the
+        call it concerns, instead of from a later call (or ``close``/``invalidate``) that has
+        its own work done.
+        """
         job, self._job = self._job, None
         if job is None:
             return
         try:
             self._ready.extend(job.result())
-        except ConduitError:
-            pass  # e.g. nothing to draw yet: the delivery call prepares (and raises) itself
+        except Exception:  # noqa: BLE001 - see the docstring: the caller's own preparation reports it
+            pass
 
     def _too_stale(self, p: _Prepared) -> bool:
         return self.prioritized and self._prio_epoch - p.prio_epoch > self.max_priority_staleness
