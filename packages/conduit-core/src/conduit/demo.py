@@ -133,6 +133,10 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
     """
     if rollout < 1:  # the prefill below would ingest empty rollouts forever
         raise ConfigurationError(f"rollout must be a positive number of transitions, got {rollout!r}.")
+    for nm, v, least in (("iterations", iterations, 0), ("warmup", warmup, 0), ("updates", updates, 0),
+                         ("hidden", hidden, 1), ("actions", actions, 1)):
+        if v < least:  # a negative count would silently run nothing (or a network without units)
+            raise ConfigurationError(f"{nm} must be an int >= {least}, got {v!r}.")
     sched = scheduler if scheduler is not None else Synchronous()
     plc = placement if placement is not None else HostPlacement()
     edp = ExperienceDataPlane(transition_schema(obs_dim), capacity=capacity, semantics=Replay(seed=seed),
@@ -192,6 +196,23 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:9.2f}"
 
 
+def _check_output(path: Path) -> None:
+    """Make sure the trace can be written to ``path`` once the run is over (probed now, left as it was).
+
+    Raises:
+        ConfigurationError: it is a directory, its folder is missing, or it cannot be written.
+    """
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ConfigurationError(f"Cannot write the trace to {str(path)!r} ({e.strerror or e}); give --trace a "
+                                 f"writable file in an existing folder, or --trace '' for none.") from e
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
 def run_synthetic(argv: Sequence[str] | None = None) -> int:
     """``conduit demo --synthetic``: run the loop, print per-iteration accounting, write a Chrome trace."""
     p = argparse.ArgumentParser(prog="conduit demo --synthetic",
@@ -213,6 +234,8 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
                    help="also run the synchronous baseline and report the exposed-latency reduction")
     p.add_argument("--trace", default="conduit-synthetic-trace.json", help="Chrome trace output ('' for none)")
     args = p.parse_args(list(argv or []))
+    if args.trace:
+        _check_output(Path(args.trace))
     torch.manual_seed(0)
     common = dict(obs_dim=args.obs_dim, iterations=args.iterations, warmup=args.warmup, rollout=args.rollout,
                   batch=args.batch, updates=args.updates, capacity=args.capacity, hidden=args.hidden)

@@ -318,6 +318,9 @@ class CostModel:
                       ("disk_usable", disk_usable)):
             if not (0 <= v <= (10 if nm == "headroom" else 1)):
                 raise ConfigurationError(f"{nm}={v} is out of range.")
+        if isinstance(output_depth, bool) or not isinstance(output_depth, int) or output_depth < 1:
+            raise ConfigurationError(f"output_depth must be an int >= 1 (the scheduler's output_depth), got "
+                                     f"{output_depth!r}.")
         self.topology = topology
         self.profile = prof
         self.headroom = headroom

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from conduit.errors import PlacementError
+from conduit.errors import ConfigurationError, PlacementError
 from conduit.placement.base import PlacementSpec
 from conduit.placement.cost import Workload
 from conduit.placement.planner import Planner
@@ -88,7 +88,13 @@ def simulate_growth(planner: Planner, schedule: Sequence[int], *, capacity: int 
 
     Raises:
         PlacementError: the topology has no GPU to shard over, or nothing fits the first size.
+        ConfigurationError: an empty schedule, or ``updates`` < 1.
     """
+    if not schedule:
+        raise ConfigurationError("The schedule is empty; give one observation size per iteration, e.g. "
+                                 "paper_schedule().")
+    if isinstance(updates, bool) or not isinstance(updates, int) or updates < 1:
+        raise ConfigurationError(f"updates must be an int >= 1 (learner updates per iteration), got {updates!r}.")
     topo = planner.topology
     if topo.num_gpus < 2:
         raise PlacementError(f"Topology {topo.name!r} has {topo.num_gpus} GPU(s); the experiment shards over "
@@ -117,7 +123,7 @@ def simulate_growth(planner: Planner, schedule: Sequence[int], *, capacity: int 
     conservative = StrategyTrace("conservative")
     c_spec = PlacementSpec("sharded", tuple(g.device for g in topo.gpus))
     for i, w in enumerate(ws):
-        t = per_iteration(c_spec, w)
+        t = per_iteration(c_spec, w) if conservative.failed_at is None else None  # out of memory: stays failed
         if t is None and conservative.failed_at is None:
             conservative.failed_at = i
             conservative.reason = "; ".join(model.estimate(c_spec, w).shortfalls())

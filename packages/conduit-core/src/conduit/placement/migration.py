@@ -106,7 +106,8 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
     Raises:
         ConfigurationError: a new schema without a transform.
         SchemaError: the transform's output does not match the new schema.
-        PlacementError: the new placement cannot hold the buffer.
+        PlacementError: the new placement cannot hold the buffer, or another migration of
+            ``edp`` replaced its storage meanwhile (the buffer keeps that one's result).
         Any of these leaves the buffer exactly as it was.
     """
     new_schema = schema if schema is not None else edp.schema
@@ -148,6 +149,11 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
         lock.acquire()
         t_hold = time.perf_counter()
         try:
+            if edp.storage is not old:  # another migration swapped the storage: copying on would drop its items
+                raise PlacementError(
+                    f"another migration replaced the buffer's storage while this one copied it; the buffer keeps "
+                    f"that migration's placement ({edp.placement.describe()}). Run one migration at a time, or "
+                    f"migrate again now.")
             hi, oldest = old.next_handle, old.oldest
             if oldest > copied:  # all copied items were evicted meanwhile: start over at the oldest live one
                 _position(new, new_schema, oldest)

@@ -54,21 +54,27 @@ class PlacementMap:
         ranges: sorted, contiguous ranges (the first starts at the smallest size covered).
         workload: the template the map was planned for (capacity, batch, learners).
         topology: the topology's name.
+
+    Keyword Args:
+        max_item_bytes: the largest item size the map was planned for (default: the last
+            range's end, or its start when it is open).
     """
 
-    def __init__(self, ranges: list[MapRange], workload: Workload, topology: str) -> None:
+    def __init__(self, ranges: list[MapRange], workload: Workload, topology: str, *,
+                 max_item_bytes: float | None = None) -> None:
         if not ranges:
             raise ConfigurationError("A placement map needs at least one range.")
         self.ranges = tuple(ranges)
         self.workload = workload
         self.topology = topology
+        self._max_item_bytes = max_item_bytes
 
     @classmethod
     def build(cls, planner: Planner, workload: Workload, *, min_item_bytes: float, max_item_bytes: float,
               points: int = 48, resize: Callable[[float], Workload] | None = None) -> PlacementMap:
         """Plan over ``[min_item_bytes, max_item_bytes]`` (see :meth:`Planner.placement_map`)."""
-        if not 0 < min_item_bytes <= max_item_bytes:
-            raise ConfigurationError(f"Need 0 < min_item_bytes <= max_item_bytes, got {min_item_bytes}, "
+        if not 0 < min_item_bytes <= max_item_bytes < math.inf:
+            raise ConfigurationError(f"Need 0 < min_item_bytes <= max_item_bytes, both finite, got {min_item_bytes}, "
                                      f"{max_item_bytes}.")
         sized = resize or workload.resized
         cache: dict[int, tuple[PlacementSpec | None, float | None]] = {}
@@ -82,7 +88,8 @@ class PlacementMap:
                     cache[b] = (None, None)
             return cache[b]
 
-        lo_b, hi_b = int(math.ceil(min_item_bytes)), int(math.floor(max_item_bytes))
+        lo_b = int(math.ceil(min_item_bytes))
+        hi_b = max(lo_b, int(math.floor(max_item_bytes)))  # a range without a whole byte in it: plan at lo_b
         n = max(2, points)
         grid = sorted({int(round(lo_b * (hi_b / lo_b) ** (i / (n - 1)))) for i in range(n)} | {lo_b, hi_b})
         starts = [grid[0]]
@@ -108,7 +115,7 @@ class PlacementMap:
             hi = starts[i + 1] if i + 1 < len(starts) else math.inf
             spec, t = at(s)
             ranges.append(MapRange(float(s), float(hi), spec, t))
-        return cls(ranges, workload, planner.topology.name)
+        return cls(ranges, workload, planner.topology.name, max_item_bytes=float(max_item_bytes))
 
     @property
     def boundaries(self) -> list[float]:
@@ -117,9 +124,19 @@ class PlacementMap:
 
     @property
     def max_item_bytes(self) -> float:
+        """The largest item size the map was planned for."""
+        if self._max_item_bytes is not None:
+            return self._max_item_bytes
         return self.ranges[-1].lo if math.isinf(self.ranges[-1].hi) else self.ranges[-1].hi
 
     def range_of(self, item_bytes: float) -> MapRange:
+        """The range holding items of ``item_bytes`` (sizes below the map: its first range).
+
+        Raises:
+            ConfigurationError: ``item_bytes`` is NaN or negative.
+        """
+        if not item_bytes >= 0:
+            raise ConfigurationError(f"item_bytes must be a number >= 0, got {item_bytes!r}.")
         i = bisect.bisect_right([r.lo for r in self.ranges], item_bytes) - 1
         return self.ranges[max(0, i)]
 
@@ -128,6 +145,7 @@ class PlacementMap:
 
         Raises:
             PlacementError: nothing fits items of this size.
+            ConfigurationError: ``item_bytes`` is NaN or negative.
         """
         r = self.range_of(item_bytes)
         if r.spec is None:
@@ -157,11 +175,18 @@ class AdaptivePlacement(Placement):
     Keyword Args:
         directory: where the disk tier puts its files, if the map ever chooses it.
         mean_ragged_length: ragged elements per item assumed when the buffer is built.
-        window: recent ingestion calls averaged to observe the current item size.
+        window: recent ingestion calls averaged to observe the current item size (>= 1).
+
+    Raises:
+        ConfigurationError: ``window`` < 1, or a negative or non-finite ``mean_ragged_length``.
     """
 
     def __init__(self, placement_map: PlacementMap, *, directory: str | Path | None = None,
                  mean_ragged_length: float = 0.0, window: int = 32) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigurationError(f"window must be an int >= 1 (ingestion calls averaged), got {window!r}.")
+        if not 0 <= mean_ragged_length < math.inf:
+            raise ConfigurationError(f"mean_ragged_length must be a finite number >= 0, got {mean_ragged_length!r}.")
         self.map = placement_map
         self.directory = directory
         self.mean_ragged_length = mean_ragged_length

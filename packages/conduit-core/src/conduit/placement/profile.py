@@ -80,8 +80,10 @@ class LinkCost:
 
     def __post_init__(self) -> None:
         pts = tuple(sorted((float(b), float(bw)) for b, bw in self.points))
-        if not pts or any(b <= 0 or bw <= 0 for b, bw in pts) or self.overhead_s < 0 or self.per_row_s < 0:
-            raise PlacementError(f"A link needs overhead >= 0, per-row cost >= 0 and positive (bytes, bandwidth) "
+        if (not pts or any(not (b > 0 and bw > 0) for b, bw in pts) or not 0 <= self.overhead_s < math.inf
+                or not 0 <= self.per_row_s < math.inf):
+            raise PlacementError(f"A link needs a finite overhead >= 0, a finite per-row cost >= 0 and positive "
+                                 f"(bytes, bandwidth) "
                                  f"points, got overhead={self.overhead_s}, per_row={self.per_row_s}, "
                                  f"points={self.points}; re-run `conduit profile`.")
         object.__setattr__(self, "points", pts)
@@ -347,7 +349,7 @@ def load_profile(path: str | Path | None = None) -> BandwidthProfile:
         raise PlacementError(f"No bandwidth profile at {p}; run `conduit profile` to measure this machine.")
     try:
         prof = BandwidthProfile.from_dict(json.loads(p.read_text()))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise PlacementError(f"{p} is not a readable bandwidth profile ({e}); delete it and run `conduit profile`.") \
             from e
     prof.check_machine()

@@ -96,6 +96,10 @@ class Topology:
             gpu = d.get("gpu") or {}
             n = int(gpu.get("count", 0))
             gpus = tuple(Gpu(i, str(gpu["name"]), int(float(gpu["memory_gib"]) * GIB)) for i in range(n))
+            host, disk = int(float(d["host_memory_gib"]) * GIB), int(float(d.get("disk_gib", 0)) * GIB)
+            if n < 0 or host < 0 or disk < 0 or any(g.memory_bytes < 0 for g in gpus):
+                raise PlacementError(f"Topology {name!r}: gpu.count, host_memory_gib, disk_gib and gpu.memory_gib "
+                                     f"must be >= 0.")
             links = {k: LinkCost.from_dict(v) for k, v in d.get("links", {}).items()}
             p2p = d.get("p2p")
             if p2p:
@@ -121,11 +125,10 @@ class Topology:
                     raise PlacementError(f"Topology {name!r}: host_link_groups must be lists of GPU indices "
                                          f"(0..{n - 1}), each GPU in at most one group (the GPUs behind one PCIe "
                                          f"switch), got {groups!r}.")
-            return cls(name, int(float(d["host_memory_gib"]) * GIB), gpus, int(float(d.get("disk_gib", 0)) * GIB),
-                       prof, str(d.get("description", "")), "declared",
+            return cls(name, host, gpus, disk, prof, str(d.get("description", "")), "declared",
                        {"notes": d.get("notes", ""), "source": d.get("source", ""),
                         **({"host_link_groups": groups} if groups is not None else {})})
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise PlacementError(f"Malformed topology data ({e!r}); compare with the files in "
                                  f"conduit/placement/topologies/.") from e
 

@@ -9,15 +9,58 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+from conduit.errors import ConfigurationError
 from conduit.simulation.cluster import NETWORKS, SCENARIOS, Network, Scenario
 from conduit.simulation.model import BASELINES, run_scenario
 
 __all__ = ["register", "simulate", "table", "plot"]
 
 LABEL = "SIMULATION"
+
+
+def _positive_int(text: str) -> int:
+    """A count >= 1 (``1e6`` and ``1_000_000`` accepted)."""
+    try:
+        v = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v) or v < 1 or v != int(v):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
+    return int(v)
+
+
+def _scales(text: str) -> tuple[int, ...]:
+    """Comma-separated GPU counts, each >= 1."""
+    parts = [x.strip() for x in text.split(",")]
+    if not parts or any(not x for x in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated GPU counts, e.g. 1,2,4")
+    return tuple(_positive_int(x) for x in parts)
+
+
+def _positive_float(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
+    return v
 
 
 def _ms(x: float | None) -> str:
@@ -84,7 +127,11 @@ def plot(results: dict[str, tuple[Scenario, list[dict[str, Any]]]], path: Path) 
 def simulate(args: argparse.Namespace) -> int:
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigurationError(f"Cannot use --out {str(out)!r} as the output directory ({e.strerror or e}); "
+                                 f"give a directory path that can be created or written.") from e
     results: dict[str, tuple[Scenario, list[dict[str, Any]]]] = {}
     for name in names:
         sc = SCENARIOS[name]
@@ -94,7 +141,7 @@ def simulate(args: argparse.Namespace) -> int:
             if v is not None:
                 changes[field] = v
         if args.gpus:
-            changes["gpus"] = tuple(int(x) for x in args.gpus.split(","))
+            changes["gpus"] = args.gpus
         sc = dataclasses.replace(sc, **changes)
         net = NETWORKS[sc.network]
         if args.rpc_us is not None:
@@ -125,12 +172,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--out", default="simulation-out", help="directory for the tables and the plot")
     p.add_argument("--baseline", choices=BASELINES, default="rank-order",
                    help="what 'adaptive placement off' means (see docs)")
-    p.add_argument("--samples", type=int, default=8, help="link-blind placements simulated per scale")
-    p.add_argument("--gpus", help="comma-separated scales (default: the paper's)")
-    p.add_argument("--obs-dim", dest="obs_dim", type=int, help="transition size d (default 20000)")
-    p.add_argument("--capacity", type=int, help="global buffer capacity (default 1e6)")
-    p.add_argument("--replay-ratio", dest="replay_ratio", type=float, help="deliveries per ingested item")
-    p.add_argument("--rpc-us", dest="rpc_us", type=float, help="cost of one remote fetch at the requester (us)")
+    p.add_argument("--samples", type=_positive_int, default=8, help="link-blind placements simulated per scale")
+    p.add_argument("--gpus", type=_scales, help="comma-separated scales (default: the paper's)")
+    p.add_argument("--obs-dim", dest="obs_dim", type=_positive_int, help="transition size d (default 20000)")
+    p.add_argument("--capacity", type=_positive_int, help="global buffer capacity (default 1e6)")
+    p.add_argument("--replay-ratio", dest="replay_ratio", type=_positive_float,
+                   help="deliveries per ingested item")
+    p.add_argument("--rpc-us", dest="rpc_us", type=_non_negative_float,
+                   help="cost of one remote fetch at the requester (us)")
     p.add_argument("--fetch", choices=("per-node", "per-learner"), default="per-node",
                    help="remote fetches: one per pair of nodes for all of a node's learners (default), or one "
                         "per learner")

@@ -9,6 +9,7 @@ vendor figures, not measurements), as placement :class:`~conduit.placement.LinkC
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from importlib import resources
 
@@ -63,6 +64,11 @@ class Network:
     source: str = ""
     node_fetch: bool = True
 
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.rpc_overhead_s) and self.rpc_overhead_s >= 0):
+            raise ConfigurationError(f"rpc_overhead_s must be a finite number of seconds >= 0, got "
+                                     f"{self.rpc_overhead_s!r}.")
+
 
 #: nominal fabrics of the paper's two clusters
 NETWORKS = {
@@ -108,8 +114,11 @@ class Scenario:
             raise ConfigurationError(f"Unknown network {self.network!r}; use one of {sorted(NETWORKS)}.")
         if not self.gpus or any(g <= 0 for g in self.gpus):
             raise ConfigurationError(f"gpus must be positive counts, got {self.gpus}.")
-        if self.total_batch <= 0 or self.obs_dim <= 0 or self.capacity <= 0 or self.replay_ratio <= 0:
-            raise ConfigurationError("total_batch, obs_dim, capacity and replay_ratio must be positive.")
+        if self.total_batch <= 0 or self.obs_dim <= 0 or self.capacity <= 0 or not (
+                math.isfinite(self.replay_ratio) and self.replay_ratio > 0):
+            raise ConfigurationError(f"total_batch, obs_dim, capacity and replay_ratio must be positive (and "
+                                     f"replay_ratio finite), got {self.total_batch!r}, {self.obs_dim!r}, "
+                                     f"{self.capacity!r}, {self.replay_ratio!r}.")
 
 
 #: the paper's two scaling experiments (figures from its evaluation; see docs/scale.md)

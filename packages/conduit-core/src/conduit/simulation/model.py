@@ -327,6 +327,8 @@ def node_in_use(topology: Topology, gpus: int) -> Topology:
 def equivalent_specs(spec: PlacementSpec, num_gpus: int, *, samples: int, seed: int = 0) -> list[PlacementSpec]:
     """Placements a planner blind to the GPU links cannot tell from ``spec``: same tier and number of
     GPUs, any GPUs, any home. Up to ``samples`` of them, drawn with a fixed seed (all when fewer)."""
+    if samples < 1:
+        raise ConfigurationError(f"samples must be >= 1 (placements simulated per scale), got {samples!r}.")
     if spec.tier not in ("gpu", "sharded"):
         return [spec]
     k = len(spec.devices)
@@ -366,6 +368,8 @@ def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, base
     """
     if baseline not in BASELINES:
         raise ConfigurationError(f"baseline must be one of {BASELINES}, got {baseline!r}.")
+    if samples < 1:
+        raise ConfigurationError(f"samples must be >= 1 (placements simulated per scale), got {samples!r}.")
     full = topology or load_node(scenario.topology)
     net = network or NETWORKS[scenario.network]
     gpn = full.num_gpus or 1
