@@ -40,6 +40,9 @@ class Ragged:
     def from_sequences(cls, seqs: Sequence[object]) -> Ragged:
         """Pack a list of per-item sequences (tensors or arrays)."""
         ts = [as_tensor(s) for s in seqs]
+        if any(t.dim() == 0 for t in ts):
+            raise SchemaError("A list of per-item sequences holds a scalar; give every item a sequence "
+                              "(a list, array or 1-d tensor), or give a fixed field one scalar per item throughout.")
         lengths = torch.tensor([t.shape[0] for t in ts], dtype=torch.int64)
         # Zero-length sequences hold no elements: leave them out of the concatenation, so that
         # one given as an empty list (float32 to torch) cannot change the others' dtype.
@@ -109,10 +112,20 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         for k, v in data.items():
             if isinstance(v, Ragged):
                 cols[k] = v
+            elif isinstance(v, (list, tuple)) and v and not _is_scalar(v[0]):
+                try:
+                    cols[k] = Ragged.from_sequences(v)
+                except (TypeError, ValueError, RuntimeError) as e:  # SchemaError included: name the field
+                    raise SchemaError(f"Field {k!r}: its per-item sequences do not pack into one column ({e}); "
+                                      f"give every item a sequence of elements of one shape and dtype.") from e
             elif isinstance(v, (list, tuple)) and v and not isinstance(v[0], (int, float, bool)):
-                cols[k] = Ragged.from_sequences(v)
+                cols[k] = _scalar_rows(k, v)
             else:
-                t = as_tensor(v)
+                try:
+                    t = as_tensor(v)
+                except (TypeError, ValueError, RuntimeError) as e:
+                    raise SchemaError(f"Field {k!r} cannot be made a tensor ({type(v).__name__}: {e}); give a "
+                                      f"tensor or NumPy array [n, ...] of a numeric or bool dtype.") from e
                 if t.dim() == 0:
                     raise SchemaError(f"Field {k!r} is a scalar; give one row per item (shape [n, ...]).")
                 cols[k] = t
@@ -126,7 +139,9 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         """:meth:`from_mapping` then :meth:`validate` against ``schema``.
 
         A dict holding exactly the schema's fixed fields as tensors of the right dtype and
-        per-item shape, all of one length, is checked in a single pass.
+        per-item shape, all of one length, is checked in a single pass. A ragged field whose
+        sequences are all empty (no elements, so no dtype of their own) takes the schema's
+        dtype and element shape.
 
         Raises:
             SchemaError: as :meth:`from_mapping` and :meth:`validate`.
@@ -136,6 +151,14 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
             if n >= 0:
                 return cls(dict(data), n)
         b = cls.from_mapping(data)
+        for name in schema.ragged:  # sequences that are all empty (e.g. ``[[], []]``) carry no dtype of their own
+            c = b._columns.get(name)
+            f = schema[name]
+            if isinstance(c, Ragged) and c.values.numel() == 0 and c.values.dim() == 1 and (
+                    c.values.dtype != f.dtype or f.shape):
+                cols = dict(b._columns)  # a new batch: the caller's stays as given
+                cols[name] = Ragged(c.values.new_empty((0, *f.shape), dtype=f.dtype), c.lengths)
+                b = cls(cols, b.batch_size)
         b.validate(schema)
         return b
 
@@ -252,6 +275,23 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                 if c.dim() == 0 or c.shape[0] != n:
                     raise SchemaError(f"Field {name!r} has {c.shape[0] if c.dim() else 0} rows for a batch of {n} "
                                       f"items; give every field one row per item.")
+
+
+def _is_scalar(x: object) -> bool:
+    """Whether ``x`` is one scalar (Python, NumPy, or a 0-d array or tensor), not a sequence."""
+    return (isinstance(x, (int, float, bool, np.generic))
+            or (isinstance(x, (np.ndarray, torch.Tensor)) and x.ndim == 0))
+
+
+def _scalar_rows(name: str, rows: Sequence[object]) -> torch.Tensor:
+    """A list of per-item NumPy scalars or 0-d tensors as one column, keeping their dtype."""
+    try:
+        if all(isinstance(r, torch.Tensor) for r in rows):
+            return torch.stack(list(rows))  # type: ignore[arg-type]
+        return torch.from_numpy(np.asarray(rows))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise SchemaError(f"Field {name!r} is a list of scalars that do not form one column ({e}); give one "
+                          f"scalar of one dtype per item, or a tensor [n, ...].") from e
 
 
 def _matching_rows(columns: Mapping[str, object], schema: ExperienceSchema) -> int:

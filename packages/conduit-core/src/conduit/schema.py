@@ -36,7 +36,11 @@ class Field:
     ragged: bool = False
 
     def __post_init__(self) -> None:
-        shape = tuple(int(s) for s in self.shape)
+        try:
+            shape = tuple(int(s) for s in self.shape)
+        except (TypeError, ValueError):
+            raise ConfigurationError(f"Field shape must be a tuple of sizes, got {self.shape!r}; write e.g. "
+                                     f"Field((4,)) for 4 values per item, Field(()) for a scalar.") from None
         if any(s <= 0 for s in shape):
             raise ConfigurationError(f"Field shape {self.shape} has a non-positive dimension; give sizes >= 1.")
         if not isinstance(self.dtype, torch.dtype):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from conduit.errors import ConduitError, ConfigurationError
 from conduit.storage.base import AppendResult, Storage
 
-__all__ = ["Semantics", "Selection", "SampleInfo", "select_many"]
+__all__ = ["Semantics", "Selection", "SampleInfo", "select_many", "check_seed"]
 
 
 @dataclass
@@ -57,6 +58,9 @@ class Semantics(ABC):
 
     #: "replay" or "on_policy"
     kind: str
+    #: True while :func:`select_many` predicts deliveries (``peek=True``): the semantics' own state is
+    #: restored afterwards but the storage's is not, so ``select`` must then leave the storage alone
+    peeking: bool = False
 
     def bind(self, storage: Storage) -> None:
         """Attach to ``storage`` (called once, and again after a migration)."""
@@ -104,6 +108,13 @@ class Semantics(ABC):
         return before
 
 
+def check_seed(seed: object) -> int:
+    """``seed`` as an int, or :class:`ConfigurationError` unless it is an int in ``[0, 2**63)``."""
+    if isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= int(seed) < 2 ** 63:
+        raise ConfigurationError(f"seed must be an int in [0, 2**63), got {seed!r}.")
+    return int(seed)
+
+
 def select_many(semantics: Semantics, sizes: Sequence[int | None], *, peek: bool = False,
                 **kwargs: Any) -> list[Selection]:
     """``len(sizes)`` selections in order, exactly as that many deliveries would make them.
@@ -112,8 +123,10 @@ def select_many(semantics: Semantics, sizes: Sequence[int | None], *, peek: bool
     *predict* the next deliveries. The caller holds the buffer's lock.
     """
     snap = semantics.state_dict() if peek else None
+    semantics.peeking = peek
     try:
         return [semantics.select(n, **kwargs) for n in sizes]
     finally:
+        semantics.peeking = False
         if snap is not None:
             semantics.load_state_dict(snap)

@@ -16,15 +16,21 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any, Literal
 
 import torch
 
 from conduit.errors import ConfigurationError, EmptyBufferError, StaleExperienceError
-from conduit.semantics.base import SampleInfo, Selection, Semantics
+from conduit.semantics.base import SampleInfo, Selection, Semantics, check_seed
 from conduit.storage.base import AppendResult
 
 __all__ = ["OnPolicy"]
+
+
+def _non_negative_number(x: object) -> bool:
+    """Whether ``x`` is a real number (not a bool) >= 0 (NaN is not)."""
+    return not isinstance(x, bool) and isinstance(x, Real) and float(x) >= 0
 
 
 @dataclass
@@ -59,8 +65,8 @@ class OnPolicy(Semantics):
                 raise ConfigurationError(f"{name} must be a positive int, got {v!r}.")
         if not isinstance(num_epochs, int) or num_epochs <= 0:
             raise ConfigurationError(f"num_epochs must be a positive int, got {num_epochs!r}.")
-        if max_staleness < 0:
-            raise ConfigurationError(f"max_staleness must be >= 0, got {max_staleness}.")
+        if not _non_negative_number(max_staleness):
+            raise ConfigurationError(f"max_staleness must be a number >= 0 (versions), got {max_staleness!r}.")
         if on_stale not in ("drop", "raise"):
             raise ConfigurationError(f"on_stale must be 'drop' or 'raise', got {on_stale!r}.")
         self.num_minibatches = num_minibatches
@@ -69,10 +75,10 @@ class OnPolicy(Semantics):
         self.max_staleness = max_staleness
         self.on_stale = on_stale
         self.shuffle = shuffle
-        self.seed = seed
+        self.seed = check_seed(seed)
         self.policy_version = 0
         self.dropped_items = 0
-        self._gen = torch.Generator().manual_seed(seed)
+        self._gen = torch.Generator().manual_seed(self.seed)
         self._open: _Rollout | None = None
         self._sealed: deque[_Rollout] = deque()
         self._cur: _Rollout | None = None
@@ -94,6 +100,8 @@ class OnPolicy(Semantics):
                                      f"versions must not go backwards.")
 
     def on_append(self, result: AppendResult, *, version: int | None, priorities: torch.Tensor | None) -> None:
+        if not result.count:  # no items arrived: nothing to seal or to open
+            return
         assert version is not None
         if self._open is not None and self._open.version != version:
             self.seal()
@@ -149,7 +157,8 @@ class OnPolicy(Semantics):
 
     def _drop(self, r: _Rollout) -> None:
         self.dropped_items += r.count
-        self.storage.release(r.first + r.count)
+        if not self.peeking:  # a prediction only: the real delivery drops it (and frees its storage) again
+            self.storage.release(r.first + r.count)
 
     def select(self, n: int | None = None, **_: Any) -> Selection:
         if n is not None:

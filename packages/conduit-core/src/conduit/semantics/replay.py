@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from numbers import Integral, Real
 from typing import Any
 
 import numpy as np
 import torch
 
 from conduit.errors import CapacityError, ConfigurationError, EmptyBufferError, PriorityError
-from conduit.semantics.base import SampleInfo, Selection, Semantics
+from conduit.semantics.base import SampleInfo, Selection, Semantics, check_seed
 from conduit.semantics.sumtree import SumTree
 from conduit.storage.base import AppendResult, Storage
 
 __all__ = ["Replay", "Sampler", "UniformSampler", "PrioritizedSampler"]
+
+
+def _finite_non_negative(x: object) -> bool:
+    """Whether ``x`` is a real number (not a bool), finite and >= 0."""
+    return not isinstance(x, bool) and isinstance(x, Real) and bool(np.isfinite(float(x))) and float(x) >= 0
 
 
 class Sampler(ABC):
@@ -95,8 +101,9 @@ class PrioritizedSampler(Sampler):
     prioritized = True
 
     def __init__(self, *, alpha: float = 0.6, beta: float = 0.4) -> None:
-        if not (alpha >= 0 and np.isfinite(alpha)) or not (beta >= 0 and np.isfinite(beta)):
-            raise ConfigurationError(f"alpha and beta must be finite and >= 0, got alpha={alpha}, beta={beta}.")
+        if not (_finite_non_negative(alpha) and _finite_non_negative(beta)):
+            raise ConfigurationError(f"alpha and beta must be finite numbers >= 0, got alpha={alpha!r}, "
+                                     f"beta={beta!r}.")
         self.alpha = float(alpha)
         self.beta = float(beta)
 
@@ -139,6 +146,8 @@ class PrioritizedSampler(Sampler):
     def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
         if not replace:
             raise ConfigurationError("PrioritizedSampler draws with replacement; use replace=True.")
+        if beta is not None and not _finite_non_negative(beta):
+            raise ConfigurationError(f"beta must be a finite number >= 0, got {beta!r}.")
         total = self._tree.total
         if total <= 0:
             raise EmptyBufferError("Every live item has priority 0, so none can be drawn; update priorities "
@@ -165,8 +174,11 @@ class PrioritizedSampler(Sampler):
 
     def update(self, handles: torch.Tensor | np.ndarray, priorities: torch.Tensor | np.ndarray) -> int:
         p = self.check(priorities)
-        h = np.asarray(handles.cpu().numpy() if isinstance(handles, torch.Tensor) else handles,
-                       dtype=np.int64).reshape(-1)
+        raw = np.asarray(handles.detach().cpu().numpy() if isinstance(handles, torch.Tensor) else handles)
+        if raw.size and not np.issubdtype(raw.dtype, np.integer):
+            raise PriorityError(f"Handles must be integers (the int64 handles a delivery returned), got dtype "
+                                f"{raw.dtype}; pass info.handles first, then the priorities.")
+        h = raw.astype(np.int64, copy=False).reshape(-1)
         if h.shape != p.shape:
             raise PriorityError(f"Got {h.shape[0]} handles and {p.shape[0]} priorities; pass one priority "
                                 f"per handle.")
@@ -203,7 +215,7 @@ class Replay(Semantics):
 
     def __init__(self, sampler: Sampler | None = None, *, seed: int = 0) -> None:
         self.sampler = sampler if sampler is not None else UniformSampler()
-        self.seed = seed
+        self.seed = check_seed(seed)
 
     def bind(self, storage: Storage) -> None:
         super().bind(storage)
@@ -222,8 +234,9 @@ class Replay(Semantics):
         self.sampler.on_append(result, priorities)
 
     def select(self, n: int | None, *, replace: bool = True, beta: float | None = None, **_: Any) -> Selection:
-        if n is None or n <= 0:
-            raise ConfigurationError(f"Replay delivery needs a positive batch size n, got {n!r}.")
+        if isinstance(n, bool) or not isinstance(n, Integral) or n <= 0:
+            raise ConfigurationError(f"Replay delivery needs a positive batch size n (an int), got {n!r}.")
+        n = int(n)
         size = len(self.storage)
         if size == 0:
             raise EmptyBufferError("The buffer is empty; ingest experience before sampling.")

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged
-from conduit.errors import CapacityError, ConfigurationError
+from conduit.errors import CapacityError, ConduitError, ConfigurationError, SchemaError
 from conduit.schema import ExperienceSchema
 
 __all__ = ["Storage", "AppendResult"]
@@ -106,23 +106,45 @@ class Storage(ABC):
     def checkpoint_batch(self, state: dict[str, Any]) -> tuple[int, ExperienceBatch]:
         """Check that ``state`` (from :meth:`state_dict`) fits this storage; its oldest handle and live items.
 
+        Everything is checked before anything is changed: a refused checkpoint leaves the storage as it was.
+
         Raises:
-            ConfigurationError: the checkpoint has another schema or capacity.
-            CapacityError: a ragged field's live elements exceed this storage's ragged pool
-                (checked before anything is changed).
+            ConfigurationError: the checkpoint has another schema or capacity, or is damaged (missing
+                entries, a handle range that does not fit the capacity, items that do not match
+                its schema).
+            CapacityError: a ragged field's live elements exceed this storage's ragged pool.
         """
-        if state["capacity"] != self.capacity or ExperienceSchema.from_dict(state["schema"]) != self.schema:
+        try:
+            fits = state["capacity"] == self.capacity and ExperienceSchema.from_dict(state["schema"]) == self.schema
+            oldest, count, data = int(state["oldest"]), int(state["next"]) - int(state["oldest"]), state["data"]
+            items = list(data.items())
+        except ConduitError:
+            raise
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ConfigurationError(f"This is not a storage checkpoint ({type(e).__name__}: {e}); load the "
+                                     f"'storage' part of a state_dict() this storage type wrote.") from e
+        if not fits:
             raise ConfigurationError("This checkpoint was written by a storage with another schema or capacity; "
                                      "build the buffer with the same schema and capacity before loading.")
+        if oldest < 0 or not 0 <= count <= self.capacity:
+            raise ConfigurationError(f"This checkpoint's live handles [{oldest}, {oldest + count}) do not fit a "
+                                     f"capacity of {self.capacity}; the checkpoint is damaged.")
         pool = getattr(self, "ragged_capacity", None)
         cols: dict[str, torch.Tensor | Ragged] = {}
-        for name, v in state["data"].items():
+        for name, v in items:
             cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
             if isinstance(v, tuple) and pool is not None and int(v[0].shape[0]) > pool:
                 raise CapacityError(f"This checkpoint holds {int(v[0].shape[0])} elements of ragged field "
                                     f"{name!r}, more than this storage's pool ({pool}); build the buffer with "
                                     f"a ragged_capacity of at least that before loading.")
-        return state["oldest"], ExperienceBatch(cols, state["next"] - state["oldest"])
+        batch = ExperienceBatch(cols, count)
+        if count:
+            try:
+                batch.validate(self.schema)
+            except SchemaError as e:
+                raise ConfigurationError(f"This checkpoint's {count} items do not match its schema ({e}); the "
+                                         f"checkpoint is damaged.") from e
+        return oldest, batch
 
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:

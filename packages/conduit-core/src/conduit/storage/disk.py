@@ -11,11 +11,14 @@ import shutil
 import tempfile
 import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from conduit.errors import PlacementError
+from conduit.batch import ExperienceBatch
+from conduit.errors import ConfigurationError, PlacementError
 from conduit.schema import ExperienceSchema
+from conduit.storage.base import AppendResult
 from conduit.storage.columnar import Allocator, ColumnarStorage
 
 __all__ = ["DiskStorage", "memmap_allocator"]
@@ -53,6 +56,8 @@ class DiskStorage(ColumnarStorage):
 
     def __init__(self, schema: ExperienceSchema, capacity: int, *, directory: str | Path | None = None,
                  ragged_capacity: int | None = None) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+            raise ConfigurationError(f"capacity must be a positive int, got {capacity!r}.")
         parent = Path(directory) if directory is not None else Path(tempfile.gettempdir())
         parent.mkdir(parents=True, exist_ok=True)
         need = capacity * schema.fixed_item_bytes + sum(
@@ -63,14 +68,34 @@ class DiskStorage(ColumnarStorage):
             raise PlacementError(f"The disk tier needs {need / 2**30:.2f} GiB in {parent} but only "
                                  f"{free / 2**30:.2f} GiB is free; pass DiskPlacement(directory=...) on a larger "
                                  f"volume or lower the capacity.")
+        self._closed = False
         self.directory = Path(tempfile.mkdtemp(prefix="conduit-disk-", dir=parent))
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.directory), True)
         super().__init__(schema, capacity, "cpu", ragged_capacity=ragged_capacity,
                          allocator=memmap_allocator(self.directory), tier="disk")
 
     def close(self) -> None:
-        """Unmap and delete the files now (the storage is unusable afterwards)."""
+        """Unmap and delete the files now (the storage is unusable afterwards: appends, reads and
+        checkpoint loads raise :class:`~conduit.ConfigurationError`)."""
+        self._closed = True
         self._cols.clear()
         self._np_cols.clear()
         self._pools.clear()
         self._finalizer()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigurationError(f"This disk storage was closed and its files in {self.directory} deleted; "
+                                     f"build a new one.")
+
+    def append(self, batch: ExperienceBatch, *, evict: bool = True) -> AppendResult:
+        self._check_open()
+        return super().append(batch, evict=evict)
+
+    def gather(self, slots: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> ExperienceBatch:
+        self._check_open()
+        return super().gather(slots, out)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_open()
+        super().load_state_dict(state)

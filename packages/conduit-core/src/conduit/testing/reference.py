@@ -34,7 +34,8 @@ def id_batch(ids: np.ndarray) -> dict[str, torch.Tensor]:
 
 def check_payload(batch: Any) -> np.ndarray:
     ids = batch["id"].cpu().numpy().copy()  # the batch may sit on a GPU tier's device
-    assert torch.equal(batch["obs"][:, 0], batch["id"].to(torch.float32)), "payload does not match its id"
+    expected = batch["id"].to(torch.float32)[:, None].expand(-1, ID_SCHEMA["obs"].shape[0])
+    assert torch.equal(batch["obs"], expected), "payload does not match its id"
     return ids
 
 
