@@ -42,6 +42,7 @@ from conduit import (
     OnPolicy,
     Overlapped,
     PrioritizedSampler,
+    PriorityError,
     Replay,
     SchemaError,
     StaleExperienceError,
@@ -196,18 +197,20 @@ class Assembler:
             self._check_open()
             if self.edp is None:
                 raise EmptyBufferError("Nothing was put into this buffer yet; put samples before get().")
-        if n is not None and n != self._n:
+        configured = self.cfg.batch_size
+        if n is not None and n != configured:
             if not self.cfg.replay_like:
                 raise ConfigurationError(f"This {self.cfg.semantics} buffer delivers batches of its configured "
                                          f"size; call get() without a batch size.")
             if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
                 raise ConfigurationError(f"batch size must be a positive int, got {n!r}.")
+        want = configured if n is None or n == configured else n  # get() without a size: the configured one
         while True:
             with self._deliver_lock:
                 with self._cv:
-                    if n is not None and n != self._n:
+                    if want != self._n:
                         self._discard_ready()
-                        self._n = n
+                        self._n = want
                     entry = self._ready.popleft() if self._ready else None
                 if entry is None:
                     entry = self._deliver()
@@ -222,17 +225,27 @@ class Assembler:
         return entry
 
     def empty(self) -> bool:
-        """True when ``get()`` has nothing to deliver (samples put before the call count)."""
+        """True when ``get()`` has nothing to deliver (samples put before the call count).
+
+        Entries assembled ahead that may no longer be handed out do not count (they are dropped,
+        as ``get()`` would); neither do on-policy rollouts that are all too stale with
+        ``on_stale="drop"`` (they are dropped here, which frees their storage).
+        """
         with self._cv:
             self._check_open()
             if self.edp is None:
                 return True
-            if self._ready:
+            if self._prune_ready():
                 return False
         with self._deliver_lock:  # an entry being assembled right now counts
+            if self.cfg.semantics == "queue" and self.cfg.reuses > 1 and self._ingest_pending():
+                # samples on their way can only add batches, but their eviction can abandon a reused one
+                self.edp.flush()
             with self._cv:
-                if self._ready or self._deliverable():
+                if self._prune_ready() or self._deliverable():
                     return False
+            if self._drop_stale_rollouts():
+                return False
         pending = self._pending_samples()
         if not pending:
             return True
@@ -241,7 +254,7 @@ class Assembler:
         # what is on its way completes a batch (or, on-policy, may close a rollout): let it land, then look
         self.edp.flush()
         with self._deliver_lock, self._cv:
-            return not (self._ready or self._deliverable())
+            return not (self._prune_ready() or self._deliverable())
 
     def qsize(self) -> int:
         """Samples not yet delivered (queue: never delivered; replay: held; on-policy: in unfinished rollouts)."""
@@ -279,8 +292,12 @@ class Assembler:
             raise ConfigurationError("update_priorities needs semantics='prioritized'.")
         if self.edp is None:
             raise EmptyBufferError("Nothing was put into this buffer yet; there are no priorities to update.")
-        h = torch.as_tensor(np.asarray(handles, dtype=np.int64).reshape(-1))
-        p = torch.as_tensor(np.asarray(priorities, dtype=np.float64).reshape(-1))
+        try:
+            h = torch.as_tensor(np.asarray(handles, dtype=np.int64).reshape(-1))
+            p = torch.as_tensor(np.asarray(priorities, dtype=np.float64).reshape(-1))
+        except (TypeError, ValueError) as e:
+            raise PriorityError(f"update_priorities takes entry.sampling_indices and one number per index; could "
+                                f"not read them as numbers ({e}).") from None
         applied = self.edp.update_priorities(h, p)
         with self._cv:
             self._prio_updates += 1
@@ -324,6 +341,9 @@ class Assembler:
             if self.edp is None:
                 return base
             edp_state = self.edp.state_dict()  # stores every put first; Conduit drops prepared draws
+            if self.cfg.semantics == "queue":  # nothing is prepared now: forget the dropped batches' selections
+                self._fifo().rewind()
+                self._discarded_seen = self._scheduler().discarded
             with self._cv:
                 if self.cfg.replay_like:
                     self._discard_ready()  # draws, not data: the live buffer continues like a restored one,
@@ -467,8 +487,30 @@ class Assembler:
             fifo = self._fifo()
             return fifo.can_deliver(self._n or 1) or fifo.undelivered() + extra >= (self._n or 1)
         if sem == "on_policy":
-            return self.edp.semantics.pending_rollouts > 0  # type: ignore[attr-defined,no-any-return]
+            if self.edp.semantics.pending_rollouts == 0:  # type: ignore[attr-defined]
+                return False
+            return self.cfg.on_stale == "raise" or self._fresh_rollout()  # (raise: get() raises the stale error)
         return len(self.edp) + extra >= self.cfg.resolved_warmup
+
+    def _fresh_rollout(self) -> bool:
+        """On-policy, on_stale="drop": whether a pending rollout is fresh enough to be delivered.
+
+        Stale ones are dropped at delivery, so they do not count. Read under the EDP's lock
+        (``select_now`` runs ``when`` under it and, as it returns False, selects nothing).
+        """
+        assert self.edp is not None
+        sem = self.edp.semantics
+        found = [False]
+
+        def probe() -> bool:
+            st = sem.state_dict()
+            rollouts = ([st["cur"]] if st["cur"] is not None else []) + list(st["sealed"])
+            found[0] = any(st["policy_version"] - r[0] <= sem.max_staleness  # type: ignore[attr-defined]
+                           for r in rollouts if r is not None)
+            return False
+
+        self.edp.select_now([], when=probe)
+        return found[0]
 
     def _deliver(self, *, demand: bool = True) -> ReplayEntry:
         """One delivery from the EDP, assembled (the caller holds ``_deliver_lock``).
@@ -529,6 +571,40 @@ class Assembler:
                     self.stats.stale_dropped += int(entry.sampling_indices.shape[0])
                 return False
         return True
+
+    def _drop_stale_rollouts(self) -> bool:
+        """On-policy, on_stale="drop": drop pending rollouts that are all too stale now, as ``get()`` would.
+
+        ``empty()`` reports them as nothing to deliver, so no ``get()`` would come to drop them and
+        free their storage for a ``put`` waiting for room. Returns whether an entry became ready
+        instead (a fresh rollout was sealed meanwhile). The caller holds ``_deliver_lock``.
+        """
+        edp = self.edp
+        assert edp is not None
+        if (self.cfg.semantics != "on_policy" or self.cfg.on_stale != "drop"
+                or edp.semantics.pending_rollouts == 0 or self._fresh_rollout()):  # type: ignore[attr-defined]
+            return False
+        try:
+            batch, info = edp.deliver()
+        except EmptyBufferError:
+            with self._cv:
+                self._cv.notify_all()  # room was freed
+            return False
+        entry = self._assemble(batch, info)
+        with self._cv:
+            self._rollout_open = not info.last
+            self._ready.append(entry)
+            self._cv.notify_all()
+        return True
+
+    def _prune_ready(self) -> bool:
+        """Drop (and count) entries assembled ahead that may no longer be handed out; whether one is left.
+
+        The caller holds ``_cv``.
+        """
+        while self._ready and not self._usable(self._ready[0]):
+            self._ready.popleft()
+        return bool(self._ready)
 
     def _count_reuses(self, handles: np.ndarray) -> float:
         """Replay: how many times these samples were handed out before (mean); counts this delivery (holds ``_cv``)."""

@@ -59,7 +59,7 @@ class BufferConfig:
     seed: int = 0
     #: Conduit's scheduler: ingestion granularity (off-policy: puts per storage write; on-policy: part of a rollout)
     g_ing: float = 1
-    #: Conduit's scheduler: batches it gathers ahead per delivery (off-policy)
+    #: Conduit's scheduler: batches it gathers ahead per delivery (replay, prioritized; queue and on_policy: 1)
     g_del: int = 1
     #: run ingestion and gathering in the background (False: the same granularity, in the caller)
     overlap: bool = True
@@ -92,7 +92,8 @@ class BufferConfig:
             raise ConfigurationError(f"Unknown Conduit buffer argument(s) {unknown}. {hints + '. ' if hints else ''}"
                                      f"Known: {sorted(known)}.")
         if "drop_fields" in kwargs:
-            kwargs["drop_fields"] = tuple(kwargs["drop_fields"])
+            drop = kwargs["drop_fields"]
+            kwargs["drop_fields"] = (drop,) if isinstance(drop, str) else tuple(drop)  # one name, not its letters
         cfg = cls(**kwargs)
         cfg._check()
         return cfg
@@ -152,6 +153,10 @@ class BufferConfig:
             if int(self.g_ing) != self.g_ing:
                 raise ConfigurationError(f"g_ing counts puts per storage write: an int >= 1, got {self.g_ing}.")
             positive("g_del", self.g_del)
+            if self.semantics == "queue" and self.g_del != 1:
+                raise ConfigurationError("queue delivers the oldest waiting batch, one per get(): gathering g_del "
+                                         "batches per delivery would need that many batches waiting, so drop g_del "
+                                         "(prefetch= assembles entries ahead).")
         if self.on_stale not in ("drop", "raise"):
             raise ConfigurationError(f"on_stale must be 'drop' or 'raise', got {self.on_stale!r}.")
 

@@ -47,6 +47,10 @@ class FifoSampler(Sampler):
         self._conf: _Cursor = (0, None)
         #: handle after the last item ``sample`` selected (unlike ``_sel``, not moved past evicted items)
         self._picked = 0
+        #: selections made and confirmed (each written by one thread: ``sample`` runs in Conduit's worker,
+        #: ``confirm`` in the delivering thread); the difference is what the scheduler holds prepared
+        self._selected = 0
+        self._confirmed = 0
         #: items evicted before they were delivered
         self.dropped = 0
         #: batches whose remaining reuses were skipped because eviction took some of their items
@@ -59,14 +63,22 @@ class FifoSampler(Sampler):
         return st.next_handle - max(self._conf[0], st.oldest)
 
     def can_deliver(self, n: int) -> bool:
-        """Whether a batch of ``n`` is waiting (by the confirmed cursor, so prepared ones count)."""
-        return self._conf[1] is not None or self.undelivered() >= n
+        """Whether a batch of ``n`` is waiting (by the confirmed cursor, so prepared ones count).
+
+        A batch owed more reuses counts only while its items are live (eviction abandons it) or
+        while a selection is prepared ahead (its rows were gathered before the eviction).
+        """
+        cur = self._conf[1]
+        if self._selected > self._confirmed or (cur is not None and cur[0] >= self.storage.oldest):
+            return True
+        return self.undelivered() >= n
 
     # -- the two cursors -----------------------------------------------------------------------
     def confirm(self, info: SampleInfo) -> None:
         """A delivery selected by this sampler left the scheduler: advance the confirmed cursor past it."""
         h = info.handles
         first, count, uses = int(h[0]), int(h.shape[0]), int(info.epoch or 0) + 1
+        self._confirmed += 1
         self._conf = (max(self._conf[0], first + count), None if uses >= self.reuses else (first, count, uses))
 
     def _rewound(self) -> tuple[_Cursor, int, int]:
@@ -91,6 +103,7 @@ class FifoSampler(Sampler):
         cursor, self.dropped, self.abandoned = self._rewound()
         self._sel = self._conf = cursor
         self._picked = cursor[0]
+        self._confirmed = self._selected
 
     # -- Sampler -------------------------------------------------------------------------------
     def on_append(self, result: AppendResult, priorities: torch.Tensor | None) -> None:
@@ -120,6 +133,7 @@ class FifoSampler(Sampler):
         uses += 1
         self._sel = (max(nxt, first + count), None if uses >= self.reuses else (first, count, uses))
         self._picked = max(self._picked, first + count)
+        self._selected += 1
         return Selection(handles % st.capacity, SampleInfo(handles=handles, epoch=uses - 1))
 
     def state_dict(self) -> dict[str, Any]:
@@ -131,5 +145,6 @@ class FifoSampler(Sampler):
         nxt, cur = state["cursor"]
         self._sel = self._conf = (int(nxt), None if cur is None else tuple(cur))  # type: ignore[assignment]
         self._picked = int(nxt)
+        self._selected = self._confirmed = 0
         self.dropped = int(state["dropped"])
         self.abandoned = int(state["abandoned"])

@@ -91,6 +91,10 @@ class RecordLayout:
                                       f"{self.time_steps}; every field of a sample shares its first axis T.")
                 torch_dtype(arr.dtype, path)
                 leaf = Leaf(path, arr.dtype, tuple(int(s) for s in arr.shape[lead:]))
+                if arr.shape[0] == 0 or 0 in leaf.step_shape:
+                    raise SchemaError(f"Field {path!r} has shape {arr.shape}, with an empty time or per-step axis; "
+                                      f"every stored field needs T >= 1 and per-step sizes >= 1 (list an empty "
+                                      f"field in drop_fields).")
                 self.leaves.append(leaf)
                 children.append((name, leaf))
         return _Node(type(rec), tuple(children))

@@ -57,7 +57,8 @@ class StreamPolicy:
             raise ConfigurationError(f"route must be one of {ROUTES}, got {self.route!r}.")
         if not isinstance(self.coalesce, int) or isinstance(self.coalesce, bool) or self.coalesce < 1:
             raise ConfigurationError(f"coalesce must be an int >= 1, got {self.coalesce!r}.")
-        if not self.max_delay_s >= 0:
+        if (not isinstance(self.max_delay_s, (int, float)) or isinstance(self.max_delay_s, bool)
+                or not self.max_delay_s >= 0):
             raise ConfigurationError(f"max_delay_s must be >= 0, got {self.max_delay_s!r}.")
 
 
