@@ -360,3 +360,17 @@ def test_a_load_that_stops_part_way_marks_the_rest_of_the_checkpoint_lost_and_th
     assert h.tolist() == [6, 7] and _ids(p) == [70, 71]
     batch, _ = p.deliver(100)
     assert set(check_payload(batch).tolist()) == {70, 71}
+
+
+def test_float_handles_in_a_priority_update_are_refused_and_change_nothing(fake_ray):
+    """Swapped arguments (priorities where handles go) were cast to int64 and applied to other items."""
+    from conduit.errors import PriorityError
+    from conduit.semantics.replay import PrioritizedSampler, Replay
+
+    p = _plane(["a"], capacity=8, semantics=Replay(PrioritizedSampler(alpha=1.0), seed=0))
+    p.ingest(id_batch(np.arange(4)))
+    leaves = p.semantics.sampler._tree.get(np.arange(4)).copy()
+    with pytest.raises(PriorityError, match="Handles must be integers"):
+        p.update_priorities(torch.tensor([2.5, 0.5]), torch.tensor([0, 1]))
+    assert np.array_equal(p.semantics.sampler._tree.get(np.arange(4)), leaves)
+    assert p.update_priorities(torch.tensor([0, 1]), torch.tensor([2.5, 0.5])) == 2

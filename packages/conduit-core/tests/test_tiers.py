@@ -312,3 +312,26 @@ def test_truncate_forgets_the_newest_items_and_their_slots_take_the_next_append(
     assert st.gather(torch.arange(1, 7) % 6)["id"].tolist() == [1, 2, 3, 4, 5, 6]
     st.truncate(0)
     assert (st.oldest, st.next_handle) == (1, 1)
+
+
+@pytest.mark.gpu
+def test_ranges_are_built_on_the_device_of_their_starts() -> None:
+    """Ragged selection on a GPU tier: the flat element indices stay on the GPU (a CPU arange was added to a
+    CUDA tensor and failed)."""
+    from conduit.batch import ranges
+
+    got = ranges(torch.tensor([5, 0], device="cuda"), torch.tensor([2, 3], device="cuda"))
+    assert got.device.type == "cuda" and got.tolist() == [5, 6, 0, 1, 2]
+    assert ranges(torch.tensor([1], device="cuda"), torch.tensor([0], device="cuda")).device.type == "cuda"
+
+
+@pytest.mark.gpu
+def test_sharded_gather_from_a_gpu_shard_into_host_buffers_is_complete() -> None:
+    """Shards on the host and a GPU, output on the host: the GPU shard's rows must have landed before they are
+    scattered into the output (an asynchronous device-to-host copy was read at once)."""
+    st = ShardedStorage(SCHEMA, 4096, ["cpu", "cuda:0"])
+    st.append(_batch(range(4096)))
+    slots = torch.randperm(4096)[:2048]
+    for _ in range(20):
+        got = st.gather(slots, {"id": torch.empty(2048, dtype=torch.int64), "obs": torch.empty(2048, 2)})
+        assert torch.equal(got["id"], slots), "rows from the GPU shard were read before their copy landed"

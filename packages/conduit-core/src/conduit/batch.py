@@ -317,7 +317,7 @@ def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Concatenation of ``arange(s, s + l)`` for each (s, l), without a Python loop."""
     total = int(lengths.sum())
     if total == 0:
-        return torch.empty(0, dtype=torch.int64)
+        return torch.empty(0, dtype=torch.int64, device=starts.device)
     rep_starts = torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths), lengths,
                                          output_size=total)
-    return torch.arange(total, dtype=torch.int64) + rep_starts
+    return torch.arange(total, dtype=torch.int64, device=rep_starts.device) + rep_starts

@@ -154,7 +154,8 @@ class ExposureLog:
             self.iterations.append(measure_iteration(self.telemetry.since(t0 - 60.0), t0, t1))
 
     def summary(self, skip: int = 0) -> dict[str, float]:
-        """Median seconds per iteration of each part, over the iterations after the first ``skip``."""
+        """Median seconds per iteration of each part, over the iterations after the first ``skip``
+        (over all of them when no more than ``skip`` ran, so a short run still reports; {} for none)."""
         its = self.iterations[skip:] or self.iterations
         if not its:
             return {}

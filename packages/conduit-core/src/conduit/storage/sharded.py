@@ -207,7 +207,9 @@ class ShardedStorage(Storage):
                 part = torch.index_select(col, 0, r)
                 target = dst[name]
                 if target.device != part.device:
-                    part = part.to(target.device, non_blocking=True)
+                    # non-blocking only towards a GPU, whose stream orders the index_copy_ after it: a host
+                    # target is read by index_copy_ at once, before an asynchronous copy would have landed
+                    part = part.to(target.device, non_blocking=target.device.type == "cuda")
                 target.index_copy_(0, pos if target.device.type == "cpu" else pos.to(target.device), part)
         for name in self.schema.fixed:
             cols[name] = dst[name]
