@@ -162,3 +162,19 @@ def test_a_non_numeric_train_batch_column_is_a_typed_error_and_stores_nothing(co
         assert sorted(rows) == [0.0, 2.0, 4.0, 6.0], "the refused ingest stored rows"
     finally:
         feed.close()
+
+
+def test_an_add_weight_does_not_raise_later_adds_default_priority_as_in_rllib() -> None:
+    """RLlib's prioritized buffer gives an add without a weight its largest *updated* priority (1.0 at first):
+    a weight passed to an earlier add does not count. Conduit's gave later adds that weight."""
+    from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
+
+    ours = ConduitPrioritizedEpisodeReplayBuffer(capacity=20, alpha=0.6, seed=0)
+    native = PrioritizedEpisodeReplayBuffer(capacity=20, alpha=0.6)
+    for buf in (ours, native):
+        buf.add([id_episode(np.arange(4), episode_id="a")], weight=10.0)
+        buf.add([id_episode(np.arange(4, 10), episode_id="b")])
+    leaves = ours.edp.semantics.sampler._tree.get(np.arange(10))
+    expected = np.array([10.0 ** 0.6] * 4 + [1.0] * 6)
+    np.testing.assert_allclose(leaves, expected, err_msg="a later add took the earlier add's weight")
+    np.testing.assert_allclose(leaves.sum(), native._sum_segment.sum(0, native._sum_segment.capacity), rtol=1e-9)

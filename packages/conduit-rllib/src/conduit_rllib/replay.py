@@ -130,7 +130,8 @@ class _ConduitReplay:
 
     # -- construction of the data plane ------------------------------------------------------
     def _build(self, schema: ExperienceSchema) -> ExperienceDataPlane:
-        sampler = PrioritizedSampler(alpha=self._alpha) if self.prioritized else UniformSampler()
+        # as RLlib's buffer: an add's weight is not "seen" for later adds' default priority (updates are)
+        sampler = PrioritizedSampler(alpha=self._alpha, max_from_ingest=False) if self.prioritized else UniformSampler()
         placement = self.placement or HostPlacement(pin_memory=self.device.type == "cuda")
         try:
             edp = ExperienceDataPlane(schema, capacity=self.capacity, semantics=Replay(sampler, seed=self.seed),
@@ -163,7 +164,8 @@ class _ConduitReplay:
         """Store the transitions of ``SingleAgentEpisode`` chunks (one item per step, columnar).
 
         Chunks of one episode may arrive over several calls; their steps are linked for n-step
-        returns. ``weight`` is the initial priority (prioritized buffer; default: the largest seen).
+        returns. ``weight`` is the initial priority (prioritized buffer; default: the largest priority an
+        update set, 1.0 at first, as in RLlib: a weight given here does not raise later adds' default).
 
         Raises:
             conduit.SchemaError: observations or actions change shape/dtype, or are nested.

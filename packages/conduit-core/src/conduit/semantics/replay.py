@@ -96,16 +96,19 @@ class PrioritizedSampler(Sampler):
     Args:
         alpha: priority exponent (0 gives uniform sampling).
         beta: default importance-weight exponent (a ``deliver(beta=...)`` overrides it).
+        max_from_ingest: whether priorities given at ingestion count as "seen" for later
+            items' default (True); with False only updates raise it, as RLlib's buffers do.
     """
 
     prioritized = True
 
-    def __init__(self, *, alpha: float = 0.6, beta: float = 0.4) -> None:
+    def __init__(self, *, alpha: float = 0.6, beta: float = 0.4, max_from_ingest: bool = True) -> None:
         if not (_finite_non_negative(alpha) and _finite_non_negative(beta)):
             raise ConfigurationError(f"alpha and beta must be finite numbers >= 0, got alpha={alpha!r}, "
                                      f"beta={beta!r}.")
         self.alpha = float(alpha)
         self.beta = float(beta)
+        self.max_from_ingest = bool(max_from_ingest)
 
     def reset(self, storage: Storage, seed: int) -> None:
         super().reset(storage, seed)
@@ -139,7 +142,8 @@ class PrioritizedSampler(Sampler):
                 vals = np.full(result.count, self._max_priority ** self.alpha)
             else:
                 p = self.check(priorities)
-                self._max_priority = max(self._max_priority, float(p.max(initial=0.0)))
+                if self.max_from_ingest:
+                    self._max_priority = max(self._max_priority, float(p.max(initial=0.0)))
                 vals = p ** self.alpha
             self._tree.set(slots, vals)
 
