@@ -40,9 +40,15 @@ def test_stale_groups_match_conduit_on_policy() -> None:
 
 
 def test_raise_and_wait_and_off() -> None:
-    """on_stale=raise stops with a typed error; wait never evicts; a null threshold disables the check."""
-    with pytest.raises(StaleExperienceError):
-        with_groups(buffer(on_stale="raise"), {"x": 1})._stale_terminal_keys(9, "train")
+    """on_stale=raise stops with a typed error when stale groups would be evicted, not when they are only
+    counted (the separate-async trainer counts for the next step too); wait never evicts; a null threshold
+    disables the check."""
+    buf = with_groups(buffer(on_stale="raise"), {"x": 1})
+    reasons = buf._terminal_eviction_reasons(9, "train")
+    assert reasons[0] == {"x"}
+    with pytest.raises(StaleExperienceError, match="8 policy versions behind step 9"):
+        buf._evict_terminal_groups(9, "train", reasons)
+    assert buf.finished_keys["train"] == {"x"}, "a refused eviction cleared the group"
     assert with_groups(buffer(on_stale="wait"), {"x": 1})._stale_terminal_keys(9, "train") == set()
     assert with_groups(buffer(threshold=None), {"x": 1})._stale_terminal_keys(9, "train") == set()
     assert with_groups(buffer(), {"x": 1})._stale_terminal_keys(9, "val") == set()

@@ -67,18 +67,25 @@ class ConduitReplayBuffer(ReplayBufferAsync):
         if partition_id == "val" or self.max_staleness is None or self.on_stale == "wait":
             return set()
         steps = self.prompt_global_steps[partition_id]
-        stale = {uid for uid in self.finished_keys[partition_id]
-                 if staleness(global_steps, steps.get(uid, global_steps)) > self.max_staleness}
+        return {uid for uid in self.finished_keys[partition_id]
+                if staleness(global_steps, steps.get(uid, global_steps)) > self.max_staleness}
+
+    def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons: Any) -> Any:
+        """verl's eviction; counts the stale groups it cleared (``get_sampleable_count`` only looks at them).
+
+        Raises:
+            StaleExperienceError: ``on_stale="raise"`` and stale groups would be dropped (nothing is
+                cleared). Only eviction raises: counting sampleable groups, which the separate-async
+                trainer also does for the next step, does not.
+        """
+        stale = eviction_reasons[0]
         if stale and self.on_stale == "raise":
-            worst = max(staleness(global_steps, steps[u]) for u in stale)
+            steps = self.prompt_global_steps[partition_id]
+            worst = max(staleness(global_steps, steps.get(u, global_steps)) for u in stale)
             raise StaleExperienceError(
                 f"{len(stale)} finished GRPO group(s) are up to {worst} policy versions behind step {global_steps} "
                 f"(max_staleness={self.max_staleness}, i.e. max_off_policy_threshold={self.max_off_policy_threshold})"
                 f"; raise the threshold, generate closer to training, or use on_stale=drop.")
-        return stale
-
-    def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons: Any) -> Any:
-        """verl's eviction; counts the stale groups it cleared (``get_sampleable_count`` only looks at them)."""
         out = super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
         self.stale_groups += out[1]
         return out
