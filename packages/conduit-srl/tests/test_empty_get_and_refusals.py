@@ -195,3 +195,11 @@ def test_drop_fields_given_as_one_string_drops_that_field(closing) -> None:
     s = make_sample([0])
     b.put(type(s)(**dict(s.items()), tag=np.array(["x"] * 4)))  # non-numeric: stored only if not dropped
     assert b.get().sample.tag is None
+
+
+def test_drop_fields_none_drops_nothing(closing) -> None:
+    """``drop_fields=None`` raised a raw TypeError; it means: keep every field."""
+    b = closing(batch_size=1, capacity=4, drop_fields=None)
+    assert b.config.drop_fields == ()
+    b.put(make_sample([0]))
+    assert b.get().sample is not None

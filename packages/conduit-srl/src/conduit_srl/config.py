@@ -93,7 +93,8 @@ class BufferConfig:
                                      f"Known: {sorted(known)}.")
         if "drop_fields" in kwargs:
             drop = kwargs["drop_fields"]
-            kwargs["drop_fields"] = (drop,) if isinstance(drop, str) else tuple(drop)  # one name, not its letters
+            # one name, not its letters; None drops nothing
+            kwargs["drop_fields"] = () if drop is None else (drop,) if isinstance(drop, str) else tuple(drop)
         cfg = cls(**kwargs)
         cfg._check()
         return cfg
