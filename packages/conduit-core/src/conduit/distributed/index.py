@@ -240,6 +240,14 @@ class ShardIndex(Storage):
         local = self._local[sl] + cut[:, None]
         return int(local[hit].min())
 
+    def held_end(self, shard: int) -> int:
+        """One past the highest local handle on ``shard`` that a segment of the index names (0: none)."""
+        sl = slice(self._lo, self._hi)
+        hit = self._shard[sl] == shard
+        if not hit.any():
+            return 0
+        return int((self._local[sl] + self._count[sl][:, None])[hit].max())
+
     def live_handles(self) -> np.ndarray:
         """Every deliverable handle, oldest first."""
         h = np.arange(self._oldest, self._next, dtype=np.int64)

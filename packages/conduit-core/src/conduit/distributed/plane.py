@@ -254,6 +254,9 @@ class DistributedDataPlane:
         self.plan = ShardPlan(nodes, self.learner_node, links=self.links, reuse=reuse)
         self._alive = [True] * len(nodes)
         self._local_next = [0] * len(nodes)
+        #: while a write is under way, each shard's next local handle when it began: rows from there on are
+        #: stored but not yet in the index, and no append may release them
+        self._pinned: dict[int, int] = {}
         self.transport = transport
         self._torch: TorchGroup | None = None
         self._recv_pool: futures.ThreadPoolExecutor | None = None
@@ -281,7 +284,12 @@ class DistributedDataPlane:
                                f"check that node, or build the buffer on other servers.")
         self.semantics.bind(self.index)
         self.scheduler: Scheduler = scheduler if scheduler is not None else Synchronous()
-        self.scheduler.attach(self)  # type: ignore[arg-type]
+        try:
+            self.scheduler.attach(self)  # type: ignore[arg-type]
+        except BaseException:  # e.g. a scheduler that refuses these semantics: drop the partitions opened above
+            self._closed = True
+            self._close_shards()
+            raise
         if health_period is not None:
             self._monitor = threading.Thread(target=self._watch, args=(float(health_period),), daemon=True,
                                              name=f"conduit-health-{self.buffer_id[:6]}")
@@ -481,6 +489,7 @@ class DistributedDataPlane:
         """(free slots, release point) of ``shard`` once the window starts at ``oldest``."""
         need = self.index.needed_from(shard, oldest)
         upto = self._local_next[shard] if need is None else need
+        upto = min(upto, self._pinned.get(shard, upto))  # rows this write stored in an earlier round stay
         return self.shard_capacity - (self._local_next[shard] - upto), upto
 
     def _store(self, payload: Any, runs: Sequence[tuple[int, int, str]], row_bytes: float, oldest: int
@@ -490,6 +499,14 @@ class DistributedDataPlane:
         ``runs`` are (start, count, producer node): each run is placed by the plan for its
         producer, and every run's writes go out in one round of parallel calls.
         """
+        self._pinned = dict(enumerate(self._local_next))
+        try:
+            return self._store_rounds(payload, runs, row_bytes, oldest)
+        finally:
+            self._pinned = {}
+
+    def _store_rounds(self, payload: Any, runs: Sequence[tuple[int, int, str]], row_bytes: float, oldest: int
+                      ) -> list[tuple[int, int, list[tuple[int, int]]]]:
         placed: list[tuple[int, int, list[tuple[int, int]], str]] = []
         pending = list(runs)
         full: set[int] = set()
@@ -566,14 +583,17 @@ class DistributedDataPlane:
         """Undo an ingestion that failed after some shards stored their rows (under the lock).
 
         Those shards forget the rows again (the index never named them), so no shard holds a
-        row the index does not know. A shard that stored rows had first released the items the
-        ingestion evicts, and the rows may have overwritten them: those evictions stand, and
-        the index evicts the same oldest items (FIFO order kept). ``error`` gets a note saying so.
+        row the index does not know; rows the index names there (a copy made for a shard lost
+        during the write) are kept, with whatever of the batch was stored before them. A shard
+        that stored rows had first released the items the ingestion evicts, and the rows may
+        have overwritten them: those evictions stand, and the index evicts the same oldest items
+        (FIFO order kept). ``error`` gets a note saying so.
         """
         touched = [s for s, nxt in enumerate(self._local_next) if nxt > before[s]]
         if not touched:
             return  # no shard released or stored anything: the buffer is unchanged
-        outs = wait_all({s: self.servers[s].actor.truncate.remote(self.buffer_id, before[s])
+        outs = wait_all({s: self.servers[s].actor.truncate.remote(self.buffer_id,
+                                                                  max(before[s], self.index.held_end(s)))
                          for s in touched if self._alive[s]}, self.timeout)
         for s, o in outs.items():
             if o.ok:
@@ -1135,12 +1155,23 @@ class DistributedDataPlane:
                     "data": data, "semantics": self.semantics.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (items go to the live shards; lost items stay lost)."""
-        if state.get("format") != "conduit.distributed/1":
-            raise ConfigurationError("Unknown checkpoint format; it was not written by DistributedDataPlane.")
+        """Restore what :meth:`state_dict` saved (items go to the live shards; lost items stay lost).
+
+        Raises:
+            ConfigurationError: not a checkpoint of this buffer's kind, schema and capacity, or a damaged one
+                (the buffer is unchanged).
+            CapacityError: the checkpoint holds more items than the live shards can (the buffer is unchanged).
+            ClusterError: loading stopped part way (the rest of the checkpoint is marked lost).
+        """
+        keys = ("schema", "capacity", "oldest", "next", "handles", "data", "semantics")
+        if (not isinstance(state, Mapping) or state.get("format") != "conduit.distributed/1"
+                or any(k not in state for k in keys)):
+            raise ConfigurationError("Unknown checkpoint format; it was not written by DistributedDataPlane "
+                                     "(expected the dict its state_dict() returns).")
         if state["capacity"] != self.capacity or ExperienceSchema.from_dict(state["schema"]) != self.schema:
             raise ConfigurationError("This checkpoint was written by a buffer with another schema or capacity; "
                                      "build the buffer with the same schema and capacity before loading.")
+        self._check_checkpoint(state)
         self.scheduler.flush()
         self.scheduler.invalidate("contents")
         with self._lock:
@@ -1154,11 +1185,38 @@ class DistributedDataPlane:
                 self._load_contents(state)
             except _PartlyLoaded:
                 self.semantics.load_state_dict(state["semantics"])  # the index now describes the checkpoint
+                if self._replay and getattr(self.semantics.sampler, "prioritized", False):  # type: ignore[attr-defined]
+                    h = np.arange(self.index.oldest, self.index.next_handle, dtype=np.int64)
+                    _forget_priorities(self.semantics, h[self.index.lost_mask(h)], self.capacity)  # as a lost shard's
                 raise
             except BaseException:
                 self.semantics.load_state_dict(before)
                 raise
             self.semantics.load_state_dict(state["semantics"])  # again: a shard lost while loading forgot priorities
+
+    def _check_checkpoint(self, state: Mapping[str, Any]) -> None:
+        """Refuse a checkpoint whose parts disagree, before anything changes.
+
+        Raises:
+            ConfigurationError: handles that are not increasing int64 handles inside ``[oldest, next)``, a
+                window larger than the capacity, or data that is not one row per handle of the schema.
+        """
+        h, oldest, nxt = state["handles"], state["oldest"], state["next"]
+        ok = (isinstance(h, torch.Tensor) and h.dtype == torch.int64 and h.dim() == 1
+              and _is_int(oldest) and _is_int(nxt) and 0 <= oldest <= nxt <= oldest + self.capacity
+              and isinstance(state["data"], Mapping) and set(state["data"]) == set(self.schema))
+        if ok and h.numel():
+            a = h.numpy()
+            ok = bool(a[0] >= oldest and a[-1] < nxt and (np.diff(a) > 0).all())
+        if ok:
+            try:
+                cols = {n: Ragged(v[0], v[1]) if isinstance(v, tuple) else v for n, v in state["data"].items()}
+                ok = ExperienceBatch.checked(cols, self.schema).batch_size == int(h.shape[0])
+            except (ConduitError, TypeError, ValueError, IndexError):
+                ok = False
+        if not ok:
+            raise ConfigurationError("This checkpoint is damaged: its handles, window and data do not agree (the "
+                                     "buffer is unchanged); load the dict state_dict() returned, unmodified.")
 
     def _load_contents(self, state: dict[str, Any]) -> None:
         """Replace every live shard's items and the index by the checkpoint's (under the lock)."""
@@ -1187,6 +1245,7 @@ class DistributedDataPlane:
                 first = int(h[a])
                 if first > cursor:
                     self.index.add_segment(cursor, first - cursor, [])
+                    cursor = first  # recorded: a load that stops below must not record it again
                 for start, count, reps in self._store(payload, [(a, b - a, self.learner_node)],
                                                       self.schema.fixed_item_bytes, oldest):
                     self.index.add_segment(first + start - a, count, reps)
@@ -1238,6 +1297,10 @@ class DistributedDataPlane:
 
 class _PartlyLoaded(ClusterError):
     """A checkpoint load that stopped part way: the rest of the checkpoint is marked lost."""
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _reason(o: Outcome) -> str:
