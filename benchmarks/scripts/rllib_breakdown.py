@@ -20,6 +20,21 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+def result_name(args: argparse.Namespace) -> str:
+    """The workload's name in the results file: one per set of variants run, so that a run with
+    ``--overlap``/``--ingest-in-caller`` does not overwrite the plain comparison of the same workload."""
+    if args.algo == "dqn":
+        name = (f"dqn_d{args.obs_dim}_b{args.batch or 32}{'_uniform' if args.uniform else ''}"
+                f"{f'_cap{args.capacity}' if args.capacity != 5000 else ''}")
+    elif args.algo == "sac":
+        name = f"sac_pendulum_b{args.batch or 256}{'_uniform' if args.uniform else ''}"
+    else:
+        return f"ppo_cartpole_{max(args.steps, 500)}"  # --sequential only adds a variant
+    if args.overlap:
+        name += f"_overlap{args.overlap}{'_caller' if args.ingest_in_caller else ''}"
+    return name
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("algo", choices=["dqn", "sac", "ppo"])
@@ -51,17 +66,14 @@ def main() -> int:
         def make():
             return dqn_large_obs(args.obs_dim, steps=args.steps, batch=args.batch or 32, seed=args.seed,
                                  prioritized=not args.uniform, capacity=args.capacity)
-        name = (f"dqn_d{args.obs_dim}_b{args.batch or 32}{'_uniform' if args.uniform else ''}"
-                f"{f'_cap{args.capacity}' if args.capacity != 5000 else ''}")
     elif args.algo == "sac":
         def make():
             return sac_pendulum(steps=args.steps, batch=args.batch or 256, seed=args.seed,
                                 prioritized=not args.uniform)
-        name = f"sac_pendulum_b{args.batch or 256}{'_uniform' if args.uniform else ''}"
     else:
         def make():
             return ppo_cartpole(batch=max(args.steps, 500), minibatch=args.batch or 128, seed=args.seed)
-        name = f"ppo_cartpole_{max(args.steps, 500)}"
+    name = result_name(args)
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     try:

@@ -151,7 +151,9 @@ class ExposureLog:
         finally:
             t1 = time.perf_counter()
             self.telemetry.record("iteration", 0, 0, t0, t1)
-            self.iterations.append(measure_iteration(self.telemetry.since(t0 - 60.0), t0, t1))
+            # every span overlapping the iteration, however long before it started
+            recs = [r for r in self.telemetry.records if r.end > t0]
+            self.iterations.append(measure_iteration(recs, t0, t1))
 
     def summary(self, skip: int = 0) -> dict[str, float]:
         """Median seconds per iteration of each part, over the iterations after the first ``skip``

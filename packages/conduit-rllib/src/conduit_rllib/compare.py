@@ -34,8 +34,39 @@ class Row:
         return asdict(self)
 
 
+def _rng_state() -> tuple[Any, ...]:
+    """The process-global random states RLlib seeds and draws from (exploration, shuffling, ...)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[Any, ...]) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    py, np_state, cpu, cuda = state
+    random.setstate(py)
+    np.random.set_state(np_state)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
 class Variant:
-    """One built algorithm ("native" or "conduit") with its experience-path probe."""
+    """One built algorithm ("native" or "conduit") with its experience-path probe.
+
+    Each variant keeps its own copy of the process-global random states (Python's, NumPy's,
+    torch's), seeded when it is built and swapped in around its ``train()`` calls: variants
+    built with the same seed draw the same streams whether they run one after the other or
+    interleaved in one process.
+    """
 
     def __init__(self, name: str, config: Any, *, enable: Callable[[Any], Any] | None = None) -> None:
         from conduit_rllib.profiling import ExperiencePathProbe
@@ -46,15 +77,22 @@ class Variant:
             (enable or conduit_rllib.enable)(config)
         self.name = name
         self.algo = config.build_algo()
+        self._rng = _rng_state()  # as the build seeded it
         self.probe = ExperiencePathProbe(self.algo)
         self.rows: list[Row] = []
 
     def iteration(self) -> Row:
-        self.probe.take()
-        c0, t0 = time.process_time(), time.perf_counter()
-        result = self.algo.train()
-        dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        p = self.probe.take()
+        outer = _rng_state()
+        _set_rng_state(self._rng)
+        try:
+            self.probe.take()
+            c0, t0 = time.process_time(), time.perf_counter()
+            result = self.algo.train()
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            p = self.probe.take()
+        finally:
+            self._rng = _rng_state()
+            _set_rng_state(outer)
         ret = result.get("env_runners", {}).get("episode_return_mean")
         row = Row(self.name, len(self.rows) + 1, dt, dc, p["total"], p["exposed"],
                   None if ret is None else float(ret), p)

@@ -13,9 +13,14 @@ nothing in RLlib's classes changes), the calls that make up the experience path:
   and each ``next()`` on it; for PPO that is RLlib's slicing or Conduit's delivery).
 
 Time inside these calls is *exposed*: the training loop waits for it. Conduit may also run
-experience-path work on its own threads (background ingestion, prefetch); that time comes
-from the data planes' telemetry and is reported as ``background``. Times are exclusive:
-a wrapped call nested in another counts once.
+experience-path work on its own threads (background ingestion, staging, prefetch); that time
+comes from the data planes' telemetry and is reported as ``background``, the *hidden* time of
+:mod:`conduit.exposure`: the union of the workers' ``ingest``/``deliver``/``stage`` spans,
+clipped to the window between two :meth:`~ExperiencePathProbe.take` calls, minus the part
+during which the loop sat in one of the wrapped calls (waiting for that work, which is then
+exposed already). So ``exposed + background`` never counts a moment twice, and a span that
+started before the window counts for the part inside it. Times are exclusive: a wrapped call
+nested in another counts once.
 
 The rest of an iteration is timed too, as *context* (not experience path), so a difference
 in iteration time can be placed: ``env`` (the local EnvRunner's ``sample``), ``weights``
@@ -38,6 +43,9 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from functools import wraps
 from typing import Any
+
+from conduit.exposure import measure_iteration
+from conduit.telemetry import CallRecord
 
 __all__ = ["ExperiencePathProbe", "PARTS", "CONTEXT"]
 
@@ -69,6 +77,10 @@ class ExperiencePathProbe:
         self._acc: dict[str, float] = defaultdict(float)
         self._local = threading.local()
         self._main = threading.get_ident()
+        #: threads that ran wrapped calls (the training loop's), and the wrapped experience-path calls' spans
+        self._loop_threads: set[int] = {self._main}
+        self._waits: list[CallRecord] = []  # until the next take() (not kept after close())
+        self._closed = False
         self._t0 = time.perf_counter()
         self._gc_start = 0.0
         self._gc_callback = _gc_callback(weakref.ref(self))
@@ -131,11 +143,16 @@ class ExperiencePathProbe:
         try:
             return fn(*args, **kwargs)
         finally:
-            dt = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            dt = t1 - t0
             inner = stack.pop()
             self._acc[part] += dt - inner
             if stack:
                 stack[-1] += dt
+            ident = threading.get_ident()
+            self._loop_threads.add(ident)
+            if part in PARTS and not self._closed:  # the loop waits here: background work meanwhile is not hidden
+                self._waits.append(CallRecord("deliver_wait", 0, 0, t0, t1, ident))
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -145,8 +162,11 @@ class ExperiencePathProbe:
             self._gc_start = 0.0
 
     def close(self) -> None:
-        """Stop timing the garbage collector (the wrapped calls stay timed while the algorithm lives)."""
+        """Stop timing the garbage collector and keeping the calls' spans (the wrapped calls stay timed
+        while the algorithm lives)."""
         _remove_callback(self._gc_callback)
+        self._closed = True
+        self._waits.clear()
 
     def _planes(self) -> list[Any]:
         planes = []
@@ -157,25 +177,32 @@ class ExperiencePathProbe:
             planes.append(feed.edp)
         return planes
 
-    def background(self, since: float) -> float:
-        """Seconds Conduit's worker threads spent ingesting/gathering since ``since``."""
-        total = 0.0
-        for edp in self._planes():
-            for r in edp.telemetry.since(since):
-                if r.thread != self._main and r.kind in ("ingest", "deliver"):
-                    total += r.end - r.start
-        return total
+    def background(self, since: float, until: float | None = None) -> float:
+        """Hidden seconds in ``[since, until)`` (``until``: now): experience-path work on Conduit's worker
+        threads (the union of their ingest/deliver/stage spans, clipped to the window) while the loop was
+        not inside a wrapped experience-path call; see :func:`conduit.exposure.measure_iteration`.
+
+        A span counts once it has ended, so one still running at ``until`` is not in this window.
+        """
+        end = time.perf_counter() if until is None else until
+        recs = [r for edp in self._planes() for r in edp.telemetry.records if r.end > since and r.start < end]
+        recs += [w for w in list(self._waits) if w.end > since and w.start < end]
+        return measure_iteration(recs, since, end, loop_threads=set(self._loop_threads)).hidden_s
 
     def take(self) -> dict[str, float]:
-        """Seconds per part and context part since the last call, plus ``exposed``, ``background``, ``total``
-        and ``gc`` (garbage collection, overlapping the parts)."""
+        """Seconds per part and context part since the last call, plus ``exposed``, ``background`` (hidden
+        work on Conduit's threads, see :meth:`background`), ``total`` (exposed + background) and ``gc``
+        (garbage collection, overlapping the parts)."""
         out = {p: self._acc.get(p, 0.0) for p in PARTS + CONTEXT}
         out["gc"] = self._acc.get("gc", 0.0)
         out["exposed"] = sum(out[p] for p in PARTS)
-        out["background"] = self.background(self._t0)
+        now = time.perf_counter()
+        seen = len(self._waits)
+        out["background"] = self.background(self._t0, now)
         out["total"] = out["exposed"] + out["background"]
         self._acc.clear()
-        self._t0 = time.perf_counter()
+        del self._waits[:seen]  # all ended before now; later ones belong to the next window
+        self._t0 = now
         return out
 
 
