@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from numbers import Integral, Real
 from typing import Any
@@ -19,7 +20,9 @@ __all__ = ["Replay", "Sampler", "UniformSampler", "PrioritizedSampler"]
 
 def _finite_non_negative(x: object) -> bool:
     """Whether ``x`` is a real number (not a bool), finite and >= 0."""
-    return not isinstance(x, bool) and isinstance(x, Real) and bool(np.isfinite(float(x))) and float(x) >= 0
+    if type(x) is float:  # the common case, without the ABC check (a delivery's beta)
+        return 0.0 <= x < math.inf
+    return not isinstance(x, bool) and isinstance(x, Real) and 0 <= float(x) < math.inf
 
 
 class Sampler(ABC):
@@ -179,7 +182,7 @@ class PrioritizedSampler(Sampler):
     def update(self, handles: torch.Tensor | np.ndarray, priorities: torch.Tensor | np.ndarray) -> int:
         p = self.check(priorities)
         raw = np.asarray(handles.detach().cpu().numpy() if isinstance(handles, torch.Tensor) else handles)
-        if raw.size and not np.issubdtype(raw.dtype, np.integer):
+        if raw.size and raw.dtype.kind not in "iu":
             raise PriorityError(f"Handles must be integers (the int64 handles a delivery returned), got dtype "
                                 f"{raw.dtype}; pass info.handles first, then the priorities.")
         h = raw.astype(np.int64, copy=False).reshape(-1)
@@ -238,7 +241,7 @@ class Replay(Semantics):
         self.sampler.on_append(result, priorities)
 
     def select(self, n: int | None, *, replace: bool = True, beta: float | None = None, **_: Any) -> Selection:
-        if isinstance(n, bool) or not isinstance(n, Integral) or n <= 0:
+        if type(n) is not int and (isinstance(n, bool) or not isinstance(n, Integral)) or n <= 0:
             raise ConfigurationError(f"Replay delivery needs a positive batch size n (an int), got {n!r}.")
         n = int(n)
         size = len(self.storage)
