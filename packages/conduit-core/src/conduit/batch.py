@@ -96,10 +96,13 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         """Build a batch from tensors, NumPy arrays, :class:`Ragged` or lists of sequences.
 
         Raises:
-            SchemaError: the columns disagree on the batch size.
+            SchemaError: ``data`` is not a mapping, or the columns disagree on the batch size.
         """
         if isinstance(data, ExperienceBatch):
             return data
+        if not isinstance(data, Mapping):
+            raise SchemaError(f"A batch is a mapping of field name to column (a dict or ExperienceBatch), got "
+                              f"{type(data).__name__}; give {{field: tensor [n, ...]}} for every schema field.")
         if type(data) is dict and data:  # fast path: all fixed fields given as tensors of one length
             n = -1
             for v in data.values():
@@ -111,6 +114,7 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         cols: dict[str, torch.Tensor | Ragged] = {}
         for k, v in data.items():
             if isinstance(v, Ragged):
+                _check_ragged_parts(k, v)
                 cols[k] = v
             elif isinstance(v, (list, tuple)) and v and not _is_scalar(v[0]):
                 try:
@@ -154,8 +158,8 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         for name in schema.ragged:  # sequences that are all empty (e.g. ``[[], []]``) carry no dtype of their own
             c = b._columns.get(name)
             f = schema[name]
-            if isinstance(c, Ragged) and c.values.numel() == 0 and c.values.dim() == 1 and (
-                    c.values.dtype != f.dtype or f.shape):
+            if isinstance(c, Ragged) and isinstance(c.values, torch.Tensor) and c.values.numel() == 0 and (
+                    c.values.dim() == 1 and (c.values.dtype != f.dtype or f.shape)):
                 cols = dict(b._columns)  # a new batch: the caller's stays as given
                 cols[name] = Ragged(c.values.new_empty((0, *f.shape), dtype=f.dtype), c.lengths)
                 b = cls(cols, b.batch_size)
@@ -251,6 +255,7 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                 if not isinstance(c, Ragged):
                     raise SchemaError(f"Field {name!r} is ragged in the schema; give a conduit.Ragged or a "
                                       f"list of per-item sequences.")
+                _check_ragged_parts(name, c)
                 v, lens = c.values, c.lengths
                 if v.dtype != f.dtype:
                     raise SchemaError(f"Field {name!r} has dtype {v.dtype}, the schema says {f.dtype}; "
@@ -266,6 +271,9 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
             else:
                 if isinstance(c, Ragged):
                     raise SchemaError(f"Field {name!r} is fixed-size in the schema; give a tensor [n, *shape].")
+                if not isinstance(c, torch.Tensor):  # an ExperienceBatch's columns are not converted
+                    raise SchemaError(f"Field {name!r} is a {type(c).__name__}, not a tensor; build the batch from a "
+                                      f"dict (or ExperienceBatch.from_mapping), which converts NumPy arrays.")
                 if c.dtype != f.dtype:
                     raise SchemaError(f"Field {name!r} has dtype {c.dtype}, the schema says {f.dtype}; "
                                       f"convert it before ingesting.")
@@ -275,6 +283,14 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                 if c.dim() == 0 or c.shape[0] != n:
                     raise SchemaError(f"Field {name!r} has {c.shape[0] if c.dim() else 0} rows for a batch of {n} "
                                       f"items; give every field one row per item.")
+
+
+def _check_ragged_parts(name: str, r: Ragged) -> None:
+    """:class:`SchemaError` unless ``r``'s values and lengths are tensors (the rest is checked by ``validate``)."""
+    if not (isinstance(r.values, torch.Tensor) and isinstance(r.lengths, torch.Tensor)):
+        raise SchemaError(f"Field {name!r}: a Ragged needs tensors for values and lengths, got "
+                          f"{type(r.values).__name__} and {type(r.lengths).__name__}; use Ragged.from_sequences, or "
+                          f"give a list of per-item sequences.")
 
 
 def _is_scalar(x: object) -> bool:

@@ -209,7 +209,7 @@ class ExperienceDataPlane:
 
         Raises:
             SchemaError: fields, dtypes or shapes do not match the schema.
-            CapacityError: the batch is larger than the capacity.
+            CapacityError: the batch is larger than the capacity (or a ragged field's pool).
             PriorityError: a priority is NaN, infinite or negative.
             ConfigurationError: a version or priority the semantics cannot take.
         """
@@ -219,6 +219,12 @@ class ExperienceDataPlane:
         if n > self.storage.capacity:
             raise CapacityError(f"A batch of {n} items is larger than the capacity ({self.storage.capacity}); "
                                 f"split it or raise capacity.")
+        pool = getattr(self.storage, "ragged_capacity", None) if self.schema.ragged else None
+        for name in self.schema.ragged if pool is not None else ():  # can never be stored: refuse it here
+            total = int(b[name].values.shape[0])  # type: ignore[union-attr]
+            if total > int(pool):  # type: ignore[arg-type]
+                raise CapacityError(f"Ragged field {name!r} brings {total} elements, more than its pool ({pool}); "
+                                    f"split the batch or raise ragged_capacity.")
         self.semantics.check_ingest(n, version=version, priorities=priorities)
         out = self.scheduler.ingest(b, version=version, priorities=priorities)
         # the caller's whole call (validation, and storing or handing over); see conduit.exposure
@@ -478,6 +484,9 @@ class ExperienceDataPlane:
             raise ConfigurationError("Unknown checkpoint format; it was not written by ExperienceDataPlane "
                                      "(expected the dict its state_dict() returns).")
         self.flush()
+        with self._lock:  # checked before prepared deliveries are dropped: a refused load changes nothing
+            self.storage.checkpoint_batch(state["storage"])
+            self.semantics.load_state_dict(self.semantics.load_checked(state["semantics"]))
         self.scheduler.invalidate("contents")
         with self._lock:
             self.storage.checkpoint_batch(state["storage"])  # schema and capacity, before anything changes

@@ -24,6 +24,7 @@ prepared batch may miss). What is SRL-specific stays here:
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections import deque
@@ -293,7 +294,10 @@ class Assembler:
         if self.edp is None:
             raise EmptyBufferError("Nothing was put into this buffer yet; there are no priorities to update.")
         try:
-            h = torch.as_tensor(np.asarray(handles, dtype=np.int64).reshape(-1))
+            raw = np.asarray(handles)
+            if raw.size and raw.dtype.kind not in "iu":  # a float index would be truncated to another sample's
+                raise TypeError(f"indices of dtype {raw.dtype}, not integers")
+            h = torch.as_tensor(raw.astype(np.int64).reshape(-1))
             p = torch.as_tensor(np.asarray(priorities, dtype=np.float64).reshape(-1))
         except (TypeError, ValueError) as e:
             raise PriorityError(f"update_priorities takes entry.sampling_indices and one number per index; could "
@@ -306,11 +310,17 @@ class Assembler:
     def set_policy_version(self, version: int) -> None:
         if self.cfg.semantics != "on_policy":
             raise ConfigurationError("set_policy_version needs semantics='on_policy'.")
+        try:
+            v = operator.index(version) if not isinstance(version, bool) else None
+        except TypeError:
+            v = None
+        if v is None:
+            raise ConfigurationError(f"A policy version is an int (a NumPy integer is fine), got {version!r}.")
         with self._cv:
             if self.edp is None:
-                self._pending_version = int(version)
+                self._pending_version = v
                 return
-        self.edp.set_policy_version(int(version))
+        self.edp.set_policy_version(v)
 
     def seal(self) -> None:
         if self.cfg.semantics != "on_policy":

@@ -98,7 +98,11 @@ class ConduitBuffer:
 
     # -- Conduit's additions -----------------------------------------------------------------
     def set_policy_version(self, version: int) -> None:
-        """On-policy: the learner's policy version, which staleness is measured against."""
+        """On-policy: the learner's policy version, which staleness is measured against.
+
+        Raises:
+            ConfigurationError: the buffer is not on-policy, or ``version`` is not an integer.
+        """
         self._a.set_policy_version(version)
 
     def seal(self) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from conduit.batch import ExperienceBatch
-from conduit.errors import ConfigurationError, PlacementError, SchemaError
+from conduit.errors import ConduitError, ConfigurationError, PlacementError, SchemaError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import Storage
 
@@ -110,6 +110,15 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
             ``edp`` replaced its storage meanwhile (the buffer keeps that one's result).
         Any of these leaves the buffer exactly as it was.
     """
+    from conduit.placement.base import Placement as PlacementRole
+
+    if not isinstance(placement, PlacementRole):
+        raise ConfigurationError(f"migrate needs a Placement instance (e.g. HostPlacement()), got {placement!r}.")
+    if schema is not None and not isinstance(schema, ExperienceSchema):
+        raise ConfigurationError(f"schema must be a conduit.ExperienceSchema (or None to keep the current one), got "
+                                 f"{type(schema).__name__}.")
+    if transform is not None and not callable(transform):
+        raise ConfigurationError(f"transform must be a callable old_batch -> new_batch, got {transform!r}.")
     new_schema = schema if schema is not None else edp.schema
     if new_schema != edp.schema and transform is None:
         raise ConfigurationError("Migrating to a new schema needs transform=old_batch -> new_batch (e.g. zero-pad "
@@ -136,7 +145,14 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
             stats["bytes"] += part.nbytes()
             stats["chunks"] += 1
             if transform is not None:
-                part = transformed(transform, part, new_schema)
+                try:
+                    part = transformed(transform, part, new_schema)
+                except ConduitError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the user's transform: report it typed
+                    raise SchemaError(f"The migration transform failed on a chunk of {part.batch_size} items "
+                                      f"({type(e).__name__}: {e}); fix the transform. The buffer was not "
+                                      f"changed.") from e
             new.append(part, evict=True)
 
     copied = start

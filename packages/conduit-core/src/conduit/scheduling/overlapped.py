@@ -55,7 +55,7 @@ from conduit.scheduling.ingestion import Handover, Ingestion
 from conduit.scheduling.worker import Job, Worker
 from conduit.semantics.base import SampleInfo, Selection
 from conduit.semantics.onpolicy import OnPolicy
-from conduit.semantics.replay import Replay
+from conduit.semantics.replay import Replay, _finite_non_negative
 
 if TYPE_CHECKING:
     from conduit.edp import ExperienceDataPlane
@@ -207,6 +207,7 @@ class Overlapped(Scheduler):
         self._mu = threading.RLock()
         self._ready: deque[_Prepared] = deque()
         self._job: Job[list[_Prepared]] | None = None
+        self._job_key: _Key | None = None  # the key the job in flight prepares for
         self._delivered = 0
         self._prio_epoch = 0
         self._prio_lock = threading.Lock()
@@ -293,9 +294,19 @@ class Overlapped(Scheduler):
 
     def _deliver_replay(self, n: int | None, kwargs: dict[str, Any]) -> tuple[ExperienceBatch, SampleInfo]:
         beta = kwargs.pop("beta", None) if self.prioritized else None
+        if beta is not None and not _finite_non_negative(beta):  # before anything is handed over
+            raise ConfigurationError(f"beta must be a finite number >= 0, got {beta!r}.")
+        if type(n) is not int and (not isinstance(n, numbers.Integral) or isinstance(n, bool)):
+            # not a key to compare: the semantics refuse it
+            self.edp.select_now([n], peek=True, **kwargs)
         key: _Key = (n, tuple(sorted(kwargs.items())) if kwargs else ())
         ready = self._ready
         if not ready or ready[0].key != key or self._too_stale(ready[0]):
+            prepared_for = ready[0].key if ready else self._job_key if self._job is not None else key
+            if prepared_for != key:
+                # another request discards what was prepared: the semantics check it first (a peek, which
+                # changes nothing), so that a request they refuse leaves the prepared batches as they are
+                self.edp.select_now([n], peek=True, **kwargs)
             # the prepared batch at the head is not usable (or there is none): wait for the job in flight,
             # then drop what does not fit this call. A usable head is older than the job's batches, so
             # taking it without waiting keeps the order of draws.
@@ -413,6 +424,7 @@ class Overlapped(Scheduler):
         buf = self._ring.acquire(self._delivered, inside_call=False)
         assert self._pool is not None
         self._job = self._pool.submit(self._prepare, key, buf)
+        self._job_key = key
 
     def _await_job(self) -> None:
         """Collect the job in flight's batches; a failed job prepared nothing and raises nothing here.

@@ -14,6 +14,7 @@ or :class:`conduit.StaleExperienceError` is raised (``on_stale="raise"``, state 
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from dataclasses import dataclass
 from numbers import Real
@@ -31,6 +32,27 @@ __all__ = ["OnPolicy"]
 def _non_negative_number(x: object) -> bool:
     """Whether ``x`` is a real number (not a bool) >= 0 (NaN is not)."""
     return not isinstance(x, bool) and isinstance(x, Real) and float(x) >= 0
+
+
+def _as_version(v: object) -> int | None:
+    """``v`` as an int when it is an integer (not a bool), else None."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _checked_rollout(t: object) -> tuple[int, int, int] | None:
+    """A saved rollout ``(version, first, count)``, or None; ConfigurationError when it is neither."""
+    if t is None:
+        return None
+    if (not isinstance(t, (tuple, list)) or len(t) != 3 or any(_as_version(x) is None for x in t)
+            or int(t[1]) < 0 or int(t[2]) < 0):
+        raise ConfigurationError(f"This checkpoint's on-policy rollout {t!r} is damaged (expected (version, first, "
+                                 f"count) integers); load an undamaged state_dict().")
+    return int(t[0]), int(t[1]), int(t[2])
 
 
 @dataclass
@@ -93,6 +115,9 @@ class OnPolicy(Semantics):
         if version is None:
             raise ConfigurationError("On-policy ingestion needs the producing policy version: ingest(batch, "
                                      "version=v).")
+        if _as_version(version) is None:
+            raise ConfigurationError(f"A policy version is an int (a NumPy or 0-d tensor integer is fine), got "
+                                     f"{version!r}; pass the integer version of the policy that produced the batch.")
         if priorities is not None:
             raise ConfigurationError("On-policy buffers take no priorities.")
         if self._open is not None and version < self._open.version:
@@ -233,12 +258,22 @@ class OnPolicy(Semantics):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         def rr(t: tuple[int, int, int] | None) -> _Rollout | None:
             return None if t is None else _Rollout(*t)
+        # checked before anything changes: a damaged checkpoint leaves this state as it was
+        open_, cur = _checked_rollout(state["open"]), _checked_rollout(state["cur"])
+        sealed = [_checked_rollout(t) for t in state["sealed"]]
+        maybe = [_as_version(state[k]) for k in ("policy_version", "dropped_items", "epoch", "k")]
+        maybe_bounds = [_as_version(b) for b in state["bounds"]]
+        counters = [c for c in maybe if c is not None]
+        bounds = [b for b in maybe_bounds if b is not None]
+        perm = state["perm"]
+        if (len(counters) != len(maybe) or len(bounds) != len(maybe_bounds)
+                or not (perm is None or isinstance(perm, torch.Tensor)) or not isinstance(state["rng"], torch.Tensor)):
+            raise ConfigurationError("This checkpoint's on-policy state is damaged (a counter, the permutation or "
+                                     "the RNG state has the wrong type); load an undamaged state_dict().")
         self._gen.set_state(state["rng"])
-        self.policy_version = state["policy_version"]
-        self.dropped_items = state["dropped_items"]
-        self._open = rr(state["open"])
-        self._sealed = deque(r for r in (rr(t) for t in state["sealed"]) if r is not None)
-        self._cur = rr(state["cur"])
-        self._epoch, self._k = state["epoch"], state["k"]
-        self._perm = state["perm"]
-        self._bounds = list(state["bounds"])
+        self.policy_version, self.dropped_items, self._epoch, self._k = counters
+        self._open = rr(open_)
+        self._sealed = deque(r for r in (rr(t) for t in sealed) if r is not None)
+        self._cur = rr(cur)
+        self._perm = perm
+        self._bounds = bounds

@@ -121,9 +121,13 @@ class PrioritizedSampler(Sampler):
 
     @staticmethod
     def check(priorities: torch.Tensor | np.ndarray) -> np.ndarray:
-        """Priorities as float64 NumPy, or :class:`PriorityError` if any is NaN, inf or negative."""
-        p = np.asarray(priorities.detach().cpu().numpy() if isinstance(priorities, torch.Tensor) else priorities,
-                       dtype=np.float64).reshape(-1)
+        """Priorities as float64 NumPy, or :class:`PriorityError` if any is NaN, inf or negative, or not a number."""
+        try:
+            p = np.asarray(priorities.detach().cpu().numpy() if isinstance(priorities, torch.Tensor) else priorities,
+                           dtype=np.float64).reshape(-1)
+        except (TypeError, ValueError) as e:
+            raise PriorityError(f"Priorities must be real numbers (a float tensor or array, one per item), got "
+                                f"{type(priorities).__name__} ({e}); pass e.g. |td_error| + 1e-6.") from e
         if p.size and not (p.min() >= 0 and p.max() < np.inf):  # NaN fails both comparisons
             bad = ~np.isfinite(p) | (p < 0)
             raise PriorityError(f"{int(bad.sum())} priorities are NaN, infinite or negative (first: "
@@ -205,9 +209,16 @@ class PrioritizedSampler(Sampler):
         return {"rng": self._rng.bit_generator.state, "leaves": self._tree.state(), "max_priority": self._max_priority}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        leaves = np.asarray(state["leaves"], dtype=np.float64)
+        max_priority = float(state["max_priority"])
+        if leaves.shape != (self._tree.capacity,) or not (_finite_non_negative(max_priority)
+                                                           and bool(np.all((leaves >= 0) & (leaves < np.inf)))):
+            raise ConfigurationError(f"This checkpoint's priorities are damaged (leaves of shape {leaves.shape} for "
+                                     f"{self._tree.capacity} slots, NaN, infinite or negative values, or "
+                                     f"max_priority={max_priority!r}); load an undamaged state_dict().")
         self._rng.bit_generator.state = state["rng"]
-        self._tree.load(np.asarray(state["leaves"]))
-        self._max_priority = float(state["max_priority"])
+        self._tree.load(leaves)
+        self._max_priority = max_priority
 
 
 class Replay(Semantics):

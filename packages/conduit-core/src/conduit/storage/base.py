@@ -141,7 +141,7 @@ class Storage(ABC):
         if count:
             try:
                 batch.validate(self.schema)
-            except SchemaError as e:
+            except (SchemaError, AttributeError, TypeError, IndexError) as e:  # a column that is not a tensor
                 raise ConfigurationError(f"This checkpoint's {count} items do not match its schema ({e}); the "
                                          f"checkpoint is damaged.") from e
         return oldest, batch
