@@ -173,14 +173,6 @@ class Automatic(Scheduler):
         self.decision: Decision | None = None
 
     # -- set-up ----------------------------------------------------------------------------
-    def attach(self, edp: ExperienceDataPlane) -> None:
-        super().attach(edp)
-        try:
-            self._attach(edp)
-        except BaseException:
-            del self.edp  # refused: free to serve another buffer
-            raise
-
     def _attach(self, edp: ExperienceDataPlane) -> None:
         self.on_policy = isinstance(edp.semantics, OnPolicy)
         self.range = ranges_for(edp.semantics, g_ing_max=self.g_ing_max, g_del_max=self.g_del_max)

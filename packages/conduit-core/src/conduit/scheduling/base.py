@@ -52,6 +52,14 @@ class Scheduler(ABC):
             raise ConfigurationError(f"This {type(self).__name__} scheduler already serves another buffer; build one "
                                      f"scheduler per buffer.")
         self.edp = edp
+        try:
+            self._attach(edp)
+        except BaseException:
+            del self.edp  # refused: free to serve another buffer
+            raise
+
+    def _attach(self, edp: ExperienceDataPlane) -> None:  # noqa: B027 - an optional hook
+        """Set up for ``edp`` (subclasses); raising refuses the buffer and leaves the scheduler free."""
 
     @abstractmethod
     def ingest(self, batch: ExperienceBatch, *, version: int | None,

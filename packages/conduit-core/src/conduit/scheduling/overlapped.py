@@ -165,14 +165,6 @@ class Overlapped(Scheduler):
         self._closed = False
 
     # -- set-up ----------------------------------------------------------------------------
-    def attach(self, edp: ExperienceDataPlane) -> None:
-        super().attach(edp)
-        try:
-            self._attach(edp)
-        except BaseException:
-            del self.edp  # refused: free to serve another buffer
-            raise
-
     def _attach(self, edp: ExperienceDataPlane) -> None:
         sem = edp.semantics
         self.on_policy = isinstance(sem, OnPolicy)
