@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 import sys
 import threading
 import time
@@ -13,12 +12,12 @@ import numpy as np
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged
-from conduit.errors import CapacityError, ConduitError, ConfigurationError, SchemaError
+from conduit.errors import CapacityError, ConfigurationError, SchemaError
 from conduit.placement.base import HostPlacement, Placement
 from conduit.scheduling.base import Scheduler, Synchronous
 from conduit.schema import ExperienceSchema
 from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
-from conduit.semantics.onpolicy import OnPolicy
+from conduit.semantics.onpolicy import OnPolicy, check_version
 from conduit.semantics.replay import Replay
 from conduit.storage.base import Storage
 from conduit.storage.columnar import empty_column
@@ -263,13 +262,7 @@ class ExperienceDataPlane:
                 continue
             targets = [s for s, _ in self._upgrades[i + 1:]] + [self.schema]
             for (_, transform), target in zip(self._upgrades[i:], targets, strict=True):
-                try:
-                    batch = transformed(transform, batch, target)
-                except ConduitError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - the user's transform: report it typed
-                    raise SchemaError(f"A batch of the schema a migration replaced could not be transformed to "
-                                      f"the current one ({type(e).__name__}: {e}); it was not stored.") from e
+                batch = transformed(transform, batch, target)
             return batch
         raise SchemaError("This batch matches neither the buffer's schema nor one a migration replaced; it was "
                           "not stored.")
@@ -412,12 +405,7 @@ class ExperienceDataPlane:
                 the version is then unchanged.
         """
         sem = self._on_policy()
-        try:
-            v = operator.index(version) if not isinstance(version, bool) else None
-        except TypeError:
-            v = None
-        if v is None:
-            raise ConfigurationError(f"A policy version is an int, got {version!r}.")
+        v = check_version(version)
         with self._lock:
             sem.policy_version = v
         self.scheduler.invalidate("policy")

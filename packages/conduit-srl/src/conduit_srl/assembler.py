@@ -24,7 +24,6 @@ prepared batch may miss). What is SRL-specific stays here:
 
 from __future__ import annotations
 
-import operator
 import threading
 import time
 from collections import deque
@@ -50,6 +49,7 @@ from conduit import (
     UniformSampler,
 )
 from conduit.semantics import SampleInfo
+from conduit.semantics.onpolicy import check_version
 
 from conduit_srl.config import BufferConfig
 from conduit_srl.fifo import FifoSampler
@@ -310,12 +310,7 @@ class Assembler:
     def set_policy_version(self, version: int) -> None:
         if self.cfg.semantics != "on_policy":
             raise ConfigurationError("set_policy_version needs semantics='on_policy'.")
-        try:
-            v = operator.index(version) if not isinstance(version, bool) else None
-        except TypeError:
-            v = None
-        if v is None:
-            raise ConfigurationError(f"A policy version is an int (a NumPy integer is fine), got {version!r}.")
+        v = check_version(version)
         with self._cv:
             if self.edp is None:
                 self._pending_version = v

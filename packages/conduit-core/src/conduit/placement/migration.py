@@ -68,9 +68,17 @@ def transformed(transform: Callable[[ExperienceBatch], Any], batch: ExperienceBa
     """``transform(batch)``, validated against ``schema`` and holding one item per item of ``batch``.
 
     Raises:
-        SchemaError: the output does not match ``schema`` or has another number of items.
+        SchemaError: the output does not match ``schema`` or has another number of items, or the
+            transform itself raised (its error is the cause).
     """
-    out = ExperienceBatch.checked(transform(batch), schema)
+    try:
+        raw = transform(batch)
+    except ConduitError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's transform: report it typed
+        raise SchemaError(f"The migration transform failed on {batch.batch_size} items ({type(e).__name__}: {e}); "
+                          f"fix the transform. Nothing was stored.") from e
+    out = ExperienceBatch.checked(raw, schema)
     if out.batch_size != batch.batch_size:
         raise SchemaError(f"The migration transform returned {out.batch_size} items for {batch.batch_size}; "
                           f"return one item per input item.")
@@ -145,14 +153,7 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
             stats["bytes"] += part.nbytes()
             stats["chunks"] += 1
             if transform is not None:
-                try:
-                    part = transformed(transform, part, new_schema)
-                except ConduitError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - the user's transform: report it typed
-                    raise SchemaError(f"The migration transform failed on a chunk of {part.batch_size} items "
-                                      f"({type(e).__name__}: {e}); fix the transform. The buffer was not "
-                                      f"changed.") from e
+                part = transformed(transform, part, new_schema)
             new.append(part, evict=True)
 
     copied = start

@@ -26,12 +26,22 @@ from conduit.errors import ConfigurationError, EmptyBufferError, StaleExperience
 from conduit.semantics.base import SampleInfo, Selection, Semantics, check_seed
 from conduit.storage.base import AppendResult
 
-__all__ = ["OnPolicy"]
+__all__ = ["OnPolicy", "check_version"]
 
 
 def _non_negative_number(x: object) -> bool:
     """Whether ``x`` is a real number (not a bool) >= 0 (NaN is not)."""
     return not isinstance(x, bool) and isinstance(x, Real) and float(x) >= 0
+
+
+def check_version(version: object) -> int:
+    """``version`` as an int, or :class:`ConfigurationError` unless it is an integer (not a bool; a
+    NumPy or 0-d tensor integer is fine)."""
+    v = _as_version(version)
+    if v is None:
+        raise ConfigurationError(f"A policy version is an int (a NumPy or 0-d tensor integer is fine), got "
+                                 f"{version!r}; pass the integer version of the policy.")
+    return v
 
 
 def _as_version(v: object) -> int | None:
@@ -115,9 +125,7 @@ class OnPolicy(Semantics):
         if version is None:
             raise ConfigurationError("On-policy ingestion needs the producing policy version: ingest(batch, "
                                      "version=v).")
-        if _as_version(version) is None:
-            raise ConfigurationError(f"A policy version is an int (a NumPy or 0-d tensor integer is fine), got "
-                                     f"{version!r}; pass the integer version of the policy that produced the batch.")
+        check_version(version)
         if priorities is not None:
             raise ConfigurationError("On-policy buffers take no priorities.")
         if self._open is not None and version < self._open.version:
