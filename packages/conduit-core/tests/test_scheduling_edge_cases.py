@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,9 @@ from conduit import (
 from conduit.placement import HostPlacement
 from conduit.testing.reference import ID_SCHEMA, id_batch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_scheduling import _GatedPlacement  # noqa: E402  (a slow tier whose appends wait for a gate)
+
 
 class _FlakyStorage(ColumnarStorage):
     """Host storage whose gather fails ``fail`` times when the prefetch worker calls it (a transient tier error)."""
@@ -43,25 +48,6 @@ class _FlakyPlacement(HostPlacement):
         return _FlakyStorage(schema, capacity, "cpu")
 
 
-class _GatedStorage(ColumnarStorage):
-    """Host storage whose appends wait for a gate: stands in for a slow tier."""
-
-    gate: threading.Event
-
-    def append(self, batch: Any, *, evict: bool = True) -> Any:
-        assert self.gate.wait(10), "gate never opened"
-        return super().append(batch, evict=evict)
-
-
-class _GatedPlacement(HostPlacement):
-    def __init__(self, gate: threading.Event) -> None:
-        super().__init__()
-        self.gate = gate
-
-    def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Any:
-        st = _GatedStorage(schema, capacity, "cpu")
-        st.gate = self.gate
-        return st
 
 
 def _flaky_replay(scheduler: Overlapped) -> ExperienceDataPlane:
