@@ -336,3 +336,27 @@ def test_peeks_and_checkpoints_never_change_what_on_policy_delivers(trial: int) 
             assert got[0] == got[1], f"step {step}: deliveries differ {got}"
         assert len(peeked) == len(restored), f"step {step}: {len(peeked)} vs {len(restored)} live items"
         assert peeked.semantics.dropped_items == restored.semantics.dropped_items  # type: ignore[attr-defined]
+
+
+def test_a_checkpoint_between_the_last_minibatchs_selection_and_its_release_round_trips_exactly() -> None:
+    """The finished rollout's end (set when its last minibatch is selected, used when it is handed over)
+    is part of the on-policy state: a buffer restored in that window frees the rollout's storage when the
+    hand-over completes, as the original does (it kept the items live, unknown to its semantics)."""
+    from conduit import ExperienceDataPlane, OnPolicy
+    from conduit.testing.reference import ID_SCHEMA, id_batch
+
+    def build() -> ExperienceDataPlane:
+        return ExperienceDataPlane(ID_SCHEMA, capacity=8, semantics=OnPolicy(num_minibatches=2, seed=0))
+
+    edp = build()
+    edp.ingest(id_batch(np.arange(4)), version=0)
+    edp.seal()
+    edp.deliver()
+    sels = edp.select_now([None])  # the last minibatch, selected, not yet handed over
+    state = edp.state_dict()
+    twin = build()
+    twin.load_state_dict(state)
+    assert twin.state_dict()["semantics"]["finished_end"] == state["semantics"]["finished_end"] == 4
+    for buf in (edp, twin):
+        buf.release_now(sels[0])
+    assert len(edp) == len(twin) == 0, "the restored buffer kept the finished rollout's items live"

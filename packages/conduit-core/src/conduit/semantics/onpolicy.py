@@ -261,7 +261,7 @@ class OnPolicy(Semantics):
                 "dropped_items": self.dropped_items, "open": rd(self._open),
                 "sealed": [rd(r) for r in self._sealed], "cur": rd(self._cur), "epoch": self._epoch,
                 "k": self._k, "perm": None if self._perm is None else self._perm.clone(),
-                "bounds": list(self._bounds)}
+                "bounds": list(self._bounds), "finished_end": self._finished_end}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         def rr(t: tuple[int, int, int] | None) -> _Rollout | None:
@@ -274,6 +274,11 @@ class OnPolicy(Semantics):
         counters = [c for c in maybe if c is not None]
         bounds = [b for b in maybe_bounds if b is not None]
         perm = state["perm"]
+        # a finished rollout whose last minibatch was selected but not yet handed over (absent in older checkpoints)
+        finished = state.get("finished_end")
+        if finished is not None and _as_version(finished) is None:
+            raise ConfigurationError(f"This checkpoint's on-policy finished_end {finished!r} is damaged; load an "
+                                     f"undamaged state_dict().")
         if (len(counters) != len(maybe) or len(bounds) != len(maybe_bounds)
                 or not (perm is None or isinstance(perm, torch.Tensor)) or not isinstance(state["rng"], torch.Tensor)):
             raise ConfigurationError("This checkpoint's on-policy state is damaged (a counter, the permutation or "
@@ -285,3 +290,4 @@ class OnPolicy(Semantics):
         self._cur = rr(cur)
         self._perm = perm
         self._bounds = bounds
+        self._finished_end = None if finished is None else int(finished)
