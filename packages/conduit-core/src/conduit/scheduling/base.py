@@ -47,7 +47,7 @@ class Scheduler(ABC):
             ConfigurationError: this scheduler already serves another open buffer (a shared
                 scheduler would store one buffer's batches in the other); build one scheduler per buffer.
         """
-        prev = self.__dict__.get("edp")
+        prev = getattr(self, "edp", None)  # (not self.__dict__: reading it would slow every attribute access)
         if prev is not None and prev is not edp and not getattr(prev, "closed", False):
             raise ConfigurationError(f"This {type(self).__name__} scheduler already serves another buffer; build one "
                                      f"scheduler per buffer.")
