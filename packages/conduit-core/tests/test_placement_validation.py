@@ -31,8 +31,9 @@ def test_predicted_host_delivery_within_25_percent_of_measured() -> None:
     deliveries on freshly allocated memory (so a round whose profile memory got other page sizes than the buffer
     is outvoted); the error is the median over rounds.
 
-    A disturbance that lasts the whole check (another process, the hypervisor) shifts every round of it, so
-    a check that misses is repeated once before the test fails; the failure shows both attempts.
+    A disturbance that lasts the whole check (another process, the hypervisor, huge pages granted to the
+    buffer but not to the profile's memory after a long test session) shifts every round of it, so a check
+    that misses is repeated, up to three attempts in all, before the test fails; the failure shows them all.
 
     Troubleshooting: a failure on a loaded machine shows as a negative error at small d (other processes
     evicting the caches); rerun on a quieter machine before changing the model.
@@ -41,7 +42,7 @@ def test_predicted_host_delivery_within_25_percent_of_measured() -> None:
     if busy:
         pytest.skip(f"{busy}: a latency comparison is meaningless; the benchmark table records the figures")
     tables = []
-    for _attempt in range(2):  # a disturbance that lasts the whole check shifts every round: measure once more
+    for _attempt in range(3):  # a disturbance that lasts the whole check shifts every round: measure again
         checks = check_host_delivery_isolated((128, 1000, 5000, 20000), batch=512, rounds=5, buffer_bytes=96 << 20)
         tables.append("\n".join(f"d={c['obs_dim']:>6}: predicted {c['predicted_ms']:7.3f} ms, measured "
                                 f"{c['measured_ms']:7.3f} ms, error {c['error']:+.1%}" for c in checks))
@@ -52,6 +53,6 @@ def test_predicted_host_delivery_within_25_percent_of_measured() -> None:
         if all(abs(c["error"]) <= TOLERANCE for c in checks):
             break
     else:
-        pytest.fail("The cost model missed the measured delivery by more than 25% in both attempts:\n"
+        pytest.fail("The cost model missed the measured delivery by more than 25% in all three attempts:\n"
                     + "\n--\n".join(tables))
     assert [c["measured_ms"] for c in checks] == sorted(c["measured_ms"] for c in checks), tables[-1]
