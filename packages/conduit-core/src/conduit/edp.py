@@ -476,8 +476,7 @@ class ExperienceDataPlane:
             self.storage.checkpoint_batch(state["storage"])
             self.semantics.load_state_dict(self.semantics.load_checked(state["semantics"]))
         self.scheduler.invalidate("contents")
-        with self._lock:
-            self.storage.checkpoint_batch(state["storage"])  # schema and capacity, before anything changes
+        with self._lock:  # (the storage's load checks its checkpoint again before it changes anything)
             before = self.semantics.load_checked(state["semantics"])
             try:
                 self.storage.load_state_dict(state["storage"])
