@@ -293,13 +293,10 @@ class Assembler:
             raise ConfigurationError("update_priorities needs semantics='prioritized'.")
         if self.edp is None:
             raise EmptyBufferError("Nothing was put into this buffer yet; there are no priorities to update.")
-        try:
-            raw = np.asarray(handles)
-            if raw.size and raw.dtype.kind not in "iu":  # a float index would be truncated to another sample's
-                raise TypeError(f"indices of dtype {raw.dtype}, not integers")
-            h = torch.as_tensor(raw.astype(np.int64).reshape(-1))
+        try:  # (float indices are refused: truncated, they would name another sample)
+            h = torch.from_numpy(PrioritizedSampler.check_handles(np.asarray(handles)))
             p = torch.as_tensor(np.asarray(priorities, dtype=np.float64).reshape(-1))
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, PriorityError) as e:
             raise PriorityError(f"update_priorities takes entry.sampling_indices and one number per index; could "
                                 f"not read them as numbers ({e}).") from None
         applied = self.edp.update_priorities(h, p)

@@ -52,12 +52,12 @@ from conduit.distributed.server import ping
 from conduit.distributed.servers import ShardServers
 from conduit.distributed.transport import OBJECT_STORE, TORCH, TRANSPORTS, TorchGroup
 from conduit.distributed.wire import from_wire, packed_nbytes, to_wire, unpack_rows
-from conduit.errors import CapacityError, ConduitError, ConfigurationError, EmptyBufferError, PriorityError
+from conduit.errors import CapacityError, ConduitError, ConfigurationError, EmptyBufferError
 from conduit.scheduling.base import Scheduler, Synchronous
 from conduit.schema import ExperienceSchema
 from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy
-from conduit.semantics.replay import Replay
+from conduit.semantics.replay import PrioritizedSampler, Replay
 from conduit.storage.base import AppendResult
 from conduit.telemetry import Telemetry
 
@@ -988,11 +988,7 @@ class DistributedDataPlane:
         """
         if not isinstance(self.semantics, Replay):
             raise ConfigurationError("update_priorities needs Replay semantics with a PrioritizedSampler.")
-        h = torch.as_tensor(handles).reshape(-1)
-        if h.numel() and (h.is_floating_point() or h.is_complex() or h.dtype == torch.bool):
-            raise PriorityError(f"Handles must be integers (the int64 handles a delivery returned), got {h.dtype}; "
-                                f"pass info.handles first, then the priorities.")
-        h = h.to(torch.int64)
+        h = torch.from_numpy(PrioritizedSampler.check_handles(handles))
         p = torch.as_tensor(priorities).reshape(-1)
         with self._lock:
             self._check_open()

@@ -55,7 +55,7 @@ from conduit.scheduling.ingestion import Handover, Ingestion
 from conduit.scheduling.worker import Job, Worker
 from conduit.semantics.base import SampleInfo, Selection
 from conduit.semantics.onpolicy import OnPolicy
-from conduit.semantics.replay import Replay, _finite_non_negative
+from conduit.semantics.replay import PrioritizedSampler, Replay
 
 if TYPE_CHECKING:
     from conduit.edp import ExperienceDataPlane
@@ -286,8 +286,8 @@ class Overlapped(Scheduler):
 
     def _deliver_replay(self, n: int | None, kwargs: dict[str, Any]) -> tuple[ExperienceBatch, SampleInfo]:
         beta = kwargs.pop("beta", None) if self.prioritized else None
-        if beta is not None and not _finite_non_negative(beta):  # before anything is handed over
-            raise ConfigurationError(f"beta must be a finite number >= 0, got {beta!r}.")
+        if beta is not None:  # checked before anything is handed over
+            PrioritizedSampler.check_beta(beta)
         if type(n) is not int and (not isinstance(n, numbers.Integral) or isinstance(n, bool)):
             # not a key to compare: the semantics refuse it
             self.edp.select_now([n], peek=True, **kwargs)

@@ -120,6 +120,22 @@ class PrioritizedSampler(Sampler):
         self._max_priority = 1.0
 
     @staticmethod
+    def check_beta(beta: object) -> None:
+        """:class:`ConfigurationError` unless ``beta`` is a finite number >= 0 (the importance-weight exponent)."""
+        if not _finite_non_negative(beta):
+            raise ConfigurationError(f"beta must be a finite number >= 0, got {beta!r}.")
+
+    @staticmethod
+    def check_handles(handles: torch.Tensor | np.ndarray) -> np.ndarray:
+        """Handles as int64 NumPy, or :class:`PriorityError` when they are not integers (e.g. the
+        priorities passed where the handles go: truncated, they would name other items)."""
+        raw = np.asarray(handles.detach().cpu().numpy() if isinstance(handles, torch.Tensor) else handles)
+        if raw.size and raw.dtype.kind not in "iu":
+            raise PriorityError(f"Handles must be integers (the int64 handles a delivery returned), got dtype "
+                                f"{raw.dtype}; pass info.handles first, then the priorities.")
+        return raw.astype(np.int64, copy=False).reshape(-1)
+
+    @staticmethod
     def check(priorities: torch.Tensor | np.ndarray) -> np.ndarray:
         """Priorities as float64 NumPy, or :class:`PriorityError` if any is NaN, inf or negative, or not a number."""
         try:
@@ -157,8 +173,8 @@ class PrioritizedSampler(Sampler):
     def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
         if not replace:
             raise ConfigurationError("PrioritizedSampler draws with replacement; use replace=True.")
-        if beta is not None and not _finite_non_negative(beta):
-            raise ConfigurationError(f"beta must be a finite number >= 0, got {beta!r}.")
+        if beta is not None:
+            self.check_beta(beta)
         total = self._tree.total
         if total <= 0:
             raise EmptyBufferError("Every live item has priority 0, so none can be drawn; update priorities "
@@ -185,11 +201,7 @@ class PrioritizedSampler(Sampler):
 
     def update(self, handles: torch.Tensor | np.ndarray, priorities: torch.Tensor | np.ndarray) -> int:
         p = self.check(priorities)
-        raw = np.asarray(handles.detach().cpu().numpy() if isinstance(handles, torch.Tensor) else handles)
-        if raw.size and raw.dtype.kind not in "iu":
-            raise PriorityError(f"Handles must be integers (the int64 handles a delivery returned), got dtype "
-                                f"{raw.dtype}; pass info.handles first, then the priorities.")
-        h = raw.astype(np.int64, copy=False).reshape(-1)
+        h = self.check_handles(handles)
         if h.shape != p.shape:
             raise PriorityError(f"Got {h.shape[0]} handles and {p.shape[0]} priorities; pass one priority "
                                 f"per handle.")
