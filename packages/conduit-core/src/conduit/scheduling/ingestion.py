@@ -143,15 +143,9 @@ class Ingestion:
             self._rollout_done()
             return
         with self._cv:
-            self._force += 1
             self._paused = False
-            self._cv.notify_all()
-            try:
-                while (self._pending or self._inflight) and self._error is None:
-                    self._cv.wait()
-                self._raise_failure()
-            finally:
-                self._force -= 1
+            self._wait_stored()
+            self._raise_failure()
         self._rollout_done()
 
     def drain(self) -> bool:
@@ -168,17 +162,22 @@ class Ingestion:
         with self._cv:
             if self._error is not None or self._paused or self._stopped:
                 return not (self._pending or self._inflight)
-            self._force += 1
-            self._cv.notify_all()
-            try:
-                while (self._pending or self._inflight) and self._error is None:
-                    self._cv.wait()
-                ok = self._error is None and not self._pending
-            finally:
-                self._force -= 1
+            self._wait_stored()
+            ok = self._error is None and not self._pending
         if ok:
             self._rollout_done()
         return ok
+
+    def _wait_stored(self) -> None:
+        """Have the worker store everything queued now, and wait until it has or a write failed (the
+        caller holds the lock)."""
+        self._force += 1
+        self._cv.notify_all()
+        try:
+            while (self._pending or self._inflight) and self._error is None:
+                self._cv.wait()
+        finally:
+            self._force -= 1
 
     def close(self) -> None:
         """Drain the queue and stop the worker; raise if some batches could not be stored."""
