@@ -360,3 +360,17 @@ def test_a_checkpoint_between_the_last_minibatchs_selection_and_its_release_roun
     for buf in (edp, twin):
         buf.release_now(sels[0])
     assert len(edp) == len(twin) == 0, "the restored buffer kept the finished rollout's items live"
+
+
+def test_fresh_rollouts_counts_the_pending_rollouts_within_the_staleness_bound() -> None:
+    from conduit import ExperienceDataPlane, OnPolicy
+    from conduit.testing.reference import ID_SCHEMA, id_batch
+
+    edp = ExperienceDataPlane(ID_SCHEMA, capacity=16, semantics=OnPolicy(num_minibatches=1, max_staleness=1))
+    for v in (0, 1, 2):
+        edp.ingest(id_batch(np.arange(4 * v, 4 * v + 4)), version=v)
+    edp.seal()
+    sem = edp.semantics
+    assert (sem.pending_rollouts, sem.fresh_rollouts) == (3, 3)
+    edp.set_policy_version(2)  # version 0 is 2 behind: stale
+    assert (sem.pending_rollouts, sem.fresh_rollouts) == (3, 2)

@@ -505,10 +505,7 @@ class Assembler:
         found = [False]
 
         def probe() -> bool:
-            st = sem.state_dict()
-            rollouts = ([st["cur"]] if st["cur"] is not None else []) + list(st["sealed"])
-            found[0] = any(st["policy_version"] - r[0] <= sem.max_staleness  # type: ignore[attr-defined]
-                           for r in rollouts if r is not None)
+            found[0] = sem.fresh_rollouts > 0  # type: ignore[attr-defined]
             return False
 
         self.edp.select_now([], when=probe)

@@ -153,6 +153,11 @@ class OnPolicy(Semantics):
         """Sealed rollouts not yet fully delivered (including the one in progress)."""
         return len(self._sealed) + (self._cur is not None)
 
+    @property
+    def fresh_rollouts(self) -> int:
+        """Of :attr:`pending_rollouts`, those not too stale to deliver at the current policy version."""
+        return sum(not self._stale(r) for r in ([self._cur] if self._cur is not None else []) + list(self._sealed))
+
     # -- delivery --------------------------------------------------------------------------
     def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
         """The order in which epoch ``epoch`` of the current rollout (``n`` items) visits them.
