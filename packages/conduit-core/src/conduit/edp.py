@@ -218,12 +218,8 @@ class ExperienceDataPlane:
         if n > self.storage.capacity:
             raise CapacityError(f"A batch of {n} items is larger than the capacity ({self.storage.capacity}); "
                                 f"split it or raise capacity.")
-        pool = getattr(self.storage, "ragged_capacity", None) if self.schema.ragged else None
-        for name in self.schema.ragged if pool is not None else ():  # can never be stored: refuse it here
-            total = int(b[name].values.shape[0])  # type: ignore[union-attr]
-            if total > int(pool):  # type: ignore[arg-type]
-                raise CapacityError(f"Ragged field {name!r} brings {total} elements, more than its pool ({pool}); "
-                                    f"split the batch or raise ragged_capacity.")
+        if self.schema.ragged:  # refused here, not in a background write: it could never be stored
+            self.storage.check_ragged_fits(b)
         self.semantics.check_ingest(n, version=version, priorities=priorities)
         out = self.scheduler.ingest(b, version=version, priorities=priorities)
         # the caller's whole call (validation, and storing or handing over); see conduit.exposure

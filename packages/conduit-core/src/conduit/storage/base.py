@@ -103,6 +103,20 @@ class Storage(ABC):
         return {"schema": self.schema.to_dict(), "capacity": self.capacity, "oldest": self.oldest,
                 "next": self.next_handle, "data": data}
 
+    def check_ragged_fits(self, batch: ExperienceBatch) -> None:
+        """:class:`CapacityError` when a ragged field of ``batch`` brings more elements than this storage's
+        pool: such a batch can never be stored, whatever is evicted."""
+        pool = getattr(self, "ragged_capacity", None)
+        if pool is None:
+            return
+        for name in self.schema.ragged:
+            col = batch[name]
+            assert isinstance(col, Ragged)
+            total = int(col.values.shape[0])
+            if total > pool:
+                raise CapacityError(f"Ragged field {name!r} brings {total} elements, more than its pool ({pool}); "
+                                    f"split the batch or raise ragged_capacity.")
+
     def checkpoint_batch(self, state: dict[str, Any]) -> tuple[int, ExperienceBatch]:
         """Check that ``state`` (from :meth:`state_dict`) fits this storage; its oldest handle and live items.
 

@@ -151,13 +151,11 @@ class ColumnarStorage(Storage):
         size = self._next - self._oldest
         k = max(0, size + n - self.capacity)
         starts: dict[str, int] = {}
+        self.check_ragged_fits(batch)
         for name in self.schema.ragged:
             col = batch[name]
             assert isinstance(col, Ragged)
             total = int(col.values.shape[0])
-            if total > self.ragged_capacity:
-                raise CapacityError(f"Ragged field {name!r} brings {total} elements, more than its pool "
-                                    f"({self.ragged_capacity}); raise ragged_capacity.")
             head = self._rhead[name]
             if head + total > self.ragged_capacity:
                 head = 0
