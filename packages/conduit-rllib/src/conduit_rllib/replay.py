@@ -154,8 +154,7 @@ class _ConduitReplay:
 
     def _discard(self) -> None:
         """Drop the data plane and its links: the buffer is as before its first add."""
-        if self.edp is not None:
-            self.edp.close()
+        self.close()
         self.edp = None
         self._succ = self._rew = self._done = None
 
@@ -506,8 +505,7 @@ class _ConduitReplay:
             if state["edp"] is not None:
                 schema = ExperienceSchema.from_dict(state["schema"])
                 if self.edp is None or self.edp.schema != schema:
-                    if self.edp is not None:
-                        self.edp.close()
+                    self.close()
                     self._build(schema)
                 assert self.edp is not None
                 self.edp.load_state_dict(state["edp"])
