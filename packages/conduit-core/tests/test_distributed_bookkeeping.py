@@ -374,3 +374,18 @@ def test_float_handles_in_a_priority_update_are_refused_and_change_nothing(fake_
         p.update_priorities(torch.tensor([2.5, 0.5]), torch.tensor([0, 1]))
     assert np.array_equal(p.semantics.sampler._tree.get(np.arange(4)), leaves)
     assert p.update_priorities(torch.tensor([0, 1]), torch.tensor([2.5, 0.5])) == 2
+
+
+def test_a_closed_buffers_scheduler_serves_a_rebuilt_one_and_an_open_ones_does_not(fake_ray):
+    """As for ExperienceDataPlane: one open buffer per scheduler, and a closed one frees it."""
+    from conduit import Synchronous
+    from conduit.errors import ConfigurationError
+
+    sched = Synchronous()
+    first = _plane(["a"], capacity=8, scheduler=sched)
+    with pytest.raises(ConfigurationError, match="one scheduler per buffer"):
+        _plane(["a"], capacity=8, scheduler=sched)
+    first.close()
+    second = _plane(["a"], capacity=8, scheduler=sched)
+    second.ingest(id_batch(np.arange(3)))
+    assert _ids(second) == [0, 1, 2]

@@ -297,6 +297,11 @@ class DistributedDataPlane:
 
     # -- properties -------------------------------------------------------------------------------
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (as ``ExperienceDataPlane.closed``: the scheduler may serve another buffer)."""
+        return self._closed
+
+    @property
     def capacity(self) -> int:
         return self.index.capacity
 
