@@ -52,6 +52,7 @@ class _OutputRing:
         self.schema, self.device, self.depth, self.pin = schema, device, max(1, depth), pin
         self.reuse_free = reuse_free and self.depth > 1 and _OWNER_COUNTS
         self._bufs: list[dict[str, torch.Tensor]] = []
+        self._held: list[_Held] = []
         self._free: list[tuple[int, ...]] = []
         self._rows = 0
         self._i = 0
@@ -65,8 +66,9 @@ class _OutputRing:
             # what "nobody else holds it" reads as, taken while that is certain (the counts an
             # interpreter reports for a loop variable or an argument differ between Python versions)
             big = n * self.schema.fixed_item_bytes >= _REUSE_MIN_BYTES
-            self._free = [_owners(b) for b in self._bufs] if self.reuse_free and big else []
-        elif not (self._free and _owners(self._bufs[self._i]) == self._free[self._i]):
+            self._held = [_held(b) for b in self._bufs] if self.reuse_free and big else []
+            self._free = [_owners(h) for h in self._held]
+        elif not (self._free and _owners(self._held[self._i]) == self._free[self._i]):
             self._i = (self._i + 1) % self.depth
         buf = self._bufs[self._i]
         if n == self._rows:
@@ -74,12 +76,20 @@ class _OutputRing:
         return {k: v[:n] for k, v in buf.items()}
 
 
-def _owners(buf: dict[str, torch.Tensor]) -> tuple[int, ...]:
-    """Per tensor of ``buf``: its Python references, its TensorImpl's owners (autograd, other
-    tensors), its storage's owners (views, NumPy arrays) and the references to its storage object."""
+#: a buffer's tensors, each with its storage object (held, so that a check makes no new one)
+_Held = tuple[tuple[torch.Tensor, torch.UntypedStorage], ...]
+
+
+def _held(buf: dict[str, torch.Tensor]) -> _Held:
+    return tuple((t, t.untyped_storage()) for t in buf.values())
+
+
+def _owners(held: _Held) -> tuple[int, ...]:
+    """Per tensor: its Python references, its TensorImpl's owners (autograd, other tensors), its
+    storage's owners (views, NumPy arrays) and the references to its storage object (torch keeps
+    one Python object per storage, so ``held``'s is the one anybody else would get)."""
     out: list[int] = []
-    for t in buf.values():
-        st = t.untyped_storage()
+    for t, st in held:
         out += (sys.getrefcount(t), t._use_count(),  # type: ignore[attr-defined]  # private torch API
                 torch._C._storage_Use_Count(st._cdata), sys.getrefcount(st))
     return tuple(out)
@@ -92,10 +102,10 @@ def _owner_counts_work() -> bool:
     reuse is an optimisation, never a reason for a delivery to fail.
     """
     try:
-        t = torch.zeros(2)
-        before = _owners({"t": t})
-        view = t[1:]
-        return _owners({"t": t}) != before and view.shape[0] == 1
+        held = _held({"t": torch.zeros(2)})
+        before = _owners(held)
+        view = held[0][0][1:]
+        return _owners(held) != before and view.shape[0] == 1
     except (AttributeError, RuntimeError, TypeError):
         return False
 

@@ -55,13 +55,12 @@ class Sampler(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
-    def _by_rank(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots, handles) of the ``r``-th oldest live items."""
+    def _slots(self, handles: torch.Tensor) -> torch.Tensor:
+        """The ring slots of live ``handles``."""
         st = self.storage
-        if st.oldest == 0:  # nothing evicted yet: rank == handle == slot
-            return r, r
-        handles = r + st.oldest
-        return torch.remainder(handles, st.capacity), handles
+        if st.next_handle <= st.capacity:  # the ring has not wrapped: handle == slot
+            return handles
+        return torch.remainder(handles, st.capacity)
 
 
 class UniformSampler(Sampler):
@@ -73,13 +72,15 @@ class UniformSampler(Sampler):
 
     def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
         st = self.storage
-        size = st.next_handle - st.oldest
+        lo, hi = st.oldest, st.next_handle
         if replace:
-            r = torch.randint(size, (n,), generator=self._gen)
+            # the live handles directly: the same draws as ``randint(hi - lo) + lo``, one tensor op fewer
+            handles = torch.randint(lo, hi, (n,), generator=self._gen)
         else:
-            r = torch.randperm(size, generator=self._gen)[:n]
-        slots, handles = self._by_rank(r)
-        return Selection(slots, SampleInfo(handles=handles))
+            handles = torch.randperm(hi - lo, generator=self._gen)[:n]
+            if lo:
+                handles = handles + lo
+        return Selection(self._slots(handles), SampleInfo(handles=handles))
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self._gen.get_state()}
