@@ -34,6 +34,7 @@ import torch
 
 from conduit.batch import ExperienceBatch, Ragged
 from conduit.errors import ConduitError, ConfigurationError
+from conduit.semantics.onpolicy import OnPolicy
 
 if TYPE_CHECKING:
     from conduit.edp import ExperienceDataPlane
@@ -104,6 +105,10 @@ class Ingestion:
                 if last is not None and last.version is not None and item.version < last.version:
                     raise ConfigurationError(f"Version {item.version} arrived after version {last.version}; "
                                              f"on-policy versions must not go backwards.")
+                sem = self.edp.semantics
+                if last is None and isinstance(sem, OnPolicy):
+                    # nothing queued: all handed over is stored, and may have been since ingest() checked
+                    sem.check_version_order(item.version)
             while self.background and len(self._pending) >= self.queue_depth and self._error is None:
                 if self._paused:
                     raise ConfigurationError(

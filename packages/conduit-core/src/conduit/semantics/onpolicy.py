@@ -1,7 +1,10 @@
 """On-policy semantics: a rollout is delivered as M minibatches per epoch for E epochs.
 
 A *rollout* is the set of items ingested with one policy version. It is *sealed* when
-``seal()`` is called or when items of another version arrive. Delivery serves sealed
+``seal()`` is called or when items of another version arrive. Versions never go backwards:
+a version lower than the open rollout's, or than the last sealed rollout's (delivered or
+not, checkpointed with the buffer), is refused with :class:`ConfigurationError`; the same
+version as the open rollout joins it, after a seal it starts a new rollout. Delivery serves sealed
 rollouts oldest first; within one rollout each epoch is a fresh seeded permutation cut
 into M minibatches (sizes differ by at most one), so each item appears exactly once per
 epoch and a minibatch never mixes versions. After the last minibatch of the last epoch
@@ -119,18 +122,28 @@ class OnPolicy(Semantics):
         self._perm: torch.Tensor | None = None
         self._bounds: list[int] = []
         self._finished_end: int | None = None
+        self._last_sealed: int | None = None  # version of the rollout sealed last (delivered or not)
 
     # -- ingestion -------------------------------------------------------------------------
     def check_ingest(self, n: int, *, version: int | None, priorities: torch.Tensor | None) -> None:
         if version is None:
             raise ConfigurationError("On-policy ingestion needs the producing policy version: ingest(batch, "
                                      "version=v).")
-        check_version(version)
+        v = check_version(version)
         if priorities is not None:
             raise ConfigurationError("On-policy buffers take no priorities.")
-        if self._open is not None and version < self._open.version:
-            raise ConfigurationError(f"Version {version} arrived after version {self._open.version}; on-policy "
+        self.check_version_order(v)
+
+    def check_version_order(self, version: int) -> None:
+        """Refuse ``version`` (:class:`ConfigurationError`) when it is lower than the open rollout's or
+        than the last sealed rollout's (delivered, dropped or not): versions must not go backwards."""
+        open_, sealed = self._open, self._last_sealed  # read once: a background store may change them
+        if open_ is not None and version < open_.version:
+            raise ConfigurationError(f"Version {version} arrived after version {open_.version}; on-policy "
                                      f"versions must not go backwards.")
+        if sealed is not None and version < sealed:
+            raise ConfigurationError(f"Version {version} arrived after a rollout of version {sealed} was sealed; "
+                                     f"on-policy versions must not go backwards.")
 
     def on_append(self, result: AppendResult, *, version: int | None, priorities: torch.Tensor | None) -> None:
         if not result.count:  # no items arrived: nothing to seal or to open
@@ -146,6 +159,7 @@ class OnPolicy(Semantics):
         """Close the open rollout: it becomes deliverable and later items start a new one."""
         if self._open is not None and self._open.count:
             self._sealed.append(self._open)
+            self._last_sealed = self._open.version
         self._open = None
 
     @property
@@ -266,7 +280,8 @@ class OnPolicy(Semantics):
                 "dropped_items": self.dropped_items, "open": rd(self._open),
                 "sealed": [rd(r) for r in self._sealed], "cur": rd(self._cur), "epoch": self._epoch,
                 "k": self._k, "perm": None if self._perm is None else self._perm.clone(),
-                "bounds": list(self._bounds), "finished_end": self._finished_end}
+                "bounds": list(self._bounds), "finished_end": self._finished_end,
+                "last_sealed": self._last_sealed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         def rr(t: tuple[int, int, int] | None) -> _Rollout | None:
@@ -284,6 +299,11 @@ class OnPolicy(Semantics):
         if finished is not None and _as_version(finished) is None:
             raise ConfigurationError(f"This checkpoint's on-policy finished_end {finished!r} is damaged; load an "
                                      f"undamaged state_dict().")
+        # the version of the rollout sealed last (absent in older checkpoints: no sealed version)
+        last_sealed = state.get("last_sealed")
+        if last_sealed is not None and _as_version(last_sealed) is None:
+            raise ConfigurationError(f"This checkpoint's on-policy last_sealed {last_sealed!r} is damaged (expected "
+                                     f"None or an integer version); load an undamaged state_dict().")
         if (len(counters) != len(maybe) or len(bounds) != len(maybe_bounds)
                 or not (perm is None or isinstance(perm, torch.Tensor)) or not isinstance(state["rng"], torch.Tensor)):
             raise ConfigurationError("This checkpoint's on-policy state is damaged (a counter, the permutation or "
@@ -296,3 +316,4 @@ class OnPolicy(Semantics):
         self._perm = perm
         self._bounds = bounds
         self._finished_end = None if finished is None else int(finished)
+        self._last_sealed = None if last_sealed is None else int(last_sealed)
