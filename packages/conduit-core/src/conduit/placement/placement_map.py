@@ -4,7 +4,8 @@ Experience can grow during training (longer responses, larger observations) unti
 initial placement no longer fits or is no longer the fastest. The map is planned once,
 over the whole size range, from the same profile; :class:`AdaptivePlacement` looks the
 current size up and migrates the buffer online when it crosses a boundary, without
-re-profiling.
+re-profiling. Sizes above the largest the map was planned for were never checked to fit:
+looking them up is a :class:`~conduit.errors.PlacementError` (re-plan with a larger maximum).
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ class PlacementMap:
         return self.ranges[-1].lo if math.isinf(self.ranges[-1].hi) else self.ranges[-1].hi
 
     def range_of(self, item_bytes: float) -> MapRange:
-        """The range holding items of ``item_bytes`` (sizes below the map: its first range).
+        """The range holding items of ``item_bytes`` (sizes below the map: its first range; above
+        :attr:`max_item_bytes`: its last, which :meth:`lookup` refuses for them).
 
         Raises:
             ConfigurationError: ``item_bytes`` is NaN or negative.
@@ -144,7 +146,9 @@ class PlacementMap:
         """The placement for items of ``item_bytes`` (sizes below the map use its first range).
 
         Raises:
-            PlacementError: nothing fits items of this size.
+            PlacementError: nothing fits items of this size, or ``item_bytes`` exceeds
+                :attr:`max_item_bytes` (nothing checked that the last range's placement holds
+                such items: re-plan with a larger ``max_item_bytes``).
             ConfigurationError: ``item_bytes`` is NaN or negative.
         """
         r = self.range_of(item_bytes)
@@ -152,14 +156,23 @@ class PlacementMap:
             raise PlacementError(f"No placement on {self.topology!r} fits {self.workload.capacity} items of "
                                  f"{item_bytes:.0f} B; lower the capacity or shrink the items before they reach "
                                  f"{r.lo:.0f} B.")
+        top = self.max_item_bytes
+        if item_bytes > top:
+            size = f"{item_bytes:.0f}" if float(item_bytes).is_integer() else f"{item_bytes:.2f}"
+            raise PlacementError(
+                f"Items of {size} B exceed the range this placement map on {self.topology!r} was planned for (up "
+                f"to {top:.0f} B per item): nothing checked that {r.spec} holds {self.workload.capacity} of them. "
+                f"Re-plan with a larger maximum: planner.placement_map(..., max_item_bytes=N) with N at least the "
+                f"largest item size expected (here {size} B).")
         return r.spec
 
     def to_dict(self) -> dict[str, Any]:
         return {"topology": self.topology, "workload": self.workload.to_dict(),
-                "ranges": [r.to_dict() for r in self.ranges]}
+                "max_item_bytes": self.max_item_bytes, "ranges": [r.to_dict() for r in self.ranges]}
 
     def explain(self) -> str:
-        lines = [f"placement map on {self.topology} (capacity {self.workload.capacity}, batch {self.workload.batch})"]
+        lines = [f"placement map on {self.topology} (capacity {self.workload.capacity}, batch {self.workload.batch}, "
+                 f"planned up to {self.max_item_bytes:.0f} B/item)"]
         for r in self.ranges:
             hi = "inf" if math.isinf(r.hi) else f"{r.hi:.0f}"
             lines.append(f"  {r.lo:>12.0f} .. {hi:>12} B/item -> {r.spec if r.spec else 'nothing fits'}")
@@ -197,6 +210,11 @@ class AdaptivePlacement(Placement):
         self.migrations: list[MigrationReport] = []
 
     def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
+        """Storage in the placement the map names for ``schema``'s items.
+
+        Raises:
+            PlacementError: nothing fits them, or they exceed the map's planned maximum.
+        """
         spec = self.map.lookup(schema.item_bytes(self.mean_ragged_length))
         st = spec.build(directory=self.directory).storage(schema, capacity, ragged_capacity=ragged_capacity)
         self.current = spec
@@ -227,6 +245,11 @@ class AdaptivePlacement(Placement):
 
         Returns:
             The migration's report, or None when the placement stays.
+
+        Raises:
+            PlacementError: nothing fits the size, or it exceeds the map's planned maximum
+                (see :meth:`PlacementMap.lookup`), or the migration failed; nothing was migrated
+                and the buffer is unchanged.
         """
         if item_bytes is None:
             item_bytes = (schema.item_bytes(self.mean_ragged_length) if schema is not None
