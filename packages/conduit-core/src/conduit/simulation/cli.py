@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,26 +42,25 @@ def _scales(text: str) -> tuple[int, ...]:
     return tuple(_positive_int(x) for x in parts)
 
 
-def _positive_float(text: str) -> float:
-    """A finite number > 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
-    return v
+def _finite_float(lower: float, *, inclusive: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number > ``lower`` (>= ``lower`` when ``inclusive``)."""
+    bound = f"{'>=' if inclusive else '>'} {lower:g}"
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) or v < lower or (v == lower and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number {bound}")
+        return v
+
+    parse.__doc__ = f"A finite number {bound}."
+    return parse
 
 
-def _non_negative_float(text: str) -> float:
-    """A finite number >= 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
-    return v
+_positive_float = _finite_float(0.0, inclusive=False)
+_non_negative_float = _finite_float(0.0, inclusive=True)
 
 
 def _ms(x: float | None) -> str:
