@@ -88,6 +88,9 @@ class Placement(ABC):
     def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
         """An empty storage for ``capacity`` items of ``schema``."""
 
+    def storage_abandoned(self, storage: Storage) -> None:  # noqa: B027 - optional hook
+        """``storage``, built by :meth:`storage`, will not be used (a migration into it failed)."""
+
     def describe(self) -> str:
         return type(self).__name__
 

@@ -140,6 +140,30 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
     cap = old.capacity
     ragged_capacity = getattr(old, "ragged_capacity", None)
     new = placement.storage(new_schema, cap, ragged_capacity=ragged_capacity if new_schema.ragged else None)
+    try:
+        items, o, nx, nbytes, chunks, max_blocked = _copy_and_swap(edp, placement, old, new, start, new_schema,
+                                                                  transform, chunk_bytes, progress)
+    except BaseException:
+        placement.storage_abandoned(new)  # the buffer keeps its storage (AdaptivePlacement forgets ``new``)
+        raise
+    # prepared deliveries hold the same items, but in buffers sized and placed for the old storage
+    edp.scheduler.invalidate("contents")
+    t1 = time.perf_counter()
+    edp.telemetry.record("migrate", items, nbytes, t0, t1)
+    return MigrationReport(_describe(old), _describe(new), items, nbytes, t1 - t0, max_blocked, chunks, o, nx)
+
+
+def _copy_and_swap(edp: ExperienceDataPlane, placement: Placement, old: Storage, new: Storage, start: int,
+                   new_schema: ExperienceSchema, transform: Callable[[ExperienceBatch], Any] | None,
+                   chunk_bytes: int, progress: Callable[[int, int], None] | None
+                   ) -> tuple[int, int, int, int, int, float]:
+    """:func:`migrate` once ``new`` is built: copy, check, swap (raises before the swap, changing nothing).
+
+    Returns:
+        (live items, oldest handle, next handle) at the swap, bytes read, chunks copied, longest lock hold.
+    """
+    lock = edp._lock
+    cap = old.capacity
     _position(new, new_schema, start)
     item = max(1, edp.schema.fixed_item_bytes + 8 * len(edp.schema.ragged))
     chunk = max(1, min(cap, chunk_bytes // item))
@@ -196,9 +220,4 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
         finally:
             max_blocked = max(max_blocked, time.perf_counter() - t_hold)
             lock.release()
-    # prepared deliveries hold the same items, but in buffers sized and placed for the old storage
-    edp.scheduler.invalidate("contents")
-    t1 = time.perf_counter()
-    edp.telemetry.record("migrate", items, stats["bytes"], t0, t1)
-    return MigrationReport(_describe(old), _describe(new), items, stats["bytes"], t1 - t0, max_blocked,
-                           stats["chunks"], o, nx)
+    return items, o, nx, stats["bytes"], stats["chunks"], max_blocked

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,10 +205,12 @@ class AdaptivePlacement(Placement):
         self.directory = directory
         self.mean_ragged_length = mean_ragged_length
         self.window = window
-        #: the spec currently in use (set when the storage is built)
+        #: the spec currently in use (set when the storage is built; put back if a migration into it fails)
         self.current: PlacementSpec | None = None
         #: every migration this placement performed
         self.migrations: list[MigrationReport] = []
+        #: (the storage built last, :attr:`current` before it): see :meth:`storage_abandoned`
+        self._undo: tuple[weakref.ref[Storage], PlacementSpec | None] | None = None
 
     def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
         """Storage in the placement the map names for ``schema``'s items.
@@ -217,8 +220,19 @@ class AdaptivePlacement(Placement):
         """
         spec = self.map.lookup(schema.item_bytes(self.mean_ragged_length))
         st = spec.build(directory=self.directory).storage(schema, capacity, ragged_capacity=ragged_capacity)
+        self._undo = (weakref.ref(st), self.current)
         self.current = spec
         return st
+
+    def storage_abandoned(self, storage: Storage) -> None:
+        """``storage``, built by :meth:`storage`, will not be used (a migration into this placement
+        failed): :attr:`current` goes back to what it was before, the placement the buffer still uses.
+
+        Only the storage built last is undone (an older one's build was superseded already).
+        """
+        if self._undo is not None and self._undo[0]() is storage:
+            self.current = self._undo[1]
+            self._undo = None
 
     @property
     def spec(self) -> PlacementSpec | None:
@@ -228,12 +242,19 @@ class AdaptivePlacement(Placement):
         return f"adaptive ({self.current})"
 
     def observed_item_bytes(self, edp: ExperienceDataPlane) -> float:
-        """Mean bytes per item over the last ``window`` ingestion calls (the schema's fixed size if none)."""
+        """Mean payload bytes per item over the last ``window`` ingestion calls (with none:
+        ``schema.item_bytes(mean_ragged_length)``).
+
+        Counted as the map was planned (:meth:`ExperienceSchema.item_bytes`,
+        :meth:`Workload.from_schema`): the fields' elements only, not the 8 B length per item
+        and ragged field that the telemetry's byte counts include. So the same items give the
+        same size, whether observed or assumed.
+        """
         recs = edp.telemetry.recent("ingest", self.window)
         items = sum(r.items for r in recs)
         if not items:
             return float(edp.schema.item_bytes(self.mean_ragged_length))
-        return sum(r.nbytes for r in recs) / items
+        return max(0.0, sum(r.nbytes for r in recs) / items - 8 * len(edp.schema.ragged))
 
     def rebalance(self, edp: ExperienceDataPlane, *, item_bytes: float | None = None,
                   schema: ExperienceSchema | None = None,
