@@ -204,12 +204,14 @@ class FieldStore:
             raise SchemaError(f"Field {self.name!r}: a put names a global index twice.")
         if col.dtype != self.dtype:
             raise SchemaError(f"Field {self.name!r} is stored as {self.dtype}, a put brought {col.dtype}; "
-                              f"TransferQueue fields keep one dtype.")
+                              f"TransferQueue fields keep one dtype (on every storage unit): cast the column to "
+                              f"{self.dtype}, or put it under another field name.")
         shapes = col.shapes
         if shapes.shape[1] != self.width:
             if shapes.shape[1] > self.width:
                 raise SchemaError(f"Field {self.name!r} holds samples of rank <= {self.width - 1}, a put brought rank "
-                                  f"{shapes.shape[1] - 1}; TransferQueue fields keep one rank.")
+                                  f"{shapes.shape[1] - 1}; TransferQueue fields keep one rank (on every storage "
+                                  f"unit): put this column under another field name.")
             shapes = torch.nn.functional.pad(shapes, (0, self.width - shapes.shape[1]))
         if n:
             ExperienceBatch({"values": Ragged(col.values, col.lengths), "shape": shapes}, n).validate(self.schema)

@@ -101,6 +101,9 @@ class _UnitState:
         """Raise what :meth:`put` would raise for this input, changing nothing; returns the decoded
         columns and the store each tensor column goes to (new stores are not kept yet).
 
+        With no ``gis`` (zero-row columns) it checks only that each field agrees in kind, dtype and rank
+        with what this unit holds: the manager asks so of the units a put does not reach.
+
         Raises:
             SchemaError: a field switched kind, dtype or rank, or a column's length is not ``len(gis)``.
             CapacityError: a field would exceed ``max_items``.
@@ -109,13 +112,17 @@ class _UnitState:
         for name, w in columns.items():
             kind_is_tensor = isinstance(w, dict)
             if kind_is_tensor and name in self.objects or not kind_is_tensor and name in self.fields:
-                raise SchemaError(f"Field {name!r} switched between tensor and object values; TransferQueue fields "
-                                  f"keep one kind.")
+                held, brought = ("Python objects", "tensors") if kind_is_tensor else ("tensors", "Python objects")
+                raise SchemaError(f"Field {name!r} is stored as {held}, a put brought {brought}; TransferQueue "
+                                  f"fields keep one kind (on every storage unit): put {name!r} as {held}, or the "
+                                  f"{brought} under another field name.")
             decoded[name] = from_wire(w) if kind_is_tensor else w
         stores: dict[str, FieldStore] = {}
         for name, col in decoded.items():  # every column is checked before any is written
             if isinstance(col, PackedColumn):
                 store = self.fields.get(name)
+                if store is None and not gis:  # nothing held to disagree with, nothing to store
+                    continue
                 if store is None:
                     store = FieldStore(name, col.dtype, col.shapes.shape[1], PoolLadder(**self.ladder_args))
                 store.check(gis, col)
@@ -131,6 +138,8 @@ class _UnitState:
         nbytes = 0
         for name, col in decoded.items():  # all checks passed: write
             if isinstance(col, PackedColumn):
+                if name not in stores:  # a new field of no samples (a put of no gis)
+                    continue
                 store = self.fields[name] = stores[name]
                 store.put(gis, col)
                 nbytes += col.values.numel() * col.values.element_size()
@@ -379,9 +388,14 @@ class ConduitStorageManager(StorageManager):
                 else:
                     payload[k] = col if len(routes) == 1 else [col[p] for p in positions]
             parts.append((rank, [gis[p] for p in positions], payload))
-        if len(parts) > 1:  # all units check before any writes: a put refused by one unit stores nothing
+        if len(self.units) > 1:  # every unit checks before any writes: a put refused by one unit stores nothing,
+            # and a unit the put does not reach still refuses a field it holds in another kind, dtype or rank
             parts = [(rank, part_gis, ray.put(payload)) for rank, part_gis, payload in parts]
-            await asyncio.gather(*[self.units[rank].check.remote(part_gis, ref) for rank, part_gis, ref in parts])
+            checks = [self.units[rank].check.remote(part_gis, ref) for rank, part_gis, ref in parts]
+            if len(parts) < len(self.units):
+                empty = {k: to_wire(_no_rows(c)) if isinstance(c, PackedColumn) else [] for k, c in columns.items()}
+                checks += [self.units[r].check.remote([], empty) for r in range(len(self.units)) if r not in routes]
+            await asyncio.gather(*checks)
         await asyncio.gather(*[self.units[rank].put.remote(part_gis, payload) for rank, part_gis, payload in parts])
         self.telemetry.record("put", n, nbytes, t0, time.perf_counter())
         self._trace()
@@ -403,6 +417,7 @@ class ConduitStorageManager(StorageManager):
         out: dict[str, Any] = {}
         nbytes = 0
         for f in fields:
+            _same_kind(f, [p[f] for p in parts])
             if isinstance(parts[0][f], dict):
                 col = concat_rows([from_wire(p[f]) for p in parts]) if len(parts) > 1 else from_wire(parts[0][f])
                 col = select_rows(col, inverse) if len(parts) > 1 else _owned(col)
@@ -467,6 +482,25 @@ class ConduitStorageManager(StorageManager):
     def stats(self) -> list[dict[str, Any]]:
         """Each unit's fields, placements, migrations and call telemetry."""
         return ray.get([u.stats.remote() for u in self.units])
+
+
+def _no_rows(col: PackedColumn) -> PackedColumn:
+    """``col`` without its samples: its dtype and shape-row width only."""
+    return PackedColumn(col.values[:0], col.lengths[:0], col.shapes[:0])
+
+
+def _same_kind(name: str, parts: list[Any]) -> None:
+    """Check that the units' parts of field ``name`` (wire columns or object lists) can form one column.
+
+    Raises:
+        SchemaError: the units hold the field in different kinds or dtypes (only two first puts of the field that
+            raced past each other's checks leave this behind).
+    """
+    kinds = {f"tensors of {p['dtype']}" if isinstance(p, dict) else "Python objects" for p in parts}
+    if len(kinds) > 1:
+        raise SchemaError(f"Field {name!r} is held as {' and as '.join(sorted(kinds))} on different Conduit storage "
+                          f"units (two first puts of the field raced), so they cannot be read as one column; put the "
+                          f"values again under another field name, in one kind and dtype.")
 
 
 def _owned(col: PackedColumn) -> PackedColumn:
