@@ -156,14 +156,16 @@ def test_the_rule_survives_a_checkpoint_round_trip(sched: str) -> None:
 
 
 @pytest.mark.parametrize("sched", ["sync", "overlapped"])
-def test_an_old_checkpoint_without_the_key_loads_as_no_sealed_version(sched: str) -> None:
+def test_an_old_checkpoint_without_the_key_takes_its_newest_sealed_rollout(sched: str) -> None:
     with _buffer(sched) as edp, _buffer(sched) as restored:
         edp.ingest(_items(0, 4), version=5)
         edp.seal()
         state = edp.state_dict()
         del state["semantics"]["last_sealed"]  # written before the key existed
         restored.load_state_dict(state)
-        assert restored.state_dict()["semantics"]["last_sealed"] is None
+        assert restored.state_dict()["semantics"]["last_sealed"] == 5, "the sealed rollout it holds sets the order"
+        with pytest.raises(ConfigurationError, match="must not go backwards"):
+            restored.ingest(_items(20, 2), version=3)
         restored.ingest(_items(10, 2), version=6)
         restored.seal()
         assert restored.state_dict()["semantics"]["last_sealed"] == 6

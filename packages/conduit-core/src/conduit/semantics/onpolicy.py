@@ -299,7 +299,7 @@ class OnPolicy(Semantics):
         if finished is not None and _as_version(finished) is None:
             raise ConfigurationError(f"This checkpoint's on-policy finished_end {finished!r} is damaged; load an "
                                      f"undamaged state_dict().")
-        # the version of the rollout sealed last (absent in older checkpoints: no sealed version)
+        # the version of the rollout sealed last (absent in older checkpoints: see below)
         last_sealed = state.get("last_sealed")
         if last_sealed is not None and _as_version(last_sealed) is None:
             raise ConfigurationError(f"This checkpoint's on-policy last_sealed {last_sealed!r} is damaged (expected "
@@ -316,4 +316,7 @@ class OnPolicy(Semantics):
         self._perm = perm
         self._bounds = bounds
         self._finished_end = None if finished is None else int(finished)
-        self._last_sealed = None if last_sealed is None else int(last_sealed)
+        if "last_sealed" in state:
+            self._last_sealed = None if last_sealed is None else int(last_sealed)
+        else:  # an older checkpoint: the newest sealed rollout it still holds, if any
+            self._last_sealed = max((r.version for r in (*self._sealed, self._cur) if r is not None), default=None)
