@@ -25,6 +25,7 @@ Semantics, compared with RLlib's buffers of the same kind:
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import TYPE_CHECKING, Any, cast
 
@@ -97,7 +98,9 @@ class _ConduitReplay:
                  device: torch.device | str | None = None, placement: Placement | None = None,
                  scheduler: Scheduler | None = None, metrics_every: int = 16, batch_size_B: int = 16,
                  batch_length_T: int = 1, metrics_num_episodes_for_smoothing: int = 100, **kwargs: Any) -> None:
-        if not isinstance(capacity, (int, float)) or int(capacity) <= 0:
+        # any real number (NumPy's too, as RLlib's buffers take), but not a bool, NaN or infinity
+        if (isinstance(capacity, bool) or not isinstance(capacity, (int, float, np.integer, np.floating))
+                or not math.isfinite(capacity) or int(capacity) <= 0):
             raise ConfigurationError(f"capacity must be a positive number of transitions, got {capacity!r}.")
         # Only the cheap base initialiser: it sets capacity, batch sizes and the MetricsLogger.
         # PrioritizedEpisodeReplayBuffer.__init__ would allocate segment trees nobody uses.
@@ -486,43 +489,70 @@ class _ConduitReplay:
     def set_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`get_state`'s output into a buffer of the same kind and capacity.
 
-        The saved ``alpha`` replaces this buffer's (the saved priorities were raised to it).
+        The saved ``alpha`` replaces this buffer's (the saved priorities were raised to it). A
+        refused state changes nothing: contents, links, alpha and counters stay as they were.
 
         Raises:
-            conduit.ConfigurationError: the state is not a Conduit replay state, or was written
-                by a buffer of another kind or capacity.
+            conduit.ConfigurationError: the state is not a Conduit replay state, was written by a
+                buffer of another kind or capacity, or is damaged.
         """
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ConfigurationError("This is not a Conduit replay-buffer state (get_state() of a Conduit "
                                      "buffer); RLlib-native buffer states cannot be loaded into it.")
-        if state["prioritized"] != self.prioritized or state["capacity"] != self.capacity:
-            raise ConfigurationError(f"The state was saved by a {'prioritized' if state['prioritized'] else 'uniform'}"
-                                     f" buffer of capacity {state['capacity']}; build the same kind and capacity "
+        if state.get("prioritized") != self.prioritized or state.get("capacity") != self.capacity:
+            kind = "prioritized" if state.get("prioritized") else "uniform"
+            raise ConfigurationError(f"The state was saved by a {kind} buffer of capacity {state.get('capacity')}; "
+                                     f"build the same kind and capacity "
                                      f"(this one: prioritized={self.prioritized}, capacity={self.capacity}).")
+        try:  # everything read (and checked) before anything changes
+            alpha = float(state["alpha"])
+            has_plane = state["edp"] is not None
+            schema = ExperienceSchema.from_dict(state["schema"]) if has_plane else None
+            links = (state["succ"].copy(), state["rew"].copy(), state["done"].copy()) if has_plane else None
+            seed, nxt, tail, lifetime = state["seed"], state["next"], dict(state["tail"]), dict(state["lifetime"])
+            np.random.PCG64().state = state["n_rng"]
+            last, obs_space, act_space = state["last_handles"], state["observation_space"], state["action_space"]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ConfigurationError(f"This Conduit replay-buffer state is damaged ({type(e).__name__}: {e}); load "
+                                     f"an undamaged get_state().") from e
         with self._lock:
-            # the saved priorities are p ** alpha of the saving buffer: sample (and update) with its alpha
-            self._alpha = float(state["alpha"])
-            if state["edp"] is not None:
-                schema = ExperienceSchema.from_dict(state["schema"])
-                if self.edp is None or self.edp.schema != schema:
-                    self.close()
-                    self._build(schema)
-                assert self.edp is not None
-                self.edp.load_state_dict(state["edp"])
-                sampler = cast(Replay, self.edp.semantics).sampler
+            if schema is not None:
+                self._load_plane(schema, state["edp"])
+                sampler = cast(Replay, cast(ExperienceDataPlane, self.edp).semantics).sampler
                 if isinstance(sampler, PrioritizedSampler):
-                    sampler.alpha = self._alpha
-                self._succ, self._rew, self._done = state["succ"].copy(), state["rew"].copy(), state["done"].copy()
+                    # the saved priorities are p ** alpha of the saving buffer: sample (and update) with its alpha
+                    sampler.alpha = alpha
+                assert links is not None
+                self._succ, self._rew, self._done = links
             elif self.edp is not None:  # the state was saved before anything was added: drop our contents
                 self._discard()
-            self.seed, self._next = state["seed"], state["next"]
-            self._tail = dict(state["tail"])
-            self._lifetime = dict(state["lifetime"])
+            self._alpha = alpha
+            self.seed, self._next = seed, nxt
+            self._tail = tail
+            self._lifetime = lifetime
             self._counts = dict.fromkeys(self._counts, 0)
             self._n_rng.bit_generator.state = state["n_rng"]
-            self._last_handles = state["last_handles"]
-            self.observation_space = state["observation_space"]
-            self.action_space = state["action_space"]
+            self._last_handles = last
+            self.observation_space = obs_space
+            self.action_space = act_space
+
+    def _load_plane(self, schema: ExperienceSchema, edp_state: dict[str, Any]) -> None:
+        """Load a saved data plane of ``schema``; a refused load leaves the current plane and links as they were."""
+        edp = self.edp
+        if edp is not None and edp.schema == schema:
+            edp.load_state_dict(edp_state)  # checked before it changes anything
+            return
+        links = (self._succ, self._rew, self._done)
+        kept = edp.state_dict() if edp is not None else None  # our contents, should the saved plane be refused
+        self.close()  # a scheduler serves one open plane at a time
+        try:
+            self._build(schema).load_state_dict(edp_state)
+        except BaseException:
+            self._discard()
+            if edp is not None:
+                self._build(edp.schema).load_state_dict(cast(dict[str, Any], kept))
+                self._succ, self._rew, self._done = links
+            raise
 
 
 # The ignores below: _ConduitReplay's add/sample take the arguments RLlib's DQN/SAC pass but intentionally differ
