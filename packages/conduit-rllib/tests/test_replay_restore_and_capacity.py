@@ -111,3 +111,15 @@ def test_a_numpy_capacity_is_accepted_as_by_rllibs_buffers(capacity: object) -> 
 def test_a_capacity_that_is_not_a_positive_finite_number_is_a_typed_error(capacity: object) -> None:
     with pytest.raises(ConfigurationError, match="capacity must be a positive number"):  # nan/inf: raw errors
         ConduitEpisodeReplayBuffer(capacity=capacity)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("alpha", [None, "0.6", True, float("nan"), -0.1, [0.6]])
+def test_an_alpha_that_is_not_a_finite_non_negative_number_is_a_typed_error(alpha: object) -> None:
+    with pytest.raises(ConfigurationError, match="alpha must be a finite number >= 0"):
+        ConduitPrioritizedEpisodeReplayBuffer(capacity=8, alpha=alpha)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("alpha", [0, 0.6, np.float32(0.6), np.int64(1)])
+def test_numeric_alphas_are_accepted(alpha: object) -> None:
+    buf = ConduitPrioritizedEpisodeReplayBuffer(capacity=8, alpha=alpha)  # type: ignore[arg-type]
+    assert buf._alpha == float(alpha)  # type: ignore[arg-type]

@@ -107,8 +107,9 @@ class _ConduitReplay:
         EpisodeReplayBuffer.__init__(cast(EpisodeReplayBuffer, self), capacity=int(capacity), batch_size_B=batch_size_B,
                                      batch_length_T=batch_length_T,
                                      metrics_num_episodes_for_smoothing=metrics_num_episodes_for_smoothing)
-        if not (alpha >= 0 and np.isfinite(alpha)):
-            raise ConfigurationError(f"alpha must be finite and >= 0, got {alpha!r}.")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.integer, np.floating)) or not (
+                alpha >= 0 and np.isfinite(alpha)):
+            raise ConfigurationError(f"alpha must be a finite number >= 0, got {alpha!r}.")
         self._alpha = float(alpha)
         self.seed = int(seed) if seed is not None else int(cast(int, np.random.SeedSequence().entropy) % (2 ** 31))
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -172,6 +173,8 @@ class _ConduitReplay:
         Raises:
             conduit.SchemaError: observations or actions change shape/dtype, or are nested.
             conduit.ConfigurationError: a weight for the uniform buffer.
+            conduit.CapacityError: one chunk holds more steps than the capacity (RLlib's buffer would
+                keep it over capacity for a while; cut the episode or raise the capacity).
         """
         episodes = force_list(episodes)
         chunks = [chunk_columns(e) for e in episodes]
