@@ -14,7 +14,8 @@ actor gets a :class:`ConduitSampleProducer` over one native producer per trainer
   rule: actor rank modulo the number of trainers), ``"round_robin"``, or ``"least_sent"`` (the
   trainer this producer has sent the fewest samples to).
 
-Nothing posted is dropped by Conduit: ``close()`` sends what is still pending.
+Nothing posted is dropped by Conduit: ``close()`` sends what is still pending (after a flush in
+flight in another thread), and a ``post`` after it raises instead of being kept unsent.
 """
 
 from __future__ import annotations
@@ -62,15 +63,25 @@ class StreamPolicy:
             raise ConfigurationError(f"max_delay_s must be >= 0, got {self.max_delay_s!r}.")
 
 
-def _signature(rec: Any) -> tuple[Any, ...]:
+def _signature(rec: Any) -> tuple[Any, ...] | None:
+    """Class, field names, dtypes and shapes of a record; None if it cannot be stacked on the batch axis.
+
+    A field without a time axis (a scalar such as ``policy_name="default"``, which a Conduit buffer
+    drops) has no axis 1 to stack on, so such a record is sent alone.
+    """
     out: list[Any] = [type(rec)]
     for k, v in rec.items():
         if v is None:
             out.append((k, None))
         elif hasattr(v, "items") and not isinstance(v, np.ndarray):
-            out.append((k, _signature(v)))
+            sub = _signature(v)
+            if sub is None:
+                return None
+            out.append((k, sub))
         else:
             a = np.asarray(v)
+            if a.ndim == 0:
+                return None
             out.append((k, a.dtype.str, a.shape))
     return tuple(out)
 
@@ -109,13 +120,21 @@ class ConduitSampleProducer:
 
     def __init__(self, targets: Sequence[SampleProducerLike], *, policy: StreamPolicy | None = None, rank: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not targets:
-            raise ConfigurationError("A Conduit sample producer needs at least one target producer.")
+        if not isinstance(targets, Sequence) or not targets:
+            raise ConfigurationError(f"A Conduit sample producer needs a non-empty list of target producers (one per "
+                                     f"trainer), got {type(targets).__name__}; pass [producer].")
+        bad = [i for i, t in enumerate(targets) if not isinstance(t, SampleProducerLike)]
+        if bad:
+            raise ConfigurationError(f"Targets {bad} have no post()/flush(); every target is a sample producer.")
+        if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or rank < 0:
+            raise ConfigurationError(f"rank must be an int >= 0 (the actor's worker index), got {rank!r}.")
         self.targets = list(targets)
         self.policy = policy or StreamPolicy()
         self.rank = int(rank)
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _pending and _closed (post)
+        self._send_lock = threading.Lock()  # one send at a time: flush and close never overlap on the targets
+        self._closed = False
         self._pending: deque[tuple[Any, float]] = deque()
         self._next = self.rank % len(self.targets)
         #: samples sent to each target
@@ -124,20 +143,41 @@ class ConduitSampleProducer:
         self.messages = [0] * len(self.targets)
 
     def post(self, sample: Any) -> None:
+        """Queue ``sample`` for the next flush (thread-safe).
+
+        Raises:
+            ConfigurationError: the producer is closed (the sample would never be sent).
+        """
         with self._lock:
+            if self._closed:
+                raise ConfigurationError("This Conduit sample producer is closed, so the sample would never be sent; "
+                                         "post to a producer that is still open (build a new one).")
             self._pending.append((sample, self._clock()))
 
     def flush(self) -> None:
-        """Send every full group of ``coalesce`` samples, and the rest once the oldest waited ``max_delay_s``."""
-        self._send(force=False)
+        """Send every full group of ``coalesce`` samples, and the rest once the oldest waited ``max_delay_s``.
+
+        A no-op once the producer is closed (``close`` sent everything).
+        """
+        with self._send_lock:
+            if not self._closed:
+                self._send(force=False)
 
     def close(self) -> None:
-        """Send everything still pending, then close the targets."""
-        self._send(force=True)
-        for t in self.targets:
-            close = getattr(t, "close", None)
-            if close is not None:
-                close()
+        """Refuse further posts, send everything still pending, then close the targets (idempotent).
+
+        A flush running in another thread finishes first, so no sample it took is cut off.
+        """
+        with self._send_lock:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+            self._send(force=True)
+            for t in self.targets:
+                close = getattr(t, "close", None)
+                if close is not None:
+                    close()
 
     def init_monitor(self, monitor: Any) -> None:
         for t in self.targets:
@@ -168,14 +208,15 @@ class ConduitSampleProducer:
     def _groups(samples: list[Any], k: int) -> list[list[Any]]:
         """Runs of up to ``k`` samples of one structure, in order.
 
-        Records that cannot carry metadata go alone, and so do records that carry some: stacking
-        would drop it.
+        Records that cannot carry metadata go alone, and so do records that carry some (stacking
+        would drop it) and records with a field that has no time axis (nothing to stack it on).
         """
         groups: list[list[Any]] = []
         sig: tuple[Any, ...] | None = None
         for s in samples:
             can = k > 1 and hasattr(s, "register_metadata") and not getattr(s, "metadata", None)
             this = _signature(s) if can else None
+            can = this is not None
             if groups and can and this == sig and len(groups[-1]) < k:
                 groups[-1].append(s)
             else:
@@ -238,8 +279,19 @@ class ConduitSampleConsumer:
     def __init__(self, inner: SampleConsumerLike) -> None:
         self.inner = inner
         self._backlog: deque[Any] = deque()
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigurationError("This Conduit sample consumer is closed; build a new consumer to receive more.")
 
     def consume_to(self, buffer: Any, max_iter: int = 16) -> int:
+        """Put what has arrived (up to ``max_iter`` messages) into ``buffer``; returns the number of samples.
+
+        Raises:
+            ConfigurationError: the consumer is closed.
+        """
+        self._check_open()
         shim = _Unpacker(buffer)
         while self._backlog:
             shim.put(self._backlog.popleft())
@@ -247,7 +299,12 @@ class ConduitSampleConsumer:
         return shim.count
 
     def consume(self) -> Any:
-        """One sample (a coalesced message is returned one sample at a time)."""
+        """One sample (a coalesced message is returned one sample at a time).
+
+        Raises:
+            ConfigurationError: the consumer is closed.
+        """
+        self._check_open()
         if not self._backlog:
             msg = self.inner.consume()  # type: ignore[attr-defined]
             sink = _Collector()
@@ -261,12 +318,16 @@ class ConduitSampleConsumer:
             init(monitor)
 
     def close(self) -> None:
+        """Close the native consumer (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         close = getattr(self.inner, "close", None)
         if close is not None:
             close()
 
     def __getattr__(self, name: str) -> Any:
         # native consumers expose extra attributes (e.g. ``address``); reach them through the wrapper
-        if name == "inner":
+        if name in ("inner", "_closed", "_backlog"):
             raise AttributeError(name)
         return getattr(self.inner, name)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from conduit import ConfigurationError
 
 from conduit_srl.streams import ConduitSampleConsumer, ConduitSampleProducer, StreamPolicy
 from conduit_srl.testing.records import make_sample
@@ -48,10 +49,13 @@ def _zmq() -> Any:
 
 
 class ZmqSampleProducer:
-    """An IP sample producer: ``post`` caches under a lock (thread-safe), ``flush`` sends (one flushing thread).
+    """An IP sample producer: ``post`` caches under a lock (thread-safe), ``flush`` sends.
 
     Unlike SRL's, it waits up to ``send_timeout_ms`` for a slow consumer instead of dropping at once;
-    whatever it still cannot send is counted in :attr:`dropped`.
+    whatever it still cannot send is counted in :attr:`dropped`. Sends are serialised (the socket is
+    used by one thread at a time): a ``close`` from another thread waits for a flush in flight, so
+    every sample posted before it is sent or counted in :attr:`dropped`; ``post`` after ``close``
+    raises.
     """
 
     def __init__(self, address: str, *, hwm: int = 1000, send_timeout_ms: int = 10_000) -> None:
@@ -62,16 +66,25 @@ class ZmqSampleProducer:
         self._socket.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
         self._socket.setsockopt(zmq.LINGER, 5_000)
         self._socket.connect(f"tcp://{address}")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _pending and _closed
+        self._send_lock = threading.Lock()  # the socket: one sending (or closing) thread at a time
+        self._closed = False
         self._pending: list[Any] = []
         self.sent = 0
         self.dropped = 0
 
     def post(self, sample: Any) -> None:
         with self._lock:
+            if self._closed:
+                raise ConfigurationError("This sample producer is closed, so the sample would never be sent; post "
+                                         "to an open producer.")
             self._pending.append(sample)
 
     def flush(self) -> None:
+        with self._send_lock:
+            self._flush()
+
+    def _flush(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
         for sample in pending:
@@ -82,8 +95,14 @@ class ZmqSampleProducer:
                 self.dropped += 1
 
     def close(self) -> None:
-        self.flush()
-        self._socket.close()
+        """Send what is pending and close the socket (idempotent; waits for a flush in flight)."""
+        with self._send_lock:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+            self._flush()
+            self._socket.close()
 
 
 class ZmqSampleConsumer:
