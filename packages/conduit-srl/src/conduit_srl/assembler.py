@@ -128,7 +128,8 @@ class Assembler:
             raise ConfigurationError("pin_memory=True needs CUDA; leave it None to pin only where CUDA exists.")
         self.prefetch = cfg.resolved_prefetch
         self._cv = threading.Condition()
-        self._put_lock = threading.Lock()
+        self._put_lock = threading.Lock()  # puts one at a time, in call order
+        self._seal_lock = threading.Lock()  # plan + store of a put, seal, snapshot (never held while waiting)
         self._deliver_lock = threading.Lock()
         self._ready: deque[ReplayEntry] = deque()
         self._armed = False  # a get() happened: keep entries assembled ahead
@@ -151,7 +152,13 @@ class Assembler:
     # SRL's calls
     # ======================================================================================
     def put(self, sample: Any, *, batched: bool) -> int:
-        """Check ``sample`` and hand it to the EDP; returns the number of samples."""
+        """Check ``sample`` and hand it to the EDP; returns the number of samples.
+
+        Puts are stored in call order (``_put_lock``). Planning (versions, rollouts), storing and
+        ``seal`` are atomic with each other (``_seal_lock``), but an on-policy put that waits for
+        room releases ``_seal_lock`` while it waits and plans again afterwards: a ``seal()`` meanwhile
+        seals what was stored before it, and the waiting put's samples go to the next rollout.
+        """
         with self._put_lock:
             with self._cv:
                 self._check_open()
@@ -165,27 +172,33 @@ class Assembler:
             if n > capacity:
                 raise CapacityError(f"A put of {n} samples is larger than the capacity ({capacity}); split it "
                                     f"or raise capacity.")
-            with self._cv:
-                plan = self._plan(arrays, n) if n else []
-                if fresh:
-                    self._check_open()
-                    self._start(layout)
-            edp = self.edp
-            assert edp is not None
-            if n == 0:
-                return 0
-            with self._cv:
-                stored = sum(hi - lo for lo, hi, v, _ in plan if v != -1)
-                if stored and self.cfg.semantics == "on_policy":
-                    self._wait_for_room(stored)
-                self._commit_plan(plan)
-            for lo, hi, version, seal_after in plan:
-                if version == -1:
-                    continue
-                part = arrays if (lo, hi) == (0, n) else {p: a[lo:hi] for p, a in arrays.items()}
-                edp.ingest(part, version=version)
-                if seal_after:
-                    edp.seal()
+            while True:
+                with self._seal_lock:
+                    with self._cv:
+                        plan = self._plan(arrays, n) if n else []
+                        if fresh:
+                            self._check_open()
+                            self._start(layout)
+                            fresh = False
+                        if n == 0:
+                            return 0
+                        stored = sum(hi - lo for lo, hi, v, _ in plan if v != -1)
+                        room = not (stored and self.cfg.semantics == "on_policy") or self._has_room(stored)
+                        if room:
+                            self._commit_plan(plan)
+                    if room:
+                        edp = self.edp
+                        assert edp is not None
+                        for lo, hi, version, seal_after in plan:
+                            if version == -1:
+                                continue
+                            part = arrays if (lo, hi) == (0, n) else {p: a[lo:hi] for p, a in arrays.items()}
+                            edp.ingest(part, version=version)
+                            if seal_after:
+                                edp.seal()
+                        break
+                with self._cv:  # wait for room without _seal_lock, so seal() is never held up by this put
+                    self._cv.wait(timeout=0.05)
             with self._cv:
                 self.stats.samples_put += n
                 if self._armed and self._starved and self._deliverable(extra=n):
@@ -317,7 +330,7 @@ class Assembler:
     def seal(self) -> None:
         if self.cfg.semantics != "on_policy":
             raise ConfigurationError("seal needs semantics='on_policy'.")
-        with self._put_lock:
+        with self._seal_lock:  # not _put_lock: a put waiting for room must not hold up the seal
             with self._cv:
                 self._open_version, self._open_count = None, 0
             if self.edp is not None:
@@ -338,7 +351,7 @@ class Assembler:
     # -- checkpoint ---------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """Contents, sampler state and undelivered entries, at a point between puts and gets."""
-        with self._put_lock, self._deliver_lock:
+        with self._seal_lock, self._deliver_lock:  # (a put waiting for room does not hold _seal_lock)
             base: dict[str, Any] = {"cfg": self.cfg, "layout": self.layout, "pending_version": self._pending_version}
             if self.edp is None:
                 return base
@@ -464,21 +477,23 @@ class Assembler:
             self._open_version, self._open_count = self._next_open
             self.stats.late_dropped += sum(hi - lo for lo, hi, v, _ in plan if v == -1)
 
-    def _wait_for_room(self, n: int) -> None:
-        """On-policy storage never evicts: wait until deliveries free room (raise if none can)."""
+    def _has_room(self, n: int) -> bool:
+        """On-policy storage never evicts: whether ``n`` more samples fit now (raise if room can never come).
+
+        The caller holds ``_cv``; it waits (without ``_seal_lock``) and asks again while this is False.
+        """
+        self._check_open()
         edp = self.edp
         assert edp is not None
-        while True:
-            self._check_open()
-            pending = self._pending_samples()
-            if pending + len(edp) + n <= edp.capacity:
-                return
-            sem = edp.semantics
-            if pending == 0 and not self._ready and sem.pending_rollouts == 0:  # type: ignore[attr-defined]
-                raise CapacityError(f"The open on-policy rollout fills the capacity ({edp.capacity} samples) and "
-                                    f"nothing can be delivered to make room; seal rollouts sooner (seal() or "
-                                    f"rollout_size=) or raise capacity. Nothing of this put was stored.")
-            self._cv.wait(timeout=0.05)
+        pending = self._pending_samples()
+        if pending + len(edp) + n <= edp.capacity:
+            return True
+        sem = edp.semantics
+        if pending == 0 and not self._ready and sem.pending_rollouts == 0:  # type: ignore[attr-defined]
+            raise CapacityError(f"The open on-policy rollout fills the capacity ({edp.capacity} samples) and "
+                                f"nothing can be delivered to make room; seal rollouts sooner (seal() or "
+                                f"rollout_size=) or raise capacity. Nothing of this put was stored.")
+        return False
 
     # -- get: delivering and assembling -------------------------------------------------------
     def _deliverable(self, extra: int = 0) -> bool:

@@ -106,7 +106,11 @@ class ConduitBuffer:
         self._a.set_policy_version(version)
 
     def seal(self) -> None:
-        """On-policy: close the open rollout so it can be delivered."""
+        """On-policy: close the open rollout so it can be delivered.
+
+        The rollout is exactly the samples put before the call. It returns at once, also while a
+        ``put`` waits for room in another thread: that put's samples go to the next rollout.
+        """
         self._a.seal()
 
     def flush(self) -> None:

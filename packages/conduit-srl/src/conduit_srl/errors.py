@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from conduit.errors import ConfigurationError
+from typing import Any
 
-__all__ = ["ZeroCopyStreamError", "SrlNotFoundError", "StreamClaimError"]
+from conduit.errors import ConduitError, ConfigurationError
+
+__all__ = ["ZeroCopyStreamError", "SrlNotFoundError", "StreamClaimError", "UnstoredSamplesError"]
 
 
 class ZeroCopyStreamError(ConfigurationError):
@@ -21,3 +23,27 @@ class SrlNotFoundError(ConfigurationError):
 
 class StreamClaimError(ConfigurationError):
     """A sample stream marked ``conduit:`` cannot be carried by Conduit (e.g. a shared-memory stream)."""
+
+
+class UnstoredSamplesError(ConduitError):
+    """The buffer refused samples that had already been received (the buffer's error is the ``__cause__``).
+
+    Raised by ``ConduitSampleConsumer.consume_to`` when the buffer's ``put`` raises part way through
+    a coalesced message (or through samples ``consume()`` had left over). The samples before the
+    refused one are stored; the refused one and every later one of the message are attached here,
+    so nothing received is lost without a trace. Messages not received yet stay with the transport.
+
+    Attributes:
+        stored: samples of the message the buffer stored before it refused.
+        total: samples in the message.
+        samples: the ``total - stored`` samples not stored, in order, each ``[T, ...]``: put them
+            again once the cause is dealt with, or drop them knowingly.
+    """
+
+    def __init__(self, *, stored: int, total: int, samples: list[Any], cause: BaseException) -> None:
+        super().__init__(f"The buffer refused a received message part way: {stored} of its {total} samples were "
+                         f"stored, {len(samples)} were not ({type(cause).__name__}: {cause}). They are in this "
+                         f"error's .samples; put them again once the cause is dealt with.")
+        self.stored = stored
+        self.total = total
+        self.samples = samples

@@ -15,7 +15,10 @@ actor gets a :class:`ConduitSampleProducer` over one native producer per trainer
   trainer this producer has sent the fewest samples to).
 
 Nothing posted is dropped by Conduit: ``close()`` sends what is still pending (after a flush in
-flight in another thread), and a ``post`` after it raises instead of being kept unsent.
+flight in another thread), and a ``post`` after it raises instead of being kept unsent. On the
+consumer side, a buffer that refuses part of a coalesced message gets an
+:class:`UnstoredSamplesError` carrying the samples it did not store, and the consumer's ``close()``
+returns the samples of a message that ``consume()`` had not handed out yet.
 """
 
 from __future__ import annotations
@@ -30,9 +33,12 @@ from typing import Any
 import numpy as np
 from conduit import ConfigurationError
 
+from conduit_srl.buffer import ConduitBuffer
+from conduit_srl.errors import UnstoredSamplesError
 from conduit_srl.protocols import SampleConsumerLike, SampleProducerLike
 
-__all__ = ["StreamPolicy", "ConduitSampleProducer", "ConduitSampleConsumer", "COALESCED_KEY", "pack", "ROUTES"]
+__all__ = ["StreamPolicy", "ConduitSampleProducer", "ConduitSampleConsumer", "COALESCED_KEY",
+           "pack", "ROUTES"]
 
 #: metadata key marking a coalesced message and how many samples it holds
 COALESCED_KEY = "conduit_coalesced"
@@ -237,6 +243,11 @@ class ConduitSampleProducer:
         return min(order, key=lambda i: self.sent[i])
 
 
+def _capacity(buffer: Any) -> int | None:
+    """The most samples one ``put_batch`` of a Conduit buffer takes (None: not a Conduit buffer)."""
+    return buffer.config.resolved_capacity if isinstance(buffer, ConduitBuffer) else None
+
+
 class _Unpacker:
     """What a native consumer puts into: forwards samples to the real buffer, unpacking coalesced ones."""
 
@@ -245,6 +256,12 @@ class _Unpacker:
         self.count = 0
 
     def put(self, x: Any) -> None:
+        """Store one message: a sample, or a coalesced ``[T, k, ...]`` one as ``k`` samples in order.
+
+        A Conduit buffer gets ``put_batch`` calls of at most its capacity each (so a message larger
+        than the capacity is stored as ``k`` single puts would be); any other buffer ``k`` ``put``
+        calls. If one raises, :class:`UnstoredSamplesError` names how many were stored and carries the rest.
+        """
         meta = getattr(x, "metadata", None)
         k = meta.get(COALESCED_KEY) if meta is not None else None
         if not k:
@@ -252,13 +269,22 @@ class _Unpacker:
             self.count += 1
             return
         x.pop_metadata(COALESCED_KEY)
+        k = int(k)
         put_batch = getattr(self.buffer, "put_batch", None)
-        if put_batch is not None:
-            put_batch(x)
-        else:
-            for i in range(int(k)):
-                self.buffer.put(x[:, i])
-        self.count += int(k)
+        step = 1 if put_batch is None else min(k, _capacity(self.buffer) or k)
+        lo = 0
+        while lo < k:
+            hi = min(lo + step, k)
+            try:
+                if put_batch is None:
+                    self.buffer.put(x[:, lo])
+                else:
+                    put_batch(x if hi - lo == k else x[:, lo:hi])
+            except Exception as e:  # noqa: BLE001 - re-raised, typed, with what was not stored
+                raise UnstoredSamplesError(stored=lo, total=k, samples=[x[:, i] for i in range(lo, k)],
+                                           cause=e) from e
+            self.count += hi - lo
+            lo = hi
 
 
 class _Collector:
@@ -273,7 +299,8 @@ class ConduitSampleConsumer:
     """An SRL sample consumer over a native one, unpacking coalesced messages.
 
     ``consume_to(buffer, max_iter)`` receives up to ``max_iter`` messages and returns the number of
-    *samples* put into ``buffer``.
+    *samples* put into ``buffer``. ``consume()`` returns one sample at a time; what it has not yet
+    returned of a coalesced message is handed out by the next ``consume``/``consume_to``, or by ``close()``.
     """
 
     def __init__(self, inner: SampleConsumerLike) -> None:
@@ -288,13 +315,24 @@ class ConduitSampleConsumer:
     def consume_to(self, buffer: Any, max_iter: int = 16) -> int:
         """Put what has arrived (up to ``max_iter`` messages) into ``buffer``; returns the number of samples.
 
+        Samples left over from a coalesced message that ``consume()`` returned in part are put first.
+
         Raises:
             ConfigurationError: the consumer is closed.
+            UnstoredSamplesError: ``buffer`` refused a sample part way through a message (or through
+                the left-over samples); the samples not stored are in the error, the ones before are stored.
         """
         self._check_open()
         shim = _Unpacker(buffer)
+        total = len(self._backlog)
         while self._backlog:
-            shim.put(self._backlog.popleft())
+            try:
+                shim.put(self._backlog[0])
+            except Exception as e:  # noqa: BLE001 - re-raised, typed, with what was not stored
+                rest = list(self._backlog)
+                self._backlog.clear()
+                raise UnstoredSamplesError(stored=total - len(rest), total=total, samples=rest, cause=e) from e
+            self._backlog.popleft()
         self.inner.consume_to(shim, max_iter)
         return shim.count
 
@@ -317,14 +355,24 @@ class ConduitSampleConsumer:
         if init is not None:
             init(monitor)
 
-    def close(self) -> None:
-        """Close the native consumer (idempotent)."""
+    def close(self) -> list[Any]:
+        """Close the native consumer (idempotent); returns the received samples ``consume()`` had not returned.
+
+        A coalesced message arrives whole, and ``consume()`` returns it one sample at a time, so
+        after a ``consume()`` the rest of its message has already been received: ``close()`` returns
+        those samples (``[T, ...]`` each, in order) rather than drop them. The list is empty when
+        nothing is left over, and on a second ``close()``. (SRL's workers ignore what ``close()``
+        returns; a caller that mixes ``consume()`` with shutdown should keep the list.)
+        """
         if self._closed:
-            return
+            return []
         self._closed = True
+        left = list(self._backlog)
+        self._backlog.clear()
         close = getattr(self.inner, "close", None)
         if close is not None:
             close()
+        return left
 
     def __getattr__(self, name: str) -> Any:
         # native consumers expose extra attributes (e.g. ``address``); reach them through the wrapper
