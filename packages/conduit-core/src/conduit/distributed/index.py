@@ -233,10 +233,11 @@ class ShardIndex(Storage):
         (default: now); None when nothing there is needed."""
         o = self._oldest if oldest is None else oldest
         sl = slice(self._lo, self._hi)
-        hit = self._shard[sl] == shard
+        cut = np.clip(o - self._first[sl], 0, self._count[sl])
+        # segments that ``oldest`` evicts whole need nothing (the index trims them only once they are evicted)
+        hit = (self._shard[sl] == shard) & (cut < self._count[sl])[:, None]
         if not hit.any():
             return None
-        cut = np.clip(o - self._first[sl], 0, self._count[sl])
         local = self._local[sl] + cut[:, None]
         return int(local[hit].min())
 

@@ -56,7 +56,7 @@ from conduit.errors import CapacityError, ConduitError, ConfigurationError, Empt
 from conduit.scheduling.base import Scheduler, Synchronous
 from conduit.schema import ExperienceSchema
 from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
-from conduit.semantics.onpolicy import OnPolicy
+from conduit.semantics.onpolicy import OnPolicy, check_version
 from conduit.semantics.replay import PrioritizedSampler, Replay
 from conduit.storage.base import AppendResult
 from conduit.telemetry import Telemetry
@@ -174,7 +174,8 @@ class DistributedDataPlane:
         timeout: seconds any remote call may take; a shard that does not answer in time is lost.
         health_period: seconds between health checks of the monitor thread (None: no thread;
             losses are then found by the calls that hit them, or by :meth:`check_health`).
-        on_loss: called with each :class:`LossReport` (from the thread that detected it).
+        on_loss: called with each :class:`LossReport` (from the thread that detected it); what it
+            raises is logged, never raised into the call that found the loss (that call goes on).
         scheduler: when ingestion and delivery work runs (default: ``Synchronous()``, in the
             caller); e.g. ``Overlapped(g_ing=..., g_del=...)`` from :mod:`conduit.scheduling`.
         transport: how shards deliver rows to the learner: ``"object_store"`` (Ray's object
@@ -202,8 +203,19 @@ class DistributedDataPlane:
             raise ConfigurationError("schema must be a conduit.ExperienceSchema.")
         if not isinstance(replication, int) or replication < 1:
             raise ConfigurationError(f"replication must be an int >= 1, got {replication!r}.")
-        if timeout <= 0:
-            raise ConfigurationError(f"timeout must be positive, got {timeout}.")
+        # checked before any server starts (a refusal afterwards would leave the servers it started running)
+        if not _is_positive(timeout):
+            raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+        if health_period is not None and not _is_positive(health_period):
+            raise ConfigurationError(f"health_period must be a positive number of seconds or None (no monitor "
+                                     f"thread), got {health_period!r}.")
+        if shard_capacity is not None and not (_is_int(shard_capacity) and shard_capacity > 0):
+            raise ConfigurationError(f"shard_capacity must be a positive int or None, got {shard_capacity!r}.")
+        if ragged_capacity is not None and not (_is_int(ragged_capacity) and ragged_capacity > 0):
+            if schema.ragged or not (_is_int(ragged_capacity) and ragged_capacity == 0):
+                raise ConfigurationError(f"ragged_capacity must be a positive int or None, got {ragged_capacity!r}.")
+        if reuse is not None and not (_is_positive(reuse) or (not isinstance(reuse, bool) and reuse == 0)):
+            raise ConfigurationError(f"reuse must be a number >= 0 (expected deliveries per item), got {reuse!r}.")
         if transport not in TRANSPORTS:
             raise ConfigurationError(f"transport must be one of {TRANSPORTS}, got {transport!r}.")
         if _PRODUCER in schema:
@@ -219,6 +231,7 @@ class DistributedDataPlane:
         self.telemetry = Telemetry()
         self.on_loss = on_loss
         self.losses: list[LossReport] = []
+        self._losses_seen = 0  # len(losses) at the last deliver(): batches prepared before a loss are dropped
         #: items stored with fewer than ``replication`` copies (no room on another node)
         self.under_replicated = 0
         self._lock = threading.RLock()
@@ -241,8 +254,6 @@ class DistributedDataPlane:
                                      f"nodes; these servers span {len(set(nodes))}.")
         self.shard_capacity = int(shard_capacity if shard_capacity is not None else capacity)
         self._ragged_capacity = ragged_capacity
-        if self.shard_capacity <= 0:
-            raise ConfigurationError(f"shard_capacity must be positive, got {shard_capacity}.")
         if self.shard_capacity * len(nodes) < capacity * replication:
             if self._owns_servers:
                 self.servers.shutdown()
@@ -528,7 +539,13 @@ class DistributedDataPlane:
             calls: dict[tuple[int, int], Any] = {}
             plan: list[tuple[Chunk, str]] = []
             for p_start, p_count, producer in pending:
-                chunks, _ = self.plan.split(p_count, producer, row_bytes * p_count, rooms, self.replication)
+                try:
+                    chunks, _ = self.plan.split(p_count, producer, row_bytes * p_count, rooms, self.replication)
+                except ClusterError as e:
+                    if not full:
+                        raise
+                    raise ClusterError(f"{e} (Shards {sorted(full)} have free slots but refused the items for room "
+                                       f"in their ragged pools: raise ragged_capacity.)") from e
                 for ch in chunks:
                     ch.start += p_start
                     plan.append((ch, producer))
@@ -632,6 +649,11 @@ class DistributedDataPlane:
         """
         self._check_open()
         t0 = time.perf_counter()
+        if len(self.losses) != self._losses_seen:
+            # a prefetching scheduler may hold batches read before the loss, with items now reported lost
+            # (LossReport.lost: never delivered again): drop them, so they are drawn and read again
+            self._losses_seen = len(self.losses)
+            self.scheduler.invalidate("contents")
         batch, info = self.scheduler.deliver(n, **kwargs)
         self.telemetry.record("deliver_wait", batch.batch_size, 0, t0, time.perf_counter())  # the caller's whole call
         return batch, info
@@ -957,10 +979,15 @@ class DistributedDataPlane:
         """The items named by ``handles``, in that order (for checkpoints and inspection).
 
         Raises:
+            ConfigurationError: the handles are not integers.
             CapacityError: a handle is evicted or not yet assigned.
             ShardLostError: an item was lost with its shards.
         """
-        h = np.asarray(handles.numpy() if isinstance(handles, torch.Tensor) else handles, dtype=np.int64).reshape(-1)
+        raw = np.asarray(handles.detach().cpu().numpy() if isinstance(handles, torch.Tensor) else handles)
+        if raw.size and raw.dtype.kind not in "iu":  # a float handle must not be truncated to another item's
+            raise ConfigurationError(f"Handles must be integers (the int64 handles ingest returned), got dtype "
+                                     f"{raw.dtype}.")
+        h = raw.astype(np.int64, copy=False).reshape(-1)
         with self._lock:
             self._check_open()
             bad = (h < self.index.oldest) | (h >= self.index.next_handle)
@@ -970,9 +997,10 @@ class DistributedDataPlane:
             asm = _Assembly(self.schema, h.shape[0])
             missing = self._fetch(h, np.arange(h.shape[0]), asm)
             if missing.size:
+                gone = h[missing]  # the report that names these items (none: lost in a load that stopped)
+                report = next((r for r in reversed(self.losses) if np.isin(gone, r.lost).any()), None)
                 raise ShardLostError(f"{missing.size} of the requested items were lost with their shards "
-                                     f"(see .losses); read live_handles() instead.",
-                                     self.losses[-1] if self.losses else None)
+                                     f"(see .losses); read live_handles() instead.", report)
             return asm.batch()
 
     def live_handles(self) -> np.ndarray:
@@ -994,7 +1022,7 @@ class DistributedDataPlane:
         if not isinstance(self.semantics, Replay):
             raise ConfigurationError("update_priorities needs Replay semantics with a PrioritizedSampler.")
         h = torch.from_numpy(PrioritizedSampler.check_handles(handles))
-        p = torch.as_tensor(priorities).reshape(-1)
+        p = torch.from_numpy(PrioritizedSampler.check(priorities))  # typed PriorityError for non-numbers
         with self._lock:
             self._check_open()
             if self.index.lost_in_window() and h.shape[0] == p.shape[0]:
@@ -1021,10 +1049,16 @@ class DistributedDataPlane:
             sem.seal()
 
     def set_policy_version(self, version: int) -> None:
-        """The learner's policy version (on-policy staleness is measured against it)."""
+        """The learner's policy version (on-policy staleness is measured against it).
+
+        Raises:
+            ConfigurationError: ``version`` is not an integer (a NumPy or 0-d tensor integer is fine);
+                the version is then unchanged.
+        """
         sem = self._on_policy()
+        v = check_version(version)
         with self._lock:
-            sem.policy_version = int(version)
+            sem.policy_version = v
         self.scheduler.invalidate("policy")
 
     def flush(self) -> None:
@@ -1094,7 +1128,10 @@ class DistributedDataPlane:
             self.losses.append(report)
         log.warning("conduit: %s", report)
         if self.on_loss is not None:
-            self.on_loss(report)
+            try:
+                self.on_loss(report)
+            except Exception:  # noqa: BLE001 - a failing callback must not abort the call that found the loss
+                log.exception("conduit: on_loss raised; the loss itself is recorded in .losses")
         return report
 
     def _replicate(self, rows: list[int]) -> int:
@@ -1140,13 +1177,23 @@ class DistributedDataPlane:
 
     # -- checkpoint -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Live contents (read from the shards), handles, lost ranges and semantics state (RNG included)."""
+        """Live contents (read from the shards), handles, lost ranges and semantics state (RNG included).
+
+        A shard lost while its items are read is fenced and its items are lost, as anywhere else: the
+        checkpoint leaves them out (they are in :attr:`losses`).
+        """
         self.scheduler.flush()
         self.scheduler.invalidate("checkpoint")
         with self._lock:
             self._check_open()
-            h = self.index.live_handles()
-            batch = self.read(h)
+            for attempt in range(self.num_shards + 1):  # each failed read fences a shard: more cannot fail
+                h = self.index.live_handles()
+                try:
+                    batch = self.read(h)
+                    break
+                except ShardLostError:
+                    if attempt == self.num_shards:
+                        raise
             data: dict[str, Any] = {}
             for name in self.schema:
                 c = batch[name]
@@ -1186,14 +1233,19 @@ class DistributedDataPlane:
                 self._load_contents(state)
             except _PartlyLoaded:
                 self.semantics.load_state_dict(state["semantics"])  # the index now describes the checkpoint
-                if self._replay and getattr(self.semantics.sampler, "prioritized", False):  # type: ignore[attr-defined]
-                    h = np.arange(self.index.oldest, self.index.next_handle, dtype=np.int64)
-                    _forget_priorities(self.semantics, h[self.index.lost_mask(h)], self.capacity)  # as a lost shard's
+                self._forget_lost_priorities()  # the items not loaded are lost, as a lost shard's
                 raise
             except BaseException:
                 self.semantics.load_state_dict(before)
                 raise
             self.semantics.load_state_dict(state["semantics"])  # again: a shard lost while loading forgot priorities
+            self._forget_lost_priorities()  # ... of the items it had loaded there: they stay lost, out of the total
+
+    def _forget_lost_priorities(self) -> None:
+        """Give every lost item in the window priority 0 (prioritized replay), as :meth:`_lose` does."""
+        if self._replay and getattr(self.semantics.sampler, "prioritized", False) and self.index.lost_in_window():  # type: ignore[attr-defined]
+            h = np.arange(self.index.oldest, self.index.next_handle, dtype=np.int64)
+            _forget_priorities(self.semantics, h[self.index.lost_mask(h)], self.capacity)
 
     def _check_checkpoint(self, state: Mapping[str, Any]) -> None:
         """Refuse a checkpoint whose parts disagree, before anything changes.
@@ -1236,12 +1288,13 @@ class DistributedDataPlane:
         cols: dict[str, torch.Tensor | Ragged] = {}
         for name, v in state["data"].items():
             cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
-        payload = ray_module().put(to_wire(ExperienceBatch(cols, int(h.shape[0])), self.schema)) if h.size else None
         cursor = oldest
         breaks = np.nonzero(np.diff(h) != 1)[0] + 1 if h.size else np.zeros(0, np.int64)
         starts = np.concatenate([[0], breaks]).astype(np.int64) if h.size else np.zeros(0, np.int64)
         ends = np.concatenate([breaks, [h.size]]).astype(np.int64) if h.size else np.zeros(0, np.int64)
         try:
+            # (in the try: a put that fails, e.g. a full object store, also stops the load after the reset)
+            payload = ray_module().put(to_wire(ExperienceBatch(cols, int(h.shape[0])), self.schema)) if h.size else None
             for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
                 first = int(h[a])
                 if first > cursor:
@@ -1251,18 +1304,23 @@ class DistributedDataPlane:
                                                       self.schema.fixed_item_bytes, oldest):
                     self.index.add_segment(first + start - a, count, reps)
                 cursor = first + (b - a)
-        except ConduitError as e:
+        except Exception as e:  # noqa: BLE001 - whatever stopped it, the buffer must describe the checkpoint
             # the old contents are gone (the shards were reopened): describe the whole checkpoint, the rest
             # of it lost, so the buffer stays consistent and usable
             missing = int((h >= cursor).sum())
             self.index.add_segment(cursor, nxt - cursor, [])
             self.index._next = nxt
             raise _PartlyLoaded(f"Loading stopped after {h.size - missing} of the checkpoint's {h.size} items "
-                                f"({e}); the other {missing} are lost (never delivered, not counted by len()). "
-                                f"Check the cluster's health, then load again.") from e
+                                f"({type(e).__name__}: {e}); the other {missing} are lost (never delivered, not "
+                                f"counted by len()). Check the cluster's health, then load again.") from e
         if nxt > cursor:
             self.index.add_segment(cursor, nxt - cursor, [])
         self.index._next = nxt
+        # as an ingestion: items stored with fewer than ``replication`` copies get one on another node where
+        # there is room, else they are counted in under_replicated
+        short = [r for r in self.index.live_rows() if 0 < len(self.index.segment(r)[2]) < self.replication]
+        if short:
+            self._replicate(short)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -1279,7 +1337,9 @@ class DistributedDataPlane:
             self._close_shards()
 
     def _close_shards(self) -> None:
-        if self._monitor is not None:
+        # close() may run on the monitor thread itself (an on_loss callback that closes the buffer): that
+        # thread stops on its own once this returns (_stop is set), and cannot be joined from inside
+        if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=self.timeout + 5)
         if self._recv_pool is not None:
             self._recv_pool.shutdown(wait=False)
@@ -1302,6 +1362,12 @@ class _PartlyLoaded(ClusterError):
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_positive(x: Any) -> bool:
+    """A finite real number > 0 (not a bool)."""
+    real = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+    return real and bool(0 < x < float("inf"))
 
 
 def _reason(o: Outcome) -> str:
