@@ -545,3 +545,33 @@ def test_real_cluster_checkpoint_taken_while_a_shard_is_lost_loads_exactly(clust
         p.close()
         q.close()
         own.shutdown()
+
+
+@pytest.mark.slow
+def test_real_cluster_a_failed_link_measurement_stops_the_servers_the_buffer_started(cluster, monkeypatch):
+    """The buffer starts its own servers (given node ids), then measuring the links fails: the error
+    reaches the caller and no server the buffer started is left running."""
+    import ray
+    from conduit.distributed.servers import ShardServers
+
+    started: list[ShardServers] = []
+
+    def failing_links(self: ShardServers, **kwargs: object) -> None:
+        started.append(self)
+        raise TimeoutError("link measurement timed out")  # a real failure mode of measuring over the network
+
+    monkeypatch.setattr(ShardServers, "links", failing_links)
+    with pytest.raises(TimeoutError, match="link measurement"):
+        DistributedDataPlane(ID_SCHEMA, capacity=10, servers=[cluster.head, cluster.workers[0]], measure=True,
+                             health_period=None, timeout=10.0)
+    assert started, "the servers were never started"
+    for info in started[0].servers:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # ray.kill is asynchronous: wait for the actor to go
+            try:
+                ray.get(info.actor.ping.remote(), timeout=5)
+            except Exception:  # noqa: BLE001 - any failure means the actor is gone
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("a server the failed buffer started still runs")

@@ -261,8 +261,6 @@ class DistributedDataPlane:
                                      f"items x {replication} replicas; raise shard_capacity or add servers.")
         if reuse is None:
             reuse = float(self.semantics.num_epochs) if isinstance(self.semantics, OnPolicy) else 1.0
-        self.links: LinkProfile | None = self.servers.links() if measure else None
-        self.plan = ShardPlan(nodes, self.learner_node, links=self.links, reuse=reuse)
         self._alive = [True] * len(nodes)
         self._local_next = [0] * len(nodes)
         #: while a write is under way, each shard's next local handle when it began: rows from there on are
@@ -271,7 +269,9 @@ class DistributedDataPlane:
         self.transport = transport
         self._torch: TorchGroup | None = None
         self._recv_pool: futures.ThreadPoolExecutor | None = None
-        try:
+        try:  # what fails from here on stops the servers this buffer started
+            self.links: LinkProfile | None = self.servers.links() if measure else None
+            self.plan = ShardPlan(nodes, self.learner_node, links=self.links, reuse=reuse)
             if transport == TORCH:
                 self._torch = self.servers.torch_group(timeout=self.timeout)
             elif transport == "auto":
