@@ -145,7 +145,8 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         A dict holding exactly the schema's fixed fields as tensors of the right dtype and
         per-item shape, all of one length, is checked in a single pass. A ragged field whose
         sequences are all empty (no elements, so no dtype of their own) takes the schema's
-        dtype and element shape.
+        dtype and element shape; an empty list for a ragged field is a list of no sequences
+        (an empty batch).
 
         Raises:
             SchemaError: as :meth:`from_mapping` and :meth:`validate`.
@@ -154,6 +155,13 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
             n = _matching_rows(data, schema)
             if n >= 0:
                 return cls(dict(data), n)
+        if isinstance(data, Mapping) and not isinstance(data, ExperienceBatch) and any(
+                isinstance(data.get(name), (list, tuple)) and not data.get(name) for name in schema.ragged):
+            # an empty list for a ragged field is a list of no sequences: an empty Ragged, not a fixed column
+            data = {k: (Ragged(torch.empty((0, *schema[k].shape), dtype=schema[k].dtype),
+                               torch.empty(0, dtype=torch.int64))
+                        if k in schema.ragged and isinstance(v, (list, tuple)) and not v else v)
+                    for k, v in data.items()}
         b = cls.from_mapping(data)
         for name in schema.ragged:  # sequences that are all empty (e.g. ``[[], []]``) carry no dtype of their own
             c = b._columns.get(name)
@@ -257,6 +265,9 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                                       f"list of per-item sequences.")
                 _check_ragged_parts(name, c)
                 v, lens = c.values, c.lengths
+                if v.dim() == 0:
+                    raise SchemaError(f"Field {name!r}: a Ragged's values are a 0-d tensor; give the packed "
+                                      f"elements as a tensor [total, *shape].")
                 if v.dtype != f.dtype:
                     raise SchemaError(f"Field {name!r} has dtype {v.dtype}, the schema says {f.dtype}; "
                                       f"convert it before ingesting.")
@@ -286,11 +297,15 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
 
 
 def _check_ragged_parts(name: str, r: Ragged) -> None:
-    """:class:`SchemaError` unless ``r``'s values and lengths are tensors (the rest is checked by ``validate``)."""
+    """:class:`SchemaError` unless ``r``'s values and lengths are tensors, the lengths one per item (the rest is
+    checked by ``validate``)."""
     if not (isinstance(r.values, torch.Tensor) and isinstance(r.lengths, torch.Tensor)):
         raise SchemaError(f"Field {name!r}: a Ragged needs tensors for values and lengths, got "
                           f"{type(r.values).__name__} and {type(r.lengths).__name__}; use Ragged.from_sequences, or "
                           f"give a list of per-item sequences.")
+    if r.lengths.dim() != 1:
+        raise SchemaError(f"Field {name!r}: a Ragged's lengths must be a 1-d tensor (one length per item), got "
+                          f"shape {tuple(r.lengths.shape)}.")
 
 
 def _is_scalar(x: object) -> bool:

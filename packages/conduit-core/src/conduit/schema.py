@@ -8,6 +8,8 @@ length per item, so a token sequence costs its tokens and nothing more.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,15 +22,31 @@ from conduit.errors import ConfigurationError
 __all__ = ["Field", "ExperienceSchema"]
 
 
+@functools.cache
+def _storable(dtype: torch.dtype) -> bool:
+    """Whether a storage can hold ``dtype``: torch allocates it, copies it and gathers rows of it."""
+    try:
+        column = torch.empty(2, dtype=dtype)
+        column.copy_(torch.index_select(column, 0, torch.zeros(2, dtype=torch.int64)))
+    except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError (e.g. index_select for uint16)
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Field:
     """One named column of experience.
 
     Args:
-        shape: the per-item shape (``()`` for a scalar). For a ragged field, the shape of
-            one element of the sequence (``()`` for a token id).
+        shape: the per-item shape (``()`` for a scalar): integer sizes >= 1. For a ragged field,
+            the shape of one element of the sequence (``()`` for a token id).
         dtype: the torch dtype items are stored with; ingestion requires exactly this dtype.
-        ragged: whether each item holds a variable-length sequence of elements.
+            It must be one torch can gather rows of (this rules out uint16/uint32/uint64 where
+            torch lacks ``index_select`` for them).
+        ragged: whether each item holds a variable-length sequence of elements (a bool).
+
+    Raises:
+        ConfigurationError: a shape, dtype or ragged flag outside the above.
     """
 
     shape: tuple[int, ...] = ()
@@ -37,15 +55,24 @@ class Field:
 
     def __post_init__(self) -> None:
         try:
-            shape = tuple(int(s) for s in self.shape)
-        except (TypeError, ValueError):
+            if isinstance(self.shape, (str, bytes)) or any(isinstance(s, bool) for s in self.shape):
+                raise TypeError
+            shape = tuple(operator.index(s) for s in self.shape)  # sizes are integers: 2.5 or "4" is refused
+        except TypeError:
             raise ConfigurationError(f"Field shape must be a tuple of sizes, got {self.shape!r}; write e.g. "
                                      f"Field((4,)) for 4 values per item, Field(()) for a scalar.") from None
         if any(s <= 0 for s in shape):
             raise ConfigurationError(f"Field shape {self.shape} has a non-positive dimension; give sizes >= 1.")
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigurationError(f"Field dtype must be a torch.dtype, got {self.dtype!r}.")
+        if not isinstance(self.ragged, (bool, np.bool_)):
+            raise ConfigurationError(f"Field ragged must be True or False, got {self.ragged!r}.")
+        if not _storable(self.dtype):
+            raise ConfigurationError(f"Field dtype {self.dtype} cannot be stored: this torch cannot gather rows of it "
+                                     f"(index_select). Store it as a signed integer dtype of the same width "
+                                     f"(e.g. torch.int16 for torch.uint16) and .view() it back after delivery.")
         object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "ragged", bool(self.ragged))
 
     @property
     def item_numel(self) -> int:
@@ -119,6 +146,18 @@ class ExperienceSchema(Mapping[str, Field]):
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Mapping[str, Any]]) -> ExperienceSchema:
-        """Inverse of :meth:`to_dict`."""
-        return cls({n: Field(tuple(v["shape"]), getattr(torch, v["dtype"]), bool(v.get("ragged", False)))
-                    for n, v in d.items()})
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ConfigurationError: ``d`` is not such a description (a missing entry, an unknown dtype name).
+        """
+        try:
+            fields = {n: Field(tuple(v["shape"]), getattr(torch, v["dtype"]), bool(v.get("ragged", False)))
+                      for n, v in d.items()}
+        except ConfigurationError:
+            raise
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ConfigurationError(f"This is not a schema description ({type(e).__name__}: {e}); give what "
+                                     f"ExperienceSchema.to_dict() returns: {{name: {{'shape': [...], 'dtype': "
+                                     f"'float32', 'ragged': False}}}}.") from e
+        return cls(fields)

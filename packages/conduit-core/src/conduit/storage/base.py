@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged
-from conduit.errors import CapacityError, ConduitError, ConfigurationError, SchemaError
+from conduit.errors import CapacityError, ConfigurationError, SchemaError
 from conduit.schema import ExperienceSchema
 
 __all__ = ["Storage", "AppendResult"]
@@ -132,9 +132,7 @@ class Storage(ABC):
             fits = state["capacity"] == self.capacity and ExperienceSchema.from_dict(state["schema"]) == self.schema
             oldest, count, data = int(state["oldest"]), int(state["next"]) - int(state["oldest"]), state["data"]
             items = list(data.items())
-        except ConduitError:
-            raise
-        except (KeyError, TypeError, AttributeError, ValueError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError) as e:  # ConfigurationError from the schema included
             raise ConfigurationError(f"This is not a storage checkpoint ({type(e).__name__}: {e}); load the "
                                      f"'storage' part of a state_dict() this storage type wrote.") from e
         if not fits:
@@ -146,9 +144,16 @@ class Storage(ABC):
         pool = getattr(self, "ragged_capacity", None)
         cols: dict[str, torch.Tensor | Ragged] = {}
         for name, v in items:
-            cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
-            if isinstance(v, tuple) and pool is not None and int(v[0].shape[0]) > pool:
-                raise CapacityError(f"This checkpoint holds {int(v[0].shape[0])} elements of ragged field "
+            if not isinstance(v, tuple):
+                cols[name] = v
+                continue
+            if len(v) != 2:
+                raise ConfigurationError(f"This checkpoint's ragged field {name!r} is a {len(v)}-tuple, not a "
+                                         f"(values, lengths) pair; the checkpoint is damaged.")
+            cols[name] = Ragged(v[0], v[1])  # tensors or not: checked by validate below
+            total = int(v[0].shape[0]) if isinstance(v[0], torch.Tensor) and v[0].dim() else 0
+            if pool is not None and total > pool:
+                raise CapacityError(f"This checkpoint holds {total} elements of ragged field "
                                     f"{name!r}, more than this storage's pool ({pool}); build the buffer with "
                                     f"a ragged_capacity of at least that before loading.")
         batch = ExperienceBatch(cols, count)

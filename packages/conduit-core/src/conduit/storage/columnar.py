@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -13,7 +14,7 @@ from conduit.errors import CapacityError, ConfigurationError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import AppendResult, Storage
 
-__all__ = ["ColumnarStorage", "Allocator", "empty_column"]
+__all__ = ["ColumnarStorage", "Allocator", "empty_column", "pool_elements"]
 
 #: ``allocate(shape, dtype, name)`` returns an uninitialised tensor for one column.
 Allocator = Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor]
@@ -39,6 +40,23 @@ def _copy_segments(pool: torch.Tensor, starts: torch.Tensor, lengths: torch.Tens
         out[o:o + hi - lo].copy_(pool[lo:hi])
         o += hi - lo
     return out
+
+
+def pool_elements(ragged_capacity: int | None, capacity: int) -> int:
+    """The elements of each ragged pool: ``ragged_capacity``, or ``capacity * 64`` when it is None.
+
+    Raises:
+        ConfigurationError: ``ragged_capacity`` is not an int (a float, a string, a bool).
+    """
+    if ragged_capacity is None:
+        return capacity * 64
+    try:
+        if isinstance(ragged_capacity, bool):
+            raise TypeError
+        return operator.index(ragged_capacity)
+    except TypeError:
+        raise ConfigurationError(f"ragged_capacity must be an int (elements in each ragged field's pool), got "
+                                 f"{ragged_capacity!r}.") from None
 
 
 def empty_column(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu", *,
@@ -107,7 +125,7 @@ class ColumnarStorage(Storage):
         self.capacity = capacity
         self.device = torch.device(device)
         self.tier = tier or ("host" if self.device.type == "cpu" else "gpu")
-        self.ragged_capacity = int(ragged_capacity if ragged_capacity is not None else capacity * 64)
+        self.ragged_capacity = pool_elements(ragged_capacity, capacity)
         if schema.ragged and self.ragged_capacity <= 0:
             raise ConfigurationError("ragged_capacity must be positive for a schema with ragged fields.")
 

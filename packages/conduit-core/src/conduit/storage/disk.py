@@ -12,6 +12,7 @@ import tempfile
 import weakref
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import torch
 
@@ -19,20 +20,24 @@ from conduit.batch import ExperienceBatch
 from conduit.errors import ConfigurationError, PlacementError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import AppendResult
-from conduit.storage.columnar import Allocator, ColumnarStorage
+from conduit.storage.columnar import Allocator, ColumnarStorage, pool_elements
 
 __all__ = ["DiskStorage", "memmap_allocator"]
 
 
 def memmap_allocator(directory: str | Path) -> Allocator:
-    """An allocator that maps each column to a file ``<directory>/<name>.bin`` (created, zero-filled)."""
+    """An allocator that maps each column to a file ``<directory>/<name>.bin`` (created, zero-filled).
+
+    The field name is percent-encoded in the file name (``obs/rgb`` maps to ``obs%2Frgb.bin``), so
+    that every field name, a ``/`` in it included, names one file directly in ``directory``.
+    """
     root = Path(directory)
 
     def allocate(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
         numel = 1
         for s in shape:
             numel *= int(s)
-        path = root / f"{name}.bin"
+        path = root / f"{quote(str(name), safe='')}.bin"
         return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
 
     return allocate
@@ -51,7 +56,9 @@ class DiskStorage(ColumnarStorage):
         ragged_capacity: elements in each ragged field's pool (default ``capacity * 64``).
 
     Raises:
-        PlacementError: the directory lacks the free space the columns need.
+        ConfigurationError: a capacity or ragged_capacity that is no positive int.
+        PlacementError: the directory lacks the free space the columns need, or a column's file
+            cannot be made there.
     """
 
     def __init__(self, schema: ExperienceSchema, capacity: int, *, directory: str | Path | None = None,
@@ -60,9 +67,10 @@ class DiskStorage(ColumnarStorage):
             raise ConfigurationError(f"capacity must be a positive int, got {capacity!r}.")
         parent = Path(directory) if directory is not None else Path(tempfile.gettempdir())
         parent.mkdir(parents=True, exist_ok=True)
-        need = capacity * schema.fixed_item_bytes + sum(
-            (ragged_capacity if ragged_capacity is not None else capacity * 64) * schema[n].element_bytes
-            for n in schema.ragged)
+        pool = pool_elements(ragged_capacity, capacity)
+        if schema.ragged and pool <= 0:  # refused before a directory is made
+            raise ConfigurationError("ragged_capacity must be positive for a schema with ragged fields.")
+        need = capacity * schema.fixed_item_bytes + sum(pool * schema[n].element_bytes for n in schema.ragged)
         free = shutil.disk_usage(parent).free
         if need > free:
             raise PlacementError(f"The disk tier needs {need / 2**30:.2f} GiB in {parent} but only "
@@ -71,8 +79,15 @@ class DiskStorage(ColumnarStorage):
         self._closed = False
         self.directory = Path(tempfile.mkdtemp(prefix="conduit-disk-", dir=parent))
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.directory), True)
-        super().__init__(schema, capacity, "cpu", ragged_capacity=ragged_capacity,
-                         allocator=memmap_allocator(self.directory), tier="disk")
+        try:
+            super().__init__(schema, capacity, "cpu", ragged_capacity=ragged_capacity,
+                             allocator=memmap_allocator(self.directory), tier="disk")
+        except BaseException as e:  # a refused storage leaves no directory behind
+            self._finalizer()
+            if isinstance(e, (RuntimeError, OSError)):  # the file system refused a column's file
+                raise PlacementError(f"The disk tier cannot map its column files in {parent} ({e}); pass "
+                                     f"DiskPlacement(directory=...) on a writable local volume.") from e
+            raise
 
     def close(self) -> None:
         """Unmap and delete the files now (the storage is unusable afterwards: appends, reads and

@@ -30,7 +30,7 @@ from conduit.batch import ExperienceBatch, Ragged
 from conduit.errors import CapacityError, ConfigurationError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import AppendResult, Storage
-from conduit.storage.columnar import ColumnarStorage, empty_column
+from conduit.storage.columnar import ColumnarStorage, empty_column, pool_elements
 
 __all__ = ["ShardedStorage"]
 
@@ -89,6 +89,7 @@ class ShardedStorage(Storage):
         if len(devs) > capacity:
             raise ConfigurationError(f"{len(devs)} shards for a capacity of {capacity}: give at most one shard "
                                      f"per slot (fewer devices or a larger capacity).")
+        pool_elements(ragged_capacity, capacity)  # refuses one that is no int, with ragged fields or without
         self.schema = schema
         self.capacity = capacity
         self.devices = devs
