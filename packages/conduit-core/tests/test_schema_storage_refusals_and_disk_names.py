@@ -428,3 +428,25 @@ def test_a_damaged_ragged_checkpoint_entry_is_a_configuration_error_and_changes_
     assert (dst.oldest, dst.next_handle) == (0, 1) and _live(dst) == {0: _expect(0, 5)}
     dst.load_state_dict(good)
     assert _live(dst) == {0: _expect(0, 2), 1: _expect(1, 1)}
+
+
+@pytest.mark.parametrize("key", ["oldest", "next"])
+def test_a_checkpoint_with_a_non_integer_handle_is_refused_and_changes_nothing(key: str) -> None:
+    schema = ExperienceSchema(x=Field((), torch.int64))
+    src = ColumnarStorage(schema, 8)
+    src.append(ExperienceBatch({"x": torch.arange(5)}, 5))
+    state = src.state_dict()
+    state[key] = state[key] + 0.5  # a float handle would be truncated to another item's
+    dst = ColumnarStorage(schema, 8)
+    dst.append(ExperienceBatch({"x": torch.arange(10, 13)}, 3))
+    with pytest.raises(ConfigurationError, match="not a storage checkpoint"):
+        dst.load_state_dict(state)
+    assert (dst.oldest, dst.next_handle) == (0, 3)
+    assert torch.equal(dst.gather(torch.arange(3))["x"], torch.arange(10, 13)), "a refused load changed the items"
+
+
+def test_numpy_of_a_bfloat16_field_is_a_schema_error_naming_the_field() -> None:
+    batch = ExperienceBatch({"a": torch.zeros(2, dtype=torch.bfloat16), "b": torch.ones(2)}, 2)
+    with pytest.raises(SchemaError, match="'a'.*no NumPy dtype"):
+        batch.numpy()
+    assert ExperienceBatch({"b": torch.ones(2)}, 2).numpy()["b"].tolist() == [1.0, 1.0]

@@ -236,10 +236,19 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         return ExperienceBatch(cols, n if n >= 0 else 0)
 
     def numpy(self) -> dict[str, np.ndarray]:
-        """Fixed fields as NumPy arrays sharing memory (host tensors only); ragged fields padded."""
+        """Fixed fields as NumPy arrays sharing memory (host tensors only); ragged fields padded.
+
+        Raises:
+            SchemaError: a field's dtype has no NumPy equivalent (bfloat16).
+        """
         out: dict[str, np.ndarray] = {}
         for k, c in self._columns.items():
-            out[k] = (c.padded() if isinstance(c, Ragged) else c).cpu().numpy()
+            t = (c.padded() if isinstance(c, Ragged) else c).cpu()
+            try:
+                out[k] = t.numpy()
+            except TypeError as e:
+                raise SchemaError(f"Field {k!r} ({t.dtype}) has no NumPy dtype ({e}); read it as tensors, or "
+                                  f"convert it, e.g. batch[{k!r}].float().numpy().") from e
         return out
 
     def validate(self, schema: ExperienceSchema) -> None:

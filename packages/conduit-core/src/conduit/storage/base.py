@@ -9,6 +9,7 @@ never reused, so it carries the slot's generation (``slot = handle % capacity``,
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
 from typing import Any, NamedTuple
 
@@ -130,7 +131,9 @@ class Storage(ABC):
         """
         try:
             fits = state["capacity"] == self.capacity and ExperienceSchema.from_dict(state["schema"]) == self.schema
-            oldest, count, data = int(state["oldest"]), int(state["next"]) - int(state["oldest"]), state["data"]
+            # handles are integers: a float (a damaged checkpoint) must not be truncated to another item's
+            oldest, nxt = operator.index(state["oldest"]), operator.index(state["next"])
+            count, data = nxt - oldest, state["data"]
             items = list(data.items())
         except (KeyError, TypeError, AttributeError, ValueError) as e:  # ConfigurationError from the schema included
             raise ConfigurationError(f"This is not a storage checkpoint ({type(e).__name__}: {e}); load the "
