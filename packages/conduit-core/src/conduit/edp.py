@@ -327,9 +327,10 @@ class ExperienceDataPlane:
             return select_many(self.semantics, sizes, peek=peek, **kwargs)
 
     def gather_now(self, selections: Sequence[Selection],
-                   out: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]] | None = None,
+                   out: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor] | None] | None = None,
                    ) -> ExperienceBatch:
-        """The rows of ``selections``, back to back, into ``out`` (or ``out(rows)``), on the storage's device."""
+        """The rows of ``selections``, back to back, into ``out`` (or ``out(rows)``, called under the buffer's
+        lock; ``None`` there: fresh memory), on the storage's device."""
         t0 = time.perf_counter()
         with self._lock:
             batch = self._gather(selections, out)
@@ -337,7 +338,7 @@ class ExperienceDataPlane:
         return batch
 
     def prepare_now(self, sizes: Sequence[int | None],
-                    out: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]] | None = None, *,
+                    out: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor] | None] | None = None, *,
                     peek: bool = False, when: Callable[[], bool] | None = None,
                     **kwargs: Any) -> tuple[ExperienceBatch, list[Selection]] | None:
         """:meth:`select_now` and :meth:`gather_now` under one lock hold (no ingestion in between)."""
@@ -356,7 +357,8 @@ class ExperienceDataPlane:
             self.semantics.after_gather(selection)
 
     def _gather(self, sels: Sequence[Selection],
-                out: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor]] | None) -> ExperienceBatch:
+                out: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor] | None] | None
+                ) -> ExperienceBatch:
         slots = sels[0].slots if len(sels) == 1 else torch.cat([s.slots for s in sels])
         k = int(slots.shape[0])
         bufs = out(k) if callable(out) else out

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numbers
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -189,6 +190,9 @@ class Automatic(Scheduler):
         self._candidates: dict[str, Overlapped] = {}
         #: a switch of scheduler that waits until the current one's queue can be stored (see _activate)
         self._retry: Callable[[], None] | None = None
+        #: held by a hand-over and by a switch of scheduler: a producer's batch never lands in a scheduler
+        #: that was drained and switched away from (it would stay invisible to flush, or be refused by close)
+        self._route = threading.RLock()
         self.inner = self._make(self._ing_plan[0] if self._ing_plan else 1, 1, overlap=False)
 
     def _make(self, g_ing: float, g_del: float, *, overlap: bool) -> Overlapped:
@@ -216,15 +220,16 @@ class Automatic(Scheduler):
     # -- the scheduler role ------------------------------------------------------------------
     def ingest(self, batch: ExperienceBatch, *, version: int | None,
                priorities: torch.Tensor | None) -> torch.Tensor | None:
-        out = self.inner.ingest(batch, version=version, priorities=priorities)
-        if self._phase == "probe" and self._ing_plan and not self.on_policy:
-            self._ing_seen += 1
-            if self._ing_seen >= self._ing_plan[0] and not self.inner.pending():
-                self._ing_plan.pop(0)
-                self._ing_seen = 0
-                if self._ing_plan:
-                    self.inner.retune(g_ing=self._ing_plan[0])
-        return out
+        with self._route:
+            out = self.inner.ingest(batch, version=version, priorities=priorities)
+            if self._phase == "probe" and self._ing_plan and not self.on_policy:
+                self._ing_seen += 1
+                if self._ing_seen >= self._ing_plan[0] and not self.inner.pending():
+                    self._ing_plan.pop(0)
+                    self._ing_seen = 0
+                    if self._ing_plan:
+                        self.inner.retune(g_ing=self._ing_plan[0])
+            return out
 
     def flush(self) -> None:
         self.inner.flush()
@@ -235,8 +240,9 @@ class Automatic(Scheduler):
 
     def deliver(self, n: int | None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
         if self._phase == "probe" and self._del_plan is None:
-            self._start_delivery_probe(n)
-        out = self.inner.deliver(n, **kwargs)
+            out = self._first_delivery(n, kwargs)
+        else:
+            out = self.inner.deliver(n, **kwargs)
         if self._retry is not None:
             retry, self._retry = self._retry, None
             retry()
@@ -278,6 +284,21 @@ class Automatic(Scheduler):
         return self.inner.pending()
 
     # -- calibration ---------------------------------------------------------------------------
+    def _first_delivery(self, n: int | None, kwargs: dict[str, Any]) -> tuple[ExperienceBatch, SampleInfo]:
+        """The first delivery sizes the probe plan from its batch size; a refused one leaves no plan behind."""
+        if not self.on_policy and not (isinstance(n, numbers.Integral) and not isinstance(n, bool) and n > 0):
+            self.edp.select_now([n], peek=True, **kwargs)  # the semantics refuse it as a delivery would (a peek)
+        saved = (self.range, self.inner.g_del)
+        self._start_delivery_probe(n)
+        try:
+            return self.inner.deliver(n, **kwargs)
+        except BaseException:  # refused (or failed): the next delivery plans again, from its own batch size
+            self.range, g_del = saved
+            self._del_plan, self._del_left = None, 0
+            if not self.on_policy:
+                self.inner.retune(g_del=g_del)
+            raise
+
     def _start_delivery_probe(self, n: int | None) -> None:
         if self.on_policy:
             self._del_plan = [1.0] * (2 * self.probe_rounds)  # g_del is fixed; time a few deliveries
@@ -388,13 +409,14 @@ class Automatic(Scheduler):
         nothing is switched and False is returned: the caller retries after a later delivery, the
         delivered batch is not lost, and the failure stays for the producer's next call to raise.
         """
-        old = self.inner
-        if old is new:
-            return True
-        if not old.drain():
-            return False
-        old.invalidate("contents")
-        self.inner = new
+        with self._route:  # no hand-over to ``old`` between its drain and the switch
+            old = self.inner
+            if old is new:
+                return True
+            if not old.drain():
+                return False
+            old.invalidate("contents")
+            self.inner = new
         if old not in self._candidates.values():
             old.close()
         return True

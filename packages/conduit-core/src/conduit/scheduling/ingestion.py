@@ -79,9 +79,13 @@ class Ingestion:
         self._cur_items = 0
         self._mutex = threading.RLock()  # the condition's lock, entered directly on the producer's hot path
         self._cv = threading.Condition(self._mutex)
+        self._writer = threading.Lock()  # held by the caller storing groups (sequential mode, see _store_ready)
         self._pending: deque[Handover] = deque()
         self._inflight: list[Handover] = []
         self._error: BaseException | None = None
+        #: the last background write failure (kept after it was raised: a flush that waited for the write
+        #: raises it too, when another caller took ``_error`` first)
+        self._last_error: BaseException | None = None
         self._paused = False
         self._force = 0
         self._closing = False
@@ -151,6 +155,9 @@ class Ingestion:
             self._paused = False
             self._wait_stored()
             self._raise_failure()
+            if self._paused and (self._pending or self._inflight) and self._last_error is not None:
+                # a write failed while this flush waited, and a producer's call raised it first
+                raise self._failure(self._last_error, closing=False) from self._last_error
         self._rollout_done()
 
     def drain(self) -> bool:
@@ -179,8 +186,8 @@ class Ingestion:
         self._force += 1
         self._cv.notify_all()
         try:
-            while (self._pending or self._inflight) and self._error is None:
-                self._cv.wait()
+            while (self._pending or self._inflight) and self._error is None and not self._paused:
+                self._cv.wait()  # (paused: a write failed, and its error may have been raised to a producer)
         finally:
             self._force -= 1
 
@@ -196,6 +203,14 @@ class Ingestion:
             self._paused = False  # one last try
             self._error = None
             self._cv.notify_all()
+            stopped = self._stopped
+        if stopped:  # an earlier close could not store everything and stopped the worker: retry in the caller
+            try:
+                self._store_ready(force=True)
+            except Exception as e:
+                with self._cv:
+                    raise self._failure(e, closing=True) from e
+            return
         assert self._thread is not None
         self._thread.join()
         self._stage.clear()
@@ -306,22 +321,28 @@ class Ingestion:
                 self._cur_items = 0
 
     def _store_ready(self, force: bool) -> None:
-        """Store complete groups in the caller (sequential mode)."""
-        while True:
-            with self._cv:
-                self._raise_failure()
-                group = self._take(force)
-            if group is None:
-                return
-            try:
-                self._store(group)
-            except BaseException:
+        """Store complete groups in the caller (sequential mode).
+
+        One caller stores at a time (``_writer``): concurrent producers' groups then reach storage in
+        queue order, share the staging buffers one after the other, and a ``flush`` returns only
+        after a group another thread is storing is in storage.
+        """
+        with self._writer:
+            while True:
                 with self._cv:
-                    self._pending.extendleft(reversed(group))
+                    self._raise_failure()
+                    group = self._take(force)
+                if group is None:
+                    return
+                try:
+                    self._store(group)
+                except BaseException:
+                    with self._cv:
+                        self._pending.extendleft(reversed(group))
+                        self._inflight = []
+                    raise
+                with self._cv:
                     self._inflight = []
-                raise
-            with self._cv:
-                self._inflight = []
 
     def _run(self) -> None:
         while True:
@@ -343,7 +364,7 @@ class Ingestion:
             with self._cv:
                 if err is not None:
                     self._pending.extendleft(reversed(group))
-                    self._error = err
+                    self._error = self._last_error = err
                     self._paused = True
                 self._inflight = []
                 self._cv.notify_all()

@@ -42,6 +42,7 @@ import numbers
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +91,8 @@ class _Prepared:
     event: Any = None
     #: the chunk's last batch frees the chunk's buffer when it leaves
     frees_buffer: bool = False
+    #: prioritized: weights drawn with beta = 1, to be raised to the delivery's beta (False: drawn with it)
+    reweigh: bool = True
 
 
 class Overlapped(Scheduler):
@@ -150,6 +153,9 @@ class Overlapped(Scheduler):
             raise ConfigurationError(f"rollout_size must be None (learned) or an int >= 1, got {rollout_size!r}.")
         self.g_ing = g_ing
         self.g_del = g_del
+        #: g_del as asked for (the constructor's or retune's): on-policy, ``_attach`` replaces g_del by 1/M of
+        #: the buffer served, and a buffer served after it (another M, or off-policy) checks this one instead
+        self._g_del_arg: float = g_del
         self.overlap = bool(overlap)
         self.background_ingest = self.overlap if background_ingest is None else bool(background_ingest)
         self.queue_depth = int(queue_depth)
@@ -174,16 +180,16 @@ class Overlapped(Scheduler):
             if self.g_ing > 1:
                 raise ConfigurationError(f"On-policy g_ing is a part of one rollout, in (0, 1]; got {self.g_ing}. "
                                          f"Batching several rollouts would mix policy versions.")
-            if self.g_del not in (1, 1 / m if m else 1):
+            if self._g_del_arg not in (1, 1 / m if m else 1):
                 raise ConfigurationError(f"On-policy g_del is 1/M (one minibatch per delivery call) for freshness; "
-                                         f"got {self.g_del}. Pass g_del=1 or g_del=1/M.")
+                                         f"got {self._g_del_arg}. Pass g_del=1 or g_del=1/M.")
             self.g_del = 1 / m if m else 1
             self._chunk = 1
         else:
-            for name, g in (("g_ing", self.g_ing), ("g_del", self.g_del)):
+            for name, g in (("g_ing", self.g_ing), ("g_del", self._g_del_arg)):
                 if not _whole(g):
                     raise ConfigurationError(f"Off-policy {name} counts rollouts or batches: an int >= 1, got {g}.")
-            self.g_ing, self.g_del = int(self.g_ing), int(self.g_del)
+            self.g_ing, self.g_del = int(self.g_ing), int(self._g_del_arg)
             self._chunk = int(self.g_del)
         s = self._max_prio_stale
         self.max_priority_staleness = self._chunk if s is None else int(s)
@@ -212,23 +218,27 @@ class Overlapped(Scheduler):
 
         Off-policy ``g_del`` (batches per call) and either kind's ``g_ing`` may change; the
         semantics' bounds are checked as in the constructor. Prepared batches stay valid.
+        Both values are checked before either changes: a refused call changes nothing.
         """
         if g_ing is not None:
             if self.on_policy:
-                ok = isinstance(g_ing, (int, float)) and 0 < g_ing <= 1
+                ok = isinstance(g_ing, (int, float)) and not isinstance(g_ing, bool) and 0 < g_ing <= 1
             else:
                 ok = _whole(g_ing) and g_ing >= 1
             if not ok:
                 raise ConfigurationError(f"g_ing={g_ing} is outside the safe range for this buffer.")
+        new_g_del = g_del is not None and g_del != self.g_del
+        if g_del is not None and new_g_del and (self.on_policy or not _whole(g_del) or g_del < 1):
+            raise ConfigurationError(f"g_del={g_del} is outside the safe range for this buffer (on-policy it "
+                                     f"is fixed at 1/M).")
+        if g_ing is not None:
             self.g_ing = g_ing if self.on_policy else int(g_ing)
             self._ingestion.g_ing = self.g_ing
             self._ingestion.queue_depth = max(self._ingestion.queue_depth, int(max(1, self.g_ing)))
-        if g_del is not None and g_del != self.g_del:
-            if self.on_policy or not _whole(g_del) or g_del < 1:
-                raise ConfigurationError(f"g_del={g_del} is outside the safe range for this buffer (on-policy it "
-                                         f"is fixed at 1/M).")
+        if new_g_del:
+            assert g_del is not None
             with self._mu:
-                self.g_del = int(g_del)
+                self.g_del = self._g_del_arg = int(g_del)
                 chunk = self.g_del
                 if self._max_prio_stale is None:
                     self.max_priority_staleness = chunk
@@ -309,12 +319,14 @@ class Overlapped(Scheduler):
             p = ready.popleft()
             self.prefetch_hits += 1
         else:
-            chunk = self._prepare(key, self._ring.acquire(self._delivered, inside_call=True))
+            # a single batch drawn for this call is weighted with its beta, exactly as a synchronous delivery
+            exact = [beta] if self.prioritized and self._chunk == 1 else None
+            chunk = self._prepare(key, self._ring.acquire(self._delivered, inside_call=True), exact)
             p = chunk[0]
             self._ready.extend(chunk[1:])
             self.prefetch_misses += 1
         self._handover(p)
-        info = self._reweight(p.info, beta)
+        info = self._reweight(p.info, beta) if p.reweigh else p.info
         self._start_prefetch(key)
         return p.batch, info
 
@@ -335,11 +347,13 @@ class Overlapped(Scheduler):
         else:
             if pred is not None:
                 self._discard(pred)
-            buf = self._ring.acquire(self._delivered, inside_call=True)
-            with self._ring.filling(buf):
-                batch = self.edp.gather_now([sel], self._ring.host(buf))
-                (batch,) = self._ring.to_device(buf, [batch])
-                event = self._ring.filled(buf)
+            ring = self._ring
+            buf = ring.acquire(self._delivered, inside_call=True)
+            with ring.filling(buf):
+                out, swapped = self._target(ring, buf)
+                batch = self.edp.gather_now([sel], out)
+                (batch,) = self._to_device(ring, buf, [batch], swapped)
+                event = ring.filled(buf)
             p = _Prepared((None, ()), batch, sel.info, sel, buf, 0, event, True)
             self.prefetch_misses += 1
         self.edp.release_now(sel)
@@ -357,26 +371,32 @@ class Overlapped(Scheduler):
         self._delivered += 1
 
     # -- preparing chunks -------------------------------------------------------------------
-    def _prepare(self, key: _Key, buf: int) -> list[_Prepared]:
-        """Select and gather one chunk into buffer ``buf`` (in the caller or in the worker)."""
+    def _prepare(self, key: _Key, buf: int, call_beta: list[float | None] | None = None) -> list[_Prepared]:
+        """Select and gather one chunk into buffer ``buf`` (in the caller or in the worker).
+
+        Prioritized draws are weighted with beta = 1 (see :meth:`_reweight`), or with ``call_beta[0]``
+        when given (a batch drawn for the delivery call that hands it out).
+        """
+        ring = self._ring
         try:
             n, kw = key
             epoch = [0]
-            with self._ring.filling(buf):
+            with ring.filling(buf):
+                target, swapped = self._target(ring, buf)
                 if self.on_policy:
-                    res = self.edp.prepare_now([None], self._ring.host(buf), peek=True, when=self._same_rollout)
+                    res = self.edp.prepare_now([None], target, peek=True, when=self._same_rollout)
                     if res is None:
-                        self._ring.free(buf)
+                        ring.free(buf)
                         return []
                 else:
-                    extra: dict[str, Any] = {"beta": 1.0} if self.prioritized else {}
+                    draw_beta = 1.0 if call_beta is None else call_beta[0]
+                    extra: dict[str, Any] = {"beta": draw_beta} if self.prioritized else {}
 
                     def stamp() -> bool:
                         epoch[0] = self._prio_epoch
                         return True
 
-                    res = self.edp.prepare_now([n] * self._chunk, self._ring.host(buf), when=stamp, **dict(kw),
-                                               **extra)
+                    res = self.edp.prepare_now([n] * self._chunk, target, when=stamp, **dict(kw), **extra)
                     assert res is not None
                 batch, sels = res
                 parts, row = [], 0
@@ -384,14 +404,41 @@ class Overlapped(Scheduler):
                     k = int(s.slots.shape[0])
                     parts.append(batch.select(slice(row, row + k)))
                     row += k
-                parts = self._ring.to_device(buf, parts)
-                event = self._ring.filled(buf)
+                parts = self._to_device(ring, buf, parts, swapped)
+                event = ring.filled(buf)
         except BaseException:
-            self._ring.free(buf)
+            ring.free(buf)
             raise
-        out = [_Prepared(key, b, s.info, s, buf, epoch[0], event) for b, s in zip(parts, sels, strict=True)]
+        out = [_Prepared(key, b, s.info, s, buf, epoch[0], event, reweigh=call_beta is None)
+               for b, s in zip(parts, sels, strict=True)]
         out[-1].frees_buffer = True
         return out
+
+    def _target(self, ring: ChunkRing, buf: int) -> tuple[Callable[[int], dict[str, torch.Tensor] | None], list[bool]]:
+        """Buffer ``buf`` as a gather's output, checked where the gather runs (under the buffer's lock).
+
+        A migration swaps the storage, then tells the scheduler (which rebuilds its buffers for the new
+        schema or device); a gather in between gets ``None`` (fresh memory from the storage) instead of
+        buffers sized and placed for the old storage, and the flag returned is set.
+        """
+        host = ring.host(buf)
+        edp = self.edp
+        swapped = [False]
+
+        def get(rows: int) -> dict[str, torch.Tensor] | None:
+            if ((ring.schema is not edp.schema and ring.schema != edp.schema)
+                    or ring.storage_device != edp.storage.device):
+                swapped[0] = True
+                return None
+            return host(rows)
+        return get, swapped
+
+    def _to_device(self, ring: ChunkRing, buf: int, parts: list[ExperienceBatch],
+                   swapped: list[bool]) -> list[ExperienceBatch]:
+        """The gathered batches on the learner's device (not through ``ring`` when the gather bypassed it)."""
+        if swapped[0]:
+            return [b.to(self.edp.device) for b in parts]
+        return ring.to_device(buf, parts)
 
     def _same_rollout(self) -> bool:
         """On-policy peek guard (under the buffer's lock): the rollout just delivered from goes on, fresh."""
@@ -435,7 +482,9 @@ class Overlapped(Scheduler):
             pass
 
     def _too_stale(self, p: _Prepared) -> bool:
-        return self.prioritized and self._prio_epoch - p.prio_epoch > self.max_priority_staleness
+        """A prepared draw missed more priority updates than :attr:`priority_staleness` declares now (after a
+        ``retune`` to a smaller ``g_del``, batches drawn for the larger chunk may)."""
+        return self.prioritized and self._prio_epoch - p.prio_epoch > self.priority_staleness
 
     def _discard(self, p: _Prepared) -> None:
         self.discarded += 1
@@ -477,16 +526,20 @@ class Overlapped(Scheduler):
                                        output_depth=self.output_depth)
 
     def close(self) -> None:
-        """Stop prefetching, then store everything handed over (or raise, keeping it in ``pending()``)."""
+        """Stop prefetching, then store everything handed over (or raise, keeping it in ``pending()``).
+
+        Calling it again after it raised retries storing what is left (and raises again while that fails).
+        """
         if self._closed:
+            self._ingestion.close()  # nothing left after a close that returned: then this returns at once
             return
         self._closed = True
         _OPEN.discard(self)
-        with self._mu:
+        with self._mu:  # (a delivery from another thread runs wholly before or after: it indexes the slots)
             self._discard_all()
+            self._ring.slots.clear()  # delivered batches the caller still holds keep their own memory alive
         if self._pool is not None:
             self._pool.shutdown()
-        self._ring.slots.clear()  # delivered batches the caller still holds keep their own memory alive
         self._ingestion.close()
 
 
