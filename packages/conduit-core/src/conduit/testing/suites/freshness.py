@@ -69,9 +69,11 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
             assert parts[0] != parts[1], "every epoch cut the same minibatches: reshuffle the items each epoch"
 
     def test_version_purity(self) -> None:
-        """A minibatch never mixes items of two policy versions; rollouts come oldest first.
+        """A minibatch never mixes items of two policy versions; rollouts come oldest first; a rollout
+        is delivered only once it has ended (a new version arrived or ``end_rollout``).
 
-        Troubleshooting: seal a rollout when a new version arrives; cut minibatches inside one rollout.
+        Troubleshooting: seal a rollout when a new version arrives; cut minibatches inside one rollout;
+        raise conduit.EmptyBufferError while only an open rollout is waiting.
         """
         with self.on_policy(num_minibatches=3, num_epochs=2, max_staleness=5) as ep:
             ep.ingest(np.arange(0, 30), version=0)
@@ -79,11 +81,19 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
             ep.end_rollout()
             for version, base in ((0, 0), (1, 1000)):
                 mbs = ep.consume()
-                assert len(mbs) == 6
+                assert len(mbs) == 6, f"version {version}'s rollout came in {len(mbs)} minibatches, expected M*E = 6"
                 for mb in mbs:
                     assert mb.version == version, f"expected version {version}, got {mb.version}"
                     assert ((mb.ids >= base) & (mb.ids < base + 30)).all(), (
                         f"minibatch of version {version} holds ids {mb.ids.tolist()}")
+            ep.ingest(np.arange(2000, 2012), version=1)  # an open rollout is not deliverable until it ends
+            with pytest.raises(EmptyBufferError):
+                mbs = ep.consume()
+                pytest.fail(f"a rollout was delivered before end_rollout(): ids "
+                            f"{sorted(np.concatenate([mb.ids for mb in mbs]).tolist())}")
+            ep.end_rollout()
+            got = self._epochs(ep.consume(), 2)
+            assert got == [list(range(2000, 2012))] * 2, f"the rollout ended after a refused delivery holds {got}"
 
     def test_staleness_bound_drop(self) -> None:
         """A rollout more than max_staleness versions behind the policy is dropped, the next one delivered.
@@ -96,10 +106,15 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
             ep.ingest(np.arange(10, 20), version=1)
             ep.end_rollout()
             ep.set_policy_version(2)
-            mbs = ep.consume()
+            try:
+                mbs = ep.consume()
+            except EmptyBufferError:
+                pytest.fail("nothing was delivered: the rollout of version 1 (within max_staleness=1 of policy 2) "
+                            "was dropped with the stale one")
             got = sorted(np.concatenate([mb.ids for mb in mbs]).tolist())
             assert got == list(range(10, 20)), f"expected only version 1's items, got {got}"
-            assert all(mb.version == 1 for mb in mbs)
+            assert all(mb.version == 1 for mb in mbs), (
+                f"minibatches report versions {[mb.version for mb in mbs]}, expected the rollout's version 1")
 
     def test_staleness_bound_raise(self) -> None:
         """With on_stale="raise", a too-stale rollout raises and stays in the buffer.
@@ -113,5 +128,9 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
             with pytest.raises(StaleExperienceError):
                 ep.consume()
             ep.set_policy_version(0)
-            got = sorted(np.concatenate([mb.ids for mb in ep.consume()]).tolist())
+            try:
+                mbs = ep.consume()
+            except EmptyBufferError:
+                mbs = []
+            got = sorted(np.concatenate([mb.ids for mb in mbs] or [np.zeros(0, np.int64)]).tolist())
             assert got == list(range(8)), f"the rollout was changed by the failed delivery: {got}"

@@ -79,7 +79,8 @@ class PrefetchFreshnessChecks:
     @staticmethod
     def _epochs(mbs: Iterator[Any] | list[Any], epochs: int) -> list[list[int]]:
         mbs = list(mbs)
-        return [sorted(np.concatenate([m.ids for m in mbs if m.epoch == e]).tolist()) for e in range(epochs)]
+        return [sorted(np.concatenate([m.ids for m in mbs if m.epoch == e] or [np.zeros(0, np.int64)]).tolist())
+                for e in range(epochs)]
 
     def test_prefetch_never_crosses_a_policy_version(self) -> None:
         """A rollout that turned stale while the previous one was delivered is dropped (or raises), never served.
@@ -111,6 +112,9 @@ class PrefetchFreshnessChecks:
                 with pytest.raises(StaleExperienceError):
                     ep.consume()
                 ep.set_policy_version(0)
-                second = ep.consume()
+                try:
+                    second = ep.consume()
+                except EmptyBufferError:
+                    second = []
                 assert self._epochs(second, 2) == [list(range(100, 124))] * 2, (
                     "the stale rollout was changed by the failed delivery")

@@ -97,9 +97,11 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                               f"max={counts[37:].max()}"
 
     def test_prioritized_frequency_proportional_to_priority_alpha(self) -> None:
-        """Prioritized sampling draws item i with probability p_i^alpha / sum_j p_j^alpha (chi-square).
+        """Prioritized sampling draws item i with probability p_i^alpha / sum_j p_j^alpha (chi-square);
+        items inserted later get the largest priority seen so far.
 
-        Troubleshooting: store p^alpha in the tree; sample proportionally to the stored value.
+        Troubleshooting: store p^alpha in the tree; sample proportionally to the stored value; give new
+        items the running maximum of the priorities set.
         """
         n, alpha = 50, 0.7
         with self.replay(capacity=n, prioritized=True, alpha=alpha, seed=2) as ep:
@@ -111,6 +113,17 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             p = chi_square_p(counts, prio ** alpha)
             assert p > P_MIN, f"prioritized draws are not proportional to p^alpha (p={p:.2e})"
             assert counts[-1] > counts[0] * 3, f"highest priority drawn {counts[-1]}x vs lowest {counts[0]}x"
+            # new items get the largest priority seen so far (5.0); they evict ids 0..4
+            ep.insert(np.arange(n, n + 5))
+            for _ in range(2 * (ep.priority_staleness + 2)):  # draws prepared before the insert
+                ep.sample(self.chunk)
+            ids = np.concatenate([ep.sample(self.chunk).ids for _ in range(20)])
+            new = 5 * prio.max() ** alpha
+            expected = new / (new + (prio[5:] ** alpha).sum())
+            share = float((ids >= n).mean())
+            assert abs(share - expected) < 0.03, (
+                f"items inserted after priority updates are {share:.1%} of the draws, expected {expected:.1%}: "
+                f"new items must get the largest priority seen so far")
 
     def test_importance_weights(self) -> None:
         """Weights are (N P(i))^-beta normalised by the largest possible weight.
@@ -122,10 +135,16 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             needs(ep, CAP_PRIORITIZED)
             ep.insert(np.arange(n))
             prio = np.arange(1, n + 1, dtype=np.float64)
+            prio[0] = 1e-6  # P(0) ~ 3e-6: a batch almost never holds the least likely item
             self._set_priorities(ep, prio)
             d = ep.sample(256)
             assert d.weights is not None, "a prioritized endpoint returned no importance weights"
             probs = prio ** alpha / (prio ** alpha).sum()
+            if 0 not in d.ids:
+                assert d.weights.max() < 0.5, (
+                    f"the largest importance weight in a batch without the least likely item is "
+                    f"{d.weights.max():.3g}, expected {((probs.min() / probs[d.ids].min()) ** beta):.3g}: "
+                    f"weights are normalised over the batch, not by the largest possible weight")
             expected = (n * probs[d.ids]) ** (-beta) / (n * probs.min()) ** (-beta)
             np.testing.assert_allclose(d.weights, expected, rtol=1e-4,
                                        err_msg="importance weights differ from (N P(i))^-beta / max_w")
@@ -146,7 +165,8 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             assert ids.min() >= 15, f"evicted id {ids.min()} was sampled"
 
     def test_update_for_evicted_handle_is_ignored(self) -> None:
-        """A priority update naming an evicted item is ignored, never applied to the slot's new occupant.
+        """A priority update naming an evicted item is ignored, never applied to the slot's new occupant;
+        one naming a live item after the ring wrapped is applied.
 
         Troubleshooting: stamp handles with a generation and check it before applying an update.
         """
@@ -170,6 +190,9 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             for _ in range(ep.priority_staleness):
                 ep.sample(self.chunk)
             counts = np.bincount(ep.sample(5000).ids - 100, minlength=cap)
+            assert counts[5] > 0.2 * counts.sum(), (
+                f"the update naming live item 105 (drawn after the ring wrapped) was not applied: draw counts of "
+                f"100..109 {counts.tolist()} (do handles of a wrapped ring still name live items?)")
             assert counts[[0, cap - 1]].max() < 0.01 * counts.sum(), (
                 f"a stale update changed a new occupant's priority: draw counts of 100..109 {counts.tolist()}")
             ep.update_priorities(np.concatenate([old.handles[stale[1]], new.handles[live]]), np.array([1e6, 1.0]))
@@ -207,9 +230,11 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                 "they share an RNG (a global one?)")
 
     def test_checkpoint_round_trip(self) -> None:
-        """A restored buffer holds the same items and continues the same draws (RNG included).
+        """A restored buffer holds the same items and continues the same draws (RNG included), and gives
+        items inserted after the restore the same priority as the saved buffer does.
 
-        Troubleshooting: save the sampler's RNG state and the priorities with the contents.
+        Troubleshooting: save the sampler's RNG state, the priorities and the largest priority seen
+        with the contents.
         """
         for prioritized in (False, True):
             with self.replay(capacity=32, prioritized=prioritized, seed=8) as ep:
@@ -239,6 +264,17 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                     assert got == after_insert == list(range(28, 60)), (
                         f"restored buffer (prioritized={prioritized}) evicts differently after an insert: live ids "
                         f"{got}, expected 28..59 (the write position was not restored?)")
+                    if prioritized:  # new items get the largest priority seen so far: the restore must keep it
+                        shares = []
+                        for e in (ep, other):
+                            for _ in range(2 * (e.priority_staleness + 2)):  # draws prepared before the insert
+                                e.sample(16)
+                            ids = np.concatenate([e.sample(256).ids for _ in range(8)])
+                            shares.append(float(np.isin(ids, np.arange(50, 60)).mean()))
+                        assert abs(shares[0] - shares[1]) < 0.08, (
+                            f"items inserted after a restore are drawn {shares[1]:.0%} of the time, "
+                            f"{shares[0]:.0%} in the saved buffer: the restored buffer gives new items another "
+                            f"priority (the largest priority seen was not restored?)")
 
     def test_sampling_empty_buffer_raises(self) -> None:
         """Sampling an empty buffer raises a Conduit error, never returns garbage.

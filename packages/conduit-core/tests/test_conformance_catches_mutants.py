@@ -1,0 +1,466 @@
+"""Honest conformance tests: every suite check fails, with a readable message, on a buffer that breaks it.
+
+Each mutant is a real core object (sampler, on-policy semantics or endpoint) subclassed to
+inject one bug. The suite class is bound to the mutant and the one check that guards the
+broken property is called directly; it must raise an assertion (or ``pytest.fail``) whose
+message names the problem. A control runs the same checks through the same harness on the
+unmutated parts, so a failure below comes from the injected bug, not from the harness.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conduit.errors import StaleExperienceError
+from conduit.semantics import OnPolicy, PrioritizedSampler, Replay, Semantics, UniformSampler
+from conduit.semantics.base import SampleInfo, Selection
+from conduit.storage.base import AppendResult
+from conduit.testing import (
+    ConcurrencySuite,
+    CoreOnPolicyEndpoint,
+    CoreReplayEndpoint,
+    Draw,
+    FreshnessSuite,
+    Minibatch,
+    ReplaySuite,
+)
+
+#: what a failing suite check raises: a plain assertion, or pytest.fail's exception
+FAILED = (AssertionError, pytest.fail.Exception)
+
+
+# -- harness ---------------------------------------------------------------------------------
+class MutantReplay(CoreReplayEndpoint):
+    """Core's replay endpoint with its sampler swapped for ``uniform`` / ``prioritized`` subclasses."""
+
+    uniform: type[UniformSampler] = UniformSampler
+    prioritized: type[PrioritizedSampler] = PrioritizedSampler
+
+    def _build(self, capacity: int, semantics: Semantics, **kwargs: Any) -> Any:
+        assert isinstance(semantics, Replay)
+        s = semantics.sampler
+        sampler = (self.prioritized(alpha=s.alpha, beta=s.beta, max_from_ingest=s.max_from_ingest)
+                   if isinstance(s, PrioritizedSampler) else self.uniform())
+        return super()._build(capacity, Replay(sampler, seed=semantics.seed), **kwargs)
+
+
+class MutantOnPolicy(CoreOnPolicyEndpoint):
+    """Core's on-policy endpoint with its semantics swapped for a subclass of :class:`OnPolicy`."""
+
+    semantics: type[OnPolicy] = OnPolicy
+
+    def _build(self, capacity: int, semantics: Semantics, **kwargs: Any) -> Any:
+        assert isinstance(semantics, OnPolicy)
+        s = semantics
+        sem = self.semantics(num_minibatches=s.num_minibatches, num_epochs=s.num_epochs,
+                             max_staleness=s.max_staleness, on_stale=s.on_stale, seed=s.seed)
+        return super()._build(capacity, sem, **kwargs)
+
+
+def replay_suite(ep: type) -> ReplaySuite:
+    class Bound(ReplaySuite):
+        def make_replay(self, **kw: Any) -> Any:
+            return ep(**kw)
+    return Bound()
+
+
+def freshness_suite(ep: type) -> FreshnessSuite:
+    class Bound(FreshnessSuite):
+        def make_on_policy(self, **kw: Any) -> Any:
+            return ep(**kw)
+    return Bound()
+
+
+def concurrency_suite(ep: type) -> ConcurrencySuite:
+    class Bound(ConcurrencySuite):
+        def make_replay(self, **kw: Any) -> Any:
+            return ep(**kw)
+    return Bound()
+
+
+# -- uniform sampler mutants -----------------------------------------------------------------
+class NeverNewest(UniformSampler):
+    """Draws from [oldest, next_handle - 1): the newest item is never drawn."""
+
+    def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
+        st = self.storage
+        handles = torch.randint(st.oldest, max(st.oldest + 1, st.next_handle - 1), (n,), generator=self._gen)
+        return Selection(self._slots(handles), SampleInfo(handles=handles))
+
+
+class SlotZeroTwice(UniformSampler):
+    """The item in ring slot 0 is drawn about twice as often as any other."""
+
+    def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
+        sel = super().sample(n, replace=replace, beta=beta)
+        st = self.storage
+        size = st.next_handle - st.oldest
+        slot0 = st.oldest + (-st.oldest) % st.capacity  # the live handle in slot 0
+        hit = torch.rand(n, generator=self._gen) < 1.0 / size
+        handles = torch.where(hit, torch.tensor(slot0), sel.info.handles)
+        sel.info.handles = handles
+        return Selection(self._slots(handles), sel.info)
+
+
+class UniformDropsRng(UniformSampler):
+    """A checkpoint without the RNG state: the restored buffer keeps drawing from its own seed."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+# -- prioritized sampler mutants -------------------------------------------------------------
+class WeightsOffByFactor(PrioritizedSampler):
+    """Importance weights twice what they should be."""
+
+    def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
+        sel = super().sample(n, replace=replace, beta=beta)
+        assert sel.info.weights is not None
+        sel.info.weights = sel.info.weights * 2
+        return sel
+
+
+class WeightsNormalisedPerBatch(PrioritizedSampler):
+    """Importance weights normalised by the largest weight in the batch, not the largest possible one."""
+
+    def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
+        sel = super().sample(n, replace=replace, beta=beta)
+        assert sel.info.weights is not None
+        sel.info.weights = sel.info.weights / sel.info.weights.max()
+        return sel
+
+
+class PriorityWithoutAlpha(PrioritizedSampler):
+    """Stores p instead of p^alpha on updates."""
+
+    def update(self, handles: Any, priorities: Any) -> int:
+        p = self.check(priorities)
+        return super().update(handles, p ** (1.0 / self.alpha))
+
+
+class NewItemsGetOne(PrioritizedSampler):
+    """New items get priority 1.0 instead of the largest priority seen so far."""
+
+    def on_append(self, result: AppendResult, priorities: torch.Tensor | None) -> None:
+        seen, self._max_priority = self._max_priority, 1.0
+        try:
+            super().on_append(result, priorities)
+        finally:
+            self._max_priority = max(seen, self._max_priority)
+
+
+class UpdatesEvictedOccupants(PrioritizedSampler):
+    """Applies an update for an evicted handle to the slot's new occupant (no generation check)."""
+
+    def update(self, handles: Any, priorities: Any) -> int:
+        p, h = self.check(priorities), self.check_handles(handles)
+        self._tree.set(h % self.storage.capacity, p ** self.alpha)
+        self._max_priority = max(self._max_priority, float(p.max(initial=0.0)))
+        return int(h.size)
+
+
+class PrioritizedDropsRng(PrioritizedSampler):
+    """A checkpoint that keeps the priorities but not the RNG state."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        del state["rng"]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict({**state, "rng": self._rng.bit_generator.state})
+
+
+class DropsMaxPriority(PrioritizedSampler):
+    """A checkpoint that forgets the largest priority seen: items ingested after a restore get 1.0."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict({**state, "max_priority": 1.0})
+
+
+# -- endpoint mutants ------------------------------------------------------------------------
+class EvictsNewest(CoreReplayEndpoint):
+    """When full, the incoming items are discarded instead of the oldest ones."""
+
+    def insert(self, ids: np.ndarray) -> None:
+        room = self.edp.capacity - len(self)
+        if room > 0:
+            super().insert(ids[:room])
+
+
+class OneDrawBehind(CoreReplayEndpoint):
+    """Prefetches one draw ahead but declares priority_staleness 0."""
+
+    _ahead: Draw | None = None
+
+    def sample(self, n: int) -> Draw:
+        if self._ahead is None or len(self._ahead.ids) != n:
+            self._ahead = super().sample(n)
+        d, self._ahead = self._ahead, super().sample(n)
+        return d
+
+
+class TwoDrawsBehind(OneDrawBehind):
+    """Prefetches two draws ahead but declares priority_staleness 1."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.priority_staleness = 1
+        self._queue: list[Draw] = []
+
+    def sample(self, n: int) -> Draw:
+        while len(self._queue) < 3:
+            self._queue.append(CoreReplayEndpoint.sample(self, n))
+        return self._queue.pop(0)
+
+
+class HandlesAreSlots(PrioritizedSampler):
+    """Returns ring slots as handles: after the ring wraps, updates for live items look evicted."""
+
+    def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
+        sel = super().sample(n, replace=replace, beta=beta)
+        sel.info.handles = sel.slots.clone()
+        return sel
+
+
+class LosesOneIn1e5(CoreReplayEndpoint):
+    """A concurrent insert path that loses one item in 10^5."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._lock = threading.Lock()
+        self._seen = 0
+
+    def insert(self, ids: np.ndarray) -> None:
+        with self._lock:
+            before, self._seen = self._seen, self._seen + len(ids)
+        lost = (100_000 - before % 100_000) % 100_000  # index in ids of the item that is number k * 1e5
+        if lost < len(ids):
+            ids = np.delete(ids, lost)
+        super().insert(ids)
+
+
+class TornWriteOneIn1e5(LosesOneIn1e5):
+    """Loses one item in 10^5 and stores its neighbour twice (the count stays right)."""
+
+    def insert(self, ids: np.ndarray) -> None:
+        with self._lock:
+            before, self._seen = self._seen, self._seen + len(ids)
+        torn = (100_000 - before % 100_000) % 100_000
+        if torn < len(ids) > 1:
+            ids = ids.copy()
+            ids[torn] = ids[torn - 1 if torn else 1]
+        CoreReplayEndpoint.insert(self, ids)
+
+
+# -- on-policy mutants -----------------------------------------------------------------------
+class RepeatsOneItem(OnPolicy):
+    """Each epoch serves its first item twice and skips another."""
+
+    def _start_epoch(self) -> None:
+        super()._start_epoch()
+        assert self._perm is not None
+        self._perm = self._perm.clone()
+        self._perm[-1] = self._perm[0]
+
+
+class SameOrderEveryEpoch(OnPolicy):
+    """Every epoch of a rollout visits the items in the same order (no reshuffle)."""
+
+    def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
+        return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed))
+
+
+class MixesVersions(OnPolicy):
+    """Items of a new version join the open rollout instead of sealing it."""
+
+    def on_append(self, result: AppendResult, *, version: int | None, priorities: torch.Tensor | None) -> None:
+        v = self._open.version if self._open is not None else version
+        super().on_append(result, version=v, priorities=priorities)
+
+
+class IgnoresStaleness(OnPolicy):
+    """Delivers every rollout, however stale."""
+
+    def _stale(self, r: Any) -> bool:
+        return False
+
+
+class StalenessOffByOne(OnPolicy):
+    """Allows one version more staleness than max_staleness."""
+
+    def _stale(self, r: Any) -> bool:
+        return self.policy_version - r.version > self.max_staleness + 1
+
+
+class ReportsPolicyVersion(OnPolicy):
+    """Reports the learner's policy version instead of the rollout's."""
+
+    def select(self, n: int | None = None, **kw: Any) -> Selection:
+        sel = super().select(n, **kw)
+        sel.info.version = self.policy_version
+        return sel
+
+
+class DropsThenRaises(OnPolicy):
+    """on_stale="raise" raises, but drops the stale rollout first (a refused call that changed state)."""
+
+    def select(self, n: int | None = None, **kw: Any) -> Selection:
+        try:
+            return super().select(n, **kw)
+        except StaleExperienceError:
+            if self._sealed:
+                self._drop(self._sealed.popleft())
+            raise
+
+
+class DropsAllPending(OnPolicy):
+    """on_stale="drop" drops every waiting rollout once one of them is stale."""
+
+    def select(self, n: int | None = None, **kw: Any) -> Selection:
+        if self.on_stale == "drop" and any(self._stale(r) for r in self._sealed):
+            while self._sealed:
+                self._drop(self._sealed.popleft())
+        return super().select(n, **kw)
+
+
+class NewestRolloutFirst(OnPolicy):
+    """Delivers the newest sealed rollout first."""
+
+    def select(self, n: int | None = None, **kw: Any) -> Selection:
+        if self._cur is None:
+            self._sealed.reverse()
+            try:
+                return super().select(n, **kw)
+            finally:
+                self._sealed.reverse()
+        return super().select(n, **kw)
+
+
+class DeliversOpenRollout(OnPolicy):
+    """Delivers the open rollout when no sealed one is waiting (before end_rollout)."""
+
+    def select(self, n: int | None = None, **kw: Any) -> Selection:
+        if self._cur is None and not self._sealed:
+            self.seal()
+        return super().select(n, **kw)
+
+
+class PrefetchesNextRollout(CoreOnPolicyEndpoint):
+    """Prepares the next rollout while delivering one, checking staleness only when preparing."""
+
+    _ready: list[Minibatch] | None = None
+
+    def consume(self) -> list[Minibatch]:
+        out = self._ready if self._ready is not None else super().consume()
+        try:
+            self._ready = super().consume()
+        except Exception:  # noqa: BLE001 - nothing to prefetch
+            self._ready = None
+        return out
+
+
+def mutant_replay(**samplers: type) -> type:
+    return type("Mutant", (MutantReplay,), samplers)
+
+
+def mutant_on_policy(sem: type[OnPolicy]) -> type:
+    return type(f"Mutant{sem.__name__}", (MutantOnPolicy,), {"semantics": sem})
+
+
+REPLAY_MUTANTS = [
+    # (mutant endpoint, suite check, what the message must say)
+    (mutant_replay(uniform=NeverNewest), "test_uniform_draws_are_uniform", "chi-square"),
+    (mutant_replay(uniform=SlotZeroTwice), "test_uniform_draws_are_uniform", "chi-square"),
+    (mutant_replay(uniform=UniformDropsRng), "test_checkpoint_round_trip", "draws differently"),
+    (mutant_replay(prioritized=WeightsOffByFactor), "test_importance_weights", "importance weights"),
+    (mutant_replay(prioritized=WeightsOffByFactor), "test_prefetched_priorities_at_most_declared_staleness",
+     "importance weights"),
+    (mutant_replay(prioritized=WeightsNormalisedPerBatch), "test_importance_weights", "normalised over the batch"),
+    (mutant_replay(prioritized=PriorityWithoutAlpha), "test_prioritized_frequency_proportional_to_priority_alpha",
+     "p\\^alpha"),
+    (mutant_replay(prioritized=NewItemsGetOne), "test_prioritized_frequency_proportional_to_priority_alpha",
+     "largest priority seen"),
+    (mutant_replay(prioritized=UpdatesEvictedOccupants), "test_update_for_evicted_handle_is_ignored",
+     "stale update"),
+    (mutant_replay(prioritized=PrioritizedDropsRng), "test_checkpoint_round_trip", "draws differently"),
+    (mutant_replay(prioritized=DropsMaxPriority), "test_checkpoint_round_trip", "largest priority seen was not"),
+    (EvictsNewest, "test_fifo_eviction_and_capacity", "newest 10"),
+    (OneDrawBehind, "test_prefetched_priorities_at_most_declared_staleness", "old priorities"),
+    (TwoDrawsBehind, "test_prefetched_priorities_at_most_declared_staleness", "old priorities"),
+    (mutant_replay(prioritized=HandlesAreSlots), "test_update_for_evicted_handle_is_ignored",
+     "live item 105 .* was not applied"),
+]
+
+FRESHNESS_MUTANTS = [
+    (mutant_on_policy(RepeatsOneItem), "test_each_item_exactly_once_per_epoch", "not a permutation"),
+    (mutant_on_policy(SameOrderEveryEpoch), "test_each_item_exactly_once_per_epoch", "not reshuffled"),
+    (mutant_on_policy(MixesVersions), "test_version_purity", "minibatch of version 0 holds ids"),
+    (mutant_on_policy(IgnoresStaleness), "test_staleness_bound_drop", "only version 1"),
+    (mutant_on_policy(IgnoresStaleness), "test_staleness_bound_raise", "StaleExperienceError"),
+    (mutant_on_policy(IgnoresStaleness), "test_prefetch_never_crosses_a_policy_version", "stale rollout"),
+    (mutant_on_policy(StalenessOffByOne), "test_staleness_bound_drop", "only version 1"),
+    (mutant_on_policy(ReportsPolicyVersion), "test_version_purity", "expected version 1"),
+    (mutant_on_policy(ReportsPolicyVersion), "test_staleness_bound_drop", "expected the rollout's version 1"),
+    (mutant_on_policy(DropsThenRaises), "test_staleness_bound_raise", "changed by the failed delivery"),
+    (mutant_on_policy(DropsThenRaises), "test_prefetch_never_crosses_a_policy_version",
+     "changed by the failed delivery"),
+    (PrefetchesNextRollout, "test_prefetch_never_crosses_a_policy_version", "stale rollout"),
+    (mutant_on_policy(DropsAllPending), "test_staleness_bound_drop", "dropped with the stale one"),
+    (mutant_on_policy(NewestRolloutFirst), "test_version_purity", "expected version 0"),
+    (mutant_on_policy(DeliversOpenRollout), "test_version_purity", "delivered before end_rollout"),
+]
+
+CONCURRENCY_MUTANTS = [
+    (LosesOneIn1e5, "test_concurrent_producers_lose_and_duplicate_nothing", "stored"),
+    (TornWriteOneIn1e5, "test_concurrent_producers_lose_and_duplicate_nothing", "duplicates"),
+]
+
+
+def _id(v: Any) -> str:
+    if isinstance(v, type):
+        extra = [s.__name__ for k in ("uniform", "prioritized", "semantics")
+                 if (s := v.__dict__.get(k)) is not None]
+        return extra[0] if extra else v.__name__
+    return str(v)[:24]
+
+
+# -- controls: the harness passes on the unmutated parts -------------------------------------
+@pytest.mark.parametrize("check", sorted({c for _, c, _ in REPLAY_MUTANTS}))
+def test_control_replay_passes(check: str) -> None:
+    getattr(replay_suite(MutantReplay), check)()
+
+
+@pytest.mark.parametrize("check", sorted({c for _, c, _ in FRESHNESS_MUTANTS}))
+def test_control_freshness_passes(check: str) -> None:
+    getattr(freshness_suite(MutantOnPolicy), check)()
+
+
+def test_control_concurrency_passes() -> None:
+    concurrency_suite(CoreReplayEndpoint).test_concurrent_producers_lose_and_duplicate_nothing()
+
+
+# -- mutants: the suite fails with a message that names the problem --------------------------
+@pytest.mark.parametrize(("ep", "check", "match"), REPLAY_MUTANTS, ids=_id)
+def test_replay_suite_catches_mutant(ep: type, check: str, match: str) -> None:
+    with pytest.raises(FAILED, match=match):
+        getattr(replay_suite(ep), check)()
+
+
+@pytest.mark.parametrize(("ep", "check", "match"), FRESHNESS_MUTANTS, ids=_id)
+def test_freshness_suite_catches_mutant(ep: type, check: str, match: str) -> None:
+    with pytest.raises(FAILED, match=match):
+        getattr(freshness_suite(ep), check)()
+
+
+@pytest.mark.parametrize(("ep", "check", "match"), CONCURRENCY_MUTANTS, ids=_id)
+def test_concurrency_suite_catches_mutant(ep: type, check: str, match: str) -> None:
+    with pytest.raises(FAILED, match=match):
+        getattr(concurrency_suite(ep), check)()
