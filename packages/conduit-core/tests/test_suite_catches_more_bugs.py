@@ -205,22 +205,25 @@ class WeightsOffByConstant(MiniReplay):
 
 
 class DuplicatesUnderConcurrency(CoreReplayEndpoint):
-    """Re-inserts the last item of a call when another thread inserted concurrently."""
+    """Re-inserts the last item of a call whenever the call before it came from another thread.
+
+    (Several producers switch threads at least once whatever the interleaving, so the bug always
+    shows; a mutant that needed two calls to overlap in time missed it on a loaded machine.)
+    """
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
-        self._busy = 0
+        self._last: int | None = None
         self._lk = threading.Lock()
 
     def insert(self, ids: np.ndarray) -> None:
+        me = threading.get_ident()
         with self._lk:
-            self._busy += 1
-            raced = self._busy > 1
+            switched = self._last is not None and self._last != me
+            self._last = me
         super().insert(ids)
-        if raced:
+        if switched:
             super().insert(ids[-1:])
-        with self._lk:
-            self._busy -= 1
 
 
 # -- on-policy mutants --------------------------------------------------------------------
