@@ -180,6 +180,8 @@ class Automatic(Scheduler):
         self._ing_plan = _probe_values(self.range.g_ing) * self.probe_rounds
         self._del_plan: list[float] | None = None  # set at the first delivery, when the batch size is known
         self._ing_seen = 0
+        #: on-policy probe: the rollout (version, first handle) that was open when flush() last stored everything
+        self._probe_rollout: tuple[int, int] | None = None
         self._del_left = 0
         self._phase = "probe"
         self._confirm: list[str] = []
@@ -221,6 +223,8 @@ class Automatic(Scheduler):
     def ingest(self, batch: ExperienceBatch, *, version: int | None,
                priorities: torch.Tensor | None) -> torch.Tensor | None:
         with self._route:
+            if self._probe_rollout is not None:
+                self._rollout_probed()  # before this batch's hand-over: a new rollout starts at the next value
             out = self.inner.ingest(batch, version=version, priorities=priorities)
             if self._phase == "probe" and self._ing_plan and not self.on_policy:
                 self._ing_seen += 1
@@ -233,7 +237,25 @@ class Automatic(Scheduler):
 
     def flush(self) -> None:
         self.inner.flush()
-        if self._phase == "probe" and self.on_policy and self._ing_plan:  # seal flushes: one rollout per value
+        if self._phase == "probe" and self.on_policy and self._ing_plan:
+            with self._route:  # (a producer's hand-over checks the same mark)
+                self._rollout_probed()
+                # seal() flushes, then ends the rollout open now: the next hand-over or flush sees that it ended
+                self._probe_rollout = self._open_rollout()
+
+    def _open_rollout(self) -> tuple[int, int] | None:
+        """On-policy: (version, first handle) of the rollout storage is filling, None when none is open."""
+        sem = self.edp.semantics
+        return sem.open_rollout if isinstance(sem, OnPolicy) else None
+
+    def _rollout_probed(self) -> None:
+        """On-policy ingestion probe: one rollout per probed ``g_ing``. The next value is taken once the rollout
+        open at the last flush has ended (``seal``, or a new version), not at every flush (``state_dict``,
+        ``migrate`` and the caller's own flushes end no rollout)."""
+        if self._probe_rollout is None or self._open_rollout() == self._probe_rollout:
+            return
+        self._probe_rollout = None
+        if self._phase == "probe" and self._ing_plan:
             self._ing_plan.pop(0)
             if self._ing_plan:
                 self.inner.retune(g_ing=self._ing_plan[0])

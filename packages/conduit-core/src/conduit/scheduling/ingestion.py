@@ -129,11 +129,10 @@ class Ingestion:
                 self._cv.notify_all()  # wake the worker only when it has a group to store
         if not self.background:
             try:
-                self._store_ready(force=False)
+                self._store_ready(force=False, own=item)
             except BaseException:
-                with self._cv:  # the call raises, so its batch was not accepted (earlier ones stay queued)
-                    if any(h is item for h in self._pending):
-                        self._pending = deque(h for h in self._pending if h is not item)
+                with self._cv:  # (raised before a write, e.g. interrupted waiting for the writer lock)
+                    self._drop(item)
                 raise
 
     def flush(self) -> None:
@@ -192,7 +191,14 @@ class Ingestion:
             self._force -= 1
 
     def close(self) -> None:
-        """Drain the queue and stop the worker; raise if some batches could not be stored."""
+        """Drain the queue and stop the worker; raise if some batches could not be stored.
+
+        Called on the worker thread itself (from a callback that runs inside a background write, e.g. a
+        semantics or loss callback), it cannot wait for the queue: it returns at once, and the worker
+        stores the rest of the queue after the current group, in order, then stops. A write that fails
+        then stops it; the batches not stored stay in :meth:`pending` and the next ``close`` (from
+        another thread) retries them, raising while that fails.
+        """
         if not self.background:
             with self._cv:
                 self._closing = True
@@ -212,6 +218,8 @@ class Ingestion:
                     raise self._failure(e, closing=True) from e
             return
         assert self._thread is not None
+        if self.on_worker:
+            return  # inside the worker's own write: it drains the queue once that write returns (see above)
         self._thread.join()
         self._stage.clear()
         with self._cv:
@@ -223,6 +231,11 @@ class Ingestion:
         """Handed-over batches not stored yet, in order."""
         with self._cv:
             return list(self._inflight) + list(self._pending)
+
+    @property
+    def on_worker(self) -> bool:
+        """Whether the calling thread is the worker (a callback inside one of its writes)."""
+        return self._thread is not None and self._thread is threading.current_thread()
 
     @property
     def waiting(self) -> bool:
@@ -320,12 +333,14 @@ class Ingestion:
                 self._learned = max(self._learned, self._cur_items)
                 self._cur_items = 0
 
-    def _store_ready(self, force: bool) -> None:
+    def _store_ready(self, force: bool, own: Handover | None = None) -> None:
         """Store complete groups in the caller (sequential mode).
 
         One caller stores at a time (``_writer``): concurrent producers' groups then reach storage in
         queue order, share the staging buffers one after the other, and a ``flush`` returns only
-        after a group another thread is storing is in storage.
+        after a group another thread is storing is in storage. When a write fails, the group goes
+        back to the head of the queue except ``own`` (the batch of the ``handover`` that raises, so
+        not accepted), taken out before another producer waiting for ``_writer`` can store it.
         """
         with self._writer:
             while True:
@@ -340,9 +355,16 @@ class Ingestion:
                     with self._cv:
                         self._pending.extendleft(reversed(group))
                         self._inflight = []
+                        if own is not None:
+                            self._drop(own)
                     raise
                 with self._cv:
                     self._inflight = []
+
+    def _drop(self, item: Handover) -> None:
+        """Take ``item`` out of the queue, if it is there (under the lock)."""
+        if any(h is item for h in self._pending):
+            self._pending = deque(h for h in self._pending if h is not item)
 
     def _run(self) -> None:
         while True:

@@ -134,6 +134,8 @@ class Overlapped(Scheduler):
         >>> edp.close()
     """
 
+    _ingestion: Ingestion  # (set by _attach)
+
     def __init__(self, *, g_ing: float = 1, g_del: float = 1, overlap: bool = True, queue_depth: int = 8,
                  max_priority_staleness: int | None = None, output_depth: int = 2,
                  rollout_size: int | None = None, copy_on_ingest: bool = False,
@@ -169,9 +171,13 @@ class Overlapped(Scheduler):
         self.prefetch_hits = 0
         self.prefetch_misses = 0
         self._closed = False
+        self._closer: threading.Thread | None = None  # stops the prefetch after a close on the ingestion worker
 
     # -- set-up ----------------------------------------------------------------------------
     def _attach(self, edp: ExperienceDataPlane) -> None:
+        closer = self._closer
+        if closer is not None and not self._ingestion.on_worker:  # (a close on the ingestion worker: see close)
+            closer.join()
         sem = edp.semantics
         self.on_policy = isinstance(sem, OnPolicy)
         self.prioritized = isinstance(sem, Replay) and sem.sampler.prioritized
@@ -211,6 +217,8 @@ class Overlapped(Scheduler):
         self._prio_lock = threading.Lock()
         self._last: SampleInfo | None = None
         self._closed = False  # (a scheduler whose buffer was closed serves a new one afresh)
+        self._closer = None
+        self.discarded = self.prefetch_hits = self.prefetch_misses = 0
         _OPEN.add(self)
 
     def retune(self, *, g_ing: float | None = None, g_del: float | None = None) -> None:
@@ -529,18 +537,36 @@ class Overlapped(Scheduler):
         """Stop prefetching, then store everything handed over (or raise, keeping it in ``pending()``).
 
         Calling it again after it raised retries storing what is left (and raises again while that fails).
+        Called from a callback on the ingestion worker (inside a background write) it cannot wait for that
+        write: it returns at once and the worker stores the rest of the queue, then stops (see
+        :meth:`Ingestion.close`); a later ``close`` waits for that and raises what could not be stored.
         """
         if self._closed:
+            if self._closer is not None and not self._ingestion.on_worker:
+                self._closer.join()  # (a close on the ingestion worker stopped the prefetch on its own thread)
             self._ingestion.close()  # nothing left after a close that returned: then this returns at once
             return
         self._closed = True
         _OPEN.discard(self)
-        with self._mu:  # (a delivery from another thread runs wholly before or after: it indexes the slots)
-            self._discard_all()
-            self._ring.slots.clear()  # delivered batches the caller still holds keep their own memory alive
-        if self._pool is not None:
-            self._pool.shutdown()
+        if self._ingestion.on_worker:
+            # a callback inside a background write, which holds the buffer's lock: a delivery (holding _mu) or
+            # the prefetch job may be waiting for that lock, so stopping the prefetch waits on its own thread
+            # (a later close() joins it); the ingestion worker stores the rest of its queue, then stops
+            self._closer = threading.Thread(target=self._stop_prefetch, args=(self._mu, self._pool),
+                                            name="conduit-close", daemon=True)
+            self._closer.start()
+        else:
+            self._stop_prefetch(self._mu, self._pool)
         self._ingestion.close()
+
+    def _stop_prefetch(self, mu: Any, pool: Worker | None) -> None:
+        """Drop what was prepared and stop the prefetch worker (``mu`` and ``pool``: the closed buffer's)."""
+        with mu:  # (a delivery from another thread runs wholly before or after: it indexes the slots)
+            if self._mu is mu:  # (else a callback served a new buffer before this ran: nothing here is its)
+                self._discard_all()
+                self._ring.slots.clear()  # delivered batches the caller still holds keep their own memory alive
+        if pool is not None:
+            pool.shutdown()
 
 
 #: schedulers to drain at interpreter exit (daemon workers would otherwise die with data queued)

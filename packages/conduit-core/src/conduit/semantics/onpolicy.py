@@ -163,6 +163,12 @@ class OnPolicy(Semantics):
         self._open = None
 
     @property
+    def open_rollout(self) -> tuple[int, int] | None:
+        """(version, first handle) of the rollout being filled, None when none is open."""
+        r = self._open
+        return None if r is None else (r.version, r.first)
+
+    @property
     def pending_rollouts(self) -> int:
         """Sealed rollouts not yet fully delivered (including the one in progress)."""
         return len(self._sealed) + (self._cur is not None)
