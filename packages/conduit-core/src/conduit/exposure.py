@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from conduit.errors import ConfigurationError
 from conduit.telemetry import CallRecord, Telemetry
 
 __all__ = ["IterationExposure", "ExposureLog", "measure_iteration", "EXPERIENCE_KINDS", "WORK_KINDS",
@@ -103,7 +104,13 @@ def measure_iteration(records: Iterable[CallRecord], start: float, end: float,
         start: the iteration's start (``time.perf_counter()``).
         end: its end.
         loop_threads: the loop's thread ids (default: those with rollout/update/iteration spans).
+
+    Raises:
+        ConfigurationError: ``end`` is before ``start`` (or either is NaN): no window to account for.
     """
+    if not start <= end:
+        raise ConfigurationError(f"The iteration window [{start!r}, {end!r}) ends before it starts; pass its start "
+                                 f"and then its end (time.perf_counter() readings).")
     recs = [r for r in records if r.end > start and r.start < end]
     loop = set(loop_threads) if loop_threads is not None else {r.thread for r in recs if r.kind in LOOP_KINDS}
 

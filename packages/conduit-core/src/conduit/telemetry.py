@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import threading
 import time
 from collections import deque
@@ -154,7 +155,8 @@ class Telemetry:
     def chrome_trace(self, path: str | Path | None = None, *, since: float | None = None) -> dict[str, Any]:
         """The recorded calls as a Chrome trace (``chrome://tracing``, Perfetto); written to ``path`` if given.
 
-        ``since`` keeps only the calls that ended after that ``time.perf_counter()`` time.
+        ``since`` keeps only the calls that ended after that ``time.perf_counter()`` time. The file is
+        written atomically: a write that fails (disk full, file-size limit) leaves ``path`` as it was.
         """
         self._fold()
         with self._lock:
@@ -169,8 +171,25 @@ class Telemetry:
                     "args": {"name": names.get(tid, f"thread {tid}")}} for tid in sorted({r.thread for r in recs})]
         trace = {"traceEvents": events, "displayTimeUnit": "ms"}
         if path is not None:
-            Path(path).write_text(json.dumps(trace))
+            _write_atomically(Path(path), json.dumps(trace))
         return trace
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, then rename it over ``path`` (never half a file)."""
+    # a name of this process and thread, created exclusively (and with the umask's permissions, as a plain write)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    f = open(tmp, "x")  # noqa: SIM115 - closed below, before the rename
+    try:
+        with f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 _new_record = functools.partial(tuple.__new__, CallRecord)

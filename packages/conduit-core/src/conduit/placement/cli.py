@@ -9,14 +9,23 @@ import math
 __all__ = ["register"]
 
 
+#: the largest count accepted: sizes are int64 in torch and numpy, so larger ones would overflow
+_MAX_COUNT = 2**63 - 1
+
+
 def _count(text: str) -> int:
-    """An item count, accepting ``1e6`` and ``1_000_000``."""
+    """An item count, accepting ``1e6`` and ``1_000_000`` (at most ``2**63 - 1``)."""
     try:
-        v = float(text.replace("_", ""))
+        v: float = int(text.replace("_", ""))  # exact for whole numbers written out
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        try:
+            v = float(text.replace("_", ""))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(v) or v <= 0 or v != int(v):
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
+    if int(v) > _MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text!r} is too large: use a whole number up to 2**63 - 1")
     return int(v)
 
 

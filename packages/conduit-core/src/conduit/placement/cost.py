@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -52,6 +53,25 @@ from conduit.placement.topology import Topology
 from conduit.schema import ExperienceSchema, Field
 
 __all__ = ["Workload", "Estimate", "CostModel", "IngestStep", "IngestSteps", "DeliverySteps", "transition_schema"]
+
+
+def _exact(share: float) -> Fraction:
+    """``share`` as the decimal it was written as (``0.29`` is 29/100, not the binary float just below it).
+
+    Memory shares and headroom multiply byte counts; in floats ``100 * 0.29`` is
+    ``28.999...`` and ``102000 * 1.1`` is ``112200.00000000001``, which would move a buffer
+    that exactly fills a device across the boundary.
+    """
+    return Fraction(repr(float(share)))
+
+
+def _amount(nbytes: float | Fraction) -> str:
+    """``nbytes`` in GiB, or in the largest smaller unit where a tenth of a GiB would read as nothing."""
+    b = float(nbytes)
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= size / 10:
+            return f"{b / size:.1f} {unit}"
+    return f"{math.ceil(b)} B"
 
 
 def transition_schema(obs_dim: int, dtype: torch.dtype = torch.float32) -> ExperienceSchema:
@@ -182,11 +202,13 @@ class Estimate:
         """One sentence per device the placement does not fit on (empty when feasible)."""
         out = []
         for dev, need in self.memory.items():
-            want = need * (1 + self.headroom)
+            want = need * (1 + _exact(self.headroom))  # exact: a buffer that exactly fills the device fits
             have = self.usable.get(dev, 0)
             if want > have:
-                out.append(f"needs {want / 2**30:.1f} GiB on {dev} (with {self.headroom:.0%} headroom), "
-                           f"{have / 2**30:.1f} GiB usable")
+                want_s, have_s = _amount(want), _amount(have)
+                if want_s == have_s:  # a near miss: in bytes, so the message shows the difference
+                    want_s, have_s = f"{math.ceil(want)} B", f"{have} B"
+                out.append(f"needs {want_s} on {dev} (with {self.headroom:.0%} headroom), {have_s} usable")
         return out
 
     @property
@@ -341,9 +363,10 @@ class CostModel:
         return [f"cuda:{i}" for i in range(workload.learners)]
 
     def usable_bytes(self, device: str) -> int:
+        """Bytes of ``device`` the buffer may use: its memory times its usable share, rounded down (exactly)."""
         mem = self.topology.memory_of(device)
         share = self.host_usable if device == "cpu" else self.disk_usable if device == "disk" else self.gpu_usable
-        return int(mem * share)
+        return math.floor(mem * _exact(share))
 
     # -- memory ------------------------------------------------------------------------------
     def memory(self, spec: PlacementSpec, workload: Workload) -> dict[str, int]:

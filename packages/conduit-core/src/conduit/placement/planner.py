@@ -12,9 +12,10 @@ once, so GPUs sharing a switch ingest no faster than one). Each candidate is pri
 within ``tie_tolerance`` of it prefer fewer devices, then the simpler tier). The disk tier
 is chosen only when nothing in memory fits: it is for buffers larger than memory.
 
-GPUs are ranked by their links to the learners: a GPU that hosts a learner scores a large
-constant *plus* its bandwidth to the other learners, so with a learner on every GPU the
-ones with the fastest links to the rest (MI250X: 0/2/4/6) still come first.
+GPUs are ranked by their links to the learners: first by the learners they host, then by
+their bandwidth to the other learners' GPUs, so with a learner on every GPU the ones with
+the fastest links to the rest (MI250X: 0/2/4/6) still come first, and a GPU hosting a
+learner outranks one that hosts none however fast (even unlimited) its links.
 """
 
 from __future__ import annotations
@@ -33,11 +34,6 @@ if TYPE_CHECKING:
     from conduit.placement.placement_map import PlacementMap
 
 __all__ = ["Candidate", "Plan", "Planner"]
-
-#: the score a learner-hosting GPU starts from: above any sum of link bandwidths (B/s), small enough that
-#: adding such sums to it stays exact in float64
-_LEARNER_SCORE = 1e15
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -141,12 +137,10 @@ class Planner:
         return self.cost.profile
 
     # -- candidates --------------------------------------------------------------------------
-    def _link_score(self, gpu: int, learners: Sequence[str]) -> float:
-        """How well ``gpu`` is linked to the learners' GPUs (higher is better).
-
-        Each learner it hosts counts :data:`_LEARNER_SCORE`; to that is added its
-        bandwidth to every other learner's GPU (the constant added last, so equal sums give
-        equal scores whatever the GPU's rank).
+    def _link_score(self, gpu: int, learners: Sequence[str]) -> tuple[int, float]:
+        """How well ``gpu`` is linked to the learners' GPUs (higher is better): ``(learners it hosts,
+        its bandwidth to every other learner's GPU)``, compared in that order (a pair, not a sum, so
+        no bandwidth, not even an unlimited one, outranks hosting a learner).
         """
         hosts = 0
         bandwidth = 0.0
@@ -161,7 +155,7 @@ class Planner:
                 bandwidth += self.profile.link("p2p", gpu, j).peak_bandwidth
             except PlacementError:
                 pass
-        return hosts * _LEARNER_SCORE + bandwidth
+        return hosts, bandwidth
 
     def _spread(self, order: Sequence[int], k: int) -> list[int]:
         """``k`` GPUs over as many host links as possible: each time the best-ranked one on the least-used link."""
@@ -184,7 +178,11 @@ class Planner:
             for g in topo.gpus:
                 out.append((PlacementSpec("gpu", (g.device,)), f"GPU {g.index} alone"))
             learners = self.cost.learner_devices(workload)
-            order = sorted(range(n), key=lambda i: (-self._link_score(i, learners), i))
+            def rank(i: int) -> tuple[int, float, int]:
+                hosts, bandwidth = self._link_score(i, learners)
+                return -hosts, -bandwidth, i
+
+            order = sorted(range(n), key=rank)
             grouped = bool(topo.details.get("host_link_groups"))
             sizes = sorted({k for k in (2, 4, 8, 16, 32, 64) if k < n} | ({n} if n > 1 else set()))
             seen: set[frozenset[int]] = set()
@@ -198,7 +196,7 @@ class Planner:
                     if key in seen:
                         continue
                     seen.add(key)
-                    home = min(devs, key=lambda i: (-self._link_score(i, learners), i))
+                    home = min(devs, key=rank)
                     devs_sorted = [home, *sorted(d for d in devs if d != home)]
                     out.append((PlacementSpec("sharded", tuple(f"cuda:{i}" for i in devs_sorted)), label))
         if topo.disk_bytes > 0 and self.profile.has("disk_read") and self.profile.has("disk_write"):
@@ -254,8 +252,10 @@ class Planner:
         diffs = {k: e.breakdown.get(k, 0.0) - chosen.breakdown.get(k, 0.0)
                  for k in set(e.breakdown) | set(chosen.breakdown)}
         worst = max(diffs, key=lambda k: diffs[k])
+        # a profile may price the chosen path at nothing (zero overhead, unlimited bandwidth): no ratio then
+        ratio = f"{e.total_s / chosen.total_s:.2f}x" if chosen.total_s > 0 else "the chosen costs nothing"
         return (f"slower: {e.total_s * 1e3:.3f} ms vs {chosen.total_s * 1e3:.3f} ms "
-                f"({e.total_s / chosen.total_s:.2f}x), mostly {worst} (+{diffs[worst] * 1e3:.3f} ms)")
+                f"({ratio}), mostly {worst} (+{diffs[worst] * 1e3:.3f} ms)")
 
     # -- placement map -----------------------------------------------------------------------
     def placement_map(self, workload: Workload, *, min_item_bytes: float, max_item_bytes: float, points: int = 48,

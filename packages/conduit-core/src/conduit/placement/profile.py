@@ -38,6 +38,7 @@ import platform
 import socket
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -325,16 +326,39 @@ class BandwidthProfile:
         if d.get("format") != PROFILE_FORMAT or "links" not in d:
             raise PlacementError(f"Not a Conduit bandwidth profile of format {PROFILE_FORMAT} (an older Conduit, or "
                                  f"another file); re-create it with `conduit profile`.")
+        details = d.get("details", {})
+        llc = details.get("llc_bytes", 0) if isinstance(details, dict) else None
+        if (not isinstance(details, dict) or not isinstance(details.get("machine", {}), dict)
+                or isinstance(llc, bool) or not isinstance(llc, int) or llc < 0):
+            raise PlacementError(f"The bandwidth profile's details are malformed (a dict with 'machine' a dict and "
+                                 f"'llc_bytes' an int >= 0, got {details!r}); re-create it with `conduit profile`.")
         return cls({k: LinkCost.from_dict(v) for k, v in d["links"].items()}, source=d.get("source", "measured"),
-                   machine=d.get("machine", ""), created=d.get("created", ""), details=d.get("details", {}))
+                   machine=d.get("machine", ""), created=d.get("created", ""), details=details)
 
     def save(self, path: str | Path | None = None) -> Path:
-        """Write as JSON (default: this machine's cache file); returns the path."""
+        """Write as JSON (default: this machine's cache file); returns the path.
+
+        Raises:
+            PlacementError: the file or its directory cannot be written (the message names it and what to do).
+        """
         p = Path(path) if path is not None else profile_path()
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        tmp.replace(p)
+        text = json.dumps(self.to_dict(), indent=1)
+        # written beside it under a name of this process and thread, then renamed over it: a failed write
+        # leaves the old file and no partial one, and two processes saving at once never mix their writes
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(text)
+            tmp.replace(p)
+        except BaseException as e:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            if isinstance(e, OSError):
+                raise PlacementError(f"Cannot write the bandwidth profile to {p} ({e}); point CONDUIT_CACHE_DIR "
+                                     f"(or the path passed) at a writable directory.") from e
+            raise
         return p
 
 

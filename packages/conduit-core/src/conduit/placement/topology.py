@@ -10,6 +10,7 @@ topology has no link figures of its own: the planner uses a measured
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -94,7 +95,10 @@ class Topology:
         try:
             name = str(d["name"])
             gpu = d.get("gpu") or {}
-            n = int(gpu.get("count", 0))
+            count = gpu.get("count", 0)
+            if isinstance(count, bool) or float(count) != int(float(count)):
+                raise PlacementError(f"Topology {name!r}: gpu.count must be a whole number of GPUs, got {count!r}.")
+            n = int(float(count))
             gpus = tuple(Gpu(i, str(gpu["name"]), int(float(gpu["memory_gib"]) * GIB)) for i in range(n))
             host, disk = int(float(d["host_memory_gib"]) * GIB), int(float(d.get("disk_gib", 0)) * GIB)
             if n < 0 or host < 0 or disk < 0 or any(g.memory_bytes < 0 for g in gpus):
@@ -108,10 +112,20 @@ class Topology:
                     mat = p2p["matrix_gbps"]
                     if len(mat) != n or any(len(r) != n for r in mat):
                         raise PlacementError(f"Topology {name!r}: p2p.matrix_gbps must be {n}x{n}.")
+                    default = p2p.get("gbps")  # the figure for pairs the matrix leaves out (null or 0)
+                    if default is not None:
+                        links["p2p"] = LinkCost.constant(float(default), over)
                     for i in range(n):
                         for j in range(n):
-                            if i != j and mat[i][j]:
-                                links[f"p2p:{i}:{j}"] = LinkCost.constant(float(mat[i][j]), over)
+                            v = mat[i][j]
+                            if i == j or ((v is None or v == 0) and default is not None):
+                                continue
+                            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                                raise PlacementError(
+                                    f"Topology {name!r}: p2p.matrix_gbps[{i}][{j}] is {v!r}; every pair of distinct "
+                                    f"GPUs needs a finite bandwidth > 0 in GB/s (null only on the diagonal, or give "
+                                    f"p2p.gbps as the figure for the pairs left out).")
+                            links[f"p2p:{i}:{j}"] = LinkCost.constant(float(v), over)
                 else:
                     links["p2p"] = LinkCost.constant(float(p2p["gbps"]), over)
             prof = BandwidthProfile(links, source="declared", machine=f"declared:{name}",
