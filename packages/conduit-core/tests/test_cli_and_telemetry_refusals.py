@@ -77,6 +77,7 @@ def test_run_loop_refuses_an_empty_rollout_instead_of_spinning_forever() -> None
     ["demo", "--synthetic", "--no-baseline", "--trace", "", *TINY, "--rollout", "0"],
     ["schedule", "calibrate", "--g-ing-max", "0", "--warmup", "1", *TINY],
     ["schedule", "ranges", "--on-policy", "-M", "0"],
+    ["schedule", "ranges", "-M", "0"],  # off-policy M bounds nothing, but a bad M is still refused
     ["plan", "--topology", "no-such-topology", "--obs-dim", "4", "--capacity", "8", "--batch", "2"],
 ])
 @pytest.mark.timeout(60)

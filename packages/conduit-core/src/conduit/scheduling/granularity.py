@@ -77,10 +77,10 @@ def safe_ranges(*, on_policy: bool, num_minibatches: int | None = None, g_ing_ma
     for name, b in (("batch_bytes", batch_bytes), ("memory_budget", memory_budget)):
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
             raise ConfigurationError(f"{name} must be None or an int >= 0 (bytes), got {b!r}.")
+    if num_minibatches is not None and (not isinstance(num_minibatches, int) or isinstance(num_minibatches, bool)
+                                        or num_minibatches < 1):  # (off-policy M bounds nothing, but is still M)
+        raise ConfigurationError(f"num_minibatches (M) must be a positive int, got {num_minibatches!r}.")
     if on_policy:
-        if num_minibatches is not None and (not isinstance(num_minibatches, int) or isinstance(num_minibatches, bool)
-                                            or num_minibatches < 1):
-            raise ConfigurationError(f"num_minibatches (M) must be a positive int, got {num_minibatches!r}.")
         m = num_minibatches or 1
         return GranularityRange(True, tuple(k / m for k in range(1, m + 1)), (1 / m,), num_minibatches)
     top = g_del_max
