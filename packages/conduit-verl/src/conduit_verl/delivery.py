@@ -380,6 +380,8 @@ class MinibatchDelivery:
     def ingest(self, td: TensorDict, *, version: int) -> None:
         """Add a shard produced by policy ``version`` to the open rollout.
 
+        A refused shard changes nothing: a refused first shard does not fix the columns or the capacity.
+
         Raises:
             SchemaError: the shard's columns differ from the first shard's.
             CapacityError: it does not fit next to the undelivered rollouts.
@@ -387,15 +389,22 @@ class MinibatchDelivery:
         why = _Codec.unsupported(td)
         if why is not None:
             raise ConfigurationError(f"Conduit cannot carry this shard: {why}.")
-        if self.edp is None:
+        built = self.edp is None
+        if built:
             self._build(td)
         assert self.edp is not None and self.codec is not None
         differs = self.codec.mismatch(td)
         if differs is not None:
             raise SchemaError(f"This shard's columns differ from the first shard's: {differs}; every shard carries "
                               f"the same columns, of the same kinds.")
-        batch, objects, consts = self.codec.encode(td)
-        handles = self.edp.ingest(batch, version=version)
+        try:
+            batch, objects, consts = self.codec.encode(td)
+            handles = self.edp.ingest(batch, version=version)
+        except BaseException:
+            if built:  # the buffer was built for this shard: forget it, so the next first shard builds its own
+                self.edp.close()
+                self.edp, self.codec = None, None
+            raise
         assert handles is not None
         first = int(handles[0]) if handles.numel() else self.edp.storage.next_handle
         self._firsts.append(first)

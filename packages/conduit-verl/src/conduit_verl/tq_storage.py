@@ -10,7 +10,8 @@ Three parts, each registered through TransferQueue's own registries:
   holds the bytes. Every tensor field is a :class:`~conduit_verl.columns.FieldStore`: the
   field's samples packed end to end in a Conduit storage (variable length costs what it
   holds), migrated to a larger placement when sequences grow. Python-object fields (uids,
-  reward info) stay objects.
+  reward info) stay objects (read back as SimpleStorage reads them: a field whose values are
+  all tensors comes back as one tensor).
 * :class:`ConduitStorageManager` (``StorageManagerFactory`` name ``Conduit``): the client side
   TransferQueue builds in every process. A put packs each column once and ships it to the
   units as raw arrays; a get runs in the consuming worker and rebuilds the columns there,
@@ -96,13 +97,16 @@ class _UnitState:
         self.objects: dict[str, dict[int, Any]] = {}
         self.telemetry = Telemetry()
 
-    def check(self, gis: list[int], columns: dict[str, Any]
+    def check(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None
               ) -> tuple[dict[str, PackedColumn | list[Any]], dict[str, FieldStore]]:
         """Raise what :meth:`put` would raise for this input, changing nothing; returns the decoded
         columns and the store each tensor column goes to (new stores are not kept yet).
 
         With no ``gis`` (zero-row columns) it checks only that each field agrees in kind, dtype and rank
         with what this unit holds: the manager asks so of the units a put does not reach.
+
+        ``widths`` (field -> shape-row width held on other units) sizes a field new to this unit: a field
+        keeps the rank limit of its first put on any unit, as it does on one unit (lower ranks are padded).
 
         Raises:
             SchemaError: a field switched kind, dtype or rank, or a column's length is not ``len(gis)``.
@@ -124,17 +128,23 @@ class _UnitState:
                 if store is None and not gis:  # nothing held to disagree with, nothing to store
                     continue
                 if store is None:
-                    store = FieldStore(name, col.dtype, col.shapes.shape[1], PoolLadder(**self.ladder_args))
+                    width = max(col.shapes.shape[1], (widths or {}).get(name, 0))
+                    store = FieldStore(name, col.dtype, width, PoolLadder(**self.ladder_args))
                 store.check(gis, col)
                 stores[name] = store
             elif len(col) != len(gis):
                 raise SchemaError(f"Field {name!r}: {len(col)} values for {len(gis)} global indexes.")
         return decoded, stores
 
-    def put(self, gis: list[int], columns: dict[str, Any]) -> None:
-        """Store the columns' samples under ``gis``: every column, or (on an error) none."""
+    def held_widths(self, stores: dict[str, FieldStore]) -> dict[str, int]:
+        """The shape-row width of each of ``stores`` this unit already holds (what :meth:`check` returned)."""
+        return {name: store.width for name, store in stores.items() if self.fields.get(name) is store}
+
+    def put(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None) -> None:
+        """Store the columns' samples under ``gis``: every column, or (on an error) none (``widths``: see
+        :meth:`check`)."""
         t0 = time.perf_counter()
-        decoded, stores = self.check(gis, columns)
+        decoded, stores = self.check(gis, columns, widths)
         nbytes = 0
         for name, col in decoded.items():  # all checks passed: write
             if isinstance(col, PackedColumn):
@@ -234,11 +244,12 @@ class ConduitStorageUnit:
     def __init__(self, config: dict[str, Any]) -> None:
         self.state = _UnitState(config)
 
-    def check(self, gis: list[int], columns: dict[str, Any]) -> None:
-        self.state.check(gis, columns)
+    def check(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None) -> dict[str, int]:
+        """Raise what :meth:`put` would raise; returns the shape-row width of each tensor field this unit holds."""
+        return self.state.held_widths(self.state.check(gis, columns, widths)[1])
 
-    def put(self, gis: list[int], columns: dict[str, Any]) -> None:
-        self.state.put(gis, columns)
+    def put(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None) -> None:
+        self.state.put(gis, columns, widths)
 
     def get(self, gis: list[int], fields: list[str]) -> dict[str, Any]:
         return self.state.get(gis, fields)
@@ -388,6 +399,7 @@ class ConduitStorageManager(StorageManager):
                 else:
                     payload[k] = col if len(routes) == 1 else [col[p] for p in positions]
             parts.append((rank, [gis[p] for p in positions], payload))
+        widths: dict[str, int] = {}
         if len(self.units) > 1:  # every unit checks before any writes: a put refused by one unit stores nothing,
             # and a unit the put does not reach still refuses a field it holds in another kind, dtype or rank
             parts = [(rank, part_gis, ray.put(payload)) for rank, part_gis, payload in parts]
@@ -395,8 +407,12 @@ class ConduitStorageManager(StorageManager):
             if len(parts) < len(self.units):
                 empty = {k: to_wire(_no_rows(c)) if isinstance(c, PackedColumn) else [] for k, c in columns.items()}
                 checks += [self.units[r].check.remote([], empty) for r in range(len(self.units)) if r not in routes]
-            await asyncio.gather(*checks)
-        await asyncio.gather(*[self.units[rank].put.remote(part_gis, payload) for rank, part_gis, payload in parts])
+            held: list[dict[str, int]] = await asyncio.gather(*checks)
+            for unit_widths in held:  # a field new to a unit takes the rank limit held elsewhere
+                for name, width in unit_widths.items():
+                    widths[name] = max(widths.get(name, 0), width)
+        await asyncio.gather(*[self.units[rank].put.remote(part_gis, payload, widths)
+                               for rank, part_gis, payload in parts])
         self.telemetry.record("put", n, nbytes, t0, time.perf_counter())
         self._trace()
         await self.notify_data_update(metadata.partition_ids[0], gis, extract_field_schema(data))
@@ -426,8 +442,8 @@ class ConduitStorageManager(StorageManager):
                 out[f] = t if self.device.type == "cpu" else t.to(self.device)
             else:
                 items = [x for p in parts for x in p[f]]
-                out[f] = NonTensorStack(*[items[int(i)] for i in inverse]) if len(parts) > 1 else \
-                    NonTensorStack(*items)
+                obj = _objects_column([items[int(i)] for i in inverse] if len(parts) > 1 else items)
+                out[f] = obj.to(self.device) if isinstance(obj, torch.Tensor) and self.device.type != "cpu" else obj
         self.telemetry.record("get", n, nbytes, t0, time.perf_counter())
         self._trace()
         return TensorDict(out, batch_size=n)
@@ -501,6 +517,20 @@ def _same_kind(name: str, parts: list[Any]) -> None:
         raise SchemaError(f"Field {name!r} is held as {' and as '.join(sorted(kinds))} on different Conduit storage "
                           f"units (two first puts of the field raced), so they cannot be read as one column; put the "
                           f"values again under another field name, in one kind and dtype.")
+
+
+def _objects_column(items: list[Any]) -> torch.Tensor | NonTensorStack:
+    """An object field's values as SimpleStorage returns them: when every value is a tensor, one tensor (0-d values
+    stacked densely, others a jagged, else strided, nested tensor); otherwise a ``NonTensorStack``."""
+    if items and all(isinstance(x, torch.Tensor) for x in items):
+        if all(x.dim() == 0 for x in items):
+            return torch.stack(items)
+        for layout in (torch.jagged, torch.strided):
+            try:
+                return torch.nested.as_nested_tensor(items, layout=layout)
+            except (RuntimeError, TypeError, ValueError):
+                continue
+    return NonTensorStack(*items)
 
 
 def _owned(col: PackedColumn) -> PackedColumn:
