@@ -15,17 +15,22 @@ Per iteration of a loop, from the spans in a :class:`~conduit.Telemetry`:
 All measures are unions of intervals clipped to the iteration, so overlapping spans are
 never counted twice. A synchronous scheduler does everything on the loop's thread, so
 its experience path is all exposed; an overlapped one leaves the hand-over exposed.
+
+:class:`ExposureLog` reads the telemetry's bounded ring of recent calls (``Telemetry(maxlen=...)``):
+an iteration that records more calls than the ring holds would lose its earliest ones, so it
+refuses to account for it (:class:`~conduit.errors.CapacityError`) rather than under-count it.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from conduit.errors import ConfigurationError
+from conduit.errors import CapacityError, ConfigurationError
 from conduit.telemetry import CallRecord, Telemetry
 
 __all__ = ["IterationExposure", "ExposureLog", "measure_iteration", "EXPERIENCE_KINDS", "WORK_KINDS",
@@ -151,16 +156,37 @@ class ExposureLog:
 
     @contextmanager
     def iteration(self) -> Iterator[None]:
-        """Time the body as one iteration (recorded as an ``iteration`` span) and account for it."""
+        """Time the body as one iteration (recorded as an ``iteration`` span) and account for it.
+
+        Raises:
+            CapacityError: the telemetry's ring (``Telemetry(maxlen=...)``) dropped calls recorded during
+                the iteration before it was measured, so it would be under-counted; nothing is appended to
+                :attr:`iterations`. If the body raised, its exception propagates instead, with this as a note.
+        """
+        mark = self.telemetry.mark()  # every call recorded from here on comes at or after it
         t0 = time.perf_counter()
+        failed = True
         try:
             yield
+            failed = False
         finally:
             t1 = time.perf_counter()
             self.telemetry.record("iteration", 0, 0, t0, t1)
-            # every span overlapping the iteration, however long before it started
-            recs = [r for r in self.telemetry.records if r.end > t0]
-            self.iterations.append(measure_iteration(recs, t0, t1))
+            records, dropped = self.telemetry.snapshot(mark)
+            if dropped:
+                msg = (f"The iteration recorded more calls than the telemetry keeps: its ring "
+                       f"(Telemetry(maxlen={self.telemetry.maxlen})) dropped {dropped} of them before the "
+                       f"iteration was measured, so it would be under-counted. Raise the Telemetry's maxlen "
+                       f"above the calls one iteration records, or measure shorter iterations.")
+                if not failed:
+                    raise CapacityError(msg)
+                add_note = getattr(sys.exc_info()[1], "add_note", None)  # Python 3.11+
+                if add_note is not None:
+                    add_note(msg)
+            else:
+                # every span overlapping the iteration, however long before it started
+                recs = [r for r in records if r.end > t0]
+                self.iterations.append(measure_iteration(recs, t0, t1))
 
     def summary(self, skip: int = 0) -> dict[str, float]:
         """Median seconds per iteration of each part, over the iterations after the first ``skip``

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from conduit.errors import ConfigurationError
+
 __all__ = ["Telemetry", "CallRecord", "Totals"]
 
 
@@ -62,12 +64,20 @@ class Telemetry:
     (atomic, no lock); the queue is folded into :attr:`records` and :attr:`totals` when
     it grows past ``fold_every`` and whenever they are read.
 
+    The ring drops its oldest calls once more than ``maxlen`` were folded into it; :meth:`mark`
+    and :meth:`snapshot` tell whether calls folded after a point have been dropped (what an
+    :class:`~conduit.exposure.ExposureLog` checks so an iteration is never silently under-counted).
+    That bookkeeping is an integer sum per fold, never work per recorded call.
+
     Args:
         maxlen: how many recent calls :attr:`records` keeps.
         fold_every: recorded calls held before they are folded.
     """
 
     def __init__(self, maxlen: int = 65536, fold_every: int = 1024) -> None:
+        if isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen < 0:
+            raise ConfigurationError(f"Telemetry(maxlen=...) is how many recent calls the ring keeps: pass an "
+                                     f"int >= 0, got {maxlen!r}.")
         self.maxlen = maxlen
         self._records: deque[CallRecord] = deque(maxlen=maxlen)
         self._totals: dict[str, Totals] = {}
@@ -76,6 +86,12 @@ class Telemetry:
         self._lock = threading.Lock()
         #: thread id -> its name when it first recorded (a trace written after a worker exited still names it)
         self._names: dict[int, str] = {}
+        #: calls folded into the ring so far; a call's position in that sequence is its mark
+        self._folded = 0
+        #: the mark of the oldest call still in the ring (calls before it were dropped or reset)
+        self._first = 0
+        #: one past the mark of the newest call the ring dropped to make room (reset drops count not)
+        self._dropped_upto = 0
 
     def record(self, kind: str, items: int, nbytes: int, start: float, end: float) -> None:
         """Record one call (thread-safe)."""
@@ -90,7 +106,14 @@ class Telemetry:
     def _fold(self) -> None:
         with self._lock:
             new = self._new
-            for _ in range(len(new)):  # what other threads append meanwhile waits for the next fold
+            n = len(new)
+            # the ring pushes out its oldest calls once it is full: account for them once per fold
+            over = len(self._records) + n - self.maxlen
+            if over > 0:
+                self._first += over
+                self._dropped_upto = self._first
+            self._folded += n
+            for _ in range(n):  # what other threads append meanwhile waits for the next fold
                 rec = new.popleft()
                 self._records.append(rec)
                 t = self._totals.get(rec.kind)
@@ -108,6 +131,22 @@ class Telemetry:
         self._fold()
         with self._lock:
             return tuple(self._records)
+
+    def mark(self) -> int:
+        """A point in the stream of calls: how many have been folded into :attr:`records` so far, after
+        folding those pending. Every call recorded after this returns gets a later position; pass the mark
+        to :meth:`snapshot` to learn whether the ring has dropped any of them since."""
+        self._fold()
+        with self._lock:
+            return self._folded
+
+    def snapshot(self, since: int) -> tuple[tuple[CallRecord, ...], int]:
+        """:attr:`records` and, read together with them, how many calls folded at or after the mark
+        ``since`` (from :meth:`mark`) the ring has already dropped to make room (0 while all of them are
+        still in the snapshot; calls removed by :meth:`reset` do not count)."""
+        self._fold()
+        with self._lock:
+            return tuple(self._records), max(0, self._dropped_upto - since)
 
     def recent(self, kind: str, n: int) -> list[CallRecord]:
         """The newest ``n`` calls of ``kind``, oldest first (read from the newest end, without a full copy)."""
@@ -144,6 +183,7 @@ class Telemetry:
         with self._lock:
             self._records.clear()
             self._totals.clear()
+            self._first = self._folded
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Totals per kind as plain numbers."""
