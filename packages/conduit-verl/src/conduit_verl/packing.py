@@ -171,7 +171,13 @@ def jagged(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 def _unpack_slow(col: PackedColumn) -> torch.Tensor | NonTensorStack:
     parts = torch.split(col.values, col.lengths.tolist())
-    samples = [p.view(*[int(d) for d in col.shapes[i, 1:1 + int(col.shapes[i, 0])]]) for i, p in enumerate(parts)]
+    return nested_or_stack([p.view(*[int(d) for d in col.shapes[i, 1:1 + int(col.shapes[i, 0])]])
+                            for i, p in enumerate(parts)])
+
+
+def nested_or_stack(samples: list[torch.Tensor]) -> torch.Tensor | NonTensorStack:
+    """Tensors of different shapes as one nested tensor (jagged, else strided), as TransferQueue's
+    SimpleStorage returns them; a ``NonTensorStack`` when neither layout takes them."""
     for layout in (torch.jagged, torch.strided):
         try:
             return torch.nested.as_nested_tensor(samples, layout=layout)

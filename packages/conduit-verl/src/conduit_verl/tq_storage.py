@@ -34,12 +34,13 @@ minibatch iteration alone: see :mod:`conduit_verl.delivery`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import ray
@@ -54,7 +55,16 @@ from transfer_queue.utils.common import get_node_round_robin_scheduling_strategi
 
 from conduit_verl.columns import FieldStore, Migration, PoolLadder
 from conduit_verl.compat import MissingKeyError
-from conduit_verl.packing import PackedColumn, concat_rows, from_wire, pack_column, select_rows, to_wire, unpack_column
+from conduit_verl.packing import (
+    PackedColumn,
+    concat_rows,
+    from_wire,
+    nested_or_stack,
+    pack_column,
+    select_rows,
+    to_wire,
+    unpack_column,
+)
 
 __all__ = ["BACKEND", "DEFAULTS", "ConduitStorageUnit", "ConduitStorageManager", "bootstrap", "unit_name"]
 
@@ -407,12 +417,14 @@ class ConduitStorageManager(StorageManager):
             if len(parts) < len(self.units):
                 empty = {k: to_wire(_no_rows(c)) if isinstance(c, PackedColumn) else [] for k, c in columns.items()}
                 checks += [self.units[r].check.remote([], empty) for r in range(len(self.units)) if r not in routes]
-            held: list[dict[str, int]] = await asyncio.gather(*checks)
+            with _unit_errors():
+                held: list[dict[str, int]] = await asyncio.gather(*checks)
             for unit_widths in held:  # a field new to a unit takes the rank limit held elsewhere
                 for name, width in unit_widths.items():
                     widths[name] = max(widths.get(name, 0), width)
-        await asyncio.gather(*[self.units[rank].put.remote(part_gis, payload, widths)
-                               for rank, part_gis, payload in parts])
+        with _unit_errors():
+            await asyncio.gather(*[self.units[rank].put.remote(part_gis, payload, widths)
+                                   for rank, part_gis, payload in parts])
         self.telemetry.record("put", n, nbytes, t0, time.perf_counter())
         self._trace()
         await self.notify_data_update(metadata.partition_ids[0], gis, extract_field_schema(data))
@@ -425,8 +437,9 @@ class ConduitStorageManager(StorageManager):
         fields = list(metadata.field_names)
         gis = [int(g) for g in metadata.global_indexes]
         routes = self._route(gis)
-        parts: list[dict[str, Any]] = await asyncio.gather(*[self.units[r].get.remote([gis[p] for p in pos], fields)
-                                                             for r, pos in routes.items()])
+        with _unit_errors():
+            parts: list[dict[str, Any]] = await asyncio.gather(
+                *[self.units[r].get.remote([gis[p] for p in pos], fields) for r, pos in routes.items()])
         order = [p for pos in routes.values() for p in pos]  # batch position of each row as received
         inverse = torch.empty(n, dtype=torch.int64)
         inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(n, dtype=torch.int64)
@@ -451,7 +464,8 @@ class ConduitStorageManager(StorageManager):
     async def clear_data(self, metadata: BatchMeta) -> None:
         gis = [int(g) for g in metadata.global_indexes]
         routes = self._route(gis)
-        await asyncio.gather(*[self.units[r].clear.remote([gis[p] for p in pos]) for r, pos in routes.items()])
+        with _unit_errors():
+            await asyncio.gather(*[self.units[r].clear.remote([gis[p] for p in pos]) for r, pos in routes.items()])
 
     def _trace(self) -> None:
         """With ``CONDUIT_VERL_TRACE_DIR`` set, keep this process's call totals in a JSON file there."""
@@ -468,8 +482,9 @@ class ConduitStorageManager(StorageManager):
     async def save_checkpoint(self, checkpoint_dir: str) -> None:
         """Each unit writes its samples to ``checkpoint_dir/conduit_unit_<rank>.pt``."""
         os.makedirs(checkpoint_dir, exist_ok=True)
-        await asyncio.gather(*[u.save.remote(os.path.join(checkpoint_dir, f"conduit_unit_{r}.pt"))
-                               for r, u in enumerate(self.units)])
+        with _unit_errors():
+            await asyncio.gather(*[u.save.remote(os.path.join(checkpoint_dir, f"conduit_unit_{r}.pt"))
+                                   for r, u in enumerate(self.units)])
 
     async def load_checkpoint(self, checkpoint_dir: str) -> None:
         """Each unit restores what :meth:`save_checkpoint` wrote (same ``num_units``)."""
@@ -478,7 +493,8 @@ class ConduitStorageManager(StorageManager):
         if missing:
             raise FileNotFoundError(f"Conduit checkpoint files missing: {missing}; restore with the num_units the "
                                     f"checkpoint was written with.")
-        await asyncio.gather(*[u.load.remote(p) for u, p in zip(self.units, paths, strict=True)])
+        with _unit_errors():
+            await asyncio.gather(*[u.load.remote(p) for u, p in zip(self.units, paths, strict=True)])
 
     def close(self) -> None:
         """Close TransferQueue's sockets; in the process that started the units (``tq.init``), stop them too.
@@ -497,7 +513,25 @@ class ConduitStorageManager(StorageManager):
 
     def stats(self) -> list[dict[str, Any]]:
         """Each unit's fields, placements, migrations and call telemetry."""
-        return ray.get([u.stats.remote() for u in self.units])
+        with _unit_errors():
+            return ray.get([u.stats.remote() for u in self.units])
+
+
+@contextlib.contextmanager
+def _unit_errors() -> Iterator[None]:
+    """Around calls to the storage units: a Conduit error a unit raised reaches the caller as itself.
+
+    Ray hands a unit's exception over as ``RayTaskError(<its type>)``, whose message starts with Ray's remote
+    traceback; a :class:`~conduit.ConduitError` (the adapter's own typed errors included) is re-raised as the
+    unit's error, its own message first, with the Ray error (the remote traceback) as its ``__cause__``. Any
+    other error passes as Ray raised it.
+    """
+    try:
+        yield
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, ConduitError):
+            raise e.cause from e
+        raise
 
 
 def _no_rows(col: PackedColumn) -> PackedColumn:
@@ -523,13 +557,7 @@ def _objects_column(items: list[Any]) -> torch.Tensor | NonTensorStack:
     """An object field's values as SimpleStorage returns them: when every value is a tensor, one tensor (0-d values
     stacked densely, others a jagged, else strided, nested tensor); otherwise a ``NonTensorStack``."""
     if items and all(isinstance(x, torch.Tensor) for x in items):
-        if all(x.dim() == 0 for x in items):
-            return torch.stack(items)
-        for layout in (torch.jagged, torch.strided):
-            try:
-                return torch.nested.as_nested_tensor(items, layout=layout)
-            except (RuntimeError, TypeError, ValueError):
-                continue
+        return torch.stack(items) if all(x.dim() == 0 for x in items) else nested_or_stack(items)
     return NonTensorStack(*items)
 
 

@@ -1,0 +1,77 @@
+"""The ``Conduit`` TransferQueue backend over two storage units: an error a storage unit (a Ray actor) raises reaches
+the caller as the Conduit error itself, its own message first.
+
+Ray used to hand it over as ``RayTaskError(SchemaError)``: the type check passed, but ``str(e)`` began with Ray's
+remote traceback and the typed error's message (which says what to do) was buried under it."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+pytestmark = [pytest.mark.requires("verl"), pytest.mark.slow]
+
+
+def _held(manager: Any, name: str) -> list[int]:
+    """Samples of field ``name`` each unit holds (tensor or object field)."""
+    return [s["fields"][name]["samples"] if name in s["fields"] else s["objects"].get(name, 0)
+            for s in manager.stats()]
+
+
+def _assert_plain(err: BaseException, cls: type, start: str) -> None:
+    """``err`` is exactly ``cls`` (no Ray wrapper), says ``start`` first, and keeps the remote error as its cause."""
+    import ray
+
+    assert type(err) is cls, f"expected a plain {cls.__name__}, got {type(err).__mro__[:3]}"
+    assert not isinstance(err, ray.exceptions.RayTaskError), f"the Ray wrapper reached the caller: {type(err)}"
+    assert str(err).startswith(start), f"the Conduit message should come first, got: {str(err)[:300]!r}"
+    assert isinstance(err.__cause__, ray.exceptions.RayTaskError), \
+        f"the remote traceback should stay reachable as __cause__, got {err.__cause__!r}"
+
+
+def test_a_refused_put_raises_the_units_schema_error_itself(tq_session: Any) -> None:
+    """A field switching kind is refused by a unit's check: the caller gets that SchemaError, message first, and
+    neither unit stores anything."""
+    import transfer_queue as tq
+    import verl  # noqa: F401  (verl loads its plugins: conduit-verl registers the "Conduit" backend)
+    from conduit import SchemaError
+
+    tq_session("Conduit", num_units=2, capacity=4, mean_length=2)
+    manager = tq.get_client().storage_manager
+    tq.kv_batch_put(keys=["a"], partition_id="train", fields=TensorDict({"f": torch.tensor([1.5])}, batch_size=[1]),
+                    tags=[{}])
+    held = _held(manager, "f")
+    with pytest.raises(SchemaError) as err:
+        tq.kv_batch_put(keys=["b", "c"], partition_id="train",
+                        fields=TensorDict({"f": NonTensorStack("x", "y")}, batch_size=[2]), tags=[{}, {}])
+    _assert_plain(err.value, SchemaError, "Field 'f' is stored as tensors")
+    assert _held(manager, "f") == held, f"a refused put stored samples: {held} -> {_held(manager, 'f')}"
+
+
+def test_a_get_of_a_missing_key_raises_the_units_missing_key_error_itself(tq_session: Any) -> None:
+    """A get of a global index no unit holds: the caller gets the MissingKeyError, message first, and the get
+    changes nothing held."""
+    import transfer_queue as tq
+    import verl  # noqa: F401
+    from conduit_verl.compat import MissingKeyError
+    from transfer_queue.metadata import BatchMeta
+
+    tq_session("Conduit", num_units=2, capacity=4, mean_length=2)
+    manager = tq.get_client().storage_manager
+    tq.kv_batch_put(keys=["a", "b"], partition_id="train",
+                    fields=TensorDict({"o": NonTensorStack("x", "y")}, batch_size=[2]), tags=[{}, {}])
+    held = _held(manager, "o")
+    assert held == [1, 1], f"global indexes 0 and 1 should sit one on each unit: {held}"
+    meta = BatchMeta(global_indexes=[0, 1, 7], partition_ids=["train"] * 3, field_schema={"o": {}})
+    with pytest.raises(MissingKeyError) as err:
+        asyncio.run(manager.get_data(meta))
+    _assert_plain(err.value, MissingKeyError, "Field 'o' holds no sample with global index 7")
+    meta = BatchMeta(global_indexes=[0], partition_ids=["train"], field_schema={"nope": {}})
+    with pytest.raises(MissingKeyError) as err:
+        asyncio.run(manager.get_data(meta))
+    _assert_plain(err.value, MissingKeyError, "No field 'nope' in Conduit storage")
+    assert _held(manager, "o") == held, f"a failed get changed what is held: {held} -> {_held(manager, 'o')}"
