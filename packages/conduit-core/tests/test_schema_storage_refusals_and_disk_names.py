@@ -450,3 +450,20 @@ def test_numpy_of_a_bfloat16_field_is_a_schema_error_naming_the_field() -> None:
     with pytest.raises(SchemaError, match="'a'.*no NumPy dtype"):
         batch.numpy()
     assert ExperienceBatch({"b": torch.ones(2)}, 2).numpy()["b"].tolist() == [1.0, 1.0]
+
+
+def test_a_shape_with_more_elements_than_torch_can_index_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="more than torch can index"):
+        Field((10**19,))
+    with pytest.raises(ConfigurationError, match="more than torch can index"):
+        Field((2**32, 2**32))  # the product overflowed int64 and came out 0 or negative
+    assert Field((2**31, 4)).item_numel == 2**33  # large but representable: exact
+
+
+def test_workload_of_a_huge_observation_is_refused_typed_not_negative() -> None:
+    from conduit.placement.cost import Workload
+
+    with pytest.raises(ConfigurationError, match="more than torch can index"):
+        Workload.transitions(10**19, capacity=10, batch=2)
+    w = Workload.transitions(10**12, capacity=10, batch=2)
+    assert min(w.field_bytes) > 0 and w.field_bytes[0] == 4 * 10**12

@@ -9,6 +9,7 @@ length per item, so a token sequence costs its tokens and nothing more.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -63,6 +64,9 @@ class Field:
                                      f"Field((4,)) for 4 values per item, Field(()) for a scalar.") from None
         if any(s <= 0 for s in shape):
             raise ConfigurationError(f"Field shape {self.shape} has a non-positive dimension; give sizes >= 1.")
+        if math.prod(shape) >= 2**63:
+            raise ConfigurationError(f"Field shape {self.shape} has {math.prod(shape)} elements per item, more "
+                                     f"than torch can index (2**63 - 1); give a smaller shape.")
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigurationError(f"Field dtype must be a torch.dtype, got {self.dtype!r}.")
         if not isinstance(self.ragged, (bool, np.bool_)):
@@ -77,7 +81,7 @@ class Field:
     @property
     def item_numel(self) -> int:
         """Elements per item (fixed field) or per sequence element (ragged field)."""
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)
 
     @property
     def element_bytes(self) -> int:
