@@ -184,6 +184,11 @@ class _UnitState:
                     out[name] = [objs[int(g)] for g in gis]
                 except KeyError as e:
                     raise MissingKeyError(f"Field {name!r} holds no sample with global index {e.args[0]}.") from None
+            elif self.num_units > 1 and gis:  # another unit may hold the field: say which samples this one has
+                held = sorted([*self.fields, *self.objects])
+                raise MissingKeyError(f"Field {name!r} holds no sample with global index {int(gis[0])}: the Conduit "
+                                      f"storage unit for global_index % {self.num_units} == "
+                                      f"{int(gis[0]) % self.num_units} holds none of it (its fields: {held}).")
             else:
                 raise MissingKeyError(f"No field {name!r} in Conduit storage; stored fields: "
                                       f"{sorted([*self.fields, *self.objects])}.")
