@@ -73,7 +73,8 @@ class ReplayEndpoint(ABC):
 
     @abstractmethod
     def sample(self, n: int) -> Draw:
-        """Draw ``n`` items with replacement."""
+        """Draw ``n`` items with replacement, raising ``AssertionError`` when a drawn item's payload
+        does not match its id."""
 
     @abstractmethod
     def __len__(self) -> int:
@@ -82,6 +83,15 @@ class ReplayEndpoint(ABC):
     @abstractmethod
     def contents(self) -> np.ndarray:
         """The ids of all live items, in any order."""
+
+    def verified_contents(self) -> np.ndarray | None:
+        """The ids of all live items, each read back with its payload and checked against its id.
+
+        Raises ``AssertionError`` naming the ids whose stored payload does not match them. The
+        default returns ``None`` (the endpoint cannot read payloads in place): the suites then
+        check payloads through :meth:`sample`, which must check every item it draws.
+        """
+        return None
 
     def update_priorities(self, handles: Any, priorities: np.ndarray) -> None:
         raise NotImplementedError

@@ -33,9 +33,12 @@ def id_batch(ids: np.ndarray) -> dict[str, torch.Tensor]:
 
 
 def check_payload(batch: Any) -> np.ndarray:
+    """The ids of ``batch``; ``AssertionError`` naming the ids whose ``obs`` payload is not derived from them."""
     ids = batch["id"].cpu().numpy().copy()  # the batch may sit on a GPU tier's device
     expected = batch["id"].to(torch.float32)[:, None].expand(-1, ID_SCHEMA["obs"].shape[0])
-    assert torch.equal(batch["obs"], expected), "payload does not match its id"
+    bad = (batch["obs"] != expected).any(dim=1).cpu()
+    assert not bad.any(), (f"payload does not match its id for {int(bad.sum())} of {len(ids)} items, "
+                           f"e.g. ids {ids[bad.numpy()][:5].tolist()} carry obs {batch['obs'][bad][:5, 0].tolist()}")
     return ids
 
 
@@ -77,6 +80,10 @@ class CoreReplayEndpoint(ReplayEndpoint):
     def contents(self) -> np.ndarray:
         st = self.edp.state_dict()["storage"]
         return st["data"]["id"].numpy()
+
+    def verified_contents(self) -> np.ndarray:
+        self.edp.flush()
+        return check_payload(self.edp.state_dict()["storage"]["data"])
 
     def state_dict(self) -> Any:
         return self.edp.state_dict()

@@ -19,6 +19,10 @@ class ConcurrencySuite(SuiteBase):
     threads: int = 8
     items_per_thread: int = 100_000
     chunk: int = 500
+    #: draws of the sampled payload check (endpoints without ``verified_contents``), per stored item
+    payload_draws_per_item: float = 2.0
+    #: items per ``sample`` call of the sampled payload check
+    payload_draw_chunk: int = 10_000
 
     @abstractmethod
     def make_replay(self, *, capacity: int, prioritized: bool = False, alpha: float = 0.6, beta: float = 0.4,
@@ -26,9 +30,13 @@ class ConcurrencySuite(SuiteBase):
         """An EMPTY replay endpoint wired through the adapter."""
 
     def test_concurrent_producers_lose_and_duplicate_nothing(self) -> None:
-        """8 producer threads x 1e5 items: every id is stored exactly once.
+        """8 producer threads x 1e5 items: every id is stored exactly once, with its own payload.
 
-        Troubleshooting: guard the ring's write pointer; reserve slots and write under one lock.
+        The payload check reads every item back through ``verified_contents``; an endpoint that
+        cannot (it returns ``None``) is sampled instead, ``payload_draws_per_item`` draws per item.
+
+        Troubleshooting: guard the ring's write pointer; reserve slots and write under one lock
+        (an item whose payload belongs to another id is a torn write: two inserts wrote one slot).
         """
         total = self.threads * self.items_per_thread
         ep = self.make_replay(capacity=total)
@@ -57,5 +65,27 @@ class ConcurrencySuite(SuiteBase):
             dup = int((np.diff(ids) == 0).sum())
             assert dup == 0 and len(ids) == total and ids[0] == 0 and ids[-1] == total - 1, (
                 f"{dup} duplicates, {total - len(np.unique(ids))} lost")
+            self._check_payloads(ep, ids)
         finally:
             ep.close()
+
+    def _check_payloads(self, ep: ReplayEndpoint, ids: np.ndarray) -> None:
+        """Every stored item's payload matches its id (``ids``: the sorted stored ids)."""
+        torn = (f"after {self.threads} threads inserted concurrently, a stored item's payload does not match "
+                f"its id (a torn write: one insert's id with another's payload)")
+        try:
+            verified = ep.verified_contents()
+        except AssertionError as e:
+            raise AssertionError(f"{torn}: {e}") from e
+        if verified is not None:
+            assert np.array_equal(np.sort(verified), ids), "verified_contents() and contents() disagree on the ids"
+            return
+        remaining = int(np.ceil(self.payload_draws_per_item * len(ids)))
+        while remaining > 0:
+            n = min(self.payload_draw_chunk, remaining)
+            try:
+                drawn = ep.sample(n).ids
+            except AssertionError as e:
+                raise AssertionError(f"{torn} (seen by sample()): {e}") from e
+            assert np.isin(drawn, ids).all(), "sample() drew ids that contents() does not hold"
+            remaining -= n
