@@ -88,8 +88,12 @@ class Placement(ABC):
     def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
         """An empty storage for ``capacity`` items of ``schema``."""
 
-    def storage_abandoned(self, storage: Storage) -> None:  # noqa: B027 - optional hook
-        """``storage``, built by :meth:`storage`, will not be used (a migration into it failed)."""
+    def storage_abandoned(self, storage: Storage) -> None:
+        """``storage``, built by :meth:`storage`, will not be used (a migration into it failed): a storage
+        that holds resources until it is collected (the disk tier's files) releases them now (``close``)."""
+        close = getattr(storage, "close", None)
+        if callable(close):
+            close()
 
     def describe(self) -> str:
         return type(self).__name__

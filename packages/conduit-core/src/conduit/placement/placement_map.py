@@ -226,13 +226,16 @@ class AdaptivePlacement(Placement):
 
     def storage_abandoned(self, storage: Storage) -> None:
         """``storage``, built by :meth:`storage`, will not be used (a migration into this placement
-        failed): :attr:`current` goes back to what it was before, the placement the buffer still uses.
+        failed): :attr:`current` goes back to what it was before, the placement the buffer still uses,
+        and a storage that holds resources until it is collected (the disk tier's files) releases
+        them now, through its ``close``.
 
         Only the storage built last is undone (an older one's build was superseded already).
         """
         if self._undo is not None and self._undo[0]() is storage:
             self.current = self._undo[1]
             self._undo = None
+        super().storage_abandoned(storage)
 
     @property
     def spec(self) -> PlacementSpec | None:

@@ -23,6 +23,7 @@ queue or raises, leaving the unstored batches readable through :meth:`Ingestion.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import threading
 import time
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from conduit.edp import ExperienceDataPlane
 
 __all__ = ["Ingestion", "Handover"]
+
+log = logging.getLogger("conduit.scheduling")
 
 
 @dataclass
@@ -74,8 +77,9 @@ class Ingestion:
         self.background = background
         self.queue_depth = max(int(queue_depth), 1 if on_policy else int(g_ing), 1)
         self.rollout_size = rollout_size
-        self._learned = 0  # largest rollout seen (on-policy, when rollout_size is not given)
-        self._cur_version: int | None = None
+        self._learned = 0  # largest whole rollout seen (on-policy, when rollout_size is not given)
+        #: the rollout the last write went into (OnPolicy.open_rollout, else its version) and its items so far
+        self._cur_rollout: object = None
         self._cur_items = 0
         self._mutex = threading.RLock()  # the condition's lock, entered directly on the producer's hot path
         self._cv = threading.Condition(self._mutex)
@@ -89,6 +93,8 @@ class Ingestion:
         self._paused = False
         self._force = 0
         self._closing = False
+        #: close() was called on the worker and returned without waiting; no close() waits for the worker now
+        self._close_unwaited = False
         self._stopped = False  # the worker thread has exited (after close)
         self._stage: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
@@ -197,7 +203,8 @@ class Ingestion:
         semantics or loss callback), it cannot wait for the queue: it returns at once, and the worker
         stores the rest of the queue after the current group, in order, then stops. A write that fails
         then stops it; the batches not stored stay in :meth:`pending` and the next ``close`` (from
-        another thread) retries them, raising while that fails.
+        another thread) retries them, raising while that fails. As no call is there to raise that
+        failure, the worker logs it as a warning (logger ``conduit.scheduling``) when it stops.
         """
         if not self.background:
             with self._cv:
@@ -208,6 +215,7 @@ class Ingestion:
             self._closing = True
             self._paused = False  # one last try
             self._error = None
+            self._close_unwaited = self.on_worker  # (else this close waits for the worker and raises its failure)
             self._cv.notify_all()
             stopped = self._stopped
         if stopped:  # an earlier close could not store everything and stopped the worker: retry in the caller
@@ -247,6 +255,8 @@ class Ingestion:
         """Units per group: hand-overs off-policy, items on-policy."""
         if not self.on_policy:
             return self.g_ing
+        if not self.rollout_size:
+            self._rollout_done()
         n = self.rollout_size or self._learned
         return math.ceil(self.g_ing * n) if n else 1
 
@@ -300,9 +310,11 @@ class Ingestion:
             self.edp.ingest_now(batch, version=head.version, priorities=prios)
         if self.on_policy:
             with self._cv:
-                if head.version != self._cur_version:
+                sem = self.edp.semantics  # (a seal or another write waits for this one: the rollout is this group's)
+                rollout = sem.open_rollout if isinstance(sem, OnPolicy) else head.version
+                if rollout != self._cur_rollout:  # a new rollout: the previous one is whole
                     self._learned = max(self._learned, self._cur_items)
-                    self._cur_version, self._cur_items = head.version, 0
+                    self._cur_rollout, self._cur_items = rollout, 0
                 self._cur_items += sum(h.batch.batch_size for h in group)
 
     def _concat(self, batches: list[ExperienceBatch]) -> ExperienceBatch:
@@ -327,11 +339,18 @@ class Ingestion:
         return ExperienceBatch(cols, n)
 
     def _rollout_done(self) -> None:
-        """On-policy: ``seal`` flushes, so a flush may end a rollout; remember the largest size seen."""
-        if self.on_policy:
-            with self._cv:
+        """On-policy: when the rollout the last write went into is no longer open (sealed: ``seal`` flushes,
+        then seals), it is whole; remember the largest whole rollout seen. A flush part way through a
+        rollout (``state_dict``, the caller) leaves it open: its items keep counting."""
+        if not self.on_policy:
+            return
+        sem = self.edp.semantics
+        if not isinstance(sem, OnPolicy):
+            return  # (a rollout then ends at a new version only, see _store)
+        with self._cv:
+            if self._cur_rollout is not None and sem.open_rollout != self._cur_rollout:
                 self._learned = max(self._learned, self._cur_items)
-                self._cur_items = 0
+                self._cur_rollout, self._cur_items = None, 0
 
     def _store_ready(self, force: bool, own: Handover | None = None) -> None:
         """Store complete groups in the caller (sequential mode).
@@ -376,6 +395,8 @@ class Ingestion:
                     if self._closing and (not self._pending or self._error is not None or self._paused):
                         self._stopped = True
                         self._cv.notify_all()
+                        if self._close_unwaited and self._pending and self._error is not None:
+                            self._warn_unstored(self._error)
                         return
                     self._cv.wait()
             err: BaseException | None = None
@@ -392,6 +413,13 @@ class Ingestion:
                 self._cv.notify_all()
 
     # -- failures --------------------------------------------------------------------------
+    def _warn_unstored(self, e: BaseException) -> None:
+        """Log a write failure that no call will raise: close() ran on the worker and returned (under the lock)."""
+        n = len(self._pending) + len(self._inflight)
+        log.warning("Background ingestion stopped after close() was called from a callback on its worker: a write "
+                    "failed (%s: %s) and %d handed-over batches are not stored. They stay in scheduler.pending(); "
+                    "the next close() retries them and raises while storing fails.", type(e).__name__, e, n)
+
     def _raise_failure(self) -> None:
         """Raise a background failure once (under the lock); storing stays paused until a flush."""
         if self._error is None:
