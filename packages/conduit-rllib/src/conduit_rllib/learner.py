@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import Any
 
+from conduit import ConfigurationError, EmptyBufferError
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
@@ -39,11 +40,14 @@ __all__ = [
     "ConduitSACTorchLearner",
     "ConduitPPOTorchLearner",
     "REPLAY_COMPONENT",
+    "ON_POLICY_COMPONENT",
     "CONFIG_KEY",
 ]
 
 #: key of the replay buffer's state inside the learner's state (and checkpoint)
 REPLAY_COMPONENT = "conduit_replay_buffer"
+#: key of the on-policy feed's state (update count, permutation RNG) inside the learner's state (and checkpoint)
+ON_POLICY_COMPONENT = "conduit_on_policy"
 #: key of Conduit's options in ``config.learner_config_dict``
 CONFIG_KEY = "conduit"
 
@@ -104,6 +108,8 @@ class ConduitOnPolicyLearner:
     per epoch for ``num_epochs`` epochs, with M = round(rows / minibatch_size), so each row
     trains exactly once per epoch. Options come from ``config.learner_config_dict["conduit"]``
     (``prefetch``: gather minibatch k + 1 while k trains, default True; ``placement``).
+    The update count and the feed's permutation RNG are saved with the learner's state, so a
+    restored learner continues the versions and the minibatch order where the saved one was.
 
     Attributes:
         conduit_feed: the :class:`~conduit_rllib.on_policy.MinibatchFeed` (its ``delivered``
@@ -146,17 +152,39 @@ class ConduitOnPolicyLearner:
             raise UnsupportedConfigError("Conduit's on-policy delivery cuts minibatches by timestep; stateful "
                                          "(RNN) modules with time-padded batches are not supported.")
         rows = len(module_batch)
+        if rows == 0:
+            raise EmptyBufferError(f"The train batch for module {module_id!r} has no rows; an update needs at least "
+                                   f"one timestep (sample some before calling update).")
         m = max(1, round(rows / minibatch_size)) if minibatch_size else 1
         feed = self.conduit_feed
         version = self.conduit_version
-        self.conduit_version += 1
         feed.set_policy_version(version)
         feed.drop_leftovers()  # an earlier update that stopped mid-epoch may have left its (now stale) rollout
         feed.configure(num_minibatches=m, num_epochs=max(1, int(num_epochs)),
                        shuffle=bool(shuffle_batch_per_epoch and num_epochs > 1))
         feed.ingest(module_id, module_batch, version=version)
         feed.seal()
+        self.conduit_version = version + 1  # counted once ingested: a refused train batch is no update
         return feed.minibatches()
+
+    def get_state(self, components: str | Collection[str] | None = None, *,
+                  not_components: str | Collection[str] | None = None, **kwargs: Any) -> dict[str, Any]:
+        state = super().get_state(components, not_components=not_components, **kwargs)  # type: ignore[misc]
+        if self._check_component(ON_POLICY_COMPONENT, components, not_components):  # type: ignore[attr-defined]
+            state[ON_POLICY_COMPONENT] = {"version": self.conduit_version, "feed": self.conduit_feed.state_dict()}
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if ON_POLICY_COMPONENT in state:
+            state = dict(state)
+            saved = state.pop(ON_POLICY_COMPONENT)
+            version = saved.get("version") if isinstance(saved, dict) else None
+            if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+                raise ConfigurationError(f"This checkpoint's {ON_POLICY_COMPONENT!r} state is damaged (expected "
+                                         f"{{'version': int >= 0, 'feed': ...}}); load an undamaged checkpoint.")
+            self.conduit_feed.load_state_dict(saved.get("feed"))
+            self.conduit_version = version
+        super().set_state(state)  # type: ignore[misc]
 
 
 class ConduitDQNTorchLearner(ConduitOffPolicyLearner, DQNTorchLearner):

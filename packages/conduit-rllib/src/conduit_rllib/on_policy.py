@@ -101,6 +101,7 @@ class MinibatchFeed:
         self._policy_version = 0
         self._pool: Worker | None = None
         self._lock = threading.Lock()
+        self._restored: dict[str, Any] | None = None  # loaded state waiting for the next data plane
 
     # -- configuration -----------------------------------------------------------------------
     @property
@@ -148,11 +149,13 @@ class MinibatchFeed:
                 raise SchemaError(f"A rollout with columns {list(schema)} arrived while one with "
                                   f"{list(edp.schema)} is waiting; consume it first.")
             return edp  # too large: the ingest raises CapacityError
+        state: dict[str, Any] | None
         if edp is not None:
             state = edp.semantics.state_dict()
             edp.close()
         else:
-            state = None
+            state = None if self._restored is None else self._full_state(self._restored)
+            self._restored = None
         cap = max(self.capacity, 1 << int(np.ceil(np.log2(max(2 * n, 2)))))
         sem = _CyclicOrder(**self._sem_args)
         self.edp = ExperienceDataPlane(schema, capacity=cap, semantics=sem,
@@ -219,7 +222,45 @@ class MinibatchFeed:
     @property
     def dropped_items(self) -> int:
         """Rows of stale rollouts skipped so far (``on_stale="drop"``)."""
-        return 0 if self.edp is None else self.semantics.dropped_items
+        if self.edp is None:
+            return 0 if self._restored is None else int(self._restored["dropped_items"])
+        return self.semantics.dropped_items
+
+    # -- checkpoint -----------------------------------------------------------------------------
+    _STATE_KEYS = ("policy_version", "rng", "dropped_items", "last_sealed")
+
+    def state_dict(self) -> dict[str, Any]:
+        """What outlives an update: the policy version, the epoch-permutation RNG, the drop count and
+        the version of the last sealed rollout. A rollout still waiting (left by an update that stopped
+        mid-epoch) is not saved: it is stale once the policy moves on."""
+        if self.edp is None and self._restored is not None:
+            return dict(self._restored)
+        full = self.semantics.state_dict()
+        return {"policy_version": self._policy_version, "rng": full["rng"].clone(),
+                "dropped_items": full["dropped_items"], "last_sealed": full["last_sealed"]}
+
+    def _full_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """An idle ``OnPolicy`` state carrying ``state``'s values."""
+        return dict(_CyclicOrder(**self._sem_args).state_dict(), **{k: state[k] for k in self._STATE_KEYS})
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; whatever was waiting for delivery is discarded.
+
+        Raises:
+            conduit.ConfigurationError: the state is damaged (nothing changes then).
+        """
+        if not isinstance(state, Mapping) or any(k not in state for k in self._STATE_KEYS):
+            raise ConfigurationError(f"This on-policy feed state is damaged (expected the keys {self._STATE_KEYS}); "
+                                     f"load an undamaged MinibatchFeed.state_dict().")
+        _CyclicOrder(**self._sem_args).load_state_dict(self._full_state(state))  # validates
+        if self._pool is not None:  # let a running gather finish before the data plane goes
+            self._pool.submit(lambda: None).wait()
+        with self._lock:
+            if self.edp is not None:
+                self.edp.close()
+                self.edp = None
+            self._restored = {k: state[k] for k in self._STATE_KEYS}
+            self._policy_version = int(state["policy_version"])
 
     # -- delivery -------------------------------------------------------------------------------
     def _deliver(self) -> tuple[ExperienceBatch, SampleInfo]:
