@@ -27,7 +27,7 @@ from conduit.distributed.plane import DistributedDataPlane
 from conduit.distributed.servers import ShardServers
 from conduit.semantics import Semantics
 from conduit.testing.endpoints import EndpointFactory
-from conduit.testing.reference import ID_SCHEMA, CoreOnPolicyEndpoint, CoreReplayEndpoint, id_batch
+from conduit.testing.reference import ID_SCHEMA, CoreOnPolicyEndpoint, CoreReplayEndpoint, check_payload, id_batch
 
 __all__ = ["LocalCluster", "local_cluster", "DistributedReplayEndpoint", "DistributedOnPolicyEndpoint",
            "FAST_FAILURE_DETECTION", "ENDPOINTS", "shared_servers", "shutdown_shared"]
@@ -144,6 +144,13 @@ class DistributedReplayEndpoint(CoreReplayEndpoint):
         if not h.size:
             return np.zeros(0, dtype=np.int64)
         return self.plane.read(h).tensor("id").numpy().copy()
+
+    def verified_contents(self) -> np.ndarray:
+        self.plane.flush()
+        h = self.plane.live_handles()
+        if not h.size:
+            return np.zeros(0, dtype=np.int64)
+        return check_payload(self.plane.read(h))
 
 
 class DistributedOnPolicyEndpoint(CoreOnPolicyEndpoint):
