@@ -211,11 +211,11 @@ class Telemetry:
                     "args": {"name": names.get(tid, f"thread {tid}")}} for tid in sorted({r.thread for r in recs})]
         trace = {"traceEvents": events, "displayTimeUnit": "ms"}
         if path is not None:
-            _write_atomically(Path(path), json.dumps(trace))
+            write_atomically(Path(path), json.dumps(trace))
         return trace
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path``, then rename it over ``path`` (never half a file)."""
     # a name of this process and thread, created exclusively (and with the umask's permissions, as a plain write)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")

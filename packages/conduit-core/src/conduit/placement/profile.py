@@ -38,7 +38,6 @@ import platform
 import socket
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ import torch
 
 from conduit.errors import PlacementError
 from conduit.storage.columnar import empty_column
+from conduit.telemetry import write_atomically
 
 __all__ = ["LinkCost", "BandwidthProfile", "profile_machine", "measure_host_paths", "load_profile", "machine_id",
            "machine_summary", "cache_dir", "profile_path", "PATHS"]
@@ -343,22 +343,12 @@ class BandwidthProfile:
         """
         p = Path(path) if path is not None else profile_path()
         text = json.dumps(self.to_dict(), indent=1)
-        # written beside it under a name of this process and thread, then renamed over it: a failed write
-        # leaves the old file and no partial one, and two processes saving at once never mix their writes
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
+        try:  # a failed write leaves the old file and no partial one; two processes saving never mix writes
             p.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(text)
-            tmp.replace(p)
-        except BaseException as e:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
-            if isinstance(e, OSError):
-                raise PlacementError(f"Cannot write the bandwidth profile to {p} ({e}); point CONDUIT_CACHE_DIR "
-                                     f"(or the path passed) at a writable directory.") from e
-            raise
+            write_atomically(p, text)
+        except OSError as e:
+            raise PlacementError(f"Cannot write the bandwidth profile to {p} ({e}); point CONDUIT_CACHE_DIR "
+                                 f"(or the path passed) at a writable directory.") from e
         return p
 
 
