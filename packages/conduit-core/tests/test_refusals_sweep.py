@@ -18,6 +18,7 @@ each bad input of a catalogue must:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -124,7 +125,8 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
 def delivered(edp: ExperienceDataPlane) -> dict[str, Any]:
     batch, info = deliver(edp)
     return {"batch": {k: (v.values.clone(), v.lengths.clone()) if isinstance(v, Ragged) else v.clone()
-                      for k, v in batch.items()}, "info": dict(vars(info))}
+                      for k, v in batch.items()},
+            "info": {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}}
 
 
 # -- the catalogue -------------------------------------------------------------------------------

@@ -387,3 +387,25 @@ def test_telemetry_folds_concurrent_records_without_losing_any() -> None:
     for thread in {r.thread for r in recs}:  # each thread's records stay in the order it made them
         starts = [r.start for r in recs if r.thread == thread]
         assert starts == sorted(starts)
+
+
+@pytest.mark.parametrize("replace", [True, False])
+def test_a_full_ring_draws_slots_and_their_handles_are_those_at_the_draw(replace: bool) -> None:
+    """A full, wrapped ring draws slots directly (handles computed when read): each handle names the item
+    delivered, and reading it after later ingestions (which evict) still gives the handle at the draw."""
+    cap = 8
+    edp = ExperienceDataPlane(ExperienceSchema(obs=Field(())), capacity=cap, semantics=Replay(seed=3))
+    edp.ingest({"obs": torch.arange(8, dtype=torch.float32)})
+    edp.ingest({"obs": torch.arange(8, 13, dtype=torch.float32)})  # handles 5..12 live, the ring has wrapped
+    batch, info = edp.deliver(6, replace=replace)
+    edp.ingest({"obs": torch.arange(13, 17, dtype=torch.float32)})  # evicts handles 5..8
+    assert torch.equal(info.handles, batch["obs"].long()), (info.handles, batch["obs"])
+    assert info.handles.dtype == torch.int64 and bool(((info.handles >= 5) & (info.handles <= 12)).all())
+    if not replace:
+        assert len(set(info.handles.tolist())) == 6
+    # the draws cover every live item (uniform over the union of slots, not a subset)
+    seen = set()
+    for _ in range(200):
+        _, i = edp.deliver(4, replace=replace)
+        seen |= set(i.handles.tolist())
+    assert seen == set(range(9, 17))

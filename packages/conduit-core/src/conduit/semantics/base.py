@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from conduit.errors import ConduitError, ConfigurationError
-from conduit.storage.base import AppendResult, Storage
+from conduit.storage.base import AppendResult, Storage, handles_at
 
-__all__ = ["Semantics", "Selection", "SampleInfo", "select_many", "check_seed"]
+__all__ = ["Semantics", "Selection", "SampleInfo", "RingHandles", "select_many", "check_seed"]
 
 
 @dataclass
@@ -22,6 +22,38 @@ class Selection:
 
     slots: torch.Tensor
     info: SampleInfo
+
+
+class RingHandles:
+    """The handles of items drawn by ring slot, computed when first read.
+
+    A full ring holds one live item per slot, so a sampler can draw slots directly; each
+    slot's handle (``oldest <= h < oldest + capacity``, ``h % capacity == slot``) is then a
+    tensor op that deliveries whose handles nobody reads need not pay for.
+    """
+
+    __slots__ = ("slots", "oldest", "capacity")
+
+    def __init__(self, slots: torch.Tensor, oldest: int, capacity: int) -> None:
+        self.slots, self.oldest, self.capacity = slots, oldest, capacity
+
+    def compute(self) -> torch.Tensor:
+        return handles_at(self.slots, self.oldest, self.capacity)
+
+
+class _Handles:
+    """The ``handles`` field: a tensor, or :class:`RingHandles` turned into one on first read."""
+
+    def __get__(self, obj: SampleInfo | None, owner: type | None = None) -> torch.Tensor:
+        if obj is None:
+            raise AttributeError("handles")  # a required field: the dataclass gives it no default
+        h = obj.__dict__["handles"]
+        if type(h) is RingHandles:
+            h = obj.__dict__["handles"] = h.compute()
+        return h
+
+    def __set__(self, obj: SampleInfo, value: torch.Tensor | RingHandles) -> None:
+        obj.__dict__["handles"] = value
 
 
 @dataclass
@@ -33,8 +65,9 @@ class SampleInfo:
     ``num_minibatches``, ``staleness`` and ``last`` (the last minibatch of the rollout).
     """
 
-    #: stable handles of the delivered items (int64); pass them to ``update_priorities``
-    handles: torch.Tensor
+    #: stable handles of the delivered items (int64); pass them to ``update_priorities``. A sampler
+    #: may give :class:`RingHandles` instead; they read as the int64 tensor all the same
+    handles: _Handles = _Handles()
     #: importance-sampling weights, normalised by the largest possible weight (prioritized only)
     weights: torch.Tensor | None = None
     #: probability each item had of being drawn (prioritized only)

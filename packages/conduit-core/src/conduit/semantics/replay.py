@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from conduit.errors import CapacityError, ConfigurationError, EmptyBufferError, PriorityError
-from conduit.semantics.base import SampleInfo, Selection, Semantics, check_seed
+from conduit.semantics.base import RingHandles, SampleInfo, Selection, Semantics, check_seed
 from conduit.semantics.sumtree import SumTree
 from conduit.storage.base import AppendResult, Storage
 
@@ -73,6 +73,12 @@ class UniformSampler(Sampler):
     def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
         st = self.storage
         lo, hi = st.oldest, st.next_handle
+        cap = st.capacity
+        if hi - lo == cap and hi > cap:
+            # a full, wrapped ring: every slot is live, so draw slots; their handles are computed if read
+            slots = (torch.randint(0, cap, (n,), generator=self._gen) if replace
+                     else torch.randperm(cap, generator=self._gen)[:n])
+            return Selection(slots, SampleInfo(handles=RingHandles(slots, lo, cap)))
         if replace:
             # the live handles directly: the same draws as ``randint(hi - lo) + lo``, one tensor op fewer
             handles = torch.randint(lo, hi, (n,), generator=self._gen)

@@ -34,6 +34,12 @@ class AppendResult(NamedTuple):
     evicted_to: int
 
 
+def handles_at(slots: torch.Tensor, oldest: int, capacity: int) -> torch.Tensor:
+    """The handles of the items at ``slots`` of a ring of ``capacity`` whose oldest live handle is
+    ``oldest``: for each slot the ``h`` with ``oldest <= h < oldest + capacity`` and ``h % capacity == slot``."""
+    return oldest + torch.remainder(slots - oldest, capacity)
+
+
 class Storage(ABC):
     """Columnar FIFO ring storage on one tier.
 
@@ -86,8 +92,7 @@ class Storage(ABC):
         Live handles are the consecutive range ``[oldest, next_handle)``, at most ``capacity``
         long, so the handle is computed, not looked up: no random memory access.
         """
-        oldest = self.oldest
-        return oldest + torch.remainder(slots - oldest, self.capacity)
+        return handles_at(slots, self.oldest, self.capacity)
 
     @abstractmethod
     def release(self, upto: int) -> None:
