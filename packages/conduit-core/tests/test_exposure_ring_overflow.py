@@ -9,7 +9,7 @@ import time
 import pytest
 from conduit.errors import CapacityError
 from conduit.exposure import ExposureLog, measure_iteration
-from conduit.telemetry import CallRecord, Telemetry
+from conduit.telemetry import CallRecord, Telemetry, thread_id
 
 
 def _workers(tel: Telemetry, n_threads: int, per_thread: int, kind: str = "ingest",
@@ -24,7 +24,7 @@ def _workers(tel: Telemetry, n_threads: int, per_thread: int, kind: str = "inges
             b = time.perf_counter()
             tel.record(kind, 1, 8, a, b)
             if out is not None:
-                out.append(CallRecord(kind, 1, 8, a, b, threading.get_ident()))
+                out.append(CallRecord(kind, 1, 8, a, b, thread_id()))
 
     threads = [threading.Thread(target=work, name=f"worker{k}") for k in range(n_threads)]
     for t in threads:
@@ -86,12 +86,12 @@ def test_an_iteration_within_a_full_ring_measures_exactly_as_every_span_says() -
             _workers(tel, 3, 40, out=mine)
             b = time.perf_counter()
             tel.record("rollout", 0, 0, a, b)
-            mine.append(CallRecord("rollout", 0, 0, a, b, threading.get_ident()))
+            mine.append(CallRecord("rollout", 0, 0, a, b, thread_id()))
             with tel.span("deliver_wait"):
                 pass
             mine.append(tel.recent("deliver_wait", 1)[0])
         it = log.iterations[-1]
-        mine.append(CallRecord("iteration", 0, 0, it.start, it.end, threading.get_ident()))
+        mine.append(CallRecord("iteration", 0, 0, it.start, it.end, thread_id()))
         expected = measure_iteration(mine, it.start, it.end)
         assert it == expected, f"an iteration within the ring was accounted as {it}, every span says {expected}"
         assert it.hidden_s > 0 and it.rollout_s > 0

@@ -108,7 +108,8 @@ def measure_iteration(records: Iterable[CallRecord], start: float, end: float,
         records: telemetry records (any order; only those overlapping the window count).
         start: the iteration's start (``time.perf_counter()``).
         end: its end.
-        loop_threads: the loop's thread ids (default: those with rollout/update/iteration spans).
+        loop_threads: the loop's thread ids, as in :attr:`CallRecord.thread` (:func:`conduit.telemetry.thread_id`;
+            default: those with rollout/update/iteration spans).
 
     Raises:
         ConfigurationError: ``end`` is before ``start`` (or either is NaN): no window to account for.
@@ -158,12 +159,16 @@ class ExposureLog:
     def iteration(self) -> Iterator[None]:
         """Time the body as one iteration (recorded as an ``iteration`` span) and account for it.
 
+        While it is open, :meth:`Telemetry.reset() <conduit.Telemetry.reset>` on the telemetry (from any thread)
+        is refused with :class:`~conduit.errors.ConfigurationError`, so the iteration always counts every call
+        it spanned.
+
         Raises:
             CapacityError: the telemetry's ring (``Telemetry(maxlen=...)``) dropped calls recorded during
                 the iteration before it was measured, so it would be under-counted; nothing is appended to
                 :attr:`iterations`. If the body raised, its exception propagates instead, with this as a note.
         """
-        mark = self.telemetry.mark()  # every call recorded from here on comes at or after it
+        mark = self.telemetry._open_window()  # every call recorded from here on comes at or after it
         t0 = time.perf_counter()
         failed = True
         try:
@@ -171,8 +176,11 @@ class ExposureLog:
             failed = False
         finally:
             t1 = time.perf_counter()
-            self.telemetry.record("iteration", 0, 0, t0, t1)
-            records, dropped = self.telemetry.snapshot(mark)
+            try:
+                self.telemetry.record("iteration", 0, 0, t0, t1)
+                records, dropped = self.telemetry.snapshot(mark)
+            finally:
+                self.telemetry._close_window()
             if dropped:
                 msg = (f"The iteration recorded more calls than the telemetry keeps: its ring "
                        f"(Telemetry(maxlen={self.telemetry.maxlen})) dropped {dropped} of them before the "
@@ -190,7 +198,14 @@ class ExposureLog:
 
     def summary(self, skip: int = 0) -> dict[str, float]:
         """Median seconds per iteration of each part, over the iterations after the first ``skip``
-        (over all of them when no more than ``skip`` ran, so a short run still reports; {} for none)."""
+        (over all of them when no more than ``skip`` ran, so a short run still reports; {} for none).
+
+        Raises:
+            ConfigurationError: ``skip`` is not an int >= 0.
+        """
+        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+            raise ConfigurationError(f"ExposureLog.summary(skip=...) is how many first iterations (warm-up) to leave "
+                                     f"out: pass an int >= 0, got {skip!r}.")
         its = self.iterations[skip:] or self.iterations
         if not its:
             return {}

@@ -9,10 +9,12 @@ accounting and traces are built from.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +22,12 @@ from typing import Any, NamedTuple
 
 from conduit.errors import ConfigurationError
 
-__all__ = ["Telemetry", "CallRecord", "Totals"]
+__all__ = ["Telemetry", "CallRecord", "Totals", "thread_id"]
 
 
 class CallRecord(NamedTuple):
-    """One recorded call or span. Times are ``time.perf_counter()`` seconds."""
+    """One recorded call or span. Times are ``time.perf_counter()`` seconds; ``thread`` is the recording
+    thread's :func:`thread_id` (never shared with another thread of the process, also after one exited)."""
 
     kind: str
     items: int
@@ -78,28 +81,37 @@ class Telemetry:
         if isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen < 0:
             raise ConfigurationError(f"Telemetry(maxlen=...) is how many recent calls the ring keeps: pass an "
                                      f"int >= 0, got {maxlen!r}.")
+        if isinstance(fold_every, bool) or not isinstance(fold_every, int) or fold_every < 0:
+            raise ConfigurationError(f"Telemetry(fold_every=...) is how many recorded calls are held before they are "
+                                     f"folded: pass an int >= 0, got {fold_every!r}.")
         self.maxlen = maxlen
         self._records: deque[CallRecord] = deque(maxlen=maxlen)
         self._totals: dict[str, Totals] = {}
         self._new: deque[CallRecord] = deque()
         self._fold_every = fold_every
         self._lock = threading.Lock()
-        #: thread id -> its name when it first recorded (a trace written after a worker exited still names it)
+        #: thread_id() -> its name when it first recorded (a trace written after a worker exited still names it)
         self._names: dict[int, str] = {}
+        #: ExposureLog iterations open on this telemetry (reset() is refused meanwhile)
+        self._open = 0
         #: calls folded into the ring so far; a call's position in that sequence is its mark
         self._folded = 0
         #: the mark of the oldest call still in the ring (calls before it were dropped or reset)
         self._first = 0
-        #: one past the mark of the newest call the ring dropped to make room (reset drops count not)
-        self._dropped_upto = 0
+        #: the marks of the calls the ring dropped to make room, as ascending [from, to) ranges (one more range
+        #: per reset that is followed by drops; what reset removes counts not)
+        self._drops: list[list[int]] = []
 
     def record(self, kind: str, items: int, nbytes: int, start: float, end: float) -> None:
         """Record one call (thread-safe)."""
         new = self._new
-        ident = _get_ident()
-        new.append(_new_record((kind, items, nbytes, start, end, ident)))
-        if ident not in self._names:
-            self._names[ident] = threading.current_thread().name
+        try:
+            tid = _local.tid
+        except AttributeError:  # this thread's first call
+            tid = _new_thread_id()
+        new.append(_new_record((kind, items, nbytes, start, end, tid)))
+        if tid not in self._names:
+            self._names[tid] = threading.current_thread().name
         if len(new) >= self._fold_every:
             self._fold()
 
@@ -110,8 +122,11 @@ class Telemetry:
             # the ring pushes out its oldest calls once it is full: account for them once per fold
             over = len(self._records) + n - self.maxlen
             if over > 0:
+                if self._drops and self._drops[-1][1] == self._first:
+                    self._drops[-1][1] += over
+                else:
+                    self._drops.append([self._first, self._first + over])
                 self._first += over
-                self._dropped_upto = self._first
             self._folded += n
             for _ in range(n):  # what other threads append meanwhile waits for the next fold
                 rec = new.popleft()
@@ -146,7 +161,12 @@ class Telemetry:
         still in the snapshot; calls removed by :meth:`reset` do not count)."""
         self._fold()
         with self._lock:
-            return tuple(self._records), max(0, self._dropped_upto - since)
+            dropped = 0
+            for a, b in reversed(self._drops):
+                if b <= since:
+                    break
+                dropped += b - max(a, since)
+            return tuple(self._records), dropped
 
     def recent(self, kind: str, n: int) -> list[CallRecord]:
         """The newest ``n`` calls of ``kind``, oldest first (read from the newest end, without a full copy)."""
@@ -179,11 +199,35 @@ class Telemetry:
             return [r for r in self._records if r.start >= t0]
 
     def reset(self) -> None:
+        """Forget the recent calls and the totals. Marks go on counting (a later call still gets a later
+        position), and calls removed here never count as dropped in :meth:`snapshot`.
+
+        Raises:
+            ConfigurationError: an :meth:`ExposureLog.iteration() <conduit.exposure.ExposureLog.iteration>` on
+                this telemetry is open: it is accounted from the calls reset would forget, so it would be
+                under-counted. Nothing is reset; reset between iterations.
+        """
         self._fold()
         with self._lock:
+            if self._open:
+                raise ConfigurationError(
+                    f"Telemetry.reset() was called while {self._open} ExposureLog.iteration() on this telemetry "
+                    f"is open: it would forget calls that iteration spanned and under-count it. Nothing was reset; "
+                    f"reset between iterations (after the `with log.iteration():` block ends).")
             self._records.clear()
             self._totals.clear()
             self._first = self._folded
+
+    def _open_window(self) -> int:
+        """:meth:`mark`, and refuse :meth:`reset` until the matching :meth:`_close_window` (an open iteration)."""
+        self._fold()
+        with self._lock:
+            self._open += 1
+            return self._folded
+
+    def _close_window(self) -> None:
+        with self._lock:
+            self._open -= 1
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Totals per kind as plain numbers."""
@@ -206,7 +250,10 @@ class Telemetry:
                    "tid": r.thread, "args": {"items": r.items, "bytes": r.nbytes}} for r in recs]
         # the loop's thread vs the scheduler's workers: live threads by their name now, exited ones as they recorded
         names = dict(self._names)
-        names.update({t.ident: t.name for t in threading.enumerate() if t.ident is not None})
+        for t in threading.enumerate():
+            tid = _thread_ids.get(t)
+            if tid is not None:
+                names[tid] = t.name
         events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid,
                     "args": {"name": names.get(tid, f"thread {tid}")}} for tid in sorted({r.thread for r in recs})]
         trace = {"traceEvents": events, "displayTimeUnit": "ms"}
@@ -233,7 +280,38 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 _new_record = functools.partial(tuple.__new__, CallRecord)
-_get_ident = threading.get_ident
+
+#: this thread's thread_id() once it has one
+_local = threading.local()
+_ids_lock = threading.Lock()
+#: every thread_id() handed out in this process (never handed out again)
+_taken: set[int] = set()
+_fresh = itertools.count(1)
+#: live (and not yet collected) threads -> their thread_id(), to name a trace's lanes by a thread's current name
+_thread_ids: weakref.WeakKeyDictionary[threading.Thread, int] = weakref.WeakKeyDictionary()
+
+
+def thread_id() -> int:
+    """The calling thread's id in :attr:`CallRecord.thread` (and a Chrome trace's ``tid``): never given to
+    another thread of this process, unlike ``threading.get_ident()``, which the OS reuses once a thread exits
+    (two exited workers would merge into one lane, under one name). It is the thread's
+    ``threading.get_ident()`` unless that was already some earlier thread's id; then a fresh small number."""
+    try:
+        return _local.tid
+    except AttributeError:
+        return _new_thread_id()
+
+
+def _new_thread_id() -> int:
+    ident = threading.get_ident()
+    with _ids_lock:
+        tid = ident
+        while tid in _taken:  # an exited thread had this ident (or a fresh number collides with it)
+            tid = next(_fresh)
+        _taken.add(tid)
+        _thread_ids[threading.current_thread()] = tid
+    _local.tid = tid
+    return tid
 
 
 class _Span:

@@ -45,7 +45,7 @@ from functools import wraps
 from typing import Any
 
 from conduit.exposure import measure_iteration
-from conduit.telemetry import CallRecord
+from conduit.telemetry import CallRecord, thread_id
 
 __all__ = ["ExperiencePathProbe", "PARTS", "CONTEXT"]
 
@@ -76,7 +76,7 @@ class ExperiencePathProbe:
         self.algo = algo
         self._acc: dict[str, float] = defaultdict(float)
         self._local = threading.local()
-        self._main = threading.get_ident()
+        self._main = thread_id()
         #: threads that ran wrapped calls (the training loop's), and the wrapped experience-path calls' spans
         self._loop_threads: set[int] = {self._main}
         self._waits: list[CallRecord] = []  # until the next take() (not kept after close())
@@ -149,7 +149,7 @@ class ExperiencePathProbe:
             self._acc[part] += dt - inner
             if stack:
                 stack[-1] += dt
-            ident = threading.get_ident()
+            ident = thread_id()
             self._loop_threads.add(ident)
             if part in PARTS and not self._closed:  # the loop waits here: background work meanwhile is not hidden
                 self._waits.append(CallRecord("deliver_wait", 0, 0, t0, t1, ident))
