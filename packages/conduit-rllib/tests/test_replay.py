@@ -185,7 +185,7 @@ def test_bad_calls_raise_typed_errors_and_change_nothing() -> None:
     buf.add([id_episode(np.arange(10))])
     before = buf.get_state()
     for kwargs in ({"sample_episodes": False}, {"batch_length_T": 4}, {"include_infos": True},
-                   {"include_extra_model_outputs": True}, {"min_batch_length_T": 2}):
+                   {"include_extra_model_outputs": True}):
         with pytest.raises(UnsupportedConfigError):
             buf.sample(num_items=4, n_step=1, **(DQN_KW | kwargs))
     with pytest.raises(SchemaError):

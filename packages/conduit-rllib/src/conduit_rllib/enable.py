@@ -10,6 +10,8 @@ What it sets, all through RLlib's public configuration API:
 * PPO (on-policy): a learner class with :class:`~conduit_rllib.learner.ConduitOnPolicyLearner`
   mixed in, and Conduit's options in ``config.learner_config_dict["conduit"]``.
 
+``config.algo_class`` may be the class or, as RLlib allows, a name registered with
+``ray.tune.register_trainable`` (resolved the way ``AlgorithmConfig.build_algo`` does).
 Anything else raises :class:`~conduit_rllib.errors.UnsupportedAlgorithmError` or
 :class:`~conduit_rllib.errors.UnsupportedConfigError` saying what is supported.
 """
@@ -31,6 +33,8 @@ from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
 from ray.rllib.utils import force_list
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
+from ray.tune.error import TuneError
+from ray.tune.registry import get_trainable_cls
 
 from conduit_rllib import compat
 from conduit_rllib.errors import UnsupportedAlgorithmError, UnsupportedConfigError
@@ -56,9 +60,25 @@ SUPPORTED_ALGORITHMS = ("DQN", "SAC", "PPO")
 _SUPPORTED = "DQN and SAC (off-policy replay) and PPO (on-policy), on RLlib's new API stack with torch"
 
 
+def _resolve(algo: object) -> object:
+    """``algo_class`` as RLlib builds it: a name is looked up in Ray Tune's trainable registry."""
+    if not isinstance(algo, str):
+        return algo
+    try:
+        return get_trainable_cls(algo)
+    except (TuneError, ValueError, KeyError) as e:
+        raise UnsupportedAlgorithmError(
+            f"This config's algo_class is the name {algo!r}, which is not a registered trainable ({e}). Pass the "
+            f"algorithm class itself (e.g. DQNConfig(algo_class=MyDQN)), or register it first with "
+            f"ray.tune.register_trainable({algo!r}, MyDQN).") from e
+
+
 def _algorithm(config: AlgorithmConfig) -> type:
-    algo = config.algo_class
+    """The supported RLlib algorithm ``config`` builds (its ``algo_class``, or the class a registered name names)."""
+    algo = _resolve(config.algo_class)
     name = getattr(algo, "__name__", repr(algo))
+    if isinstance(config.algo_class, str):
+        name = f"{name} (registered as {config.algo_class!r})"
     if isinstance(algo, type):
         for base in _TABLE:  # SAC before DQN: SAC subclasses DQN
             if algo is base or (issubclass(algo, base) and not algo.__module__.startswith("ray.rllib.")):
@@ -153,7 +173,8 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
         prefetch: on-policy only, gather minibatch k + 1 on a worker thread while k trains.
 
     Raises:
-        UnsupportedAlgorithmError: not DQN, SAC or PPO.
+        UnsupportedAlgorithmError: not DQN, SAC or PPO (or a subclass), or ``algo_class`` is a name
+            no trainable is registered under.
         UnsupportedConfigError: a setting the adapter cannot serve (old API stack, non-torch,
             multi-agent, several learners, RNN models, custom learner connectors off-policy, ...).
         conduit_rllib.compat.RLlibCompatibilityError: the installed RLlib moved a hook we use.

@@ -14,6 +14,10 @@ Semantics, compared with RLlib's buffers of the same kind:
 * sampling: uniform over stored transitions, or proportional to ``priority ** alpha`` with
   importance weights ``(N P(i)) ** -beta / max_w``; the same distribution RLlib's buffers draw;
 * capacity counts transitions, and eviction is FIFO per transition (RLlib evicts whole episodes);
+  one chunk longer than the capacity is refused with :class:`conduit.CapacityError` (RLlib
+  holds it over capacity until its next add);
+* ``min_batch_length_T`` (DQN's ``burn_in_len``) without sequence sampling is ignored with a
+  warning, as RLlib's prioritized buffer ignores it (its uniform buffer skips episode ends);
 * ``update_priorities(priorities)`` applies to the last ``sample()``, as in RLlib; priorities
   below 1e-12 are raised to 1e-12, as RLlib does; a NaN or infinite one raises
   :class:`conduit.PriorityError` instead of corrupting the tree;
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -131,6 +136,7 @@ class _ConduitReplay:
             raise ConfigurationError(f"metrics_every must be >= 1, got {metrics_every!r}.")
         self.metrics_every = int(metrics_every)
         self._metrics_calls = 0
+        self._warned_sequence_options = False
 
     # -- construction of the data plane ------------------------------------------------------
     def _build(self, schema: ExperienceSchema) -> ExperienceDataPlane:
@@ -173,14 +179,23 @@ class _ConduitReplay:
         Raises:
             conduit.SchemaError: observations or actions change shape/dtype, or are nested.
             conduit.ConfigurationError: a weight for the uniform buffer.
-            conduit.CapacityError: one chunk holds more steps than the capacity (RLlib's buffer would
-                keep it over capacity for a while; cut the episode or raise the capacity).
+            conduit.CapacityError: one chunk holds more steps than the capacity; nothing of this add
+                is stored. (RLlib's buffer keeps such a chunk over capacity until the next add; Conduit's
+                storage is preallocated for ``capacity`` transitions. Raise the capacity or add shorter
+                chunks.)
         """
         episodes = force_list(episodes)
         chunks = [chunk_columns(e) for e in episodes]
         if weight is not None and not self.prioritized:
             raise ConfigurationError("A weight (initial priority) was given to a uniform buffer; use "
                                      "ConduitPrioritizedEpisodeReplayBuffer or drop the weight.")
+        for c in chunks:  # before anything is stored
+            if c.length > self.capacity:
+                raise CapacityError(f"An episode chunk of {c.length} steps is larger than the replay capacity "
+                                    f"({self.capacity} transitions). Conduit's buffer cannot hold a chunk over "
+                                    f"capacity as RLlib's does for a while: raise replay_buffer_config['capacity'] "
+                                    f"to at least {c.length}, or add shorter chunks (e.g. a smaller "
+                                    f"rollout_fragment_length).")
         with self._lock:
             if len(chunks) > 1:  # a bad chunk after good ones must not leave the good ones stored
                 self._check_chunks(chunks)
@@ -207,9 +222,6 @@ class _ConduitReplay:
         schema = self.edp.schema if self.edp is not None else transition_schema(live[0])
         for c in live:
             ExperienceBatch.checked(c.columns, schema)
-            if c.length > self.capacity:
-                raise CapacityError(f"An episode chunk of {c.length} steps is larger than the capacity "
-                                    f"({self.capacity} transitions); raise replay_buffer_config['capacity'].")
 
     def _ingest(self, chunk: ChunkColumns, weight: float | None) -> None:
         edp = self.edp
@@ -270,17 +282,23 @@ class _ConduitReplay:
             conduit.EmptyBufferError: the buffer holds nothing.
             conduit.ConfigurationError: ``n_step`` below 1, or a range not ``1 <= low < high``
                 (refused before anything is drawn).
-            UnsupportedConfigError: sequence sampling (stateful modules), infos or extra model
-                outputs were requested.
+            UnsupportedConfigError: sequence sampling (stateful modules, ``batch_length_T > 0``),
+                infos or extra model outputs were requested.
+
+        ``min_batch_length_T`` (DQN passes its ``burn_in_len``) and ``lookback`` only shape
+        sequences; without ``batch_length_T`` they are ignored with a warning (once per buffer),
+        as RLlib's prioritized buffer ignores them. RLlib's uniform buffer instead never draws
+        the last ``min_batch_length_T`` steps of a stored episode; this buffer draws uniformly
+        over all stored transitions.
         """
         if sample_episodes is False:
             raise UnsupportedConfigError("Conduit's RLlib buffer returns one-step (n-step) transitions "
                                          "(sample_episodes=True, as DQN and SAC ask); [B, T] sequence batches "
                                          "are not supported.")
-        if batch_length_T or min_batch_length_T or lookback:
+        if batch_length_T:
             raise UnsupportedConfigError("Conduit's RLlib buffer does not sample sequences; stateful (RNN) "
-                                         "modules are not supported (batch_length_T, lookback and "
-                                         "min_batch_length_T must be 0).")
+                                         "modules are not supported (batch_length_T must be 0: use a "
+                                         "feed-forward model).")
         if include_infos or include_extra_model_outputs:
             raise UnsupportedConfigError("Conduit's RLlib buffer stores no infos or extra model outputs; the "
                                          "DQN and SAC losses do not need them. Call sample() without "
@@ -288,6 +306,14 @@ class _ConduitReplay:
         b = int(num_items or batch_size_B or self.batch_size_B)
         n_checked = self._check_n_step(n_step)  # before anything is drawn: a refused call draws nothing
         beta = 0.0 if beta is None else float(beta)
+        if (min_batch_length_T or lookback) and not self._warned_sequence_options:
+            self._warned_sequence_options = True
+            warnings.warn(f"Conduit's RLlib buffer samples one-step (n-step) transitions, so min_batch_length_T="
+                          f"{min_batch_length_T} (DQN's burn_in_len) and lookback={lookback} are ignored; they "
+                          f"apply to sequence sampling only, as in RLlib's prioritized buffer. (RLlib's uniform "
+                          f"buffer also skips the last min_batch_length_T steps of each stored episode; Conduit "
+                          f"samples all stored transitions.) Set DQN's burn_in_len to 0 to silence this.",
+                          UserWarning, stacklevel=2)
         with self._lock:
             edp = self.edp
             if edp is None:
