@@ -183,3 +183,11 @@ def test_exposure_log_counts_a_long_background_span_that_started_before_the_iter
     assert it.hidden_s == pytest.approx(it.iteration_s, rel=0.05), (
         f"a worker ingested through the whole iteration ({it.iteration_s:.3f} s) while the loop ran its "
         f"rollout: hidden {it.hidden_s:.3f} s")
+
+
+def test_summarize_refuses_a_variant_without_iterations() -> None:
+    from conduit.errors import ConfigurationError
+    from conduit_rllib.compare import summarize
+
+    with pytest.raises(ConfigurationError, match="'conduit'"):
+        summarize({"native": [], "conduit": []})

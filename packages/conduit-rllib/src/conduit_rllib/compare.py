@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from conduit.errors import ConfigurationError
+
 __all__ = ["Row", "Variant", "run_sequential", "run_interleaved", "summarize", "table"]
 
 
@@ -144,7 +146,16 @@ def run_interleaved(configs: dict[str, Any], iterations: int, *, progress: bool 
 
 def summarize(rows: dict[str, list[Row]], *, skip: int = 1, baseline: str = "native",
               attrs: Sequence[str] = ("experience_s", "exposed_s", "iteration_s", "cpu_s")) -> dict[str, Any]:
-    """Median per attribute over iterations after the first ``skip``, and each variant's change vs ``baseline``."""
+    """Median per attribute over iterations after the first ``skip``, and each variant's change vs ``baseline``.
+
+    Raises:
+        ConfigurationError: a variant has no iterations (nothing to take a median of).
+    """
+    empty = [name for name, rs in rows.items() if not rs]
+    if empty:
+        raise ConfigurationError(f"No iterations were recorded for {', '.join(map(repr, empty))}; run every "
+                                 f"variant for at least one iteration before summarizing.")
+
     def med(rs: list[Row], attr: str) -> float:
         vals = [getattr(r, attr) for r in rs[skip:]] or [getattr(r, attr) for r in rs]
         return statistics.median(vals)
