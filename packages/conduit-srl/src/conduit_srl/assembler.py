@@ -13,7 +13,9 @@ prepared batch may miss). What is SRL-specific stays here:
   ``[T, B, ...]`` fields that they may keep. An *assembler* thread delivers and transposes the
   next ``prefetch`` entries into fresh (page-locked where CUDA exists) arrays while the trainer
   steps, so ``get`` usually only pops one. It starts after the first ``get`` and refills after
-  each; it never prepares past the end of an on-policy rollout.
+  each; it never prepares past the end of an on-policy rollout. A queue selection (``get``'s own or
+  the assembler's) sees every put that returned before it: puts still being stored that would evict
+  what it picks are stored first.
 * What an entry prepared ahead may miss, and when it is discarded at ``get``: a replay draw is
   discarded when ``get`` asks another batch size or a checkpoint is taken (draws are not data);
   a prioritized one after more than ``prefetch`` priority updates; an on-policy minibatch whose
@@ -271,7 +273,11 @@ class Assembler:
             return not (self._prune_ready() or self._deliverable())
 
     def qsize(self) -> int:
-        """Samples not yet delivered (queue: never delivered; replay: held; on-policy: in unfinished rollouts)."""
+        """Samples not yet delivered (queue: never delivered; replay: held; on-policy: in unfinished rollouts).
+
+        Samples still on their way to storage count as stored, with the samples their storing evicts
+        taken off (queue and replay storage holds at most ``capacity``; on-policy storage never evicts).
+        """
         edp = self.edp
         if edp is None:
             return 0
@@ -279,7 +285,9 @@ class Assembler:
         if self.cfg.semantics == "queue":
             with self._cv:
                 fresh = sum(int(e.sampling_indices.shape[0]) for e in self._ready if e.reuses == 0)
-            return pending + self._fifo().undelivered() + fresh
+            return min(pending + self._fifo().undelivered(), edp.capacity) + fresh
+        if self.cfg.replay_like:
+            return min(pending + len(edp), edp.capacity)
         return pending + len(edp)
 
     def flush(self) -> None:
@@ -534,6 +542,7 @@ class Assembler:
         """
         edp = self.edp
         assert edp is not None
+        self._store_pending_before_selecting(demand=demand)
         if not demand and not self._deliverable():
             pending = self._pending_samples()
             if pending and self._deliverable(extra=pending):
@@ -569,6 +578,32 @@ class Assembler:
                 self._rollout_open = not info.last
             self._cv.notify_all()  # on-policy room may have been freed
         return entry
+
+    def _store_pending_before_selecting(self, *, demand: bool) -> None:
+        """Store the puts still on their way when they could change what the next selection picks.
+
+        A queue selection (in ``get`` or by the assembler thread) sees every put that returned before
+        it, as SRL's sequential queue does: puts that overflow the capacity evict samples the selection
+        would otherwise pick. Puts that only append to a queue with room cannot change its oldest batch,
+        so those are not waited for. A replay draw is taken from what is stored when it is drawn (puts
+        still on their way become drawable once stored, as with core's overlapped replay), and
+        on-policy puts never evict and only join the open rollout or start a newer one (a get with
+        nothing sealed stores them and looks again). Entries selected before the puts returned
+        (prepared ahead) keep what they hold.
+
+        Ahead of demand (the assembler thread) a failed background write is left for the producer's
+        next call to raise, and nothing is selected.
+        """
+        edp = self.edp
+        assert edp is not None
+        if self.cfg.semantics != "queue" or not self._ingest_pending():
+            return
+        if len(edp) + self._pending_samples() <= edp.capacity:
+            return
+        if demand:
+            edp.flush()
+        elif not self._scheduler().drain():
+            raise EmptyBufferError("Samples put earlier are not stored yet; get() stores them before selecting.")
 
     def _usable(self, entry: ReplayEntry) -> bool:
         """Whether an entry may still be handed out (entries assembled ahead can age)."""

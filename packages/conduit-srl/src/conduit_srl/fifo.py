@@ -14,6 +14,7 @@ after a discard: nothing prepared and dropped is lost, nothing is delivered twic
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
@@ -51,10 +52,14 @@ class FifoSampler(Sampler):
         #: ``confirm`` in the delivering thread); the difference is what the scheduler holds prepared
         self._selected = 0
         self._confirmed = 0
+        #: first handle of each selection not confirmed yet, in order (appended by ``sample``, taken by ``confirm``)
+        self._starts: deque[int] = deque()
         #: items evicted before they were delivered
         self.dropped = 0
         #: batches whose remaining reuses were skipped because eviction took some of their items
         self.abandoned = 0
+        #: first handle of the last batch :meth:`on_append` counted in ``abandoned`` (-1: none)
+        self._abandoned_first = -1
 
     # -- what is left --------------------------------------------------------------------------
     def undelivered(self) -> int:
@@ -79,6 +84,8 @@ class FifoSampler(Sampler):
         h = info.handles
         first, count, uses = int(h[0]), int(h.shape[0]), int(info.epoch or 0) + 1
         self._confirmed += 1
+        if self._starts:
+            self._starts.popleft()
         self._conf = (max(self._conf[0], first + count), None if uses >= self.reuses else (first, count, uses))
 
     def _rewound(self) -> tuple[_Cursor, int, int]:
@@ -87,14 +94,19 @@ class FifoSampler(Sampler):
         The cursor is the confirmed one moved past evicted items, without a reused batch that
         eviction took. ``dropped`` adds the items selected, not confirmed and evicted meanwhile
         (lost if their delivery is discarded); items evicted before any selection reached them
-        were counted in :meth:`on_append` already.
+        were counted in :meth:`on_append` already (also those between the confirmed cursor and
+        the first unconfirmed selection, which eviction made the selection skip). ``abandoned``
+        adds a reused batch that eviction took while its remaining reuses were selected ahead
+        (when it took the batch while reuses were still to be selected, :meth:`on_append` counted it).
         """
         oldest = self.storage.oldest
         nxt, cur = self._conf
-        lost = max(0, min(self._picked, oldest) - nxt)
+        first = self._starts[0] if self._starts else self._picked
+        lost = max(0, min(self._picked, oldest) - max(nxt, first))
         abandoned = self.abandoned
         if cur is not None and cur[0] < oldest:
-            abandoned += 1
+            if cur[0] != self._abandoned_first:  # (else on_append counted it when eviction took it)
+                abandoned += 1
             cur = None
         return (max(nxt, oldest), cur), self.dropped + lost, abandoned
 
@@ -104,6 +116,7 @@ class FifoSampler(Sampler):
         self._sel = self._conf = cursor
         self._picked = cursor[0]
         self._confirmed = self._selected
+        self._starts.clear()
 
     # -- Sampler -------------------------------------------------------------------------------
     def on_append(self, result: AppendResult, priorities: torch.Tensor | None) -> None:
@@ -113,6 +126,7 @@ class FifoSampler(Sampler):
             nxt = result.evicted_to
         if cur is not None and cur[0] < result.evicted_to:
             self.abandoned += 1
+            self._abandoned_first = cur[0]
             cur = None
         self._sel = (nxt, cur)
 
@@ -134,6 +148,7 @@ class FifoSampler(Sampler):
         self._sel = (max(nxt, first + count), None if uses >= self.reuses else (first, count, uses))
         self._picked = max(self._picked, first + count)
         self._selected += 1
+        self._starts.append(first)
         return Selection(handles % st.capacity, SampleInfo(handles=handles, epoch=uses - 1))
 
     def state_dict(self) -> dict[str, Any]:
@@ -146,5 +161,7 @@ class FifoSampler(Sampler):
         self._sel = self._conf = (int(nxt), None if cur is None else tuple(cur))  # type: ignore[assignment]
         self._picked = int(nxt)
         self._selected = self._confirmed = 0
+        self._starts.clear()
+        self._abandoned_first = -1
         self.dropped = int(state["dropped"])
         self.abandoned = int(state["abandoned"])
