@@ -65,42 +65,103 @@ def conduit_minibatches(learner: Any, batch: MultiAgentBatch, *, minibatch_size:
     return out
 
 
+def conduit_update(learner: Any, rows: int, *, minibatch_size: int, num_epochs: int,
+                   shuffle: bool) -> tuple[list[list[int]], list[int], list[Any]]:
+    """Row ids and env steps of each minibatch Conduit hands RLlib's update loop for ``train_batch(rows)``
+    (taken as each arrives: a minibatch is valid until the next is asked for), and the pieces (SampleInfo)
+    the feed delivered for them."""
+    it = learner._create_iterator_if_necessary(
+        training_data=TrainingData(batch=train_batch(rows)), num_epochs=num_epochs, minibatch_size=minibatch_size,
+        shuffle_batch_per_epoch=shuffle)
+    mbs, steps = [], []
+    for mab in it:
+        assert set(mab.policy_batches) == {DEFAULT_MODULE_ID}
+        mbs.append(mab.policy_batches[DEFAULT_MODULE_ID][ROW].tolist())
+        steps.append(mab.env_steps())
+    return mbs, steps, list(learner.conduit_feed.delivered)
+
+
+def rllib_minibatches(rows: int, minibatch_size: int, num_epochs: int) -> list[list[int]]:
+    """Row ids of each minibatch of RLlib's own ``MiniBatchCyclicIterator`` over ``train_batch(rows)``, unshuffled."""
+    return [mb.policy_batches[DEFAULT_MODULE_ID][ROW].tolist() for mb in MiniBatchCyclicIterator(
+        train_batch(rows), num_epochs=num_epochs, minibatch_size=minibatch_size, shuffle_batch_per_epoch=False)]
+
+
+def cyclic_pieces(rows: int, minibatch_size: int, num_epochs: int) -> list[tuple[int, int]]:
+    """(pass, rows) of each piece the feed delivers for RLlib's cuts: the stream of K * minibatch_size rows
+    (K = ceil(num_epochs * rows / minibatch_size)) is cut at every minibatch's end and at every pass's end."""
+    total = -(-num_epochs * rows // minibatch_size) * minibatch_size
+    cuts = sorted(set(range(minibatch_size, total + 1, minibatch_size)) | set(range(rows, total, rows)))
+    return [(a // rows, b - a) for a, b in zip([0, *cuts], cuts, strict=False)]
+
+
 @pytest.mark.parametrize(("rows", "minibatch_size", "num_epochs", "shuffle"), [
-    (100, 30, 2, True),     # not divisible: M = round(100 / 30) = 3, sizes 34, 33, 33
-    (100, 1000, 2, True),   # minibatch larger than the batch: one minibatch per epoch
-    (64, 16, 3, True),      # divisible
-    (7, 3, 1, False),       # tiny, one epoch
-    (250, 100, 3, False),   # M = round(2.5) = 2
+    (100, 30, 2, True),     # not divisible: K = ceil(200 / 30) = 7; 10 rows of a third (reshuffled) pass fill the last
+    (100, 1000, 2, True),   # minibatch larger than the batch: one minibatch of 10 whole passes, as RLlib cycles
+    (64, 16, 3, True),      # divisible: 12 minibatches, every pass ends on a minibatch's end
+    (7, 3, 1, False),       # tiny, one epoch: [0, 1, 2], [3, 4, 5], [6, 0, 1]
+    (250, 100, 3, False),   # K = ceil(7.5) = 8: rows 0-49 train a fourth time
 ])
-def test_minibatches_match_the_declared_m_and_cover_each_row_once_per_epoch(
+def test_minibatches_are_rllibs_cyclic_cuts_and_cover_each_row_in_every_epoch(
         learner: Any, rows: int, minibatch_size: int, num_epochs: int, shuffle: bool) -> None:
-    mbs = conduit_minibatches(learner, train_batch(rows), minibatch_size=minibatch_size, num_epochs=num_epochs,
-                              shuffle=shuffle)
-    m = max(1, round(rows / minibatch_size))
-    assert len(mbs) == num_epochs * m, f"expected {num_epochs} epochs x {m} minibatches, got {len(mbs)}"
-    sizes = [len(ids) for _, _, ids in mbs]
-    assert max(sizes) - min(sizes) <= 1, f"minibatch sizes differ by more than one: {sizes}"
-    assert len({v for v, _, _ in mbs}) == 1, "one update's minibatches come from one policy version"
-    rllib_first = [r for mb in MiniBatchCyclicIterator(train_batch(rows), num_epochs=1, minibatch_size=minibatch_size,
-                                                       shuffle_batch_per_epoch=False)
-                   for r in mb.policy_batches[DEFAULT_MODULE_ID][ROW].tolist()][:rows]
-    for e in range(num_epochs):
-        epoch_rows = [r for _, ep, ids in mbs if ep == e for r in ids]
+    version = learner.conduit_version
+    mbs, steps, infos = conduit_update(learner, rows, minibatch_size=minibatch_size, num_epochs=num_epochs,
+                                       shuffle=shuffle)
+    rllib = rllib_minibatches(rows, minibatch_size, num_epochs)
+    k = -(-num_epochs * rows // minibatch_size)
+    assert len(rllib) == k and {len(mb) for mb in rllib} == {minibatch_size}, "the expectation itself is RLlib's"
+    assert [len(mb) for mb in mbs] == [len(mb) for mb in rllib], \
+        f"expected RLlib's {k} minibatches of exactly {minibatch_size} rows, got sizes {[len(mb) for mb in mbs]}"
+    assert steps == [rows] * k, "each minibatch reports the train batch's env steps, as RLlib's does"
+    assert {int(i.version) for i in infos} == {version} and all(int(i.staleness) == 0 for i in infos), \
+        "one update's minibatches come from one policy version"
+    assert learner.conduit_version == version + 1
+    assert [(int(i.epoch), len(i.handles)) for i in infos] == cyclic_pieces(rows, minibatch_size, num_epochs), \
+        "the pieces end at each minibatch's end and each pass's end"
+    assert infos[-1].last and not any(i.last for i in infos[:-1])
+    stream = [r for mb in mbs for r in mb]
+    rllib_first = [r for mb in rllib for r in mb][:rows]
+    assert stream[:rows] == rllib_first == list(range(rows)), "epoch 0 walks the batch in RLlib's order"
+    whole = len(stream) // rows  # whole passes: the E epochs and any the cycling adds (10 for 100 rows in 1000)
+    assert whole >= num_epochs
+    for e in range(whole):
+        epoch_rows = stream[e * rows:(e + 1) * rows]
         assert sorted(epoch_rows) == list(range(rows)), f"epoch {e} does not hold each row exactly once"
-        if e == 0:
-            assert epoch_rows == rllib_first, "epoch 0 walks the batch in RLlib's order"
-        elif shuffle and rows > 10:
+        if e and shuffle and rows > 10:
             assert epoch_rows != list(range(rows)), f"epoch {e} was not reshuffled"
+            assert epoch_rows != stream[(e - 1) * rows:e * rows], f"epoch {e} repeats epoch {e - 1}'s order"
+    pad = stream[whole * rows:]
+    assert len(pad) == k * minibatch_size - whole * rows and len(set(pad)) == len(pad), \
+        f"the rows filling the last minibatch are distinct rows of one more pass, got {pad}"
+    if not shuffle:
+        assert mbs == rllib, "unshuffled, Conduit's minibatches are RLlib's row for row"
 
 
 def test_versions_stay_pure_when_weights_change_between_updates(learner: Any) -> None:
     start = learner.conduit_version
+    update = learner._update
+    sizes: list[int] = []
+
+    def counting(batch: Any, **kwargs: Any) -> Any:  # RLlib's SGD step: record the minibatch's rows
+        sizes.append(len(batch[DEFAULT_MODULE_ID]))
+        return update(batch, **kwargs)
+
     for i in range(3):
+        rows = 90 + i
+        sizes.clear()
         before = [p.detach().clone() for p in learner.module[DEFAULT_MODULE_ID].parameters()]
-        learner.update(batch=train_batch(90 + i), minibatch_size=32, num_epochs=2, shuffle_batch_per_epoch=True)
+        learner._update = counting
+        try:
+            learner.update(batch=train_batch(rows), minibatch_size=32, num_epochs=2, shuffle_batch_per_epoch=True)
+        finally:
+            del learner._update
         infos = learner.conduit_feed.delivered
         assert {int(x.version) for x in infos} == {start + i}, "each update trains only its own rollout"
-        assert len(infos) == 2 * 3 and all(int(x.staleness) == 0 for x in infos)
+        assert all(int(x.staleness) == 0 for x in infos)
+        assert sizes == [len(mb) for mb in rllib_minibatches(rows, 32, 2)] == [32] * 6, \
+            f"{rows} rows, 2 epochs: RLlib's ceil({2 * rows} / 32) = 6 SGD steps of 32 rows, got {sizes}"
+        assert [(int(x.epoch), len(x.handles)) for x in infos] == cyclic_pieces(rows, 32, 2), \
+            "both epochs deliver the whole rollout, then the head of a third pass fills the last minibatch"
         after = list(learner.module[DEFAULT_MODULE_ID].parameters())
         assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True)), "the update changed no weights"
         # new weights arrive from elsewhere between updates: the next rollout is still delivered whole
@@ -114,7 +175,9 @@ def test_a_multi_module_batch_is_refused_naming_what_is_supported(learner: Any) 
     with pytest.raises(UnsupportedConfigError, match=r"one RLModule.*'default_policy', 'other'.*Multi-agent"):
         learner.update(batch=batch, minibatch_size=4, num_epochs=2)
     assert learner.conduit_version == version and learner.conduit_feed.semantics.pending_rollouts == 0
-    assert len(conduit_minibatches(learner, train_batch(10), minibatch_size=4, num_epochs=1, shuffle=False)) == 2
+    mbs = conduit_minibatches(learner, train_batch(10), minibatch_size=4, num_epochs=1, shuffle=False)
+    assert [ids for _, _, ids in mbs] == rllib_minibatches(10, 4, 1) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
+    assert {v for v, _, _ in mbs} == {version}, "the refused batch took no version"
 
 
 def test_an_empty_train_batch_is_refused_clearly_and_changes_nothing(learner: Any) -> None:

@@ -12,13 +12,29 @@ import torch
 from conduit_rllib import ConduitPrioritizedEpisodeReplayBuffer, ConduitSampledEpisodes
 from conduit_rllib.workloads import dqn_large_obs, ppo_cartpole, sac_pendulum
 from ray.rllib.algorithms.algorithm import Algorithm
+from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
+from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
+from ray.rllib.utils.minibatch_utils import MiniBatchCyclicIterator
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 
 def learner_of(algo: Algorithm) -> Any:
     return next(iter(algo.learner_group.foreach_learner(lambda learner: learner))).get()
+
+
+def cyclic_pieces(rows: int, minibatch_size: int, num_epochs: int) -> list[tuple[int, int]]:
+    """(pass, rows) of each piece Conduit's PPO feed delivers for a train batch of ``rows``: RLlib's
+    ``MiniBatchCyclicIterator`` makes K minibatches of exactly ``minibatch_size`` rows (K counted here with
+    RLlib's iterator itself), a stream cut at every minibatch's end and at every pass's end."""
+    batch = MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch({"x": torch.arange(rows)})}, env_steps=rows)
+    sizes = [len(mb.policy_batches[DEFAULT_MODULE_ID]) for mb in MiniBatchCyclicIterator(
+        batch, num_epochs=num_epochs, minibatch_size=minibatch_size, shuffle_batch_per_epoch=False)]
+    assert sizes == [minibatch_size] * -(-num_epochs * rows // minibatch_size), "the expectation itself is RLlib's"
+    total = sum(sizes)
+    cuts = sorted(set(range(minibatch_size, total + 1, minibatch_size)) | set(range(rows, total, rows)))
+    return [(a // rows, b - a) for a, b in zip([0, *cuts], cuts, strict=False)]
 
 
 @pytest.fixture(scope="module")
@@ -116,18 +132,30 @@ def test_ppo_minibatches_come_from_conduit_each_row_once_per_epoch() -> None:
     algo = conduit_rllib.enable(config).build_algo()
     try:
         for version in range(2):
-            algo.train()
+            result = algo.train()
             learner = learner_of(algo)
             feed = learner.conduit_feed
             infos = feed.delivered
-            m = infos[0].num_minibatches
             assert {i.version for i in infos} == {version}, "one rollout, one policy version per update"
-            assert len(infos) == 3 * m and m == round(len(np.concatenate([i.handles for i in infos])) / 3 / 64)
+            assert all(int(i.staleness) == 0 for i in infos) and infos[-1].last
+            first = np.concatenate([i.handles.numpy() for i in infos if i.epoch == 0])
+            rows = len(first)  # the train batch's rows
+            pieces = cyclic_pieces(rows, 64, 3)
+            assert [(int(i.epoch), len(i.handles)) for i in infos] == pieces, \
+                f"{rows} rows, 3 epochs: not RLlib's ceil({3 * rows} / 64) minibatches of 64 (pieces {pieces})"
             for epoch in range(3):
                 handles = np.concatenate([i.handles.numpy() for i in infos if i.epoch == epoch])
                 assert len(handles) == len(set(handles.tolist())), "a row trained twice in one epoch"
-                first = np.concatenate([i.handles.numpy() for i in infos if i.epoch == 0])
                 assert sorted(handles.tolist()) == sorted(first.tolist()), "every row once per epoch"
+            extra = [h for i in infos if i.epoch == 3 for h in i.handles.tolist()]
+            assert len(extra) == sum(p for _, p in pieces) - 3 * rows, "the last minibatch is filled from one more pass"
+            assert len(set(extra)) == len(extra) and set(extra) <= set(first.tolist()), \
+                "the rows filling the last minibatch are distinct rows of the train batch"
+            trained = result["learners"]
+            assert float(trained[DEFAULT_MODULE_ID]["module_train_batch_size_mean"]) == 64.0, \
+                "every SGD step trains a minibatch of exactly minibatch_size rows"
+            assert int(trained["__all_modules__"]["num_module_steps_trained"]) == sum(p for _, p in pieces), \
+                "RLlib counts K x 64 module steps trained"
             assert feed.prefetch and feed._pool is not None, "minibatch k+1 is gathered on the prefetch thread"
         assert learner.conduit_version == 2
     finally:
@@ -141,9 +169,14 @@ def test_ppo_with_one_remote_learner_delivers_through_conduit_in_the_actor() -> 
         algo.train()
         algo.train()
         got = [r.get() for r in algo.learner_group.foreach_learner(
-            lambda learner: (learner.conduit_version, [(i.version, i.epoch) for i in learner.conduit_feed.delivered]))]
+            lambda learner: (learner.conduit_version, [(int(i.version), int(i.epoch), len(i.handles))
+                                                       for i in learner.conduit_feed.delivered]))]
         assert len(got) == 1
         version, infos = got[0]
-        assert version == 2 and infos and {v for v, _ in infos} == {1} and {e for _, e in infos} == {0, 1}
+        assert version == 2 and infos and {v for v, _, _ in infos} == {1}
+        rows = sum(n for _, e, n in infos if e == 0)  # the train batch's rows
+        # epochs 0 and 1 whole, and epoch 2 (the head of one more pass) when 2 * rows is no multiple of 64
+        assert [(e, n) for _, e, n in infos] == cyclic_pieces(rows, 64, 2), \
+            f"{rows} rows, 2 epochs: not RLlib's minibatches of 64 ({infos})"
     finally:
         algo.stop()

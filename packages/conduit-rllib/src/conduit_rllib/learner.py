@@ -104,16 +104,25 @@ class ConduitOnPolicyLearner:
     """Mixin for PPO learners: minibatches come from Conduit's on-policy delivery.
 
     Per ``update``: RLlib's connector builds the train batch; it is ingested as one rollout of
-    policy version v (v counts this learner's updates), sealed, and delivered as M minibatches
-    per epoch for ``num_epochs`` epochs, with M = round(rows / minibatch_size), so each row
-    trains exactly once per epoch. Options come from ``config.learner_config_dict["conduit"]``
-    (``prefetch``: gather minibatch k + 1 while k trains, default True; ``placement``).
+    policy version v (v counts this learner's updates), sealed, and delivered in the updates stock
+    RLlib makes (its ``MiniBatchCyclicIterator``): K = ceil(num_epochs * rows / minibatch_size)
+    minibatches of exactly ``minibatch_size`` rows (without a ``minibatch_size``: the whole batch,
+    ``num_epochs`` times). The epochs run as one stream, so a minibatch may end one epoch and begin
+    the next; every row trains in each of the ``num_epochs`` epochs, and when ``num_epochs * rows``
+    is no multiple of ``minibatch_size`` the K * minibatch_size - num_epochs * rows rows that fill
+    the last minibatch come from the head of one more (reshuffled) pass, as in RLlib (e.g. 250 rows,
+    minibatch_size 64, 2 epochs: 8 minibatches of 64; 12 rows train a third time). Every minibatch
+    reports the train batch's env steps, so ``num_env_steps_trained`` is K * env steps and
+    ``num_module_steps_trained`` K * minibatch_size, as with RLlib's iterator. Options come from
+    ``config.learner_config_dict["conduit"]`` (``prefetch``: gather minibatch k + 1 while k trains,
+    default True; ``placement``).
     The update count and the feed's permutation RNG are saved with the learner's state, so a
     restored learner continues the versions and the minibatch order where the saved one was.
 
     Attributes:
         conduit_feed: the :class:`~conduit_rllib.on_policy.MinibatchFeed` (its ``delivered``
-            lists the SampleInfo of each minibatch of the latest update).
+            lists the SampleInfo of each delivery of the latest update: one per minibatch, or
+            several for a minibatch that spans an epoch boundary).
         conduit_version: the version the next rollout is ingested under.
     """
 
@@ -155,17 +164,17 @@ class ConduitOnPolicyLearner:
         if rows == 0:
             raise EmptyBufferError(f"The train batch for module {module_id!r} has no rows; an update needs at least "
                                    f"one timestep (sample some before calling update).")
-        m = max(1, round(rows / minibatch_size)) if minibatch_size else 1
         feed = self.conduit_feed
         version = self.conduit_version
         feed.set_policy_version(version)
         feed.drop_leftovers()  # an earlier update that stopped mid-epoch may have left its (now stale) rollout
-        feed.configure(num_minibatches=m, num_epochs=max(1, int(num_epochs)),
-                       shuffle=bool(shuffle_batch_per_epoch and num_epochs > 1))
+        # RLlib's cuts: minibatch_size rows each (the whole batch without one), ceil(E * rows / size) of them
+        feed.configure(minibatch_size=int(minibatch_size) if minibatch_size else rows,
+                       num_epochs=max(1, int(num_epochs)), shuffle=bool(shuffle_batch_per_epoch and num_epochs > 1))
         feed.ingest(module_id, module_batch, version=version)
         feed.seal()
         self.conduit_version = version + 1  # counted once ingested: a refused train batch is no update
-        return feed.minibatches()
+        return feed.minibatches(env_steps=batch.env_steps())  # RLlib reports the train batch's on each
 
     def get_state(self, components: str | Collection[str] | None = None, *,
                   not_components: str | Collection[str] | None = None, **kwargs: Any) -> dict[str, Any]:

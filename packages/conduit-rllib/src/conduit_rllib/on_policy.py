@@ -4,10 +4,11 @@ RLlib's PPO Learner turns a rollout into one train batch (its learner connector 
 advantages and value targets) and then cuts it into minibatches for ``num_epochs`` passes.
 :class:`MinibatchFeed` takes over the cutting: the train batch is ingested into a
 :class:`conduit.ExperienceDataPlane` with :class:`conduit.OnPolicy` semantics under the
-version of the policy that produced it, sealed, and delivered as M minibatches per epoch:
-each row exactly once per epoch, never mixing versions, stale rollouts dropped or refused.
-One delivery prepares 1/M of the rollout (``g_del = 1/M``), and while minibatch k trains the
-feed is already gathering minibatch k + 1 on a worker thread.
+version of the policy that produced it, sealed, and delivered as M minibatches per epoch
+(each row exactly once per epoch) or, with ``minibatch_size`` (what the PPO learner uses), as
+RLlib's cyclic minibatches of exactly that size (each row in every epoch, a few rows once more
+to fill the last minibatch); never mixing versions, stale rollouts dropped or refused. While
+minibatch k trains the feed is already gathering minibatch k + 1 on a worker thread.
 """
 
 from __future__ import annotations
@@ -58,13 +59,54 @@ def _columns(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return cols
 
 
+def _cyclic_plan(n: int, size: int, epochs: int) -> tuple[int, int]:
+    """(minibatches, passes) of RLlib's cyclic iterator over ``n`` rows: ceil(epochs * n / size)
+    minibatches of ``size`` rows, which walk ceil(minibatches * size / n) passes over the rows."""
+    k = -(-epochs * n // size)
+    return k, -(-k * size // n)
+
+
 class _CyclicOrder(OnPolicy):
     """RLlib's minibatch order: ``MiniBatchCyclicIterator`` walks the first epoch in the train
     batch's own order and reshuffles only when an epoch is covered; so here epoch 0 is the
-    identity and each later epoch a seeded permutation (with ``shuffle``)."""
+    identity and each later epoch a seeded permutation (with ``shuffle``).
+
+    With ``cycle`` (a minibatch size) it also makes RLlib's cuts: the epochs form one stream of
+    rows cut into ``K = ceil(E * N / cycle)`` minibatches of exactly ``cycle`` rows. Conduit
+    delivers the stream as pieces that end at an epoch's end or at a minibatch's end (the feed
+    joins the pieces of one minibatch), and when ``E * N`` is no multiple of ``cycle`` the last
+    minibatch is filled from the head of one more pass (``num_epochs`` is then the passes the
+    current rollout needs; ``rllib_epochs`` keeps E).
+    """
+
+    def __init__(self, *, cycle: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if cycle is not None and (isinstance(cycle, bool) or not isinstance(cycle, int) or cycle <= 0):
+            raise ConfigurationError(f"minibatch_size must be a positive int, got {cycle!r}.")
+        self.cycle = cycle
+        self.rllib_epochs = self.num_epochs
 
     def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
         return torch.arange(n) if epoch == 0 else super().epoch_order(n, epoch)
+
+    def epoch_sizes(self, n: int, epoch: int) -> list[int]:
+        if self.cycle is None:
+            return super().epoch_sizes(n, epoch)
+        k, passes = _cyclic_plan(n, self.cycle, self.rllib_epochs)
+        if epoch == 0:
+            self.num_epochs = passes  # this rollout's passes (checked by OnPolicy against the sizes)
+        lo, hi = epoch * n, min((epoch + 1) * n, k * self.cycle)
+        cuts = [lo, *range((lo // self.cycle + 1) * self.cycle, hi, self.cycle), hi]
+        return [b - a for a, b in zip(cuts, cuts[1:], strict=False)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(super().state_dict(), num_epochs=self.num_epochs)  # the current rollout's passes
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)  # validates
+        passes = state.get("num_epochs")
+        if isinstance(passes, int) and not isinstance(passes, bool) and passes > 0:
+            self.num_epochs = passes
 
 
 class MinibatchFeed:
@@ -72,6 +114,8 @@ class MinibatchFeed:
 
     Keyword Args:
         num_minibatches: M, minibatches per epoch (the learner sets it per rollout with
+            :meth:`configure`).
+        minibatch_size: instead of M, RLlib's cyclic cuts of exactly this many rows (see
             :meth:`configure`).
         num_epochs: E, passes over each rollout.
         max_staleness: versions a rollout may lag the policy and still be delivered.
@@ -86,11 +130,12 @@ class MinibatchFeed:
 
     def __init__(self, *, num_minibatches: int = 1, num_epochs: int = 1, max_staleness: int = 0,
                  on_stale: Literal["drop", "raise"] = "drop", shuffle: bool = True, seed: int = 0,
-                 placement: Placement | None = None, prefetch: bool = True, capacity: int = 0) -> None:
+                 placement: Placement | None = None, prefetch: bool = True, capacity: int = 0,
+                 minibatch_size: int | None = None) -> None:
         self._sem_args: dict[str, Any] = dict(num_minibatches=num_minibatches, num_epochs=num_epochs,
                                               max_staleness=max_staleness, on_stale=on_stale, shuffle=shuffle,
-                                              seed=seed)
-        OnPolicy(**self._sem_args)  # validate now: errors at construction
+                                              seed=seed, cycle=minibatch_size)
+        _CyclicOrder(**self._sem_args)  # validate now: errors at construction
         self.placement = placement
         self.prefetch = prefetch
         self.capacity = int(capacity)
@@ -107,7 +152,7 @@ class MinibatchFeed:
     @property
     def semantics(self) -> OnPolicy:
         if self.edp is None:
-            return OnPolicy(**self._sem_args)
+            return _CyclicOrder(**self._sem_args)
         sem = self.edp.semantics
         assert isinstance(sem, OnPolicy)
         return sem
@@ -118,15 +163,29 @@ class MinibatchFeed:
         sem = self.semantics
         return sem.pending_rollouts == 0 and len(self.edp) == 0
 
-    def configure(self, *, num_minibatches: int, num_epochs: int, shuffle: bool) -> None:
-        """Set M, E and shuffling for the next rollout (only while nothing is waiting for delivery).
+    def configure(self, *, num_minibatches: int = 1, num_epochs: int, shuffle: bool,
+                  minibatch_size: int | None = None) -> None:
+        """Set M (or the minibatch size), E and shuffling for the next rollout (only while nothing is
+        waiting for delivery).
+
+        Keyword Args:
+            num_minibatches: M minibatches per epoch, sizes differing by at most one.
+            minibatch_size: instead of M, RLlib's cuts (``MiniBatchCyclicIterator``): each minibatch
+                has exactly this many rows and there are ``ceil(num_epochs * N / minibatch_size)`` of
+                them for a rollout of N rows. The epochs are walked as one stream, so a minibatch may
+                end one epoch and begin the next; each row is delivered in each of the ``num_epochs``
+                epochs, and when ``num_epochs * N`` is no multiple of ``minibatch_size`` the last
+                minibatch is filled with the head of one more pass (its ``ceil(...) * minibatch_size -
+                num_epochs * N`` rows train once more, as in RLlib).
+            num_epochs: E.
+            shuffle: reshuffle each epoch after the first.
 
         Raises:
             conduit.ConfigurationError: rollouts are still pending, or the values are invalid.
         """
         args = dict(self._sem_args, num_minibatches=int(num_minibatches), num_epochs=int(num_epochs),
-                    shuffle=bool(shuffle))
-        OnPolicy(**args)  # validates
+                    shuffle=bool(shuffle), cycle=minibatch_size)
+        _CyclicOrder(**args)  # validates
         if args == self._sem_args:
             return
         if not self._idle():
@@ -135,8 +194,10 @@ class MinibatchFeed:
         self._sem_args = args
         if self.edp is not None:
             sem = self.semantics
+            assert isinstance(sem, _CyclicOrder)
             sem.num_minibatches, sem.num_epochs, sem.shuffle = args["num_minibatches"], args["num_epochs"], \
                 args["shuffle"]
+            sem.cycle, sem.rllib_epochs = args["cycle"], args["num_epochs"]
 
     def _ensure(self, cols: dict[str, torch.Tensor], n: int) -> ExperienceDataPlane:
         schema = ExperienceSchema({k: Field(tuple(v.shape[1:]), v.dtype) for k, v in cols.items()})
@@ -268,40 +329,63 @@ class MinibatchFeed:
             raise EmptyBufferError("No rollout was ingested; ingest one and seal it.")
         return self.edp.deliver()
 
-    def _to_rllib(self, batch: ExperienceBatch, info: SampleInfo) -> MultiAgentBatch:
-        assert self.module_id is not None
+    def _record(self, info: SampleInfo) -> None:
         if info.epoch == 0 and info.minibatch == 0:
             self.delivered = []
         self.delivered.append(info)
-        cols = {k: batch.tensor(k) for k in batch}
-        return MultiAgentBatch({self.module_id: SampleBatch(cols)}, env_steps=batch.batch_size)
 
-    def minibatches(self) -> Iterator[MultiAgentBatch]:
-        """Every minibatch of the oldest waiting rollout (M per epoch, E epochs), as RLlib train batches.
+    def _to_rllib(self, cols: dict[str, torch.Tensor], env_steps: int | None) -> MultiAgentBatch:
+        assert self.module_id is not None
+        rows = int(next(iter(cols.values())).shape[0])
+        return MultiAgentBatch({self.module_id: SampleBatch(cols)}, env_steps=rows if env_steps is None else env_steps)
+
+    def minibatches(self, *, env_steps: int | None = None) -> Iterator[MultiAgentBatch]:
+        """Every minibatch of the oldest waiting rollout, as RLlib train batches: M per epoch for E
+        epochs, or, with ``minibatch_size``, RLlib's ``ceil(E * N / minibatch_size)`` minibatches of
+        exactly ``minibatch_size`` rows (each joined from the pieces Conduit delivered; ``delivered``
+        lists the pieces).
 
         The first delivery happens now, so an empty or stale buffer raises here. With ``prefetch``
-        the next minibatch is gathered while the caller trains on the current one; a minibatch is
-        valid until the caller asks for the one after the next.
+        the next delivery is gathered while the caller trains on the current minibatch; a minibatch is
+        valid until the caller asks for the one after the next (with ``minibatch_size``: until it asks
+        for the next one, whose pieces may reuse its buffers).
+
+        Keyword Args:
+            env_steps: the env steps each minibatch reports (``MultiAgentBatch.env_steps()``, what
+                RLlib sums into ``num_env_steps_trained``). RLlib's own iterator reports the whole
+                train batch's env steps on every minibatch; default: the minibatch's rows.
 
         Raises:
             conduit.EmptyBufferError: nothing sealed is waiting.
             conduit.StaleExperienceError: the rollout is too stale and ``on_stale="raise"``.
         """
         first = self._deliver()
-        return self._iterate(first)
+        return self._iterate(first, env_steps)
 
-    def _iterate(self, first: tuple[ExperienceBatch, SampleInfo]) -> Iterator[MultiAgentBatch]:
+    def _iterate(self, first: tuple[ExperienceBatch, SampleInfo],
+                 env_steps: int | None) -> Iterator[MultiAgentBatch]:
         pending: Job[tuple[ExperienceBatch, SampleInfo]] | None = None
         current = first
+        size = self.semantics.cycle if isinstance(self.semantics, _CyclicOrder) else None
         try:
             while True:
                 batch, info = current
+                self._record(info)
+                cols = {k: batch.tensor(k) for k in batch}
+                rows = batch.batch_size
+                while size is not None and rows < size and not info.last:
+                    # the minibatch continues in the next piece (the next epoch): join them now, while this
+                    # piece's buffers are still valid (the join is a fresh tensor)
+                    batch, info = self._deliver()
+                    self._record(info)
+                    cols = {k: torch.cat([v, batch.tensor(k)]) for k, v in cols.items()}
+                    rows += batch.batch_size
                 if not info.last:
                     if self.prefetch:
                         if self._pool is None:
                             self._pool = Worker("conduit-minibatch")
                         pending = self._pool.submit(self._deliver)
-                yield self._to_rllib(batch, info)
+                yield self._to_rllib(cols, env_steps)
                 if info.last:
                     return
                 if pending is not None:

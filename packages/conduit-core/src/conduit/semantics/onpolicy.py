@@ -7,8 +7,9 @@ not, checkpointed with the buffer), is refused with :class:`ConfigurationError`;
 version as the open rollout joins it, after a seal it starts a new rollout. Delivery serves sealed
 rollouts oldest first; within one rollout each epoch is a fresh seeded permutation cut
 into M minibatches (sizes differ by at most one), so each item appears exactly once per
-epoch and a minibatch never mixes versions. After the last minibatch of the last epoch
-the rollout's storage is released.
+epoch and a minibatch never mixes versions (an adapter that overrides ``epoch_sizes`` may end
+the last epoch early: a partial extra pass, as RLlib's cyclic minibatches need). After the last
+minibatch of the last epoch the rollout's storage is released.
 
 Staleness is ``policy_version - rollout_version``; when it exceeds ``max_staleness`` at
 delivery time the rollout is dropped (``on_stale="drop"``, counted in ``dropped_items``)
@@ -189,6 +190,24 @@ class OnPolicy(Semantics):
         """
         return torch.randperm(n, generator=self._gen) if self.shuffle else torch.arange(n)
 
+    def epoch_sizes(self, n: int, epoch: int) -> list[int]:
+        """The sizes of the minibatches epoch ``epoch`` of the current rollout (``n`` items) is cut into,
+        in delivery order.
+
+        Default: ``num_minibatches`` sizes that differ by at most one, or chunks of ``minibatch_size``
+        (the last one smaller). Adapters override it to reproduce a framework's own minibatch cuts;
+        whatever it returns must be positive ints summing to ``n`` (checked), except that the last
+        epoch may stop early (sum ``<= n``: a partial pass that delivers only the head of its order,
+        e.g. to fill a fixed-size minibatch as RLlib's cyclic iterator does). Called when the epoch
+        starts, after :meth:`epoch_order`.
+        """
+        if self.num_minibatches is not None:
+            m = min(self.num_minibatches, n)
+            q, r = divmod(n, m)
+            return [q + (1 if i < r else 0) for i in range(m)]
+        assert self.minibatch_size is not None
+        return [min(self.minibatch_size, n - s) for s in range(0, n, self.minibatch_size)]
+
     def _start_epoch(self) -> None:
         assert self._cur is not None
         n = self._cur.count
@@ -197,14 +216,16 @@ class OnPolicy(Semantics):
                 tuple(perm.shape) != (n,) or not torch.equal(torch.sort(perm).values, torch.arange(n))):
             raise ConfigurationError(f"{type(self).__name__}.epoch_order returned {tuple(perm.shape)} indices that "
                                      f"are not a permutation of range({n}); return each index exactly once.")
+        sizes = self.epoch_sizes(n, self._epoch)
+        if type(self).epoch_sizes is not OnPolicy.epoch_sizes:
+            total = sum(sizes) if all(isinstance(s, int) and s > 0 for s in sizes) else -1
+            whole = self._epoch < self.num_epochs - 1
+            if total <= 0 or total > n or (whole and total != n):
+                raise ConfigurationError(f"{type(self).__name__}.epoch_sizes returned {sizes!r} for epoch "
+                                         f"{self._epoch} of {self.num_epochs} over {n} items; return positive ints "
+                                         f"summing to {n} "
+                                         f"(at most {n} in the last epoch).")
         self._perm = perm
-        if self.num_minibatches is not None:
-            m = min(self.num_minibatches, n)
-            q, r = divmod(n, m)
-            sizes = [q + (1 if i < r else 0) for i in range(m)]
-        else:
-            assert self.minibatch_size is not None
-            sizes = [min(self.minibatch_size, n - s) for s in range(0, n, self.minibatch_size)]
         self._bounds = [0]
         for s in sizes:
             self._bounds.append(self._bounds[-1] + s)
