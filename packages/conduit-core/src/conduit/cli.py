@@ -9,6 +9,7 @@ Other subcommands are registered the same way under ``conduit.commands``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
@@ -55,10 +56,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that went away shows up here, not as a traceback at interpreter exit
+        return rc
     except ConduitError as e:  # every subcommand: a refused argument or configuration, said without a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the output was piped into a reader that stopped early (`conduit ... | head`)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # what is still buffered goes nowhere, quietly
+        os.close(devnull)
+        return 1
 
 
 if __name__ == "__main__":

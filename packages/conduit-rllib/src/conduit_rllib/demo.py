@@ -56,6 +56,35 @@ def plot(rows: dict[str, list[Row]], path: Path, title: str) -> Path:
     return path
 
 
+def _plot_path(p: argparse.ArgumentParser, out: Path) -> Path:
+    """Where the plot will be written, checked before the (minutes-long) run.
+
+    A name without a suffix gets ``.png`` (what matplotlib writes then); a format matplotlib cannot
+    write, a directory, or a place that cannot be written ends the command with a usage error (exit 2).
+    Missing parent folders are created, as the plot would create them.
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if out.is_dir():
+        p.error(f"--out {str(out)!r} is a directory; give a file name, e.g. {str(out / 'conduit-demo-rllib.png')!r}")
+    if not out.suffix:
+        out = out.with_name(out.name + ".png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix[1:].lower() not in formats:
+        p.error(f"--out {str(out)!r}: matplotlib cannot write {out.suffix!r} files; use one of "
+                f"{', '.join('.' + f for f in sorted(formats))}")
+    existed = out.exists()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a"):
+            pass
+    except OSError as e:
+        p.error(f"cannot write the plot to {str(out)!r} ({e.strerror or e}); give --out a writable file")
+    if not existed:
+        out.unlink(missing_ok=True)
+    return out
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """The ``conduit.demos`` entry point: run both variants, print the per-iteration table, write the plot."""
     p = argparse.ArgumentParser(prog="conduit demo", description="RLlib DQN on large observations, native replay "
@@ -71,9 +100,14 @@ def run(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("conduit-demo-rllib.png"), help="where to write the plot")
     p.add_argument("--no-progress", action="store_true")
+    p.epilog = "conduit demo --synthetic [--help] runs conduit-core's synthetic actor/learner loop instead."
     args = p.parse_args(list(argv or []))
     if args.iterations < 1 or args.steps < 1 or args.obs_dim < 4:
         p.error("--iterations and --steps must be >= 1 and --obs-dim >= 4")
+    for flag, v in (("--batch", args.batch), ("--capacity", args.capacity), ("--hidden", args.hidden)):
+        if v < 1:  # RLlib would train on empty batches or fail deep inside with a bare AssertionError
+            p.error(f"{flag} must be >= 1, got {v}")
+    args.out = _plot_path(p, args.out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray

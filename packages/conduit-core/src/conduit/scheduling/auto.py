@@ -217,7 +217,11 @@ class Automatic(Scheduler):
         return 0 if self.on_policy else self.g_del_max
 
     def __repr__(self) -> str:
-        return f"Automatic(phase={self._phase}, inner={self.inner!r})"
+        phase = getattr(self, "_phase", None)
+        if phase is None:  # not attached to a buffer yet: its settings are all there is
+            overlap = {None: "auto", True: "on", False: "off"}[self.force_overlap]
+            return f"Automatic(g_ing_max={self.g_ing_max}, g_del_max={self.g_del_max}, overlap={overlap})"
+        return f"Automatic(phase={phase}, inner={self.inner!r})"
 
     # -- the scheduler role ------------------------------------------------------------------
     def ingest(self, batch: ExperienceBatch, *, version: int | None,

@@ -88,6 +88,9 @@ class Scheduler(ABC):
 class Synchronous(Scheduler):
     """Everything runs in the caller's thread, one call at a time, in call order."""
 
+    def __repr__(self) -> str:
+        return "Synchronous()"
+
     def ingest(self, batch: ExperienceBatch, *, version: int | None,
                priorities: torch.Tensor | None) -> torch.Tensor | None:
         return self.edp.ingest_now(batch, version=version, priorities=priorities)

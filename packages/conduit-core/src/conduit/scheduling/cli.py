@@ -12,7 +12,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+from conduit.errors import ConfigurationError
+
 __all__ = ["register"]
+
+#: ``conduit schedule --help`` (the module docstring, without its reST markup)
+_DESCRIPTION = """The safe granularity ranges of a job, and what the automatic scheduler picks here.
+
+  conduit schedule ranges --on-policy -M 4     the granularities a job may use, from nothing but
+                                               on/off-policy and M (and the optional caps)
+  conduit schedule calibrate --obs-dim 5000    run the synthetic actor/learner loop with the
+                                               Automatic scheduler on this machine and explain its
+                                               choice (the fitted latency model, the predicted cost
+                                               per granularity, the measured confirmation)"""
 
 
 def _ranges(args: argparse.Namespace) -> int:
@@ -28,6 +40,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     from conduit.demo import run_loop
     from conduit.scheduling.auto import Automatic
 
+    if args.updates < 1:  # without deliveries the calibration never starts, whatever --warmup says
+        raise ConfigurationError(f"--updates must be >= 1 to calibrate (Automatic calibrates on the learner's "
+                                 f"deliveries), got {args.updates}.")
     overlap = {"auto": None, "on": True, "off": False}[args.overlap]
     sched = Automatic(overlap=overlap, g_ing_max=args.g_ing_max, g_del_max=args.g_del_max)
     print(f"calibrating on the synthetic loop: d={args.obs_dim}, batch {args.batch}, rollout {args.rollout}, "
@@ -46,7 +61,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``conduit schedule`` to the ``conduit`` parser."""
     p = sub.add_parser("schedule", help="granularity ranges and the automatic scheduling choice",
-                       description=__doc__)
+                       formatter_class=argparse.RawDescriptionHelpFormatter, description=_DESCRIPTION)
     sp = p.add_subparsers(dest="schedule_command", required=True)
     r = sp.add_parser("ranges", help="safe g_ing / g_del ranges from on/off-policy and M")
     r.add_argument("--on-policy", action="store_true", help="an on-policy job (default: off-policy)")

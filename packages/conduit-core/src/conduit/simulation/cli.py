@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import math
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,8 @@ def simulate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".conduit-probe-"):  # an existing folder may refuse files
+            pass
     except OSError as e:
         raise ConfigurationError(f"Cannot use --out {str(out)!r} as the output directory ({e.strerror or e}); "
                                  f"give a directory path that can be created or written.") from e
