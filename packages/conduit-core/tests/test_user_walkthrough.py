@@ -165,3 +165,13 @@ def test_schedulers_describe_themselves_before_they_are_attached() -> None:
 
     assert repr(Synchronous()) == "Synchronous()"
     assert repr(Automatic(g_ing_max=4, overlap=True)) == "Automatic(g_ing_max=4, g_del_max=8, overlap=on)"
+
+
+def test_a_memory_budget_refusal_shows_the_sizes_it_compared() -> None:
+    from conduit.errors import ConfigurationError
+    from conduit.scheduling.granularity import safe_ranges
+
+    with pytest.raises(ConfigurationError) as e:
+        safe_ranges(on_policy=False, batch_bytes=1000, memory_budget=10)
+    msg = str(e.value)
+    assert "memory_budget=10 bytes" in msg and " 0 MiB" not in msg, msg

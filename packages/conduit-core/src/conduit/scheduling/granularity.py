@@ -89,9 +89,9 @@ def safe_ranges(*, on_policy: bool, num_minibatches: int | None = None, g_ing_ma
                 if buffers_needed(g, output_depth) * g * batch_bytes <= memory_budget]
         if not fits:
             raise ConfigurationError(
-                f"Even one batch per delivery call needs {buffers_needed(1, output_depth) * batch_bytes / 2**20:.0f} "
-                f"MiB of delivery buffers, over memory_budget={memory_budget / 2**20:.0f} MiB; raise the budget "
-                f"or deliver smaller batches.")
+                f"Even one batch per delivery call needs {buffers_needed(1, output_depth) * batch_bytes:,} bytes "
+                f"of delivery buffers, over memory_budget={memory_budget:,} bytes; raise the budget or deliver "
+                f"smaller batches.")
         top = max(fits)
     return GranularityRange(False, tuple(float(g) for g in range(1, g_ing_max + 1)),
                             tuple(float(g) for g in range(1, top + 1)))
