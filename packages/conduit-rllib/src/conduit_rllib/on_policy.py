@@ -31,6 +31,7 @@ from conduit import (
     Placement,
     SampleInfo,
     SchemaError,
+    StaleExperienceError,
 )
 from conduit.batch import as_tensor
 from conduit.scheduling.worker import Job, Worker
@@ -147,6 +148,9 @@ class MinibatchFeed:
         self._pool: Worker | None = None
         self._lock = threading.Lock()
         self._restored: dict[str, Any] | None = None  # loaded state waiting for the next data plane
+        # delivered but never handed to the caller (a prefetched minibatch, or the head of one whose next piece
+        # could not be delivered, when an iteration stopped): the next minibatches() starts with it
+        self._held: tuple[dict[str, torch.Tensor], int, SampleInfo] | None = None
 
     # -- configuration -----------------------------------------------------------------------
     @property
@@ -161,7 +165,7 @@ class MinibatchFeed:
         if self.edp is None:
             return True
         sem = self.semantics
-        return sem.pending_rollouts == 0 and len(self.edp) == 0
+        return sem.pending_rollouts == 0 and len(self.edp) == 0 and self._held is None
 
     def configure(self, *, num_minibatches: int = 1, num_epochs: int, shuffle: bool,
                   minibatch_size: int | None = None) -> None:
@@ -274,6 +278,7 @@ class MinibatchFeed:
         if self._pool is not None:  # let a gather the abandoned iteration started finish first
             self._pool.submit(lambda: None).wait()
         with self._lock:
+            self._held = None  # the head of a minibatch of the abandoned rollout: dropped with it
             while not self._idle():
                 try:
                     self._deliver()  # stale: dropped by the semantics, then EmptyBufferError
@@ -293,7 +298,8 @@ class MinibatchFeed:
     def state_dict(self) -> dict[str, Any]:
         """What outlives an update: the policy version, the epoch-permutation RNG, the drop count and
         the version of the last sealed rollout. A rollout still waiting (left by an update that stopped
-        mid-epoch) is not saved: it is stale once the policy moves on."""
+        mid-epoch) is not saved, nor a minibatch held for the next iteration: they are stale once the policy
+        moves on."""
         if self.edp is None and self._restored is not None:
             return dict(self._restored)
         full = self.semantics.state_dict()
@@ -320,6 +326,7 @@ class MinibatchFeed:
             if self.edp is not None:
                 self.edp.close()
                 self.edp = None
+            self._held = None
             self._restored = {k: state[k] for k in self._STATE_KEYS}
             self._policy_version = int(state["policy_version"])
 
@@ -348,7 +355,12 @@ class MinibatchFeed:
         The first delivery happens now, so an empty or stale buffer raises here. With ``prefetch``
         the next delivery is gathered while the caller trains on the current minibatch; a minibatch is
         valid until the caller asks for the one after the next (with ``minibatch_size``: until it asks
-        for the next one, whose pieces may reuse its buffers).
+        for the next one, whose pieces may reuse its buffers). When an iteration stops early (the
+        caller's training raised, or a piece could not be delivered), what was delivered but not handed
+        over (the prefetched minibatch, or the head of a minibatch that spans an epoch boundary) is kept,
+        and the next call starts with it: prefetching never changes the rows delivered, and a minibatch
+        is never handed over in part. A minibatch whose rollout went stale between two of its pieces is
+        dropped with the rollout (never joined with another rollout's rows).
 
         Keyword Args:
             env_steps: the env steps each minibatch reports (``MultiAgentBatch.env_steps()``, what
@@ -359,27 +371,68 @@ class MinibatchFeed:
             conduit.EmptyBufferError: nothing sealed is waiting.
             conduit.StaleExperienceError: the rollout is too stale and ``on_stale="raise"``.
         """
-        first = self._deliver()
-        return self._iterate(first, env_steps)
+        first = self._take_held()
+        if first is None:
+            first = self._piece(self._deliver())
+        return self._iterate(self._complete(first), env_steps)
 
-    def _iterate(self, first: tuple[ExperienceBatch, SampleInfo],
+    def _take_held(self) -> tuple[dict[str, torch.Tensor], int, SampleInfo] | None:
+        """The held delivery (see :meth:`minibatches`), unless its rollout has gone stale since (then it is
+        dropped with the rollout, or StaleExperienceError with ``on_stale="raise"``, still held)."""
+        held = self._held
+        if held is None:
+            return None
+        sem = self.semantics
+        version = held[2].version
+        assert version is not None  # on-policy deliveries carry their rollout's version
+        if sem.policy_version - version > sem.max_staleness:
+            if sem.on_stale == "raise":
+                raise StaleExperienceError(
+                    f"Rollout of policy version {version} is {sem.policy_version - version} "
+                    f"versions behind policy {sem.policy_version} (max_staleness={sem.max_staleness}); deliver "
+                    f"it sooner, raise max_staleness, or use on_stale='drop'.")
+            self._held = None
+            return None  # the rest of its rollout is dropped by the next delivery
+        self._held = None
+        return held
+
+    def _piece(self, delivery: tuple[ExperienceBatch, SampleInfo]) -> tuple[dict[str, torch.Tensor], int, SampleInfo]:
+        batch, info = delivery
+        self._record(info)
+        return {k: batch.tensor(k) for k in batch}, batch.batch_size, info
+
+    def _complete(self, head: tuple[dict[str, torch.Tensor], int, SampleInfo]
+                  ) -> tuple[dict[str, torch.Tensor], int, SampleInfo]:
+        """``head`` joined with the pieces that continue its minibatch into the next epoch (RLlib's cuts)."""
+        cols, rows, info = head
+        sem = self.semantics
+        size = sem.cycle if isinstance(sem, _CyclicOrder) else None
+        while size is not None and rows < size and not info.last:
+            try:
+                batch, nxt = self._deliver()
+            except BaseException:
+                # keep the head for the next call: its continuation is still waiting (fresh memory: the
+                # pieces' buffers are reused by later deliveries)
+                self._held = ({k: v.clone() for k, v in cols.items()}, rows, info)
+                raise
+            self._record(nxt)
+            piece = {k: batch.tensor(k) for k in batch}
+            if nxt.epoch != (info.epoch or 0) + 1 or nxt.minibatch != 0:
+                # the head's rollout went stale and was dropped: another rollout begins; the head goes with it
+                cols, rows = piece, batch.batch_size
+            else:  # join now, while the head's buffers are still valid (the join is a fresh tensor)
+                cols = {k: torch.cat([v, piece[k]]) for k, v in cols.items()}
+                rows += batch.batch_size
+            info = nxt
+        return cols, rows, info
+
+    def _iterate(self, first: tuple[dict[str, torch.Tensor], int, SampleInfo],
                  env_steps: int | None) -> Iterator[MultiAgentBatch]:
         pending: Job[tuple[ExperienceBatch, SampleInfo]] | None = None
         current = first
-        size = self.semantics.cycle if isinstance(self.semantics, _CyclicOrder) else None
         try:
             while True:
-                batch, info = current
-                self._record(info)
-                cols = {k: batch.tensor(k) for k in batch}
-                rows = batch.batch_size
-                while size is not None and rows < size and not info.last:
-                    # the minibatch continues in the next piece (the next epoch): join them now, while this
-                    # piece's buffers are still valid (the join is a fresh tensor)
-                    batch, info = self._deliver()
-                    self._record(info)
-                    cols = {k: torch.cat([v, batch.tensor(k)]) for k, v in cols.items()}
-                    rows += batch.batch_size
+                cols, _, info = current
                 if not info.last:
                     if self.prefetch:
                         if self._pool is None:
@@ -389,17 +442,26 @@ class MinibatchFeed:
                 if info.last:
                     return
                 if pending is not None:
-                    current, pending = pending.result(), None
+                    job, pending = pending, None
+                    current = self._complete(self._piece(job.result()))
                 else:
-                    current = self._deliver()
+                    current = self._complete(self._piece(self._deliver()))
         finally:
-            if pending is not None:  # the caller stopped early: let the running gather finish
+            if pending is not None:  # the caller stopped early: keep what the running gather delivers for later
                 pending.wait()
+                try:
+                    batch, info = pending.result()
+                except Exception:  # noqa: BLE001 - nothing was delivered: the next call delivers it again
+                    pass
+                else:
+                    self._record(info)
+                    self._held = ({k: batch.tensor(k).clone() for k in batch}, batch.batch_size, info)
 
     def close(self) -> None:
         """Stop the prefetch thread and the data plane."""
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        self._held = None
         if self.edp is not None:
             self.edp.close()

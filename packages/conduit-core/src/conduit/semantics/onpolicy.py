@@ -196,10 +196,12 @@ class OnPolicy(Semantics):
 
         Default: ``num_minibatches`` sizes that differ by at most one, or chunks of ``minibatch_size``
         (the last one smaller). Adapters override it to reproduce a framework's own minibatch cuts;
-        whatever it returns must be positive ints summing to ``n`` (checked), except that the last
-        epoch may stop early (sum ``<= n``: a partial pass that delivers only the head of its order,
+        whatever it returns must be a list of positive ints summing to ``n`` (checked), except that the
+        last epoch may stop early (sum ``<= n``: a partial pass that delivers only the head of its order,
         e.g. to fill a fixed-size minibatch as RLlib's cyclic iterator does). Called when the epoch
-        starts, after :meth:`epoch_order`.
+        starts, after :meth:`epoch_order` (the next epoch starts as the current one's last minibatch is
+        selected). A refused order or cut raises :class:`ConfigurationError` from that delivery and changes
+        nothing: the permutation RNG is untouched and the same minibatch is the next delivery.
         """
         if self.num_minibatches is not None:
             m = min(self.num_minibatches, n)
@@ -209,6 +211,16 @@ class OnPolicy(Semantics):
         return [min(self.minibatch_size, n - s) for s in range(0, n, self.minibatch_size)]
 
     def _start_epoch(self) -> None:
+        """Order and cut epoch ``self._epoch``; a refused order or cut (ConfigurationError) leaves the
+        permutation RNG as it was."""
+        rng = self._gen.get_state()
+        try:
+            self._start_epoch_checked()
+        except ConfigurationError:
+            self._gen.set_state(rng)
+            raise
+
+    def _start_epoch_checked(self) -> None:
         assert self._cur is not None
         n = self._cur.count
         perm = self.epoch_order(n, self._epoch)
@@ -218,13 +230,14 @@ class OnPolicy(Semantics):
                                      f"are not a permutation of range({n}); return each index exactly once.")
         sizes = self.epoch_sizes(n, self._epoch)
         if type(self).epoch_sizes is not OnPolicy.epoch_sizes:
-            total = sum(sizes) if all(isinstance(s, int) and s > 0 for s in sizes) else -1
+            ok = isinstance(sizes, (list, tuple)) and all(
+                isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes)
+            total = sum(sizes) if ok else -1
             whole = self._epoch < self.num_epochs - 1
             if total <= 0 or total > n or (whole and total != n):
                 raise ConfigurationError(f"{type(self).__name__}.epoch_sizes returned {sizes!r} for epoch "
-                                         f"{self._epoch} of {self.num_epochs} over {n} items; return positive ints "
-                                         f"summing to {n} "
-                                         f"(at most {n} in the last epoch).")
+                                         f"{self._epoch} of {self.num_epochs} over {n} items; return a list of "
+                                         f"positive ints summing to {n} (at most {n} in the last epoch).")
         self._perm = perm
         self._bounds = [0]
         for s in sizes:
@@ -260,11 +273,12 @@ class OnPolicy(Semantics):
                 self._sealed.popleft()
                 self._drop(r)
                 continue
+            epoch = self._epoch
             self._cur, self._epoch = r, 0
             try:
                 self._start_epoch()
             except ConfigurationError:
-                self._cur = None  # the rollout stays pending
+                self._cur, self._epoch = None, epoch  # the rollout stays pending
                 raise
             self._sealed.popleft()
         cur = self._cur
@@ -284,7 +298,12 @@ class OnPolicy(Semantics):
                 self._finished_end = cur.first + cur.count
                 self._cur = None
             else:
-                self._start_epoch()
+                try:
+                    self._start_epoch()
+                except ConfigurationError:  # refused: this minibatch stays the next one, nothing changed
+                    self._epoch -= 1
+                    self._k -= 1
+                    raise
         return Selection(slots, info)
 
     def after_gather(self, selection: Selection) -> None:
