@@ -175,3 +175,11 @@ def test_a_memory_budget_refusal_shows_the_sizes_it_compared() -> None:
         safe_ranges(on_policy=False, batch_bytes=1000, memory_budget=10)
     msg = str(e.value)
     assert "memory_budget=10 bytes" in msg and " 0 MiB" not in msg, msg
+
+
+def test_a_simulation_over_other_gpu_counts_is_titled_with_them(tmp_path) -> None:  # noqa: ANN001
+    from conduit.cli import main
+
+    assert main(["simulate", "--scenario", "a100", "--gpus", "1,2", "--samples", "1", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "scale-a100.md").read_text()
+    assert "A100 cluster, 1-2 GPUs" in md and "1-16" not in md.splitlines()[0], md.splitlines()[0]

@@ -72,7 +72,7 @@ def table(scenario: Scenario, rows: list[dict[str, Any]], baseline: str, network
     """The rows as a Markdown table, labelled as simulation, with the paper's figures beside them."""
     net = network or NETWORKS[scenario.network]
     fetch = "one fetch per pair of nodes" if net.node_fetch else "one fetch per learner"
-    head = [f"**{LABEL}** - {scenario.description}: {scenario.topology} nodes, {net.name}, {fetch}, transitions "
+    head = [f"**{LABEL}** - {scenario.title}: {scenario.topology} nodes, {net.name}, {fetch}, transitions "
             f"d={scenario.obs_dim}, capacity {scenario.capacity}, replay ratio {scenario.replay_ratio:g}, "
             f"non-adaptive = {baseline}", "",
             "| GPUs | nodes | placement per node (adaptive) | sim ms | sim non-adaptive ms (range) | sim gain "
@@ -114,7 +114,7 @@ def plot(results: dict[str, tuple[Scenario, list[dict[str, Any]]]], path: Path) 
         ax.set_yscale("log")
         ax.set_xlabel("GPUs")
         ax.set_ylabel("experience-path latency per iteration (ms)")
-        ax.set_title(f"{LABEL}: {scenario.description}", fontsize=9)
+        ax.set_title(f"{LABEL}: {scenario.title}", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("Conduit scale simulator (discrete-event SIMULATION, not a measurement)", fontsize=10)
@@ -154,7 +154,8 @@ def simulate(args: argparse.Namespace) -> int:
         results[name] = (sc, rows)
         md = table(sc, rows, args.baseline, net)
         (out / f"scale-{name}.md").write_text(md + "\n")
-        (out / f"scale-{name}.json").write_text(json.dumps({"label": LABEL, "scenario": dataclasses.asdict(sc),
+        scenario = dataclasses.asdict(sc) | {"description": sc.title}
+        (out / f"scale-{name}.json").write_text(json.dumps({"label": LABEL, "scenario": scenario,
                                                             "network": net.source, "fetch": args.fetch,
                                                             "baseline": args.baseline,
                                                             "rows": rows}, indent=1, default=str))

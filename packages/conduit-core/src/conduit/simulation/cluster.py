@@ -107,7 +107,14 @@ class Scenario:
     capacity: int = 1_000_000
     replay_ratio: float = 1.0
     paper: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)
+    #: what the scenario is; ``{gpus}`` stands for the GPU counts simulated (e.g. ``1-16``)
     description: str = ""
+
+    @property
+    def title(self) -> str:
+        """:attr:`description` with the GPU counts filled in."""
+        lo, hi = min(self.gpus), max(self.gpus)
+        return self.description.replace("{gpus}", f"{lo}-{hi}" if lo != hi else f"{lo}")
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
@@ -125,8 +132,8 @@ class Scenario:
 SCENARIOS = {
     "a100": Scenario("a100", "dgx-a100-80g", "hdr-ib-8x", (1, 2, 4, 8, 16), 2048,
                      paper={1: (95.0, None), 16: (15.0, None)},
-                     description="A100 cluster, 1-16 GPUs, total batch 2048"),
+                     description="A100 cluster, {gpus} GPUs, total batch 2048"),
     "mi250x": Scenario("mi250x", "mi250x-node", "slingshot-4x", (8, 16, 32, 64, 128, 256, 512, 1024), 32768,
                        paper={8: (614.0, None), 64: (110.0, 140.0), 1024: (50.0, 55.0)},
-                       description="MI250X supercomputer, 8-1024 GPUs (GCDs), workload 32768"),
+                       description="MI250X supercomputer, {gpus} GPUs (GCDs), workload 32768"),
 }
