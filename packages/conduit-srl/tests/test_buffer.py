@@ -186,6 +186,17 @@ def test_closed_buffer_refuses_calls() -> None:
         b.put(sample(1))
     with pytest.raises(ConfigurationError, match="closed"):
         b.get()
+    p = ConduitBuffer(semantics="prioritized", batch_size=1, capacity=4)
+    p.put(sample(0))
+    entry = p.get()
+    p.close()
+    with pytest.raises(ConfigurationError, match="closed"):
+        p.update_priorities(entry.sampling_indices, [1.0])
+    o = ConduitBuffer(semantics="on_policy", capacity=8, num_minibatches=1, prefetch=0)
+    o.close()
+    for call in (o.seal, lambda: o.set_policy_version(1)):
+        with pytest.raises(ConfigurationError, match="closed"):
+            call()
 
 
 # -- replay ---------------------------------------------------------------------------------------------

@@ -310,6 +310,7 @@ class Assembler:
 
     # -- prioritized / on-policy control ------------------------------------------------------
     def update_priorities(self, handles: Any, priorities: Any) -> int:
+        self._check_open()  # as put and get: a closed buffer takes no more calls
         if self.cfg.semantics != "prioritized":
             raise ConfigurationError("update_priorities needs semantics='prioritized'.")
         if self.edp is None:
@@ -326,6 +327,7 @@ class Assembler:
         return applied
 
     def set_policy_version(self, version: int) -> None:
+        self._check_open()  # as put and get: a closed buffer takes no more calls
         if self.cfg.semantics != "on_policy":
             raise ConfigurationError("set_policy_version needs semantics='on_policy'.")
         v = check_version(version)
@@ -336,6 +338,7 @@ class Assembler:
         self.edp.set_policy_version(v)
 
     def seal(self) -> None:
+        self._check_open()  # as put and get: a closed buffer takes no more calls
         if self.cfg.semantics != "on_policy":
             raise ConfigurationError("seal needs semantics='on_policy'.")
         with self._seal_lock:  # not _put_lock: a put waiting for room must not hold up the seal
