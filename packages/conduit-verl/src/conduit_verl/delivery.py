@@ -56,6 +56,7 @@ from conduit import (
 )
 from conduit.batch import ExperienceBatch
 from conduit.scheduling.worker import Job, Worker
+from conduit.semantics.base import Selection
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from torch.utils.data import DataLoader, Dataset
 
@@ -93,6 +94,15 @@ class VerlOnPolicy(OnPolicy):
     into M contiguous minibatches (sizes differ by at most one). When M divides the rollout
     size this reproduces verl's minibatches row for row.
 
+    With ``seed=None`` the loader draws from torch's global RNG, as verl's does, and at the same
+    moment: verl's loader starts epoch ``e`` (one global draw for the loader's base seed, one
+    more when ``shuffle`` is on) when the consumer asks for that epoch's first minibatch, i.e.
+    after the previous minibatch trained. So epochs after the first start on their first
+    delivery, not when the previous epoch's last minibatch is selected
+    (:attr:`starts_epochs_on_delivery`; :class:`MinibatchPrefetch` then stages nothing across
+    an epoch boundary), and the same global RNG state gives the same order as verl's, and
+    leaves the global RNG as verl's does, whatever the training in between draws.
+
     The loader state is not part of ``state_dict``: checkpoint between rollouts.
     """
 
@@ -104,6 +114,30 @@ class VerlOnPolicy(OnPolicy):
         self.loader_seed = seed
         self.dataloader_kwargs = dict(dataloader_kwargs or {})
         self._orders: Iterator[torch.Tensor] | None = None
+        self._deferred = False  # the next epoch starts on the next delivery (seed=None)
+
+    @property
+    def starts_epochs_on_delivery(self) -> bool:
+        """True with ``seed=None``: an epoch after the first draws its order (from the global RNG) when its first
+        minibatch is delivered, as verl's loader does, so nothing may select it ahead of that delivery."""
+        return self.loader_seed is None
+
+    def _start_epoch(self) -> None:
+        if self.starts_epochs_on_delivery and self._epoch > 0 and not self._deferred:
+            self._deferred = True  # started by the next select, when the consumer asks for the epoch
+            return
+        super()._start_epoch()
+
+    def select(self, n: int | None = None, **kwargs: Any) -> Selection:
+        if self._deferred:
+            if self._cur is not None and self._stale(self._cur):  # dropped (or refused) below: no order to draw
+                if self.on_stale == "raise":
+                    raise self._stale_error(self._cur)
+                self._deferred = False
+            else:
+                super()._start_epoch()  # a refused order raises here and leaves the epoch deferred
+                self._deferred = False
+        return super().select(n, **kwargs)
 
     def _epoch_orders(self, n: int) -> Iterator[torch.Tensor]:
         gen = None
@@ -131,7 +165,9 @@ class MinibatchPrefetch(Scheduler):
     """Stages the next on-policy minibatch while the current one trains (or not, ``prefetch=False``).
 
     The staging of minibatch k+1 starts when minibatch k is handed out and never runs past
-    the end of a rollout, so nothing is selected that the learner will not receive. On CUDA
+    the end of a rollout (nor past the end of an epoch when the semantics'
+    ``starts_epochs_on_delivery`` is true), so nothing is selected that the learner will not
+    receive, nor ahead of its time. On CUDA
     it runs on a side stream after the learner's stream has reached the hand-out point, its
     host-side wait keeps the page-locked gather buffers safe to reuse, and the learner's
     stream waits on it before use. Ingestion is synchronous. ``g_del`` is ``1/M`` of the
@@ -181,8 +217,12 @@ class MinibatchPrefetch(Scheduler):
         if self._pending is not None:
             fut, self._pending = self._pending, None
             batch, info, done = fut.result()
-        else:
-            batch, info, done = self._stage(None)
+        else:  # staged here (the first minibatch, or an epoch's first with seed=None): after the learner's work so far
+            now = None
+            if self._cuda:
+                now = torch.cuda.Event()
+                now.record(torch.cuda.current_stream(self.edp.device))
+            batch, info, done = self._stage(now)
         if done is not None:
             cur = torch.cuda.current_stream(self.edp.device)
             cur.wait_event(done)
@@ -193,7 +233,10 @@ class MinibatchPrefetch(Scheduler):
                     col.lengths.record_stream(cur)
         if info.num_minibatches:
             self.g_del = 1.0 / (info.num_minibatches * (getattr(self.edp.semantics, "num_epochs", 1) or 1))
-        if self.prefetch and not info.last:
+        ends_epoch = info.num_minibatches is not None and info.minibatch == info.num_minibatches - 1
+        if ends_epoch and getattr(self.edp.semantics, "starts_epochs_on_delivery", False):
+            pass  # the next epoch's order is drawn on its first delivery, in the consumer's thread (seed=None)
+        elif self.prefetch and not info.last:
             after = None
             if self._cuda:
                 after = torch.cuda.Event()
@@ -336,7 +379,8 @@ class MinibatchDelivery:
     Keyword Args:
         num_minibatches: M per epoch.
         epochs: passes over each rollout.
-        seed: the DataLoader generator seed (verl: ``seed + dp_rank``); None draws one.
+        seed: the DataLoader generator seed (verl: ``seed + dp_rank``); None: torch's global RNG, drawn when
+            verl's own loader draws it (see :class:`VerlOnPolicy`).
         dataloader_kwargs: verl's loader options (``shuffle``).
         prefetch: stage minibatch k+1 while k trains.
         device: where minibatches land (default: the current CUDA device if any, else CPU).

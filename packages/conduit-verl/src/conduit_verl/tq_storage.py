@@ -105,6 +105,9 @@ class _UnitState:
         self.num_units = int(config.get("num_units", 1))
         self.fields: dict[str, FieldStore] = {}
         self.objects: dict[str, dict[int, Any]] = {}
+        #: used on unit 0 only: field -> (dtype name, or None for Python objects; shape-row width) of each field a
+        #: put claimed there (:meth:`claim`) before storing it on any unit
+        self.claims: dict[str, tuple[str | None, int]] = {}
         self.telemetry = Telemetry()
 
     def check(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None
@@ -145,6 +148,61 @@ class _UnitState:
             elif len(col) != len(gis):
                 raise SchemaError(f"Field {name!r}: {len(col)} values for {len(gis)} global indexes.")
         return decoded, stores
+
+    def _kind_of(self, name: str) -> tuple[str | None, int] | None:
+        """(dtype name or None for Python objects, shape-row width) of field ``name`` as claimed or held here."""
+        if name in self.claims:
+            return self.claims[name]
+        if name in self.fields:
+            store = self.fields[name]
+            return str(store.dtype).removeprefix("torch."), store.width
+        if name in self.objects:
+            return None, 0
+        return None
+
+    def claim(self, kinds: dict[str, tuple[str | None, int]]) -> tuple[list[str], dict[str, tuple[str | None, int]]]:
+        """Check-and-set of the fields' kinds (the unit's calls are serialised, so of two racing first puts of a
+        field in different kinds, dtypes or ranks, the second is refused here before it stores anything).
+
+        ``kinds``: field -> (dtype name, or None for Python objects; the column's shape-row width). Every field is
+        checked against what was claimed (or is held) here before any is claimed; a field new here is claimed with
+        the put's kind. Claims are never forgotten (as fields are not), except by :meth:`unclaim` and :meth:`load`.
+
+        Returns:
+            The fields this call claimed, and each field's claimed (dtype, width) (a lower-rank put of a tensor
+            field is padded to the claimed width).
+
+        Raises:
+            SchemaError: a field was claimed (or is held) in another kind or dtype, or with a lower rank; nothing
+                is claimed.
+        """
+        for name, (dtype, width) in kinds.items():
+            have = self._kind_of(name)
+            if have is None:
+                continue
+            held_dtype, held_width = have
+            if (held_dtype is None) != (dtype is None):
+                held, brought = ("Python objects", "tensors") if dtype is not None else ("tensors", "Python objects")
+                raise SchemaError(f"Field {name!r} is stored as {held} (a put of it came first), a put brought "
+                                  f"{brought}; TransferQueue fields keep one kind (on every storage unit): put "
+                                  f"{name!r} as {held}, or the {brought} under another field name.")
+            if dtype is not None and dtype != held_dtype:
+                raise SchemaError(f"Field {name!r} is stored as torch.{held_dtype} (a put of it came first), a put "
+                                  f"brought torch.{dtype}; TransferQueue fields keep one dtype (on every storage "
+                                  f"unit): cast the column to torch.{held_dtype}, or put it under another field name.")
+            if dtype is not None and width > held_width:
+                raise SchemaError(f"Field {name!r} holds samples of rank <= {held_width - 1} (a put of it came "
+                                  f"first), a put brought rank {width - 1}; TransferQueue fields keep one rank (on "
+                                  f"every storage unit): put this column under another field name.")
+        new = [name for name in kinds if self._kind_of(name) is None]
+        for name in new:
+            self.claims[name] = kinds[name]
+        return new, {name: cast("tuple[str | None, int]", self._kind_of(name)) for name in kinds}
+
+    def unclaim(self, names: list[str]) -> None:
+        """Forget the claims of ``names`` (a put that claimed them and then failed stored nothing of them)."""
+        for name in names:
+            self.claims.pop(name, None)
 
     def held_widths(self, stores: dict[str, FieldStore]) -> dict[str, int]:
         """The shape-row width of each of ``stores`` this unit already holds (what :meth:`check` returned)."""
@@ -238,7 +296,7 @@ class _UnitState:
                                               PoolLadder(**self.ladder_args))
             if f["gis"]:
                 store.put(f["gis"], from_wire(f["column"], copy=True))
-        self.fields, self.objects = fields, state["objects"]
+        self.fields, self.objects, self.claims = fields, state["objects"], {}
         return sum(len(s) for s in fields.values())
 
     def stats(self) -> dict[str, Any]:
@@ -265,6 +323,13 @@ class ConduitStorageUnit:
 
     def put(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None) -> None:
         self.state.put(gis, columns, widths)
+
+    def claim(self, kinds: dict[str, tuple[str | None, int]]) -> tuple[list[str], dict[str, tuple[str | None, int]]]:
+        """See :meth:`_UnitState.claim` (the manager asks unit 0)."""
+        return self.state.claim(kinds)
+
+    def unclaim(self, names: list[str]) -> None:
+        self.state.unclaim(names)
 
     def get(self, gis: list[int], fields: list[str]) -> dict[str, Any]:
         return self.state.get(gis, fields)
@@ -366,6 +431,9 @@ class ConduitStorageManager(StorageManager):
                       for r in range(int(cfg["num_units"]))]
         self.device = self._resolve_device(str(cfg["device"]))
         self.telemetry = Telemetry()
+        #: the kinds unit 0 confirmed to this client (:meth:`_UnitState.claim`): a put of a field in its claimed
+        #: kind, dtype and at most its rank asks no more
+        self._claimed: dict[str, tuple[str | None, int]] = {}
 
     @staticmethod
     def _resolve_device(spec: str) -> torch.device:
@@ -389,6 +457,17 @@ class ConduitStorageManager(StorageManager):
 
     async def put_data(self, data: TensorDict, metadata: BatchMeta,
                        data_parser: Callable[[Any], Any] | None = None) -> None:
+        """Store ``data``'s rows under ``metadata``'s global indexes, on the units they route to.
+
+        With several units every unit checks the put before any stores it, then unit 0 claims the kind of each
+        field new to this client (:meth:`_UnitState.claim`): of two puts whose checks passed before either stored,
+        one bringing a field in another kind, dtype or a higher rank than the other is refused there.
+
+        Raises:
+            SchemaError: a column disagrees with its field's kind, dtype or rank on any unit, or with the claim of a
+                first put that came before; nothing of this put is stored.
+            CapacityError: a unit would exceed ``max_items``.
+        """
         t0 = time.perf_counter()
         n = metadata.size
         if data.batch_size[0] != n:
@@ -415,6 +494,7 @@ class ConduitStorageManager(StorageManager):
                     payload[k] = col if len(routes) == 1 else [col[p] for p in positions]
             parts.append((rank, [gis[p] for p in positions], payload))
         widths: dict[str, int] = {}
+        claimed: list[str] = []
         if len(self.units) > 1:  # every unit checks before any writes: a put refused by one unit stores nothing,
             # and a unit the put does not reach still refuses a field it holds in another kind, dtype or rank
             parts = [(rank, part_gis, ray.put(payload)) for rank, part_gis, payload in parts]
@@ -427,12 +507,37 @@ class ConduitStorageManager(StorageManager):
             for unit_widths in held:  # a field new to a unit takes the rank limit held elsewhere
                 for name, width in unit_widths.items():
                     widths[name] = max(widths.get(name, 0), width)
-        with _unit_errors():
-            await asyncio.gather(*[self.units[rank].put.remote(part_gis, payload, widths)
-                                   for rank, part_gis, payload in parts])
+            # the checks of two puts can pass before either stores: unit 0 (whose calls are serialised) claims each
+            # field's kind, dtype and rank limit, so the second of two racing first puts is refused before it stores
+            kinds = {k: (str(c.dtype).removeprefix("torch."), int(c.shapes.shape[1])) if isinstance(c, PackedColumn)
+                     else (None, 0) for k, c in columns.items()}
+            ask = {k: kind for k, kind in kinds.items() if not self._knows(k, kind)}
+            if ask:
+                with _unit_errors():
+                    claimed, confirmed = await self.units[0].claim.remote(ask)
+                self._claimed.update(confirmed)
+            for name, (dtype, width) in self._claimed.items():
+                if name in kinds and dtype is not None:
+                    widths[name] = max(widths.get(name, 0), width)
+        try:
+            with _unit_errors():
+                await asyncio.gather(*[self.units[rank].put.remote(part_gis, payload, widths)
+                                       for rank, part_gis, payload in parts])
+        except BaseException:
+            if claimed:  # a put that fails after its checks passed gives back the claims it made
+                for name in claimed:
+                    self._claimed.pop(name, None)
+                with contextlib.suppress(Exception):
+                    await self.units[0].unclaim.remote(claimed)
+            raise
         self.telemetry.record("put", n, nbytes, t0, time.perf_counter())
         self._trace()
         await self.notify_data_update(metadata.partition_ids[0], gis, extract_field_schema(data))
+
+    def _knows(self, name: str, kind: tuple[str | None, int]) -> bool:
+        """Whether unit 0 confirmed ``name``'s kind and dtype to this client, with a rank limit ``kind`` keeps."""
+        have = self._claimed.get(name)
+        return have is not None and have[0] == kind[0] and kind[1] <= have[1]
 
     async def get_data(self, metadata: BatchMeta) -> TensorDict:
         t0 = time.perf_counter()
@@ -498,6 +603,7 @@ class ConduitStorageManager(StorageManager):
         if missing:
             raise FileNotFoundError(f"Conduit checkpoint files missing: {missing}; restore with the num_units the "
                                     f"checkpoint was written with.")
+        self._claimed.clear()  # unit 0 forgets its claims too: the restored samples are what the fields hold
         with _unit_errors():
             await asyncio.gather(*[u.load.remote(p) for u, p in zip(self.units, paths, strict=True)])
 
@@ -548,14 +654,14 @@ def _same_kind(name: str, parts: list[Any]) -> None:
     """Check that the units' parts of field ``name`` (wire columns or object lists) can form one column.
 
     Raises:
-        SchemaError: the units hold the field in different kinds or dtypes (only two first puts of the field that
-            raced past each other's checks leave this behind).
+        SchemaError: the units hold the field in different kinds or dtypes (racing first puts are refused by unit
+            0's claim, so only units written otherwise, e.g. by a restore of mismatched checkpoint files, get here).
     """
     kinds = {f"tensors of {p['dtype']}" if isinstance(p, dict) else "Python objects" for p in parts}
     if len(kinds) > 1:
         raise SchemaError(f"Field {name!r} is held as {' and as '.join(sorted(kinds))} on different Conduit storage "
-                          f"units (two first puts of the field raced), so they cannot be read as one column; put the "
-                          f"values again under another field name, in one kind and dtype.")
+                          f"units (e.g. restored from checkpoint files of different runs), so they cannot be read as "
+                          f"one column; put the values again under another field name, in one kind and dtype.")
 
 
 def _objects_column(items: list[Any]) -> torch.Tensor | NonTensorStack:
