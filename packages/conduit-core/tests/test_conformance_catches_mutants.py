@@ -289,15 +289,15 @@ class MixesVersions(OnPolicy):
 class IgnoresStaleness(OnPolicy):
     """Delivers every rollout, however stale."""
 
-    def _stale(self, r: Any) -> bool:
+    def stale(self, version: int) -> bool:
         return False
 
 
 class StalenessOffByOne(OnPolicy):
     """Allows one version more staleness than max_staleness."""
 
-    def _stale(self, r: Any) -> bool:
-        return self.policy_version - r.version > self.max_staleness + 1
+    def stale(self, version: int) -> bool:
+        return self.policy_version - version > self.max_staleness + 1
 
 
 class ReportsPolicyVersion(OnPolicy):
@@ -325,7 +325,7 @@ class DropsAllPending(OnPolicy):
     """on_stale="drop" drops every waiting rollout once one of them is stale."""
 
     def select(self, n: int | None = None, **kw: Any) -> Selection:
-        if self.on_stale == "drop" and any(self._stale(r) for r in self._sealed):
+        if self.on_stale == "drop" and any(self.stale(r.version) for r in self._sealed):
             while self._sealed:
                 self._drop(self._sealed.popleft())
         return super().select(n, **kw)

@@ -163,6 +163,15 @@ def test_counts_add_up_exactly_while_threads_record_and_another_reads() -> None:
     assert {e["tid"] for e in spans} == set(names) and set(names.values()) == {f"writer-{k}" for k in range(writers)}
 
 
+def _fails_and_keeps_the_old_file(script: str, path: Path) -> None:
+    """Run ``script`` on ``path`` in a fresh interpreter (it lowers its own file-size limit): its second write
+    must fail and the first file's content stay."""
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["write", "failed", "old", "kept"], out.stdout
+
+
 _TRACE_UNDER_A_FILE_SIZE_LIMIT = textwrap.dedent("""
     import resource, signal, sys
     from pathlib import Path
@@ -186,10 +195,7 @@ _TRACE_UNDER_A_FILE_SIZE_LIMIT = textwrap.dedent("""
 
 def test_a_trace_write_that_fails_leaves_the_previous_file_whole(tmp_path: Path) -> None:
     path = tmp_path / "trace.json"
-    out = subprocess.run([sys.executable, "-c", _TRACE_UNDER_A_FILE_SIZE_LIMIT, str(path)], capture_output=True,
-                         text=True, timeout=120, check=False)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["write", "failed", "old", "kept"], out.stdout
+    _fails_and_keeps_the_old_file(_TRACE_UNDER_A_FILE_SIZE_LIMIT, path)
     assert json.loads(path.read_text())["traceEvents"][0]["name"] == "ingest"
     assert [p.name for p in tmp_path.iterdir()] == ["trace.json"], "no temporary file may be left behind"
 
@@ -214,10 +220,7 @@ _PROFILE_UNDER_A_FILE_SIZE_LIMIT = textwrap.dedent("""
 
 def test_a_profile_save_that_fails_leaves_the_old_profile_and_no_partial_file(tmp_path: Path) -> None:
     path = tmp_path / "profile.json"
-    out = subprocess.run([sys.executable, "-c", _PROFILE_UNDER_A_FILE_SIZE_LIMIT, str(path)], capture_output=True,
-                         text=True, timeout=120, check=False)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["write", "failed", "old", "kept"], out.stdout
+    _fails_and_keeps_the_old_file(_PROFILE_UNDER_A_FILE_SIZE_LIMIT, path)
     assert [p.name for p in tmp_path.iterdir()] == ["profile.json"], "no partial file may be left behind"
 
 

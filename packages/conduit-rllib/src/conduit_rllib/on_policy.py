@@ -31,7 +31,6 @@ from conduit import (
     Placement,
     SampleInfo,
     SchemaError,
-    StaleExperienceError,
 )
 from conduit.batch import as_tensor
 from conduit.scheduling.worker import Job, Worker
@@ -385,12 +384,9 @@ class MinibatchFeed:
         sem = self.semantics
         version = held[2].version
         assert version is not None  # on-policy deliveries carry their rollout's version
-        if sem.policy_version - version > sem.max_staleness:
+        if sem.stale(version):
             if sem.on_stale == "raise":
-                raise StaleExperienceError(
-                    f"Rollout of policy version {version} is {sem.policy_version - version} "
-                    f"versions behind policy {sem.policy_version} (max_staleness={sem.max_staleness}); deliver "
-                    f"it sooner, raise max_staleness, or use on_stale='drop'.")
+                raise sem.stale_error(version)
             self._held = None
             return None  # the rest of its rollout is dropped by the next delivery
         self._held = None

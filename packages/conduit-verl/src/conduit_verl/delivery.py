@@ -130,9 +130,9 @@ class VerlOnPolicy(OnPolicy):
 
     def select(self, n: int | None = None, **kwargs: Any) -> Selection:
         if self._deferred:
-            if self._cur is not None and self._stale(self._cur):  # dropped (or refused) below: no order to draw
+            if self._cur is not None and self.stale(self._cur.version):  # dropped (or refused) below: no order to draw
                 if self.on_stale == "raise":
-                    raise self._stale_error(self._cur)
+                    raise self.stale_error(self._cur.version)
                 self._deferred = False
             else:
                 super()._start_epoch()  # a refused order raises here and leaves the epoch deferred

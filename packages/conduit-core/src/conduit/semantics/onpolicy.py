@@ -177,7 +177,8 @@ class OnPolicy(Semantics):
     @property
     def fresh_rollouts(self) -> int:
         """Of :attr:`pending_rollouts`, those not too stale to deliver at the current policy version."""
-        return sum(not self._stale(r) for r in ([self._cur] if self._cur is not None else []) + list(self._sealed))
+        waiting = ([self._cur] if self._cur is not None else []) + list(self._sealed)
+        return sum(not self.stale(r.version) for r in waiting)
 
     # -- delivery --------------------------------------------------------------------------
     def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
@@ -244,8 +245,9 @@ class OnPolicy(Semantics):
             self._bounds.append(self._bounds[-1] + s)
         self._k = 0
 
-    def _stale(self, r: _Rollout) -> bool:
-        return self.policy_version - r.version > self.max_staleness
+    def stale(self, version: int) -> bool:
+        """Whether a rollout of policy ``version`` is now more than ``max_staleness`` versions behind."""
+        return self.policy_version - version > self.max_staleness
 
     def _drop(self, r: _Rollout) -> None:
         self.dropped_items += r.count
@@ -256,9 +258,9 @@ class OnPolicy(Semantics):
         if n is not None:
             raise ConfigurationError("On-policy delivery sizes are set by num_minibatches/minibatch_size; "
                                      "call deliver() without n.")
-        if self._cur is not None and self._stale(self._cur):
+        if self._cur is not None and self.stale(self._cur.version):
             if self.on_stale == "raise":
-                raise self._stale_error(self._cur)
+                raise self.stale_error(self._cur.version)
             self._drop(self._cur)
             self._cur = None
         while self._cur is None:
@@ -267,9 +269,9 @@ class OnPolicy(Semantics):
                 raise EmptyBufferError(f"No sealed rollout is waiting for delivery{hint}; ingest a rollout and "
                                        f"seal it.")
             r = self._sealed[0]
-            if self._stale(r):
+            if self.stale(r.version):
                 if self.on_stale == "raise":
-                    raise self._stale_error(r)
+                    raise self.stale_error(r.version)
                 self._sealed.popleft()
                 self._drop(r)
                 continue
@@ -312,9 +314,10 @@ class OnPolicy(Semantics):
             self.storage.release(self._finished_end)
             self._finished_end = None
 
-    def _stale_error(self, r: _Rollout) -> StaleExperienceError:
+    def stale_error(self, version: int) -> StaleExperienceError:
+        """The error a delivery raises (``on_stale="raise"``) for a rollout of policy ``version`` that is stale."""
         return StaleExperienceError(
-            f"Rollout of policy version {r.version} is {self.policy_version - r.version} versions behind policy "
+            f"Rollout of policy version {version} is {self.policy_version - version} versions behind policy "
             f"{self.policy_version} (max_staleness={self.max_staleness}); deliver it sooner, raise max_staleness, "
             f"or use on_stale='drop'.")
 
