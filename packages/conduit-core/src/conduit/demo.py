@@ -30,6 +30,7 @@ from conduit.placement.base import HostPlacement, Placement
 from conduit.scheduling import Automatic, Overlapped, Scheduler, Synchronous
 from conduit.schema import ExperienceSchema, Field
 from conduit.semantics import Replay
+from conduit.telemetry import probe_writable
 
 __all__ = ["run_synthetic", "run_loop", "LoopResult", "make_scheduler", "SCHEDULERS"]
 
@@ -202,15 +203,11 @@ def _check_output(path: Path) -> None:
     Raises:
         ConfigurationError: it is a directory, its folder is missing, or it cannot be written.
     """
-    existed = path.exists()
     try:
-        with open(path, "a"):
-            pass
+        probe_writable(path)
     except OSError as e:
         raise ConfigurationError(f"Cannot write the trace to {str(path)!r} ({e.strerror or e}); give --trace a "
                                  f"writable file in an existing folder, or --trace '' for none.") from e
-    if not existed:
-        path.unlink(missing_ok=True)
 
 
 def run_synthetic(argv: Sequence[str] | None = None) -> int:

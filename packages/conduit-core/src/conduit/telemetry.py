@@ -262,6 +262,19 @@ class Telemetry:
         return trace
 
 
+def probe_writable(path: Path) -> None:
+    """Check now that ``path`` can be written later (opened for appending), leaving it as it was.
+
+    Raises:
+        OSError: it is a directory, its folder is missing, or it cannot be written.
+    """
+    existed = path.exists()
+    with open(path, "a"):
+        pass
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path``, then rename it over ``path`` (never half a file)."""
     # a name of this process and thread, created exclusively (and with the umask's permissions, as a plain write)

@@ -17,6 +17,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from conduit.telemetry import probe_writable
+
 from conduit_rllib.compare import Row
 
 __all__ = ["run", "plot"]
@@ -73,15 +75,11 @@ def _plot_path(p: argparse.ArgumentParser, out: Path) -> Path:
     if out.suffix[1:].lower() not in formats:
         p.error(f"--out {str(out)!r}: matplotlib cannot write {out.suffix!r} files; use one of "
                 f"{', '.join('.' + f for f in sorted(formats))}")
-    existed = out.exists()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "a"):
-            pass
+        probe_writable(out)
     except OSError as e:
         p.error(f"cannot write the plot to {str(out)!r} ({e.strerror or e}); give --out a writable file")
-    if not existed:
-        out.unlink(missing_ok=True)
     return out
 
 
