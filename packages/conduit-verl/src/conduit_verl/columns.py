@@ -50,7 +50,28 @@ from conduit.storage import ColumnarStorage
 from conduit_verl.compat import MissingKeyError
 from conduit_verl.packing import PackedColumn
 
-__all__ = ["Rung", "PoolLadder", "PoolPlacement", "Migration", "FieldStore"]
+__all__ = ["Rung", "PoolLadder", "PoolPlacement", "Migration", "FieldStore", "kind_error", "dtype_error", "rank_error"]
+
+
+def kind_error(name: str, held: str, brought: str, note: str = "") -> SchemaError:
+    """A put brought field ``name`` as ``brought`` ("tensors" or "Python objects"); it is ``held`` the other way."""
+    return SchemaError(f"Field {name!r} is stored as {held}{note}, a put brought {brought}; TransferQueue fields keep "
+                       f"one kind (on every storage unit): put {name!r} as {held}, or the {brought} under another "
+                       f"field name.")
+
+
+def dtype_error(name: str, held: object, brought: object, note: str = "") -> SchemaError:
+    """A put brought field ``name`` in dtype ``brought``; it is stored in ``held``."""
+    return SchemaError(f"Field {name!r} is stored as {held}{note}, a put brought {brought}; TransferQueue fields keep "
+                       f"one dtype (on every storage unit): cast the column to {held}, or put it under another field "
+                       f"name.")
+
+
+def rank_error(name: str, held_width: int, brought_width: int, note: str = "") -> SchemaError:
+    """A put brought field ``name`` with shape rows of ``brought_width``, wider than the ``held_width`` it keeps."""
+    return SchemaError(f"Field {name!r} holds samples of rank <= {held_width - 1}{note}, a put brought rank "
+                       f"{brought_width - 1}; TransferQueue fields keep one rank (on every storage unit): put this "
+                       f"column under another field name.")
 
 
 @dataclass(frozen=True)
@@ -203,15 +224,11 @@ class FieldStore:
         if len(set(gis)) != n:
             raise SchemaError(f"Field {self.name!r}: a put names a global index twice.")
         if col.dtype != self.dtype:
-            raise SchemaError(f"Field {self.name!r} is stored as {self.dtype}, a put brought {col.dtype}; "
-                              f"TransferQueue fields keep one dtype (on every storage unit): cast the column to "
-                              f"{self.dtype}, or put it under another field name.")
+            raise dtype_error(self.name, self.dtype, col.dtype)
         shapes = col.shapes
         if shapes.shape[1] != self.width:
             if shapes.shape[1] > self.width:
-                raise SchemaError(f"Field {self.name!r} holds samples of rank <= {self.width - 1}, a put brought rank "
-                                  f"{shapes.shape[1] - 1}; TransferQueue fields keep one rank (on every storage "
-                                  f"unit): put this column under another field name.")
+                raise rank_error(self.name, self.width, shapes.shape[1])
             shapes = torch.nn.functional.pad(shapes, (0, self.width - shapes.shape[1]))
         if n:
             ExperienceBatch({"values": Ragged(col.values, col.lengths), "shape": shapes}, n).validate(self.schema)

@@ -53,7 +53,7 @@ from transfer_queue.storage.bootstrap import StorageBootstrapProvider
 from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
 from transfer_queue.utils.common import get_node_round_robin_scheduling_strategies
 
-from conduit_verl.columns import FieldStore, Migration, PoolLadder
+from conduit_verl.columns import FieldStore, Migration, PoolLadder, dtype_error, kind_error, rank_error
 from conduit_verl.compat import MissingKeyError
 from conduit_verl.packing import (
     PackedColumn,
@@ -94,6 +94,10 @@ def unit_name(run_id: str, rank: int) -> str:
     return f"ConduitStorageUnit#{run_id}#{rank}"
 
 
+#: how a claim on unit 0 says why the field's kind is settled
+_CAME_FIRST = " (a put of it came first)"
+
+
 class _UnitState:
     """What one storage unit holds (plain Python; the Ray actor wraps it)."""
 
@@ -130,9 +134,7 @@ class _UnitState:
             kind_is_tensor = isinstance(w, dict)
             if kind_is_tensor and name in self.objects or not kind_is_tensor and name in self.fields:
                 held, brought = ("Python objects", "tensors") if kind_is_tensor else ("tensors", "Python objects")
-                raise SchemaError(f"Field {name!r} is stored as {held}, a put brought {brought}; TransferQueue "
-                                  f"fields keep one kind (on every storage unit): put {name!r} as {held}, or the "
-                                  f"{brought} under another field name.")
+                raise kind_error(name, held, brought)
             decoded[name] = from_wire(w) if kind_is_tensor else w
         stores: dict[str, FieldStore] = {}
         for name, col in decoded.items():  # every column is checked before any is written
@@ -183,17 +185,11 @@ class _UnitState:
             held_dtype, held_width = have
             if (held_dtype is None) != (dtype is None):
                 held, brought = ("Python objects", "tensors") if dtype is not None else ("tensors", "Python objects")
-                raise SchemaError(f"Field {name!r} is stored as {held} (a put of it came first), a put brought "
-                                  f"{brought}; TransferQueue fields keep one kind (on every storage unit): put "
-                                  f"{name!r} as {held}, or the {brought} under another field name.")
+                raise kind_error(name, held, brought, _CAME_FIRST)
             if dtype is not None and dtype != held_dtype:
-                raise SchemaError(f"Field {name!r} is stored as torch.{held_dtype} (a put of it came first), a put "
-                                  f"brought torch.{dtype}; TransferQueue fields keep one dtype (on every storage "
-                                  f"unit): cast the column to torch.{held_dtype}, or put it under another field name.")
+                raise dtype_error(name, f"torch.{held_dtype}", f"torch.{dtype}", _CAME_FIRST)
             if dtype is not None and width > held_width:
-                raise SchemaError(f"Field {name!r} holds samples of rank <= {held_width - 1} (a put of it came "
-                                  f"first), a put brought rank {width - 1}; TransferQueue fields keep one rank (on "
-                                  f"every storage unit): put this column under another field name.")
+                raise rank_error(name, held_width, width, _CAME_FIRST)
         new = [name for name in kinds if self._kind_of(name) is None]
         for name in new:
             self.claims[name] = kinds[name]
