@@ -25,6 +25,12 @@ def _finite_non_negative(x: object) -> bool:
     return not isinstance(x, bool) and isinstance(x, Real) and 0 <= float(x) < math.inf
 
 
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    """``t``'s values as a host NumPy array (a view where possible; a tensor with a conjugate or negative
+    view bit, e.g. ``z.conj().imag``, is resolved first, as NumPy cannot share it)."""
+    return t.detach().cpu().resolve_conj().resolve_neg().numpy()
+
+
 class Sampler(ABC):
     """Chooses slots among the live items of a storage.
 
@@ -136,7 +142,7 @@ class PrioritizedSampler(Sampler):
     def check_handles(handles: torch.Tensor | np.ndarray) -> np.ndarray:
         """Handles as int64 NumPy, or :class:`PriorityError` when they are not integers (e.g. the
         priorities passed where the handles go: truncated, they would name other items)."""
-        raw = np.asarray(handles.detach().cpu().numpy() if isinstance(handles, torch.Tensor) else handles)
+        raw = np.asarray(_host_array(handles) if isinstance(handles, torch.Tensor) else handles)
         if raw.size and raw.dtype.kind not in "iu":
             raise PriorityError(f"Handles must be integers (the int64 handles a delivery returned), got dtype "
                                 f"{raw.dtype}; pass info.handles first, then the priorities.")
@@ -146,7 +152,9 @@ class PrioritizedSampler(Sampler):
     def check(priorities: torch.Tensor | np.ndarray) -> np.ndarray:
         """Priorities as float64 NumPy, or :class:`PriorityError` if any is NaN, inf or negative, or not a number."""
         try:
-            p = np.asarray(priorities.detach().cpu().numpy() if isinstance(priorities, torch.Tensor) else priorities,
+            if priorities.is_complex() if isinstance(priorities, torch.Tensor) else np.iscomplexobj(priorities):
+                raise TypeError("complex values")  # NumPy would drop the imaginary parts with a warning
+            p = np.asarray(_host_array(priorities) if isinstance(priorities, torch.Tensor) else priorities,
                            dtype=np.float64).reshape(-1)
         except (TypeError, ValueError) as e:
             raise PriorityError(f"Priorities must be real numbers (a float tensor or array, one per item), got "

@@ -1,0 +1,97 @@
+"""Host ingestion writes rows by ``memmove`` for contiguous sources and through NumPy or ``copy_`` otherwise:
+every kind of source tensor must land in the ring exactly, across the wrap, and none may leak a view bit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay
+from conduit.batch import ExperienceBatch
+from conduit.errors import PriorityError
+from conduit.storage import ColumnarStorage
+
+CAPACITY = 7
+
+#: name -> (dtype, how the caller's tensor is made from plain values)
+SOURCES: dict[str, tuple[torch.dtype, Callable[[torch.Tensor], torch.Tensor]]] = {
+    "contiguous": (torch.float32, lambda v: v.clone()),
+    "column_slice": (torch.float32, lambda v: torch.cat([v, v], dim=1)[:, ::2]),  # non-contiguous rows
+    "transposed": (torch.float32, lambda v: v.t().contiguous().t()),
+    "offset_view": (torch.float32, lambda v: torch.cat([torch.zeros(3, v.shape[1]), v])[3:]),
+    # the imaginary part of a conjugate view: a real tensor whose neg bit is set (NumPy cannot take it)
+    "negative_view": (torch.float32, lambda v: torch.complex(torch.zeros_like(v), -v).conj().imag),
+    "requires_grad": (torch.float32, lambda v: v.clone().requires_grad_(True)),
+    "bfloat16": (torch.bfloat16, lambda v: v.to(torch.bfloat16)),
+    "int64": (torch.int64, lambda v: (v * 100).to(torch.int64)),
+    "bool": (torch.bool, lambda v: v > 0),
+    "parameter": (torch.float32, lambda v: torch.nn.Parameter(v.clone())),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SOURCES))
+def test_every_kind_of_source_lands_exactly_across_the_wrap(kind: str) -> None:
+    dtype, make = SOURCES[kind]
+    edp = ExperienceDataPlane(ExperienceSchema(x=Field((3,), dtype)), capacity=CAPACITY, semantics=Replay(seed=0))
+    gen = torch.Generator().manual_seed(1)
+    kept: list[torch.Tensor] = []
+    for n in (3, 2, 4, 1, 5):  # 15 rows into 7 slots: the ring wraps in the middle of a batch twice
+        values = torch.randn(n, 3, generator=gen)
+        src = make(values)
+        expected = make(values).detach().resolve_neg().clone()
+        edp.ingest({"x": src})
+        kept.append(expected)
+    rows = torch.cat(kept)[-CAPACITY:]  # the newest CAPACITY rows, oldest first
+    st = edp.storage
+    assert isinstance(st, ColumnarStorage)
+    slots = torch.arange(st.oldest, st.next_handle) % CAPACITY
+    got = st._cols["x"][slots]
+    assert torch.equal(got, rows), f"{kind}: stored rows differ from the source\n{got}\n!=\n{rows}"
+
+
+def test_a_source_is_never_written_to_and_keeps_its_bits() -> None:
+    edp = ExperienceDataPlane(ExperienceSchema(x=Field((2,))), capacity=4, semantics=Replay(seed=0))
+    src = torch.complex(torch.zeros(2, 2), torch.tensor([[1.0, -2.0], [3.0, 4.0]])).conj().imag
+    before = src.resolve_neg().clone()
+    edp.ingest({"x": src})
+    assert src.is_neg(), "ingestion must not resolve the caller's view in place"
+    assert torch.equal(src.resolve_neg(), before)
+
+
+def test_rows_sized_unlike_the_column_are_not_copied_raw() -> None:
+    """The raw copy moves exactly ``n`` rows of the column's row size; a column of another byte size (a batch built
+    without validation, e.g. by internal callers) goes the checked path and cannot write past the ring."""
+    st = ColumnarStorage(ExperienceSchema(x=Field((4,))), 4)
+    wide = torch.ones(2, 8)  # twice the row bytes: a raw copy of its size would overrun slots 2-3 into slot 4+
+    with pytest.raises((RuntimeError, ValueError)):
+        st.append(ExperienceBatch({"x": wide}, 2))
+    assert torch.equal(st._cols["x"][2:], torch.zeros(2, 4)), "rows beyond the batch were written"
+
+
+def _negative_bit(values: list[float]) -> torch.Tensor:
+    """A real tensor holding ``values`` with its negative view bit set (the imaginary part of a conjugate)."""
+    t = torch.complex(torch.zeros(len(values)), -torch.tensor(values)).conj().imag
+    assert t.is_neg() and t.tolist() == values
+    return t
+
+
+def test_priorities_and_handles_with_a_view_bit_are_read_by_value() -> None:
+    edp = ExperienceDataPlane(ExperienceSchema(x=Field((1,))), capacity=8,
+                              semantics=Replay(sampler=PrioritizedSampler(alpha=1.0), seed=0))
+    handles = edp.ingest({"x": torch.ones(2, 1)}, priorities=_negative_bit([1.0, 3.0]))
+    assert handles is not None
+    tree = edp.semantics.sampler._tree
+    assert tree.get(np.array([0, 1])).tolist() == [1.0, 3.0]
+    assert edp.update_priorities(handles, _negative_bit([2.0, 5.0])) == 2
+    assert tree.get(np.array([0, 1])).tolist() == [2.0, 5.0]
+
+
+def test_complex_priorities_are_refused_not_truncated() -> None:
+    edp = ExperienceDataPlane(ExperienceSchema(x=Field((1,))), capacity=8,
+                              semantics=Replay(sampler=PrioritizedSampler(), seed=0))
+    for bad in (torch.tensor([1 + 2j, 3j]), np.array([1 + 2j, 3j])):
+        with pytest.raises(PriorityError, match="real numbers"):
+            edp.ingest({"x": torch.ones(2, 1)}, priorities=bad)
+    assert len(edp) == 0
