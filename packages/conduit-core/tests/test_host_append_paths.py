@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay
-from conduit.batch import ExperienceBatch
-from conduit.errors import PriorityError
+from conduit.batch import ExperienceBatch, Ragged
+from conduit.errors import PriorityError, SchemaError
 from conduit.storage import ColumnarStorage
 
 CAPACITY = 7
@@ -95,3 +95,33 @@ def test_complex_priorities_are_refused_not_truncated() -> None:
         with pytest.raises(PriorityError, match="real numbers"):
             edp.ingest({"x": torch.ones(2, 1)}, priorities=bad)
     assert len(edp) == 0
+
+
+def test_a_conjugate_view_is_stored_by_value() -> None:
+    edp = ExperienceDataPlane(ExperienceSchema(z=Field((2,), torch.complex64)), capacity=4, semantics=Replay(seed=0))
+    z = torch.tensor([[1 + 2j, 3 - 1j], [0 + 1j, 2 + 0j]], dtype=torch.complex64)
+    edp.ingest({"z": z.conj()})
+    assert torch.equal(edp.storage._cols["z"][:2], z.conj().resolve_conj())
+
+
+@pytest.mark.parametrize("kind", ["sparse", "meta", "ragged_sparse"])
+def test_tensors_without_dense_values_are_refused_before_anything_changes(kind: str) -> None:
+    ragged = kind.startswith("ragged")
+    schema = ExperienceSchema(x=Field((2,)), t=Field((), torch.int64, ragged=True)) if ragged else \
+        ExperienceSchema(x=Field((2,)))
+    edp = ExperienceDataPlane(schema, capacity=2, semantics=Replay(seed=0))
+
+    def batch(x: torch.Tensor, tokens: torch.Tensor | None = None) -> dict[str, object]:
+        if not ragged:
+            return {"x": x}
+        values = tokens if tokens is not None else torch.arange(4)
+        return {"x": x, "t": Ragged(values, torch.tensor([1, 3]))}
+
+    edp.ingest(batch(torch.ones(2, 2)))  # full: a stored batch would evict both items
+    before = (edp.storage.oldest, edp.storage.next_handle, edp.storage._cols["x"].clone())
+    bad = {"sparse": batch(torch.eye(2).to_sparse()), "meta": batch(torch.empty(2, 2, device="meta")),
+           "ragged_sparse": batch(torch.zeros(2, 2), torch.arange(4).to_sparse())}[kind]
+    with pytest.raises(SchemaError, match="dense|meta"):
+        edp.ingest(bad)
+    after = (edp.storage.oldest, edp.storage.next_handle, edp.storage._cols["x"])
+    assert after[:2] == before[:2] and torch.equal(after[2], before[2]), f"{kind}: a refused ingest changed the ring"

@@ -274,6 +274,8 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                                       f"list of per-item sequences.")
                 _check_ragged_parts(name, c)
                 v, lens = c.values, c.lengths
+                _check_has_values(name, v)
+                _check_has_values(name, lens)
                 if v.dim() == 0:
                     raise SchemaError(f"Field {name!r}: a Ragged's values are a 0-d tensor; give the packed "
                                       f"elements as a tensor [total, *shape].")
@@ -294,6 +296,7 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                 if not isinstance(c, torch.Tensor):  # an ExperienceBatch's columns are not converted
                     raise SchemaError(f"Field {name!r} is a {type(c).__name__}, not a tensor; build the batch from a "
                                       f"dict (or ExperienceBatch.from_mapping), which converts NumPy arrays.")
+                _check_has_values(name, c)
                 if c.dtype != f.dtype:
                     raise SchemaError(f"Field {name!r} has dtype {c.dtype}, the schema says {f.dtype}; "
                                       f"convert it before ingesting.")
@@ -303,6 +306,18 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                 if c.dim() == 0 or c.shape[0] != n:
                     raise SchemaError(f"Field {name!r} has {c.shape[0] if c.dim() else 0} rows for a batch of {n} "
                                       f"items; give every field one row per item.")
+
+
+_STRIDED = torch.strided
+
+
+def _check_has_values(name: str, t: torch.Tensor) -> None:
+    """:class:`SchemaError` unless ``t`` is a dense tensor with data (storage copies rows of strided memory)."""
+    if t.layout is not _STRIDED:
+        raise SchemaError(f"Field {name!r} is a {str(t.layout).removeprefix('torch.')} tensor; give a dense one "
+                          f"(e.g. .to_dense()).")
+    if t.is_meta:
+        raise SchemaError(f"Field {name!r} is on the meta device and holds no values; give a tensor with data.")
 
 
 def _check_ragged_parts(name: str, r: Ragged) -> None:
@@ -344,7 +359,7 @@ def _matching_rows(columns: Mapping[str, object], schema: ExperienceSchema) -> i
     n = -1
     for name, dtype, shape, dims in checks:
         c = columns.get(name)
-        if type(c) is not torch.Tensor or c.dtype is not dtype:
+        if type(c) is not torch.Tensor or c.dtype is not dtype or c.layout is not _STRIDED or c.is_meta:
             return -1
         s = c.shape
         if len(s) != dims or (dims > 1 and s[1:] != shape) or (n >= 0 and s[0] != n):

@@ -230,7 +230,7 @@ class ColumnarStorage(Storage):
                         _memmove(raw[0], p + a * row, (n - a) * row)
                     continue
                 dnp = self._np_cols[name]
-                if dnp is not None and src.is_cpu and not src.requires_grad and not src.is_neg():
+                if dnp is not None and src.is_cpu and not (src.requires_grad or src.is_neg() or src.is_conj()):
                     snp = src.numpy()
                     dnp[s:s + a] = snp[:a]
                     if a < n:
