@@ -95,6 +95,7 @@ class DiskStorage(ColumnarStorage):
         self._closed = True
         self._cols.clear()
         self._np_cols.clear()
+        self._raw_cols.clear()  # their addresses point into the unmapped files
         self._pools.clear()
         self._finalizer()
 
