@@ -26,6 +26,7 @@ prepared batch may miss). What is SRL-specific stays here:
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -168,7 +169,7 @@ class Assembler:
             fresh = layout is None  # the first sample fixes the layout only once it is accepted
             if layout is None:
                 layout = RecordLayout(sample, batched=batched, drop_fields=self.cfg.drop_fields)
-                self._check_version_field(layout)
+                self._check_version_field(layout, dtype=True)
             arrays, n = layout.split(sample, batched=batched)
             capacity = self.cfg.resolved_capacity
             if n > capacity:
@@ -315,12 +316,15 @@ class Assembler:
             raise ConfigurationError("update_priorities needs semantics='prioritized'.")
         if self.edp is None:
             raise EmptyBufferError("Nothing was put into this buffer yet; there are no priorities to update.")
-        try:  # (float indices are refused: truncated, they would name another sample)
-            h = torch.from_numpy(PrioritizedSampler.check_handles(np.asarray(handles)))
-            p = torch.as_tensor(np.asarray(priorities, dtype=np.float64).reshape(-1))
-        except (TypeError, ValueError, PriorityError) as e:
-            raise PriorityError(f"update_priorities takes entry.sampling_indices and one number per index; could "
-                                f"not read them as numbers ({e}).") from None
+        try:  # (float indices are refused: truncated, they would name another sample; tensors, including
+            # ones that require grad or carry view bits, and complex priorities are Conduit's to check)
+            if isinstance(priorities, torch.Tensor) and priorities.is_floating_point():
+                priorities = priorities.detach().to("cpu", torch.float64)  # e.g. bfloat16, which NumPy lacks
+            h = torch.from_numpy(PrioritizedSampler.check_handles(handles))
+            p = torch.from_numpy(PrioritizedSampler.check(priorities))
+        except (TypeError, ValueError, RuntimeError) as e:  # (PriorityError included: say it in SRL's terms)
+            raise PriorityError(f"update_priorities takes entry.sampling_indices and one priority per index: "
+                                f"{e}") from None
         applied = self.edp.update_priorities(h, p)
         with self._cv:
             self._prio_updates += 1
@@ -414,20 +418,38 @@ class Assembler:
     def _start(self, layout: RecordLayout) -> None:
         cfg = self.cfg
         self._check_version_field(layout)
-        edp = ExperienceDataPlane(layout.schema(), capacity=cfg.resolved_capacity, semantics=_semantics(cfg),
-                                  scheduler=_scheduler(cfg))
+        schema = layout.schema()
+        cap = cfg.resolved_capacity
+        try:
+            slots = (np.full(cap, -1, dtype=np.int64), np.zeros(cap, dtype=np.int64)) if cfg.replay_like else None
+            edp = ExperienceDataPlane(schema, capacity=cap, semantics=_semantics(cfg), scheduler=_scheduler(cfg))
+        except ConduitError:
+            raise
+        except (MemoryError, ValueError, RuntimeError) as e:  # the storage could not be allocated
+            per_sample = sum(math.prod(f.shape) * f.dtype.itemsize for f in schema.values())
+            raise CapacityError(f"Storage for capacity={cap} samples of {per_sample} bytes each (T="
+                                f"{layout.time_steps}) could not be allocated ({type(e).__name__}: {e}); lower "
+                                f"capacity or send shorter samples. Nothing was stored.") from e
         if self._pending_version is not None:
             edp.set_policy_version(self._pending_version)
-        if cfg.replay_like:
-            self._slot_handle = np.full(cfg.resolved_capacity, -1, dtype=np.int64)
-            self._slot_uses = np.zeros(cfg.resolved_capacity, dtype=np.int64)
+        if slots is not None:
+            self._slot_handle, self._slot_uses = slots
         self.layout, self.edp = layout, edp
 
-    def _check_version_field(self, layout: RecordLayout) -> None:
+    def _check_version_field(self, layout: RecordLayout, *, dtype: bool = False) -> None:
+        """On-policy: the layout has the version field (``dtype``: of a numeric dtype, checked on a first put only,
+        so a checkpoint taken before that check existed still restores)."""
         cfg = self.cfg
-        if cfg.semantics == "on_policy" and layout.leaf(cfg.version_field) is None:
+        if cfg.semantics != "on_policy":
+            return
+        leaf = layout.leaf(cfg.version_field)
+        if leaf is None:
             raise SchemaError(f"on_policy needs the policy version in field {cfg.version_field!r}, which the sample "
                               f"does not have; set version_field= to the field that holds it.")
+        if dtype and leaf.dtype.kind not in "iuf":
+            raise SchemaError(f"on_policy reads policy versions from field {cfg.version_field!r}, which has dtype "
+                              f"{leaf.dtype}; send integer versions there (e.g. int64), or set version_field= to "
+                              f"the field that holds them.")
 
     def _scheduler(self) -> Overlapped:
         assert self.edp is not None
@@ -449,9 +471,22 @@ class Assembler:
         if self.cfg.semantics != "on_policy":
             return [(0, n, None, False)]
         v = arrays[self.cfg.version_field].reshape(n, -1)
-        none = np.iinfo(np.int64).max
-        per_item = np.where(v >= 0, v, none).astype(np.int64, copy=False).min(axis=1)
-        if (per_item == none).any():
+        if v.dtype.kind == "f":  # whole numbers only: a cast to int64 would truncate, or wrap a huge value
+            v = v.astype(np.float64)
+            held = v[v >= 0]  # (negative values mean "no version")
+            bad = np.concatenate([v[np.isnan(v)], held[(held != np.floor(held)) | (held >= 2.0 ** 63)]])
+            if bad.size:
+                raise SchemaError(f"Field {self.cfg.version_field!r} holds {float(bad[0])}, which is not a policy "
+                                  f"version; versions are whole numbers >= 0 (negative marks 'no version'). "
+                                  f"Nothing of this put was stored.")
+            low = np.where(v >= 0, v, np.inf).min(axis=1)  # (compared as floats: a sentinel cast would wrap)
+            missing = np.isinf(low)
+            per_item = np.where(missing, 0, low).astype(np.int64)
+        else:
+            none = np.iinfo(np.int64).max
+            per_item = np.where(v >= 0, v, none).astype(np.int64, copy=False).min(axis=1)
+            missing = per_item == none
+        if missing.any():
             raise SchemaError(f"A sample carries no policy version (every {self.cfg.version_field!r} value is "
                               f"negative); on_policy needs the producing version.")
         open_v, count, size = self._open_version, self._open_count, self.cfg.rollout_size

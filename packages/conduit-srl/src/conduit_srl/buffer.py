@@ -54,9 +54,15 @@ class ConduitBuffer:
     def put(self, x: Any) -> None:
         """Hand over one sample (``[T, ...]``, or ``[T, B, ...]`` with ``batched_puts=True``).
 
+        Fields are NumPy arrays, torch tensors (read detached, on the host, with conjugate/negative
+        view bits resolved; like arrays, not written after the put) or nested lists of numbers. A
+        big-endian array is the same field as a native one of its dtype; deliveries are native.
+
         Raises:
-            SchemaError: the sample's fields, dtypes or shapes differ from the first sample's.
-            CapacityError: more samples than the capacity in one put.
+            SchemaError: the sample's fields, dtypes or shapes differ from the first sample's, or a field
+                cannot be stored (object, string or structured dtypes, no time axis, ragged lists).
+            CapacityError: more samples than the capacity in one put, or (first put) storage for
+                ``capacity`` such samples cannot be allocated.
             StaleExperienceError: on-policy, a sample older than the open rollout with ``on_stale="raise"``.
         """
         self._a.put(x, batched=self._a.cfg.batched_puts)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from conduit import ExperienceSchema, Field, SchemaError
 
-__all__ = ["RecordLayout", "Leaf", "torch_dtype"]
+__all__ = ["RecordLayout", "Leaf", "as_array", "torch_dtype"]
 
 
 def torch_dtype(dtype: np.dtype, path: str) -> torch.dtype:
@@ -28,6 +28,31 @@ def torch_dtype(dtype: np.dtype, path: str) -> torch.dtype:
     except TypeError:
         raise SchemaError(f"Field {path!r} has dtype {dtype}, which Conduit cannot store; convert it to a numeric "
                           f"dtype, or list it in buffer_args['drop_fields'] to deliver it as None.") from None
+
+
+def as_array(value: Any, path: str) -> np.ndarray:
+    """``value`` (a NumPy array, a torch tensor, or nested lists of numbers) as host NumPy in native byte order.
+
+    NumPy arrays and CPU tensors are shared where possible. A tensor is detached, brought to the host
+    and has its conjugate / negative view bits resolved (e.g. ``z.conj().imag``); an array in
+    non-native byte order (e.g. ``'>f4'``) is converted to the same dtype in native order (the
+    values are unchanged; deliveries are native). Anything else is read with ``np.asarray``.
+
+    Raises:
+        SchemaError: the value cannot be read as one array (naming the field and what to send).
+    """
+    try:
+        if isinstance(value, torch.Tensor):
+            arr = value.detach().cpu().resolve_conj().resolve_neg().numpy()
+        else:
+            arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise SchemaError(f"Field {path!r} cannot be read as one array ({type(value).__name__}: {e}); send a NumPy "
+                          f"array or tensor [T, ...] of a numeric or bool dtype (NumPy has no bfloat16: convert "
+                          f"such tensors to float32), or list the field in buffer_args['drop_fields'].") from None
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    return arr
 
 
 @dataclass(frozen=True)
@@ -51,6 +76,10 @@ class RecordLayout:
 
     Args:
         sample: the first sample.
+
+    Fields may be NumPy arrays, torch tensors or nested lists (see :func:`as_array`); a field's
+    dtype is fixed up to byte order (``'>f4'`` and ``'<f4'`` are the same float32 field, stored
+    and delivered in native order).
 
     Keyword Args:
         batched: the sample is ``[T, B, ...]`` (otherwise ``[T, ...]``).
@@ -79,11 +108,13 @@ class RecordLayout:
             elif hasattr(value, "items") and not isinstance(value, (np.ndarray, Mapping)):
                 children.append((name, self._infer(value, path + ".", batched)))
             else:
-                arr = np.asarray(value)
+                arr = as_array(value, path)
                 lead = 2 if batched else 1
                 if arr.ndim < lead:
                     layout = "[T, B, ...]" if batched else "[T, ...]"
-                    raise SchemaError(f"Field {path!r} has shape {arr.shape}; SRL samples are {layout}.")
+                    raise SchemaError(f"Field {path!r} has shape {arr.shape}; SRL samples are {layout} (list a "
+                                      f"field without a time axis in buffer_args['drop_fields'] to deliver it as "
+                                      f"None).")
                 if self.time_steps < 0:
                     self.time_steps = int(arr.shape[0])
                 elif arr.shape[0] != self.time_steps:
@@ -144,7 +175,7 @@ class RecordLayout:
                 continue
             if value is None:
                 raise SchemaError(f"Field {path!r} is None, but was an array in the first sample.")
-            arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+            arr = as_array(value, path)
             if arr.dtype != child.dtype:
                 raise SchemaError(f"Field {path!r} has dtype {arr.dtype}, the first sample had {child.dtype}; "
                                   f"send one dtype per field.")

@@ -73,7 +73,9 @@ def _signature(rec: Any) -> tuple[Any, ...] | None:
     """Class, field names, dtypes and shapes of a record; None if it cannot be stacked on the batch axis.
 
     A field without a time axis (a scalar such as ``policy_name="default"``, which a Conduit buffer
-    drops) has no axis 1 to stack on, so such a record is sent alone.
+    drops) has no axis 1 to stack on, so such a record is sent alone; so is one with a field that is
+    not one array (ragged lists, tensors that require grad or carry view bits): the buffer that
+    receives it decides whether it can store it.
     """
     out: list[Any] = [type(rec)]
     for k, v in rec.items():
@@ -85,7 +87,10 @@ def _signature(rec: Any) -> tuple[Any, ...] | None:
                 return None
             out.append((k, sub))
         else:
-            a = np.asarray(v)
+            try:
+                a = np.asarray(v)
+            except (TypeError, ValueError, RuntimeError):
+                return None
             if a.ndim == 0:
                 return None
             out.append((k, a.dtype.str, a.shape))
