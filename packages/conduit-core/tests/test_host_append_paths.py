@@ -125,3 +125,19 @@ def test_tensors_without_dense_values_are_refused_before_anything_changes(kind: 
         edp.ingest(bad)
     after = (edp.storage.oldest, edp.storage.next_handle, edp.storage._cols["x"])
     assert after[:2] == before[:2] and torch.equal(after[2], before[2]), f"{kind}: a refused ingest changed the ring"
+
+
+@pytest.mark.parametrize("priorities", [[1e-300, 1e300], [5e-324, 1.0], [1e-200, 1.0], [0.0, 1.0]])
+def test_priorities_far_apart_give_finite_weights(priorities: list[float]) -> None:
+    """Valid priorities however far apart: every draw gets a weight in [0, 1], the rarest item's being 1."""
+    edp = ExperienceDataPlane(ExperienceSchema(x=Field((1,))), capacity=2,
+                              semantics=Replay(sampler=PrioritizedSampler(alpha=1.0, beta=1.0), seed=0))
+    edp.ingest({"x": torch.tensor([[0.0], [1.0]])}, priorities=torch.tensor(priorities, dtype=torch.float64))
+    for _ in range(4):
+        batch, info = edp.deliver(64)
+        assert info.weights is not None
+        w = info.weights
+        assert bool(torch.isfinite(w).all()) and float(w.min()) >= 0 and float(w.max()) <= 1, w
+        rare = batch["x"].flatten() == 0  # the item of the smallest positive priority, if drawn, weighs exactly 1
+        if priorities[0] > 0 and bool(rare.any()):
+            assert bool((w[rare] == 1).all()), w

@@ -203,11 +203,11 @@ class PrioritizedSampler(Sampler):
             slots[zero] = self._tree.find(self._rng.random(int(zero.sum())) * total)
             leaf = self._tree.get(slots)
         st = self.storage
-        size = st.next_handle - st.oldest
         probs = leaf / total
         b = self.beta if beta is None else float(beta)
-        max_w = (size * self._tree.min / total) ** (-b)
-        weights = (size * probs) ** (-b) / max_w
+        # (N * P(i))^-b / (N * min_j P(j))^-b, as (min_j p_j / p_i)^b: in (0, 1], so no priorities however far
+        # apart overflow it (the quotient form raised for 1e-300 beside 1e300)
+        weights = (self._tree.min / leaf) ** b
         # as Storage.handles_of, in NumPy (nothing evicted yet: handle == slot)
         handles = slots.copy() if st.oldest == 0 else st.oldest + (slots - st.oldest) % st.capacity
         info = SampleInfo(handles=torch.from_numpy(handles), weights=torch.from_numpy(weights.astype(np.float32)),
