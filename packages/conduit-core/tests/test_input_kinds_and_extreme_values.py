@@ -1,5 +1,6 @@
-"""Host ingestion writes rows by ``memmove`` for contiguous sources and through NumPy or ``copy_`` otherwise:
-every kind of source tensor must land in the ring exactly, across the wrap, and none may leak a view bit."""
+"""What callers hand in, of every kind: source tensors with odd layouts or view bits (host ingestion writes
+contiguous ones by ``memmove``, others through NumPy or ``copy_``; all must land exactly, across the wrap),
+tensors without dense values (refused before anything changes), and priorities of any real value."""
 
 from __future__ import annotations
 
