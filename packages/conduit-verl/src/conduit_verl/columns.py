@@ -28,7 +28,7 @@ Every move is recorded as a :class:`Migration`.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +50,19 @@ from conduit.storage import ColumnarStorage
 from conduit_verl.compat import MissingKeyError
 from conduit_verl.packing import PackedColumn
 
-__all__ = ["Rung", "PoolLadder", "PoolPlacement", "Migration", "FieldStore", "kind_error", "dtype_error", "rank_error"]
+__all__ = ["Rung", "PoolLadder", "PoolPlacement", "Migration", "FieldStore", "check_indexes", "kind_error",
+           "dtype_error", "rank_error"]
+
+
+def check_indexes(name: str, gis: list[int], held: Collection[int], max_items: int | None) -> None:
+    """Refuse a put of ``gis`` to field ``name``, which holds the indexes ``held``, that names a global index
+    twice (:class:`SchemaError`) or would hold more than ``max_items`` samples (:class:`CapacityError`)."""
+    if len(set(gis)) != len(gis):
+        raise SchemaError(f"Field {name!r}: a put names a global index twice.")
+    new_items = sum(1 for g in gis if g not in held)
+    if max_items is not None and len(held) + new_items > max_items:
+        raise CapacityError(f"Field {name!r}: {len(held)} stored + {new_items} new samples exceed "
+                            f"max_items={max_items}; clear consumed samples or raise max_items.")
 
 
 def kind_error(name: str, held: str, brought: str, note: str = "") -> SchemaError:
@@ -221,8 +233,6 @@ class FieldStore:
         n = len(gis)
         if len(col) != n:
             raise SchemaError(f"Field {self.name!r}: {len(col)} samples for {n} global indexes.")
-        if len(set(gis)) != n:
-            raise SchemaError(f"Field {self.name!r}: a put names a global index twice.")
         if col.dtype != self.dtype:
             raise dtype_error(self.name, self.dtype, col.dtype)
         shapes = col.shapes
@@ -232,10 +242,7 @@ class FieldStore:
             shapes = torch.nn.functional.pad(shapes, (0, self.width - shapes.shape[1]))
         if n:
             ExperienceBatch({"values": Ragged(col.values, col.lengths), "shape": shapes}, n).validate(self.schema)
-        new_items = sum(1 for g in gis if g not in self._handle)
-        if self.ladder.max_items is not None and len(self._handle) + new_items > self.ladder.max_items:
-            raise CapacityError(f"Field {self.name!r}: {len(self._handle)} stored + {new_items} new samples exceed "
-                                f"max_items={self.ladder.max_items}; clear consumed samples or raise max_items.")
+        check_indexes(self.name, gis, self._handle, self.ladder.max_items)
         return shapes
 
     def put(self, gis: Sequence[int], col: PackedColumn) -> None:

@@ -25,8 +25,8 @@ thread (no pinning, no streams).
 When it is on: ``CONDUIT_VERL_DELIVERY`` = ``prefetch`` | ``sync`` | ``off`` decides when set;
 otherwise it follows ``transfer_queue.backend.Conduit.delivery`` when this process's
 TransferQueue backend is Conduit; otherwise verl's own iterator runs. A shard Conduit cannot
-represent (a nested sub-TensorDict, a non-jagged nested tensor) also goes to verl's own
-iterator, with one log line.
+represent (a nested sub-TensorDict, a non-jagged nested tensor, a dtype it cannot gather rows of
+such as ``uint16``) also goes to verl's own iterator, with one log line.
 """
 
 from __future__ import annotations
@@ -304,6 +304,8 @@ class _Codec:
             if not isinstance(v, torch.Tensor):
                 return f"field {key!r} is a {type(v).__name__}"
             has_tensor = True
+            if not _storable(v.dtype):
+                return f"field {key!r} has dtype {v.dtype}, which Conduit storage cannot gather rows of"
             if v.is_nested:
                 if v.layout != torch.jagged or cast(Any, v).lengths() is not None or getattr(v, "_ragged_idx", 1) != 1:
                     return f"field {key!r} is a nested tensor Conduit does not pack (layout/holes/ragged dim)"
@@ -361,6 +363,15 @@ class _Codec:
             else:
                 out[key] = consts[key]
         return TensorDict(out, batch_size=[batch.batch_size])
+
+
+def _storable(dtype: torch.dtype) -> bool:
+    """Whether a Conduit field can hold ``dtype`` (torch gathers rows of it: not uint16/32/64 on some torches)."""
+    try:
+        Field((), dtype)
+    except ConfigurationError:
+        return False
+    return True
 
 
 # -- the verl-facing object ----------------------------------------------------------------------

@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from conduit import SchemaError
 from conduit.batch import ranges
-from tensordict import NonTensorData, NonTensorStack
+from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
 __all__ = ["PackedColumn", "pack_column", "unpack_column", "jagged", "select_rows", "concat_rows", "to_wire",
            "from_wire"]
@@ -62,13 +63,19 @@ def _shape_rows(shapes: list[tuple[int, ...]]) -> torch.Tensor:
     return rows
 
 
-def pack_column(value: Any, n: int) -> PackedColumn | list[Any]:
-    """Pack one TensorDict column of ``n`` samples; non-tensor columns become a list of objects.
+def pack_column(value: Any, n: int, name: str = "column") -> PackedColumn | list[Any]:
+    """Pack one TensorDict column (field ``name``) of ``n`` samples; non-tensor columns become a list of objects.
 
     Host tensors are shared where possible (a contiguous dense column or the values of a
-    contiguous jagged tensor are not copied); device tensors are brought to the host.
+    contiguous jagged tensor are not copied); device tensors are brought to the host. Tensors
+    with a conjugate or negative view bit (``z.conj()``) are packed by value.
+
+    Raises:
+        SchemaError: a tensor without dense values to pack (sparse, mkldnn, quantized or on the meta device), or
+            a nested TensorDict.
     """
     if isinstance(value, torch.Tensor):
+        _check_packable(name, value)
         t = value.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -84,11 +91,26 @@ def pack_column(value: Any, n: int) -> PackedColumn | list[Any]:
         return [value.data] * n
     if isinstance(value, NonTensorStack):
         items = value.tolist()
+    elif isinstance(value, TensorDictBase):
+        raise SchemaError(f"Field {name!r} is a nested {type(value).__name__}; a field holds one tensor or Python "
+                          f"object per sample: put its entries as fields of their own (e.g. data.flatten_keys()).")
     else:
         items = list(value)
     if len(items) != n:
         raise ValueError(f"a column of {n} samples has {len(items)} items")
     return items
+
+
+def _check_packable(name: str, t: torch.Tensor) -> None:
+    """:class:`~conduit.SchemaError` unless ``t`` holds dense values that can be packed as they are."""
+    if not t.is_nested and t.layout != torch.strided:
+        raise SchemaError(f"Field {name!r} is a {str(t.layout).removeprefix('torch.')} tensor; put a dense one "
+                          f"(e.g. .to_dense()).")
+    if t.is_meta:
+        raise SchemaError(f"Field {name!r} is on the meta device and holds no values; put a tensor with data.")
+    if t.is_quantized:
+        raise SchemaError(f"Field {name!r} is a quantized tensor ({t.dtype}), whose scale and zero point a field "
+                          f"does not keep; put t.dequantize(), or t.int_repr() and its quantization parameters.")
 
 
 def _pack_nested(t: torch.Tensor, n: int) -> PackedColumn:
@@ -189,7 +211,7 @@ def nested_or_stack(samples: list[torch.Tensor]) -> torch.Tensor | NonTensorStac
 # -- wire format (what crosses a Ray call): raw bytes as NumPy, which Ray ships without pickling ------
 def to_wire(col: PackedColumn) -> dict[str, Any]:
     """A Ray-friendly form of ``col``: bytes and int64 arrays (any dtype, bfloat16 included)."""
-    vals = col.values.contiguous()
+    vals = col.values.resolve_conj().resolve_neg().contiguous()  # a view bit cannot be reinterpreted as bytes
     raw = vals.view(torch.uint8) if vals.numel() else torch.empty(0, dtype=torch.uint8)
     return {"dtype": str(col.dtype).removeprefix("torch."), "values": raw.numpy(),
             "lengths": col.lengths.numpy(), "shapes": col.shapes.numpy()}

@@ -53,7 +53,7 @@ from transfer_queue.storage.bootstrap import StorageBootstrapProvider
 from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
 from transfer_queue.utils.common import get_node_round_robin_scheduling_strategies
 
-from conduit_verl.columns import FieldStore, Migration, PoolLadder, dtype_error, kind_error, rank_error
+from conduit_verl.columns import FieldStore, Migration, PoolLadder, check_indexes, dtype_error, kind_error, rank_error
 from conduit_verl.compat import MissingKeyError
 from conduit_verl.packing import (
     PackedColumn,
@@ -126,8 +126,9 @@ class _UnitState:
         keeps the rank limit of its first put on any unit, as it does on one unit (lower ranks are padded).
 
         Raises:
-            SchemaError: a field switched kind, dtype or rank, or a column's length is not ``len(gis)``.
-            CapacityError: a field would exceed ``max_items``.
+            SchemaError: a field switched kind, dtype or rank, a column's length is not ``len(gis)``, or ``gis``
+                names a global index twice.
+            CapacityError: a field (tensors or Python objects) would exceed ``max_items``.
         """
         decoded: dict[str, PackedColumn | list[Any]] = {}
         for name, w in columns.items():
@@ -149,6 +150,8 @@ class _UnitState:
                 stores[name] = store
             elif len(col) != len(gis):
                 raise SchemaError(f"Field {name!r}: {len(col)} values for {len(gis)} global indexes.")
+            else:
+                check_indexes(name, [int(g) for g in gis], self.objects.get(name, {}), self.ladder_args["max_items"])
         return decoded, stores
 
     def _kind_of(self, name: str) -> tuple[str | None, int] | None:
@@ -473,7 +476,7 @@ class ConduitStorageManager(StorageManager):
         if data_parser is not None:
             raise NotImplementedError("data_parser is not supported by the Conduit backend (verl does not use it); "
                                       "parse the values before the put.")
-        columns = {k: pack_column(data.get(k), n) for k in data.keys()}
+        columns = {k: pack_column(data.get(k), n, k) for k in data.keys()}
         gis = [int(g) for g in metadata.global_indexes]
         routes = self._route(gis)
         parts: list[tuple[int, list[int], Any]] = []
