@@ -11,7 +11,7 @@ import torch
 from conduit.errors import SchemaError
 from conduit.schema import ExperienceSchema
 
-__all__ = ["Ragged", "ExperienceBatch", "as_tensor", "ranges"]
+__all__ = ["Ragged", "ExperienceBatch", "as_tensor", "host_array", "ranges"]
 
 
 def as_tensor(x: object) -> torch.Tensor:
@@ -23,6 +23,12 @@ def as_tensor(x: object) -> torch.Tensor:
             x = np.ascontiguousarray(x)
         return torch.from_numpy(x)
     return torch.as_tensor(x)
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """``t``'s values as a host NumPy array, shared where possible. A tensor with a conjugate or negative
+    view bit (``z.conj()``, ``z.conj().imag``), which NumPy cannot share, is resolved into a copy first."""
+    return t.detach().cpu().resolve_conj().resolve_neg().numpy()
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from conduit import ExperienceSchema, Field, SchemaError
+from conduit.batch import host_array
 
 __all__ = ["RecordLayout", "Leaf", "as_array", "torch_dtype"]
 
@@ -43,7 +44,7 @@ def as_array(value: Any, path: str) -> np.ndarray:
     """
     try:
         if isinstance(value, torch.Tensor):
-            arr = value.detach().cpu().resolve_conj().resolve_neg().numpy()
+            arr = host_array(value)
         else:
             arr = value if isinstance(value, np.ndarray) else np.asarray(value)
     except (TypeError, ValueError, RuntimeError) as e:

@@ -34,7 +34,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from conduit.batch import ExperienceBatch, Ragged
+from conduit.batch import ExperienceBatch, Ragged, host_array
 from conduit.distributed._ray import Outcome, current_node_id, ray_module, wait_all
 from conduit.distributed.errors import (
     ClusterError,
@@ -81,7 +81,7 @@ class _Assembly:
     def put(self, dest: np.ndarray, part: ExperienceBatch) -> None:
         d = torch.from_numpy(dest)
         for n in self.schema.fixed:
-            self.fixed[n].index_copy_(0, d, part.tensor(n))
+            _bits(self.fixed[n]).index_copy_(0, d, _bits(part.tensor(n)))
         if self.schema.ragged:
             self.ragged.append((dest, ExperienceBatch({n: part[n] for n in self.schema.ragged}, part.batch_size)))
 
@@ -109,6 +109,17 @@ class _Assembly:
                 cols[n] = self.fixed[n].index_select(0, kt)
             n_out = int(keep.shape[0])
         return ExperienceBatch({n: cols[n] for n in self.schema}, n_out)
+
+
+#: an integer dtype of each element size: rows are copied as their bits (exact for every dtype, and torch has no
+#: ``index_copy_`` for some, e.g. the float8 dtypes)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as the integer dtype of its element size (``t`` itself when there is none, e.g. complex128)."""
+    b = _BITS.get(t.element_size())
+    return t if b is None or t.dtype == b else t.view(b)
 
 
 #: the column a batch handed to a scheduler carries: each row's producer node (an index into the buffer's list of
@@ -983,7 +994,7 @@ class DistributedDataPlane:
             CapacityError: a handle is evicted or not yet assigned.
             ShardLostError: an item was lost with its shards.
         """
-        raw = np.asarray(handles.detach().cpu().numpy() if isinstance(handles, torch.Tensor) else handles)
+        raw = np.asarray(host_array(handles) if isinstance(handles, torch.Tensor) else handles)
         if raw.size and raw.dtype.kind not in "iu":  # a float handle must not be truncated to another item's
             raise ConfigurationError(f"Handles must be integers (the int64 handles ingest returned), got dtype "
                                      f"{raw.dtype}.")
@@ -1021,8 +1032,9 @@ class DistributedDataPlane:
         """
         if not isinstance(self.semantics, Replay):
             raise ConfigurationError("update_priorities needs Replay semantics with a PrioritizedSampler.")
-        h = torch.from_numpy(PrioritizedSampler.check_handles(handles))
-        p = torch.from_numpy(PrioritizedSampler.check(priorities))  # typed PriorityError for non-numbers
+        # (contiguous copies where the caller's arrays run backwards: torch takes no negative strides)
+        h = torch.from_numpy(np.ascontiguousarray(PrioritizedSampler.check_handles(handles)))
+        p = torch.from_numpy(np.ascontiguousarray(PrioritizedSampler.check(priorities)))  # typed PriorityError
         with self._lock:
             self._check_open()
             if self.index.lost_in_window() and h.shape[0] == p.shape[0]:

@@ -40,7 +40,8 @@ def _numpy_ok(dtype: torch.dtype) -> bool:
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
-    t = t.detach()
+    # a conjugate or negative view bit (``z.conj()``, ``z.conj().imag``) is resolved: NumPy cannot share it
+    t = t.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
@@ -98,7 +99,8 @@ def wire_nbytes(cols: Wire) -> int:
 
 # -- one byte buffer per transfer (the torch.distributed transport) -------------------------------------
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    # (values, not a view's bits: a tensor with a conjugate or negative view bit is resolved first)
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
 def ragged_lengths(batch: ExperienceBatch, schema: ExperienceSchema) -> torch.Tensor:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from conduit.batch import host_array
 from conduit.errors import CapacityError, ConfigurationError, EmptyBufferError, PriorityError
 from conduit.semantics.base import RingHandles, SampleInfo, Selection, Semantics, check_seed
 from conduit.semantics.sumtree import SumTree
@@ -23,12 +24,6 @@ def _finite_non_negative(x: object) -> bool:
     if type(x) is float:  # the common case, without the ABC check (a delivery's beta)
         return 0.0 <= x < math.inf
     return not isinstance(x, bool) and isinstance(x, Real) and 0 <= float(x) < math.inf
-
-
-def _host_array(t: torch.Tensor) -> np.ndarray:
-    """``t``'s values as a host NumPy array (a view where possible; a tensor with a conjugate or negative
-    view bit, e.g. ``z.conj().imag``, is resolved first, as NumPy cannot share it)."""
-    return t.detach().cpu().resolve_conj().resolve_neg().numpy()
 
 
 class Sampler(ABC):
@@ -142,7 +137,7 @@ class PrioritizedSampler(Sampler):
     def check_handles(handles: torch.Tensor | np.ndarray) -> np.ndarray:
         """Handles as int64 NumPy, or :class:`PriorityError` when they are not integers (e.g. the
         priorities passed where the handles go: truncated, they would name other items)."""
-        raw = np.asarray(_host_array(handles) if isinstance(handles, torch.Tensor) else handles)
+        raw = np.asarray(host_array(handles) if isinstance(handles, torch.Tensor) else handles)
         if raw.size and raw.dtype.kind not in "iu":
             raise PriorityError(f"Handles must be integers (the int64 handles a delivery returned), got dtype "
                                 f"{raw.dtype}; pass info.handles first, then the priorities.")
@@ -154,7 +149,7 @@ class PrioritizedSampler(Sampler):
         try:
             if priorities.is_complex() if isinstance(priorities, torch.Tensor) else np.iscomplexobj(priorities):
                 raise TypeError("complex values")  # NumPy would drop the imaginary parts with a warning
-            p = np.asarray(_host_array(priorities) if isinstance(priorities, torch.Tensor) else priorities,
+            p = np.asarray(host_array(priorities) if isinstance(priorities, torch.Tensor) else priorities,
                            dtype=np.float64).reshape(-1)
         except (TypeError, ValueError) as e:
             raise PriorityError(f"Priorities must be real numbers (a float tensor or array, one per item), got "
