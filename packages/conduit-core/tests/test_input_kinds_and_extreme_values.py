@@ -11,7 +11,7 @@ import pytest
 import torch
 from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay
 from conduit.batch import ExperienceBatch, Ragged
-from conduit.errors import PriorityError, SchemaError
+from conduit.errors import ConfigurationError, PriorityError, SchemaError
 from conduit.storage import ColumnarStorage
 
 CAPACITY = 7
@@ -142,3 +142,17 @@ def test_priorities_far_apart_give_finite_weights(priorities: list[float]) -> No
         rare = batch["x"].flatten() == 0  # the item of the smallest positive priority, if drawn, weighs exactly 1
         if priorities[0] > 0 and bool(rare.any()):
             assert bool((w[rare] == 1).all()), w
+
+
+@pytest.mark.parametrize("n", [2**31, 10**20])
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_a_delivery_larger_than_one_call_draws_is_refused_typed(n: int, prioritized: bool) -> None:
+    sampler = PrioritizedSampler() if prioritized else None
+    edp = ExperienceDataPlane(ExperienceSchema(x=Field((1,))), capacity=7, semantics=Replay(sampler=sampler, seed=0))
+    edp.ingest({"x": torch.arange(6.0).view(6, 1)})
+    reference = ExperienceDataPlane(ExperienceSchema(x=Field((1,))), capacity=7,
+                                    semantics=Replay(sampler=PrioritizedSampler() if prioritized else None, seed=0))
+    reference.ingest({"x": torch.arange(6.0).view(6, 1)})
+    with pytest.raises(ConfigurationError, match="ask for fewer"):
+        edp.deliver(n)
+    assert torch.equal(edp.deliver(5)[0]["x"], reference.deliver(5)[0]["x"]), "the refused call drew from the RNG"

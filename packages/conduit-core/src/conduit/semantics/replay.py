@@ -26,6 +26,10 @@ def _finite_non_negative(x: object) -> bool:
     return not isinstance(x, bool) and isinstance(x, Real) and 0 <= float(x) < math.inf
 
 
+#: the most items one replay delivery draws (a batch of more is refused, typed, before anything is drawn)
+MAX_DRAW = 2**31 - 1
+
+
 class Sampler(ABC):
     """Chooses slots among the live items of a storage.
 
@@ -277,6 +281,9 @@ class Replay(Semantics):
         if type(n) is not int and (isinstance(n, bool) or not isinstance(n, Integral)) or n <= 0:
             raise ConfigurationError(f"Replay delivery needs a positive batch size n (an int), got {n!r}.")
         n = int(n)
+        if n > MAX_DRAW:
+            raise ConfigurationError(f"A delivery of {n} items is more than one call draws (at most {MAX_DRAW}); ask "
+                                     f"for fewer, e.g. in several deliveries.")
         size = len(self.storage)
         if size == 0:
             raise EmptyBufferError("The buffer is empty; ingest experience before sampling.")
