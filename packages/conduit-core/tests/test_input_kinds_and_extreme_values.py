@@ -5,6 +5,7 @@ tensors without dense values (refused before anything changes), and priorities o
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -156,3 +157,58 @@ def test_a_delivery_larger_than_one_call_draws_is_refused_typed(n: int, prioriti
     with pytest.raises(ConfigurationError, match="ask for fewer"):
         edp.deliver(n)
     assert torch.equal(edp.deliver(5)[0]["x"], reference.deliver(5)[0]["x"]), "the refused call drew from the RNG"
+
+
+@pytest.mark.parametrize(("alpha", "priority"), [(2.0, 1e300), (1.0, 1e308)])
+def test_priorities_whose_power_overflows_are_refused_and_change_nothing(alpha: float, priority: float) -> None:
+    edp = ExperienceDataPlane(ExperienceSchema(x=Field((1,))), capacity=4,
+                              semantics=Replay(sampler=PrioritizedSampler(alpha=alpha), seed=0))
+    handles = edp.ingest({"x": torch.ones(2, 1)}, priorities=torch.tensor([1.0, 2.0]))
+    assert handles is not None
+    tree = edp.semantics.sampler._tree
+    with pytest.raises(PriorityError, match="too large"):
+        edp.ingest({"x": torch.ones(1, 1)}, priorities=torch.tensor([priority], dtype=torch.float64))
+    with pytest.raises(PriorityError, match="too large"):
+        edp.update_priorities(handles, torch.tensor([1.0, priority], dtype=torch.float64))
+    assert len(edp) == 2 and tree.get(np.array([0, 1])).tolist() == [1.0, 2.0**alpha]
+    assert np.isfinite(tree.total)
+
+
+@pytest.mark.parametrize("semantics", ["uniform", "prioritized", "on_policy"])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_checkpoint_loads_with_torch_loads_default_weights_only(semantics: str, tier: str, tmp_path: Any) -> None:
+    """``torch.save(edp.state_dict(), f)`` then ``torch.load(f)`` (weights_only=True by default): tensors and
+    plain Python values only, and the loaded buffer continues exactly as the saved one."""
+    from conduit import DiskPlacement, OnPolicy
+
+    def build() -> ExperienceDataPlane:
+        sem = {"uniform": lambda: Replay(seed=3), "prioritized": lambda: Replay(sampler=PrioritizedSampler(), seed=3),
+               "on_policy": lambda: OnPolicy(num_minibatches=2, seed=3)}[semantics]()
+        schema = ExperienceSchema(x=Field((2,), torch.bfloat16), t=Field((), torch.int64, ragged=True))
+        placement = DiskPlacement(directory=str(tmp_path)) if tier == "disk" else None
+        return ExperienceDataPlane(schema, capacity=8, semantics=sem, placement=placement)
+
+    edp = build()
+    kw: dict[str, Any] = {"version": 0} if semantics == "on_policy" else {}
+    edp.ingest({"x": torch.randn(5, 2).to(torch.bfloat16), "t": [[1], [2, 3], [], [4], [5, 6, 7]]}, **kw)
+    if semantics == "on_policy":
+        edp.seal()
+    path = tmp_path / "ckpt.pt"
+    torch.save(edp.state_dict(), path)
+    restored = build()
+    restored.load_state_dict(torch.load(path))  # weights_only=True: the default since torch 2.6
+    for _ in range(2):
+        a, _ = edp.deliver(3) if semantics != "on_policy" else edp.deliver()
+        b, _ = restored.deliver(3) if semantics != "on_policy" else restored.deliver()
+        assert torch.equal(a["x"], b["x"]) and torch.equal(a["t"].values, b["t"].values)
+    edp.close()
+    restored.close()
+
+
+def test_numpy_in_a_foreign_byte_order_is_stored_by_value() -> None:
+    edp = ExperienceDataPlane(ExperienceSchema(x=Field((2,)), a=Field((), torch.int64)), capacity=4,
+                              semantics=Replay(seed=0))
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    edp.ingest({"x": x.astype(">f4"), "a": np.array([7, 8, 9], dtype=">i8")})
+    assert torch.equal(edp.storage._cols["x"][:3], torch.from_numpy(x))
+    assert edp.storage._cols["a"][:3].tolist() == [7, 8, 9]

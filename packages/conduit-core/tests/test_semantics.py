@@ -96,7 +96,7 @@ def test_priority_update_errors_leave_priorities_unchanged() -> None:
     _, info = edp.deliver(4)
     edp.update_priorities(info.handles, torch.tensor([1.0, 2.0, 3.0, 4.0]))
     sampler = edp.semantics.sampler  # type: ignore[attr-defined]
-    before = sampler.state_dict()["leaves"].copy()
+    before = sampler.state_dict()["leaves"].clone()
     for bad in (torch.tensor([1.0, float("nan"), 1.0, 1.0]), torch.tensor([1.0, -2.0, 1.0, 1.0]),
                 torch.tensor([1.0, float("inf"), 1.0, 1.0])):
         with pytest.raises(PriorityError):

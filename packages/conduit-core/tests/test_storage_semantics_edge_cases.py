@@ -208,7 +208,7 @@ def test_swapped_handles_and_priorities_are_refused_and_change_nothing() -> None
     edp = ExperienceDataPlane(SCALAR, capacity=8, semantics=Replay(PrioritizedSampler(alpha=1.0), seed=1))
     edp.ingest({"r": torch.arange(8.0)})
     _, info = edp.deliver(4)
-    before = edp.semantics.state_dict()["sampler"]["leaves"].copy()  # type: ignore[attr-defined]
+    before = edp.semantics.state_dict()["sampler"]["leaves"].clone()  # type: ignore[attr-defined]
     with pytest.raises(PriorityError, match="Handles must be integers"):
         edp.update_priorities(torch.tensor([0.5, 3.7, 2.2, 1.9]), info.handles)  # arguments swapped
     after = edp.semantics.state_dict()["sampler"]["leaves"]  # type: ignore[attr-defined]

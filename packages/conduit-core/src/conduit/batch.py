@@ -15,11 +15,14 @@ __all__ = ["Ragged", "ExperienceBatch", "as_tensor", "host_array", "ranges"]
 
 
 def as_tensor(x: object) -> torch.Tensor:
-    """A torch view of ``x`` without copying where possible (NumPy arrays are shared)."""
+    """A torch view of ``x`` without copying where possible (NumPy arrays are shared; one in a foreign
+    byte order, e.g. ``'>f4'`` on x86, which torch cannot share, is converted to native order by value)."""
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, np.ndarray):
-        if not x.flags.c_contiguous:
+        if not x.dtype.isnative:
+            x = x.astype(x.dtype.newbyteorder("="))
+        elif not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
         return torch.from_numpy(x)
     return torch.as_tensor(x)

@@ -26,6 +26,8 @@ def _finite_non_negative(x: object) -> bool:
     return not isinstance(x, bool) and isinstance(x, Real) and 0 <= float(x) < math.inf
 
 
+_FLOAT64_MAX = float(np.finfo(np.float64).max)
+
 #: the most items one replay delivery draws (a batch of more is refused, typed, before anything is drawn)
 MAX_DRAW = 2**31 - 1
 
@@ -184,6 +186,20 @@ class PrioritizedSampler(Sampler):
                 vals = p ** self.alpha
             self._tree.set(slots, vals)
 
+    def check_range(self, p: np.ndarray) -> None:
+        """:class:`PriorityError` if a priority of ``p`` (checked by :meth:`check`) is so large that its
+        ``p ** alpha``, summed over a full buffer of such items, overflows float64: the sum tree would hold
+        inf, and every draw would land on one item with an infinite weight."""
+        top = float(p.max(initial=0.0))
+        if top <= 0 or self.alpha == 0:
+            return
+        log_limit = (math.log(_FLOAT64_MAX) - math.log(self._tree.capacity)) / self.alpha
+        if math.log(top) > log_limit:
+            raise PriorityError(f"Priority {top:g} is too large: raised to alpha={self.alpha:g} and summed over up to "
+                                f"{self._tree.capacity} items it overflows float64 (priorities up to "
+                                f"{math.exp(min(log_limit, math.log(_FLOAT64_MAX))):.3g} are safe); clip or scale the "
+                                f"priorities (e.g. the TD errors) first.")
+
     def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
         if not replace:
             raise ConfigurationError("PrioritizedSampler draws with replacement; use replace=True.")
@@ -221,6 +237,7 @@ class PrioritizedSampler(Sampler):
                                 f"per handle.")
         if not h.size:
             return 0
+        self.check_range(p)
         st = self.storage
         if not (h.min() >= st.oldest and h.max() < st.next_handle):  # some were evicted: update the rest
             live = (h >= st.oldest) & (h < st.next_handle)
@@ -232,7 +249,9 @@ class PrioritizedSampler(Sampler):
         return int(h.size)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": self._rng.bit_generator.state, "leaves": self._tree.state(), "max_priority": self._max_priority}
+        # (tensors and plain Python values only: torch.load's default weights_only=True refuses NumPy arrays)
+        return {"rng": self._rng.bit_generator.state, "leaves": torch.from_numpy(self._tree.state()),
+                "max_priority": self._max_priority}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         leaves = np.asarray(state["leaves"], dtype=np.float64)
@@ -273,6 +292,8 @@ class Replay(Semantics):
             p = PrioritizedSampler.check(priorities)
             if p.shape[0] != n:
                 raise PriorityError(f"Got {p.shape[0]} priorities for {n} items; pass one per item.")
+            if isinstance(self.sampler, PrioritizedSampler):
+                self.sampler.check_range(p)
 
     def on_append(self, result: AppendResult, *, version: int | None, priorities: torch.Tensor | None) -> None:
         self.sampler.on_append(result, priorities)
