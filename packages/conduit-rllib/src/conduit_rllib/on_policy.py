@@ -26,7 +26,6 @@ from conduit import (
     ExperienceBatch,
     ExperienceDataPlane,
     ExperienceSchema,
-    Field,
     OnPolicy,
     Placement,
     SampleInfo,
@@ -37,6 +36,7 @@ from conduit.scheduling.worker import Job, Worker
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
 from conduit_rllib.errors import UnsupportedConfigError
+from conduit_rllib.transitions import storable_field
 
 __all__ = ["MinibatchFeed"]
 
@@ -49,7 +49,12 @@ def _columns(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
                                          f"on-policy delivery takes numeric arrays per column. Drop the column "
                                          f"from the train batch (or encode it as numbers).")
         if isinstance(col, (torch.Tensor, np.ndarray)):
-            cols[name] = as_tensor(col)
+            try:
+                cols[name] = as_tensor(col)
+            except TypeError as e:  # a NumPy dtype torch has no counterpart for (e.g. np.longdouble)
+                raise UnsupportedConfigError(f"Train-batch column {name!r} holds {col.dtype} values, which torch "
+                                             f"cannot hold ({e}); cast the column to a torch-supported dtype "
+                                             f"(e.g. float64) or drop it from the train batch.") from e
         elif name.startswith("_"):
             continue  # SampleBatch bookkeeping
         else:
@@ -203,7 +208,9 @@ class MinibatchFeed:
             sem.cycle, sem.rllib_epochs = args["cycle"], args["num_epochs"]
 
     def _ensure(self, cols: dict[str, torch.Tensor], n: int) -> ExperienceDataPlane:
-        schema = ExperienceSchema({k: Field(tuple(v.shape[1:]), v.dtype) for k, v in cols.items()})
+        fields = {name: storable_field(f"train-batch column {name!r}", tuple(col.shape[1:]), col.dtype)
+                  for name, col in cols.items()}
+        schema = ExperienceSchema(fields)
         device = next(iter(cols.values())).device
         edp = self.edp
         if edp is not None and edp.schema == schema and n <= edp.capacity and edp.storage.device == device:

@@ -19,8 +19,10 @@ Semantics, compared with RLlib's buffers of the same kind:
 * ``min_batch_length_T`` (DQN's ``burn_in_len``) without sequence sampling is ignored with a
   warning, as RLlib's prioritized buffer ignores it (its uniform buffer skips episode ends);
 * ``update_priorities(priorities)`` applies to the last ``sample()``, as in RLlib; priorities
-  below 1e-12 are raised to 1e-12, as RLlib does; a NaN or infinite one raises
-  :class:`conduit.PriorityError` instead of corrupting the tree;
+  below 1e-12 are raised to 1e-12, as RLlib does; a NaN or infinite one, or one so large that
+  ``priority ** alpha`` summed over ``capacity`` transitions would overflow float64 (e.g. 1e300
+  with alpha 2), raises :class:`conduit.PriorityError` instead of corrupting the tree (RLlib's
+  trees overflow to inf there: every draw lands on one item, with infinite weights);
 * n-step: the return sums up to ``n`` rewards of the same episode and stops at its end or at
   the newest stored step; the ``n_step`` column carries the steps actually summed, so the
   learner bootstraps with ``gamma ** n_actual`` (RLlib's uniform buffer writes the requested
@@ -428,7 +430,9 @@ class _ConduitReplay:
                 what = "the last sample of" if last else "the"
                 raise PriorityError(f"Got {p.shape[0]} priorities for {what} {h.shape[0]} transitions; pass one "
                                     f"per transition.")
-            applied = self.edp.update_priorities(h, np.maximum(p, MIN_PRIORITY))
+            # RLlib's floor for small (and negative) values; NaN and +-inf go on unchanged, so the data plane
+            # refuses them (np.maximum would have turned -inf into the floor)
+            applied = self.edp.update_priorities(h, np.where(np.isfinite(p), np.maximum(p, MIN_PRIORITY), p))
             if last:
                 self._last_handles = None
             return applied

@@ -13,10 +13,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from conduit import ExperienceSchema, Field, SchemaError
+from conduit import ConfigurationError, ExperienceSchema, Field, SchemaError
+from conduit.batch import as_tensor
 from ray.rllib.core.columns import Columns
+from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 
-__all__ = ["TRANSITION_COLUMNS", "ChunkColumns", "chunk_columns", "transition_schema", "torch_dtype"]
+from conduit_rllib.errors import UnsupportedConfigError
+
+__all__ = ["TRANSITION_COLUMNS", "ChunkColumns", "chunk_columns", "storable_field", "transition_schema", "torch_dtype"]
 
 #: the stored fields, named as RLlib's DQN/SAC learners read them
 TRANSITION_COLUMNS = (Columns.OBS, Columns.NEXT_OBS, Columns.ACTIONS, Columns.REWARDS, Columns.TERMINATEDS,
@@ -31,7 +35,16 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 
 def _as_tensor(a: np.ndarray) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a))
+    """``a`` as a tensor (float64 as float32; a non-native byte order is converted by value).
+
+    Raises:
+        SchemaError: a dtype torch has no counterpart for (e.g. ``np.longdouble``).
+    """
+    try:
+        t = as_tensor(a)
+    except TypeError as e:
+        raise SchemaError(f"Episode data of dtype {a.dtype} cannot be stored ({e}); give the observation and "
+                          f"action spaces a dtype torch supports (e.g. float32).") from e
     return t.to(torch.float32) if t.dtype == torch.float64 else t
 
 
@@ -60,18 +73,36 @@ class ChunkColumns:
     done: bool
 
 
+def _nested(data: Any) -> bool:
+    """Whether an episode's observations or actions are Dict/Tuple data: batched (a numpy'd episode) or a list
+    of per-step dicts/tuples (NumPy would turn a list of equal-length tuples into one array)."""
+    return isinstance(data, (dict, tuple)) or (isinstance(data, list) and bool(data)
+                                               and isinstance(data[0], (dict, tuple)))
+
+
 def chunk_columns(episode: Any) -> ChunkColumns:
     """Columns of a ``SingleAgentEpisode`` chunk: L transitions from L + 1 observations.
 
     Raises:
-        SchemaError: the observations or actions are not plain arrays (Dict/Tuple spaces).
+        SchemaError: the observations or actions are not plain arrays (Dict/Tuple spaces, or
+            values whose shape differs between steps).
+        UnsupportedConfigError: a ``MultiAgentEpisode`` (the adapter serves one agent).
     """
+    if isinstance(episode, MultiAgentEpisode):
+        raise UnsupportedConfigError("conduit-rllib's replay buffers store single-agent episodes; this is a "
+                                     "MultiAgentEpisode. Multi-agent training is not supported: run it without "
+                                     "Conduit (RLlib's MultiAgentEpisodeReplayBuffer).")
     n = len(episode)
     obs = episode.get_observations()
     acts = episode.get_actions()
-    nested = isinstance(obs, (dict, tuple)) or isinstance(acts, (dict, tuple))
+    nested = _nested(obs) or _nested(acts)
     if not nested:
-        obs, acts = np.asarray(obs), np.asarray(acts)
+        try:
+            obs, acts = np.asarray(obs), np.asarray(acts)
+        except ValueError as e:  # per-step values of different shapes
+            raise SchemaError(f"Episode {episode.id_!r}'s observations or actions do not form one array ({e}); "
+                              f"conduit-rllib stores Box/Discrete data of one shape and dtype per episode. "
+                              f"Give every step the observation space's shape.") from e
         nested = obs.dtype == object or acts.dtype == object
     if nested:
         raise SchemaError("conduit-rllib stores Box/Discrete observations and actions; this episode has nested "
@@ -88,14 +119,36 @@ def chunk_columns(episode: Any) -> ChunkColumns:
     return ChunkColumns(str(episode.id_), cols, n, bool(episode.is_done))
 
 
+def storable_field(what: str, shape: tuple[int, ...], dtype: torch.dtype) -> Field:
+    """The Conduit field for ``what`` (e.g. ``"observations"``), one row of ``shape`` and ``dtype`` per step.
+
+    Raises:
+        UnsupportedConfigError: a shape or dtype Conduit cannot store (e.g. a zero-size space, or uint16
+            on a torch that cannot gather it); nothing is stored then.
+    """
+    try:
+        return Field(shape, dtype)
+    except ConfigurationError as e:
+        reason = str(e).split(". ")[0].rstrip(".")  # the schema's reason, without its advice for direct users
+        raise UnsupportedConfigError(f"conduit-rllib cannot store {what} of shape {shape} and dtype {dtype} "
+                                     f"({reason}). Convert them before they reach Conduit (e.g. cast uint16 images "
+                                     f"to int32 or float32 in an environment wrapper or the model), drop them, or "
+                                     f"run without Conduit.") from e
+
+
 def transition_schema(chunk: ChunkColumns) -> ExperienceSchema:
-    """The schema of the transitions in ``chunk`` (observation and action shape and dtype from the data)."""
+    """The schema of the transitions in ``chunk`` (observation and action shape and dtype from the data).
+
+    Raises:
+        UnsupportedConfigError: observations or actions of a shape or dtype Conduit cannot store.
+    """
     c = chunk.columns
-    obs, act = c[Columns.OBS], c[Columns.ACTIONS]
+    obs = storable_field("observations", tuple(c[Columns.OBS].shape[1:]), c[Columns.OBS].dtype)
+    act = storable_field("actions", tuple(c[Columns.ACTIONS].shape[1:]), c[Columns.ACTIONS].dtype)
     return ExperienceSchema({
-        Columns.OBS: Field(tuple(obs.shape[1:]), obs.dtype),
-        Columns.NEXT_OBS: Field(tuple(obs.shape[1:]), obs.dtype),
-        Columns.ACTIONS: Field(tuple(act.shape[1:]), act.dtype),
+        Columns.OBS: obs,
+        Columns.NEXT_OBS: obs,
+        Columns.ACTIONS: act,
         Columns.REWARDS: Field((), torch.float32),
         Columns.TERMINATEDS: Field((), torch.bool),
         Columns.TRUNCATEDS: Field((), torch.bool),
