@@ -14,6 +14,7 @@ minibatch k trains the feed is already gathering minibatch k + 1 on a worker thr
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
@@ -440,6 +441,7 @@ class MinibatchFeed:
                     if self.prefetch:
                         if self._pool is None:
                             self._pool = Worker("conduit-minibatch")
+                            weakref.finalize(self, self._pool.stop)  # dropped without close(): the thread ends
                         pending = self._pool.submit(self._deliver)
                 yield self._to_rllib(cols, env_steps)
                 if info.last:

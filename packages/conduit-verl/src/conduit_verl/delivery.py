@@ -37,6 +37,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, cast
@@ -243,6 +244,7 @@ class MinibatchPrefetch(Scheduler):
                 after.record(torch.cuda.current_stream(self.edp.device))
             if self._pool is None:
                 self._pool = Worker("conduit-prefetch")
+                weakref.finalize(self, self._pool.stop)  # dropped without close(): the thread ends
             self._pending = self._pool.submit(self._stage, after)
             self.staged += 1
         return batch, info

@@ -27,6 +27,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -71,7 +72,8 @@ class Ingestion:
 
     def __init__(self, edp: ExperienceDataPlane, *, g_ing: float, on_policy: bool, background: bool,
                  queue_depth: int, rollout_size: int | None = None) -> None:
-        self.edp = edp
+        # held weakly: the worker thread must not keep a buffer its owner dropped alive (see abandon())
+        self._edp = weakref.ref(edp)
         self.g_ing = g_ing
         self.on_policy = on_policy
         self.background = background
@@ -101,6 +103,26 @@ class Ingestion:
         if background:
             self._thread = threading.Thread(target=self._run, name="conduit-ingest", daemon=True)
             self._thread.start()
+
+    @property
+    def edp(self) -> ExperienceDataPlane:
+        """The buffer this ingestion stores into.
+
+        Raises:
+            ConfigurationError: the buffer was garbage-collected.
+        """
+        edp = self._edp()
+        if edp is None:
+            raise ConfigurationError("The buffer this scheduler stored into was garbage-collected; build a new one.")
+        return edp
+
+    def abandon(self) -> None:
+        """The buffer was garbage-collected without ``close()``: drop what waits and let the worker end
+        (callable from any thread, as a finalizer; nothing of the buffer is left to store into)."""
+        with self._cv:
+            self._pending.clear()
+            self._closing = True
+            self._cv.notify_all()
 
     # -- producer side ---------------------------------------------------------------------
     def handover(self, item: Handover) -> None:

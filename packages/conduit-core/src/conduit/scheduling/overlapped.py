@@ -208,6 +208,8 @@ class Overlapped(Scheduler):
                                     background=self.background_ingest, queue_depth=self.queue_depth,
                                     rollout_size=self.rollout_size)
         self._pool = Worker("conduit-prefetch") if self.overlap else None
+        # a buffer dropped without close() stops the threads (they hold neither it nor this scheduler)
+        weakref.finalize(edp, _abandon, self._ingestion, self._pool)
         self._mu = threading.RLock()
         self._ready: deque[_Prepared] = deque()
         self._job: Job[list[_Prepared]] | None = None
@@ -567,6 +569,13 @@ class Overlapped(Scheduler):
                 self._ring.slots.clear()  # delivered batches the caller still holds keep their own memory alive
         if pool is not None:
             pool.shutdown()
+
+
+def _abandon(ingestion: Ingestion, pool: Worker | None) -> None:
+    """Stop a garbage-collected buffer's worker threads (what they had queued has nowhere to go)."""
+    ingestion.abandon()
+    if pool is not None:
+        pool.stop()
 
 
 #: schedulers to drain at interpreter exit (daemon workers would otherwise die with data queued)

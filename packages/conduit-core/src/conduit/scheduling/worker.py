@@ -25,7 +25,7 @@ class Job(Generic[T]):
     __slots__ = ("_fn", "_args", "_value", "_error", "_running")
 
     def __init__(self, fn: Callable[..., T], args: tuple[Any, ...]) -> None:
-        self._fn = fn
+        self._fn: Callable[..., Any] = fn  # (replaced by _done once the job ran)
         self._args = args
         self._value: T | None = None
         self._error: BaseException | None = None
@@ -38,6 +38,7 @@ class Job(Generic[T]):
         except BaseException as e:  # noqa: BLE001 - raised in the caller's thread by result()
             self._error = e
         finally:
+            self._fn, self._args = _done, ()  # a finished job keeps nothing of its caller (e.g. a buffer) alive
             self._running.release()
 
     def done(self) -> bool:
@@ -55,6 +56,10 @@ class Job(Generic[T]):
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
+
+
+def _done() -> None:
+    """What a finished :class:`Job` holds instead of its function."""
 
 
 class Worker:
@@ -77,8 +82,12 @@ class Worker:
 
     def shutdown(self) -> None:
         """Finish the queued jobs, then stop the thread."""
-        self._queue.put(None)
+        self.stop()
         self._thread.join()
+
+    def stop(self) -> None:
+        """Let the thread end after the queued jobs, without waiting for it (callable from any thread)."""
+        self._queue.put(None)
 
     def _loop(self) -> None:
         while True:
@@ -86,3 +95,4 @@ class Worker:
             if job is None:
                 return
             job._run()
+            del job  # an idle worker holds no job (nor what its function or value reference)
