@@ -9,7 +9,6 @@ accounting and traces are built from.
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import os
 import threading
@@ -90,8 +89,10 @@ class Telemetry:
         self._new: deque[CallRecord] = deque()
         self._fold_every = fold_every
         self._lock = threading.Lock()
-        #: thread_id() -> its name when it first recorded (a trace written after a worker exited still names it)
+        #: thread_id() -> its name when it first recorded (a trace written after a worker exited still names it);
+        #: names of exited threads with no call in the ring are forgotten past ``_names_limit`` (see _forget_names)
         self._names: dict[int, str] = {}
+        self._names_limit = _NAMES_SLACK
         #: ExposureLog iterations open on this telemetry (reset() is refused meanwhile)
         self._open = 0
         #: calls folded into the ring so far; a call's position in that sequence is its mark
@@ -138,6 +139,27 @@ class Telemetry:
                 t.items += rec.items
                 t.nbytes += rec.nbytes
                 t.seconds += rec.end - rec.start
+            if len(self._names) > self._names_limit:
+                self._forget_names()
+
+    def _forget_names(self) -> None:
+        """Forget the names of exited threads that no call in the ring (or waiting to be folded) comes from
+        (caller holds the lock): a trace never shows them, and a process that starts many short-lived
+        threads would otherwise keep one name per thread for its whole life.
+
+        Runs when the names outgrow twice those kept last time (plus a slack), so its cost, one pass over
+        the ring, is spread over the threads that recorded since.
+        """
+        # live threads first, then the queue: a thread that exits after this has queued all its calls
+        keep: set[int | None] = {_thread_ids.get(t) for t in threading.enumerate()}
+        try:
+            keep.update(r.thread for r in tuple(self._new))
+        except RuntimeError:  # the queue changed while it was copied: try again at the next fold
+            return
+        keep.update(r.thread for r in self._records)
+        for tid in [tid for tid in list(self._names) if tid not in keep]:
+            self._names.pop(tid, None)
+        self._names_limit = 2 * len(self._names) + _NAMES_SLACK
 
     @property
     def records(self) -> tuple[CallRecord, ...]:
@@ -293,13 +315,18 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 _new_record = functools.partial(tuple.__new__, CallRecord)
+#: thread names a Telemetry keeps beyond twice those it needs before it forgets the unneeded ones
+_NAMES_SLACK = 64
 
 #: this thread's thread_id() once it has one
 _local = threading.local()
 _ids_lock = threading.Lock()
-#: every thread_id() handed out in this process (never handed out again)
+#: every ``threading.get_ident()`` handed out as some thread's thread_id() in this process (never handed out
+#: again); the OS reuses idents, so this stays as small as the set of distinct idents, however many threads ran
 _taken: set[int] = set()
-_fresh = itertools.count(1)
+#: the fresh numbers handed out are 1.._last_fresh, minus those in _taken (kept here, not in _taken: one more
+#: entry per short-lived thread would grow it for the life of the process)
+_last_fresh = 0
 #: live (and not yet collected) threads -> their thread_id(), to name a trace's lanes by a thread's current name
 _thread_ids: weakref.WeakKeyDictionary[threading.Thread, int] = weakref.WeakKeyDictionary()
 
@@ -308,7 +335,8 @@ def thread_id() -> int:
     """The calling thread's id in :attr:`CallRecord.thread` (and a Chrome trace's ``tid``): never given to
     another thread of this process, unlike ``threading.get_ident()``, which the OS reuses once a thread exits
     (two exited workers would merge into one lane, under one name). It is the thread's
-    ``threading.get_ident()`` unless that was already some earlier thread's id; then a fresh small number."""
+    ``threading.get_ident()`` unless that was already some earlier thread's id (or a fresh number handed out);
+    then a fresh small number."""
     try:
         return _local.tid
     except AttributeError:
@@ -316,12 +344,17 @@ def thread_id() -> int:
 
 
 def _new_thread_id() -> int:
+    global _last_fresh
     ident = threading.get_ident()
     with _ids_lock:
-        tid = ident
-        while tid in _taken:  # an exited thread had this ident (or a fresh number collides with it)
-            tid = next(_fresh)
-        _taken.add(tid)
+        if ident in _taken or ident <= _last_fresh:  # an exited thread had this ident, or it is a fresh number
+            _last_fresh += 1
+            while _last_fresh in _taken:
+                _last_fresh += 1
+            tid = _last_fresh
+        else:
+            tid = ident
+            _taken.add(tid)
         _thread_ids[threading.current_thread()] = tid
     _local.tid = tid
     return tid
