@@ -18,7 +18,9 @@ Nothing posted is dropped by Conduit: ``close()`` sends what is still pending (a
 flight in another thread), and a ``post`` after it raises instead of being kept unsent. On the
 consumer side, a buffer that refuses part of a coalesced message gets an
 :class:`UnstoredSamplesError` carrying the samples it did not store, and the consumer's ``close()``
-returns the samples of a message that ``consume()`` had not handed out yet.
+returns the samples of a message that ``consume()`` had not handed out yet. So both ends must be
+closed: a producer or consumer dropped without ``close()`` loses what it still held, as a socket
+dropped unflushed does (no finalizer sends over the network from the garbage collector's thread).
 """
 
 from __future__ import annotations
