@@ -473,7 +473,9 @@ class ExperienceDataPlane:
         """Restore what :meth:`state_dict` saved into a buffer built with the same schema and capacity.
 
         Raises:
-            ConfigurationError: ``state`` is not what :meth:`state_dict` returns (the buffer is unchanged).
+            ConfigurationError: ``state`` is not what :meth:`state_dict` returns, or is damaged (wrong
+                types, dtypes or shapes, handles outside its live range); the buffer is unchanged.
+            CapacityError: a ragged field's live elements exceed this buffer's ragged pool (unchanged).
         """
         if (not isinstance(state, Mapping) or state.get("format") != 1
                 or not isinstance(state.get("storage"), Mapping) or not isinstance(state.get("semantics"), Mapping)):
@@ -481,8 +483,12 @@ class ExperienceDataPlane:
                                      "(expected the dict its state_dict() returns).")
         self.flush()
         with self._lock:  # checked before prepared deliveries are dropped: a refused load changes nothing
-            self.storage.checkpoint_batch(state["storage"])
-            self.semantics.load_state_dict(self.semantics.load_checked(state["semantics"]))
+            oldest, batch = self.storage.checkpoint_batch(state["storage"])
+            before = self.semantics.load_checked(state["semantics"])
+            try:
+                self.semantics.check_handles(oldest, oldest + batch.batch_size)
+            finally:
+                self.semantics.load_state_dict(before)
         self.scheduler.invalidate("contents")
         with self._lock:  # (the storage's load checks its checkpoint again before it changes anything)
             before = self.semantics.load_checked(state["semantics"])

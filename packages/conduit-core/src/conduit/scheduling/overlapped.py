@@ -519,7 +519,11 @@ class Overlapped(Scheduler):
 
     # -- invalidation and shutdown ---------------------------------------------------------
     def invalidate(self, reason: str = "contents") -> None:
-        """Priority updates age prepared draws; a policy change is checked at delivery; else drop all."""
+        """Priority updates age prepared draws; a policy change is checked at delivery; else drop all.
+
+        ``"checkpoint"`` (``state_dict`` is about to read the semantics) also gives the dropped draws back:
+        the sampler's RNG is rewound to before the first of them (see :meth:`Semantics.draw_state`).
+        """
         if reason == "priorities":
             with self._prio_lock:
                 self._prio_epoch += 1
@@ -527,7 +531,20 @@ class Overlapped(Scheduler):
         if reason == "policy":
             return  # on-policy predictions are confirmed against the real selection at delivery
         with self._mu:
+            self._await_job()
+            drawn = self._ready[0].selection.drawn_from if reason == "checkpoint" and self._ready else None
             self._discard_all()
+            if drawn is not None:
+                # a checkpoint: the draws prepared but not delivered are given back (the sampler's RNG goes back
+                # to before the first), so the checkpoint and this buffer both make them next, as a
+                # synchronous buffer would, instead of skipping them
+                sem = self.edp.semantics
+
+                def rewind() -> bool:  # (run under the buffer's lock; selects nothing)
+                    sem.rewind_draws(drawn)
+                    return False
+
+                self.edp.select_now([], when=rewind)
             edp = self.edp
             ring = self._ring
             if (ring.schema != edp.schema or ring.storage_device != edp.storage.device

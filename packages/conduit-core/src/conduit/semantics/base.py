@@ -22,6 +22,9 @@ class Selection:
 
     slots: torch.Tensor
     info: SampleInfo
+    #: the semantics' :meth:`~Semantics.draw_state` just before this selection was made (set by
+    #: :func:`select_many` for real selections; None when peeking or when the semantics keep none)
+    drawn_from: Any = None
 
 
 class RingHandles:
@@ -113,11 +116,29 @@ class Semantics(ABC):
     def after_gather(self, selection: Selection) -> None:  # noqa: B027
         """Called once the selected rows have been read (on-policy releases consumed data here)."""
 
+    def draw_state(self) -> Any:
+        """What :meth:`select` advances and nothing else changes (the sampler's RNG), or None when these
+        semantics cannot give draws back (the default).
+
+        A prefetching scheduler selects ahead of delivery; a checkpoint taken while such selections
+        wait undelivered rewinds to the first one's (:meth:`rewind_draws`), so that the checkpoint, and
+        the buffer after it, make those draws again instead of skipping them.
+        """
+        return None
+
+    def rewind_draws(self, state: Any) -> None:  # noqa: B027
+        """Put back a :meth:`draw_state` (the caller holds the buffer's lock): the selections made since are
+        made again, from the contents and priorities as they are now."""
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]: ...
 
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def check_handles(self, oldest: int, next_handle: int) -> None:  # noqa: B027
+        """Raise :class:`ConfigurationError` when the state just loaded names items outside the live handles
+        ``[oldest, next_handle)`` of the storage checkpoint loaded with it (a damaged checkpoint)."""
 
     def load_checked(self, state: dict[str, Any]) -> dict[str, Any]:
         """:meth:`load_state_dict`, or a typed error with this state unchanged.
@@ -158,7 +179,15 @@ def select_many(semantics: Semantics, sizes: Sequence[int | None], *, peek: bool
     snap = semantics.state_dict() if peek else None
     semantics.peeking = peek
     try:
-        return [semantics.select(n, **kwargs) for n in sizes]
+        if peek:
+            return [semantics.select(n, **kwargs) for n in sizes]
+        out = []
+        for n in sizes:
+            drawn_from = semantics.draw_state()
+            sel = semantics.select(n, **kwargs)
+            sel.drawn_from = drawn_from
+            out.append(sel)
+        return out
     finally:
         semantics.peeking = False
         if snap is not None:

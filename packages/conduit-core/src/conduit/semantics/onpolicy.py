@@ -63,9 +63,9 @@ def _checked_rollout(t: object) -> tuple[int, int, int] | None:
     if t is None:
         return None
     if (not isinstance(t, (tuple, list)) or len(t) != 3 or any(_as_version(x) is None for x in t)
-            or int(t[1]) < 0 or int(t[2]) < 0):
+            or int(t[1]) < 0 or int(t[2]) <= 0):  # (a rollout of no items is never kept: nothing to deliver)
         raise ConfigurationError(f"This checkpoint's on-policy rollout {t!r} is damaged (expected (version, first, "
-                                 f"count) integers); load an undamaged state_dict().")
+                                 f"count) integers, first >= 0 and count > 0); load an undamaged state_dict().")
     return int(t[0]), int(t[1]), int(t[2])
 
 
@@ -308,6 +308,18 @@ class OnPolicy(Semantics):
                     raise
         return Selection(slots, info)
 
+    def check_handles(self, oldest: int, next_handle: int) -> None:
+        """:class:`ConfigurationError` when a rollout of the current state (a checkpoint just loaded) names an
+        item outside the live handles ``[oldest, next_handle)``: it would deliver rows of evicted or never
+        written slots."""
+        rollouts = [(r.version, r.first, r.count) for r in (self._cur, *self._sealed, self._open) if r is not None]
+        bad = [(v, first, count) for v, first, count in rollouts if first < oldest or first + count > next_handle]
+        fin = self._finished_end
+        if bad or (fin is not None and not oldest <= fin <= next_handle):
+            raise ConfigurationError(f"This checkpoint's on-policy rollouts {bad or rollouts!r} (finished up to "
+                                     f"{fin}) name items outside its live handles [{oldest}, {next_handle}); the "
+                                     f"checkpoint is damaged.")
+
     def after_gather(self, selection: Selection) -> None:
         """Release a rollout's storage once its last minibatch has been read."""
         if selection.info.last and self._finished_end is not None:
@@ -357,6 +369,23 @@ class OnPolicy(Semantics):
                 or not (perm is None or isinstance(perm, torch.Tensor)) or not isinstance(state["rng"], torch.Tensor)):
             raise ConfigurationError("This checkpoint's on-policy state is damaged (a counter, the permutation or "
                                      "the RNG state has the wrong type); load an undamaged state_dict().")
+        if cur is not None:  # the rollout being delivered: its epoch's order and cuts must fit it
+            epoch, k = counters[2], counters[3]
+            # (epochs are not bounded by num_epochs here: an adapter may save its rollout's own; one that starts an
+            # epoch on its first delivery, as verl's, is saved between epochs with k past the last cut)
+            last_k = len(bounds) - (2 if type(self)._start_epoch is OnPolicy._start_epoch else 1)
+            ok = (isinstance(perm, torch.Tensor) and perm.dtype == torch.int64 and tuple(perm.shape) == (cur[2],)
+                  and len(bounds) >= 2 and bounds[0] == 0 and bounds[-1] <= cur[2]
+                  and all(a < b for a, b in zip(bounds, bounds[1:], strict=False))
+                  and epoch >= 0 and 0 <= k <= last_k)
+            if ok:
+                assert isinstance(perm, torch.Tensor)
+                ok = bool(torch.equal(torch.sort(perm).values, torch.arange(cur[2])))
+            if not ok:
+                raise ConfigurationError(f"This checkpoint's on-policy progress is damaged (epoch {epoch}, minibatch "
+                                         f"{k}, cuts {bounds!r} and an order that must "
+                                         f"permute the {cur[2]} items of the rollout being delivered); load an "
+                                         f"undamaged state_dict() into a buffer with the same OnPolicy settings.")
         self._gen.set_state(state["rng"])
         self.policy_version, self.dropped_items, self._epoch, self._k = counters
         self._open = rr(open_)

@@ -53,6 +53,13 @@ class Sampler(ABC):
     @abstractmethod
     def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection: ...
 
+    def draw_state(self) -> Any:
+        """The RNG state a draw advances, for :meth:`rewind_draws` (None: this sampler cannot rewind)."""
+        return None
+
+    def rewind_draws(self, state: Any) -> None:  # noqa: B027
+        """Put back an RNG state :meth:`draw_state` returned."""
+
     def update(self, handles: torch.Tensor | np.ndarray, priorities: torch.Tensor | np.ndarray) -> int:
         raise ConfigurationError(f"{type(self).__name__} keeps no priorities; use PrioritizedSampler.")
 
@@ -94,6 +101,12 @@ class UniformSampler(Sampler):
             if lo:
                 handles = handles + lo
         return Selection(self._slots(handles), SampleInfo(handles=handles))
+
+    def draw_state(self) -> Any:
+        return self._gen.get_state()
+
+    def rewind_draws(self, state: Any) -> None:
+        self._gen.set_state(state)
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self._gen.get_state()}
@@ -248,17 +261,41 @@ class PrioritizedSampler(Sampler):
         self._max_priority = max(self._max_priority, float(p.max()))
         return int(h.size)
 
+    def check_live(self, oldest: int, next_handle: int) -> None:
+        """:class:`ConfigurationError` when a slot that holds no live item (handles ``[oldest, next_handle)``)
+        has a priority: a draw would land on it (a damaged checkpoint)."""
+        cap = self._tree.capacity
+        if next_handle - oldest >= cap:
+            return
+        live = np.zeros(cap, dtype=bool)
+        live[np.arange(oldest, next_handle, dtype=np.int64) % cap] = True
+        leaves = self._tree.state()
+        if np.any(leaves[~live] > 0):
+            raise ConfigurationError(f"This checkpoint's priorities name {int(np.count_nonzero(leaves[~live] > 0))} "
+                                     f"slots that hold no live item (live handles [{oldest}, {next_handle})); the "
+                                     f"checkpoint is damaged.")
+
+    def draw_state(self) -> Any:
+        return self._rng.bit_generator.state
+
+    def rewind_draws(self, state: Any) -> None:
+        self._rng.bit_generator.state = state
+
     def state_dict(self) -> dict[str, Any]:
         # (tensors and plain Python values only: torch.load's default weights_only=True refuses NumPy arrays)
         return {"rng": self._rng.bit_generator.state, "leaves": torch.from_numpy(self._tree.state()),
                 "max_priority": self._max_priority}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        leaves = np.asarray(state["leaves"], dtype=np.float64)
+        raw = state["leaves"]
+        leaves = np.asarray(raw, dtype=np.float64)
         max_priority = float(state["max_priority"])
-        if leaves.shape != (self._tree.capacity,) or not (_finite_non_negative(max_priority)
-                                                           and bool(np.all((leaves >= 0) & (leaves < np.inf)))):
-            raise ConfigurationError(f"This checkpoint's priorities are damaged (leaves of shape {leaves.shape} for "
+        # float64 as saved (a float32 tree would load rounded: the draws would not continue exactly)
+        exact = getattr(raw, "dtype", None) in (torch.float64, np.float64)
+        if not (exact and leaves.shape == (self._tree.capacity,) and _finite_non_negative(max_priority)
+                and bool(np.all((leaves >= 0) & (leaves < np.inf)))):
+            raise ConfigurationError(f"This checkpoint's priorities are damaged (leaves of shape {leaves.shape} and "
+                                     f"dtype {getattr(raw, 'dtype', type(raw).__name__)} for "
                                      f"{self._tree.capacity} slots, NaN, infinite or negative values, or "
                                      f"max_priority={max_priority!r}); load an undamaged state_dict().")
         self._rng.bit_generator.state = state["rng"]
@@ -312,6 +349,16 @@ class Replay(Semantics):
             raise CapacityError(f"Cannot draw {n} distinct items from {size}; ask for at most {size} "
                                 f"or sample with replacement.")
         return self.sampler.sample(n, replace=replace, beta=beta)
+
+    def check_handles(self, oldest: int, next_handle: int) -> None:
+        if isinstance(self.sampler, PrioritizedSampler):
+            self.sampler.check_live(oldest, next_handle)
+
+    def draw_state(self) -> Any:
+        return self.sampler.draw_state()
+
+    def rewind_draws(self, state: Any) -> None:
+        self.sampler.rewind_draws(state)
 
     def update_priorities(self, handles: torch.Tensor | np.ndarray, priorities: torch.Tensor | np.ndarray) -> int:
         """Set new priorities; returns how many handles were live (the rest were evicted and ignored)."""
