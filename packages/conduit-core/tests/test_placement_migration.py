@@ -37,6 +37,7 @@ from conduit.placement import (
 )
 from conduit.placement import profile as profile_module
 from conduit.placement.migration import migrate
+from conduit.scheduling import Overlapped
 
 SCHEMA = ExperienceSchema(id=Field((), torch.int64), obs=Field((2,), torch.float32))
 TARGETS = {
@@ -317,3 +318,29 @@ def test_migration_under_the_overlapped_scheduler() -> None:
         assert contents(edp) == list(range(390))
     finally:
         edp.close()
+
+
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_a_migration_under_prefetch_draws_on_as_a_synchronous_buffer(prioritized: bool) -> None:
+    """Draws prepared before a migration are dropped with their old-tier buffers and given back to the
+    sampler: the overlapped buffer delivers exactly the synchronous buffer's sequence across the move."""
+    def build(scheduler: Overlapped | None) -> ExperienceDataPlane:
+        sem = Replay(PrioritizedSampler(), seed=5) if prioritized else Replay(seed=5)
+        edp = ExperienceDataPlane(SCHEMA, capacity=64, semantics=sem, scheduler=scheduler)
+        edp.ingest(batch(range(48)))
+        edp.flush()
+        return edp
+
+    sync, over = build(None), build(Overlapped(g_ing=1, g_del=4))
+    try:
+        seen = []
+        for step in range(10):
+            if step == 3:
+                sync.migrate(DiskPlacement())
+                over.migrate(DiskPlacement())
+            a, b = sync.deliver(6)[0], over.deliver(6)[0]
+            seen.append((a["id"].tolist(), b["id"].tolist()))
+        assert all(x == y for x, y in seen), f"(synchronous, overlapped) ids per delivery: {seen}"
+    finally:
+        sync.close()
+        over.close()

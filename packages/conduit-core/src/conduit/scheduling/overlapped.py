@@ -521,8 +521,10 @@ class Overlapped(Scheduler):
     def invalidate(self, reason: str = "contents") -> None:
         """Priority updates age prepared draws; a policy change is checked at delivery; else drop all.
 
-        ``"checkpoint"`` (``state_dict`` is about to read the semantics) also gives the dropped draws back:
-        the sampler's RNG is rewound to before the first of them (see :meth:`Semantics.draw_state`).
+        Dropped draws are given back: the sampler's RNG is rewound to before the first of them (see
+        :meth:`Semantics.draw_state`), so a checkpoint (``"checkpoint"``: ``state_dict`` is about to read
+        the semantics), a migration or a scheduler switch (``"contents"``) leaves the buffer drawing
+        next exactly what a synchronous one would, instead of skipping the dropped draws.
         """
         if reason == "priorities":
             with self._prio_lock:
@@ -532,12 +534,9 @@ class Overlapped(Scheduler):
             return  # on-policy predictions are confirmed against the real selection at delivery
         with self._mu:
             self._await_job()
-            drawn = self._ready[0].selection.drawn_from if reason == "checkpoint" and self._ready else None
+            drawn = self._ready[0].selection.drawn_from if self._ready else None
             self._discard_all()
-            if drawn is not None:
-                # a checkpoint: the draws prepared but not delivered are given back (the sampler's RNG goes back
-                # to before the first), so the checkpoint and this buffer both make them next, as a
-                # synchronous buffer would, instead of skipping them
+            if drawn is not None:  # the draws prepared but not delivered are made again next (see above)
                 sem = self.edp.semantics
 
                 def rewind() -> bool:  # (run under the buffer's lock; selects nothing)
