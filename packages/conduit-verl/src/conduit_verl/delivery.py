@@ -104,7 +104,10 @@ class VerlOnPolicy(OnPolicy):
     an epoch boundary), and the same global RNG state gives the same order as verl's, and
     leaves the global RNG as verl's does, whatever the training in between draws.
 
-    The loader state is not part of ``state_dict``: checkpoint between rollouts.
+    ``state_dict`` keeps how many of the current rollout's epoch orders were drawn and whether the
+    next epoch waits for its first delivery; a load rebuilds a seeded loader and replays its passes
+    to that point, so a checkpoint between epochs continues exactly. An unseeded loader draws each
+    pass from the global RNG, as a fresh one does: its next pass is drawn from the RNG as it is then.
     """
 
     def __init__(self, *, num_minibatches: int, num_epochs: int = 1, max_staleness: int = 0,
@@ -115,6 +118,7 @@ class VerlOnPolicy(OnPolicy):
         self.loader_seed = seed
         self.dataloader_kwargs = dict(dataloader_kwargs or {})
         self._orders: Iterator[torch.Tensor] | None = None
+        self._orders_drawn = 0  # passes drawn from the current rollout's loader
         self._deferred = False  # the next epoch starts on the next delivery (seed=None)
 
     @property
@@ -157,8 +161,26 @@ class VerlOnPolicy(OnPolicy):
     def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
         """The order verl's loader visits the rollout's items in epoch ``epoch`` (a fresh loader per rollout)."""
         if epoch == 0 or self._orders is None:
-            self._orders = self._epoch_orders(n)
+            self._orders, self._orders_drawn = self._epoch_orders(n), 0
+        self._orders_drawn += 1
         return next(self._orders)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "orders_drawn": self._orders_drawn, "deferred": self._deferred}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        drawn, deferred = state.get("orders_drawn", 0), state.get("deferred", False)
+        if isinstance(drawn, bool) or not isinstance(drawn, int) or drawn < 0 or not isinstance(deferred, bool):
+            raise ConfigurationError(f"This checkpoint's loader state (orders_drawn={drawn!r}, deferred={deferred!r}) "
+                                     f"is damaged; load an undamaged state_dict().")
+        super().load_state_dict(state)
+        self._orders, self._orders_drawn, self._deferred = None, 0, deferred
+        if self._cur is not None and drawn and self.loader_seed is not None:
+            # the seeded loader's passes so far, replayed: its next pass is the one the saved buffer would draw
+            self._orders = self._epoch_orders(self._cur.count)
+            for _ in range(drawn):
+                next(self._orders)
+            self._orders_drawn = drawn
 
 
 # -- scheduling --------------------------------------------------------------------------------
