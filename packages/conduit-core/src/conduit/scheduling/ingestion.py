@@ -74,6 +74,7 @@ class Ingestion:
                  queue_depth: int, rollout_size: int | None = None) -> None:
         # held weakly: the worker thread must not keep a buffer its owner dropped alive (see abandon())
         self._edp = weakref.ref(edp)
+        self._capacity = edp.capacity  # (a migration keeps it; read on every hand-over)
         self.g_ing = g_ing
         self.on_policy = on_policy
         self.background = background
@@ -293,7 +294,7 @@ class Ingestion:
             if units >= target:
                 return group, True
             if (h.version != head.version or (h.priorities is None) != (head.priorities is None)
-                    or rows + h.batch.batch_size > self.edp.capacity):
+                    or rows + h.batch.batch_size > self._capacity):
                 return group, True  # the next hand-over starts another group
             group.append(h)
             units += h.batch.batch_size if self.on_policy else 1
