@@ -204,10 +204,7 @@ def test_a_checkpoint_of_another_capacity_is_refused_typed_and_changes_nothing(p
         dst = _replay("overlapped-chunks", prioritized=prioritized, capacity=capacity)
         dst.ingest(id_batch(np.arange(1000, 1040)))
         dst.flush()
-        before = dst.state_dict()
-        with pytest.raises(ConfigurationError, match="capacity"):
-            dst.load_state_dict(state)
-        _assert_same_state(dst.state_dict(), before, f"a refused load into capacity {capacity}")
+        _assert_refused(dst, state, "capacity", f"a refused load into capacity {capacity}")
         dst.close()
 
 
@@ -261,6 +258,14 @@ def _assert_same_state(after: dict[str, Any], before: dict[str, Any], what: str)
     assert flat(after) == flat(before), f"{what} changed the buffer"
 
 
+def _assert_refused(dst: ExperienceDataPlane, state: dict[str, Any], match: str, what: str) -> None:
+    """Loading ``state`` into ``dst`` raises ConfigurationError (``match``) and changes nothing."""
+    before = dst.state_dict()
+    with pytest.raises(ConfigurationError, match=match):
+        dst.load_state_dict(state)
+    _assert_same_state(dst.state_dict(), before, what)
+
+
 def _on_policy_checkpoint() -> dict[str, Any]:
     src = _on_policy("sync")
     _fill_on_policy(src)
@@ -299,10 +304,7 @@ def test_a_damaged_on_policy_checkpoint_is_refused_typed_and_changes_nothing(dam
     dst.ingest(id_batch(np.arange(1000, 1012)), version=0)
     dst.seal()
     dst.flush()
-    before = dst.state_dict()
-    with pytest.raises(ConfigurationError, match="checkpoint"):
-        dst.load_state_dict(state)
-    _assert_same_state(dst.state_dict(), before, f"a refused load ({damage})")
+    _assert_refused(dst, state, "checkpoint", f"a refused load ({damage})")
     assert len(_minibatch(dst)[0]) == 4, "the target does not deliver its own rollout after the refused load"
     dst.close()
 
@@ -338,10 +340,7 @@ def test_a_damaged_prioritized_checkpoint_is_refused_typed_and_changes_nothing(d
     dst = _replay("overlapped-chunks", prioritized=True)
     dst.ingest(id_batch(np.arange(1000, 1020)))
     dst.flush()
-    before = dst.state_dict()
-    with pytest.raises(ConfigurationError, match="checkpoint"):
-        dst.load_state_dict(state)
-    _assert_same_state(dst.state_dict(), before, f"a refused load ({damage})")
+    _assert_refused(dst, state, "checkpoint", f"a refused load ({damage})")
     ids, _, _ = _draw(dst)
     assert all(1000 <= i < 1020 for i in ids), f"the target drew {ids} after the refused load"
     dst.close()
