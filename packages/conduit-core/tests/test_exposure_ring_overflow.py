@@ -114,3 +114,26 @@ def test_a_ring_size_that_cannot_work_is_refused_with_a_typed_error(maxlen: obje
 
     with pytest.raises(ConfigurationError, match="maxlen"):
         Telemetry(maxlen=maxlen)  # type: ignore[arg-type]
+
+
+def test_an_iteration_reads_only_its_own_calls_from_a_full_ring() -> None:
+    """The accounting of an iteration reads the calls since its start, not the whole ring (which may hold 64k
+    calls), and still counts a span that began before the iteration and ended inside it."""
+    tel = Telemetry(maxlen=1000, fold_every=16)
+    log = ExposureLog(tel)
+    for i in range(3000):  # a full ring that has dropped 2000 calls
+        tel.record("deliver", 1, 1, float(i), float(i) + 0.5)
+    before = time.perf_counter()
+    mark = tel.mark()
+    calls, dropped = tel.calls_since(mark)
+    assert (calls, dropped) == ([], 0)
+    with log.iteration():
+        tel.record("deliver", 1, 1, before - 1.0, time.perf_counter())  # began long before the iteration
+        with tel.span("update"):
+            pass
+    calls, dropped = tel.calls_since(mark)
+    assert [c.kind for c in calls] == ["deliver", "update", "iteration"] and dropped == 0
+    it = log.iterations[-1]
+    assert it.exposed_s > 0, "the span that began before the iteration was not counted"
+    all_calls, _ = tel.snapshot(0)
+    assert list(all_calls[-3:]) == calls and len(all_calls) == 1000

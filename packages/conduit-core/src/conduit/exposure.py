@@ -178,7 +178,7 @@ class ExposureLog:
             t1 = time.perf_counter()
             try:
                 self.telemetry.record("iteration", 0, 0, t0, t1)
-                records, dropped = self.telemetry.snapshot(mark)
+                records, dropped = self.telemetry.calls_since(mark)  # (not the whole ring: it may hold 64k calls)
             finally:
                 self.telemetry._close_window()
             if dropped:
@@ -192,7 +192,8 @@ class ExposureLog:
                 if add_note is not None:
                     add_note(msg)
             else:
-                # every span overlapping the iteration, however long before it started
+                # every span overlapping the iteration, however long before it started (a span is recorded when
+                # it ends, so one ending after t0 was folded after the mark)
                 recs = [r for r in records if r.end > t0]
                 self.iterations.append(measure_iteration(recs, t0, t1))
 

@@ -9,6 +9,7 @@ accounting and traces are built from.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import threading
@@ -183,12 +184,26 @@ class Telemetry:
         still in the snapshot; calls removed by :meth:`reset` do not count)."""
         self._fold()
         with self._lock:
-            dropped = 0
-            for a, b in reversed(self._drops):
-                if b <= since:
-                    break
-                dropped += b - max(a, since)
-            return tuple(self._records), dropped
+            return tuple(self._records), self._dropped_since(since)
+
+    def calls_since(self, since: int) -> tuple[list[CallRecord], int]:
+        """The calls folded at or after the mark ``since`` (from :meth:`mark`) that the ring still holds,
+        oldest first, and how many of them it has already dropped (as :meth:`snapshot` counts them). Reads
+        only those calls, however full the ring is."""
+        self._fold()
+        with self._lock:
+            # read from the newest end: skipping the older calls from the left would walk the whole deque
+            newer = itertools.islice(reversed(self._records), max(0, self._folded - max(since, self._first)))
+            return list(newer)[::-1], self._dropped_since(since)
+
+    def _dropped_since(self, since: int) -> int:
+        """Calls folded at or after the mark ``since`` that the ring dropped to make room (caller holds the lock)."""
+        dropped = 0
+        for a, b in reversed(self._drops):
+            if b <= since:
+                break
+            dropped += b - max(a, since)
+        return dropped
 
     def recent(self, kind: str, n: int) -> list[CallRecord]:
         """The newest ``n`` calls of ``kind``, oldest first (read from the newest end, without a full copy)."""
