@@ -7,9 +7,6 @@ thread held the last job it ran, with the scheduler and the buffer behind it.
 
 from __future__ import annotations
 
-import gc
-import threading
-import time
 import weakref
 from collections.abc import Callable
 
@@ -26,35 +23,9 @@ from conduit import (
     Scheduler,
 )
 from conduit.scheduling.worker import Worker
+from conduit.testing.lifecycle import eventually, worker_threads
 
 SCHEMA = ExperienceSchema(x=Field((8,)))
-WORKER_NAMES = ("conduit-ingest", "conduit-prefetch")
-
-
-def _workers() -> int:
-    return sum(t.name in WORKER_NAMES for t in threading.enumerate())
-
-
-def _gone(ref: weakref.ref[object], timeout: float = 10.0) -> bool:
-    """Whether ``ref`` dies within ``timeout`` (a prefetch job in flight holds its buffer until it ends)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        gc.collect()
-        if ref() is None:
-            return True
-        time.sleep(0.02)
-    return False
-
-
-def _threads_end(before: int, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if _workers() <= before:
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def _off_policy(scheduler: Scheduler) -> weakref.ref[object]:
     edp = ExperienceDataPlane(SCHEMA, capacity=256, semantics=Replay(seed=0), scheduler=scheduler)
     for _ in range(5):
@@ -85,10 +56,10 @@ CASES: dict[str, Callable[[], weakref.ref[object]]] = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_buffer_dropped_without_close_is_freed_and_its_threads_end(case: str) -> None:
-    before = _workers()
+    before = worker_threads()
     ref = CASES[case]()
-    assert _gone(ref), f"{case}: the dropped buffer is still alive: {gc.get_referrers(ref()) if ref() else ''}"
-    assert _threads_end(before), f"{case}: {_workers() - before} worker threads still run for a freed buffer"
+    assert eventually(lambda: ref() is None), f"{case}: the dropped buffer is still alive"
+    assert eventually(lambda: worker_threads() == before), f"{case}: worker threads still run: {worker_threads()}"
 
 
 def test_a_finished_job_keeps_nothing_of_its_caller() -> None:
@@ -103,6 +74,6 @@ def test_a_finished_job_keeps_nothing_of_its_caller() -> None:
         assert job.result() == 1
         ref = weakref.ref(owner)
         del owner
-        assert _gone(ref), "the finished job (or the idle worker) still holds its function's owner"
+        assert eventually(lambda: ref() is None), "the finished job (or idle worker) still holds its function's owner"
     finally:
         pool.shutdown()

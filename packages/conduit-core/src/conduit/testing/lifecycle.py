@@ -1,0 +1,40 @@
+"""Helpers for tests that a dropped or closed buffer releases what it held: memory, threads, descriptors.
+
+Garbage collection and thread exits are asynchronous, so every check polls until it holds or a
+deadline passes, collecting garbage between tries, instead of sleeping a fixed time.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["WORKER_THREADS", "eventually", "worker_threads", "open_fds"]
+
+#: the names of the threads Conduit's schedulers and adapters start
+WORKER_THREADS = ("conduit-ingest", "conduit-prefetch", "conduit-minibatch", "conduit-srl-assembler")
+
+
+def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Whether ``cond()`` holds within ``timeout`` seconds (garbage is collected before each try)."""
+    end = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        if cond():
+            return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.02)
+
+
+def worker_threads() -> list[str]:
+    """The names of Conduit's worker threads alive now, sorted."""
+    return sorted(t.name for t in threading.enumerate() if t.name in WORKER_THREADS)
+
+
+def open_fds() -> int:
+    """File descriptors open in this process (Linux: ``/proc/self/fd``)."""
+    return len(os.listdir("/proc/self/fd"))
