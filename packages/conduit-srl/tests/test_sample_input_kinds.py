@@ -272,7 +272,7 @@ def _prioritized(closing: Any) -> tuple[ConduitBuffer, np.ndarray]:
 
 def _tree(b: ConduitBuffer) -> np.ndarray:
     assert b.edp is not None
-    return b.edp.semantics.sampler.state_dict()["leaves"][:2].copy()  # type: ignore[attr-defined,no-any-return]
+    return np.array(b.edp.semantics.sampler.state_dict()["leaves"][:2])  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("kind", ["big_endian", "float16", "lists", "torch", "torch_grad", "torch_bfloat16",
