@@ -486,7 +486,7 @@ class ExperienceDataPlane:
             oldest, batch = self.storage.checkpoint_batch(state["storage"])
             before = self.semantics.load_checked(state["semantics"])
             try:
-                self.semantics.check_handles(oldest, oldest + batch.batch_size)
+                self.semantics.check_live(oldest, oldest + batch.batch_size)
             finally:
                 self.semantics.load_state_dict(before)
         self.scheduler.invalidate("contents")

@@ -136,7 +136,7 @@ class Semantics(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
-    def check_handles(self, oldest: int, next_handle: int) -> None:  # noqa: B027
+    def check_live(self, oldest: int, next_handle: int) -> None:  # noqa: B027
         """Raise :class:`ConfigurationError` when the state just loaded names items outside the live handles
         ``[oldest, next_handle)`` of the storage checkpoint loaded with it (a damaged checkpoint)."""
 

@@ -308,7 +308,7 @@ class OnPolicy(Semantics):
                     raise
         return Selection(slots, info)
 
-    def check_handles(self, oldest: int, next_handle: int) -> None:
+    def check_live(self, oldest: int, next_handle: int) -> None:
         """:class:`ConfigurationError` when a rollout of the current state (a checkpoint just loaded) names an
         item outside the live handles ``[oldest, next_handle)``: it would deliver rows of evicted or never
         written slots."""

@@ -350,7 +350,7 @@ class Replay(Semantics):
                                 f"or sample with replacement.")
         return self.sampler.sample(n, replace=replace, beta=beta)
 
-    def check_handles(self, oldest: int, next_handle: int) -> None:
+    def check_live(self, oldest: int, next_handle: int) -> None:
         if isinstance(self.sampler, PrioritizedSampler):
             self.sampler.check_live(oldest, next_handle)
 
