@@ -90,6 +90,22 @@ def test_priorities_and_handles_with_a_view_bit_are_read_by_value() -> None:
     assert tree.get(np.array([0, 1])).tolist() == [2.0, 5.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_priorities_of_every_float_width_are_read_by_value(dtype: torch.dtype) -> None:
+    """bfloat16 and float8, which NumPy has no type for, were a PriorityError ("real numbers") at ingest and update."""
+    edp = ExperienceDataPlane(ExperienceSchema(x=Field((1,))), capacity=8,
+                              semantics=Replay(sampler=PrioritizedSampler(alpha=1.0), seed=0))
+    handles = edp.ingest({"x": torch.ones(2, 1)}, priorities=torch.tensor([1.0, 3.0]).to(dtype))
+    assert handles is not None
+    tree = edp.semantics.sampler._tree
+    assert tree.get(np.array([0, 1])).tolist() == [1.0, 3.0]
+    assert edp.update_priorities(handles, torch.tensor([2.0, 0.5], requires_grad=True).to(dtype)) == 2
+    assert tree.get(np.array([0, 1])).tolist() == [2.0, 0.5]
+    with pytest.raises(PriorityError, match="NaN, infinite or negative"):
+        edp.update_priorities(handles, torch.tensor([1.0, float("nan")]).to(dtype))
+    assert tree.get(np.array([0, 1])).tolist() == [2.0, 0.5]
+
+
 def test_complex_priorities_are_refused_not_truncated() -> None:
     edp = ExperienceDataPlane(ExperienceSchema(x=Field((1,))), capacity=8,
                               semantics=Replay(sampler=PrioritizedSampler(), seed=0))

@@ -316,10 +316,8 @@ class Assembler:
             raise ConfigurationError("update_priorities needs semantics='prioritized'.")
         if self.edp is None:
             raise EmptyBufferError("Nothing was put into this buffer yet; there are no priorities to update.")
-        try:  # (float indices are refused: truncated, they would name another sample; tensors, including
-            # ones that require grad or carry view bits, and complex priorities are Conduit's to check)
-            if isinstance(priorities, torch.Tensor) and priorities.is_floating_point():
-                priorities = priorities.detach().to("cpu", torch.float64)  # e.g. bfloat16, which NumPy lacks
+        try:  # (float indices are refused: truncated, they would name another sample; tensors of any
+            # float width, ones that require grad or carry view bits, and complex priorities are Conduit's to check)
             h = torch.from_numpy(PrioritizedSampler.check_handles(handles))
             p = torch.from_numpy(PrioritizedSampler.check(priorities))
         except (TypeError, ValueError, RuntimeError) as e:  # (PriorityError included: say it in SRL's terms)

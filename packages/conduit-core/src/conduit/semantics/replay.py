@@ -164,12 +164,22 @@ class PrioritizedSampler(Sampler):
 
     @staticmethod
     def check(priorities: torch.Tensor | np.ndarray) -> np.ndarray:
-        """Priorities as float64 NumPy, or :class:`PriorityError` if any is NaN, inf or negative, or not a number."""
+        """Priorities as float64 NumPy, or :class:`PriorityError` if any is NaN, inf or negative, or not a number.
+
+        Floating tensors of any width are read by value, including those NumPy has no type for
+        (``bfloat16``, ``float8``): every such value is exact in float64.
+        """
         try:
-            if priorities.is_complex() if isinstance(priorities, torch.Tensor) else np.iscomplexobj(priorities):
-                raise TypeError("complex values")  # NumPy would drop the imaginary parts with a warning
-            p = np.asarray(host_array(priorities) if isinstance(priorities, torch.Tensor) else priorities,
-                           dtype=np.float64).reshape(-1)
+            if isinstance(priorities, torch.Tensor):
+                if priorities.is_complex():
+                    raise TypeError("complex values")  # NumPy would drop the imaginary parts with a warning
+                if priorities.is_floating_point():
+                    priorities = priorities.detach().to("cpu", torch.float64)
+                p = np.asarray(host_array(priorities), dtype=np.float64).reshape(-1)
+            else:
+                if np.iscomplexobj(priorities):
+                    raise TypeError("complex values")
+                p = np.asarray(priorities, dtype=np.float64).reshape(-1)
         except (TypeError, ValueError) as e:
             raise PriorityError(f"Priorities must be real numbers (a float tensor or array, one per item), got "
                                 f"{type(priorities).__name__} ({e}); pass e.g. |td_error| + 1e-6.") from e
