@@ -11,7 +11,7 @@ import torch
 from conduit.errors import SchemaError
 from conduit.schema import ExperienceSchema
 
-__all__ = ["Ragged", "ExperienceBatch", "as_tensor", "host_array", "ranges"]
+__all__ = ["Ragged", "ExperienceBatch", "as_tensor", "host_array", "native", "ranges"]
 
 
 def as_tensor(x: object) -> torch.Tensor:
@@ -21,11 +21,17 @@ def as_tensor(x: object) -> torch.Tensor:
         return x
     if isinstance(x, np.ndarray):
         if not x.dtype.isnative:
-            x = x.astype(x.dtype.newbyteorder("="))
+            x = native(x)
         elif not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
         return torch.from_numpy(x)
     return torch.as_tensor(x)
+
+
+def native(x: np.ndarray) -> np.ndarray:
+    """``x`` in this machine's byte order: ``x`` itself when it already is, else a converted copy with the same
+    values and dtype kind (e.g. ``'>f4'`` on x86 becomes ``'<f4'``), which torch can share."""
+    return x if x.dtype.isnative else x.astype(x.dtype.newbyteorder("="))
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from conduit import ExperienceSchema, Field, SchemaError
-from conduit.batch import host_array
+from conduit.batch import host_array, native
 
 __all__ = ["RecordLayout", "Leaf", "as_array", "torch_dtype"]
 
@@ -51,9 +51,7 @@ def as_array(value: Any, path: str) -> np.ndarray:
         raise SchemaError(f"Field {path!r} cannot be read as one array ({type(value).__name__}: {e}); send a NumPy "
                           f"array or tensor [T, ...] of a numeric or bool dtype (NumPy has no bfloat16: convert "
                           f"such tensors to float32), or list the field in buffer_args['drop_fields'].") from None
-    if not arr.dtype.isnative:
-        arr = arr.astype(arr.dtype.newbyteorder("="))
-    return arr
+    return native(arr)
 
 
 @dataclass(frozen=True)
