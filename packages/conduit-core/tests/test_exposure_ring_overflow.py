@@ -65,7 +65,7 @@ def test_the_ring_boundary_is_exact(spans: int, refused: bool) -> None:
         with pytest.raises(CapacityError, match="maxlen"):
             with log.iteration():
                 _workers(tel, 1, spans)
-        assert log.iterations == []
+        assert len(log.iterations) == 0
     else:
         with log.iteration():
             _workers(tel, 1, spans)
@@ -105,7 +105,7 @@ def test_the_bodys_own_error_propagates_when_the_ring_overflowed() -> None:
         with log.iteration():
             _workers(tel, 2, 20)
             raise KeyError("the loop's own failure")
-    assert log.iterations == []
+    assert len(log.iterations) == 0
 
 
 @pytest.mark.parametrize("maxlen", [-1, 2.5, "64", None, True])
@@ -137,3 +137,27 @@ def test_an_iteration_reads_only_its_own_calls_from_a_full_ring() -> None:
     assert it.exposed_s > 0, "the span that began before the iteration was not counted"
     all_calls, _ = tel.snapshot(0)
     assert list(all_calls[-3:]) == calls and len(all_calls) == 1000
+
+
+def test_the_log_keeps_the_newest_iterations_and_skips_warm_up_by_count() -> None:
+    """ExposureLog.iterations grew by one record per iteration for the life of the loop."""
+    tel = Telemetry()
+    log = ExposureLog(tel, keep=3)
+    for i in range(5):
+        with log.iteration(), tel.span("update"):
+            time.sleep(0.001 * (i + 1))
+    assert log.accounted == 5
+    assert len(log.iterations) == 3, "the log holds at most `keep` iterations"
+    updates = [round(it.update_s * 1e3) for it in log.iterations]
+    assert updates == sorted(updates) and updates[0] >= 3, f"the newest three, oldest first: {updates} ms"
+    # skip counts accounted iterations: skipping 4 leaves the fifth only, though two are no longer held
+    assert log.summary(skip=4)["update_s"] == log.iterations[-1].update_s
+    assert log.summary(skip=2)["update_s"] == log.iterations[1].update_s  # the median of the held three
+
+
+@pytest.mark.parametrize("keep", [0, -1, 2.5, True])
+def test_a_keep_that_cannot_work_is_refused_typed(keep: object) -> None:
+    from conduit.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="keep"):
+        ExposureLog(Telemetry(), keep=keep)  # type: ignore[arg-type]

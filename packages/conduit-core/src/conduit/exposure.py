@@ -26,6 +26,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -135,6 +136,11 @@ def measure_iteration(records: Iterable[CallRecord], start: float, end: float,
 class ExposureLog:
     """Per-iteration exposure of a loop that records its rollout and update spans in ``telemetry``.
 
+    Args:
+        telemetry: where the loop's spans are recorded.
+        keep: how many of the newest iterations :attr:`iterations` holds (the oldest go first, so a
+            long run's log stays bounded; ``None`` keeps them all). :attr:`accounted` counts them all.
+
     Examples:
         >>> import time
         >>> from conduit import Telemetry
@@ -151,9 +157,15 @@ class ExposureLog:
         True
     """
 
-    def __init__(self, telemetry: Telemetry) -> None:
+    def __init__(self, telemetry: Telemetry, *, keep: int | None = 100_000) -> None:
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ConfigurationError(f"ExposureLog(keep=...) is how many recent iterations to hold: pass an int >= 1 "
+                                     f"or None (all of them), got {keep!r}.")
         self.telemetry = telemetry
-        self.iterations: list[IterationExposure] = []
+        #: the newest accounted iterations, oldest first (at most ``keep``)
+        self.iterations: deque[IterationExposure] = deque(maxlen=keep)
+        #: iterations accounted so far, including those :attr:`iterations` no longer holds
+        self.accounted = 0
 
     @contextmanager
     def iteration(self) -> Iterator[None]:
@@ -196,10 +208,12 @@ class ExposureLog:
                 # it ends, so one ending after t0 was folded after the mark)
                 recs = [r for r in records if r.end > t0]
                 self.iterations.append(measure_iteration(recs, t0, t1))
+                self.accounted += 1
 
     def summary(self, skip: int = 0) -> dict[str, float]:
-        """Median seconds per iteration of each part, over the iterations after the first ``skip``
-        (over all of them when no more than ``skip`` ran, so a short run still reports; {} for none).
+        """Median seconds per iteration of each part, over the iterations after the first ``skip`` accounted
+        (over all of them when no more than ``skip`` ran, so a short run still reports; {} for none), of
+        those :attr:`iterations` still holds.
 
         Raises:
             ConfigurationError: ``skip`` is not an int >= 0.
@@ -207,7 +221,9 @@ class ExposureLog:
         if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
             raise ConfigurationError(f"ExposureLog.summary(skip=...) is how many first iterations (warm-up) to leave "
                                      f"out: pass an int >= 0, got {skip!r}.")
-        its = self.iterations[skip:] or self.iterations
+        held = list(self.iterations)
+        gone = self.accounted - len(held)  # the first iterations, no longer held
+        its = held[max(0, skip - gone):] or held
         if not its:
             return {}
         keys = ("iteration_s", "rollout_s", "update_s", "total_s", "hidden_s", "exposed_s")
