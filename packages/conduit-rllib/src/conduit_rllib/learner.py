@@ -52,6 +52,32 @@ ON_POLICY_COMPONENT = "conduit_on_policy"
 CONFIG_KEY = "conduit"
 
 
+def _minibatch_rows(batch: MultiAgentBatch, rows: int, minibatch_size: int | None, num_epochs: int) -> int:
+    """Rows per minibatch as RLlib's ``Learner._create_iterator_if_necessary`` cuts ``batch`` (``rows`` module rows).
+
+    With a ``minibatch_size``: that many. Without one and ``num_epochs > 1``: RLlib's
+    ``MiniBatchCyclicIterator`` with ``minibatch_size = batch.count``, i.e. the train batch's *env
+    steps* (not its module rows: the two differ when the batch reports other env steps than it has
+    rows), so ``ceil(num_epochs * rows / env_steps)`` minibatches of ``env_steps`` rows. Without one and
+    ``num_epochs <= 1``: RLlib's ``MiniBatchDummyIterator``, the whole batch once.
+
+    Raises:
+        UnsupportedConfigError: no ``minibatch_size``, ``num_epochs > 1`` and the train batch reports no
+            env steps (RLlib would cut empty minibatches forever).
+    """
+    if minibatch_size:
+        return int(minibatch_size)
+    if num_epochs <= 1:
+        return rows
+    env_steps = int(batch.env_steps())
+    if env_steps <= 0:
+        raise UnsupportedConfigError(f"This train batch has {rows} rows but reports {env_steps} env steps; without a "
+                                     f"minibatch_size RLlib cuts minibatches of the batch's env steps, so it cannot "
+                                     f"cut this one. Set minibatch_size (config.training(minibatch_size=...)) or "
+                                     f"num_epochs=1, or pass a batch whose env_steps is positive.")
+    return env_steps
+
+
 class ConduitOffPolicyLearner:
     """Mixin for DQN/SAC learners: Conduit-delivered batches skip the learner connector.
 
@@ -106,8 +132,9 @@ class ConduitOnPolicyLearner:
     Per ``update``: RLlib's connector builds the train batch; it is ingested as one rollout of
     policy version v (v counts this learner's updates), sealed, and delivered in the updates stock
     RLlib makes (its ``MiniBatchCyclicIterator``): K = ceil(num_epochs * rows / minibatch_size)
-    minibatches of exactly ``minibatch_size`` rows (without a ``minibatch_size``: the whole batch,
-    ``num_epochs`` times). The epochs run as one stream, so a minibatch may end one epoch and begin
+    minibatches of exactly ``minibatch_size`` rows (without a ``minibatch_size``, as RLlib: with
+    ``num_epochs > 1`` minibatches of the train batch's env steps, with one epoch the whole batch once;
+    see :func:`_minibatch_rows`). The epochs run as one stream, so a minibatch may end one epoch and begin
     the next; every row trains in each of the ``num_epochs`` epochs, and when ``num_epochs * rows``
     is no multiple of ``minibatch_size`` the K * minibatch_size - num_epochs * rows rows that fill
     the last minibatch come from the head of one more (reshuffled) pass, as in RLlib (e.g. 250 rows,
@@ -164,13 +191,14 @@ class ConduitOnPolicyLearner:
         if rows == 0:
             raise EmptyBufferError(f"The train batch for module {module_id!r} has no rows; an update needs at least "
                                    f"one timestep (sample some before calling update).")
+        size = _minibatch_rows(batch, rows, minibatch_size, num_epochs)
         feed = self.conduit_feed
         version = self.conduit_version
         feed.set_policy_version(version)
         feed.drop_leftovers()  # an earlier update that stopped mid-epoch may have left its (now stale) rollout
-        # RLlib's cuts: minibatch_size rows each (the whole batch without one), ceil(E * rows / size) of them
-        feed.configure(minibatch_size=int(minibatch_size) if minibatch_size else rows,
-                       num_epochs=max(1, int(num_epochs)), shuffle=bool(shuffle_batch_per_epoch and num_epochs > 1))
+        # RLlib's cuts: ceil(E * rows / size) minibatches of size rows (see _minibatch_rows)
+        feed.configure(minibatch_size=size, num_epochs=max(1, int(num_epochs)),
+                       shuffle=bool(shuffle_batch_per_epoch and num_epochs > 1))
         feed.ingest(module_id, module_batch, version=version)
         feed.seal()
         self.conduit_version = version + 1  # counted once ingested: a refused train batch is no update

@@ -72,6 +72,11 @@ def _cyclic_plan(n: int, size: int, epochs: int) -> tuple[int, int]:
     return k, -(-k * size // n)
 
 
+def _join(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The rows of ``parts`` (same columns) one after another, in fresh memory: one concatenation per column."""
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
 class _CyclicOrder(OnPolicy):
     """RLlib's minibatch order: ``MiniBatchCyclicIterator`` walks the first epoch in the train
     batch's own order and reshuffles only when an epoch is covered; so here epoch 0 is the
@@ -407,28 +412,44 @@ class MinibatchFeed:
 
     def _complete(self, head: tuple[dict[str, torch.Tensor], int, SampleInfo]
                   ) -> tuple[dict[str, torch.Tensor], int, SampleInfo]:
-        """``head`` joined with the pieces that continue its minibatch into the next epoch (RLlib's cuts)."""
+        """``head`` joined with the pieces that continue its minibatch into the next epochs (RLlib's cuts).
+
+        The pieces are collected and joined once (one concatenation per column), so a minibatch of P
+        pieces copies each of its rows at most twice, however large P is (a minibatch far larger than the
+        rollout spans many epochs): a piece is copied out of Conduit's reused delivery buffers only when
+        the next delivery could overwrite it (``scheduler.output_depth``).
+        """
         cols, rows, info = head
         sem = self.semantics
         size = sem.cycle if isinstance(sem, _CyclicOrder) else None
-        while size is not None and rows < size and not info.last:
+        if size is None or rows >= size or info.last:
+            return head
+        assert self.edp is not None
+        valid_for = max(1, int(self.edp.scheduler.output_depth))  # deliveries a delivered piece stays valid for
+        parts, owned = [cols], [False]  # a part's tensors, and whether they are fresh memory (not a delivery buffer)
+        while rows < size and not info.last:
+            for i in range(len(parts) - valid_for + 1):  # the next delivery may reuse these parts' buffers
+                if not owned[i]:
+                    parts[i], owned[i] = {k: v.clone() for k, v in parts[i].items()}, True
             try:
                 batch, nxt = self._deliver()
             except BaseException:
                 # keep the head for the next call: its continuation is still waiting (fresh memory: the
                 # pieces' buffers are reused by later deliveries)
-                self._held = ({k: v.clone() for k, v in cols.items()}, rows, info)
+                self._held = (_join(parts) if len(parts) > 1 else {k: v.clone() for k, v in parts[0].items()},
+                              rows, info)
                 raise
             self._record(nxt)
             piece = {k: batch.tensor(k) for k in batch}
             if nxt.epoch != (info.epoch or 0) + 1 or nxt.minibatch != 0:
                 # the head's rollout went stale and was dropped: another rollout begins; the head goes with it
-                cols, rows = piece, batch.batch_size
-            else:  # join now, while the head's buffers are still valid (the join is a fresh tensor)
-                cols = {k: torch.cat([v, piece[k]]) for k, v in cols.items()}
+                parts, owned, rows = [piece], [False], batch.batch_size
+            else:
+                parts.append(piece)
+                owned.append(False)
                 rows += batch.batch_size
             info = nxt
-        return cols, rows, info
+        return (parts[0] if len(parts) == 1 else _join(parts)), rows, info
 
     def _iterate(self, first: tuple[dict[str, torch.Tensor], int, SampleInfo],
                  env_steps: int | None) -> Iterator[MultiAgentBatch]:
