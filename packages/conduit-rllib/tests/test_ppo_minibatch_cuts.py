@@ -164,6 +164,18 @@ def delivered_stream(n: int, shuffle: bool) -> list[int]:
         feed.close()
 
 
+def test_zero_epochs_with_a_minibatch_size_is_refused_typed_and_changes_nothing(setup: Any) -> None:
+    """num_epochs=0 with a minibatch_size: stock RLlib cuts no minibatch and fails with a raw error; Conduit
+    trained one epoch. Now refused, naming num_epochs, before the learner's state changes."""
+    _, conduit, _, cols = setup
+    version, dropped = conduit.conduit_version, conduit.conduit_feed.dropped_items
+    rows = int(cols["obs"].shape[0])
+    with pytest.raises(UnsupportedConfigError, match="num_epochs >= 1"):
+        conduit.update(batch=same_batch(cols, rows), minibatch_size=64, num_epochs=0)
+    assert (conduit.conduit_version, conduit.conduit_feed.dropped_items) == (version, dropped), \
+        "the refused update changed the learner's state"
+
+
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_a_minibatch_of_many_pieces_is_joined_by_one_concatenation_per_column(

@@ -63,9 +63,14 @@ def _minibatch_rows(batch: MultiAgentBatch, rows: int, minibatch_size: int | Non
 
     Raises:
         UnsupportedConfigError: no ``minibatch_size``, ``num_epochs > 1`` and the train batch reports no
-            env steps (RLlib would cut empty minibatches forever).
+            env steps (RLlib would cut empty minibatches forever); or a ``minibatch_size`` with
+            ``num_epochs < 1`` (no minibatch at all).
     """
     if minibatch_size:
+        if num_epochs < 1:
+            raise UnsupportedConfigError(f"num_epochs={num_epochs} with minibatch_size={minibatch_size} cuts no "
+                                         f"minibatch, so the update would train nothing (stock RLlib fails on it); "
+                                         f"set num_epochs >= 1.")
         return int(minibatch_size)
     if num_epochs <= 1:
         return rows
