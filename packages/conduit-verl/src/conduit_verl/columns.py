@@ -54,14 +54,21 @@ __all__ = ["Rung", "PoolLadder", "PoolPlacement", "Migration", "FieldStore", "ch
            "dtype_error", "rank_error"]
 
 
-def check_indexes(name: str, gis: list[int], held: Collection[int], max_items: int | None) -> None:
+def check_indexes(name: str, gis: list[int], held: Collection[int], max_items: int | None,
+                  reserved: Collection[int] = ()) -> None:
     """Refuse a put of ``gis`` to field ``name``, which holds the indexes ``held``, that names a global index
-    twice (:class:`SchemaError`) or would hold more than ``max_items`` samples (:class:`CapacityError`)."""
+    twice (:class:`SchemaError`) or would hold more than ``max_items`` samples (:class:`CapacityError`).
+
+    ``reserved``: the indexes of the field that puts in flight (prepared, not yet committed) will store; they
+    count against ``max_items`` as if stored.
+    """
     if len(set(gis)) != len(gis):
         raise SchemaError(f"Field {name!r}: a put names a global index twice.")
-    new_items = sum(1 for g in gis if g not in held)
-    if max_items is not None and len(held) + new_items > max_items:
-        raise CapacityError(f"Field {name!r}: {len(held)} stored + {new_items} new samples exceed "
+    new_items = sum(1 for g in gis if g not in held and g not in reserved)
+    in_flight = sum(1 for g in reserved if g not in held)
+    if max_items is not None and len(held) + in_flight + new_items > max_items:
+        flight = f" + {in_flight} reserved by puts in flight" if in_flight else ""
+        raise CapacityError(f"Field {name!r}: {len(held)} stored{flight} + {new_items} new samples exceed "
                             f"max_items={max_items}; clear consumed samples or raise max_items.")
 
 
@@ -222,8 +229,10 @@ class FieldStore:
         return torch.arange(st.oldest, st.next_handle, dtype=torch.int64) % st.capacity
 
     # -- write -----------------------------------------------------------------------------
-    def check(self, gis: Sequence[int], col: PackedColumn) -> torch.Tensor:
+    def check(self, gis: Sequence[int], col: PackedColumn, reserved: Collection[int] = ()) -> torch.Tensor:
         """Raise what :meth:`put` would raise for this input, changing nothing; the shape rows padded to the width.
+
+        ``reserved``: global indexes puts in flight will store in this field (they count against ``max_items``).
 
         Raises:
             SchemaError: another dtype or shape rank than this field's.
@@ -242,7 +251,7 @@ class FieldStore:
             shapes = torch.nn.functional.pad(shapes, (0, self.width - shapes.shape[1]))
         if n:
             ExperienceBatch({"values": Ragged(col.values, col.lengths), "shape": shapes}, n).validate(self.schema)
-        check_indexes(self.name, gis, self._handle, self.ladder.max_items)
+        check_indexes(self.name, gis, self._handle, self.ladder.max_items, reserved)
         return shapes
 
     def put(self, gis: Sequence[int], col: PackedColumn) -> None:

@@ -112,12 +112,21 @@ class _UnitState:
         #: used on unit 0 only: field -> (dtype name, or None for Python objects; shape-row width) of each field a
         #: put claimed there (:meth:`claim`) before storing it on any unit
         self.claims: dict[str, tuple[str | None, int]] = {}
+        #: used on unit 0 only: field -> the puts (their tokens) that hold its claim; a claim goes when the last
+        #: holder gives it back (:meth:`release`)
+        self.holders: dict[str, set[str]] = {}
+        #: puts prepared here and not yet committed or aborted: token -> (global indexes, wire columns)
+        self.pending: dict[str, tuple[list[int], dict[str, Any]]] = {}
         self.telemetry = Telemetry()
 
-    def check(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None
+    def check(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None,
+              reserved: dict[str, set[int]] | None = None
               ) -> tuple[dict[str, PackedColumn | list[Any]], dict[str, FieldStore]]:
         """Raise what :meth:`put` would raise for this input, changing nothing; returns the decoded
         columns and the store each tensor column goes to (new stores are not kept yet).
+
+        ``reserved`` (field -> global indexes that prepared puts will store, :meth:`prepare`) count against
+        ``max_items`` as if stored.
 
         With no ``gis`` (zero-row columns) it checks only that each field agrees in kind, dtype and rank
         with what this unit holds: the manager asks so of the units a put does not reach.
@@ -146,13 +155,54 @@ class _UnitState:
                 if store is None:
                     width = max(col.shapes.shape[1], (widths or {}).get(name, 0))
                     store = FieldStore(name, col.dtype, width, PoolLadder(**self.ladder_args))
-                store.check(gis, col)
+                store.check(gis, col, (reserved or {}).get(name, ()))
                 stores[name] = store
             elif len(col) != len(gis):
                 raise SchemaError(f"Field {name!r}: {len(col)} values for {len(gis)} global indexes.")
             else:
-                check_indexes(name, [int(g) for g in gis], self.objects.get(name, {}), self.ladder_args["max_items"])
+                check_indexes(name, [int(g) for g in gis], self.objects.get(name, {}), self.ladder_args["max_items"],
+                              (reserved or {}).get(name, ()))
         return decoded, stores
+
+    def _reserved(self, but: str | None = None) -> dict[str, set[int]]:
+        """field -> the global indexes the prepared puts (all but the one of token ``but``) will store."""
+        out: dict[str, set[int]] = {}
+        for token, (gis, columns) in self.pending.items():
+            if token != but:
+                for name in columns:
+                    out.setdefault(name, set()).update(gis)
+        return out
+
+    def prepare(self, token: str, gis: list[int], columns: dict[str, Any]) -> dict[str, int]:
+        """First phase of a put over several units: raise what :meth:`commit` would raise, and keep the columns
+        under ``token`` with their samples reserved (a later put that would not fit beside them is refused here, so
+        a prepared put's commit is not refused for room); returns what :meth:`held_widths` returns.
+
+        Raises:
+            SchemaError, CapacityError: as :meth:`check` (nothing is kept).
+        """
+        gis = [int(g) for g in gis]
+        _, stores = self.check(gis, columns, None, self._reserved(but=token))
+        self.pending[token] = (gis, columns)
+        return self.held_widths(stores)
+
+    def commit(self, token: str, widths: dict[str, int] | None = None) -> None:
+        """Store the put prepared under ``token`` (``widths``: see :meth:`check`).
+
+        Raises:
+            SchemaError: no put is prepared under ``token`` (it was aborted, or a checkpoint restore dropped it):
+                put the samples again.
+        """
+        if token not in self.pending:
+            raise SchemaError(f"No put prepared under {token!r} on this Conduit storage unit (aborted, or dropped by "
+                              f"a checkpoint restore); put the samples again.")
+        gis, columns = self.pending[token]
+        self._write(gis, columns, widths, self._reserved(but=token))
+        del self.pending[token]
+
+    def abort(self, token: str) -> None:
+        """Drop the put prepared under ``token`` (its reservations go; unknown tokens are ignored)."""
+        self.pending.pop(token, None)
 
     def _kind_of(self, name: str) -> tuple[str | None, int] | None:
         """(dtype name or None for Python objects, shape-row width) of field ``name`` as claimed or held here."""
@@ -165,13 +215,16 @@ class _UnitState:
             return None, 0
         return None
 
-    def claim(self, kinds: dict[str, tuple[str | None, int]]) -> tuple[list[str], dict[str, tuple[str | None, int]]]:
+    def claim(self, kinds: dict[str, tuple[str | None, int]], holder: str | None = None
+              ) -> tuple[list[str], dict[str, tuple[str | None, int]]]:
         """Check-and-set of the fields' kinds (the unit's calls are serialised, so of two racing first puts of a
         field in different kinds, dtypes or ranks, the second is refused here before it stores anything).
 
         ``kinds``: field -> (dtype name, or None for Python objects; the column's shape-row width). Every field is
         checked against what was claimed (or is held) here before any is claimed; a field new here is claimed with
-        the put's kind. Claims are never forgotten (as fields are not), except by :meth:`unclaim` and :meth:`load`.
+        the put's kind. ``holder`` (the put's token) holds every claim of ``kinds`` (new or already claimed): a claim
+        is forgotten only when every put that held it gave it back (:meth:`release`: each failed before storing),
+        and by :meth:`load`; a put that stored keeps holding it, as claims of no holder are kept.
 
         Returns:
             The fields this call claimed, and each field's claimed (dtype, width) (a lower-rank put of a tensor
@@ -196,12 +249,22 @@ class _UnitState:
         new = [name for name in kinds if self._kind_of(name) is None]
         for name in new:
             self.claims[name] = kinds[name]
+            if holder is not None:
+                self.holders[name] = set()
+        if holder is not None:
+            for name in kinds:
+                if name in self.holders:
+                    self.holders[name].add(holder)
         return new, {name: cast("tuple[str | None, int]", self._kind_of(name)) for name in kinds}
 
-    def unclaim(self, names: list[str]) -> None:
-        """Forget the claims of ``names`` (a put that claimed them and then failed stored nothing of them)."""
-        for name in names:
-            self.claims.pop(name, None)
+    def release(self, holder: str) -> None:
+        """Give back the claims ``holder`` holds (its put failed before storing anything); a claim another put still
+        holds stays (that put may be storing the field), the others are forgotten."""
+        for name in [n for n, held_by in self.holders.items() if holder in held_by]:
+            self.holders[name].discard(holder)
+            if not self.holders[name]:
+                del self.holders[name]
+                self.claims.pop(name, None)
 
     def held_widths(self, stores: dict[str, FieldStore]) -> dict[str, int]:
         """The shape-row width of each of ``stores`` this unit already holds (what :meth:`check` returned)."""
@@ -209,9 +272,13 @@ class _UnitState:
 
     def put(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None) -> None:
         """Store the columns' samples under ``gis``: every column, or (on an error) none (``widths``: see
-        :meth:`check`)."""
+        :meth:`check`; samples reserved by prepared puts count against ``max_items``)."""
+        self._write(gis, columns, widths, self._reserved())
+
+    def _write(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None,
+               reserved: dict[str, set[int]]) -> None:
         t0 = time.perf_counter()
-        decoded, stores = self.check(gis, columns, widths)
+        decoded, stores = self.check(gis, columns, widths, reserved)
         nbytes = 0
         for name, col in decoded.items():  # all checks passed: write
             if isinstance(col, PackedColumn):
@@ -295,7 +362,7 @@ class _UnitState:
                                               PoolLadder(**self.ladder_args))
             if f["gis"]:
                 store.put(f["gis"], from_wire(f["column"], copy=True))
-        self.fields, self.objects, self.claims = fields, state["objects"], {}
+        self.fields, self.objects, self.claims, self.holders, self.pending = fields, state["objects"], {}, {}, {}
         return sum(len(s) for s in fields.values())
 
     def stats(self) -> dict[str, Any]:
@@ -323,12 +390,24 @@ class ConduitStorageUnit:
     def put(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None) -> None:
         self.state.put(gis, columns, widths)
 
-    def claim(self, kinds: dict[str, tuple[str | None, int]]) -> tuple[list[str], dict[str, tuple[str | None, int]]]:
-        """See :meth:`_UnitState.claim` (the manager asks unit 0)."""
-        return self.state.claim(kinds)
+    def prepare(self, token: str, gis: list[int], columns: dict[str, Any]) -> dict[str, int]:
+        """See :meth:`_UnitState.prepare`."""
+        return self.state.prepare(token, gis, columns)
 
-    def unclaim(self, names: list[str]) -> None:
-        self.state.unclaim(names)
+    def commit(self, token: str, widths: dict[str, int] | None = None) -> None:
+        self.state.commit(token, widths)
+
+    def abort(self, token: str) -> None:
+        self.state.abort(token)
+
+    def claim(self, kinds: dict[str, tuple[str | None, int]], holder: str | None = None
+              ) -> tuple[list[str], dict[str, tuple[str | None, int]]]:
+        """See :meth:`_UnitState.claim` (the manager asks unit 0)."""
+        return self.state.claim(kinds, holder)
+
+    def release(self, holder: str) -> None:
+        """See :meth:`_UnitState.release`."""
+        self.state.release(holder)
 
     def get(self, gis: list[int], fields: list[str]) -> dict[str, Any]:
         return self.state.get(gis, fields)
@@ -430,8 +509,8 @@ class ConduitStorageManager(StorageManager):
                       for r in range(int(cfg["num_units"]))]
         self.device = self._resolve_device(str(cfg["device"]))
         self.telemetry = Telemetry()
-        #: the kinds unit 0 confirmed to this client (:meth:`_UnitState.claim`): a put of a field in its claimed
-        #: kind, dtype and at most its rank asks no more
+        #: the kinds unit 0 confirmed to puts of this client that then stored (:meth:`_UnitState.claim`): a put of a
+        #: field in its claimed kind, dtype and at most its rank asks no more (a put in flight holds its own claim)
         self._claimed: dict[str, tuple[str | None, int]] = {}
 
     @staticmethod
@@ -458,14 +537,21 @@ class ConduitStorageManager(StorageManager):
                        data_parser: Callable[[Any], Any] | None = None) -> None:
         """Store ``data``'s rows under ``metadata``'s global indexes, on the units they route to.
 
-        With several units every unit checks the put before any stores it, then unit 0 claims the kind of each
-        field new to this client (:meth:`_UnitState.claim`): of two puts whose checks passed before either stored,
-        one bringing a field in another kind, dtype or a higher rank than the other is refused there.
+        With several units a put is all-or-nothing, in two phases: every unit it reaches prepares its part
+        (checks it and reserves its samples against ``max_items``, :meth:`_UnitState.prepare`; the others check that
+        they hold no field in another kind, dtype or rank), then unit 0 claims the kind of each field this client
+        has not stored yet (:meth:`_UnitState.claim`: of two racing puts bringing a field in another kind, dtype or
+        a higher rank, the second is refused there), and only then does every unit commit its part. A racing put
+        that would not fit beside a prepared one is refused in its own prepare phase. A put that fails before its
+        commits were sent aborts its prepared parts and gives back its claims (a claim another put in flight also
+        holds stays). A commit is refused only when its unit lost the prepared part (the unit died, or a checkpoint
+        restore ran during the put); the other units' parts then stay stored.
 
         Raises:
             SchemaError: a column disagrees with its field's kind, dtype or rank on any unit, or with the claim of a
                 first put that came before; nothing of this put is stored.
-            CapacityError: a unit would exceed ``max_items``.
+            CapacityError: a unit would exceed ``max_items`` (counting the samples of puts in flight there);
+                nothing of this put is stored.
         """
         t0 = time.perf_counter()
         n = metadata.size
@@ -492,46 +578,61 @@ class ConduitStorageManager(StorageManager):
                 else:
                     payload[k] = col if len(routes) == 1 else [col[p] for p in positions]
             parts.append((rank, [gis[p] for p in positions], payload))
-        widths: dict[str, int] = {}
-        claimed: list[str] = []
-        if len(self.units) > 1:  # every unit checks before any writes: a put refused by one unit stores nothing,
-            # and a unit the put does not reach still refuses a field it holds in another kind, dtype or rank
-            parts = [(rank, part_gis, ray.put(payload)) for rank, part_gis, payload in parts]
-            checks = [self.units[rank].check.remote(part_gis, ref) for rank, part_gis, ref in parts]
-            if len(parts) < len(self.units):
-                empty = {k: to_wire(_no_rows(c)) if isinstance(c, PackedColumn) else [] for k, c in columns.items()}
-                checks += [self.units[r].check.remote([], empty) for r in range(len(self.units)) if r not in routes]
+        if len(self.units) == 1:  # one unit: its calls are serialised, and its put stores every column or none
             with _unit_errors():
-                held: list[dict[str, int]] = await asyncio.gather(*checks)
-            for unit_widths in held:  # a field new to a unit takes the rank limit held elsewhere
-                for name, width in unit_widths.items():
-                    widths[name] = max(widths.get(name, 0), width)
-            # the checks of two puts can pass before either stores: unit 0 (whose calls are serialised) claims each
-            # field's kind, dtype and rank limit, so the second of two racing first puts is refused before it stores
-            kinds = {k: (str(c.dtype).removeprefix("torch."), int(c.shapes.shape[1])) if isinstance(c, PackedColumn)
-                     else (None, 0) for k, c in columns.items()}
-            ask = {k: kind for k, kind in kinds.items() if not self._knows(k, kind)}
-            if ask:
-                with _unit_errors():
-                    claimed, confirmed = await self.units[0].claim.remote(ask)
-                self._claimed.update(confirmed)
-            for name, (dtype, width) in self._claimed.items():
-                if name in kinds and dtype is not None:
-                    widths[name] = max(widths.get(name, 0), width)
-        try:
-            with _unit_errors():
-                await asyncio.gather(*[self.units[rank].put.remote(part_gis, payload, widths)
-                                       for rank, part_gis, payload in parts])
-        except BaseException:
-            if claimed:  # a put that fails after its checks passed gives back the claims it made
-                for name in claimed:
-                    self._claimed.pop(name, None)
-                with contextlib.suppress(Exception):
-                    await self.units[0].unclaim.remote(claimed)
-            raise
+                await self.units[0].put.remote(parts[0][1], parts[0][2])
+        else:
+            await self._put_over_units(parts, columns, routes)
         self.telemetry.record("put", n, nbytes, t0, time.perf_counter())
         self._trace()
         await self.notify_data_update(metadata.partition_ids[0], gis, extract_field_schema(data))
+
+    async def _put_over_units(self, parts: list[tuple[int, list[int], Any]], columns: dict[str, Any],
+                              routes: dict[int, list[int]]) -> None:
+        """Store ``parts`` (rank, global indexes, payload) on several units, all or nothing (see :meth:`put_data`)."""
+        token = uuid.uuid4().hex
+        asked = committing = False
+        try:
+            refs = [(rank, part_gis, ray.put(payload)) for rank, part_gis, payload in parts]
+            phase = [self.units[rank].prepare.remote(token, part_gis, ref) for rank, part_gis, ref in refs]
+            if len(parts) < len(self.units):  # a unit the put does not reach still refuses a field it holds in another
+                # kind, dtype or rank
+                empty = {k: to_wire(_no_rows(c)) if isinstance(c, PackedColumn) else [] for k, c in columns.items()}
+                phase += [self.units[r].check.remote([], empty) for r in range(len(self.units)) if r not in routes]
+            with _unit_errors():
+                held: list[dict[str, int]] = await asyncio.gather(*phase)
+            widths: dict[str, int] = {}
+            for unit_widths in held:  # a field new to a unit takes the rank limit held elsewhere
+                for name, width in unit_widths.items():
+                    widths[name] = max(widths.get(name, 0), width)
+            # the prepare phases of two puts can pass before either stores: unit 0 (whose calls are serialised) claims
+            # each field's kind, dtype and rank limit, so the second of two racing first puts is refused before it
+            # stores; this put holds the claims until it stored (then for good) or failed (then it gives them back)
+            kinds = {k: (str(c.dtype).removeprefix("torch."), int(c.shapes.shape[1])) if isinstance(c, PackedColumn)
+                     else (None, 0) for k, c in columns.items()}
+            confirmed = {k: kind for k, kind in self._claimed.items() if k in kinds}
+            ask = {k: kind for k, kind in kinds.items() if not self._knows(k, kind)}
+            if ask:
+                asked = True
+                with _unit_errors():
+                    _, got = await self.units[0].claim.remote(ask, token)
+                confirmed.update(got)
+            for name, (dtype, width) in confirmed.items():
+                if dtype is not None:
+                    widths[name] = max(widths.get(name, 0), width)
+            committing = True  # from here parts may be stored: the claims stay held
+            with _unit_errors():
+                await asyncio.gather(*[self.units[rank].commit.remote(token, widths) for rank, _, _ in parts])
+        except BaseException:
+            # not awaited (this task may be cancelled); Ray runs them after this put's earlier calls to each unit
+            undo: list[Any] = [self.units[rank].abort for rank, _, _ in parts]
+            if asked and not committing:
+                undo.append(self.units[0].release)
+            for method in undo:
+                with contextlib.suppress(Exception):
+                    method.remote(token)
+            raise
+        self._claimed.update(confirmed)  # stored: kinds this client need not ask for again
 
     def _knows(self, name: str, kind: tuple[str | None, int]) -> bool:
         """Whether unit 0 confirmed ``name``'s kind and dtype to this client, with a rank limit ``kind`` keeps."""
