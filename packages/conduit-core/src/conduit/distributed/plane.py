@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from typing import Any, cast
@@ -280,6 +281,8 @@ class DistributedDataPlane:
         self.transport = transport
         self._torch: TorchGroup | None = None
         self._recv_pool: futures.ThreadPoolExecutor | None = None
+        #: the receive pool once started (the finalizer's view of it: it must not hold the plane)
+        self._pools: list[futures.ThreadPoolExecutor] = []
         try:  # what fails from here on stops the servers this buffer started
             self.links: LinkProfile | None = self.servers.links() if measure else None
             self.plan = ShardPlan(nodes, self.learner_node, links=self.links, reuse=reuse)
@@ -295,6 +298,11 @@ class DistributedDataPlane:
         self._via_torch = [self._choose_torch(s) for s in range(len(nodes))]
         self._read_cost = np.array([self._deliver_seconds(s) for s in range(len(nodes))], dtype=np.float64)
         self.buffer_id = uuid.uuid4().hex
+        #: what the garbage collector runs for a plane dropped without close(): stop the threads, drop the
+        #: partitions, stop the servers this plane started (close() does it itself and detaches this)
+        self._release = weakref.finalize(self, _release_dropped, self._stop, self.servers, self._owns_servers,
+                                         self.buffer_id, self._alive, self._pools)
+        self._release.atexit = False  # at exit Ray stops this process's actors itself, and may be gone already
         opened = wait_all({s: info.actor.open.remote(self.buffer_id, schema.to_dict(), self.shard_capacity,
                                                      ragged_capacity) for s, info in enumerate(self.servers.servers)},
                           self.timeout)
@@ -313,8 +321,9 @@ class DistributedDataPlane:
             self._close_shards()
             raise
         if health_period is not None:
-            self._monitor = threading.Thread(target=self._watch, args=(float(health_period),), daemon=True,
-                                             name=f"conduit-health-{self.buffer_id[:6]}")
+            # (it holds the plane weakly: a dropped plane is freed, and its finalizer stops the thread)
+            self._monitor = threading.Thread(target=_watch, args=(weakref.ref(self), self._stop, float(health_period)),
+                                             daemon=True, name=f"conduit-health-{self.buffer_id[:6]}")
             self._monitor.start()
 
     # -- properties -------------------------------------------------------------------------------
@@ -973,6 +982,7 @@ class DistributedDataPlane:
     def _receivers(self) -> futures.ThreadPoolExecutor:
         if self._recv_pool is None:
             self._recv_pool = futures.ThreadPoolExecutor(2 * self.num_shards, thread_name_prefix="conduit-recv")
+            self._pools.append(self._recv_pool)
         return self._recv_pool
 
     def _receive(self, g: TorchGroup, shard: int, n: int, tag: int) -> ExperienceBatch:
@@ -1091,13 +1101,6 @@ class DistributedDataPlane:
                 if rep is not None:
                     found.append(rep)
         return found
-
-    def _watch(self, period: float) -> None:
-        while not self._stop.wait(period):
-            try:
-                self.check_health()
-            except Exception:  # noqa: BLE001 - the monitor must outlive transient errors
-                log.exception("conduit health check failed")
 
     def _settle(self, failed: dict[int, Outcome]) -> set[int]:
         """Decide which shards whose call failed are lost; returns those found alive (their call is stuck).
@@ -1336,7 +1339,12 @@ class DistributedDataPlane:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the monitor, drop this buffer's partitions, and stop the servers this buffer started."""
+        """Stop the monitor, drop this buffer's partitions, and stop the servers this buffer started.
+
+        Closing again does nothing. A buffer dropped without ``close()`` releases the same when it is
+        garbage-collected (its threads end, its partitions are dropped and the servers it started are
+        killed, without waiting for the servers' answers); what its scheduler still had queued is dropped.
+        """
         if self._closed:
             return
         scheduler = getattr(self, "scheduler", None)
@@ -1353,11 +1361,13 @@ class DistributedDataPlane:
         # thread stops on its own once this returns (_stop is set), and cannot be joined from inside
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=self.timeout + 5)
-        if self._recv_pool is not None:
-            self._recv_pool.shutdown(wait=False)
+        if self._release.detach() is None:
+            return  # the finalizer already released everything (it was run by hand)
+        for pool in self._pools:
+            pool.shutdown(wait=False)
         if self._owns_servers:
             self.servers.shutdown()
-        else:
+        elif _ray_is_up():  # (after ray.shutdown() the servers, and this buffer's partitions, are gone already)
             wait_all({s: self.servers[s].actor.close.remote(self.buffer_id) for s in self.alive_shards},
                      min(self.timeout, 10.0))
 
@@ -1366,6 +1376,56 @@ class DistributedDataPlane:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _watch(ref: weakref.ref[DistributedDataPlane], stop: threading.Event, period: float) -> None:
+    """The health monitor: check the plane's shards every ``period`` seconds until it is closed or dropped.
+
+    It holds the plane only during a check, so a plane dropped without ``close()`` is freed
+    (its finalizer sets ``stop``; a monitor that wakes to a freed plane ends too).
+    """
+    while not stop.wait(period):
+        plane = ref()
+        if plane is None or not _ray_is_up():
+            return  # dropped, or Ray was shut down (a ping now would start a new local Ray)
+        try:
+            plane.check_health()
+        except Exception:  # noqa: BLE001 - the monitor must outlive transient errors
+            log.exception("conduit health check failed")
+        finally:
+            plane = None  # not held while waiting
+
+
+def _ray_is_up() -> bool:
+    try:
+        ray_module()
+    except ClusterError:
+        return False
+    return True
+
+
+def _release_dropped(stop: threading.Event, servers: ShardServers, owned: bool, buffer_id: str, alive: list[bool],
+                     pools: list[futures.ThreadPoolExecutor]) -> None:
+    """Release what a plane dropped without ``close()`` held (its finalizer; it must not hold the plane).
+
+    Stops the monitor thread (at its next wake-up) and the receive threads, kills the servers the
+    plane started, or asks shared servers to drop its partitions without waiting for the answer.
+    It runs in the garbage collector, on whatever thread freed the plane: it never waits for a
+    remote call and never raises (a server already gone, or Ray shut down, leaves nothing to release).
+    """
+    stop.set()
+    for pool in pools:
+        pool.shutdown(wait=False)
+    try:
+        ray_module()  # raises when Ray was shut down (its actors went with it); a call now would start a new Ray
+        if owned:
+            servers.shutdown()
+        else:
+            for s, up in enumerate(alive):
+                if up:
+                    servers[s].actor.close.remote(buffer_id)
+    except Exception:  # noqa: BLE001 - see above
+        log.debug("conduit: releasing a dropped plane's shards failed", exc_info=True)
 
 
 class _PartlyLoaded(ClusterError):

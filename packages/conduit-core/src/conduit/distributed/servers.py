@@ -124,14 +124,17 @@ class ShardServers:
         return self._torch
 
     def kill(self, i: int) -> None:
-        """Fence server ``i``: it is killed and never restarts (a lost server must not come back)."""
-        ray = ray_module()
+        """Fence server ``i``: it is killed and never restarts (a lost server must not come back).
+
+        Does nothing when it is dead already, or when Ray was shut down (its actors went with it)."""
         try:
-            ray.kill(self.servers[i].actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already dead is fine
+            ray_module().kill(self.servers[i].actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead (or Ray shut down) is fine
             pass
 
     def shutdown(self) -> None:
-        """Kill every server."""
+        """Kill every server, and close this process's side of their torch.distributed group (its sockets)."""
+        if self._torch is not None:
+            self._torch.close()
         for i in range(len(self.servers)):
             self.kill(i)

@@ -132,7 +132,7 @@ class TorchGroup:
         world = len(servers) + 1
         host = str(ray.util.get_node_ip_address())
         td = datetime.timedelta(seconds=self.timeout)
-        self._store = dist.TCPStore(host, 0, world, True, timeout=td, wait_for_workers=False)
+        self._store: Any = dist.TCPStore(host, 0, world, True, timeout=td, wait_for_workers=False)
         joins = {i: s.actor.join_group.remote(self.group_id, host, int(self._store.port), i + 1, world, backend,
                                               self.timeout) for i, s in enumerate(servers.servers)}
         try:
@@ -208,6 +208,9 @@ class TorchGroup:
         return prof
 
     def close(self) -> None:
-        """Leave the group here (the servers keep their side until they are shut down)."""
+        """Leave the group here and close this process's sockets of it: the group's connections and its
+        store (the servers keep their side until they are shut down). A closed group is :attr:`broken`
+        (buffers deliver through the object store); closing it again does nothing."""
         self.broken = self.broken or "closed"
         self.pg = None
+        self._store = None
