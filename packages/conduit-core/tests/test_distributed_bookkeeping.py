@@ -43,6 +43,8 @@ class _Method:
         return self
 
     def remote(self, *args: Any) -> _Ref:
+        if self.actor.unknown:  # as Ray refuses to submit to an actor it does not know (e.g. after a restart)
+            raise Exception(f"Can't find actor for {self.name}")  # noqa: TRY002 - Ray raises a plain Exception
         return self.actor.call(self.name, args)
 
 
@@ -56,6 +58,7 @@ class _Actor:
         self.appends = 0
         self.die_after_appends: int | None = None
         self.fail_appends_after: int | None = None
+        self.unknown = False
 
     def __getattr__(self, name: str) -> _Method:
         if name.startswith("_"):
@@ -389,3 +392,13 @@ def test_a_closed_buffers_scheduler_serves_a_rebuilt_one_and_an_open_ones_does_n
     second = _plane(["a"], capacity=8, scheduler=sched)
     second.ingest(id_batch(np.arange(3)))
     assert _ids(second) == [0, 1, 2]
+
+
+def test_a_health_check_that_ray_refuses_to_submit_reports_the_shard_lost_typed(fake_ray):
+    """check_health() raised Ray's raw submission error (an actor Ray no longer knows) instead of a loss."""
+    p = _plane(["a", "b"], replication=1)
+    p.ingest(id_batch(range(6)), node="b")
+    p.servers[1].actor.unknown = True
+    (report,) = p.check_health()
+    assert report.shard == 1 and p.alive_shards == [0], f"shard 1 should be reported lost: {report}"
+    assert p.check_health() == [], "a lost shard is not pinged again"

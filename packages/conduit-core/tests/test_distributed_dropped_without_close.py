@@ -252,3 +252,34 @@ def test_after_ray_shutdown_monitors_end_without_starting_a_new_ray_and_close_is
     assert result[0] == "RESULT True False []", (
         f"want: monitors ended, Ray not started again, close() harmless; got {result[0]} "
         f"(stderr: {out.stderr[-1500:]})")
+
+
+def test_refreshing_a_torch_group_makes_the_servers_leave_the_old_one(cluster):
+    """Every ShardServers.torch_group(refresh=True) left the old group's gloo sockets open in each server process."""
+    import ray
+
+    group = ShardServers([cluster.head, cluster.workers[0]])
+    try:
+        first = group.torch_group(timeout=60)
+        group.torch_group(timeout=60, refresh=True)  # warm-up: the servers' own connections to Ray are open now
+        before = [len(_server_fds(info.pid)) for info in group.servers]
+        olds = []
+        for _ in range(3):
+            olds.append(group.torch_group(timeout=60))
+            group.torch_group(timeout=60, refresh=True)
+        assert first.broken == "closed" and all(g.broken == "closed" for g in olds), "an old group stays open here"
+        left = [ray.get(info.actor.leave_group.remote(g.group_id), timeout=60) for info in group.servers for g in olds]
+        assert not any(left), "a server was still in a group its owner had replaced"
+        pids = [info.pid for info in group.servers]
+        assert eventually(lambda: all(len(_server_fds(p)) <= b + 4 for p, b in zip(pids, before, strict=True)),
+                          timeout=30), (f"servers' open fds grew with each refresh: "
+                                        f"{[len(_server_fds(p)) for p in pids]} (before: {before})")
+    finally:
+        group.shutdown()
+
+
+def _server_fds(pid: int) -> list[str]:
+    """The open file descriptors of process ``pid`` (a shard server on this machine)."""
+    import os
+
+    return os.listdir(f"/proc/{pid}/fd")

@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent import futures
 from typing import Any, cast
 
@@ -1093,7 +1093,7 @@ class DistributedDataPlane:
         live = self.alive_shards
         if self._closed or not live:
             return []
-        outs = wait_all({s: ping(self.servers[s].actor) for s in live}, self.timeout)
+        outs = self._ping(live)
         found = []
         for s, o in outs.items():
             if o.lost:
@@ -1101,6 +1101,17 @@ class DistributedDataPlane:
                 if rep is not None:
                     found.append(rep)
         return found
+
+    def _ping(self, shards: Collection[int]) -> dict[int, Outcome]:
+        """Ping ``shards`` at once, at most ``timeout`` seconds. A ping Ray refuses to send (the server's actor is
+        unknown to it, e.g. after Ray was restarted under the buffer) is an answer of a lost server."""
+        refs, refused = {}, {}
+        for s in shards:
+            try:
+                refs[s] = ping(self.servers[s].actor)
+            except Exception as e:  # noqa: BLE001 - classified: the actor cannot be reached
+                refused[s] = Outcome(error=e, lost=True)
+        return {**wait_all(refs, self.timeout), **refused}
 
     def _settle(self, failed: dict[int, Outcome]) -> set[int]:
         """Decide which shards whose call failed are lost; returns those found alive (their call is stuck).
@@ -1119,7 +1130,7 @@ class DistributedDataPlane:
                 self._lose(s, _reason(o))
         if not probe:
             return set()
-        answers = wait_all({s: ping(self.servers[s].actor) for s in probe}, self.timeout)
+        answers = self._ping(probe)
         stuck = set()
         for s, a in answers.items():
             if a.ok:

@@ -125,6 +125,11 @@ class ShardServer:
         self._groups[group_id] = (make_process_group(backend, group_id, host, port, rank, world, timeout), backend)
         return rank
 
+    def leave_group(self, group_id: str) -> bool:
+        """Leave torch.distributed group ``group_id`` (its connections close once nothing uses them); returns
+        whether this server was in it."""
+        return self._groups.pop(group_id, None) is not None
+
     def _group(self, group_id: str) -> tuple[Any, torch.device]:
         from conduit.distributed.transport import wire_device
 

@@ -111,7 +111,8 @@ class ShardServers:
         Keyword Args:
             backend: ``"gloo"`` or ``"nccl"`` (used when the group is formed).
             timeout: seconds to form it, and the bound on every transfer over it.
-            refresh: form a new group even when one exists (e.g. after it broke).
+            refresh: form a new group even when one exists (e.g. after it broke); the old one is closed here
+                and the servers are asked to leave it (without waiting: a server may still be stuck in it).
             create: False returns the existing group or None (what ``transport="auto"`` uses).
 
         Returns:
@@ -120,8 +121,20 @@ class ShardServers:
         if (self._torch is None or refresh) and create:
             from conduit.distributed.transport import TorchGroup
 
+            old = self._torch
             self._torch = TorchGroup(self, backend=backend, timeout=timeout)
+            if old is not None:
+                self._leave(old)
         return self._torch
+
+    def _leave(self, group: Any) -> None:
+        """Close ``group`` here and ask every server to leave it (fire and forget; a dead server left it already)."""
+        group.close()
+        for info in self.servers:
+            try:
+                info.actor.leave_group.remote(group.group_id)
+            except Exception:  # noqa: BLE001 - a server Ray cannot reach holds no group any more
+                pass
 
     def kill(self, i: int) -> None:
         """Fence server ``i``: it is killed and never restarts (a lost server must not come back).
