@@ -41,7 +41,9 @@ def _hooks() -> list[tuple[str, Callable[[], bool]]]:
     from ray.rllib.utils.checkpoints import Checkpointable
     from ray.rllib.utils.replay_buffers import utils as rb_utils
 
-    step = _source(DQN._training_step_new_api_stack)
+    def step() -> str:  # read inside each check: a renamed or moved training step is reported, not raised
+        return _source(DQN._training_step_new_api_stack)
+
     return [
         (f"ray {ray.__version__} is the tested release line {TESTED_RAY}x",
          lambda: ray.__version__.startswith(TESTED_RAY)),
@@ -65,13 +67,13 @@ def _hooks() -> list[tuple[str, Callable[[], bool]]]:
          lambda: "self.local_replay_buffer = " in _source(Algorithm.setup)
          and '"on_algorithm_init"' in _source(Algorithm.setup)),
         ("DQN's new-stack training step adds to and samples from self.local_replay_buffer",
-         lambda: "self.local_replay_buffer.add(" in step and "self.local_replay_buffer.sample(" in step),
+         lambda: "self.local_replay_buffer.add(" in step() and "self.local_replay_buffer.sample(" in step()),
         ("DQN's training step passes n_step, gamma, beta and sample_episodes=True to sample()",
-         lambda: all(s in step for s in ("n_step=", "gamma=", "beta=", "sample_episodes=True"))),
+         lambda: all(s in step() for s in ("n_step=", "gamma=", "beta=", "sample_episodes=True"))),
         ("DQN's training step hands the sample unchanged to learner_group.update(episodes=...)",
-         lambda: "self.learner_group.update(" in step and "episodes=episodes" in step),
+         lambda: "self.learner_group.update(" in step() and "episodes=episodes" in step()),
         ("DQN's training step updates priorities via update_priorities_in_episode_replay_buffer",
-         lambda: "update_priorities_in_episode_replay_buffer(" in step),
+         lambda: "update_priorities_in_episode_replay_buffer(" in step()),
         ("update_priorities_in_episode_replay_buffer calls update_priorities for PrioritizedEpisodeReplayBuffer",
          lambda: "isinstance(replay_buffer, PrioritizedEpisodeReplayBuffer)"
          in _source(rb_utils.update_priorities_in_episode_replay_buffer)
@@ -85,8 +87,12 @@ HOOKS: Callable[[], list[tuple[str, Callable[[], bool]]]] = _hooks
 
 def problems() -> list[str]:
     """Every relied-on RLlib hook that is missing or changed (empty when all hold)."""
+    try:
+        hooks = _hooks()
+    except ImportError as e:  # a module conduit-rllib inspects moved: that is a moved hook too
+        return [f"the RLlib modules conduit-rllib inspects import ({type(e).__name__}: {e})"]
     out = []
-    for desc, ok in _hooks():
+    for desc, ok in hooks:
         try:
             good = bool(ok())
         except Exception as e:  # noqa: BLE001 - a vanished attribute is exactly what we report

@@ -131,8 +131,9 @@ class InstallReplayBuffer:
         cls = ConduitPrioritizedEpisodeReplayBuffer if prioritized else ConduitEpisodeReplayBuffer
         kwargs_rb: dict[str, Any] = {}
         if prioritized:
-            kwargs_rb["alpha"] = float(rbc.get("alpha", 1.0))
-        buffer = cls(capacity=int(rbc.get("capacity", 50_000)), seed=cfg.seed, device=device,
+            kwargs_rb["alpha"] = rbc.get("alpha", 1.0)
+        # capacity and alpha as configured: the buffer checks them (a ConfigurationError saying what is wrong)
+        buffer = cls(capacity=rbc.get("capacity", 50_000), seed=cfg.seed, device=device,
                      placement=self.placement, scheduler=self.scheduler() if self.scheduler else None,
                      metrics_num_episodes_for_smoothing=cfg.metrics_num_episodes_for_smoothing, **kwargs_rb)
         algorithm.local_replay_buffer = buffer

@@ -181,6 +181,7 @@ class _ConduitReplay:
         Raises:
             conduit.SchemaError: observations or actions change shape/dtype, or are nested.
             conduit.ConfigurationError: a weight for the uniform buffer.
+            conduit.PriorityError: a weight that is no number, or is NaN, infinite or negative.
             conduit.CapacityError: one chunk holds more steps than the capacity; nothing of this add
                 is stored. (RLlib's buffer keeps such a chunk over capacity until the next add; Conduit's
                 storage is preallocated for ``capacity`` transitions. Raise the capacity or add shorter
@@ -191,6 +192,12 @@ class _ConduitReplay:
         if weight is not None and not self.prioritized:
             raise ConfigurationError("A weight (initial priority) was given to a uniform buffer; use "
                                      "ConduitPrioritizedEpisodeReplayBuffer or drop the weight.")
+        if weight is not None:
+            try:
+                weight = float(weight)
+            except (TypeError, ValueError) as e:
+                raise PriorityError(f"An add's weight is one initial priority for all its steps, a number; got "
+                                    f"{weight!r} ({e}).") from e
         for c in chunks:  # before anything is stored
             if c.length > self.capacity:
                 raise CapacityError(f"An episode chunk of {c.length} steps is larger than the replay capacity "
@@ -282,8 +289,9 @@ class _ConduitReplay:
 
         Raises:
             conduit.EmptyBufferError: the buffer holds nothing.
-            conduit.ConfigurationError: ``n_step`` below 1, or a range not ``1 <= low < high``
-                (refused before anything is drawn).
+            conduit.ConfigurationError: ``n_step`` below 1, or a range not ``1 <= low < high``; a
+                ``beta`` that is no finite number >= 0 (prioritized; the uniform buffer ignores
+                ``beta``, as RLlib's does). Refused before anything is drawn.
             UnsupportedConfigError: sequence sampling (stateful modules, ``batch_length_T > 0``),
                 infos or extra model outputs were requested.
 
@@ -307,7 +315,16 @@ class _ConduitReplay:
                                          "include_infos/include_extra_model_outputs.")
         b = int(num_items or batch_size_B or self.batch_size_B)
         n_checked = self._check_n_step(n_step)  # before anything is drawn: a refused call draws nothing
-        beta = 0.0 if beta is None else float(beta)
+        if not self.prioritized:
+            beta = None  # as RLlib's uniform buffer: whatever beta the config holds is not used
+        elif beta is None:
+            beta = 0.0
+        else:
+            try:
+                beta = float(beta)
+            except (TypeError, ValueError) as e:
+                raise ConfigurationError(f"beta (replay_buffer_config['beta']) must be one number >= 0, got {beta!r} "
+                                         f"({e}).") from e
         if (min_batch_length_T or lookback) and not self._warned_sequence_options:
             self._warned_sequence_options = True
             warnings.warn(f"Conduit's RLlib buffer samples one-step (n-step) transitions, so min_batch_length_T="
@@ -320,7 +337,7 @@ class _ConduitReplay:
             edp = self.edp
             if edp is None:
                 raise EmptyBufferError("The replay buffer is empty; add episodes before sampling.")
-            batch, info = edp.deliver(b, beta=beta if self.prioritized else None)
+            batch, info = edp.deliver(b, beta=beta)
             handles = info.handles
             steps = self._n_steps(n_checked, b)
             cols = {name: batch.tensor(name) for name in batch}
@@ -503,12 +520,17 @@ class _ConduitReplay:
 
     # -- checkpoint ----------------------------------------------------------------------------
     def get_state(self) -> dict[str, Any]:
-        """Everything needed to continue identically: contents, priorities, links, RNG states, counters."""
+        """Everything needed to continue identically: contents, priorities, links, RNG states, counters.
+
+        The counts :meth:`get_metrics` has not logged yet, and where it is in its every-n-th-call
+        cycle, are saved too: a restored buffer reports them, on the same call, as this one would.
+        """
         with self._lock:
             state: dict[str, Any] = {"format": STATE_FORMAT, "prioritized": self.prioritized,
                                      "capacity": self.capacity, "alpha": self._alpha, "seed": self.seed,
                                      "next": self._next, "tail": dict(self._tail),
                                      "lifetime": {k: self._lifetime[k] + self._counts[k] for k in self._lifetime},
+                                     "unlogged": dict(self._counts), "metrics_calls": self._metrics_calls,
                                      "n_rng": self._n_rng.bit_generator.state,
                                      "last_handles": self._last_handles,
                                      "observation_space": self.observation_space,
@@ -539,10 +561,23 @@ class _ConduitReplay:
                                      f"(this one: prioritized={self.prioritized}, capacity={self.capacity}).")
         try:  # everything read (and checked) before anything changes
             alpha = float(state["alpha"])
+            if not (alpha >= 0 and math.isfinite(alpha)):
+                raise ValueError(f"alpha {alpha} is not a finite number >= 0")
             has_plane = state["edp"] is not None
             schema = ExperienceSchema.from_dict(state["schema"]) if has_plane else None
-            links = (state["succ"].copy(), state["rew"].copy(), state["done"].copy()) if has_plane else None
-            seed, nxt, tail, lifetime = state["seed"], state["next"], dict(state["tail"]), dict(state["lifetime"])
+            seed, nxt, tail, lifetime = state["seed"], int(state["next"]), dict(state["tail"]), dict(state["lifetime"])
+            links = None
+            if has_plane:  # one n-step link per slot, and the handle the next add gets is the saved plane's next
+                links = (np.array(state["succ"], dtype=np.int64), np.array(state["rew"], dtype=np.float32),
+                         np.array(state["done"], dtype=np.bool_))
+                shapes = [a.shape for a in links]
+                if shapes != [(self.capacity,)] * 3 or nxt != int(state["edp"]["storage"]["next"]):
+                    raise ValueError(f"n-step links of shapes {shapes} for {self.capacity} slots and next handle "
+                                     f"{nxt} for a plane whose next is {state['edp']['storage']['next']}")
+            # (states saved before these two were kept: nothing unlogged, the cycle at its start)
+            unlogged = {k: int(state.get("unlogged", {}).get(k, 0)) for k in self._counts}
+            metrics_calls = int(state.get("metrics_calls", 0))
+            lifetime = {k: int(lifetime[k]) - unlogged[k] for k in self._lifetime}
             np.random.PCG64().state = state["n_rng"]
             last, obs_space, act_space = state["last_handles"], state["observation_space"], state["action_space"]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -563,7 +598,8 @@ class _ConduitReplay:
             self.seed, self._next = seed, nxt
             self._tail = tail
             self._lifetime = lifetime
-            self._counts = dict.fromkeys(self._counts, 0)
+            self._counts = unlogged
+            self._metrics_calls = metrics_calls
             self._n_rng.bit_generator.state = state["n_rng"]
             self._last_handles = last
             self.observation_space = obs_space
