@@ -154,3 +154,19 @@ def test_a_moved_rllib_module_is_reported_as_a_moved_hook(monkeypatch: pytest.Mo
     assert len(found) == 1 and "replay_buffers" in found[0], found
     with pytest.raises(RLlibCompatibilityError, match="replay_buffers"):
         compat.check()
+
+
+@pytest.mark.parametrize("num_items", [2.5, "3", "abc", -1, True])
+def test_a_num_items_that_is_no_whole_number_is_refused_typed_and_draws_nothing(num_items: object) -> None:
+    """sample(num_items=2.5) drew 2, "3" drew 3 and "abc" raised a raw ValueError."""
+    from conduit import ConfigurationError
+
+    buf, twin = (ConduitPrioritizedEpisodeReplayBuffer(capacity=8, alpha=0.6, seed=2) for _ in range(2))
+    for b in (buf, twin):
+        b.add([id_episode(np.arange(4))])
+    with pytest.raises(ConfigurationError, match="whole number"):
+        buf.sample(num_items=num_items, n_step=1, beta=0.4, **DQN_KW)
+    x = buf.sample(num_items=5, n_step=1, beta=0.4, **DQN_KW)
+    y = twin.sample(num_items=5, n_step=1, beta=0.4, **DQN_KW)
+    for k in x.columns:
+        assert np.array_equal(x.columns[k].numpy(), y.columns[k].numpy()), f"the refused sample drew: {k} differs"

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+from numbers import Integral
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -289,9 +290,10 @@ class _ConduitReplay:
 
         Raises:
             conduit.EmptyBufferError: the buffer holds nothing.
-            conduit.ConfigurationError: ``n_step`` below 1, or a range not ``1 <= low < high``; a
-                ``beta`` that is no finite number >= 0 (prioritized; the uniform buffer ignores
-                ``beta``, as RLlib's does). Refused before anything is drawn.
+            conduit.ConfigurationError: ``num_items`` / ``batch_size_B`` not a whole number >= 1;
+                ``n_step`` below 1, or a range not ``1 <= low < high``; a ``beta`` that is no finite
+                number >= 0 (prioritized; the uniform buffer ignores ``beta``, as RLlib's does).
+                Refused before anything is drawn.
             UnsupportedConfigError: sequence sampling (stateful modules, ``batch_length_T > 0``),
                 infos or extra model outputs were requested.
 
@@ -313,7 +315,11 @@ class _ConduitReplay:
             raise UnsupportedConfigError("Conduit's RLlib buffer stores no infos or extra model outputs; the "
                                          "DQN and SAC losses do not need them. Call sample() without "
                                          "include_infos/include_extra_model_outputs.")
-        b = int(num_items or batch_size_B or self.batch_size_B)
+        b = num_items or batch_size_B or self.batch_size_B  # (0 or None: the next one, as RLlib reads them)
+        if isinstance(b, bool) or not isinstance(b, Integral) or b < 1:
+            raise ConfigurationError(f"sample() draws a whole number of transitions: num_items / batch_size_B must "
+                                     f"be an int >= 1, got {b!r}.")
+        b = int(b)
         n_checked = self._check_n_step(n_step)  # before anything is drawn: a refused call draws nothing
         if not self.prioritized:
             beta = None  # as RLlib's uniform buffer: whatever beta the config holds is not used
