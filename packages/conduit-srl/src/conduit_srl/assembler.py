@@ -8,7 +8,7 @@ prepared batch may miss). What is SRL-specific stays here:
 * **put**: the sample is checked against the first sample's layout and split into items in the
   caller, so a bad sample fails at its ``put`` and nothing of it is stored. On-policy, the
   producing version is read from the sample (``version_field``, the smallest non-negative value);
-  a sample older than the open rollout is dropped (counted) or refused (``on_stale="raise"``).
+  a sample older than the newest rollout (open or sealed) is dropped (counted) or refused (``on_stale="raise"``).
 * **assembly**: Conduit delivers items ``[B, T, ...]``; SRL's trainers want a record with
   ``[T, B, ...]`` fields that they may keep. An *assembler* thread delivers and transposes the
   next ``prefetch`` entries into fresh (page-locked where CUDA exists) arrays while the trainer
@@ -30,7 +30,7 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -93,7 +93,7 @@ class Stats:
 
     samples_put: int = 0
     entries_delivered: int = 0
-    #: on-policy samples older than the open rollout, not stored (on_stale="drop")
+    #: on-policy samples older than the newest rollout (open or sealed), not stored (on_stale="drop")
     late_dropped: int = 0
     #: on-policy samples in entries assembled ahead that a version change made too stale
     stale_dropped: int = 0
@@ -122,6 +122,7 @@ class Assembler:
     """The state of one Conduit buffer and its assembler thread (see the module docstring)."""
 
     def __init__(self, cfg: BufferConfig) -> None:
+        _semantics(cfg)  # its own arguments (minibatches, epochs, staleness, alpha, ...) are refused here, not at a put
         self.cfg = cfg
         self.layout: RecordLayout | None = None
         self.edp: ExperienceDataPlane | None = None
@@ -142,6 +143,8 @@ class Assembler:
         self._fault: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._n = cfg.batch_size
+        #: on-policy: the version of the newest rollout stored, open or sealed (older samples are late),
+        #: and how many samples the open rollout holds (0 after a seal)
         self._open_version: int | None = None
         self._open_count = 0
         self._pending_version: int | None = None
@@ -160,7 +163,9 @@ class Assembler:
         Puts are stored in call order (``_put_lock``). Planning (versions, rollouts), storing and
         ``seal`` are atomic with each other (``_seal_lock``), but an on-policy put that waits for
         room releases ``_seal_lock`` while it waits and plans again afterwards: a ``seal()`` meanwhile
-        seals what was stored before it, and the waiting put's samples go to the next rollout.
+        seals what was stored before it, and the waiting put's samples go to the next rollout. A put
+        that completes a rollout (``rollout_size``) and starts another stores through the end of the
+        completed one first when only that fits; the rest waits for its delivery to make room.
         """
         with self._put_lock:
             with self._cv:
@@ -175,35 +180,42 @@ class Assembler:
             if n > capacity:
                 raise CapacityError(f"A put of {n} samples is larger than the capacity ({capacity}); split it "
                                     f"or raise capacity.")
+            done = 0  # samples of this put handed over (on-policy: a put that ends a rollout may wait after it)
             while True:
+                runs: list[tuple[int, int, int | None, bool]] | None = None
                 with self._seal_lock:
                     with self._cv:
-                        plan = self._plan(arrays, n) if n else []
+                        rest = arrays if done == 0 else {p: a[done:] for p, a in arrays.items()}
+                        plan = self._plan(rest, n - done) if n else []
                         if fresh:
                             self._check_open()
                             self._start(layout)
                             fresh = False
                         if n == 0:
                             return 0
-                        stored = sum(hi - lo for lo, hi, v, _ in plan if v != -1)
-                        room = not (stored and self.cfg.semantics == "on_policy") or self._has_room(stored)
-                        if room:
-                            self._commit_plan(plan)
-                    if room:
+                        runs = self._runs_with_room(plan, stored_before=done)
+                        if runs is not None:
+                            self._commit_plan(runs)
+                    if runs is not None:
                         edp = self.edp
                         assert edp is not None
-                        for lo, hi, version, seal_after in plan:
+                        took = runs[-1][1]
+                        for lo, hi, version, seal_after in runs:
                             if version == -1:
                                 continue
-                            part = arrays if (lo, hi) == (0, n) else {p: a[lo:hi] for p, a in arrays.items()}
+                            part = rest if (lo, hi) == (0, n - done) else {p: a[lo:hi] for p, a in rest.items()}
                             edp.ingest(part, version=version)
                             if seal_after:
                                 edp.seal()
-                        break
+                        done += took
+                        with self._cv:  # (under _seal_lock: a snapshot counts exactly the samples it holds)
+                            self.stats.samples_put += took
+                        if done == n:
+                            break
+                        continue  # the rest of the put starts the next rollout: it waits for room
                 with self._cv:  # wait for room without _seal_lock, so seal() is never held up by this put
                     self._cv.wait(timeout=0.05)
             with self._cv:
-                self.stats.samples_put += n
                 if self._armed and self._starved and self._deliverable(extra=n):
                     self._kick()
         return n
@@ -236,6 +248,10 @@ class Assembler:
         with self._cv:
             if self.cfg.replay_like:
                 entry.reuses = self._count_reuses(entry.sampling_indices)
+            info = entry.info
+            if self.cfg.semantics == "on_policy" and info is not None and info.version is not None:
+                assert self.edp is not None  # (an entry assembled ahead: staleness as of this delivery)
+                info.staleness = self.edp.semantics.policy_version - info.version  # type: ignore[attr-defined]
             self.stats.entries_delivered += 1
             self._armed = True
             self._kick()
@@ -286,7 +302,9 @@ class Assembler:
         if self.cfg.semantics == "queue":
             with self._cv:
                 fresh = sum(int(e.sampling_indices.shape[0]) for e in self._ready if e.reuses == 0)
-            return min(pending + self._fifo().undelivered(), edp.capacity) + fresh
+            fifo = self._fifo()  # (+ samples a prepared delivery holds that eviction took, or will take, from storage)
+            oldest = max(fifo.storage.oldest, fifo.storage.next_handle + pending - edp.capacity)
+            return min(pending + fifo.undelivered(), edp.capacity) + fresh + fifo.held_ahead(oldest)
         if self.cfg.replay_like:
             return min(pending + len(edp), edp.capacity)
         return pending + len(edp)
@@ -344,8 +362,8 @@ class Assembler:
         if self.cfg.semantics != "on_policy":
             raise ConfigurationError("seal needs semantics='on_policy'.")
         with self._seal_lock:  # not _put_lock: a put waiting for room must not hold up the seal
-            with self._cv:
-                self._open_version, self._open_count = None, 0
+            with self._cv:  # (the version stays: a sample older than the sealed rollout is late, as before the seal)
+                self._open_count = 0
             if self.edp is not None:
                 self.edp.seal()
         with self._cv:
@@ -376,7 +394,7 @@ class Assembler:
                 if self.cfg.replay_like:
                     self._discard_ready()  # draws, not data: the live buffer continues like a restored one,
                     self._armed = False  # which assembles nothing ahead before its first get()
-                base.update(edp=edp_state, ready=list(self._ready), stats=self.stats, n=self._n,
+                base.update(edp=edp_state, ready=list(self._ready), stats=replace(self.stats), n=self._n,
                             open=(self._open_version, self._open_count), rollout_open=self._rollout_open,
                             prio_updates=self._prio_updates,
                             slots=None if self._slot_uses is None else (self._slot_handle.copy(),  # type: ignore[union-attr]
@@ -498,7 +516,7 @@ class Assembler:
             if open_v is not None and ver < open_v:
                 if self.cfg.on_stale == "raise":
                     raise StaleExperienceError(
-                        f"A sample of policy version {ver} arrived while the rollout of version {open_v} is open; "
+                        f"A sample of policy version {ver} arrived after a rollout of version {open_v}; "
                         f"nothing of this put was stored. Use on_stale='drop' to drop late samples.")
                 plan.append((lo, hi, -1, False))
                 lo = hi
@@ -521,23 +539,37 @@ class Assembler:
             self._open_version, self._open_count = self._next_open
             self.stats.late_dropped += sum(hi - lo for lo, hi, v, _ in plan if v == -1)
 
-    def _has_room(self, n: int) -> bool:
-        """On-policy storage never evicts: whether ``n`` more samples fit now (raise if room can never come).
+    def _runs_with_room(self, plan: list[tuple[int, int, int | None, bool]], *,
+                        stored_before: int) -> list[tuple[int, int, int | None, bool]] | None:
+        """The runs of ``plan`` to store now, or None to wait for room (on-policy storage never evicts).
 
-        The caller holds ``_cv``; it waits (without ``_seal_lock``) and asks again while this is False.
+        Every run when they all fit; otherwise, on-policy, the runs up to the end of the last rollout this
+        put completes that fit (the rest of the put waits for that rollout's delivery to make room). Raises
+        CapacityError when room can never come. The caller holds ``_cv``; while this returns None it waits
+        (without ``_seal_lock``) and plans again.
         """
+        def stored(runs: list[tuple[int, int, int | None, bool]]) -> int:
+            return sum(hi - lo for lo, hi, v, _ in runs if v != -1)
+
+        if self.cfg.semantics != "on_policy" or not stored(plan):
+            return plan
         self._check_open()
         edp = self.edp
         assert edp is not None
         pending = self._pending_samples()
-        if pending + len(edp) + n <= edp.capacity:
-            return True
-        sem = edp.semantics
-        if pending == 0 and not self._ready and sem.pending_rollouts == 0:  # type: ignore[attr-defined]
+        cuts = [len(plan)] + [i + 1 for i in reversed(range(len(plan) - 1)) if plan[i][3]]
+        for cut in cuts:  # the whole put, then up to the end of each rollout it completes (longest first)
+            if pending + len(edp) + stored(plan[:cut]) <= edp.capacity:
+                if cut < len(plan):
+                    self._next_open = (plan[cut - 1][2], 0)  # the state after that rollout was sealed
+                return plan[:cut]
+        if pending == 0 and not self._ready and self._rollouts()[0] == 0:
+            told = (f"{stored_before} samples of this put were stored, the rest was not" if stored_before else
+                    "Nothing of this put was stored")
             raise CapacityError(f"The open on-policy rollout fills the capacity ({edp.capacity} samples) and "
                                 f"nothing can be delivered to make room; seal rollouts sooner (seal() or "
-                                f"rollout_size=) or raise capacity. Nothing of this put was stored.")
-        return False
+                                f"rollout_size=) or raise capacity. {told}.")
+        return None
 
     # -- get: delivering and assembling -------------------------------------------------------
     def _deliverable(self, extra: int = 0) -> bool:
@@ -548,27 +580,28 @@ class Assembler:
             fifo = self._fifo()
             return fifo.can_deliver(self._n or 1) or fifo.undelivered() + extra >= (self._n or 1)
         if sem == "on_policy":
-            if self.edp.semantics.pending_rollouts == 0:  # type: ignore[attr-defined]
-                return False
-            return self.cfg.on_stale == "raise" or self._fresh_rollout()  # (raise: get() raises the stale error)
+            pending, fresh = self._rollouts()
+            return pending > 0 and (self.cfg.on_stale == "raise" or fresh > 0)  # (raise: get() raises the stale error)
         return len(self.edp) + extra >= self.cfg.resolved_warmup
 
-    def _fresh_rollout(self) -> bool:
-        """On-policy, on_stale="drop": whether a pending rollout is fresh enough to be delivered.
+    def _rollouts(self) -> tuple[int, int]:
+        """On-policy: sealed rollouts not fully delivered, and of those the ones fresh enough to deliver.
 
-        Stale ones are dropped at delivery, so they do not count. Read under the EDP's lock
-        (``select_now`` runs ``when`` under it and, as it returns False, selects nothing).
+        Stale ones are dropped at delivery, so they are not fresh. Read under the EDP's lock
+        (``select_now`` runs ``when`` under it and, as it returns False, selects nothing): Conduit's
+        prefetch peeks at the next minibatch under that lock, and a read outside it could see the
+        rollout being delivered as finished for the time of the peek.
         """
         assert self.edp is not None
         sem = self.edp.semantics
-        found = [False]
+        found = [0, 0]
 
         def probe() -> bool:
-            found[0] = sem.fresh_rollouts > 0  # type: ignore[attr-defined]
+            found[0], found[1] = sem.pending_rollouts, sem.fresh_rollouts  # type: ignore[attr-defined]
             return False
 
         self.edp.select_now([], when=probe)
-        return found[0]
+        return found[0], found[1]
 
     def _deliver(self, *, demand: bool = True) -> ReplayEntry:
         """One delivery from the EDP, assembled (the caller holds ``_deliver_lock``).
@@ -666,8 +699,10 @@ class Assembler:
         """
         edp = self.edp
         assert edp is not None
-        if (self.cfg.semantics != "on_policy" or self.cfg.on_stale != "drop"
-                or edp.semantics.pending_rollouts == 0 or self._fresh_rollout()):  # type: ignore[attr-defined]
+        if self.cfg.semantics != "on_policy" or self.cfg.on_stale != "drop":
+            return False
+        pending, fresh = self._rollouts()
+        if pending == 0 or fresh > 0:
             return False
         try:
             batch, info = edp.deliver()

@@ -63,7 +63,8 @@ class ConduitBuffer:
                 cannot be stored (object, string or structured dtypes, no time axis, ragged lists).
             CapacityError: more samples than the capacity in one put, or (first put) storage for
                 ``capacity`` such samples cannot be allocated.
-            StaleExperienceError: on-policy, a sample older than the open rollout with ``on_stale="raise"``.
+            StaleExperienceError: on-policy, a sample older than the newest rollout (open or sealed) with
+                ``on_stale="raise"``.
         """
         self._a.put(x, batched=self._a.cfg.batched_puts)
 

@@ -116,6 +116,11 @@ class BufferConfig:
                 raise ConfigurationError("on_policy needs capacity=<samples> (at least one rollout's worth).")
             if self.rollout_size is not None:
                 positive("rollout_size", self.rollout_size)
+                positive("capacity", self.capacity)
+                if self.rollout_size > self.capacity:  # (storage never evicts a rollout before its delivery)
+                    raise ConfigurationError(f"rollout_size {self.rollout_size} is larger than capacity "
+                                             f"{self.capacity}; a rollout could never be completed. Raise capacity "
+                                             f"or lower rollout_size.")
         else:
             if self.batch_size is None:
                 raise ConfigurationError(f"semantics={self.semantics!r} needs batch_size=<samples per get()>.")

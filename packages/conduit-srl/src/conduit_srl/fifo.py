@@ -67,6 +67,17 @@ class FifoSampler(Sampler):
         st = self.storage
         return st.next_handle - max(self._conf[0], st.oldest)
 
+    def held_ahead(self, oldest: int | None = None) -> int:
+        """Items selected ahead (not confirmed) that eviction took from storage since: a prepared delivery
+        still holds their rows, so they are delivered unless it is discarded (then they count in ``dropped``).
+
+        ``oldest``: count as if the storage's oldest live handle were this one (items still to be stored
+        will evict up to it); default: the storage's.
+        """
+        oldest = self.storage.oldest if oldest is None else oldest
+        first = self._starts[0] if self._starts else self._picked
+        return max(0, min(self._picked, oldest) - max(self._conf[0], first))
+
     def can_deliver(self, n: int) -> bool:
         """Whether a batch of ``n`` is waiting (by the confirmed cursor, so prepared ones count).
 
@@ -101,8 +112,7 @@ class FifoSampler(Sampler):
         """
         oldest = self.storage.oldest
         nxt, cur = self._conf
-        first = self._starts[0] if self._starts else self._picked
-        lost = max(0, min(self._picked, oldest) - max(nxt, first))
+        lost = self.held_ahead()
         abandoned = self.abandoned
         if cur is not None and cur[0] < oldest:
             if cur[0] != self._abandoned_first:  # (else on_append counted it when eviction took it)

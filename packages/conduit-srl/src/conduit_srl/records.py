@@ -16,19 +16,24 @@ from typing import Any
 
 import numpy as np
 import torch
-from conduit import ExperienceSchema, Field, SchemaError
+from conduit import ConfigurationError, ExperienceSchema, Field, SchemaError
 from conduit.batch import host_array, native
 
 __all__ = ["RecordLayout", "Leaf", "as_array", "torch_dtype"]
 
 
 def torch_dtype(dtype: np.dtype, path: str) -> torch.dtype:
-    """The torch dtype that stores ``dtype`` exactly, or a SchemaError naming the field."""
+    """The torch dtype that stores ``dtype`` exactly, or a SchemaError naming the field (also for a dtype torch
+    has but Conduit's storage cannot gather, such as ``uint64``)."""
     try:
-        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    except TypeError:
-        raise SchemaError(f"Field {path!r} has dtype {dtype}, which Conduit cannot store; convert it to a numeric "
-                          f"dtype, or list it in buffer_args['drop_fields'] to deliver it as None.") from None
+        out = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+        Field((1,), out)  # (refuses dtypes the storage cannot gather rows of)
+    except (TypeError, ConfigurationError) as e:
+        why = f" ({e})" if isinstance(e, ConfigurationError) else ""
+        raise SchemaError(f"Field {path!r} has dtype {dtype}, which Conduit cannot store{why}; convert it to a "
+                          f"storable numeric dtype, or list it in buffer_args['drop_fields'] to deliver it as "
+                          f"None.") from None
+    return out
 
 
 def as_array(value: Any, path: str) -> np.ndarray:
