@@ -207,7 +207,17 @@ class DiskPlacement(Placement):
         self.directory = directory
 
     def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
-        return DiskStorage(schema, capacity, directory=self.directory, ragged_capacity=ragged_capacity)
+        """Memory-mapped storage in a fresh subdirectory of :attr:`directory`.
+
+        Raises:
+            PlacementError: too little free space there, or the directory cannot be made or used
+                (e.g. the path is a file, or not writable).
+        """
+        try:
+            return DiskStorage(schema, capacity, directory=self.directory, ragged_capacity=ragged_capacity)
+        except OSError as e:  # the volume refused the directory (its column files are refused typed already)
+            raise PlacementError(f"The disk tier cannot use {self.directory or 'the temp dir'} ({e}); pass "
+                                 f"DiskPlacement(directory=...) naming a writable directory.") from e
 
     def describe(self) -> str:
         return "disk (memory-mapped)"

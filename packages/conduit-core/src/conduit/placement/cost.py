@@ -40,6 +40,7 @@ usable share of each device's memory.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -108,13 +109,16 @@ class Workload:
     scalar: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.field_bytes or any(b < 0 for b in self.field_bytes):
-            raise ConfigurationError(f"field_bytes must be non-empty and >= 0, got {self.field_bytes}.")
+        if (not self.field_bytes or any(isinstance(b, bool) or not isinstance(b, numbers.Real) or not 0 <= b < math.inf
+                                        for b in self.field_bytes)):
+            raise ConfigurationError(f"field_bytes must be non-empty, each a finite number >= 0, got "
+                                     f"{self.field_bytes}.")
         for nm in ("capacity", "batch", "learners"):
             v = getattr(self, nm)
-            if not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigurationError(f"{nm} must be a positive int, got {v!r}.")
-        if self.ingest_items is not None and (not isinstance(self.ingest_items, int) or self.ingest_items <= 0):
+        items = self.ingest_items
+        if items is not None and (isinstance(items, bool) or not isinstance(items, int) or items <= 0):
             raise ConfigurationError(f"ingest_items must be a positive int (or None), got {self.ingest_items!r}.")
         if self.batch > self.capacity:
             raise ConfigurationError(f"batch ({self.batch}) exceeds capacity ({self.capacity}).")
@@ -137,7 +141,14 @@ class Workload:
     @classmethod
     def from_schema(cls, schema: ExperienceSchema, *, capacity: int, batch: int, learners: int = 1,
                     ingest_items: int | None = None, mean_ragged_length: float = 0.0, name: str = "") -> Workload:
-        """The workload of ``schema`` items (ragged fields counted at ``mean_ragged_length`` elements)."""
+        """The workload of ``schema`` items (ragged fields counted at ``mean_ragged_length`` elements).
+
+        Raises:
+            ConfigurationError: ``mean_ragged_length`` is NaN, infinite or negative (or a count is invalid).
+        """
+        if (isinstance(mean_ragged_length, bool) or not isinstance(mean_ragged_length, numbers.Real)
+                or not 0 <= mean_ragged_length < math.inf):
+            raise ConfigurationError(f"mean_ragged_length must be a finite number >= 0, got {mean_ragged_length!r}.")
         fb = []
         for n in schema:
             f = schema[n]
@@ -156,7 +167,13 @@ class Workload:
                                ingest_items=ingest_items, name=f"transitions(d={obs_dim})")
 
     def resized(self, item_bytes: float) -> Workload:
-        """The same workload with items of ``item_bytes`` (only the growing fields change)."""
+        """The same workload with items of ``item_bytes`` (only the growing fields change).
+
+        Raises:
+            ConfigurationError: ``item_bytes`` is NaN, infinite or negative.
+        """
+        if isinstance(item_bytes, bool) or not isinstance(item_bytes, numbers.Real) or not 0 <= item_bytes < math.inf:
+            raise ConfigurationError(f"item_bytes must be a finite number >= 0, got {item_bytes!r}.")
         grow = self.growing if self.growing is not None else tuple(range(len(self.field_bytes)))
         fixed = sum(b for i, b in enumerate(self.field_bytes) if i not in grow)
         g_now = sum(self.field_bytes[i] for i in grow)
@@ -580,7 +597,12 @@ class CostModel:
 
         The bytes are read with the source's gather path and written with the destination's
         ingestion path, spread over the destination's devices; GPU to GPU uses P2P.
+
+        Raises:
+            ConfigurationError: ``nbytes`` is NaN or infinite.
         """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real) or not math.isfinite(nbytes):
+            raise ConfigurationError(f"nbytes must be a finite number of bytes, got {nbytes!r}.")
         if nbytes <= 0:
             return 0.0
         chunk = 64 << 20

@@ -31,7 +31,15 @@ __all__ = ["StrategyTrace", "GrowthResult", "simulate_growth", "paper_schedule"]
 
 
 def paper_schedule(iterations: int = 40, sizes: Sequence[int] = (128, 1000, 5000, 10000, 20000)) -> list[int]:
-    """Observation sizes growing from 128 to 20000 in equal stages over ``iterations``."""
+    """Observation sizes growing from 128 to 20000 in equal stages over ``iterations``.
+
+    Raises:
+        ConfigurationError: ``iterations`` is not an int >= 1, or ``sizes`` is empty.
+    """
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ConfigurationError(f"iterations must be an int >= 1, got {iterations!r}.")
+    if not sizes:
+        raise ConfigurationError("sizes is empty; give the observation sizes of the stages, e.g. (128, 1000).")
     per = iterations / len(sizes)
     return [sizes[min(len(sizes) - 1, int(i / per))] for i in range(iterations)]
 

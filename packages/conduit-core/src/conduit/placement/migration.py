@@ -7,7 +7,10 @@ the RNG, on-policy rollouts) stays valid as it is; nothing is re-prioritised, lo
 duplicated. Ingestion and delivery keep running between chunks (each chunk holds the
 buffer's lock for one gather + one write); the last chunk, the check that both storages
 hold exactly the same live range, and the swap run under the lock. Items evicted while
-the copy runs are dropped from the new storage as well.
+the copy runs are dropped from the new storage as well. Once the items live when the copy
+began are copied, chunks go on only while what is left shrinks: if ingestion adds items
+faster than chunks copy them, the rest (at most the capacity) is copied in that last hold,
+so a migration always ends.
 """
 
 from __future__ import annotations
@@ -182,6 +185,9 @@ def _copy_and_swap(edp: ExperienceDataPlane, placement: Placement, old: Storage,
 
     copied = start
     max_blocked = 0.0
+    with lock:
+        target = old.next_handle  # the live range when the copy began
+    gap = None  # items left to copy after the previous chunk
     while True:
         if stats["chunks"]:
             if progress is not None:
@@ -199,9 +205,12 @@ def _copy_and_swap(edp: ExperienceDataPlane, placement: Placement, old: Storage,
             if oldest > copied:  # all copied items were evicted meanwhile: start over at the oldest live one
                 _position(new, new_schema, oldest)
                 copied = oldest
-            if hi - copied > chunk:
+            # chunk by chunk while catching up; once the range live at the start is copied, only while the
+            # rest shrinks (ingestion faster than the copy would otherwise keep it going for ever)
+            if hi - copied > chunk and (copied < target or gap is None or hi - copied < gap):
                 copy(copied, copied + chunk)
                 copied += chunk
+                gap = hi - copied
                 continue
             # last chunk, check, swap: ingestion and delivery wait for this part only
             copy(copied, hi)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,12 +61,27 @@ class PlacementMap:
     Keyword Args:
         max_item_bytes: the largest item size the map was planned for (default: the last
             range's end, or its start when it is open).
+
+    Raises:
+        ConfigurationError: no ranges, an item that is not a :class:`MapRange`, a range that is
+            empty or not a number, ranges that are unsorted or leave gaps (``hi`` of one must be
+            ``lo`` of the next), or a NaN or negative ``max_item_bytes``.
     """
 
     def __init__(self, ranges: list[MapRange], workload: Workload, topology: str, *,
                  max_item_bytes: float | None = None) -> None:
         if not ranges:
             raise ConfigurationError("A placement map needs at least one range.")
+        for i, r in enumerate(ranges):
+            if not isinstance(r, MapRange):
+                raise ConfigurationError(f"Placement map range {i} is {type(r).__name__}, not a MapRange.")
+            if not 0 <= r.lo < r.hi:  # (False for NaN)
+                raise ConfigurationError(f"Placement map range {i} ({r.lo} .. {r.hi} B) must have 0 <= lo < hi.")
+            if i and ranges[i - 1].hi != r.lo:
+                raise ConfigurationError(f"Placement map ranges must be sorted and contiguous: range {i - 1} ends at "
+                                         f"{ranges[i - 1].hi} B, range {i} starts at {r.lo} B.")
+        if max_item_bytes is not None and not 0 <= max_item_bytes:
+            raise ConfigurationError(f"max_item_bytes must be a number >= 0 (or None), got {max_item_bytes!r}.")
         self.ranges = tuple(ranges)
         self.workload = workload
         self.topology = topology
@@ -74,10 +90,18 @@ class PlacementMap:
     @classmethod
     def build(cls, planner: Planner, workload: Workload, *, min_item_bytes: float, max_item_bytes: float,
               points: int = 48, resize: Callable[[float], Workload] | None = None) -> PlacementMap:
-        """Plan over ``[min_item_bytes, max_item_bytes]`` (see :meth:`Planner.placement_map`)."""
+        """Plan over ``[min_item_bytes, max_item_bytes]`` (see :meth:`Planner.placement_map`).
+
+        Raises:
+            ConfigurationError: not ``0 < min_item_bytes <= max_item_bytes`` (both finite), or ``points``
+                is not an int >= 2.
+        """
         if not 0 < min_item_bytes <= max_item_bytes < math.inf:
             raise ConfigurationError(f"Need 0 < min_item_bytes <= max_item_bytes, both finite, got {min_item_bytes}, "
                                      f"{max_item_bytes}.")
+        if isinstance(points, bool) or not isinstance(points, int) or points < 2:
+            raise ConfigurationError(f"points must be an int >= 2 (grid sizes planned before the boundaries are "
+                                     f"refined), got {points!r}.")
         sized = resize or workload.resized
         cache: dict[int, tuple[PlacementSpec | None, float | None]] = {}
 
@@ -92,7 +116,7 @@ class PlacementMap:
 
         lo_b = int(math.ceil(min_item_bytes))
         hi_b = max(lo_b, int(math.floor(max_item_bytes)))  # a range without a whole byte in it: plan at lo_b
-        n = max(2, points)
+        n = points
         grid = sorted({int(round(lo_b * (hi_b / lo_b) ** (i / (n - 1)))) for i in range(n)} | {lo_b, hi_b})
         starts = [grid[0]]
 
@@ -211,6 +235,9 @@ class AdaptivePlacement(Placement):
         self.migrations: list[MigrationReport] = []
         #: (the storage built last, :attr:`current` before it): see :meth:`storage_abandoned`
         self._undo: tuple[weakref.ref[Storage], PlacementSpec | None] | None = None
+        #: per buffer: (its schema changes seen, the time from which its ingestion has the current schema)
+        self._schema_seen: weakref.WeakKeyDictionary[ExperienceDataPlane, tuple[int, float]] = \
+            weakref.WeakKeyDictionary()
 
     def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
         """Storage in the placement the map names for ``schema``'s items.
@@ -252,12 +279,34 @@ class AdaptivePlacement(Placement):
         :meth:`Workload.from_schema`): the fields' elements only, not the 8 B length per item
         and ragged field that the telemetry's byte counts include. So the same items give the
         same size, whether observed or assumed.
+
+        Only ingestion since the buffer's schema last changed (a migration to a grown schema)
+        counts: calls before it stored items of the old schema, a size the buffer no longer has.
         """
         recs = edp.telemetry.recent("ingest", self.window)
+        since = self._current_schema_since(edp)
+        recs = [r for r in recs if r.start >= since]
         items = sum(r.items for r in recs)
         if not items:
             return float(edp.schema.item_bytes(self.mean_ragged_length))
         return max(0.0, sum(r.nbytes for r in recs) / items - 8 * len(edp.schema.ragged))
+
+    def _current_schema_since(self, edp: ExperienceDataPlane) -> float:
+        """When ``edp``'s ingestion started storing items of its current schema (``-inf``: always has).
+
+        A schema change is a migration: the end of the buffer's latest one when the change is first
+        seen (a later placement-only migration seen together with it only drops a few calls more).
+        """
+        changes = len(edp._upgrades)
+        seen = self._schema_seen.get(edp)
+        if seen is not None and seen[0] == changes:
+            return seen[1]
+        since = -math.inf
+        if changes:
+            last = edp.telemetry.recent("migrate", 1)
+            since = last[-1].end if last else time.perf_counter()
+        self._schema_seen[edp] = (changes, since)
+        return since
 
     def rebalance(self, edp: ExperienceDataPlane, *, item_bytes: float | None = None,
                   schema: ExperienceSchema | None = None,

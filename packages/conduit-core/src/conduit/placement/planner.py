@@ -272,8 +272,11 @@ class Planner:
         Keyword Args:
             min_item_bytes: smallest item size covered.
             max_item_bytes: largest item size covered.
-            points: grid points before refinement.
+            points: grid points before refinement (an int >= 2).
             resize: ``item_bytes -> Workload`` (default: ``workload.resized``).
+
+        Raises:
+            ConfigurationError: a size range that is empty, not positive or not finite, or ``points`` < 2.
         """
         from conduit.placement.placement_map import PlacementMap
 

@@ -356,13 +356,19 @@ def load_profile(path: str | Path | None = None) -> BandwidthProfile:
     """A cached profile (default: this machine's cache file).
 
     Raises:
-        PlacementError: no profile there, it is not a profile, or it was measured on another machine.
+        PlacementError: no profile there, it cannot be read (e.g. a directory), it is not a profile, or it
+            was measured on another machine.
     """
     p = Path(path) if path is not None else profile_path()
     if not p.exists():
         raise PlacementError(f"No bandwidth profile at {p}; run `conduit profile` to measure this machine.")
     try:
-        prof = BandwidthProfile.from_dict(json.loads(p.read_text()))
+        text = p.read_text()
+    except OSError as e:  # a directory, or a file this user may not read
+        raise PlacementError(f"Cannot read the bandwidth profile at {p} ({e}); remove it (or point "
+                             f"CONDUIT_CACHE_DIR elsewhere) and run `conduit profile`.") from e
+    try:
+        prof = BandwidthProfile.from_dict(json.loads(text))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise PlacementError(f"{p} is not a readable bandwidth profile ({e}); delete it and run `conduit profile`.") \
             from e

@@ -158,16 +158,26 @@ def load_topology(name: str) -> Topology:
     """A declared topology by name, or this machine's (``"local"``).
 
     Raises:
-        PlacementError: no topology has that name (the message lists those that exist).
+        PlacementError: no topology has that name (the message lists those that exist; a name is
+            a data file's name, not a path), or its data file is not valid JSON or malformed.
     """
     if name == "local":
         return discover_topology()
     path = resources.files("conduit.placement") / "topologies" / f"{name}.json"
-    if not path.is_file():
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith(".") \
+            or not path.is_file():
         raise PlacementError(f"Unknown topology {name!r}; use one of {', '.join(available_topologies())} "
                              f"(\"local\" discovers this machine), or add a data file to "
                              f"conduit/placement/topologies/.")
-    return Topology.from_file_dict(json.loads(path.read_text()))
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # ValueError: json.JSONDecodeError, UnicodeDecodeError
+        raise PlacementError(f"The data file of topology {name!r} is not readable JSON ({e}); fix it (compare "
+                             f"with the other files in conduit/placement/topologies/).") from e
+    if not isinstance(data, dict):
+        raise PlacementError(f"The data file of topology {name!r} holds {type(data).__name__}, not a JSON object; "
+                             f"compare with the other files in conduit/placement/topologies/.")
+    return Topology.from_file_dict(data)
 
 
 def _nvml_details(n: int) -> dict[str, Any]:
