@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 from conduit import ConfigurationError, SchemaError, StaleExperienceError
+from conduit.testing.lifecycle import eventually
 from conduit_srl import ConduitBuffer
 from conduit_srl.testing import Record, entry_ids, make_sample
 
@@ -177,16 +178,19 @@ def test_semantics_arguments_are_refused_when_the_buffer_is_built(args) -> None:
 
 
 # -- queue qsize: samples a prepared delivery holds count even once eviction took them from storage ---------
+def _await_prepared(b: ConduitBuffer) -> None:
+    """Wait until Conduit's scheduler has prepared the next batch ahead (selected, not yet confirmed)."""
+    fifo = b._a._fifo()
+    assert eventually(lambda: fifo._selected > fifo._confirmed, timeout=5), \
+        "Conduit's scheduler did not prepare the next batch"
+
+
 def test_qsize_counts_a_prepared_batch_whose_samples_were_evicted(closing) -> None:
     b = closing(batch_size=1, capacity=2, prefetch=0)
     b.put(make_sample([0]))
     b.put(make_sample([1]))
     assert entry_ids(b.get()).tolist() == [0]
-    fifo = b._a._fifo()
-    deadline = time.monotonic() + 5
-    while fifo._selected == fifo._confirmed and time.monotonic() < deadline:  # Conduit prepares [1] ahead
-        time.sleep(0.005)
-    assert fifo._selected > fifo._confirmed, "Conduit's scheduler did not prepare the next batch"
+    _await_prepared(b)
     b.put(make_sample([2]))
     b.put(make_sample([3]))  # evicts 1 from storage; the prepared batch still holds it
     b.flush()
@@ -221,11 +225,7 @@ def test_qsize_counts_a_prepared_batch_that_puts_on_their_way_will_evict(closing
     b.put(make_sample([0]))
     b.put(make_sample([1]))
     assert entry_ids(b.get()).tolist() == [0]  # (get stores what was put first)
-    fifo = b._a._fifo()
-    deadline = time.monotonic() + 5
-    while fifo._selected == fifo._confirmed and time.monotonic() < deadline:  # Conduit prepares [1] ahead
-        time.sleep(0.005)
-    assert fifo._selected > fifo._confirmed, "Conduit's scheduler did not prepare the next batch"
+    _await_prepared(b)
     b.put(make_sample([2]))
     b.put(make_sample([3]))  # on their way: storing them evicts 1, which the prepared batch holds
     assert b._a._pending_samples() == 2
