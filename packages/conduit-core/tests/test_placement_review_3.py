@@ -77,6 +77,19 @@ def test_cli_cached_profile_that_is_a_directory_is_an_error_not_a_traceback(
     assert err.startswith("error: ") and "Cannot read the bandwidth profile" in err, err
 
 
+def test_a_measurement_whose_cache_cannot_be_written_is_returned_with_a_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """profile_machine measured everything, then raised from save(): `conduit plan --topology local` failed and
+    the measurement was lost."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("CONDUIT_CACHE_DIR", str(blocker))
+    with pytest.warns(RuntimeWarning, match="not cached"):
+        prof = profile_module.profile_machine(quick=True, disk_directory=str(tmp_path))
+    assert prof.source == "measured" and prof.has("host_gather")
+    assert blocker.read_text() == "", "the blocking file was changed"
+
+
 # -- topology names: data-file names only; a broken data file is a PlacementError ---------------------------
 
 

@@ -39,6 +39,7 @@ import socket
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -614,7 +615,8 @@ def profile_machine(*, cache: bool = True, refresh: bool = False, quick: bool = 
     on-GPU gathers and P2P copies for every GPU pair. Timings are medians after warm-up.
 
     Keyword Args:
-        cache: read the cached profile if there is one, and write the new one to the cache.
+        cache: read the cached profile if there is one, and write the new one to the cache (a cache
+            that cannot be written is a ``RuntimeWarning``: the measured profile is still returned).
         refresh: measure even if a cached profile exists.
         quick: fewer repetitions and smaller buffers (a few seconds).
         disk_directory: where to measure the disk tier (default: the temp dir).
@@ -655,5 +657,9 @@ def profile_machine(*, cache: bool = True, refresh: bool = False, quick: bool = 
                                      "torch_threads": torch.get_num_threads(), "llc_bytes": llc,
                                      "disk_read_cold": cold, "gpus": n_gpu})
     if cache:
-        prof.save()
+        try:
+            prof.save()
+        except PlacementError as e:  # the measurement stands: only its reuse by later runs is lost
+            warnings.warn(f"{e} This measurement is used, but not cached: the next run measures again.",
+                          RuntimeWarning, stacklevel=2)
     return prof
