@@ -438,3 +438,33 @@ def test_replay_draws_stay_consistent_while_another_thread_puts() -> None:
         assert b.stats()["entries_delivered"] == draws
     finally:
         b.close()
+
+
+class RefusingOnce(sink_producer):
+    """An in-process target whose ``post`` refuses the ``n``-th message once (as a full or broken socket would)."""
+
+    def __init__(self, sink: Sink, n: int) -> None:
+        super().__init__(sink)
+        self.left = n
+
+    def post(self, sample: Any) -> None:
+        self.left -= 1
+        if self.left == 0:
+            raise OSError("the target refused the message")
+        super().post(sample)
+
+
+@pytest.mark.parametrize("ending", ["flush", "close"])
+def test_samples_a_target_refused_stay_pending_in_order_and_go_out_on_the_next_try(ending: str) -> None:
+    """The samples taken for a send after a post that raised were lost (and close() left the producer closed)."""
+    sink = Sink()
+    p = ConduitSampleProducer([RefusingOnce(sink, 2)], policy=StreamPolicy(coalesce=1, max_delay_s=0))
+    for i in range(4):
+        p.post(make_sample([i]))
+    with pytest.raises(OSError, match="refused"):
+        p.flush() if ending == "flush" else p.close()
+    assert [int(s.id[0]) for s in sink.items] == [0], "what the target took before the refusal goes out"
+    p.post(make_sample([4]))  # the producer is still open
+    p.flush() if ending == "flush" else p.close()
+    assert [int(s.id[0]) for s in sink.items] == [0, 1, 2, 3, 4], "a sample was lost or reordered"
+    assert p.sent == [5]

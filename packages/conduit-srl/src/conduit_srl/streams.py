@@ -25,6 +25,7 @@ dropped unflushed does (no finalizer sends over the network from the garbage col
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -179,14 +180,22 @@ class ConduitSampleProducer:
     def close(self) -> None:
         """Refuse further posts, send everything still pending, then close the targets (idempotent).
 
-        A flush running in another thread finishes first, so no sample it took is cut off.
+        A flush running in another thread finishes first, so no sample it took is cut off. If a
+        target refuses a message (its ``post`` raises), that error propagates from here or from
+        :meth:`flush`, and every sample no target took stays pending, in order, for the next try
+        (the producer stays open).
         """
         with self._send_lock:
             with self._lock:
                 if self._closed:
                     return
                 self._closed = True
-            self._send(force=True)
+            try:
+                self._send(force=True)
+            except BaseException:
+                with self._lock:  # still open: what was not sent is pending, and close() can be tried again
+                    self._closed = False
+                raise
             for t in self.targets:
                 close = getattr(t, "close", None)
                 if close is not None:
@@ -206,14 +215,24 @@ class ConduitSampleProducer:
             if self._pending and (force or self.policy.max_delay_s == 0
                                   or self._clock() - self._pending[0][1] >= self.policy.max_delay_s):
                 take = len(self._pending)
-            samples = [self._pending.popleft()[0] for _ in range(take)]
+            taken = [self._pending.popleft() for _ in range(take)]
         touched: set[int] = set()
-        for group in self._groups(samples, k):
-            i = self._route(len(group))
-            self.targets[i].post(group[0] if len(group) == 1 else pack(group))
-            self.sent[i] += len(group)
-            self.messages[i] += 1
-            touched.add(i)
+        done = 0  # samples handed to a target
+        try:
+            for group in self._groups([sample for sample, _ in taken], k):
+                i = self._route(len(group))
+                self.targets[i].post(group[0] if len(group) == 1 else pack(group))
+                self.sent[i] += len(group)
+                self.messages[i] += 1
+                touched.add(i)
+                done += len(group)
+        except BaseException:
+            with self._lock:  # what no target took is first in line again, in order (sends never overlap)
+                self._pending.extendleft(reversed(taken[done:]))
+            for i in sorted(touched):  # what the targets took goes out as it would have
+                with contextlib.suppress(Exception):
+                    self.targets[i].flush()
+            raise
         for i in sorted(touched):
             self.targets[i].flush()
 
