@@ -235,3 +235,26 @@ def test_qsize_counts_a_prepared_batch_that_puts_on_their_way_will_evict(closing
         delivered += entry_ids(b.get()).tolist()
     assert delivered == [1, 2, 3]
     assert q == 3, f"qsize() said {q} with 3 samples still to deliver"
+
+
+def test_a_put_refused_before_anything_was_stored_leaves_the_rollout_count_as_it_was(closing, monkeypatch) -> None:
+    """A put whose ingestion Conduit refused (e.g. reporting an earlier background write's failure) still
+    counted its samples into the open rollout: the rollout was then sealed early, short of rollout_size."""
+    b = closing(semantics="on_policy", capacity=16, rollout_size=4, num_minibatches=1)
+    b.put_batch(make_sample([0, 1], batched=True))
+    edp = b._a.edp
+    real = edp.ingest
+
+    def refuse_once(*args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(edp, "ingest", real)
+        raise OSError("an earlier background write failed")
+
+    monkeypatch.setattr(edp, "ingest", refuse_once)
+    with pytest.raises(OSError, match="background write"):
+        b.put_batch(make_sample([90, 91], batched=True))
+    assert b._a._open_count == 2, "the refused samples were counted into the open rollout"
+    b.put_batch(make_sample([2, 3], batched=True))  # completes the rollout: 4 samples
+    b.put_batch(make_sample([4], batched=True))  # starts the next
+    b.flush()
+    assert sorted(entry_ids(b.get()).tolist()) == [0, 1, 2, 3]
+    assert b.stats()["samples_put"] == 5

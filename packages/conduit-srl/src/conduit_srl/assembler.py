@@ -195,18 +195,27 @@ class Assembler:
                             return 0
                         runs = self._runs_with_room(plan, stored_before=done)
                         if runs is not None:
+                            before = (self._open_version, self._open_count, self.stats.late_dropped)
                             self._commit_plan(runs)
                     if runs is not None:
                         edp = self.edp
                         assert edp is not None
                         took = runs[-1][1]
-                        for lo, hi, version, seal_after in runs:
-                            if version == -1:
-                                continue
-                            part = rest if (lo, hi) == (0, n - done) else {p: a[lo:hi] for p, a in rest.items()}
-                            edp.ingest(part, version=version)
-                            if seal_after:
-                                edp.seal()
+                        stored = False
+                        try:
+                            for lo, hi, version, seal_after in runs:
+                                if version == -1:
+                                    continue
+                                part = rest if (lo, hi) == (0, n - done) else {p: a[lo:hi] for p, a in rest.items()}
+                                edp.ingest(part, version=version)
+                                stored = True
+                                if seal_after:
+                                    edp.seal()
+                        except BaseException:
+                            if not stored:  # refused before anything was stored (e.g. an earlier background write
+                                with self._cv:  # failed): the rollout bookkeeping is as before this put
+                                    self._open_version, self._open_count, self.stats.late_dropped = before
+                            raise
                         done += took
                         with self._cv:  # (under _seal_lock: a snapshot counts exactly the samples it holds)
                             self.stats.samples_put += took
