@@ -25,6 +25,9 @@ class Selection:
     #: the semantics' :meth:`~Semantics.draw_state` just before this selection was made (set by
     #: :func:`select_many` for real selections; None when peeking or when the semantics keep none)
     drawn_from: Any = None
+    #: on-policy: the handle up to which the rollout this selection finishes is released once the selection has
+    #: been read (:meth:`Semantics.after_gather`); None when it finishes none
+    release_upto: int | None = None
 
 
 class RingHandles:

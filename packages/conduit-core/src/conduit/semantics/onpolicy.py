@@ -293,11 +293,12 @@ class OnPolicy(Semantics):
         info = SampleInfo(handles=handles, version=cur.version,
                           epoch=self._epoch, minibatch=self._k, num_minibatches=m,
                           staleness=self.policy_version - cur.version, last=last)
+        sel = Selection(slots, info)
         self._k += 1
         if self._k == m:
             self._epoch += 1
             if self._epoch == self.num_epochs:
-                self._finished_end = cur.first + cur.count
+                self._finished_end = sel.release_upto = cur.first + cur.count
                 self._cur = None
             else:
                 try:
@@ -306,7 +307,7 @@ class OnPolicy(Semantics):
                     self._epoch -= 1
                     self._k -= 1
                     raise
-        return Selection(slots, info)
+        return sel
 
     def check_live(self, oldest: int, next_handle: int) -> None:
         """:class:`ConfigurationError` when a rollout of the current state (a checkpoint just loaded) names an
@@ -321,9 +322,18 @@ class OnPolicy(Semantics):
                                      f"checkpoint is damaged.")
 
     def after_gather(self, selection: Selection) -> None:
-        """Release a rollout's storage once its last minibatch has been read."""
-        if selection.info.last and self._finished_end is not None:
-            self.storage.release(self._finished_end)
+        """Release a rollout's storage once its last minibatch has been read.
+
+        Only the rollout ``selection`` finishes is released: a later rollout already selected (several
+        selections made before they are handed over) keeps its items until its own last minibatch is read.
+        """
+        if not selection.info.last:
+            return
+        end = selection.release_upto if selection.release_upto is not None else self._finished_end
+        if end is None:
+            return
+        self.storage.release(end)
+        if self._finished_end is not None and self._finished_end <= end:
             self._finished_end = None
 
     def stale_error(self, version: int) -> StaleExperienceError:
@@ -381,6 +391,15 @@ class OnPolicy(Semantics):
             if ok:
                 assert isinstance(perm, torch.Tensor)
                 ok = bool(torch.equal(torch.sort(perm).values, torch.arange(cur[2])))
+            cls = type(self)
+            own_cuts = cls.epoch_sizes is OnPolicy.epoch_sizes and cls._start_epoch is OnPolicy._start_epoch
+            if ok and own_cuts:
+                # this buffer's own epochs and cuts: a checkpoint of other OnPolicy settings (more epochs, another
+                # M) would deliver past the last epoch forever, or cut the rollout differently from here on
+                cuts = [0]
+                for s in self.epoch_sizes(cur[2], epoch):
+                    cuts.append(cuts[-1] + s)
+                ok = epoch < self.num_epochs and bounds == cuts
             if not ok:
                 raise ConfigurationError(f"This checkpoint's on-policy progress is damaged (epoch {epoch}, minibatch "
                                          f"{k}, cuts {bounds!r} and an order that must "

@@ -294,7 +294,7 @@ class PrioritizedSampler(Sampler):
     def state_dict(self) -> dict[str, Any]:
         # (tensors and plain Python values only: torch.load's default weights_only=True refuses NumPy arrays)
         return {"rng": self._rng.bit_generator.state, "leaves": torch.from_numpy(self._tree.state()),
-                "max_priority": self._max_priority}
+                "max_priority": self._max_priority, "alpha": self.alpha}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raw = state["leaves"]
@@ -308,6 +308,13 @@ class PrioritizedSampler(Sampler):
                                      f"dtype {getattr(raw, 'dtype', type(raw).__name__)} for "
                                      f"{self._tree.capacity} slots, NaN, infinite or negative values, or "
                                      f"max_priority={max_priority!r}); load an undamaged state_dict().")
+        # the leaves are priorities raised to the saver's alpha (absent in older checkpoints): under another alpha
+        # the loaded items and the later ones would be weighted by two different exponents
+        alpha = state.get("alpha", self.alpha)
+        if not (_finite_non_negative(alpha) and float(alpha) == self.alpha):
+            raise ConfigurationError(f"This checkpoint's priorities were raised to alpha={alpha!r}, this sampler's "
+                                     f"alpha is {self.alpha!r}; load it into a buffer built with "
+                                     f"PrioritizedSampler(alpha={alpha!r}).")
         self._rng.bit_generator.state = state["rng"]
         self._tree.load(leaves)
         self._max_priority = max_priority
