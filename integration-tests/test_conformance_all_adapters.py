@@ -1,17 +1,23 @@
 """The conformance suites over every adapter registered in ``conduit.conformance``.
 
 Each registered factory gets its own test classes, generated here, so a failure names the
-adapter. Core registers itself too, so this module always runs something.
+adapter. Core registers itself too, so this module always runs something. A factory that
+cannot build one kind of endpoint gets a skipped test saying so, and a package under
+``packages/`` that registers nothing (or is not installed) fails here instead of going untested.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conduit.testing import EndpointFactory, FreshnessSuite, ReplaySuite, discover_endpoints
+from conduit.testing import ConcurrencySuite, EndpointFactory, FreshnessSuite, ReplaySuite, discover_endpoints
 
+ROOT = Path(__file__).resolve().parents[1]
 FACTORIES = discover_endpoints()
 
 
@@ -21,18 +27,72 @@ def _bind(make: Any) -> Any:
     return method
 
 
-for _f in FACTORIES:
-    if _f.make_replay is not None:
-        globals()[f"TestReplay_{_f.name}"] = type(f"TestReplay_{_f.name}", (ReplaySuite,),
-                                                  {"make_replay": _bind(_f.make_replay)})
-    if _f.make_on_policy is not None:
-        globals()[f"TestFreshness_{_f.name}"] = type(f"TestFreshness_{_f.name}", (FreshnessSuite,),
-                                                     {"make_on_policy": _bind(_f.make_on_policy)})
+def _not_provided(name: str, kind: str) -> type:
+    def test_not_provided(self: object) -> None:
+        pytest.skip(f"adapter {name!r} registers no {kind} endpoint (its EndpointFactory.make_{kind} is None)")
+    return type(f"Test{kind.title().replace('_', '')}_{name}", (), {"test_not_provided": test_not_provided})
+
+
+def suite_classes(factories: Iterable[EndpointFactory]) -> dict[str, type]:
+    """The test classes for ``factories``: the replay, concurrency and freshness suites bound to each
+    factory's endpoints, or, for a kind a factory leaves ``None``, a class whose one test skips with
+    that reason (so the report shows what was not tested)."""
+    out: dict[str, type] = {}
+    for f in factories:
+        if f.make_replay is not None:
+            for suite, label in ((ReplaySuite, "Replay"), (ConcurrencySuite, "Concurrency")):
+                out[f"Test{label}_{f.name}"] = type(f"Test{label}_{f.name}", (suite,),
+                                                    {"make_replay": _bind(f.make_replay)})
+        else:
+            out[f"TestReplay_{f.name}"] = _not_provided(f.name, "replay")
+        if f.make_on_policy is not None:
+            out[f"TestFreshness_{f.name}"] = type(f"TestFreshness_{f.name}", (FreshnessSuite,),
+                                                  {"make_on_policy": _bind(f.make_on_policy)})
+        else:
+            out[f"TestOnPolicy_{f.name}"] = _not_provided(f.name, "on_policy")
+    return out
+
+
+def _conformance_names(pyproject: str) -> set[str]:
+    """The entry-point names a ``pyproject.toml`` registers under ``conduit.conformance`` (a plain
+    reading of that one table: ``tomllib`` needs Python 3.11)."""
+    table = re.search(r'^\[project\.entry-points\."conduit\.conformance"\][ \t]*\n(.*?)(?=^\[|\Z)', pyproject,
+                      re.M | re.S)
+    if table is None:
+        return set()
+    return {m.group(1).strip('"\'') for m in re.finditer(r'^\s*("[^"]+"|\'[^\']+\'|[\w.-]+)\s*=', table.group(1), re.M)}
+
+
+def unregistered_packages(packages: Path, discovered: Iterable[str]) -> list[str]:
+    """What is wrong with the conformance registration of each package under ``packages`` (one
+    ``pyproject.toml`` per package): it registers nothing under ``conduit.conformance``, or its
+    registrations are not among the ``discovered`` factory names (the package is not installed)."""
+    found = set(discovered)
+    problems = []
+    for pp in sorted(packages.glob("*/pyproject.toml")):
+        names = _conformance_names(pp.read_text())
+        if not names:
+            problems.append(f"{pp.parent.name} registers no endpoints under the 'conduit.conformance' entry-point "
+                            f"group, so no conformance suite runs over it: add [project.entry-points."
+                            f"\"conduit.conformance\"] with its EndpointFactory to {pp.relative_to(packages.parent)}")
+        elif missing := sorted(names - found):
+            problems.append(f"{pp.parent.name} registers {missing} under 'conduit.conformance', but they were "
+                            f"not discovered: install it (pip install -e {pp.parent.relative_to(packages.parent)})")
+    return problems
+
+
+globals().update(suite_classes(FACTORIES))
 
 
 def test_core_is_registered() -> None:
     """Discovery works: conduit-core registers its reference endpoints."""
     assert "core" in [f.name for f in FACTORIES], [f.name for f in FACTORIES]
+
+
+def test_every_package_is_registered_and_discovered() -> None:
+    """Every package of the repository is run through the suites: none is left out silently."""
+    problems = unregistered_packages(ROOT / "packages", [f.name for f in FACTORIES])
+    assert not problems, "\n".join(problems)
 
 
 def _replay_scenario(f: EndpointFactory) -> tuple[int, list[int]]:

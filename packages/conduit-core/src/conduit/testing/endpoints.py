@@ -153,14 +153,23 @@ class EndpointFactory:
 def discover_endpoints() -> list[EndpointFactory]:
     """Every factory registered under ``conduit.conformance``, by name.
 
-    A registration that fails to load raises: a broken adapter is an error, not a skip.
+    A registration that fails to load raises: a broken adapter is an error, not a skip. So do two
+    factories with one name (:class:`~conduit.errors.ConfigurationError`): the tests generated for
+    one would replace the other's, and that adapter would go untested.
     """
     from importlib.metadata import entry_points
 
-    found = []
+    from conduit.errors import ConfigurationError
+
+    found: dict[str, tuple[EndpointFactory, str]] = {}
     for ep in sorted(entry_points(group="conduit.conformance"), key=lambda e: e.name):
         factory = ep.load()
         if not isinstance(factory, EndpointFactory):
             raise TypeError(f"entry point {ep.name!r} ({ep.value}) is not a conduit.testing.EndpointFactory")
-        found.append(factory)
-    return found
+        if factory.name in found:
+            raise ConfigurationError(
+                f"entry points {found[factory.name][1]} and {ep.name!r} ({ep.value}) both register an "
+                f"EndpointFactory named {factory.name!r}; the conformance tests of one would replace the other's: "
+                f"give each adapter's factory its own name")
+        found[factory.name] = (factory, f"{ep.name!r} ({ep.value})")
+    return [f for f, _ in found.values()]

@@ -25,15 +25,29 @@ def needs(endpoint: object, capability: str) -> None:
         pytest.skip(f"{type(endpoint).__name__} does not declare {capability!r}")
 
 
+#: the suites' size settings: a subclass may raise them, never lower them (fewer draws, threads or items)
+STRENGTH_SETTINGS = ("draws", "threads", "items_per_thread", "payload_draws_per_item")
+
+
 class SuiteBase:
-    """Base of every suite: a subclass may not override a suite test without marking it xfail."""
+    """Base of every suite: a subclass may not override a suite test without marking it xfail, nor lower
+    a size setting (:data:`STRENGTH_SETTINGS`)."""
 
     def test_no_overrides_DO_NOT_OVERRIDE(self) -> None:
-        """Suite tests are not weakened: an override must carry ``@pytest.mark.xfail(reason=...)``.
+        """Suite tests are not weakened: an override must carry ``@pytest.mark.xfail(reason=...)``, and the
+        suite's sizes (draws of the chi-square tests, producer threads and items) are not lowered.
 
-        Troubleshooting: remove the override, or mark it xfail with the reason it cannot pass.
+        Troubleshooting: remove the override, or mark it xfail with the reason it cannot pass; remove a
+        setting that lowers a size.
         """
         suite_classes = [c for c in type(self).__mro__ if c.__module__.startswith("conduit.testing.suites")]
+        for attr in STRENGTH_SETTINGS:
+            declared = next((c.__dict__[attr] for c in suite_classes if attr in c.__dict__), None)
+            value = getattr(type(self), attr, None)
+            if declared is not None and value is not None:
+                assert value >= declared, (
+                    f"{type(self).__name__}.{attr} = {value} weakens the conformance suite, which runs "
+                    f"{attr} = {declared}; remove the setting.")
         for name, member in inspect.getmembers(type(self)):
             if not name.startswith("test_") or name == "test_no_overrides_DO_NOT_OVERRIDE":
                 continue

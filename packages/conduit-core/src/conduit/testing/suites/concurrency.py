@@ -63,8 +63,11 @@ class ConcurrencySuite(SuiteBase):
             assert len(ep) == total, f"{len(ep)} items stored, {total} produced"
             ids = np.sort(ep.contents())
             dup = int((np.diff(ids) == 0).sum())
-            assert dup == 0 and len(ids) == total and ids[0] == 0 and ids[-1] == total - 1, (
-                f"{dup} duplicates, {total - len(np.unique(ids))} lost")
+            foreign = np.unique(ids[(ids < 0) | (ids >= total)])
+            lost = total - int(np.isin(np.arange(total), ids).sum())
+            assert dup == 0 and len(foreign) == 0 and lost == 0 and len(ids) == total, (
+                f"of {total} ids produced: {dup} duplicates, {len(foreign)} ids that no producer made "
+                f"(e.g. {foreign[:5].tolist()}), {lost} lost")
             self._check_payloads(ep, ids)
         finally:
             ep.close()

@@ -44,7 +44,8 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
                 ep.consume()
 
     def test_each_item_exactly_once_per_epoch(self) -> None:
-        """Each epoch delivers every item of the rollout exactly once, in M minibatches of N/M (+-1).
+        """Each epoch delivers every item of the rollout exactly once, in M minibatches of N/M (+-1); the
+        epochs come one after another.
 
         Troubleshooting: permute once per epoch and cut the permutation; never sample with replacement.
         """
@@ -54,6 +55,10 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
             ep.end_rollout()
             mbs = ep.consume()
             assert len(mbs) == m * e, f"got {len(mbs)} minibatches, expected M*E = {m * e}"
+            order = [mb.epoch for mb in mbs]
+            assert order == sorted(order), (
+                f"minibatches are not delivered in epoch order (epochs in delivery order: {order}): deliver "
+                f"every minibatch of an epoch before the next epoch's")
             for epoch in range(e):
                 part = [mb for mb in mbs if mb.epoch == epoch]
                 assert len(part) == m, f"epoch {epoch} has {len(part)} minibatches, expected {m}"
@@ -67,6 +72,35 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
             assert orders[0] != orders[1], "epochs were not reshuffled"
             parts = [{frozenset(mb.ids.tolist()) for mb in mbs if mb.epoch == k} for k in range(e)]
             assert parts[0] != parts[1], "every epoch cut the same minibatches: reshuffle the items each epoch"
+
+    def test_deterministic_under_seed(self) -> None:
+        """The same seed and the same calls deliver the same minibatches in the same order; another seed
+        shuffles differently; two endpoints with one seed, used in turn, deliver as one alone does.
+
+        Troubleshooting: draw each epoch's permutation from a generator seeded from the endpoint's seed,
+        not from a global one.
+        """
+        def rollout(ep: OnPolicyEndpoint, v: int) -> list[tuple[int, list[int]]]:
+            ep.set_policy_version(v)
+            ep.ingest(np.arange(100 * v, 100 * v + 40), version=v)
+            ep.end_rollout()
+            return [(mb.epoch, mb.ids.tolist()) for mb in ep.consume()]
+
+        def run(seed: int) -> list[tuple[int, list[int]]]:
+            with self.on_policy(num_minibatches=4, num_epochs=3, seed=seed) as ep:
+                return rollout(ep, 0) + rollout(ep, 1)
+
+        a = run(5)
+        assert run(5) == a, "two endpoints with the same seed delivered different minibatches (or another order)"
+        assert run(6) != a, "endpoints with different seeds delivered the same minibatches: the seed is ignored"
+        with self.on_policy(num_minibatches=4, num_epochs=3, seed=5) as e1, \
+                self.on_policy(num_minibatches=4, num_epochs=3, seed=5) as e2:
+            got1, got2 = [], []
+            for v in range(2):
+                got1 += rollout(e1, v)
+                got2 += rollout(e2, v)
+            assert got1 == a == got2, ("two endpoints with the same seed, used in turn, delivered differently from "
+                                       "one alone: they share an RNG (a global one?)")
 
     def test_version_purity(self) -> None:
         """A minibatch never mixes items of two policy versions; rollouts come oldest first; a rollout

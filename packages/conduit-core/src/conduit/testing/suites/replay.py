@@ -17,7 +17,10 @@ from conduit.testing.suites.prefetch import PrefetchReplayChecks
 
 __all__ = ["ReplaySuite"]
 
-#: chi-square tests reject below this p-value (draws are seeded, so results are reproducible)
+#: chi-square tests reject below this p-value: a correct buffer fails each with probability P_MIN over seeds
+#: (Pearson's statistic with k-1 degrees of freedom; every expected count is > 200, so the chi-square
+#: approximation holds). ReplaySuite runs three such tests, so a correct adapter whose draws differ from
+#: core's fails with probability <= 3e-3; the draws are seeded, so whatever the result, it is reproducible.
 P_MIN = 1e-3
 
 
@@ -76,7 +79,8 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             assert len(ep.contents()) == 0
 
     def test_uniform_draws_are_uniform(self) -> None:
-        """Uniform sampling draws every live item with equal probability (chi-square over 1e5 draws).
+        """Uniform sampling draws every live item with equal probability (chi-square over 1e5 draws), each
+        of a sample's n items independently (with replacement).
 
         Troubleshooting: sample over all live slots, including after the ring wrapped.
         """
@@ -87,6 +91,13 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             assert counts[60:].sum() == 0, f"ids that are not live were drawn: {np.nonzero(counts[60:])[0] + 60}"
             p = chi_square_p(counts[:60], np.ones(60))
             assert p > P_MIN, f"uniform draws from a partly filled buffer fail chi-square (p={p:.2e})"
+            # draws are with replacement: 60 independent draws from 60 items repeat one with probability
+            # 1 - 60!/60^60 (a correct buffer fails this with probability ~1e-25 per draw)
+            for _ in range(5):
+                d = ep.sample(60).ids
+                assert len(np.unique(d)) < 60, (
+                    "a draw of 60 items from a buffer of 60 holds no item twice: draws are not with replacement "
+                    "(or not independent); sample each of the n items independently over all live items")
         with self.replay(capacity=n, seed=1) as ep:
             ep.insert(np.arange(n))
             ep.insert(np.arange(n, n + 37))  # wrap the ring: live ids are 37..136
@@ -126,7 +137,8 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                 f"new items must get the largest priority seen so far")
 
     def test_importance_weights(self) -> None:
-        """Weights are (N P(i))^-beta normalised by the largest possible weight.
+        """Weights are (N P(i))^-beta normalised by the largest possible weight, over the items live now
+        (also after the least likely one was evicted).
 
         Troubleshooting: normalise by (N min_j P(j))^-beta over all live items, not over the batch.
         """
@@ -148,6 +160,20 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             expected = (n * probs[d.ids]) ** (-beta) / (n * probs.min()) ** (-beta)
             np.testing.assert_allclose(d.weights, expected, rtol=1e-4,
                                        err_msg="importance weights differ from (N P(i))^-beta / max_w")
+            # evict the least likely item (FIFO): the largest possible weight now follows item 1's priority
+            ep.insert(np.array([n]))
+            for _ in range(2 * (ep.priority_staleness + 2)):  # draws prepared before the insert
+                ep.sample(self.chunk)
+            d = ep.sample(256)
+            assert d.weights is not None, "a prioritized endpoint returned no importance weights"
+            assert d.ids.min() >= 1, "the evicted item 0 was drawn after an insert evicted it"
+            live_prio = np.append(prio[1:], prio.max())  # ids 1..n-1, and id n with the largest priority seen
+            probs = live_prio ** alpha / (live_prio ** alpha).sum()
+            p_of = probs[d.ids - 1]
+            expected = (p_of / probs.min()) ** (-beta)
+            np.testing.assert_allclose(d.weights, expected, rtol=1e-4, err_msg=(
+                "importance weights after the least likely item was evicted differ from (N P(i))^-beta / max_w: "
+                "normalise by the smallest probability among the live items, not the smallest ever stored"))
 
     def test_fifo_eviction_and_capacity(self) -> None:
         """The buffer never holds more than its capacity and evicts the oldest items first.
@@ -163,6 +189,13 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                 f"live ids {sorted(ep.contents().tolist())}, expected the newest 10 (15..24)"
             ids = ep.sample(2000).ids
             assert ids.min() >= 15, f"evicted id {ids.min()} was sampled"
+            # batches that do not divide the capacity: the second one wraps around the ring's end
+            ep.insert(np.arange(25, 28))
+            ep.insert(np.arange(28, 31))
+            live = sorted(ep.contents().tolist())
+            assert len(ep) == cap and live == list(range(21, 31)), (
+                f"after a batch that wrapped around the ring's end: len {len(ep)}, live ids {live}, expected the "
+                f"newest 10 (21..30)")
 
     def test_update_for_evicted_handle_is_ignored(self) -> None:
         """A priority update naming an evicted item is ignored, never applied to the slot's new occupant;
