@@ -170,7 +170,13 @@ class VerlOnPolicy(OnPolicy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         drawn, deferred = state.get("orders_drawn", 0), state.get("deferred", False)
-        if isinstance(drawn, bool) or not isinstance(drawn, int) or drawn < 0 or not isinstance(deferred, bool):
+        # the rollout being delivered has drawn one pass per epoch started (one more after a refused start):
+        # a larger count is damage, and replaying it would spin through that many loader passes
+        epoch = state.get("epoch")
+        past = (state.get("cur") is not None and isinstance(drawn, int) and isinstance(epoch, int)
+                and drawn > epoch + 2)
+        if (isinstance(drawn, bool) or not isinstance(drawn, int) or drawn < 0 or not isinstance(deferred, bool)
+                or past):
             raise ConfigurationError(f"This checkpoint's loader state (orders_drawn={drawn!r}, deferred={deferred!r}) "
                                      f"is damaged; load an undamaged state_dict().")
         super().load_state_dict(state)

@@ -118,6 +118,8 @@ def _pack_nested(t: torch.Tensor, n: int) -> PackedColumn:
     if t.layout == torch.jagged and nt.lengths() is None and getattr(t, "_ragged_idx", 1) == 1:
         vals = t.values()
         offsets = nt.offsets().to(torch.int64)
+        if int(offsets.shape[0]) - 1 != n:
+            raise ValueError(f"a nested column of {n} samples has {int(offsets.shape[0]) - 1} components")
         per_len = offsets.diff()
         trailing = tuple(vals.shape[1:])
         tnumel = int(np.prod(trailing, dtype=np.int64)) if trailing else 1
@@ -193,7 +195,8 @@ def jagged(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 def _unpack_slow(col: PackedColumn) -> torch.Tensor | NonTensorStack:
     parts = torch.split(col.values, col.lengths.tolist())
-    return nested_or_stack([p.view(*[int(d) for d in col.shapes[i, 1:1 + int(col.shapes[i, 0])]])
+    # (a tuple, not unpacked: a sample of ndim 0 beside higher-rank ones has the shape ())
+    return nested_or_stack([p.view(tuple(int(d) for d in col.shapes[i, 1:1 + int(col.shapes[i, 0])]))
                             for i, p in enumerate(parts)])
 
 
