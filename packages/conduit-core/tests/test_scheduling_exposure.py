@@ -50,8 +50,11 @@ def test_synchronous_loop_exposes_its_whole_experience_path() -> None:
 
 def test_overlapped_loop_hides_work_and_traces_every_span(tmp_path: Path) -> None:
     trace = tmp_path / "trace.json"
-    res = run_loop(obs_dim=256, scheduler=Overlapped(g_del=2), iterations=4, warmup=1, rollout=128, batch=64,
-                   updates=3, capacity=1024, trace=trace)
+    # (learner steps long enough, and iterations enough, that the workers run beside the loop even when other
+    # processes load the machine: with four tiny iterations, a loaded CI machine once ran them only while
+    # the loop waited, so nothing was hidden)
+    res = run_loop(obs_dim=256, scheduler=Overlapped(g_del=2), iterations=8, warmup=1, rollout=128, batch=256,
+                   updates=3, capacity=1024, hidden=256, trace=trace)
     assert sum(i.hidden_s for i in res.iterations) > 0, "no experience-path work ran off the loop's thread"
     for it in res.iterations:
         assert it.total_s == pytest.approx(it.hidden_s + it.exposed_s)
@@ -62,7 +65,7 @@ def test_overlapped_loop_hides_work_and_traces_every_span(tmp_path: Path) -> Non
     names = {e["args"]["name"] for e in events if e["ph"] == "M"}
     assert any(n.startswith("conduit-ingest") for n in names) and any(n.startswith("conduit-prefetch") for n in names)
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
-    assert len([e for e in spans if e["name"] == "iteration"]) == 4, "the trace holds warm-up iterations"
+    assert len([e for e in spans if e["name"] == "iteration"]) == 8, "the trace holds warm-up iterations"
 
 
 def test_demo_prints_per_iteration_accounting_and_writes_a_trace(tmp_path: Path,
