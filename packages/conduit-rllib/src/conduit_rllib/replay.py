@@ -142,9 +142,10 @@ class _ConduitReplay:
         self._warned_sequence_options = False
 
     # -- construction of the data plane ------------------------------------------------------
-    def _build(self, schema: ExperienceSchema) -> ExperienceDataPlane:
+    def _build(self, schema: ExperienceSchema, alpha: float | None = None) -> ExperienceDataPlane:
         # as RLlib's buffer: an add's weight is not "seen" for later adds' default priority (updates are)
-        sampler = PrioritizedSampler(alpha=self._alpha, max_from_ingest=False) if self.prioritized else UniformSampler()
+        a = self._alpha if alpha is None else alpha
+        sampler = PrioritizedSampler(alpha=a, max_from_ingest=False) if self.prioritized else UniformSampler()
         placement = self.placement or HostPlacement(pin_memory=self.device.type == "cuda")
         try:
             edp = ExperienceDataPlane(schema, capacity=self.capacity, semantics=Replay(sampler, seed=self.seed),
@@ -591,11 +592,8 @@ class _ConduitReplay:
                                      f"an undamaged get_state().") from e
         with self._lock:
             if schema is not None:
-                self._load_plane(schema, state["edp"])
-                sampler = cast(Replay, cast(ExperienceDataPlane, self.edp).semantics).sampler
-                if isinstance(sampler, PrioritizedSampler):
-                    # the saved priorities are p ** alpha of the saving buffer: sample (and update) with its alpha
-                    sampler.alpha = alpha
+                # (the saved priorities are p ** alpha of the saving buffer: sample and update with its alpha)
+                self._load_plane(schema, state["edp"], alpha)
                 assert links is not None
                 self._succ, self._rew, self._done = links
             elif self.edp is not None:  # the state was saved before anything was added: drop our contents
@@ -611,17 +609,27 @@ class _ConduitReplay:
             self.observation_space = obs_space
             self.action_space = act_space
 
-    def _load_plane(self, schema: ExperienceSchema, edp_state: dict[str, Any]) -> None:
-        """Load a saved data plane of ``schema``; a refused load leaves the current plane and links as they were."""
+    def _load_plane(self, schema: ExperienceSchema, edp_state: dict[str, Any], alpha: float) -> None:
+        """Load a saved data plane of ``schema`` whose priorities were raised to ``alpha``; a refused load leaves
+        the current plane (its sampler's alpha included) and links as they were."""
         edp = self.edp
         if edp is not None and edp.schema == schema:
-            edp.load_state_dict(edp_state)  # checked before it changes anything
+            sampler = cast(Replay, edp.semantics).sampler
+            before = sampler.alpha if isinstance(sampler, PrioritizedSampler) else None
+            if isinstance(sampler, PrioritizedSampler):
+                sampler.alpha = alpha
+            try:
+                edp.load_state_dict(edp_state)  # checked before it changes anything
+            except BaseException:
+                if isinstance(sampler, PrioritizedSampler) and before is not None:
+                    sampler.alpha = before
+                raise
             return
         links = (self._succ, self._rew, self._done)
         kept = edp.state_dict() if edp is not None else None  # our contents, should the saved plane be refused
         self.close()  # a scheduler serves one open plane at a time
         try:
-            self._build(schema).load_state_dict(edp_state)
+            self._build(schema, alpha).load_state_dict(edp_state)
         except BaseException:
             self._discard()
             if edp is not None:
