@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["WORKER_THREADS", "eventually", "worker_threads", "open_fds"]
+__all__ = ["WORKER_THREADS", "eventually", "worker_threads", "live_workers", "no_workers_beyond", "open_fds"]
 
 #: the names of the threads Conduit's schedulers and adapters start
 WORKER_THREADS = ("conduit-ingest", "conduit-prefetch", "conduit-minibatch", "conduit-srl-assembler")
@@ -33,6 +33,17 @@ def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
 def worker_threads() -> list[str]:
     """The names of Conduit's worker threads alive now, sorted."""
     return sorted(t.name for t in threading.enumerate() if t.name in WORKER_THREADS)
+
+
+def live_workers() -> set[threading.Thread]:
+    """Conduit's worker threads alive now (the thread objects: to compare with :func:`no_workers_beyond`)."""
+    return {t for t in threading.enumerate() if t.name in WORKER_THREADS}
+
+
+def no_workers_beyond(before: set[threading.Thread]) -> bool:
+    """Whether every Conduit worker thread alive now was alive at ``before`` (a :func:`live_workers` reading).
+    Threads that were ending then (an earlier test's) may have ended since."""
+    return live_workers() <= before
 
 
 def open_fds() -> int:
