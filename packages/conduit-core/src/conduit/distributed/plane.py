@@ -1427,8 +1427,9 @@ def _release_dropped(stop: threading.Event, servers: ShardServers, owned: bool, 
     stop.set()
     for pool in pools:
         pool.shutdown(wait=False)
+    if not _ray_is_up():  # Ray was shut down: its actors went with it, and a call now would start a new Ray
+        return
     try:
-        ray_module()  # raises when Ray was shut down (its actors went with it); a call now would start a new Ray
         if owned:
             servers.shutdown()
         else:

@@ -18,8 +18,10 @@ or :class:`conduit.StaleExperienceError` is raised (``on_stale="raise"``, state 
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Real
 from typing import Any, Literal
@@ -240,9 +242,7 @@ class OnPolicy(Semantics):
                                          f"{self._epoch} of {self.num_epochs} over {n} items; return a list of "
                                          f"positive ints summing to {n} (at most {n} in the last epoch).")
         self._perm = perm
-        self._bounds = [0]
-        for s in sizes:
-            self._bounds.append(self._bounds[-1] + s)
+        self._bounds = _cuts(sizes)
         self._k = 0
 
     def stale(self, version: int) -> bool:
@@ -396,10 +396,7 @@ class OnPolicy(Semantics):
             if ok and own_cuts:
                 # this buffer's own epochs and cuts: a checkpoint of other OnPolicy settings (more epochs, another
                 # M) would deliver past the last epoch forever, or cut the rollout differently from here on
-                cuts = [0]
-                for s in self.epoch_sizes(cur[2], epoch):
-                    cuts.append(cuts[-1] + s)
-                ok = epoch < self.num_epochs and bounds == cuts
+                ok = epoch < self.num_epochs and bounds == _cuts(self.epoch_sizes(cur[2], epoch))
             if not ok:
                 raise ConfigurationError(f"This checkpoint's on-policy progress is damaged (epoch {epoch}, minibatch "
                                          f"{k}, cuts {bounds!r} and an order that must "
@@ -417,3 +414,8 @@ class OnPolicy(Semantics):
             self._last_sealed = None if last_sealed is None else int(last_sealed)
         else:  # an older checkpoint: the newest sealed rollout it still holds, if any
             self._last_sealed = max((r.version for r in (*self._sealed, self._cur) if r is not None), default=None)
+
+
+def _cuts(sizes: Sequence[int]) -> list[int]:
+    """The row bounds of minibatches of ``sizes`` rows, back to back: ``[0, s0, s0 + s1, ...]``."""
+    return [0, *itertools.accumulate(sizes)]

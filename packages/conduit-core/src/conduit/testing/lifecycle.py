@@ -32,7 +32,7 @@ def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 def worker_threads() -> list[str]:
     """The names of Conduit's worker threads alive now, sorted."""
-    return sorted(t.name for t in threading.enumerate() if t.name in WORKER_THREADS)
+    return sorted(t.name for t in live_workers())
 
 
 def live_workers() -> set[threading.Thread]:
