@@ -63,6 +63,8 @@ def _hooks() -> list[tuple[str, Callable[[], bool]]]:
         ("Checkpointable._check_component(name, components, not_components) exists",
          lambda: _params(Checkpointable._check_component) == ["self", "name", "components", "not_components"]),
         ("LearnerGroup.foreach_learner exists", lambda: callable(getattr(LearnerGroup, "foreach_learner", None))),
+        ("Algorithm.iteration is a property (the buffer logs its metrics in every training iteration)",
+         lambda: isinstance(inspect.getattr_static(Algorithm, "iteration"), property)),
         ("Algorithm.setup creates self.local_replay_buffer, then runs on_algorithm_init callbacks",
          lambda: "self.local_replay_buffer = " in _source(Algorithm.setup)
          and '"on_algorithm_init"' in _source(Algorithm.setup)),

@@ -11,6 +11,7 @@ delivery path builds no Python object per transition. Code that iterates it anyw
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
@@ -38,17 +39,22 @@ class ConduitSampledEpisodes(Sequence[SingleAgentEpisode]):
             buffer's second next ``sample()``.
         handles: the Conduit handles of the sampled items (what ``update_priorities`` names).
         module_id: the RLModule the batch trains.
+        episode_ids: per transition, the id of the episode it was stored from (None where unknown);
+            transition ``i`` as a ``SingleAgentEpisode`` carries it as its ``id_``, as RLlib's buffers'
+            samples carry their source episode's id.
     """
 
-    __slots__ = ("columns", "handles", "module_id", "observation_space", "action_space")
+    __slots__ = ("columns", "handles", "module_id", "observation_space", "action_space", "episode_ids")
 
     def __init__(self, columns: dict[str, torch.Tensor], handles: torch.Tensor, *,
-                 module_id: str = DEFAULT_MODULE_ID, observation_space: Any = None, action_space: Any = None) -> None:
+                 module_id: str = DEFAULT_MODULE_ID, observation_space: Any = None, action_space: Any = None,
+                 episode_ids: Sequence[str | None] | None = None) -> None:
         self.columns = columns
         self.handles = handles
         self.module_id = module_id
         self.observation_space = observation_space
         self.action_space = action_space
+        self.episode_ids: list[str | None] = list(episode_ids) if episode_ids is not None else [None] * len(handles)
 
     def __len__(self) -> int:
         return int(self.handles.shape[0])
@@ -68,13 +74,22 @@ class ConduitSampledEpisodes(Sequence[SingleAgentEpisode]):
     def __getitem__(self, i: slice) -> list[SingleAgentEpisode]: ...
 
     def __getitem__(self, i: int | slice) -> SingleAgentEpisode | list[SingleAgentEpisode]:
-        """Transition ``i`` as the one-step ``SingleAgentEpisode`` RLlib's own buffers return (slow path)."""
+        """Transition ``i`` as the one-step ``SingleAgentEpisode`` RLlib's own buffers return (slow path).
+
+        Its ``id_`` is its source episode's id, the same on every access (where the source is unknown, an id
+        made on the first access and kept).
+        """
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         if not -len(self) <= i < len(self):
             raise IndexError(f"transition {i} of {len(self)}")
+        i %= len(self)
+        eid = self.episode_ids[i]
+        if eid is None:
+            eid = self.episode_ids[i] = uuid.uuid4().hex
         c = {k: v[i].detach().cpu().numpy() for k, v in self.columns.items()}
         return SingleAgentEpisode(
+            id_=eid,
             observation_space=self.observation_space, action_space=self.action_space,
             observations=[c[Columns.OBS], c[Columns.NEXT_OBS]], actions=[c[Columns.ACTIONS]],
             rewards=[float(c[Columns.REWARDS])], terminated=bool(c[Columns.TERMINATEDS]),

@@ -4,7 +4,9 @@ What it sets, all through RLlib's public configuration API:
 
 * DQN, SAC (off-policy): an ``on_algorithm_init`` callback that replaces
   ``algorithm.local_replay_buffer`` by a Conduit buffer of the same kind (uniform or
-  prioritized, same capacity and alpha) delivering on the learner's device, and a learner
+  prioritized, same capacity and alpha; ``replay_buffer_config["type"]`` may be a class, a name
+  or a dotted path, resolved as RLlib resolves it, and a subclass of Conduit's buffers is built
+  itself) delivering on the learner's device, and a learner
   class with :class:`~conduit_rllib.learner.ConduitOffPolicyLearner` mixed in. The training
   step, the loss and the replay-buffer config stay RLlib's.
 * PPO (on-policy): a learner class with :class:`~conduit_rllib.learner.ConduitOnPolicyLearner`
@@ -18,6 +20,8 @@ Anything else raises :class:`~conduit_rllib.errors.UnsupportedAlgorithmError` or
 
 from __future__ import annotations
 
+import importlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -32,6 +36,7 @@ from ray.rllib.algorithms.sac.sac import SAC, SACConfig
 from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
 from ray.rllib.utils import force_list
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
+from ray.rllib.utils.replay_buffers.multi_agent_episode_buffer import MultiAgentEpisodeReplayBuffer
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 from ray.tune.error import TuneError
 from ray.tune.registry import get_trainable_cls
@@ -87,22 +92,77 @@ def _algorithm(config: AlgorithmConfig) -> type:
                                     f"DQN, SAC and PPO); this config builds {name}.")
 
 
-def _replay_kind(config: AlgorithmConfig) -> bool:
-    """True for prioritized replay, False for uniform (from ``replay_buffer_config["type"]``)."""
+#: names RLlib resolves inside ``ray.rllib.utils.replay_buffers`` (and Conduit's own classes, by name)
+_PLAIN_NAMES: dict[str, type] = {
+    "EpisodeReplayBuffer": ConduitEpisodeReplayBuffer,
+    "PrioritizedEpisodeReplayBuffer": ConduitPrioritizedEpisodeReplayBuffer,
+    "ConduitEpisodeReplayBuffer": ConduitEpisodeReplayBuffer,
+    "ConduitPrioritizedEpisodeReplayBuffer": ConduitPrioritizedEpisodeReplayBuffer,
+}
+_WHAT_TO_SET = ("Set 'EpisodeReplayBuffer' (uniform) or 'PrioritizedEpisodeReplayBuffer', or the dotted path of your "
+                "subclass of conduit_rllib.ConduitEpisodeReplayBuffer / ConduitPrioritizedEpisodeReplayBuffer (e.g. "
+                "'my_pkg.buffers.MyBuffer').")
+
+
+def _resolve_buffer_type(rb_type: str) -> object:
+    """A string ``replay_buffer_config["type"]`` as RLlib's ``from_config`` resolves it: ``"module.Class"`` is
+    imported, a plain name is looked up in ``ray.rllib.utils.replay_buffers``.
+
+    Raises:
+        UnsupportedConfigError: the module does not import, or has no such attribute.
+    """
+    if rb_type in _PLAIN_NAMES:
+        return _PLAIN_NAMES[rb_type]
+    module_name, _, attr = rb_type.rpartition(".")
+    module_name = module_name or "ray.rllib.utils.replay_buffers"
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except Exception as e:  # noqa: BLE001 - whatever importing the user's module raises: report it typed
+        raise UnsupportedConfigError(
+            f"replay_buffer_config['type'] is {rb_type!r}, which does not resolve to a class ({type(e).__name__}: "
+            f"{e}). RLlib imports a dotted type as 'module.Class': make that module importable in the driver (and "
+            f"spell the class as it is defined there). {_WHAT_TO_SET}") from e
+
+
+def _replay_class(config: AlgorithmConfig) -> type:
+    """The Conduit buffer class ``replay_buffer_config["type"]`` asks for: a subclass of Conduit's buffers is
+    built itself; RLlib's single-agent ``EpisodeReplayBuffer`` / ``PrioritizedEpisodeReplayBuffer`` (or a
+    subclass of them) is replaced by Conduit's buffer of the same kind. The type may be the class, or its name
+    or dotted path (resolved as RLlib resolves it).
+
+    Raises:
+        UnsupportedConfigError: a type that does not resolve, or names anything else (multi-agent buffers,
+            old-stack buffers, non-classes).
+    """
     # only DQN/SAC (sub)class configs come here; they define replay_buffer_config
     rb_type = cast("DQNConfig | SACConfig", config).replay_buffer_config.get("type")
-    if isinstance(rb_type, str):
-        name = rb_type.rsplit(".", 1)[-1]
-        if name in ("PrioritizedEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer"):
-            return True
-        if name in ("EpisodeReplayBuffer", "ConduitEpisodeReplayBuffer"):
-            return False
-    elif (isinstance(rb_type, type) and issubclass(rb_type, EpisodeReplayBuffer)
-          and "MultiAgent" not in rb_type.__name__):
-        return issubclass(rb_type, PrioritizedEpisodeReplayBuffer)
-    raise UnsupportedConfigError(f"replay_buffer_config['type'] is {rb_type!r}; Conduit replaces the single-agent "
-                                 f"'EpisodeReplayBuffer' (uniform) and 'PrioritizedEpisodeReplayBuffer'. Set one "
-                                 f"of those names.")
+    cls = _resolve_buffer_type(rb_type) if isinstance(rb_type, str) else rb_type
+    if isinstance(cls, type) and issubclass(cls, EpisodeReplayBuffer) and not issubclass(
+            cls, MultiAgentEpisodeReplayBuffer):
+        if issubclass(cls, (ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer)):
+            return cls
+        return (ConduitPrioritizedEpisodeReplayBuffer if issubclass(cls, PrioritizedEpisodeReplayBuffer)
+                else ConduitEpisodeReplayBuffer)
+    named = f" (which names {cls!r})" if isinstance(rb_type, str) else ""
+    raise UnsupportedConfigError(f"replay_buffer_config['type'] is {rb_type!r}{named}; Conduit replaces the "
+                                 f"single-agent 'EpisodeReplayBuffer' (uniform) and 'PrioritizedEpisodeReplayBuffer' "
+                                 f"only. {_WHAT_TO_SET}")
+
+
+class _IterationOf:
+    """The algorithm's current training iteration (None once it is gone: the buffer holds no reference to it)."""
+
+    def __init__(self, algorithm: Any) -> None:
+        self._algorithm = weakref.ref(algorithm)
+
+    def __call__(self) -> int | None:
+        algorithm = self._algorithm()
+        return None if algorithm is None else int(algorithm.iteration)
+
+
+#: the buffer arguments InstallReplayBuffer sets itself (the other replay_buffer_config keys go to a subclass)
+_SET_HERE = frozenset({"type", "capacity", "alpha", "seed", "device", "placement", "scheduler",
+                       "metrics_num_episodes_for_smoothing"})
 
 
 @dataclass
@@ -125,17 +185,20 @@ class InstallReplayBuffer:
         if not group.is_local:
             raise UnsupportedConfigError("Conduit's off-policy path needs the learner in the driver "
                                          "(config.learners(num_learners=0)).")
-        prioritized = _replay_kind(cfg)
+        cls = _replay_class(cfg)
         rbc = cfg.replay_buffer_config
         device = next(iter(group.foreach_learner(lambda learner: learner.device))).get()
-        cls = ConduitPrioritizedEpisodeReplayBuffer if prioritized else ConduitEpisodeReplayBuffer
         kwargs_rb: dict[str, Any] = {}
-        if prioritized:
+        if cls not in (ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer):
+            # your subclass gets the config's other keys too, as RLlib passes them to the type it builds
+            kwargs_rb.update({k: v for k, v in rbc.items() if k not in _SET_HERE})
+        if issubclass(cls, ConduitPrioritizedEpisodeReplayBuffer):
             kwargs_rb["alpha"] = rbc.get("alpha", 1.0)
         # capacity and alpha as configured: the buffer checks them (a ConfigurationError saying what is wrong)
         buffer = cls(capacity=rbc.get("capacity", 50_000), seed=cfg.seed, device=device,
                      placement=self.placement, scheduler=self.scheduler() if self.scheduler else None,
                      metrics_num_episodes_for_smoothing=cfg.metrics_num_episodes_for_smoothing, **kwargs_rb)
+        buffer.iteration_of = _IterationOf(algorithm)  # metrics in every iteration's results
         algorithm.local_replay_buffer = buffer
         for res in group.foreach_learner(lambda learner: learner.conduit_attach_replay(buffer)):
             res.get()
@@ -207,7 +270,7 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
             raise UnsupportedConfigError("Conduit delivers DQN/SAC train batches ready-made, so custom learner "
                                          "connector pieces would be skipped; remove "
                                          "config.learners(learner_connector=...) or run without Conduit.")
-        _replay_kind(config)
+        _replay_class(config)
         learner = _learner_class(config, default_learner, conduit_learner, ConduitOffPolicyLearner)
         hooks = force_list(config.callbacks_on_algorithm_init)
         hooks = [h for h in hooks if not isinstance(h, InstallReplayBuffer)]

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+from collections.abc import Callable
 from numbers import Integral
 from typing import TYPE_CHECKING, Any, cast
 
@@ -101,6 +102,8 @@ class _ConduitReplay:
     _succ: np.ndarray | None
     _rew: np.ndarray | None
     _done: np.ndarray | None
+    # Per-slot source episode id (str; None: unknown, from a state saved before ids were kept), with the EDP.
+    _eid: np.ndarray | None
 
     def __init__(self, capacity: int = 10000, *, alpha: float = 1.0, seed: int | None = 0,
                  device: torch.device | str | None = None, placement: Placement | None = None,
@@ -131,6 +134,7 @@ class _ConduitReplay:
         self._next = 0  # handle the next ingested transition gets (we are the only producer)
         self._tail: dict[str, int] = {}  # unfinished episode id -> handle of its newest stored step
         self._succ = self._rew = self._done = None  # per-slot n-step links, allocated with the EDP
+        self._eid = None  # per-slot source episode ids, allocated with the EDP
         self._last_handles: torch.Tensor | None = None
         self._counts = {"added": 0, "episodes": 0, "evicted": 0, "sampled": 0, "n_step_sum": 0}
         self._lifetime = {"added": 0, "evicted": 0, "sampled": 0, "episodes": 0}
@@ -139,6 +143,10 @@ class _ConduitReplay:
             raise ConfigurationError(f"metrics_every must be >= 1, got {metrics_every!r}.")
         self.metrics_every = int(metrics_every)
         self._metrics_calls = 0
+        #: the training iteration the caller is in (``enable`` sets it to the algorithm's): get_metrics logs on
+        #: the first call of each iteration too, so every iteration with an update reports the buffer's metrics
+        self.iteration_of: Callable[[], int | None] | None = None
+        self._logged_iteration: int | None = None
         self._warned_sequence_options = False
 
     # -- construction of the data plane ------------------------------------------------------
@@ -158,6 +166,7 @@ class _ConduitReplay:
         self._succ = np.full(self.capacity, -1, dtype=np.int64)
         self._rew = np.zeros(self.capacity, dtype=np.float32)
         self._done = np.zeros(self.capacity, dtype=np.bool_)
+        self._eid = np.full(self.capacity, None, dtype=object)
         self.edp = edp
         return edp
 
@@ -170,7 +179,7 @@ class _ConduitReplay:
         """Drop the data plane and its links: the buffer is as before its first add."""
         self.close()
         self.edp = None
-        self._succ = self._rew = self._done = None
+        self._succ = self._rew = self._done = self._eid = None
 
     # -- add -----------------------------------------------------------------------------------
     def add(self, episodes: Any, weight: float | None = None) -> None:
@@ -237,6 +246,7 @@ class _ConduitReplay:
     def _ingest(self, chunk: ChunkColumns, weight: float | None) -> None:
         edp = self.edp
         assert edp is not None and self._succ is not None and self._rew is not None and self._done is not None
+        assert self._eid is not None
         n = chunk.length
         prio = None if weight is None else torch.full((n,), float(weight), dtype=torch.float64)
         handles = edp.ingest(chunk.columns, priorities=prio)
@@ -254,6 +264,7 @@ class _ConduitReplay:
             self._succ[slot] = -1
             self._rew[slot] = float(chunk.columns[Columns.REWARDS][0])
             self._done[slot] = chunk.done
+            self._eid[slot] = chunk.episode_id
         else:
             slots = np.arange(first, first + n, dtype=np.int64) % cap
             succ = np.arange(first + 1, first + n + 1, dtype=np.int64)
@@ -262,6 +273,7 @@ class _ConduitReplay:
             self._rew[slots] = chunk.columns[Columns.REWARDS].numpy()
             self._done[slots] = False
             self._done[slots[-1]] = chunk.done
+            self._eid[slots] = chunk.episode_id
         oldest = edp.storage.oldest if handles is not None else max(0, self._next - cap)
         tail = self._tail.pop(chunk.episode_id, None)
         if tail is not None and tail >= oldest:
@@ -359,7 +371,19 @@ class _ConduitReplay:
             self._counts["sampled"] += b
             self._counts["n_step_sum"] += b if actual is None else int(actual.sum())
             return ConduitSampledEpisodes(cols, handles, module_id=DEFAULT_MODULE_ID,
-                                          observation_space=self.observation_space, action_space=self.action_space)
+                                          observation_space=self.observation_space, action_space=self.action_space,
+                                          episode_ids=self._episode_ids(handles))
+
+    def _episode_ids(self, handles: torch.Tensor) -> np.ndarray:
+        """The source episode id of each sampled handle (None where its slot already describes a newer step: an
+        item a background ingestion or a prepared draw delivered after its slot was reused)."""
+        assert self._eid is not None
+        h = handles.numpy() if handles.device.type == "cpu" else handles.cpu().numpy()
+        ids = self._eid[h % self.capacity]
+        stale = h < self._next - self.capacity
+        if stale.any():
+            ids[stale] = None
+        return ids
 
     def _unit(self, b: int, dtype: torch.dtype) -> torch.Tensor:
         """``b`` ones on the learner's device (unit weights, one-step returns), kept between samples."""
@@ -494,17 +518,24 @@ class _ConduitReplay:
         return 0  # eviction is per transition; see get_metrics() for evicted steps
 
     def get_metrics(self) -> dict[str, Any]:
-        """RLlib-style buffer metrics (added/evicted/sampled steps, stored size), every ``metrics_every`` calls.
+        """RLlib-style buffer metrics (added/evicted/sampled steps, stored size), on the first call of each
+        training iteration and every ``metrics_every`` calls.
 
-        RLlib calls this once per training step; logging into its MetricsLogger costs more than
+        RLlib calls this once per learner update; logging into its MetricsLogger costs more than
         Conduit's add and sample together, so counts accumulate and are logged and reduced on
-        every ``metrics_every``-th call (an empty dict in between). Sums and lifetime counts
-        stay exact; they are reported up to ``metrics_every - 1`` calls late.
+        every ``metrics_every``-th call, and on the first call of each training iteration
+        (:attr:`iteration_of` names it; ``enable`` sets it to the algorithm's iteration), so every
+        iteration with at least one update reports them; an empty dict in between. Sums and
+        lifetime counts stay exact; they are reported up to ``metrics_every - 1`` calls late.
         """
         with self._lock:
             self._metrics_calls += 1
-            if self._metrics_calls % self.metrics_every:
+            iteration = self.iteration_of() if self.iteration_of is not None else None
+            new_iteration = iteration is not None and iteration != self._logged_iteration
+            if self._metrics_calls % self.metrics_every and not new_iteration:
                 return {}
+            if iteration is not None:
+                self._logged_iteration = iteration
             c, lt = self._counts, self._lifetime
             log = self.metrics.log_value
             log(NUM_ENV_STEPS_STORED, len(self), reduce="mean", window=self._metrics_num_episodes_for_smoothing)
@@ -529,8 +560,9 @@ class _ConduitReplay:
     def get_state(self) -> dict[str, Any]:
         """Everything needed to continue identically: contents, priorities, links, RNG states, counters.
 
-        The counts :meth:`get_metrics` has not logged yet, and where it is in its every-n-th-call
-        cycle, are saved too: a restored buffer reports them, on the same call, as this one would.
+        The counts :meth:`get_metrics` has not logged yet, where it is in its every-n-th-call
+        cycle and the iteration it logged last are saved too: a restored buffer reports them, on
+        the same call, as this one would. So are the source episode ids of the stored transitions.
         """
         with self._lock:
             state: dict[str, Any] = {"format": STATE_FORMAT, "prioritized": self.prioritized,
@@ -538,14 +570,17 @@ class _ConduitReplay:
                                      "next": self._next, "tail": dict(self._tail),
                                      "lifetime": {k: self._lifetime[k] + self._counts[k] for k in self._lifetime},
                                      "unlogged": dict(self._counts), "metrics_calls": self._metrics_calls,
+                                     "logged_iteration": self._logged_iteration,
                                      "n_rng": self._n_rng.bit_generator.state,
                                      "last_handles": self._last_handles,
                                      "observation_space": self.observation_space,
                                      "action_space": self.action_space, "edp": None}
             if self.edp is not None:
                 assert self._succ is not None and self._rew is not None and self._done is not None
+                assert self._eid is not None
                 state.update(schema=self.edp.schema.to_dict(), edp=self.edp.state_dict(), succ=self._succ.copy(),
-                             rew=self._rew.copy(), done=self._done.copy())
+                             rew=self._rew.copy(), done=self._done.copy(),
+                             episode_ids=self._eid.tolist())  # plain str/None: no object array in a checkpoint
             return state
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -575,15 +610,20 @@ class _ConduitReplay:
             seed, nxt, tail, lifetime = state["seed"], int(state["next"]), dict(state["tail"]), dict(state["lifetime"])
             links = None
             if has_plane:  # one n-step link per slot, and the handle the next add gets is the saved plane's next
+                # (a state saved before episode ids were kept: they are unknown, None)
+                eids = state.get("episode_ids")
                 links = (np.array(state["succ"], dtype=np.int64), np.array(state["rew"], dtype=np.float32),
-                         np.array(state["done"], dtype=np.bool_))
+                         np.array(state["done"], dtype=np.bool_),
+                         np.full(self.capacity, None, dtype=object) if eids is None else _episode_id_array(eids))
                 shapes = [a.shape for a in links]
-                if shapes != [(self.capacity,)] * 3 or nxt != int(state["edp"]["storage"]["next"]):
+                if shapes != [(self.capacity,)] * 4 or nxt != int(state["edp"]["storage"]["next"]):
                     raise ValueError(f"n-step links of shapes {shapes} for {self.capacity} slots and next handle "
                                      f"{nxt} for a plane whose next is {state['edp']['storage']['next']}")
             # (states saved before these two were kept: nothing unlogged, the cycle at its start)
             unlogged = {k: int(state.get("unlogged", {}).get(k, 0)) for k in self._counts}
             metrics_calls = int(state.get("metrics_calls", 0))
+            logged_iteration = state.get("logged_iteration")
+            logged_iteration = None if logged_iteration is None else int(logged_iteration)
             lifetime = {k: int(lifetime[k]) - unlogged[k] for k in self._lifetime}
             np.random.PCG64().state = state["n_rng"]
             last, obs_space, act_space = state["last_handles"], state["observation_space"], state["action_space"]
@@ -595,7 +635,7 @@ class _ConduitReplay:
                 # (the saved priorities are p ** alpha of the saving buffer: sample and update with its alpha)
                 self._load_plane(schema, state["edp"], alpha)
                 assert links is not None
-                self._succ, self._rew, self._done = links
+                self._succ, self._rew, self._done, self._eid = links
             elif self.edp is not None:  # the state was saved before anything was added: drop our contents
                 self._discard()
             self._alpha = alpha
@@ -604,6 +644,7 @@ class _ConduitReplay:
             self._lifetime = lifetime
             self._counts = unlogged
             self._metrics_calls = metrics_calls
+            self._logged_iteration = logged_iteration
             self._n_rng.bit_generator.state = state["n_rng"]
             self._last_handles = last
             self.observation_space = obs_space
@@ -625,7 +666,7 @@ class _ConduitReplay:
                     sampler.alpha = before
                 raise
             return
-        links = (self._succ, self._rew, self._done)
+        links = (self._succ, self._rew, self._done, self._eid)
         kept = edp.state_dict() if edp is not None else None  # our contents, should the saved plane be refused
         self.close()  # a scheduler serves one open plane at a time
         try:
@@ -634,8 +675,21 @@ class _ConduitReplay:
             self._discard()
             if edp is not None:
                 self._build(edp.schema).load_state_dict(cast(dict[str, Any], kept))
-                self._succ, self._rew, self._done = links
+                self._succ, self._rew, self._done, self._eid = links
             raise
+
+
+def _episode_id_array(ids: Any) -> np.ndarray:
+    """Saved per-slot episode ids as a 1-d object array (each a str, or None where unknown).
+
+    Raises:
+        ValueError: not one-dimensional, or an entry that is neither a str nor None.
+    """
+    out = np.empty(len(ids), dtype=object)
+    out[:] = list(ids)
+    if not all(e is None or isinstance(e, str) for e in out):
+        raise ValueError("episode ids must be str or None")
+    return out
 
 
 # The ignores below: _ConduitReplay's add/sample take the arguments RLlib's DQN/SAC pass but intentionally differ

@@ -204,6 +204,21 @@ class PlacementMap:
         return "\n".join(lines)
 
 
+def storage_spec(storage: Storage) -> PlacementSpec | None:
+    """The :class:`PlacementSpec` of the tier and devices ``storage`` actually uses (None: a tier no spec
+    names, e.g. a remote storage)."""
+    tier = getattr(storage, "tier", None)
+    if tier in ("host", "pinned"):
+        return PlacementSpec(tier, ("cpu",))
+    if tier == "gpu":
+        return PlacementSpec("gpu", (str(storage.device),))
+    if tier == "sharded":
+        return PlacementSpec("sharded", tuple(str(d) for d in getattr(storage, "devices", (storage.device,))))
+    if tier == "disk":
+        return PlacementSpec("disk", ("disk",))
+    return None
+
+
 class AdaptivePlacement(Placement):
     """A placement that follows a :class:`PlacementMap` and migrates when the item size crosses a boundary.
 
@@ -311,7 +326,8 @@ class AdaptivePlacement(Placement):
     def rebalance(self, edp: ExperienceDataPlane, *, item_bytes: float | None = None,
                   schema: ExperienceSchema | None = None,
                   transform: Callable[[ExperienceBatch], Any] | None = None) -> MigrationReport | None:
-        """Migrate ``edp`` if the map places the current item size elsewhere (no re-profiling).
+        """Migrate ``edp`` if the map places the current item size elsewhere than where its storage
+        lives now (read from the storage, so a manual ``edp.migrate`` counts; no re-profiling).
 
         The size is ``item_bytes`` if given, else the new ``schema``'s (when the schema
         changes, e.g. a larger observation), else what recent ingestion observed.
@@ -328,10 +344,13 @@ class AdaptivePlacement(Placement):
             item_bytes = (schema.item_bytes(self.mean_ragged_length) if schema is not None
                           else self.observed_item_bytes(edp))
         spec = self.map.lookup(item_bytes)
-        if spec == self.current and schema is None:
+        target = spec.build(directory=self.directory)
+        # compared with where the storage lives now, not with where this placement last put it (:attr:`current`):
+        # a manual ``edp.migrate``, or a buffer built by another placement, moved it without telling us
+        if target.spec == storage_spec(edp.storage) and schema is None:
             return None
         owner = edp.placement
-        report = edp.migrate(spec.build(directory=self.directory), schema=schema, transform=transform)
+        report = edp.migrate(target, schema=schema, transform=transform)
         if owner is self:  # the buffer keeps following the map
             edp.placement = self
         self.current = spec
