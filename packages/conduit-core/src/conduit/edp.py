@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -132,6 +133,12 @@ class ExperienceDataPlane:
     All public methods are thread-safe. Bad input raises a typed
     :class:`~conduit.ConduitError` and leaves the buffer unchanged.
 
+    After :meth:`close` the buffer takes no more work: ingesting, delivering, the scheduler
+    primitives (``*_now``), sealing, setting the policy version, updating priorities, migrating
+    and ``load_state_dict`` raise :class:`~conduit.ConfigurationError` ("closed"); build a new
+    buffer. Reading still works: ``len()``, the properties, :meth:`flush` and :meth:`state_dict`
+    (the contents as ``close`` left them, to load into the new buffer), and ``close()`` again is harmless.
+
     Args:
         schema: the fields of one item.
 
@@ -169,8 +176,14 @@ class ExperienceDataPlane:
         #: (replaced schema, its migration's transform), oldest first: see :meth:`_current`
         self._upgrades: list[tuple[ExperienceSchema, Callable[[ExperienceBatch], Any]]] = []
         self._replay = isinstance(self.semantics, Replay)
-        #: set by close(): the scheduler may then serve another buffer
+        #: set by close(): the scheduler may then serve another buffer, and this one takes no more work
         self.closed = False
+        #: per thread: ``writing`` (inside ingest_now's write) and ``finishing`` (inside close()/flush(), whose
+        #: scheduler may still store what was handed over before close)
+        self._tls = threading.local()
+        #: the thread that closed this buffer from inside one of its writes (a callback): its scheduler may store
+        #: the rest of its queue on that thread after close() returned
+        self._drainer: int | None = None
         self.scheduler: Scheduler = scheduler if scheduler is not None else Synchronous()
         self._build_outputs()
         self.scheduler.attach(self)
@@ -220,8 +233,9 @@ class ExperienceDataPlane:
             SchemaError: fields, dtypes or shapes do not match the schema.
             CapacityError: the batch is larger than the capacity (or a ragged field's pool).
             PriorityError: a priority is NaN, infinite or negative.
-            ConfigurationError: a version or priority the semantics cannot take.
+            ConfigurationError: a version or priority the semantics cannot take; the buffer is closed.
         """
+        self._check_open()
         t0 = time.perf_counter()
         b = ExperienceBatch.checked(batch, self.schema)
         n = b.batch_size
@@ -238,13 +252,26 @@ class ExperienceDataPlane:
 
     def ingest_now(self, batch: ExperienceBatch, *, version: int | None = None,
                    priorities: torch.Tensor | None = None) -> torch.Tensor:
-        """Store an already validated batch now (the scheduler's primitive)."""
+        """Store an already validated batch now (the scheduler's primitive).
+
+        After :meth:`close` only the scheduler's own storing of what was handed over before it runs (from
+        ``close()`` or ``flush()``, or on the thread that closed the buffer from inside a write); any other
+        call raises :class:`ConfigurationError`.
+        """
         t0 = time.perf_counter()
+        tls = self._tls
         with self._lock:
+            if self.closed and not getattr(tls, "finishing", False) and threading.get_ident() != self._drainer:
+                self._check_open()
             if self._upgrades:
                 batch = self._current(batch)
-            res = self.storage.append(batch, evict=self._replay)
-            self.semantics.on_append(res, version=version, priorities=priorities)
+            outer = getattr(tls, "writing", False)
+            tls.writing = True
+            try:
+                res = self.storage.append(batch, evict=self._replay)
+                self.semantics.on_append(res, version=version, priorities=priorities)
+            finally:
+                tls.writing = outer
         self.telemetry.record("ingest", res.count, self._nbytes(batch), t0, time.perf_counter())
         return torch.from_numpy(np.arange(res.first, res.first + res.count, dtype=np.int64))
 
@@ -274,8 +301,24 @@ class ExperienceDataPlane:
                           "not stored.")
 
     def flush(self) -> None:
-        """Block until every batch handed to ``ingest`` is in storage."""
-        self.scheduler.flush()
+        """Block until every batch handed to ``ingest`` is in storage.
+
+        After :meth:`close` it waits for what the scheduler still stores for this buffer (a close from
+        inside a write leaves the rest of the queue to the ingestion worker), and returns at once when the
+        scheduler serves another buffer by then.
+        """
+        if not self.closed:
+            self.scheduler.flush()
+            return
+        if getattr(self.scheduler, "edp", None) is self:
+            with self._finishing():
+                self.scheduler.flush()
+
+    def _check_open(self) -> None:
+        """:class:`ConfigurationError` once :meth:`close` ran."""
+        if self.closed:
+            raise ConfigurationError("This ExperienceDataPlane is closed; build a new one (load a state_dict() taken "
+                                     "before close() into it to keep the contents).")
 
     # -- delivery --------------------------------------------------------------------------
     def deliver(self, n: int | None = None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
@@ -288,7 +331,9 @@ class ExperienceDataPlane:
             EmptyBufferError: nothing to deliver.
             CapacityError: a draw without replacement larger than the contents.
             StaleExperienceError: on-policy data too stale and ``on_stale="raise"``.
+            ConfigurationError: the buffer is closed.
         """
+        self._check_open()
         t0 = time.perf_counter()
         batch, info = self.scheduler.deliver(n, **kwargs)
         # the caller's whole call (selecting and gathering, or taking a prepared batch); see conduit.exposure
@@ -299,6 +344,7 @@ class ExperienceDataPlane:
         """Select and gather now (the scheduler's primitive)."""
         t0 = time.perf_counter()
         with self._lock:
+            self._check_open()
             sel = self.semantics.select(n, **kwargs)
             k = int(sel.slots.shape[0])
             batch = self.storage.gather(sel.slots, self._gather_out.next(k))
@@ -320,8 +366,12 @@ class ExperienceDataPlane:
         only *predict* the next deliveries (on-policy prefetch confirms a prediction with a
         real selection at delivery time). When ``when`` is given it is checked under the
         same lock first; ``None`` is returned, and nothing selected, when it is false.
+
+        On-policy, hand every real selection over with :meth:`release_now` once its rows are read: storage of
+        a rollout consumed meanwhile (finished, or dropped as stale) under it stays live until then.
         """
         with self._lock:
+            self._check_open()
             if when is not None and not when():
                 return None
             return select_many(self.semantics, sizes, peek=peek, **kwargs)
@@ -333,6 +383,7 @@ class ExperienceDataPlane:
         lock; ``None`` there: fresh memory), on the storage's device."""
         t0 = time.perf_counter()
         with self._lock:
+            self._check_open()
             batch = self._gather(selections, out)
         self.telemetry.record("deliver", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
         return batch
@@ -352,8 +403,10 @@ class ExperienceDataPlane:
         return batch, sels
 
     def release_now(self, selection: Selection) -> None:
-        """Tell the semantics a selection was handed over (on-policy frees a finished rollout here)."""
+        """Tell the semantics a selection was handed over (on-policy frees a finished rollout here, and storage
+        held back for the selection)."""
         with self._lock:
+            self._check_open()
             self.semantics.after_gather(selection)
 
     def _gather(self, sels: Sequence[Selection],
@@ -388,6 +441,7 @@ class ExperienceDataPlane:
         if not isinstance(self.semantics, Replay):
             raise ConfigurationError("update_priorities needs Replay semantics with a PrioritizedSampler.")
         with self._lock:
+            self._check_open()
             applied = self.semantics.update_priorities(handles, priorities)
         self.scheduler.invalidate("priorities")
         return applied
@@ -401,8 +455,10 @@ class ExperienceDataPlane:
     def seal(self) -> None:
         """Close the open on-policy rollout so it can be delivered."""
         sem = self._on_policy()
+        self._check_open()
         self.flush()
         with self._lock:
+            self._check_open()
             sem.seal()
 
     def set_policy_version(self, version: int) -> None:
@@ -415,6 +471,7 @@ class ExperienceDataPlane:
         sem = self._on_policy()
         v = check_version(version)
         with self._lock:
+            self._check_open()
             sem.policy_version = v
         self.scheduler.invalidate("policy")
 
@@ -435,6 +492,7 @@ class ExperienceDataPlane:
         """
         from conduit.placement.migration import migrate
 
+        self._check_open()
         return migrate(self, placement, schema=schema, transform=transform)
 
     def _adopt_storage(self, storage: Storage, placement: Placement, schema: ExperienceSchema,
@@ -463,9 +521,16 @@ class ExperienceDataPlane:
 
     # -- checkpoint --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Contents, handles and sampler state (RNG included); exact round trip."""
+        """Contents, handles and sampler state (RNG included); exact round trip.
+
+        Also after :meth:`close` (read only): the buffer as ``close`` left it, everything handed over stored
+        and the draws a prefetching scheduler had prepared given back (unless ``close`` ran from a callback
+        inside a write), so a new buffer that loads it goes on exactly as this one would have (the scheduler,
+        free to serve another buffer by then, is not touched).
+        """
         self.flush()
-        self.scheduler.invalidate("checkpoint")
+        if not self.closed:
+            self.scheduler.invalidate("checkpoint")
         with self._lock:
             return {"format": 1, "storage": self.storage.state_dict(), "semantics": self.semantics.state_dict()}
 
@@ -476,13 +541,16 @@ class ExperienceDataPlane:
             ConfigurationError: ``state`` is not what :meth:`state_dict` returns, or is damaged (wrong
                 types, dtypes or shapes, handles outside its live range); the buffer is unchanged.
             CapacityError: a ragged field's live elements exceed this buffer's ragged pool (unchanged).
+            ConfigurationError: the buffer is closed (load into a new one).
         """
+        self._check_open()
         if (not isinstance(state, Mapping) or state.get("format") != 1
                 or not isinstance(state.get("storage"), Mapping) or not isinstance(state.get("semantics"), Mapping)):
             raise ConfigurationError("Unknown checkpoint format; it was not written by ExperienceDataPlane "
                                      "(expected the dict its state_dict() returns).")
         self.flush()
         with self._lock:  # checked before prepared deliveries are dropped: a refused load changes nothing
+            self._check_open()
             oldest, batch = self.storage.checkpoint_batch(state["storage"])
             before = self.semantics.load_checked(state["semantics"])
             try:
@@ -500,9 +568,39 @@ class ExperienceDataPlane:
 
     def close(self) -> None:
         """Stop background work, storing everything handed over first (then the scheduler is free to serve
-        another buffer)."""
-        self.scheduler.close()
-        self.closed = True
+        another buffer, and this buffer takes no more work: see the class docstring).
+
+        Closing again is harmless: while the scheduler still serves this buffer it finishes what the first
+        close left (e.g. waits for the queue a close from inside a write left to the ingestion worker, and
+        raises what could not be stored), else it does nothing. A close that raised leaves the buffer open.
+        """
+        if self.closed and getattr(self.scheduler, "edp", None) is not self:
+            return  # the scheduler serves another buffer now: nothing of this one is left in it
+        inside_write = getattr(self._tls, "writing", False)
+        if not self.closed and not inside_write:
+            # prepared draws are given back (as for a checkpoint) before the scheduler drops them, so that a
+            # state_dict() after close continues exactly (not from a callback inside a write: a delivery may
+            # wait for the lock that write holds, and the scheduler's close stops prefetching on its own then)
+            self.scheduler.invalidate("checkpoint")
+        with self._finishing():
+            self.scheduler.close()
+        with self._lock:
+            self.closed = True
+            if inside_write:  # the scheduler may store the rest of its queue on this thread, after this returns
+                self._drainer = threading.get_ident()
+            elif self._drainer is not None and self._drainer != threading.get_ident():
+                self._drainer = None  # (the scheduler's close from here waited for that thread's queue)
+
+    @contextmanager
+    def _finishing(self) -> Iterator[None]:
+        """Mark this thread as finishing the buffer's work (close/flush): the scheduler may store then."""
+        tls = self._tls
+        outer = getattr(tls, "finishing", False)
+        tls.finishing = True
+        try:
+            yield
+        finally:
+            tls.finishing = outer
 
     def __enter__(self) -> ExperienceDataPlane:
         return self

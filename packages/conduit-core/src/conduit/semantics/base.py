@@ -28,6 +28,10 @@ class Selection:
     #: on-policy: the handle up to which the rollout this selection finishes is released once the selection has
     #: been read (:meth:`Semantics.after_gather`); None when it finishes none
     release_upto: int | None = None
+    #: on-policy: the first handle of the rollout this selection reads. The semantics count a real selection as
+    #: outstanding until it is handed over (:meth:`Semantics.after_gather`), and free no rollout's storage under an
+    #: outstanding selection; None for replay selections and predictions
+    rollout: int | None = None
 
 
 class RingHandles:
@@ -90,7 +94,11 @@ class Semantics(ABC):
     """Selects what one delivery returns, from the live items of a storage.
 
     Contract for implementations:
-      * ``select`` decides before anything changes; on error the state is unchanged.
+      * ``select`` decides before anything changes; on error the state is unchanged. One exception:
+        on-policy rollouts found stale and dropped (``on_stale="drop"``) stay dropped when the
+        delivery then finds nothing left (:class:`~conduit.EmptyBufferError`), so that their storage
+        is free for the producers (on-policy storage never evicts: a buffer full of stale rollouts
+        would otherwise stay full for as long as deliveries are refused).
       * ``on_append`` sees every append (including evictions it caused) in order.
       * ``state_dict``/``load_state_dict`` round-trip the RNG, so draws continue identically.
     """

@@ -14,6 +14,13 @@ minibatch of the last epoch the rollout's storage is released.
 Staleness is ``policy_version - rollout_version``; when it exceeds ``max_staleness`` at
 delivery time the rollout is dropped (``on_stale="drop"``, counted in ``dropped_items``)
 or :class:`conduit.StaleExperienceError` is raised (``on_stale="raise"``, state unchanged).
+
+Consumed storage is never freed under a selection that was made but not handed over yet
+(:meth:`OnPolicy.after_gather`, i.e. ``release_now``): a rollout dropped, or finished, while an
+earlier selection of it or of an older rollout is still outstanding keeps its items live until that
+selection is handed over (schedulers that select ahead, and direct callers of ``select_now``, hand
+over every real selection; the built-in ones do so at once). Checkpoints keep both the outstanding
+selections and the release they hold back.
 """
 
 from __future__ import annotations
@@ -126,6 +133,11 @@ class OnPolicy(Semantics):
         self._bounds: list[int] = []
         self._finished_end: int | None = None
         self._last_sealed: int | None = None  # version of the rollout sealed last (delivered or not)
+        #: real selections made and not handed over yet, by their rollout's first handle
+        self._outstanding: dict[int, int] = {}
+        #: handles below this are consumed (dropped, or finished and handed over) but not all released yet: some
+        #: are under an outstanding selection (None: nothing held back)
+        self._due: int | None = None
 
     # -- ingestion -------------------------------------------------------------------------
     def check_ingest(self, n: int, *, version: int | None, priorities: torch.Tensor | None) -> None:
@@ -252,7 +264,17 @@ class OnPolicy(Semantics):
     def _drop(self, r: _Rollout) -> None:
         self.dropped_items += r.count
         if not self.peeking:  # a prediction only: the real delivery drops it (and frees its storage) again
-            self.storage.release(r.first + r.count)
+            self._release(r.first + r.count)
+
+    def _release(self, end: int) -> None:
+        """Free the consumed handles below ``end`` now, except those at or above the first handle of a rollout
+        with an outstanding selection (selected, not handed over yet): those wait for :meth:`after_gather`."""
+        due = end if self._due is None else max(self._due, end)
+        upto = min(due, min(self._outstanding, default=due))
+        self.storage.release(upto)
+        self._due = None if upto >= due else due
+        if self._finished_end is not None and self._finished_end <= upto:
+            self._finished_end = None
 
     def select(self, n: int | None = None, **_: Any) -> Selection:
         if n is not None:
@@ -293,7 +315,7 @@ class OnPolicy(Semantics):
         info = SampleInfo(handles=handles, version=cur.version,
                           epoch=self._epoch, minibatch=self._k, num_minibatches=m,
                           staleness=self.policy_version - cur.version, last=last)
-        sel = Selection(slots, info)
+        sel = Selection(slots, info, rollout=None if self.peeking else cur.first)
         self._k += 1
         if self._k == m:
             self._epoch += 1
@@ -307,6 +329,8 @@ class OnPolicy(Semantics):
                     self._epoch -= 1
                     self._k -= 1
                     raise
+        if not self.peeking:  # outstanding until handed over (after_gather): its rollout's storage stays live
+            self._outstanding[cur.first] = self._outstanding.get(cur.first, 0) + 1
         return sel
 
     def check_live(self, oldest: int, next_handle: int) -> None:
@@ -315,26 +339,38 @@ class OnPolicy(Semantics):
         written slots."""
         rollouts = [(r.version, r.first, r.count) for r in (self._cur, *self._sealed, self._open) if r is not None]
         bad = [(v, first, count) for v, first, count in rollouts if first < oldest or first + count > next_handle]
-        fin = self._finished_end
-        if bad or (fin is not None and not oldest <= fin <= next_handle):
+        fin, due = self._finished_end, self._due
+        out = [first for first in self._outstanding if not oldest <= first < next_handle]
+        if (bad or out or (fin is not None and not oldest <= fin <= next_handle)
+                or (due is not None and not oldest <= due <= next_handle)):
             raise ConfigurationError(f"This checkpoint's on-policy rollouts {bad or rollouts!r} (finished up to "
-                                     f"{fin}) name items outside its live handles [{oldest}, {next_handle}); the "
-                                     f"checkpoint is damaged.")
+                                     f"{fin}, held back up to {due}, selections outstanding in rollouts from "
+                                     f"{sorted(self._outstanding)}) name items outside its live handles [{oldest}, "
+                                     f"{next_handle}); the checkpoint is damaged.")
 
     def after_gather(self, selection: Selection) -> None:
-        """Release a rollout's storage once its last minibatch has been read.
+        """``selection`` was handed over: it is no longer outstanding, and a rollout's storage is released
+        once its last minibatch has been read.
 
         Only the rollout ``selection`` finishes is released: a later rollout already selected (several
         selections made before they are handed over) keeps its items until its own last minibatch is read.
+        Storage of rollouts consumed while a selection reading them (or an older rollout) was outstanding,
+        dropped as stale or finished, is released once no such selection is left. Hand each real selection
+        over once; a prediction (``peek``), or a selection handed over again, counts for nothing.
         """
-        if not selection.info.last:
-            return
-        end = selection.release_upto if selection.release_upto is not None else self._finished_end
-        if end is None:
-            return
-        self.storage.release(end)
-        if self._finished_end is not None and self._finished_end <= end:
-            self._finished_end = None
+        key = selection.rollout
+        was_outstanding = key is not None and key in self._outstanding
+        if key is not None and was_outstanding:
+            self._outstanding[key] -= 1
+            if not self._outstanding[key]:
+                del self._outstanding[key]
+        end = None
+        if selection.info.last:
+            end = selection.release_upto if selection.release_upto is not None else self._finished_end
+        if end is not None:
+            self._release(end)
+        elif was_outstanding and self._due is not None:  # a held-back release may be free to go now
+            self._release(self._due)
 
     def stale_error(self, version: int) -> StaleExperienceError:
         """The error a delivery raises (``on_stale="raise"``) for a rollout of policy ``version`` that is stale."""
@@ -352,7 +388,8 @@ class OnPolicy(Semantics):
                 "sealed": [rd(r) for r in self._sealed], "cur": rd(self._cur), "epoch": self._epoch,
                 "k": self._k, "perm": None if self._perm is None else self._perm.clone(),
                 "bounds": list(self._bounds), "finished_end": self._finished_end,
-                "last_sealed": self._last_sealed}
+                "last_sealed": self._last_sealed, "outstanding": sorted(self._outstanding.items()),
+                "due": self._due}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         def rr(t: tuple[int, int, int] | None) -> _Rollout | None:
@@ -375,6 +412,11 @@ class OnPolicy(Semantics):
         if last_sealed is not None and _as_version(last_sealed) is None:
             raise ConfigurationError(f"This checkpoint's on-policy last_sealed {last_sealed!r} is damaged (expected "
                                      f"None or an integer version); load an undamaged state_dict().")
+        # selections made and not handed over yet, and the release they hold back (absent in older checkpoints)
+        outstanding, due = _checked_outstanding(state.get("outstanding", ())), state.get("due")
+        if due is not None and (_as_version(due) is None or int(due) < 0):
+            raise ConfigurationError(f"This checkpoint's on-policy held-back release {due!r} is damaged (expected None "
+                                     f"or a handle >= 0); load an undamaged state_dict().")
         if (len(counters) != len(maybe) or len(bounds) != len(maybe_bounds)
                 or not (perm is None or isinstance(perm, torch.Tensor)) or not isinstance(state["rng"], torch.Tensor)):
             raise ConfigurationError("This checkpoint's on-policy state is damaged (a counter, the permutation or "
@@ -410,10 +452,26 @@ class OnPolicy(Semantics):
         self._perm = perm
         self._bounds = bounds
         self._finished_end = None if finished is None else int(finished)
+        self._outstanding = outstanding
+        self._due = None if due is None else int(due)
         if "last_sealed" in state:
             self._last_sealed = None if last_sealed is None else int(last_sealed)
         else:  # an older checkpoint: the newest sealed rollout it still holds, if any
             self._last_sealed = max((r.version for r in (*self._sealed, self._cur) if r is not None), default=None)
+
+
+def _checked_outstanding(pairs: object) -> dict[int, int]:
+    """Saved outstanding selections ``[(rollout first handle, count), ...]`` as a dict, or ConfigurationError."""
+    out: dict[int, int] = {}
+    for p in pairs if isinstance(pairs, (list, tuple)) else [None]:
+        first, count = (_as_version(p[0]), _as_version(p[1])) if isinstance(p, (list, tuple)) and len(p) == 2 else (
+            None, None)
+        if first is None or count is None or first < 0 or count <= 0 or first in out:
+            raise ConfigurationError(f"This checkpoint's on-policy outstanding selections {pairs!r} are damaged "
+                                     f"(expected distinct (rollout first handle >= 0, count > 0) integer pairs); load "
+                                     f"an undamaged state_dict().")
+        out[first] = count
+    return out
 
 
 def _cuts(sizes: Sequence[int]) -> list[int]:
