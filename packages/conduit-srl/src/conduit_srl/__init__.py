@@ -13,7 +13,13 @@ openpsi-project/srl at commit 636c5da (protocol-tested; SRL itself does not run 
 from conduit_srl.assembler import ReplayEntry
 from conduit_srl.buffer import ConduitBuffer, srl_prioritized_class
 from conduit_srl.config import SEMANTICS, BufferConfig
-from conduit_srl.errors import SrlNotFoundError, StreamClaimError, UnstoredSamplesError, ZeroCopyStreamError
+from conduit_srl.errors import (
+    SamplesLostWarning,
+    SrlNotFoundError,
+    StreamClaimError,
+    UnstoredSamplesError,
+    ZeroCopyStreamError,
+)
 from conduit_srl.fifo import FifoSampler
 from conduit_srl.install import (
     BUFFER_NAME,
@@ -57,5 +63,6 @@ __all__ = [
     "SrlNotFoundError",
     "StreamClaimError",
     "UnstoredSamplesError",
+    "SamplesLostWarning",
     "__version__",
 ]

@@ -85,6 +85,9 @@ class ReplayEntry:
     info: SampleInfo | None = None
     #: priority updates seen when it left the EDP (prioritized)
     _stamp: int = field(default=0, repr=False)
+    #: on-policy: the samples of the rollout this entry finishes (the plane released their storage when it
+    #: delivered the entry; until ``get()`` hands it out they count in ``qsize()``)
+    _released: int = field(default=0, repr=False)
 
 
 @dataclass
@@ -148,7 +151,10 @@ class Assembler:
         self._open_version: int | None = None
         self._open_count = 0
         self._pending_version: int | None = None
+        #: on-policy: a put stored a rollout's last samples but its seal failed; the next put or seal() seals it
+        self._seal_owed = False
         self._rollout_open = False  # on-policy: the last delivered minibatch was not its rollout's last
+        self._epoch_items = 0  # on-policy: samples of the current rollout's epoch the plane delivered so far
         self._prio_updates = 0
         self._discarded_seen = 0
         self._slot_handle: np.ndarray | None = None
@@ -181,49 +187,66 @@ class Assembler:
                 raise CapacityError(f"A put of {n} samples is larger than the capacity ({capacity}); split it "
                                     f"or raise capacity.")
             done = 0  # samples of this put handed over (on-policy: a put that ends a rollout may wait after it)
-            while True:
-                runs: list[tuple[int, int, int | None, bool]] | None = None
-                with self._seal_lock:
-                    with self._cv:
-                        rest = arrays if done == 0 else {p: a[done:] for p, a in arrays.items()}
-                        plan = self._plan(rest, n - done) if n else []
-                        if fresh:
-                            self._check_open()
-                            self._start(layout)
-                            fresh = False
-                        if n == 0:
-                            return 0
-                        runs = self._runs_with_room(plan, stored_before=done)
+            try:
+                while True:
+                    runs: list[tuple[int, int, int | None, bool]] | None = None
+                    with self._seal_lock:
+                        with self._cv:
+                            rest = arrays if done == 0 else {p: a[done:] for p, a in arrays.items()}
+                            plan = self._plan(rest, n - done) if n else []
+                            if fresh:
+                                self._check_open()
+                                self._start(layout)
+                                fresh = False
+                            if n == 0:
+                                return 0
+                            runs = self._runs_with_room(plan, stored_before=done)
+                            if runs is not None:
+                                before = (self._open_version, self._open_count, self.stats.late_dropped)
+                                self._commit_plan(runs)
                         if runs is not None:
-                            before = (self._open_version, self._open_count, self.stats.late_dropped)
-                            self._commit_plan(runs)
-                    if runs is not None:
-                        edp = self.edp
-                        assert edp is not None
-                        took = runs[-1][1]
-                        stored = False
-                        try:
-                            for lo, hi, version, seal_after in runs:
-                                if version == -1:
-                                    continue
-                                part = rest if (lo, hi) == (0, n - done) else {p: a[lo:hi] for p, a in rest.items()}
-                                edp.ingest(part, version=version)
-                                stored = True
-                                if seal_after:
-                                    edp.seal()
-                        except BaseException:
-                            if not stored:  # refused before anything was stored (e.g. an earlier background write
-                                with self._cv:  # failed): the rollout bookkeeping is as before this put
-                                    self._open_version, self._open_count, self.stats.late_dropped = before
-                            raise
-                        done += took
-                        with self._cv:  # (under _seal_lock: a snapshot counts exactly the samples it holds)
-                            self.stats.samples_put += took
-                        if done == n:
-                            break
-                        continue  # the rest of the put starts the next rollout: it waits for room
-                with self._cv:  # wait for room without _seal_lock, so seal() is never held up by this put
-                    self._cv.wait(timeout=0.05)
+                            edp = self.edp
+                            assert edp is not None
+                            took = runs[-1][1]
+                            taken = 0  # samples of these runs dealt with: handed over, or dropped as late
+                            sealing = False
+                            try:
+                                self._pay_owed_seal()
+                                for lo, hi, version, seal_after in runs:
+                                    if version != -1:
+                                        whole = (lo, hi) == (0, n - done)
+                                        part = rest if whole else {p: a[lo:hi] for p, a in rest.items()}
+                                        edp.ingest(part, version=version)
+                                    taken = hi
+                                    if seal_after:
+                                        sealing = True
+                                        edp.seal()
+                                        sealing = False
+                            except BaseException as e:
+                                with self._cv:  # the bookkeeping and counts of exactly the runs dealt with
+                                    self._recount(before, runs, taken)
+                                    self.stats.samples_put += taken
+                                    if sealing:  # (stored, but the rollout it completed is not sealed)
+                                        self._seal_owed = True
+                                err = self._told_stored(e, done + taken, n, unsealed=sealing)
+                                if err is e:
+                                    raise
+                                raise err from e
+                            done += took
+                            with self._cv:  # (under _seal_lock: a snapshot counts exactly the samples it holds)
+                                self.stats.samples_put += took
+                            if done == n:
+                                break
+                            continue  # the rest of the put starts the next rollout: it waits for room
+                    with self._cv:  # wait for room without _seal_lock, so seal() is never held up by this put
+                        self._cv.wait(timeout=0.05)
+            except BaseException as e:  # (a put that waited for room after storing a completed rollout)
+                if not done or hasattr(e, "samples_stored"):
+                    raise
+                err = self._told_stored(e, done, n, unsealed=False)
+                if err is e:
+                    raise
+                raise err from e
             with self._cv:
                 if self._armed and self._starved and self._deliverable(extra=n):
                     self._kick()
@@ -309,14 +332,18 @@ class Assembler:
             return 0
         pending = self._pending_samples()
         if self.cfg.semantics == "queue":
-            with self._cv:
+            fifo = self._fifo()
+            with self._cv:  # (a batch assembled ahead leaves the cursor and joins _ready in one step under _cv)
                 fresh = sum(int(e.sampling_indices.shape[0]) for e in self._ready if e.reuses == 0)
-            fifo = self._fifo()  # (+ samples a prepared delivery holds that eviction took, or will take, from storage)
-            oldest = max(fifo.storage.oldest, fifo.storage.next_handle + pending - edp.capacity)
-            return min(pending + fifo.undelivered(), edp.capacity) + fresh + fifo.held_ahead(oldest)
+                # (+ samples a prepared delivery holds that eviction took, or will take, from storage)
+                oldest = max(fifo.storage.oldest, fifo.storage.next_handle + pending - edp.capacity)
+                return min(pending + fifo.undelivered(), edp.capacity) + fresh + fifo.held_ahead(oldest)
         if self.cfg.replay_like:
             return min(pending + len(edp), edp.capacity)
-        return pending + len(edp)
+        # on-policy: a rollout's storage is released when the plane delivers its last minibatch, which may wait
+        # in _ready (counted until get() hands it out); _deliver_lock: not while it moves there
+        with self._deliver_lock, self._cv:
+            return self._pending_samples() + len(edp) + sum(e._released for e in self._ready)
 
     def flush(self) -> None:
         """Wait until every sample put so far is stored."""
@@ -375,6 +402,8 @@ class Assembler:
                 self._open_count = 0
             if self.edp is not None:
                 self.edp.seal()
+                with self._cv:
+                    self._seal_owed = False
         with self._cv:
             if self._armed and self._starved:
                 self._kick()
@@ -395,6 +424,7 @@ class Assembler:
             base: dict[str, Any] = {"cfg": self.cfg, "layout": self.layout, "pending_version": self._pending_version}
             if self.edp is None:
                 return base
+            self._pay_owed_seal()  # (a restored buffer would not know that the open rollout is complete)
             edp_state = self.edp.state_dict()  # stores every put first; Conduit drops prepared draws
             if self.cfg.semantics == "queue":  # nothing is prepared now: forget the dropped batches' selections
                 self._fifo().rewind()
@@ -405,6 +435,7 @@ class Assembler:
                     self._armed = False  # which assembles nothing ahead before its first get()
                 base.update(edp=edp_state, ready=list(self._ready), stats=replace(self.stats), n=self._n,
                             open=(self._open_version, self._open_count), rollout_open=self._rollout_open,
+                            epoch_items=self._epoch_items,
                             prio_updates=self._prio_updates,
                             slots=None if self._slot_uses is None else (self._slot_handle.copy(),  # type: ignore[union-attr]
                                                                         self._slot_uses.copy()))
@@ -424,6 +455,7 @@ class Assembler:
             a._n = state["n"]
             a._open_version, a._open_count = state["open"]
             a._rollout_open = state["rollout_open"]
+            a._epoch_items = state.get("epoch_items", 0)
             a._prio_updates = state["prio_updates"]
             if state["slots"] is not None:
                 a._slot_handle, a._slot_uses = state["slots"]
@@ -548,6 +580,59 @@ class Assembler:
             self._open_version, self._open_count = self._next_open
             self.stats.late_dropped += sum(hi - lo for lo, hi, v, _ in plan if v == -1)
 
+    def _recount(self, before: tuple[int | None, int, int], runs: list[tuple[int, int, int | None, bool]],
+                 taken: int) -> None:
+        """Set the rollout bookkeeping and late-drop count as if only the runs of ``runs`` ending at or before
+        ``taken`` had been planned, starting from ``before`` (the caller holds ``_cv``)."""
+        open_v, count, late = before
+        for lo, hi, version, seal_after in runs:
+            if hi > taken:
+                break
+            if version == -1:
+                late += hi - lo
+                continue
+            if version != open_v:
+                count = 0
+            open_v = version
+            count = 0 if seal_after else count + hi - lo
+        if self.cfg.semantics == "on_policy":
+            self._open_version, self._open_count, self.stats.late_dropped = open_v, count, late
+
+    @staticmethod
+    def _told_stored(e: BaseException, stored: int, n: int, *, unsealed: bool) -> BaseException:
+        """``e`` (or one of its type) saying how much of a put of ``n`` samples was taken before it was raised.
+
+        Nothing taken: ``e`` unchanged. Otherwise a Conduit error is rebuilt with the account added to its
+        message (other errors get it as a note); either way it carries ``samples_stored``.
+        """
+        if not stored:
+            return e
+        told = (f"The first {stored} of this put's {n} samples were taken (stored, or dropped as late: see "
+                f"stats()); the other {n - stored} were not stored: put only those again once the cause is dealt "
+                f"with.")
+        if unsealed:
+            told += " The rollout they completed is not sealed yet: the next put or seal() seals it."
+        err = e
+        if isinstance(e, ConduitError):
+            try:
+                err = type(e)(f"{e} {told}")
+            except TypeError:
+                err = e
+        if err is e and isinstance(e, Exception) and hasattr(e, "add_note"):
+            e.add_note(told)
+        try:
+            err.samples_stored = stored  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+        return err
+
+    def _pay_owed_seal(self) -> None:
+        """Seal the rollout a put completed when its seal failed (the caller holds ``_seal_lock``)."""
+        if self._seal_owed and self.edp is not None:
+            self.edp.seal()
+            with self._cv:
+                self._seal_owed = False
+
     def _runs_with_room(self, plan: list[tuple[int, int, int | None, bool]], *,
                         stored_before: int) -> list[tuple[int, int, int | None, bool]] | None:
         """The runs of ``plan`` to store now, or None to wait for room (on-policy storage never evicts).
@@ -575,9 +660,11 @@ class Assembler:
         if pending == 0 and not self._ready and self._rollouts()[0] == 0:
             told = (f"{stored_before} samples of this put were stored, the rest was not" if stored_before else
                     "Nothing of this put was stored")
-            raise CapacityError(f"The open on-policy rollout fills the capacity ({edp.capacity} samples) and "
+            err = CapacityError(f"The open on-policy rollout fills the capacity ({edp.capacity} samples) and "
                                 f"nothing can be delivered to make room; seal rollouts sooner (seal() or "
                                 f"rollout_size=) or raise capacity. {told}.")
+            err.samples_stored = stored_before  # type: ignore[attr-defined]
+            raise err
         return None
 
     # -- get: delivering and assembling -------------------------------------------------------
@@ -616,7 +703,8 @@ class Assembler:
         """One delivery from the EDP, assembled (the caller holds ``_deliver_lock``).
 
         On demand (a ``get``), samples still on their way to storage are waited for; ahead of
-        demand (the assembler thread), only what is stored is looked at.
+        demand (the assembler thread), only what is stored is looked at, and the entry is appended to
+        ``_ready`` in the step that confirms a queue batch (so ``qsize()`` never misses it).
         """
         edp = self.edp
         assert edp is not None
@@ -635,7 +723,8 @@ class Assembler:
                 if self.cfg.semantics == "queue":
                     seen = self._scheduler().discarded
                     if seen != self._discarded_seen:  # Conduit dropped prepared batches: select them again
-                        self._fifo().rewind()
+                        with self._cv:  # (qsize reads the cursors under _cv)
+                            self._fifo().rewind()
                         self._discarded_seen = seen
                 if self.cfg.semantics == "on_policy":
                     batch, info = edp.deliver()
@@ -648,14 +737,37 @@ class Assembler:
                         edp.flush()  # samples put before this call count
                     continue  # (and storing may have finished since the selection looked)
                 raise
-        if self.cfg.semantics == "queue":
-            self._fifo().confirm(info)
-        entry = self._assemble(batch, info)
+        queue = self.cfg.semantics == "queue"
+        try:
+            entry = self._assemble(batch, info)
+        except BaseException:
+            with self._cv:  # the batch left the plane: delivered (and lost with this error), not selected again
+                if queue:
+                    self._fifo().confirm(info)
+                if self.cfg.semantics == "on_policy":
+                    self._count_released(info)
+            raise
         with self._cv:
+            if queue:  # confirmed and (ahead of demand) kept in one step: qsize() counts the batch throughout
+                self._fifo().confirm(info)
             if self.cfg.semantics == "on_policy":
                 self._rollout_open = not info.last
+                entry._released = self._count_released(info)
+            if not demand:
+                self._ready.append(entry)
             self._cv.notify_all()  # on-policy room may have been freed
         return entry
+
+    def _count_released(self, info: SampleInfo) -> int:
+        """On-policy: the samples of the rollout a delivered minibatch finishes (0 unless it is the last one).
+
+        The minibatches of an epoch cover its rollout once, so the rollout's size is what its last epoch
+        delivered. The caller holds ``_cv``.
+        """
+        if not info.minibatch:
+            self._epoch_items = 0
+        self._epoch_items += int(info.handles.shape[0])
+        return self._epoch_items if info.last else 0
 
     def _store_pending_before_selecting(self, *, demand: bool) -> None:
         """Store the puts still on their way when they could change what the next selection picks.
@@ -722,6 +834,7 @@ class Assembler:
         entry = self._assemble(batch, info)
         with self._cv:
             self._rollout_open = not info.last
+            entry._released = self._count_released(info)
             self._ready.append(entry)
             self._cv.notify_all()
         return True
@@ -808,7 +921,7 @@ class Assembler:
                         if self.cfg.semantics == "on_policy" and not self._rollout_open:
                             break  # never assemble past the end of a rollout
                     try:
-                        entry = self._deliver(demand=False)
+                        self._deliver(demand=False)  # (kept in _ready)
                     except ConduitError:
                         # nothing to deliver yet (or an error the next get() meets itself)
                         with self._cv:
@@ -819,6 +932,3 @@ class Assembler:
                             self._fault = e
                             self._cv.notify_all()
                         return
-                    with self._cv:
-                        self._ready.append(entry)
-                        self._cv.notify_all()

@@ -10,7 +10,7 @@ import importlib
 import weakref
 from typing import Any, cast
 
-from conduit import ExperienceDataPlane, Telemetry
+from conduit import ConfigurationError, ExperienceDataPlane, Telemetry
 
 from conduit_srl.assembler import Assembler, ReplayEntry, Stats
 from conduit_srl.config import BufferConfig
@@ -65,6 +65,10 @@ class ConduitBuffer:
                 ``capacity`` such samples cannot be allocated.
             StaleExperienceError: on-policy, a sample older than the newest rollout (open or sealed) with
                 ``on_stale="raise"``.
+
+        An error raised after part of the put was taken (on-policy: a put that spans rollouts and whose
+        later part is refused) says how many of its first samples were taken, also in its
+        ``samples_stored`` attribute; ``stats()`` counts exactly those. Put only the rest again.
         """
         self._a.put(x, batched=self._a.cfg.batched_puts)
 
@@ -149,16 +153,32 @@ class ConduitBuffer:
         return None if self._a.edp is None else self._a.edp.telemetry
 
     def stats(self) -> dict[str, Any]:
-        """Counters: samples put, entries delivered, and everything dropped or redrawn, by reason."""
+        """Counters: samples put, entries delivered, and everything dropped or redrawn, by reason.
+
+        One consistent reading: the buffer's own counters under its lock, the semantics' counters
+        (``queue_dropped``, ``queue_abandoned``, ``rollout_dropped``) under the data plane's lock, which
+        a delivery (or a selection that only predicts one and then restores the state) holds while
+        it changes them.
+        """
         a = self._a
-        s: Stats = a.stats
-        out: dict[str, Any] = dict(vars(s))
-        edp = a.edp
-        if edp is not None:
-            sampler = getattr(edp.semantics, "sampler", None)
-            out["queue_dropped"] = getattr(sampler, "dropped", 0)
-            out["queue_abandoned"] = getattr(sampler, "abandoned", 0)
-            out["rollout_dropped"] = getattr(edp.semantics, "dropped_items", 0)
+        with a._cv:  # (a put or delivery updates these under it; the plane's lock is taken after it, as there)
+            s: Stats = a.stats
+            out: dict[str, Any] = dict(vars(s))
+            edp = a.edp
+            if edp is not None:
+                sem = edp.semantics
+                sampler = getattr(sem, "sampler", None)
+
+                def read() -> bool:
+                    out["queue_dropped"] = getattr(sampler, "dropped", 0)
+                    out["queue_abandoned"] = getattr(sampler, "abandoned", 0)
+                    out["rollout_dropped"] = getattr(sem, "dropped_items", 0)
+                    return False  # (select nothing)
+
+                try:
+                    edp.select_now([], when=read)
+                except ConfigurationError:  # the plane is closed: it takes no more work, so they no longer change
+                    read()
         return out
 
     def close(self) -> None:

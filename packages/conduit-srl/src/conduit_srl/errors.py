@@ -6,7 +6,8 @@ from typing import Any
 
 from conduit.errors import ConduitError, ConfigurationError
 
-__all__ = ["ZeroCopyStreamError", "SrlNotFoundError", "StreamClaimError", "UnstoredSamplesError"]
+__all__ = ["ZeroCopyStreamError", "SrlNotFoundError", "StreamClaimError", "UnstoredSamplesError",
+           "SamplesLostWarning"]
 
 
 class ZeroCopyStreamError(ConfigurationError):
@@ -38,6 +39,8 @@ class UnstoredSamplesError(ConduitError):
         total: samples in the message.
         samples: the ``total - stored`` samples not stored, in order, each ``[T, ...]``: put them
             again once the cause is dealt with, or drop them knowingly.
+        put_by_call: samples the raising ``consume_to`` call put into the buffer (earlier messages of
+            the call and the ``stored`` ones of this one): what it would have returned.
     """
 
     def __init__(self, *, stored: int, total: int, samples: list[Any], cause: BaseException) -> None:
@@ -47,3 +50,14 @@ class UnstoredSamplesError(ConduitError):
         self.stored = stored
         self.total = total
         self.samples = samples
+        self.put_by_call = stored
+
+
+class SamplesLostWarning(RuntimeWarning):
+    """A Conduit sample producer or consumer was garbage-collected without ``close()`` while it held samples.
+
+    A producer's samples posted and not sent yet, or a consumer's received samples that ``consume()``
+    had not handed out, are lost then (no finalizer sends over the network from the garbage
+    collector's thread). They are counted in :func:`conduit_srl.streams.lost_without_close`; close
+    streams to send or get them instead.
+    """

@@ -20,7 +20,10 @@ consumer side, a buffer that refuses part of a coalesced message gets an
 :class:`UnstoredSamplesError` carrying the samples it did not store, and the consumer's ``close()``
 returns the samples of a message that ``consume()`` had not handed out yet. So both ends must be
 closed: a producer or consumer dropped without ``close()`` loses what it still held, as a socket
-dropped unflushed does (no finalizer sends over the network from the garbage collector's thread).
+dropped unflushed does (no finalizer sends over the network from the garbage collector's thread:
+it may run inside a flush of the same targets, on any thread). The loss is not silent: it is
+reported with a :class:`~conduit_srl.errors.SamplesLostWarning` and counted in
+:func:`lost_without_close`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,15 +42,43 @@ import numpy as np
 from conduit import ConfigurationError
 
 from conduit_srl.buffer import ConduitBuffer
-from conduit_srl.errors import UnstoredSamplesError
+from conduit_srl.errors import SamplesLostWarning, UnstoredSamplesError
 from conduit_srl.protocols import SampleConsumerLike, SampleProducerLike
 
 __all__ = ["StreamPolicy", "ConduitSampleProducer", "ConduitSampleConsumer", "COALESCED_KEY",
-           "pack", "ROUTES"]
+           "pack", "ROUTES", "lost_without_close"]
 
 #: metadata key marking a coalesced message and how many samples it holds
 COALESCED_KEY = "conduit_coalesced"
 ROUTES = ("rank", "round_robin", "least_sent")
+
+#: (kind, samples) per stream end dropped without close() while holding samples (appends are atomic: a
+#: finalizer may run on any thread, also one that is reading these)
+_LOST: deque[tuple[str, int]] = deque()
+
+
+def lost_without_close() -> dict[str, int]:
+    """Samples lost in this process because a Conduit stream end was dropped without ``close()``.
+
+    ``"unsent"``: posted to a :class:`ConduitSampleProducer` and never sent; ``"unreturned"``: received
+    by a :class:`ConduitSampleConsumer` whose ``consume()`` had not handed them out. Each loss is also
+    reported with a :class:`~conduit_srl.errors.SamplesLostWarning`.
+    """
+    out = {"unsent": 0, "unreturned": 0}
+    for kind, n in list(_LOST):
+        out[kind] += n
+    return out
+
+
+def _report_lost(held: deque[Any], kind: str, what: str, fix: str) -> None:
+    """Finalizer of a stream end: count and report the samples it still held (it holds no reference to the end)."""
+    n = len(held)
+    if not n:
+        return
+    held.clear()
+    _LOST.append((kind, n))
+    warnings.warn(f"A {what} was garbage-collected without close() while it held {n} samples; they are lost. "
+                  f"{fix}", SamplesLostWarning, stacklevel=2)
 
 
 @dataclass(frozen=True)
@@ -155,6 +188,8 @@ class ConduitSampleProducer:
         self.sent = [0] * len(self.targets)
         #: messages sent to each target
         self.messages = [0] * len(self.targets)
+        weakref.finalize(self, _report_lost, self._pending, "unsent", "Conduit sample producer",
+                         "Call close() when an actor stops: it sends what is pending.")
 
     def post(self, sample: Any) -> None:
         """Queue ``sample`` for the next flush (thread-safe).
@@ -307,6 +342,11 @@ class _Unpacker:
                 else:
                     put_batch(x if hi - lo == k else x[:, lo:hi])
             except Exception as e:  # noqa: BLE001 - re-raised, typed, with what was not stored
+                # (a Conduit buffer's put_batch that stored part of a chunk before it raised says how much)
+                part = getattr(e, "samples_stored", 0) if put_batch is not None else 0
+                part = part if isinstance(part, int) and 0 < part < hi - lo else 0
+                self.count += part
+                lo += part
                 raise UnstoredSamplesError(stored=lo, total=k, samples=[x[:, i] for i in range(lo, k)],
                                            cause=e) from e
             self.count += hi - lo
@@ -333,6 +373,9 @@ class ConduitSampleConsumer:
         self.inner = inner
         self._backlog: deque[Any] = deque()
         self._closed = False
+        weakref.finalize(self, _report_lost, self._backlog, "unreturned", "Conduit sample consumer",
+                         "Call close() (it returns them) or consume_to() before dropping a consumer that consume() "
+                         "read part of a coalesced message from.")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -346,7 +389,8 @@ class ConduitSampleConsumer:
         Raises:
             ConfigurationError: the consumer is closed.
             UnstoredSamplesError: ``buffer`` refused a sample part way through a message (or through
-                the left-over samples); the samples not stored are in the error, the ones before are stored.
+                the left-over samples); the samples not stored are in the error, the ones before are stored,
+                and its ``put_by_call`` is the count this call would have returned.
         """
         self._check_open()
         shim = _Unpacker(buffer)
@@ -359,7 +403,11 @@ class ConduitSampleConsumer:
                 self._backlog.clear()
                 raise UnstoredSamplesError(stored=total - len(rest), total=total, samples=rest, cause=e) from e
             self._backlog.popleft()
-        self.inner.consume_to(shim, max_iter)
+        try:
+            self.inner.consume_to(shim, max_iter)
+        except UnstoredSamplesError as e:
+            e.put_by_call = shim.count  # (the count this call would have returned)
+            raise
         return shim.count
 
     def consume(self) -> Any:

@@ -106,7 +106,11 @@ class ZmqSampleProducer:
 
 
 class ZmqSampleConsumer:
-    """An IP sample consumer bound to a free port on 127.0.0.1; ``consume_to`` never blocks."""
+    """An IP sample consumer bound to a free port on 127.0.0.1; ``consume_to`` never blocks.
+
+    :attr:`received` counts the messages taken off the socket, also when ``consume_to`` raises because
+    the buffer refused one (that message is counted: it left the socket).
+    """
 
     def __init__(self, host: str = LOCALHOST, *, hwm: int = 1000) -> None:
         zmq = _zmq()
@@ -119,15 +123,19 @@ class ZmqSampleConsumer:
         self.received = 0
 
     def consume_to(self, buffer: Any, max_iter: int = 16) -> int:
+        """Put up to ``max_iter`` received messages into ``buffer``; returns how many were put.
+
+        A ``put`` that raises propagates; the messages put before it in this call stay put.
+        """
         count = 0
         for _ in range(max_iter):
             try:
                 data = self._socket.recv(self._zmq.NOBLOCK, copy=False)
             except self._zmq.Again:
                 break
+            self.received += 1  # (counted as it leaves the socket: a refused put raises past the loop)
             buffer.put(pickle.loads(data.buffer))
             count += 1
-        self.received += count
         return count
 
     def consume(self) -> Any:
