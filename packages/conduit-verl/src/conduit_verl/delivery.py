@@ -165,13 +165,36 @@ class VerlOnPolicy(OnPolicy):
         self._orders_drawn += 1
         return next(self._orders)
 
+    def _start_epoch_checked(self) -> None:
+        """Draw and cut the epoch; a refused order or cut (ConfigurationError) gives its loader pass back.
+
+        The refused pass is undrawn: a seeded loader is rebuilt and replayed to the passes drawn before
+        it, an unseeded one gets the global RNG state it drew from back, so the retry draws the very pass
+        the refused start drew (what a buffer that was never refused draws) and ``orders_drawn`` is as
+        it was.
+        """
+        orders, drawn = self._orders, self._orders_drawn
+        rng = torch.get_rng_state() if self.loader_seed is None else None
+        try:
+            super()._start_epoch_checked()
+        except ConfigurationError:
+            if rng is not None:
+                torch.set_rng_state(rng)
+            if orders is not None and orders is self._orders and self.loader_seed is not None and self._cur is not None:
+                orders = self._epoch_orders(self._cur.count)  # the loader in use drew the refused pass: replay it
+                for _ in range(drawn):
+                    next(orders)
+            self._orders, self._orders_drawn = orders, drawn
+            raise
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "orders_drawn": self._orders_drawn, "deferred": self._deferred}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         drawn, deferred = state.get("orders_drawn", 0), state.get("deferred", False)
-        # the rollout being delivered has drawn one pass per epoch started (one more after a refused start):
-        # a larger count is damage, and replaying it would spin through that many loader passes
+        # the rollout being delivered has drawn one pass per epoch started (one more in a checkpoint of a version
+        # where a refused start used one up): a larger count is damage, and replaying it would spin through that
+        # many loader passes
         epoch = state.get("epoch")
         past = (state.get("cur") is not None and isinstance(drawn, int) and isinstance(epoch, int)
                 and drawn > epoch + 2)

@@ -15,10 +15,23 @@ trajectory *spans* (staleness + 1), so ``max_staleness = max_off_policy_threshol
 the two agree where both apply. On top of verl's ``drop`` and ``wait`` it adds Conduit's
 ``raise`` (``trainer.v1.sampler.sampler_kwargs.on_stale=raise``): a stale group stops the
 run with :class:`conduit.StaleExperienceError` instead of being silently dropped. Under
-``drop`` and ``raise`` every sampled batch is re-checked against the bound before it reaches
-the learner; verl's ``wait`` is dropless (it holds sampling until stale in-flight groups finish,
-then trains them, past the bound by design), so there the bound is not enforced. Every sampled
-batch's staleness is reported (``conduit/staleness/mean``, ``.../max``, ``conduit/stale_groups``).
+``drop`` and ``raise`` every selected batch is re-checked against the bound before
+TransferQueue is touched (a refused sample clears nothing); verl's ``wait`` is dropless (it
+holds sampling until stale in-flight groups finish, then trains them, past the bound by design),
+so there the bound is not enforced. Every sampled batch's staleness is reported
+(``conduit/staleness/mean``, ``.../max``, ``conduit/stale_groups``).
+
+The rule holds in every trainer mode, ``sync`` included: there verl ignores staleness (its sync
+sampling is meant to be on-policy), but a finished group can still be left for a later step
+(``data.gen_batch_size`` larger than ``train_batch_size`` leaves the surplus), and it is then
+stale like any other. In ``sync`` mode:
+
+* ``drop`` evicts stale finished (and failed) groups before selection, as the async modes do,
+  and selects the batch from the fresh ones. verl's sync trainer refills nothing that was
+  dropped, so when the groups left (sampleable or still generating, all fresh) cannot make up
+  the batch, sampling would wait forever: instead ``sample`` raises
+  :class:`conduit.StaleExperienceError` *before* dropping anything (TransferQueue unchanged).
+* ``raise`` raises as soon as a stale group would be dropped, before anything is cleared.
 """
 
 from __future__ import annotations
@@ -40,8 +53,9 @@ def staleness(global_steps: int, group_steps: int) -> int:
 class ConduitReplayBuffer(ReplayBufferAsync):
     """verl's V1 replay buffer with Conduit's staleness policy (see the module docstring).
 
-    Works for every trainer mode: ``sync`` keeps verl's synchronous sampling (on-policy, so
-    nothing is ever stale and the check is a guard), the async modes keep verl's async one.
+    Works for every trainer mode: ``sync`` keeps verl's synchronous sampling plus Conduit's
+    staleness rule (stale groups are left-over groups of earlier steps), the async modes keep
+    verl's async one.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -57,26 +71,38 @@ class ConduitReplayBuffer(ReplayBufferAsync):
         self.max_off_policy_strategy = "wait" if on_stale == "wait" else "drop"
         #: finished groups evicted as stale (each counted once, when it is cleared)
         self.stale_groups = 0
+        #: (global_steps, batch_size) of the sample() under way, None between samples
+        self._sampling: tuple[int, int] | None = None
+        #: staleness of each group the current sample() selected
+        self._selected_ages: list[int] = []
 
     def _terminal_eviction_reasons(self, global_steps: int, partition_id: str) -> Any:
-        if self.trainer_mode == "sync":  # verl's synchronous eviction rules (failed groups stay sampleable)
-            return ReplayBuffer._terminal_eviction_reasons(self, global_steps, partition_id)
+        if self.trainer_mode == "sync":  # verl's synchronous rules (failed groups stay sampleable), plus staleness
+            _, dapo, failed, counts = ReplayBuffer._terminal_eviction_reasons(self, global_steps, partition_id)
+            return self._stale_terminal_keys(global_steps, partition_id), dapo, failed, counts
         return ReplayBufferAsync._terminal_eviction_reasons(self, global_steps, partition_id)
 
     def _stale_terminal_keys(self, global_steps: int, partition_id: str) -> set[str]:
+        """Terminal groups past the bound: finished ones (async modes evict failed ones anyway), and failed ones
+        too in ``sync`` mode, where failed groups are otherwise trained."""
         if partition_id == "val" or self.max_staleness is None or self.on_stale == "wait":
             return set()
         steps = self.prompt_global_steps[partition_id]
-        return {uid for uid in self.finished_keys[partition_id]
+        terminal = self.finished_keys[partition_id]
+        if self.trainer_mode == "sync":
+            terminal = terminal | self.failure_keys[partition_id]
+        return {uid for uid in terminal
                 if staleness(global_steps, steps.get(uid, global_steps)) > self.max_staleness}
 
     def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons: Any) -> Any:
         """verl's eviction; counts the stale groups it cleared (``get_sampleable_count`` only looks at them).
 
         Raises:
-            StaleExperienceError: ``on_stale="raise"`` and stale groups would be dropped (nothing is
-                cleared). Only eviction raises: counting sampleable groups, which the separate-async
-                trainer also does for the next step, does not.
+            StaleExperienceError: ``on_stale="raise"`` and stale groups would be dropped, or (``sync``
+                mode, ``on_stale="drop"``) dropping them would leave too few groups for the batch
+                being sampled, which nothing would refill; nothing is cleared. Only eviction raises:
+                counting sampleable groups, which the separate-async trainer also does for the next
+                step, does not.
         """
         stale = eviction_reasons[0]
         if stale and self.on_stale == "raise":
@@ -86,22 +112,75 @@ class ConduitReplayBuffer(ReplayBufferAsync):
                 f"{len(stale)} finished GRPO group(s) are up to {worst} policy versions behind step {global_steps} "
                 f"(max_staleness={self.max_staleness}, i.e. max_off_policy_threshold={self.max_off_policy_threshold})"
                 f"; raise the threshold, generate closer to training, or use on_stale=drop.")
+        if stale and self.trainer_mode == "sync":
+            self._check_refillable(global_steps, partition_id, eviction_reasons)
         out = super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
         self.stale_groups += out[1]
         return out
 
+    def _check_refillable(self, global_steps: int, partition_id: str, eviction_reasons: Any) -> None:
+        """``sync`` mode: refuse to drop stale groups when the groups left could never make up the batch.
+
+        verl's sync sampling refills failed groups (opt-in) and DAPO-filtered ones, never stale
+        ones, so it would poll forever for the missing groups. Counted as able to fill the batch:
+        every group that is not stale, terminal or still pending/running (a group generating now
+        cannot become stale during this sample). With DAPO filtering on, verl refills past that
+        count, so nothing is refused.
+        """
+        if self._sampling is None or self.filter_groups_metric is not None:
+            return
+        stale = eviction_reasons[0]
+        _, batch_size = self._sampling
+        steps = self.prompt_global_steps[partition_id]
+        terminal = self.finished_keys[partition_id] | self.failure_keys[partition_id]
+        inflight = self.pending_keys[partition_id] | self.running_keys[partition_id]
+        bound = self.max_staleness if self.max_staleness is not None else 0
+        fresh = len(terminal - stale) + sum(staleness(global_steps, steps.get(u, global_steps)) <= bound
+                                            for u in inflight)
+        if fresh >= batch_size:
+            return
+        worst = max(staleness(global_steps, steps.get(u, global_steps)) for u in stale)
+        raise StaleExperienceError(
+            f"on_stale=drop would drop {len(stale)} GRPO group(s) up to {worst} policy versions behind step "
+            f"{global_steps} (max_staleness={self.max_staleness}), leaving {fresh} fresh group(s) (finished or "
+            f"generating) for a batch of {batch_size}; verl's sync trainer refills nothing dropped, so sampling would "
+            f"wait forever. Nothing was dropped. Raise max_off_policy_threshold, or set data.gen_batch_size equal to "
+            f"data.train_batch_size so no group is left for a later step.")
+
+    def _materialize_batch(self, partition_id: str, selected_prompt_uids: list[str],
+                           partition_snapshot: dict[str, dict]) -> KVBatchMeta:
+        """verl's materialisation (it clears the selected prompts from TransferQueue), after the staleness check.
+
+        Raises:
+            StaleExperienceError: a selected group is past the bound (not under ``wait``); nothing is cleared.
+        """
+        if partition_id != "val" and self._sampling is not None:
+            global_steps, _ = self._sampling
+            steps = self.prompt_global_steps[partition_id]
+            ages = [staleness(global_steps, steps[u]) for u in selected_prompt_uids if u in steps]
+            self._check_sampled(ages, global_steps)
+            self._selected_ages = ages
+        return super()._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)
+
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
-        steps_before = dict(self.prompt_global_steps[partition_id])
-        if self.trainer_mode == "sync":
-            batch, metrics = ReplayBuffer.sample(self, global_steps, partition_id, batch_size)
-        else:
-            batch, metrics = ReplayBufferAsync.sample(self, global_steps, partition_id, batch_size)
+        """verl's sampling of ``trainer_mode`` with Conduit's staleness rule (see the module docstring).
+
+        Raises:
+            StaleExperienceError: under ``on_stale="raise"`` a stale group would be dropped; in ``sync`` mode under
+                ``on_stale="drop"`` the groups left after dropping the stale ones cannot make up ``batch_size``.
+                Either way TransferQueue is left as it was.
+        """
+        self._sampling, self._selected_ages = (int(global_steps), int(batch_size)), []
+        try:
+            if self.trainer_mode == "sync":
+                batch, metrics = ReplayBuffer.sample(self, global_steps, partition_id, batch_size)
+            else:
+                batch, metrics = ReplayBufferAsync.sample(self, global_steps, partition_id, batch_size)
+        finally:
+            self._sampling = None
         if partition_id == "val":
             return batch, metrics
-        groups = {key.split("_")[0] for key in batch.keys}
-        steps = {**steps_before, **self.prompt_global_steps[partition_id]}
-        ages = [staleness(global_steps, steps[g]) for g in groups if g in steps]
-        self._check_sampled(ages, global_steps)
+        ages = self._selected_ages
         if ages:
             metrics["conduit/staleness/mean"] = sum(ages) / len(ages)
             metrics["conduit/staleness/max"] = max(ages)
@@ -112,5 +191,5 @@ class ConduitReplayBuffer(ReplayBufferAsync):
         """Raise if a sampled group is past the bound (not under ``wait``: verl trains what it waited for)."""
         if self.on_stale == "wait" or self.max_staleness is None or not ages or max(ages) <= self.max_staleness:
             return
-        raise StaleExperienceError(f"The sampler selected a group {max(ages)} versions behind step "
-                                   f"{global_steps} (max_staleness={self.max_staleness}); nothing was trained.")
+        raise StaleExperienceError(f"The sampler selected a group {max(ages)} versions behind step {global_steps} "
+                                   f"(max_staleness={self.max_staleness}); nothing was trained or cleared.")

@@ -115,8 +115,9 @@ class _UnitState:
         #: used on unit 0 only: field -> the puts (their tokens) that hold its claim; a claim goes when the last
         #: holder gives it back (:meth:`release`)
         self.holders: dict[str, set[str]] = {}
-        #: puts prepared here and not yet committed or aborted: token -> (global indexes, wire columns)
-        self.pending: dict[str, tuple[list[int], dict[str, Any]]] = {}
+        #: puts prepared here and not yet committed or aborted: token -> (global indexes, wire columns, lease: a Ray
+        #: object the putting process owns, lost when it dies, or None)
+        self.pending: dict[str, tuple[list[int], dict[str, Any], Any]] = {}
         self.telemetry = Telemetry()
 
     def check(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None,
@@ -167,24 +168,37 @@ class _UnitState:
     def _reserved(self, but: str | None = None) -> dict[str, set[int]]:
         """field -> the global indexes the prepared puts (all but the one of token ``but``) will store."""
         out: dict[str, set[int]] = {}
-        for token, (gis, columns) in self.pending.items():
+        for token, (gis, columns, _) in self.pending.items():
             if token != but:
                 for name in columns:
                     out.setdefault(name, set()).update(gis)
         return out
 
-    def prepare(self, token: str, gis: list[int], columns: dict[str, Any]) -> dict[str, int]:
+    def prepare(self, token: str, gis: list[int], columns: dict[str, Any], lease: Any = None) -> dict[str, int]:
         """First phase of a put over several units: raise what :meth:`commit` would raise, and keep the columns
         under ``token`` with their samples reserved (a later put that would not fit beside them is refused here, so
         a prepared put's commit is not refused for room); returns what :meth:`held_widths` returns.
+
+        ``lease``: a Ray ``ObjectRef`` the putting process owns. Ray loses the object with its owner, so when that
+        process dies before committing or aborting, the reservation goes at the next prepare or put here that sees
+        the loss (Ray reports it within seconds). Without a lease the reservation stays until commit, abort or
+        :meth:`load`.
 
         Raises:
             SchemaError, CapacityError: as :meth:`check` (nothing is kept).
         """
         gis = [int(g) for g in gis]
+        self._forget_dead_puts()
         _, stores = self.check(gis, columns, None, self._reserved(but=token))
-        self.pending[token] = (gis, columns)
+        self.pending[token] = (gis, columns, lease)
         return self.held_widths(stores)
+
+    def _forget_dead_puts(self) -> None:
+        """Drop the prepared puts whose lease Ray lost with the process that owned it (it can no longer commit)."""
+        for token in [t for t, (_, _, lease) in self.pending.items() if _owner_died(lease)]:
+            del self.pending[token]
+            logger.warning("Conduit storage unit: dropped the put prepared under %s, whose process died before it "
+                           "committed", token)
 
     def commit(self, token: str, widths: dict[str, int] | None = None) -> None:
         """Store the put prepared under ``token`` (``widths``: see :meth:`check`).
@@ -196,7 +210,7 @@ class _UnitState:
         if token not in self.pending:
             raise SchemaError(f"No put prepared under {token!r} on this Conduit storage unit (aborted, or dropped by "
                               f"a checkpoint restore); put the samples again.")
-        gis, columns = self.pending[token]
+        gis, columns, _ = self.pending[token]
         self._write(gis, columns, widths, self._reserved(but=token))
         del self.pending[token]
 
@@ -272,7 +286,8 @@ class _UnitState:
 
     def put(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None) -> None:
         """Store the columns' samples under ``gis``: every column, or (on an error) none (``widths``: see
-        :meth:`check`; samples reserved by prepared puts count against ``max_items``)."""
+        :meth:`check`; samples reserved by prepared puts of live processes count against ``max_items``)."""
+        self._forget_dead_puts()
         self._write(gis, columns, widths, self._reserved())
 
     def _write(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None,
@@ -372,8 +387,32 @@ class _UnitState:
                            "reserved_bytes": s.storage.nbytes()} for n, s in self.fields.items()},
             "objects": {n: len(o) for n, o in self.objects.items()},
             "migrations": [m for s in self.fields.values() for m in s.migrations],
+            "prepared_puts": len(self.pending),
             "telemetry": self.telemetry.summary(),
         }
+
+
+#: how long a unit asks the owner of a lease it does not hold a copy of (a dead owner's answer comes within ~1 s)
+LEASE_CHECK_S = 2.0
+
+
+def _owner_died(lease: Any) -> bool:
+    """Whether Ray lost ``lease`` (an ``ObjectRef``) with the process that owned it; False for no lease, and when
+    the owner does not answer within :data:`LEASE_CHECK_S`.
+
+    A unit keeps a copy of a live lease once read; Ray drops that copy when the owner dies, and only a read that
+    waits then learns the owner is gone (a read that does not wait times out, whatever the owner's state)."""
+    if not isinstance(lease, ray.ObjectRef):
+        return False
+    for timeout in (0.0, LEASE_CHECK_S):
+        try:
+            ray.get(lease, timeout=timeout)
+            return False
+        except ray.exceptions.ObjectLostError:  # OwnerDiedError among them
+            return True
+        except ray.exceptions.GetTimeoutError:
+            continue
+    return False
 
 
 @ray.remote(max_concurrency=1)  # type: ignore[call-overload]  # ray's option overload omits actor options
@@ -390,9 +429,11 @@ class ConduitStorageUnit:
     def put(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None) -> None:
         self.state.put(gis, columns, widths)
 
-    def prepare(self, token: str, gis: list[int], columns: dict[str, Any]) -> dict[str, int]:
-        """See :meth:`_UnitState.prepare`."""
-        return self.state.prepare(token, gis, columns)
+    def prepare(self, token: str, gis: list[int], columns: dict[str, Any], lease: list[Any] | None = None
+                ) -> dict[str, int]:
+        """See :meth:`_UnitState.prepare`; ``lease`` comes wrapped in a list (Ray would resolve a bare ``ObjectRef``
+        argument to its value)."""
+        return self.state.prepare(token, gis, columns, lease[0] if lease else None)
 
     def commit(self, token: str, widths: dict[str, int] | None = None) -> None:
         self.state.commit(token, widths)
@@ -544,8 +585,10 @@ class ConduitStorageManager(StorageManager):
         a higher rank, the second is refused there), and only then does every unit commit its part. A racing put
         that would not fit beside a prepared one is refused in its own prepare phase. A put that fails before its
         commits were sent aborts its prepared parts and gives back its claims (a claim another put in flight also
-        holds stays). A commit is refused only when its unit lost the prepared part (the unit died, or a checkpoint
-        restore ran during the put); the other units' parts then stay stored.
+        holds stays). A process that dies between prepare and commit cannot abort: its prepared parts hold a lease
+        (a Ray object this process owns) and go when a unit sees Ray lost it, at that unit's next put (within
+        seconds of the death); its claims on unit 0 stay. A commit is refused only when its unit lost the prepared
+        part (the unit died, or a checkpoint restore ran during the put); the other units' parts then stay stored.
 
         Raises:
             SchemaError: a column disagrees with its field's kind, dtype or rank on any unit, or with the claim of a
@@ -593,8 +636,9 @@ class ConduitStorageManager(StorageManager):
         token = uuid.uuid4().hex
         asked = committing = False
         try:
+            lease = ray.put(token)  # owned by this process: lost with it, which frees its prepared parts on the units
             refs = [(rank, part_gis, ray.put(payload)) for rank, part_gis, payload in parts]
-            phase = [self.units[rank].prepare.remote(token, part_gis, ref) for rank, part_gis, ref in refs]
+            phase = [self.units[rank].prepare.remote(token, part_gis, ref, [lease]) for rank, part_gis, ref in refs]
             if len(parts) < len(self.units):  # a unit the put does not reach still refuses a field it holds in another
                 # kind, dtype or rank
                 empty = {k: to_wire(_no_rows(c)) if isinstance(c, PackedColumn) else [] for k, c in columns.items()}
