@@ -340,6 +340,36 @@ def test_driver_consume_to_counts_what_it_received_when_a_put_raises() -> None:
         consumer.close()
 
 
+def test_driver_producer_sends_the_rest_and_says_so_when_a_sample_cannot_be_pickled() -> None:
+    pytest.importorskip("zmq")
+    from conduit_srl.testing.driver import ZmqSampleConsumer, ZmqSampleProducer
+
+    consumer = ZmqSampleConsumer()
+    producer = ZmqSampleProducer(consumer.address)
+    try:
+        producer.post(make_sample([0]))
+        producer.post({"fn": lambda: None})  # a lambda cannot be pickled
+        producer.post(make_sample([1]))
+        with pytest.raises(ConfigurationError, match="could not be pickled"):
+            producer.close()  # the socket is closed all the same
+        assert (producer.sent, producer.dropped) == (2, 1), (producer.sent, producer.dropped)
+        assert producer._socket.closed
+        got: list[Any] = []
+
+        class Keep:
+            def put(self, x: Any) -> None:
+                got.append(x)
+
+        deadline = time.monotonic() + JOIN_S
+        while len(got) < 2 and time.monotonic() < deadline:
+            consumer.consume_to(Keep())
+            time.sleep(0.001)
+        assert len(got) == 2, f"{len(got)} of the 2 picklable samples arrived"
+    finally:
+        producer.close()
+        consumer.close()
+
+
 # -- stream ends dropped without close() -----------------------------------------------------------------------
 def test_a_producer_dropped_with_unsent_samples_warns_and_counts_them() -> None:
     stream = LocalStream()

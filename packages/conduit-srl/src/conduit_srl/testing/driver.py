@@ -85,24 +85,45 @@ class ZmqSampleProducer:
             self._flush()
 
     def _flush(self) -> None:
+        """Send every pending sample. One that cannot be pickled is counted in :attr:`dropped`, the others are
+        still sent, and then a ConfigurationError says how many were not; a socket error puts the samples not
+        sent yet back in front of the pending ones and propagates."""
         with self._lock:
             pending, self._pending = self._pending, []
-        for sample in pending:
+        unpicklable: list[str] = []
+        for i, sample in enumerate(pending):
             try:
-                self._socket.send(pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+                data = pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as e:  # noqa: BLE001 - whatever pickling raises: counted, and reported below
+                self.dropped += 1
+                unpicklable.append(f"{type(e).__name__}: {e}")
+                continue
+            try:
+                self._socket.send(data, copy=False)
                 self.sent += 1
             except self._zmq.Again:
                 self.dropped += 1
+            except BaseException:
+                with self._lock:
+                    self._pending[:0] = pending[i:]
+                raise
+        if unpicklable:
+            raise ConfigurationError(f"{len(unpicklable)} posted sample(s) could not be pickled and were dropped "
+                                     f"(counted in dropped; the others were sent): {unpicklable[0]}. Post picklable "
+                                     f"samples (NumPy arrays and plain Python values).")
 
     def close(self) -> None:
-        """Send what is pending and close the socket (idempotent; waits for a flush in flight)."""
+        """Send what is pending and close the socket (idempotent; waits for a flush in flight; the socket is closed
+        also when the flush raises)."""
         with self._send_lock:
             with self._lock:
                 if self._closed:
                     return
                 self._closed = True
-            self._flush()
-            self._socket.close()
+            try:
+                self._flush()
+            finally:
+                self._socket.close()
 
 
 class ZmqSampleConsumer:
