@@ -38,7 +38,7 @@ import torch
 from conduit.batch import ExperienceBatch
 from conduit.errors import ConfigurationError
 from conduit.scheduling.base import Scheduler
-from conduit.scheduling.granularity import GranularityRange, ranges_for
+from conduit.scheduling.granularity import GranularityRange, ranges_for, safe_ranges
 from conduit.scheduling.model import (
     LatencyFit,
     choose_granularity,
@@ -78,10 +78,12 @@ class Decision:
     overlap: bool
     deliver_fit: LatencyFit | None = None
     ingest_fit: LatencyFit | None = None
-    #: bytes per delivered batch / per ingested rollout during calibration
+    #: bytes per delivered batch / per ingested rollout during calibration (on-policy: a whole rollout, which
+    #: the producer may hand over in several ingest calls)
     batch_bytes: float = 0.0
     rollout_bytes: float = 0.0
-    #: the caller's median time between deliveries / between ingestions (what overlap can hide behind)
+    #: the caller's median time between deliveries / between ingestions (what overlap can hide behind;
+    #: on-policy, ingestion's is per rollout)
     deliver_gap_s: float = 0.0
     ingest_gap_s: float = 0.0
     #: predicted seconds per batch (delivery) and per rollout (ingestion), per granularity
@@ -134,12 +136,17 @@ class Automatic(Scheduler):
         overlap: force overlap on or off; ``None`` (default) lets the measurement decide.
         g_ing_max: cap on rollouts per ingestion write (off-policy; bounds ingestion lag).
         g_del_max: cap on batches per delivery call (off-policy; bounds priority staleness).
-        memory_budget: bytes the delivery buffers may take (caps ``g_del``).
+        memory_budget: bytes the delivery buffers may take (caps ``g_del`` for the first delivery's batch
+            size while probing, and for the largest batch the probe delivered when choosing).
         probe_rounds: how many chunks of each probed granularity to time.
         confirm_deliveries: deliveries per window in the confirm phase.
         confirm_windows: windows per configuration in the confirm phase (alternating, median kept).
         output_depth: deliveries a delivered batch stays valid for.
         queue_depth: ingestion queue bound (backpressure) once overlapped.
+
+    Raises:
+        ConfigurationError: a setting of the wrong type or below its bound (checked here, before a
+            buffer is built; counts may be numpy integers).
 
     Examples:
         >>> import torch
@@ -161,15 +168,23 @@ class Automatic(Scheduler):
                         ("confirm_windows", confirm_windows)):
             if not isinstance(v, numbers.Integral) or isinstance(v, bool):
                 raise ConfigurationError(f"{name} must be an int (values below 1 count as 1), got {v!r}.")
-        self.force_overlap = overlap
-        self.g_ing_max = g_ing_max
-        self.g_del_max = g_del_max
-        self.memory_budget = memory_budget
-        self.probe_rounds = max(1, int(probe_rounds))
-        self.confirm_deliveries = max(1, int(confirm_deliveries))
-        self.confirm_windows = max(1, int(confirm_windows))
-        self.output_depth = output_depth
-        self.queue_depth = queue_depth
+        if overlap is not None and not isinstance(overlap, bool):
+            raise ConfigurationError(f"overlap must be True, False or None (let the measurement decide), got "
+                                     f"{overlap!r}.")
+        if not isinstance(queue_depth, numbers.Integral) or isinstance(queue_depth, bool) or queue_depth < 1:
+            raise ConfigurationError(f"queue_depth must be an int >= 1, got {queue_depth!r}.")
+        # the caps are checked here, not at the buffer's first delivery (ConfigurationError, as safe_ranges says)
+        safe_ranges(on_policy=False, g_ing_max=g_ing_max, g_del_max=g_del_max, memory_budget=memory_budget,
+                    output_depth=output_depth)
+        self.force_overlap: bool | None = overlap
+        self.g_ing_max: int = int(g_ing_max)
+        self.g_del_max: int = int(g_del_max)
+        self.memory_budget: int | None = None if memory_budget is None else int(memory_budget)
+        self.probe_rounds: int = max(1, int(probe_rounds))
+        self.confirm_deliveries: int = max(1, int(confirm_deliveries))
+        self.confirm_windows: int = max(1, int(confirm_windows))
+        self.output_depth: int = int(output_depth)
+        self.queue_depth: int = int(queue_depth)
         #: set once calibration is over
         self.decision: Decision | None = None
 
@@ -177,6 +192,7 @@ class Automatic(Scheduler):
     def _attach(self, edp: ExperienceDataPlane) -> None:
         self.on_policy = isinstance(edp.semantics, OnPolicy)
         self.range = ranges_for(edp.semantics, g_ing_max=self.g_ing_max, g_del_max=self.g_del_max)
+        self.decision = None  # (a scheduler serving a new buffer calibrates afresh: no decision of the last one)
         self._ing_plan = _probe_values(self.range.g_ing) * self.probe_rounds
         self._del_plan: list[float] | None = None  # set at the first delivery, when the batch size is known
         self._ing_seen = 0
@@ -338,6 +354,19 @@ class Automatic(Scheduler):
             self.inner.retune(g_del=self._del_plan[0])
         self._del_left = int(self._del_plan[0])
 
+    def _cap_g_del(self, items: int) -> None:
+        """Off-policy: keep the delivery range within ``memory_budget`` for the largest batch the probe delivered
+        (the range was sized from the first delivery alone, which may have been smaller than the job's batches).
+        ``g_del = 1`` stays when even that does not fit: the probe already delivered such batches."""
+        try:
+            rng = ranges_for(self.edp.semantics, g_ing_max=self.g_ing_max, g_del_max=self.g_del_max,
+                             batch_bytes=int(_item_bytes(self.edp) * items), memory_budget=self.memory_budget,
+                             output_depth=self.output_depth)
+            g_del = tuple(g for g in self.range.g_del if g <= rng.g_del[-1])
+        except ConfigurationError:
+            g_del = self.range.g_del[:1]
+        self.range = GranularityRange(False, self.range.g_ing, g_del or self.range.g_del[:1])
+
     def _records(self) -> list[CallRecord]:
         return self.edp.telemetry.since(self._since)
 
@@ -349,10 +378,21 @@ class Automatic(Scheduler):
         ifit = fit_latency(i_obs) if len({(b, s) for b, _, s in i_obs}) >= 2 else None
         waits = [r for r in recs if r.kind == "deliver_wait"]
         ing = [r for r in recs if r.kind == "ingest_wait"]
+        if not self.on_policy and self.memory_budget is not None and waits:
+            self._cap_g_del(max(r.items for r in waits))
         batch_bytes = _bytes_per_call(recs, "deliver", waits)
         rollout_bytes = _bytes_per_call(recs, "ingest", ing)
+        ingest_gap = _median_gap(ing)
+        m = self.range.num_minibatches
+        per_call = statistics.median(r.items for r in ing) if ing else 0
+        if self.on_policy and m and waits and per_call > 0:
+            # on-policy g_ing is a part of a *rollout* (the model's unit), which the producer may hand over in
+            # several ingest calls: one rollout feeds M deliveries, so it holds M deliveries' items
+            calls = m * statistics.median(r.items for r in waits) / per_call
+            rollout_bytes *= calls
+            ingest_gap *= calls  # (the producer's time per rollout, what a rollout's writes can hide behind)
         d = Decision(self.range, 1, self.range.g_del[0], False, dfit, ifit, batch_bytes, rollout_bytes,
-                     _median_gap(waits), _median_gap(ing))
+                     _median_gap(waits), ingest_gap)
         prioritized = getattr(getattr(self.edp.semantics, "sampler", None), "prioritized", False)
         if dfit is not None and not self.on_policy:
             for g in self.range.g_del:

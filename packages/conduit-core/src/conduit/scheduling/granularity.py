@@ -18,6 +18,7 @@ bounds priority staleness, and ``memory_budget`` bounds the delivery buffers.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -42,8 +43,11 @@ class GranularityRange:
     num_minibatches: int | None = None
 
     def describe(self) -> str:
+        # (on-policy values are k/M: a denominator bound below M would print 1/2000 as 0)
+        bound = max(1024, self.num_minibatches or 1)
+
         def fmt(v: float) -> str:
-            f = Fraction(v).limit_denominator(1024)
+            f = Fraction(v).limit_denominator(bound)
             return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
         kind = f"on-policy (M={self.num_minibatches})" if self.on_policy else "off-policy"
         return (f"{kind}: g_ing in {{{', '.join(fmt(g) for g in self.g_ing)}}}, "
@@ -65,21 +69,34 @@ def safe_ranges(*, on_policy: bool, num_minibatches: int | None = None, g_ing_ma
         memory_budget: bytes the delivery buffers may take.
         output_depth: deliveries a delivered batch stays valid for.
 
+    Counts and bytes are ints (numpy integers too), never bools.
+
+    Raises:
+        ConfigurationError: an argument of the wrong type or below its bound, or a memory
+            budget too small for even one batch per delivery call.
+
     Examples:
         >>> safe_ranges(on_policy=False, g_ing_max=4, g_del_max=4).describe()
         'off-policy: g_ing in {1, 2, 3, 4}, g_del in {1, 2, 3, 4}'
         >>> safe_ranges(on_policy=True, num_minibatches=4).describe()
         'on-policy (M=4): g_ing in {1/4, 1/2, 3/4, 1}, g_del in {1/4}'
     """
-    for name, v in (("g_ing_max", g_ing_max), ("g_del_max", g_del_max)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+    if not isinstance(on_policy, bool):  # (a string such as "no" would be truthy)
+        raise ConfigurationError(f"on_policy must be True or False, got {on_policy!r}.")
+    for name, v in (("g_ing_max", g_ing_max), ("g_del_max", g_del_max), ("output_depth", output_depth)):
+        if not _is_int(v) or v < 1:
             raise ConfigurationError(f"{name} must be an int >= 1, got {v!r}.")
     for name, b in (("batch_bytes", batch_bytes), ("memory_budget", memory_budget)):
-        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 0):
+        if b is not None and (not _is_int(b) or b < 0):
             raise ConfigurationError(f"{name} must be None or an int >= 0 (bytes), got {b!r}.")
-    if num_minibatches is not None and (not isinstance(num_minibatches, int) or isinstance(num_minibatches, bool)
+    if num_minibatches is not None and (not _is_int(num_minibatches)
                                         or num_minibatches < 1):  # (off-policy M bounds nothing, but is still M)
         raise ConfigurationError(f"num_minibatches (M) must be a positive int, got {num_minibatches!r}.")
+    # numpy integers are ints too (a count read from a config array): plain ints from here on
+    g_ing_max, g_del_max, output_depth = int(g_ing_max), int(g_del_max), int(output_depth)
+    batch_bytes = None if batch_bytes is None else int(batch_bytes)
+    memory_budget = None if memory_budget is None else int(memory_budget)
+    num_minibatches = None if num_minibatches is None else int(num_minibatches)
     if on_policy:
         m = num_minibatches or 1
         return GranularityRange(True, tuple(k / m for k in range(1, m + 1)), (1 / m,), num_minibatches)
@@ -95,6 +112,11 @@ def safe_ranges(*, on_policy: bool, num_minibatches: int | None = None, g_ing_ma
         top = max(fits)
     return GranularityRange(False, tuple(float(g) for g in range(1, g_ing_max + 1)),
                             tuple(float(g) for g in range(1, top + 1)))
+
+
+def _is_int(v: object) -> bool:
+    """``v`` is an integer (Python's or numpy's), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def ranges_for(semantics: Semantics, **caps: int | None) -> GranularityRange:

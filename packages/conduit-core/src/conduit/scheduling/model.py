@@ -111,10 +111,15 @@ def fit_latency(obs: Sequence[tuple[float, float, bool]]) -> LatencyFit:
     """Fit the model to ``(bytes, seconds, staged)`` observations.
 
     Raises:
-        ValueError: no observations.
+        ValueError: no observations, or one whose bytes or seconds are negative or not finite
+            (a timing that is no measurement: drop it before fitting).
     """
     if not obs:
         raise ValueError("no calls to fit a latency model to; run some ingest/deliver calls first")
+    for b, s, _ in obs:
+        if not (math.isfinite(b) and math.isfinite(s) and b >= 0 and s >= 0):
+            raise ValueError(f"cannot fit a latency model to a call of {b!r} bytes taking {s!r} s: bytes and "
+                             f"seconds must be finite and >= 0; drop such observations before fitting")
     groups: dict[tuple[float, bool], list[float]] = {}
     for b, s, staged in obs:
         groups.setdefault((b, staged), []).append(s)
@@ -127,7 +132,9 @@ def fit_latency(obs: Sequence[tuple[float, float, bool]]) -> LatencyFit:
     sizes = sorted(set(xb.tolist()))
     knees = [math.inf]
     if len(sizes) >= 3:
-        knees += [k for k in np.geomspace(sizes[0], sizes[-1], 48)[1:-1].tolist() if k < sizes[-2]]
+        # (a geometric grid needs a positive start: a zero-byte call's size only bounds the knees from below)
+        low = sizes[0] if sizes[0] > 0 else sizes[1] / 2
+        knees += [k for k in np.geomspace(low, sizes[-1], 48)[1:-1].tolist() if k < sizes[-2]]
         knees += sizes[1:-1]
     best: tuple[float, np.ndarray, float] | None = None
     for knee in knees:
@@ -174,6 +181,15 @@ def choose_granularity(costs: dict[float, float], *, tolerance: float = 0.02, sl
     cycle buy nothing measurable, while larger chunks take more memory and compete longer with
     the caller for caches and memory bandwidth; ``slack_s`` (e.g. 1% of that cycle) says how
     small a difference counts as a tie.
+
+    Raises:
+        ValueError: no costs, or a cost that is negative or not finite (no prediction to rank).
     """
+    if not costs:
+        raise ValueError("no granularities to choose from: pass the predicted cost of at least one")
+    bad = {g: c for g, c in costs.items() if not (math.isfinite(c) and c >= 0)}
+    if bad:
+        raise ValueError(f"predicted costs must be finite and >= 0 to rank granularities, got {bad}; "
+                         f"check the latency fit and the unit sizes they were predicted from")
     best = min(costs.values())
     return min(g for g, c in costs.items() if c <= best * (1 + tolerance) + slack_s + 1e-9)
