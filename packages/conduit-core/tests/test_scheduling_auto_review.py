@@ -148,3 +148,7 @@ def test_memory_budget_caps_the_chosen_g_del_for_the_batches_delivered_after_the
         f"the delivery buffers of g_del={d.g_del} (range {d.range.g_del}) for batches of 64 exceed "
         f"memory_budget={budget}")
     edp.close()
+
+
+def test_priority_staleness_reads_before_the_scheduler_serves_a_buffer() -> None:
+    assert Automatic(g_del_max=3).priority_staleness == 3

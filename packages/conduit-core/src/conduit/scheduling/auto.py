@@ -229,8 +229,9 @@ class Automatic(Scheduler):
 
     @property
     def priority_staleness(self) -> int:
-        """The bound over every phase: a prioritized draw misses at most ``g_del_max`` priority updates."""
-        return 0 if self.on_policy else self.g_del_max
+        """The bound over every phase: a prioritized draw misses at most ``g_del_max`` priority updates (off-policy;
+        0 on-policy, which has no priorities). Before the scheduler serves a buffer: the off-policy bound."""
+        return 0 if getattr(self, "on_policy", False) else self.g_del_max
 
     def __repr__(self) -> str:
         phase = getattr(self, "_phase", None)
