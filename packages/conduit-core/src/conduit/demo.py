@@ -161,7 +161,7 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
         while len(edp) < target:
             edp.ingest(make_rollout())
             edp.flush()
-        t_start = 0.0
+        t_start = float("inf")  # until the first accounted iteration starts: no warm-up span is traced
         for it in range(warmup + iterations):
             if it == warmup:
                 t_start = time.perf_counter()

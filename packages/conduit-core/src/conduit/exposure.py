@@ -13,7 +13,11 @@ Per iteration of a loop, from the spans in a :class:`~conduit.Telemetry`:
 * **total** -- exposed + hidden: the experience path's time in this iteration.
 
 All measures are unions of intervals clipped to the iteration, so overlapping spans are
-never counted twice. A synchronous scheduler does everything on the loop's thread, so
+never counted twice. A span is recorded when it ends, so :class:`ExposureLog` accounts a
+background span that runs on past the end of an iteration only in the iteration where it
+ends (the part before the boundary is counted in neither): a worker's hidden time can be
+under-counted at iteration boundaries, never exposed time (the loop's own calls end within
+the iteration that makes them). A synchronous scheduler does everything on the loop's thread, so
 its experience path is all exposed; an overlapped one leaves the hand-over exposed.
 
 :class:`ExposureLog` reads the telemetry's bounded ring of recent calls (``Telemetry(maxlen=...)``):
@@ -23,6 +27,7 @@ refuses to account for it (:class:`~conduit.errors.CapacityError`) rather than u
 
 from __future__ import annotations
 
+import numbers
 import statistics
 import sys
 import time
@@ -112,24 +117,46 @@ def measure_iteration(records: Iterable[CallRecord], start: float, end: float,
         loop_threads: the loop's thread ids, as in :attr:`CallRecord.thread` (:func:`conduit.telemetry.thread_id`;
             default: those with rollout/update/iteration spans).
 
+    A span whose end is before its start (a malformed record) adds no time, never negative time.
+
     Raises:
-        ConfigurationError: ``end`` is before ``start`` (or either is NaN): no window to account for.
+        ConfigurationError: ``start`` or ``end`` is not a number, ``end`` is before ``start`` (or either is NaN):
+            no window to account for; ``loop_threads`` is not a collection of thread ids.
     """
+    for t in (start, end):
+        if isinstance(t, bool) or not isinstance(t, numbers.Real):
+            raise ConfigurationError(f"The iteration window's start and end are time.perf_counter() readings: pass "
+                                     f"two numbers, got [{start!r}, {end!r}).")
     if not start <= end:
         raise ConfigurationError(f"The iteration window [{start!r}, {end!r}) ends before it starts; pass its start "
                                  f"and then its end (time.perf_counter() readings).")
     recs = [r for r in records if r.end > start and r.start < end]
-    loop = set(loop_threads) if loop_threads is not None else {r.thread for r in recs if r.kind in LOOP_KINDS}
+    if loop_threads is None:
+        loop = {r.thread for r in recs if r.kind in LOOP_KINDS}
+    else:
+        try:
+            loop = set(loop_threads)
+        except TypeError as exc:
+            raise ConfigurationError(f"measure_iteration(loop_threads=...) is a collection of the loop's thread ids "
+                                     f"(conduit.telemetry.thread_id()), got {loop_threads!r}.") from exc
 
-    def clip(r: CallRecord) -> _Interval:
-        return max(r.start, start), min(r.end, end)
+    def clipped(kinds: frozenset[str] | set[str], on_loop: bool | None = None) -> list[_Interval]:
+        """The union of the spans of ``kinds`` (on the loop's threads, off them, or anywhere), clipped to the
+        window; a span that ends before it starts is none."""
+        out = []
+        for r in recs:
+            if r.kind in kinds and (on_loop is None or (r.thread in loop) == on_loop):
+                a, b = max(r.start, start), min(r.end, end)
+                if a < b:
+                    out.append((a, b))
+        return _union(out)
 
-    exposed = _union(clip(r) for r in recs if r.kind in EXPERIENCE_KINDS and r.thread in loop)
-    background = _union(clip(r) for r in recs if r.kind in WORK_KINDS and r.thread not in loop)
+    exposed = clipped(EXPERIENCE_KINDS, on_loop=True)
+    background = clipped(WORK_KINDS, on_loop=False)
     e = _length(exposed)
     h = _length(background) - _intersection(background, exposed)
-    rollout = _length(_union(clip(r) for r in recs if r.kind == "rollout"))
-    update = _length(_union(clip(r) for r in recs if r.kind == "update"))
+    rollout = _length(clipped({"rollout"}))
+    update = _length(clipped({"update"}))
     return IterationExposure(start, end, e + h, e, h, rollout, update)
 
 
@@ -140,6 +167,10 @@ class ExposureLog:
         telemetry: where the loop's spans are recorded.
         keep: how many of the newest iterations :attr:`iterations` holds (the oldest go first, so a
             long run's log stays bounded; ``None`` keeps them all). :attr:`accounted` counts them all.
+
+    Raises:
+        ConfigurationError: ``telemetry`` is not a :class:`~conduit.Telemetry`, or ``keep`` not an int >= 1
+            (or None).
 
     Examples:
         >>> import time
@@ -158,6 +189,9 @@ class ExposureLog:
     """
 
     def __init__(self, telemetry: Telemetry, *, keep: int | None = 100_000) -> None:
+        if not isinstance(telemetry, Telemetry):
+            raise ConfigurationError(f"ExposureLog(telemetry) reads the spans of a conduit.Telemetry (e.g. the "
+                                     f"buffer's `edp.telemetry`), got {telemetry!r}.")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ConfigurationError(f"ExposureLog(keep=...) is how many recent iterations to hold: pass an int >= 1 "
                                      f"or None (all of them), got {keep!r}.")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
+import numbers
 import os
 import threading
 import time
@@ -181,7 +183,12 @@ class Telemetry:
     def snapshot(self, since: int) -> tuple[tuple[CallRecord, ...], int]:
         """:attr:`records` and, read together with them, how many calls folded at or after the mark
         ``since`` (from :meth:`mark`) the ring has already dropped to make room (0 while all of them are
-        still in the snapshot; calls removed by :meth:`reset` do not count)."""
+        still in the snapshot; calls removed by :meth:`reset` do not count).
+
+        Raises:
+            ConfigurationError: ``since`` is not a mark (an int >= 0).
+        """
+        _check_mark("snapshot", since)
         self._fold()
         with self._lock:
             return tuple(self._records), self._dropped_since(since)
@@ -189,7 +196,12 @@ class Telemetry:
     def calls_since(self, since: int) -> tuple[list[CallRecord], int]:
         """The calls folded at or after the mark ``since`` (from :meth:`mark`) that the ring still holds,
         oldest first, and how many of them it has already dropped (as :meth:`snapshot` counts them). Reads
-        only those calls, however full the ring is."""
+        only those calls, however full the ring is.
+
+        Raises:
+            ConfigurationError: ``since`` is not a mark (an int >= 0).
+        """
+        _check_mark("calls_since", since)
         self._fold()
         with self._lock:
             # read from the newest end: skipping the older calls from the left would walk the whole deque
@@ -206,7 +218,14 @@ class Telemetry:
         return dropped
 
     def recent(self, kind: str, n: int) -> list[CallRecord]:
-        """The newest ``n`` calls of ``kind``, oldest first (read from the newest end, without a full copy)."""
+        """The newest ``n`` calls of ``kind``, oldest first (read from the newest end, without a full copy).
+
+        Raises:
+            ConfigurationError: ``n`` is not an int >= 0.
+        """
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ConfigurationError(f"Telemetry.recent(kind, n=...) is how many of the newest calls to return: "
+                                     f"pass an int >= 0, got {n!r}.")
         self._fold()
         out: list[CallRecord] = []
         with self._lock:
@@ -230,7 +249,12 @@ class Telemetry:
         return _Span(self, kind, items, nbytes)
 
     def since(self, t0: float) -> list[CallRecord]:
-        """Records that started at or after ``t0``."""
+        """Records that started at or after ``t0``.
+
+        Raises:
+            ConfigurationError: ``t0`` is not a number (a ``time.perf_counter()`` reading), or NaN.
+        """
+        _check_time("Telemetry.since(t0=...)", t0)
         self._fold()
         with self._lock:
             return [r for r in self._records if r.start >= t0]
@@ -276,27 +300,73 @@ class Telemetry:
     def chrome_trace(self, path: str | Path | None = None, *, since: float | None = None) -> dict[str, Any]:
         """The recorded calls as a Chrome trace (``chrome://tracing``, Perfetto); written to ``path`` if given.
 
-        ``since`` keeps only the calls that ended after that ``time.perf_counter()`` time. The file is
-        written atomically: a write that fails (disk full, file-size limit) leaves ``path`` as it was.
+        ``since`` keeps only the calls that ended after that ``time.perf_counter()`` time. A call with a
+        non-finite start or end, or an end before its start (recorded so by a caller of :meth:`record`),
+        cannot be placed on the timeline and is left out (JSON has no NaN or infinity: the file would open in
+        no viewer). Each thread is one lane (``tid``, see :func:`thread_id`), named by a ``thread_name`` event;
+        ``pid`` is this process's. The file is written atomically: a write that fails (disk full, file-size
+        limit) leaves ``path`` as it was.
+
+        Raises:
+            ConfigurationError: ``path`` is not a file name (str or path), or ``since`` not a number or NaN;
+                nothing is written.
         """
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise ConfigurationError(f"Telemetry.chrome_trace(path=...) is the file to write the trace to: pass a "
+                                     f"str or a pathlib.Path (or None to only return it), got {path!r}.")
+        if since is not None:
+            _check_time("Telemetry.chrome_trace(since=...)", since)
         self._fold()
         with self._lock:
-            recs = [r for r in self._records if since is None or r.end > since]
+            recs = [r for r in self._records if (since is None or r.end > since)
+                    and math.isfinite(r.start) and math.isfinite(r.end) and r.start <= r.end]
+            # read with the records: a fold on another thread may forget an exited thread's name once its calls
+            # have left the ring, and these calls may be its last
+            names = dict(self._names)
         t0 = min((r.start for r in recs), default=0.0)
-        events = [{"name": r.kind, "ph": "X", "ts": (r.start - t0) * 1e6, "dur": r.seconds * 1e6, "pid": 0,
-                   "tid": r.thread, "args": {"items": r.items, "bytes": r.nbytes}} for r in recs]
+        lanes = _lanes({r.thread for r in recs})
+        pid = os.getpid()
+        events = [{"name": r.kind, "ph": "X", "ts": (r.start - t0) * 1e6, "dur": r.seconds * 1e6, "pid": pid,
+                   "tid": lanes[r.thread], "args": {"items": r.items, "bytes": r.nbytes}} for r in recs]
         # the loop's thread vs the scheduler's workers: live threads by their name now, exited ones as they recorded
-        names = dict(self._names)
         for t in threading.enumerate():
             tid = _thread_ids.get(t)
             if tid is not None:
                 names[tid] = t.name
-        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid,
-                    "args": {"name": names.get(tid, f"thread {tid}")}} for tid in sorted({r.thread for r in recs})]
+        events += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": lane,
+                    "args": {"name": names.get(tid, f"thread {tid}")}} for tid, lane in sorted(lanes.items())]
         trace = {"traceEvents": events, "displayTimeUnit": "ms"}
         if path is not None:
             write_atomically(Path(path), json.dumps(trace))
         return trace
+
+
+#: a Chrome trace's pid and tid are read as 32-bit ints (Perfetto puts a larger tid on the lane of tid 0, the idle
+#: thread); thread ids from this one up (the main thread's threading.get_ident()) get lanes counted down from it
+_LANE_LIMIT = 2**31
+
+
+def _lanes(tids: set[int]) -> dict[int, int]:
+    """Each thread id -> its lane (``tid``) in a Chrome trace: the id itself (a small number) unless it does not
+    fit a 32-bit tid, or is 0 (the idle thread); then a lane of its own just below ``_LANE_LIMIT`` (far above
+    any fresh number :func:`thread_id` hands out)."""
+    big = sorted(t for t in tids if not 0 < t < _LANE_LIMIT)
+    lanes = {t: t for t in tids if 0 < t < _LANE_LIMIT}
+    lanes.update((t, _LANE_LIMIT - 1 - i) for i, t in enumerate(big))
+    return lanes
+
+
+def _check_mark(method: str, since: object) -> None:
+    """Refuse a ``since`` that is not a mark from :meth:`Telemetry.mark` (an int >= 0)."""
+    if isinstance(since, bool) or not isinstance(since, numbers.Integral) or since < 0:
+        raise ConfigurationError(f"Telemetry.{method}(since=...) is a mark from Telemetry.mark() (an int >= 0), "
+                                 f"got {since!r}.")
+
+
+def _check_time(what: str, t: object) -> None:
+    """Refuse a time that is not a real number (a ``time.perf_counter()`` reading), or is NaN."""
+    if isinstance(t, bool) or not isinstance(t, numbers.Real) or math.isnan(t):
+        raise ConfigurationError(f"{what} is a time.perf_counter() reading: pass a number (not NaN), got {t!r}.")
 
 
 def probe_writable(path: Path) -> None:
@@ -316,7 +386,13 @@ def write_atomically(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path``, then rename it over ``path`` (never half a file)."""
     # a name of this process and thread, created exclusively (and with the umask's permissions, as a plain write)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    f = open(tmp, "x")  # noqa: SIM115 - closed below, before the rename
+    try:
+        f = open(tmp, "x")  # noqa: SIM115 - closed below, before the rename
+    except FileExistsError:
+        # no other writer uses this name now (it is this thread's): a killed writer of the same pid and thread
+        # ident left it behind
+        os.unlink(tmp)
+        f = open(tmp, "x")  # noqa: SIM115
     try:
         with f:
             f.write(text)
@@ -336,8 +412,8 @@ _NAMES_SLACK = 64
 #: this thread's thread_id() once it has one
 _local = threading.local()
 _ids_lock = threading.Lock()
-#: every ``threading.get_ident()`` handed out as some thread's thread_id() in this process (never handed out
-#: again); the OS reuses idents, so this stays as small as the set of distinct idents, however many threads ran
+#: every ``threading.get_ident()`` handed out as the main thread's thread_id() in this process (never handed out
+#: again: one per process, and one more in a child forked from another thread)
 _taken: set[int] = set()
 #: the fresh numbers handed out are 1.._last_fresh, minus those in _taken (kept here, not in _taken: one more
 #: entry per short-lived thread would grow it for the life of the process)
@@ -349,9 +425,10 @@ _thread_ids: weakref.WeakKeyDictionary[threading.Thread, int] = weakref.WeakKeyD
 def thread_id() -> int:
     """The calling thread's id in :attr:`CallRecord.thread` (and a Chrome trace's ``tid``): never given to
     another thread of this process, unlike ``threading.get_ident()``, which the OS reuses once a thread exits
-    (two exited workers would merge into one lane, under one name). It is the thread's
-    ``threading.get_ident()`` unless that was already some earlier thread's id (or a fresh number handed out);
-    then a fresh small number."""
+    (two exited workers would merge into one lane, under one name). The main thread's is its
+    ``threading.get_ident()`` (callers may pass that as :func:`~conduit.exposure.measure_iteration`'s
+    ``loop_threads``; a trace shows it on a lane of its own just below 2**31, as trace viewers read 32-bit
+    tids); every other thread's is a fresh small number (1, 2, ...), which is also its ``tid`` in a trace."""
     try:
         return _local.tid
     except AttributeError:
@@ -361,16 +438,17 @@ def thread_id() -> int:
 def _new_thread_id() -> int:
     global _last_fresh
     ident = threading.get_ident()
+    current = threading.current_thread()
     with _ids_lock:
-        if ident in _taken or ident <= _last_fresh:  # an exited thread had this ident, or it is a fresh number
+        if current is threading.main_thread() and ident not in _taken and ident > _last_fresh:
+            tid = ident
+            _taken.add(tid)
+        else:  # another thread (a trace viewer reads 32-bit tids: an ident, an address, does not fit)
             _last_fresh += 1
             while _last_fresh in _taken:
                 _last_fresh += 1
             tid = _last_fresh
-        else:
-            tid = ident
-            _taken.add(tid)
-        _thread_ids[threading.current_thread()] = tid
+        _thread_ids[current] = tid
     _local.tid = tid
     return tid
 
