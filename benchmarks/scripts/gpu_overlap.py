@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nd = {d}, batch {args.batch}, {args.updates} updates of a {args.hidden}-wide MLP per iteration (ms):")
         for k, m in results[str(d)].items():
             print(f"  {k:11} iteration {m['iteration_s'] * 1e3:8.2f}  update {m['update_s'] * 1e3:8.2f}  "
-                  f"experience path {m['total_s'] * 1e3:7.2f} = hidden {m['hidden_s'] * 1e3:7.2f} + exposed "
+                  f"experience path {m['total_s'] * 1e3:7.2f}, hidden {m['hidden_s'] * 1e3:7.2f}, exposed "
                   f"{m['exposed_s'] * 1e3:7.2f} (ingest {m['ingest_wait_s'] * 1e3:.2f}, deliver "
                   f"{m['deliver_wait_s'] * 1e3:.2f})   over the on-GPU floor {(m['iteration_s'] - floor) * 1e3:+8.2f}")
         s, o = (results[str(d)][k]["iteration_s"] - floor for k in ("sync", "overlapped"))

@@ -37,6 +37,12 @@ __all__ = ["run_synthetic", "run_loop", "LoopResult", "make_scheduler", "SCHEDUL
 #: ``--scheduler`` choices
 SCHEDULERS = ("sync", "sequential", "overlapped", "auto")
 
+#: the largest count a tensor dimension can have (int64)
+_MAX_COUNT = 2**63 - 1
+
+#: where ``conduit demo --synthetic`` writes its Chrome trace unless ``--trace`` says otherwise
+DEFAULT_TRACE = "conduit-synthetic-trace.json"
+
 
 def transition_schema(d: int) -> ExperienceSchema:
     """The synthetic transition: ``obs`` and ``next_obs`` of ``d`` floats, action, reward, done."""
@@ -134,16 +140,34 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
     """
     if rollout < 1:  # the prefill below would ingest empty rollouts forever
         raise ConfigurationError(f"rollout must be a positive number of transitions, got {rollout!r}.")
-    for nm, v, least in (("iterations", iterations, 0), ("warmup", warmup, 0), ("updates", updates, 0),
-                         ("hidden", hidden, 1), ("actions", actions, 1)):
+    for nm, v, least in (("obs_dim", obs_dim, 1), ("iterations", iterations, 0), ("warmup", warmup, 0),
+                         ("updates", updates, 0), ("hidden", hidden, 1), ("actions", actions, 1)):
         if v < least:  # a negative count would silently run nothing (or a network without units)
             raise ConfigurationError(f"{nm} must be an int >= {least}, got {v!r}.")
+    if isinstance(capacity, int) and 0 < capacity < rollout:  # (the buffer refuses it as "a batch ... split it")
+        raise ConfigurationError(f"A rollout of {rollout} transitions does not fit in a buffer of capacity "
+                                 f"{capacity}; lower rollout or raise capacity.")
+    if isinstance(capacity, int) and capacity > _MAX_COUNT:  # (numpy refuses such a shape with a bare ValueError)
+        raise ConfigurationError(f"capacity must be at most 2**63 - 1 items, got {capacity!r}; lower it.")
     sched = scheduler if scheduler is not None else Synchronous()
     plc = placement if placement is not None else HostPlacement()
-    edp = ExperienceDataPlane(transition_schema(obs_dim), capacity=capacity, semantics=Replay(seed=seed),
-                              placement=plc, scheduler=sched, device=device)
+    try:
+        edp = ExperienceDataPlane(transition_schema(obs_dim), capacity=capacity, semantics=Replay(seed=seed),
+                                  placement=plc, scheduler=sched, device=device)
+    except (MemoryError, RuntimeError) as e:  # the buffer is allocated whole, up front
+        if not _out_of_memory(e):
+            raise
+        raise ConfigurationError(f"Not enough memory for a buffer of capacity {capacity} transitions of "
+                                 f"d={obs_dim} ({_first_line(e)}); lower capacity or obs_dim.") from e
     env = torch.Generator().manual_seed(seed + 1)
-    learner = _Learner(obs_dim, hidden, actions, seed, edp.device)
+    try:
+        learner = _Learner(obs_dim, hidden, actions, seed, edp.device)
+    except (MemoryError, RuntimeError) as e:
+        edp.close()
+        if not _out_of_memory(e):
+            raise
+        raise ConfigurationError(f"Not enough memory for the learner's network (d={obs_dim}, hidden {hidden}, "
+                                 f"{actions} actions) ({_first_line(e)}); lower hidden or obs_dim.") from e
     actor = _Learner(obs_dim, 16, actions, seed + 2, torch.device("cpu"))
     tel = edp.telemetry
     log = ExposureLog(tel)
@@ -188,6 +212,16 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
     return result
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """``e`` is an allocation that failed for want of memory (numpy's MemoryError, torch's RuntimeError)."""
+    return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and (
+        isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)))
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def _change(new: float, old: float) -> str:
     r = 1 - new / old
     return f"{r:.0%} lower" if r >= 0 else f"{-r:.0%} higher"
@@ -229,7 +263,8 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
                    "overlap, one worker hand-off per chunk of this many batches")
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the synchronous baseline and report the exposed-latency reduction")
-    p.add_argument("--trace", default="conduit-synthetic-trace.json", help="Chrome trace output ('' for none)")
+    p.add_argument("--trace", default=DEFAULT_TRACE,
+                   help=f"Chrome trace output (default {DEFAULT_TRACE} in the current directory; '' for none)")
     args = p.parse_args(list(argv or []))
     if args.trace:
         _check_output(Path(args.trace))
@@ -240,14 +275,23 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
           f"per iteration, MLP hidden {args.hidden}, torch threads {torch.get_num_threads()}")
     header = f"{'iter':>5}{'iteration':>10}{'rollout':>10}{'update':>10}{'exp.path':>10}{'hidden':>10}{'exposed':>10}"
 
+    sched = make_scheduler(args.scheduler, g_ing=args.g_ing, g_del=args.g_del)
+    probing: list[int] = []  # accounted iterations that ended with the automatic scheduler still calibrating
+
     def show(i: int, e: IterationExposure) -> None:
         print(f"{i:5d}{_ms(e.iteration_s)}{_ms(e.rollout_s)}{_ms(e.update_s)}{_ms(e.total_s)}{_ms(e.hidden_s)}"
               f"{_ms(e.exposed_s)}")
+        if isinstance(sched, Automatic) and sched.decision is None:
+            probing.append(i)
 
-    sched = make_scheduler(args.scheduler, g_ing=args.g_ing, g_del=args.g_del)
     print(f"\nscheduler {sched!r} (ms per iteration)\n{header}")
     res = run_loop(scheduler=sched, trace=args.trace or None, on_iteration=show, **common)  # type: ignore[arg-type]
     _summary(res)
+    if probing:  # those figures time its probes of every granularity, not its choice
+        print(f"note: the automatic scheduler was still calibrating in {len(probing)} of the {len(res.iterations)} "
+              f"accounted iterations ({'it decided later' if res.decision else 'it never decided'}), so these "
+              f"figures include its probing; raise --warmup (`conduit schedule calibrate` uses 28) to time its "
+              f"choice alone.")
     if res.decision:
         print("\nautomatic configuration:\n" + res.decision)
     if args.trace:
@@ -266,5 +310,6 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
 
 def _summary(res: LoopResult) -> None:
     it, tot, hid, exp = (res.median(k) for k in ("iteration_s", "total_s", "hidden_s", "exposed_s"))
-    print(f"median: iteration {it * 1e3:.2f} ms, experience path {tot * 1e3:.2f} ms = hidden {hid * 1e3:.2f} + "
-          f"exposed {exp * 1e3:.2f} ({exp / it:.0%} of the iteration exposed)" if it else "no iterations")
+    # (each is the median of its own column: the medians of hidden and exposed need not add up to the total's)
+    print(f"median: iteration {it * 1e3:.2f} ms, experience path {tot * 1e3:.2f} ms, hidden {hid * 1e3:.2f} ms, "
+          f"exposed {exp * 1e3:.2f} ms ({exp / it:.0%} of the iteration exposed)" if it else "no iterations")

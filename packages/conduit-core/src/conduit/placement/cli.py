@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
+import tempfile
+from pathlib import Path
 
 __all__ = ["register"]
 
@@ -32,7 +35,12 @@ def _count(text: str) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from conduit.placement.profile import load_profile, profile_machine, profile_path
 
-    prof = load_profile() if args.cached else profile_machine(refresh=True, quick=args.quick)
+    if args.cached:
+        prof = load_profile()
+    else:  # the command's job is the cache: refused before measuring if it cannot be written, said once written
+        _check_cache_writable(profile_path())
+        prof = profile_machine(cache=False, quick=args.quick)
+        prof.save()
     if args.json:
         print(json.dumps({**prof.to_dict(), "path": str(profile_path())}, indent=1))
         return 0
@@ -49,6 +57,26 @@ def _profile(args: argparse.Namespace) -> int:
     if not prof.details.get("disk_read_cold", True):
         print("note: disk_read was measured with the page cache warm (this OS cannot drop it per file)")
     return 0
+
+
+def _check_cache_writable(path: Path) -> None:
+    """Make sure the profile can be cached at ``path`` (its folder is created; probed, left as it was).
+
+    Raises:
+        PlacementError: the folder cannot be created or the file cannot be written.
+    """
+    from conduit.errors import PlacementError
+
+    try:  # the profile is written beside its path, then renamed over it
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".conduit-probe-"):
+            pass
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "Is a directory")
+    except OSError as e:
+        raise PlacementError(f"Cannot cache the bandwidth profile at {path} ({e.strerror or e}); point "
+                             f"CONDUIT_CACHE_DIR at a writable directory, or use --cached to show the cached "
+                             f"one.") from e
 
 
 def _size(b: float) -> str:
@@ -85,8 +113,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("profile", help="measure this machine's data paths (bandwidth, per-call overhead) and cache "
                                        "them")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
-    p.add_argument("--quick", action="store_true", help="fewer repetitions, smaller buffers")
-    p.add_argument("--cached", action="store_true", help="show the cached profile instead of measuring")
+    how = p.add_mutually_exclusive_group()  # (--quick says how to measure; --cached does not measure)
+    how.add_argument("--quick", action="store_true", help="fewer repetitions, smaller buffers")
+    how.add_argument("--cached", action="store_true", help="show the cached profile instead of measuring")
     p.set_defaults(func=_profile)
 
     q = sub.add_parser("plan", help="choose a placement for a transition buffer and explain every candidate")

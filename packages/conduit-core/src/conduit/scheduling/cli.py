@@ -27,9 +27,30 @@ _DESCRIPTION = """The safe granularity ranges of a job, and what the automatic s
                                                per granularity, the measured confirmation)"""
 
 
+#: the most granularities ``conduit schedule ranges`` lists per range (each is printed; more would run for hours)
+_MAX_LISTED = 10_000
+
+
+def _check_listed(*flags: tuple[str, int | None]) -> None:
+    """Refuse a cap above :data:`_MAX_LISTED` (the granularities up to it are enumerated one by one).
+
+    Raises:
+        ConfigurationError: one is larger; the message names its flag.
+    """
+    for flag, v in flags:
+        if v is not None and v > _MAX_LISTED:
+            raise ConfigurationError(f"{flag} {v} would list {v} granularities one by one; give at most "
+                                     f"{_MAX_LISTED}.")
+
+
 def _ranges(args: argparse.Namespace) -> int:
     from conduit.scheduling.granularity import safe_ranges
 
+    _check_listed(("-M", args.num_minibatches), ("--g-ing-max", args.g_ing_max), ("--g-del-max", args.g_del_max))
+    if (args.batch_bytes is None) != (args.memory_budget is None):  # one alone caps nothing
+        given, missing = ("--batch-bytes", "--memory-budget") if args.memory_budget is None else \
+            ("--memory-budget", "--batch-bytes")
+        raise ConfigurationError(f"{given} caps g_del only together with {missing}; give both, or neither.")
     r = safe_ranges(on_policy=args.on_policy, num_minibatches=args.num_minibatches, g_ing_max=args.g_ing_max,
                     g_del_max=args.g_del_max, batch_bytes=args.batch_bytes, memory_budget=args.memory_budget)
     print(r.describe())
@@ -43,6 +64,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.updates < 1:  # without deliveries the calibration never starts, whatever --warmup says
         raise ConfigurationError(f"--updates must be >= 1 to calibrate (Automatic calibrates on the learner's "
                                  f"deliveries), got {args.updates}.")
+    _check_listed(("--g-ing-max", args.g_ing_max), ("--g-del-max", args.g_del_max))
     overlap = {"auto": None, "on": True, "off": False}[args.overlap]
     sched = Automatic(overlap=overlap, g_ing_max=args.g_ing_max, g_del_max=args.g_del_max)
     print(f"calibrating on the synthetic loop: d={args.obs_dim}, batch {args.batch}, rollout {args.rollout}, "
@@ -65,11 +87,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     sp = p.add_subparsers(dest="schedule_command", required=True)
     r = sp.add_parser("ranges", help="safe g_ing / g_del ranges from on/off-policy and M")
     r.add_argument("--on-policy", action="store_true", help="an on-policy job (default: off-policy)")
-    r.add_argument("-M", "--num-minibatches", type=int, default=None, help="minibatch updates per rollout")
-    r.add_argument("--g-ing-max", type=int, default=8)
-    r.add_argument("--g-del-max", type=int, default=8)
-    r.add_argument("--batch-bytes", type=int, default=None, help="bytes per delivered batch (with --memory-budget)")
-    r.add_argument("--memory-budget", type=int, default=None, help="bytes the delivery buffers may take")
+    r.add_argument("-M", "--num-minibatches", type=int, default=None,
+                   help=f"minibatch updates per rollout (at most {_MAX_LISTED})")
+    r.add_argument("--g-ing-max", type=int, default=8,
+                   help=f"cap on rollouts per ingestion call (off-policy; default 8, at most {_MAX_LISTED})")
+    r.add_argument("--g-del-max", type=int, default=8,
+                   help=f"cap on batches per delivery call (off-policy; default 8, at most {_MAX_LISTED})")
+    r.add_argument("--batch-bytes", type=int, default=None,
+                   help="bytes per delivered batch (together with --memory-budget: caps g_del)")
+    r.add_argument("--memory-budget", type=int, default=None,
+                   help="bytes the delivery buffers may take (together with --batch-bytes)")
     r.set_defaults(func=_ranges)
     c = sp.add_parser("calibrate", help="run the synthetic loop under the automatic scheduler and explain its choice")
     c.add_argument("--obs-dim", type=int, default=1000)
@@ -78,8 +105,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     c.add_argument("--updates", type=int, default=4)
     c.add_argument("--capacity", type=int, default=8192)
     c.add_argument("--overlap", choices=("auto", "on", "off"), default="auto")
-    c.add_argument("--g-ing-max", type=int, default=8)
-    c.add_argument("--g-del-max", type=int, default=8)
+    c.add_argument("--g-ing-max", type=int, default=8, help=f"default 8, at most {_MAX_LISTED}")
+    c.add_argument("--g-del-max", type=int, default=8, help=f"default 8, at most {_MAX_LISTED}")
     c.add_argument("--warmup", type=int, default=28, help="iterations for calibration (not accounted)")
     c.add_argument("--iterations", type=int, default=5)
     c.set_defaults(func=_calibrate)

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 from conduit.errors import ConfigurationError
 from conduit.simulation.cluster import NETWORKS, SCENARIOS, Network, Scenario
 from conduit.simulation.model import BASELINES, run_scenario
+from conduit.telemetry import write_atomically
 
 __all__ = ["register", "simulate", "table", "plot"]
 
@@ -91,7 +93,8 @@ def table(scenario: Scenario, rows: list[dict[str, Any]], baseline: str, network
 def plot(results: dict[str, tuple[Scenario, list[dict[str, Any]]]], path: Path) -> Path | None:
     """One panel per scenario: simulated adaptive and non-adaptive latency, and the paper's points.
 
-    Returns None when matplotlib is missing (``pip install 'conduit-core[plot]'``).
+    The image is written whole or not at all (a failed write leaves the previous one). Returns None when
+    matplotlib is missing (``pip install 'conduit-core[plot]'``).
     """
     try:
         import matplotlib
@@ -120,9 +123,29 @@ def plot(results: dict[str, tuple[Scenario, list[dict[str, Any]]]], path: Path) 
     fig.suptitle("Conduit scale simulator (discrete-event SIMULATION, not a measurement)", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written whole, then renamed over ``path``
+    try:
+        fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".") or "png")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
     return path
+
+
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (the previous file stays when the write fails).
+
+    Raises:
+        ConfigurationError: it cannot be written (the message names it and what to do).
+    """
+    try:
+        write_atomically(path, text)
+    except OSError as e:
+        raise ConfigurationError(f"Cannot write {str(path)!r} ({e.strerror or e}); free space there or give --out "
+                                 f"a writable directory.") from e
 
 
 def simulate(args: argparse.Namespace) -> int:
@@ -153,14 +176,17 @@ def simulate(args: argparse.Namespace) -> int:
         rows = run_scenario(sc, baseline=args.baseline, samples=args.samples, network=net)
         results[name] = (sc, rows)
         md = table(sc, rows, args.baseline, net)
-        (out / f"scale-{name}.md").write_text(md + "\n")
+        _write(out / f"scale-{name}.md", md + "\n")
         scenario = dataclasses.asdict(sc) | {"description": sc.title}
-        (out / f"scale-{name}.json").write_text(json.dumps({"label": LABEL, "scenario": scenario,
-                                                            "network": net.source, "fetch": args.fetch,
-                                                            "baseline": args.baseline,
-                                                            "rows": rows}, indent=1, default=str))
+        _write(out / f"scale-{name}.json", json.dumps({"label": LABEL, "scenario": scenario, "network": net.source,
+                                                       "fetch": args.fetch, "baseline": args.baseline,
+                                                       "rows": rows}, indent=1, default=str))
         print(md, "\n")
-    png = plot(results, out / "scale.png")
+    try:
+        png = plot(results, out / "scale.png")
+    except OSError as e:
+        raise ConfigurationError(f"Cannot write the plot {str(out / 'scale.png')!r} ({e.strerror or e}); free "
+                                 f"space there or give --out a writable directory.") from e
     print(f"wrote {out}/scale-*.md, scale-*.json" + (f" and {png}" if png else
                                                       " (no PNG: pip install 'conduit-core[plot]')"))
     return 0
