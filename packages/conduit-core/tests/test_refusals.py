@@ -145,3 +145,31 @@ def test_an_old_schema_batch_stored_after_a_growing_migration_goes_through_its_t
     assert data["obs"][-1].tolist() == [101.0, 101.0, 101.0, 101.0, 0.0]
     edp.ingest({"obs": torch.ones(1, 5), "action": torch.zeros(1, dtype=torch.int64)})  # the new schema as is
     assert edp.storage.state_dict()["data"]["obs"][-1].tolist() == [1.0] * 5
+
+
+# -- options and roles of the wrong kind ----------------------------------------------------------------------------
+def test_a_misspelt_delivery_option_is_refused_typed() -> None:
+    replay = ExperienceDataPlane(ExperienceSchema(obs=Field((2,))), capacity=16,
+                                 semantics=Replay(PrioritizedSampler(), seed=0))
+    replay.ingest({"obs": torch.randn(8, 2)})
+    before = replay.state_dict()
+    for bad in ({"betta": 0.4}, {"replce": False}):
+        with pytest.raises(ConfigurationError, match="check the spelling"):
+            replay.deliver(4, **bad)
+    twin = ExperienceDataPlane(ExperienceSchema(obs=Field((2,))), capacity=16,
+                               semantics=Replay(PrioritizedSampler(), seed=0))
+    twin.load_state_dict(before)
+    assert replay.deliver(4)[1].handles.tolist() == twin.deliver(4)[1].handles.tolist(), "a refusal drew"
+    ppo = ExperienceDataPlane(ExperienceSchema(obs=Field((2,))), capacity=16, semantics=OnPolicy(num_minibatches=2))
+    ppo.ingest({"obs": torch.randn(8, 2)}, version=0)
+    ppo.seal()
+    with pytest.raises(ConfigurationError, match="takes no options"):
+        ppo.deliver(beta=0.4)
+    assert len(ppo) == 8
+
+
+@pytest.mark.parametrize("kwargs", [{"semantics": "replay"}, {"placement": "host"}, {"scheduler": "sync"},
+                                    {"device": "nope"}, {"device": 3.5}])
+def test_roles_and_devices_of_the_wrong_kind_are_refused_typed(kwargs: dict) -> None:
+    with pytest.raises(ConfigurationError, match="must be a"):
+        ExperienceDataPlane(ExperienceSchema(obs=Field((2,))), capacity=4, **kwargs)

@@ -165,6 +165,18 @@ class ExperienceDataPlane:
                  device: torch.device | str | None = None, ragged_capacity: int | None = None) -> None:
         if not isinstance(schema, ExperienceSchema):
             raise ConfigurationError("schema must be a conduit.ExperienceSchema.")
+        roles = (("semantics", semantics, Semantics, "Replay() or OnPolicy(...)"),
+                 ("placement", placement, Placement, "HostPlacement(), DevicePlacement(...), ..."),
+                 ("scheduler", scheduler, Scheduler, "Synchronous(), Overlapped(...) or Automatic()"))
+        for name, role, kind, e in roles:
+            if role is not None and not isinstance(role, kind):
+                raise ConfigurationError(f"{name} must be a conduit {kind.__name__} (e.g. {e}), got {role!r}.")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as exc:
+                raise ConfigurationError(f"device must be a torch device or its name (e.g. 'cpu', 'cuda:0'), got "
+                                         f"{device!r}.") from exc
         self.schema = schema
         self.semantics: Semantics = semantics if semantics is not None else Replay()
         self.placement: Placement = placement if placement is not None else HostPlacement()
@@ -463,6 +475,10 @@ class ExperienceDataPlane:
 
     def set_policy_version(self, version: int) -> None:
         """Tell the buffer which policy version the learner is at (staleness is measured against it).
+
+        The version may also go back (a learner that reverts to an older policy, or a retry of a
+        delivery refused as stale): staleness is measured against it, so it can come out negative
+        for rollouts newer than the policy, and such rollouts are never stale.
 
         Raises:
             ConfigurationError: ``version`` is not an integer (a NumPy or 0-d tensor integer is fine);

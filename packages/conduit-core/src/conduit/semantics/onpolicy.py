@@ -276,7 +276,11 @@ class OnPolicy(Semantics):
         if self._finished_end is not None and self._finished_end <= upto:
             self._finished_end = None
 
-    def select(self, n: int | None = None, **_: Any) -> Selection:
+    def select(self, n: int | None = None, **unknown: Any) -> Selection:
+        if unknown:
+            raise ConfigurationError(f"On-policy delivery takes no options (its minibatches are set by "
+                                     f"num_minibatches/minibatch_size), got {', '.join(sorted(unknown))}; call "
+                                     f"deliver() without them.")
         if n is not None:
             raise ConfigurationError("On-policy delivery sizes are set by num_minibatches/minibatch_size; "
                                      "call deliver() without n.")

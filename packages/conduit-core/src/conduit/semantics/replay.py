@@ -352,7 +352,10 @@ class Replay(Semantics):
     def on_append(self, result: AppendResult, *, version: int | None, priorities: torch.Tensor | None) -> None:
         self.sampler.on_append(result, priorities)
 
-    def select(self, n: int | None, *, replace: bool = True, beta: float | None = None, **_: Any) -> Selection:
+    def select(self, n: int | None, *, replace: bool = True, beta: float | None = None, **unknown: Any) -> Selection:
+        if unknown:
+            raise ConfigurationError(f"Replay delivery takes the options replace= and beta=, not "
+                                     f"{', '.join(sorted(unknown))}; check the spelling.")
         if type(n) is not int and (isinstance(n, bool) or not isinstance(n, Integral)) or n <= 0:
             raise ConfigurationError(f"Replay delivery needs a positive batch size n (an int), got {n!r}.")
         n = int(n)
