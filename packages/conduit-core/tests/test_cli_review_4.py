@@ -212,3 +212,16 @@ def test_schedule_calibrate_huge_caps_are_refused_before_running(flag: str) -> N
     assert run.returncode == 2, (run.returncode, run.stderr[-1500:])
     assert run.stderr.startswith("error: ") and flag in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert "calibrating" not in run.stdout, "the loop started before the cap was refused"
+
+
+def test_demo_help_names_the_synthetic_loop_beside_an_adapters_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import entry_points
+
+    with pytest.raises(SystemExit) as done:
+        main(["demo", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    if list(entry_points(group="conduit.demos")):  # an adapter's demo prints its own options: the note says more
+        assert "conduit demo --synthetic" in out, out[:400]
+    else:  # core alone: the synthetic loop's own help
+        assert "--scheduler" in out, out[:400]

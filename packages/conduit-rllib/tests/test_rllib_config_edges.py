@@ -118,3 +118,12 @@ def test_a_single_chunk_over_capacity_says_what_to_configure_and_stores_nothing(
     assert len(buf) == (0 if first else 3) and buf.get_added_timesteps() == (0 if first else 3)
     buf.add([id_episode(np.arange(200, 204))])  # keeps working: FIFO eviction per transition
     assert len(buf) == 4
+
+
+def test_a_scheduler_for_ppo_is_refused_not_dropped() -> None:
+    from conduit import Overlapped
+
+    config = PPOConfig().environment("CartPole-v1")
+    with pytest.raises(UnsupportedConfigError, match="DQN/SAC replay only"):
+        enable(config, scheduler=Overlapped)
+    assert not is_enabled(config), "a refused enable() must not wire anything"

@@ -26,6 +26,9 @@ def _demo(args: argparse.Namespace) -> int:
     if not args.synthetic:
         demos = sorted(entry_points(group="conduit.demos"), key=lambda e: e.name)
         if demos:
+            if {"-h", "--help"} & set(args.rest):  # the adapter's parser prints its own options only
+                print(f"conduit demo runs {demos[0].name}'s demo (its options below); `conduit demo --synthetic "
+                      f"[--help]` runs core's synthetic actor/learner loop instead.\n")
             run = demos[0].load()
             return int(run(args.rest) or 0)
     from conduit.demo import run_synthetic

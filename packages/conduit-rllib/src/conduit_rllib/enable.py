@@ -233,7 +233,7 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
 
     Keyword Args:
         placement: where experience lives (default: host memory; a PPO batch stays on its device).
-        scheduler: off-policy only, a zero-argument factory for the data plane's scheduler.
+        scheduler: off-policy only, a zero-argument factory for the data plane's scheduler (refused for PPO).
         prefetch: on-policy only, gather minibatch k + 1 on a worker thread while k trains.
 
     Raises:
@@ -277,6 +277,10 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
         config.callbacks(on_algorithm_init=[*hooks, InstallReplayBuffer(placement, scheduler)])
         config.learners(learner_class=learner)
     else:
+        if scheduler is not None:  # (the on-policy path prefetches on its own: see prefetch=)
+            raise UnsupportedConfigError("scheduler= applies to DQN/SAC replay only; PPO's minibatch delivery is "
+                                         "scheduled by Conduit's on-policy path (prefetch=True/False). Drop "
+                                         "scheduler= for PPO.")
         if config.num_learners > 1:
             raise UnsupportedConfigError(f"Conduit's PPO path runs with at most one learner (num_learners <= 1); "
                                          f"got {config.num_learners}.")
