@@ -12,7 +12,7 @@ delivery path builds no Python object per transition. Code that iterates it anyw
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, overload
 
 import torch
@@ -41,20 +41,30 @@ class ConduitSampledEpisodes(Sequence[SingleAgentEpisode]):
         module_id: the RLModule the batch trains.
         episode_ids: per transition, the id of the episode it was stored from (None where unknown);
             transition ``i`` as a ``SingleAgentEpisode`` carries it as its ``id_``, as RLlib's buffers'
-            samples carry their source episode's id.
+            samples carry their source episode's id. Looked up on first read (the training step never
+            reads it), so like the columns it is exact while the batch is valid.
     """
 
-    __slots__ = ("columns", "handles", "module_id", "observation_space", "action_space", "episode_ids")
+    __slots__ = ("columns", "handles", "module_id", "observation_space", "action_space", "_eids")
 
     def __init__(self, columns: dict[str, torch.Tensor], handles: torch.Tensor, *,
                  module_id: str = DEFAULT_MODULE_ID, observation_space: Any = None, action_space: Any = None,
-                 episode_ids: Sequence[str | None] | None = None) -> None:
+                 episode_ids: Sequence[str | None] | Callable[[], Sequence[str | None]] | None = None) -> None:
+        """``episode_ids``: the ids, or a function that looks them up when they are first read."""
         self.columns = columns
         self.handles = handles
         self.module_id = module_id
         self.observation_space = observation_space
         self.action_space = action_space
-        self.episode_ids: list[str | None] = list(episode_ids) if episode_ids is not None else [None] * len(handles)
+        self._eids: list[str | None] | Callable[[], Sequence[str | None]] | None = (
+            episode_ids if episode_ids is None or callable(episode_ids) else list(episode_ids))
+
+    @property
+    def episode_ids(self) -> list[str | None]:
+        """Per transition, its source episode's id (None where unknown)."""
+        if not isinstance(self._eids, list):
+            self._eids = [None] * len(self) if self._eids is None else list(self._eids())
+        return self._eids
 
     def __len__(self) -> int:
         return int(self.handles.shape[0])

@@ -31,6 +31,7 @@ Semantics, compared with RLlib's buffers of the same kind:
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import warnings
@@ -372,18 +373,19 @@ class _ConduitReplay:
             self._counts["n_step_sum"] += b if actual is None else int(actual.sum())
             return ConduitSampledEpisodes(cols, handles, module_id=DEFAULT_MODULE_ID,
                                           observation_space=self.observation_space, action_space=self.action_space,
-                                          episode_ids=self._episode_ids(handles))
+                                          episode_ids=functools.partial(self._episode_ids, handles, self._eid))
 
-    def _episode_ids(self, handles: torch.Tensor) -> np.ndarray:
-        """The source episode id of each sampled handle (None where its slot already describes a newer step: an
-        item a background ingestion or a prepared draw delivered after its slot was reused)."""
-        assert self._eid is not None
-        h = handles.numpy() if handles.device.type == "cpu" else handles.cpu().numpy()
-        ids = self._eid[h % self.capacity]
-        stale = h < self._next - self.capacity
-        if stale.any():
-            ids[stale] = None
-        return ids
+    def _episode_ids(self, handles: torch.Tensor, eid: np.ndarray) -> np.ndarray:
+        """The source episode id of each sampled handle, read from ``eid`` (the per-slot ids when it was sampled):
+        None where its slot describes a newer step by now (an item a background ingestion or a prepared draw
+        delivered after its slot was reused, or evicted since it was sampled)."""
+        with self._lock:
+            h = handles.numpy() if handles.device.type == "cpu" else handles.cpu().numpy()
+            ids = eid[h % self.capacity]
+            stale = h < self._next - self.capacity
+            if stale.any():
+                ids[stale] = None
+            return ids
 
     def _unit(self, b: int, dtype: torch.dtype) -> torch.Tensor:
         """``b`` ones on the learner's device (unit weights, one-step returns), kept between samples."""
