@@ -250,3 +250,31 @@ def test_a_checkpoint_read_after_close_continues_the_draws_a_prefetching_buffer_
     expected = [_ids(ref.deliver(8)[0]) for _ in range(3)]
     got = [_ids(twin.deliver(8)[0]) for _ in range(3)]
     assert got == expected, "the checkpoint read after close skipped the draws the closed buffer had prepared"
+
+
+@pytest.mark.parametrize("sched", ["sync", "overlapped"])
+def test_a_read_that_fails_still_hands_its_selection_over_so_storage_is_freed(sched: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduler = Synchronous() if sched == "sync" else Overlapped(g_del=1)
+    edp = ExperienceDataPlane(ID_SCHEMA, capacity=8, semantics=OnPolicy(num_minibatches=2, shuffle=False),
+                              scheduler=scheduler)
+    edp.ingest(id_batch(np.arange(8)), version=0)
+    edp.seal()
+    storage = edp.storage
+    real = storage.gather
+    failures = [OSError("the disk went away")]
+
+    def gather_failing_once(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(storage, "gather", gather_failing_once)
+    with pytest.raises(OSError, match="disk went away"):
+        edp.deliver()  # the first minibatch: selected, its read failed
+    assert edp.semantics.state_dict()["outstanding"] == [], "the failed read's selection is still outstanding"
+    batch, info = edp.deliver()  # the second minibatch finishes the rollout
+    assert info.last and sorted(_ids(batch)) == [4, 5, 6, 7]
+    assert len(edp) == 0, "the finished rollout's storage was never freed"
+    edp.ingest(id_batch(np.arange(8, 16)), version=0)  # room for a whole new rollout
+    edp.close()

@@ -115,6 +115,27 @@ def _owner_counts_work() -> bool:
 _OWNER_COUNTS = _owner_counts_work()
 
 
+def check_roles(*, semantics: object = None, placement: object = None, scheduler: object = None,
+                device: object = None) -> torch.device | None:
+    """Refuse roles of the wrong kind (e.g. ``semantics="replay"``) and unknown devices with a
+    :class:`ConfigurationError` before a buffer builds anything; returns ``device`` as a torch device
+    (None stays None).
+    """
+    roles = (("semantics", semantics, Semantics, "Replay() or OnPolicy(...)"),
+             ("placement", placement, Placement, "HostPlacement(), DevicePlacement(...), ..."),
+             ("scheduler", scheduler, Scheduler, "Synchronous(), Overlapped(...) or Automatic()"))
+    for name, role, kind, e in roles:
+        if role is not None and not isinstance(role, kind):
+            raise ConfigurationError(f"{name} must be a conduit {kind.__name__} (e.g. {e}), got {role!r}.")
+    if device is None:
+        return None
+    try:
+        return torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigurationError(f"device must be a torch device or its name (e.g. 'cpu', 'cuda:0'), got "
+                                 f"{device!r}.") from exc
+
+
 class ExperienceDataPlane:
     """The object a framework adapter holds: one buffer of experience and its three control points.
 
@@ -165,18 +186,7 @@ class ExperienceDataPlane:
                  device: torch.device | str | None = None, ragged_capacity: int | None = None) -> None:
         if not isinstance(schema, ExperienceSchema):
             raise ConfigurationError("schema must be a conduit.ExperienceSchema.")
-        roles = (("semantics", semantics, Semantics, "Replay() or OnPolicy(...)"),
-                 ("placement", placement, Placement, "HostPlacement(), DevicePlacement(...), ..."),
-                 ("scheduler", scheduler, Scheduler, "Synchronous(), Overlapped(...) or Automatic()"))
-        for name, role, kind, e in roles:
-            if role is not None and not isinstance(role, kind):
-                raise ConfigurationError(f"{name} must be a conduit {kind.__name__} (e.g. {e}), got {role!r}.")
-        if device is not None:
-            try:
-                device = torch.device(device)
-            except (RuntimeError, TypeError) as exc:
-                raise ConfigurationError(f"device must be a torch device or its name (e.g. 'cpu', 'cuda:0'), got "
-                                         f"{device!r}.") from exc
+        device = check_roles(semantics=semantics, placement=placement, scheduler=scheduler, device=device)
         self.schema = schema
         self.semantics: Semantics = semantics if semantics is not None else Replay()
         self.placement: Placement = placement if placement is not None else HostPlacement()
@@ -359,8 +369,10 @@ class ExperienceDataPlane:
             self._check_open()
             sel = self.semantics.select(n, **kwargs)
             k = int(sel.slots.shape[0])
-            batch = self.storage.gather(sel.slots, self._gather_out.next(k))
-            self.semantics.after_gather(sel)
+            try:
+                batch = self.storage.gather(sel.slots, self._gather_out.next(k))
+            finally:  # handed over either way: a read that failed consumed the selection (the error says so)
+                self.semantics.after_gather(sel)
             # taken under the lock: a migration may swap the ring, and concurrent deliveries get distinct buffers
             dev_bufs = self._device_out.next(k) if self._device_out is not None else None
         if dev_bufs is not None:

@@ -53,6 +53,7 @@ from conduit.distributed.server import ping
 from conduit.distributed.servers import ShardServers
 from conduit.distributed.transport import OBJECT_STORE, TORCH, TRANSPORTS, TorchGroup
 from conduit.distributed.wire import from_wire, packed_nbytes, to_wire, unpack_rows
+from conduit.edp import check_roles
 from conduit.errors import CapacityError, ConduitError, ConfigurationError, EmptyBufferError
 from conduit.scheduling.base import Scheduler, Synchronous
 from conduit.schema import ExperienceSchema
@@ -164,6 +165,13 @@ class DistributedDataPlane:
     ``scheduler.output_depth`` deliveries. An :class:`ExperienceRef` is stored in the call
     (after what is queued before it); so is everything with the synchronous scheduler.
 
+    After :meth:`close` the buffer takes no more work, as :class:`~conduit.ExperienceDataPlane`:
+    ingesting, delivering, the scheduler primitives (``*_now``), sealing, setting the policy
+    version, updating priorities and ``load_state_dict`` raise :class:`~conduit.ConfigurationError`
+    ("closed"); build a new buffer. ``close()`` again is harmless. Unlike a single-node buffer,
+    :meth:`state_dict` and :meth:`read` are refused too (close dropped the shards' partitions):
+    take the checkpoint before ``close()``.
+
     Args:
         schema: the fields of one item.
 
@@ -232,6 +240,7 @@ class DistributedDataPlane:
             raise ConfigurationError(f"transport must be one of {TRANSPORTS}, got {transport!r}.")
         if _PRODUCER in schema:
             raise ConfigurationError(f"The field name {_PRODUCER!r} is reserved by DistributedDataPlane; rename it.")
+        device = check_roles(semantics=semantics, scheduler=scheduler, device=device) or torch.device("cpu")
         ray_module()
         self.schema = schema
         self.semantics: Semantics = semantics if semantics is not None else Replay()
@@ -239,7 +248,7 @@ class DistributedDataPlane:
         self.index = ShardIndex(schema, capacity, replication)
         self.replication = replication
         self.timeout = float(timeout)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = device
         self.telemetry = Telemetry()
         self.on_loss = on_loss
         self.losses: list[LossReport] = []
@@ -397,8 +406,12 @@ class DistributedDataPlane:
         return self.plan.transfer_seconds(node, self.learner_node, 1 << 20)
 
     def _check_open(self) -> None:
+        """:class:`ConfigurationError` once :meth:`close` ran (it dropped the shards' partitions: nothing is left to
+        read or change)."""
         if self._closed:
-            raise ConfigurationError("This buffer is closed; build a new DistributedDataPlane.")
+            raise ConfigurationError("This DistributedDataPlane is closed (its shards dropped their partitions); build "
+                                     "a new one (load a state_dict() taken before close() into it to keep the "
+                                     "contents).")
 
     # -- ingestion --------------------------------------------------------------------------------
     def ingest(self, batch: Mapping[str, Any] | ExperienceBatch | ExperienceRef, *, version: int | None = None,
@@ -422,6 +435,7 @@ class DistributedDataPlane:
             TransferError: a staged batch could not be read (its producer or node died).
             ClusterError: no live shard can take the items.
         """
+        self._check_open()
         t0 = time.perf_counter()
         sync = isinstance(self.scheduler, Synchronous)
         if isinstance(batch, ExperienceRef) or sync:
@@ -430,7 +444,6 @@ class DistributedDataPlane:
             out = self._ingest(batch, version, priorities, node, validated=False)
             n = int(out.shape[0])
         else:
-            self._check_open()
             b = ExperienceBatch.checked(batch, self.schema)
             n = b.batch_size
             self.index.evictions_for(n)  # raises CapacityError for a batch larger than the capacity
@@ -660,7 +673,8 @@ class DistributedDataPlane:
         were all lost is skipped (the next one is delivered in its place; the lost items
         are in :attr:`losses`), except the rollout's last, which then comes back empty with
         ``info.last`` set, so the learner still sees the rollout end. The same holds under a
-        prefetching scheduler.
+        prefetching scheduler. An on-policy delivery whose read fails (e.g. :class:`RemoteTimeoutError`)
+        has consumed its minibatch (it is not delivered again), and releases it as a delivered one.
 
         Raises:
             EmptyBufferError: nothing to deliver.
@@ -764,8 +778,10 @@ class DistributedDataPlane:
                                    skip_lost=not peek), sels
 
     def release_now(self, selection: Selection) -> None:
-        """Tell the semantics a selection was handed over (on-policy frees a finished rollout here)."""
+        """Tell the semantics a selection was handed over (on-policy frees a finished rollout here, and storage
+        held back for the selection)."""
         with self._lock:
+            self._check_open()
             self.semantics.after_gather(selection)
 
     def _read_on_policy(self, sel: Selection, out: Callable[[int], Mapping[str, torch.Tensor] | None], *,
@@ -785,8 +801,8 @@ class DistributedDataPlane:
             dropped[self._fetch(handles, np.nonzero(~dropped)[0], asm)] = True
             if not skip_lost or not dropped.all() or sel.info.last or k == 0:
                 break
+            nxt = self.semantics.select(None)  # first: should it fail, ``sel`` is still the caller's to hand over
             self.semantics.after_gather(sel)
-            nxt = self.semantics.select(None)
             sel.slots, sel.info = nxt.slots, nxt.info
         if not dropped.any():
             return asm.batch()
@@ -859,8 +875,12 @@ class DistributedDataPlane:
 
     def _deliver_on_policy(self, n: int | None, **kw: Any) -> tuple[ExperienceBatch, SampleInfo]:
         sel = self.semantics.select(n, **kw)
-        batch = self._read_on_policy(sel, lambda k: None, skip_lost=True)
-        self.semantics.after_gather(sel)
+        try:
+            batch = self._read_on_policy(sel, lambda k: None, skip_lost=True)
+        finally:
+            # handed over exactly once, also when the read failed (the minibatch is consumed then): an
+            # outstanding selection would hold back the storage of every later rollout for ever
+            self.semantics.after_gather(sel)
         return batch, sel.info
 
     def _fetch(self, handles: np.ndarray, pos: np.ndarray, asm: _Assembly) -> np.ndarray:
@@ -1066,8 +1086,10 @@ class DistributedDataPlane:
     def seal(self) -> None:
         """Close the open on-policy rollout so it can be delivered."""
         sem = self._on_policy()
+        self._check_open()
         self.scheduler.flush()
         with self._lock:
+            self._check_open()
             sem.seal()
 
     def set_policy_version(self, version: int) -> None:
@@ -1080,6 +1102,7 @@ class DistributedDataPlane:
         sem = self._on_policy()
         v = check_version(version)
         with self._lock:
+            self._check_open()
             sem.policy_version = v
         self.scheduler.invalidate("policy")
 
@@ -1207,6 +1230,9 @@ class DistributedDataPlane:
 
         A shard lost while its items are read is fenced and its items are lost, as anywhere else: the
         checkpoint leaves them out (they are in :attr:`losses`).
+
+        Raises:
+            ConfigurationError: the buffer is closed (its partitions are gone): take the checkpoint before close().
         """
         self.scheduler.flush()
         self.scheduler.invalidate("checkpoint")
@@ -1352,7 +1378,8 @@ class DistributedDataPlane:
     def close(self) -> None:
         """Stop the monitor, drop this buffer's partitions, and stop the servers this buffer started.
 
-        Closing again does nothing. A buffer dropped without ``close()`` releases the same when it is
+        Closing again does nothing; every other call that reads or changes the buffer is then refused
+        (see the class docstring). A buffer dropped without ``close()`` releases the same when it is
         garbage-collected (its threads end, its partitions are dropped and the servers it started are
         killed, without waiting for the servers' answers); what its scheduler still had queued is dropped.
         """

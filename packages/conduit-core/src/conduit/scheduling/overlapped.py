@@ -358,12 +358,16 @@ class Overlapped(Scheduler):
             if pred is not None:
                 self._discard(pred)
             ring = self._ring
-            buf = ring.acquire(self._delivered, inside_call=True)
-            with ring.filling(buf):
-                out, swapped = self._target(ring, buf)
-                batch = self.edp.gather_now([sel], out)
-                (batch,) = self._to_device(ring, buf, [batch], swapped)
-                event = ring.filled(buf)
+            try:
+                buf = ring.acquire(self._delivered, inside_call=True)
+                with ring.filling(buf):
+                    out, swapped = self._target(ring, buf)
+                    batch = self.edp.gather_now([sel], out)
+                    (batch,) = self._to_device(ring, buf, [batch], swapped)
+                    event = ring.filled(buf)
+            except BaseException:  # a read that failed consumed the selection: hand it over, or on-policy storage
+                self.edp.release_now(sel)  # under it (and every later rollout's) would never be freed
+                raise
             p = _Prepared((None, ()), batch, sel.info, sel, buf, 0, event, True)
             self.prefetch_misses += 1
         self.edp.release_now(sel)
