@@ -209,6 +209,14 @@ class ConduitOnPolicyLearner:
         self.conduit_version = version + 1  # counted once ingested: a refused train batch is no update
         return feed.minibatches(env_steps=batch.env_steps())  # RLlib reports the train batch's on each
 
+    def shutdown(self) -> None:
+        """Stop the feed's prefetch thread and data plane (``LearnerGroup.shutdown`` calls this); the
+        feed's state is kept, and a later update starts them again."""
+        feed = getattr(self, "conduit_feed", None)  # (none when build() did not run or failed)
+        if feed is not None:
+            feed.close()
+        super().shutdown()  # type: ignore[misc]
+
     def get_state(self, components: str | Collection[str] | None = None, *,
                   not_components: str | Collection[str] | None = None, **kwargs: Any) -> dict[str, Any]:
         state = super().get_state(components, not_components=not_components, **kwargs)  # type: ignore[misc]

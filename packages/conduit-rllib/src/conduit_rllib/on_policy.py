@@ -161,6 +161,9 @@ class MinibatchFeed:
         # delivered but never handed to the caller (a prefetched minibatch, or the head of one whose next piece
         # could not be delivered, when an iteration stopped): the next minibatches() starts with it
         self._held: tuple[dict[str, torch.Tensor], int, SampleInfo] | None = None
+        # the prefetch an iteration started and did not take (yet): whoever comes first (that iteration taking it,
+        # its end, or the next minibatches()) claims it, so it is held exactly once, in order
+        self._inflight: Job[tuple[ExperienceBatch, SampleInfo]] | None = None
 
     # -- configuration -----------------------------------------------------------------------
     @property
@@ -226,17 +229,16 @@ class MinibatchFeed:
                 raise SchemaError(f"A rollout with columns {list(schema)} arrived while one with "
                                   f"{list(edp.schema)} is waiting; consume it first.")
             return edp  # too large: the ingest raises CapacityError
-        state: dict[str, Any] | None
-        if edp is not None:
-            state = edp.semantics.state_dict()
+        if edp is not None:  # idle: its state goes on in the new plane (kept here should building that fail)
+            self._restored = self.state_dict()
             edp.close()
-        else:
-            state = None if self._restored is None else self._full_state(self._restored)
-            self._restored = None
+            self.edp = None
+        state = None if self._restored is None else self._full_state(self._restored)
         cap = max(self.capacity, 1 << int(np.ceil(np.log2(max(2 * n, 2)))))
         sem = _CyclicOrder(**self._sem_args)
         self.edp = ExperienceDataPlane(schema, capacity=cap, semantics=sem,
                                        placement=self.placement or DevicePlacement(device), device=device)
+        self._restored = None
         if state is not None:  # nothing is pending: carry the permutation RNG and counters over
             sem.load_state_dict(state)
         sem.policy_version = self._policy_version
@@ -290,6 +292,7 @@ class MinibatchFeed:
         if self._pool is not None:  # let a gather the abandoned iteration started finish first
             self._pool.submit(lambda: None).wait()
         with self._lock:
+            self._inflight = None  # what that gather delivered belongs to the abandoned rollout: dropped with it
             self._held = None  # the head of a minibatch of the abandoned rollout: dropped with it
             while not self._idle():
                 try:
@@ -313,7 +316,7 @@ class MinibatchFeed:
         mid-epoch) is not saved, nor a minibatch held for the next iteration: they are stale once the policy
         moves on."""
         if self.edp is None and self._restored is not None:
-            return dict(self._restored)
+            return dict(self._restored, policy_version=self._policy_version)  # (set_policy_version since)
         full = self.semantics.state_dict()
         return {"policy_version": self._policy_version, "rng": full["rng"].clone(),
                 "dropped_items": full["dropped_items"], "last_sealed": full["last_sealed"]}
@@ -338,7 +341,7 @@ class MinibatchFeed:
             if self.edp is not None:
                 self.edp.close()
                 self.edp = None
-            self._held = None
+            self._held = self._inflight = None
             self._restored = {k: state[k] for k in self._STATE_KEYS}
             self._policy_version = int(state["policy_version"])
 
@@ -383,10 +386,24 @@ class MinibatchFeed:
             conduit.EmptyBufferError: nothing sealed is waiting.
             conduit.StaleExperienceError: the rollout is too stale and ``on_stale="raise"``.
         """
+        self._claim_inflight()  # an earlier iteration, stopped but not closed yet, prefetched the next delivery
         first = self._take_held()
         if first is None:
             first = self._piece(self._deliver())
         return self._iterate(self._complete(first), env_steps)
+
+    def _claim_inflight(self) -> None:
+        """Hold what the prefetch of a stopped iteration delivered (see :meth:`minibatches`), once."""
+        job, self._inflight = self._inflight, None
+        if job is None:
+            return
+        job.wait()
+        try:
+            batch, info = job.result()
+        except Exception:  # noqa: BLE001 - nothing was delivered: the next call delivers it again
+            return
+        self._record(info)
+        self._held = ({k: batch.tensor(k).clone() for k in batch}, batch.batch_size, info)
 
     def _take_held(self) -> tuple[dict[str, torch.Tensor], int, SampleInfo] | None:
         """The held delivery (see :meth:`minibatches`), unless its rollout has gone stale since (then it is
@@ -463,31 +480,34 @@ class MinibatchFeed:
                         if self._pool is None:
                             self._pool = Worker("conduit-minibatch")
                             weakref.finalize(self, self._pool.stop)  # dropped without close(): the thread ends
-                        pending = self._pool.submit(self._deliver)
+                        pending = self._inflight = self._pool.submit(self._deliver)
                 yield self._to_rllib(cols, env_steps)
                 if info.last:
                     return
                 if pending is not None:
                     job, pending = pending, None
+                    if self._inflight is not job:  # claimed by a later minibatches() (or discarded): this
+                        return  # iteration was stopped
+                    self._inflight = None
                     current = self._complete(self._piece(job.result()))
                 else:
                     current = self._complete(self._piece(self._deliver()))
         finally:
-            if pending is not None:  # the caller stopped early: keep what the running gather delivers for later
-                pending.wait()
-                try:
-                    batch, info = pending.result()
-                except Exception:  # noqa: BLE001 - nothing was delivered: the next call delivers it again
-                    pass
-                else:
-                    self._record(info)
-                    self._held = ({k: batch.tensor(k).clone() for k in batch}, batch.batch_size, info)
+            if pending is not None and self._inflight is pending:  # the caller stopped early: keep what the
+                self._claim_inflight()  # running gather delivers for later (unless claimed or discarded since)
 
     def close(self) -> None:
-        """Stop the prefetch thread and the data plane."""
+        """Stop the prefetch thread and the data plane.
+
+        What was waiting for delivery is discarded (as by :meth:`load_state_dict`); :meth:`state_dict`
+        is kept, and a later :meth:`ingest` starts a new data plane (and thread) that continues it.
+        """
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        self._held = None
-        if self.edp is not None:
-            self.edp.close()
+        with self._lock:
+            self._held = self._inflight = None
+            if self.edp is not None:
+                self._restored = self.state_dict()
+                self.edp.close()
+                self.edp = None
