@@ -10,9 +10,11 @@
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,9 @@ from conduit_srl import (
 )
 from conduit_srl.streams import lost_without_close, pack
 from conduit_srl.testing import Record, entry_ids, make_sample
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_seal_and_backlog import RefusingBuffer  # noqa: E402, I001  (a plain buffer that refuses past a limit)
 
 JOIN_S = 10.0
 
@@ -226,26 +231,13 @@ def test_a_coalesced_message_a_conduit_put_stored_in_part_is_not_put_twice(closi
     assert b.empty()
 
 
-class Limited:
-    """A plain buffer that refuses puts past ``limit`` samples."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.items: list[Any] = []
-
-    def put(self, x: Any) -> None:
-        if len(self.items) >= self.limit:
-            raise OverflowError(f"full ({self.limit} samples)")
-        self.items.append(x)
-
-
 def test_an_unstored_samples_error_counts_what_its_consume_to_call_put() -> None:
     """consume_to's count (samples put) was lost with the error: earlier messages of the call were not in it."""
     stream = LocalStream()
     stream.post(make_sample([7]))
     stream.post(pack([make_sample([i]) for i in range(4)]))
     consumer = ConduitSampleConsumer(stream)
-    buffer = Limited(limit=3)
+    buffer = RefusingBuffer(limit=3)
     with pytest.raises(UnstoredSamplesError) as info:
         consumer.consume_to(buffer, max_iter=8)
     err = info.value
