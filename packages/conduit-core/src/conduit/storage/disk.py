@@ -7,6 +7,8 @@ may be far larger than RAM. The ring logic is :class:`ColumnarStorage`'s, unchan
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 import tempfile
 import weakref
@@ -25,19 +27,50 @@ from conduit.storage.columnar import Allocator, ColumnarStorage, pool_elements
 __all__ = ["DiskStorage", "memmap_allocator"]
 
 
+def _size(nbytes: int) -> str:
+    """``nbytes`` for a message, in the largest binary unit that keeps it at least 1 (``"600.0 KiB"``)."""
+    value, unit = float(nbytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
 def memmap_allocator(directory: str | Path) -> Allocator:
     """An allocator that maps each column to a file ``<directory>/<name>.bin`` (created, zero-filled).
 
     The field name is percent-encoded in the file name (``obs/rgb`` maps to ``obs%2Frgb.bin``), so
     that every field name, a ``/`` in it included, names one file directly in ``directory``.
+
+    The file's blocks are reserved when it is made (``posix_fallocate``), so that a volume that
+    fills up later cannot leave a mapped page without a block (a write there would kill the
+    process with SIGBUS). A file system (or OS) that cannot reserve blocks keeps the file sparse.
+
+    Raises:
+        PlacementError: the volume has no room left for the file's blocks.
     """
     root = Path(directory)
+    reserve = getattr(os, "posix_fallocate", None)
 
     def allocate(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
         numel = 1
         for s in shape:
             numel *= int(s)
         path = root / f"{quote(str(name), safe='')}.bin"
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if reserve is not None:  # (macOS has no posix_fallocate: the file stays sparse there)
+                reserve(fd, 0, nbytes)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise PlacementError(f"The disk tier cannot reserve {_size(nbytes)} for field {name!r} in "
+                                     f"{root} (the volume is full); free space there, pass "
+                                     f"DiskPlacement(directory=...) on a larger volume or lower the capacity.") from e
+            # EOPNOTSUPP/EINVAL: this file system cannot reserve blocks; the file stays sparse
+        finally:
+            os.close(fd)
         return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
 
     return allocate
@@ -57,8 +90,9 @@ class DiskStorage(ColumnarStorage):
 
     Raises:
         ConfigurationError: a capacity or ragged_capacity that is no positive int.
-        PlacementError: the directory lacks the free space the columns need, or a column's file
-            cannot be made there.
+        PlacementError: the directory lacks the free space the columns need (their blocks are
+            reserved at construction), cannot be made or used (a path that is a file, or not
+            writable), or a column's file cannot be made there.
     """
 
     def __init__(self, schema: ExperienceSchema, capacity: int, *, directory: str | Path | None = None,
@@ -66,18 +100,23 @@ class DiskStorage(ColumnarStorage):
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
             raise ConfigurationError(f"capacity must be a positive int, got {capacity!r}.")
         parent = Path(directory) if directory is not None else Path(tempfile.gettempdir())
-        parent.mkdir(parents=True, exist_ok=True)
         pool = pool_elements(ragged_capacity, capacity)
         if schema.ragged and pool <= 0:  # refused before a directory is made
             raise ConfigurationError("ragged_capacity must be positive for a schema with ragged fields.")
         need = capacity * schema.fixed_item_bytes + sum(pool * schema[n].element_bytes for n in schema.ragged)
-        free = shutil.disk_usage(parent).free
-        if need > free:
-            raise PlacementError(f"The disk tier needs {need / 2**30:.2f} GiB in {parent} but only "
-                                 f"{free / 2**30:.2f} GiB is free; pass DiskPlacement(directory=...) on a larger "
-                                 f"volume or lower the capacity.")
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(parent).free
+            if need > free:
+                raise PlacementError(f"The disk tier needs {_size(need)} in {parent} but only {_size(free)} is "
+                                     f"free; pass DiskPlacement(directory=...) on a larger volume or lower the "
+                                     f"capacity.")
+            directory_made = Path(tempfile.mkdtemp(prefix="conduit-disk-", dir=parent))
+        except OSError as e:  # the path is a file, lies under one, or is not writable
+            raise PlacementError(f"The disk tier cannot use {parent} ({e}); pass DiskPlacement(directory=...) "
+                                 f"naming a writable directory.") from e
         self._closed = False
-        self.directory = Path(tempfile.mkdtemp(prefix="conduit-disk-", dir=parent))
+        self.directory = directory_made
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.directory), True)
         try:
             super().__init__(schema, capacity, "cpu", ragged_capacity=ragged_capacity,

@@ -66,6 +66,19 @@ class _Staging:
         self._events[shard] = ev
 
 
+def shard_devices(devices: Sequence[torch.device | str], error: type[Exception]) -> list[torch.device]:
+    """``devices`` as torch devices, or ``error`` for one torch does not know or a single device name
+    (a string is no sequence of devices: ``"cpu"`` would be read as the devices ``c``, ``p``, ``u``)."""
+    if isinstance(devices, (str, torch.device)):
+        raise error(f"devices must be a sequence with one device per shard, e.g. ['cuda:0', 'cuda:1'], got "
+                    f"{devices!r}; pass [{str(devices)!r}] for one shard.")
+    try:
+        return [torch.device(d) for d in devices]
+    except (RuntimeError, TypeError) as e:
+        raise error(f"The devices {list(devices)!r} include one torch does not know ({e}); pass device names "
+                    f"such as 'cuda:0' or 'cpu'.") from None
+
+
 class ShardedStorage(Storage):
     """A FIFO ring whose fixed-field columns are split over ``devices`` (interleaved slots).
 
@@ -77,13 +90,17 @@ class ShardedStorage(Storage):
     Keyword Args:
         ragged_capacity: elements in each ragged field's pool (default ``capacity * 64``).
         tier: the tier name reported by placement (default ``"sharded"``).
+
+    Raises:
+        ConfigurationError: a capacity that is no positive int, no devices or more devices than slots,
+            ``devices`` that is one name instead of a sequence, or a device name torch does not know.
     """
 
     def __init__(self, schema: ExperienceSchema, capacity: int, devices: Sequence[torch.device | str], *,
                  ragged_capacity: int | None = None, tier: str = "sharded") -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
             raise ConfigurationError(f"capacity must be a positive int, got {capacity!r}.")
-        devs = [torch.device(d) for d in devices]
+        devs = shard_devices(devices, ConfigurationError)
         if not devs:
             raise ConfigurationError("ShardedStorage needs at least one device.")
         if len(devs) > capacity:
@@ -131,6 +148,11 @@ class ShardedStorage(Storage):
         return fixed + (self._ragged.nbytes() if self._ragged is not None else 0)
 
     def append(self, batch: ExperienceBatch, *, evict: bool = True) -> AppendResult:
+        """Store ``batch`` after the newest item (see :meth:`Storage.append`).
+
+        A write that fails on one shard after others took their rows stores none of the batch: its
+        handles are free again for the next append (items evicted to make room stay evicted).
+        """
         n = batch.batch_size
         if self._ragged is not None:
             # The ragged pool decides evictions (capacity and pool room) and validates first.
@@ -149,9 +171,18 @@ class ShardedStorage(Storage):
             self._next += n
         s = res.first % self.capacity
         a = min(n, self.capacity - s)
-        self._write(batch, s, 0, a)
-        if a < n:
-            self._write(batch, 0, a, n - a)
+        try:
+            self._write(batch, s, 0, a)
+            if a < n:
+                self._write(batch, 0, a, n - a)
+        except BaseException:
+            # a shard refused its rows (after others took theirs): none of the batch is stored, as if it had
+            # never been appended; the evictions made room and stay made (their rows may be overwritten)
+            if self._ragged is not None:
+                self._ragged.truncate(res.first)
+            else:
+                self._next = res.first
+            raise
         return res
 
     def _write(self, batch: ExperienceBatch, slot: int, offset: int, count: int) -> None:
