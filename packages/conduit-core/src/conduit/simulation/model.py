@@ -60,6 +60,7 @@ from typing import Any
 from conduit.errors import ConfigurationError
 from conduit.placement.base import PlacementSpec
 from conduit.placement.cost import DeliverySteps, Workload
+from conduit.placement.profile import LinkCost
 from conduit.placement.topology import Topology
 from conduit.simulation.cluster import NETWORKS, Network, Scenario, load_node
 from conduit.simulation.engine import Simulation, Task
@@ -72,9 +73,25 @@ __all__ = ["ReplayWorkload", "ScalePoint", "Layout", "simulate_iteration", "node
 
 @dataclass(frozen=True)
 class ReplayWorkload(Workload):
-    """A :class:`Workload` that ingests ``1 / replay_ratio`` of the items it delivers per iteration."""
+    """A :class:`Workload` that ingests ``1 / replay_ratio`` of the items it delivers per iteration.
+
+    ``learner_batch``: the items each learner draws per iteration as the simulation draws them (the
+    cluster's total batch over its learners, not always a whole number; ``batch`` is it rounded). With
+    several nodes :class:`~.planning.ClusterCostModel` prices this batch, as :func:`node_loads` does for
+    the simulation. None: ``batch``.
+    """
 
     replay_ratio: float = 1.0
+    learner_batch: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (math.isfinite(self.replay_ratio) and self.replay_ratio > 0):
+            raise ConfigurationError(f"replay_ratio must be a finite number > 0 (deliveries per ingested item), got "
+                                     f"{self.replay_ratio!r}.")
+        lb = self.learner_batch
+        if lb is not None and not (math.isfinite(lb) and lb > 0):
+            raise ConfigurationError(f"learner_batch must be a finite number of items > 0 (or None), got {lb!r}.")
 
     @property
     def calls_per_iteration(self) -> float:
@@ -93,11 +110,19 @@ class Layout:
 
 
 def layout(gpus: int, total_batch: int, gpus_per_node: int) -> Layout:
+    """``gpus`` learners on nodes of ``gpus_per_node`` GPUs, filled up ``gpus_per_node`` at a time.
+
+    Raises:
+        ConfigurationError: ``gpus`` < 1, or more than one node that the GPUs do not fill (the nodes
+            of a simulation are identical).
+    """
     if gpus <= 0:
         raise ConfigurationError(f"gpus must be positive, got {gpus}.")
     nodes = math.ceil(gpus / gpus_per_node)
-    if gpus % nodes:
-        raise ConfigurationError(f"{gpus} GPUs do not split evenly over {nodes} nodes of {gpus_per_node}.")
+    if nodes > 1 and gpus % gpus_per_node:
+        raise ConfigurationError(f"{gpus} GPUs do not fill nodes of {gpus_per_node} (nodes fill up {gpus_per_node} "
+                                 f"GPUs at a time and the simulated nodes are identical): use at most "
+                                 f"{gpus_per_node} GPUs or a multiple of {gpus_per_node}.")
     return Layout(gpus, nodes, gpus // nodes, total_batch / gpus)
 
 
@@ -107,7 +132,7 @@ def node_workload(scenario: Scenario, lay: Layout) -> ReplayWorkload:
     w = Workload.transitions(scenario.obs_dim, capacity=math.ceil(scenario.capacity / lay.nodes), batch=batch,
                              learners=lay.gpus_per_node, ingest_items=batch)
     return ReplayWorkload(w.field_bytes, w.capacity, w.batch, w.learners, w.ingest_items, w.growing, w.name,
-                          w.scalar, replay_ratio=scenario.replay_ratio)
+                          w.scalar, replay_ratio=scenario.replay_ratio, learner_batch=lay.batch)
 
 
 def _resized(w: Workload, batch: int) -> Workload:
@@ -164,51 +189,82 @@ class Loads:
 Sink = Simulation | Loads
 
 
-def _fetch(sim: Sink, cost: ClusterCostModel, spec: PlacementSpec, local_w: Workload, n: int, m: int,
-           fetches: float, f_items: float, nbytes: float, network: Network, deps: list[Task]) -> None:
-    """Node ``n``'s learners fetch from node ``m`` (see the module docstring, step 3): ``fetches`` fetches
-    per iteration, each of ``local_w.batch * f_items`` items, ``nbytes`` in all."""
+@dataclass(frozen=True)
+class _FetchPlan:
+    """What every pair's fetch shares (the same on every pair of identical nodes), worked out once."""
+
+    #: per shard: device, gather seconds per fetch, the card it sends through, that card's link, the hop to the
+    #: card's GPU (GPU, seconds) or None
+    shards: tuple[tuple[str, float, int, LinkCost, tuple[str, float] | None], ...]
+    serve_calls_s: float
+    #: per receiving card: card, its link, its GPU (None: reached from every GPU), its learners with their hop
+    #: seconds (None: no hop)
+    into: tuple[tuple[int, LinkCost, str | None, tuple[tuple[str, float | None], ...]], ...]
+
+
+def _fetch_plan(cost: ClusterCostModel, spec: PlacementSpec, local_w: Workload, nbytes: float) -> _FetchPlan:
+    """The per-pair constants of :func:`_fetch` for fetches of ``local_w.batch`` items, ``nbytes`` per pair."""
     g = local_w.learners
-    label = f"fetch n{n}<-n{m}"
     cards = cost.cards()
-    rpc = sim.task(f"{label}: rpc", fetches * network.rpc_overhead_s, f"cpu:{n}", deps)
     serve = cost.serve_steps(spec, local_w)
-    calls = sim.task(f"{label}: serve calls", fetches * serve.calls_s, f"server:{m}", [rpc])
     k = len(serve.shards)
-    ready: list[Task] = []
-    sent: list[Task] = []
+    share = nbytes / k
+    shards = []
     for d, gather_s, _ in serve.shards:
-        x = sim.task(f"{label}: gather {d}", fetches * f_items * gather_s, _device(m, d), [calls])
         c = cost.card_of(d)
         link, at = cards[c][0], cost.card_gpu(c)
-        share = nbytes / k
+        hop_to: tuple[str, float] | None = None
         if at is not None and d != at:  # to the GPU the card is attached to
             hop = cost._move(d, at, pinned=False)
             assert hop is not None
-            x = sim.task(f"{label}: {d}->{at}", hop.seconds(share) - hop.overhead_s, _link(cost, m, d, at), [x])
-        ready.append(x)
-        sent.append(sim.task(f"{label}: out card {c}", share / link.bandwidth(share / max(fetches, 1e-9)),
-                             f"nic-out:{m}:{c}", [x]))
-    # the bytes enter node n through the card nearest each learner, then cross to the learner's GPU
+            hop_to = (at, hop.seconds(share) - hop.overhead_s)
+        shards.append((d, gather_s, c, link, hop_to))
     per_card: dict[int, list[str]] = {}
     for j in range(g):
         learner = f"cuda:{j}" if cost.topology.num_gpus else "cpu"
         per_card.setdefault(cost.card_of(learner), []).append(learner)
+    into = []
     for c, learners in per_card.items():
         link, at = cards[c][0], cost.card_gpu(c)
-        share = nbytes * len(learners) / g
-        msgs = fetches if network.node_fetch else fetches * len(learners) / g
+        hops: list[tuple[str, float | None]] = []
+        for learner in learners:
+            hop = cost._move(at, learner, pinned=False) if at is not None else None
+            hops.append((learner, None if hop is None else hop.seconds(nbytes / g) - hop.overhead_s))
+        into.append((c, link, at, tuple(hops)))
+    return _FetchPlan(tuple(shards), serve.calls_s, tuple(into))
+
+
+def _fetch(sim: Sink, cost: ClusterCostModel, plan: _FetchPlan, local_w: Workload, n: int, m: int,
+           fetches: float, f_items: float, nbytes: float, network: Network, deps: list[Task]) -> None:
+    """Node ``n``'s learners fetch from node ``m`` (see the module docstring, step 3): ``fetches`` fetches
+    per iteration, each of ``local_w.batch * f_items`` items, ``nbytes`` in all (``plan``: :func:`_fetch_plan`)."""
+    g = local_w.learners
+    label = f"fetch n{n}<-n{m}"
+    rpc = sim.task(f"{label}: rpc", fetches * network.rpc_overhead_s, f"cpu:{n}", deps)
+    calls = sim.task(f"{label}: serve calls", fetches * plan.serve_calls_s, f"server:{m}", [rpc])
+    k = len(plan.shards)
+    ready: list[Task] = []
+    sent: list[Task] = []
+    for d, gather_s, c, link, hop_to in plan.shards:
+        x = sim.task(f"{label}: gather {d}", fetches * f_items * gather_s, _device(m, d), [calls])
+        share = nbytes / k
+        if hop_to is not None:  # to the GPU the card is attached to
+            x = sim.task(f"{label}: {d}->{hop_to[0]}", hop_to[1], _link(cost, m, d, hop_to[0]), [x])
+        ready.append(x)
+        sent.append(sim.task(f"{label}: out card {c}", share / link.bandwidth(share / max(fetches, 1e-9)),
+                             f"nic-out:{m}:{c}", [x]))
+    # the bytes enter node n through the card nearest each learner, then cross to the learner's GPU
+    for c, link, card_gpu, hops in plan.into:
+        share = nbytes * len(hops) / g
+        msgs = fetches if network.node_fetch else fetches * len(hops) / g
         wire = msgs * link.overhead_s + share / link.bandwidth(share / max(msgs, 1e-9))
         into = sim.task(f"{label}: in card {c}", wire, f"nic-in:{n}:{c}", ready)  # with the sending cards
         done = [into, *sent]
-        if at is None:  # no GPU behind this card: no hop to a learner's GPU
+        if card_gpu is None:  # no GPU behind this card: no hop to a learner's GPU
             continue
-        for learner in learners:
-            hop = cost._move(at, learner, pinned=False)
-            if hop is not None:
-                b = nbytes / g
-                sim.task(f"{label}: {at}->{learner}", hop.seconds(b) - hop.overhead_s, _link(cost, n, at, learner),
-                         done)
+        for learner, hop_in in hops:
+            if hop_in is not None:
+                sim.task(f"{label}: {card_gpu}->{learner}", hop_in, _link(cost, n, card_gpu, learner), done)
 
 
 def delivery_phase(sim: Sink, cost: ClusterCostModel, spec: PlacementSpec, w: Workload, batch: float, n_nodes: int,
@@ -234,8 +290,9 @@ def delivery_phase(sim: Sink, cost: ClusterCostModel, spec: PlacementSpec, w: Wo
         else:  # every learner fetches on its own
             fetches, fetch_w, f_fetch = g * p_touch, local_w, f_items
         nbytes = g * b / n_nodes * w.item_bytes
+        plan = _fetch_plan(cost, spec, fetch_w, nbytes)
         for n, m in itertools.permutations(range(n_nodes), 2) if pairs is None else pairs:
-            _fetch(sim, cost, spec, fetch_w, n, m, fetches, f_fetch, nbytes, network, deps)
+            _fetch(sim, cost, plan, fetch_w, n, m, fetches, f_fetch, nbytes, network, deps)
     for n in range(n_nodes) if nodes is None else nodes:
         for j in range(g):
             learner = f"cuda:{j}" if cost.topology.num_gpus else "cpu"
@@ -326,12 +383,19 @@ def node_in_use(topology: Topology, gpus: int) -> Topology:
 
 def equivalent_specs(spec: PlacementSpec, num_gpus: int, *, samples: int, seed: int = 0) -> list[PlacementSpec]:
     """Placements a planner blind to the GPU links cannot tell from ``spec``: same tier and number of
-    GPUs, any GPUs, any home. Up to ``samples`` of them, drawn with a fixed seed (all when fewer)."""
+    GPUs, any GPUs, any home. Up to ``samples`` of them, drawn with a fixed seed (all when fewer).
+
+    Raises:
+        ConfigurationError: ``samples`` < 1, or ``spec`` uses more GPUs than ``num_gpus``.
+    """
     if samples < 1:
         raise ConfigurationError(f"samples must be >= 1 (placements simulated per scale), got {samples!r}.")
     if spec.tier not in ("gpu", "sharded"):
         return [spec]
     k = len(spec.devices)
+    if k > num_gpus:
+        raise ConfigurationError(f"{spec} uses {k} GPUs but the node has {num_gpus}; no placement of {num_gpus} "
+                                 f"GPUs is equivalent to it (pass the node's GPU count).")
     every = [PlacementSpec(spec.tier, tuple(f"cuda:{i}" for i in (h, *sorted(set(sub) - {h}))))
              for sub in itertools.combinations(range(num_gpus), k) for h in sub]
     if len(every) <= samples:

@@ -146,13 +146,17 @@ class ClusterCostModel(CostModel):
 
     def deliver(self, spec: PlacementSpec, workload: Workload) -> tuple[float, dict[str, float]]:
         """Core's serialised deliveries on one node; with ``nodes > 1`` the busiest resource of one node's
-        delivery phase (its own learners' deliveries and fetches, and the fetches it serves)."""
+        delivery phase (its own learners' deliveries and fetches, and the fetches it serves), for the
+        learners' unrounded batch where the workload gives one (``ReplayWorkload.learner_batch``)."""
         if self.nodes <= 1:
             return super().deliver(spec, workload)
         from conduit.simulation.model import node_loads  # the simulator's own steps (it imports this module)
 
         assert self.network is not None
-        loads = node_loads(self, spec, workload, float(workload.batch), self.nodes, self.network)
+        # the learners' batch as the simulation draws it (a ReplayWorkload's ``learner_batch``: not rounded)
+        batch = getattr(workload, "learner_batch", None)
+        loads = node_loads(self, spec, workload, float(workload.batch if batch is None else batch), self.nodes,
+                           self.network)
         res, busiest = max(loads.items(), key=lambda kv: kv[1], default=("none", 0.0))
         return busiest, {f"deliver: busiest {res.split(':')[0]}": busiest}
 
