@@ -115,6 +115,9 @@ def _owner_counts_work() -> bool:
 _OWNER_COUNTS = _owner_counts_work()
 
 
+_get_ident = threading.get_ident
+
+
 def check_roles(*, semantics: object = None, placement: object = None, scheduler: object = None,
                 device: object = None) -> torch.device | None:
     """Refuse roles of the wrong kind (e.g. ``semantics="replay"``) and unknown devices with a
@@ -200,9 +203,11 @@ class ExperienceDataPlane:
         self._replay = isinstance(self.semantics, Replay)
         #: set by close(): the scheduler may then serve another buffer, and this one takes no more work
         self.closed = False
-        #: per thread: ``writing`` (inside ingest_now's write) and ``finishing`` (inside close()/flush(), whose
-        #: scheduler may still store what was handed over before close)
+        #: per thread: ``finishing`` (inside close()/flush(), whose scheduler may still store what was handed over
+        #: before close)
         self._tls = threading.local()
+        #: the thread inside ingest_now's write (which holds the lock), or None
+        self._writer: int | None = None
         #: the thread that closed this buffer from inside one of its writes (a callback): its scheduler may store
         #: the rest of its queue on that thread after close() returned
         self._drainer: int | None = None
@@ -281,19 +286,17 @@ class ExperienceDataPlane:
         call raises :class:`ConfigurationError`.
         """
         t0 = time.perf_counter()
-        tls = self._tls
         with self._lock:
-            if self.closed and not getattr(tls, "finishing", False) and threading.get_ident() != self._drainer:
+            if self.closed and not getattr(self._tls, "finishing", False) and _get_ident() != self._drainer:
                 self._check_open()
             if self._upgrades:
                 batch = self._current(batch)
-            outer = getattr(tls, "writing", False)
-            tls.writing = True
+            outer, self._writer = self._writer, _get_ident()
             try:
                 res = self.storage.append(batch, evict=self._replay)
                 self.semantics.on_append(res, version=version, priorities=priorities)
             finally:
-                tls.writing = outer
+                self._writer = outer
         self.telemetry.record("ingest", res.count, self._nbytes(batch), t0, time.perf_counter())
         return torch.from_numpy(np.arange(res.first, res.first + res.count, dtype=np.int64))
 
@@ -604,7 +607,7 @@ class ExperienceDataPlane:
         """
         if self.closed and getattr(self.scheduler, "edp", None) is not self:
             return  # the scheduler serves another buffer now: nothing of this one is left in it
-        inside_write = getattr(self._tls, "writing", False)
+        inside_write = self._writer == threading.get_ident()
         if not self.closed and not inside_write:
             # prepared draws are given back (as for a checkpoint) before the scheduler drops them, so that a
             # state_dict() after close continues exactly (not from a callback inside a write: a delivery may
