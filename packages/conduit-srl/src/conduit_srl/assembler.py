@@ -30,6 +30,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -680,11 +681,25 @@ class Assembler:
             return pending > 0 and (self.cfg.on_stale == "raise" or fresh > 0)  # (raise: get() raises the stale error)
         return len(self.edp) + extra >= self.cfg.resolved_warmup
 
+    def read_under_plane_lock(self, read: Callable[[], object]) -> None:
+        """Run ``read`` under the EDP's lock, where deliveries change the semantics' state (``select_now``
+        runs ``when`` under it and, as it returns False, selects nothing).
+
+        Raises:
+            ConfigurationError: the EDP is closed (``read`` did not run).
+        """
+        assert self.edp is not None
+
+        def when() -> bool:
+            read()
+            return False
+
+        self.edp.select_now([], when=when)
+
     def _rollouts(self) -> tuple[int, int]:
         """On-policy: sealed rollouts not fully delivered, and of those the ones fresh enough to deliver.
 
-        Stale ones are dropped at delivery, so they are not fresh. Read under the EDP's lock
-        (``select_now`` runs ``when`` under it and, as it returns False, selects nothing): Conduit's
+        Stale ones are dropped at delivery, so they are not fresh. Read under the EDP's lock: Conduit's
         prefetch peeks at the next minibatch under that lock, and a read outside it could see the
         rollout being delivered as finished for the time of the peek.
         """
@@ -692,11 +707,10 @@ class Assembler:
         sem = self.edp.semantics
         found = [0, 0]
 
-        def probe() -> bool:
+        def probe() -> None:
             found[0], found[1] = sem.pending_rollouts, sem.fresh_rollouts  # type: ignore[attr-defined]
-            return False
 
-        self.edp.select_now([], when=probe)
+        self.read_under_plane_lock(probe)
         return found[0], found[1]
 
     def _deliver(self, *, demand: bool = True) -> ReplayEntry:

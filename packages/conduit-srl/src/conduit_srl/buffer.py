@@ -169,14 +169,13 @@ class ConduitBuffer:
                 sem = edp.semantics
                 sampler = getattr(sem, "sampler", None)
 
-                def read() -> bool:
+                def read() -> None:
                     out["queue_dropped"] = getattr(sampler, "dropped", 0)
                     out["queue_abandoned"] = getattr(sampler, "abandoned", 0)
                     out["rollout_dropped"] = getattr(sem, "dropped_items", 0)
-                    return False  # (select nothing)
 
                 try:
-                    edp.select_now([], when=read)
+                    a.read_under_plane_lock(read)
                 except ConfigurationError:  # the plane is closed: it takes no more work, so they no longer change
                     read()
         return out
