@@ -27,7 +27,7 @@ from conduit.schema import ExperienceSchema
 from conduit.storage.base import Storage
 from conduit.storage.columnar import ColumnarStorage
 from conduit.storage.disk import DiskStorage
-from conduit.storage.sharded import ShardedStorage, shard_devices
+from conduit.storage.sharded import ShardedStorage, as_devices
 
 __all__ = ["Placement", "PlacementSpec", "HostPlacement", "DevicePlacement", "ShardedPlacement", "DiskPlacement",
            "TIERS"]
@@ -148,7 +148,7 @@ class DevicePlacement(Placement):
     """
 
     def __init__(self, device: torch.device | str = "cuda:0") -> None:
-        (self.device,) = shard_devices([device], PlacementError)  # (a name torch does not know: typed)
+        (self.device,) = as_devices([device], PlacementError)  # (a name torch does not know: typed)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", 0)
         _check_device(self.device)
@@ -179,7 +179,7 @@ class ShardedPlacement(Placement):
     """
 
     def __init__(self, devices: Sequence[torch.device | str]) -> None:
-        self.devices = tuple(shard_devices(devices, PlacementError))
+        self.devices = tuple(as_devices(devices, PlacementError))
         if not self.devices:
             raise PlacementError("ShardedPlacement needs at least one device, e.g. ShardedPlacement(['cuda:0', "
                                  "'cuda:1']).")

@@ -66,7 +66,7 @@ class _Staging:
         self._events[shard] = ev
 
 
-def shard_devices(devices: Sequence[torch.device | str], error: type[Exception]) -> list[torch.device]:
+def as_devices(devices: Sequence[torch.device | str], error: type[Exception]) -> list[torch.device]:
     """``devices`` as torch devices, or ``error`` for one torch does not know or a single device name
     (a string is no sequence of devices: ``"cpu"`` would be read as the devices ``c``, ``p``, ``u``)."""
     if isinstance(devices, (str, torch.device)):
@@ -100,7 +100,7 @@ class ShardedStorage(Storage):
                  ragged_capacity: int | None = None, tier: str = "sharded") -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
             raise ConfigurationError(f"capacity must be a positive int, got {capacity!r}.")
-        devs = shard_devices(devices, ConfigurationError)
+        devs = as_devices(devices, ConfigurationError)
         if not devs:
             raise ConfigurationError("ShardedStorage needs at least one device.")
         if len(devs) > capacity:
