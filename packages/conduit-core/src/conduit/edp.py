@@ -15,7 +15,7 @@ import torch
 from conduit.batch import ExperienceBatch, Ragged
 from conduit.errors import CapacityError, ConfigurationError, SchemaError
 from conduit.placement.base import HostPlacement, Placement
-from conduit.scheduling.base import Scheduler, Synchronous
+from conduit.scheduling.base import Scheduler, Synchronous, check_scheduler_entry, scheduler_entry
 from conduit.schema import ExperienceSchema
 from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy, check_version
@@ -554,23 +554,38 @@ class ExperienceDataPlane:
     def state_dict(self) -> dict[str, Any]:
         """Contents, handles and sampler state (RNG included); exact round trip.
 
+        A ``"scheduler"`` entry is added when the scheduler has state to keep (:meth:`Scheduler.state_dict`,
+        e.g. :class:`~conduit.scheduling.Automatic`'s calibrated decision): a buffer whose scheduler is of the
+        same kind then goes on with it after :meth:`load_state_dict`.
+
         Also after :meth:`close` (read only): the buffer as ``close`` left it, everything handed over stored
         and the draws a prefetching scheduler had prepared given back (unless ``close`` ran from a callback
         inside a write), so a new buffer that loads it goes on exactly as this one would have (the scheduler,
-        free to serve another buffer by then, is not touched).
+        free to serve another buffer by then, is not touched; its state is kept unless it serves another buffer).
         """
         self.flush()
         if not self.closed:
             self.scheduler.invalidate("checkpoint")
         with self._lock:
-            return {"format": 1, "storage": self.storage.state_dict(), "semantics": self.semantics.state_dict()}
+            out = {"format": 1, "storage": self.storage.state_dict(), "semantics": self.semantics.state_dict()}
+        if getattr(self.scheduler, "edp", None) is self:  # (not after it served another buffer: that one's state)
+            entry = scheduler_entry(self.scheduler)
+            if entry is not None:
+                out["scheduler"] = entry
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved into a buffer built with the same schema and capacity.
 
+        The checkpoint loads whatever this buffer's scheduler is. Its ``"scheduler"`` entry (absent in
+        checkpoints of schedulers with nothing to keep) is applied only when this buffer's scheduler is of
+        the kind that saved it (e.g. a new ``Automatic`` takes the saved decision instead of calibrating);
+        with another kind it is ignored.
+
         Raises:
             ConfigurationError: ``state`` is not what :meth:`state_dict` returns, or is damaged (wrong
-                types, dtypes or shapes, handles outside its live range); the buffer is unchanged.
+                types, dtypes or shapes, handles outside its live range, a damaged ``"scheduler"`` entry);
+                the buffer is unchanged.
             CapacityError: a ragged field's live elements exceed this buffer's ragged pool (unchanged).
             ConfigurationError: the buffer is closed (load into a new one).
         """
@@ -579,6 +594,8 @@ class ExperienceDataPlane:
                 or not isinstance(state.get("storage"), Mapping) or not isinstance(state.get("semantics"), Mapping)):
             raise ConfigurationError("Unknown checkpoint format; it was not written by ExperienceDataPlane "
                                      "(expected the dict its state_dict() returns).")
+        # checked before anything changes; applied once the contents are in
+        load_scheduler = "scheduler" in state and check_scheduler_entry(self.scheduler, state["scheduler"])
         self.flush()
         with self._lock:  # checked before prepared deliveries are dropped: a refused load changes nothing
             self._check_open()
@@ -596,6 +613,8 @@ class ExperienceDataPlane:
             except BaseException:
                 self.semantics.load_state_dict(before)
                 raise
+        if load_scheduler:
+            self.scheduler.load_state_dict(state["scheduler"]["state"])
 
     def close(self) -> None:
         """Stop background work, storing everything handed over first (then the scheduler is free to serve

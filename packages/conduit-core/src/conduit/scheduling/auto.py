@@ -21,16 +21,25 @@ semantics, and the caps are optional. It runs in three phases:
 
 After that the job runs on an :class:`~conduit.scheduling.Overlapped` scheduler with the
 chosen settings; :attr:`Automatic.decision` says what was measured and why.
+
+**Checkpoints.** Once calibration is over, the buffer's ``state_dict()`` carries the decision
+(:meth:`Automatic.state_dict`). A buffer built with a new ``Automatic`` that loads it skips
+calibration and runs on the same settings, so (sequentially, or with no background work racing
+the draws) it delivers exactly what the saved buffer delivers after its ``state_dict()``. A
+checkpoint taken while calibrating carries nothing (the restored buffer calibrates afresh); a
+decision outside the loading scheduler's own settings (caps, forced overlap, memory budget, on/off-
+policy or M) is not applied either; and a buffer with another kind of scheduler ignores it.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 import statistics
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +47,7 @@ import torch
 from conduit.batch import ExperienceBatch
 from conduit.errors import ConfigurationError
 from conduit.scheduling.base import Scheduler
+from conduit.scheduling.buffers import buffers_needed
 from conduit.scheduling.granularity import GranularityRange, ranges_for, safe_ranges
 from conduit.scheduling.model import (
     LatencyFit,
@@ -136,8 +146,8 @@ class Automatic(Scheduler):
         overlap: force overlap on or off; ``None`` (default) lets the measurement decide.
         g_ing_max: cap on rollouts per ingestion write (off-policy; bounds ingestion lag).
         g_del_max: cap on batches per delivery call (off-policy; bounds priority staleness).
-        memory_budget: bytes the delivery buffers may take (caps ``g_del`` for the first delivery's batch
-            size while probing, and for the largest batch the probe delivered when choosing).
+        memory_budget: bytes the delivery buffers may take (caps ``g_del`` for each delivery's batch size
+            while probing, and for the largest batch the probe delivered when choosing).
         probe_rounds: how many chunks of each probed granularity to time.
         confirm_deliveries: deliveries per window in the confirm phase.
         confirm_windows: windows per configuration in the confirm phase (alternating, median kept).
@@ -285,6 +295,8 @@ class Automatic(Scheduler):
         if self._phase == "probe" and self._del_plan is None:
             out = self._first_delivery(n, kwargs)
         else:
+            if self._phase == "probe":
+                self._fit_budget(n)
             out = self.inner.deliver(n, **kwargs)
         if self._retry is not None:
             retry, self._retry = self._retry, None
@@ -326,6 +338,68 @@ class Automatic(Scheduler):
     def pending(self) -> list[Any]:
         return self.inner.pending()
 
+    # -- checkpoint ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``{"decision": ...}`` (plain Python values) once calibration is over; ``{}`` before (a buffer that
+        loads such a checkpoint calibrates afresh)."""
+        d = self.decision
+        if getattr(self, "_phase", None) != "run" or d is None:
+            return {}
+        return {"decision": _decision_state(d)}
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Refuse a damaged state (see :meth:`load_state_dict`) before anything changes."""
+        super().check_state_dict(state)
+        if not set(state) <= {"decision"}:
+            raise _damaged(f"unknown keys {sorted(map(str, set(state) - {'decision'}))} (expected 'decision' only)")
+        _decision_from(state.get("decision"))
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a calibrated decision that :meth:`state_dict` saved: calibration (any phase, also one finished
+        already) ends, and the buffer runs on the decision's ``g_ing``, ``g_del`` and overlap from now on.
+
+        A decision this scheduler's own settings do not allow is not applied (it goes on as before, e.g. it
+        calibrates): another on/off-policy kind or M, ``g_ing``/``g_del`` above ``g_ing_max``/``g_del_max``,
+        overlap other than a forced ``overlap``, or delivery buffers over ``memory_budget`` at the saved
+        batch size. An empty state (saved while calibrating) changes nothing.
+
+        Raises:
+            ConfigurationError: ``state`` is damaged (nothing changed), or this scheduler serves no open buffer.
+        """
+        self.check_state_dict(state)
+        edp = getattr(self, "edp", None)
+        if edp is None or edp.closed or getattr(self, "_phase", None) is None:
+            raise ConfigurationError("This Automatic scheduler serves no open buffer; load the checkpoint into a "
+                                     "buffer built with it (ExperienceDataPlane.load_state_dict).")
+        d = _decision_from(state.get("decision"))
+        if d is None or not self._allows(d):
+            return
+        for c in self._candidates.values():  # (a calibration's candidates: not the decision's settings)
+            if c is not self.inner:
+                c.close()
+        self._candidates = {}
+        self._confirm = []
+        self._retry = None
+        self._ing_plan, self._del_plan, self._del_left = [], [], 0
+        self._probe_rollout = None
+        self.range = d.range
+        self.decision = d
+        self._choices = {d.overlap: (d.g_ing, d.g_del)}
+        self._finish(d.overlap, d.reason)
+
+    def _allows(self, d: Decision) -> bool:
+        """Whether decision ``d`` is within this scheduler's settings for the buffer it serves."""
+        if d.range.on_policy != self.on_policy or (self.force_overlap is not None and self.force_overlap != d.overlap):
+            return False
+        if not any(math.isclose(d.g_ing, g) for g in self.range.g_ing):
+            return False
+        if self.on_policy:
+            return math.isclose(d.g_del, self.range.g_del[0])
+        if d.g_del > self.g_del_max:
+            return False
+        need = buffers_needed(int(d.g_del), self.output_depth) * d.g_del * d.batch_bytes
+        return self.memory_budget is None or need <= self.memory_budget
+
     # -- calibration ---------------------------------------------------------------------------
     def _first_delivery(self, n: int | None, kwargs: dict[str, Any]) -> tuple[ExperienceBatch, SampleInfo]:
         """The first delivery sizes the probe plan from its batch size; a refused one leaves no plan behind."""
@@ -354,6 +428,21 @@ class Automatic(Scheduler):
             self._del_plan = _probe_values(self.range.g_del) * self.probe_rounds
             self.inner.retune(g_del=self._del_plan[0])
         self._del_left = int(self._del_plan[0])
+
+    def _fit_budget(self, n: int | None) -> None:
+        """Off-policy probe: lower this call's ``g_del`` (the probed value stays planned) until its delivery
+        buffers fit ``memory_budget`` for this call's batch size ``n`` (the probe range was sized from the first
+        delivery, which may have been smaller). ``g_del = 1`` stays when even that does not fit: the probe already
+        delivered such batches. A size the semantics refuse is left to them."""
+        if (self.on_policy or self.memory_budget is None or not isinstance(n, numbers.Integral)
+                or isinstance(n, bool) or n <= 0):
+            return
+        batch_bytes = _item_bytes(self.edp) * int(n)
+        g = int(self.inner.g_del)
+        while g > 1 and buffers_needed(g, self.output_depth) * g * batch_bytes > self.memory_budget:
+            g -= 1
+        if g < self.inner.g_del:
+            self.inner.retune(g_del=g)
 
     def _cap_g_del(self, items: int) -> None:
         """Off-policy: keep the delivery range within ``memory_budget`` for the largest batch the probe delivered
@@ -552,3 +641,111 @@ def _bytes_per_call(recs: list[CallRecord], work: str, calls: list[CallRecord]) 
     per_item = [r.nbytes / r.items for r in recs if r.kind == work and r.items]
     items = [r.items for r in calls]
     return statistics.median(per_item) * statistics.median(items) if per_item and items else 0.0
+
+
+def _decision_state(d: Decision) -> dict[str, Any]:
+    """``d`` as plain Python values (what :func:`_decision_from` reads back)."""
+    def costs(c: dict[float, float]) -> list[list[float]]:
+        return [[float(g), float(v)] for g, v in c.items()]
+
+    def fit(f: LatencyFit | None) -> dict[str, Any] | None:
+        return None if f is None else asdict(f)
+    r = d.range
+    return {"range": {"on_policy": r.on_policy, "g_ing": [float(g) for g in r.g_ing],
+                      "g_del": [float(g) for g in r.g_del], "num_minibatches": r.num_minibatches},
+            "g_ing": float(d.g_ing), "g_del": float(d.g_del), "overlap": bool(d.overlap),
+            "deliver_fit": fit(d.deliver_fit), "ingest_fit": fit(d.ingest_fit),
+            "batch_bytes": float(d.batch_bytes), "rollout_bytes": float(d.rollout_bytes),
+            "deliver_gap_s": float(d.deliver_gap_s), "ingest_gap_s": float(d.ingest_gap_s),
+            "deliver_sequential": costs(d.deliver_sequential), "deliver_overlapped": costs(d.deliver_overlapped),
+            "ingest_sequential": costs(d.ingest_sequential), "ingest_overlapped": costs(d.ingest_overlapped),
+            "confirmed": {str(k): float(v) for k, v in d.confirmed.items()}, "reason": str(d.reason)}
+
+
+def _damaged(what: str) -> ConfigurationError:
+    return ConfigurationError(f"The checkpoint's Automatic scheduler state is damaged: {what}. Drop its "
+                              f"'scheduler' entry to load the checkpoint and calibrate afresh.")
+
+
+def _real(v: Any, what: str, *, least: float | None = 0.0, finite: bool = True) -> float:
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        raise _damaged(f"{what} must be a number, got {v!r}")
+    x = float(v)
+    if (finite and not math.isfinite(x)) or (least is not None and not x >= least):
+        raise _damaged(f"{what} must be a finite number >= {least:g}" if finite else f"{what} out of range: {v!r}")
+    return x
+
+
+def _decision_from(state: Any) -> Decision | None:
+    """The :class:`Decision` that :func:`_decision_state` wrote (None for none); ``ConfigurationError`` for
+    anything else."""
+    if state is None:
+        return None
+    if not isinstance(state, Mapping):
+        raise _damaged(f"'decision' must be a dict, got {type(state).__name__}")
+    keys = {"range", "g_ing", "g_del", "overlap", "deliver_fit", "ingest_fit", "batch_bytes", "rollout_bytes",
+            "deliver_gap_s", "ingest_gap_s", "deliver_sequential", "deliver_overlapped", "ingest_sequential",
+            "ingest_overlapped", "confirmed", "reason"}
+    if set(state) != keys:
+        raise _damaged(f"'decision' has the keys {sorted(map(str, state))}, expected {sorted(keys)}")
+    r = state["range"]
+    if not isinstance(r, Mapping) or set(r) != {"on_policy", "g_ing", "g_del", "num_minibatches"}:
+        raise _damaged("'range' must be a dict of on_policy, g_ing, g_del and num_minibatches")
+    on_policy, m = r["on_policy"], r["num_minibatches"]
+    if not isinstance(on_policy, bool):
+        raise _damaged(f"range.on_policy must be True or False, got {on_policy!r}")
+    if m is not None and (not isinstance(m, numbers.Integral) or isinstance(m, bool) or m < 1):
+        raise _damaged(f"range.num_minibatches must be None or an int >= 1, got {m!r}")
+
+    def granularity(v: Any, what: str) -> float:
+        g = _real(v, what)
+        if not (0 < g <= 1 if on_policy else g >= 1 and g == int(g)):
+            raise _damaged(f"{what} must be {'in (0, 1]' if on_policy else 'a whole number >= 1'}, got {v!r}")
+        return g
+
+    def granularities(v: Any, what: str) -> tuple[float, ...]:
+        if not isinstance(v, (list, tuple)) or not v:
+            raise _damaged(f"{what} must be a non-empty list of granularities")
+        return tuple(granularity(g, what) for g in v)
+    rng = GranularityRange(on_policy, granularities(r["g_ing"], "range.g_ing"),
+                           granularities(r["g_del"], "range.g_del"), None if m is None else int(m))
+    g_ing, g_del = granularity(state["g_ing"], "g_ing"), granularity(state["g_del"], "g_del")
+    if g_ing not in rng.g_ing or g_del not in rng.g_del:
+        raise _damaged(f"g_ing={g_ing:g} or g_del={g_del:g} is outside its own range ({rng.describe()})")
+    if not isinstance(state["overlap"], bool):
+        raise _damaged(f"overlap must be True or False, got {state['overlap']!r}")
+
+    def fit(v: Any, what: str) -> LatencyFit | None:
+        if v is None:
+            return None
+        names = {f.name for f in fields(LatencyFit)}
+        if not isinstance(v, Mapping) or set(v) != names:
+            raise _damaged(f"{what} must be None or a dict of {sorted(names)}")
+        args: dict[str, Any] = {}
+        for k in names:
+            if k in ("calls", "sizes"):
+                if not isinstance(v[k], numbers.Integral) or isinstance(v[k], bool) or v[k] < 0:
+                    raise _damaged(f"{what}.{k} must be an int >= 0, got {v[k]!r}")
+                args[k] = int(v[k])
+            else:  # (the knee is infinite when none was found; the error may be NaN on degenerate telemetry)
+                args[k] = _real(v[k], f"{what}.{k}", least=None, finite=False)
+        return LatencyFit(**args)
+
+    def costs(v: Any, what: str) -> dict[float, float]:
+        if not isinstance(v, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in v):
+            raise _damaged(f"{what} must be a list of [granularity, seconds] pairs")
+        return {granularity(g, what): _real(c, what) for g, c in v}
+    confirmed = state["confirmed"]
+    if not isinstance(confirmed, Mapping) or not all(isinstance(k, str) for k in confirmed):
+        raise _damaged("'confirmed' must be a dict of seconds by configuration name")
+    if not isinstance(state["reason"], str):
+        raise _damaged(f"'reason' must be a str, got {type(state['reason']).__name__}")
+    return Decision(rng, g_ing, g_del, state["overlap"], fit(state["deliver_fit"], "deliver_fit"),
+                    fit(state["ingest_fit"], "ingest_fit"), _real(state["batch_bytes"], "batch_bytes"),
+                    _real(state["rollout_bytes"], "rollout_bytes"), _real(state["deliver_gap_s"], "deliver_gap_s"),
+                    _real(state["ingest_gap_s"], "ingest_gap_s"),
+                    costs(state["deliver_sequential"], "deliver_sequential"),
+                    costs(state["deliver_overlapped"], "deliver_overlapped"),
+                    costs(state["ingest_sequential"], "ingest_sequential"),
+                    costs(state["ingest_overlapped"], "ingest_overlapped"),
+                    {k: _real(v, f"confirmed[{k!r}]") for k, v in confirmed.items()}, state["reason"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from conduit.edp import ExperienceDataPlane
     from conduit.semantics.base import SampleInfo
 
-__all__ = ["Scheduler", "Synchronous"]
+__all__ = ["Scheduler", "Synchronous", "check_scheduler_entry", "scheduler_entry"]
 
 
 class Scheduler(ABC):
@@ -83,6 +84,63 @@ class Scheduler(ABC):
 
     def close(self) -> None:
         self.flush()
+
+    # -- checkpoint ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a new scheduler of the same kind needs to go on exactly as this one would after a checkpoint
+        (e.g. a calibrated decision); plain Python values. Default: nothing (``{}``), as for a scheduler whose
+        behaviour is all in its constructor's settings. The buffer's ``state_dict`` keeps it only when non-empty."""
+        return {}
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Check ``state`` (what :meth:`state_dict` of this kind returned) before anything changes.
+
+        Raises:
+            ConfigurationError: ``state`` is not what :meth:`state_dict` returns, or is damaged.
+        """
+        if not isinstance(state, Mapping):
+            raise ConfigurationError(f"The checkpoint's scheduler state must be a dict (what state_dict() returns), "
+                                     f"got {type(state).__name__}.")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:  # noqa: B027 - an optional hook
+        """Go on as the scheduler that saved ``state`` (same kind) would; checked first (:meth:`check_state_dict`),
+        so a refused state changes nothing. Default: nothing to restore.
+
+        Raises:
+            ConfigurationError: ``state`` is damaged (nothing changed).
+        """
+        self.check_state_dict(state)
+
+
+def _kind(scheduler: Scheduler) -> str:
+    return f"{type(scheduler).__module__}.{type(scheduler).__qualname__}"
+
+
+def scheduler_entry(scheduler: Scheduler) -> dict[str, Any] | None:
+    """A checkpoint's ``"scheduler"`` entry: ``{"kind": class path, "state": scheduler.state_dict()}``, or None
+    when the scheduler has nothing to keep."""
+    state = scheduler.state_dict()
+    return {"kind": _kind(scheduler), "state": state} if state else None
+
+
+def check_scheduler_entry(scheduler: Scheduler, entry: object) -> bool:
+    """Check a checkpoint's ``"scheduler"`` entry before anything changes; True when ``scheduler`` is of the
+    kind that saved it (then ``scheduler.load_state_dict(entry["state"])`` applies it), False when it is of
+    another kind (the entry is ignored: a checkpoint loads into a buffer with any scheduler).
+
+    Raises:
+        ConfigurationError: the entry is damaged (not ``{"kind": str, "state": dict}``, or a state this
+            scheduler's kind refuses).
+    """
+    if (not isinstance(entry, Mapping) or not isinstance(entry.get("kind"), str)
+            or not isinstance(entry.get("state"), Mapping)):
+        raise ConfigurationError("The checkpoint's 'scheduler' entry is damaged (expected {'kind': str, 'state': "
+                                 "dict}, as ExperienceDataPlane.state_dict() writes it); drop the entry to load the "
+                                 "checkpoint without the scheduler's state.")
+    if entry["kind"] != _kind(scheduler):
+        return False
+    scheduler.check_state_dict(entry["state"])
+    return True
 
 
 class Synchronous(Scheduler):
