@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from conduit.placement.migration import MigrationReport
 
 __all__ = ["ExperienceDataPlane"]
+
+T = TypeVar("T")
 
 
 #: smallest delivery (bytes over its fixed fields) for which an unreferenced output buffer is reused
@@ -278,8 +280,12 @@ class ExperienceDataPlane:
         return out
 
     def ingest_now(self, batch: ExperienceBatch, *, version: int | None = None,
-                   priorities: torch.Tensor | None = None) -> torch.Tensor:
+                   priorities: torch.Tensor | None = None,
+                   on_stored: Callable[[], None] | None = None) -> torch.Tensor:
         """Store an already validated batch now (the scheduler's primitive).
+
+        ``on_stored`` is called under the buffer's lock, in the hold that stored the batch (a scheduler
+        marks the batch stored there, so what it reports pending agrees with the storage under that lock).
 
         After :meth:`close` only the scheduler's own storing of what was handed over before it runs (from
         ``close()`` or ``flush()``, or on the thread that closed the buffer from inside a write); any other
@@ -295,6 +301,8 @@ class ExperienceDataPlane:
             try:
                 res = self.storage.append(batch, evict=self._replay)
                 self.semantics.on_append(res, version=version, priorities=priorities)
+                if on_stored is not None:
+                    on_stored()
             finally:
                 self._writer = outer
         self.telemetry.record("ingest", res.count, self._nbytes(batch), t0, time.perf_counter())
@@ -402,6 +410,22 @@ class ExperienceDataPlane:
             if when is not None and not when():
                 return None
             return select_many(self.semantics, sizes, peek=peek, **kwargs)
+
+    def read_locked(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` under the buffer's lock and return its result.
+
+        It is the lock ``ingest_now``, ``deliver_now`` and ``select_now`` hold while they change the
+        storage and the semantics: ``fn`` sees them between two such steps, never part way through one
+        (e.g. counts and cursors that agree with each other). ``fn`` runs on the calling thread; the lock is
+        re-entrant, so ``fn`` may call the buffer's methods, but it should be short (it holds up ingestion
+        and delivery).
+
+        Raises:
+            ConfigurationError: the buffer is closed (as ``select_now`` is refused then); ``fn`` did not run.
+        """
+        with self._lock:
+            self._check_open()
+            return fn()
 
     def gather_now(self, selections: Sequence[Selection],
                    out: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor] | None] | None = None,

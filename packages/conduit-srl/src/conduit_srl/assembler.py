@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -60,6 +60,8 @@ from conduit_srl.fifo import FifoSampler
 from conduit_srl.records import RecordLayout
 
 __all__ = ["Assembler", "ReplayEntry", "Stats"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -327,24 +329,43 @@ class Assembler:
 
         Samples still on their way to storage count as stored, with the samples their storing evicts
         taken off (queue and replay storage holds at most ``capacity``; on-policy storage never evicts).
+        What is on its way and what is stored are read in one hold of the EDP's lock, so a sample being
+        stored counts once (Conduit's scheduler marks it stored in the lock hold that stores it).
         """
         edp = self.edp
         if edp is None:
             return 0
-        pending = self._pending_samples()
         if self.cfg.semantics == "queue":
             fifo = self._fifo()
-            with self._cv:  # (a batch assembled ahead leaves the cursor and joins _ready in one step under _cv)
-                fresh = sum(int(e.sampling_indices.shape[0]) for e in self._ready if e.reuses == 0)
+
+            def queued() -> int:
+                pending = self._pending_samples()
                 # (+ samples a prepared delivery holds that eviction took, or will take, from storage)
                 oldest = max(fifo.storage.oldest, fifo.storage.next_handle + pending - edp.capacity)
-                return min(pending + fifo.undelivered(), edp.capacity) + fresh + fifo.held_ahead(oldest)
+                return min(pending + fifo.undelivered(), edp.capacity) + fifo.held_ahead(oldest)
+
+            with self._cv:  # (a batch assembled ahead leaves the cursor and joins _ready in one step under _cv)
+                fresh = sum(int(e.sampling_indices.shape[0]) for e in self._ready if e.reuses == 0)
+                return self.read_plane(queued) + fresh
         if self.cfg.replay_like:
-            return min(pending + len(edp), edp.capacity)
+            return self.read_plane(lambda: min(self._pending_samples() + len(edp), edp.capacity))
         # on-policy: a rollout's storage is released when the plane delivers its last minibatch, which may wait
         # in _ready (counted until get() hands it out); _deliver_lock: not while it moves there
         with self._deliver_lock, self._cv:
-            return self._pending_samples() + len(edp) + sum(e._released for e in self._ready)
+            return self.read_plane(lambda: self._pending_samples() + len(edp)) + sum(e._released for e in self._ready)
+
+    def read_plane(self, read: Callable[[], T]) -> T:
+        """``read()`` under the EDP's lock (``ExperienceDataPlane.read_locked``), where ingestion and delivery
+        change the storage and the semantics' state; once the EDP is closed (it takes no more work, so they no
+        longer change), as it is."""
+        edp = self.edp
+        assert edp is not None
+        try:
+            return edp.read_locked(read)
+        except ConfigurationError:
+            if not edp.closed:
+                raise
+            return read()
 
     def flush(self) -> None:
         """Wait until every sample put so far is stored."""
@@ -681,21 +702,6 @@ class Assembler:
             return pending > 0 and (self.cfg.on_stale == "raise" or fresh > 0)  # (raise: get() raises the stale error)
         return len(self.edp) + extra >= self.cfg.resolved_warmup
 
-    def read_under_plane_lock(self, read: Callable[[], object]) -> None:
-        """Run ``read`` under the EDP's lock, where deliveries change the semantics' state (``select_now``
-        runs ``when`` under it and, as it returns False, selects nothing).
-
-        Raises:
-            ConfigurationError: the EDP is closed (``read`` did not run).
-        """
-        assert self.edp is not None
-
-        def when() -> bool:
-            read()
-            return False
-
-        self.edp.select_now([], when=when)
-
     def _rollouts(self) -> tuple[int, int]:
         """On-policy: sealed rollouts not fully delivered, and of those the ones fresh enough to deliver.
 
@@ -705,13 +711,11 @@ class Assembler:
         """
         assert self.edp is not None
         sem = self.edp.semantics
-        found = [0, 0]
 
-        def probe() -> None:
-            found[0], found[1] = sem.pending_rollouts, sem.fresh_rollouts  # type: ignore[attr-defined]
+        def probe() -> tuple[int, int]:
+            return sem.pending_rollouts, sem.fresh_rollouts  # type: ignore[attr-defined]
 
-        self.read_under_plane_lock(probe)
-        return found[0], found[1]
+        return self.read_plane(probe)
 
     def _deliver(self, *, demand: bool = True) -> ReplayEntry:
         """One delivery from the EDP, assembled (the caller holds ``_deliver_lock``).

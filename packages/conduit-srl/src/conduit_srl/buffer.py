@@ -10,7 +10,7 @@ import importlib
 import weakref
 from typing import Any, cast
 
-from conduit import ConfigurationError, ExperienceDataPlane, Telemetry
+from conduit import ExperienceDataPlane, Telemetry
 
 from conduit_srl.assembler import Assembler, ReplayEntry, Stats
 from conduit_srl.config import BufferConfig
@@ -174,10 +174,7 @@ class ConduitBuffer:
                     out["queue_abandoned"] = getattr(sampler, "abandoned", 0)
                     out["rollout_dropped"] = getattr(sem, "dropped_items", 0)
 
-                try:
-                    a.read_under_plane_lock(read)
-                except ConfigurationError:  # the plane is closed: it takes no more work, so they no longer change
-                    read()
+                a.read_plane(read)
         return out
 
     def close(self) -> None:

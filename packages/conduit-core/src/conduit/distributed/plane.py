@@ -30,7 +30,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent import futures
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -64,6 +64,8 @@ from conduit.storage.base import AppendResult
 from conduit.telemetry import Telemetry
 
 __all__ = ["DistributedDataPlane"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("conduit.distributed")
 
@@ -465,18 +467,21 @@ class DistributedDataPlane:
             return i
 
     def ingest_now(self, batch: ExperienceBatch, *, version: int | None = None,
-                   priorities: torch.Tensor | None = None) -> torch.Tensor:
-        """Store an already validated batch now (the scheduler's primitive).
+                   priorities: torch.Tensor | None = None,
+                   on_stored: Callable[[], None] | None = None) -> torch.Tensor:
+        """Store an already validated batch now (the scheduler's primitive); ``on_stored`` as
+        ``ExperienceDataPlane.ingest_now``'s (called under the lock, in the hold that stored the batch).
 
         Rows that carry a producer column (what :meth:`ingest` hands to the scheduler) are
         routed by each row's producer node, so one write that coalesces batches of several
         producers still places each batch as the plan wants it for its producer; rows
         without one count as produced on the learner's node.
         """
-        return self._ingest(batch, version, priorities, None, validated=True)
+        return self._ingest(batch, version, priorities, None, validated=True, on_stored=on_stored)
 
     def _ingest(self, batch: Mapping[str, Any] | ExperienceBatch | ExperienceRef, version: int | None,
-                priorities: torch.Tensor | None, node: str | None, *, validated: bool) -> torch.Tensor:
+                priorities: torch.Tensor | None, node: str | None, *, validated: bool,
+                on_stored: Callable[[], None] | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
         if isinstance(batch, ExperienceRef):
             if ExperienceSchema.from_dict(batch.schema) != self.schema:
@@ -517,6 +522,8 @@ class DistributedDataPlane:
             live = list(self.index.live_rows())
             rows = live[len(live) - len(placed):]
             self.semantics.on_append(res, version=version, priorities=priorities)
+            if on_stored is not None:
+                on_stored()
             short = [r for r, (_, _, reps) in zip(rows, placed, strict=True) if len(reps) < self.replication]
             if short:
                 self._replicate(short)
@@ -719,6 +726,20 @@ class DistributedDataPlane:
             if when is not None and not when():
                 return None
             return select_many(self.semantics, sizes, peek=peek, **kwargs)
+
+    def read_locked(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` under the buffer's lock and return its result (as ``ExperienceDataPlane.read_locked``).
+
+        It is the lock ``ingest_now``, ``deliver_now`` and ``select_now`` hold while they change the index and
+        the semantics: ``fn`` sees them between two such steps, never part way through one. The lock is
+        re-entrant; keep ``fn`` short (it holds up ingestion and delivery).
+
+        Raises:
+            ConfigurationError: the buffer is closed (as ``select_now`` is refused then); ``fn`` did not run.
+        """
+        with self._lock:
+            self._check_open()
+            return fn()
 
     def gather_now(self, selections: Sequence[Selection],
                    out: Mapping[str, torch.Tensor] | Callable[[int], Mapping[str, torch.Tensor]] | None = None,
@@ -1379,20 +1400,21 @@ class DistributedDataPlane:
         """Stop the monitor, drop this buffer's partitions, and stop the servers this buffer started.
 
         Closing again does nothing; every other call that reads or changes the buffer is then refused
-        (see the class docstring). A buffer dropped without ``close()`` releases the same when it is
-        garbage-collected (its threads end, its partitions are dropped and the servers it started are
-        killed, without waiting for the servers' answers); what its scheduler still had queued is dropped.
+        (see the class docstring). A close that raised leaves the buffer open, as a single-node buffer's:
+        the scheduler could not store what was handed over (its error is raised), so the monitor, the
+        partitions and the servers are kept (nothing is dropped) and ``close()`` again retries. A buffer
+        dropped without ``close()`` releases the same when it is garbage-collected (its threads end, its
+        partitions are dropped and the servers it started are killed, without waiting for the servers'
+        answers); what its scheduler still had queued is dropped.
         """
         if self._closed:
             return
         scheduler = getattr(self, "scheduler", None)
-        try:
-            if scheduler is not None:
-                scheduler.close()  # stores what was handed over first
-        finally:
-            self._closed = True
-            self._stop.set()
-            self._close_shards()
+        if scheduler is not None:
+            scheduler.close()  # stores what was handed over first; raises with the buffer still open
+        self._closed = True
+        self._stop.set()
+        self._close_shards()
 
     def _close_shards(self) -> None:
         # close() may run on the monitor thread itself (an on_loss callback that closes the buffer): that

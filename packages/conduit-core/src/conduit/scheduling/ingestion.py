@@ -89,6 +89,10 @@ class Ingestion:
         self._writer = threading.Lock()  # held by the caller storing groups (sequential mode, see _store_ready)
         self._pending: deque[Handover] = deque()
         self._inflight: list[Handover] = []
+        #: groups taken for a write so far, and the number of the last one whose write has stored it (marked
+        #: under the buffer's lock by ``ingest_now``; numbers, so no group is held after its write)
+        self._taken = 0
+        self._stored = 0
         self._error: BaseException | None = None
         #: the last background write failure (kept after it was raised: a flush that waited for the write
         #: raises it too, when another caller took ``_error`` first)
@@ -259,9 +263,14 @@ class Ingestion:
                 raise self._failure(e, closing=True) from e
 
     def pending(self) -> list[Handover]:
-        """Handed-over batches not stored yet, in order."""
+        """Handed-over batches not stored yet, in order.
+
+        Read under the buffer's lock (``edp.read_locked``) it agrees exactly with the storage: a group being
+        written counts here until the write that stores it marks it, in the same lock hold, so never twice.
+        """
         with self._cv:
-            return list(self._inflight) + list(self._pending)
+            inflight = [] if self._stored == self._taken else self._inflight
+            return list(inflight) + list(self._pending)
 
     @property
     def on_worker(self) -> bool:
@@ -317,20 +326,26 @@ class Ingestion:
         for _ in group:
             self._pending.popleft()
         self._inflight = group
+        self._taken += 1
         return group
 
     # -- storing ---------------------------------------------------------------------------
     def _store(self, group: list[Handover]) -> None:
         head = group[0]
+        number = self._taken  # (one writer at a time: the group it took last is this one)
+
+        def stored() -> None:  # called by ingest_now under the buffer's lock, once the group is in storage
+            self._stored = number
+
         if len(group) == 1:
-            self.edp.ingest_now(head.batch, version=head.version, priorities=head.priorities)
+            self.edp.ingest_now(head.batch, version=head.version, priorities=head.priorities, on_stored=stored)
         else:
             t0 = time.perf_counter()
             batch = self._concat([h.batch for h in group])
             prios = None if head.priorities is None else torch.cat([torch.as_tensor(h.priorities).reshape(-1)
                                                                     for h in group])
             self.edp.telemetry.record("stage", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
-            self.edp.ingest_now(batch, version=head.version, priorities=prios)
+            self.edp.ingest_now(batch, version=head.version, priorities=prios, on_stored=stored)
         if self.on_policy:
             with self._cv:
                 sem = self.edp.semantics  # (a seal or another write waits for this one: the rollout is this group's)

@@ -290,7 +290,11 @@ class Overlapped(Scheduler):
         return self._ingestion.drain()
 
     def pending(self) -> list[Handover]:
-        """Handed-over batches not in storage yet, in order (after a failed ``close``: what was not stored)."""
+        """Handed-over batches not in storage yet, in order (after a failed ``close``: what was not stored).
+
+        Read under the buffer's lock (``edp.read_locked``) it agrees exactly with the storage: a batch being
+        stored counts either here (its write has not stored it yet) or in the storage, never in both.
+        """
         return self._ingestion.pending()
 
     # -- delivery --------------------------------------------------------------------------
@@ -542,12 +546,7 @@ class Overlapped(Scheduler):
             self._discard_all()
             if drawn is not None:  # the draws prepared but not delivered are made again next (see above)
                 sem = self.edp.semantics
-
-                def rewind() -> bool:  # (run under the buffer's lock; selects nothing)
-                    sem.rewind_draws(drawn)
-                    return False
-
-                self.edp.select_now([], when=rewind)
+                self.edp.read_locked(lambda: sem.rewind_draws(drawn))
             edp = self.edp
             ring = self._ring
             if (ring.schema != edp.schema or ring.storage_device != edp.storage.device
