@@ -74,6 +74,8 @@ class LoopResult:
     iterations: list[IterationExposure] = field(default_factory=list)
     #: what the automatic scheduler decided (its ``explain()``), if it was used
     decision: str = ""
+    #: calls the trace misses because the telemetry ring dropped them (its ``otherData.dropped_calls``)
+    trace_dropped_calls: int = 0
 
     def median(self, key: str) -> float:
         return statistics.median(getattr(i, key) for i in self.iterations) if self.iterations else 0.0
@@ -202,7 +204,7 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
                 if on_iteration is not None:
                     on_iteration(it - warmup, log.iterations[-1])
         if trace is not None:
-            tel.chrome_trace(trace, since=t_start)
+            result.trace_dropped_calls = tel.chrome_trace(trace, since=t_start)["otherData"]["dropped_calls"]
         decision = getattr(sched, "decision", None)
         if decision is not None:
             result.decision = decision.explain()
@@ -296,6 +298,9 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
         print("\nautomatic configuration:\n" + res.decision)
     if args.trace:
         print(f"\nChrome trace of the accounted iterations: {args.trace} (open in chrome://tracing or Perfetto)")
+        if res.trace_dropped_calls:
+            print(f"note: the trace misses {res.trace_dropped_calls} calls that the telemetry ring dropped to make "
+                  f"room (the oldest); run fewer --iterations for a complete trace.")
     if args.baseline and args.scheduler != "sync":
         print("\nbaseline: synchronous scheduling of the same loop")
         base = run_loop(scheduler=Synchronous(), **common)  # type: ignore[arg-type]

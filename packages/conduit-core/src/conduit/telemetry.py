@@ -72,7 +72,8 @@ class Telemetry:
     The ring drops its oldest calls once more than ``maxlen`` were folded into it; :meth:`mark`
     and :meth:`snapshot` tell whether calls folded after a point have been dropped (what an
     :class:`~conduit.exposure.ExposureLog` checks so an iteration is never silently under-counted).
-    That bookkeeping is an integer sum per fold, never work per recorded call.
+    That bookkeeping is an integer sum per fold, plus the latest end among the calls dropped (what
+    :meth:`chrome_trace` needs to say whether its window misses any); :meth:`record` does none of it.
 
     Args:
         maxlen: how many recent calls :attr:`records` keeps.
@@ -105,6 +106,9 @@ class Telemetry:
         #: the marks of the calls the ring dropped to make room, as ascending [from, to) ranges (one more range
         #: per reset that is followed by drops; what reset removes counts not)
         self._drops: list[list[int]] = []
+        #: the mark at the last reset (calls dropped since are _first - _reset_at), and the latest end of those
+        self._reset_at = 0
+        self._dropped_end = -math.inf
 
     def record(self, kind: str, items: int, nbytes: int, start: float, end: float) -> None:
         """Record one call (thread-safe)."""
@@ -125,15 +129,22 @@ class Telemetry:
             n = len(new)
             # the ring pushes out its oldest calls once it is full: account for them once per fold
             over = len(self._records) + n - self.maxlen
+            # the calls pushed out: the ring's oldest, then (more folded at once than it holds) the first new ones
+            through = max(0, n - self.maxlen)
             if over > 0:
                 if self._drops and self._drops[-1][1] == self._first:
                     self._drops[-1][1] += over
                 else:
                     self._drops.append([self._first, self._first + over])
                 self._first += over
+                # (the running latest first: max() then passes over a NaN end)
+                self._dropped_end = max(itertools.chain(
+                    (self._dropped_end,), (r.end for r in itertools.islice(self._records, over - through))))
             self._folded += n
-            for _ in range(n):  # what other threads append meanwhile waits for the next fold
+            for i in range(n):  # what other threads append meanwhile waits for the next fold
                 rec = new.popleft()
+                if i < through:
+                    self._dropped_end = max(self._dropped_end, rec.end)
                 self._records.append(rec)
                 t = self._totals.get(rec.kind)
                 if t is None:
@@ -277,7 +288,8 @@ class Telemetry:
                     f"reset between iterations (after the `with log.iteration():` block ends).")
             self._records.clear()
             self._totals.clear()
-            self._first = self._folded
+            self._first = self._reset_at = self._folded
+            self._dropped_end = -math.inf
 
     def _open_window(self) -> int:
         """:meth:`mark`, and refuse :meth:`reset` until the matching :meth:`_close_window` (an open iteration)."""
@@ -307,6 +319,11 @@ class Telemetry:
         ``pid`` is this process's. The file is written atomically: a write that fails (disk full, file-size
         limit) leaves ``path`` as it was.
 
+        ``otherData.dropped_calls`` says how many calls the trace misses because the ring (``maxlen``) dropped
+        them to make room since the last :meth:`reset`: 0 when it holds every call. With ``since``, 0 when every
+        dropped call ended by then; else all of those dropped (the ring keeps only the latest end of what it
+        dropped, so some may have ended before ``since``).
+
         Raises:
             ConfigurationError: ``path`` is not a file name (str or path), or ``since`` not a number or NaN;
                 nothing is written.
@@ -323,6 +340,9 @@ class Telemetry:
             # read with the records: a fold on another thread may forget an exited thread's name once its calls
             # have left the ring, and these calls may be its last
             names = dict(self._names)
+            dropped = self._first - self._reset_at
+            if since is not None and not self._dropped_end > since:
+                dropped = 0
         t0 = min((r.start for r in recs), default=0.0)
         lanes = _lanes({r.thread for r in recs})
         pid = os.getpid()
@@ -335,7 +355,7 @@ class Telemetry:
                 names[tid] = t.name
         events += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": lane,
                     "args": {"name": names.get(tid, f"thread {tid}")}} for tid, lane in sorted(lanes.items())]
-        trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+        trace = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"dropped_calls": dropped}}
         if path is not None:
             write_atomically(Path(path), json.dumps(trace))
         return trace
@@ -411,14 +431,16 @@ _NAMES_SLACK = 64
 
 #: this thread's thread_id() once it has one
 _local = threading.local()
-_ids_lock = threading.Lock()
+#: reentrant: a garbage-collector callback that records while a thread gets its id comes back in on that thread
+_ids_lock = threading.RLock()
 #: every ``threading.get_ident()`` handed out as the main thread's thread_id() in this process (never handed out
 #: again: one per process, and one more in a child forked from another thread)
 _taken: set[int] = set()
 #: the fresh numbers handed out are 1.._last_fresh, minus those in _taken (kept here, not in _taken: one more
 #: entry per short-lived thread would grow it for the life of the process)
 _last_fresh = 0
-#: live (and not yet collected) threads -> their thread_id(), to name a trace's lanes by a thread's current name
+#: live (and not yet collected) threads -> their thread_id(): the record of which id a thread has (``_local`` only
+#: caches it), and what names a trace's lanes by a thread's current name
 _thread_ids: weakref.WeakKeyDictionary[threading.Thread, int] = weakref.WeakKeyDictionary()
 
 
@@ -436,19 +458,38 @@ def thread_id() -> int:
 
 
 def _new_thread_id() -> int:
+    """This thread's id, handed out on its first call (and cached in ``_local``).
+
+    The collector may run a callback at any allocation in here (creating ``_local``'s storage for this thread
+    included), and a callback that records calls this again on the same thread before the first call is done.
+    A thread started by :mod:`threading` runs once, so an id registered for its :class:`~threading.Thread` in
+    ``_thread_ids`` is its own: whichever call registers it first decides it (``setdefault``: no allocation
+    between looking and storing) and the other takes it, so a thread never gets two ids (two lanes in a
+    trace). (A thread started outside :mod:`threading` is seen as a ``_DummyThread``, which may be a stale one
+    of an exited thread whose OS ident it reuses: it gets a fresh id as before.)
+    """
     global _last_fresh
     ident = threading.get_ident()
     current = threading.current_thread()
     with _ids_lock:
-        if current is threading.main_thread() and ident not in _taken and ident > _last_fresh:
-            tid = ident
-            _taken.add(tid)
-        else:  # another thread (a trace viewer reads 32-bit tids: an ident, an address, does not fit)
-            _last_fresh += 1
-            while _last_fresh in _taken:
-                _last_fresh += 1
-            tid = _last_fresh
-        _thread_ids[current] = tid
+        foreign = isinstance(current, threading._DummyThread)
+        tid = None if foreign else _thread_ids.get(current)
+        if tid is None:
+            main = current is threading.main_thread() and ident not in _taken and ident > _last_fresh
+            if main:
+                tid = ident
+            else:  # another thread (a trace viewer reads 32-bit tids: an ident, an address, does not fit)
+                tid = _last_fresh + 1
+                while tid in _taken:
+                    tid += 1
+            if foreign:
+                _thread_ids[current] = tid
+            elif _thread_ids.setdefault(current, tid) != tid:  # a callback's record registered it meanwhile
+                tid = _thread_ids[current]
+            if main:
+                _taken.add(tid)
+            else:
+                _last_fresh = max(_last_fresh, tid)
     _local.tid = tid
     return tid
 

@@ -6,7 +6,9 @@ import argparse
 import errno
 import json
 import math
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 __all__ = ["register"]
@@ -95,7 +97,13 @@ def _plan(args: argparse.Namespace) -> int:
     topo = load_topology(args.topology)
     profile = None
     if topo.source == "discovered":
-        profile = profile_machine(quick=True)  # the cached one when present
+        with warnings.catch_warnings(record=True) as caught:  # (the filters in force still apply)
+            profile = profile_machine(quick=True)  # the cached one when present
+        for w in caught:
+            if issubclass(w.category, RuntimeWarning):  # the measurement could not be cached: said in one line
+                print(f"warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+            else:  # anything else as it would have been shown
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     planner = Planner(topo, profile)
     workload = Workload.transitions(args.obs_dim, capacity=args.capacity, batch=args.batch, learners=args.learners)
     plan = planner.plan(workload)

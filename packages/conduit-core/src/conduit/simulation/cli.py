@@ -81,12 +81,15 @@ def table(scenario: Scenario, rows: list[dict[str, Any]], baseline: str, network
             "| paper ms | paper non-adaptive ms | busiest resources |",
             "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        lo, hi = r["non_adaptive_range_ms"]
-        rng = f" ({lo:.1f}-{hi:.1f})" if hi - lo > 0.05 else ""
         busy = ", ".join(f"{k} {v * 1e3:.1f}ms" for k, v in r["busiest"][:2])
-        head.append(f"| {r['gpus']} | {r['nodes']} | {r['placement']} | {r['sim_ms']:.1f} | "
-                    f"{r['sim_non_adaptive_ms']:.1f}{rng} | {r['gain']:+.1%} | {_ms(r['paper_ms'])} | "
-                    f"{_ms(r['paper_non_adaptive_ms'])} | {busy} |")
+        if r["sim_non_adaptive_ms"] is None:  # the baseline's placement does not fit (all-gpus)
+            off, gain = "does not fit", "-"
+        else:
+            lo, hi = r["non_adaptive_range_ms"]
+            off = f"{r['sim_non_adaptive_ms']:.1f}" + (f" ({lo:.1f}-{hi:.1f})" if hi - lo > 0.05 else "")
+            gain = f"{r['gain']:+.1%}"
+        head.append(f"| {r['gpus']} | {r['nodes']} | {r['placement']} | {r['sim_ms']:.1f} | {off} | {gain} | "
+                    f"{_ms(r['paper_ms'])} | {_ms(r['paper_non_adaptive_ms'])} | {busy} |")
     return "\n".join(head)
 
 
@@ -107,7 +110,9 @@ def plot(results: dict[str, tuple[Scenario, list[dict[str, Any]]]], path: Path) 
     for ax, (scenario, rows) in zip(axes[0], results.values(), strict=True):
         g = [r["gpus"] for r in rows]
         ax.plot(g, [r["sim_ms"] for r in rows], "o-", label="simulation: Conduit (adaptive placement)")
-        ax.plot(g, [r["sim_non_adaptive_ms"] for r in rows], "s--", label="simulation: adaptive placement off")
+        off = [r for r in rows if r["sim_non_adaptive_ms"] is not None]  # (not where the baseline does not fit)
+        ax.plot([r["gpus"] for r in off], [r["sim_non_adaptive_ms"] for r in off], "s--",
+                label="simulation: adaptive placement off")
         pg = sorted(scenario.paper)
         ax.plot(pg, [scenario.paper[x][0] for x in pg], "k*", markersize=12, label="paper: Conduit")
         pb = [x for x in pg if scenario.paper[x][1] is not None]
@@ -158,17 +163,17 @@ def simulate(args: argparse.Namespace) -> int:
     except OSError as e:
         raise ConfigurationError(f"Cannot use --out {str(out)!r} as the output directory ({e.strerror or e}); "
                                  f"give a directory path that can be created or written.") from e
+    changes: dict[str, Any] = {}
+    for field in ("obs_dim", "capacity", "replay_ratio"):
+        v = getattr(args, field)
+        if v is not None:
+            changes[field] = v
+    if args.gpus:
+        changes["gpus"] = args.gpus
+    # every scenario checked before any is simulated (a refused value refuses the command, not its second half)
+    scenarios = {name: dataclasses.replace(SCENARIOS[name], **changes) for name in names}
     results: dict[str, tuple[Scenario, list[dict[str, Any]]]] = {}
-    for name in names:
-        sc = SCENARIOS[name]
-        changes: dict[str, Any] = {}
-        for field in ("obs_dim", "capacity", "replay_ratio"):
-            v = getattr(args, field)
-            if v is not None:
-                changes[field] = v
-        if args.gpus:
-            changes["gpus"] = args.gpus
-        sc = dataclasses.replace(sc, **changes)
+    for name, sc in scenarios.items():
         net = NETWORKS[sc.network]
         if args.rpc_us is not None:
             net = dataclasses.replace(net, rpc_overhead_s=args.rpc_us * 1e-6)
@@ -207,7 +212,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--obs-dim", dest="obs_dim", type=_positive_int, help="transition size d (default 20000)")
     p.add_argument("--capacity", type=_positive_int, help="global buffer capacity (default 1e6)")
     p.add_argument("--replay-ratio", dest="replay_ratio", type=_positive_float,
-                   help="deliveries per ingested item")
+                   help="deliveries per ingested item (at least total batch / capacity: an iteration ingests "
+                        "at most the buffer's capacity)")
     p.add_argument("--rpc-us", dest="rpc_us", type=_non_negative_float,
                    help="cost of one remote fetch at the requester (us)")
     p.add_argument("--fetch", choices=("per-node", "per-learner"), default="per-node",

@@ -94,7 +94,9 @@ class Scenario:
         total_batch: items delivered per iteration over all learners (split evenly).
         obs_dim: transition observation size (the paper's synthetic workload).
         capacity: global buffer capacity (split evenly over the nodes).
-        replay_ratio: deliveries per ingested item (1: as many items ingested as delivered).
+        replay_ratio: deliveries per ingested item (1: as many items ingested as delivered); at least
+            ``total_batch / capacity``: an iteration ingests ``total_batch / replay_ratio`` items, at most
+            the buffer's capacity.
         paper: the paper's figures, ``{gpus: (conduit_ms, adaptive_off_ms)}`` (None where not given).
     """
 
@@ -126,6 +128,15 @@ class Scenario:
             raise ConfigurationError(f"total_batch, obs_dim, capacity and replay_ratio must be positive (and "
                                      f"replay_ratio finite), got {self.total_batch!r}, {self.obs_dim!r}, "
                                      f"{self.capacity!r}, {self.replay_ratio!r}.")
+        lowest = self.total_batch / self.capacity
+        if self.replay_ratio < lowest:
+            # each ingested item is one more ingestion call to simulate: near 0 that never ends
+            raise ConfigurationError(
+                f"replay_ratio {self.replay_ratio:g} would ingest {self.total_batch / self.replay_ratio:.4g} items per "
+                f"iteration into a buffer of capacity {self.capacity}: all but the last {self.capacity} are "
+                f"overwritten before any delivery, and simulating their ingestion calls is work for nothing. "
+                f"Use replay_ratio >= total batch / capacity = {self.total_batch}/{self.capacity} = {lowest:g} "
+                f"(or raise the capacity).")
 
 
 #: the paper's two scaling experiments (figures from its evaluation; see docs/scale.md)

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field, replace
 from statistics import fmean
 from typing import Any
 
-from conduit.errors import ConfigurationError
+from conduit.errors import ConfigurationError, PlacementError
 from conduit.placement.base import PlacementSpec
 from conduit.placement.cost import DeliverySteps, Workload
 from conduit.placement.profile import LinkCost
@@ -429,6 +429,11 @@ def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, base
       simulated on the real links; returns one point per placement (up to ``samples``);
     * ``"all-gpus"``: the buffer sharded over every GPU of the node in rank order (the
       paper's "Conservative" placement), whatever the workload; returns one point.
+
+    Raises:
+        PlacementError: ``baseline="all-gpus"`` and the node's GPUs cannot hold its share of the buffer (the
+            usable share of their memory, as the planner counts it): that placement cannot run, so it has
+            no latency. (The other choices come from the planner, which raises when nothing fits.)
     """
     if baseline not in BASELINES:
         raise ConfigurationError(f"baseline must be one of {BASELINES}, got {baseline!r}.")
@@ -448,6 +453,10 @@ def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, base
         n = topo.num_gpus
         spec = PlacementSpec("sharded", tuple(f"cuda:{i}" for i in range(n))) if n > 1 else \
             PlacementSpec("gpu", ("cuda:0",)) if n else PlacementSpec("host", ("cpu",))
+        est = real.cost.estimate(spec, w)
+        if not est.feasible:
+            raise PlacementError(f"The all-gpus baseline {spec} does not fit {w.capacity} items of {w.item_bytes} B "
+                                 f"per node: {'; '.join(est.shortfalls())}.")
         return [simulate_iteration(real.cost, spec, scenario, lay, net)]
     blind = ClusterPlanner(uniform_view(topo), nodes=lay.nodes, network=net).plan(w).placement
     if baseline == "rank-order":
@@ -458,25 +467,38 @@ def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, base
 
 def run_scenario(scenario: Scenario, *, baseline: str = "rank-order", samples: int = 8,
                  network: Network | None = None, gpus: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
-    """Every scale of ``scenario``, adaptive and not; one row per scale (latencies in ms)."""
+    """Every scale of ``scenario``, adaptive and not; one row per scale (latencies in ms).
+
+    Where the ``all-gpus`` baseline does not fit (:func:`simulate_scale`), its row has no non-adaptive
+    figures (``sim_non_adaptive_ms``, ``non_adaptive_range_ms``, ``gain`` and
+    ``non_adaptive_gpu_links_busy_ms`` are None) and ``non_adaptive_placement`` says why.
+    """
     topo = load_node(scenario.topology)
     rows = []
     for n in gpus or scenario.gpus:
         a = simulate_scale(scenario, n, adaptive=True, network=network, topology=topo)[0]
-        blind = simulate_scale(scenario, n, adaptive=False, baseline=baseline, samples=samples, network=network,
-                               topology=topo)
-        mean_blind = sum(p.latency_s for p in blind) / len(blind)
         paper_a, paper_b = scenario.paper.get(n, (None, None))
-        rows.append({"gpus": n, "nodes": a.nodes, "placement": str(a.placement),
-                     "sim_ms": a.latency_s * 1e3, "sim_ingest_ms": a.ingest_s * 1e3,
-                     "sim_non_adaptive_ms": mean_blind * 1e3,
-                     "non_adaptive_placements": len(blind),
-                     "non_adaptive_range_ms": (min(p.latency_s for p in blind) * 1e3,
-                                               max(p.latency_s for p in blind) * 1e3),
-                     "gain": 1.0 - a.latency_s / mean_blind if mean_blind > 0 else 0.0,
-                     "paper_ms": paper_a, "paper_non_adaptive_ms": paper_b,
-                     "busiest": a.busiest, "cost_model_node_ms": a.cost_model_s * 1e3,
-                     "non_adaptive_placement": str(blind[0].placement) if len(blind) == 1 else "various",
-                     "gpu_links_busy_ms": _links_busy(a.busy) * 1e3,
-                     "non_adaptive_gpu_links_busy_ms": fmean(_links_busy(p.busy) for p in blind) * 1e3})
+        row = {"gpus": n, "nodes": a.nodes, "placement": str(a.placement),
+               "sim_ms": a.latency_s * 1e3, "sim_ingest_ms": a.ingest_s * 1e3,
+               "paper_ms": paper_a, "paper_non_adaptive_ms": paper_b,
+               "busiest": a.busiest, "cost_model_node_ms": a.cost_model_s * 1e3,
+               "gpu_links_busy_ms": _links_busy(a.busy) * 1e3}
+        try:
+            blind = simulate_scale(scenario, n, adaptive=False, baseline=baseline, samples=samples, network=network,
+                                   topology=topo)
+        except PlacementError as e:
+            if baseline != "all-gpus":  # the planner's baselines fit wherever the adaptive placement does
+                raise
+            rows.append(row | {"sim_non_adaptive_ms": None, "non_adaptive_placements": 0,
+                               "non_adaptive_range_ms": None, "gain": None, "non_adaptive_placement": str(e),
+                               "non_adaptive_gpu_links_busy_ms": None})
+            continue
+        mean_blind = sum(p.latency_s for p in blind) / len(blind)
+        rows.append(row | {"sim_non_adaptive_ms": mean_blind * 1e3,
+                           "non_adaptive_placements": len(blind),
+                           "non_adaptive_range_ms": (min(p.latency_s for p in blind) * 1e3,
+                                                     max(p.latency_s for p in blind) * 1e3),
+                           "gain": 1.0 - a.latency_s / mean_blind if mean_blind > 0 else 0.0,
+                           "non_adaptive_placement": str(blind[0].placement) if len(blind) == 1 else "various",
+                           "non_adaptive_gpu_links_busy_ms": fmean(_links_busy(p.busy) for p in blind) * 1e3})
     return rows
