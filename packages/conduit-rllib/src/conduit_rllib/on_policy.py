@@ -175,10 +175,28 @@ class MinibatchFeed:
         return sem
 
     def _idle(self) -> bool:
+        """Nothing is waiting for delivery: no rollout pending, no delivery held, and no prefetch out (a
+        stopped iteration's prefetch may hold its rollout's last minibatch while the plane is already empty)."""
+        if self._prefetch_out():
+            return False
         if self.edp is None:
             return True
         sem = self.semantics
         return sem.pending_rollouts == 0 and len(self.edp) == 0 and self._held is None
+
+    def _prefetch_out(self) -> bool:
+        """Whether a prefetch is running or has delivered what nobody has taken yet (one that failed
+        delivered nothing)."""
+        job = self._inflight
+        if job is None:
+            return False
+        if not job.done():
+            return True
+        try:
+            job.result()
+        except Exception:  # noqa: BLE001 - nothing was delivered
+            return False
+        return True
 
     def configure(self, *, num_minibatches: int = 1, num_epochs: int, shuffle: bool,
                   minibatch_size: int | None = None) -> None:
@@ -325,16 +343,25 @@ class MinibatchFeed:
         """An idle ``OnPolicy`` state carrying ``state``'s values."""
         return dict(_CyclicOrder(**self._sem_args).state_dict(), **{k: state[k] for k in self._STATE_KEYS})
 
+    def check_state_dict(self, state: Any) -> None:
+        """Raise what :meth:`load_state_dict` would for ``state``, changing nothing (e.g. to check it before
+        restoring something else that may still refuse its own part).
+
+        Raises:
+            conduit.ConfigurationError: the state is damaged.
+        """
+        if not isinstance(state, Mapping) or any(k not in state for k in self._STATE_KEYS):
+            raise ConfigurationError(f"This on-policy feed state is damaged (expected the keys {self._STATE_KEYS}); "
+                                     f"load an undamaged MinibatchFeed.state_dict().")
+        _CyclicOrder(**self._sem_args).load_state_dict(self._full_state(state))  # validates
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; whatever was waiting for delivery is discarded.
 
         Raises:
             conduit.ConfigurationError: the state is damaged (nothing changes then).
         """
-        if not isinstance(state, Mapping) or any(k not in state for k in self._STATE_KEYS):
-            raise ConfigurationError(f"This on-policy feed state is damaged (expected the keys {self._STATE_KEYS}); "
-                                     f"load an undamaged MinibatchFeed.state_dict().")
-        _CyclicOrder(**self._sem_args).load_state_dict(self._full_state(state))  # validates
+        self.check_state_dict(state)
         if self._pool is not None:  # let a running gather finish before the data plane goes
             self._pool.submit(lambda: None).wait()
         with self._lock:
@@ -493,8 +520,13 @@ class MinibatchFeed:
                 else:
                     current = self._complete(self._piece(self._deliver()))
         finally:
-            if pending is not None and self._inflight is pending:  # the caller stopped early: keep what the
-                self._claim_inflight()  # running gather delivers for later (unless claimed or discarded since)
+            # the caller stopped early: keep what the gather delivered for later (unless claimed or discarded
+            # since). Never wait for it here: this may run as the garbage collector finalises the iteration, on
+            # any thread, the prefetch thread itself included (which would wait for itself); a gather still
+            # running stays in flight, and the next minibatches() (or drop_leftovers, load_state_dict, close)
+            # claims it
+            if pending is not None and self._inflight is pending and pending.done():
+                self._claim_inflight()
 
     def close(self) -> None:
         """Stop the prefetch thread and the data plane.
