@@ -121,14 +121,30 @@ class ConduitOffPolicyLearner:
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:
-        if REPLAY_COMPONENT in state:
+        """Restore RLlib's part of ``state``, then the Conduit replay buffer's.
+
+        The buffer's part is checked (``check_state``) before anything is restored and applied only once
+        RLlib's part was restored, so a refused state (the buffer's part damaged, or RLlib's ``set_state``
+        raising) leaves both parts as they were. Before ``enable`` attached the buffer, its part is kept
+        (once RLlib's part was restored) and restored when the buffer is attached.
+
+        Raises:
+            conduit.ConfigurationError: the buffer's part is damaged, or was saved by a buffer of another
+                kind or capacity (nothing is restored then).
+        """
+        rb_state: Any = None
+        restore_replay = REPLAY_COMPONENT in state
+        if restore_replay:
             state = dict(state)
             rb_state = state.pop(REPLAY_COMPONENT)
             if self.conduit_replay is not None:
+                self.conduit_replay.check_state(rb_state)
+        super().set_state(state)  # type: ignore[misc]
+        if restore_replay:
+            if self.conduit_replay is not None:  # checked above: refused only if its memory cannot be allocated
                 self.conduit_replay.set_state(rb_state)
             else:  # restored before enable's on_algorithm_init attached the buffer
                 self._conduit_pending_state = rb_state
-        super().set_state(state)  # type: ignore[misc]
 
 
 class ConduitOnPolicyLearner:
@@ -225,6 +241,17 @@ class ConduitOnPolicyLearner:
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """Restore RLlib's part of ``state``, then Conduit's (the update count and the feed's state).
+
+        Conduit's part is checked before anything is restored and applied only once RLlib's part was
+        restored, so a refused state (Conduit's part damaged, or RLlib's ``set_state`` raising) leaves
+        Conduit's part as it was.
+
+        Raises:
+            conduit.ConfigurationError: Conduit's part is damaged (nothing is restored then).
+        """
+        saved: Any = None
+        version: Any = None
         if ON_POLICY_COMPONENT in state:
             state = dict(state)
             saved = state.pop(ON_POLICY_COMPONENT)
@@ -232,9 +259,11 @@ class ConduitOnPolicyLearner:
             if isinstance(version, bool) or not isinstance(version, int) or version < 0:
                 raise ConfigurationError(f"This checkpoint's {ON_POLICY_COMPONENT!r} state is damaged (expected "
                                          f"{{'version': int >= 0, 'feed': ...}}); load an undamaged checkpoint.")
-            self.conduit_feed.load_state_dict(saved.get("feed"))
-            self.conduit_version = version
+            self.conduit_feed.check_state_dict(saved.get("feed"))
         super().set_state(state)  # type: ignore[misc]
+        if saved is not None:  # checked above: cannot be refused now
+            self.conduit_feed.load_state_dict(saved["feed"])
+            self.conduit_version = version
 
 
 class ConduitDQNTorchLearner(ConduitOffPolicyLearner, DQNTorchLearner):

@@ -37,13 +37,14 @@ import threading
 import warnings
 from collections.abc import Callable
 from numbers import Integral
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 import torch
 from conduit import (
     CapacityError,
     ConfigurationError,
+    DevicePlacement,
     EmptyBufferError,
     ExperienceBatch,
     ExperienceDataPlane,
@@ -56,6 +57,7 @@ from conduit import (
     Scheduler,
     UniformSampler,
 )
+from conduit.scheduling.base import check_scheduler_entry
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
 from ray.rllib.utils import force_list
@@ -87,6 +89,25 @@ __all__ = ["ConduitEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer"
 STATE_FORMAT = "conduit-rllib/replay/1"
 #: RLlib's floor for priorities (``PrioritizedEpisodeReplayBuffer.update_priorities``)
 MIN_PRIORITY = 1e-12
+
+
+class _CheckedState(NamedTuple):
+    """A replay state's parts, read and checked by ``_ConduitReplay._checked_state`` (the saved plane aside)."""
+
+    alpha: float
+    schema: ExperienceSchema | None  # None: saved before anything was added
+    seed: Any
+    next: int
+    tail: dict[str, int]
+    lifetime: dict[str, int]
+    links: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None  # succ, rew, done, episode ids
+    unlogged: dict[str, int]
+    metrics_calls: int
+    logged_iteration: int | None
+    n_rng: Any
+    last_handles: Any
+    observation_space: Any
+    action_space: Any
 
 
 class _ConduitReplay:
@@ -585,15 +606,42 @@ class _ConduitReplay:
                              episode_ids=self._eid.tolist())  # plain str/None: no object array in a checkpoint
             return state
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`get_state`'s output into a buffer of the same kind and capacity.
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise what :meth:`set_state` would for ``state``, changing nothing (e.g. to check it before
+        restoring something else that may still refuse its own part, as the learner does with RLlib's).
 
-        The saved ``alpha`` replaces this buffer's (the saved priorities were raised to it). A
-        refused state changes nothing: contents, links, alpha and counters stay as they were.
+        Everything :meth:`set_state` checks is checked, the data plane's contents and priorities too: they
+        are loaded into a scratch plane on PyTorch's ``"meta"`` device, whose columns take no memory (only a
+        prioritized buffer's priority tree is allocated, 16 bytes per slot).
 
         Raises:
-            conduit.ConfigurationError: the state is not a Conduit replay state, was written by a
-                buffer of another kind or capacity, or is damaged.
+            conduit.ConfigurationError: as :meth:`set_state`.
+        """
+        checked = self._checked_state(state)
+        if checked.schema is None:
+            return
+        if self.edp is not None and self.edp.closed and self.edp.schema == checked.schema:  # set_state loads there
+            raise ConfigurationError("This buffer's data plane is closed, so set_state cannot load into it; build a "
+                                     "new buffer and restore the state into that one.")
+        edp_state = state["edp"]
+        sampler = PrioritizedSampler(alpha=checked.alpha, max_from_ingest=False) if self.prioritized \
+            else UniformSampler()
+        scratch = ExperienceDataPlane(checked.schema, capacity=self.capacity,
+                                      semantics=Replay(sampler, seed=self.seed),
+                                      placement=DevicePlacement("meta"), device="meta")
+        try:
+            scratch.load_state_dict(edp_state)  # the plane's own checks, on the scratch
+        finally:
+            scratch.close()
+        if self.scheduler is not None and "scheduler" in edp_state:  # (the scratch's ignores another kind's)
+            check_scheduler_entry(self.scheduler, edp_state["scheduler"])
+
+    def _checked_state(self, state: dict[str, Any]) -> _CheckedState:
+        """What :meth:`set_state` restores from ``state``, read and checked; the saved data plane's own
+        state is checked by its load (or :meth:`check_state`'s scratch load), not here.
+
+        Raises:
+            conduit.ConfigurationError: as :meth:`set_state`.
         """
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ConfigurationError("This is not a Conduit replay-buffer state (get_state() of a Conduit "
@@ -632,25 +680,40 @@ class _ConduitReplay:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConfigurationError(f"This Conduit replay-buffer state is damaged ({type(e).__name__}: {e}); load "
                                      f"an undamaged get_state().") from e
+        return _CheckedState(alpha, schema, seed, nxt, tail, lifetime, links, unlogged, metrics_calls,
+                             logged_iteration, state["n_rng"], last, obs_space, act_space)
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`get_state`'s output into a buffer of the same kind and capacity.
+
+        The saved ``alpha`` replaces this buffer's (the saved priorities were raised to it). A
+        refused state changes nothing: contents, links, alpha and counters stay as they were
+        (:meth:`check_state` tells without restoring).
+
+        Raises:
+            conduit.ConfigurationError: the state is not a Conduit replay state, was written by a
+                buffer of another kind or capacity, or is damaged.
+        """
+        c = self._checked_state(state)
         with self._lock:
-            if schema is not None:
+            if c.schema is not None:
                 # (the saved priorities are p ** alpha of the saving buffer: sample and update with its alpha)
-                self._load_plane(schema, state["edp"], alpha)
-                assert links is not None
-                self._succ, self._rew, self._done, self._eid = links
+                self._load_plane(c.schema, state["edp"], c.alpha)  # checks the saved plane before it changes
+                assert c.links is not None
+                self._succ, self._rew, self._done, self._eid = c.links
             elif self.edp is not None:  # the state was saved before anything was added: drop our contents
                 self._discard()
-            self._alpha = alpha
-            self.seed, self._next = seed, nxt
-            self._tail = tail
-            self._lifetime = lifetime
-            self._counts = unlogged
-            self._metrics_calls = metrics_calls
-            self._logged_iteration = logged_iteration
-            self._n_rng.bit_generator.state = state["n_rng"]
-            self._last_handles = last
-            self.observation_space = obs_space
-            self.action_space = act_space
+            self._alpha = c.alpha
+            self.seed, self._next = c.seed, c.next
+            self._tail = c.tail
+            self._lifetime = c.lifetime
+            self._counts = c.unlogged
+            self._metrics_calls = c.metrics_calls
+            self._logged_iteration = c.logged_iteration
+            self._n_rng.bit_generator.state = c.n_rng
+            self._last_handles = c.last_handles
+            self.observation_space = c.observation_space
+            self.action_space = c.action_space
 
     def _load_plane(self, schema: ExperienceSchema, edp_state: dict[str, Any], alpha: float) -> None:
         """Load a saved data plane of ``schema`` whose priorities were raised to ``alpha``; a refused load leaves
