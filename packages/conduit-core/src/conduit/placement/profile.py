@@ -348,8 +348,8 @@ class BandwidthProfile:
             p.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(p, text)
         except OSError as e:
-            raise PlacementError(f"Cannot write the bandwidth profile to {p} ({e}); point CONDUIT_CACHE_DIR "
-                                 f"(or the path passed) at a writable directory.") from e
+            what = "pass a writable path" if path is not None else "point CONDUIT_CACHE_DIR at a writable directory"
+            raise PlacementError(f"Cannot write the bandwidth profile to {p} ({e}); {what}.") from e
         return p
 
 
