@@ -199,9 +199,11 @@ class InstallReplayBuffer:
                      placement=self.placement, scheduler=self.scheduler() if self.scheduler else None,
                      metrics_num_episodes_for_smoothing=cfg.metrics_num_episodes_for_smoothing, **kwargs_rb)
         buffer.iteration_of = _IterationOf(algorithm)  # metrics in every iteration's results
-        algorithm.local_replay_buffer = buffer
+        # attached first: a buffer the learner refuses (it cannot take a replay part restored before it was
+        # attached) is not the one the algorithm samples from either
         for res in group.foreach_learner(lambda learner: learner.conduit_attach_replay(buffer)):
             res.get()
+        algorithm.local_replay_buffer = buffer
 
 
 def is_enabled(config: AlgorithmConfig) -> bool:

@@ -20,6 +20,7 @@ A custom learner class gets Conduit by listing the mixin first::
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -98,11 +99,42 @@ class ConduitOffPolicyLearner:
     _conduit_pending_state: Any = None
 
     def conduit_attach_replay(self, buffer: Any) -> None:
-        """Attach the driver's Conduit replay buffer (local learner only): it is saved with this learner."""
-        self.conduit_replay = buffer
-        if self._conduit_pending_state is not None:
-            buffer.set_state(self._conduit_pending_state)
+        """Attach the driver's Conduit replay buffer (local learner only): it is saved with this learner.
+
+        A replay part :meth:`set_state` kept because no buffer was attached yet is restored into ``buffer``
+        first. If ``buffer`` refuses it (a checkpoint's buffer of another kind or capacity than this one, or
+        a damaged part), nothing changes: ``buffer`` is not attached (and is as it was), and the part is
+        still kept, to be restored into the next buffer attached, or given up with
+        :meth:`conduit_drop_kept_replay_state`.
+
+        Raises:
+            conduit.ConfigurationError: ``buffer`` refused the kept replay part (the message says what it
+                refused and what to do).
+        """
+        kept = self._conduit_pending_state
+        if kept is not None:
+            try:
+                buffer.set_state(kept)  # all-or-nothing: a refused state leaves the buffer as it was
+            except ConfigurationError as e:
+                raise ConfigurationError(
+                    f"The restored learner state's replay buffer part cannot be loaded into the buffer being "
+                    f"attached: {e} That buffer was not attached, and the part is still kept. Attach a buffer "
+                    f"like the one that saved it (for an algorithm: config.training(replay_buffer_config=...) "
+                    f"with the checkpoint's buffer type and capacity), or call the learner's "
+                    f"conduit_drop_kept_replay_state() to give the checkpoint's buffer contents up and attach "
+                    f"this buffer as it is.") from e
             self._conduit_pending_state = None
+        self.conduit_replay = buffer
+
+    def conduit_drop_kept_replay_state(self) -> bool:
+        """Give up the replay part :meth:`set_state` kept for a buffer not attached yet (e.g. one the attached
+        buffer refused): the next :meth:`conduit_attach_replay` attaches its buffer as it is.
+
+        Returns:
+            Whether a part was kept (and is now dropped).
+        """
+        kept, self._conduit_pending_state = self._conduit_pending_state, None
+        return kept is not None
 
     def _make_batch_if_necessary(self, training_data: Any) -> Any:
         episodes = training_data.episodes
@@ -114,10 +146,16 @@ class ConduitOffPolicyLearner:
 
     def get_state(self, components: str | Collection[str] | None = None, *,
                   not_components: str | Collection[str] | None = None, **kwargs: Any) -> dict[str, Any]:
+        """RLlib's learner state, with the Conduit replay buffer's under :data:`REPLAY_COMPONENT`: the attached
+        buffer's, or before one is attached the part :meth:`set_state` kept for it (a copy), so a learner
+        restored and saved again before ``enable`` attached its buffer still saves the buffer's contents."""
         state = super().get_state(components, not_components=not_components, **kwargs)  # type: ignore[misc]
-        if self.conduit_replay is not None and self._check_component(  # type: ignore[attr-defined]
-                REPLAY_COMPONENT, components, not_components):
+        if not self._check_component(REPLAY_COMPONENT, components, not_components):  # type: ignore[attr-defined]
+            return state
+        if self.conduit_replay is not None:
             state[REPLAY_COMPONENT] = self.conduit_replay.get_state()
+        elif self._conduit_pending_state is not None:
+            state[REPLAY_COMPONENT] = copy.deepcopy(self._conduit_pending_state)
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -126,11 +164,12 @@ class ConduitOffPolicyLearner:
         The buffer's part is checked (``check_state``) before anything is restored and applied only once
         RLlib's part was restored, so a refused state (the buffer's part damaged, or RLlib's ``set_state``
         raising) leaves both parts as they were. Before ``enable`` attached the buffer, its part is kept
-        (once RLlib's part was restored) and restored when the buffer is attached.
+        (once RLlib's part was restored) and restored when the buffer is attached (see
+        :meth:`conduit_attach_replay`: it is checked only then).
 
         Raises:
             conduit.ConfigurationError: the buffer's part is damaged, or was saved by a buffer of another
-                kind or capacity (nothing is restored then).
+                kind or capacity, or the attached buffer is closed (nothing is restored then).
         """
         rb_state: Any = None
         restore_replay = REPLAY_COMPONENT in state

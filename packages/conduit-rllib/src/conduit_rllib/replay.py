@@ -144,6 +144,10 @@ class _ConduitReplay:
                 alpha >= 0 and np.isfinite(alpha)):
             raise ConfigurationError(f"alpha must be a finite number >= 0, got {alpha!r}.")
         self._alpha = float(alpha)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)
+                                 or not 0 <= int(seed) < 2 ** 63):  # (the data plane's range, checked at each add)
+            raise ConfigurationError(f"seed must be None (a fresh random seed) or an int in [0, 2**63), got "
+                                     f"{seed!r}.")
         self.seed = int(seed) if seed is not None else int(cast(int, np.random.SeedSequence().entropy) % (2 ** 31))
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.placement = placement
@@ -193,9 +197,24 @@ class _ConduitReplay:
         return edp
 
     def close(self) -> None:
-        """Stop the data plane's background work (if its scheduler runs any)."""
-        if self.edp is not None:
-            self.edp.close()
+        """Stop the data plane's background work (if its scheduler runs any).
+
+        Then the buffer takes no more work, as its data plane: ``add``, ``sample``, ``update_priorities``,
+        :meth:`set_state` and :meth:`check_state` raise :class:`conduit.ConfigurationError` ("closed"), while
+        ``len()``, ``get_metrics`` and :meth:`get_state` still work (restore that state into a new buffer).
+        A buffer closed before its first ``add`` holds no data plane, so there is nothing to close: it stays
+        usable. A close while another thread restores (:meth:`set_state`) or works on the buffer waits for
+        that call, then closes the plane it left.
+        """
+        with self._lock:  # (set_state may swap the plane: the one it leaves is closed, not the one it replaced)
+            if self.edp is not None:
+                self.edp.close()
+
+    def _check_open(self) -> None:
+        """Raise if this buffer's data plane is closed (see :meth:`close`)."""
+        if self.edp is not None and self.edp.closed:
+            raise ConfigurationError("This replay buffer is closed (close() ran), so set_state cannot restore into "
+                                     "it; build a new buffer and restore the state into that one.")
 
     def _discard(self) -> None:
         """Drop the data plane and its links: the buffer is as before its first add."""
@@ -617,12 +636,10 @@ class _ConduitReplay:
         Raises:
             conduit.ConfigurationError: as :meth:`set_state`.
         """
+        self._check_open()
         checked = self._checked_state(state)
         if checked.schema is None:
             return
-        if self.edp is not None and self.edp.closed and self.edp.schema == checked.schema:  # set_state loads there
-            raise ConfigurationError("This buffer's data plane is closed, so set_state cannot load into it; build a "
-                                     "new buffer and restore the state into that one.")
         edp_state = state["edp"]
         sampler = PrioritizedSampler(alpha=checked.alpha, max_from_ingest=False) if self.prioritized \
             else UniformSampler()
@@ -658,6 +675,15 @@ class _ConduitReplay:
             has_plane = state["edp"] is not None
             schema = ExperienceSchema.from_dict(state["schema"]) if has_plane else None
             seed, nxt, tail, lifetime = state["seed"], int(state["next"]), dict(state["tail"]), dict(state["lifetime"])
+            if isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= int(seed) < 2 ** 63:
+                raise ValueError(f"seed {seed!r} is no int in [0, 2**63)")  # (the data plane's, at the next add)
+            if not has_plane and nxt != 0:  # (the plane an add builds hands out 0 first)
+                raise ValueError(f"next handle {nxt} for a buffer that holds nothing (0)")
+            for eid, newest in tail.items():  # (an add of the episode links its newest step to its own first)
+                if isinstance(newest, bool) or not isinstance(newest, Integral) or not 0 <= int(newest) < nxt:
+                    raise ValueError(f"unfinished episode {eid!r}'s newest step {newest!r} is no handle in "
+                                     f"[0, next {nxt})")
+            seed, tail = int(seed), {eid: int(newest) for eid, newest in tail.items()}
             links = None
             if has_plane:  # one n-step link per slot, and the handle the next add gets is the saved plane's next
                 # (a state saved before episode ids were kept: they are unknown, None)
@@ -677,6 +703,9 @@ class _ConduitReplay:
             lifetime = {k: int(lifetime[k]) - unlogged[k] for k in self._lifetime}
             np.random.PCG64().state = state["n_rng"]
             last, obs_space, act_space = state["last_handles"], state["observation_space"], state["action_space"]
+            if last is not None and not (isinstance(last, torch.Tensor) and last.dim() == 1
+                                         and last.dtype == torch.int64):
+                raise ValueError(f"the last sample's handles are {type(last).__name__}, not a 1-d int64 tensor")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConfigurationError(f"This Conduit replay-buffer state is damaged ({type(e).__name__}: {e}); load "
                                      f"an undamaged get_state().") from e
@@ -692,10 +721,12 @@ class _ConduitReplay:
 
         Raises:
             conduit.ConfigurationError: the state is not a Conduit replay state, was written by a
-                buffer of another kind or capacity, or is damaged.
+                buffer of another kind or capacity, or is damaged; or this buffer is closed (whatever the
+                state: restore it into a new buffer).
         """
-        c = self._checked_state(state)
         with self._lock:
+            self._check_open()
+            c = self._checked_state(state)
             if c.schema is not None:
                 # (the saved priorities are p ** alpha of the saving buffer: sample and update with its alpha)
                 self._load_plane(c.schema, state["edp"], c.alpha)  # checks the saved plane before it changes
@@ -766,7 +797,7 @@ class ConduitEpisodeReplayBuffer(_ConduitReplay, EpisodeReplayBuffer):  # type: 
         capacity: transitions kept (FIFO eviction per transition).
 
     Keyword Args:
-        seed: seeds sampling (None: a fresh random seed).
+        seed: seeds sampling, an int in [0, 2**63) (None: a fresh random seed).
         device: the learner's device; sampled batches are delivered there (Conduit does the copy).
         placement: where the transitions live (default: host memory, pinned when ``device`` is CUDA).
         scheduler: when ingestion/delivery work runs (default: synchronously).
