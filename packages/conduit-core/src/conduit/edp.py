@@ -592,10 +592,9 @@ class ExperienceDataPlane:
             self.scheduler.invalidate("checkpoint")
         with self._lock:
             out = {"format": 1, "storage": self.storage.state_dict(), "semantics": self.semantics.state_dict()}
-        if getattr(self.scheduler, "edp", None) is self:  # (not after it served another buffer: that one's state)
-            entry = scheduler_entry(self.scheduler)
-            if entry is not None:
-                out["scheduler"] = entry
+        entry = scheduler_entry(self.scheduler, self)
+        if entry is not None:
+            out["scheduler"] = entry
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -55,7 +55,7 @@ from conduit.distributed.transport import OBJECT_STORE, TORCH, TRANSPORTS, Torch
 from conduit.distributed.wire import from_wire, packed_nbytes, to_wire, unpack_rows
 from conduit.edp import check_roles
 from conduit.errors import CapacityError, ConduitError, ConfigurationError, EmptyBufferError
-from conduit.scheduling.base import Scheduler, Synchronous
+from conduit.scheduling.base import Scheduler, Synchronous, check_scheduler_entry, scheduler_entry
 from conduit.schema import ExperienceSchema
 from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy, check_version
@@ -1252,6 +1252,10 @@ class DistributedDataPlane:
         A shard lost while its items are read is fenced and its items are lost, as anywhere else: the
         checkpoint leaves them out (they are in :attr:`losses`).
 
+        A ``"scheduler"`` entry is added when the scheduler has state to keep, as in
+        :meth:`ExperienceDataPlane.state_dict` (e.g. :class:`~conduit.scheduling.Automatic`'s calibrated
+        decision): a buffer whose scheduler is of the same kind goes on with it after :meth:`load_state_dict`.
+
         Raises:
             ConfigurationError: the buffer is closed (its partitions are gone): take the checkpoint before close().
         """
@@ -1271,16 +1275,25 @@ class DistributedDataPlane:
             for name in self.schema:
                 c = batch[name]
                 data[name] = (c.values.clone(), c.lengths.clone()) if isinstance(c, Ragged) else c.clone()
-            return {"format": "conduit.distributed/1", "schema": self.schema.to_dict(), "capacity": self.capacity,
-                    "oldest": self.index.oldest, "next": self.index.next_handle, "handles": torch.from_numpy(h),
-                    "data": data, "semantics": self.semantics.state_dict()}
+            out = {"format": "conduit.distributed/1", "schema": self.schema.to_dict(), "capacity": self.capacity,
+                   "oldest": self.index.oldest, "next": self.index.next_handle, "handles": torch.from_numpy(h),
+                   "data": data, "semantics": self.semantics.state_dict()}
+        entry = scheduler_entry(self.scheduler, self)
+        if entry is not None:
+            out["scheduler"] = entry
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (items go to the live shards; lost items stay lost).
 
+        Its ``"scheduler"`` entry (absent in checkpoints of schedulers with nothing to keep) is applied, as by
+        :meth:`ExperienceDataPlane.load_state_dict`, only when this buffer's scheduler is of the kind that saved
+        it (e.g. a new ``Automatic`` takes the saved decision instead of calibrating); with another kind it is
+        ignored. A load that stopped part way (``ClusterError``) does not apply it: load again.
+
         Raises:
             ConfigurationError: not a checkpoint of this buffer's kind, schema and capacity, or a damaged one
-                (the buffer is unchanged).
+                (a damaged ``"scheduler"`` entry too; the buffer is unchanged).
             CapacityError: the checkpoint holds more items than the live shards can (the buffer is unchanged).
             ClusterError: loading stopped part way (the rest of the checkpoint is marked lost).
         """
@@ -1293,6 +1306,8 @@ class DistributedDataPlane:
             raise ConfigurationError("This checkpoint was written by a buffer with another schema or capacity; "
                                      "build the buffer with the same schema and capacity before loading.")
         self._check_checkpoint(state)
+        # checked before anything changes; applied once the contents are in
+        load_scheduler = "scheduler" in state and check_scheduler_entry(self.scheduler, state["scheduler"])
         self.scheduler.flush()
         self.scheduler.invalidate("contents")
         with self._lock:
@@ -1313,6 +1328,8 @@ class DistributedDataPlane:
                 raise
             self.semantics.load_state_dict(state["semantics"])  # again: a shard lost while loading forgot priorities
             self._forget_lost_priorities()  # ... of the items it had loaded there: they stay lost, out of the total
+        if load_scheduler:
+            self.scheduler.load_state_dict(state["scheduler"]["state"])
 
     def _forget_lost_priorities(self) -> None:
         """Give every lost item in the window priority 0 (prioritized replay), as :meth:`_lose` does."""

@@ -146,8 +146,13 @@ class Automatic(Scheduler):
         overlap: force overlap on or off; ``None`` (default) lets the measurement decide.
         g_ing_max: cap on rollouts per ingestion write (off-policy; bounds ingestion lag).
         g_del_max: cap on batches per delivery call (off-policy; bounds priority staleness).
-        memory_budget: bytes the delivery buffers may take (caps ``g_del`` for each delivery's batch size
-            while probing, and for the largest batch the probe delivered when choosing).
+        memory_budget: bytes the delivery buffers may take (off-policy): caps ``g_del`` for each delivery's
+            batch size while probing, and for the largest batch the probe delivered when choosing; while
+            calibrating, chunk buffers of earlier granularities and the idle confirm candidate's are let go
+            of, so the buffers held stay within it. A budget smaller than ``g_del = 1`` needs for a batch
+            (``buffers_needed(1, output_depth)`` batches) does not refuse it: that batch is delivered at
+            ``g_del = 1``, the least any scheduler buffers, whenever it comes (the first delivery or a later
+            one; a checkpointed decision of ``g_del = 1`` is taken likewise). ``None``: no cap.
         probe_rounds: how many chunks of each probed granularity to time.
         confirm_deliveries: deliveries per window in the confirm phase.
         confirm_windows: windows per configuration in the confirm phase (alternating, median kept).
@@ -298,6 +303,10 @@ class Automatic(Scheduler):
             if self._phase == "probe":
                 self._fit_budget(n)
             out = self.inner.deliver(n, **kwargs)
+        if self._phase == "probe" and self.memory_budget is not None and not self.on_policy:
+            size = out[0].batch_size  # (the chunk buffers this delivery left, within the budget for its size)
+            if size > 0:
+                self._trim_buffers(size, _item_bytes(self.edp) * size, room_for_a_chunk=False)
         if self._retry is not None:
             retry, self._retry = self._retry, None
             retry()
@@ -360,8 +369,8 @@ class Automatic(Scheduler):
 
         A decision this scheduler's own settings do not allow is not applied (it goes on as before, e.g. it
         calibrates): another on/off-policy kind or M, ``g_ing``/``g_del`` above ``g_ing_max``/``g_del_max``,
-        overlap other than a forced ``overlap``, or delivery buffers over ``memory_budget`` at the saved
-        batch size. An empty state (saved while calibrating) changes nothing.
+        overlap other than a forced ``overlap``, or ``g_del > 1`` whose delivery buffers exceed ``memory_budget``
+        at the saved batch size. An empty state (saved while calibrating) changes nothing.
 
         Raises:
             ConfigurationError: ``state`` is damaged (nothing changed), or this scheduler serves no open buffer.
@@ -397,8 +406,7 @@ class Automatic(Scheduler):
             return math.isclose(d.g_del, self.range.g_del[0])
         if d.g_del > self.g_del_max:
             return False
-        need = buffers_needed(int(d.g_del), self.output_depth) * d.g_del * d.batch_bytes
-        return self.memory_budget is None or need <= self.memory_budget
+        return self._fitting_g_del(int(d.g_del), d.batch_bytes) == d.g_del  # (g_del = 1 always: see memory_budget)
 
     # -- calibration ---------------------------------------------------------------------------
     def _first_delivery(self, n: int | None, kwargs: dict[str, Any]) -> tuple[ExperienceBatch, SampleInfo]:
@@ -408,6 +416,7 @@ class Automatic(Scheduler):
         saved = (self.range, self.inner.g_del)
         self._start_delivery_probe(n)
         try:
+            self._fit_budget(n)  # (its g_del fits already: chunk buffers of an earlier, refused first delivery)
             return self.inner.deliver(n, **kwargs)
         except BaseException:  # refused (or failed): the next delivery plans again, from its own batch size
             self.range, g_del = saved
@@ -420,29 +429,54 @@ class Automatic(Scheduler):
         if self.on_policy:
             self._del_plan = [1.0] * (2 * self.probe_rounds)  # g_del is fixed; time a few deliveries
         else:
-            item = _item_bytes(self.edp)
-            rng = ranges_for(self.edp.semantics, g_ing_max=self.g_ing_max, g_del_max=self.g_del_max,
-                             batch_bytes=int(item * (n or 1)), memory_budget=self.memory_budget,
-                             output_depth=self.output_depth)
-            self.range = GranularityRange(False, self.range.g_ing, rng.g_del)
+            top = self._fitting_g_del(self.g_del_max, _item_bytes(self.edp) * int(n or 1))
+            self.range = GranularityRange(False, self.range.g_ing, tuple(float(g) for g in range(1, top + 1)))
             self._del_plan = _probe_values(self.range.g_del) * self.probe_rounds
             self.inner.retune(g_del=self._del_plan[0])
         self._del_left = int(self._del_plan[0])
 
+    def _fitting_g_del(self, g: int, batch_bytes: float) -> int:
+        """The largest ``g_del`` up to ``g`` whose delivery buffers (``buffers_needed`` chunks of ``g_del`` batches
+        of ``batch_bytes``) fit ``memory_budget``; 1 when even one batch per call does not fit (see the class
+        docstring: such a batch is delivered at ``g_del = 1``, not refused)."""
+        g = max(1, int(g))
+        if self.memory_budget is None:
+            return g
+        while g > 1 and buffers_needed(g, self.output_depth) * g * batch_bytes > self.memory_budget:
+            g -= 1
+        return g
+
     def _fit_budget(self, n: int | None) -> None:
         """Off-policy probe: lower this call's ``g_del`` (the probed value stays planned) until its delivery
         buffers fit ``memory_budget`` for this call's batch size ``n`` (the probe range was sized from the first
-        delivery, which may have been smaller). ``g_del = 1`` stays when even that does not fit: the probe already
-        delivered such batches. A size the semantics refuse is left to them."""
+        delivery, which may have been smaller), and let go of chunk buffers from earlier calls that would take the
+        probe's buffers over the budget (see :meth:`_trim_buffers`). ``g_del = 1`` stays when even that does not
+        fit. A size the semantics refuse is left to them."""
         if (self.on_policy or self.memory_budget is None or not isinstance(n, numbers.Integral)
                 or isinstance(n, bool) or n <= 0):
             return
         batch_bytes = _item_bytes(self.edp) * int(n)
-        g = int(self.inner.g_del)
-        while g > 1 and buffers_needed(g, self.output_depth) * g * batch_bytes > self.memory_budget:
-            g -= 1
+        g = self._fitting_g_del(int(self.inner.g_del), batch_bytes)
         if g < self.inner.g_del:
             self.inner.retune(g_del=g)
+        self._trim_buffers(int(n), batch_bytes, room_for_a_chunk=True)
+
+    def _trim_buffers(self, n: int, batch_bytes: int, *, room_for_a_chunk: bool) -> None:
+        """Off-policy probe: keep the bytes the probing scheduler's chunk buffers hold within ``memory_budget``
+        (at least what ``g_del = 1`` needs for batches of ``n``), with room for the chunk this call may allocate
+        when ``room_for_a_chunk``.
+
+        The probe changes ``g_del`` and the batch size, and a chunk buffer keeps the rows it was sized for: without
+        this, buffers of earlier granularities (more of them at ``g_del = 1``, larger ones at a larger ``g_del``)
+        would add up past the budget. Buffers holding prepared batches are kept; the others are let go of
+        (:meth:`Overlapped.trim_buffers`: batches a buffer handed out keep their own memory and stay valid).
+        """
+        if batch_bytes <= 0:
+            return
+        assert self.memory_budget is not None
+        g = int(self.inner.g_del)
+        allowed = max(self.memory_budget, buffers_needed(g, self.output_depth) * g * batch_bytes)
+        self.inner.trim_buffers(allowed, n, batch_bytes / n, room_for_a_chunk=room_for_a_chunk)
 
     def _cap_g_del(self, items: int) -> None:
         """Off-policy: keep the delivery range within ``memory_budget`` for the largest batch the probe delivered
@@ -510,7 +544,8 @@ class Automatic(Scheduler):
             self._finish(self.force_overlap, "overlap fixed by the caller; granularity from the model")
             return
         self._phase = "confirm"
-        # both candidates live through the whole phase, so no window pays for allocating buffers or threads
+        # both candidates live through the whole phase, so no window pays for starting threads (or, without a
+        # memory budget, for allocating buffers: with one, the idle candidate's go, see _activate)
         self._candidates = {name: self._make(*self._choices[name == "overlapped"], overlap=name == "overlapped")
                             for name in ("sequential", "overlapped")}
         self._confirm = ["sequential", "overlapped"] * self.confirm_windows
@@ -572,6 +607,11 @@ class Automatic(Scheduler):
             if not old.drain():
                 return False
             old.invalidate("contents")
+            if self.memory_budget is not None and not self.on_policy:
+                # (it holds no prepared batch now.) Its chunk buffers go: kept, they would count against the budget
+                # while it is idle, and back in a later confirm window their expiry (counted in its own deliveries
+                # only) would keep them in use for output_depth more, so its ring would grow past the budget
+                old.release_buffers()
             self.inner = new
         if old not in self._candidates.values():
             old.close()

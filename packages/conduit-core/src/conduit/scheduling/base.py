@@ -116,9 +116,11 @@ def _kind(scheduler: Scheduler) -> str:
     return f"{type(scheduler).__module__}.{type(scheduler).__qualname__}"
 
 
-def scheduler_entry(scheduler: Scheduler) -> dict[str, Any] | None:
-    """A checkpoint's ``"scheduler"`` entry: ``{"kind": class path, "state": scheduler.state_dict()}``, or None
-    when the scheduler has nothing to keep."""
+def scheduler_entry(scheduler: Scheduler, buffer: object) -> dict[str, Any] | None:
+    """``buffer``'s checkpoint's ``"scheduler"`` entry: ``{"kind": class path, "state": scheduler.state_dict()}``,
+    or None when the scheduler has nothing to keep, or serves another buffer by now (that one's state)."""
+    if getattr(scheduler, "edp", None) is not buffer:
+        return None
     state = scheduler.state_dict()
     return {"kind": _kind(scheduler), "state": state} if state else None
 

@@ -104,6 +104,37 @@ class ChunkRing:
         """Buffer ``i`` holds nothing prepared any more (its batches were delivered or discarded)."""
         self.slots[i].busy = False
 
+    def held_rows(self) -> int:
+        """Rows the chunk buffers have memory for (host side; the device side mirrors it)."""
+        return sum(s.rows for s in self.slots)
+
+    def release(self, i: int) -> None:
+        """Let go of buffer ``i``'s memory (it must hold nothing prepared). The batches it handed out keep
+        that memory alive and stay valid, as nothing writes into it again, and the next fill of the buffer
+        allocates afresh, so the buffer is free at once. CUDA memory is first marked as used by the
+        learner's stream, so the allocator does not hand it out again before the work queued there on
+        those batches is done."""
+        s = self.slots[i]
+        assert not s.busy, "a buffer holding prepared batches is never released"
+        for t in (*s.host.values(), *s.dev.values()):
+            if t.is_cuda:
+                t.record_stream(torch.cuda.current_stream(t.device))
+        s.host, s.dev, s.rows, s.expires = {}, {}, 0, 0
+
+    def trim(self, max_rows: float, *, keep_rows: int, delivered: int) -> None:
+        """Release idle buffers until they have memory for at most ``max_rows`` rows (or none is idle):
+        first those sized for another chunk than ``keep_rows`` rows, then those whose batches expired
+        (``delivered`` deliveries so far), larger ones first."""
+        held = self.held_rows()
+        order = sorted((i for i, s in enumerate(self.slots) if s.rows and not s.busy),
+                       key=lambda i: (self.slots[i].rows == keep_rows, delivered < self.slots[i].expires,
+                                      -self.slots[i].rows))
+        for i in order:
+            if held <= max_rows:
+                break
+            held -= self.slots[i].rows
+            self.release(i)
+
     def delivered(self, i: int, index: int) -> None:
         """Batch number ``index`` (0-based delivery count) was handed out of buffer ``i``."""
         s = self.slots[i]

@@ -223,6 +223,23 @@ class Overlapped(Scheduler):
         self.discarded = self.prefetch_hits = self.prefetch_misses = 0
         _OPEN.add(self)
 
+    def trim_buffers(self, max_bytes: float, batch: int, item_bytes: float, *, room_for_a_chunk: bool) -> None:
+        """Let go of idle delivery buffers until they hold at most ``max_bytes`` (of items of ``item_bytes``),
+        leaving room for the chunk the next call prepares for batches of ``batch`` items when
+        ``room_for_a_chunk`` (see :meth:`ChunkRing.trim`; prepared batches and delivered ones stay valid)."""
+        with self._mu:
+            rows = self._chunk * batch
+            limit = max_bytes / item_bytes - (rows if room_for_a_chunk else 0)
+            self._ring.trim(limit, keep_rows=rows, delivered=self._delivered)
+
+    def release_buffers(self) -> None:
+        """Let go of every idle delivery buffer (e.g. while this scheduler waits unused; delivered batches stay
+        valid, and the next fills allocate afresh)."""
+        with self._mu:
+            for i, slot in enumerate(self._ring.slots):
+                if slot.rows and not slot.busy:
+                    self._ring.release(i)
+
     def retune(self, *, g_ing: float | None = None, g_del: float | None = None) -> None:
         """Change the granularities from the next ingestion write / delivery chunk on.
 
