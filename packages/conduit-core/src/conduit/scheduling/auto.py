@@ -48,7 +48,7 @@ from conduit.batch import ExperienceBatch
 from conduit.errors import ConfigurationError
 from conduit.scheduling.base import Scheduler
 from conduit.scheduling.buffers import buffers_needed
-from conduit.scheduling.granularity import GranularityRange, ranges_for, safe_ranges
+from conduit.scheduling.granularity import GranularityRange, g_del_fitting, ranges_for, safe_ranges
 from conduit.scheduling.model import (
     LatencyFit,
     choose_granularity,
@@ -320,8 +320,8 @@ class Automatic(Scheduler):
                     if not self.on_policy:
                         self.inner.retune(g_del=self._del_plan[0])
                     self._del_left = int(self._del_plan[0])
-                else:
-                    self._decide()
+                else:  # (this call's deliver_wait is recorded once it returns: its size is passed on)
+                    self._decide(out[0].batch_size)
         elif self._phase == "confirm":
             self._confirm_left -= 1
             if self._confirm_left == self.confirm_deliveries:  # the window's first chunk primed it: time the rest
@@ -429,22 +429,20 @@ class Automatic(Scheduler):
         if self.on_policy:
             self._del_plan = [1.0] * (2 * self.probe_rounds)  # g_del is fixed; time a few deliveries
         else:
-            top = self._fitting_g_del(self.g_del_max, _item_bytes(self.edp) * int(n or 1))
-            self.range = GranularityRange(False, self.range.g_ing, tuple(float(g) for g in range(1, top + 1)))
+            fits = g_del_fitting(self.g_del_max, batch_bytes=_item_bytes(self.edp) * int(n or 1),
+                                 memory_budget=self.memory_budget, output_depth=self.output_depth)
+            self.range = GranularityRange(False, self.range.g_ing, tuple(float(g) for g in fits or (1,)))
             self._del_plan = _probe_values(self.range.g_del) * self.probe_rounds
             self.inner.retune(g_del=self._del_plan[0])
         self._del_left = int(self._del_plan[0])
 
     def _fitting_g_del(self, g: int, batch_bytes: float) -> int:
-        """The largest ``g_del`` up to ``g`` whose delivery buffers (``buffers_needed`` chunks of ``g_del`` batches
-        of ``batch_bytes``) fit ``memory_budget``; 1 when even one batch per call does not fit (see the class
-        docstring: such a batch is delivered at ``g_del = 1``, not refused)."""
-        g = max(1, int(g))
-        if self.memory_budget is None:
-            return g
-        while g > 1 and buffers_needed(g, self.output_depth) * g * batch_bytes > self.memory_budget:
-            g -= 1
-        return g
+        """The largest ``g_del`` up to ``g`` whose delivery buffers fit ``memory_budget`` (:func:`g_del_fitting`); 1
+        when even one batch per call does not fit (see the class docstring: such a batch is delivered at
+        ``g_del = 1``, not refused)."""
+        fits = g_del_fitting(max(1, int(g)), batch_bytes=batch_bytes, memory_budget=self.memory_budget,
+                             output_depth=self.output_depth)
+        return fits[-1] if fits else 1
 
     def _fit_budget(self, n: int | None) -> None:
         """Off-policy probe: lower this call's ``g_del`` (the probed value stays planned) until its delivery
@@ -482,19 +480,16 @@ class Automatic(Scheduler):
         """Off-policy: keep the delivery range within ``memory_budget`` for the largest batch the probe delivered
         (the range was sized from the first delivery alone, which may have been smaller than the job's batches).
         ``g_del = 1`` stays when even that does not fit: the probe already delivered such batches."""
-        try:
-            rng = ranges_for(self.edp.semantics, g_ing_max=self.g_ing_max, g_del_max=self.g_del_max,
-                             batch_bytes=int(_item_bytes(self.edp) * items), memory_budget=self.memory_budget,
-                             output_depth=self.output_depth)
-            g_del = tuple(g for g in self.range.g_del if g <= rng.g_del[-1])
-        except ConfigurationError:
-            g_del = self.range.g_del[:1]
+        fits = g_del_fitting(self.g_del_max, batch_bytes=_item_bytes(self.edp) * items,
+                             memory_budget=self.memory_budget, output_depth=self.output_depth)
+        g_del = tuple(g for g in self.range.g_del if g in fits)
         self.range = GranularityRange(False, self.range.g_ing, g_del or self.range.g_del[:1])
 
     def _records(self) -> list[CallRecord]:
         return self.edp.telemetry.since(self._since)
 
-    def _decide(self) -> None:
+    def _decide(self, last_items: int) -> None:
+        """Choose from the probe's telemetry; ``last_items``: the size of the delivery that ended the probe."""
         recs = self._records()
         d_obs = observations(recs, "deliver")
         i_obs = observations(recs, "ingest")
@@ -502,17 +497,18 @@ class Automatic(Scheduler):
         ifit = fit_latency(i_obs) if len({(b, s) for b, _, s in i_obs}) >= 2 else None
         waits = [r for r in recs if r.kind == "deliver_wait"]
         ing = [r for r in recs if r.kind == "ingest_wait"]
-        if not self.on_policy and self.memory_budget is not None and waits:
-            self._cap_g_del(max(r.items for r in waits))
-        batch_bytes = _bytes_per_call(recs, "deliver", waits)
-        rollout_bytes = _bytes_per_call(recs, "ingest", ing)
+        sizes = [r.items for r in waits] + [last_items]
+        if not self.on_policy and self.memory_budget is not None:
+            self._cap_g_del(max(sizes))
+        batch_bytes = _bytes_per_call(recs, "deliver", sizes)
+        rollout_bytes = _bytes_per_call(recs, "ingest", [r.items for r in ing])
         ingest_gap = _median_gap(ing)
         m = self.range.num_minibatches
         per_call = statistics.median(r.items for r in ing) if ing else 0
-        if self.on_policy and m and waits and per_call > 0:
+        if self.on_policy and m and per_call > 0:
             # on-policy g_ing is a part of a *rollout* (the model's unit), which the producer may hand over in
             # several ingest calls: one rollout feeds M deliveries, so it holds M deliveries' items
-            calls = m * statistics.median(r.items for r in waits) / per_call
+            calls = m * statistics.median(sizes) / per_call
             rollout_bytes *= calls
             ingest_gap *= calls  # (the producer's time per rollout, what a rollout's writes can hide behind)
         d = Decision(self.range, 1, self.range.g_del[0], False, dfit, ifit, batch_bytes, rollout_bytes,
@@ -676,10 +672,10 @@ def _median_gap(recs: list[CallRecord]) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
-def _bytes_per_call(recs: list[CallRecord], work: str, calls: list[CallRecord]) -> float:
-    """Bytes one caller-side call moves: bytes per item of the ``work`` records times items per call."""
+def _bytes_per_call(recs: list[CallRecord], work: str, items: list[int]) -> float:
+    """Bytes one caller-side call moves: bytes per item of the ``work`` records times the median of ``items``
+    (items per call)."""
     per_item = [r.nbytes / r.items for r in recs if r.kind == work and r.items]
-    items = [r.items for r in calls]
     return statistics.median(per_item) * statistics.median(items) if per_item and items else 0.0
 
 

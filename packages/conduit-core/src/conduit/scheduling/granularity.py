@@ -27,7 +27,7 @@ from conduit.scheduling.buffers import buffers_needed
 from conduit.semantics.base import Semantics
 from conduit.semantics.onpolicy import OnPolicy
 
-__all__ = ["GranularityRange", "safe_ranges"]
+__all__ = ["GranularityRange", "g_del_fitting", "safe_ranges"]
 
 
 @dataclass(frozen=True)
@@ -100,18 +100,27 @@ def safe_ranges(*, on_policy: bool, num_minibatches: int | None = None, g_ing_ma
     if on_policy:
         m = num_minibatches or 1
         return GranularityRange(True, tuple(k / m for k in range(1, m + 1)), (1 / m,), num_minibatches)
-    top = g_del_max
-    if memory_budget is not None and batch_bytes:
-        fits = [g for g in range(1, g_del_max + 1)
-                if buffers_needed(g, output_depth) * g * batch_bytes <= memory_budget]
-        if not fits:
-            raise ConfigurationError(
-                f"Even one batch per delivery call needs {buffers_needed(1, output_depth) * batch_bytes:,} bytes "
-                f"of delivery buffers, over memory_budget={memory_budget:,} bytes; raise the budget or deliver "
-                f"smaller batches.")
-        top = max(fits)
-    return GranularityRange(False, tuple(float(g) for g in range(1, g_ing_max + 1)),
-                            tuple(float(g) for g in range(1, top + 1)))
+    fits = g_del_fitting(g_del_max, batch_bytes=batch_bytes or 0, memory_budget=memory_budget,
+                         output_depth=output_depth)
+    if not fits:
+        raise ConfigurationError(
+            f"Even one batch per delivery call needs {buffers_needed(1, output_depth) * (batch_bytes or 0):,} bytes "
+            f"of delivery buffers, over memory_budget={memory_budget:,} bytes; raise the budget or deliver "
+            f"smaller batches.")
+    return GranularityRange(False, tuple(float(g) for g in range(1, g_ing_max + 1)), tuple(float(g) for g in fits))
+
+
+def g_del_fitting(g_del_max: int, *, batch_bytes: float, memory_budget: float | None,
+                  output_depth: int) -> tuple[int, ...]:
+    """The ``g_del`` in ``1..g_del_max`` whose delivery buffers (``buffers_needed`` chunks of ``g_del`` batches of
+    ``batch_bytes``) fit ``memory_budget`` (every one without a budget or a size), in order; empty when none does.
+
+    Not always ``1..k``: the buffers needed do not grow with ``g_del`` everywhere (``output_depth=6``: ``g_del=4``
+    needs 16 batches, ``g_del=5`` 15), so a value may fit where a smaller one does not.
+    """
+    return tuple(g for g in range(1, int(g_del_max) + 1)
+                 if memory_budget is None or not batch_bytes
+                 or buffers_needed(g, output_depth) * g * batch_bytes <= memory_budget)
 
 
 def _is_int(v: object) -> bool:
