@@ -130,6 +130,17 @@ def _step(p: Any, i: int) -> list[int]:
     return out
 
 
+def _calibrate(p: Any, sched: Automatic) -> int:
+    """Fill ``p`` and step it until ``sched`` has finished calibrating; the next step's index."""
+    p.ingest(id_batch(np.arange(200)))
+    i = 0
+    while "phase=run" not in repr(sched):
+        _step(p, i)
+        i += 1
+        assert i < 300, f"Automatic did not finish calibrating on a DistributedDataPlane: {sched!r}"
+    return i
+
+
 def _ids(p: Any) -> list[int]:
     return sorted(p.read(p.live_handles()).tensor("id").tolist())
 
@@ -139,12 +150,7 @@ def test_a_distributed_checkpoint_carries_automatics_decision_and_a_new_plane_go
     pytest.importorskip("ray")
     sched = Automatic(**SETTINGS)
     with _plane(servers, sched) as p:
-        p.ingest(id_batch(np.arange(200)))
-        i = 0
-        while "phase=run" not in repr(sched):
-            _step(p, i)
-            i += 1
-            assert i < 300, f"Automatic did not finish calibrating on a DistributedDataPlane: {sched!r}"
+        i = _calibrate(p, sched)
         state = p.state_dict()
         assert state.get("scheduler", {}).get("kind") == "conduit.scheduling.auto.Automatic", sorted(state)
         original = [_step(p, i + k) for k in range(6)]
@@ -165,11 +171,7 @@ def test_a_distributed_scheduler_entry_damaged_is_refused_first_and_another_kind
     pytest.importorskip("ray")
     sched = Automatic(**SETTINGS)
     with _plane(servers, sched) as p:
-        p.ingest(id_batch(np.arange(200)))
-        i = 0
-        while "phase=run" not in repr(sched):
-            _step(p, i)
-            i += 1
+        _calibrate(p, sched)
         state = p.state_dict()
         want = _ids(p)
     assert "scheduler" in state, f"the checkpoint has no scheduler entry: {sorted(state)}"

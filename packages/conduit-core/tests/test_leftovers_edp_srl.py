@@ -119,32 +119,28 @@ def test_srl_qsize_counts_a_sample_being_stored_once(semantics: str, overlap: bo
 
 
 # -- DistributedDataPlane.close() whose scheduler's close raised ---------------------------------------------
-class CloseFailsOnce(Synchronous):
-    """A synchronous scheduler whose first close fails (as one that cannot store what was handed over)."""
+class _FirstCloseFails:
+    """Mixed in first: the scheduler's first close fails before it stops anything (as one that cannot store
+    what was handed over); the next close is the scheduler's own."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.failures = 1
+    failures = 1
 
     def close(self) -> None:
         if self.failures:
             self.failures -= 1
             raise ConduitError("could not store what was handed over (test)")
-        super().close()
+        super().close()  # type: ignore[misc]
 
 
-class OverlappedCloseFailsOnce(Overlapped):
-    """Overlapped scheduling whose first close fails before it stops anything."""
+class CloseFailsOnce(_FirstCloseFails, Synchronous):
+    """Synchronous scheduling whose first close fails."""
+
+
+class OverlappedCloseFailsOnce(_FirstCloseFails, Overlapped):
+    """Overlapped scheduling (no overlap) whose first close fails."""
 
     def __init__(self) -> None:
         super().__init__(overlap=False)
-        self.failures = 1
-
-    def close(self) -> None:
-        if self.failures:
-            self.failures -= 1
-            raise ConduitError("could not store what was handed over (test)")
-        super().close()
 
 
 @pytest.mark.timeout(600)
