@@ -30,7 +30,8 @@ class UnstoredSamplesError(ConduitError):
     """The buffer refused samples that had already been received (the buffer's error is the ``__cause__``).
 
     Raised by ``ConduitSampleConsumer.consume_to`` when the buffer's ``put`` raises part way through
-    a coalesced message (or through samples ``consume()`` had left over). The samples before the
+    a coalesced message (or through samples ``consume()`` had left over), or refuses a message of one
+    sample (``stored=0, total=1``). The samples before the
     refused one are stored; the refused one and every later one of the message are attached here,
     so nothing received is lost without a trace. Messages not received yet stay with the transport.
 

@@ -25,11 +25,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import inspect
 import sys
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any, cast
 
 from conduit import ConfigurationError
@@ -139,7 +140,8 @@ def check_trainer_config(cfg: Any) -> None:
             f"stream: SRL ignores buffer_name in that case and batches inside the shared-memory dock, so no Conduit "
             f"buffer would be built. Set buffer_zero_copy=False (samples still arrive through shared memory; "
             f"Conduit owns storage, batching, reuse and delivery), or choose an SRL buffer.")
-    args = getattr(cfg, "buffer_args", None) or {}
+    args = getattr(cfg, "buffer_args", None)
+    args = args if isinstance(args, Mapping) else {}
     if getattr(stream, "batch_size", None) and not args.get("batched_puts", False):
         raise ConfigurationError(
             f"The SHARED_MEMORY sample stream has batch_size={stream.batch_size}, so the trainer receives "
@@ -282,13 +284,36 @@ def _patch_config(mod: ModuleType, inst: Installation) -> None:
         inst.skipped[mod.__name__] = "has no TrainerWorker class"
         return
     original: Callable[..., None] = cast("Any", cls).__init__  # the class's own or inherited __init__
+    try:
+        signature: inspect.Signature | None = inspect.signature(original)
+    except (TypeError, ValueError):
+        signature = None
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        # Checked as given, before the original runs: srl-local's __post_init__ turns a zero-copy config into
+        # buffer_name="simple_queue" (and aligns the stream to it), after which nothing is left to check.
+        given = _given(signature, self, args, kwargs)
+        if given is not None:
+            check_trainer_config(given)
         original(self, *args, **kwargs)
         check_trainer_config(self)
 
     __init__.__wrapped__ = original  # type: ignore[attr-defined]
     _set(cls, "__init__", __init__, inst, f"{mod.__name__}.TrainerWorker.__init__ (config check)")
+
+
+def _given(signature: inspect.Signature | None, obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+           ) -> SimpleNamespace | None:
+    """The arguments of a config constructor call by name, defaults filled in (None: they do not bind)."""
+    if signature is None:
+        return None
+    try:
+        bound = signature.bind(obj, *args, **kwargs)
+    except TypeError:
+        return None  # (the constructor raises its own error)
+    bound.apply_defaults()
+    values = dict(list(bound.arguments.items())[1:])  # without self
+    return SimpleNamespace(**{k: v for k, v in values.items() if v is not inspect.Parameter.empty})
 
 
 # -- the stream seam ---------------------------------------------------------------------------------
@@ -412,10 +437,10 @@ def _patch_registries(mod: ModuleType, inst: Installation, default: StreamPolicy
         _set(mod, register_name, register_wrapped, inst, f"{mod.__name__}.{register_name}")
 
         def undo_later(table: dict[Any, Any] = table, originals: dict[Any, Any] = originals) -> None:
-            # entries registered after install were wrapped too: unwrap them
+            # entries registered after install (new types, or types registered again) were wrapped too: unwrap them
             for key, entry in list(table.items()):
                 inner = getattr(entry, "__conduit_wrapped__", None)
-                if inner is not None and key not in originals:
+                if inner is not None and (key not in originals or inner is not originals[key]):
                     table[key] = inner
 
         inst._undo.append(undo_later)

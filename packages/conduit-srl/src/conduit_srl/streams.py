@@ -218,7 +218,8 @@ class ConduitSampleProducer:
         A flush running in another thread finishes first, so no sample it took is cut off. If a
         target refuses a message (its ``post`` raises), that error propagates from here or from
         :meth:`flush`, and every sample no target took stays pending, in order, for the next try
-        (the producer stays open).
+        (the producer stays open). Once everything is sent, every target is closed even if one's
+        ``close()`` raises; the first such error is raised after (the producer is then closed).
         """
         with self._send_lock:
             with self._lock:
@@ -231,10 +232,16 @@ class ConduitSampleProducer:
                 with self._lock:  # still open: what was not sent is pending, and close() can be tried again
                     self._closed = False
                 raise
-            for t in self.targets:
+            error: BaseException | None = None
+            for t in self.targets:  # one target that fails to close leaves none of the others open
                 close = getattr(t, "close", None)
                 if close is not None:
-                    close()
+                    try:
+                        close()
+                    except BaseException as e:  # noqa: BLE001 - the first is raised once every target was tried
+                        error = error or e
+            if error is not None:
+                raise error
 
     def init_monitor(self, monitor: Any) -> None:
         for t in self.targets:
@@ -321,12 +328,16 @@ class _Unpacker:
 
         A Conduit buffer gets ``put_batch`` calls of at most its capacity each (so a message larger
         than the capacity is stored as ``k`` single puts would be); any other buffer ``k`` ``put``
-        calls. If one raises, :class:`UnstoredSamplesError` names how many were stored and carries the rest.
+        calls. If one raises, :class:`UnstoredSamplesError` names how many were stored and carries the rest
+        (a message of one sample too: what the producer sent alone is not lost where a coalesced one is kept).
         """
         meta = getattr(x, "metadata", None)
         k = meta.get(COALESCED_KEY) if meta is not None else None
-        if not k:
-            self.buffer.put(x)
+        if not k:  # a message of one sample: refused, it is carried by the error as a coalesced one's would be
+            try:
+                self.buffer.put(x)
+            except Exception as e:  # noqa: BLE001 - re-raised, typed, with the sample not stored
+                raise UnstoredSamplesError(stored=0, total=1, samples=[x], cause=e) from e
             self.count += 1
             return
         x.pop_metadata(COALESCED_KEY)
@@ -388,9 +399,9 @@ class ConduitSampleConsumer:
 
         Raises:
             ConfigurationError: the consumer is closed.
-            UnstoredSamplesError: ``buffer`` refused a sample part way through a message (or through
-                the left-over samples); the samples not stored are in the error, the ones before are stored,
-                and its ``put_by_call`` is the count this call would have returned.
+            UnstoredSamplesError: ``buffer`` refused a sample of a message (also of a message of one
+                sample, or of the left-over samples); the samples not stored are in the error, the ones
+                before are stored, and its ``put_by_call`` is the count this call would have returned.
         """
         self._check_open()
         shim = _Unpacker(buffer)
@@ -398,10 +409,12 @@ class ConduitSampleConsumer:
         while self._backlog:
             try:
                 shim.put(self._backlog[0])
-            except Exception as e:  # noqa: BLE001 - re-raised, typed, with what was not stored
+            except UnstoredSamplesError as e:  # (one sample, refused) the rest of the left-over samples with it
                 rest = list(self._backlog)
                 self._backlog.clear()
-                raise UnstoredSamplesError(stored=total - len(rest), total=total, samples=rest, cause=e) from e
+                cause = e.__cause__ if isinstance(e.__cause__, Exception) else e
+                raise UnstoredSamplesError(stored=total - len(rest), total=total, samples=rest,
+                                           cause=cause) from cause
             self._backlog.popleft()
         try:
             self.inner.consume_to(shim, max_iter)
@@ -436,16 +449,18 @@ class ConduitSampleConsumer:
         after a ``consume()`` the rest of its message has already been received: ``close()`` returns
         those samples (``[T, ...]`` each, in order) rather than drop them. The list is empty when
         nothing is left over, and on a second ``close()``. (SRL's workers ignore what ``close()``
-        returns; a caller that mixes ``consume()`` with shutdown should keep the list.)
+        returns; a caller that mixes ``consume()`` with shutdown should keep the list.) If the native
+        consumer's ``close()`` raises, the error propagates and this consumer stays open, still holding
+        those samples, so ``close()`` can be tried again.
         """
         if self._closed:
             return []
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()  # if it raises, the consumer stays open with its left-over samples (close() can be tried again)
         self._closed = True
         left = list(self._backlog)
         self._backlog.clear()
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
         return left
 
     def __getattr__(self, name: str) -> Any:

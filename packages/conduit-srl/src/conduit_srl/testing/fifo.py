@@ -28,21 +28,31 @@ class FifoBuffer:
         self.batch_size = batch_size
         self.reuses = reuses
         self._lock = threading.Lock()
+        self._put_lock = threading.Lock()  # puts one at a time: batches keep arrival order across putting threads
         self._waiting: list[Any] = []
         self._batches: deque[list[Any]] = deque()  # [sample, uses so far, first id]
+        self._stacking = 0  # samples taken from _waiting and being stacked into a batch (counted by qsize)
         self._next = 0
 
     def put(self, x: Any) -> None:
-        with self._lock:
-            self._waiting.append(x)
-            if len(self._waiting) < self.batch_size:
-                return
-            group, self._waiting = self._waiting[:self.batch_size], self._waiting[self.batch_size:]
-        batch = stack(group, axis=1)
-        with self._lock:
-            handles = np.arange(self._next, self._next + len(group), dtype=np.int64)
-            self._next += len(group)
-            self._batches.append([batch, 0, handles])
+        with self._put_lock:
+            with self._lock:
+                self._waiting.append(x)
+                if len(self._waiting) < self.batch_size:
+                    return
+                group, self._waiting = self._waiting[:self.batch_size], self._waiting[self.batch_size:]
+                self._stacking = len(group)
+            try:
+                batch = stack(group, axis=1)
+            except BaseException:
+                with self._lock:
+                    self._stacking = 0
+                raise
+            with self._lock:
+                handles = np.arange(self._next, self._next + len(group), dtype=np.int64)
+                self._next += len(group)
+                self._batches.append([batch, 0, handles])
+                self._stacking = 0
 
     def get(self) -> ReplayEntry:
         with self._lock:
@@ -62,4 +72,4 @@ class FifoBuffer:
 
     def qsize(self) -> int:
         with self._lock:
-            return len(self._waiting) + sum(len(b[2]) for b in self._batches if b[1] == 0)
+            return len(self._waiting) + self._stacking + sum(len(b[2]) for b in self._batches if b[1] == 0)
