@@ -182,10 +182,11 @@ class ShardIndex(Storage):
     def live_rows(self) -> range:
         return range(self._lo, self._hi)
 
-    def segment(self, row: int) -> tuple[int, int, list[tuple[int, int]]]:
-        """(first handle, count, [(shard, local first)]) of a segment, clipped to the live window."""
+    def segment(self, row: int, oldest: int | None = None) -> tuple[int, int, list[tuple[int, int]]]:
+        """(first handle, count, [(shard, local first)]) of a segment, clipped to the live window (or to the
+        window once it starts at ``oldest``, when given)."""
         first, count = int(self._first[row]), int(self._count[row])
-        cut = max(0, self._oldest - first)
+        cut = max(0, (self._oldest if oldest is None else oldest) - first)
         reps = [(int(s), int(lf) + cut) for s, lf in zip(self._shard[row], self._local[row], strict=True) if s >= 0]
         return first + cut, count - cut, reps
 

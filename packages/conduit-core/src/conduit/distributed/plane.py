@@ -289,6 +289,11 @@ class DistributedDataPlane:
         #: while a write is under way, each shard's next local handle when it began: rows from there on are
         #: stored but not yet in the index, and no append may release them
         self._pinned: dict[int, int] = {}
+        #: while a write is under way, where its window starts once it is stored (the oldest items it evicts are
+        #: not re-replicated for a shard lost during it), and the segments left short for that reason (copied
+        #: should the write fail and evict nothing)
+        self._evicting: int | None = None
+        self._short_evicted: list[int] = []
         self.transport = transport
         self._torch: TorchGroup | None = None
         self._recv_pool: futures.ThreadPoolExecutor | None = None
@@ -556,10 +561,12 @@ class DistributedDataPlane:
         producer, and every run's writes go out in one round of parallel calls.
         """
         self._pinned = dict(enumerate(self._local_next))
+        self._evicting, self._short_evicted = oldest, []
         try:
             return self._store_rounds(payload, runs, row_bytes, oldest)
         finally:
             self._pinned = {}
+            self._evicting = None
 
     def _store_rounds(self, payload: Any, runs: Sequence[tuple[int, int, str]], row_bytes: float, oldest: int
                       ) -> list[tuple[int, int, list[tuple[int, int]]]]:
@@ -653,7 +660,12 @@ class DistributedDataPlane:
         """
         touched = [s for s, nxt in enumerate(self._local_next) if nxt > before[s]]
         if not touched:
-            return  # no shard released or stored anything: the buffer is unchanged
+            # no shard released or stored anything: the buffer is unchanged, so the items this write would have
+            # evicted stay, and those a shard lost during it left short get their copy now
+            short, self._short_evicted = self._short_evicted, []
+            if short:
+                self._replicate(short)
+            return
         outs = wait_all({s: self.servers[s].actor.truncate.remote(self.buffer_id,
                                                                   max(before[s], self.index.held_end(s)))
                          for s in touched if self._alive[s]}, self.timeout)
@@ -1133,17 +1145,17 @@ class DistributedDataPlane:
 
     # -- faults -----------------------------------------------------------------------------------
     def check_health(self) -> list[LossReport]:
-        """Ping every live shard once (at most ``timeout`` seconds); returns the losses this found."""
+        """Ping every live shard once (at most ``timeout`` seconds); returns the losses this found (the shards
+        that did not answer, and any that the re-replication of their items then found lost), in the order
+        they were recorded in :attr:`losses`."""
         live = self.alive_shards
         if self._closed or not live:
             return []
         outs = self._ping(live)
-        found = []
+        found: list[LossReport] = []
         for s, o in outs.items():
             if o.lost:
-                rep = self._lose(s, _reason(o))
-                if rep is not None:
-                    found.append(rep)
+                self._lose(s, _reason(o), found=found)
         return found
 
     def _ping(self, shards: Collection[int]) -> dict[int, Outcome]:
@@ -1183,11 +1195,16 @@ class DistributedDataPlane:
                 self._lose(s, _reason(a))
         return stuck
 
-    def _lose(self, shard: int, reason: str) -> LossReport | None:
-        """Declare ``shard`` lost: fence it, account its items, restore replication where possible."""
+    def _lose(self, shard: int, reason: str, *, found: list[LossReport] | None = None) -> LossReport | None:
+        """Declare ``shard`` lost: fence it, account its items, restore replication where possible.
+
+        ``found`` gets every report this recorded: this shard's, and those of shards the re-replication of its
+        items found lost (their copies failed).
+        """
         with self._lock:
             if not self._alive[shard]:
                 return None
+            before = len(self.losses)
             self._alive[shard] = False
             self.servers.kill(shard)
             lost, recovered, under = self.index.drop_shard(shard)
@@ -1196,6 +1213,8 @@ class DistributedDataPlane:
             copied = self._replicate(under) if under else 0
             report = LossReport(shard, self.shard_node(shard), reason, time.time(), lost, recovered, copied)
             self.losses.append(report)
+            if found is not None:  # (under the lock: every report since ``before`` was recorded by this call)
+                found.extend(self.losses[before:])
         log.warning("conduit: %s", report)
         if self.on_loss is not None:
             try:
@@ -1205,45 +1224,69 @@ class DistributedDataPlane:
         return report
 
     def _replicate(self, rows: list[int]) -> int:
-        """Give under-replicated segments a copy on another live node; returns items copied."""
+        """Give under-replicated segments the copies they lack, each on another live node; returns items copied.
+
+        A segment still short of ``replication`` copies afterwards (no room on another node, or a copy failed)
+        counts its items in :attr:`under_replicated`; one whose source died is accounted by that loss instead.
+        During a write (a shard lost while an ingestion stores its batch) only the items the write keeps are
+        copied, into the room its evictions free: the oldest items it evicts are not (a segment it evicts
+        whole is kept aside, and copied only if the write fails and evicts nothing).
+        """
         if self.replication < 2:
             return 0
-        rooms = {s: self._room(s, self.index.oldest) for s in self.alive_shards}
-        jobs: dict[int, tuple[int, int, int, int]] = {}
-        calls: dict[int, Any] = {}
+        oldest = self.index.oldest if self._evicting is None else max(self.index.oldest, self._evicting)
+        rooms = {s: self._room(s, oldest) for s in self.alive_shards}
+        jobs: dict[tuple[int, int], tuple[int, int, int]] = {}
+        calls: dict[tuple[int, int], Any] = {}
+        short: dict[int, int] = {}  # rows left with fewer than ``replication`` copies -> their items
         for row in rows:
-            first, count, reps = self.index.segment(row)
+            first, count, reps = self.index.segment(row, oldest)
+            if reps and len(reps) < self.replication and count <= 0 < self.index.segment(row)[1]:
+                self._short_evicted.append(row)  # evicted by the write under way (unless it fails)
+                continue
             if count <= 0 or not reps or len(reps) >= self.replication:
                 continue
+            # as many copies as the segment lacks (a write that lost several shards leaves it more than one short),
+            # each on another node
             used = {self.shard_node(s) for s, _ in reps}
             src, src_local = reps[0]
-            cands = [s for s in self.plan.order(self.shard_node(src), count * self.schema.fixed_item_bytes,
-                                                list(rooms)) if self.shard_node(s) not in used and rooms[s][0] >= count]
-            if not cands:
-                self.under_replicated += count
+            targets: list[int] = []
+            for s in self.plan.order(self.shard_node(src), count * self.schema.fixed_item_bytes, list(rooms)):
+                if len(reps) + len(targets) < self.replication and self.shard_node(s) not in used \
+                        and rooms[s][0] >= count:
+                    targets.append(s)
+                    used.add(self.shard_node(s))
+            if len(reps) + len(targets) < self.replication:
+                short[row] = count
+            if not targets:
                 continue
-            t = cands[0]
-            rooms[t] = (rooms[t][0] - count, rooms[t][1])
             data = self.servers[src].actor.gather.remote(self.buffer_id, np.arange(src_local, src_local + count))
-            calls[row] = self.servers[t].actor.append.remote(self.buffer_id, data, 0, count, rooms[t][1])
-            jobs[row] = (t, count, first, src)
+            for t in targets:
+                rooms[t] = (rooms[t][0] - count, rooms[t][1])
+                calls[(row, t)] = self.servers[t].actor.append.remote(self.buffer_id, data, 0, count, rooms[t][1])
+                jobs[(row, t)] = (count, first, src)
         outs = wait_all(calls, self.timeout)
-        copied = 0
-        for row, o in outs.items():
-            t, count, first, src = jobs[row]
+        copied: dict[int, int] = {}  # rows that got a copy -> their items
+        for (row, t), o in outs.items():
+            count, first, src = jobs[(row, t)]
             if o.ok:
                 self._local_next[t] = max(self._local_next[t], int(o.value[2]))
                 seg_first, _ = self.index.segment_span(row)
                 self.index.add_replica(row, t, int(o.value[0]) - (first - seg_first))
-                copied += count
+                copied[row] = count
                 continue
-            self.under_replicated += count
             if o.lost and not isinstance(o.error, TimeoutError):
                 # a two-hop copy: the error names the actor that died (source or target); a timeout is
                 # left to the health monitor, which pings each one alone
                 dead = getattr(o.error, "actor_id", None)
-                self._lose(src if dead == _actor_hex(self.servers[src].actor) else t, _reason(o))
-        return copied
+                if dead == _actor_hex(self.servers[src].actor):
+                    # the source's loss accounts the segment again (copied from another replica, or lost)
+                    self._lose(src, _reason(o))
+                    continue
+                self._lose(t, _reason(o))
+            short[row] = count
+        self.under_replicated += sum(short.values())
+        return sum(copied.values())
 
     # -- checkpoint -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
