@@ -25,8 +25,18 @@ class UnsupportedVerlError(ConfigurationError):
     """The installed verl is not the series conduit-verl's hooks are written for."""
 
 
-class MissingKeyError(ConduitError, KeyError):
-    """A read asked for a sample or field that Conduit's TransferQueue storage does not hold."""
+try:  # TransferQueue's type for a read of a sample its storage does not hold (callers that tolerate a read racing a
+    # clear catch it, as TransferQueue's docs say, instead of matching messages)
+    from transfer_queue import StorageKeyNotFoundError as _KeyNotFound
+except ImportError:  # TransferQueue absent: only the in-process parts are used
+    _KeyNotFound = KeyError  # type: ignore[assignment,misc]
+
+
+class MissingKeyError(ConduitError, _KeyNotFound):
+    """A read asked for a sample or field that Conduit's TransferQueue storage does not hold.
+
+    It is a ``transfer_queue.StorageKeyNotFoundError`` (a ``KeyError``), as SimpleStorage raises for a sample it does
+    not hold, so code written against TransferQueue catches it the same way."""
 
     def __str__(self) -> str:  # KeyError quotes its message; say it plainly
         return str(self.args[0]) if self.args else ""

@@ -118,6 +118,10 @@ class _UnitState:
         #: puts prepared here and not yet committed or aborted: token -> (global indexes, wire columns, lease: a Ray
         #: object the putting process owns, lost when it dies, or None)
         self.pending: dict[str, tuple[list[int], dict[str, Any], Any]] = {}
+        #: token of a prepared put -> its global indexes a clear named after it was prepared (its commit skips them)
+        self.cleared: dict[str, set[int]] = {}
+        #: a checkpoint read by :meth:`stage` and not yet installed: (tensor fields, object fields)
+        self.staged: tuple[dict[str, FieldStore], dict[str, dict[int, Any]]] | None = None
         self.telemetry = Telemetry()
 
     def check(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None,
@@ -197,6 +201,7 @@ class _UnitState:
         """Drop the prepared puts whose lease Ray lost with the process that owned it (it can no longer commit)."""
         for token in [t for t, (_, _, lease) in self.pending.items() if _owner_died(lease)]:
             del self.pending[token]
+            self.cleared.pop(token, None)
             logger.warning("Conduit storage unit: dropped the put prepared under %s, whose process died before it "
                            "committed", token)
 
@@ -211,12 +216,18 @@ class _UnitState:
             raise SchemaError(f"No put prepared under {token!r} on this Conduit storage unit (aborted, or dropped by "
                               f"a checkpoint restore); put the samples again.")
         gis, columns, _ = self.pending[token]
-        self._write(gis, columns, widths, self._reserved(but=token))
+        gone = self.cleared.get(token)
+        if gone:  # cleared after it reached this unit (:meth:`clear`)
+            gis, columns = _without_rows(gis, columns, gone)
+        if gis:
+            self._write(gis, columns, widths, self._reserved(but=token))
         del self.pending[token]
+        self.cleared.pop(token, None)
 
     def abort(self, token: str) -> None:
         """Drop the put prepared under ``token`` (its reservations go; unknown tokens are ignored)."""
         self.pending.pop(token, None)
+        self.cleared.pop(token, None)
 
     def _kind_of(self, name: str) -> tuple[str | None, int] | None:
         """(dtype name or None for Python objects, shape-row width) of field ``name`` as claimed or held here."""
@@ -335,7 +346,19 @@ class _UnitState:
         return out
 
     def clear(self, gis: list[int]) -> int:
+        """Forget the samples ``gis``; returns how many a tensor field held.
+
+        A put prepared here and not yet committed reached this unit before the clear, so the clear applies to it as
+        it would to a stored put (as on SimpleStorage, where a put that reached its unit first is cleared): its commit
+        stores only its other samples, so a cleared sample does not come back, nor land under a key the controller
+        gave its freed global index to (its reservation stays until the commit or abort).
+        """
         t0 = time.perf_counter()
+        gone = {int(g) for g in gis}
+        for token, (p_gis, _, _) in self.pending.items():
+            hit = gone.intersection(p_gis)
+            if hit:
+                self.cleared.setdefault(token, set()).update(hit)
         held = 0
         for store in self.fields.values():
             held = max(held, store.clear(gis))
@@ -363,6 +386,18 @@ class _UnitState:
             SchemaError: ``path`` was not written by a Conduit unit, or by one of another ``num_units``
                 (samples are routed by ``global_index % num_units``); nothing is changed.
         """
+        self.stage(path)
+        return self.install_staged()
+
+    def stage(self, path: str) -> int:
+        """First phase of a restore over several units: read and check ``path`` (as :meth:`load`) and keep what it
+        holds aside, changing nothing held; :meth:`install_staged` then replaces the held samples with it and
+        :meth:`unstage` forgets it. Returns the number of tensor samples read.
+
+        Raises:
+            SchemaError: as :meth:`load` (nothing is staged).
+        """
+        self.staged = None
         state = torch.load(path, weights_only=False)
         if not isinstance(state, dict) or state.get("format") != 1:
             raise SchemaError(f"{path} was not written by a Conduit storage unit.")
@@ -377,8 +412,26 @@ class _UnitState:
                                               PoolLadder(**self.ladder_args))
             if f["gis"]:
                 store.put(f["gis"], from_wire(f["column"], copy=True))
-        self.fields, self.objects, self.claims, self.holders, self.pending = fields, state["objects"], {}, {}, {}
+        self.staged = (fields, state["objects"])
         return sum(len(s) for s in fields.values())
+
+    def install_staged(self) -> int:
+        """Replace the held samples with what :meth:`stage` read (prepared puts and claims are dropped).
+
+        Raises:
+            SchemaError: nothing is staged.
+        """
+        if self.staged is None:
+            raise SchemaError("No checkpoint is staged on this Conduit storage unit; restore with "
+                              "tq.load_storage_checkpoint (it stages every unit's file first).")
+        fields, objects = self.staged
+        self.fields, self.objects, self.claims, self.holders, self.pending = fields, objects, {}, {}, {}
+        self.cleared, self.staged = {}, None
+        return sum(len(s) for s in fields.values())
+
+    def unstage(self) -> None:
+        """Forget what :meth:`stage` read (a restore refused on another unit)."""
+        self.staged = None
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -390,6 +443,15 @@ class _UnitState:
             "prepared_puts": len(self.pending),
             "telemetry": self.telemetry.summary(),
         }
+
+
+def _without_rows(gis: list[int], columns: dict[str, Any], gone: set[int]) -> tuple[list[int], dict[str, Any]]:
+    """A prepared put's global indexes and wire columns without its samples of ``gone``."""
+    keep = [p for p, g in enumerate(gis) if g not in gone]
+    rows = torch.tensor(keep, dtype=torch.int64)
+    out = {name: to_wire(select_rows(from_wire(w), rows)) if isinstance(w, dict) else [w[p] for p in keep]
+           for name, w in columns.items()}
+    return [gis[p] for p in keep], out
 
 
 #: how long a unit asks the owner of a lease it does not hold a copy of (a dead owner's answer comes within ~1 s)
@@ -464,6 +526,16 @@ class ConduitStorageUnit:
 
     def load(self, path: str) -> int:
         return self.state.load(path)
+
+    def stage(self, path: str) -> int:
+        """See :meth:`_UnitState.stage`."""
+        return self.state.stage(path)
+
+    def install_staged(self) -> int:
+        return self.state.install_staged()
+
+    def unstage(self) -> None:
+        self.state.unstage()
 
     def migrations(self) -> list[Migration]:
         return self.state.stats()["migrations"]
@@ -587,8 +659,10 @@ class ConduitStorageManager(StorageManager):
         commits were sent aborts its prepared parts and gives back its claims (a claim another put in flight also
         holds stays). A process that dies between prepare and commit cannot abort: its prepared parts hold a lease
         (a Ray object this process owns) and go when a unit sees Ray lost it, at that unit's next put (within
-        seconds of the death); its claims on unit 0 stay. A commit is refused only when its unit lost the prepared
-        part (the unit died, or a checkpoint restore ran during the put); the other units' parts then stay stored.
+        seconds of the death); its claims on unit 0 stay. A clear that reaches a unit between a put's prepare and
+        commit applies to the put (its commit there skips the cleared samples), as it would had the put stored. A commit
+        is refused only when its unit lost the prepared part (the unit died, or a checkpoint restore ran during the
+        put); the other units' parts then stay stored.
 
         Raises:
             SchemaError: a column disagrees with its field's kind, dtype or rank on any unit, or with the claim of a
@@ -741,15 +815,29 @@ class ConduitStorageManager(StorageManager):
                                    for r, u in enumerate(self.units)])
 
     async def load_checkpoint(self, checkpoint_dir: str) -> None:
-        """Each unit restores what :meth:`save_checkpoint` wrote (same ``num_units``)."""
+        """Each unit restores what :meth:`save_checkpoint` wrote (same ``num_units``): all or none. Every unit first
+        reads and checks its file (:meth:`_UnitState.stage`); only when all did does any replace what it holds.
+
+        Raises:
+            FileNotFoundError: a unit's file is missing (another ``num_units``); nothing is changed.
+            SchemaError: a unit's file was not written by a Conduit unit of this ``num_units``; nothing is changed.
+        """
         paths = [os.path.join(checkpoint_dir, f"conduit_unit_{r}.pt") for r in range(len(self.units))]
         missing = [p for p in paths if not os.path.exists(p)]
         if missing:
             raise FileNotFoundError(f"Conduit checkpoint files missing: {missing}; restore with the num_units the "
                                     f"checkpoint was written with.")
+        try:
+            with _unit_errors():
+                await asyncio.gather(*[u.stage.remote(p) for u, p in zip(self.units, paths, strict=True)])
+        except BaseException:
+            for u in self.units:
+                with contextlib.suppress(Exception):
+                    u.unstage.remote()
+            raise
         self._claimed.clear()  # unit 0 forgets its claims too: the restored samples are what the fields hold
         with _unit_errors():
-            await asyncio.gather(*[u.load.remote(p) for u, p in zip(self.units, paths, strict=True)])
+            await asyncio.gather(*[u.install_staged.remote() for u in self.units])
 
     def close(self) -> None:
         """Close TransferQueue's sockets; in the process that started the units (``tq.init``), stop them too.
