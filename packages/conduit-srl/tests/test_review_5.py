@@ -263,3 +263,19 @@ def test_zero_copy_check_sees_the_config_as_given_when_post_init_rewrites_it(srl
     assert ok.buffer_name == "conduit"
     plain = cfg.TrainerWorker(sample_stream=shm, buffer_name="priority_queue", buffer_zero_copy=True)
     assert plain.buffer_name == "simple_queue"
+
+
+def test_a_second_install_with_other_settings_is_refused_and_changes_nothing(srl_layout) -> None:  # noqa: ANN001
+    layout = srl_layout("both")
+    first = conduit_srl.install(stream_policy=conduit_srl.StreamPolicy(coalesce=2, max_delay_s=0))
+    try:
+        make_buffer = layout["base.buffer"].make_buffer
+        assert conduit_srl.install(stream_policy=conduit_srl.StreamPolicy(coalesce=2, max_delay_s=0)) is first
+        with pytest.raises(ConfigurationError, match=r"already installed.*stream_policy.*uninstall\(\) first"):
+            conduit_srl.install()  # the default policy: not the one the patches in place use
+        with pytest.raises(ConfigurationError, match="check_configs"):
+            conduit_srl.install(stream_policy=conduit_srl.StreamPolicy(coalesce=2, max_delay_s=0),
+                                check_configs=False)
+        assert conduit_srl.installed() is first and layout["base.buffer"].make_buffer is make_buffer
+    finally:
+        conduit_srl.uninstall()

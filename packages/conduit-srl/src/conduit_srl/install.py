@@ -75,6 +75,8 @@ class Installation:
     flavours: list[str] = field(default_factory=list)
     patched: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    #: the settings :func:`install` was called with (a second call must repeat them)
+    settings: dict[str, Any] = field(default_factory=dict, repr=False)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
 
@@ -159,6 +161,9 @@ def install(*, streams: bool = True, stream_policy: StreamPolicy | None = None,
             flavours: tuple[Flavour, ...] = FLAVOURS) -> Installation:
     """Make the SRL in this process build Conduit buffers (idempotent; undo with :func:`uninstall`).
 
+    A second call with the same settings returns the current installation and changes nothing; one with
+    other settings is refused (the patches already in place use the first call's).
+
     Keyword Args:
         streams: also claim sample streams named ``"conduit:<name>"``.
         stream_policy: routing and coalescing of claimed streams (default ``StreamPolicy()``).
@@ -171,12 +176,21 @@ def install(*, streams: bool = True, stream_policy: StreamPolicy | None = None,
 
     Raises:
         SrlNotFoundError: no SRL buffer module could be imported (nothing changed).
+        ConfigurationError: already installed with other settings (nothing changed; :func:`uninstall` first).
     """
     global _CURRENT
+    settings = {"streams": streams, "stream_policy": stream_policy or StreamPolicy(),
+                "stream_policies": dict(stream_policies or {}), "check_configs": check_configs,
+                "flavours": tuple(flavours)}
     with _LOCK:
         if _CURRENT is not None:
+            if _CURRENT.settings != settings:
+                changed = sorted(k for k in settings if settings[k] != _CURRENT.settings.get(k))
+                raise ConfigurationError(
+                    f"conduit_srl is already installed in this process with other settings ({', '.join(changed)} "
+                    f"differ), and its patches use those; call conduit_srl.uninstall() first to install with these.")
             return _CURRENT
-        inst = Installation()
+        inst = Installation(settings=settings)
         policies = dict(stream_policies or {})
         default_policy = stream_policy or StreamPolicy()
         done: set[int] = set()
