@@ -37,30 +37,24 @@ class _Collect:
         self.items.append(x)
 
 
-class _FirstCloseFailsConsumer(ZmqSampleConsumer):
-    """A real ZMQ consumer whose first close() raises (the socket stays open), later ones close."""
+class _FirstCloseFails:
+    """Mixed in first: the first close() raises (the socket stays open), later ones close."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.close_calls = 0
+    close_calls = 0
 
     def close(self) -> None:
         self.close_calls += 1
         if self.close_calls == 1:
             raise OSError("transport busy")
-        super().close()
+        super().close()  # type: ignore[misc]
 
 
-class _FirstCloseFailsProducer(ZmqSampleProducer):
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
-        self.close_calls = 0
+class _FirstCloseFailsConsumer(_FirstCloseFails, ZmqSampleConsumer):
+    """A real ZMQ consumer whose first close() raises."""
 
-    def close(self) -> None:
-        self.close_calls += 1
-        if self.close_calls == 1:
-            raise OSError("transport busy")
-        super().close()
+
+class _FirstCloseFailsProducer(_FirstCloseFails, ZmqSampleProducer):
+    """A real ZMQ producer whose first close() raises."""
 
 
 def _recv_all(consumer: ZmqSampleConsumer, expected: int) -> list[object]:

@@ -236,9 +236,7 @@ class Overlapped(Scheduler):
         """Let go of every idle delivery buffer (e.g. while this scheduler waits unused; delivered batches stay
         valid, and the next fills allocate afresh)."""
         with self._mu:
-            for i, slot in enumerate(self._ring.slots):
-                if slot.rows and not slot.busy:
-                    self._ring.release(i)
+            self._ring.trim(0, keep_rows=0, delivered=self._delivered)  # (room for no rows: every idle one goes)
 
     def retune(self, *, g_ing: float | None = None, g_del: float | None = None) -> None:
         """Change the granularities from the next ingestion write / delivery chunk on.
