@@ -146,13 +146,18 @@ class Automatic(Scheduler):
         overlap: force overlap on or off; ``None`` (default) lets the measurement decide.
         g_ing_max: cap on rollouts per ingestion write (off-policy; bounds ingestion lag).
         g_del_max: cap on batches per delivery call (off-policy; bounds priority staleness).
-        memory_budget: bytes the delivery buffers may take (off-policy): caps ``g_del`` for each delivery's
-            batch size while probing, and for the largest batch the probe delivered when choosing; while
-            calibrating, chunk buffers of earlier granularities and the idle confirm candidate's are let go
-            of, so the buffers held stay within it. A budget smaller than ``g_del = 1`` needs for a batch
-            (``buffers_needed(1, output_depth)`` batches) does not refuse it: that batch is delivered at
-            ``g_del = 1``, the least any scheduler buffers, whenever it comes (the first delivery or a later
-            one; a checkpointed decision of ``g_del = 1`` is taken likewise). ``None``: no cap.
+        memory_budget: bytes the delivery buffers may take (off-policy): every delivery, in any phase, keeps its
+            delivery buffers (``buffers_needed(g_del, output_depth)`` chunks of ``g_del`` batches) within it for
+            its own batch size. The range is capped for the largest batch the probe delivered when choosing;
+            a later delivery of a batch too large for the chosen ``g_del`` (or a probed one) is prepared at the
+            largest ``g_del`` below it that fits, and a later batch that fits goes back to the chosen ``g_del``
+            (the decision, and :attr:`decision`, stay as chosen; :attr:`g_del` is the value the last delivery
+            used). Chunk buffers sized for other batch sizes or granularities, and the idle confirm
+            candidate's, are let go of, so the buffers held stay within it. A budget smaller than ``g_del = 1``
+            needs for a batch (``buffers_needed(1, output_depth)`` batches) does not refuse it: that batch is
+            delivered at ``g_del = 1``, the least any scheduler buffers, whenever it comes (the first delivery
+            or a later one, before or after the decision; a checkpointed decision of ``g_del = 1`` is taken
+            likewise). ``None``: no cap.
         probe_rounds: how many chunks of each probed granularity to time.
         confirm_deliveries: deliveries per window in the confirm phase.
         confirm_windows: windows per configuration in the confirm phase (alternating, median kept).
@@ -226,6 +231,11 @@ class Automatic(Scheduler):
         #: held by a hand-over and by a switch of scheduler: a producer's batch never lands in a scheduler
         #: that was drained and switched away from (it would stay invisible to flush, or be refused by close)
         self._route = threading.RLock()
+        #: off-policy with a memory budget, once decided: the decided ``g_del`` of the scheduler that serves calls
+        #: (0: no check, see :meth:`_deliver_within_budget`), and the batch sizes ``lo..hi`` already checked at its
+        #: current ``g_del`` (an empty range makes the next delivery check its size)
+        self._budget_g = 0
+        self._checked_lo, self._checked_hi = 1, 0
         self.inner = self._make(self._ing_plan[0] if self._ing_plan else 1, 1, overlap=False)
 
     def _make(self, g_ing: float, g_del: float, *, overlap: bool) -> Overlapped:
@@ -299,9 +309,12 @@ class Automatic(Scheduler):
     def deliver(self, n: int | None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
         if self._phase == "probe" and self._del_plan is None:
             out = self._first_delivery(n, kwargs)
+        elif self._phase == "probe":
+            self._fit_budget(n)
+            out = self.inner.deliver(n, **kwargs)
+        elif self._budget_g and not (type(n) is int and self._checked_lo <= n <= self._checked_hi):
+            out = self._deliver_within_budget(n, kwargs)  # (a batch size not checked at this g_del yet)
         else:
-            if self._phase == "probe":
-                self._fit_budget(n)
             out = self.inner.deliver(n, **kwargs)
         if self._phase == "probe" and self.memory_budget is not None and not self.on_policy:
             size = out[0].batch_size  # (the chunk buffers this delivery left, within the budget for its size)
@@ -332,7 +345,10 @@ class Automatic(Scheduler):
 
     def invalidate(self, reason: str = "contents") -> None:
         """Forwarded to the active scheduler and to the confirm phase's idle candidate, which a migration
-        must re-size too before it is switched back in."""
+        must re-size too before it is switched back in. After ``"contents"`` (a migration may change the
+        schema, so the bytes of a batch) the next delivery's size is checked against the memory budget again."""
+        if reason == "contents":
+            self._checked_lo, self._checked_hi = 1, 0
         self.inner.invalidate(reason)
         for c in self._candidates.values():
             if c is not self.inner:
@@ -459,6 +475,56 @@ class Automatic(Scheduler):
             self.inner.retune(g_del=g)
         self._trim_buffers(int(n), batch_bytes, room_for_a_chunk=True)
 
+    def _watch_budget(self, g_del: float) -> None:
+        """Once decided (off-policy, with a memory budget): deliveries go to a scheduler whose decided ``g_del`` is
+        ``g_del``; the next one checks its batch size (:meth:`_deliver_within_budget`)."""
+        if self.on_policy or self.memory_budget is None:
+            return
+        self._budget_g = max(1, int(g_del))
+        self._checked_lo, self._checked_hi = 1, 0
+
+    def _deliver_within_budget(self, n: int | None, kwargs: dict[str, Any]) -> tuple[ExperienceBatch, SampleInfo]:
+        """After the decision (off-policy, with a memory budget), a delivery of a batch size not checked yet at the
+        active scheduler's ``g_del``: it is prepared at the largest ``g_del`` up to the decided one whose delivery
+        buffers fit ``memory_budget`` for this size (``g_del = 1`` when none does: delivered, never refused).
+
+        The batches prepared for earlier calls are given back (``invalidate("contents")``: their draws are made
+        again, as after a checkpoint) and every chunk buffer is let go of (delivered batches keep their memory and
+        stay valid), so the chunks of this size are allocated afresh at their own size: a buffer sized for a
+        larger batch or chunk is never reused, so the buffers held stay within the budget (a chunk buffer only
+        grows). The size is remembered, so later deliveries of a size already checked cost one comparison: up to
+        the largest size checked that fits at the decided ``g_del`` (smaller batches reuse those buffers without
+        growing them), or exactly this size at a lowered one. A delivery the semantics refuse changes nothing (they
+        are asked first, as the scheduler does for a new request); a size that is not a positive int is left to
+        them.
+        """
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n <= 0:
+            return self.inner.deliver(n, **kwargs)
+        size = int(n)
+        if self._checked_lo <= size <= self._checked_hi:  # (checked already: an int of another type, e.g. numpy's)
+            return self.inner.deliver(n, **kwargs)
+        batch_bytes = _item_bytes(self.edp) * size
+        g = self._fitting_g_del(self._budget_g, batch_bytes)
+        before = self.inner.g_del
+        if len(self.edp.storage):  # a size the semantics refuse changes nothing (a peek; with nothing stored yet
+            self.edp.select_now([n], peek=True, **kwargs)  # nothing is prepared, and the scheduler flushes first)
+        self.inner.invalidate("contents")  # (prepared chunks hold their buffers: given back first)
+        self.inner.release_buffers()
+        if g != before:
+            self.inner.retune(g_del=g)
+        try:
+            out = self.inner.deliver(n, **kwargs)
+        except BaseException:  # refused (or failed): back to the g_del the checked sizes were checked at
+            if g != before:
+                self.inner.retune(g_del=before)
+            raise
+        assert self.memory_budget is not None
+        if g == self._budget_g and buffers_needed(g, self.output_depth) * g * batch_bytes <= self.memory_budget:
+            self._checked_lo, self._checked_hi = 1, max(size, self._checked_hi if self._checked_lo == 1 else 0)
+        else:
+            self._checked_lo = self._checked_hi = size
+        return out
+
     def _trim_buffers(self, n: int, batch_bytes: int, *, room_for_a_chunk: bool) -> None:
         """Off-policy probe: keep the bytes the probing scheduler's chunk buffers hold within ``memory_budget``
         (at least what ``g_del = 1`` needs for batches of ``n``), with room for the chunk this call may allocate
@@ -536,6 +602,7 @@ class Automatic(Scheduler):
             gi_seq = gi_ovl = self.range.g_ing[0]
         self.decision = d
         self._choices = {False: (gi_seq, gd_seq), True: (gi_ovl, gd_ovl)}
+        self._watch_budget(self.inner.g_del)  # (until a candidate is switched in, the probe's scheduler serves)
         if self.force_overlap is not None:
             self._finish(self.force_overlap, "overlap fixed by the caller; granularity from the model")
             return
@@ -568,6 +635,7 @@ class Automatic(Scheduler):
         if not self._activate(cand):
             self._retry = self._next_confirm
             return
+        self._watch_budget(self._choices[self._confirm[0] == "overlapped"][1])
         self._confirm_name = self._confirm.pop(0)
         warm = 1 if self.on_policy else int(cand.g_del)
         self._confirm_left = warm + self.confirm_deliveries
@@ -627,6 +695,7 @@ class Automatic(Scheduler):
         if not self._activate(chosen):
             self._retry = lambda: self._finish(overlap, reason)
             return
+        self._watch_budget(gd)
         for c in self._candidates.values():
             if c is not chosen:
                 c.close()
