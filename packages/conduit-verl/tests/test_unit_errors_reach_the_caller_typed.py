@@ -57,7 +57,7 @@ def test_a_get_of_a_missing_key_raises_the_units_missing_key_error_itself(tq_ses
     changes nothing held."""
     import transfer_queue as tq
     import verl  # noqa: F401
-    from conduit_verl.compat import MissingKeyError
+    from conduit_verl.compat import MissingFieldError, MissingKeyError
     from transfer_queue.metadata import BatchMeta
 
     tq_session("Conduit", num_units=2, capacity=4, mean_length=2)
@@ -74,7 +74,7 @@ def test_a_get_of_a_missing_key_raises_the_units_missing_key_error_itself(tq_ses
     with pytest.raises(MissingKeyError) as err:
         asyncio.run(manager.get_data(meta))
     # with several units, one unit cannot tell that no other holds the field: it says which samples it lacks
-    _assert_plain(err.value, MissingKeyError, "Field 'nope' holds no sample with global index 0")
+    _assert_plain(err.value, MissingFieldError, "Field 'nope' holds no sample with global index 0")
     assert _held(manager, "o") == held, f"a failed get changed what is held: {held} -> {_held(manager, 'o')}"
 
 
@@ -82,7 +82,7 @@ def test_a_get_from_a_unit_that_holds_none_of_a_field_names_the_sample_not_a_mis
     """The field lives on unit 0 only; a get that also reaches unit 1 must not read as if the field did not exist."""
     import transfer_queue as tq
     import verl  # noqa: F401
-    from conduit_verl.compat import MissingKeyError
+    from conduit_verl.compat import MissingFieldError, MissingKeyError
     from transfer_queue.metadata import BatchMeta
 
     tq_session("Conduit", num_units=2, capacity=4, mean_length=2)
@@ -92,5 +92,5 @@ def test_a_get_from_a_unit_that_holds_none_of_a_field_names_the_sample_not_a_mis
     meta = BatchMeta(global_indexes=[0, 7], partition_ids=["train"] * 2, field_schema={"o": {}})
     with pytest.raises(MissingKeyError) as err:
         asyncio.run(manager.get_data(meta))
-    _assert_plain(err.value, MissingKeyError, "Field 'o' holds no sample with global index 7")
+    _assert_plain(err.value, MissingFieldError, "Field 'o' holds no sample with global index 7")
     assert "global_index % 2 == 1" in str(err.value), f"the message does not say which unit: {err.value}"

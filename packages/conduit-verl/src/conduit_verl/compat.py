@@ -13,6 +13,7 @@ __all__ = [
     "SUPPORTED_VERL",
     "UnsupportedVerlError",
     "MissingKeyError",
+    "MissingFieldError",
     "verl_version",
     "require_supported_verl",
 ]
@@ -40,6 +41,15 @@ class MissingKeyError(ConduitError, _KeyNotFound):
 
     def __str__(self) -> str:  # KeyError quotes its message; say it plainly
         return str(self.args[0]) if self.args else ""
+
+
+class MissingFieldError(MissingKeyError, RuntimeError):
+    """A read asked for a field that the storage unit the sample routes to holds nothing of (with one unit: no put of
+    the field ever reached Conduit's TransferQueue storage).
+
+    SimpleStorage answers such a read with a ``RuntimeError`` (only a sample missing from a field the unit holds is
+    a ``StorageKeyNotFoundError`` there), so this is a ``RuntimeError`` too: code written against TransferQueue
+    catches it the same way. It stays a :class:`MissingKeyError`."""
 
 
 def verl_version() -> str | None:

@@ -54,7 +54,7 @@ from transfer_queue.storage.managers.base import StorageManager, StorageManagerF
 from transfer_queue.utils.common import get_node_round_robin_scheduling_strategies
 
 from conduit_verl.columns import FieldStore, Migration, PoolLadder, check_indexes, dtype_error, kind_error, rank_error
-from conduit_verl.compat import MissingKeyError
+from conduit_verl.compat import MissingFieldError, MissingKeyError
 from conduit_verl.packing import (
     PackedColumn,
     concat_rows,
@@ -122,6 +122,9 @@ class _UnitState:
         self.cleared: dict[str, set[int]] = {}
         #: a checkpoint read by :meth:`stage` and not yet installed: (tensor fields, object fields)
         self.staged: tuple[dict[str, FieldStore], dict[str, dict[int, Any]]] | None = None
+        #: how many checkpoints this unit installed (:meth:`install_staged`, which drops the claims); on unit 0, a
+        #: client's cached claims hold only in the generation unit 0 confirmed them in
+        self.generation = 0
         self.telemetry = Telemetry()
 
     def check(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None,
@@ -336,12 +339,12 @@ class _UnitState:
                     raise MissingKeyError(f"Field {name!r} holds no sample with global index {e.args[0]}.") from None
             elif self.num_units > 1 and gis:  # another unit may hold the field: say which samples this one has
                 held = sorted([*self.fields, *self.objects])
-                raise MissingKeyError(f"Field {name!r} holds no sample with global index {int(gis[0])}: the Conduit "
-                                      f"storage unit for global_index % {self.num_units} == "
-                                      f"{int(gis[0]) % self.num_units} holds none of it (its fields: {held}).")
-            else:
-                raise MissingKeyError(f"No field {name!r} in Conduit storage; stored fields: "
-                                      f"{sorted([*self.fields, *self.objects])}.")
+                raise MissingFieldError(f"Field {name!r} holds no sample with global index {int(gis[0])}: the "
+                                        f"Conduit storage unit for global_index % {self.num_units} == "
+                                        f"{int(gis[0]) % self.num_units} holds none of it (its fields: {held}).")
+            else:  # no unit holds the field (SimpleStorage raises a RuntimeError for a field its unit lacks, too)
+                raise MissingFieldError(f"No field {name!r} in Conduit storage; stored fields: "
+                                        f"{sorted([*self.fields, *self.objects])}.")
         self.telemetry.record("get", len(gis), nbytes, t0, time.perf_counter())
         return out
 
@@ -427,6 +430,7 @@ class _UnitState:
         fields, objects = self.staged
         self.fields, self.objects, self.claims, self.holders, self.pending = fields, objects, {}, {}, {}
         self.cleared, self.staged = {}, None
+        self.generation += 1  # the claims are gone: what clients cached of them no longer holds
         return sum(len(s) for s in fields.values())
 
     def unstage(self) -> None:
@@ -514,6 +518,10 @@ class ConduitStorageUnit:
 
     def get(self, gis: list[int], fields: list[str]) -> dict[str, Any]:
         return self.state.get(gis, fields)
+
+    def generation(self) -> int:
+        """See :attr:`_UnitState.generation` (the manager asks unit 0 whether its cached claims still hold)."""
+        return self.state.generation
 
     def clear(self, gis: list[int]) -> int:
         return self.state.clear(gis)
@@ -625,6 +633,8 @@ class ConduitStorageManager(StorageManager):
         #: the kinds unit 0 confirmed to puts of this client that then stored (:meth:`_UnitState.claim`): a put of a
         #: field in its claimed kind, dtype and at most its rank asks no more (a put in flight holds its own claim)
         self._claimed: dict[str, tuple[str | None, int]] = {}
+        #: unit 0's :attr:`_UnitState.generation` when :attr:`_claimed` was filled (None: not asked yet)
+        self._claims_generation: int | None = None
 
     @staticmethod
     def _resolve_device(spec: str) -> torch.device:
@@ -650,19 +660,19 @@ class ConduitStorageManager(StorageManager):
                        data_parser: Callable[[Any], Any] | None = None) -> None:
         """Store ``data``'s rows under ``metadata``'s global indexes, on the units they route to.
 
-        With several units a put is all-or-nothing, in two phases: every unit it reaches prepares its part
-        (checks it and reserves its samples against ``max_items``, :meth:`_UnitState.prepare`; the others check that
-        they hold no field in another kind, dtype or rank), then unit 0 claims the kind of each field this client
-        has not stored yet (:meth:`_UnitState.claim`: of two racing puts bringing a field in another kind, dtype or
-        a higher rank, the second is refused there), and only then does every unit commit its part. A racing put
-        that would not fit beside a prepared one is refused in its own prepare phase. A put that fails before its
-        commits were sent aborts its prepared parts and gives back its claims (a claim another put in flight also
-        holds stays). A process that dies between prepare and commit cannot abort: its prepared parts hold a lease
-        (a Ray object this process owns) and go when a unit sees Ray lost it, at that unit's next put (within
-        seconds of the death); its claims on unit 0 stay. A clear that reaches a unit between a put's prepare and
-        commit applies to the put (its commit there skips the cleared samples), as it would had the put stored. A commit
-        is refused only when its unit lost the prepared part (the unit died, or a checkpoint restore ran during the
-        put); the other units' parts then stay stored.
+        With several units a put is all-or-nothing, in two phases: every unit it reaches prepares its part (checks it
+        and reserves its samples against ``max_items``, :meth:`_UnitState.prepare`; the others check that they hold no
+        field in another kind, dtype or rank), then unit 0 claims the kind of each field this client has not stored yet
+        since the last checkpoint restore (by any client; :meth:`_UnitState.claim`: of two racing puts bringing a field
+        in another kind, dtype or a higher rank, the second is refused there), and only then does every unit commit its
+        part. A racing put that would not fit beside a prepared one is refused in its own prepare phase. A put that
+        fails before its commits were sent aborts its prepared parts and gives back its claims (a claim another put in
+        flight also holds stays). A process that dies between prepare and commit cannot abort: its prepared parts hold a
+        lease (a Ray object this process owns) and go when a unit sees Ray lost it, at that unit's next put (within
+        seconds of the death); its claims on unit 0 stay. A clear that reaches a unit between a put's prepare and commit
+        applies to the put (its commit there skips the cleared samples), as it would had the put stored. A commit is
+        refused only when its unit lost the prepared part (the unit died, or a checkpoint restore ran during the put);
+        the other units' parts then stay stored.
 
         Raises:
             SchemaError: a column disagrees with its field's kind, dtype or rank on any unit, or with the claim of a
@@ -718,7 +728,13 @@ class ConduitStorageManager(StorageManager):
                 empty = {k: to_wire(_no_rows(c)) if isinstance(c, PackedColumn) else [] for k, c in columns.items()}
                 phase += [self.units[r].check.remote([], empty) for r in range(len(self.units)) if r not in routes]
             with _unit_errors():
-                held: list[dict[str, int]] = await asyncio.gather(*phase)
+                answers: list[Any] = await asyncio.gather(*phase, self.units[0].generation.remote())
+            held: list[dict[str, int]] = answers[:-1]
+            generation: int = answers[-1]
+            if generation != self._claims_generation:  # a checkpoint restore (from any client) dropped unit 0's
+                # claims since this client cached its own: they no longer guard a racing first put, ask again
+                self._claimed.clear()
+                self._claims_generation = generation
             widths: dict[str, int] = {}
             for unit_widths in held:  # a field new to a unit takes the rank limit held elsewhere
                 for name, width in unit_widths.items():
