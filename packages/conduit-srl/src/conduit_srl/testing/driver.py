@@ -37,6 +37,10 @@ __all__ = ["NothingToConsume", "ZmqSampleProducer", "ZmqSampleConsumer", "Delive
 
 LOCALHOST = "127.0.0.1"
 
+#: how long the threads of :meth:`SrlDriver.run` and :func:`run_buffer_worker` get to finish once told to stop (after
+#: ``timeout_s``, or at once on a failure) before they are left running as daemon threads and a TimeoutError says so
+STOP_GRACE_S = 2.0
+
 
 class NothingToConsume(Exception):
     """``consume()`` found nothing (SRL's consumers raise an exception of this name)."""
@@ -114,7 +118,8 @@ class ZmqSampleProducer:
 
     def close(self) -> None:
         """Send what is pending and close the socket (idempotent; waits for a flush in flight; the socket is closed
-        also when the flush raises)."""
+        also when the flush raises, and the samples it did not send are then counted in :attr:`dropped` before the
+        error propagates: a closed producer never sends them)."""
         with self._send_lock:
             with self._lock:
                 if self._closed:
@@ -123,6 +128,9 @@ class ZmqSampleProducer:
             try:
                 self._flush()
             finally:
+                with self._lock:  # (a socket error put the samples it did not send back in front of the pending)
+                    self.dropped += len(self._pending)
+                    self._pending = []
                 self._socket.close()
 
 
@@ -248,7 +256,14 @@ class SrlDriver:
         self.version = 0  # the learner's policy version (actors read it, the training thread advances it)
 
     def run(self, timeout_s: float = 60.0) -> DriverReport:
-        """Run actors, the training thread and the consuming loop until done; everything is joined."""
+        """Run actors, the training thread and the consuming loop until done.
+
+        Every thread is joined: within ``timeout_s``, then :data:`STOP_GRACE_S` once told to stop (a thread still
+        running then, e.g. a training step longer than the time left, is left behind as a daemon thread).
+
+        Raises:
+            TimeoutError: not every sample arrived, or a thread did not finish, in time.
+        """
         report = DriverReport()
         socket = ZmqSampleConsumer()
         consumer: Any = socket if self.stream_policy is None else ConduitSampleConsumer(socket)
@@ -311,8 +326,9 @@ class SrlDriver:
                 errors.append(e)
 
         expected = self.actors * self.samples_per_actor
-        threads = [threading.Thread(target=actor, args=(a,), name=f"actor-{a}") for a in range(self.actors)]
-        trainer = threading.Thread(target=training, name="training-thread")
+        threads = [threading.Thread(target=actor, args=(a,), name=f"actor-{a}", daemon=True)
+                   for a in range(self.actors)]
+        trainer = threading.Thread(target=training, name="training-thread", daemon=True)
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout_s
         try:
@@ -335,15 +351,19 @@ class SrlDriver:
         finally:
             stop.set()
             arrived.set()
-            for t in threads:
-                t.join()
-            trainer.join()
-            socket.close()
+            end = time.monotonic() + STOP_GRACE_S  # every join is bounded: the threads were told to stop
+            for t in [*threads, trainer]:
+                t.join(timeout=max(0.0, end - time.monotonic()))
+            socket.close()  # (used by this thread only)
         report.seconds = time.perf_counter() - t0
         report.sent = sum(p.sent for p in producers)
         report.dropped = sum(p.dropped for p in producers)
         if errors:
             raise errors[0]
+        stuck = [t.name for t in [*threads, trainer] if t.is_alive()]
+        if stuck:
+            raise TimeoutError(f"SrlDriver.run: thread(s) {stuck} did not finish {STOP_GRACE_S} s after being told "
+                               f"to stop; left running as daemon threads.")
         return report
 
 
@@ -356,13 +376,21 @@ def run_buffer_worker(upstream: Sequence[Any], buffer: Any, downstream_buffer: A
     ``get().sample`` (``[T, B, ...]``) and posts ``sample[:, i]`` for each ``i`` to stream 2,
     flushing after each; a trainer thread consumes stream 2 into ``downstream_buffer``.
 
+    Every thread is joined within ``timeout_s`` plus :data:`STOP_GRACE_S` (once the worker fails, or the time is up,
+    the threads are told to stop); one still running then (e.g. the trainer inside a ``downstream_buffer.put`` that
+    waits for room nobody makes) is left behind as a daemon thread, and a TimeoutError names it.
+
     Returns:
         (samples the buffer worker re-posted, samples that reached ``downstream_buffer``).
+
+    Raises:
+        TimeoutError: the worker did not re-post every sample, or a thread did not finish, in time.
     """
     stream1 = ZmqSampleConsumer()
     stream2 = ZmqSampleConsumer()
     errors: list[BaseException] = []
-    done = threading.Event()
+    done = threading.Event()  # the worker re-posted everything: the trainer takes what is left, then ends
+    stop = threading.Event()  # the threads give up (the worker failed, or the time is up)
     reached = [0]
 
     def actor() -> None:
@@ -370,6 +398,8 @@ def run_buffer_worker(upstream: Sequence[Any], buffer: Any, downstream_buffer: A
             p = ZmqSampleProducer(stream1.address)
             try:
                 for s in upstream:
+                    if stop.is_set():
+                        return
                     p.post(s)
                     p.flush()
             finally:
@@ -379,7 +409,7 @@ def run_buffer_worker(upstream: Sequence[Any], buffer: Any, downstream_buffer: A
 
     def trainer() -> None:
         try:
-            while not done.is_set() or reached[0] < reposted:
+            while not stop.is_set() and (not done.is_set() or reached[0] < reposted):
                 got = stream2.consume_to(downstream_buffer, max_iter=1024)
                 reached[0] += got
                 if not got:
@@ -391,9 +421,10 @@ def run_buffer_worker(upstream: Sequence[Any], buffer: Any, downstream_buffer: A
 
     reposted = 0
     expected = len(upstream)
-    a = threading.Thread(target=actor, name="actor")
-    t = threading.Thread(target=trainer, name="trainer")
+    a = threading.Thread(target=actor, name="actor", daemon=True)
+    t = threading.Thread(target=trainer, name="trainer", daemon=True)
     deadline = time.monotonic() + timeout_s
+    finished = False
     try:
         a.start()
         t.start()
@@ -418,14 +449,26 @@ def run_buffer_worker(upstream: Sequence[Any], buffer: Any, downstream_buffer: A
                     time.sleep(0.001)
         finally:
             out.close()
-        done.set()
-        t.join(timeout=max(0.0, deadline - time.monotonic()))
+        finished = True
     finally:
         done.set()
-        a.join()
-        t.join()
+        if not finished:
+            stop.set()
+        for thread in (a, t):  # every join is bounded: until the deadline, then a grace once told to stop
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        stop.set()
+        for thread in (a, t):
+            thread.join(timeout=STOP_GRACE_S)
+        stuck = [thread.name for thread in (a, t) if thread.is_alive()]
         stream1.close()
-        stream2.close()
+        if not t.is_alive():  # (a socket is used by one thread at a time: a trainer still running keeps stream 2)
+            stream2.close()
+    if stuck:
+        raise TimeoutError(f"run_buffer_worker: thread(s) {stuck} did not finish within timeout_s={timeout_s} s "
+                           f"(and {STOP_GRACE_S} s once told to stop), left running as daemon threads; the trainer "
+                           f"took {stream2.received} of {reposted} re-posted samples off stream 2 (the last may be "
+                           f"inside downstream_buffer.put). A downstream buffer whose put waits for room (on-policy) "
+                           f"needs deliveries taken from it, or a larger capacity.")
     if errors:
         raise errors[0]
     return reposted, reached[0]
