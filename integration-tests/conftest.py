@@ -7,10 +7,11 @@ from collections.abc import Iterator
 import pytest
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _shared_ray_cluster() -> Iterator[None]:
     """The multi-node endpoint (``distributed``) starts one 2-node local Ray cluster on first use;
-    it is stopped here, at the end of the session, so nothing outlives the tests."""
+    it is stopped here, at the end of each module, so nothing outlives the tests that used it (a
+    module run after it in the same process may start Ray itself, e.g. under pytest-xdist)."""
     yield
     import sys
 

@@ -187,7 +187,7 @@ def shared_servers() -> ShardServers:
     """Shard servers on both nodes of a 2-node local cluster shared by this process (started on first use).
 
     The cluster has a small object store (80 MiB per node); :func:`shutdown_shared` stops it
-    (integration-tests/conftest.py does at the end of the session; at exit otherwise).
+    (integration-tests/conftest.py does at the end of each test module; at exit otherwise).
 
     Raises:
         ClusterError: Ray is already initialised in this process by someone else.
