@@ -351,20 +351,25 @@ class SrlDriver:
         finally:
             stop.set()
             arrived.set()
-            end = time.monotonic() + STOP_GRACE_S  # every join is bounded: the threads were told to stop
-            for t in [*threads, trainer]:
-                t.join(timeout=max(0.0, end - time.monotonic()))
+            # every join is bounded: the threads were told to stop
+            stuck = _join_within([*threads, trainer], time.monotonic() + STOP_GRACE_S)
             socket.close()  # (used by this thread only)
         report.seconds = time.perf_counter() - t0
         report.sent = sum(p.sent for p in producers)
         report.dropped = sum(p.dropped for p in producers)
         if errors:
             raise errors[0]
-        stuck = [t.name for t in [*threads, trainer] if t.is_alive()]
         if stuck:
             raise TimeoutError(f"SrlDriver.run: thread(s) {stuck} did not finish {STOP_GRACE_S} s after being told "
                                f"to stop; left running as daemon threads.")
         return report
+
+
+def _join_within(threads: Sequence[threading.Thread], end: float) -> list[str]:
+    """Join each of ``threads`` until the monotonic time ``end`` at the latest; the names of those still running."""
+    for thread in threads:
+        thread.join(timeout=max(0.0, end - time.monotonic()))
+    return [thread.name for thread in threads if thread.is_alive()]
 
 
 def run_buffer_worker(upstream: Sequence[Any], buffer: Any, downstream_buffer: Any, *, max_iter: int = 64,
@@ -454,12 +459,9 @@ def run_buffer_worker(upstream: Sequence[Any], buffer: Any, downstream_buffer: A
         done.set()
         if not finished:
             stop.set()
-        for thread in (a, t):  # every join is bounded: until the deadline, then a grace once told to stop
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        _join_within((a, t), deadline)  # every join is bounded: until the deadline, then a grace once told to stop
         stop.set()
-        for thread in (a, t):
-            thread.join(timeout=STOP_GRACE_S)
-        stuck = [thread.name for thread in (a, t) if thread.is_alive()]
+        stuck = _join_within((a, t), time.monotonic() + STOP_GRACE_S)
         stream1.close()
         if not t.is_alive():  # (a socket is used by one thread at a time: a trainer still running keeps stream 2)
             stream2.close()
