@@ -390,8 +390,7 @@ def _median_seconds(fn: Callable[[], object], *, reps: int, warmup: int = 2,
     Short calls get more runs: as many as fit in ``min_total`` seconds (at most 8x ``reps``),
     so the median of a cheap call is as stable as that of an expensive one.
     """
-    times = []
-    for i in range(warmup + reps):
+    def timed() -> float:
         if before is not None:
             before()
         if sync is not None:
@@ -400,19 +399,13 @@ def _median_seconds(fn: Callable[[], object], *, reps: int, warmup: int = 2,
         fn()
         if sync is not None:
             sync()
-        if i >= warmup:
-            times.append(clock() - t0)
+        return clock() - t0
+
+    for _ in range(warmup):
+        timed()
+    times = [timed() for _ in range(reps)]
     extra = min(7 * reps, int(min_total / max(statistics.median(times), 1e-9))) - reps
-    for _ in range(max(0, extra)):
-        if before is not None:
-            before()
-        if sync is not None:
-            sync()
-        t0 = clock()
-        fn()
-        if sync is not None:
-            sync()
-        times.append(clock() - t0)
+    times += [timed() for _ in range(max(0, extra))]
     return statistics.median(times)
 
 
