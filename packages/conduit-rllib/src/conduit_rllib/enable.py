@@ -195,8 +195,13 @@ class InstallReplayBuffer:
         if issubclass(cls, ConduitPrioritizedEpisodeReplayBuffer):
             kwargs_rb["alpha"] = rbc.get("alpha", 1.0)
         # capacity and alpha as configured: the buffer checks them (a ConfigurationError saying what is wrong)
+        scheduler = self.scheduler() if self.scheduler is not None else None
+        if scheduler is not None and not isinstance(scheduler, Scheduler):
+            raise UnsupportedConfigError(f"The scheduler factory given to conduit_rllib.enable(scheduler=...) returned "
+                                         f"{scheduler!r}, not a conduit Scheduler; make it return a new one (e.g. "
+                                         f"lambda: conduit.Overlapped(g_del=2, background_ingest=False)).")
         buffer = cls(capacity=rbc.get("capacity", 50_000), seed=cfg.seed, device=device,
-                     placement=self.placement, scheduler=self.scheduler() if self.scheduler else None,
+                     placement=self.placement, scheduler=scheduler,
                      metrics_num_episodes_for_smoothing=cfg.metrics_num_episodes_for_smoothing, **kwargs_rb)
         buffer.iteration_of = _IterationOf(algorithm)  # metrics in every iteration's results
         # attached first: a buffer the learner refuses (it cannot take a replay part restored before it was
@@ -241,13 +246,19 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
     Raises:
         UnsupportedAlgorithmError: not DQN, SAC or PPO (or a subclass), or ``algo_class`` is a name
             no trainable is registered under.
-        UnsupportedConfigError: a setting the adapter cannot serve (old API stack, non-torch,
+        UnsupportedConfigError: a frozen config (one a built algorithm holds; nothing is changed), a
+            ``placement`` that is no Placement, a ``scheduler`` that is no factory (e.g. a Scheduler instance), or a
+            setting the adapter cannot serve (old API stack, non-torch,
             multi-agent, several learners, RNN models, custom learner connectors off-policy, ...).
         conduit_rllib.compat.RLlibCompatibilityError: the installed RLlib moved a hook we use.
     """
     if not isinstance(config, AlgorithmConfig):
         raise UnsupportedConfigError(f"enable() takes an RLlib AlgorithmConfig (e.g. DQNConfig()), got "
                                      f"{type(config).__name__}.")
+    if getattr(config, "_is_frozen", False):  # (RLlib would refuse our first setting with an AttributeError)
+        raise UnsupportedConfigError("This config is frozen (it belongs to a built algorithm, e.g. algo.config), so "
+                                     "enable() cannot wire Conduit into it. Call enable() before build_algo(), or "
+                                     "on an unfrozen copy: conduit_rllib.enable(config.copy(copy_frozen=False)).")
     base = _algorithm(config)
     kind, default_learner, conduit_learner = _TABLE[base]
     if not (config.enable_rl_module_and_learner and config.enable_env_runner_and_connector_v2):
@@ -263,8 +274,15 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
     if config.model_config.get("use_lstm") or config.model_config.get("use_attention"):
         raise UnsupportedConfigError("Stateful (LSTM/attention) modules need sequence sampling, which Conduit's "
                                      "RLlib adapter does not support; use a feed-forward model.")
+    if placement is not None and not isinstance(placement, Placement):
+        raise UnsupportedConfigError(f"placement= takes a conduit Placement instance (e.g. conduit.HostPlacement() or "
+                                     f"conduit.DevicePlacement('cuda')), or None for the default; got {placement!r}.")
     compat.check()
     if kind == "off_policy":
+        if scheduler is not None and (isinstance(scheduler, Scheduler) or not callable(scheduler)):
+            raise UnsupportedConfigError(f"scheduler= takes a zero-argument factory that returns a new scheduler "
+                                         f"(e.g. lambda: conduit.Overlapped(g_del=2, background_ingest=False)): each "
+                                         f"buffer built from this config needs its own scheduler; got {scheduler!r}.")
         if config.num_learners != 0:
             raise UnsupportedConfigError(f"Conduit's {base.__name__} path delivers into the learner in the driver; "
                                          f"set config.learners(num_learners=0) (got {config.num_learners}).")

@@ -136,6 +136,19 @@ class ConduitOffPolicyLearner:
         kept, self._conduit_pending_state = self._conduit_pending_state, None
         return kept is not None
 
+    def shutdown(self) -> None:
+        """Close the attached replay buffer, then RLlib's shutdown (``LearnerGroup.shutdown`` calls this, and
+        ``algo.stop()`` reaches it): its scheduler's worker threads end and its delivery buffers go, also while
+        the algorithm object lives on. The closed buffer still answers ``len()``, ``get_metrics`` and
+        ``get_state`` (so the stopped algorithm can still be saved), and refuses ``add``/``sample`` and restores
+        (build a new algorithm to go on training; see ``ConduitEpisodeReplayBuffer.close``)."""
+        buffer = self.conduit_replay
+        try:
+            if buffer is not None:
+                buffer.close()
+        finally:  # a close that raised (a background store failing) still shuts RLlib's part down
+            super().shutdown()  # type: ignore[misc]
+
     def _make_batch_if_necessary(self, training_data: Any) -> Any:
         episodes = training_data.episodes
         if isinstance(episodes, ConduitSampledEpisodes):
@@ -217,7 +230,11 @@ class ConduitOnPolicyLearner:
     conduit_version: int = 0
 
     def build(self) -> None:
+        """RLlib's build, then the minibatch feed. Like RLlib's, a second call changes nothing: the feed built
+        first (its state, permutation RNG and prefetch thread) stays."""
         super().build()  # type: ignore[misc]
+        if getattr(self, "conduit_feed", None) is not None:
+            return
         config = self.config  # type: ignore[attr-defined]
         opts = dict(config.learner_config_dict.get(CONFIG_KEY, {}))
         seed = config.seed

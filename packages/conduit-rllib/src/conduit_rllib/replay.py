@@ -36,7 +36,7 @@ import math
 import threading
 import warnings
 from collections.abc import Callable
-from numbers import Integral
+from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
@@ -197,7 +197,8 @@ class _ConduitReplay:
         return edp
 
     def close(self) -> None:
-        """Stop the data plane's background work (if its scheduler runs any).
+        """Stop the data plane's background work (if its scheduler runs any). ``algo.stop()`` calls it, through
+        the learner's ``shutdown`` (:class:`~conduit_rllib.learner.ConduitOffPolicyLearner`).
 
         Then the buffer takes no more work, as its data plane: ``add``, ``sample``, ``update_priorities``,
         :meth:`set_state` and :meth:`check_state` raise :class:`conduit.ConfigurationError` ("closed"), while
@@ -210,11 +211,13 @@ class _ConduitReplay:
             if self.edp is not None:
                 self.edp.close()
 
-    def _check_open(self) -> None:
-        """Raise if this buffer's data plane is closed (see :meth:`close`)."""
+    def _check_open(self, what: str = "restore a state (set_state)") -> None:
+        """Raise if this buffer's data plane is closed (see :meth:`close`), saying it cannot ``what``."""
         if self.edp is not None and self.edp.closed:
-            raise ConfigurationError("This replay buffer is closed (close() ran), so set_state cannot restore into "
-                                     "it; build a new buffer and restore the state into that one.")
+            raise ConfigurationError(f"This replay buffer is closed (close() ran; an algorithm's stop() closes its "
+                                     f"buffer), so it cannot {what}. Build a new buffer and restore this one's "
+                                     f"get_state() into it (for an algorithm: build a new one, e.g. "
+                                     f"Algorithm.from_checkpoint(path), or restore_from_path into a new one).")
 
     def _discard(self) -> None:
         """Drop the data plane and its links: the buffer is as before its first add."""
@@ -258,6 +261,7 @@ class _ConduitReplay:
                                     f"to at least {c.length}, or add shorter chunks (e.g. a smaller "
                                     f"rollout_fragment_length).")
         with self._lock:
+            self._check_open("store episodes (add)")
             if len(chunks) > 1:  # a bad chunk after good ones must not leave the good ones stored
                 self._check_chunks(chunks)
             for eps, chunk in zip(episodes, chunks, strict=True):
@@ -345,7 +349,8 @@ class _ConduitReplay:
         Raises:
             conduit.EmptyBufferError: the buffer holds nothing.
             conduit.ConfigurationError: ``num_items`` / ``batch_size_B`` not a whole number >= 1;
-                ``n_step`` below 1, or a range not ``1 <= low < high``; a ``beta`` that is no finite
+                an ``n_step`` that is no int >= 1, or a range not two ints ``1 <= low < high``; a ``gamma``
+                that is no finite number; a ``beta`` that is no finite
                 number >= 0 (prioritized; the uniform buffer ignores ``beta``, as RLlib's does).
                 Refused before anything is drawn.
             UnsupportedConfigError: sequence sampling (stateful modules, ``batch_length_T > 0``),
@@ -375,6 +380,7 @@ class _ConduitReplay:
                                      f"be an int >= 1, got {b!r}.")
         b = int(b)
         n_checked = self._check_n_step(n_step)  # before anything is drawn: a refused call draws nothing
+        gamma = self._check_gamma(gamma)
         if not self.prioritized:
             beta = None  # as RLlib's uniform buffer: whatever beta the config holds is not used
         elif beta is None:
@@ -394,6 +400,7 @@ class _ConduitReplay:
                           f"samples all stored transitions.) Set DQN's burn_in_len to 0 to silence this.",
                           UserWarning, stacklevel=2)
         with self._lock:
+            self._check_open("sample")
             edp = self.edp
             if edp is None:
                 raise EmptyBufferError("The replay buffer is empty; add episodes before sampling.")
@@ -439,18 +446,36 @@ class _ConduitReplay:
         """``n_step`` validated: an int n >= 2, a ``(low, high)`` range, or None for one-step returns.
 
         Raises:
-            conduit.ConfigurationError: n < 1, or a range that is not ``1 <= low < high``.
+            conduit.ConfigurationError: not an int >= 1 (a bool, float or string too), or a range that is not
+                two ints with ``1 <= low < high``.
         """
+        def whole(v: Any) -> bool:
+            return isinstance(v, Integral) and not isinstance(v, bool)
+
         if n_step is None:
             return None
         if isinstance(n_step, (tuple, list)):
-            lo, hi = int(n_step[0]), int(n_step[1])
-            if not 1 <= lo < hi:
-                raise ConfigurationError(f"An n_step range must be (low, high) with 1 <= low < high, got {n_step}.")
-            return lo, hi
-        if int(n_step) < 1:
-            raise ConfigurationError(f"n_step must be >= 1, got {n_step}.")
+            if len(n_step) != 2 or not all(whole(v) for v in n_step) or not 1 <= int(n_step[0]) < int(n_step[1]):
+                raise ConfigurationError(f"An n_step range must be (low, high): two ints with 1 <= low < high (n is "
+                                         f"drawn per item from low..high - 1, as RLlib draws it), got {n_step!r}. Set "
+                                         f"config.training(n_step=...) to an int >= 1 or such a range.")
+            return int(n_step[0]), int(n_step[1])
+        if not whole(n_step) or int(n_step) < 1:
+            raise ConfigurationError(f"n_step must be an int >= 1 or a (low, high) range of ints, got {n_step!r}. "
+                                     f"Set config.training(n_step=...) to one.")
         return None if int(n_step) == 1 else int(n_step)
+
+    @staticmethod
+    def _check_gamma(gamma: Any) -> float:
+        """``gamma`` validated: the discount of the n-step returns, a finite real number.
+
+        Raises:
+            conduit.ConfigurationError: no real number (None, a string, a bool), NaN or infinite.
+        """
+        if isinstance(gamma, bool) or not isinstance(gamma, Real) or not math.isfinite(gamma):
+            raise ConfigurationError(f"gamma (the discount of the n-step returns) must be a finite number, got "
+                                     f"{gamma!r}. Set config.training(gamma=...) to one (e.g. 0.99).")
+        return float(gamma)
 
     def _n_steps(self, n_step: int | tuple[int, int] | None, b: int) -> np.ndarray | None:
         """The n of each of ``b`` items (a range is drawn per item), None for one-step returns."""
@@ -504,6 +529,7 @@ class _ConduitReplay:
     # -- priorities ----------------------------------------------------------------------------
     def _update_priorities(self, priorities: Any, handles: Any = None) -> int:
         with self._lock:
+            self._check_open("update priorities")
             last = handles is None
             if last:
                 handles = self._last_handles
