@@ -17,7 +17,7 @@ sample is dead too.
   full: the field moves online to a placement with a larger pool, through conduit-core's
   :meth:`ExperienceDataPlane.migrate <conduit.ExperienceDataPlane.migrate>` (every sample
   keeps its handle and slot; nothing is lost, reordered or re-profiled). The pool sizes come
-  from a :class:`PoolLadder` computed up front (size -> placement).
+  from a :class:`PoolLadder` (size -> placement; geometric rungs, each computed when first needed).
 * *More samples than slots* (or slots held by samples cleared out of order): core's
   migration keeps the slot count by design, so here the adapter copies the live samples,
   packed, into a store with more slots (the next rung) and re-maps their handles.
@@ -51,7 +51,7 @@ from conduit_verl.compat import MissingKeyError
 from conduit_verl.packing import PackedColumn
 
 __all__ = ["Rung", "PoolLadder", "PoolPlacement", "Migration", "FieldStore", "check_indexes", "kind_error",
-           "dtype_error", "rank_error"]
+           "dtype_error", "rank_error", "storage_dtype"]
 
 
 def check_indexes(name: str, gis: list[int], held: Collection[int], max_items: int | None,
@@ -84,6 +84,24 @@ def dtype_error(name: str, held: object, brought: object, note: str = "") -> Sch
     return SchemaError(f"Field {name!r} is stored as {held}{note}, a put brought {brought}; TransferQueue fields keep "
                        f"one dtype (on every storage unit): cast the column to {held}, or put it under another field "
                        f"name.")
+
+
+def storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a field of ``dtype`` keeps its packed values in: ``dtype`` itself, or for one conduit-core cannot
+    gather rows of (uint16/uint32/uint64 on this torch) the signed integer dtype of the same width, whose bits the
+    field views back as ``dtype`` on reads (TransferQueue's SimpleStorage holds such fields too).
+
+    Raises:
+        ConfigurationError: no same-width dtype can be stored either.
+    """
+    try:
+        Field((), dtype)
+        return dtype
+    except ConfigurationError:
+        signed = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(dtype.itemsize)
+        if signed is None:
+            raise
+        return signed
 
 
 def rank_error(name: str, held_width: int, brought_width: int, note: str = "") -> SchemaError:
@@ -135,7 +153,9 @@ class PoolPlacement(HostPlacement):
 
 
 class PoolLadder:
-    """The size -> placement map, computed once: rung ``k`` holds ``growth**k`` times rung 0.
+    """The size -> placement map: rung ``k`` holds ``growth**k`` times rung 0 (at least one more slot and element
+    than rung ``k - 1``). Rungs are computed as they are first needed, so every size has one, whatever ``growth``:
+    only ``max_items`` limits the slots, nothing limits the pool.
 
     Args:
         items: sample slots of rung 0.
@@ -159,28 +179,45 @@ class PoolLadder:
         self.pin_memory = bool(pin_memory and torch.cuda.is_available())
         self.max_items = max_items
         self.tier = "pinned" if self.pin_memory else "host"
+        #: the rungs computed so far (:meth:`_grow` appends one)
         self.items: list[int] = []
         self.elements: list[int] = []
-        it, el = items, elements
-        for _ in range(48):  # 2**48 times rung 0 is beyond any host
-            self.items.append(it if max_items is None else min(it, max_items))
-            self.elements.append(el)
-            it, el = int(it * self.growth) + 1, int(el * self.growth) + 1
+        self._next = (int(items), int(elements))  # the next rung's slots (before the max_items cap) and elements
+        self._grow()
 
-    def _rung(self, k: int, key: list[int], need: int, what: str) -> int:
-        for j in range(k, len(key)):
+    def _grow(self) -> None:
+        """Append the next rung."""
+        it, el = self._next
+        self.items.append(it if self.max_items is None else min(it, self.max_items))
+        self.elements.append(el)
+        self._next = (int(it * self.growth) + 1, int(el * self.growth) + 1)
+
+    def _rung(self, k: int, key: list[int], need: int) -> int:
+        """The smallest rung index ``>= k`` whose ``key`` entry is ``need`` or more (rungs are added as needed: each
+        holds more than the one before, except slots capped at ``max_items``, which the caller checks)."""
+        j = k
+        while True:
+            while j >= len(key):
+                self._grow()
             if key[j] >= need:
                 return j
-        raise CapacityError(f"{need} {what} exceed the storage limit (max_items={self.max_items}); clear consumed "
-                            f"samples (tq.kv_clear) sooner or raise transfer_queue.backend.Conduit.max_items.")
+            j += 1
 
     def slots(self, need: int, at_least: int = 0) -> int:
-        """Index of the smallest slot rung (from ``at_least``) with ``need`` slots."""
-        return self._rung(at_least, self.items, need, "samples")
+        """Index of the smallest slot rung (from ``at_least``) with ``need`` slots.
+
+        Raises:
+            CapacityError: ``need`` is above ``max_items``.
+        """
+        if self.max_items is not None and need > self.max_items:
+            raise CapacityError(f"{need} samples exceed the storage limit (max_items={self.max_items}); clear "
+                                f"consumed samples (tq.kv_clear) sooner or raise "
+                                f"transfer_queue.backend.Conduit.max_items.")
+        return self._rung(at_least, self.items, need)
 
     def pool(self, need: int, at_least: int = 0) -> int:
         """Index of the smallest pool rung (from ``at_least``) with ``need`` elements."""
-        return self._rung(at_least, self.elements, need, "packed elements")
+        return self._rung(at_least, self.elements, need)
 
     def placement(self, pool_rung: int) -> PoolPlacement:
         return PoolPlacement(self.elements[pool_rung], pin_memory=self.pin_memory)
@@ -195,8 +232,11 @@ class FieldStore:
     def __init__(self, name: str, dtype: torch.dtype, width: int, ladder: PoolLadder) -> None:
         self.name = name
         self.dtype = dtype
+        #: the dtype the packed values are kept in (a same-width view of ``dtype``, see :func:`storage_dtype`)
+        self.store_dtype = storage_dtype(dtype)
         self.width = width
-        self.schema = ExperienceSchema(values=Field((), dtype, ragged=True), shape=Field((width,), torch.int64))
+        self.schema = ExperienceSchema(values=Field((), self.store_dtype, ragged=True),
+                                       shape=Field((width,), torch.int64))
         self.ladder = ladder
         self.migrations: list[Migration] = []
         self._handle: dict[int, int] = {}
@@ -250,7 +290,8 @@ class FieldStore:
                 raise rank_error(self.name, self.width, shapes.shape[1])
             shapes = torch.nn.functional.pad(shapes, (0, self.width - shapes.shape[1]))
         if n:
-            ExperienceBatch({"values": Ragged(col.values, col.lengths), "shape": shapes}, n).validate(self.schema)
+            ExperienceBatch({"values": Ragged(col.values.view(self.store_dtype), col.lengths), "shape": shapes},
+                            n).validate(self.schema)
         check_indexes(self.name, gis, self._handle, self.ladder.max_items, reserved)
         return shapes
 
@@ -266,7 +307,7 @@ class FieldStore:
         shapes = self.check(gis, col)
         if n == 0:
             return
-        batch = ExperienceBatch({"values": Ragged(col.values, col.lengths), "shape": shapes}, n)
+        batch = ExperienceBatch({"values": Ragged(col.values.view(self.store_dtype), col.lengths), "shape": shapes}, n)
         total = int(col.values.shape[0])
         try:
             handles = self.edp.ingest_now(batch, version=0)
@@ -364,7 +405,7 @@ class FieldStore:
         b = self.storage.gather(handles % self.storage.capacity)
         vals = b["values"]
         assert isinstance(vals, Ragged)
-        return PackedColumn(vals.values, vals.lengths, b.tensor("shape"))
+        return PackedColumn(vals.values.view(self.dtype), vals.lengths, b.tensor("shape"))
 
     def clear(self, gis: Sequence[int]) -> int:
         """Forget the samples ``gis`` (unknown ones are ignored); returns how many were held."""

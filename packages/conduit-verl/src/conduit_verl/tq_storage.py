@@ -26,9 +26,11 @@ Configuration (``transfer_queue.backend.Conduit.*``, every key optional):
 ``num_units`` (1), ``capacity`` (1024 sample slots per field and unit before the first
 migration), ``mean_length`` (256 elements per sample in the first placement),
 ``growth`` (2.0, the placement map's factor), ``max_items`` (null: unbounded),
-``unit_num_cpus`` (0), ``device`` (``cpu``; ``auto`` returns tensors on the reading
-process's accelerator), ``delivery`` (``prefetch``; ``sync``, or ``off`` to leave verl's
-minibatch iteration alone: see :mod:`conduit_verl.delivery`).
+``unit_num_cpus`` (0; ``tq.init`` refuses units that together reserve more CPUs than their
+node has, and stops them if one has not started within :data:`UNIT_START_TIMEOUT_S`),
+``device`` (``cpu``; ``auto`` returns tensors on the reading process's accelerator),
+``delivery`` (``prefetch``; ``sync``, or ``off`` to leave verl's minibatch iteration alone:
+see :mod:`conduit_verl.delivery`).
 """
 
 from __future__ import annotations
@@ -586,30 +588,85 @@ def _validated(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+#: how long :func:`bootstrap` waits for the units to start (Ray holds a unit back while its node's CPUs are taken)
+UNIT_START_TIMEOUT_S = 600.0
+
+
+def _check_unit_cpus(cfg: dict[str, Any], node_ids: list[str]) -> None:
+    """Refuse units that could never start: those pinned to one node (``node_ids[rank]``) reserve more CPUs
+    together than the node has (Ray would hold the last ones back for good, and ``tq.init`` wait for them).
+
+    Raises:
+        ConfigurationError: a node has fewer CPUs than its units reserve.
+    """
+    cpus = float(cfg["unit_num_cpus"])
+    if cpus <= 0:
+        return
+    has = {node["NodeID"]: float(node.get("Resources", {}).get("CPU", 0.0)) for node in ray.nodes()
+           if node.get("Alive", False)}
+    asked: dict[str, float] = {}
+    for node_id in node_ids:
+        asked[node_id] = asked.get(node_id, 0.0) + cpus
+    for node_id, want in asked.items():
+        if want > has.get(node_id, 0.0):
+            raise ConfigurationError(
+                f"transfer_queue.backend.{BACKEND}: {int(want / cpus)} storage unit(s) with unit_num_cpus={cpus:g} "
+                f"are placed on Ray node {node_id[:12]}, which has {has.get(node_id, 0.0):g} CPUs, so they could "
+                f"never all start; lower unit_num_cpus (0 reserves none) or num_units (units go round-robin over "
+                f"the alive nodes). Nothing was started.")
+
+
+def _await_units(handles: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """Wait (at most :data:`UNIT_START_TIMEOUT_S`) until every unit answers; on any failure stop them all.
+
+    Raises:
+        ConfigurationError: a unit did not start in time (its node's CPUs are held by other tasks or actors).
+    """
+    try:
+        calls = [h.stats.remote() for h in handles.values()]
+        ready, waiting = ray.wait(calls, num_returns=len(calls), timeout=UNIT_START_TIMEOUT_S)
+        if waiting:
+            raise ConfigurationError(
+                f"{len(waiting)} of {len(calls)} Conduit storage unit(s) did not start within "
+                f"{UNIT_START_TIMEOUT_S:g} s: Ray holds them back while their nodes' CPUs are taken by other tasks or "
+                f"actors (each unit reserves transfer_queue.backend.{BACKEND}.unit_num_cpus="
+                f"{float(cfg['unit_num_cpus']):g}); lower unit_num_cpus (0 reserves none) or free CPUs. No unit "
+                f"was left running.")
+        ray.get(ready)  # a unit that failed to start raises here
+    except BaseException:
+        for h in handles.values():
+            with contextlib.suppress(Exception):
+                ray.kill(h)
+        raise
+
+
 @StorageBootstrapProvider.register_provider(BACKEND)
 def bootstrap(conf: DictConfig) -> dict[str, Any]:
     """Start the storage units (``tq.init`` calls this once, in the process that creates the controller).
 
     Raises:
-        ConfigurationError: ``transfer_queue.backend.Conduit`` has an unknown key or a bad value (nothing started).
+        ConfigurationError: ``transfer_queue.backend.Conduit`` has an unknown key or a bad value, or its units
+            reserve more CPUs than their nodes have (nothing started); or a unit did not start within
+            :data:`UNIT_START_TIMEOUT_S` (the units started are stopped).
     """
     backend = conf.backend
-    _validated(_with_defaults(backend.get(BACKEND)))
+    checked = _validated(_with_defaults(backend.get(BACKEND)))
+    n = int(checked["num_units"])
+    strategies = get_node_round_robin_scheduling_strategies(n)
+    _check_unit_cpus(checked, [s.node_id for s in strategies])
     with open_dict(backend):
         if backend.get(BACKEND) is None:
             backend[BACKEND] = {}
         cfg = _with_defaults(backend[BACKEND])
         cfg["_run_id"] = uuid.uuid4().hex[:12]
         backend[BACKEND] = cfg
-    n = int(cfg["num_units"])
-    strategies = get_node_round_robin_scheduling_strategies(n)
     handles = {}
     for rank in range(n):
         name = unit_name(cfg["_run_id"], rank)
         handles[name] = ConduitStorageUnit.options(  # type: ignore[attr-defined]
             name=name, namespace=NAMESPACE, scheduling_strategy=strategies[rank],
             num_cpus=float(cfg["unit_num_cpus"])).remote(cfg)
-    ray.get([h.stats.remote() for h in handles.values()])  # started
+    _await_units(handles, cfg)
     _OWNED_RUNS.add(cfg["_run_id"])
     logger.info("Conduit storage: %d unit(s) started (run %s)", n, cfg["_run_id"])
     return handles
