@@ -75,6 +75,7 @@ def measure_links(servers: ShardServers, *, sizes: Sequence[int] = (1 << 18, 1 <
 
     Raises:
         RemoteTimeoutError: a probe did not finish within ``timeout``.
+        ClusterError: a server is gone (its actor or its node died).
     """
     ray = ray_module()
     import numpy as np
@@ -83,6 +84,7 @@ def measure_links(servers: ShardServers, *, sizes: Sequence[int] = (1 << 18, 1 <
     probe: dict[str, Any] = {}
     for s in servers.servers:
         probe.setdefault(s.node_id, s.actor)
+    node_of = {s.actor._actor_id.hex(): s.node_id for s in servers.servers}  # to name the node of a dead server
 
     def get(ref: Any) -> Any:
         try:
@@ -90,6 +92,11 @@ def measure_links(servers: ShardServers, *, sizes: Sequence[int] = (1 << 18, 1 <
         except ray.exceptions.GetTimeoutError as e:
             raise RemoteTimeoutError(f"A link probe did not finish within {timeout:.0f} s; the cluster is "
                                      f"overloaded or a node is unreachable.") from e
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            node = node_of.get(str(getattr(e, "actor_id", None)), "?")
+            raise ClusterError(f"The shard server on node {node[:8]} is gone ({type(e).__name__}), so the links "
+                               f"to it cannot be measured; start the ShardServers again on alive nodes "
+                               f"(alive_nodes()).") from e
 
     pairs: dict[tuple[str, str], Callable[[int], Callable[[], Any]]] = {}
     for a, actor_a in probe.items():

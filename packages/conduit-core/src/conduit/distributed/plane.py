@@ -202,7 +202,8 @@ class DistributedDataPlane:
             caller); e.g. ``Overlapped(g_ing=..., g_del=...)`` from :mod:`conduit.scheduling`.
         transport: how shards deliver rows to the learner: ``"object_store"`` (Ray's object
             store), ``"torch"`` (a torch.distributed group of this process and the servers,
-            formed on first use by :meth:`ShardServers.torch_group`; gloo on CPU), or
+            formed on first use by :meth:`ShardServers.torch_group`, formed anew when the
+            servers' group was retired; gloo on CPU), or
             ``"auto"`` (default): the torch group where this process already has one with
             these servers, per shard where its measured link is faster than the object
             store's (unmeasured: for shards on other nodes), else the object store. A torch
@@ -300,10 +301,13 @@ class DistributedDataPlane:
         #: the receive pool once started (the finalizer's view of it: it must not hold the plane)
         self._pools: list[futures.ThreadPoolExecutor] = []
         try:  # what fails from here on stops the servers this buffer started
-            self.links: LinkProfile | None = self.servers.links() if measure else None
+            # (probes bounded by this buffer's timeout, as every remote call it makes)
+            self.links: LinkProfile | None = self.servers.links(timeout=self.timeout) if measure else None
             self.plan = ShardPlan(nodes, self.learner_node, links=self.links, reuse=reuse)
             if transport == TORCH:
                 self._torch = self.servers.torch_group(timeout=self.timeout)
+                if self._torch.broken is not None:  # retired (closed, or broken by another buffer's transfer)
+                    self._torch = self.servers.torch_group(timeout=self.timeout, refresh=True)
             elif transport == "auto":
                 g = self.servers.torch_group(create=False)
                 self._torch = g if g is not None and g.broken is None else None
@@ -311,6 +315,8 @@ class DistributedDataPlane:
             if self._owns_servers:
                 self.servers.shutdown()
             raise
+        #: node ids known to be of this cluster (producer nodes are checked against it, see _check_node)
+        self._known_nodes = {*nodes, self.learner_node}
         self._via_torch = [self._choose_torch(s) for s in range(len(nodes))]
         self._read_cost = np.array([self._deliver_seconds(s) for s in range(len(nodes))], dtype=np.float64)
         self.buffer_id = uuid.uuid4().hex
@@ -432,17 +438,20 @@ class DistributedDataPlane:
         Keyword Args:
             version: the producing policy version (required on-policy).
             priorities: initial priorities (prioritized replay only).
-            node: the producer's node (default: the ref's node, or this process's node).
+            node: the producer's node id (default: the ref's node, or this process's node), one of
+                this Ray cluster's (alive or dead).
 
         Returns:
             The items' global handles (int64), or None when the scheduler stores the batch later.
 
         Raises:
-            SchemaError, CapacityError, PriorityError, ConfigurationError: bad input (nothing stored).
+            SchemaError, CapacityError, PriorityError, ConfigurationError: bad input, e.g. a ``node``
+                that is no node id of the cluster (nothing stored).
             TransferError: a staged batch could not be read (its producer or node died).
             ClusterError: no live shard can take the items.
         """
         self._check_open()
+        self._check_node(node)
         t0 = time.perf_counter()
         sync = isinstance(self.scheduler, Synchronous)
         if isinstance(batch, ExperienceRef) or sync:
@@ -460,6 +469,25 @@ class DistributedDataPlane:
             out = self.scheduler.ingest(tagged, version=version, priorities=priorities)  # type: ignore[assignment]
         self.telemetry.record("ingest_wait", n, 0, t0, time.perf_counter())  # the caller's whole call
         return out
+
+    def _check_node(self, node: Any) -> None:
+        """Refuse a producer ``node`` that is no node id of this Ray cluster (a host name, an address, a shortened
+        id): the batch would be routed as if produced on an unknown far node, and its locality silently lost.
+
+        Raises:
+            ConfigurationError: ``node`` is not None and not the id of a node of the cluster (alive or dead).
+        """
+        if node is None or (isinstance(node, str) and node in self._known_nodes):
+            return
+        if isinstance(node, str) and node:
+            # (nodes that died count: a batch made there before it died is still here to store)
+            ids = {str(n.get("NodeID")) for n in ray_module().nodes()}
+            if node in ids:
+                self._known_nodes.add(node)
+                return
+        raise ConfigurationError(f"node={node!r} is not a node id of this Ray cluster; pass the producer's node id "
+                                 f"(ray.get_runtime_context().get_node_id() where the batch was made), or leave "
+                                 f"node out for this process's node.")
 
     def _producer_id(self, node: str | None) -> int:
         """The index of ``node`` (None: the learner's node) in the list the producer column refers to."""
@@ -504,6 +532,9 @@ class DistributedDataPlane:
         self.semantics.check_ingest(n, version=version, priorities=priorities)
         with self._lock:
             self._check_open()
+            if not self._replay and version is not None:
+                # checked above before the lock: another producer's newer version may have been stored since
+                cast(OnPolicy, self.semantics).check_version_order(version)
             k = self.index.evictions_for(n)
             if k and not self._replay:
                 raise CapacityError(f"Storing {n} more items needs {k} live items evicted, and this buffer may not "
@@ -752,6 +783,12 @@ class DistributedDataPlane:
         with self._lock:
             self._check_open()
             return fn()
+
+    def holds_lock(self) -> bool:
+        """Whether the calling thread holds the buffer's lock (as ``ExperienceDataPlane.holds_lock``: a scheduler
+        refuses a call there that would wait for its worker thread, which needs this lock)."""
+        is_owned = getattr(self._lock, "_is_owned", None)  # (CPython's RLock; without it nothing is refused)
+        return bool(is_owned()) if is_owned is not None else False
 
     def gather_now(self, selections: Sequence[Selection],
                    out: Mapping[str, torch.Tensor] | Callable[[int], Mapping[str, torch.Tensor]] | None = None,
@@ -1153,6 +1190,8 @@ class DistributedDataPlane:
             return []
         outs = self._ping(live)
         found: list[LossReport] = []
+        if self._closed:
+            return found  # close() ran while the pings were out: it stopped the shards, nothing was lost
         for s, o in outs.items():
             if o.lost:
                 self._lose(s, _reason(o), found=found)
@@ -1459,20 +1498,27 @@ class DistributedDataPlane:
     def close(self) -> None:
         """Stop the monitor, drop this buffer's partitions, and stop the servers this buffer started.
 
-        Closing again does nothing; every other call that reads or changes the buffer is then refused
-        (see the class docstring). A close that raised leaves the buffer open, as a single-node buffer's:
-        the scheduler could not store what was handed over (its error is raised), so the monitor, the
-        partitions and the servers are kept (nothing is dropped) and ``close()`` again retries. A buffer
-        dropped without ``close()`` releases the same when it is garbage-collected (its threads end, its
-        partitions are dropped and the servers it started are killed, without waiting for the servers'
-        answers); what its scheduler still had queued is dropped.
+        A call under way on another thread ends first (within its ``timeout`` bounds; it does not find the
+        shards stopped under it, so no loss is reported for them). Closing again does nothing; every other
+        call that reads or changes the buffer is then refused (see the class docstring). A close that raised
+        leaves the buffer open, as a single-node buffer's: the scheduler could not store what was handed over
+        (its error is raised), so the monitor, the partitions and the servers are kept (nothing is dropped)
+        and ``close()`` again retries. A buffer dropped without ``close()`` releases the same when it is
+        garbage-collected (its threads end, its partitions are dropped and the servers it started are killed,
+        without waiting for the servers' answers); what its scheduler still had queued is dropped.
         """
         if self._closed:
             return
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None:
             scheduler.close()  # stores what was handed over first; raises with the buffer still open
-        self._closed = True
+        # under the lock: a call under way on another thread (each of its remote calls bounded by ``timeout``)
+        # ends before the shards stop, so it never finds them stopped under it and reports them lost; the calls
+        # after it are refused as closed
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._stop.set()
         self._close_shards()
 
