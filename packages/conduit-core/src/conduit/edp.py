@@ -203,6 +203,8 @@ class ExperienceDataPlane:
         #: (replaced schema, its migration's transform), oldest first: see :meth:`_current`
         self._upgrades: list[tuple[ExperienceSchema, Callable[[ExperienceBatch], Any]]] = []
         self._replay = isinstance(self.semantics, Replay)
+        #: on-policy: a write re-checks its version's order under the lock (see ingest_now)
+        self._versioned: OnPolicy | None = self.semantics if isinstance(self.semantics, OnPolicy) else None
         #: set by close(): the scheduler may then serve another buffer, and this one takes no more work
         self.closed = False
         #: per thread: ``finishing`` (inside close()/flush(), whose scheduler may still store what was handed over
@@ -295,6 +297,10 @@ class ExperienceDataPlane:
         with self._lock:
             if self.closed and not getattr(self._tls, "finishing", False) and _get_ident() != self._drainer:
                 self._check_open()
+            if self._versioned is not None and version is not None:
+                # ingest() checked the order before taking the lock: another producer's newer version may have
+                # been stored since (concurrent Synchronous producers); nothing of this batch is stored then
+                self._versioned.check_version_order(version)
             if self._upgrades:
                 batch = self._current(batch)
             outer, self._writer = self._writer, _get_ident()
@@ -418,7 +424,9 @@ class ExperienceDataPlane:
         storage and the semantics: ``fn`` sees them between two such steps, never part way through one
         (e.g. counts and cursors that agree with each other). ``fn`` runs on the calling thread; the lock is
         re-entrant, so ``fn`` may call the buffer's methods, but it should be short (it holds up ingestion
-        and delivery).
+        and delivery). A call in ``fn`` that would wait for a scheduler's worker thread, which needs this lock
+        (e.g. ``flush``, ``seal`` or ``state_dict`` while batches wait for background storing), raises
+        :class:`ConfigurationError` and changes nothing, instead of waiting forever.
 
         Raises:
             ConfigurationError: the buffer is closed (as ``select_now`` is refused then); ``fn`` did not run.
@@ -426,6 +434,13 @@ class ExperienceDataPlane:
         with self._lock:
             self._check_open()
             return fn()
+
+    def holds_lock(self) -> bool:
+        """Whether the calling thread holds the buffer's lock (inside :meth:`read_locked`'s function, or a callback of a
+        write). A scheduler's worker thread needs that lock to store or prepare, so a call that would wait for the
+        worker there is refused instead of waiting forever (:func:`conduit.scheduling.base.wait_refused`)."""
+        is_owned = getattr(self._lock, "_is_owned", None)  # (CPython's RLock; without it nothing is refused)
+        return bool(is_owned()) if is_owned is not None else False
 
     def gather_now(self, selections: Sequence[Selection],
                    out: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor] | None] | None = None,

@@ -310,8 +310,14 @@ class Automatic(Scheduler):
         if self._phase == "probe" and self._del_plan is None:
             out = self._first_delivery(n, kwargs)
         elif self._phase == "probe":
+            probed = self.inner.g_del
             self._fit_budget(n)
-            out = self.inner.deliver(n, **kwargs)
+            try:
+                out = self.inner.deliver(n, **kwargs)
+            except BaseException:  # refused (or failed): the probed g_del stays, as the semantics' state does
+                if self.inner.g_del != probed:
+                    self.inner.retune(g_del=probed)
+                raise
         elif self._budget_g and not (type(n) is int and self._checked_lo <= n <= self._checked_hi):
             out = self._deliver_within_budget(n, kwargs)  # (a batch size not checked at this g_del yet)
         else:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from conduit.edp import ExperienceDataPlane
     from conduit.semantics.base import SampleInfo
 
-__all__ = ["Scheduler", "Synchronous", "check_scheduler_entry", "scheduler_entry"]
+__all__ = ["Scheduler", "Synchronous", "check_scheduler_entry", "scheduler_entry", "wait_refused"]
 
 
 class Scheduler(ABC):
@@ -110,6 +110,16 @@ class Scheduler(ABC):
             ConfigurationError: ``state`` is damaged (nothing changed).
         """
         self.check_state_dict(state)
+
+
+def wait_refused(call: str, worker: str) -> ConfigurationError:
+    """The error for ``call``, which would wait for a scheduler's ``worker`` thread while the calling thread holds the
+    buffer's lock that worker needs (``holds_lock()`` of either data plane: inside ``read_locked()``, or a callback the
+    buffer runs under its lock); nothing was changed."""
+    return ConfigurationError(f"{call} would wait for the scheduler's {worker}, which needs the buffer's lock that "
+                              f"this thread holds (inside read_locked(), or a callback the buffer runs under its "
+                              f"lock): it would wait forever. Nothing was changed; call it after the locked function "
+                              f"returns.")
 
 
 def _kind(scheduler: Scheduler) -> str:

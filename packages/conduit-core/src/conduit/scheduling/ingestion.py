@@ -36,6 +36,7 @@ import torch
 
 from conduit.batch import ExperienceBatch, Ragged
 from conduit.errors import ConduitError, ConfigurationError
+from conduit.scheduling.base import wait_refused
 from conduit.semantics.onpolicy import OnPolicy
 
 if TYPE_CHECKING:
@@ -151,6 +152,7 @@ class Ingestion:
                     raise ConfigurationError(
                         f"Ingestion is paused after a failed background write and its queue is full "
                         f"({len(self._pending)} batches); call flush() to retry them. This batch was not accepted.")
+                self.refuse_wait("ingest() into a full queue")
                 self._cv.wait()
             if self._closing:  # closed while this producer waited for room: the worker may be gone
                 raise ConfigurationError("This scheduler was closed while this batch waited for room in the "
@@ -184,6 +186,8 @@ class Ingestion:
             self._rollout_done()
             return
         with self._cv:
+            # (before the pause is lifted: a refused flush changes nothing)
+            self.refuse_wait("flush() (seal(), state_dict() and load_state_dict() flush first)")
             self._paused = False
             self._wait_stored()
             self._raise_failure()
@@ -206,6 +210,8 @@ class Ingestion:
         with self._cv:
             if self._error is not None or self._paused or self._stopped:
                 return not (self._pending or self._inflight)
+            if self._would_wait_forever():  # (the caller retries later, as after a failure)
+                return False
             self._wait_stored()
             ok = self._error is None and not self._pending
         if ok:
@@ -239,6 +245,8 @@ class Ingestion:
             self._store_ready(force=True)
             return
         with self._cv:
+            if not self.on_worker:  # (on the worker it returns at once: see above)
+                self.refuse_wait("close()")
             self._closing = True
             self._paused = False  # one last try
             self._error = None
@@ -261,6 +269,21 @@ class Ingestion:
             if self._error is not None:
                 e, self._error = self._error, None
                 raise self._failure(e, closing=True) from e
+
+    def _would_wait_forever(self) -> bool:
+        """Whether waiting for the worker to store the queue would never end (under the lock): batches wait for it (or
+        it is storing one) while this thread holds the buffer's lock, which the worker's write needs."""
+        if not (self._pending or self._inflight) or self._stopped:
+            return False
+        edp = self._edp()
+        return edp is not None and edp.holds_lock()
+
+    def refuse_wait(self, call: str) -> None:
+        """:class:`ConfigurationError` for ``call`` when waiting for the worker would never end: the calling thread
+        holds the buffer's lock, which the worker needs to store what is queued (:meth:`_would_wait_forever`)."""
+        with self._cv:
+            if self.background and self._would_wait_forever():
+                raise wait_refused(call, "ingestion worker (it has batches to store)")
 
     def pending(self) -> list[Handover]:
         """Handed-over batches not stored yet, in order.

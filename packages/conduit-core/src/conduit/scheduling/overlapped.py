@@ -50,7 +50,7 @@ import torch
 
 from conduit.batch import ExperienceBatch
 from conduit.errors import ConfigurationError
-from conduit.scheduling.base import Scheduler
+from conduit.scheduling.base import Scheduler, wait_refused
 from conduit.scheduling.buffers import ChunkRing, buffers_needed
 from conduit.scheduling.ingestion import Handover, Ingestion
 from conduit.scheduling.worker import Job, Worker
@@ -214,6 +214,8 @@ class Overlapped(Scheduler):
         self._ready: deque[_Prepared] = deque()
         self._job: Job[list[_Prepared]] | None = None
         self._job_key: _Key | None = None  # the key the job in flight prepares for
+        #: the job in flight has entered its hold of the buffer's lock (see _await_job); set under that lock
+        self._job_entered = False
         self._delivered = 0
         self._prio_epoch = 0
         self._prio_lock = threading.Lock()
@@ -302,6 +304,8 @@ class Overlapped(Scheduler):
     def drain(self) -> bool:
         """Store everything handed over unless storing fails; then keep it queued (and the failure for the
         producer's next call) and return False. See :meth:`Ingestion.drain`."""
+        if self._job is not None and not self._job_entered and not self._job.done() and self.edp.holds_lock():
+            return False  # (the prefetch job waits for the lock this thread holds: storing would wait forever too)
         return self._ingestion.drain()
 
     def pending(self) -> list[Handover]:
@@ -417,7 +421,7 @@ class Overlapped(Scheduler):
             with ring.filling(buf):
                 target, swapped = self._target(ring, buf)
                 if self.on_policy:
-                    res = self.edp.prepare_now([None], target, peek=True, when=self._same_rollout)
+                    res = self.edp.prepare_now([None], target, peek=True, when=self._entered_same_rollout)
                     if res is None:
                         ring.free(buf)
                         return []
@@ -427,6 +431,7 @@ class Overlapped(Scheduler):
 
                     def stamp() -> bool:
                         epoch[0] = self._prio_epoch
+                        self._job_entered = True
                         return True
 
                     res = self.edp.prepare_now([n] * self._chunk, target, when=stamp, **dict(kw), **extra)
@@ -473,6 +478,11 @@ class Overlapped(Scheduler):
             return [b.to(self.edp.device) for b in parts]
         return ring.to_device(buf, parts)
 
+    def _entered_same_rollout(self) -> bool:
+        """:meth:`_same_rollout`, noting that the preparation holds the buffer's lock (see :meth:`_await_job`)."""
+        self._job_entered = True
+        return self._same_rollout()
+
     def _same_rollout(self) -> bool:
         """On-policy peek guard (under the buffer's lock): the rollout just delivered from goes on, fresh."""
         sem = self.edp.semantics
@@ -495,6 +505,7 @@ class Overlapped(Scheduler):
             return
         buf = self._ring.acquire(self._delivered, inside_call=False)
         assert self._pool is not None
+        self._job_entered = False
         self._job = self._pool.submit(self._prepare, key, buf)
         self._job_key = key
 
@@ -506,9 +517,14 @@ class Overlapped(Scheduler):
         call it concerns, instead of from a later call (or ``close``/``invalidate``) that has
         its own work done.
         """
-        job, self._job = self._job, None
+        job = self._job
         if job is None:
             return
+        if not self._job_entered and not job.done() and self.edp.holds_lock():
+            # the job waits for the lock this thread holds (read_locked): refused, the job stays in flight
+            raise wait_refused("This call (a delivery, state_dict(), load_state_dict() or close())",
+                                        "prefetch worker (it prepares the next batch)")
+        self._job = None
         try:
             self._ready.extend(job.result())
         except Exception:  # noqa: BLE001 - see the docstring: the caller's own preparation reports it
@@ -577,6 +593,8 @@ class Overlapped(Scheduler):
         write: it returns at once and the worker stores the rest of the queue, then stops (see
         :meth:`Ingestion.close`); a later ``close`` waits for that and raises what could not be stored.
         """
+        if not self._ingestion.on_worker:  # refused before anything changes (not once the prefetch stopped)
+            self._ingestion.refuse_wait("close()")
         if self._closed:
             if self._closer is not None and not self._ingestion.on_worker:
                 self._closer.join()  # (a close on the ingestion worker stopped the prefetch on its own thread)

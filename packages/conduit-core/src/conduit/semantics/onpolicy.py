@@ -164,6 +164,10 @@ class OnPolicy(Semantics):
         if not result.count:  # no items arrived: nothing to seal or to open
             return
         assert version is not None
+        if type(version) is not int:
+            # a NumPy or 0-d tensor integer (check_ingest took it) is kept as a plain int: deliveries report ints, and
+            # torch.load(weights_only=True) reads the checkpoint
+            version = operator.index(version)
         if self._open is not None and self._open.version != version:
             self.seal()
         if self._open is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -106,8 +107,67 @@ class Storage(ABC):
         for name in self.schema:
             c = batch[name]
             data[name] = (c.values.cpu().clone(), c.lengths.clone()) if isinstance(c, Ragged) else c.cpu().clone()
-        return {"schema": self.schema.to_dict(), "capacity": self.capacity, "oldest": self.oldest,
-                "next": self.next_handle, "data": data}
+        out = {"schema": self.schema.to_dict(), "capacity": self.capacity, "oldest": self.oldest,
+               "next": self.next_handle, "data": data}
+        layout = self.ragged_layout()
+        if layout is not None:
+            out["ragged_layout"] = layout
+        return out
+
+    def ragged_layout(self) -> dict[str, Any] | None:
+        """Where the live items' ragged elements lie in their pools, for :meth:`state_dict` (None: no ragged pools).
+
+        ``{"pool": elements per pool, "starts": {field: int64 start of each live item, in handle order},
+        "heads": {field: where the next batch's elements go}}``. Which items a later append evicts to make
+        room in a pool depends on this layout, so a checkpoint restores it (a packed pool would evict later,
+        or not at all, where the saved buffer evicts: the contents, and so the draws, would part ways).
+        """
+        return None
+
+    def checkpoint_layout(self, state: dict[str, Any], batch: ExperienceBatch) -> dict[str, Any] | None:
+        """The ``"ragged_layout"`` of checkpoint ``state`` whose live items are ``batch``, checked; None when there is
+        none (an older checkpoint, or no ragged fields) or it was saved for a pool of another size (this storage's
+        ``ragged_capacity`` differs: the items are then packed from the pool's start).
+
+        Raises:
+            ConfigurationError: the layout is damaged (not what :meth:`ragged_layout` returns, starts outside the
+                pool, or items whose elements overlap).
+        """
+        layout = state.get("ragged_layout") if isinstance(state, Mapping) else None
+        pool = getattr(self, "ragged_capacity", None)
+        if layout is None or pool is None or not self.schema.ragged:
+            return None
+        if not (isinstance(layout, Mapping) and isinstance(layout.get("starts"), Mapping)
+                and isinstance(layout.get("heads"), Mapping)):
+            raise ConfigurationError("This checkpoint's ragged_layout is damaged (expected {'pool': int, 'starts': "
+                                     "{field: tensor}, 'heads': {field: int}}); load an undamaged state_dict().")
+        if layout.get("pool") != pool:
+            return None
+        starts: dict[str, torch.Tensor] = {}
+        heads: dict[str, int] = {}
+        for name in self.schema.ragged:
+            st, head = layout["starts"].get(name), layout["heads"].get(name)
+            ok = (isinstance(st, torch.Tensor) and st.dtype == torch.int64 and tuple(st.shape) == (batch.batch_size,)
+                  and isinstance(head, int) and not isinstance(head, bool) and 0 <= head <= pool)
+            if ok and batch.batch_size:
+                col = batch[name]
+                assert isinstance(st, torch.Tensor) and isinstance(col, Ragged)
+                st = st.cpu()
+                lens = col.lengths.cpu()
+                ends = st + lens
+                used = lens > 0
+                order = torch.argsort(st[used])
+                s_used, e_used = st[used][order], ends[used][order]
+                ok = (bool((st >= 0).all()) and bool((ends <= pool).all())
+                      and bool((s_used[1:] >= e_used[:-1]).all()))
+            if not ok:
+                raise ConfigurationError(f"This checkpoint's ragged_layout of field {name!r} is damaged (starts "
+                                         f"must be {batch.batch_size} int64 positions whose items lie apart inside "
+                                         f"the pool of {pool} elements, the head an int in [0, {pool}]); load an "
+                                         f"undamaged state_dict().")
+            assert isinstance(st, torch.Tensor) and isinstance(head, int)
+            starts[name], heads[name] = st, head
+        return {"pool": pool, "starts": starts, "heads": heads}
 
     def check_ragged_fits(self, batch: ExperienceBatch) -> None:
         """:class:`CapacityError` when a ragged field of ``batch`` brings more elements than this storage's
@@ -171,6 +231,7 @@ class Storage(ABC):
             except (SchemaError, AttributeError, TypeError, IndexError) as e:  # a column that is not a tensor
                 raise ConfigurationError(f"This checkpoint's {count} items do not match its schema ({e}); the "
                                          f"checkpoint is damaged.") from e
+        self.checkpoint_layout(state, batch)  # (checked here: a damaged layout is refused before anything changes)
         return oldest, batch
 
     @abstractmethod

@@ -208,8 +208,11 @@ class ColumnarStorage(Storage):
         else:
             k, starts = self._evictions_for(batch)
         if k and not evict:
+            short = ("capacity" if k <= max(0, self._next - self._oldest + n - self.capacity) else
+                     f"ragged_capacity (the ragged pools' {self.ragged_capacity} elements hold the live items' "
+                     f"sequences; the slots have room)")
             raise CapacityError(f"Storing {n} more items needs {k} live items evicted, and this buffer may "
-                                f"not evict (on-policy data not yet consumed). Consume first or raise capacity.")
+                                f"not evict (on-policy data not yet consumed). Consume first or raise {short}.")
         ev_from = self._oldest
         self._oldest += k
         first = self._next
@@ -291,10 +294,34 @@ class ColumnarStorage(Storage):
         return ExperienceBatch(cols, int(slots.shape[0]))
 
     # -- checkpoint ------------------------------------------------------------------------
+    def ragged_layout(self) -> dict[str, Any] | None:
+        if not self._pools:
+            return None
+        slots = torch.remainder(torch.arange(self._oldest, self._next, dtype=torch.int64), self.capacity)
+        return {"pool": self.ragged_capacity, "starts": {n: self._rstart[n][slots].clone() for n in self._pools},
+                "heads": {n: int(self._rhead[n]) for n in self._pools}}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         oldest, batch = self.checkpoint_batch(state)
+        layout = self.checkpoint_layout(state, batch)
         self._oldest = self._next = oldest
         for name in self.schema.ragged:
             self._rhead[name] = 0
         if batch.batch_size:
             self.append(batch, evict=False)
+        if layout is not None:
+            self.place_ragged(batch, layout)
+
+    def place_ragged(self, batch: ExperienceBatch, layout: dict[str, Any]) -> None:
+        """Move the live items' ragged elements (``batch``, the live items in handle order, just loaded packed) to
+        where ``layout`` (checked by :meth:`checkpoint_layout`) says the saved buffer held them."""
+        slots = torch.remainder(torch.arange(self._oldest, self._next, dtype=torch.int64), self.capacity)
+        for name, pool in self._pools.items():
+            col = batch[name]
+            assert isinstance(col, Ragged)
+            starts = layout["starts"][name]
+            if int(col.values.shape[0]):
+                where = ranges(starts, col.lengths.cpu()).to(pool.device)
+                pool.index_copy_(0, where, col.values.to(pool.device, pool.dtype))
+            self._rstart[name][slots] = starts
+            self._rhead[name] = layout["heads"][name]

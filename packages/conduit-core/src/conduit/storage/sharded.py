@@ -253,8 +253,12 @@ class ShardedStorage(Storage):
         return ExperienceBatch(ordered, n)
 
     # -- checkpoint ------------------------------------------------------------------------
+    def ragged_layout(self) -> dict[str, Any] | None:
+        return self._ragged.ragged_layout() if self._ragged is not None else None
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         oldest, batch = self.checkpoint_batch(state)
+        layout = self.checkpoint_layout(state, batch)
         if self._ragged is not None:
             sub = ExperienceSchema({k: self.schema[k] for k in self.schema.ragged})
             self._ragged.load_state_dict({"schema": sub.to_dict(), "capacity": self.capacity,
@@ -262,3 +266,5 @@ class ShardedStorage(Storage):
         self._oldest = self._next = oldest
         if batch.batch_size:
             self.append(batch, evict=False)
+        if self._ragged is not None and layout is not None:
+            self._ragged.place_ragged(batch, layout)
