@@ -256,7 +256,9 @@ class DistributedDataPlane:
         self.on_loss = on_loss
         self.losses: list[LossReport] = []
         self._losses_seen = 0  # len(losses) at the last deliver(): batches prepared before a loss are dropped
-        #: items stored with fewer than ``replication`` copies (no room on another node)
+        #: items left with fewer than ``replication`` copies (no room on another node) when stored or re-replicated
+        #: after a loss, counted each time: a running total over the buffer's life, like :attr:`lost_items`, that
+        #: never goes down (also once such items are evicted or copied later)
         self.under_replicated = 0
         self._lock = threading.RLock()
         self._closed = False
