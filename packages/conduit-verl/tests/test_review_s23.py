@@ -145,3 +145,28 @@ def test_unsigned_token_ids_come_back_as_simple_storage_returns_them(tq_session:
     want = _unsigned_columns(tq_session, "SimpleStorage")
     assert want["ids"] == ("torch.uint16", True, [[40000, 2, 3], [65535, 1]])
     assert _unsigned_columns(tq_session, "Conduit", num_units=2, capacity=2, mean_length=2) == want
+
+
+@pytest.mark.parametrize("field", ["objects", "tensors"])
+def test_a_restore_past_max_items_is_refused_and_changes_nothing(tmp_path: Path, field: str) -> None:
+    """A checkpoint holding more samples of a field than the restoring storage's ``max_items`` is refused before
+    anything changes, for a field of Python objects as for a tensor field (an object field used to be restored
+    over the limit, after which every put to it was refused)."""
+    saved = _UnitState({**DEFAULTS})
+    column: Any = [{"uid": i} for i in range(3)] if field == "objects" else _wire(torch.arange(3)[:, None])
+    saved.put([0, 1, 2], {"f": column})
+    path = str(tmp_path / "unit0.pt")
+    saved.save(path)
+    small = _UnitState({**DEFAULTS, "max_items": 2})
+    small.put([7], {"kept": _wire(torch.tensor([[5]]))})
+    with pytest.raises(CapacityError, match="max_items=2"):
+        small.load(path)
+    assert small.staged is None and set(small.fields) | set(small.objects) == {"kept"}
+    assert [r.tolist() for r in unpack_column(from_wire(small.get([7], ["kept"])["kept"])).unbind()] == [[5]]
+    roomy = _UnitState({**DEFAULTS, "max_items": 3})
+    assert roomy.load(path) == (0 if field == "objects" else 3)
+    got = roomy.get([2, 0], ["f"])["f"]
+    if field == "objects":
+        assert got == [{"uid": 2}, {"uid": 0}]
+    else:
+        assert [r.tolist() for r in unpack_column(from_wire(got)).unbind()] == [[2], [0]]

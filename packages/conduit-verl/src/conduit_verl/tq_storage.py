@@ -390,6 +390,7 @@ class _UnitState:
         Raises:
             SchemaError: ``path`` was not written by a Conduit unit, or by one of another ``num_units``
                 (samples are routed by ``global_index % num_units``); nothing is changed.
+            CapacityError: a field holds more samples than ``max_items``; nothing is changed.
         """
         self.stage(path)
         return self.install_staged()
@@ -401,6 +402,8 @@ class _UnitState:
 
         Raises:
             SchemaError: as :meth:`load` (nothing is staged).
+            CapacityError: a field, tensor or Python objects, holds more samples than this storage's ``max_items``
+                (nothing is staged).
         """
         self.staged = None
         state = torch.load(path, weights_only=False)
@@ -411,6 +414,8 @@ class _UnitState:
             raise SchemaError(f"{path} was written with num_units={saved_units}, this storage has "
                               f"num_units={self.num_units}; samples are routed by global_index % num_units, so restore "
                               f"with transfer_queue.backend.Conduit.num_units={saved_units}.")
+        for name, objs in state["objects"].items():  # (tensor fields are checked as they are put below)
+            check_indexes(name, list(objs), (), self.ladder_args["max_items"])
         fields: dict[str, FieldStore] = {}
         for name, f in state["fields"].items():
             store = fields[name] = FieldStore(name, getattr(torch, f["dtype"]), f["width"],
