@@ -260,14 +260,25 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--capacity", type=int, default=8192)
     p.add_argument("--hidden", type=int, default=64, help="MLP hidden width")
     p.add_argument("--scheduler", choices=SCHEDULERS, default="overlapped")
-    p.add_argument("--g-ing", type=int, default=1, help="rollouts per ingestion call (sequential/overlapped)")
-    p.add_argument("--g-del", type=int, default=4, help="batches per delivery call (sequential/overlapped); with "
-                   "overlap, one worker hand-off per chunk of this many batches")
+    p.add_argument("--g-ing", type=int, help="rollouts per ingestion call (sequential/overlapped only; default 1)")
+    p.add_argument("--g-del", type=int, help="batches per delivery call (sequential/overlapped only; default 4); "
+                   "with overlap, one worker hand-off per chunk of this many batches")
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the synchronous baseline and report the exposed-latency reduction")
     p.add_argument("--trace", default=DEFAULT_TRACE,
                    help=f"Chrome trace output (default {DEFAULT_TRACE} in the current directory; '' for none)")
     args = p.parse_args(list(argv or []))
+    for flag, given in (("--g-ing", args.g_ing), ("--g-del", args.g_del)):
+        if given is not None and args.scheduler not in ("sequential", "overlapped"):  # it would be ignored
+            raise ConfigurationError(f"{flag} sets the granularity of the sequential and overlapped schedulers; "
+                                     f"--scheduler {args.scheduler} does not take it (the automatic one chooses "
+                                     f"its own). Drop {flag}, or use --scheduler sequential or overlapped.")
+    deliveries = args.updates * (args.warmup + args.iterations)
+    counts_ok = min(args.updates, args.warmup, args.iterations) >= 0  # (negative ones: refused by run_loop)
+    if counts_ok and args.g_del is not None and args.g_del > max(1, deliveries):  # one call would prepare them all
+        raise ConfigurationError(f"--g-del {args.g_del} would prepare {args.g_del} batches in one delivery call, more "
+                                 f"than the {deliveries} the run takes (--updates x (--warmup + --iterations)); "
+                                 f"use --g-del {max(1, deliveries)} or less.")
     if args.trace:
         _check_output(Path(args.trace))
     torch.manual_seed(0)
@@ -277,7 +288,8 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
           f"per iteration, MLP hidden {args.hidden}, torch threads {torch.get_num_threads()}")
     header = f"{'iter':>5}{'iteration':>10}{'rollout':>10}{'update':>10}{'exp.path':>10}{'hidden':>10}{'exposed':>10}"
 
-    sched = make_scheduler(args.scheduler, g_ing=args.g_ing, g_del=args.g_del)
+    sched = make_scheduler(args.scheduler, g_ing=1 if args.g_ing is None else args.g_ing,
+                           g_del=4 if args.g_del is None else args.g_del)
     probing: list[int] = []  # accounted iterations that ended with the automatic scheduler still calibrating
 
     def show(i: int, e: IterationExposure) -> None:

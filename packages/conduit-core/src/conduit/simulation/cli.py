@@ -7,18 +7,20 @@ next to the paper's figures, into ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from conduit.errors import ConfigurationError
-from conduit.simulation.cluster import NETWORKS, SCENARIOS, Network, Scenario
-from conduit.simulation.model import BASELINES, run_scenario
+from conduit.simulation.cluster import NETWORKS, SCENARIOS, Network, Scenario, load_node
+from conduit.simulation.model import BASELINES, MAX_NODES, layout, run_scenario
 from conduit.telemetry import write_atomically
 
 __all__ = ["register", "simulate", "table", "plot"]
@@ -38,11 +40,11 @@ def _positive_int(text: str) -> int:
 
 
 def _scales(text: str) -> tuple[int, ...]:
-    """Comma-separated GPU counts, each >= 1."""
+    """Comma-separated GPU counts, each >= 1: each simulated once, in increasing order (rows and plot)."""
     parts = [x.strip() for x in text.split(",")]
     if not parts or any(not x for x in parts):
         raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated GPU counts, e.g. 1,2,4")
-    return tuple(_positive_int(x) for x in parts)
+    return tuple(sorted({_positive_int(x) for x in parts}))
 
 
 def _finite_float(lower: float, *, inclusive: bool) -> Callable[[str], float]:
@@ -74,6 +76,7 @@ def table(scenario: Scenario, rows: list[dict[str, Any]], baseline: str, network
     """The rows as a Markdown table, labelled as simulation, with the paper's figures beside them."""
     net = network or NETWORKS[scenario.network]
     fetch = "one fetch per pair of nodes" if net.node_fetch else "one fetch per learner"
+    fetch += f", {net.rpc_overhead_s * 1e6:g} us per remote fetch"
     head = [f"**{LABEL}** - {scenario.title}: {scenario.topology} nodes, {net.name}, {fetch}, transitions "
             f"d={scenario.obs_dim}, capacity {scenario.capacity}, replay ratio {scenario.replay_ratio:g}, "
             f"non-adaptive = {baseline}", "",
@@ -153,16 +156,22 @@ def _write(path: Path, text: str) -> None:
                                  f"a writable directory.") from e
 
 
+def _check_scales(scenario: Scenario) -> None:
+    """Refuse a scale of ``scenario`` that cannot be laid out on its nodes (see :func:`~.model.layout`).
+
+    Raises:
+        ConfigurationError: naming ``--gpus`` and the scale.
+    """
+    per_node = load_node(scenario.topology).num_gpus or 1
+    for g in scenario.gpus:
+        try:
+            layout(g, scenario.total_batch, min(g, per_node))
+        except ConfigurationError as e:
+            raise ConfigurationError(f"--gpus {g} ({scenario.name}): {e}") from e
+
+
 def simulate(args: argparse.Namespace) -> int:
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".conduit-probe-"):  # an existing folder may refuse files
-            pass
-    except OSError as e:
-        raise ConfigurationError(f"Cannot use --out {str(out)!r} as the output directory ({e.strerror or e}); "
-                                 f"give a directory path that can be created or written.") from e
     changes: dict[str, Any] = {}
     for field in ("obs_dim", "capacity", "replay_ratio"):
         v = getattr(args, field)
@@ -170,20 +179,50 @@ def simulate(args: argparse.Namespace) -> int:
             changes[field] = v
     if args.gpus:
         changes["gpus"] = args.gpus
-    # every scenario checked before any is simulated (a refused value refuses the command, not its second half)
+    # every scenario and scale checked before any is simulated or the output directory is made (a refused value
+    # refuses the command, not its second half)
     scenarios = {name: dataclasses.replace(SCENARIOS[name], **changes) for name in names}
+    for sc in scenarios.values():
+        _check_scales(sc)
+    if not args.out.strip():  # (Path("") is the current directory: the files would land there unasked)
+        raise ConfigurationError("--out '' names no directory; give the directory for the tables and the plot "
+                                 "(--out . for the current one).")
+    samples = 8 if args.samples is None else args.samples
+    if args.samples is not None and args.baseline != "link-blind":
+        print(f"note: --samples applies to --baseline link-blind only; the {args.baseline} baseline simulates one "
+              f"placement per scale.", file=sys.stderr)
+    out = Path(args.out)
+    made = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".conduit-probe-"):  # an existing folder may refuse files
+            pass
+    except OSError as e:
+        raise ConfigurationError(f"Cannot use --out {str(out)!r} as the output directory ({e.strerror or e}); "
+                                 f"give a directory path that can be created or written.") from e
     results: dict[str, tuple[Scenario, list[dict[str, Any]]]] = {}
-    for name, sc in scenarios.items():
-        net = NETWORKS[sc.network]
-        if args.rpc_us is not None:
-            net = dataclasses.replace(net, rpc_overhead_s=args.rpc_us * 1e-6)
-        net = dataclasses.replace(net, node_fetch=args.fetch == "per-node")
-        rows = run_scenario(sc, baseline=args.baseline, samples=args.samples, network=net)
-        results[name] = (sc, rows)
+    nets: dict[str, Network] = {}
+    try:  # every scenario simulated before any file is written: a refusal (nothing fits) leaves no half output
+        for name, sc in scenarios.items():
+            net = NETWORKS[sc.network]
+            if args.rpc_us is not None:
+                net = dataclasses.replace(net, rpc_overhead_s=args.rpc_us * 1e-6)
+            nets[name] = dataclasses.replace(net, node_fetch=args.fetch == "per-node")
+            results[name] = (sc, run_scenario(sc, baseline=args.baseline, samples=samples, network=nets[name]))
+    except BaseException:
+        if made:  # the directory this command made for its output, still empty (if another wrote there: kept)
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
+    for name, (sc, rows) in results.items():
+        net = nets[name]
         md = table(sc, rows, args.baseline, net)
         _write(out / f"scale-{name}.md", md + "\n")
         scenario = dataclasses.asdict(sc) | {"description": sc.title}
-        _write(out / f"scale-{name}.json", json.dumps({"label": LABEL, "scenario": scenario, "network": net.source,
+        # (the network's source states its default remote-fetch cost: said when --rpc-us replaced it)
+        source = net.source + ("" if args.rpc_us is None else f"; remote fetch cost replaced: --rpc-us {args.rpc_us:g}")
+        _write(out / f"scale-{name}.json", json.dumps({"label": LABEL, "scenario": scenario, "network": source,
+                                                       "rpc_us": round(net.rpc_overhead_s * 1e6, 9),
                                                        "fetch": args.fetch, "baseline": args.baseline,
                                                        "rows": rows}, indent=1, default=str))
         print(md, "\n")
@@ -204,11 +243,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                                    "(a SIMULATION driving the placement planner and cost model) and write a "
                                    "table and a PNG next to the paper's figures.")
     p.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
-    p.add_argument("--out", default="simulation-out", help="directory for the tables and the plot")
+    p.add_argument("--out", default="simulation-out",
+                   help="directory for the tables and the plot (default simulation-out in the current directory)")
     p.add_argument("--baseline", choices=BASELINES, default="rank-order",
                    help="what 'adaptive placement off' means (see docs)")
-    p.add_argument("--samples", type=_positive_int, default=8, help="link-blind placements simulated per scale")
-    p.add_argument("--gpus", type=_scales, help="comma-separated scales (default: the paper's)")
+    p.add_argument("--samples", type=_positive_int,
+                   help="placements simulated per scale with --baseline link-blind (default 8)")
+    p.add_argument("--gpus", type=_scales, help="comma-separated scales, simulated in increasing order (default: the "
+                   f"paper's; at most {MAX_NODES} nodes)")
     p.add_argument("--obs-dim", dest="obs_dim", type=_positive_int, help="transition size d (default 20000)")
     p.add_argument("--capacity", type=_positive_int, help="global buffer capacity (default 1e6)")
     p.add_argument("--replay-ratio", dest="replay_ratio", type=_positive_float,

@@ -66,9 +66,8 @@ from conduit.simulation.cluster import NETWORKS, Network, Scenario, load_node
 from conduit.simulation.engine import Simulation, Task
 from conduit.simulation.planning import ClusterCostModel, ClusterPlanner, uniform_view
 
-__all__ = ["ReplayWorkload", "ScalePoint", "Layout", "simulate_iteration", "node_workload", "node_in_use",
-           "equivalent_specs",
-           "simulate_scale", "run_scenario"]
+__all__ = ["ReplayWorkload", "ScalePoint", "Layout", "MAX_NODES", "layout", "simulate_iteration", "node_workload",
+           "node_in_use", "equivalent_specs", "simulate_scale", "run_scenario"]
 
 
 @dataclass(frozen=True)
@@ -109,16 +108,25 @@ class Layout:
     batch: float
 
 
+#: the most nodes one simulated iteration may span: it builds a fetch for every ordered pair of nodes, so its time
+#: and memory grow with nodes**2 (512 nodes: about half a minute and 2 GB here; the paper's largest run is 128)
+MAX_NODES = 512
+
+
 def layout(gpus: int, total_batch: int, gpus_per_node: int) -> Layout:
     """``gpus`` learners on nodes of ``gpus_per_node`` GPUs, filled up ``gpus_per_node`` at a time.
 
     Raises:
-        ConfigurationError: ``gpus`` < 1, or more than one node that the GPUs do not fill (the nodes
-            of a simulation are identical).
+        ConfigurationError: ``gpus`` < 1, more than one node that the GPUs do not fill (the nodes
+            of a simulation are identical), or more than :data:`MAX_NODES` nodes.
     """
     if gpus <= 0:
         raise ConfigurationError(f"gpus must be positive, got {gpus}.")
     nodes = math.ceil(gpus / gpus_per_node)
+    if nodes > MAX_NODES:  # checked first: its pairs of nodes would take hours and more memory than there is
+        raise ConfigurationError(f"{gpus} GPUs need {nodes} nodes of {gpus_per_node}; the simulator runs at most "
+                                 f"{MAX_NODES} nodes ({MAX_NODES * gpus_per_node} GPUs), as it builds a fetch for "
+                                 f"every pair of nodes. Simulate fewer GPUs.")
     if nodes > 1 and gpus % gpus_per_node:
         raise ConfigurationError(f"{gpus} GPUs do not fill nodes of {gpus_per_node} (nodes fill up {gpus_per_node} "
                                  f"GPUs at a time and the simulated nodes are identical): use at most "
