@@ -262,6 +262,8 @@ class Assembler:
             if self.edp is None:
                 raise EmptyBufferError("Nothing was put into this buffer yet; put samples before get().")
         configured = self.cfg.batch_size
+        if isinstance(n, np.integer):  # (a size computed with NumPy is a size)
+            n = int(n)
         if n is not None and n != configured:
             if not self.cfg.replay_like:
                 raise ConfigurationError(f"This {self.cfg.semantics} buffer delivers batches of its configured "
@@ -465,23 +467,30 @@ class Assembler:
 
     @classmethod
     def restore(cls, state: dict[str, Any]) -> Assembler:
-        """The inverse of :meth:`snapshot`."""
+        """The inverse of :meth:`snapshot`.
+
+        A damaged checkpoint raises, and leaves no data plane (nor its threads) behind.
+        """
         a = cls(state["cfg"])
         a._pending_version = state.get("pending_version")
         if state["layout"] is not None:
             a._start(state["layout"])
             assert a.edp is not None
-            a.edp.load_state_dict(state["edp"])
-            a._ready = deque(state["ready"])
-            a.stats = state["stats"]
-            a._n = state["n"]
-            a._open_version, a._open_count = state["open"]
-            a._rollout_open = state["rollout_open"]
-            a._epoch_items = state.get("epoch_items", 0)
-            a._prio_updates = state["prio_updates"]
-            if state["slots"] is not None:
-                a._slot_handle, a._slot_uses = state["slots"]
-            a._discarded_seen = a._scheduler().discarded
+            try:
+                a.edp.load_state_dict(state["edp"])
+                a._ready = deque(state["ready"])
+                a.stats = state["stats"]
+                a._n = state["n"]
+                a._open_version, a._open_count = state["open"]
+                a._rollout_open = state["rollout_open"]
+                a._epoch_items = state.get("epoch_items", 0)
+                a._prio_updates = state["prio_updates"]
+                if state["slots"] is not None:
+                    a._slot_handle, a._slot_uses = state["slots"]
+                a._discarded_seen = a._scheduler().discarded
+            except BaseException:
+                a.close()  # (the data plane started its workers: stop them)
+                raise
         return a
 
     # ======================================================================================

@@ -38,8 +38,9 @@ class UnstoredSamplesError(ConduitError):
     Attributes:
         stored: samples of the message the buffer stored before it refused.
         total: samples in the message.
-        samples: the ``total - stored`` samples not stored, in order, each ``[T, ...]``: put them
-            again once the cause is dealt with, or drop them knowingly.
+        samples: the ``total - stored`` samples not stored, in order, each ``[T, ...]`` (``[T, B, ...]`` for a
+            buffer with ``batched_puts=True``; of one that buffer stored in part, the columns it did not
+            store): put them again once the cause is dealt with, or drop them knowingly.
         put_by_call: samples the raising ``consume_to`` call put into the buffer (earlier messages of
             the call and the ``stored`` ones of this one): what it would have returned.
     """

@@ -22,6 +22,7 @@ modules above (those that import) and :func:`uninstall` puts every replaced attr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import importlib
@@ -167,7 +168,8 @@ def install(*, streams: bool = True, stream_policy: StreamPolicy | None = None,
     Keyword Args:
         streams: also claim sample streams named ``"conduit:<name>"``.
         stream_policy: routing and coalescing of claimed streams (default ``StreamPolicy()``).
-        stream_policies: per stream name (without the marker), overriding ``stream_policy``.
+        stream_policies: per stream name (without the marker), overriding ``stream_policy``. A claimed
+            ``NAME_MULTI_AGENT`` stream needs ``coalesce=1`` (its producer stacks agents along axis 1 itself).
         check_configs: check trainer configurations as they are built (:func:`check_trainer_config`).
         flavours: the layouts to look for.
 
@@ -176,9 +178,12 @@ def install(*, streams: bool = True, stream_policy: StreamPolicy | None = None,
 
     Raises:
         SrlNotFoundError: no SRL buffer module could be imported (nothing changed).
-        ConfigurationError: already installed with other settings (nothing changed; :func:`uninstall` first).
+        ConfigurationError: already installed with other settings (nothing changed; :func:`uninstall` first), or
+            a stream policy that is not a :class:`StreamPolicy`, or a ``stream_policies`` key that is not a bare
+            stream name (nothing changed).
     """
     global _CURRENT
+    _check_policies(stream_policy, stream_policies)
     settings = {"streams": streams, "stream_policy": stream_policy or StreamPolicy(),
                 "stream_policies": dict(stream_policies or {}), "check_configs": check_configs,
                 "flavours": tuple(flavours)}
@@ -234,6 +239,32 @@ def install(*, streams: bool = True, stream_policy: StreamPolicy | None = None,
                 f"experiment module the workers import.")
         _CURRENT = inst
         return inst
+
+
+def _check_policies(default: Any, policies: Any) -> None:
+    """Refuse stream policies that claimed streams would fail on (or silently not use) once workers run."""
+    if default is not None and not isinstance(default, StreamPolicy):
+        raise ConfigurationError(f"stream_policy must be a conduit_srl.StreamPolicy, got {type(default).__name__}; "
+                                 f"write stream_policy=StreamPolicy(route=..., coalesce=..., max_delay_s=...).")
+    if policies is None:
+        return
+    try:
+        pairs = dict(policies).items()
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"stream_policies maps stream names to StreamPolicy objects, got "
+                                 f"{type(policies).__name__}; write stream_policies={{'<name>': StreamPolicy(...)}}."
+                                 ) from None
+    for name, policy in pairs:
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"stream_policies keys are stream names, got {name!r}.")
+        if name.startswith(STREAM_MARKER):
+            raise ConfigurationError(f"stream_policies key {name!r} carries the {STREAM_MARKER!r} marker, so no "
+                                     f"stream would ever use its policy; key it by the bare name "
+                                     f"{name[len(STREAM_MARKER):]!r}.")
+        if not isinstance(policy, StreamPolicy):
+            raise ConfigurationError(f"stream_policies[{name!r}] must be a conduit_srl.StreamPolicy, got "
+                                     f"{type(policy).__name__}; write StreamPolicy(route=..., coalesce=..., "
+                                     f"max_delay_s=...).")
 
 
 def uninstall() -> bool:
@@ -353,6 +384,24 @@ def _claim(spec: Any) -> tuple[Any, str] | None:
     return stripped, bare
 
 
+def _producer_policy(spec: Any, name: str, default: StreamPolicy, policies: dict[str, StreamPolicy]) -> StreamPolicy:
+    """The policy of a claimed producer, refused (StreamClaimError) where its native producer would garble it.
+
+    SRL's multi-agent producer caches every post of a flush and sends them stacked along axis 1 (one column
+    per agent): coalesced ``[T, k, ...]`` messages posted to it would be stacked again, and the trainer would
+    receive records with an extra axis that no consumer can take apart.
+    """
+    policy = policies.get(name, default)
+    kind = None if isinstance(spec, str) else getattr(getattr(spec, "type_", None), "name", None)
+    if kind == "NAME_MULTI_AGENT" and policy.coalesce > 1:
+        raise StreamClaimError(f"Stream {STREAM_MARKER + name!r} is a NAME_MULTI_AGENT stream, whose producer stacks "
+                               f"the samples of each flush along the agent axis itself; coalescing (coalesce="
+                               f"{policy.coalesce}) would stack whole messages. Give this stream a policy with "
+                               f"coalesce=1 (stream_policies={{{name!r}: StreamPolicy(coalesce=1)}}) or drop the "
+                               f"'conduit:' marker.")
+    return policy
+
+
 def _name_resolving_targets(mod: ModuleType, spec: Any, name: str, worker_info: Any) -> list[Any] | None:
     """One native producer per registered consumer of ``name`` (distributed layout, NAME streams), or None."""
     kind = "NAME" if isinstance(spec, str) else getattr(getattr(spec, "type_", None), "name", None)
@@ -365,9 +414,26 @@ def _name_resolving_targets(mod: ModuleType, spec: Any, name: str, worker_info: 
     if n == 0:
         return None
     method = "pickle" if isinstance(spec, str) else getattr(spec, "serialization_method", "pickle")
-    return [mod.NameResolvingSampleProducer(experiment_name=worker_info.experiment_name,
-                                            trial_name=worker_info.trial_name, stream_name=name, rank=r,
-                                            serialization_method=method) for r in range(n)]
+    built: list[Any] = []
+    try:
+        for r in range(n):
+            built.append(mod.NameResolvingSampleProducer(experiment_name=worker_info.experiment_name,
+                                                         trial_name=worker_info.trial_name, stream_name=name, rank=r,
+                                                         serialization_method=method))
+    except BaseException:
+        _close_all(built)  # (their sockets would otherwise stay open, unreachable)
+        raise
+    return built
+
+
+def _close_all(ends: list[Any]) -> None:
+    """Close stream ends built for a producer that could not be completed (their own errors are dropped: the
+    caller raises the one that stopped the build)."""
+    for end in ends:
+        close = getattr(end, "close", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
+                close()
 
 
 def _patch_factories(mod: ModuleType, inst: Installation, default: StreamPolicy,
@@ -382,9 +448,14 @@ def _patch_factories(mod: ModuleType, inst: Installation, default: StreamPolicy,
         if claim is None:
             return make_p(spec, worker_info)
         bare_spec, name = claim
+        policy = _producer_policy(bare_spec, name, default, policies)
         targets = _name_resolving_targets(mod, bare_spec, name, worker_info) or [make_p(bare_spec, worker_info)]
         rank = getattr(worker_info, "worker_index", 0) or 0
-        return ConduitSampleProducer(targets, policy=policies.get(name, default), rank=rank)
+        try:
+            return ConduitSampleProducer(targets, policy=policy, rank=rank)
+        except BaseException:
+            _close_all(targets)
+            raise
 
     def make_consumer(spec: Any, worker_info: Any = None) -> Any:
         claim = _claim(spec)
@@ -407,12 +478,16 @@ def _wrap_entry(cls: Any, side: str, default: StreamPolicy, policies: dict[str, 
         if claim is None:
             return cls(spec, *args, **kwargs)
         bare_spec, name = claim
-        native = cls(bare_spec, *args, **kwargs)
         if side == "producer":
+            policy = _producer_policy(bare_spec, name, default, policies)
+            native = cls(bare_spec, *args, **kwargs)
             info = getattr(bare_spec, "worker_info", None)
-            return ConduitSampleProducer([native], policy=policies.get(name, default),
-                                         rank=getattr(info, "worker_index", 0) or 0)
-        return ConduitSampleConsumer(native)
+            try:
+                return ConduitSampleProducer([native], policy=policy, rank=getattr(info, "worker_index", 0) or 0)
+            except BaseException:
+                _close_all([native])
+                raise
+        return ConduitSampleConsumer(cls(bare_spec, *args, **kwargs))
 
     build.__conduit_wrapped__ = cls  # type: ignore[attr-defined]
     build.__name__ = f"conduit_{side}_{getattr(cls, '__name__', 'entry')}"

@@ -8,8 +8,9 @@ actor gets a :class:`ConduitSampleProducer` over one native producer per trainer
   sample. A Conduit producer sends ``coalesce`` samples as one ``[T, k, ...]`` message (stacked
   on the batch axis and marked in the record's metadata), or fewer once the oldest has waited
   ``max_delay_s``. The consumer hands a coalesced message to a Conduit buffer as one
-  ``put_batch``, or to any other buffer as ``k`` ordinary ``put`` calls, so the buffer sees the
-  same samples in the same order either way.
+  ``put_batch``, or to any other buffer (and to a Conduit buffer whose ``put`` takes batched
+  ``[T, B, ...]`` samples) as ``k`` ordinary ``put`` calls, so the buffer sees the same samples in
+  the same order either way.
 * **Placement across trainers.** ``route`` picks the target of each message: ``"rank"`` (SRL's
   rule: actor rank modulo the number of trainers), ``"round_robin"``, or ``"least_sent"`` (the
   trainer this producer has sent the fewest samples to).
@@ -173,6 +174,9 @@ class ConduitSampleProducer:
         bad = [i for i, t in enumerate(targets) if not isinstance(t, SampleProducerLike)]
         if bad:
             raise ConfigurationError(f"Targets {bad} have no post()/flush(); every target is a sample producer.")
+        if policy is not None and not isinstance(policy, StreamPolicy):
+            raise ConfigurationError(f"policy must be a StreamPolicy, got {type(policy).__name__}; write "
+                                     f"policy=StreamPolicy(route=..., coalesce=..., max_delay_s=...).")
         if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or rank < 0:
             raise ConfigurationError(f"rank must be an int >= 0 (the actor's worker index), got {rank!r}.")
         self.targets = list(targets)
@@ -316,6 +320,27 @@ def _capacity(buffer: Any) -> int | None:
     return buffer.config.resolved_capacity if isinstance(buffer, ConduitBuffer) else None
 
 
+def _batched_puts(buffer: Any) -> bool:
+    """Whether ``buffer.put`` takes ``[T, B, ...]`` samples (a Conduit buffer with ``batched_puts=True``).
+
+    A coalesced message of such samples is ``[T, k, B, ...]``: ``put_batch`` would read its ``k`` axis as the
+    batch axis and ``B`` as part of every sample, so each of its ``k`` samples goes to its own ``put``.
+    """
+    return isinstance(buffer, ConduitBuffer) and buffer.config.batched_puts
+
+
+def _unstored(sample: Any, e: BaseException, batched: bool) -> Any:
+    """What of ``sample`` a refused ``put`` did not store: all of it, or (a batched put that a Conduit buffer took
+    in part, saying so in ``samples_stored``) the columns after the stored ones."""
+    part = getattr(e, "samples_stored", 0) if batched else 0
+    if not isinstance(part, int) or isinstance(part, bool) or part <= 0:
+        return sample
+    try:  # (a Conduit put refused part way stored fewer than all of its columns)
+        return sample[:, part:]
+    except Exception:  # noqa: BLE001 - a record that cannot be sliced is carried whole (the error says how much
+        return sample  # was stored: samples_stored of its cause)
+
+
 class _Unpacker:
     """What a native consumer puts into: forwards samples to the real buffer, unpacking coalesced ones."""
 
@@ -327,22 +352,25 @@ class _Unpacker:
         """Store one message: a sample, or a coalesced ``[T, k, ...]`` one as ``k`` samples in order.
 
         A Conduit buffer gets ``put_batch`` calls of at most its capacity each (so a message larger
-        than the capacity is stored as ``k`` single puts would be); any other buffer ``k`` ``put``
-        calls. If one raises, :class:`UnstoredSamplesError` names how many were stored and carries the rest
-        (a message of one sample too: what the producer sent alone is not lost where a coalesced one is kept).
+        than the capacity is stored as ``k`` single puts would be); any other buffer, and a Conduit
+        buffer with ``batched_puts=True`` (its samples are ``[T, B, ...]``), ``k`` ``put`` calls. If one
+        raises, :class:`UnstoredSamplesError` names how many were stored and carries the rest (a message of
+        one sample too: what the producer sent alone is not lost where a coalesced one is kept; of a batched
+        sample the buffer took in part, only its columns not stored).
         """
         meta = getattr(x, "metadata", None)
         k = meta.get(COALESCED_KEY) if meta is not None else None
+        batched = _batched_puts(self.buffer)
         if not k:  # a message of one sample: refused, it is carried by the error as a coalesced one's would be
             try:
                 self.buffer.put(x)
             except Exception as e:  # noqa: BLE001 - re-raised, typed, with the sample not stored
-                raise UnstoredSamplesError(stored=0, total=1, samples=[x], cause=e) from e
+                raise UnstoredSamplesError(stored=0, total=1, samples=[_unstored(x, e, batched)], cause=e) from e
             self.count += 1
             return
         x.pop_metadata(COALESCED_KEY)
         k = int(k)
-        put_batch = getattr(self.buffer, "put_batch", None)
+        put_batch = None if batched else getattr(self.buffer, "put_batch", None)
         step = 1 if put_batch is None else min(k, _capacity(self.buffer) or k)
         lo = 0
         while lo < k:
@@ -358,8 +386,9 @@ class _Unpacker:
                 part = part if isinstance(part, int) and 0 < part < hi - lo else 0
                 self.count += part
                 lo += part
-                raise UnstoredSamplesError(stored=lo, total=k, samples=[x[:, i] for i in range(lo, k)],
-                                           cause=e) from e
+                rest = [x[:, i] for i in range(lo, k)]
+                rest[0] = _unstored(rest[0], e, batched)
+                raise UnstoredSamplesError(stored=lo, total=k, samples=rest, cause=e) from e
             self.count += hi - lo
             lo = hi
 

@@ -259,7 +259,9 @@ class SrlDriver:
         """Run actors, the training thread and the consuming loop until done.
 
         Every thread is joined: within ``timeout_s``, then :data:`STOP_GRACE_S` once told to stop (a thread still
-        running then, e.g. a training step longer than the time left, is left behind as a daemon thread).
+        running then, e.g. a training step longer than the time left, is left behind as a daemon thread). The
+        trainer's main thread (``consume_to``) runs in a thread of its own, so a ``put`` that waits for room nobody
+        makes (an on-policy buffer whose training thread stopped) ends ``run`` with a TimeoutError too.
 
         Raises:
             TimeoutError: not every sample arrived, or a thread did not finish, in time.
@@ -326,42 +328,62 @@ class SrlDriver:
                 errors.append(e)
 
         expected = self.actors * self.samples_per_actor
+
+        def consuming() -> None:  # the trainer's main thread (its own thread here, so a put that blocks is bounded)
+            try:
+                while report.received < expected and not errors and not stop.is_set():
+                    c0 = time.perf_counter()
+                    got = consumer.consume_to(self.buffer, max_iter=self.max_iter)
+                    report.consume_seconds += time.perf_counter() - c0
+                    report.received += got
+                    if not got:
+                        time.sleep(0.001)
+            except BaseException as e:  # noqa: BLE001 - reported by run()
+                errors.append(e)
+            finally:
+                socket.close()  # (this thread is its only user; one that run() gave up on closes it when it ends)
+
         threads = [threading.Thread(target=actor, args=(a,), name=f"actor-{a}", daemon=True)
                    for a in range(self.actors)]
         trainer = threading.Thread(target=training, name="training-thread", daemon=True)
+        main = threading.Thread(target=consuming, name="trainer-main-thread", daemon=True)
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout_s
+        late: str | None = None
         try:
             trainer.start()
             for t in threads:
                 t.start()
-            while report.received < expected and not errors:  # the trainer's main thread
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"only {report.received} of {expected} samples arrived in {timeout_s} s")
-                c0 = time.perf_counter()
-                got = consumer.consume_to(self.buffer, max_iter=self.max_iter)
-                report.consume_seconds += time.perf_counter() - c0
-                report.received += got
-                if not got:
-                    time.sleep(0.001)
-            arrived.set()
-            trainer.join(timeout=max(0.0, deadline - time.monotonic()))
-            if trainer.is_alive():
-                raise TimeoutError("the training thread did not finish in time")
+            main.start()
+            main.join(timeout=max(0.0, deadline - time.monotonic()))
+            if main.is_alive():
+                late = f"only {report.received} of {expected} samples arrived in {timeout_s} s"
+            else:
+                arrived.set()
+                trainer.join(timeout=max(0.0, deadline - time.monotonic()))
+                if trainer.is_alive():
+                    late = "the training thread did not finish in time"
         finally:
             stop.set()
             arrived.set()
             # every join is bounded: the threads were told to stop
-            stuck = _join_within([*threads, trainer], time.monotonic() + STOP_GRACE_S)
-            socket.close()  # (used by this thread only)
+            stuck = _join_within([*threads, trainer, main], time.monotonic() + STOP_GRACE_S)
+            if main.ident is None:
+                socket.close()  # (the consuming thread never started; otherwise it closes the socket itself)
         report.seconds = time.perf_counter() - t0
         report.sent = sum(p.sent for p in producers)
         report.dropped = sum(p.dropped for p in producers)
         if errors:
             raise errors[0]
-        if stuck:
-            raise TimeoutError(f"SrlDriver.run: thread(s) {stuck} did not finish {STOP_GRACE_S} s after being told "
-                               f"to stop; left running as daemon threads.")
+        if late is not None or stuck:
+            why = late or f"SrlDriver.run: thread(s) {stuck} did not finish {STOP_GRACE_S} s after being told to stop"
+            if stuck:
+                why += f"; thread(s) {stuck} left running as daemon threads"
+            if main.name in stuck:
+                why += (" (the trainer's main thread is inside consume_to: a buffer.put that waits for room nobody "
+                        "makes, e.g. an on-policy buffer whose training thread stopped at max_steps; raise its "
+                        "capacity or deliver from it)")
+            raise TimeoutError(why + ".")
         return report
 
 
@@ -376,14 +398,15 @@ def run_buffer_worker(upstream: Sequence[Any], buffer: Any, downstream_buffer: A
                       timeout_s: float = 30.0) -> tuple[int, int]:
     """SRL's buffer-worker pattern between two real streams.
 
-    ``upstream`` samples are posted by an actor thread to stream 1; the buffer worker (this
-    thread) loops ``consume_to(buffer, max_iter)`` then, while the buffer is not empty, takes
+    ``upstream`` samples are posted by an actor thread to stream 1; the buffer worker (a thread
+    of its own) loops ``consume_to(buffer, max_iter)`` then, while the buffer is not empty, takes
     ``get().sample`` (``[T, B, ...]``) and posts ``sample[:, i]`` for each ``i`` to stream 2,
     flushing after each; a trainer thread consumes stream 2 into ``downstream_buffer``.
 
     Every thread is joined within ``timeout_s`` plus :data:`STOP_GRACE_S` (once the worker fails, or the time is up,
     the threads are told to stop); one still running then (e.g. the trainer inside a ``downstream_buffer.put`` that
-    waits for room nobody makes) is left behind as a daemon thread, and a TimeoutError names it.
+    waits for room nobody makes, or the worker inside a ``buffer.put`` that waits for room only its own ``get``
+    could make) is left behind as a daemon thread, and a TimeoutError names it.
 
     Returns:
         (samples the buffer worker re-posted, samples that reached ``downstream_buffer``).
@@ -426,45 +449,66 @@ def run_buffer_worker(upstream: Sequence[Any], buffer: Any, downstream_buffer: A
 
     reposted = 0
     expected = len(upstream)
+    def worker() -> None:  # SRL's buffer worker: its own thread, so a put into ``buffer`` that never returns is bounded
+        nonlocal reposted
+        finished = False
+        try:
+            out = ZmqSampleProducer(stream2.address)
+            try:
+                consumed = 0
+                while not errors and not stop.is_set():
+                    consumed += stream1.consume_to(buffer, max_iter=max_iter)
+                    moved = False
+                    while not buffer.empty():
+                        sample = buffer.get().sample
+                        for i in range(sample.length(1)):
+                            out.post(sample[:, i])
+                            reposted += 1
+                        out.flush()
+                        moved = True
+                    if consumed >= expected and buffer.empty():
+                        break
+                    if not moved:
+                        time.sleep(0.001)
+            finally:
+                out.close()
+            finished = not stop.is_set()
+        except BaseException as e:  # noqa: BLE001 - reported by run_buffer_worker
+            errors.append(e)
+        finally:
+            stream1.close()  # (this thread is its only user; one that was given up on closes it when it ends)
+            if not finished:
+                stop.set()
+            done.set()
+
     a = threading.Thread(target=actor, name="actor", daemon=True)
     t = threading.Thread(target=trainer, name="trainer", daemon=True)
+    w = threading.Thread(target=worker, name="buffer-worker", daemon=True)
     deadline = time.monotonic() + timeout_s
-    finished = False
+    late: str | None = None
     try:
         a.start()
         t.start()
-        out = ZmqSampleProducer(stream2.address)
-        try:
-            consumed = 0
-            while not errors:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"buffer worker re-posted {reposted} of {expected} samples in {timeout_s} s")
-                consumed += stream1.consume_to(buffer, max_iter=max_iter)
-                moved = False
-                while not buffer.empty():
-                    sample = buffer.get().sample
-                    for i in range(sample.length(1)):
-                        out.post(sample[:, i])
-                        reposted += 1
-                    out.flush()
-                    moved = True
-                if consumed >= expected and buffer.empty():
-                    break
-                if not moved:
-                    time.sleep(0.001)
-        finally:
-            out.close()
-        finished = True
-    finally:
-        done.set()
-        if not finished:
+        w.start()
+        w.join(timeout=max(0.0, deadline - time.monotonic()))
+        if w.is_alive():
+            late = f"buffer worker re-posted {reposted} of {expected} samples in {timeout_s} s"
             stop.set()
         _join_within((a, t), deadline)  # every join is bounded: until the deadline, then a grace once told to stop
+    finally:
         stop.set()
-        stuck = _join_within((a, t), time.monotonic() + STOP_GRACE_S)
-        stream1.close()
+        stuck = _join_within((a, t, w), time.monotonic() + STOP_GRACE_S)
+        if w.ident is None:
+            stream1.close()  # (the worker never started; otherwise it closes stream 1 itself)
         if not t.is_alive():  # (a socket is used by one thread at a time: a trainer still running keeps stream 2)
             stream2.close()
+    if late is not None:
+        if w.name in stuck:
+            late += (f"; the buffer worker is still inside consume_to or get, left running as a daemon thread: a "
+                     f"buffer.put that waits for room only this same thread could make by get() never returns (an "
+                     f"on-policy buffer in a buffer worker needs capacity for what one consume_to(max_iter="
+                     f"{max_iter}) receives)")
+        raise TimeoutError(late + ".")
     if stuck:
         raise TimeoutError(f"run_buffer_worker: thread(s) {stuck} did not finish within timeout_s={timeout_s} s "
                            f"(and {STOP_GRACE_S} s once told to stop), left running as daemon threads; the trainer "
