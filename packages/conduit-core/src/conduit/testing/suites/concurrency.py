@@ -23,6 +23,8 @@ class ConcurrencySuite(SuiteBase):
     payload_draws_per_item: float = 2.0
     #: items per ``sample`` call of the sampled payload check
     payload_draw_chunk: int = 10_000
+    #: items per ``insert`` call of the order check (which inserts about half the buffer again)
+    reorder_chunk: int = 20_000
 
     @abstractmethod
     def make_replay(self, *, capacity: int, prioritized: bool = False, alpha: float = 0.6, beta: float = 0.4,
@@ -30,7 +32,8 @@ class ConcurrencySuite(SuiteBase):
         """An EMPTY replay endpoint wired through the adapter."""
 
     def test_concurrent_producers_lose_and_duplicate_nothing(self) -> None:
-        """8 producer threads x 1e5 items: every id is stored exactly once, with its own payload.
+        """8 producer threads x 1e5 items: every id is stored exactly once, with its own payload, and each
+        producer's items in the order it inserted them (inserting half the buffer again evicts the oldest half).
 
         The payload check reads every item back through ``verified_contents``; an endpoint that
         cannot (it returns ``None``) is sampled instead, ``payload_draws_per_item`` draws per item.
@@ -69,8 +72,34 @@ class ConcurrencySuite(SuiteBase):
                 f"of {total} ids produced: {dup} duplicates, {len(foreign)} ids that no producer made "
                 f"(e.g. {foreign[:5].tolist()}), {lost} lost")
             self._check_payloads(ep, ids)
+            self._check_producer_order(ep, total)
         finally:
             ep.close()
+
+    def _check_producer_order(self, ep: ReplayEndpoint, total: int) -> None:
+        """Each producer's items were stored in the order it inserted them (FIFO eviction follows it).
+
+        Inserting ``k`` more items evicts the ``k`` oldest; of each producer's items, those evicted must be its
+        first ones. ``k`` is not a multiple of ``chunk``, so the cut falls inside one insert call's items.
+        """
+        k = total // 2 + self.chunk // 2 + 1
+        for s in range(total, total + k, self.reorder_chunk):
+            ep.insert(np.arange(s, min(s + self.reorder_chunk, total + k)))
+        assert len(ep) == total, f"{len(ep)} items stored after {k} more were inserted into a full buffer of {total}"
+        live = np.sort(ep.contents())
+        new_live = int((live >= total).sum())
+        assert new_live == k, f"of {k} items inserted into the full buffer afterwards, {new_live} are live"
+        evicted = np.setdiff1d(np.arange(total), live, assume_unique=True)
+        for t in range(self.threads):
+            base = t * self.items_per_thread
+            mine = evicted[(evicted >= base) & (evicted < base + self.items_per_thread)] - base
+            if not np.array_equal(mine, np.arange(len(mine))):
+                first_kept = int(np.setdiff1d(np.arange(len(mine)), mine)[0])
+                raise AssertionError(
+                    f"producer {t}'s items were not stored in the order it inserted them: inserting {k} more items "
+                    f"evicted {len(mine)} of its items, but not its first {len(mine)} (its item {base + first_kept} "
+                    f"is still live, its later item {base + int(mine[mine > first_kept][0])} was evicted); keep "
+                    f"each producer's items in insertion order, within and across its insert calls")
 
     def _check_payloads(self, ep: ReplayEndpoint, ids: np.ndarray) -> None:
         """Every stored item's payload matches its id (``ids``: the sorted stored ids)."""

@@ -73,6 +73,43 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
             parts = [{frozenset(mb.ids.tolist()) for mb in mbs if mb.epoch == k} for k in range(e)]
             assert parts[0] != parts[1], "every epoch cut the same minibatches: reshuffle the items each epoch"
 
+    def test_rollout_ingested_in_several_calls_is_one_rollout(self) -> None:
+        """The items of one version ingested in several calls form one rollout until ``end_rollout`` (or a new
+        version): it is delivered whole, in M minibatches per epoch, each epoch shuffled over all its items,
+        not call by call.
+
+        Troubleshooting: append each ingest call to the open rollout; seal only on ``end_rollout`` or a new
+        version; permute the whole rollout each epoch.
+        """
+        parts, m, e = (10, 7, 13), 3, 3
+        bounds = np.cumsum((0,) + parts)
+        n = int(bounds[-1])
+        with self.on_policy(num_minibatches=m, num_epochs=e, seed=2) as ep:
+            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+                ep.ingest(np.arange(lo, hi), version=0)
+            ep.end_rollout()
+            mbs = ep.consume()
+            what = f"a rollout ingested in {len(parts)} calls of {list(parts)} items (version 0)"
+            delivered = sorted(set(np.concatenate([mb.ids for mb in mbs]).tolist()))
+            assert delivered == list(range(n)), (
+                f"{what} was delivered as {len(delivered)} of its {n} items: the ingest calls of one version form "
+                f"one rollout until end_rollout() or a new version")
+            assert len(mbs) == m * e, f"{what} came in {len(mbs)} minibatches, expected M*E = {m * e}"
+            assert all(mb.version == 0 for mb in mbs), f"{what} reports versions {[mb.version for mb in mbs]}"
+            call_of = np.searchsorted(bounds, np.arange(n), side="right") - 1
+            in_call_order = 0
+            for epoch in range(e):
+                part = [mb for mb in mbs if mb.epoch == epoch]
+                sizes = sorted(len(mb.ids) for mb in part)
+                assert len(part) == m and sizes == [n // m] * m, (
+                    f"{what}: epoch {epoch} came in minibatches of {sizes} items, expected {m} of {n // m}")
+                order = np.concatenate([mb.ids for mb in part])
+                assert sorted(order.tolist()) == list(range(n)), f"{what}: epoch {epoch} is not a permutation"
+                in_call_order += bool((np.diff(call_of[order]) >= 0).all())
+            assert in_call_order < e, (
+                f"{what}: every epoch delivers the calls' items one call after another: shuffle the whole "
+                f"rollout each epoch, not each ingest call")
+
     def test_deterministic_under_seed(self) -> None:
         """The same seed and the same calls deliver the same minibatches in the same order; another seed
         shuffles differently; two endpoints with one seed, used in turn, deliver as one alone does.

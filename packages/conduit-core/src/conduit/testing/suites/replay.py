@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conduit.errors import ConduitError
-from conduit.testing.endpoints import CAP_CHECKPOINT, CAP_PRIORITIZED, ReplayEndpoint
+from conduit.testing.endpoints import CAP_CHECKPOINT, CAP_PRIORITIZED, Draw, ReplayEndpoint
 from conduit.testing.suites.base import SuiteBase, chi_square_p, needs
 from conduit.testing.suites.prefetch import PrefetchReplayChecks
 
@@ -22,6 +22,24 @@ __all__ = ["ReplaySuite"]
 #: approximation holds). ReplaySuite runs three such tests, so a correct adapter whose draws differ from
 #: core's fails with probability <= 3e-3; the draws are seeded, so whatever the result, it is reproducible.
 P_MIN = 1e-3
+
+
+def draw(ep: ReplayEndpoint, n: int) -> Draw:
+    """``ep.sample(n)``, checked to hold exactly ``n`` items: ``n`` ids, and ``n`` handles and weights where given.
+
+    (Without the check a draw one row short passes the distribution tests: their expected counts scale with
+    what was drawn.)
+    """
+    d = ep.sample(n)
+    got = {"ids": len(d.ids)}
+    if d.handles is not None:
+        got["handles"] = len(d.handles)
+    if d.weights is not None:
+        got["weights"] = len(d.weights)
+    wrong = [f"{v} {k}" for k, v in got.items() if v != n]
+    assert not wrong, (f"sample({n}) returned {', '.join(wrong)}: a draw holds exactly n = {n} items, with one "
+                       f"handle and one importance weight per item")
+    return d
 
 
 class ReplaySuite(PrefetchReplayChecks, SuiteBase):
@@ -48,7 +66,7 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
     def _counts(self, ep: ReplayEndpoint, n_items: int) -> np.ndarray:
         counts = np.zeros(n_items, dtype=np.int64)
         for _ in range(self.draws // self.chunk):
-            np.add.at(counts, ep.sample(self.chunk).ids, 1)
+            np.add.at(counts, draw(ep, self.chunk).ids, 1)
         return counts
 
     def _set_priorities(self, ep: ReplayEndpoint, prio_of_id: np.ndarray) -> None:
@@ -59,12 +77,12 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
         """
         seen: set[int] = set()
         for _ in range(200):
-            d = ep.sample(self.chunk)
+            d = draw(ep, self.chunk)
             ep.update_priorities(d.handles, prio_of_id[d.ids])
             seen.update(d.ids.tolist())
             if len(seen) == len(prio_of_id):
                 for _ in range(ep.priority_staleness):
-                    ep.sample(self.chunk)
+                    draw(ep, self.chunk)
                 return
         pytest.fail(f"could not reach every item through sampling to set its priority ({len(seen)} seen)")
 
@@ -87,14 +105,14 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
         n = 100
         with self.replay(capacity=n, seed=1) as ep:  # partly filled: only the 60 live items are drawn, evenly
             ep.insert(np.arange(60))
-            counts = np.bincount(np.concatenate([ep.sample(self.chunk).ids for _ in range(20)]), minlength=n)
+            counts = np.bincount(np.concatenate([draw(ep, self.chunk).ids for _ in range(20)]), minlength=n)
             assert counts[60:].sum() == 0, f"ids that are not live were drawn: {np.nonzero(counts[60:])[0] + 60}"
             p = chi_square_p(counts[:60], np.ones(60))
             assert p > P_MIN, f"uniform draws from a partly filled buffer fail chi-square (p={p:.2e})"
             # draws are with replacement: 60 independent draws from 60 items repeat one with probability
             # 1 - 60!/60^60 (a correct buffer fails this with probability ~1e-25 per draw)
             for _ in range(5):
-                d = ep.sample(60).ids
+                d = draw(ep, 60).ids
                 assert len(np.unique(d)) < 60, (
                     "a draw of 60 items from a buffer of 60 holds no item twice: draws are not with replacement "
                     "(or not independent); sample each of the n items independently over all live items")
@@ -127,8 +145,8 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             # new items get the largest priority seen so far (5.0); they evict ids 0..4
             ep.insert(np.arange(n, n + 5))
             for _ in range(2 * (ep.priority_staleness + 2)):  # draws prepared before the insert
-                ep.sample(self.chunk)
-            ids = np.concatenate([ep.sample(self.chunk).ids for _ in range(20)])
+                draw(ep, self.chunk)
+            ids = np.concatenate([draw(ep, self.chunk).ids for _ in range(20)])
             new = 5 * prio.max() ** alpha
             expected = new / (new + (prio[5:] ** alpha).sum())
             share = float((ids >= n).mean())
@@ -149,7 +167,7 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             prio = np.arange(1, n + 1, dtype=np.float64)
             prio[0] = 1e-6  # P(0) ~ 3e-6: a batch almost never holds the least likely item
             self._set_priorities(ep, prio)
-            d = ep.sample(256)
+            d = draw(ep, 256)
             assert d.weights is not None, "a prioritized endpoint returned no importance weights"
             probs = prio ** alpha / (prio ** alpha).sum()
             if 0 not in d.ids:
@@ -163,8 +181,8 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             # evict the least likely item (FIFO): the largest possible weight now follows item 1's priority
             ep.insert(np.array([n]))
             for _ in range(2 * (ep.priority_staleness + 2)):  # draws prepared before the insert
-                ep.sample(self.chunk)
-            d = ep.sample(256)
+                draw(ep, self.chunk)
+            d = draw(ep, 256)
             assert d.weights is not None, "a prioritized endpoint returned no importance weights"
             assert d.ids.min() >= 1, "the evicted item 0 was drawn after an insert evicted it"
             live_prio = np.append(prio[1:], prio.max())  # ids 1..n-1, and id n with the largest priority seen
@@ -187,7 +205,7 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                 assert len(ep) == min(start + 5, cap), f"len {len(ep)} after {start + 5} inserts (capacity {cap})"
             assert sorted(ep.contents().tolist()) == list(range(15, 25)), \
                 f"live ids {sorted(ep.contents().tolist())}, expected the newest 10 (15..24)"
-            ids = ep.sample(2000).ids
+            ids = draw(ep, 2000).ids
             assert ids.min() >= 15, f"evicted id {ids.min()} was sampled"
             # batches that do not divide the capacity: the second one wraps around the ring's end
             ep.insert(np.arange(25, 28))
@@ -207,13 +225,13 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
         with self.replay(capacity=cap, prioritized=True, alpha=1.0, seed=5) as ep:
             needs(ep, CAP_PRIORITIZED)
             ep.insert(np.arange(cap))
-            old = ep.sample(200)
+            old = draw(ep, 200)
             ep.insert(np.arange(100, 100 + cap))  # every old item is evicted
             # the first and the most recently evicted item (slots now holding 100 and 109), and live item 105
             stale = [np.nonzero(old.ids == i)[0][:1] for i in (0, cap - 1)]
             assert all(len(s) for s in stale), "items 0 and 9 were not both drawn in 200 draws from 10 items"
             for _ in range(10):  # a prefetching endpoint may first deliver draws made before the insert
-                new = ep.sample(200)
+                new = draw(ep, 200)
                 live = np.nonzero(new.ids == 105)[0][:1]
                 if len(live):
                     break
@@ -221,8 +239,8 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             ep.update_priorities(old.handles[np.concatenate(stale)], np.full(2, 1e6))
             ep.update_priorities(new.handles[live], np.full(1, 1e6))
             for _ in range(ep.priority_staleness):
-                ep.sample(self.chunk)
-            counts = np.bincount(ep.sample(5000).ids - 100, minlength=cap)
+                draw(ep, self.chunk)
+            counts = np.bincount(draw(ep, 5000).ids - 100, minlength=cap)
             assert counts[5] > 0.2 * counts.sum(), (
                 f"the update naming live item 105 (drawn after the ring wrapped) was not applied: draw counts of "
                 f"100..109 {counts.tolist()} (do handles of a wrapped ring still name live items?)")
@@ -230,44 +248,87 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                 f"a stale update changed a new occupant's priority: draw counts of 100..109 {counts.tolist()}")
             ep.update_priorities(np.concatenate([old.handles[stale[1]], new.handles[live]]), np.array([1e6, 1.0]))
             for _ in range(ep.priority_staleness):
-                ep.sample(self.chunk)
-            counts = np.bincount(ep.sample(5000).ids - 100, minlength=cap)
+                draw(ep, self.chunk)
+            counts = np.bincount(draw(ep, 5000).ids - 100, minlength=cap)
             assert counts.max() < 0.3 * counts.sum(), (
                 f"an update naming an evicted and a live handle was not applied to the live handle only: "
                 f"draw counts of 100..109 {counts.tolist()} (item 105 set back to 1, evicted 9's handle to 1e6)")
 
-    def test_deterministic_under_seed(self) -> None:
-        """The same seed and the same calls give the same draws.
+    def test_update_for_live_handle_drawn_before_an_eviction_is_applied(self) -> None:
+        """An insert that evicts some items leaves the handles of the others valid: an update naming an item
+        drawn before that insert, and still live, is applied (the one naming an evicted item in the same call
+        is ignored). Actors insert while the learner updates, so a full buffer evicts between nearly every
+        draw and its update.
 
-        Troubleshooting: draw from an RNG seeded from the endpoint's seed, not a global one.
+        Troubleshooting: decide per handle whether its item is still live (its generation is the slot's
+        current one); do not void every handle drawn before the latest eviction.
         """
-        def run(seed: int = 7) -> list[int]:
-            with self.replay(capacity=64, seed=seed) as ep:
-                ep.insert(np.arange(50))
-                ep.insert(np.arange(50, 100))
-                return np.concatenate([ep.sample(32).ids for _ in range(5)]).tolist()
+        cap = 10
+        with self.replay(capacity=cap, prioritized=True, alpha=1.0, seed=6) as ep:
+            needs(ep, CAP_PRIORITIZED)
+            ep.insert(np.arange(cap))
+            d = draw(ep, 200)
+            rows = [np.nonzero(d.ids == i)[0][:1] for i in (7, 0)]
+            assert all(len(r) for r in rows), "items 7 and 0 were not both drawn in 200 draws from 10 items"
+            ep.insert(np.array([cap, cap + 1]))  # evicts items 0 and 1; item 7 stays
+            assert len(ep) == cap, f"len {len(ep)} after inserting 12 items (capacity {cap})"  # the insert landed
+            ep.update_priorities(d.handles[np.concatenate(rows)], np.full(2, 1e6))
+            for _ in range(ep.priority_staleness + 2):  # draws prepared before the insert or the update
+                draw(ep, self.chunk)
+            ids = draw(ep, 5000).ids
+            counts = {i: int((ids == i).sum()) for i in range(2, cap + 2)}
+            assert counts[7] > 0.9 * len(ids), (
+                f"the update naming item 7 (drawn before an insert evicted items 0 and 1, still live) was not "
+                f"applied: draw counts of the live items 2..11 {counts} (are handles drawn before an eviction "
+                f"voided wholesale? only the evicted items' handles are stale)")
+            assert counts[cap] < 0.01 * len(ids), (
+                f"the update naming evicted item 0 changed its slot's new occupant 10: draw counts {counts}")
 
-        a, b = run(), run()
-        assert a == b, "two endpoints with the same seed drew different items"
-        assert run(seed=8) != a, "endpoints with different seeds drew the same items: the seed is ignored"
-        with self.replay(capacity=64, seed=7) as e1, self.replay(capacity=64, seed=7) as e2:
-            for ep in (e1, e2):
-                ep.insert(np.arange(50))
-                ep.insert(np.arange(50, 100))
-            d1, d2 = [], []
-            for _ in range(5):
-                d1.append(e1.sample(32).ids)
-                d2.append(e2.sample(32).ids)
-            assert np.concatenate(d1).tolist() == a == np.concatenate(d2).tolist(), (
-                "two interleaved endpoints with the same seed drew differently from one alone: "
-                "they share an RNG (a global one?)")
+    def test_deterministic_under_seed(self) -> None:
+        """The same seed and the same calls give the same draws, uniform and prioritized; another seed draws
+        differently; two endpoints with one seed, used in turn, draw as one alone does.
+
+        Troubleshooting: draw from an RNG seeded from the endpoint's seed, not a global one (for the
+        prioritized sampler too).
+        """
+        def filled(ep: ReplayEndpoint) -> ReplayEndpoint:
+            ep.insert(np.arange(50))
+            ep.insert(np.arange(50, 100))
+            return ep
+
+        for prioritized in (False, True):
+            with self.replay(capacity=64, prioritized=prioritized, seed=7) as probe:
+                if prioritized and CAP_PRIORITIZED not in probe.capabilities:
+                    continue
+            kind = f"prioritized={prioritized}"
+
+            def run(seed: int = 7, prioritized: bool = prioritized) -> list[int]:
+                with self.replay(capacity=64, prioritized=prioritized, seed=seed) as ep:
+                    filled(ep)
+                    return np.concatenate([draw(ep, 32).ids for _ in range(5)]).tolist()
+
+            a, b = run(), run()
+            assert a == b, f"{kind}: two endpoints with the same seed drew different items"
+            assert run(seed=8) != a, f"{kind}: endpoints with different seeds drew the same items: the seed is ignored"
+            with self.replay(capacity=64, prioritized=prioritized, seed=7) as e1, \
+                    self.replay(capacity=64, prioritized=prioritized, seed=7) as e2:
+                filled(e1)
+                filled(e2)
+                d1, d2 = [], []
+                for _ in range(5):
+                    d1.append(draw(e1, 32).ids)
+                    d2.append(draw(e2, 32).ids)
+                assert np.concatenate(d1).tolist() == a == np.concatenate(d2).tolist(), (
+                    f"{kind}: two interleaved endpoints with the same seed drew differently from one alone: "
+                    f"they share an RNG (a global one?)")
 
     def test_checkpoint_round_trip(self) -> None:
-        """A restored buffer holds the same items and continues the same draws (RNG included), and gives
-        items inserted after the restore the same priority as the saved buffer does.
+        """A restored buffer holds the same items and continues the same draws (RNG included), gives
+        items inserted after the restore the same priority as the saved buffer does, and takes priority
+        updates through handles drawn before the save, for the same items.
 
-        Troubleshooting: save the sampler's RNG state, the priorities and the largest priority seen
-        with the contents.
+        Troubleshooting: save the sampler's RNG state, the priorities, the largest priority seen and the
+        handle counter (or whatever the adapter's handles refer to) with the contents.
         """
         for prioritized in (False, True):
             with self.replay(capacity=32, prioritized=prioritized, seed=8) as ep:
@@ -276,13 +337,13 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                     continue
                 ep.insert(np.arange(25))
                 ep.insert(np.arange(25, 50))
-                d = ep.sample(64)  # advance the RNG past its seed
+                d = draw(ep, 64)  # advance the RNG past its seed
                 if prioritized:
                     ep.update_priorities(d.handles, (d.ids % 7 + 1).astype(np.float64))
                     for _ in range(ep.priority_staleness):
-                        ep.sample(16)
+                        draw(ep, 16)
                 state = ep.state_dict()
-                after = [ep.sample(16).ids.tolist() for _ in range(4)]
+                after = [draw(ep, 16).ids.tolist() for _ in range(4)]
                 live = sorted(ep.contents().tolist())
                 ep.insert(np.arange(50, 60))
                 after_insert = sorted(ep.contents().tolist())
@@ -290,7 +351,7 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                     other.load_state_dict(state)
                     assert len(other) == len(live), f"restored buffer holds {len(other)} items, saved {len(live)}"
                     assert sorted(other.contents().tolist()) == live, "restored buffer holds other items"
-                    again = [other.sample(16).ids.tolist() for _ in range(4)]
+                    again = [draw(other, 16).ids.tolist() for _ in range(4)]
                     assert again == after, f"restored buffer (prioritized={prioritized}) draws differently"
                     other.insert(np.arange(50, 60))
                     got = sorted(other.contents().tolist())
@@ -301,13 +362,28 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                         shares = []
                         for e in (ep, other):
                             for _ in range(2 * (e.priority_staleness + 2)):  # draws prepared before the insert
-                                e.sample(16)
-                            ids = np.concatenate([e.sample(256).ids for _ in range(8)])
+                                draw(e, 16)
+                            ids = np.concatenate([draw(e, 256).ids for _ in range(8)])
                             shares.append(float(np.isin(ids, np.arange(50, 60)).mean()))
                         assert abs(shares[0] - shares[1]) < 0.08, (
                             f"items inserted after a restore are drawn {shares[1]:.0%} of the time, "
                             f"{shares[0]:.0%} in the saved buffer: the restored buffer gives new items another "
                             f"priority (the largest priority seen was not restored?)")
+                        # a handle drawn before the save names the same item in the restored buffer
+                        row = np.nonzero(d.ids >= 28)[0][:1]  # an item still live after the insert of 50..59
+                        assert len(row), f"no item of 28..49 among 64 draws from 18..49: {sorted(set(d.ids.tolist()))}"
+                        target = int(d.ids[row[0]])
+                        shares = []
+                        for e in (ep, other):
+                            e.update_priorities(d.handles[row], np.full(1, 1e9))
+                            for _ in range(e.priority_staleness + 2):  # draws prepared before the update
+                                draw(e, 16)
+                            shares.append(float((draw(e, 1000).ids == target).mean()))
+                        assert min(shares) > 0.9, (
+                            f"a priority update through a handle drawn before state_dict() (item {target}, priority "
+                            f"1e9) left item {target} at {shares[1]:.0%} of the restored buffer's draws, "
+                            f"{shares[0]:.0%} of the saved buffer's: handles drawn before a checkpoint must name the "
+                            f"same items after load_state_dict() (save what the handles refer to with the items)")
 
     def test_sampling_empty_buffer_raises(self) -> None:
         """Sampling an empty buffer raises a Conduit error, never returns garbage.
