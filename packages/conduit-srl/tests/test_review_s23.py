@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import pickle
 import threading
 import time
 from typing import Any
@@ -18,6 +19,7 @@ import conduit_srl
 import numpy as np
 import pytest
 from conduit import ConfigurationError
+from conduit.testing.lifecycle import eventually
 from conduit_srl import (
     ConduitBuffer,
     ConduitSampleConsumer,
@@ -341,3 +343,78 @@ def test_run_buffer_worker_whose_own_put_waits_for_room_returns_within_its_bound
     for t in [t for t in threading.enumerate() if t not in before]:
         t.join(20.0)
         assert not t.is_alive(), f"{t.name} still running after the buffer was closed"
+
+
+def _queue_run(ops: list[tuple[str, int]], *, wait_prepared: bool, checkpoint: bool,
+               prepared: list[int]) -> tuple[list[int], int]:
+    """Run ``ops`` (("put", id) or ("get", 0)) on a queue buffer of capacity 4; the ids delivered and dropped.
+
+    ``wait_prepared``: after each get, wait until Conduit prepared the next batch ahead (when one is there to
+    prepare; ``prepared[0]`` counts those); ``checkpoint``: then pickle the buffer (a checkpoint discards
+    prepared batches).
+    """
+    b = ConduitBuffer(batch_size=1, capacity=4, prefetch=0)
+    out: list[int] = []
+    try:
+        for op, i in ops:
+            if op == "put":
+                b.put(make_sample([i]))
+                continue
+            if b.empty():
+                continue
+            out += entry_ids(b.get()).tolist()
+            if wait_prepared:  # (Conduit prepares the next batch after a delivery, when one is stored)
+                fifo = b._a._fifo()
+                b.flush()
+                if fifo.undelivered() > 0 and eventually(lambda f=fifo: f._selected > f._confirmed, timeout=0.5):
+                    prepared[0] += 1
+            if checkpoint:
+                pickle.dumps(b)
+        while not b.empty():
+            out += entry_ids(b.get()).tolist()
+        return out, int(b.stats()["queue_dropped"])
+    finally:
+        b.close()
+
+
+def _queue_reference(ops: list[tuple[str, int]]) -> tuple[list[int], int]:
+    """A queue of capacity 4 without prefetch: a put past capacity drops the oldest, get takes the oldest."""
+    q: list[int] = []
+    out: list[int] = []
+    dropped = 0
+    for op, i in ops:
+        if op == "put":
+            q.append(i)
+            if len(q) > 4:
+                q.pop(0)
+                dropped += 1
+        elif q:
+            out.append(q.pop(0))
+    return out + q, dropped
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_queue_delivers_the_same_with_or_without_prefetch_and_checkpoints(seed: int) -> None:
+    """What a queue delivers (and drops) does not depend on whether Conduit prepared the next batch ahead before
+    later puts evicted it, nor on checkpoints taken meanwhile: it is what a queue without prefetch delivers. (A
+    batch prepared ahead and then evicted used to be delivered, unless a checkpoint had discarded it first.)"""
+    rng = np.random.default_rng(seed)
+    ops: list[tuple[str, int]] = []
+    nxt = 0
+    for _ in range(40):
+        if rng.random() < 0.6:
+            for _ in range(int(rng.integers(1, 7))):
+                ops.append(("put", nxt))
+                nxt += 1
+        else:
+            ops.append(("get", 0))
+    expected = _queue_reference(ops)
+    assert expected[1] > 0, "the sequence drops nothing: it does not test eviction of a prepared batch"
+    for wait_prepared, checkpoint in ((True, False), (True, True), (False, False)):
+        prepared = [0]
+        got = _queue_run(ops, wait_prepared=wait_prepared, checkpoint=checkpoint, prepared=prepared)
+        if wait_prepared:
+            assert prepared[0] > 0, "Conduit never prepared a batch ahead: the test checks nothing of prefetch"
+        assert got == expected, (f"seed {seed}, wait_prepared={wait_prepared}, checkpoint={checkpoint}: delivered "
+                                 f"{got[0]} (dropped {got[1]}), a queue without prefetch {expected[0]} "
+                                 f"(dropped {expected[1]})")

@@ -185,21 +185,23 @@ def _await_prepared(b: ConduitBuffer) -> None:
         "Conduit's scheduler did not prepare the next batch"
 
 
-def test_qsize_counts_a_prepared_batch_whose_samples_were_evicted(closing) -> None:
+def test_a_prepared_batch_whose_samples_were_evicted_is_dropped_as_without_prefetch(closing) -> None:
+    """Prefetch never changes what a queue delivers: a batch prepared ahead whose samples eviction took is
+    dropped (counted), as a queue that did not prepare ahead drops them; qsize() does not count it."""
     b = closing(batch_size=1, capacity=2, prefetch=0)
     b.put(make_sample([0]))
     b.put(make_sample([1]))
     assert entry_ids(b.get()).tolist() == [0]
     _await_prepared(b)
     b.put(make_sample([2]))
-    b.put(make_sample([3]))  # evicts 1 from storage; the prepared batch still holds it
+    b.put(make_sample([3]))  # evicts 1 from storage (the prepared batch held it)
     b.flush()
     q = b.qsize()
     delivered = []
     while not b.empty():
         delivered += entry_ids(b.get()).tolist()
-    assert delivered == [1, 2, 3] and b.stats()["queue_dropped"] == 0
-    assert q == 3, f"qsize() said {q} with 3 samples still to deliver"
+    assert delivered == [2, 3] and b.stats()["queue_dropped"] == 1
+    assert q == 2, f"qsize() said {q} with 2 samples still to deliver"
 
 
 # -- on-policy: the assembler reads the rollouts under Conduit's lock (its prefetch peeks under it) ---------
@@ -220,7 +222,7 @@ def test_assembler_always_prepares_the_next_minibatch_of_the_rollout() -> None:
     assert starved == 0, f"in {starved} of 200 runs the assembler found nothing to prepare and stopped"
 
 
-def test_qsize_counts_a_prepared_batch_that_puts_on_their_way_will_evict(closing) -> None:
+def test_qsize_leaves_out_a_prepared_batch_that_puts_on_their_way_will_evict(closing) -> None:
     b = closing(batch_size=1, capacity=2, prefetch=0, g_ing=3)  # (puts are stored three at a time)
     b.put(make_sample([0]))
     b.put(make_sample([1]))
@@ -233,8 +235,8 @@ def test_qsize_counts_a_prepared_batch_that_puts_on_their_way_will_evict(closing
     delivered = []
     while not b.empty():
         delivered += entry_ids(b.get()).tolist()
-    assert delivered == [1, 2, 3]
-    assert q == 3, f"qsize() said {q} with 3 samples still to deliver"
+    assert delivered == [2, 3] and b.stats()["queue_dropped"] == 1
+    assert q == 2, f"qsize() said {q} with 2 samples still to deliver"
 
 
 def test_a_put_refused_before_anything_was_stored_leaves_the_rollout_count_as_it_was(closing, monkeypatch) -> None:

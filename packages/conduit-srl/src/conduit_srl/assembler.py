@@ -341,10 +341,7 @@ class Assembler:
             fifo = self._fifo()
 
             def queued() -> int:
-                pending = self._pending_samples()
-                # (+ samples a prepared delivery holds that eviction took, or will take, from storage)
-                oldest = max(fifo.storage.oldest, fifo.storage.next_handle + pending - edp.capacity)
-                return min(pending + fifo.undelivered(), edp.capacity) + fifo.held_ahead(oldest)
+                return min(self._pending_samples() + fifo.undelivered(), edp.capacity)
 
             with self._cv:  # (a batch assembled ahead leaves the cursor and joins _ready in one step under _cv)
                 fresh = sum(int(e.sampling_indices.shape[0]) for e in self._ready if e.reuses == 0)
@@ -748,6 +745,9 @@ class Assembler:
                     raise EmptyBufferError(f"{len(edp)} samples stored, warmup is {self.cfg.resolved_warmup}; put "
                                            f"more before get().")
                 if self.cfg.semantics == "queue":
+                    fifo = self._fifo()
+                    if self.read_plane(fifo.prepared_evicted):  # eviction took a batch prepared ahead: not
+                        self._scheduler().invalidate("contents")  # delivered (as without prefetch), dropped
                     seen = self._scheduler().discarded
                     if seen != self._discarded_seen:  # Conduit dropped prepared batches: select them again
                         with self._cv:  # (qsize reads the cursors under _cv)

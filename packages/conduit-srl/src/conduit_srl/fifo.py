@@ -10,6 +10,11 @@ instance). So the sampler keeps two cursors: the *selection* cursor that ``sampl
 and the *confirmed* one, advanced by :meth:`confirm` when a delivery really left the scheduler.
 Checkpoints save the confirmed cursor, and :meth:`rewind` moves the selection cursor back to it
 after a discard: nothing prepared and dropped is lost, nothing is delivered twice.
+
+Prefetch never changes what is delivered: a selection prepared ahead whose items eviction took
+before it was delivered (:meth:`FifoSampler.prepared_evicted`) is discarded by the next delivery
+and its items counted in ``dropped``, as a queue without prefetch would have dropped them. So a
+buffer delivers the same batches whether or not it prepared ahead or took a checkpoint meanwhile.
 """
 
 from __future__ import annotations
@@ -67,25 +72,27 @@ class FifoSampler(Sampler):
         st = self.storage
         return st.next_handle - max(self._conf[0], st.oldest)
 
-    def held_ahead(self, oldest: int | None = None) -> int:
-        """Items selected ahead (not confirmed) that eviction took from storage since: a prepared delivery
-        still holds their rows, so they are delivered unless it is discarded (then they count in ``dropped``).
-
-        ``oldest``: count as if the storage's oldest live handle were this one (items still to be stored
-        will evict up to it); default: the storage's.
-        """
-        oldest = self.storage.oldest if oldest is None else oldest
+    def held_ahead(self) -> int:
+        """Items selected ahead (not confirmed) that eviction took from storage since: their prepared delivery
+        is discarded, not delivered, and they count in ``dropped`` (see :meth:`prepared_evicted`)."""
+        oldest = self.storage.oldest
         first = self._starts[0] if self._starts else self._picked
         return max(0, min(self._picked, oldest) - max(self._conf[0], first))
 
-    def can_deliver(self, n: int) -> bool:
-        """Whether a batch of ``n`` is waiting (by the confirmed cursor, so prepared ones count).
+    def prepared_evicted(self) -> bool:
+        """Whether eviction took items of a selection prepared ahead (not confirmed): the scheduler must discard
+        what it prepared before the next delivery (then :meth:`rewind`), so that the delivery is what a queue
+        without prefetch delivers now. Read it under the buffer's lock, where storing evicts."""
+        return bool(self._starts) and self._starts[0] < self.storage.oldest
 
-        A batch owed more reuses counts only while its items are live (eviction abandons it) or
-        while a selection is prepared ahead (its rows were gathered before the eviction).
+    def can_deliver(self, n: int) -> bool:
+        """Whether a batch of ``n`` is waiting (by the confirmed cursor, so live prepared ones count).
+
+        A batch owed more reuses counts only while its items are live (eviction abandons it).
         """
         cur = self._conf[1]
-        if self._selected > self._confirmed or (cur is not None and cur[0] >= self.storage.oldest):
+        if (self._selected > self._confirmed and not self.prepared_evicted()) or (
+                cur is not None and cur[0] >= self.storage.oldest):
             return True
         return self.undelivered() >= n
 
