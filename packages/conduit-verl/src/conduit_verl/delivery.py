@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, cast
 
+import numpy as np
 import torch
 from conduit import (
     ConfigurationError,
@@ -86,6 +87,10 @@ _MODES = ("prefetch", "sync", "off")
 
 
 # -- semantics ---------------------------------------------------------------------------------
+#: DataLoader arguments the per-rollout loader is built with (a ``dataloader_kwargs`` entry may not set them)
+_LOADER_OWN = frozenset({"dataset", "batch_size", "generator", "collate_fn", "batch_sampler"})
+
+
 class VerlOnPolicy(OnPolicy):
     """Conduit's on-policy semantics with verl's per-epoch row order.
 
@@ -108,6 +113,9 @@ class VerlOnPolicy(OnPolicy):
     next epoch waits for its first delivery; a load rebuilds a seeded loader and replays its passes
     to that point, so a checkpoint between epochs continues exactly. An unseeded loader draws each
     pass from the global RNG, as a fresh one does: its next pass is drawn from the RNG as it is then.
+
+    ``dataloader_kwargs`` may not set what the loader is built with (``dataset``, ``batch_size``,
+    ``generator``, ``collate_fn``, ``batch_sampler``): :class:`~conduit.ConfigurationError` at construction.
     """
 
     def __init__(self, *, num_minibatches: int, num_epochs: int = 1, max_staleness: int = 0,
@@ -115,8 +123,14 @@ class VerlOnPolicy(OnPolicy):
                  dataloader_kwargs: dict[str, Any] | None = None) -> None:
         super().__init__(num_minibatches=num_minibatches, num_epochs=num_epochs, max_staleness=max_staleness,
                          on_stale=on_stale, shuffle=False, seed=0 if seed is None else int(seed))
+        kwargs = dict(dataloader_kwargs or {})
+        own = sorted(k for k in kwargs if k in _LOADER_OWN)
+        if own:  # DataLoader would raise a raw TypeError (or mis-cut the epoch) at the first minibatch
+            raise ConfigurationError(f"dataloader_kwargs sets {own}, which the delivery sets itself (dataset, "
+                                     f"batch_size from num_minibatches, generator from seed, collate_fn); pass the "
+                                     f"others only (e.g. shuffle).")
         self.loader_seed = seed
-        self.dataloader_kwargs = dict(dataloader_kwargs or {})
+        self.dataloader_kwargs = kwargs
         self._orders: Iterator[torch.Tensor] | None = None
         self._orders_drawn = 0  # passes drawn from the current rollout's loader
         self._deferred = False  # the next epoch starts on the next delivery (seed=None)
@@ -418,6 +432,28 @@ class _Codec:
         return TensorDict(out, batch_size=[batch.batch_size])
 
 
+def _constant(v: Any) -> Any:
+    """The value a constant column (``NonTensorData``) carries."""
+    return v.data if isinstance(v, NonTensorData) else v
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    """Whether two constant columns carry the same value (tensors and arrays by dtype, shape and elements)."""
+    x, y = _constant(a), _constant(b)
+    if x is y:
+        return True
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+                and x.shape == y.shape and bool(torch.equal(x.cpu(), y.cpu())))
+    if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+        return (isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and x.dtype == y.dtype
+                and bool(np.array_equal(x, y)))
+    try:
+        return type(x) is type(y) and bool(x == y)
+    except Exception:  # a value without a truthful ==: only the same object is the same
+        return False
+
+
 def _storable(dtype: torch.dtype) -> bool:
     """Whether a Conduit field can hold ``dtype`` (torch gathers rows of it: not uint16/32/64 on some torches)."""
     try:
@@ -469,6 +505,8 @@ class MinibatchDelivery:
         self.codec: _Codec | None = None
         self._segments: list[tuple[int, dict[str, list[Any]], dict[str, Any]]] = []
         self._firsts: list[int] = []
+        #: the constant columns of the open rollout's shards (None before its first shard): one value per rollout
+        self._open_consts: dict[str, Any] | None = None
         self._mid_rollout = False
         self.delivered = 0
 
@@ -490,8 +528,12 @@ class MinibatchDelivery:
 
         A refused shard changes nothing: a refused first shard does not fix the columns or the capacity.
 
+        A minibatch carries one value of a constant column (``NonTensorData``, e.g. ``temperature``), and its rows may
+        come from any shard of the rollout, so every shard of a rollout must carry the same constants.
+
         Raises:
-            SchemaError: the shard's columns differ from the first shard's.
+            SchemaError: the shard's columns differ from the first shard's, or a constant column's value differs
+                from the open rollout's earlier shards (seal the rollout first, or put it as a per-row column).
             CapacityError: it does not fit next to the undelivered rollouts.
         """
         why = _Codec.unsupported(td)
@@ -505,6 +547,14 @@ class MinibatchDelivery:
         if differs is not None:
             raise SchemaError(f"This shard's columns differ from the first shard's: {differs}; every shard carries "
                               f"the same columns, of the same kinds.")
+        if self._open_consts is not None:
+            other = [k for k in self.codec.consts if not _same_constant(td.get(k), self._open_consts[k])]
+            if other:
+                raise SchemaError(
+                    f"Constant column(s) {other} of this shard differ from the open rollout's earlier shards "
+                    f"({', '.join(f'{k}={_constant(self._open_consts[k])!r}' for k in other)}); a minibatch carries "
+                    f"one value of a constant and may mix the rollout's shards. seal() the rollout before a shard "
+                    f"with other constants, or put the value as a per-row column (NonTensorStack).")
         try:
             batch, objects, consts = self.codec.encode(td)
             handles = self.edp.ingest(batch, version=version)
@@ -517,11 +567,14 @@ class MinibatchDelivery:
         first = int(handles[0]) if handles.numel() else self.edp.storage.next_handle
         self._firsts.append(first)
         self._segments.append((first, objects, consts))
+        if self._open_consts is None:
+            self._open_consts = consts
 
     def seal(self) -> None:
-        """Close the open rollout: it can be delivered."""
+        """Close the open rollout: it can be delivered (the next shard opens a rollout, with constants of its own)."""
         if self.edp is not None:
             self.edp.seal()
+        self._open_consts = None
 
     def set_policy_version(self, version: int) -> None:
         """The learner's policy is now ``version`` (between rollouts only).

@@ -6,8 +6,8 @@ a user swap it by configuration only::
     trainer.v1.sampler.custom_sampler.path=pkg://conduit_verl.replay
     trainer.v1.sampler.custom_sampler.name=ConduitReplayBuffer
 
-:class:`ConduitReplayBuffer` keeps verl's sampling (GRPO group status, DAPO filtering,
-refills) and replaces its staleness rule with Conduit's on-policy one
+:class:`ConduitReplayBuffer` keeps verl's sampling (GRPO group status, refills) and replaces
+its staleness rule with Conduit's on-policy one
 (:class:`conduit.OnPolicy`): a group produced by policy version ``v`` has staleness
 ``policy_version - v`` (here ``global_steps - group_steps``) and may be trained on while
 ``staleness <= max_staleness``. verl's ``max_off_policy_threshold`` counts the versions a
@@ -19,7 +19,13 @@ run with :class:`conduit.StaleExperienceError` instead of being silently dropped
 TransferQueue is touched (a refused sample clears nothing); verl's ``wait`` is dropless (it
 holds sampling until stale in-flight groups finish, then trains them, past the bound by design),
 so there the bound is not enforced. Every sampled batch's staleness is reported
-(``conduit/staleness/mean``, ``.../max``, ``conduit/stale_groups``).
+(``conduit/staleness/mean``, ``.../max``, ``conduit/stale_groups``). ``on_stale`` is the one
+``sampler_kwargs`` key it reads; any other is refused (a misspelt one would silently leave verl's
+strategy in force).
+
+verl 0.9.1 hands a custom sampler neither DAPO's group filter (``algorithm.filter_groups``) nor
+``trainer.v1.sampler.sync_refill_failed_groups``: with this plug groups are not DAPO-filtered and
+sync mode does not refill failed groups.
 
 The rule holds in every trainer mode, ``sync`` included: there verl ignores staleness (its sync
 sampling is meant to be on-policy), but a finished group can still be left for a later step
@@ -42,7 +48,10 @@ from conduit import ConfigurationError, StaleExperienceError
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
-__all__ = ["ConduitReplayBuffer", "staleness"]
+__all__ = ["ConduitReplayBuffer", "staleness", "SAMPLER_KWARGS"]
+
+#: the ``trainer.v1.sampler.sampler_kwargs`` keys :class:`ConduitReplayBuffer` reads (any other is refused)
+SAMPLER_KWARGS = frozenset({"on_stale"})
 
 
 def staleness(global_steps: int, group_steps: int) -> int:
@@ -61,6 +70,10 @@ class ConduitReplayBuffer(ReplayBufferAsync):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         extra = dict(self.sampler_kwargs or {})
+        unknown = sorted(str(k) for k in extra.keys() - SAMPLER_KWARGS)
+        if unknown:  # a misspelt on_stale would silently fall back to verl's strategy
+            raise ConfigurationError(f"trainer.v1.sampler.sampler_kwargs has unknown key(s) {unknown}; "
+                                     f"ConduitReplayBuffer reads {sorted(SAMPLER_KWARGS)}.")
         on_stale = str(extra.get("on_stale", self.max_off_policy_strategy))
         if on_stale not in ("drop", "wait", "raise"):
             raise ConfigurationError(f"trainer.v1.sampler.sampler_kwargs.on_stale={on_stale!r}; use drop, wait "

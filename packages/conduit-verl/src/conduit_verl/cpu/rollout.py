@@ -34,8 +34,10 @@ __all__ = ["HFGenerationServer", "HFReplica", "HFServerAdapter", "server_name"]
 logger = logging.getLogger(__name__)
 
 
-def server_name(replica_rank: int, suffix: str = "") -> str:
-    return f"conduit_hf_server_{replica_rank}{suffix}"
+def server_name(replica_rank: int, suffix: str = "", role: str = "") -> str:
+    """The Ray actor name of replica ``replica_rank``'s server; ``role`` (``reward``, ``teacher``) keeps a reward or
+    teacher model's replicas apart from the policy's rollout replicas of the same rank, as verl's servers are."""
+    return f"conduit_hf_{role}_server_{replica_rank}{suffix}" if role else f"conduit_hf_server_{replica_rank}{suffix}"
 
 
 class _Server:
@@ -161,7 +163,8 @@ class HFGenerationServer:
 
 
 class HFReplica(RolloutReplica):
-    """One ``hf`` rollout replica: a :class:`HFGenerationServer` on the node of its first worker."""
+    """One ``hf`` rollout replica: a :class:`HFGenerationServer` on the node of its first worker (named per role:
+    the policy's rollout, a reward model or a teacher model, see :func:`server_name`)."""
 
     def rollout_worker_use_gpu(self) -> bool:
         return False
@@ -169,7 +172,8 @@ class HFReplica(RolloutReplica):
     async def launch_servers(self) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        options: dict[str, Any] = {"name": server_name(self.replica_rank, self.name_suffix), "num_cpus": 0,
+        role = "reward" if self.is_reward_model else "teacher" if self.is_teacher_model else ""
+        options: dict[str, Any] = {"name": server_name(self.replica_rank, self.name_suffix, role), "num_cpus": 0,
                                    "max_concurrency": self.max_concurrency}
         if self.workers:  # next to the trainer worker that sends it weights
             node = await self.workers[0].__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
