@@ -17,15 +17,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from conduit.distributed import ClusterError, DistributedDataPlane, RemoteTimeoutError, ShardServers
 from conduit.distributed.faults import LossReport
 from conduit.errors import ConfigurationError
-from conduit.semantics import OnPolicy, Replay
+from conduit.semantics import Replay
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_distributed_bookkeeping import _Actor, _Ref, _servers, fake_ray  # noqa: E402, F401, I001
+from test_review_s23_core import _SignalsCheck  # noqa: E402, I001  (OnPolicy that signals its caller-side check)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -251,19 +251,6 @@ def test_real_cluster_a_producer_node_that_is_no_node_of_the_cluster_is_refused_
             assert sorted(check_payload(p.read(h)).tolist()) == [0, 1, 2, 3]
     finally:
         group.shutdown()
-
-
-class _SignalsCheck(OnPolicy):
-    """OnPolicy that tells when an ingestion of ``version`` passed its (caller-side) checks."""
-
-    def __init__(self, version: int, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.watch, self.passed = version, threading.Event()
-
-    def check_ingest(self, n: int, *, version: int | None, priorities: torch.Tensor | None) -> None:
-        super().check_ingest(n, version=version, priorities=priorities)
-        if version == self.watch:
-            self.passed.set()
 
 
 def test_an_older_version_checked_before_a_newer_one_was_stored_is_refused_on_shards(fake_ray):  # noqa: F811

@@ -8,7 +8,9 @@ on the unmutated endpoints, so a failure comes from the injected bug, not the ha
 
 from __future__ import annotations
 
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +30,9 @@ from conduit.testing import (
     Minibatch,
     ReplaySuite,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_conformance_catches_mutants import _integration_module  # noqa: E402, I001  (sibling test helper)
 
 #: what a failing suite check raises: a plain assertion, or pytest.fail's exception
 FAILED = (AssertionError, pytest.fail.Exception)
@@ -290,18 +295,6 @@ class NoConcurrentIngest(CoreReplayEndpoint):
     """An adapter's replay endpoint that does not declare CAP_CONCURRENT_INGEST: the concurrency suite skips."""
 
     capabilities = frozenset({CAP_PRIORITIZED, CAP_CHECKPOINT})
-
-
-def _integration_module() -> Any:
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[3] / "integration-tests" / "test_conformance_all_adapters.py"
-    spec = importlib.util.spec_from_file_location("_conformance_all_adapters_s23", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_integration_fails_for_an_adapter_whose_suite_tests_would_skip() -> None:

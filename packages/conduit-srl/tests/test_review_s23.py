@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import pickle
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import conduit_srl
@@ -31,17 +33,8 @@ from conduit_srl import (
 from conduit_srl.testing import entry_ids, make_sample
 from conduit_srl.testing.driver import ZmqSampleConsumer, ZmqSampleProducer
 
-
-def receive(consumer: Any, buffer: Any, n: int, timeout_s: float = 20.0) -> int:
-    """``consume_to`` until ``n`` samples arrived (fails after ``timeout_s``)."""
-    got, deadline = 0, time.monotonic() + timeout_s
-    while got < n:
-        assert time.monotonic() < deadline, f"only {got} of {n} samples arrived in {timeout_s} s"
-        k = consumer.consume_to(buffer, max_iter=64)
-        got += k
-        if not k:
-            time.sleep(0.002)
-    return got
+sys.path.insert(0, str(Path(__file__).parent))
+from test_stream_close_and_coalescing import receive  # noqa: E402, I001  (sibling test helper)
 
 
 # -- coalescing into a buffer whose puts are [T, B, ...] -----------------------------------------------
