@@ -80,7 +80,11 @@ class Variant:
         self.name = name
         self.algo = config.build_algo()
         self._rng = _rng_state()  # as the build seeded it
-        self.probe = ExperiencePathProbe(self.algo)
+        try:
+            self.probe = ExperiencePathProbe(self.algo)
+        except BaseException:
+            self.algo.stop()  # nobody else holds the algorithm yet: stop it before the error leaves
+            raise
         self.rows: list[Row] = []
 
     def iteration(self) -> Row:
@@ -130,9 +134,12 @@ def run_sequential(configs: dict[str, Any], iterations: int, *, progress: bool =
 
 
 def run_interleaved(configs: dict[str, Any], iterations: int, *, progress: bool = True) -> dict[str, list[Row]]:
-    """Build every variant, then alternate their iterations (same load for all)."""
-    variants = [Variant(name, cfg) for name, cfg in configs.items()]
+    """Build every variant, then alternate their iterations (same load for all). Every variant built is
+    closed (its algorithm stopped) before this returns or raises, also when a later one fails to build."""
+    variants: list[Variant] = []
     try:
+        for name, cfg in configs.items():
+            variants.append(Variant(name, cfg))
         with _bar(iterations * len(variants), "interleaved", progress) as bar:
             for _ in range(iterations):
                 for v in variants:

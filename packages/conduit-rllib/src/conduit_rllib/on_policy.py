@@ -34,6 +34,7 @@ from conduit import (
 )
 from conduit.batch import as_tensor
 from conduit.scheduling.worker import Job, Worker
+from conduit.semantics.onpolicy import check_version
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
 from conduit_rllib.errors import UnsupportedConfigError
@@ -184,6 +185,13 @@ class MinibatchFeed:
         sem = self.semantics
         return sem.pending_rollouts == 0 and len(self.edp) == 0 and self._held is None
 
+    def _settle(self) -> None:
+        """Wait for the gather a stopped iteration left running, if any (bounded: a delivery never waits for
+        data). What it delivered stays in flight, for the next iteration to claim."""
+        job = self._inflight
+        if job is not None:
+            job.wait()
+
     def _prefetch_out(self) -> bool:
         """Whether a prefetch is running or has delivered what nobody has taken yet (one that failed
         delivered nothing)."""
@@ -269,9 +277,12 @@ class MinibatchFeed:
 
         Raises:
             UnsupportedConfigError: a column is not a flat array, or a second module is fed.
+            conduit.ConfigurationError: ``version`` is not an integer (a NumPy or 0-d tensor integer is fine;
+                a bool, float or string is refused, never rounded); nothing is ingested then.
             conduit.SchemaError / conduit.CapacityError / conduit.ConfigurationError: as
                 :meth:`conduit.ExperienceDataPlane.ingest`.
         """
+        version = check_version(version)
         cols = _columns(batch)
         if not cols:
             raise SchemaError("The train batch has no columns.")
@@ -281,7 +292,7 @@ class MinibatchFeed:
                 raise UnsupportedConfigError(f"This feed serves module {self.module_id!r}; Conduit's RLlib adapter "
                                              f"supports single-agent training (one RLModule).")
             self.module_id = module_id
-            self._ensure(cols, n).ingest(cols, version=int(version))
+            self._ensure(cols, n).ingest(cols, version=version)
 
     def seal(self) -> None:
         """Close the current rollout: it becomes deliverable."""
@@ -289,10 +300,16 @@ class MinibatchFeed:
             self.edp.seal()
 
     def set_policy_version(self, version: int) -> None:
-        """The learner's policy is now ``version``; staleness is measured against it."""
-        self._policy_version = int(version)
+        """The learner's policy is now ``version``; staleness is measured against it.
+
+        Raises:
+            conduit.ConfigurationError: ``version`` is not an integer (a bool, float or string is refused,
+                never rounded); the version is then unchanged.
+        """
+        v = check_version(version)
         if self.edp is not None:
-            self.edp.set_policy_version(int(version))
+            self.edp.set_policy_version(v)
+        self._policy_version = v
 
     def drop_leftovers(self) -> None:
         """Drop what an abandoned iteration left pending (call after moving the policy version past it).
@@ -332,7 +349,10 @@ class MinibatchFeed:
         """What outlives an update: the policy version, the epoch-permutation RNG, the drop count and
         the version of the last sealed rollout. A rollout still waiting (left by an update that stopped
         mid-epoch) is not saved, nor a minibatch held for the next iteration: they are stale once the policy
-        moves on."""
+        moves on. A gather that such an update left running is waited for first (a delivery may start an
+        epoch, which draws its permutation from the RNG), so the state is the one this feed goes on from,
+        whatever the threads' timing."""
+        self._settle()
         if self.edp is None and self._restored is not None:
             return dict(self._restored, policy_version=self._policy_version)  # (set_policy_version since)
         full = self.semantics.state_dict()

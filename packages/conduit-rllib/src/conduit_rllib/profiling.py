@@ -47,6 +47,8 @@ from typing import Any
 from conduit.exposure import measure_iteration
 from conduit.telemetry import CallRecord, thread_id
 
+from conduit_rllib.errors import UnsupportedConfigError
+
 __all__ = ["ExperiencePathProbe", "PARTS", "CONTEXT"]
 
 PARTS = ("add", "sample", "priorities", "batch", "minibatch")
@@ -70,9 +72,18 @@ class ExperiencePathProbe:
 
     Args:
         algo: a built RLlib ``Algorithm`` with a local learner (``num_learners=0``).
+
+    Raises:
+        UnsupportedConfigError: the algorithm's learner runs in a remote actor (``num_learners >= 1``): the
+            learner's calls could not be timed from here, and its parts would read 0 (nothing is wrapped then).
     """
 
     def __init__(self, algo: Any) -> None:
+        if not getattr(algo.learner_group, "is_local", True):
+            raise UnsupportedConfigError(
+                "ExperiencePathProbe times the learner's calls in this process, but this algorithm's learner runs "
+                "in a remote actor (num_learners >= 1), so its batch, minibatch and update time could not be "
+                "measured and would read 0. Build the algorithm to measure with config.learners(num_learners=0).")
         self.algo = algo
         self._acc: dict[str, float] = defaultdict(float)
         self._local = threading.local()
