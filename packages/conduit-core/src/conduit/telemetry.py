@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import numbers
+import operator
 import os
 import threading
 import time
@@ -20,7 +21,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, SupportsIndex
 
 from conduit.errors import ConfigurationError
 
@@ -67,7 +68,9 @@ class Telemetry:
 
     Recording is on every experience-path call, so it only appends a tuple to a queue
     (atomic, no lock); the queue is folded into :attr:`records` and :attr:`totals` when
-    it grows past ``fold_every`` and whenever they are read.
+    it grows past ``fold_every`` (unless a fold is under way: that one or the next takes the
+    call, so a record never waits, also not one made by a garbage-collector callback or a
+    signal handler that interrupted this thread's own fold) and whenever they are read.
 
     The ring drops its oldest calls once more than ``maxlen`` were folded into it; :meth:`mark`
     and :meth:`snapshot` tell whether calls folded after a point have been dropped (what an
@@ -121,40 +124,54 @@ class Telemetry:
         if tid not in self._names:
             self._names[tid] = threading.current_thread().name
         if len(new) >= self._fold_every:
-            self._fold()
+            self._fold(wait=False)
 
-    def _fold(self) -> None:
-        with self._lock:
-            new = self._new
-            n = len(new)
-            # the ring pushes out its oldest calls once it is full: account for them once per fold
-            over = len(self._records) + n - self.maxlen
-            # the calls pushed out: the ring's oldest, then (more folded at once than it holds) the first new ones
-            through = max(0, n - self.maxlen)
-            if over > 0:
-                if self._drops and self._drops[-1][1] == self._first:
-                    self._drops[-1][1] += over
-                else:
-                    self._drops.append([self._first, self._first + over])
-                self._first += over
-                # (the running latest first: max() then passes over a NaN end)
-                self._dropped_end = max(itertools.chain(
-                    (self._dropped_end,), (r.end for r in itertools.islice(self._records, over - through))))
-            self._folded += n
-            for i in range(n):  # what other threads append meanwhile waits for the next fold
-                rec = new.popleft()
-                if i < through:
-                    self._dropped_end = max(self._dropped_end, rec.end)
-                self._records.append(rec)
-                t = self._totals.get(rec.kind)
-                if t is None:
-                    t = self._totals[rec.kind] = Totals()
-                t.calls += 1
-                t.items += rec.items
-                t.nbytes += rec.nbytes
-                t.seconds += rec.end - rec.start
-            if len(self._names) > self._names_limit:
-                self._forget_names()
+    def _fold(self, *, wait: bool = True) -> None:
+        """Fold the recorded calls into the ring and the totals.
+
+        ``wait=False`` (from :meth:`record`): while a fold is under way, leave the calls to it or to the next
+        one instead of waiting for it. That fold may be this thread's own, interrupted by a garbage-collector
+        callback, a finalizer or a signal handler that records: waiting for the lock would never end.
+        """
+        if not self._lock.acquire(blocking=wait):
+            return
+        try:
+            self._fold_locked()
+        finally:
+            self._lock.release()
+
+    def _fold_locked(self) -> None:
+        """:meth:`_fold` (caller holds the lock)."""
+        new = self._new
+        n = len(new)
+        # the ring pushes out its oldest calls once it is full: account for them once per fold
+        over = len(self._records) + n - self.maxlen
+        # the calls pushed out: the ring's oldest, then (more folded at once than it holds) the first new ones
+        through = max(0, n - self.maxlen)
+        if over > 0:
+            if self._drops and self._drops[-1][1] == self._first:
+                self._drops[-1][1] += over
+            else:
+                self._drops.append([self._first, self._first + over])
+            self._first += over
+            # (the running latest first: max() then passes over a NaN end)
+            self._dropped_end = max(itertools.chain(
+                (self._dropped_end,), (r.end for r in itertools.islice(self._records, over - through))))
+        self._folded += n
+        for i in range(n):  # what other threads append meanwhile waits for the next fold
+            rec = new.popleft()
+            if i < through:
+                self._dropped_end = max(self._dropped_end, rec.end)
+            self._records.append(rec)
+            t = self._totals.get(rec.kind)
+            if t is None:
+                t = self._totals[rec.kind] = Totals()
+            t.calls += 1
+            t.items += rec.items
+            t.nbytes += rec.nbytes
+            t.seconds += rec.end - rec.start
+        if len(self._names) > self._names_limit:
+            self._forget_names()
 
     def _forget_names(self) -> None:
         """Forget the names of exited threads that no call in the ring (or waiting to be folded) comes from
@@ -255,9 +272,20 @@ class Telemetry:
         with self._lock:
             return {k: Totals(t.calls, t.items, t.nbytes, t.seconds) for k, t in self._totals.items()}
 
-    def span(self, kind: str, items: int = 0, nbytes: int = 0) -> _Span:
-        """A context manager that records its body as one call of ``kind``."""
-        return _Span(self, kind, items, nbytes)
+    def span(self, kind: str, items: SupportsIndex = 0, nbytes: SupportsIndex = 0) -> _Span:
+        """A context manager that records its body as one call of ``kind``.
+
+        ``items`` and ``nbytes`` are counts: any integer (a NumPy integer or an integer tensor of one element
+        too) is recorded as a Python int, so totals stay ints and a trace stays JSON.
+
+        Raises:
+            ConfigurationError: ``kind`` is not a str, or ``items`` or ``nbytes`` not an integer; nothing is
+                recorded.
+        """
+        if not isinstance(kind, str):
+            raise ConfigurationError(f"Telemetry.span(kind=...) names the span (e.g. 'rollout'): pass a str, got "
+                                     f"{kind!r}.")
+        return _Span(self, kind, _count("items", items), _count("nbytes", nbytes))
 
     def since(self, t0: float) -> list[CallRecord]:
         """Records that started at or after ``t0``.
@@ -347,7 +375,8 @@ class Telemetry:
         lanes = _lanes({r.thread for r in recs})
         pid = os.getpid()
         events = [{"name": r.kind, "ph": "X", "ts": (r.start - t0) * 1e6, "dur": r.seconds * 1e6, "pid": pid,
-                   "tid": lanes[r.thread], "args": {"items": r.items, "bytes": r.nbytes}} for r in recs]
+                   "tid": lanes[r.thread], "args": {"items": _json_count(r.items), "bytes": _json_count(r.nbytes)}}
+                  for r in recs]
         # the loop's thread vs the scheduler's workers: live threads by their name now, exited ones as they recorded
         for t in threading.enumerate():
             tid = _thread_ids.get(t)
@@ -374,6 +403,32 @@ def _lanes(tids: set[int]) -> dict[int, int]:
     lanes = {t: t for t in tids if 0 < t < _LANE_LIMIT}
     lanes.update((t, _LANE_LIMIT - 1 - i) for i, t in enumerate(big))
     return lanes
+
+
+def _count(name: str, v: object) -> int:
+    """``v``, an integer count (a NumPy integer, a one-element integer tensor), as a Python int.
+
+    Raises:
+        ConfigurationError: ``v`` is not an integer (a float, a bool, a string, a tensor of several elements).
+    """
+    if not isinstance(v, bool):
+        try:
+            return operator.index(v)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise ConfigurationError(f"Telemetry.span({name}=...) is a count: pass an int, got {v!r}.")
+
+
+def _json_count(v: object) -> int | float | str:
+    """A recorded count as JSON holds it (a caller of :meth:`Telemetry.record` may have passed a NumPy or
+    tensor count, which ``json`` cannot write)."""
+    try:
+        return operator.index(v)  # type: ignore[arg-type]
+    except TypeError:
+        pass
+    if isinstance(v, numbers.Real) and math.isfinite(v):
+        return float(v)
+    return str(v)
 
 
 def _check_mark(method: str, since: object) -> None:

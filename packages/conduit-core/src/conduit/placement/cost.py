@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
@@ -82,6 +83,23 @@ def transition_schema(obs_dim: int, dtype: torch.dtype = torch.float32) -> Exper
                             done=Field((), torch.bool))
 
 
+def _field_indices(name: str, indices: object, fields: int) -> tuple[int, ...]:
+    """``indices`` as a tuple of distinct field indices ``0 .. fields - 1``.
+
+    Raises:
+        ConfigurationError: not a collection of such ints (a bool, a negative or too large index, one twice).
+    """
+    out: tuple[object, ...] | None = None
+    if isinstance(indices, Iterable) and not isinstance(indices, (str, bytes)):
+        out = tuple(indices)
+    if (out is None or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= int(i) < fields
+                           for i in out)
+            or len(set(out)) != len(out)):
+        raise ConfigurationError(f"{name} must hold distinct indices of field_bytes (ints 0 .. {fields - 1}), got "
+                                 f"{indices!r}.")
+    return tuple(int(i) for i in out)  # type: ignore[call-overload]
+
+
 @dataclass(frozen=True)
 class Workload:
     """What a buffer holds and how one training iteration uses it.
@@ -93,10 +111,15 @@ class Workload:
         learners: learners, each taking one delivery per iteration.
         ingest_items: items per ingestion call (default ``batch * learners``: one call per iteration).
         growing: indices of the fields that grow with experience size (default: all);
-            :meth:`resized` scales only these.
+            :meth:`resized` scales only these, so at least one, each named once.
         name: a label for reports.
         scalar: indices of the fields with one element per item (1-D columns, gathered
             by a different kernel than rows).
+
+    Raises:
+        ConfigurationError: a count that is not a positive int, ``batch`` above ``capacity``, or
+            ``growing`` / ``scalar`` holding something other than distinct indices of ``field_bytes``
+            (``growing`` also empty: :meth:`resized` could not reach any other size).
     """
 
     field_bytes: tuple[int, ...]
@@ -123,6 +146,12 @@ class Workload:
         if self.batch > self.capacity:
             raise ConfigurationError(f"batch ({self.batch}) exceeds capacity ({self.capacity}).")
         object.__setattr__(self, "field_bytes", tuple(int(b) for b in self.field_bytes))
+        if self.growing is not None:
+            object.__setattr__(self, "growing", _field_indices("growing", self.growing, len(self.field_bytes)))
+            if not self.growing:
+                raise ConfigurationError("growing must name at least one field (or be None: all of them grow); "
+                                         "with none, resized() could not reach any other item size.")
+        object.__setattr__(self, "scalar", _field_indices("scalar", self.scalar, len(self.field_bytes)))
 
     @property
     def item_bytes(self) -> int:
@@ -167,7 +196,8 @@ class Workload:
                                ingest_items=ingest_items, name=f"transitions(d={obs_dim})")
 
     def resized(self, item_bytes: float) -> Workload:
-        """The same workload with items of ``item_bytes`` (only the growing fields change).
+        """The same workload (of the same class, every other field kept) with items of ``item_bytes``
+        (only the growing fields change).
 
         Raises:
             ConfigurationError: ``item_bytes`` is NaN, infinite or negative.
@@ -186,8 +216,8 @@ class Workload:
         short = int(round(target)) - sum(fb[i] for i in grow)
         for i in sorted(grow, key=lambda i: (-(exact[i] - fb[i]), i))[:max(0, short)]:
             fb[i] += 1
-        return Workload(tuple(fb), self.capacity, self.batch, self.learners, self.ingest_items, self.growing,
-                        self.name and f"{self.name}@{int(item_bytes)}B", self.scalar)
+        # (replace: a subclass, e.g. the simulation's ReplayWorkload, keeps its own fields and kind)
+        return replace(self, field_bytes=tuple(fb), name=self.name and f"{self.name}@{int(item_bytes)}B")
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "item_bytes": self.item_bytes, "field_bytes": list(self.field_bytes),

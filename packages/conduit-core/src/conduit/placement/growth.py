@@ -12,7 +12,7 @@ replay buffer of transitions on a topology:
 
 Every figure is a :class:`~conduit.placement.CostModel` prediction; nothing is executed.
 An iteration runs ``updates`` learner updates, each with one ingestion and one delivery of
-``batch`` items per learner; the buffer gains ``batch * updates`` items per iteration (up
+``batch`` items per learner; the buffer gains ``batch * learners * updates`` items per iteration (up
 to its capacity), which is what a migration must move.
 """
 
@@ -94,6 +94,9 @@ def simulate_growth(planner: Planner, schedule: Sequence[int], *, capacity: int 
                     learners: int = 1, updates: int = 16) -> GrowthResult:
     """Predict the three strategies over ``schedule`` (observation size per iteration).
 
+    A size that no placement holds fails Conduit there (:attr:`StrategyTrace.failed_at`, as the
+    other strategies fail when theirs runs out of memory); the iterations before it are kept.
+
     Raises:
         PlacementError: the topology has no GPU to shard over, or nothing fits the first size.
         ConfigurationError: an empty schedule, or ``updates`` < 1.
@@ -144,7 +147,18 @@ def simulate_growth(planner: Planner, schedule: Sequence[int], *, capacity: int 
                                  resize=lambda b: ws[0].resized(b))
     current: PlacementSpec | None = None
     for i, w in enumerate(ws):
-        spec = pmap.lookup(w.item_bytes)
+        if conduit.failed_at is not None:  # out of memory everywhere: stays failed, as the others do
+            conduit.latency_s.append(None)
+            conduit.placements.append(None)
+            continue
+        try:
+            spec = pmap.lookup(w.item_bytes)
+        except PlacementError as e:  # no placement holds this size (the first one fits: planned above)
+            conduit.failed_at = i
+            conduit.reason = str(e)
+            conduit.latency_s.append(None)
+            conduit.placements.append(None)
+            continue
         t = per_iteration(spec, w)
         assert t is not None  # the map only holds feasible placements
         if current is not None and spec != current:

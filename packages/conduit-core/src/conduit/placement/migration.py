@@ -111,7 +111,8 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
             as the migrated items did.
         transform: maps each chunk (an old-schema :class:`ExperienceBatch`) to a mapping
             of the new schema with the same number of items (e.g. zero-padding).
-        chunk_bytes: bytes copied per lock hold.
+        chunk_bytes: bytes copied per lock hold (about: ragged items are sized by the mean bytes per item
+            of those copied so far, starting from one item).
         progress: called between chunks, outside the lock, with (chunks copied, handle copied up to).
 
     Raises:
@@ -168,20 +169,28 @@ def _copy_and_swap(edp: ExperienceDataPlane, placement: Placement, old: Storage,
     lock = edp._lock
     cap = old.capacity
     _position(new, new_schema, start)
+    # items per chunk: from the fixed fields' bytes; with ragged fields, whose sequences the schema does not size,
+    # one item first, then from the mean bytes per item copied so far (so a hold copies about chunk_bytes)
+    ragged = bool(edp.schema.ragged)
     item = max(1, edp.schema.fixed_item_bytes + 8 * len(edp.schema.ragged))
-    chunk = max(1, min(cap, chunk_bytes // item))
-    stats = {"bytes": 0, "chunks": 0}
+    stats = {"bytes": 0, "chunks": 0, "items": 0, "chunk": 1 if ragged else max(1, min(cap, chunk_bytes // item))}
 
     def copy(lo: int, hi: int) -> None:
-        for a in range(lo, hi, chunk):
-            b = min(hi, a + chunk)
+        a = lo
+        while a < hi:
+            b = min(hi, a + stats["chunk"])
             slots = torch.arange(a, b, dtype=torch.int64) % cap
             part = old.gather(slots)
             stats["bytes"] += part.nbytes()
             stats["chunks"] += 1
+            stats["items"] += b - a
+            if ragged:
+                per_item = max(1, stats["bytes"] // stats["items"])
+                stats["chunk"] = max(1, min(cap, chunk_bytes // per_item))
             if transform is not None:
                 part = transformed(transform, part, new_schema)
             new.append(part, evict=True)
+            a = b
 
     copied = start
     max_blocked = 0.0
@@ -207,6 +216,7 @@ def _copy_and_swap(edp: ExperienceDataPlane, placement: Placement, old: Storage,
                 copied = oldest
             # chunk by chunk while catching up; once the range live at the start is copied, only while the
             # rest shrinks (ingestion faster than the copy would otherwise keep it going for ever)
+            chunk = stats["chunk"]
             if hi - copied > chunk and (copied < target or gap is None or hi - copied < gap):
                 copy(copied, copied + chunk)
                 copied += chunk

@@ -70,8 +70,9 @@ class LinkCost:
     a fixed per-call overhead, a per-row cost for gathers (a random row costs a cache or
     TLB miss whatever its width; bulk copies have no rows), and the bytes at the effective
     bandwidth. ``points`` are ``(bytes, bytes_per_second)`` pairs sorted by size; the
-    bandwidth for a size in between is interpolated linearly in ``log(bytes)`` and clamped
-    to the nearest point outside the measured range. A path known by one figure has one point.
+    bandwidth for a size in between is interpolated linearly in ``log(bytes)`` (unlimited next
+    to an unlimited point) and clamped to the nearest point outside the measured range. A path
+    known by one figure has one point.
     """
 
     overhead_s: float
@@ -180,6 +181,10 @@ class LinkCost:
         x = math.log(nbytes)
         for (b0, w0), (b1, w1) in zip(pts, pts[1:], strict=False):
             if b0 <= nbytes <= b1:
+                if nbytes == b0 or nbytes == b1:  # a measured point, as measured
+                    return w0 if nbytes == b0 else w1
+                if math.isinf(w0) or math.isinf(w1):  # next to an unlimited point: unlimited (inf - inf is NaN)
+                    return math.inf
                 f = (x - math.log(b0)) / (math.log(b1) - math.log(b0))
                 return w0 + f * (w1 - w0)
         return pts[-1][1]  # pragma: no cover - unreachable, points are sorted
