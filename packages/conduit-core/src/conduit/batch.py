@@ -16,10 +16,17 @@ __all__ = ["Ragged", "ExperienceBatch", "as_tensor", "host_array", "native", "ra
 
 def as_tensor(x: object) -> torch.Tensor:
     """A torch view of ``x`` without copying where possible (NumPy arrays are shared; one in a foreign
-    byte order, e.g. ``'>f4'`` on x86, which torch cannot share, is converted to native order by value)."""
+    byte order, e.g. ``'>f4'`` on x86, which torch cannot share, is converted to native order by value).
+
+    Raises:
+        SchemaError: ``x`` is a NumPy masked array with masked entries (torch would read the values under the mask).
+    """
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, np.ndarray):
+        if isinstance(x, np.ma.MaskedArray) and np.ma.is_masked(x):
+            raise SchemaError(f"A NumPy masked array with {int(np.ma.count_masked(x))} masked entries has no value "
+                              f"to store there; fill them first (x.filled(value)) or leave those items out.")
         if not x.dtype.isnative:
             x = native(x)
         elif not x.flags.c_contiguous:
@@ -62,6 +69,10 @@ class Ragged:
         # Zero-length sequences hold no elements: leave them out of the concatenation, so that
         # one given as an empty list (float32 to torch) cannot change the others' dtype.
         parts = [t for t in ts if t.shape[0]] or ts
+        dtypes = {t.dtype for t in parts if t.shape[0]}
+        if len(dtypes) > 1:  # torch.cat would promote them: int64 17 -> float32 16 is no value the caller gave
+            raise SchemaError(f"The per-item sequences have different dtypes ({', '.join(sorted(map(str, dtypes)))}); "
+                              f"give every sequence the field's dtype (e.g. 2.0, not 2, in a list for a float field).")
         values = torch.cat(parts) if parts else torch.empty(0)
         return cls(values, lengths)
 
@@ -356,9 +367,12 @@ def _is_scalar(x: object) -> bool:
 def _scalar_rows(name: str, rows: Sequence[object]) -> torch.Tensor:
     """A list of per-item NumPy scalars or 0-d tensors as one column, keeping their dtype."""
     try:
+        dtypes = {r.dtype if isinstance(r, (torch.Tensor, np.ndarray, np.generic)) else type(r) for r in rows}
+        if len(dtypes) > 1:  # stacking would promote them (int64 2**24 + 1 -> float32 2**24): no value the caller gave
+            raise TypeError(f"their dtypes differ: {', '.join(sorted(map(str, dtypes)))}")
         if all(isinstance(r, torch.Tensor) for r in rows):
             return torch.stack(list(rows))  # type: ignore[arg-type]
-        return torch.from_numpy(np.asarray(rows))
+        return torch.from_numpy(native(np.asarray(rows)))
     except (TypeError, ValueError, RuntimeError) as e:
         raise SchemaError(f"Field {name!r} is a list of scalars that do not form one column ({e}); give one "
                           f"scalar of one dtype per item, or a tensor [n, ...].") from e

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import operator
 from collections.abc import Callable
 from typing import Any, cast
@@ -15,7 +16,7 @@ from conduit.errors import CapacityError, ConfigurationError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import AppendResult, Storage
 
-__all__ = ["ColumnarStorage", "Allocator", "empty_column", "pool_elements"]
+__all__ = ["ColumnarStorage", "Allocator", "empty_column", "pool_elements", "index_copy_dtype"]
 
 #: ``allocate(shape, dtype, name)`` returns an uninitialised tensor for one column.
 Allocator = Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor]
@@ -41,6 +42,21 @@ def _copy_segments(pool: torch.Tensor, starts: torch.Tensor, lengths: torch.Tens
         out[o:o + hi - lo].copy_(pool[lo:hi])
         o += hi - lo
     return out
+
+
+#: signed integer dtype of each element width, for copying dtypes that torch cannot index_copy_ as raw bits
+_BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@functools.cache
+def index_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """None when ``index_copy_`` copies rows of ``dtype``; else the same-width integer dtype to view both
+    sides as (the float8 dtypes: torch stores and gathers them, but has no ``index_copy_`` for them)."""
+    try:
+        torch.zeros(2, dtype=dtype).index_copy_(0, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=dtype))
+    except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError
+        return _BITS_DTYPE.get(torch.empty((), dtype=dtype).element_size())
+    return None
 
 
 def pool_elements(ragged_capacity: int | None, capacity: int) -> int:
@@ -161,6 +177,18 @@ class ColumnarStorage(Storage):
         #: host columns written by one memmove per contiguous run of rows (the columns are never reallocated)
         self._raw_cols = {n: _raw_rows(c) for n, c in self._cols.items()}
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The storage for a copy or pickle, without the columns' NumPy views and raw addresses: those name this
+        object's memory (a copy writing through them would write into this storage, or into freed memory)."""
+        state = self.__dict__.copy()
+        del state["_np_cols"], state["_raw_cols"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._np_cols = {n: _numpy_view(c) for n, c in self._cols.items()}
+        self._raw_cols = {n: _raw_rows(c) for n, c in self._cols.items()}
+
     # -- ring ------------------------------------------------------------------------------
     @property
     def oldest(self) -> int:
@@ -233,7 +261,9 @@ class ColumnarStorage(Storage):
                         _memmove(raw[0], p + a * row, (n - a) * row)
                     continue
                 dnp = self._np_cols[name]
-                if dnp is not None and src.is_cpu and not (src.requires_grad or src.is_neg() or src.is_conj()):
+                if src.requires_grad:  # stored by value: a copy_ would put the column in src's autograd graph
+                    src = src.detach()
+                if dnp is not None and src.is_cpu and not (src.is_neg() or src.is_conj()):
                     snp = src.numpy()
                     dnp[s:s + a] = snp[:a]
                     if a < n:
@@ -249,7 +279,9 @@ class ColumnarStorage(Storage):
                 assert isinstance(col, Ragged)
                 total = int(col.values.shape[0])
                 head = starts[name]
-                self._pools[name][head:head + total].copy_(col.values)
+                # by value, without autograd history (a pool in a graph could no longer be gathered into buffers)
+                self._pools[name][head:head + total].copy_(col.values.detach() if col.values.requires_grad
+                                                           else col.values)
                 st = head + col.offsets
                 self._rstart[name][s:s + a] = st[:a]
                 self._rlen[name][s:s + a] = col.lengths[:a]
@@ -322,6 +354,11 @@ class ColumnarStorage(Storage):
             starts = layout["starts"][name]
             if int(col.values.shape[0]):
                 where = ranges(starts, col.lengths.cpu()).to(pool.device)
-                pool.index_copy_(0, where, col.values.to(pool.device, pool.dtype))
+                values = col.values.detach().to(pool.device, pool.dtype)
+                bits = index_copy_dtype(pool.dtype)
+                if bits is None:
+                    pool.index_copy_(0, where, values)
+                else:
+                    pool.view(bits).index_copy_(0, where, values.view(bits))
             self._rstart[name][slots] = starts
             self._rhead[name] = layout["heads"][name]

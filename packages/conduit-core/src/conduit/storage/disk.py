@@ -85,7 +85,8 @@ class DiskStorage(ColumnarStorage):
 
     Keyword Args:
         directory: where to put the files (a fresh subdirectory is created inside it and
-            removed when the storage is garbage-collected); default: the system temp dir.
+            removed when the storage is closed or garbage-collected); default: the system temp dir.
+            A relative path is taken relative to the working directory at construction.
         ragged_capacity: elements in each ragged field's pool (default ``capacity * 64``).
 
     Raises:
@@ -99,7 +100,9 @@ class DiskStorage(ColumnarStorage):
                  ragged_capacity: int | None = None) -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
             raise ConfigurationError(f"capacity must be a positive int, got {capacity!r}.")
-        parent = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+        # absolute: the files are deleted by path on close() or collection, perhaps after the process changed its
+        # working directory (a relative path would then name another directory, and the files would stay behind)
+        parent = (Path(directory) if directory is not None else Path(tempfile.gettempdir())).absolute()
         pool = pool_elements(ragged_capacity, capacity)
         if schema.ragged and pool <= 0:  # refused before a directory is made
             raise ConfigurationError("ragged_capacity must be positive for a schema with ragged fields.")
@@ -127,6 +130,12 @@ class DiskStorage(ColumnarStorage):
                 raise PlacementError(f"The disk tier cannot map its column files in {parent} ({e}); pass "
                                      f"DiskPlacement(directory=...) on a writable local volume.") from e
             raise
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Refused: a copy could not share the files (they are deleted with this storage) and would hold the whole
+        buffer in memory."""
+        raise ConfigurationError("A disk storage cannot be copied or pickled (its columns are memory-mapped files "
+                                 "owned by this object); save its state_dict() and load it into a new storage.")
 
     def close(self) -> None:
         """Unmap and delete the files now (the storage is unusable afterwards: appends, reads and

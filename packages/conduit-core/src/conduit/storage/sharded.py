@@ -30,7 +30,7 @@ from conduit.batch import ExperienceBatch, Ragged
 from conduit.errors import CapacityError, ConfigurationError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import AppendResult, Storage
-from conduit.storage.columnar import ColumnarStorage, empty_column, pool_elements
+from conduit.storage.columnar import ColumnarStorage, empty_column, index_copy_dtype, pool_elements
 
 __all__ = ["ShardedStorage"]
 
@@ -124,6 +124,8 @@ class ShardedStorage(Storage):
         self._oldest = 0
         self._next = 0
         self._staging = _Staging() if any(d.type == "cuda" for d in devs) else None
+        #: fields whose rows gather copies as raw bits (a same-width integer view): torch lacks index_copy_ for them
+        self._bits = {n: b for n in schema.fixed if (b := index_copy_dtype(schema[n].dtype)) is not None}
 
     # -- ring ------------------------------------------------------------------------------
     @property
@@ -200,6 +202,8 @@ class ShardedStorage(Storage):
             for name in self.schema.fixed:
                 src = batch[name]
                 assert isinstance(src, torch.Tensor)
+                if src.requires_grad:  # stored by value: a copy_ would put the shard in src's autograd graph
+                    src = src.detach()
                 rows, dst = src[j0:j0 + (c - 1) * k + 1:k], self._shards[i][name][r0:r0 + c]
                 if self._staging is not None and dst.is_cuda and not rows.is_cuda:
                     self._staging.copy(i, name, rows, dst)
@@ -242,6 +246,9 @@ class ShardedStorage(Storage):
                     # non-blocking only towards a GPU, whose stream orders the index_copy_ after it: a host
                     # target is read by index_copy_ at once, before an asynchronous copy would have landed
                     part = part.to(target.device, non_blocking=target.device.type == "cuda")
+                bits = self._bits.get(name) if self._bits else None
+                if bits is not None:
+                    target, part = target.view(bits), part.view(bits)
                 target.index_copy_(0, pos if target.device.type == "cpu" else pos.to(target.device), part)
         for name in self.schema.fixed:
             cols[name] = dst[name]
