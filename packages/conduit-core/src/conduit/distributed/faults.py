@@ -17,6 +17,9 @@ class LossReport:
     ones ``ingest`` returned); items that had a replica elsewhere are counted in
     ``recovered`` and stay deliverable. ``re_replicated`` of those got a fresh replica on
     another node (replication restored); the rest run with fewer copies until then.
+    Each item is counted once: when copying an item finds its other replica lost too, that
+    shard's report (recorded just before this one) names it lost, and this one does not
+    count it recovered.
     """
 
     #: shard number in the buffer

@@ -59,7 +59,7 @@ from conduit.scheduling.base import Scheduler, Synchronous, check_scheduler_entr
 from conduit.schema import ExperienceSchema
 from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy, check_version
-from conduit.semantics.replay import PrioritizedSampler, Replay
+from conduit.semantics.replay import PrioritizedSampler, Replay, UniformSampler
 from conduit.storage.base import AppendResult
 from conduit.telemetry import Telemetry
 
@@ -719,7 +719,8 @@ class DistributedDataPlane:
         """The next batch for the learner (replay: ``n`` draws; on-policy: the next minibatch).
 
         Replay draws never return a lost item (a draw that lands on one is redrawn, so draws
-        stay uniform, or proportional to priority, over the items that survive). An
+        stay uniform, or proportional to priority, over the items that survive; a prioritized
+        batch's probabilities and weights are then all computed over the survivors). An
         on-policy minibatch leaves out the items lost since its rollout was ingested
         (each survivor is still delivered exactly once per epoch); a minibatch whose items
         were all lost is skipped (the next one is delivered in its place; the lost items
@@ -899,9 +900,11 @@ class DistributedDataPlane:
         handles = np.concatenate([s.info.handles.numpy() for s in sels]) if sels else np.zeros(0, np.int64)
         asm = _Assembly(self.schema, int(handles.shape[0]), out)
         todo = np.arange(handles.shape[0])
+        losses, redrawn = len(self.losses), False
         for _ in range(_MAX_REDRAWS):
             lost = todo[self.index.lost_mask(handles[todo])]
             if lost.size:  # redrawn within each selection (a draw without replacement stays distinct there)
+                redrawn = True
                 for i, (a, b) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
                     mine = lost[(lost >= a) & (lost < b)]
                     if mine.size:
@@ -915,7 +918,34 @@ class DistributedDataPlane:
                                    f"lost nearly everything ({len(self.index)} items left).")
         for s, a, b in zip(sels, starts.tolist(), ends.tolist(), strict=True):
             s.info = dataclasses.replace(s.info, handles=torch.from_numpy(handles[a:b].copy()))
+        if redrawn or len(self.losses) != losses:
+            self._reweigh(sels, beta)
         return asm.batch()
+
+    def _reweigh(self, sels: list[Selection], beta: float | None) -> None:
+        """Probabilities and importance weights of prioritized draws, against the priorities of now.
+
+        A draw made before a loss was accounted had them computed with the lost items' priorities in the
+        total; the draws that replaced its lost ones have them without. Every draw of a batch is a draw from
+        the survivors, so all of them get the survivors' values (as one draw after the loss would).
+        """
+        sampler = getattr(self.semantics, "sampler", None)
+        if not getattr(sampler, "prioritized", False):
+            return
+        tree = sampler._tree  # type: ignore[union-attr]
+        total, smallest = tree.total, tree.min
+        b = sampler.beta if beta is None else float(beta)  # type: ignore[union-attr]
+        for sel in sels:
+            info = sel.info
+            if info.probabilities is None or info.weights is None or not sel.slots.numel():
+                continue
+            leaf = tree.get(sel.slots.numpy().astype(np.int64))
+            live = torch.from_numpy(leaf > 0)  # (a priority set to 0 since the draw keeps its values)
+            if total <= 0 or not live.any():
+                continue
+            leaf = np.where(leaf > 0, leaf, 1.0)
+            info.probabilities[live] = torch.from_numpy(leaf / total).to(info.probabilities.dtype)[live]
+            info.weights[live] = torch.from_numpy((smallest / leaf) ** b).to(info.weights.dtype)[live]
 
     def _redraw(self, sel: Selection, handles: np.ndarray, pos: np.ndarray, replace: bool, beta: float | None
                 ) -> tuple[Selection, np.ndarray]:
@@ -923,7 +953,16 @@ class DistributedDataPlane:
         if len(self.index) == 0:
             raise EmptyBufferError("Every item of the buffer was lost with its shards; ingest experience again.")
         assert isinstance(self.semantics, Replay)
-        if replace:
+        sampler = self.semantics.sampler
+        window = self.index.next_handle - self.index.oldest
+        if replace and isinstance(sampler, UniformSampler) and 4 * len(self.index) < window:
+            # fewer than a quarter of the window survive: redrawing over the window would keep landing on
+            # lost items (and give up after _MAX_REDRAWS), so draw uniformly among the survivors directly
+            # (with the sampler's generator: its draw state still covers every draw)
+            live = self.index.live_handles()
+            pick = live[torch.randint(0, live.shape[0], (int(pos.shape[0]),), generator=sampler._gen).numpy()]
+            new = Selection(torch.from_numpy(pick % self.capacity), SampleInfo(handles=torch.from_numpy(pick)))
+        elif replace:
             new = self.semantics.select(int(pos.shape[0]), replace=True, beta=beta)
         else:
             live = self.index.live_handles()
@@ -931,7 +970,10 @@ class DistributedDataPlane:
             if fresh.shape[0] < pos.shape[0]:
                 raise CapacityError(f"Cannot draw {handles.shape[0]} distinct items: only {live.shape[0]} survive "
                                     f"the loss of shards.")
-            gen = torch.Generator().manual_seed(int(handles.sum()) & 0x7FFFFFFF)
+            # the sampler's generator, not one seeded by the draw: a redraw that depends on the handles drawn
+            # favours some survivors (the draws would not be uniform over the items that survive)
+            gen = sampler._gen if isinstance(sampler, UniformSampler) else \
+                torch.Generator().manual_seed(int(handles.sum()) & 0x7FFFFFFF)
             pick = fresh[torch.randperm(fresh.shape[0], generator=gen)[:pos.shape[0]].numpy()]
             new = Selection(torch.from_numpy(pick % self.capacity), SampleInfo(handles=torch.from_numpy(pick)))
         handles = handles.copy()
@@ -1252,6 +1294,10 @@ class DistributedDataPlane:
             if lost.size and self._replay and getattr(self.semantics.sampler, "prioritized", False):  # type: ignore[attr-defined]
                 _forget_priorities(self.semantics, lost, self.capacity)
             copied = self._replicate(under) if under else 0
+            if len(self.losses) > before:
+                # the copies found the other replica of some segments lost too: that loss reports their items
+                # lost, so they are not recovered here (each item counted once, lost or recovered)
+                recovered = sum(seg[1] for seg in map(self.index.segment, under) if seg[1] > 0 and seg[2])
             report = LossReport(shard, self.shard_node(shard), reason, time.time(), lost, recovered, copied)
             self.losses.append(report)
             if found is not None:  # (under the lock: every report since ``before`` was recorded by this call)
