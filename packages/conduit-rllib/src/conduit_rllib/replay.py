@@ -24,9 +24,10 @@ Semantics, compared with RLlib's buffers of the same kind:
   with alpha 2), raises :class:`conduit.PriorityError` instead of corrupting the tree (RLlib's
   trees overflow to inf there: every draw lands on one item, with infinite weights);
 * n-step: the return sums up to ``n`` rewards of the same episode and stops at its end or at
-  the newest stored step; the ``n_step`` column carries the steps actually summed, so the
-  learner bootstraps with ``gamma ** n_actual`` (RLlib's uniform buffer writes the requested
-  ``n`` even when it summed fewer, its prioritized one redraws such items).
+  the newest stored step, or before a gap in the episode's chunks; the ``n_step`` column
+  carries the steps actually summed, so the learner bootstraps with ``gamma ** n_actual``
+  (RLlib's uniform buffer writes the requested ``n`` even when it summed fewer, its
+  prioritized one redraws such items).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class _CheckedState(NamedTuple):
     seed: Any
     next: int
     tail: dict[str, int]
+    tail_t: dict[str, int]
     lifetime: dict[str, int]
     links: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None  # succ, rew, done, episode ids
     unlogged: dict[str, int]
@@ -159,6 +161,8 @@ class _ConduitReplay:
         self._n_rng = np.random.Generator(np.random.PCG64(self.seed + 1))
         self._next = 0  # handle the next ingested transition gets (we are the only producer)
         self._tail: dict[str, int] = {}  # unfinished episode id -> handle of its newest stored step
+        # unfinished episode id -> the timestep its next chunk starts at (a chunk starting elsewhere is not linked)
+        self._tail_t: dict[str, int] = {}
         self._succ = self._rew = self._done = None  # per-slot n-step links, allocated with the EDP
         self._eid = None  # per-slot source episode ids, allocated with the EDP
         self._last_handles: torch.Tensor | None = None
@@ -230,12 +234,16 @@ class _ConduitReplay:
         """Store the transitions of ``SingleAgentEpisode`` chunks (one item per step, columnar).
 
         Chunks of one episode may arrive over several calls; their steps are linked for n-step
-        returns. ``weight`` is the initial priority (prioritized buffer; default: the largest priority an
-        update set, 1.0 at first, as in RLlib: a weight given here does not raise later adds' default).
+        returns when a chunk starts at the timestep right after the episode's newest stored step
+        (its ``t_started``; a chunk after a gap, e.g. one dropped on the way, starts a new run: no
+        return sums across the gap). ``weight`` is the initial priority (prioritized buffer; default:
+        the largest priority an update set, 1.0 at first, as in RLlib: a weight given here does not
+        raise later adds' default).
 
         Raises:
             conduit.SchemaError: observations or actions change shape/dtype, or are nested.
-            conduit.ConfigurationError: a weight for the uniform buffer.
+            conduit.ConfigurationError: a weight for the uniform buffer; a chunk that starts inside steps
+                of its episode already added (they would be stored twice).
             conduit.PriorityError: a weight that is no number, or is NaN, infinite or negative.
             conduit.CapacityError: one chunk holds more steps than the capacity; nothing of this add
                 is stored. (RLlib's buffer keeps such a chunk over capacity until the next add; Conduit's
@@ -262,6 +270,7 @@ class _ConduitReplay:
                                     f"rollout_fragment_length).")
         with self._lock:
             self._check_open("store episodes (add)")
+            self._check_continuations(chunks)
             if len(chunks) > 1:  # a bad chunk after good ones must not leave the good ones stored
                 self._check_chunks(chunks)
             for eps, chunk in zip(episodes, chunks, strict=True):
@@ -278,6 +287,30 @@ class _ConduitReplay:
                     self.action_space = getattr(eps, "action_space", None)
                     continue
                 self._ingest(chunk, weight)
+
+    def _check_continuations(self, chunks: list[ChunkColumns]) -> None:
+        """Refuse, before anything is stored, a chunk that starts inside steps of its unfinished episode already
+        added (e.g. the same chunk added twice: its steps would be stored twice), or after a chunk of the same add
+        that ended its episode. A chunk with ``t_started`` 0 is not checked: it cannot be told from a chunk built
+        without timesteps, which continues its episode wherever it is added.
+
+        Raises:
+            conduit.ConfigurationError: such a chunk.
+        """
+        ends: dict[str, tuple[int, bool]] = {}  # episode id -> (where its added steps end, ended), as this add goes
+        for c in chunks:
+            if not c.length:
+                continue
+            known = self._tail_t.get(c.episode_id)
+            end, ended = ends.get(c.episode_id, (known, False) if known is not None else (None, False))
+            if end is not None and 0 < c.t_started and (c.t_started < end or ended):
+                why = (f"the episode ended at timestep {end} earlier in this add" if ended else
+                       f"its steps up to {end - 1} were already added (they would be stored twice)")
+                raise ConfigurationError(
+                    f"Episode {c.episode_id!r}'s chunk starts at timestep {c.t_started}, but {why}. Add each chunk "
+                    f"once, in order; to add an episode in parts, add the chunks episode.cut() leaves (an "
+                    f"EnvRunner's samples are such chunks). Nothing of this add was stored.")
+            ends[c.episode_id] = (c.t_started + c.length, c.done)
 
     def _check_chunks(self, chunks: list[ChunkColumns]) -> None:
         """Validate every chunk of one ``add`` before any is stored (as ``ExperienceDataPlane.ingest`` would)."""
@@ -321,16 +354,23 @@ class _ConduitReplay:
             self._eid[slots] = chunk.episode_id
         oldest = edp.storage.oldest if handles is not None else max(0, self._next - cap)
         tail = self._tail.pop(chunk.episode_id, None)
-        if tail is not None and tail >= oldest:
+        expected = self._tail_t.pop(chunk.episode_id, None)
+        # a continuation links to the episode's newest step only if it starts right after it: after a chunk that
+        # never arrived (e.g. dropped by sample_timeout_s), n-step returns must not sum across the gap. (t_started
+        # 0 is no continuation's: a chunk built without timesteps, linked as before.)
+        follows = expected is None or chunk.t_started in (0, expected)
+        if tail is not None and tail >= oldest and follows:
             self._succ[tail % cap] = first
         if tail is None:
             self._counts["episodes"] += 1
         if not chunk.done:
             self._tail[chunk.episode_id] = first + n - 1
+            self._tail_t[chunk.episode_id] = chunk.t_started + n
         self._counts["added"] += n
         self._counts["evicted"] += max(0, oldest - before)
         if len(self._tail) > 4 * cap:  # episodes that never finished (e.g. a dropped EnvRunner)
             self._tail = {k: h for k, h in self._tail.items() if h >= oldest}
+            self._tail_t = {k: t for k, t in self._tail_t.items() if k in self._tail}
 
     # -- sample --------------------------------------------------------------------------------
     def sample(self, num_items: int | None = None, *, batch_size_B: int | None = None,
@@ -565,7 +605,8 @@ class _ConduitReplay:
             return len(self.edp)
 
     def get_num_episodes(self, module_id: str | None = None) -> int:
-        """Episodes with at least one live transition (counted over the stored links; O(size))."""
+        """Episodes with at least one live transition (counted over the stored links; O(size)). An episode with
+        a gap in its chunks (see :meth:`add`) counts once per linked run."""
         with self._lock:
             if self.edp is None or self._succ is None:
                 return 0
@@ -635,7 +676,7 @@ class _ConduitReplay:
         with self._lock:
             state: dict[str, Any] = {"format": STATE_FORMAT, "prioritized": self.prioritized,
                                      "capacity": self.capacity, "alpha": self._alpha, "seed": self.seed,
-                                     "next": self._next, "tail": dict(self._tail),
+                                     "next": self._next, "tail": dict(self._tail), "tail_t": dict(self._tail_t),
                                      "lifetime": {k: self._lifetime[k] + self._counts[k] for k in self._lifetime},
                                      "unlogged": dict(self._counts), "metrics_calls": self._metrics_calls,
                                      "logged_iteration": self._logged_iteration,
@@ -710,6 +751,13 @@ class _ConduitReplay:
                     raise ValueError(f"unfinished episode {eid!r}'s newest step {newest!r} is no handle in "
                                      f"[0, next {nxt})")
             seed, tail = int(seed), {eid: int(newest) for eid, newest in tail.items()}
+            # (a state saved before these were kept: every continuation is linked, as then)
+            tail_t = dict(state.get("tail_t", {}))
+            for eid, t in tail_t.items():
+                if eid not in tail or isinstance(t, bool) or not isinstance(t, Integral) or int(t) < 0:
+                    raise ValueError(f"unfinished episode {eid!r}'s next timestep {t!r} is no int >= 0 of an "
+                                     f"unfinished episode")
+            tail_t = {eid: int(t) for eid, t in tail_t.items()}
             links = None
             if has_plane:  # one n-step link per slot, and the handle the next add gets is the saved plane's next
                 # (a state saved before episode ids were kept: they are unknown, None)
@@ -735,7 +783,7 @@ class _ConduitReplay:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConfigurationError(f"This Conduit replay-buffer state is damaged ({type(e).__name__}: {e}); load "
                                      f"an undamaged get_state().") from e
-        return _CheckedState(alpha, schema, seed, nxt, tail, lifetime, links, unlogged, metrics_calls,
+        return _CheckedState(alpha, schema, seed, nxt, tail, tail_t, lifetime, links, unlogged, metrics_calls,
                              logged_iteration, state["n_rng"], last, obs_space, act_space)
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -763,6 +811,7 @@ class _ConduitReplay:
             self._alpha = c.alpha
             self.seed, self._next = c.seed, c.next
             self._tail = c.tail
+            self._tail_t = c.tail_t
             self._lifetime = c.lifetime
             self._counts = c.unlogged
             self._metrics_calls = c.metrics_calls

@@ -71,6 +71,8 @@ class ChunkColumns:
     columns: dict[str, torch.Tensor]
     length: int
     done: bool
+    #: the episode timestep of the chunk's first step (``SingleAgentEpisode.t_started``; 0 where not tracked)
+    t_started: int = 0
 
 
 def _nested(data: Any) -> bool:
@@ -116,7 +118,7 @@ def chunk_columns(episode: Any) -> ChunkColumns:
     term, trunc = _done_flags(n, bool(episode.is_terminated), bool(episode.is_truncated))
     cols = {Columns.OBS: o[:-1], Columns.NEXT_OBS: o[1:], Columns.ACTIONS: _as_tensor(acts),
             Columns.REWARDS: rewards, Columns.TERMINATEDS: term, Columns.TRUNCATEDS: trunc}
-    return ChunkColumns(str(episode.id_), cols, n, bool(episode.is_done))
+    return ChunkColumns(str(episode.id_), cols, n, bool(episode.is_done), int(getattr(episode, "t_started", 0) or 0))
 
 
 def storable_field(what: str, shape: tuple[int, ...], dtype: torch.dtype) -> Field:
