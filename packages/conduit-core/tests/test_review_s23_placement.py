@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,13 +22,11 @@ import torch
 from conduit import ExperienceDataPlane, ExperienceSchema, Field
 from conduit.errors import ConfigurationError, PlacementError
 from conduit.placement import (
-    BandwidthProfile,
     DiskPlacement,
     HostPlacement,
     LinkCost,
     PlacementSpec,
     Planner,
-    Topology,
     Workload,
     load_topology,
 )
@@ -35,16 +34,10 @@ from conduit.placement.growth import simulate_growth
 from conduit.placement.migration import migrate
 from conduit.telemetry import Telemetry
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_placement_map_beyond_plan import _host_only_planner  # noqa: E402, I001  (sibling test helper)
+
 HOST = PlacementSpec("host", ("cpu",))
-
-
-def _host_only_planner() -> Planner:
-    """A 100,000 B host, no GPU, no disk: a buffer fits while its columns and outputs do."""
-    links = {"host_copy": LinkCost.constant(10, 5), "host_gather": LinkCost.constant(8, 6, 100),
-             "edp_deliver": LinkCost.constant(1e6, 20), "edp_ingest": LinkCost.constant(1e6, 20)}
-    prof = BandwidthProfile(links, source="declared", machine="declared:tiny")
-    return Planner(Topology("tiny", 100_000, (), 0, prof, "a test machine", "declared"), headroom=0.0,
-                   host_usable=1.0)
 
 
 # -- 1. a workload resizes to exactly the size asked for, or is refused -------------------------------------------

@@ -26,30 +26,18 @@ from conduit.testing import (
     CoreReplayEndpoint,
     Draw,
     EndpointFactory,
-    FreshnessSuite,
     Minibatch,
-    ReplaySuite,
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_conformance_catches_mutants import _integration_module  # noqa: E402, I001  (sibling test helper)
+from test_conformance_catches_mutants import (  # noqa: E402, I001  (sibling test helpers)
+    _integration_module,
+    freshness_suite,
+    replay_suite,
+)
 
 #: what a failing suite check raises: a plain assertion, or pytest.fail's exception
 FAILED = (AssertionError, pytest.fail.Exception)
-
-
-def replay_suite(ep: type) -> ReplaySuite:
-    class Bound(ReplaySuite):
-        def make_replay(self, **kw: Any) -> Any:
-            return ep(**kw)
-    return Bound()
-
-
-def freshness_suite(ep: type) -> FreshnessSuite:
-    class Bound(FreshnessSuite):
-        def make_on_policy(self, **kw: Any) -> Any:
-            return ep(**kw)
-    return Bound()
 
 
 def with_prioritized(sampler: type[PrioritizedSampler]) -> type[CoreReplayEndpoint]:
