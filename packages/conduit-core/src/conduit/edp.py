@@ -15,7 +15,7 @@ import torch
 from conduit.batch import ExperienceBatch, Ragged
 from conduit.errors import CapacityError, ConfigurationError, SchemaError
 from conduit.placement.base import HostPlacement, Placement
-from conduit.scheduling.base import Scheduler, Synchronous, check_scheduler_entry, scheduler_entry
+from conduit.scheduling.base import Scheduler, Synchronous, check_scheduler_entry, lock_held, scheduler_entry
 from conduit.schema import ExperienceSchema
 from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy, check_version
@@ -439,8 +439,7 @@ class ExperienceDataPlane:
         """Whether the calling thread holds the buffer's lock (inside :meth:`read_locked`'s function, or a callback of a
         write). A scheduler's worker thread needs that lock to store or prepare, so a call that would wait for the
         worker there is refused instead of waiting forever (:func:`conduit.scheduling.base.wait_refused`)."""
-        is_owned = getattr(self._lock, "_is_owned", None)  # (CPython's RLock; without it nothing is refused)
-        return bool(is_owned()) if is_owned is not None else False
+        return lock_held(self._lock)
 
     def gather_now(self, selections: Sequence[Selection],
                    out: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor] | None] | None = None,

@@ -55,7 +55,7 @@ from conduit.distributed.transport import OBJECT_STORE, TORCH, TRANSPORTS, Torch
 from conduit.distributed.wire import from_wire, packed_nbytes, to_wire, unpack_rows
 from conduit.edp import check_roles
 from conduit.errors import CapacityError, ConduitError, ConfigurationError, EmptyBufferError
-from conduit.scheduling.base import Scheduler, Synchronous, check_scheduler_entry, scheduler_entry
+from conduit.scheduling.base import Scheduler, Synchronous, check_scheduler_entry, lock_held, scheduler_entry
 from conduit.schema import ExperienceSchema
 from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy, check_version
@@ -790,8 +790,7 @@ class DistributedDataPlane:
     def holds_lock(self) -> bool:
         """Whether the calling thread holds the buffer's lock (as ``ExperienceDataPlane.holds_lock``: a scheduler
         refuses a call there that would wait for its worker thread, which needs this lock)."""
-        is_owned = getattr(self._lock, "_is_owned", None)  # (CPython's RLock; without it nothing is refused)
-        return bool(is_owned()) if is_owned is not None else False
+        return lock_held(self._lock)
 
     def gather_now(self, selections: Sequence[Selection],
                    out: Mapping[str, torch.Tensor] | Callable[[int], Mapping[str, torch.Tensor]] | None = None,

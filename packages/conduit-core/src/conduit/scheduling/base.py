@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from conduit.edp import ExperienceDataPlane
     from conduit.semantics.base import SampleInfo
 
-__all__ = ["Scheduler", "Synchronous", "check_scheduler_entry", "scheduler_entry", "wait_refused"]
+__all__ = ["Scheduler", "Synchronous", "check_scheduler_entry", "scheduler_entry", "lock_held", "wait_refused"]
 
 
 class Scheduler(ABC):
@@ -110,6 +110,13 @@ class Scheduler(ABC):
             ConfigurationError: ``state`` is damaged (nothing changed).
         """
         self.check_state_dict(state)
+
+
+def lock_held(lock: object) -> bool:
+    """Whether the calling thread holds ``lock``, a data plane's re-entrant lock (what both planes'
+    ``holds_lock()`` answer). Without CPython's ``RLock._is_owned`` the answer is False: nothing is refused."""
+    is_owned = getattr(lock, "_is_owned", None)
+    return bool(is_owned()) if is_owned is not None else False
 
 
 def wait_refused(call: str, worker: str) -> ConfigurationError:
