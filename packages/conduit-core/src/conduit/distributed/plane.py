@@ -929,22 +929,19 @@ class DistributedDataPlane:
         the survivors, so all of them get the survivors' values (as one draw after the loss would).
         """
         sampler = getattr(self.semantics, "sampler", None)
-        if not getattr(sampler, "prioritized", False):
+        if not isinstance(sampler, PrioritizedSampler):
             return
-        tree = sampler._tree  # type: ignore[union-attr]
-        total, smallest = tree.total, tree.min
-        b = sampler.beta if beta is None else float(beta)  # type: ignore[union-attr]
         for sel in sels:
             info = sel.info
             if info.probabilities is None or info.weights is None or not sel.slots.numel():
                 continue
-            leaf = tree.get(sel.slots.numpy().astype(np.int64))
+            leaf = sampler.priorities(sel.slots.numpy().astype(np.int64))
             live = torch.from_numpy(leaf > 0)  # (a priority set to 0 since the draw keeps its values)
-            if total <= 0 or not live.any():
+            if not live.any():
                 continue
-            leaf = np.where(leaf > 0, leaf, 1.0)
-            info.probabilities[live] = torch.from_numpy(leaf / total).to(info.probabilities.dtype)[live]
-            info.weights[live] = torch.from_numpy((smallest / leaf) ** b).to(info.weights.dtype)[live]
+            probs, weights = sampler.weigh(np.where(leaf > 0, leaf, 1.0), beta)
+            info.probabilities[live] = torch.from_numpy(probs).to(info.probabilities.dtype)[live]
+            info.weights[live] = torch.from_numpy(weights).to(info.weights.dtype)[live]
 
     def _redraw(self, sel: Selection, handles: np.ndarray, pos: np.ndarray, replace: bool, beta: float | None
                 ) -> tuple[Selection, np.ndarray]:

@@ -241,16 +241,24 @@ class PrioritizedSampler(Sampler):
             slots[zero] = self._tree.find(self._rng.random(int(zero.sum())) * total)
             leaf = self._tree.get(slots)
         st = self.storage
-        probs = leaf / total
-        b = self.beta if beta is None else float(beta)
-        # (N * P(i))^-b / (N * min_j P(j))^-b, as (min_j p_j / p_i)^b: in (0, 1], so no priorities however far
-        # apart overflow it (the quotient form raised for 1e-300 beside 1e300)
-        weights = (self._tree.min / leaf) ** b
+        probs, weights = self.weigh(leaf, beta)
         # as Storage.handles_of, in NumPy (nothing evicted yet: handle == slot)
         handles = slots.copy() if st.oldest == 0 else st.oldest + (slots - st.oldest) % st.capacity
         info = SampleInfo(handles=torch.from_numpy(handles), weights=torch.from_numpy(weights.astype(np.float32)),
                           probabilities=torch.from_numpy(probs))
         return Selection(torch.from_numpy(slots), info)
+
+    def priorities(self, slots: np.ndarray) -> np.ndarray:
+        """What ``slots`` are drawn in proportion to now (their ``priority ** alpha``; 0 for no item)."""
+        return self._tree.get(slots)
+
+    def weigh(self, leaf: np.ndarray, beta: float | None) -> tuple[np.ndarray, np.ndarray]:
+        """Probabilities and importance weights of draws of items with :meth:`priorities` ``leaf`` (all > 0), against
+        the priorities held now; ``beta`` None: the sampler's."""
+        b = self.beta if beta is None else float(beta)
+        # (N * P(i))^-b / (N * min_j P(j))^-b, as (min_j p_j / p_i)^b: in (0, 1], so no priorities however far
+        # apart overflow it (the quotient form raised for 1e-300 beside 1e300)
+        return leaf / self._tree.total, (self._tree.min / leaf) ** b
 
     def update(self, handles: torch.Tensor | np.ndarray, priorities: torch.Tensor | np.ndarray) -> int:
         p = self.check(priorities)
