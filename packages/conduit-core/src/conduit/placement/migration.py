@@ -172,8 +172,8 @@ def _copy_and_swap(edp: ExperienceDataPlane, placement: Placement, old: Storage,
     # items per chunk: from the fixed fields' bytes; with ragged fields, whose sequences the schema does not size,
     # one item first, then from the mean bytes per item copied so far (so a hold copies about chunk_bytes)
     ragged = bool(edp.schema.ragged)
-    item = max(1, edp.schema.fixed_item_bytes + 8 * len(edp.schema.ragged))
-    stats = {"bytes": 0, "chunks": 0, "items": 0, "chunk": 1 if ragged else max(1, min(cap, chunk_bytes // item))}
+    first = 1 if ragged else max(1, min(cap, chunk_bytes // max(1, edp.schema.fixed_item_bytes)))
+    stats = {"bytes": 0, "chunks": 0, "items": 0, "chunk": first}
 
     def copy(lo: int, hi: int) -> None:
         a = lo
