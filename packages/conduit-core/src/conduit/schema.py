@@ -20,11 +20,11 @@ import torch
 
 from conduit.errors import ConfigurationError
 
-__all__ = ["Field", "ExperienceSchema"]
+__all__ = ["Field", "ExperienceSchema", "storable", "same_width_integer"]
 
 
 @functools.cache
-def _storable(dtype: torch.dtype) -> bool:
+def storable(dtype: torch.dtype) -> bool:
     """Whether a storage can hold ``dtype``: torch allocates it, copies it and gathers rows of it."""
     try:
         column = torch.empty(2, dtype=dtype)
@@ -32,6 +32,16 @@ def _storable(dtype: torch.dtype) -> bool:
     except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError (e.g. index_select for uint16)
         return False
     return True
+
+
+#: the signed integer dtype of each element width
+_SIGNED_BY_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_width_integer(dtype: torch.dtype) -> torch.dtype | None:
+    """The signed integer dtype as wide as ``dtype`` (a ``view`` to it carries the bits of a dtype torch cannot
+    gather or copy by index, e.g. uint16 or float8), or None for a width no integer has."""
+    return _SIGNED_BY_WIDTH.get(dtype.itemsize)
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,7 @@ class Field:
             raise ConfigurationError(f"Field dtype must be a torch.dtype, got {self.dtype!r}.")
         if not isinstance(self.ragged, (bool, np.bool_)):
             raise ConfigurationError(f"Field ragged must be True or False, got {self.ragged!r}.")
-        if not _storable(self.dtype):
+        if not storable(self.dtype):
             raise ConfigurationError(f"Field dtype {self.dtype} cannot be stored: this torch cannot gather rows of it "
                                      f"(index_select). Store it as a signed integer dtype of the same width "
                                      f"(e.g. torch.int16 for torch.uint16) and .view() it back after delivery.")

@@ -45,6 +45,7 @@ from conduit import (
     Storage,
 )
 from conduit.batch import ExperienceBatch
+from conduit.schema import same_width_integer, storable
 from conduit.storage import ColumnarStorage
 
 from conduit_verl.compat import MissingKeyError
@@ -94,14 +95,11 @@ def storage_dtype(dtype: torch.dtype) -> torch.dtype:
     Raises:
         ConfigurationError: no same-width dtype can be stored either.
     """
-    try:
-        Field((), dtype)
+    signed = None if storable(dtype) else same_width_integer(dtype)
+    if signed is None:
+        Field((), dtype)  # (a dtype no storage holds raises the ConfigurationError that says what to do)
         return dtype
-    except ConfigurationError:
-        signed = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(dtype.itemsize)
-        if signed is None:
-            raise
-        return signed
+    return signed
 
 
 def rank_error(name: str, held_width: int, brought_width: int, note: str = "") -> SchemaError:

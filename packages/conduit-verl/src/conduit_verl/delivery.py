@@ -58,6 +58,7 @@ from conduit import (
 )
 from conduit.batch import ExperienceBatch
 from conduit.scheduling.worker import Job, Worker
+from conduit.schema import storable
 from conduit.semantics.base import Selection
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from torch.utils.data import DataLoader, Dataset
@@ -371,7 +372,7 @@ class _Codec:
             if not isinstance(v, torch.Tensor):
                 return f"field {key!r} is a {type(v).__name__}"
             has_tensor = True
-            if not _storable(v.dtype):
+            if not storable(v.dtype):
                 return f"field {key!r} has dtype {v.dtype}, which Conduit storage cannot gather rows of"
             if v.is_nested:
                 if v.layout != torch.jagged or cast(Any, v).lengths() is not None or getattr(v, "_ragged_idx", 1) != 1:
@@ -452,15 +453,6 @@ def _same_constant(a: Any, b: Any) -> bool:
         return type(x) is type(y) and bool(x == y)
     except Exception:  # a value without a truthful ==: only the same object is the same
         return False
-
-
-def _storable(dtype: torch.dtype) -> bool:
-    """Whether a Conduit field can hold ``dtype`` (torch gathers rows of it: not uint16/32/64 on some torches)."""
-    try:
-        Field((), dtype)
-    except ConfigurationError:
-        return False
-    return True
 
 
 # -- the verl-facing object ----------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 
 from conduit.batch import ExperienceBatch, Ragged, ranges
 from conduit.errors import CapacityError, ConfigurationError
-from conduit.schema import ExperienceSchema
+from conduit.schema import ExperienceSchema, same_width_integer
 from conduit.storage.base import AppendResult, Storage
 
 __all__ = ["ColumnarStorage", "Allocator", "empty_column", "pool_elements", "index_copy_dtype"]
@@ -44,10 +44,6 @@ def _copy_segments(pool: torch.Tensor, starts: torch.Tensor, lengths: torch.Tens
     return out
 
 
-#: signed integer dtype of each element width, for copying dtypes that torch cannot index_copy_ as raw bits
-_BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 @functools.cache
 def index_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """None when ``index_copy_`` copies rows of ``dtype``; else the same-width integer dtype to view both
@@ -55,7 +51,7 @@ def index_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
     try:
         torch.zeros(2, dtype=dtype).index_copy_(0, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=dtype))
     except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError
-        return _BITS_DTYPE.get(torch.empty((), dtype=dtype).element_size())
+        return same_width_integer(dtype)
     return None
 
 
