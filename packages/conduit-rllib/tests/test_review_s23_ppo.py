@@ -7,9 +7,10 @@ algorithm whose learner runs remotely (it would report 0 s for the learner's par
 from __future__ import annotations
 
 import gc
+import sys
+from pathlib import Path
 from typing import Any, cast
 
-import conduit_rllib
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -21,28 +22,11 @@ from conduit_rllib.learner import ON_POLICY_COMPONENT, ConduitPPOTorchLearner
 from conduit_rllib.profiling import ExperiencePathProbe
 from ray.rllib.algorithms.ppo import PPOConfig
 from ray.rllib.core import DEFAULT_MODULE_ID
-from ray.rllib.core.columns import Columns
 from ray.rllib.core.learner.training_data import TrainingData
-from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
+from ray.rllib.policy.sample_batch import SampleBatch
 
-ROW = "row_id"
-
-
-def build_learner() -> ConduitPPOTorchLearner:
-    config = conduit_rllib.enable(PPOConfig().environment("CartPole-v1").debugging(seed=0))
-    learner = config.build_learner(env=gym.make("CartPole-v1"))
-    assert isinstance(learner, ConduitPPOTorchLearner)
-    return learner
-
-
-def train_batch(n: int) -> MultiAgentBatch:
-    """A PPO train batch of ``n`` rows whose ``row_id`` column names each row."""
-    ids = torch.arange(n)
-    cols = {Columns.OBS: ids.float()[:, None].repeat(1, 4) / n, Columns.ACTIONS: ids % 2,
-            Columns.ACTION_LOGP: torch.full((n,), -0.69), Columns.ACTION_DIST_INPUTS: torch.zeros(n, 2),
-            "advantages": ids.float() / n, "value_targets": torch.zeros(n), Columns.VF_PREDS: torch.zeros(n),
-            ROW: ids}
-    return MultiAgentBatch({DEFAULT_MODULE_ID: SampleBatch(cols)}, env_steps=n)
+sys.path.insert(0, str(Path(__file__).parent))
+from test_on_policy_learner_state_and_refusals import ROW, build_learner, train_batch  # noqa: E402, I001  (sibling test helpers)
 
 
 def minibatch_iter(learner: ConduitPPOTorchLearner, n: int, *, minibatch_size: int, num_epochs: int) -> Any:
