@@ -157,8 +157,9 @@ def test_an_on_policy_checkpoint_mid_epoch_continues_under_every_scheduler(saved
 
 # -- placements and tiers, capacity ---------------------------------------------------------------------------------
 def _adaptive(boundary: float, directory: Any) -> AdaptivePlacement:
-    """An AdaptivePlacement whose map puts ID_SCHEMA's 20 B items on the host below ``boundary`` B, else on disk."""
-    workload = Workload.from_schema(ID_SCHEMA, capacity=128, batch=8)
+    """An AdaptivePlacement whose map puts ID_SCHEMA's 20 B items on the host below ``boundary`` B, else on disk
+    (planned for 256 items: the replay buffers of 128 and the on-policy ones of 256)."""
+    workload = Workload.from_schema(ID_SCHEMA, capacity=256, batch=8)
     ranges = [MapRange(1.0, boundary, PlacementSpec("host", ("cpu",))),
               MapRange(boundary, float("inf"), PlacementSpec("disk", ("disk",)))]
     return AdaptivePlacement(PlacementMap(ranges, workload, "test", max_item_bytes=10_000), directory=directory)

@@ -223,7 +223,9 @@ class AdaptivePlacement(Placement):
     """A placement that follows a :class:`PlacementMap` and migrates when the item size crosses a boundary.
 
     Args:
-        placement_map: the precomputed map (its workload's capacity should be the buffer's).
+        placement_map: the precomputed map. Its workload's capacity bounds the buffers this placement
+            builds storage for: the map checked that each placement holds that many items, so a buffer of
+            more items is refused (:meth:`storage`); plan the map for the buffer's capacity.
 
     Keyword Args:
         directory: where the disk tier puts its files, if the map ever chooses it.
@@ -258,8 +260,17 @@ class AdaptivePlacement(Placement):
         """Storage in the placement the map names for ``schema``'s items.
 
         Raises:
-            PlacementError: nothing fits them, or they exceed the map's planned maximum.
+            PlacementError: nothing fits them, they exceed the map's planned maximum, or ``capacity``
+                exceeds the capacity the map was planned for (nothing checked that its placements hold
+                that many items); nothing was built.
         """
+        planned = self.map.workload.capacity
+        if capacity > planned:
+            raise PlacementError(
+                f"A buffer of {capacity} items exceeds the capacity this placement map on {self.map.topology!r} was "
+                f"planned for ({planned} items): nothing checked that its placements hold {capacity} of them. Plan "
+                f"the map for the buffer's capacity: planner.placement_map(Workload.from_schema(schema, "
+                f"capacity={capacity}, ...), ...), or build the buffer with capacity <= {planned}.")
         spec = self.map.lookup(schema.item_bytes(self.mean_ragged_length))
         st = spec.build(directory=self.directory).storage(schema, capacity, ragged_capacity=ragged_capacity)
         self._undo = (weakref.ref(st), self.current)

@@ -24,7 +24,8 @@ Path names (``BandwidthProfile.links`` keys):
 
 :func:`profile_machine` measures these on the machine it runs on and caches the result
 in the user cache directory, keyed by machine; loading a profile measured on another
-machine raises :class:`conduit.PlacementError`.
+machine raises :class:`conduit.PlacementError`. That cache file holds only this machine's
+measurement: a declared profile is neither saved there nor taken from there as one.
 """
 
 from __future__ import annotations
@@ -268,8 +269,17 @@ def cache_dir() -> Path:
 
 
 def profile_path() -> Path:
-    """The cache file for this machine's profile."""
+    """The cache file for this machine's profile: it holds only this machine's measurement (see
+    :meth:`BandwidthProfile.save` and :func:`load_profile`)."""
     return cache_dir() / f"profile-{machine_id()}.json"
+
+
+def _is_cache_file(path: Path) -> bool:
+    """Whether ``path`` names this machine's profile cache file (:func:`profile_path`), however it is spelt."""
+    try:
+        return path.resolve() == profile_path().resolve()
+    except (OSError, RuntimeError):  # a symlink loop: not the cache file, which the cache never makes
+        return False
 
 
 @dataclass
@@ -312,6 +322,11 @@ class BandwidthProfile:
                              f"{' between ' + '/'.join(map(str, devices)) if devices else ''}; run `conduit profile` "
                              f"on a machine that has it, or add it to the topology's data file.")
 
+    @property
+    def measured_here(self) -> bool:
+        """Whether this is a measurement of this machine (not a declared profile, nor one measured elsewhere)."""
+        return self.source == "measured" and self.machine == machine_id()
+
     def check_machine(self) -> None:
         """Raise :class:`PlacementError` if this measured profile is from another machine."""
         if self.source == "measured" and self.machine != machine_id():
@@ -342,12 +357,24 @@ class BandwidthProfile:
                    machine=d.get("machine", ""), created=d.get("created", ""), details=details)
 
     def save(self, path: str | Path | None = None) -> Path:
-        """Write as JSON (default: this machine's cache file); returns the path.
+        """Write as JSON (default: this machine's cache file); returns the path. The file keeps the
+        provenance (``source``, ``machine``).
+
+        The cache file (:func:`profile_path`) is what :func:`profile_machine` and :func:`load_profile`
+        take as this machine's measurement: only a profile that is one (:attr:`measured_here`) may be
+        written there.
 
         Raises:
-            PlacementError: the file or its directory cannot be written (the message names it and what to do).
+            PlacementError: the file or its directory cannot be written (the message names it and what to do),
+                or ``path`` is the cache file and this profile is declared or measured on another machine;
+                nothing was written.
         """
         p = Path(path) if path is not None else profile_path()
+        if not self.measured_here and _is_cache_file(p):
+            raise PlacementError(
+                f"This {self.source} profile ({self.machine}) is not this machine's measurement, and {p} is this "
+                f"machine's measured-profile cache (what `conduit profile` and the local topology take as measured "
+                f"here). Write it elsewhere with save(path), or run `conduit profile` to measure this machine.")
         text = json.dumps(self.to_dict(), indent=1)
         try:  # a failed write leaves the old file and no partial one; two processes saving never mix writes
             p.parent.mkdir(parents=True, exist_ok=True)
@@ -359,11 +386,12 @@ class BandwidthProfile:
 
 
 def load_profile(path: str | Path | None = None) -> BandwidthProfile:
-    """A cached profile (default: this machine's cache file).
+    """A cached profile (default: this machine's cache file), with its provenance (``source``, ``machine``).
 
     Raises:
-        PlacementError: no profile there, it cannot be read (e.g. a directory), it is not a profile, or it
-            was measured on another machine.
+        PlacementError: no profile there, it cannot be read (e.g. a directory), it is not a profile, it
+            was measured on another machine, or it is a declared profile found in this machine's cache file
+            (which holds only this machine's measurement: see :meth:`BandwidthProfile.save`).
     """
     p = Path(path) if path is not None else profile_path()
     if not p.exists():
@@ -378,6 +406,10 @@ def load_profile(path: str | Path | None = None) -> BandwidthProfile:
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise PlacementError(f"{p} is not a readable bandwidth profile ({e}); delete it and run `conduit profile`.") \
             from e
+    if prof.source != "measured" and _is_cache_file(p):
+        raise PlacementError(f"{p}, this machine's measured-profile cache, holds a {prof.source} profile "
+                             f"({prof.machine}), not a measurement of this machine; run `conduit profile` to measure "
+                             f"it (that replaces the file), or keep the declared profile under another path.")
     prof.check_machine()
     return prof
 
