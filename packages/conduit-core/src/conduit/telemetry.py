@@ -72,6 +72,11 @@ class Telemetry:
     call, so a record never waits, also not one made by a garbage-collector callback or a
     signal handler that interrupted this thread's own fold) and whenever they are read.
 
+    A reader called on a thread that is inside a fold or a read of this telemetry already (a
+    garbage-collector callback, a finalizer or a signal handler that interrupted it) neither folds
+    nor waits: it returns what the folds completed before that one left (the calls being folded
+    show in the next read), and :meth:`reset` there is refused.
+
     The ring drops its oldest calls once more than ``maxlen`` were folded into it; :meth:`mark`
     and :meth:`snapshot` tell whether calls folded after a point have been dropped (what an
     :class:`~conduit.exposure.ExposureLog` checks so an iteration is never silently under-counted).
@@ -92,10 +97,13 @@ class Telemetry:
                                      f"folded: pass an int >= 0, got {fold_every!r}.")
         self.maxlen = maxlen
         self._records: deque[CallRecord] = deque(maxlen=maxlen)
-        self._totals: dict[str, Totals] = {}
+        #: kind -> (calls, items, bytes, seconds): replaced, never changed in place (see _fold_locked)
+        self._totals: dict[str, tuple[int, int, int, float]] = {}
         self._new: deque[CallRecord] = deque()
         self._fold_every = fold_every
-        self._lock = threading.Lock()
+        #: reentrant (a reader re-entered on the thread that holds it must not wait for itself); its ``depth``
+        #: tells a re-entered call not to fold
+        self._lock = _DepthLock()
         #: thread_id() -> its name when it first recorded (a trace written after a worker exited still names it);
         #: names of exited threads with no call in the ring are forgotten past ``_names_limit`` (see _forget_names)
         self._names: dict[int, str] = {}
@@ -130,46 +138,71 @@ class Telemetry:
         """Fold the recorded calls into the ring and the totals.
 
         ``wait=False`` (from :meth:`record`): while a fold is under way, leave the calls to it or to the next
-        one instead of waiting for it. That fold may be this thread's own, interrupted by a garbage-collector
-        callback, a finalizer or a signal handler that records: waiting for the lock would never end.
+        one instead of waiting for it. A call re-entered on the thread that holds the lock (a garbage-collector
+        callback, a finalizer or a signal handler that interrupted this thread's fold or read, and records)
+        does not fold either: that fold, or the next one, takes the calls.
         """
         if not self._lock.acquire(blocking=wait):
             return
         try:
-            self._fold_locked()
+            self._fold_outermost()
         finally:
             self._lock.release()
 
+    def _fold_outermost(self) -> None:
+        """Fold unless this thread was inside a fold or a read already (caller holds the lock): a call re-entered
+        there (see :meth:`_fold`) reads what the completed folds left instead."""
+        if self._lock.depth == 1:
+            self._fold_locked()
+
     def _fold_locked(self) -> None:
-        """:meth:`_fold` (caller holds the lock)."""
+        """:meth:`_fold` (caller holds the lock).
+
+        Works everything out first without changing what a reader sees, then commits it with plain assignments
+        of the objects already built and, last, one ``extend`` of the ring. Nothing in the commit allocates or
+        calls before that extend, so a reader re-entered on this thread (a collector callback, a finalizer or a
+        signal handler that interrupted the fold) sees the state the previous fold left, never part of this one.
+        """
         new = self._new
         n = len(new)
+        batch = [new.popleft() for _ in range(n)]  # what other threads append meanwhile waits for the next fold
+        # the totals of the kinds in this fold, summed on from the old ones call by call, in the order recorded
+        old = self._totals
+        changed: dict[str, list[Any]] = {}
+        for rec in batch:
+            t = changed.get(rec.kind)
+            if t is None:
+                t = changed[rec.kind] = list(old.get(rec.kind, _NO_CALLS))
+            t[0] += 1
+            t[1] += rec.items
+            t[2] += rec.nbytes
+            t[3] += rec.end - rec.start
+        totals = old.copy() if changed else old
+        for k, t in changed.items():
+            totals[k] = (t[0], t[1], t[2], t[3])
         # the ring pushes out its oldest calls once it is full: account for them once per fold
         over = len(self._records) + n - self.maxlen
-        # the calls pushed out: the ring's oldest, then (more folded at once than it holds) the first new ones
-        through = max(0, n - self.maxlen)
+        first, drops, dropped_end = self._first, self._drops, self._dropped_end
         if over > 0:
-            if self._drops and self._drops[-1][1] == self._first:
-                self._drops[-1][1] += over
+            # the calls pushed out: the ring's oldest, then (more folded at once than it holds) the first new ones
+            through = max(0, n - self.maxlen)
+            if drops and drops[-1][1] == first:
+                drops = [*drops[:-1], [drops[-1][0], first + over]]
             else:
-                self._drops.append([self._first, self._first + over])
-            self._first += over
+                drops = [*drops, [first, first + over]]
+            first += over
             # (the running latest first: max() then passes over a NaN end)
-            self._dropped_end = max(itertools.chain(
-                (self._dropped_end,), (r.end for r in itertools.islice(self._records, over - through))))
-        self._folded += n
-        for i in range(n):  # what other threads append meanwhile waits for the next fold
-            rec = new.popleft()
-            if i < through:
-                self._dropped_end = max(self._dropped_end, rec.end)
-            self._records.append(rec)
-            t = self._totals.get(rec.kind)
-            if t is None:
-                t = self._totals[rec.kind] = Totals()
-            t.calls += 1
-            t.items += rec.items
-            t.nbytes += rec.nbytes
-            t.seconds += rec.end - rec.start
+            dropped_end = max(itertools.chain(
+                (dropped_end,), (r.end for r in itertools.islice(self._records, over - through)),
+                (r.end for r in itertools.islice(batch, through))))
+        folded = self._folded + n
+        # the commit (see above: no allocation or call before the extend)
+        self._totals = totals
+        self._drops = drops
+        self._first = first
+        self._dropped_end = dropped_end
+        self._folded = folded
+        self._records.extend(batch)
         if len(self._names) > self._names_limit:
             self._forget_names()
 
@@ -196,16 +229,16 @@ class Telemetry:
     def records(self) -> tuple[CallRecord, ...]:
         """The most recent calls, oldest first (at most ``maxlen``): a snapshot, safe to iterate while
         other threads record."""
-        self._fold()
         with self._lock:
+            self._fold_outermost()
             return tuple(self._records)
 
     def mark(self) -> int:
         """A point in the stream of calls: how many have been folded into :attr:`records` so far, after
         folding those pending. Every call recorded after this returns gets a later position; pass the mark
         to :meth:`snapshot` to learn whether the ring has dropped any of them since."""
-        self._fold()
         with self._lock:
+            self._fold_outermost()
             return self._folded
 
     def snapshot(self, since: int) -> tuple[tuple[CallRecord, ...], int]:
@@ -217,8 +250,8 @@ class Telemetry:
             ConfigurationError: ``since`` is not a mark (an int >= 0).
         """
         _check_mark("snapshot", since)
-        self._fold()
         with self._lock:
+            self._fold_outermost()
             return tuple(self._records), self._dropped_since(since)
 
     def calls_since(self, since: int) -> tuple[list[CallRecord], int]:
@@ -230,8 +263,8 @@ class Telemetry:
             ConfigurationError: ``since`` is not a mark (an int >= 0).
         """
         _check_mark("calls_since", since)
-        self._fold()
         with self._lock:
+            self._fold_outermost()
             # read from the newest end: skipping the older calls from the left would walk the whole deque
             newer = itertools.islice(reversed(self._records), max(0, self._folded - max(since, self._first)))
             return list(newer)[::-1], self._dropped_since(since)
@@ -254,9 +287,9 @@ class Telemetry:
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
             raise ConfigurationError(f"Telemetry.recent(kind, n=...) is how many of the newest calls to return: "
                                      f"pass an int >= 0, got {n!r}.")
-        self._fold()
         out: list[CallRecord] = []
         with self._lock:
+            self._fold_outermost()
             for r in reversed(self._records):
                 if len(out) >= n:
                     break
@@ -268,9 +301,9 @@ class Telemetry:
     def totals(self) -> dict[str, Totals]:
         """Running totals per kind, over every call recorded: a consistent snapshot, safe to iterate while
         other threads record."""
-        self._fold()
         with self._lock:
-            return {k: Totals(t.calls, t.items, t.nbytes, t.seconds) for k, t in self._totals.items()}
+            self._fold_outermost()
+            return {k: Totals(*t) for k, t in self._totals.items()}
 
     def span(self, kind: str, items: SupportsIndex = 0, nbytes: SupportsIndex = 0) -> _Span:
         """A context manager that records its body as one call of ``kind``.
@@ -294,8 +327,8 @@ class Telemetry:
             ConfigurationError: ``t0`` is not a number (a ``time.perf_counter()`` reading), or NaN.
         """
         _check_time("Telemetry.since(t0=...)", t0)
-        self._fold()
         with self._lock:
+            self._fold_outermost()
             return [r for r in self._records if r.start >= t0]
 
     def reset(self) -> None:
@@ -305,24 +338,32 @@ class Telemetry:
         Raises:
             ConfigurationError: an :meth:`ExposureLog.iteration() <conduit.exposure.ExposureLog.iteration>` on
                 this telemetry is open: it is accounted from the calls reset would forget, so it would be
-                under-counted. Nothing is reset; reset between iterations.
+                under-counted. Or it was called on a thread inside a fold or a read of this telemetry (from a
+                garbage-collector callback, a finalizer or a signal handler that interrupted it): that fold
+                would bring back what reset forgot. Nothing is reset; reset outside them.
         """
-        self._fold()
         with self._lock:
+            if self._lock.depth > 1:
+                raise ConfigurationError(
+                    "Telemetry.reset() was called while this thread was inside a fold or a read of this telemetry "
+                    "(from a garbage-collector callback, a finalizer or a signal handler that interrupted it): "
+                    "that fold would bring back what reset forgot. Nothing was reset; call reset outside them "
+                    "(not from such a callback).")
+            self._fold_locked()
             if self._open:
                 raise ConfigurationError(
                     f"Telemetry.reset() was called while {self._open} ExposureLog.iteration() on this telemetry "
                     f"is open: it would forget calls that iteration spanned and under-count it. Nothing was reset; "
                     f"reset between iterations (after the `with log.iteration():` block ends).")
             self._records.clear()
-            self._totals.clear()
+            self._totals = {}
             self._first = self._reset_at = self._folded
             self._dropped_end = -math.inf
 
     def _open_window(self) -> int:
         """:meth:`mark`, and refuse :meth:`reset` until the matching :meth:`_close_window` (an open iteration)."""
-        self._fold()
         with self._lock:
+            self._fold_outermost()
             self._open += 1
             return self._folded
 
@@ -332,10 +373,9 @@ class Telemetry:
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Totals per kind as plain numbers."""
-        self._fold()
         with self._lock:
-            return {k: {"calls": t.calls, "items": t.items, "bytes": t.nbytes, "seconds": t.seconds}
-                    for k, t in self._totals.items()}
+            self._fold_outermost()
+            return {k: {"calls": c, "items": i, "bytes": b, "seconds": t} for k, (c, i, b, t) in self._totals.items()}
 
     def chrome_trace(self, path: str | Path | None = None, *, since: float | None = None) -> dict[str, Any]:
         """The recorded calls as a Chrome trace (``chrome://tracing``, Perfetto); written to ``path`` if given.
@@ -361,8 +401,8 @@ class Telemetry:
                                      f"str or a pathlib.Path (or None to only return it), got {path!r}.")
         if since is not None:
             _check_time("Telemetry.chrome_trace(since=...)", since)
-        self._fold()
         with self._lock:
+            self._fold_outermost()
             recs = [r for r in self._records if (since is None or r.end > since)
                     and math.isfinite(r.start) and math.isfinite(r.end) and r.start <= r.end]
             # read with the records: a fold on another thread may forget an exited thread's name once its calls
@@ -388,6 +428,39 @@ class Telemetry:
         if path is not None:
             write_atomically(Path(path), json.dumps(trace))
         return trace
+
+
+class _DepthLock:
+    """A reentrant lock that counts how deep its holder is in it: a call re-entered on the thread that holds it
+    (a garbage-collector callback, a finalizer or a signal handler that interrupted a fold or a read) takes it
+    at once instead of waiting for itself, and sees ``depth > 1``. Only the holder changes ``depth``."""
+
+    __slots__ = ("_rlock", "depth")
+
+    def __init__(self) -> None:
+        self._rlock = threading.RLock()
+        #: how many times the holding thread has taken the lock (0: free)
+        self.depth = 0
+
+    def acquire(self, blocking: bool = True) -> bool:
+        if not self._rlock.acquire(blocking):
+            return False
+        self.depth += 1
+        return True
+
+    def release(self) -> None:
+        self.depth -= 1
+        self._rlock.release()
+
+    def locked(self) -> bool:
+        """Whether some thread holds the lock."""
+        return self.depth > 0
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 #: a Chrome trace's pid and tid are read as 32-bit ints (Perfetto puts a larger tid on the lane of tid 0, the idle
@@ -481,6 +554,8 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 _new_record = functools.partial(tuple.__new__, CallRecord)
+#: the totals of a kind never recorded: (calls, items, bytes, seconds)
+_NO_CALLS = (0, 0, 0, 0.0)
 #: thread names a Telemetry keeps beyond twice those it needs before it forgets the unneeded ones
 _NAMES_SLACK = 64
 
