@@ -184,14 +184,25 @@ class Storage(ABC):
                                     f"split the batch or raise ragged_capacity.")
 
     def checkpoint_batch(self, state: dict[str, Any]) -> tuple[int, ExperienceBatch]:
-        """Check that ``state`` (from :meth:`state_dict`) fits this storage; its oldest handle and live items.
+        """Check that ``state`` (from :meth:`state_dict`) fits this storage; its oldest handle and live items
+        (:meth:`checkpoint_contents` without the layout).
+
+        Raises:
+            ConfigurationError, CapacityError: as :meth:`checkpoint_contents`.
+        """
+        oldest, batch, _ = self.checkpoint_contents(state)
+        return oldest, batch
+
+    def checkpoint_contents(self, state: dict[str, Any]) -> tuple[int, ExperienceBatch, dict[str, Any] | None]:
+        """Check that ``state`` (from :meth:`state_dict`) fits this storage; its oldest handle, live items and
+        checked ragged layout (:meth:`checkpoint_layout`), each checked once: what :meth:`load_state_dict` uses.
 
         Everything is checked before anything is changed: a refused checkpoint leaves the storage as it was.
 
         Raises:
             ConfigurationError: the checkpoint has another schema or capacity, or is damaged (missing
                 entries, a handle range that does not fit the capacity, items that do not match
-                its schema).
+                its schema, a damaged ragged layout).
             CapacityError: a ragged field's live elements exceed this storage's ragged pool.
         """
         try:
@@ -231,8 +242,8 @@ class Storage(ABC):
             except (SchemaError, AttributeError, TypeError, IndexError) as e:  # a column that is not a tensor
                 raise ConfigurationError(f"This checkpoint's {count} items do not match its schema ({e}); the "
                                          f"checkpoint is damaged.") from e
-        self.checkpoint_layout(state, batch)  # (checked here: a damaged layout is refused before anything changes)
-        return oldest, batch
+        # (checked here: a damaged layout is refused before anything changes)
+        return oldest, batch, self.checkpoint_layout(state, batch)
 
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -330,8 +330,7 @@ class ColumnarStorage(Storage):
                 "heads": {n: int(self._rhead[n]) for n in self._pools}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        oldest, batch = self.checkpoint_batch(state)
-        layout = self.checkpoint_layout(state, batch)
+        oldest, batch, layout = self.checkpoint_contents(state)
         self._oldest = self._next = oldest
         for name in self.schema.ragged:
             self._rhead[name] = 0

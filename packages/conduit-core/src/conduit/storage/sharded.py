@@ -264,8 +264,7 @@ class ShardedStorage(Storage):
         return self._ragged.ragged_layout() if self._ragged is not None else None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        oldest, batch = self.checkpoint_batch(state)
-        layout = self.checkpoint_layout(state, batch)
+        oldest, batch, layout = self.checkpoint_contents(state)
         if self._ragged is not None:
             sub = ExperienceSchema({k: self.schema[k] for k in self.schema.ragged})
             self._ragged.load_state_dict({"schema": sub.to_dict(), "capacity": self.capacity,
