@@ -86,15 +86,19 @@ def test_a_kept_replay_part_of_another_capacity_leaves_the_buffer_unattached_and
 
 
 @pytest.mark.parametrize("kind", [ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer])
-def test_a_damaged_kept_replay_part_leaves_the_buffer_unattached_and_unchanged(
+def test_a_damaged_replay_part_is_refused_before_it_is_kept_and_the_buffer_attaches_unchanged(
         learner: ConduitDQNTorchLearner, kind: type[Buffer]) -> None:
-    unattached(learner, _column_row_missing(filled(kind, 0, 6).get_state()))
+    # (session 24: a damaged part is refused by set_state itself, not kept to fail at the attach)
+    learner.conduit_replay = None
+    learner._conduit_pending_state = None
+    with pytest.raises(ConfigurationError, match="do not match its schema"):
+        learner.set_state({REPLAY_COMPONENT: _column_row_missing(filled(kind, 0, 6).get_state())})
+    assert learner._conduit_pending_state is None, "a damaged replay part was kept"
     buf = filled(kind, 50, 3)
     before = buf.get_state()
-    with pytest.raises(ConfigurationError, match="do not match its schema"):
-        learner.conduit_attach_replay(buf)
-    assert learner.conduit_replay is None, "a buffer that refused the kept replay part was attached"
-    same(buf.get_state(), before, "the buffer that refused the kept replay part")
+    learner.conduit_attach_replay(buf)
+    assert learner.conduit_replay is buf
+    same(buf.get_state(), before, "the buffer attached after a refused replay part")
 
 
 def test_a_refused_kept_replay_part_can_be_dropped_to_attach_the_buffer_empty(
@@ -247,7 +251,7 @@ def test_a_damaged_entry_is_refused_by_set_state_not_by_a_later_call(saved: Any,
         buf.set_state(bad)
     same(buf.get_state(), before, "the buffer after a refused damaged state")
     buf.set_state(saved())  # the undamaged state still loads, and the buffer works on from it
-    buf.add([id_episode(np.arange(4, 6), episode_id="open")])
+    buf.add([id_episode(np.arange(4, 6), episode_id="open", t_started=4)])
     buf.sample(num_items=2, n_step=2, gamma=0.9, beta=0.4, **DQN_KW)
     buf.update_priorities(np.array([1.0, 2.0]))
 

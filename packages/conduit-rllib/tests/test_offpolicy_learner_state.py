@@ -166,7 +166,7 @@ def test_a_state_of_another_capacity_is_refused_before_rllibs_part_is_restored(
 @pytest.mark.parametrize("kind", [ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer])
 def test_the_learner_state_round_trip_is_still_exact(learner: ConduitDQNTorchLearner, kind: type[Buffer]) -> None:
     buf = filled(kind, 0, 6)
-    buf.add([id_episode(np.arange(6, 12), episode_id="e0")])  # wraps the ring of 10
+    buf.add([id_episode(np.arange(6, 12), episode_id="e0", t_started=6)])  # wraps the ring of 10
     if buf.prioritized:
         buf.sample(num_items=4, n_step=2, gamma=0.9, beta=0.4, **DQN_KW)
         buf.update_priorities(np.array([0.5, 1.5, 2.5, 3.5]))
@@ -178,7 +178,7 @@ def test_the_learner_state_round_trip_is_still_exact(learner: ConduitDQNTorchLea
     with torch.no_grad():
         for p in learner.module[DEFAULT_MODULE_ID].parameters():
             p.sub_(1.0)
-    buf.add([id_episode(np.arange(12, 15), episode_id="e0")])  # the buffer moves on too
+    buf.add([id_episode(np.arange(12, 15), episode_id="e0", t_started=12)])  # the buffer moves on too
     buf.sample(num_items=4, n_step=1, gamma=0.9, beta=0.4, **DQN_KW)
     learner.set_state(saved)
     assert weights_unchanged(learner, saved_weights), "RLlib's part was not restored"

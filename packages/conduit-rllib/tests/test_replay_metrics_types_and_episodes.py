@@ -147,7 +147,7 @@ def test_a_dotted_type_that_does_not_resolve_or_names_another_class_is_a_typed_e
 def _filled(cls: type = ConduitPrioritizedEpisodeReplayBuffer) -> Any:
     buf = cls(capacity=30, seed=1)
     buf.add([id_episode(np.arange(0, 4), episode_id="ep-a"), id_episode(np.arange(10, 15), episode_id="ep-b")])
-    buf.add([id_episode(np.arange(4, 7), episode_id="ep-a", terminated=True)])  # ep-a's second chunk
+    buf.add([id_episode(np.arange(4, 7), episode_id="ep-a", terminated=True, t_started=4)])  # ep-a's second chunk
     return buf
 
 

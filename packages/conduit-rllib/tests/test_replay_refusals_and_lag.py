@@ -27,12 +27,14 @@ ACTS = gym.spaces.Discrete(1000)
 DQN_KW = dict(batch_length_T=0, lookback=0, min_batch_length_T=0, sample_episodes=True)
 
 
-def episode(eid: str, code: int, n: int, *, terminated: bool = True) -> SingleAgentEpisode:
-    """n steps: obs_t = (code * 100 + t) in both dims, action t, reward code * 100 + t."""
+def episode(eid: str, code: int, n: int, *, terminated: bool = True, t_started: int = 0) -> SingleAgentEpisode:
+    """n steps: obs_t = (code * 100 + t) in both dims, action t, reward code * 100 + t (a continuation of
+    ``eid`` starts at ``t_started``)."""
     obs = [np.full(2, code * 100 + t, np.float32) for t in range(n + 1)]
     return SingleAgentEpisode(id_=eid, observations=obs, actions=list(range(n)),
                               rewards=[float(code * 100 + t) for t in range(n)], terminated=terminated,
-                              observation_space=SPACE, action_space=ACTS, len_lookback_buffer=0).to_numpy()
+                              observation_space=SPACE, action_space=ACTS, len_lookback_buffer=0,
+                              t_started=t_started).to_numpy()
 
 
 def wide_episode(n: int) -> SingleAgentEpisode:
@@ -118,7 +120,7 @@ def test_episode_count_includes_steps_not_stored_yet() -> None:
     try:
         buf.add([episode("A", 1, 3, terminated=False)])
         buf.edp.flush()
-        buf.add([episode("A", 1, 2, terminated=True)])  # A's continuation, still waiting for storage
+        buf.add([episode("A", 1, 2, terminated=True, t_started=3)])  # A's continuation, still waiting for storage
         assert buf.get_num_episodes() == 1, "the episode whose continuation is pending was not counted"
         assert len(buf) == 5
     finally:

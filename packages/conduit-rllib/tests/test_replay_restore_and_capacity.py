@@ -102,7 +102,7 @@ def test_a_numpy_capacity_is_accepted_as_by_rllibs_buffers(capacity: object) -> 
     ours = ConduitPrioritizedEpisodeReplayBuffer(capacity=capacity, seed=0)
     assert ours.capacity == native.capacity == 8 and isinstance(ours.capacity, int)
     ours.add([id_episode(np.arange(6), episode_id="a")])
-    ours.add([id_episode(np.arange(6, 10), episode_id="a")])
+    ours.add([id_episode(np.arange(6, 10), episode_id="a", t_started=6)])
     assert len(ours) == 8, "FIFO per transition: the newest 8 of 10 steps stay"
 
 

@@ -114,7 +114,7 @@ def test_a_state_with_damaged_links_or_alpha_is_refused_typed_and_changes_nothin
         buf.set_state(state)
     # unchanged: adds and n-step samples go on as in its twin
     for b in (buf, twin):
-        b.add([id_episode(np.arange(15, 17), episode_id="b")])
+        b.add([id_episode(np.arange(15, 17), episode_id="b", t_started=5)])
     x = buf.sample(num_items=32, n_step=3, gamma=0.5, beta=0.4, **DQN_KW)
     y = twin.sample(num_items=32, n_step=3, gamma=0.5, beta=0.4, **DQN_KW)
     for k in x.columns:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,10 @@ def test_checkpoint_round_trip_keeps_the_buffer(dqn: Algorithm, tmp_path: Path) 
         restored.train()  # and training goes on from the restored buffer
         assert learner_of(restored).conduit_batches > 0
         # restore_from_path into a running algorithm replaces its buffer's contents too
-        dqn.local_replay_buffer.add(list(x))
+        again = list(x)
+        for e in again:  # (under its source episode's id a sampled step would be stored twice: refused)
+            e.id_ = uuid.uuid4().hex
+        dqn.local_replay_buffer.add(again)
         dqn.restore_from_path(path)
         assert len(dqn.local_replay_buffer) == len(rb)
     finally:

@@ -236,14 +236,15 @@ class _ConduitReplay:
         Chunks of one episode may arrive over several calls; their steps are linked for n-step
         returns when a chunk starts at the timestep right after the episode's newest stored step
         (its ``t_started``; a chunk after a gap, e.g. one dropped on the way, starts a new run: no
-        return sums across the gap). ``weight`` is the initial priority (prioritized buffer; default:
-        the largest priority an update set, 1.0 at first, as in RLlib: a weight given here does not
-        raise later adds' default).
+        return sums across the gap; one that starts inside the stored steps, e.g. an episode's first
+        chunk, ``t_started`` 0, added again, is refused). ``weight`` is the initial priority
+        (prioritized buffer; default: the largest priority an update set, 1.0 at first, as in RLlib: a
+        weight given here does not raise later adds' default).
 
         Raises:
             conduit.SchemaError: observations or actions change shape/dtype, or are nested.
             conduit.ConfigurationError: a weight for the uniform buffer; a chunk that starts inside steps
-                of its episode already added (they would be stored twice).
+                of its episode already added (they would be stored twice), ``t_started`` 0 included.
             conduit.PriorityError: a weight that is no number, or is NaN, infinite or negative.
             conduit.CapacityError: one chunk holds more steps than the capacity; nothing of this add
                 is stored. (RLlib's buffer keeps such a chunk over capacity until the next add; Conduit's
@@ -291,8 +292,9 @@ class _ConduitReplay:
     def _check_continuations(self, chunks: list[ChunkColumns]) -> None:
         """Refuse, before anything is stored, a chunk that starts inside steps of its unfinished episode already
         added (e.g. the same chunk added twice: its steps would be stored twice), or after a chunk of the same add
-        that ended its episode. A chunk with ``t_started`` 0 is not checked: it cannot be told from a chunk built
-        without timesteps, which continues its episode wherever it is added.
+        that ended its episode. A chunk with ``t_started`` 0 of an episode whose steps are already stored is such a
+        chunk too (its first chunk added again; RLlib's buffers refuse it as well): a continuation carries the
+        timestep it starts at, as the chunks ``episode.cut()`` leaves do.
 
         Raises:
             conduit.ConfigurationError: such a chunk.
@@ -303,13 +305,16 @@ class _ConduitReplay:
                 continue
             known = self._tail_t.get(c.episode_id)
             end, ended = ends.get(c.episode_id, (known, False) if known is not None else (None, False))
-            if end is not None and 0 < c.t_started and (c.t_started < end or ended):
+            if end is not None and (c.t_started < end or ended):
                 why = (f"the episode ended at timestep {end} earlier in this add" if ended else
                        f"its steps up to {end - 1} were already added (they would be stored twice)")
+                hint = "" if ended else (f", or build a continuation with t_started= the timestep it starts at "
+                                         f"({end} here); a transition sample() returned is stored already (give "
+                                         f"it a new episode id to store it again)")
                 raise ConfigurationError(
                     f"Episode {c.episode_id!r}'s chunk starts at timestep {c.t_started}, but {why}. Add each chunk "
                     f"once, in order; to add an episode in parts, add the chunks episode.cut() leaves (an "
-                    f"EnvRunner's samples are such chunks). Nothing of this add was stored.")
+                    f"EnvRunner's samples are such chunks){hint}. Nothing of this add was stored.")
             ends[c.episode_id] = (c.t_started + c.length, c.done)
 
     def _check_chunks(self, chunks: list[ChunkColumns]) -> None:
@@ -356,9 +361,9 @@ class _ConduitReplay:
         tail = self._tail.pop(chunk.episode_id, None)
         expected = self._tail_t.pop(chunk.episode_id, None)
         # a continuation links to the episode's newest step only if it starts right after it: after a chunk that
-        # never arrived (e.g. dropped by sample_timeout_s), n-step returns must not sum across the gap. (t_started
-        # 0 is no continuation's: a chunk built without timesteps, linked as before.)
-        follows = expected is None or chunk.t_started in (0, expected)
+        # never arrived (e.g. dropped by sample_timeout_s), n-step returns must not sum across the gap. (No expected
+        # timestep: a state saved before they were kept, every continuation linked as then.)
+        follows = expected is None or chunk.t_started == expected
         if tail is not None and tail >= oldest and follows:
             self._succ[tail % cap] = first
         if tail is None:

@@ -48,10 +48,12 @@ ACTION_SPACE: gym.spaces.Discrete = gym.spaces.Discrete(2 ** 31 - 1)
 _episode_ids = itertools.count()
 
 
-def id_episode(ids: np.ndarray, *, episode_id: str | None = None, terminated: bool = False) -> SingleAgentEpisode:
+def id_episode(ids: np.ndarray, *, episode_id: str | None = None, terminated: bool = False,
+               t_started: int = 0) -> SingleAgentEpisode:
     """A numpy ``SingleAgentEpisode`` chunk with one step per id: obs_t = (id_t, id_t), action_t = id_t.
 
-    The last step's next observation is (id_last + 0.5, ...), so it never names a stored item.
+    The last step's next observation is (id_last + 0.5, ...), so it never names a stored item. A later
+    chunk of the same ``episode_id`` starts at ``t_started``, the timestep after the steps added before.
     """
     ids = np.asarray(ids, dtype=np.int64)
     n = len(ids)
@@ -63,7 +65,7 @@ def id_episode(ids: np.ndarray, *, episode_id: str | None = None, terminated: bo
                               infos=[{}] * (n + 1), actions=ids.copy(),  # type: ignore[arg-type]
                               rewards=np.zeros(n, dtype=np.float32),  # type: ignore[arg-type]
                               terminated=terminated, observation_space=OBS_SPACE, action_space=ACTION_SPACE,
-                              len_lookback_buffer=0)
+                              len_lookback_buffer=0, t_started=t_started)
 
 
 def _ids_of(columns: dict[str, Any]) -> np.ndarray:
