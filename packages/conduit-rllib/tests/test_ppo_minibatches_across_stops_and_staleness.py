@@ -186,7 +186,7 @@ def test_loading_a_state_discards_a_held_minibatch_like_the_rollout_it_belongs_t
     it = f.minibatches()
     next(it)
     it.close()  # the prefetched [4, 5, 6, 7] is held
-    f.load_state_dict(f.state_dict())  # discards what was waiting
+    f.load_state_dict(f.state_dict(drop_pending=True))  # discards what was waiting (plain state_dict() refuses)
     f.configure(minibatch_size=5, num_epochs=1, shuffle=False)  # idle: accepted
     f.ingest("m", rows(20, 30), version=0)
     f.seal()

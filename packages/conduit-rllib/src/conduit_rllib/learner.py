@@ -21,18 +21,21 @@ A custom learner class gets Conduit by listing the mixin first::
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Collection, Iterable
-from typing import Any
+from typing import Any, cast
 
 from conduit import ConfigurationError, EmptyBufferError
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
+from ray.rllib.core.learner.learner import Learner
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
 from conduit_rllib.delivery import ConduitSampledEpisodes
 from conduit_rllib.errors import UnsupportedConfigError
 from conduit_rllib.on_policy import MinibatchFeed
+from conduit_rllib.replay import STATE_FORMAT, ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer
 
 __all__ = [
     "ConduitOffPolicyLearner",
@@ -84,8 +87,43 @@ def _minibatch_rows(batch: MultiAgentBatch, rows: int, minibatch_size: int | Non
     return env_steps
 
 
+#: RLlib's ``Learner.update`` signature: how :meth:`ConduitOffPolicyLearner.update` finds the episodes it is given
+_UPDATE_ARGS = inspect.signature(Learner.update)
+
+
+def _check_unattached_replay_part(state: Any) -> None:
+    """Check a replay part restored before a buffer is attached, as far as it can be without that buffer: its
+    own consistency, loaded (as ``check_state`` does, into a scratch plane that takes no memory) by a buffer of
+    the kind and capacity that saved it. Whether the buffer attached later is of that kind and capacity is
+    checked when it is attached (:meth:`ConduitOffPolicyLearner.conduit_attach_replay`).
+
+    Raises:
+        conduit.ConfigurationError: no Conduit replay-buffer state, or a damaged one.
+    """
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise ConfigurationError(f"This learner state's {REPLAY_COMPONENT!r} part is not a Conduit replay-buffer "
+                                 f"state (get_state() of a Conduit buffer); load a checkpoint a Conduit-enabled "
+                                 f"DQN/SAC learner saved, or leave that part out of the state.")
+    prioritized, capacity, plane = state.get("prioritized"), state.get("capacity"), state.get("edp")
+    try:  # (a saved plane has one n-step link per slot: checked first, so no scratch is sized by a damaged capacity)
+        ok = (isinstance(prioritized, bool) and isinstance(capacity, int) and not isinstance(capacity, bool)
+              and capacity > 0 and (plane is None or len(state["succ"]) == capacity))
+    except (KeyError, TypeError) as e:
+        raise ConfigurationError(f"This Conduit replay-buffer state is damaged ({type(e).__name__}: {e}); load an "
+                                 f"undamaged get_state().") from e
+    if not ok:
+        raise ConfigurationError(f"This Conduit replay-buffer state is damaged (prioritized {prioritized!r} and "
+                                 f"capacity {capacity!r} do not describe its contents); load an undamaged "
+                                 f"get_state().")
+    cls = ConduitPrioritizedEpisodeReplayBuffer if prioritized else ConduitEpisodeReplayBuffer
+    cls(capacity=cast(int, capacity), seed=0).check_state(state)
+
+
 class ConduitOffPolicyLearner:
     """Mixin for DQN/SAC learners: Conduit-delivered batches skip the learner connector.
+
+    A batch sampled from a Conduit buffer is trained on only while a buffer is attached (:meth:`update` refuses
+    it otherwise: the learner's checkpoints would miss the buffer).
 
     Attributes:
         conduit_replay: the Conduit replay buffer attached by ``enable`` (checkpointed with the learner).
@@ -101,10 +139,10 @@ class ConduitOffPolicyLearner:
     def conduit_attach_replay(self, buffer: Any) -> None:
         """Attach the driver's Conduit replay buffer (local learner only): it is saved with this learner.
 
-        A replay part :meth:`set_state` kept because no buffer was attached yet is restored into ``buffer``
-        first. If ``buffer`` refuses it (a checkpoint's buffer of another kind or capacity than this one, or
-        a damaged part), nothing changes: ``buffer`` is not attached (and is as it was), and the part is
-        still kept, to be restored into the next buffer attached, or given up with
+        A replay part :meth:`set_state` kept because no buffer was attached yet (checked there as far as it can
+        be without a buffer) is restored into ``buffer`` first. If ``buffer`` refuses it (a checkpoint's buffer
+        of another kind or capacity than this one), nothing changes: ``buffer`` is not attached (and is as it
+        was), and the part is still kept, to be restored into the next buffer attached, or given up with
         :meth:`conduit_drop_kept_replay_state`.
 
         Raises:
@@ -149,6 +187,29 @@ class ConduitOffPolicyLearner:
         finally:  # a close that raised (a background store failing) still shuts RLlib's part down
             super().shutdown()  # type: ignore[misc]
 
+    def update(self, *args: Any, **kwargs: Any) -> Any:
+        """RLlib's ``update``, refusing (before anything changes) a batch sampled from a Conduit replay buffer while
+        no buffer is attached to this learner: its checkpoints would silently miss the buffer it trains from.
+
+        Raises:
+            conduit.ConfigurationError: such a batch (attach the buffer with :meth:`conduit_attach_replay` first;
+                ``conduit_rllib.enable`` does it for an algorithm built from the config).
+        """
+        if self.conduit_replay is None:
+            given = _UPDATE_ARGS.bind_partial(self, *args, **kwargs).arguments
+            data = given.get("training_data")
+            episodes = getattr(data, "episodes", None) if data is not None else given.get("episodes")
+            if isinstance(episodes, ConduitSampledEpisodes):
+                kept = (" It holds a replay part restored for a buffer not attached yet: attaching the buffer "
+                        "restores that part into it first (or call conduit_drop_kept_replay_state() to give it up)."
+                        if self._conduit_pending_state is not None else "")
+                raise ConfigurationError(
+                    f"This learner got a batch sampled from a Conduit replay buffer, but no buffer is attached to it, "
+                    f"so its checkpoints (get_state) would not hold the buffer it trains from. Attach the buffer first "
+                    f"with learner.conduit_attach_replay(buffer) (conduit_rllib.enable's on_algorithm_init does this "
+                    f"for an algorithm built from the config).{kept} Nothing was updated.")
+        return super().update(*args, **kwargs)  # type: ignore[misc]
+
     def _make_batch_if_necessary(self, training_data: Any) -> Any:
         episodes = training_data.episodes
         if isinstance(episodes, ConduitSampledEpisodes):
@@ -176,13 +237,15 @@ class ConduitOffPolicyLearner:
 
         The buffer's part is checked (``check_state``) before anything is restored and applied only once
         RLlib's part was restored, so a refused state (the buffer's part damaged, or RLlib's ``set_state``
-        raising) leaves both parts as they were. Before ``enable`` attached the buffer, its part is kept
-        (once RLlib's part was restored) and restored when the buffer is attached (see
-        :meth:`conduit_attach_replay`: it is checked only then).
+        raising) leaves both parts as they were. Before ``enable`` attached the buffer, its part is checked
+        as far as it can be without the buffer (its own consistency, by a buffer of the kind and capacity that
+        saved it), kept (once RLlib's part was restored) and restored when the buffer is attached (see
+        :meth:`conduit_attach_replay`, which refuses a buffer of another kind or capacity).
 
         Raises:
-            conduit.ConfigurationError: the buffer's part is damaged, or was saved by a buffer of another
-                kind or capacity, or the attached buffer is closed (nothing is restored then).
+            conduit.ConfigurationError: the buffer's part is no Conduit replay state or is damaged, or was saved
+                by a buffer of another kind or capacity than the attached one, or the attached buffer is closed
+                (nothing is restored then).
         """
         rb_state: Any = None
         restore_replay = REPLAY_COMPONENT in state
@@ -191,6 +254,8 @@ class ConduitOffPolicyLearner:
             rb_state = state.pop(REPLAY_COMPONENT)
             if self.conduit_replay is not None:
                 self.conduit_replay.check_state(rb_state)
+            else:
+                _check_unattached_replay_part(rb_state)
         super().set_state(state)  # type: ignore[misc]
         if restore_replay:
             if self.conduit_replay is not None:  # checked above: refused only if its memory cannot be allocated
@@ -217,7 +282,8 @@ class ConduitOnPolicyLearner:
     ``config.learner_config_dict["conduit"]`` (``prefetch``: gather minibatch k + 1 while k trains,
     default True; ``placement``).
     The update count and the feed's permutation RNG are saved with the learner's state, so a
-    restored learner continues the versions and the minibatch order where the saved one was.
+    learner restored from a state saved between updates continues the versions and the minibatch order
+    where the saved one was (inside an update :meth:`get_state` refuses Conduit's part: see there).
 
     Attributes:
         conduit_feed: the :class:`~conduit_rllib.on_policy.MinibatchFeed` (its ``delivered``
@@ -228,6 +294,7 @@ class ConduitOnPolicyLearner:
 
     conduit_feed: MinibatchFeed
     conduit_version: int = 0
+    _conduit_updating: bool = False  # inside update(): a checkpoint now would not be exact (see get_state)
 
     def build(self) -> None:
         """RLlib's build, then the minibatch feed. Like RLlib's, a second call changes nothing: the feed built
@@ -289,11 +356,40 @@ class ConduitOnPolicyLearner:
             feed.close()
         super().shutdown()  # type: ignore[misc]
 
+    def update(self, *args: Any, **kwargs: Any) -> Any:
+        """RLlib's ``update``; while it runs, :meth:`get_state` refuses Conduit's part (see there)."""
+        self._conduit_updating = True
+        try:
+            return super().update(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._conduit_updating = False
+
     def get_state(self, components: str | Collection[str] | None = None, *,
                   not_components: str | Collection[str] | None = None, **kwargs: Any) -> dict[str, Any]:
+        """RLlib's learner state, with Conduit's part (the update count and the feed's state) under
+        :data:`ON_POLICY_COMPONENT`.
+
+        Exact between updates: a learner restored from it delivers the minibatches this one does from here
+        on. After an update that stopped part-way (it raised), too: the rollout it left is not saved, and this
+        learner's next update drops it (its rows counted as dropped in both). Inside an update (e.g. from a
+        loss, or another thread) the rest of the update's minibatches cannot be saved, so Conduit's part is
+        refused then.
+
+        Raises:
+            conduit.ConfigurationError: Conduit's part was asked for while an update runs; checkpoint between
+                updates (e.g. ``algo.save_to_path`` between ``algo.train()`` calls).
+        """
         state = super().get_state(components, not_components=not_components, **kwargs)  # type: ignore[misc]
         if self._check_component(ON_POLICY_COMPONENT, components, not_components):  # type: ignore[attr-defined]
-            state[ON_POLICY_COMPONENT] = {"version": self.conduit_version, "feed": self.conduit_feed.state_dict()}
+            if self._conduit_updating:
+                raise ConfigurationError(
+                    "This PPO learner is inside an update: the minibatches it has still to train cannot be saved, "
+                    "so a learner restored from this state would not train them. Checkpoint between updates (e.g. "
+                    "algo.save_to_path between algo.train() calls), or leave Conduit's part out "
+                    f"(get_state(not_components={ON_POLICY_COMPONENT!r})).")
+            # (outside an update nothing is waiting, or a stopped update's leftover our next update drops)
+            feed_state = self.conduit_feed.state_dict(drop_pending=True)
+            state[ON_POLICY_COMPONENT] = {"version": self.conduit_version, "feed": feed_state}
         return state
 
     def set_state(self, state: dict[str, Any]) -> None:

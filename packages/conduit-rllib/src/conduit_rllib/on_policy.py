@@ -345,19 +345,46 @@ class MinibatchFeed:
     # -- checkpoint -----------------------------------------------------------------------------
     _STATE_KEYS = ("policy_version", "rng", "dropped_items", "last_sealed")
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, drop_pending: bool = False) -> dict[str, Any]:
         """What outlives an update: the policy version, the epoch-permutation RNG, the drop count and
-        the version of the last sealed rollout. A rollout still waiting (left by an update that stopped
-        mid-epoch) is not saved, nor a minibatch held for the next iteration: they are stale once the policy
-        moves on. A gather that such an update left running is waited for first (a delivery may start an
-        epoch, which draws its permutation from the RNG), so the state is the one this feed goes on from,
-        whatever the threads' timing."""
+        the version of the last sealed rollout.
+
+        Exact between iterations: with nothing waiting for delivery, a feed that loads the state delivers
+        what this one delivers from here on. A rollout still waiting (ingested, sealed, or partly delivered:
+        an iteration in progress, or one that stopped mid-epoch) and a minibatch held for the next iteration
+        are not saved, so a feed restored from such a state could not deliver the rest of them: that is
+        refused (below) unless ``drop_pending``. A gather a stopped iteration left running is waited for
+        first (a delivery may start an epoch, which draws its permutation from the RNG), so the state does
+        not depend on the threads' timing. The state is a copy: changing it does not change this feed.
+
+        Keyword Args:
+            drop_pending: return, instead, the state this feed goes on from once what is waiting is dropped:
+                its rollouts' rows counted in ``dropped_items`` (as a drop for staleness counts them), a held
+                minibatch discarded. That is exactly what follows an update of
+                :class:`~conduit_rllib.learner.ConduitOnPolicyLearner` that stopped part-way, as its next update
+                drops the leftover (:meth:`drop_leftovers`). This feed itself keeps what is waiting.
+
+        Raises:
+            conduit.ConfigurationError: something is waiting for delivery and ``drop_pending`` is False; nothing
+                changes. Checkpoint between iterations (once :meth:`minibatches` is exhausted).
+        """
         self._settle()
-        if self.edp is None and self._restored is not None:
-            return dict(self._restored, policy_version=self._policy_version)  # (set_policy_version since)
+        if self.edp is None and self._restored is not None:  # (a copy: the caller may change what it gets)
+            return dict(self._restored, policy_version=self._policy_version,  # (set_policy_version since)
+                        rng=self._restored["rng"].clone())
         full = self.semantics.state_dict()
+        waiting = [r for r in (full["cur"], *full["sealed"], full["open"]) if r is not None]
+        if not drop_pending and not self._idle():
+            held = " and a minibatch delivered but not handed over yet" if self._held or self._prefetch_out() else ""
+            raise ConfigurationError(
+                f"This on-policy feed has {len(waiting)} rollout(s) waiting for delivery{held} (an iteration in "
+                f"progress, or one that stopped part-way); a state cannot carry them, so a feed restored from it "
+                f"would not deliver the rest. Checkpoint between iterations, once minibatches() is exhausted (for "
+                f"a learner: between updates), or call state_dict(drop_pending=True) for the state this feed goes on "
+                f"from once what is waiting is dropped.")
+        dropped = full["dropped_items"] + (sum(int(r[2]) for r in waiting) if drop_pending else 0)
         return {"policy_version": self._policy_version, "rng": full["rng"].clone(),
-                "dropped_items": full["dropped_items"], "last_sealed": full["last_sealed"]}
+                "dropped_items": dropped, "last_sealed": full["last_sealed"]}
 
     def _full_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """An idle ``OnPolicy`` state carrying ``state``'s values."""
@@ -376,7 +403,8 @@ class MinibatchFeed:
         _CyclicOrder(**self._sem_args).load_state_dict(self._full_state(state))  # validates
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; whatever was waiting for delivery is discarded.
+        """Restore :meth:`state_dict`; whatever was waiting for delivery is discarded. The feed keeps a copy of
+        ``state``'s RNG tensor (changing either later does not change the other).
 
         Raises:
             conduit.ConfigurationError: the state is damaged (nothing changes then).
@@ -389,7 +417,8 @@ class MinibatchFeed:
                 self.edp.close()
                 self.edp = None
             self._held = self._inflight = None
-            self._restored = {k: state[k] for k in self._STATE_KEYS}
+            # a copy of the RNG state: the caller's tensor stays the caller's (checked a tensor above)
+            self._restored = {k: state[k].clone() if k == "rng" else state[k] for k in self._STATE_KEYS}
             self._policy_version = int(state["policy_version"])
 
     # -- delivery -------------------------------------------------------------------------------
@@ -551,8 +580,9 @@ class MinibatchFeed:
     def close(self) -> None:
         """Stop the prefetch thread and the data plane.
 
-        What was waiting for delivery is discarded (as by :meth:`load_state_dict`); :meth:`state_dict`
-        is kept, and a later :meth:`ingest` starts a new data plane (and thread) that continues it.
+        What was waiting for delivery is discarded (its rollouts' rows counted in ``dropped_items``: the state
+        kept is ``state_dict(drop_pending=True)``), and a later :meth:`ingest` starts a new data plane (and
+        thread) that continues that state.
         """
         if self._pool is not None:
             self._pool.shutdown()
@@ -560,6 +590,6 @@ class MinibatchFeed:
         with self._lock:
             self._held = self._inflight = None
             if self.edp is not None:
-                self._restored = self.state_dict()
+                self._restored = self.state_dict(drop_pending=True)  # what was waiting is dropped (counted)
                 self.edp.close()
                 self.edp = None
