@@ -14,6 +14,7 @@ from conduit_srl.assembler import ReplayEntry
 from conduit_srl.buffer import ConduitBuffer, srl_prioritized_class
 from conduit_srl.config import SEMANTICS, BufferConfig
 from conduit_srl.errors import (
+    BufferFullError,
     SamplesLostWarning,
     SrlNotFoundError,
     StreamClaimError,
@@ -59,6 +60,7 @@ __all__ = [
     "StreamPolicy",
     "ConduitSampleProducer",
     "ConduitSampleConsumer",
+    "BufferFullError",
     "ZeroCopyStreamError",
     "SrlNotFoundError",
     "StreamClaimError",

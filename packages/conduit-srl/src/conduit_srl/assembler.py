@@ -56,6 +56,7 @@ from conduit.semantics import SampleInfo
 from conduit.semantics.onpolicy import check_version
 
 from conduit_srl.config import BufferConfig
+from conduit_srl.errors import BufferFullError
 from conduit_srl.fifo import FifoSampler
 from conduit_srl.records import RecordLayout
 
@@ -241,6 +242,9 @@ class Assembler:
                             if done == n:
                                 break
                             continue  # the rest of the put starts the next rollout: it waits for room
+                    if self.cfg.on_full == "raise" and self._ingest_pending():  # (no room, and samples of this put
+                        self.flush()  # are still being stored: store them, which waits for no get(), then decide)
+                        continue
                     with self._cv:  # wait for room without _seal_lock, so seal() is never held up by this put
                         self._cv.wait(timeout=0.05)
             except BaseException as e:  # (a put that waited for room after storing a completed rollout)
@@ -667,14 +671,17 @@ class Assembler:
 
         Every run when they all fit; otherwise, on-policy, the runs up to the end of the last rollout this
         put completes that fit (the rest of the put waits for that rollout's delivery to make room). Raises
-        CapacityError when room can never come. The caller holds ``_cv``; while this returns None it waits
-        (without ``_seal_lock``) and plans again.
+        CapacityError when room can never come (decided while no delivery is in flight: one may be about to free a
+        rollout's storage). The caller holds ``_cv``; while this returns None it waits
+        (without ``_seal_lock``) and plans again. With ``on_full="raise"`` it never waits for a delivery: it raises
+        BufferFullError, once the samples on their way to storage are stored (None until then: the caller stores them).
         """
         def stored(runs: list[tuple[int, int, int | None, bool]]) -> int:
             return sum(hi - lo for lo, hi, v, _ in runs if v != -1)
 
         if self.cfg.semantics != "on_policy" or not stored(plan):
             return plan
+        n_rest = plan[-1][1] - plan[0][0]
         self._check_open()
         edp = self.edp
         assert edp is not None
@@ -686,6 +693,17 @@ class Assembler:
                     self._next_open = (plan[cut - 1][2], 0)  # the state after that rollout was sealed
                 return plan[:cut]
         if pending == 0 and not self._ready and self._rollouts()[0] == 0:
+            # A delivery in flight (another thread's get(), the assembler) may have taken a rollout's last minibatch
+            # and not yet freed its storage: decide that room can never come only while none is in flight.
+            if not self._deliver_lock.acquire(blocking=False):
+                return None  # (it notifies _cv when it is done: look again then)
+            try:
+                never = (len(edp) + stored(plan[:cuts[-1]]) > edp.capacity and not self._ready
+                         and self._rollouts()[0] == 0)
+            finally:
+                self._deliver_lock.release()
+            if not never:
+                return None  # room was freed meanwhile: plan again
             told = (f"{stored_before} samples of this put were stored, the rest was not" if stored_before else
                     "Nothing of this put was stored")
             err = CapacityError(f"The open on-policy rollout fills the capacity ({edp.capacity} samples) and "
@@ -693,6 +711,18 @@ class Assembler:
                                 f"rollout_size=) or raise capacity. {told}.")
             err.samples_stored = stored_before  # type: ignore[attr-defined]
             raise err
+        if self.cfg.on_full == "raise" and pending == 0:  # (put waits for no get(); the caller stores pending first)
+            told = (f"The first {stored_before} samples of this put were taken; the other {n_rest} were not stored"
+                    if stored_before else "Nothing of this put was stored")
+            full = BufferFullError(
+                f"This on-policy buffer has room for {edp.capacity - pending - len(edp)} more samples (capacity "
+                f"{edp.capacity}, {pending + len(edp)} held by rollouts not fully delivered) and this put needs "
+                f"{stored(plan[:cuts[-1]])}. With on_full='raise' put never waits for room: call get() until a "
+                f"rollout's last minibatch is delivered (that frees its samples), then put the samples not stored "
+                f"again; or raise capacity (a host that puts and gets on one thread needs room for what one "
+                f"consume_to receives plus the rollouts it has not delivered). {told}.")
+            full.samples_stored = stored_before  # type: ignore[attr-defined]
+            raise full
         return None
 
     # -- get: delivering and assembling -------------------------------------------------------
@@ -750,8 +780,11 @@ class Assembler:
                         self._scheduler().invalidate("contents")  # delivered (as without prefetch), dropped
                     seen = self._scheduler().discarded
                     if seen != self._discarded_seen:  # Conduit dropped prepared batches: select them again
-                        with self._cv:  # (qsize reads the cursors under _cv)
-                            self._fifo().rewind()
+                        # (qsize reads the cursors under _cv; the plane's lock: a background store evicts and then
+                        # counts what it evicted past the cursor in one hold of it, so a rewind in between would
+                        # move the cursor past items that neither it nor the store counts as dropped)
+                        with self._cv:
+                            self.read_plane(self._fifo().rewind)
                         self._discarded_seen = seen
                 if self.cfg.semantics == "on_policy":
                     batch, info = edp.deliver()

@@ -31,6 +31,8 @@ class ConduitBuffer:
     * ``empty()`` is False only when ``get()`` will deliver; ``qsize()`` counts samples not yet
       delivered; ``update_priorities(sampling_indices, priorities)`` for prioritized replay.
     * Thread-safe: puts from the consuming thread and gets from the training thread may overlap.
+      On-policy storage never evicts: a put that does not fit waits for a ``get()`` on another thread,
+      or (``on_full="raise"``, for hosts that put and get on one thread) raises ``BufferFullError``.
     * Picklable (SRL's ``save_buffer_on_exit``): contents, sampler state and prepared deliveries.
 
     Keyword Args:
@@ -65,6 +67,8 @@ class ConduitBuffer:
                 ``capacity`` such samples cannot be allocated.
             StaleExperienceError: on-policy, a sample older than the newest rollout (open or sealed) with
                 ``on_stale="raise"``.
+            BufferFullError: on-policy with ``on_full="raise"``, the samples do not fit until a ``get()`` frees
+                room (with ``on_full="wait"``, the default, the put waits for a ``get()`` on another thread).
 
         An error raised after part of the put was taken (on-policy: a put that spans rollouts and whose
         later part is refused) says how many of its first samples were taken, also in its

@@ -39,7 +39,10 @@ class BufferConfig:
       ``update_priorities(entry.sampling_indices, priorities)`` updates them.
     * ``"on_policy"``: Conduit's freshness semantics: rollouts of one policy version, each
       delivered as ``num_minibatches`` minibatches per epoch for ``num_epochs`` epochs, with a
-      staleness bound (``max_staleness``, ``on_stale``).
+      staleness bound (``max_staleness``, ``on_stale``). On-policy storage never evicts: a put that does
+      not fit waits for a delivery to free room (``on_full="wait"``), or raises
+      :class:`~conduit_srl.errors.BufferFullError` at once (``on_full="raise"``, for hosts that put and get
+      on one thread, such as SRL's buffer worker).
     """
 
     semantics: str = "queue"
@@ -72,6 +75,11 @@ class BufferConfig:
     prefetch: int | None = None
     #: every put is a batched [T, B, ...] sample (otherwise [T, ...]; put_batch always takes [T, B, ...])
     batched_puts: bool = False
+    #: on_policy: what a put does when its samples do not fit until a delivery frees room. "wait": it waits for a
+    #: get() on another thread (SRL's trainer: put on the main thread, get on the training thread); "raise": it never
+    #: waits, it raises BufferFullError at once (hosts that put and get on one thread, e.g. SRL's buffer worker,
+    #: where a waiting put could never be released)
+    on_full: str = "wait"
     version_field: str = "policy_version_steps"
     drop_fields: tuple[str, ...] = ("policy_name",)
     #: page-lock delivered arrays (None: when CUDA is available)
@@ -165,6 +173,16 @@ class BufferConfig:
                                          "(prefetch= assembles entries ahead).")
         if self.on_stale not in ("drop", "raise"):
             raise ConfigurationError(f"on_stale must be 'drop' or 'raise', got {self.on_stale!r}.")
+        if self.on_full not in ("wait", "raise"):
+            raise ConfigurationError(f"on_full must be 'wait' or 'raise', got {self.on_full!r}.")
+        if self.on_full == "raise":
+            if self.semantics != "on_policy":
+                raise ConfigurationError(f"on_full applies to semantics='on_policy' (a {self.semantics} buffer never "
+                                         f"waits for room: it evicts the oldest samples); drop on_full.")
+            if self.prefetch:
+                raise ConfigurationError("on_full='raise' decides from the room deliveries made so far, and an entry "
+                                         "assembled ahead frees room at a time the caller does not control; use "
+                                         "prefetch=0 (or leave it unset).")
 
     # -- resolved values -------------------------------------------------------------------
     @property
@@ -185,7 +203,7 @@ class BufferConfig:
             return self.prefetch
         if self.semantics == "prioritized":
             return 0
-        if self.semantics == "on_policy" and self.on_stale == "raise":
+        if self.semantics == "on_policy" and "raise" in (self.on_stale, self.on_full):
             return 0
         return 1
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from conduit.errors import ConduitError, ConfigurationError
+from conduit.errors import CapacityError, ConduitError, ConfigurationError
 
-__all__ = ["ZeroCopyStreamError", "SrlNotFoundError", "StreamClaimError", "UnstoredSamplesError",
+__all__ = ["BufferFullError", "ZeroCopyStreamError", "SrlNotFoundError", "StreamClaimError", "UnstoredSamplesError",
            "SamplesLostWarning"]
 
 
@@ -26,12 +26,28 @@ class StreamClaimError(ConfigurationError):
     """A sample stream marked ``conduit:`` cannot be carried by Conduit (e.g. a shared-memory stream)."""
 
 
+class BufferFullError(CapacityError):
+    """An on-policy buffer with ``on_full="raise"`` has no room for a put now, and only a delivery can make room.
+
+    On-policy storage never evicts, so room comes only from ``get()`` delivering a rollout's last
+    minibatch. With ``on_full="raise"`` a put never waits for that (on a host that puts and gets on one
+    thread the wait could never end): it raises this at once. Nothing of the samples it names was stored;
+    call ``get()`` (or ``empty()``, which drops rollouts too stale to deliver) until room is freed, then put
+    them again, or raise ``capacity``.
+
+    Attributes:
+        samples_stored: samples of the put taken before it was refused (a put that completed a rollout stores
+            through that rollout's end first): put only the others again.
+    """
+
+
 class UnstoredSamplesError(ConduitError):
     """The buffer refused samples that had already been received (the buffer's error is the ``__cause__``).
 
     Raised by ``ConduitSampleConsumer.consume_to`` when the buffer's ``put`` raises part way through
     a coalesced message (or through samples ``consume()`` had left over), or refuses a message of one
-    sample (``stored=0, total=1``). The samples before the
+    sample (``stored=0, total=1``); not for :class:`BufferFullError`, whose refused samples the
+    consumer keeps and puts first on its next ``consume_to``. The samples before the
     refused one are stored; the refused one and every later one of the message are attached here,
     so nothing received is lost without a trace. Messages not received yet stay with the transport.
 

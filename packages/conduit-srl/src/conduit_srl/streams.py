@@ -18,8 +18,10 @@ actor gets a :class:`ConduitSampleProducer` over one native producer per trainer
 Nothing posted is dropped by Conduit: ``close()`` sends what is still pending (after a flush in
 flight in another thread), and a ``post`` after it raises instead of being kept unsent. On the
 consumer side, a buffer that refuses part of a coalesced message gets an
-:class:`UnstoredSamplesError` carrying the samples it did not store, and the consumer's ``close()``
-returns the samples of a message that ``consume()`` had not handed out yet. So both ends must be
+:class:`UnstoredSamplesError` carrying the samples it did not store (a full Conduit buffer with
+``on_full="raise"`` instead has them kept and put first by the next ``consume_to``), and the
+consumer's ``close()`` returns the samples of a message that ``consume()`` had not handed out yet,
+or that such a buffer refused. So both ends must be
 closed: a producer or consumer dropped without ``close()`` loses what it still held, as a socket
 dropped unflushed does (no finalizer sends over the network from the garbage collector's thread:
 it may run inside a flush of the same targets, on any thread). The loss is not silent: it is
@@ -43,7 +45,7 @@ import numpy as np
 from conduit import ConfigurationError
 
 from conduit_srl.buffer import ConduitBuffer
-from conduit_srl.errors import SamplesLostWarning, UnstoredSamplesError
+from conduit_srl.errors import BufferFullError, SamplesLostWarning, UnstoredSamplesError
 from conduit_srl.protocols import SampleConsumerLike, SampleProducerLike
 
 __all__ = ["StreamPolicy", "ConduitSampleProducer", "ConduitSampleConsumer", "COALESCED_KEY",
@@ -407,6 +409,7 @@ class ConduitSampleConsumer:
     ``consume_to(buffer, max_iter)`` receives up to ``max_iter`` messages and returns the number of
     *samples* put into ``buffer``. ``consume()`` returns one sample at a time; what it has not yet
     returned of a coalesced message is handed out by the next ``consume``/``consume_to``, or by ``close()``.
+    Samples a full ``on_full="raise"`` Conduit buffer refused are kept the same way (put first next time).
     """
 
     def __init__(self, inner: SampleConsumerLike) -> None:
@@ -415,7 +418,7 @@ class ConduitSampleConsumer:
         self._closed = False
         weakref.finalize(self, _report_lost, self._backlog, "unreturned", "Conduit sample consumer",
                          "Call close() (it returns them) or consume_to() before dropping a consumer that consume() "
-                         "read part of a coalesced message from.")
+                         "read part of a coalesced message from, or that keeps samples a full buffer refused.")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -426,11 +429,18 @@ class ConduitSampleConsumer:
 
         Samples left over from a coalesced message that ``consume()`` returned in part are put first.
 
+        A Conduit buffer with ``on_full="raise"`` (a host that puts and gets on one thread, such as SRL's
+        buffer worker) that has no room raises :class:`~conduit_srl.errors.BufferFullError`; then the
+        samples it refused are kept here, in order, and the call returns what was put: the next call puts
+        them first (after the host's ``get()`` made room), messages not received yet stay with the
+        transport, and ``close()`` returns whatever is still kept.
+
         Raises:
             ConfigurationError: the consumer is closed.
             UnstoredSamplesError: ``buffer`` refused a sample of a message (also of a message of one
-                sample, or of the left-over samples); the samples not stored are in the error, the ones
-                before are stored, and its ``put_by_call`` is the count this call would have returned.
+                sample, or of the left-over samples) for another reason than a full buffer; the samples not
+                stored are in the error, the ones before are stored, and its ``put_by_call`` is the count
+                this call would have returned.
         """
         self._check_open()
         shim = _Unpacker(buffer)
@@ -439,6 +449,9 @@ class ConduitSampleConsumer:
             try:
                 shim.put(self._backlog[0])
             except UnstoredSamplesError as e:  # (one sample, refused) the rest of the left-over samples with it
+                if isinstance(e.__cause__, BufferFullError):  # still no room: kept, first in line
+                    self._backlog[0] = e.samples[0]
+                    return shim.count
                 rest = list(self._backlog)
                 self._backlog.clear()
                 cause = e.__cause__ if isinstance(e.__cause__, Exception) else e
@@ -448,6 +461,9 @@ class ConduitSampleConsumer:
         try:
             self.inner.consume_to(shim, max_iter)
         except UnstoredSamplesError as e:
+            if isinstance(e.__cause__, BufferFullError):  # held back until deliveries make room; later messages
+                self._backlog.extend(e.samples)  # stay with the transport
+                return shim.count
             e.put_by_call = shim.count  # (the count this call would have returned)
             raise
         return shim.count
@@ -472,7 +488,8 @@ class ConduitSampleConsumer:
             init(monitor)
 
     def close(self) -> list[Any]:
-        """Close the native consumer (idempotent); returns the received samples ``consume()`` had not returned.
+        """Close the native consumer (idempotent); returns the received samples not handed out: those ``consume()``
+        had not returned, or that a full ``on_full="raise"`` buffer refused in ``consume_to``.
 
         A coalesced message arrives whole, and ``consume()`` returns it one sample at a time, so
         after a ``consume()`` the rest of its message has already been received: ``close()`` returns
