@@ -23,7 +23,7 @@ from conduit.placement.base import (
 from conduit.placement.cost import CostModel, Estimate, Workload, transition_schema
 from conduit.placement.migration import MigrationReport
 from conduit.placement.placement_map import AdaptivePlacement, MapRange, PlacementMap
-from conduit.placement.planner import Candidate, Plan, Planner
+from conduit.placement.planner import Candidate, NothingFitsError, Plan, Planner
 from conduit.placement.profile import (
     BandwidthProfile,
     LinkCost,
@@ -58,6 +58,7 @@ __all__ = [
     "Candidate",
     "Plan",
     "Planner",
+    "NothingFitsError",
     "PlacementMap",
     "MapRange",
     "AdaptivePlacement",

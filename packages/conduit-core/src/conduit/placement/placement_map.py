@@ -95,7 +95,12 @@ class PlacementMap:
         Raises:
             ConfigurationError: not ``0 < min_item_bytes <= max_item_bytes`` (both finite), or ``points``
                 is not an int >= 2.
+            PlacementError: the planner refuses the workload whatever its item size (e.g. more learners
+                than GPUs): only sizes that fit nowhere (:class:`~conduit.placement.planner.NothingFitsError`)
+                map to no placement.
         """
+        from conduit.placement.planner import NothingFitsError
+
         if not 0 < min_item_bytes <= max_item_bytes < math.inf:
             raise ConfigurationError(f"Need 0 < min_item_bytes <= max_item_bytes, both finite, got {min_item_bytes}, "
                                      f"{max_item_bytes}.")
@@ -110,7 +115,7 @@ class PlacementMap:
                 try:
                     plan = planner.plan(sized(b))
                     cache[b] = (plan.placement, plan.chosen.estimate.total_s)
-                except PlacementError:
+                except NothingFitsError:  # (any other refusal is not about the size: it is raised)
                     cache[b] = (None, None)
             return cache[b]
 
@@ -225,7 +230,8 @@ class AdaptivePlacement(Placement):
     Args:
         placement_map: the precomputed map. Its workload's capacity bounds the buffers this placement
             builds storage for: the map checked that each placement holds that many items, so a buffer of
-            more items is refused (:meth:`storage`); plan the map for the buffer's capacity.
+            more items is refused (:meth:`storage`, and :meth:`rebalance` of a buffer built by another
+            placement); plan the map for the buffer's capacity.
 
     Keyword Args:
         directory: where the disk tier puts its files, if the map ever chooses it.
@@ -264,6 +270,20 @@ class AdaptivePlacement(Placement):
                 exceeds the capacity the map was planned for (nothing checked that its placements hold
                 that many items); nothing was built.
         """
+        self._check_capacity(capacity)
+        spec = self.map.lookup(schema.item_bytes(self.mean_ragged_length))
+        st = spec.build(directory=self.directory).storage(schema, capacity, ragged_capacity=ragged_capacity)
+        self._undo = (weakref.ref(st), self.current)
+        self.current = spec
+        return st
+
+    def _check_capacity(self, capacity: int) -> None:
+        """Refuse a buffer of more items than the map was planned for (nothing checked that its placements
+        hold them).
+
+        Raises:
+            PlacementError: ``capacity`` exceeds the map's workload capacity.
+        """
         planned = self.map.workload.capacity
         if capacity > planned:
             raise PlacementError(
@@ -271,11 +291,6 @@ class AdaptivePlacement(Placement):
                 f"planned for ({planned} items): nothing checked that its placements hold {capacity} of them. Plan "
                 f"the map for the buffer's capacity: planner.placement_map(Workload.from_schema(schema, "
                 f"capacity={capacity}, ...), ...), or build the buffer with capacity <= {planned}.")
-        spec = self.map.lookup(schema.item_bytes(self.mean_ragged_length))
-        st = spec.build(directory=self.directory).storage(schema, capacity, ragged_capacity=ragged_capacity)
-        self._undo = (weakref.ref(st), self.current)
-        self.current = spec
-        return st
 
     def storage_abandoned(self, storage: Storage) -> None:
         """``storage``, built by :meth:`storage`, will not be used (a migration into this placement
@@ -348,9 +363,13 @@ class AdaptivePlacement(Placement):
 
         Raises:
             PlacementError: nothing fits the size, or it exceeds the map's planned maximum
-                (see :meth:`PlacementMap.lookup`), or the migration failed; nothing was migrated
-                and the buffer is unchanged.
+                (see :meth:`PlacementMap.lookup`), or the buffer holds more items than the map was
+                planned for (a buffer built by another placement: see :meth:`storage`), or the
+                migration failed; nothing was migrated and the buffer is unchanged.
         """
+        # (a buffer built by another placement was never checked against the plan: neither a move nor a stay
+        # on the map's placement says anything about it)
+        self._check_capacity(edp.storage.capacity)
         if item_bytes is None:
             item_bytes = (schema.item_bytes(self.mean_ragged_length) if schema is not None
                           else self.observed_item_bytes(edp))

@@ -33,7 +33,15 @@ from conduit.placement.topology import Topology
 if TYPE_CHECKING:
     from conduit.placement.placement_map import PlacementMap
 
-__all__ = ["Candidate", "Plan", "Planner"]
+__all__ = ["Candidate", "Plan", "Planner", "NothingFitsError"]
+
+
+class NothingFitsError(PlacementError):
+    """No candidate placement holds the workload (:meth:`Planner.plan`): its items, at this capacity,
+    fit nowhere on the topology. Other refusals of the planner (more learners than GPUs, a profile
+    without a path the candidates need) raise a plain :class:`~conduit.errors.PlacementError`: they
+    hold for every item size."""
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -208,14 +216,16 @@ class Planner:
         """Price every candidate and choose the fastest feasible one.
 
         Raises:
-            PlacementError: no candidate fits (the message says by how much the best one misses).
+            NothingFitsError: no candidate fits (the message says by how much the best one misses).
+            PlacementError: the workload cannot be planned on this topology at any size (e.g. more
+                learners than GPUs).
         """
         priced = [(self.cost.estimate(spec, workload), label) for spec, label in self.candidates(workload)]
         feasible = [(e, lb) for e, lb in priced if e.feasible]
         if not feasible:
             closest = min(priced, key=lambda p: max(n * (1 + p[0].headroom) / max(p[0].usable.get(d, 1), 1)
                                                      for d, n in p[0].memory.items()))[0]
-            raise PlacementError(
+            raise NothingFitsError(
                 f"No placement on {self.topology.name!r} fits {workload.capacity} items of {workload.item_bytes} B "
                 f"({workload.capacity * workload.item_bytes / 2**30:.1f} GiB): the closest, {closest.spec}, "
                 f"{'; '.join(closest.shortfalls())}. Lower the capacity, shrink the items, or plan on a larger "
@@ -277,6 +287,8 @@ class Planner:
 
         Raises:
             ConfigurationError: a size range that is empty, not positive or not finite, or ``points`` < 2.
+            PlacementError: the planner refuses the workload whatever its item size (e.g. more learners
+                than GPUs); sizes that fit nowhere are no error (they map to no placement).
         """
         from conduit.placement.placement_map import PlacementMap
 
