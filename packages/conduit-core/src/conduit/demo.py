@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -279,6 +280,12 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
         raise ConfigurationError(f"--g-del {args.g_del} would prepare {args.g_del} batches in one delivery call, more "
                                  f"than the {deliveries} the run takes (--updates x (--warmup + --iterations)); "
                                  f"use --g-del {max(1, deliveries)} or less.")
+    rollouts = args.warmup + args.iterations  # ingestion calls of the loop (one rollout each)
+    if counts_ok and args.g_ing is not None and args.g_ing > max(1, rollouts):  # no group is written in the loop
+        print(f"note: --g-ing {args.g_ing} stores {args.g_ing} rollouts per ingestion call, more than the {rollouts} "
+              f"the run produces (--warmup + --iterations): none of them reaches the buffer while the loop runs "
+              f"(only when it closes), so the figures time no ingestion; use --g-ing {max(1, rollouts)} or less to "
+              f"time it.", file=sys.stderr)
     if args.trace:
         _check_output(Path(args.trace))
     torch.manual_seed(0)

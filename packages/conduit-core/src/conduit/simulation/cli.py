@@ -20,7 +20,7 @@ from typing import Any
 
 from conduit.errors import ConfigurationError
 from conduit.simulation.cluster import NETWORKS, SCENARIOS, Network, Scenario, load_node
-from conduit.simulation.model import BASELINES, MAX_NODES, layout, run_scenario
+from conduit.simulation.model import BASELINES, MAX_NODES, layout, node_workload, run_scenario
 from conduit.telemetry import write_atomically
 
 __all__ = ["register", "simulate", "table", "plot"]
@@ -84,7 +84,7 @@ def table(scenario: Scenario, rows: list[dict[str, Any]], baseline: str, network
             "| paper ms | paper non-adaptive ms | busiest resources |",
             "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        busy = ", ".join(f"{k} {v * 1e3:.1f}ms" for k, v in r["busiest"][:2])
+        busy = ", ".join(f"{k} {v:.1f}ms" for k, v in r["busiest_ms"][:2])
         if r["sim_non_adaptive_ms"] is None:  # the baseline's placement does not fit (all-gpus)
             off, gain = "does not fit", "-"
         else:
@@ -157,7 +157,8 @@ def _write(path: Path, text: str) -> None:
 
 
 def _check_scales(scenario: Scenario) -> None:
-    """Refuse a scale of ``scenario`` that cannot be laid out on its nodes (see :func:`~.model.layout`).
+    """Refuse a scale of ``scenario`` that cannot be laid out on its nodes (see :func:`~.model.layout`), or
+    whose nodes' share of the capacity cannot hold one learner's batch (:func:`~.model.node_workload`).
 
     Raises:
         ConfigurationError: naming ``--gpus`` and the scale.
@@ -165,7 +166,7 @@ def _check_scales(scenario: Scenario) -> None:
     per_node = load_node(scenario.topology).num_gpus or 1
     for g in scenario.gpus:
         try:
-            layout(g, scenario.total_batch, min(g, per_node))
+            node_workload(scenario, layout(g, scenario.total_batch, min(g, per_node)))
         except ConfigurationError as e:
             raise ConfigurationError(f"--gpus {g} ({scenario.name}): {e}") from e
 

@@ -135,9 +135,21 @@ def layout(gpus: int, total_batch: int, gpus_per_node: int) -> Layout:
 
 
 def node_workload(scenario: Scenario, lay: Layout) -> ReplayWorkload:
-    """The per-node workload the planner plans for: the node's share of the capacity and the batch."""
+    """The per-node workload the planner plans for: the node's share of the capacity and the batch.
+
+    Raises:
+        ConfigurationError: a node's share of the capacity holds fewer items than one learner's batch
+            (the message says the capacity that would).
+    """
     batch = max(1, round(lay.batch))
-    w = Workload.transitions(scenario.obs_dim, capacity=math.ceil(scenario.capacity / lay.nodes), batch=batch,
+    capacity = math.ceil(scenario.capacity / lay.nodes)
+    if batch > capacity:
+        least = (batch - 1) * lay.nodes + 1  # the smallest capacity whose share per node holds one batch
+        raise ConfigurationError(
+            f"Each node's share of the buffer holds {capacity} items (capacity {scenario.capacity} over {lay.nodes} "
+            f"node(s)), fewer than one learner's batch of {batch} items (total batch {scenario.total_batch} over "
+            f"{lay.gpus} GPUs); raise the capacity to at least {least}.")
+    w = Workload.transitions(scenario.obs_dim, capacity=capacity, batch=batch,
                              learners=lay.gpus_per_node, ingest_items=batch)
     return ReplayWorkload(w.field_bytes, w.capacity, w.batch, w.learners, w.ingest_items, w.growing, w.name,
                           w.scalar, replay_ratio=scenario.replay_ratio, learner_batch=lay.batch)
@@ -475,7 +487,8 @@ def simulate_scale(scenario: Scenario, gpus: int, *, adaptive: bool = True, base
 
 def run_scenario(scenario: Scenario, *, baseline: str = "rank-order", samples: int = 8,
                  network: Network | None = None, gpus: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
-    """Every scale of ``scenario``, adaptive and not; one row per scale (latencies in ms).
+    """Every scale of ``scenario``, adaptive and not; one row per scale (latencies in ms; ``busiest_ms``: the
+    adaptive iteration's three busiest resources, ``[name, busy ms]``).
 
     Where the ``all-gpus`` baseline does not fit (:func:`simulate_scale`), its row has no non-adaptive
     figures (``sim_non_adaptive_ms``, ``non_adaptive_range_ms``, ``gain`` and
@@ -489,7 +502,7 @@ def run_scenario(scenario: Scenario, *, baseline: str = "rank-order", samples: i
         row = {"gpus": n, "nodes": a.nodes, "placement": str(a.placement),
                "sim_ms": a.latency_s * 1e3, "sim_ingest_ms": a.ingest_s * 1e3,
                "paper_ms": paper_a, "paper_non_adaptive_ms": paper_b,
-               "busiest": a.busiest, "cost_model_node_ms": a.cost_model_s * 1e3,
+               "busiest_ms": [(k, v * 1e3) for k, v in a.busiest], "cost_model_node_ms": a.cost_model_s * 1e3,
                "gpu_links_busy_ms": _links_busy(a.busy) * 1e3}
         try:
             blind = simulate_scale(scenario, n, adaptive=False, baseline=baseline, samples=samples, network=network,
