@@ -33,6 +33,7 @@ class Outcome:
 
     ``lost`` is True when the callee is gone (its actor or node died) or did not answer in time;
     ``error`` then says why. A ``ConduitError`` raised inside the callee is ``error`` with ``lost`` False.
+    :attr:`unconfirmed` tells a proven death from a call that may have met a passing fault.
     """
 
     __slots__ = ("value", "error", "lost")
@@ -43,6 +44,21 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def unconfirmed(self) -> bool:
+        """Lost without proof that the callee died: no answer in time, or Ray's ``ActorUnavailableError`` (the
+        actor is unreachable for now, e.g. a broken connection, and may answer again). A caller must not count
+        the callee dead on this alone: a health probe decides."""
+        return self.lost and (isinstance(self.error, TimeoutError) or _unavailable(self.error))
+
+
+def _unavailable(e: BaseException | None) -> bool:
+    """Whether ``e`` is Ray's ``ActorUnavailableError`` (a ``RayActorError`` that proves no death)."""
+    if e is None:
+        return False
+    cls = getattr(getattr(ray_module(initialized=False), "exceptions", None), "ActorUnavailableError", None)
+    return cls is not None and isinstance(e, cls)
 
 
 def _classify(ray: Any, e: BaseException) -> Outcome:

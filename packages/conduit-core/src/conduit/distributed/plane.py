@@ -12,7 +12,10 @@ Division of labour:
   through Ray's object store (NumPy columns, read without a copy) straight into the batch.
 
 Faults: every remote call has a ``timeout``. A shard whose actor or node dies, or that does
-not answer within ``timeout``, is *lost*: it is fenced (killed, never restarted), its items
+not answer within ``timeout``, is *lost* (a call Ray answers with ``ActorUnavailableError``,
+which proves no death, counts only once a health probe confirms it within ``timeout``; a copy
+or write whose outcome stays unknown is discarded should it run late, so no shard keeps rows
+the index does not name): it is fenced (killed, never restarted), its items
 are either recovered from replicas (``replication=2``) or reported lost exactly, by handle,
 in a :class:`~conduit.distributed.faults.LossReport`; the buffer keeps serving from the
 other shards. A health monitor thread pings the shards every ``health_period`` seconds, so
@@ -28,6 +31,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent import futures
 from typing import Any, TypeVar, cast
@@ -56,7 +60,7 @@ from conduit.distributed.wire import from_wire, packed_nbytes, to_wire, unpack_r
 from conduit.edp import check_roles
 from conduit.errors import CapacityError, ConduitError, ConfigurationError, EmptyBufferError
 from conduit.scheduling.base import Scheduler, Synchronous, check_scheduler_entry, lock_held, scheduler_entry
-from conduit.schema import ExperienceSchema
+from conduit.schema import ExperienceSchema, same_width_integer
 from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy, check_version
 from conduit.semantics.replay import PrioritizedSampler, Replay, UniformSampler
@@ -115,14 +119,11 @@ class _Assembly:
         return ExperienceBatch({n: cols[n] for n in self.schema}, n_out)
 
 
-#: an integer dtype of each element size: rows are copied as their bits (exact for every dtype, and torch has no
-#: ``index_copy_`` for some, e.g. the float8 dtypes)
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed as the integer dtype of its element size (``t`` itself when there is none, e.g. complex128)."""
-    b = _BITS.get(t.element_size())
+    """``t`` viewed as the integer dtype of its element size, as core's storage copies rows
+    (:func:`conduit.schema.same_width_integer`: exact for every dtype, and torch has no ``index_copy_`` for some,
+    e.g. the float8 dtypes); ``t`` itself when no integer is that wide (e.g. complex128)."""
+    b = same_width_integer(t.dtype)
     return t if b is None or t.dtype == b else t.view(b)
 
 
@@ -146,6 +147,70 @@ def _concat(schema: ExperienceSchema, parts: list[ExperienceBatch], fixed: Mappi
         else:
             cols[name] = torch.cat([p.tensor(name) for p in parts])
     return ExperienceBatch(cols, n)
+
+
+class _LossCallbacks:
+    """Hands loss reports to the user's ``on_loss`` callback: outside the buffer's lock, in the order they were
+    recorded in :attr:`DistributedDataPlane.losses`, each exactly once, one call at a time.
+
+    It holds no reference to the plane (the plane's lock holds it, and a plane dropped without ``close()`` must
+    still be freed by reference counting).
+    """
+
+    def __init__(self, fn: Callable[[LossReport], None] | None) -> None:
+        self.fn = fn
+        self._queue: deque[LossReport] = deque()
+        self._mu = threading.Lock()
+        self._running: threading.Thread | None = None
+
+    def add(self, report: LossReport) -> None:
+        """Queue ``report`` (called under the buffer's lock, in the order the reports are recorded)."""
+        with self._mu:
+            self._queue.append(report)
+
+    def run(self) -> None:
+        """Call ``fn`` with every queued report, oldest first (called once a thread's outermost hold of the buffer's
+        lock ended). When a callback is already running, this returns at once: that thread's loop takes the queued
+        reports next (also when it is this thread, i.e. the callback called into the buffer and found a loss)."""
+        while True:
+            with self._mu:
+                if self._running is not None:
+                    return
+                if not self._queue:
+                    return
+                report = self._queue.popleft()
+                self._running = threading.current_thread()
+            try:
+                fn = self.fn
+                if fn is not None:
+                    fn(report)
+            except Exception:  # noqa: BLE001 - a failing callback must not abort the call that found the loss
+                log.exception("conduit: on_loss raised; the loss itself is recorded in .losses")
+            finally:
+                with self._mu:
+                    self._running = None
+
+
+class _PlaneLock:
+    """The buffer's re-entrant lock: when a thread's outermost hold ends, the loss reports recorded meanwhile go
+    to ``on_loss`` (:class:`_LossCallbacks`), so a callback never runs under the lock and may call the buffer,
+    from any thread."""
+
+    def __init__(self, callbacks: _LossCallbacks) -> None:
+        self._lock = threading.RLock()
+        self._callbacks = callbacks
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        if not self._is_owned():
+            self._callbacks.run()
+
+    def _is_owned(self) -> bool:
+        """Whether the calling thread holds the lock (what :func:`~conduit.scheduling.base.lock_held` asks)."""
+        return bool(self._lock._is_owned())  # type: ignore[attr-defined]
 
 
 class DistributedDataPlane:
@@ -196,7 +261,10 @@ class DistributedDataPlane:
         timeout: seconds any remote call may take; a shard that does not answer in time is lost.
         health_period: seconds between health checks of the monitor thread (None: no thread;
             losses are then found by the calls that hit them, or by :meth:`check_health`).
-        on_loss: called with each :class:`LossReport` (from the thread that detected it); what it
+        on_loss: called with each :class:`LossReport`, exactly once, in the order of :attr:`losses`, never
+            under the buffer's lock (it may call the buffer, from any thread): by the thread that detected
+            the loss once its call into the buffer let go of the lock (or by a thread already running an
+            earlier report's callback, which takes it next; callbacks never run concurrently). What it
             raises is logged, never raised into the call that found the loss (that call goes on).
         scheduler: when ingestion and delivery work runs (default: ``Synchronous()``, in the
             caller); e.g. ``Overlapped(g_ing=..., g_del=...)`` from :mod:`conduit.scheduling`.
@@ -253,14 +321,14 @@ class DistributedDataPlane:
         self.timeout = float(timeout)
         self.device = device
         self.telemetry = Telemetry()
-        self.on_loss = on_loss
+        self._callbacks = _LossCallbacks(on_loss)
         self.losses: list[LossReport] = []
         self._losses_seen = 0  # len(losses) at the last deliver(): batches prepared before a loss are dropped
         #: items left with fewer than ``replication`` copies (no room on another node) when stored or re-replicated
         #: after a loss, counted each time: a running total over the buffer's life, like :attr:`lost_items`, that
         #: never goes down (also once such items are evicted or copied later)
         self.under_replicated = 0
-        self._lock = threading.RLock()
+        self._lock = _PlaneLock(self._callbacks)
         self._closed = False
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -297,6 +365,12 @@ class DistributedDataPlane:
         #: should the write fail and evict nothing)
         self._evicting: int | None = None
         self._short_evicted: list[int] = []
+        #: while a write is under way, live shards with an append whose outcome is unknown (it timed out, or Ray
+        #: reported the shard unavailable): it may still run, releasing what the write evicts (see _undo_store)
+        self._doubtful: set[int] = set()
+        #: reports recorded during a write, held back from on_loss until it ends: (index in ``losses``, handles of
+        #: the lost shard's items the write evicts, left out of the report unless the write evicts nothing)
+        self._held_losses: list[tuple[int, np.ndarray]] = []
         self.transport = transport
         self._torch: TorchGroup | None = None
         self._recv_pool: futures.ThreadPoolExecutor | None = None
@@ -351,6 +425,15 @@ class DistributedDataPlane:
             self._monitor.start()
 
     # -- properties -------------------------------------------------------------------------------
+    @property
+    def on_loss(self) -> Callable[[LossReport], None] | None:
+        """The callback given each :class:`LossReport` (see the class docstring); may be replaced any time."""
+        return self._callbacks.fn
+
+    @on_loss.setter
+    def on_loss(self, fn: Callable[[LossReport], None] | None) -> None:
+        self._callbacks.fn = fn
+
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` ran (as ``ExperienceDataPlane.closed``: the scheduler may serve another buffer)."""
@@ -549,8 +632,13 @@ class DistributedDataPlane:
                 try:
                     placed = self._store(payload, runs, nbytes / n, new_oldest)
                 except BaseException as e:
-                    self._undo_store(before, new_oldest, e)
+                    evicted = False  # (should the undo itself fail: the items stay reported lost)
+                    try:
+                        evicted = self._undo_store(before, new_oldest, e)
+                    finally:
+                        self._release_losses(evicted=evicted)
                     raise
+                self._release_losses(evicted=True)
             else:
                 placed = []
             res = self.index.reserve(n, evict=self._replay)
@@ -594,7 +682,7 @@ class DistributedDataPlane:
         producer, and every run's writes go out in one round of parallel calls.
         """
         self._pinned = dict(enumerate(self._local_next))
-        self._evicting, self._short_evicted = oldest, []
+        self._evicting, self._short_evicted, self._doubtful = oldest, [], set()
         try:
             return self._store_rounds(payload, runs, row_bytes, oldest)
         finally:
@@ -639,6 +727,7 @@ class DistributedDataPlane:
                     self._local_next[s] = max(self._local_next[s], int(o.value[2]))
             stuck = self._settle({s: o for (_, s), o in outs.items() if o.lost})
             if stuck:
+                self._doubtful |= stuck  # (their appends may still run: _undo_store discards what they store)
                 raise TransferError(f"Shards {sorted(stuck)} answer health checks but could not store the batch "
                                     f"within {self.timeout:.0f} s: the batch is unreadable (if it was staged on "
                                     f"another node, its producer or node died) or the shards are overloaded. Produce "
@@ -681,7 +770,19 @@ class DistributedDataPlane:
         placed.sort(key=lambda p: p[0])
         return [(a, c, reps) for a, c, reps, _ in placed]
 
-    def _undo_store(self, before: list[int], oldest: int, error: BaseException) -> None:
+    def _release_losses(self, *, evicted: bool) -> None:
+        """End a write's hold on the loss reports recorded during it (under the lock), and queue them for ``on_loss``.
+
+        Items of a lost shard that the write evicts are evicted, not lost: its report leaves them out. When the
+        write failed and ``evicted`` nothing, they stay in the window, lost: the report names them after all.
+        """
+        held, self._held_losses = self._held_losses, []
+        for i, gone in held:
+            if gone.size and not evicted:
+                self.losses[i] = dataclasses.replace(self.losses[i], lost=np.union1d(gone, self.losses[i].lost))
+            self._callbacks.add(self.losses[i])
+
+    def _undo_store(self, before: list[int], oldest: int, error: BaseException) -> bool:
         """Undo an ingestion that failed after some shards stored their rows (under the lock).
 
         Those shards forget the rows again (the index never named them), so no shard holds a
@@ -689,23 +790,36 @@ class DistributedDataPlane:
         during the write) are kept, with whatever of the batch was stored before them. A shard
         that stored rows had first released the items the ingestion evicts, and the rows may
         have overwritten them: those evictions stand, and the index evicts the same oldest items
-        (FIFO order kept). ``error`` gets a note saying so.
+        (FIFO order kept). ``error`` gets a note saying so. A shard with an append of this write
+        whose outcome is unknown (it may still run, releasing and storing) counts as such a shard:
+        its truncate queues behind that append, so it runs after it (it is not waited for).
+
+        Returns:
+            Whether the items the write was to evict are evicted.
         """
-        touched = [s for s, nxt in enumerate(self._local_next) if nxt > before[s]]
+        doubtful = {s for s in self._doubtful if self._alive[s]}  # (their appends may still run)
+        touched = [s for s, nxt in enumerate(self._local_next) if nxt > before[s] or s in doubtful]
         if not touched:
             # no shard released or stored anything: the buffer is unchanged, so the items this write would have
             # evicted stay, and those a shard lost during it left short get their copy now
             short, self._short_evicted = self._short_evicted, []
             if short:
                 self._replicate(short)
-            return
-        outs = wait_all({s: self.servers[s].actor.truncate.remote(self.buffer_id,
-                                                                  max(before[s], self.index.held_end(s)))
-                         for s in touched if self._alive[s]}, self.timeout)
+            return False
+        truncates = {s: self.servers[s].actor.truncate.remote(self.buffer_id, max(before[s], self.index.held_end(s)))
+                     for s in touched if self._alive[s]}
+        # (a doubtful shard's truncate queues behind its stuck append: it runs after it, not waited for)
+        outs = wait_all({s: ref for s, ref in truncates.items() if s not in doubtful}, self.timeout)
         for s, o in outs.items():
             if o.ok:
                 self._local_next[s] = int(o.value)
-        self._settle({s: o for s, o in outs.items() if o.lost})  # (a stuck shard keeps the rows: never read)
+        for s in doubtful & set(truncates):
+            self._local_next[s] = max(before[s], self.index.held_end(s))  # what its truncate leaves
+        self._evicting = oldest  # a shard lost now: its items below ``oldest`` are evicted below, not lost
+        try:
+            self._settle({s: o for s, o in outs.items() if o.lost})  # (a stuck shard keeps the rows: never read)
+        finally:
+            self._evicting = None
         ev_from = self.index.oldest
         if oldest > ev_from:
             self.index.release(oldest)
@@ -713,6 +827,7 @@ class DistributedDataPlane:
                                      version=None, priorities=None)
             error.add_note(f"Conduit stored none of this batch; the {oldest - ev_from} oldest items it evicted to "
                            f"make room stay evicted (shards had already reused their space).")
+        return True
 
     # -- delivery ---------------------------------------------------------------------------------
     def deliver(self, n: int | None = None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
@@ -1032,8 +1147,8 @@ class DistributedDataPlane:
             stuck = self._settle({s: o for s, o in outs.items() if o.lost})
             if stuck:
                 raise RemoteTimeoutError(f"Shards {sorted(stuck)} answer health checks but did not deliver within "
-                                         f"{self.timeout:.0f} s; they are overloaded. Deliver smaller batches or raise "
-                                         f"timeout.")
+                                         f"{self.timeout:.0f} s (overloaded, or unreachable for a moment). "
+                                         f"Deliver smaller batches or raise timeout.")
             failed = []
             for s, o in outs.items():
                 sel, inv = groups[s]
@@ -1238,28 +1353,46 @@ class DistributedDataPlane:
         return found
 
     def _ping(self, shards: Collection[int]) -> dict[int, Outcome]:
-        """Ping ``shards`` at once, at most ``timeout`` seconds. A ping Ray refuses to send (the server's actor is
-        unknown to it, e.g. after Ray was restarted under the buffer) is an answer of a lost server."""
-        refs, refused = {}, {}
-        for s in shards:
-            try:
-                refs[s] = ping(self.servers[s].actor)
-            except Exception as e:  # noqa: BLE001 - classified: the actor cannot be reached
-                refused[s] = Outcome(error=e, lost=True)
-        return {**wait_all(refs, self.timeout), **refused}
+        """Ping ``shards`` at once, at most ``timeout`` seconds in all.
+
+        A ping Ray refuses to send (the server's actor is unknown to it, e.g. after Ray was restarted under the
+        buffer) is an answer of a lost server. A ping Ray answers with ``ActorUnavailableError`` (the actor is
+        unreachable for now, which proves no death) is sent again, after a short pause, until it gets another
+        answer or the ``timeout`` is spent: a passing fault is not a loss, and a server that stays unreachable
+        is still found lost within ``timeout``.
+        """
+        deadline = time.monotonic() + self.timeout
+        out: dict[int, Outcome] = {}
+        todo, pause = list(shards), 0.05
+        while True:
+            refs = {}
+            for s in todo:
+                try:
+                    refs[s] = ping(self.servers[s].actor)
+                except Exception as e:  # noqa: BLE001 - classified: the actor cannot be reached
+                    out[s] = Outcome(error=e, lost=True)
+            got = wait_all(refs, max(0.0, deadline - time.monotonic()))
+            out.update(got)
+            todo = [s for s, o in got.items() if o.unconfirmed and not isinstance(o.error, TimeoutError)]
+            left = deadline - time.monotonic()
+            if not todo or left <= 0:
+                return out
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 0.5)
 
     def _settle(self, failed: dict[int, Outcome]) -> set[int]:
         """Decide which shards whose call failed are lost; returns those found alive (their call is stuck).
 
-        A shard whose actor or node died is lost. A shard whose call only timed out is
-        pinged (health checks run on their own thread there): no answer within ``timeout``
-        makes it lost; an answer means it lives and the call itself is stuck.
+        A shard whose actor or node died is lost. A shard whose call only timed out, or that Ray
+        reported unavailable for now (``ActorUnavailableError``), is pinged (health checks run on
+        their own thread there, see :meth:`_ping`): no answer within ``timeout`` makes it lost; an
+        answer means it lives and the call itself is stuck (or failed in passing).
         """
         probe = set()
         for s, o in failed.items():
             if not self._alive[s]:
                 continue
-            if isinstance(o.error, TimeoutError):
+            if o.unconfirmed:
                 probe.add(s)
             else:
                 self._lose(s, _reason(o))
@@ -1289,6 +1422,10 @@ class DistributedDataPlane:
             lost, recovered, under = self.index.drop_shard(shard)
             if lost.size and self._replay and getattr(self.semantics.sampler, "prioritized", False):  # type: ignore[attr-defined]
                 _forget_priorities(self.semantics, lost, self.capacity)
+            evicting = self._evicting is not None
+            gone = lost[lost < self._evicting] if evicting else lost[:0]
+            if gone.size:  # the write under way evicts these (unless it fails and evicts nothing)
+                lost = lost[lost >= cast(int, self._evicting)]
             copied = self._replicate(under) if under else 0
             if len(self.losses) > before:
                 # the copies found the other replica of some segments lost too: that loss reports their items
@@ -1296,14 +1433,13 @@ class DistributedDataPlane:
                 recovered = sum(seg[1] for seg in map(self.index.segment, under) if seg[1] > 0 and seg[2])
             report = LossReport(shard, self.shard_node(shard), reason, time.time(), lost, recovered, copied)
             self.losses.append(report)
+            if evicting or self._held_losses:  # held until the write ends (see _release_losses), in order
+                self._held_losses.append((len(self.losses) - 1, gone))
+            else:  # on_loss runs once this thread's outermost hold of the lock ends
+                self._callbacks.add(report)
             if found is not None:  # (under the lock: every report since ``before`` was recorded by this call)
                 found.extend(self.losses[before:])
         log.warning("conduit: %s", report)
-        if self.on_loss is not None:
-            try:
-                self.on_loss(report)
-            except Exception:  # noqa: BLE001 - a failing callback must not abort the call that found the loss
-                log.exception("conduit: on_loss raised; the loss itself is recorded in .losses")
         return report
 
     def _replicate(self, rows: list[int]) -> int:
@@ -1350,6 +1486,7 @@ class DistributedDataPlane:
                 jobs[(row, t)] = (count, first, src)
         outs = wait_all(calls, self.timeout)
         copied: dict[int, int] = {}  # rows that got a copy -> their items
+        late: set[int] = set()  # targets of copies whose outcome is unknown (they may still run)
         for (row, t), o in outs.items():
             count, first, src = jobs[(row, t)]
             if o.ok:
@@ -1358,18 +1495,41 @@ class DistributedDataPlane:
                 self.index.add_replica(row, t, int(o.value[0]) - (first - seg_first))
                 copied[row] = count
                 continue
-            if o.lost and not isinstance(o.error, TimeoutError):
-                # a two-hop copy: the error names the actor that died (source or target); a timeout is
-                # left to the health monitor, which pings each one alone
+            if o.lost and not o.unconfirmed:
+                # a two-hop copy: the error names the actor that died (source or target); a timeout or a
+                # passing unavailability is left to the health monitor, which pings each one alone
                 dead = getattr(o.error, "actor_id", None)
                 if dead == _actor_hex(self.servers[src].actor):
                     # the source's loss accounts the segment again (copied from another replica, or lost)
                     self._lose(src, _reason(o))
                     continue
                 self._lose(t, _reason(o))
+            elif o.lost:
+                late.add(t)
             short[row] = count
+        self._discard_late(late)
         self.under_replicated += sum(short.values())
         return sum(copied.values())
+
+    def _discard_late(self, shards: Collection[int]) -> None:
+        """Make appends whose outcome is unknown (timed out, or Ray reported the shard unavailable) harmless.
+
+        Such an append may still run, and store rows the index does not know. A shard runs data calls one at
+        a time in submission order, so a truncate sent now runs right after it, before any later call: it
+        forgets whatever the late append stored (rows from ``_local_next`` on, which no segment names). Not
+        waited for (it queues behind the stuck call); the shard's next answer tells its next handle. During a
+        write, the shard is also marked doubtful: the late append may have released the items the write
+        evicts, so a write that then fails counts them evicted (:meth:`_undo_store`).
+        """
+        for t in shards:
+            if not self._alive[t]:
+                continue
+            if self._evicting is not None:
+                self._doubtful.add(t)
+            try:
+                self.servers[t].actor.truncate.remote(self.buffer_id, max(self._local_next[t], self.index.held_end(t)))
+            except Exception:  # noqa: BLE001 - Ray cannot reach the shard: the health checks will find it lost
+                log.debug("conduit: discarding a late copy on shard %d failed", t, exc_info=True)
 
     # -- checkpoint -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -1497,9 +1657,11 @@ class DistributedDataPlane:
         h = state["handles"].numpy()
         oldest, nxt = int(state["oldest"]), int(state["next"])
         self.index.reset(oldest)  # first: a shard lost now held only contents being replaced (none is lost)
-        for s, o in outs.items():
-            if o.lost:
-                self._lose(s, _reason(o))
+        # a shard that answers a probe but whose open failed may or may not have emptied its partition: fenced
+        # (the index names nothing there now, so no item is lost with it)
+        for s in sorted(self._settle({s: o for s, o in outs.items() if o.lost})):
+            self._lose(s, f"its partition could not be reopened for the load ({_reason(outs[s])})")
+        for s in outs:
             self._local_next[s] = 0
         cols: dict[str, torch.Tensor | Ragged] = {}
         for name, v in state["data"].items():
@@ -1529,6 +1691,8 @@ class DistributedDataPlane:
             raise _PartlyLoaded(f"Loading stopped after {h.size - missing} of the checkpoint's {h.size} items "
                                 f"({type(e).__name__}: {e}); the other {missing} are lost (never delivered, not "
                                 f"counted by len()). Check the cluster's health, then load again.") from e
+        finally:
+            self._release_losses(evicted=True)  # (the writes start at the window's start: they evict nothing)
         if nxt > cursor:
             self.index.add_segment(cursor, nxt - cursor, [])
         self.index._next = nxt
