@@ -363,14 +363,16 @@ class ExperienceDataPlane:
     def deliver(self, n: int | None = None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
         """The next batch for the learner, on ``device``.
 
-        Replay: ``n`` items drawn by the sampler (keyword ``replace=True``, ``beta=None``).
+        Replay: ``n`` items drawn by the sampler (keyword ``replace=True``, ``beta=None``; ``beta``, the
+        importance-weight exponent, is for prioritized replay only: a uniform buffer refuses it).
         On-policy: the next minibatch of the oldest sealed rollout (call with no ``n``).
 
         Raises:
             EmptyBufferError: nothing to deliver.
             CapacityError: a draw without replacement larger than the contents.
             StaleExperienceError: on-policy data too stale and ``on_stale="raise"``.
-            ConfigurationError: the buffer is closed.
+            ConfigurationError: the buffer is closed; an option the semantics do not take (e.g. ``beta`` on a
+                uniform buffer). Nothing is drawn then.
         """
         self._check_open()
         t0 = time.perf_counter()
@@ -425,8 +427,11 @@ class ExperienceDataPlane:
         (e.g. counts and cursors that agree with each other). ``fn`` runs on the calling thread; the lock is
         re-entrant, so ``fn`` may call the buffer's methods, but it should be short (it holds up ingestion
         and delivery). A call in ``fn`` that would wait for a scheduler's worker thread, which needs this lock
-        (e.g. ``flush``, ``seal`` or ``state_dict`` while batches wait for background storing), raises
-        :class:`ConfigurationError` and changes nothing, instead of waiting forever.
+        (e.g. ``flush``, ``seal`` or ``state_dict`` while batches wait for background storing), or for a prefetching
+        scheduler's delivery running on another thread (a ``deliver`` meanwhile), raises :class:`ConfigurationError`
+        and changes nothing, instead of waiting forever. Ingestion in the caller
+        (``Synchronous``, or ``Overlapped(background_ingest=False)``) stores from ``fn`` at once, with what other
+        producers handed over before it (a producer waiting to store waits for ``fn`` to return).
 
         Raises:
             ConfigurationError: the buffer is closed (as ``select_now`` is refused then); ``fn`` did not run.
@@ -500,7 +505,8 @@ class ExperienceDataPlane:
             How many handles were live; updates for evicted handles are ignored.
 
         Raises:
-            PriorityError: NaN, infinite or negative priorities, or a length mismatch.
+            PriorityError: NaN, infinite or negative priorities, a length mismatch, or a handle this buffer
+                never issued (negative, or beyond the last item ingested); no priority changes then.
             ConfigurationError: the buffer is not prioritized.
         """
         if not isinstance(self.semantics, Replay):

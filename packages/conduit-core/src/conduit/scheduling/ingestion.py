@@ -87,7 +87,10 @@ class Ingestion:
         self._cur_items = 0
         self._mutex = threading.RLock()  # the condition's lock, entered directly on the producer's hot path
         self._cv = threading.Condition(self._mutex)
-        self._writer = threading.Lock()  # held by the caller storing groups (sequential mode, see _store_ready)
+        #: the buffer's lock (re-entrant, held by every write): a caller storing groups takes it first (_store_ready)
+        self._buffer_lock = edp._lock
+        self._writer = threading.Lock()  # held by the caller storing groups (sequential mode), inside the buffer's lock
+        self._storer: int | None = None  # that caller's thread
         self._pending: deque[Handover] = deque()
         self._inflight: list[Handover] = []
         #: groups taken for a write so far, and the number of the last one whose write has stored it (marked
@@ -421,25 +424,45 @@ class Ingestion:
         after a group another thread is storing is in storage. When a write fails, the group goes
         back to the head of the queue except ``own`` (the batch of the ``handover`` that raises, so
         not accepted), taken out before another producer waiting for ``_writer`` can store it.
+
+        The buffer's lock is taken before ``_writer`` (every write needs it): a thread that holds it already
+        (inside ``read_locked``) stores at once, what other producers handed over before it included, instead
+        of waiting for a producer that holds ``_writer`` and waits for that lock. Re-entered from a callback
+        inside this thread's own write, it stores nothing: the loop stores what is due after that write, in
+        order; a ``flush`` there is refused (it could not return with the write in progress).
         """
-        with self._writer:
-            while True:
-                with self._cv:
-                    self._raise_failure()
-                    group = self._take(force)
-                if group is None:
+        if self._storer == threading.get_ident():
+            if force and not self._closing:
+                raise ConfigurationError("flush() (seal(), state_dict() and load_state_dict() flush first) was called "
+                                         "from a callback inside a write of this buffer, which cannot finish before "
+                                         "that write does. Nothing was changed; call it after the write returns.")
+            return
+        if not force:
+            with self._cv:  # nothing due (the group may still grow): no wait for the lock a delivery may hold
+                if self._error is None and self._due(force=False) is None:
                     return
-                try:
-                    self._store(group)
-                except BaseException:
+        with self._buffer_lock, self._writer:
+            self._storer = threading.get_ident()
+            try:
+                while True:
                     with self._cv:
-                        self._pending.extendleft(reversed(group))
+                        self._raise_failure()
+                        group = self._take(force)
+                    if group is None:
+                        return
+                    try:
+                        self._store(group)
+                    except BaseException:
+                        with self._cv:
+                            self._pending.extendleft(reversed(group))
+                            self._inflight = []
+                            if own is not None:
+                                self._drop(own)
+                        raise
+                    with self._cv:
                         self._inflight = []
-                        if own is not None:
-                            self._drop(own)
-                    raise
-                with self._cv:
-                    self._inflight = []
+            finally:
+                self._storer = None
 
     def _drop(self, item: Handover) -> None:
         """Take ``item`` out of the queue, if it is there (under the lock)."""

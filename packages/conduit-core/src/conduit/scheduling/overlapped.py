@@ -30,8 +30,24 @@ Semantics kept, per kind of buffer:
   (``g_del`` deliveries) earlier: it can hold items evicted since, and items ingested
   since become drawable from the next chunk on.
 
-Deterministic under a seed when sequential (``overlap=False``) and, on-policy, always;
-with overlap, replay draws depend on how background ingestion interleaves with them.
+Against :class:`~conduit.scheduling.Synchronous` (same seed, same calls), replay draws are:
+
+* sequential (``overlap=False``): deterministic, the same run after run. With ``g_ing = g_del = 1``
+  they are the synchronous draws (weights included), also with ingests and priority updates
+  between deliveries. With ``g_del > 1`` a chunk's batches are all drawn at its first delivery
+  call, so what is ingested or updated between that chunk's deliveries reaches the draws from
+  the next chunk on (they are the draws of a synchronous buffer that delivers the chunk's
+  batches back to back); with ``g_ing > 1`` an ingested batch reaches storage with its group's
+  write (every ``g_ing`` ingests, or ``flush``).
+* with overlap (``overlap=True``, whether ingestion is in the background or in the caller):
+  the worker draws the next chunk right after a delivery, while the caller goes on, so draws
+  are not reproducible when anything is ingested or priorities are updated between deliveries
+  (within the bounds above: uniform, at most one chunk old; prioritized, at most
+  ``max_priority_staleness`` updates). Deliveries with nothing ingested or updated between
+  them (e.g. after a ``flush``) draw the synchronous items, in order (prioritized weights are
+  then equal up to float32 rounding, being drawn with beta = 1 and raised to the call's beta).
+
+On-policy deliveries are the synchronous ones always.
 """
 
 from __future__ import annotations
@@ -320,12 +336,25 @@ class Overlapped(Scheduler):
     def deliver(self, n: int | None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
         if not self._ready and len(self.edp.storage) == 0 and self._ingestion.waiting:
             self._ingestion.flush()  # nothing stored yet: handed-over data must not stay invisible
-        with self._mu:
+        self._enter("This delivery")
+        try:
             if self._ring.cuda:
                 self._ring.call_started(self._delivered)
             if self.on_policy:
                 return self._deliver_on_policy(n)
             return self._deliver_replay(n, kwargs)
+        finally:
+            self._mu.release()
+
+    def _enter(self, call: str) -> None:
+        """Take ``_mu`` (deliveries and what changes prepared batches hold it), or refuse ``call`` without changing
+        anything when another thread holds it while this one holds the buffer's lock (inside ``read_locked()``):
+        that thread's delivery may need the lock to finish, so waiting could last forever."""
+        if self._mu.acquire(blocking=False):
+            return
+        if self.edp.holds_lock():
+            raise wait_refused(call, "delivery running on another thread")
+        self._mu.acquire()
 
     def _deliver_replay(self, n: int | None, kwargs: dict[str, Any]) -> tuple[ExperienceBatch, SampleInfo]:
         beta = kwargs.pop("beta", None) if self.prioritized else None
@@ -571,7 +600,8 @@ class Overlapped(Scheduler):
             return
         if reason == "policy":
             return  # on-policy predictions are confirmed against the real selection at delivery
-        with self._mu:
+        self._enter("This call (state_dict(), load_state_dict(), migrate() or close())")
+        try:
             self._await_job()
             drawn = self._ready[0].selection.drawn_from if self._ready else None
             self._discard_all()
@@ -584,6 +614,8 @@ class Overlapped(Scheduler):
                     or ring.device != edp.device):  # migrated: new tier or a grown schema
                 self._ring = ChunkRing(edp.schema, edp.storage.device, edp.device, count=len(ring.slots),
                                        output_depth=self.output_depth)
+        finally:
+            self._mu.release()
 
     def close(self) -> None:
         """Stop prefetching, then store everything handed over (or raise, keeping it in ``pending()``).
