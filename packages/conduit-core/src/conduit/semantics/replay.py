@@ -121,7 +121,8 @@ class PrioritizedSampler(Sampler):
     New items get the largest priority seen so far (1.0 at first) unless the ingestion
     gives priorities. Importance weights are ``(N * P(i))^-beta`` divided by the largest
     possible weight, ``(N * min_j P(j))^-beta``. Priority updates name items by handle;
-    updates for evicted handles are ignored (never applied to a slot's new occupant).
+    updates for evicted handles are ignored (never applied to a slot's new occupant), and a
+    handle never issued (negative, or not below the next handle) refuses the whole update.
 
     Args:
         alpha: priority exponent (0 gives uniform sampling).
@@ -270,8 +271,12 @@ class PrioritizedSampler(Sampler):
             return 0
         self.check_range(p)
         st = self.storage
-        if not (h.min() >= st.oldest and h.max() < st.next_handle):  # some were evicted: update the rest
-            live = (h >= st.oldest) & (h < st.next_handle)
+        if not (h.min() >= st.oldest and h.max() < st.next_handle):
+            if h.min() < 0 or h.max() >= st.next_handle:
+                bad = int(h[(h < 0) | (h >= st.next_handle)][0])
+                raise PriorityError(f"Handle {bad} was never issued (issued handles are [0, {st.next_handle})); pass "
+                                    f"the info.handles a delivery returned. No priority was changed.")
+            live = h >= st.oldest  # the rest were evicted: their updates are ignored
             h, p = h[live], p[live]
             if not h.size:
                 return 0
@@ -364,6 +369,10 @@ class Replay(Semantics):
         if unknown:
             raise ConfigurationError(f"Replay delivery takes the options replace= and beta=, not "
                                      f"{', '.join(sorted(unknown))}; check the spelling.")
+        if beta is not None and not self.sampler.prioritized:
+            raise ConfigurationError(f"beta applies only to prioritized replay (importance weights), and this buffer's "
+                                     f"{type(self.sampler).__name__} keeps no priorities; drop beta={beta!r} or use "
+                                     f"Replay(PrioritizedSampler()).")
         if type(n) is not int and (isinstance(n, bool) or not isinstance(n, Integral)) or n <= 0:
             raise ConfigurationError(f"Replay delivery needs a positive batch size n (an int), got {n!r}.")
         n = int(n)
@@ -389,7 +398,11 @@ class Replay(Semantics):
         self.sampler.rewind_draws(state)
 
     def update_priorities(self, handles: torch.Tensor | np.ndarray, priorities: torch.Tensor | np.ndarray) -> int:
-        """Set new priorities; returns how many handles were live (the rest were evicted and ignored)."""
+        """Set new priorities; returns how many handles were live (the rest were evicted and ignored).
+
+        Raises:
+            PriorityError: bad priorities, a length mismatch, or a handle never issued (nothing changed).
+        """
         return self.sampler.update(handles, priorities)
 
     def state_dict(self) -> dict[str, Any]:
