@@ -23,6 +23,12 @@ sample is dead too.
   packed, into a store with more slots (the next rung) and re-maps their handles.
 
 Every move is recorded as a :class:`Migration`.
+
+A put is two steps, so that a storage unit can store several fields all or nothing:
+:meth:`FieldStore.append` makes room (migrating when needed) and appends the samples after the
+newest, where nothing reads them yet; :meth:`FieldStore.settle` then makes them the samples of
+their global indexes, or :meth:`FieldStore.rollback` forgets them (and a re-slotting the
+append made), leaving the field as it was.
 """
 
 from __future__ import annotations
@@ -51,8 +57,8 @@ from conduit.storage import ColumnarStorage
 from conduit_verl.compat import MissingKeyError
 from conduit_verl.packing import PackedColumn
 
-__all__ = ["Rung", "PoolLadder", "PoolPlacement", "Migration", "FieldStore", "check_indexes", "kind_error",
-           "dtype_error", "rank_error", "storage_dtype"]
+__all__ = ["Rung", "PoolLadder", "PoolPlacement", "Migration", "FieldStore", "Appended", "check_indexes",
+           "kind_error", "dtype_error", "rank_error", "storage_dtype"]
 
 
 def check_indexes(name: str, gis: list[int], held: Collection[int], max_items: int | None,
@@ -133,6 +139,31 @@ class Migration:
     moved_items: int
     moved_bytes: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a :class:`FieldStore` is made of, as :meth:`FieldStore.append` found it (its rollback goes back to it)."""
+
+    edp: ExperienceDataPlane
+    next_handle: int
+    alive: torch.Tensor
+    elems: torch.Tensor
+    handle: dict[int, int]
+    slot_rung: int
+    pool_rung: int
+    migrations: int
+
+
+@dataclass(frozen=True)
+class Appended:
+    """Samples :meth:`FieldStore.append` stored after the newest and nothing reads yet: :meth:`FieldStore.settle`
+    makes them the samples ``gis``, :meth:`FieldStore.rollback` forgets them."""
+
+    gis: list[int]
+    handles: torch.Tensor
+    lengths: torch.Tensor
+    before: _Layout
 
 
 class PoolPlacement(HostPlacement):
@@ -241,12 +272,15 @@ class FieldStore:
         self._build(0, 0)
 
     def _build(self, slot_rung: int, pool_rung: int) -> None:
-        self.slot_rung, self.pool_rung = slot_rung, pool_rung
+        """An empty store of these rungs replaces the current one (which is left as it is); when allocating it fails,
+        nothing is replaced."""
         cap = self.ladder.items[slot_rung]
-        self.edp = ExperienceDataPlane(self.schema, capacity=cap, semantics=OnPolicy(num_minibatches=1),
-                                       placement=self.ladder.placement(pool_rung))
-        self._alive = torch.zeros(cap, dtype=torch.bool)
-        self._elems = torch.zeros(cap, dtype=torch.int64)  # packed elements held, by slot
+        alive = torch.zeros(cap, dtype=torch.bool)
+        elems = torch.zeros(cap, dtype=torch.int64)  # packed elements held, by slot
+        edp = ExperienceDataPlane(self.schema, capacity=cap, semantics=OnPolicy(num_minibatches=1),
+                                  placement=self.ladder.placement(pool_rung))
+        self.edp, self._alive, self._elems = edp, alive, elems
+        self.slot_rung, self.pool_rung = slot_rung, pool_rung
 
     @property
     def storage(self) -> Storage:
@@ -294,7 +328,27 @@ class FieldStore:
         return shapes
 
     def put(self, gis: Sequence[int], col: PackedColumn) -> None:
-        """Store ``col``'s samples under global indexes ``gis`` (a put of a stored index replaces it).
+        """Store ``col``'s samples under global indexes ``gis`` (a put of a stored index replaces it): :meth:`append`,
+        then :meth:`settle`.
+
+        Raises:
+            SchemaError: another dtype or shape rank than this field's.
+            CapacityError: the storage limit would be exceeded.
+        """
+        self.settle(self.append(gis, col))
+
+    def _layout(self) -> _Layout:
+        return _Layout(self.edp, self.storage.next_handle, self._alive, self._elems, self._handle, self.slot_rung,
+                       self.pool_rung, len(self.migrations))
+
+    def append(self, gis: Sequence[int], col: PackedColumn) -> Appended:
+        """First step of a put: check ``col``, make room for it (migrating the field when it does not fit: every
+        held sample is kept) and store its samples after the newest, where no read finds them. Pass the result to
+        :meth:`settle` (the samples become those of ``gis``) or to :meth:`rollback` (they are forgotten) before any
+        other call to this field (in between, a sample the put replaces may not be readable).
+
+        On any error (a refused column, or memory running out while the field grows) the field holds what it held
+        (a pool migration that finished stays: it holds the same samples, in a larger pool).
 
         Raises:
             SchemaError: another dtype or shape rank than this field's.
@@ -303,25 +357,56 @@ class FieldStore:
         gis = [int(g) for g in gis]
         n = len(gis)
         shapes = self.check(gis, col)
+        before = self._layout()
         if n == 0:
-            return
+            return Appended(gis, torch.empty(0, dtype=torch.int64), col.lengths, before)
         batch = ExperienceBatch({"values": Ragged(col.values.view(self.store_dtype), col.lengths), "shape": shapes}, n)
         total = int(col.values.shape[0])
         try:
-            handles = self.edp.ingest_now(batch, version=0)
-        except CapacityError:
-            self._make_room(n, total, [g for g in gis if g in self._handle])
-            handles = self.edp.ingest_now(batch, version=0)
+            try:
+                handles = self.edp.ingest_now(batch, version=0)
+            except CapacityError:
+                self._make_room(n, total, [g for g in gis if g in self._handle])
+                handles = self.edp.ingest_now(batch, version=0)
+        except BaseException:
+            self._restore(before)
+            raise
+        return Appended(gis, handles, col.lengths, before)
+
+    def settle(self, appended: Appended) -> None:
+        """Second step of a put: the samples :meth:`append` stored become those of their global indexes (replacing
+        the samples held under them)."""
+        if not appended.gis:
+            return
         cap = self.storage.capacity
-        replaced = [self._handle[g] for g in gis if g in self._handle]  # after a migration: the current handles
+        replaced = [self._handle[g] for g in appended.gis if g in self._handle]  # after a migration: current handles
         if replaced:
             self._alive[torch.tensor(replaced, dtype=torch.int64) % cap] = False
-        slots = handles % cap
+        slots = appended.handles % cap
         self._alive[slots] = True
-        self._elems[slots] = col.lengths
-        for g, h in zip(gis, handles.tolist(), strict=True):
+        self._elems[slots] = appended.lengths
+        for g, h in zip(appended.gis, appended.handles.tolist(), strict=True):
             self._handle[g] = h
         self._release_dead_prefix()
+        if appended.before.edp is not self.edp:  # re-slotted: no rollback goes back to the old store now
+            appended.before.edp.close()
+
+    def rollback(self, appended: Appended) -> None:
+        """Forget what :meth:`append` stored (and a re-slotting it made): the field holds what it held before."""
+        self._restore(appended.before)
+
+    def _restore(self, before: _Layout) -> None:
+        """Go back to the store ``before`` describes (:meth:`append` changed nothing of it but appending after its
+        newest sample, or re-slotting into a new store)."""
+        if self.edp is before.edp:  # the appended samples (if any) are the newest: forget them
+            storage = self.storage
+            assert isinstance(storage, ColumnarStorage)
+            storage.truncate(before.next_handle)
+            return
+        self.edp.close()  # a re-slotting built this one; the old store is untouched
+        self.edp, self._alive, self._elems, self._handle = before.edp, before.alive, before.elems, before.handle
+        self.slot_rung, self.pool_rung = before.slot_rung, before.pool_rung
+        del self.migrations[before.migrations:]
 
     def _release_dead_prefix(self) -> None:
         st = self.storage
@@ -353,7 +438,8 @@ class FieldStore:
     def _reslot(self, need_items: int, need_elems: int, replacing: Sequence[int] = ()) -> None:
         """Copy the live samples, packed, into a store with enough slots; re-map their handles.
 
-        The samples of ``replacing`` are not copied (the caller's put stores their new values right after).
+        The samples of ``replacing`` are not copied (the caller's put stores their new values right after). The old
+        store is left as it is (:meth:`settle` closes it, :meth:`rollback` goes back to it).
         """
         t0 = time.perf_counter()
         src = self.rung
@@ -366,7 +452,6 @@ class FieldStore:
         vals = live["values"]
         assert isinstance(vals, Ragged)
         handles = self.storage.handles_of(live_slots).tolist()
-        old_edp = self.edp
         want = 2 * need_items  # room to grow before the next move
         if self.ladder.max_items is not None:  # max_items caps that headroom, not what must fit
             want = max(need_items, min(want, self.ladder.max_items))
@@ -383,7 +468,6 @@ class FieldStore:
             self._elems[slots] = vals.lengths
             remap = dict(zip(handles, new_handles.tolist(), strict=True))
         self._handle = {g: remap[h] for g, h in self._handle.items() if h in remap}  # not: the replaced
-        old_edp.close()
         nbytes = vals.values.numel() * vals.values.element_size() + int(live_slots.shape[0]) * self.width * 8
         self.migrations.append(Migration(self.name, "slots", src, self.rung, int(live_slots.shape[0]), nbytes,
                                          time.perf_counter() - t0))

@@ -478,6 +478,9 @@ class MinibatchDelivery:
         device: where minibatches land (default: the current CUDA device if any, else CPU).
         capacity: rows the buffer holds (default: the first shard's size).
         ragged_capacity: packed elements per jagged column (default: sized from the first shard).
+
+    The buffer (its columns, capacity and jagged pools) is built from the first shard with rows: an empty shard
+    before it stores nothing and fixes nothing.
     """
 
     def __init__(self, *, num_minibatches: int, epochs: int = 1, seed: int | None = None,
@@ -518,7 +521,9 @@ class MinibatchDelivery:
     def ingest(self, td: TensorDict, *, version: int) -> None:
         """Add a shard produced by policy ``version`` to the open rollout.
 
-        A refused shard changes nothing: a refused first shard does not fix the columns or the capacity.
+        A refused shard changes nothing: a refused first shard does not fix the columns or the capacity. Nor does an
+        empty shard before the first shard with rows (it has no rows to size the buffer by, and none to store; its
+        version is checked).
 
         A minibatch carries one value of a constant column (``NonTensorData``, e.g. ``temperature``), and its rows may
         come from any shard of the rollout, so every shard of a rollout must carry the same constants.
@@ -532,6 +537,9 @@ class MinibatchDelivery:
         if why is not None:
             raise ConfigurationError(f"Conduit cannot carry this shard: {why}.")
         built = self.edp is None
+        if built and int(td.batch_size[0]) == 0:
+            self.semantics.check_ingest(0, version=version, priorities=None)
+            return
         if built:
             self._build(td)
         assert self.edp is not None and self.codec is not None

@@ -55,7 +55,16 @@ from transfer_queue.storage.bootstrap import StorageBootstrapProvider
 from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
 from transfer_queue.utils.common import get_node_round_robin_scheduling_strategies
 
-from conduit_verl.columns import FieldStore, Migration, PoolLadder, check_indexes, dtype_error, kind_error, rank_error
+from conduit_verl.columns import (
+    Appended,
+    FieldStore,
+    Migration,
+    PoolLadder,
+    check_indexes,
+    dtype_error,
+    kind_error,
+    rank_error,
+)
 from conduit_verl.compat import MissingFieldError, MissingKeyError
 from conduit_verl.packing import (
     PackedColumn,
@@ -115,8 +124,11 @@ class _UnitState:
         #: put claimed there (:meth:`claim`) before storing it on any unit
         self.claims: dict[str, tuple[str | None, int]] = {}
         #: used on unit 0 only: field -> the puts (their tokens) that hold its claim; a claim goes when the last
-        #: holder gives it back (:meth:`release`)
+        #: holder gives it back (:meth:`release`), and stays for good once a holder is about to store (:meth:`keep`)
         self.holders: dict[str, set[str]] = {}
+        #: used on unit 0 only: token of a put holding claims -> its lease (a Ray object the putting process owns):
+        #: the claims of a put whose process died before it kept or gave them back go (:meth:`_forget_dead_holders`)
+        self.leases: dict[str, Any] = {}
         #: puts prepared here and not yet committed or aborted: token -> (global indexes, wire columns, lease: a Ray
         #: object the putting process owns, lost when it dies, or None)
         self.pending: dict[str, tuple[list[int], dict[str, Any], Any]] = {}
@@ -245,7 +257,7 @@ class _UnitState:
             return None, 0
         return None
 
-    def claim(self, kinds: dict[str, tuple[str | None, int]], holder: str | None = None
+    def claim(self, kinds: dict[str, tuple[str | None, int]], holder: str | None = None, lease: Any = None
               ) -> tuple[list[str], dict[str, tuple[str | None, int]]]:
         """Check-and-set of the fields' kinds (the unit's calls are serialised, so of two racing first puts of a
         field in different kinds, dtypes or ranks, the second is refused here before it stores anything).
@@ -254,7 +266,13 @@ class _UnitState:
         checked against what was claimed (or is held) here before any is claimed; a field new here is claimed with
         the put's kind. ``holder`` (the put's token) holds every claim of ``kinds`` (new or already claimed): a claim
         is forgotten only when every put that held it gave it back (:meth:`release`: each failed before storing),
-        and by :meth:`load`; a put that stored keeps holding it, as claims of no holder are kept.
+        and by :meth:`load`; once a holder is about to store, the claim is kept for good (:meth:`keep`), as claims of
+        no holder are.
+
+        ``lease`` (a Ray ``ObjectRef`` the putting process owns, lost when it dies): when that process dies before it
+        kept or gave back its claims, they are given back at the next claim here that sees the loss (Ray reports it
+        within seconds), so a dead client's claim does not fix the kind of a field that nothing stores. Without a
+        lease they stay until kept, given back, or :meth:`load`.
 
         Returns:
             The fields this call claimed, and each field's claimed (dtype, width) (a lower-rank put of a tensor
@@ -264,6 +282,7 @@ class _UnitState:
             SchemaError: a field was claimed (or is held) in another kind or dtype, or with a lower rank; nothing
                 is claimed.
         """
+        self._forget_dead_holders()
         for name, (dtype, width) in kinds.items():
             have = self._kind_of(name)
             if have is None:
@@ -285,16 +304,33 @@ class _UnitState:
             for name in kinds:
                 if name in self.holders:
                     self.holders[name].add(holder)
+                    if lease is not None:
+                        self.leases[holder] = lease
         return new, {name: cast("tuple[str | None, int]", self._kind_of(name)) for name in kinds}
 
     def release(self, holder: str) -> None:
         """Give back the claims ``holder`` holds (its put failed before storing anything); a claim another put still
         holds stays (that put may be storing the field), the others are forgotten."""
+        self.leases.pop(holder, None)
         for name in [n for n, held_by in self.holders.items() if holder in held_by]:
             self.holders[name].discard(holder)
             if not self.holders[name]:
                 del self.holders[name]
                 self.claims.pop(name, None)
+
+    def keep(self, holder: str) -> None:
+        """The put ``holder`` is about to store: the claims it holds are kept for good (no put gives them back)."""
+        self.leases.pop(holder, None)
+        for name in [n for n, held_by in self.holders.items() if holder in held_by]:
+            del self.holders[name]
+
+    def _forget_dead_holders(self) -> None:
+        """Give back the claims of the puts whose lease Ray lost with the process that owned it (it died before it
+        kept or gave them back, so before it sent any commit)."""
+        for token in [t for t, lease in self.leases.items() if _owner_died(lease)]:
+            self.release(token)
+            logger.warning("Conduit storage unit: gave back the claims of the put %s, whose process died before it "
+                           "stored", token)
 
     def held_widths(self, stores: dict[str, FieldStore]) -> dict[str, int]:
         """The shape-row width of each of ``stores`` this unit already holds (what :meth:`check` returned)."""
@@ -308,17 +344,28 @@ class _UnitState:
 
     def _write(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None,
                reserved: dict[str, set[int]]) -> None:
+        """Store every column or none: all are checked, then every tensor column is appended to its field
+        (:meth:`FieldStore.append`, which may migrate the field to make room), and only when all were does any
+        become readable (:meth:`FieldStore.settle`); an append that fails (memory running out while a field grows)
+        rolls back those appended before it."""
         t0 = time.perf_counter()
         decoded, stores = self.check(gis, columns, widths, reserved)
+        appended: list[tuple[FieldStore, Appended]] = []
         nbytes = 0
-        for name, col in decoded.items():  # all checks passed: write
-            if isinstance(col, PackedColumn):
-                if name not in stores:  # a new field of no samples (a put of no gis)
-                    continue
-                store = self.fields[name] = stores[name]
-                store.put(gis, col)
-                nbytes += col.values.numel() * col.values.element_size()
-            else:
+        try:
+            for name, col in decoded.items():
+                if isinstance(col, PackedColumn) and name in stores:  # (not: a new field of no samples)
+                    appended.append((stores[name], stores[name].append(gis, col)))
+                    nbytes += col.values.numel() * col.values.element_size()
+        except BaseException:
+            for store, part in reversed(appended):
+                store.rollback(part)
+            raise
+        for store, part in appended:  # every column is in: make them readable
+            store.settle(part)
+            self.fields[store.name] = store
+        for name, col in decoded.items():
+            if not isinstance(col, PackedColumn):
                 objs = self.objects.setdefault(name, {})
                 for g, v in zip(gis, col, strict=True):
                     objs[int(g)] = v
@@ -436,7 +483,7 @@ class _UnitState:
                               "tq.load_storage_checkpoint (it stages every unit's file first).")
         fields, objects = self.staged
         self.fields, self.objects, self.claims, self.holders, self.pending = fields, objects, {}, {}, {}
-        self.cleared, self.staged = {}, None
+        self.cleared, self.staged, self.leases = {}, None, {}
         self.generation += 1  # the claims are gone: what clients cached of them no longer holds
         return sum(len(s) for s in fields.values())
 
@@ -514,14 +561,19 @@ class ConduitStorageUnit:
     def abort(self, token: str) -> None:
         self.state.abort(token)
 
-    def claim(self, kinds: dict[str, tuple[str | None, int]], holder: str | None = None
-              ) -> tuple[list[str], dict[str, tuple[str | None, int]]]:
-        """See :meth:`_UnitState.claim` (the manager asks unit 0)."""
-        return self.state.claim(kinds, holder)
+    def claim(self, kinds: dict[str, tuple[str | None, int]], holder: str | None = None,
+              lease: list[Any] | None = None) -> tuple[list[str], dict[str, tuple[str | None, int]]]:
+        """See :meth:`_UnitState.claim` (the manager asks unit 0); ``lease`` comes wrapped in a list, as in
+        :meth:`prepare`."""
+        return self.state.claim(kinds, holder, lease[0] if lease else None)
 
     def release(self, holder: str) -> None:
         """See :meth:`_UnitState.release`."""
         self.state.release(holder)
+
+    def keep(self, holder: str) -> None:
+        """See :meth:`_UnitState.keep`."""
+        self.state.keep(holder)
 
     def get(self, gis: list[int], fields: list[str]) -> dict[str, Any]:
         return self.state.get(gis, fields)
@@ -645,15 +697,68 @@ def _await_units(handles: dict[str, Any], cfg: dict[str, Any]) -> None:
         raise
 
 
+#: the name and namespace ``tq.init`` gives TransferQueue's controller actor
+CONTROLLER = "TransferQueueController"
+#: how long :func:`_undo_tq_start` waits for Ray to forget the stopped controller's name
+CONTROLLER_GONE_S = 30.0
+
+
+def _undo_tq_start() -> None:
+    """After :func:`bootstrap` failed inside ``tq.init``: stop the controller ``tq.init`` started for it, and forget it
+    (as ``tq.close`` does), so that the next ``tq.init``, in any process, starts TransferQueue afresh.
+
+    ``tq.init`` (TransferQueue 0.1.x) starts its controller, then bootstraps the storage, then gives the controller
+    its config. When the bootstrap raises, the controller is left running with no config, and every later ``tq.init``
+    finds it and waits for that config forever. Only such a controller is stopped: this process's, still without a
+    config, while no storage or client was set up (a call from anywhere else changes nothing).
+    """
+    try:
+        import transfer_queue.interface as tqi
+    except ImportError:
+        return
+    controller = getattr(tqi, "_TQ_CONTROLLER", None)
+    if controller is None or getattr(tqi, "_TQ_STORAGE", None) != {} or getattr(tqi, "_TQ_CLIENT", None) is not None:
+        return  # not inside tq.init's first start in this process
+    try:
+        if ray.get(controller.get_config.remote(), timeout=CONTROLLER_GONE_S) is not None:
+            return  # a configured TransferQueue: not ours to stop
+    except Exception:  # noqa: BLE001  (a controller that cannot answer is as unusable as one without a config)
+        pass
+    tqi.close()  # kills the controller and forgets it (and the empty storage record)
+    deadline = time.monotonic() + CONTROLLER_GONE_S
+    while time.monotonic() < deadline:  # a retry that still found the dead controller by name would fail
+        try:
+            ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.1)
+    logger.warning("Conduit storage: TransferQueue's controller, stopped after the storage failed to start, still "
+                   "has its name after %g s; a tq.init now may fail on it (call tq.init again)", CONTROLLER_GONE_S)
+
+
 @StorageBootstrapProvider.register_provider(BACKEND)
 def bootstrap(conf: DictConfig) -> dict[str, Any]:
     """Start the storage units (``tq.init`` calls this once, in the process that creates the controller).
+
+    When it raises inside ``tq.init``, the controller ``tq.init`` started is stopped (:func:`_undo_tq_start`): the
+    error reaches ``tq.init``'s caller, and a later ``tq.init`` (with a corrected config) starts TransferQueue
+    afresh instead of waiting forever for the failed one.
 
     Raises:
         ConfigurationError: ``transfer_queue.backend.Conduit`` has an unknown key or a bad value, or its units
             reserve more CPUs than their nodes have (nothing started); or a unit did not start within
             :data:`UNIT_START_TIMEOUT_S` (the units started are stopped).
     """
+    try:
+        return _start_units(conf)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the bootstrap's error is the one to report
+            _undo_tq_start()
+        raise
+
+
+def _start_units(conf: DictConfig) -> dict[str, Any]:
+    """:func:`bootstrap`, but for undoing ``tq.init``'s start when it fails."""
     backend = conf.backend
     checked = _validated(_with_defaults(backend.get(BACKEND)))
     n = int(checked["num_units"])
@@ -731,10 +836,11 @@ class ConduitStorageManager(StorageManager):
         fails before its commits were sent aborts its prepared parts and gives back its claims (a claim another put in
         flight also holds stays). A process that dies between prepare and commit cannot abort: its prepared parts hold a
         lease (a Ray object this process owns) and go when a unit sees Ray lost it, at that unit's next put (within
-        seconds of the death); its claims on unit 0 stay. A clear that reaches a unit between a put's prepare and commit
-        applies to the put (its commit there skips the cleared samples), as it would had the put stored. A commit is
-        refused only when its unit lost the prepared part (the unit died, or a checkpoint restore ran during the put);
-        the other units' parts then stay stored.
+        seconds of the death), and so do its claims on unit 0, at unit 0's next claim (once it sent its commits, it sent
+        unit 0 that its claims stay, :meth:`_UnitState.keep`). A clear that reaches a unit between a put's prepare and
+        commit applies to the put (its commit there skips the cleared samples), as it would had the put stored. A commit
+        is refused only when its unit lost the prepared part (the unit died, or a checkpoint restore ran during the
+        put); the other units' parts then stay stored.
 
         Raises:
             SchemaError: a column disagrees with its field's kind, dtype or rank on any unit, or with the claim of a
@@ -811,12 +917,14 @@ class ConduitStorageManager(StorageManager):
             if ask:
                 asked = True
                 with _unit_errors():
-                    _, got = await self.units[0].claim.remote(ask, token)
+                    _, got = await self.units[0].claim.remote(ask, token, [lease])
                 confirmed.update(got)
             for name, (dtype, width) in confirmed.items():
                 if dtype is not None:
                     widths[name] = max(widths.get(name, 0), width)
-            committing = True  # from here parts may be stored: the claims stay held
+            committing = True  # from here parts may be stored: the claims are kept for good
+            if asked:  # sent before the commits (not awaited): once this process sent a commit, its claims stay
+                self.units[0].keep.remote(token)
             with _unit_errors():
                 await asyncio.gather(*[self.units[rank].commit.remote(token, widths) for rank, _, _ in parts])
         except BaseException:
