@@ -51,7 +51,8 @@ def _token_buffer(tmp_path: Path) -> tuple[ExperienceDataPlane, AdaptivePlacemen
     template = Workload.from_schema(TOKENS, capacity=CAPACITY, batch=1, mean_ragged_length=4)
     assert sum(template.field_bytes) == TOKENS.item_bytes(4) == 40  # the map plans 4-token items at 40 B
     adaptive = AdaptivePlacement(_map(template, 44), directory=tmp_path, mean_ragged_length=4, window=2)
-    edp = ExperienceDataPlane(TOKENS, capacity=CAPACITY, placement=adaptive, ragged_capacity=CAPACITY * 64)
+    # (a pool of the planned 4 tokens per item: host was checked for items below 44 B, no more)
+    edp = ExperienceDataPlane(TOKENS, capacity=CAPACITY, placement=adaptive, ragged_capacity=CAPACITY * 4)
     assert adaptive.current == HOST and edp.storage.tier == "host"
     return edp, adaptive
 

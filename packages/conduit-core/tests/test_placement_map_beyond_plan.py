@@ -124,7 +124,8 @@ def test_rebalance_on_observed_growth_beyond_the_map_is_an_error_and_keeps_every
     template = Workload.from_schema(schema, capacity=CAPACITY, batch=1, mean_ragged_length=4)
     pmap = _host_only_planner().placement_map(template, min_item_bytes=40, max_item_bytes=64, points=8)
     adaptive = AdaptivePlacement(pmap, mean_ragged_length=4, window=1)
-    edp = ExperienceDataPlane(schema, capacity=CAPACITY, placement=adaptive, ragged_capacity=CAPACITY * 40)
+    # (a pool of the planned 4 tokens per item: the map checked no more for host)
+    edp = ExperienceDataPlane(schema, capacity=CAPACITY, placement=adaptive, ragged_capacity=CAPACITY * 4)
     edp.ingest({"id": torch.arange(5), "tok": [torch.full((4,), i) for i in range(5)]})
     assert adaptive.rebalance(edp) is None  # within the map
     edp.ingest({"id": torch.arange(5, 10), "tok": [torch.full((16,), i) for i in range(5, 10)]})

@@ -270,23 +270,28 @@ def test_adaptive_placement_migrates_when_responses_grow(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(profile_module, "profile_machine", no_profiling)
     adaptive = AdaptivePlacement(pmap, mean_ragged_length=16, window=4)
-    edp = ExperienceDataPlane(schema, capacity=capacity, placement=adaptive, ragged_capacity=capacity * 2100)
+    # a pool of 100 tokens per item: within what the map checked for host (items up to the boundary), and large
+    # enough for one ingestion of 50 of the longest responses; the move to disk sizes the disk pool for the new items
+    edp = ExperienceDataPlane(schema, capacity=capacity, placement=adaptive, ragged_capacity=capacity * 100)
     assert adaptive.current == PlacementSpec("host", ("cpu",)) and edp.storage.tier == "host"
     length, nxt, moves = 16, 0, []
     while length <= 2000:
         ids = list(range(nxt, nxt + 50))
         edp.ingest({"id": torch.tensor(ids), "tok": [torch.full((length,), j) for j in ids]})
         nxt += 50
+        before = contents(edp)
         report = adaptive.rebalance(edp)
         if report is not None:
-            moves.append((length, report))
+            moves.append((length, report, before, contents(edp)))
         length = int(length * 1.25) + 1
     assert len(moves) == 1
-    grown_at, report = moves[0]
+    grown_at, report, before, after = moves[0]
     assert adaptive.observed_item_bytes(edp) >= boundary  # the observed size (recent ingestions) crossed it
     assert grown_at * 8 + 8 >= boundary / 2
     assert edp.storage.tier == "disk" and adaptive.current.tier == "disk" and edp.placement is adaptive
-    assert report.items == len(edp)
+    # every item live at the move moved (the host pool, sized within the plan, held fewer than the disk one holds
+    # later: the buffer grows after the move)
+    assert report.items == len(before) and after == before
     live = contents(edp)
     assert live == list(range(nxt - len(live), nxt))
     b, _ = edp.deliver(16)

@@ -227,7 +227,7 @@ def test_a_placement_only_migration_keeps_the_observed_size(tmp_path: Path) -> N
     w = Workload.from_schema(schema, capacity=64, batch=1, mean_ragged_length=4)
     pmap = PlacementMap([MapRange(1.0, 100, HOST), MapRange(100, math.inf, DISK)], w, "t", max_item_bytes=10_000)
     adaptive = AdaptivePlacement(pmap, directory=tmp_path, mean_ragged_length=4, window=4)
-    edp = ExperienceDataPlane(schema, capacity=64, placement=adaptive, ragged_capacity=64 * 64)
+    edp = ExperienceDataPlane(schema, capacity=64, placement=adaptive, ragged_capacity=64 * 4)  # the planned 4 tokens
     edp.ingest({"id": torch.arange(8), "tok": [torch.zeros(20, dtype=torch.int64)] * 8})  # 8 + 160 B
     assert adaptive.observed_item_bytes(edp) == 168.0
     assert adaptive.rebalance(edp) is not None and edp.storage.tier == "disk"

@@ -174,7 +174,8 @@ class ExperienceDataPlane:
         placement: where the storage lives (default: host memory).
         scheduler: when work runs (default: synchronously in the caller).
         device: the learner's device delivered batches land on (default: the storage's).
-        ragged_capacity: elements per ragged field's pool (default ``64 * capacity``).
+        ragged_capacity: elements per ragged field's pool (default ``64 * capacity``; under an
+            :class:`~conduit.placement.AdaptivePlacement`, ``capacity`` items of its ``mean_ragged_length``).
 
     Examples:
         >>> import torch
@@ -552,8 +553,10 @@ class ExperienceDataPlane:
 
     # -- placement ---------------------------------------------------------------------------
     def migrate(self, placement: Placement, *, schema: ExperienceSchema | None = None,
-                transform: Callable[[ExperienceBatch], Any] | None = None) -> MigrationReport:
-        """Move every live item, online, to storage built by ``placement`` (same capacity).
+                transform: Callable[[ExperienceBatch], Any] | None = None,
+                ragged_capacity: int | None = None) -> MigrationReport:
+        """Move every live item, online, to storage built by ``placement`` (same capacity; ragged pools of
+        ``ragged_capacity`` elements, default: the current pools').
 
         Handles, slots, priorities, the sampler's RNG and on-policy progress are kept:
         nothing is lost, duplicated or re-prioritised. Ingestion and delivery continue
@@ -568,7 +571,7 @@ class ExperienceDataPlane:
         from conduit.placement.migration import migrate
 
         self._check_open()
-        return migrate(self, placement, schema=schema, transform=transform)
+        return migrate(self, placement, schema=schema, transform=transform, ragged_capacity=ragged_capacity)
 
     def _adopt_storage(self, storage: Storage, placement: Placement, schema: ExperienceSchema,
                        transform: Callable[[ExperienceBatch], Any] | None = None) -> None:

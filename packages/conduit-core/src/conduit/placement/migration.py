@@ -96,12 +96,13 @@ def _describe(storage: Storage) -> str:
 
 def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: ExperienceSchema | None = None,
             transform: Callable[[ExperienceBatch], Any] | None = None,
-            chunk_bytes: int = 4 << 20, progress: Callable[[int, int], None] | None = None) -> MigrationReport:
+            chunk_bytes: int = 4 << 20, progress: Callable[[int, int], None] | None = None,
+            ragged_capacity: int | None = None) -> MigrationReport:
     """Move ``edp``'s live items into storage built by ``placement`` (see the module docstring).
 
     Args:
         edp: the buffer.
-        placement: builds the new storage (same capacity and ragged capacity).
+        placement: builds the new storage (same capacity; the ragged pools: see ``ragged_capacity``).
 
     Keyword Args:
         schema: a new schema (e.g. a larger observation); needs ``transform``. While such a
@@ -114,6 +115,9 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
         chunk_bytes: bytes copied per lock hold (about: ragged items are sized by the mean bytes per item
             of those copied so far, starting from one item).
         progress: called between chunks, outside the lock, with (chunks copied, handle copied up to).
+        ragged_capacity: elements in each ragged pool of the new storage (default: the old storage's; None
+            to ``placement`` when the old schema has no ragged fields). Pools that cannot hold the live
+            items fail the migration (PlacementError).
 
     Raises:
         ConfigurationError: a new schema without a transform.
@@ -142,7 +146,8 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
         old = edp.storage
         start = old.oldest
     cap = old.capacity
-    ragged_capacity = getattr(old, "ragged_capacity", None)
+    if ragged_capacity is None and edp.schema.ragged:
+        ragged_capacity = getattr(old, "ragged_capacity", None)
     new = placement.storage(new_schema, cap, ragged_capacity=ragged_capacity if new_schema.ragged else None)
     try:
         items, o, nx, nbytes, chunks, max_blocked = _copy_and_swap(edp, placement, old, new, start, new_schema,

@@ -6,6 +6,9 @@ over the whole size range, from the same profile; :class:`AdaptivePlacement` loo
 current size up and migrates the buffer online when it crosses a boundary, without
 re-profiling. Sizes above the largest the map was planned for were never checked to fit:
 looking them up is a :class:`~conduit.errors.PlacementError` (re-plan with a larger maximum).
+Ragged fields were planned at a mean length, so the ragged pools are held to the plan too: their
+bytes, with the fixed fields', may not exceed what the map checked for the placement, and a
+migration sizes the new pools for the new item size.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from conduit.placement.base import Placement, PlacementSpec
 from conduit.placement.cost import Workload
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import Storage
+from conduit.storage.columnar import pool_elements
 
 if TYPE_CHECKING:
     from conduit.batch import ExperienceBatch
@@ -31,7 +35,11 @@ if TYPE_CHECKING:
     from conduit.placement.migration import MigrationReport
     from conduit.placement.planner import Planner
 
-__all__ = ["MapRange", "PlacementMap", "AdaptivePlacement"]
+__all__ = ["MapRange", "PlacementMap", "AdaptivePlacement", "MAX_POINTS"]
+
+#: the most grid sizes :meth:`PlacementMap.build` plans (each is one planner run; the boundaries are refined
+#: by bisection anyway, so more points only cost time)
+MAX_POINTS = 4096
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,7 @@ class PlacementMap:
     Raises:
         ConfigurationError: no ranges, an item that is not a :class:`MapRange`, a range that is
             empty or not a number, ranges that are unsorted or leave gaps (``hi`` of one must be
-            ``lo`` of the next), or a NaN or negative ``max_item_bytes``.
+            ``lo`` of the next), or a ``max_item_bytes`` that is NaN, negative or infinite.
     """
 
     def __init__(self, ranges: list[MapRange], workload: Workload, topology: str, *,
@@ -80,8 +88,9 @@ class PlacementMap:
             if i and ranges[i - 1].hi != r.lo:
                 raise ConfigurationError(f"Placement map ranges must be sorted and contiguous: range {i - 1} ends at "
                                          f"{ranges[i - 1].hi} B, range {i} starts at {r.lo} B.")
-        if max_item_bytes is not None and not 0 <= max_item_bytes:
-            raise ConfigurationError(f"max_item_bytes must be a number >= 0 (or None), got {max_item_bytes!r}.")
+        if max_item_bytes is not None and not 0 <= max_item_bytes < math.inf:
+            raise ConfigurationError(f"max_item_bytes must be a finite number >= 0 (the largest item size the map was "
+                                     f"planned for; or None: the last range's end), got {max_item_bytes!r}.")
         self.ranges = tuple(ranges)
         self.workload = workload
         self.topology = topology
@@ -94,7 +103,7 @@ class PlacementMap:
 
         Raises:
             ConfigurationError: not ``0 < min_item_bytes <= max_item_bytes`` (both finite), or ``points``
-                is not an int >= 2.
+                is not an int in ``[2, MAX_POINTS]``.
             PlacementError: the planner refuses the workload whatever its item size (e.g. more learners
                 than GPUs): only sizes that fit nowhere (:class:`~conduit.placement.planner.NothingFitsError`)
                 map to no placement.
@@ -104,9 +113,9 @@ class PlacementMap:
         if not 0 < min_item_bytes <= max_item_bytes < math.inf:
             raise ConfigurationError(f"Need 0 < min_item_bytes <= max_item_bytes, both finite, got {min_item_bytes}, "
                                      f"{max_item_bytes}.")
-        if isinstance(points, bool) or not isinstance(points, int) or points < 2:
-            raise ConfigurationError(f"points must be an int >= 2 (grid sizes planned before the boundaries are "
-                                     f"refined), got {points!r}.")
+        if isinstance(points, bool) or not isinstance(points, int) or not 2 <= points <= MAX_POINTS:
+            raise ConfigurationError(f"points must be an int >= 2 and at most {MAX_POINTS} (grid sizes planned before "
+                                     f"the boundaries are refined by bisection), got {points!r}.")
         sized = resize or workload.resized
         cache: dict[int, tuple[PlacementSpec | None, float | None]] = {}
 
@@ -231,11 +240,15 @@ class AdaptivePlacement(Placement):
         placement_map: the precomputed map. Its workload's capacity bounds the buffers this placement
             builds storage for: the map checked that each placement holds that many items, so a buffer of
             more items is refused (:meth:`storage`, and :meth:`rebalance` of a buffer built by another
-            placement); plan the map for the buffer's capacity.
+            placement); plan the map for the buffer's capacity. Its item sizes bound the ragged pools
+            (``ragged_capacity`` elements per ragged field): the pools' bytes plus the fixed fields' may not
+            exceed what the map checked for the placement (its capacity x the end of the looked-up range).
 
     Keyword Args:
         directory: where the disk tier puts its files, if the map ever chooses it.
-        mean_ragged_length: ragged elements per item assumed when the buffer is built.
+        mean_ragged_length: ragged elements per item assumed when the buffer is built (the map's
+            ``Workload.from_schema(..., mean_ragged_length=...)``); the default pool holds ``capacity`` items
+            of this length.
         window: recent ingestion calls averaged to observe the current item size (>= 1).
 
     Raises:
@@ -265,13 +278,31 @@ class AdaptivePlacement(Placement):
     def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
         """Storage in the placement the map names for ``schema``'s items.
 
+        Keyword Args:
+            ragged_capacity: elements in each ragged field's pool (default: ``capacity`` items of
+                ``mean_ragged_length`` elements, see :meth:`pool_for`; with a ``mean_ragged_length`` of 0
+                there is no default: pass one).
+
         Raises:
-            PlacementError: nothing fits them, they exceed the map's planned maximum, or ``capacity``
+            PlacementError: nothing fits them, they exceed the map's planned maximum, ``capacity``
                 exceeds the capacity the map was planned for (nothing checked that its placements hold
-                that many items); nothing was built.
+                that many items), the ragged pools take more memory than the map checked (see
+                :meth:`check_pool`), or their size is left to a ``mean_ragged_length`` of 0; nothing was built.
+            ConfigurationError: ``ragged_capacity`` is not an int.
         """
         self._check_capacity(capacity)
-        spec = self.map.lookup(schema.item_bytes(self.mean_ragged_length))
+        item_bytes = schema.item_bytes(self.mean_ragged_length)
+        spec = self.map.lookup(item_bytes)
+        if schema.ragged:
+            if ragged_capacity is None:
+                if not self.mean_ragged_length:  # the default pool would hold no sequence at all
+                    raise PlacementError(
+                        f"Ragged fields {', '.join(schema.ragged)}: this adaptive placement assumes no elements in "
+                        f"them (mean_ragged_length=0), so the map checked no memory for their pools. Pass "
+                        f"AdaptivePlacement(..., mean_ragged_length=N) with the N the map was planned for "
+                        f"(Workload.from_schema(..., mean_ragged_length=N)), or the buffer's ragged_capacity.")
+                ragged_capacity = self.pool_for(schema, capacity, item_bytes)
+            self.check_pool(schema, capacity, ragged_capacity, item_bytes)
         st = spec.build(directory=self.directory).storage(schema, capacity, ragged_capacity=ragged_capacity)
         self._undo = (weakref.ref(st), self.current)
         self.current = spec
@@ -291,6 +322,37 @@ class AdaptivePlacement(Placement):
                 f"planned for ({planned} items): nothing checked that its placements hold {capacity} of them. Plan "
                 f"the map for the buffer's capacity: planner.placement_map(Workload.from_schema(schema, "
                 f"capacity={capacity}, ...), ...), or build the buffer with capacity <= {planned}.")
+
+    @staticmethod
+    def pool_for(schema: ExperienceSchema, capacity: int, item_bytes: float) -> int:
+        """Elements per ragged pool that ``capacity`` items of ``item_bytes`` (counted as
+        :meth:`ExperienceSchema.item_bytes` counts them) hold: ``capacity`` x their ragged length, at least 1."""
+        per = sum(schema[n].element_bytes for n in schema.ragged)  # bytes of one element of every ragged field
+        return max(1, int(capacity * max(0.0, item_bytes - schema.fixed_item_bytes) // per))
+
+    def check_pool(self, schema: ExperienceSchema, capacity: int, ragged_capacity: int, item_bytes: float) -> None:
+        """Refuse ragged pools that, with the fixed fields of ``capacity`` items, take more bytes than the map
+        checked that the placement for ``item_bytes`` holds: the map's capacity x the end of that range (its
+        largest items; the map's maximum for the last range).
+
+        Raises:
+            PlacementError: the pools exceed it.
+            ConfigurationError: ``ragged_capacity`` is not an int.
+        """
+        pool = pool_elements(ragged_capacity, capacity)
+        r = self.map.range_of(item_bytes)
+        top = min(r.hi, self.map.max_item_bytes)
+        checked = self.map.workload.capacity * top
+        fixed = capacity * schema.fixed_item_bytes
+        per = sum(schema[n].element_bytes for n in schema.ragged)
+        if fixed + pool * per > checked:
+            most = max(0, int((checked - fixed) // per))
+            raise PlacementError(
+                f"A ragged pool of {pool} elements per field takes {pool * per} B, with the fixed fields of {capacity} "
+                f"items {fixed + pool * per} B: more than this placement map on {self.map.topology!r} checked that "
+                f"{r.spec} holds ({self.map.workload.capacity} items of up to {top:.0f} B, {checked:.0f} B). Pass "
+                f"ragged_capacity <= {most} (or None: sized for the planned items), or plan the map for longer "
+                f"items (Workload.from_schema(..., mean_ragged_length=N) and a larger max_item_bytes).")
 
     def storage_abandoned(self, storage: Storage) -> None:
         """``storage``, built by :meth:`storage`, will not be used (a migration into this placement
@@ -364,8 +426,13 @@ class AdaptivePlacement(Placement):
         Raises:
             PlacementError: nothing fits the size, or it exceeds the map's planned maximum
                 (see :meth:`PlacementMap.lookup`), or the buffer holds more items than the map was
-                planned for (a buffer built by another placement: see :meth:`storage`), or the
-                migration failed; nothing was migrated and the buffer is unchanged.
+                planned for (a buffer built by another placement: see :meth:`storage`), or its ragged
+                pools (after a move: the target's, see below) take more memory than the map checked
+                for the placement (:meth:`check_pool`), or the migration failed; nothing was migrated
+                and the buffer is unchanged.
+
+        A move sizes the target's ragged pools for the new size (:meth:`pool_for`), never below the
+        current pools (which hold the live items: none is lost).
         """
         # (a buffer built by another placement was never checked against the plan: neither a move nor a stay
         # on the map's placement says anything about it)
@@ -375,12 +442,19 @@ class AdaptivePlacement(Placement):
                           else self.observed_item_bytes(edp))
         spec = self.map.lookup(item_bytes)
         target = spec.build(directory=self.directory)
+        cap, new_schema = edp.storage.capacity, schema if schema is not None else edp.schema
+        pool = getattr(edp.storage, "ragged_capacity", None) if edp.schema.ragged else None
         # compared with where the storage lives now, not with where this placement last put it (:attr:`current`):
         # a manual ``edp.migrate``, or a buffer built by another placement, moved it without telling us
         if target.spec == storage_spec(edp.storage) and schema is None:
+            if pool is not None:
+                self.check_pool(new_schema, cap, pool, item_bytes)
             return None
+        if new_schema.ragged:
+            pool = max(pool or 0, self.pool_for(new_schema, cap, item_bytes))
+            self.check_pool(new_schema, cap, pool, item_bytes)
         owner = edp.placement
-        report = edp.migrate(target, schema=schema, transform=transform)
+        report = edp.migrate(target, schema=schema, transform=transform, ragged_capacity=pool)
         if owner is self:  # the buffer keeps following the map
             edp.placement = self
         self.current = spec
