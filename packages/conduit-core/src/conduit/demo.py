@@ -143,8 +143,9 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
     """
     if rollout < 1:  # the prefill below would ingest empty rollouts forever
         raise ConfigurationError(f"rollout must be a positive number of transitions, got {rollout!r}.")
-    for nm, v, least in (("obs_dim", obs_dim, 1), ("iterations", iterations, 0), ("warmup", warmup, 0),
-                         ("updates", updates, 0), ("hidden", hidden, 1), ("actions", actions, 1)):
+    for nm, v, least in (("obs_dim", obs_dim, 1), ("batch", batch, 1), ("iterations", iterations, 0),
+                         ("warmup", warmup, 0), ("updates", updates, 0), ("hidden", hidden, 1),
+                         ("actions", actions, 1)):
         if v < least:  # a negative count would silently run nothing (or a network without units)
             raise ConfigurationError(f"{nm} must be an int >= {least}, got {v!r}.")
     if isinstance(capacity, int) and 0 < capacity < rollout:  # (the buffer refuses it as "a batch ... split it")
@@ -269,6 +270,8 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trace", default=DEFAULT_TRACE,
                    help=f"Chrome trace output (default {DEFAULT_TRACE} in the current directory; '' for none)")
     args = p.parse_args(list(argv or []))
+    if args.batch < 1:  # (the loop's first delivery would refuse it, after the table header, as "n")
+        raise ConfigurationError(f"--batch must be at least 1 (transitions per learner update), got {args.batch}.")
     for flag, given in (("--g-ing", args.g_ing), ("--g-del", args.g_del)):
         if given is not None and args.scheduler not in ("sequential", "overlapped"):  # it would be ignored
             raise ConfigurationError(f"{flag} sets the granularity of the sequential and overlapped schedulers; "
