@@ -14,11 +14,12 @@ class LossReport:
     """One lost shard, as detected by a :class:`~conduit.distributed.DistributedDataPlane`.
 
     ``lost`` names exactly the items that can no longer be delivered (global handles, the
-    ones ``ingest`` returned); the oldest items that the ingestion which found the loss evicts
-    are evicted, not lost, and left out (named after all when that ingestion fails and evicts
-    nothing); items that had a replica elsewhere are counted in
+    ones ``ingest`` returned); items that had a replica elsewhere are counted in
     ``recovered`` and stay deliverable. ``re_replicated`` of those got a fresh replica on
-    another node (replication restored); the rest run with fewer copies until then.
+    another node (replication restored); the rest run with fewer copies until then. The
+    oldest items that the ingestion which found the loss evicts are evicted, neither lost nor
+    recovered, and left out of both (counted after all when that ingestion fails and evicts
+    nothing).
     Each item is counted once: when copying an item finds its other replica lost too, that
     shard's report (recorded just before this one) names it lost, and this one does not
     count it recovered.

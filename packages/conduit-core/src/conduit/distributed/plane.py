@@ -260,7 +260,8 @@ class DistributedDataPlane:
         device: the torch device delivered batches land on (default: host memory).
         timeout: seconds any remote call may take; a shard that does not answer in time is lost.
         health_period: seconds between health checks of the monitor thread (None: no thread;
-            losses are then found by the calls that hit them, or by :meth:`check_health`).
+            losses are then found by the calls that hit them, which probe a shard that did not answer
+            themselves, re-replication copies included, or by :meth:`check_health`).
         on_loss: called with each :class:`LossReport`, exactly once, in the order of :attr:`losses`, never
             under the buffer's lock (it may call the buffer, from any thread): by the thread that detected
             the loss once its call into the buffer let go of the lock (or by a thread already running an
@@ -369,8 +370,9 @@ class DistributedDataPlane:
         #: reported the shard unavailable): it may still run, releasing what the write evicts (see _undo_store)
         self._doubtful: set[int] = set()
         #: reports recorded during a write, held back from on_loss until it ends: (index in ``losses``, handles of
-        #: the lost shard's items the write evicts, left out of the report unless the write evicts nothing)
-        self._held_losses: list[tuple[int, np.ndarray]] = []
+        #: the lost shard's items the write evicts, and (segment row, items) of those it evicts that had a replica
+        #: elsewhere; both left out of the report, its ``lost`` and ``recovered``, unless the write evicts nothing)
+        self._held_losses: list[tuple[int, np.ndarray, list[tuple[int, int]]]] = []
         self.transport = transport
         self._torch: TorchGroup | None = None
         self._recv_pool: futures.ThreadPoolExecutor | None = None
@@ -773,13 +775,18 @@ class DistributedDataPlane:
     def _release_losses(self, *, evicted: bool) -> None:
         """End a write's hold on the loss reports recorded during it (under the lock), and queue them for ``on_loss``.
 
-        Items of a lost shard that the write evicts are evicted, not lost: its report leaves them out. When the
-        write failed and ``evicted`` nothing, they stay in the window, lost: the report names them after all.
+        Items of a lost shard that the write evicts are evicted, neither lost nor recovered: its report leaves them
+        out. When the write failed and ``evicted`` nothing, they stay in the window: the report names those with
+        no replica left lost, and counts those that still have one recovered, after all.
         """
         held, self._held_losses = self._held_losses, []
-        for i, gone in held:
-            if gone.size and not evicted:
-                self.losses[i] = dataclasses.replace(self.losses[i], lost=np.union1d(gone, self.losses[i].lost))
+        for i, gone, spared in held:
+            if not evicted:
+                # (a segment whose other replica was lost since is in that loss's ``gone``: counted there, once)
+                back = sum(items for row, items in spared if self.index.segment(row)[2])
+                if gone.size or back:
+                    r = self.losses[i]
+                    self.losses[i] = dataclasses.replace(r, lost=np.union1d(gone, r.lost), recovered=r.recovered + back)
             self._callbacks.add(self.losses[i])
 
     def _undo_store(self, before: list[int], oldest: int, error: BaseException) -> bool:
@@ -792,7 +799,9 @@ class DistributedDataPlane:
         have overwritten them: those evictions stand, and the index evicts the same oldest items
         (FIFO order kept). ``error`` gets a note saying so. A shard with an append of this write
         whose outcome is unknown (it may still run, releasing and storing) counts as such a shard:
-        its truncate queues behind that append, so it runs after it (it is not waited for).
+        its truncate queues behind that append, so it runs after it (it is not waited for). A truncate that
+        does not answer in time on a shard that answers a probe still runs before any later call there: the
+        shard's room is counted as the truncate leaves it (else the room it frees would stay counted as used).
 
         Returns:
             Whether the items the write was to evict are evicted.
@@ -806,18 +815,18 @@ class DistributedDataPlane:
             if short:
                 self._replicate(short)
             return False
-        truncates = {s: self.servers[s].actor.truncate.remote(self.buffer_id, max(before[s], self.index.held_end(s)))
-                     for s in touched if self._alive[s]}
+        upto = {s: max(before[s], self.index.held_end(s)) for s in touched if self._alive[s]}
+        truncates = {s: self.servers[s].actor.truncate.remote(self.buffer_id, u) for s, u in upto.items()}
         # (a doubtful shard's truncate queues behind its stuck append: it runs after it, not waited for)
         outs = wait_all({s: ref for s, ref in truncates.items() if s not in doubtful}, self.timeout)
-        for s, o in outs.items():
-            if o.ok:
-                self._local_next[s] = int(o.value)
-        for s in doubtful & set(truncates):
-            self._local_next[s] = max(before[s], self.index.held_end(s))  # what its truncate leaves
+        for s, u in upto.items():
+            # what its truncate leaves: also where it did not answer in time (stuck, or unreachable for a moment),
+            # as a shard runs data calls in order, so the truncate runs before any later call there
+            o = outs.get(s)
+            self._local_next[s] = int(o.value) if o is not None and o.ok else u
         self._evicting = oldest  # a shard lost now: its items below ``oldest`` are evicted below, not lost
         try:
-            self._settle({s: o for s, o in outs.items() if o.lost})  # (a stuck shard keeps the rows: never read)
+            self._settle({s: o for s, o in outs.items() if o.lost})  # (a stuck shard's truncate runs later)
         finally:
             self._evicting = None
         ev_from = self.index.oldest
@@ -1423,18 +1432,23 @@ class DistributedDataPlane:
             if lost.size and self._replay and getattr(self.semantics.sampler, "prioritized", False):  # type: ignore[attr-defined]
                 _forget_priorities(self.semantics, lost, self.capacity)
             evicting = self._evicting is not None
-            gone = lost[lost < self._evicting] if evicting else lost[:0]
+            keep = max(self.index.oldest, cast(int, self._evicting)) if evicting else self.index.oldest
+            gone = lost[lost < keep]
             if gone.size:  # the write under way evicts these (unless it fails and evicts nothing)
-                lost = lost[lost >= cast(int, self._evicting)]
+                lost = lost[lost >= keep]
+            # so are the oldest items of segments with a replica elsewhere: neither lost nor recovered
+            spared = [(r, self.index.segment(r)[1] - max(0, self.index.segment(r, keep)[1])) for r in under]
+            spared = [(r, k) for r, k in spared if k > 0]
+            recovered -= sum(k for _, k in spared)
             copied = self._replicate(under) if under else 0
             if len(self.losses) > before:
                 # the copies found the other replica of some segments lost too: that loss reports their items
                 # lost, so they are not recovered here (each item counted once, lost or recovered)
-                recovered = sum(seg[1] for seg in map(self.index.segment, under) if seg[1] > 0 and seg[2])
+                recovered = sum(c for _, c, reps in (self.index.segment(r, keep) for r in under) if c > 0 and reps)
             report = LossReport(shard, self.shard_node(shard), reason, time.time(), lost, recovered, copied)
             self.losses.append(report)
             if evicting or self._held_losses:  # held until the write ends (see _release_losses), in order
-                self._held_losses.append((len(self.losses) - 1, gone))
+                self._held_losses.append((len(self.losses) - 1, gone, spared))
             else:  # on_loss runs once this thread's outermost hold of the lock ends
                 self._callbacks.add(report)
             if found is not None:  # (under the lock: every report since ``before`` was recorded by this call)
@@ -1487,6 +1501,7 @@ class DistributedDataPlane:
         outs = wait_all(calls, self.timeout)
         copied: dict[int, int] = {}  # rows that got a copy -> their items
         late: set[int] = set()  # targets of copies whose outcome is unknown (they may still run)
+        unsure: dict[int, Outcome] = {}  # their sources and targets, to probe when no monitor will
         for (row, t), o in outs.items():
             count, first, src = jobs[(row, t)]
             if o.ok:
@@ -1497,7 +1512,8 @@ class DistributedDataPlane:
                 continue
             if o.lost and not o.unconfirmed:
                 # a two-hop copy: the error names the actor that died (source or target); a timeout or a
-                # passing unavailability is left to the health monitor, which pings each one alone
+                # passing unavailability is left to the health monitor, which pings each one alone (or, with
+                # none, to a probe of both at the end of this call)
                 dead = getattr(o.error, "actor_id", None)
                 if dead == _actor_hex(self.servers[src].actor):
                     # the source's loss accounts the segment again (copied from another replica, or lost)
@@ -1506,9 +1522,14 @@ class DistributedDataPlane:
                 self._lose(t, _reason(o))
             elif o.lost:
                 late.add(t)
+                unsure[src] = unsure[t] = o
             short[row] = count
         self._discard_late(late)
         self.under_replicated += sum(short.values())
+        if unsure and self._monitor is None:
+            # no health monitor will look at them: probe now (at most ``timeout``), so a shard that stays
+            # unreachable is found lost here (its segments accounted again by its loss), not never
+            self._settle(unsure)
         return sum(copied.values())
 
     def _discard_late(self, shards: Collection[int]) -> None:
