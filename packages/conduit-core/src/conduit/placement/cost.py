@@ -25,6 +25,10 @@ for that transfer size), and only those:
   overlaps: a sharded delivery costs its calls (issued one after another by one thread)
   plus the slowest shard's gather and move, plus the scatter of every shard's rows into the
   output on the gathering device.
+* **ragged fields** of a sharded placement (``Workload.ragged``): ``ShardedStorage`` keeps their
+  pools whole on its first device, so they are priced there and not split over the shards: ingested
+  with one synchronous pageable copy into the pools before the shards' writes, delivered by one
+  gather from the pools on the gathering device after the shards' scatter.
 
 Learner ``l`` sits on ``cuda:l`` when the topology has GPUs, else on the host. Deliveries
 to several learners are serialised (the EDP delivers one call at a time). Not priced: the
@@ -34,7 +38,9 @@ wraps around the ring, ragged fields beyond their mean bytes, and what a schedul
 
 Memory: the columns plus the delivery output buffers (``output_depth`` batches on the
 gathering device and on each learner device), times ``1 + headroom``, must fit the
-usable share of each device's memory.
+usable share of each device's memory. A sharded placement spreads the fixed fields' columns
+over its shards and charges the ragged fields' pools (``Workload.ragged``) whole to its first
+device, where ``ShardedStorage`` keeps them.
 """
 
 from __future__ import annotations
@@ -115,11 +121,14 @@ class Workload:
         name: a label for reports.
         scalar: indices of the fields with one element per item (1-D columns, gathered
             by a different kernel than rows).
+        ragged: indices of the ragged (variable-length) fields (:meth:`from_schema` sets them). A
+            sharded storage keeps their pools whole on its first device, so the cost model prices
+            them there: their memory, ingestion and delivery are not split over the shards.
 
     Raises:
         ConfigurationError: a count that is not a positive int, ``batch`` above ``capacity``, or
-            ``growing`` / ``scalar`` holding something other than distinct indices of ``field_bytes``
-            (``growing`` also empty: :meth:`resized` could not reach any other size).
+            ``growing`` / ``scalar`` / ``ragged`` holding something other than distinct indices of
+            ``field_bytes`` (``growing`` also empty: :meth:`resized` could not reach any other size).
     """
 
     field_bytes: tuple[int, ...]
@@ -130,6 +139,7 @@ class Workload:
     growing: tuple[int, ...] | None = None
     name: str = ""
     scalar: tuple[int, ...] = ()
+    ragged: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if (not self.field_bytes or any(isinstance(b, bool) or not isinstance(b, numbers.Real) or not 0 <= b < math.inf
@@ -152,6 +162,7 @@ class Workload:
                 raise ConfigurationError("growing must name at least one field (or be None: all of them grow); "
                                          "with none, resized() could not reach any other item size.")
         object.__setattr__(self, "scalar", _field_indices("scalar", self.scalar, len(self.field_bytes)))
+        object.__setattr__(self, "ragged", _field_indices("ragged", self.ragged, len(self.field_bytes)))
 
     @property
     def item_bytes(self) -> int:
@@ -184,7 +195,8 @@ class Workload:
             fb.append(int(round(f.element_bytes * (mean_ragged_length if f.ragged else 1))))
         growing = tuple(i for i, n in enumerate(schema) if schema[n].ragged or schema[n].item_numel > 1) or None
         scalar = tuple(i for i, n in enumerate(schema) if not schema[n].ragged and schema[n].item_numel == 1)
-        return cls(tuple(fb), capacity, batch, learners, ingest_items, growing, name, scalar)
+        ragged = tuple(i for i, n in enumerate(schema) if schema[n].ragged)
+        return cls(tuple(fb), capacity, batch, learners, ingest_items, growing, name, scalar, ragged)
 
     @classmethod
     def transitions(cls, obs_dim: int, *, capacity: int, batch: int, learners: int = 1,
@@ -322,9 +334,9 @@ class DeliverySteps:
     another) runs on the calling thread; then every shard at once: ``(device, gather_s,
     move_s)``, the gather on that device, then its rows over the link to ``home``
     (``move_s`` 0 for the home shard); then ``scatter_s`` on ``home`` (the shards' rows into
-    the output), then ``transfer_s`` from ``home`` to ``learner`` (0 when they are one
-    device). ``home`` is ``"cpu"`` for host tiers and ``"disk"`` for the disk tier; an
-    unsharded tier has one "shard" and no scatter.
+    the output, and the ragged fields' gathers from their pools there), then ``transfer_s``
+    from ``home`` to ``learner`` (0 when they are one device). ``home`` is ``"cpu"`` for host
+    tiers and ``"disk"`` for the disk tier; an unsharded tier has one "shard" and no scatter.
     """
 
     calls_s: float
@@ -432,9 +444,13 @@ class CostModel:
             add(spec.devices[0], workload.capacity * item)
             home = spec.devices[0]
         elif spec.tier == "sharded":
+            # fixed fields interleave over the shards; the ragged pools stay whole on the first device
+            # (``ShardedStorage`` keeps them in one ``ColumnarStorage`` there)
+            pools = sum(workload.field_bytes[i] for i in workload.ragged)
             k = len(spec.devices)
             for i, d in enumerate(spec.devices):
-                add(d, ((workload.capacity - i + k - 1) // k) * item)
+                add(d, ((workload.capacity - i + k - 1) // k) * (item - pools))
+            add(spec.devices[0], workload.capacity * pools)
             home = spec.devices[0]
         else:
             add("disk", workload.capacity * item)
@@ -507,10 +523,13 @@ class CostModel:
             return IngestSteps(edp, tuple(IngestStep(link.seconds(fb * items)) for fb in fields))
         k = len(spec.devices)
         pack = self.profile.link("host_copy")
-        steps = []
+        # the ragged pools first (ShardedStorage.append writes them before the shards): a synchronous copy from the
+        # actor's pageable tensor into the pools, whole, on the first device
+        pool_link = self._move("cpu", spec.devices[0], pinned=False) or pack
+        steps = [IngestStep(pool_link.seconds(fields[f] * items)) for f in workload.ragged]
         for s, d in enumerate(spec.devices):
             i = _cuda_index(d)
-            for fb in fields:
+            for fb in (fb for f, fb in enumerate(fields) if f not in workload.ragged):
                 b = fb * items / k
                 if i is None:  # a host shard takes its rows directly
                     steps.append(IngestStep(pack.seconds(b)))
@@ -563,6 +582,11 @@ class CostModel:
         share = rows / k
         calls = edp
         scatter = 0.0
+        # the ragged fields are gathered from their pools, whole on the first device, after the shards
+        for f, fb in fields:
+            if f in workload.ragged:
+                scatter += self._gather(home, workload, f, workload.capacity).seconds(fb * rows, rows)
+        fields = [(f, fb) for f, fb in fields if f not in workload.ragged]
         for f, fb in fields:
             scatter += k * self._gather(home, workload, f, rows).seconds(fb * share, share)
         shards = []
