@@ -121,8 +121,14 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
     def from_mapping(cls, data: Mapping[str, object]) -> ExperienceBatch:
         """Build a batch from tensors, NumPy arrays, :class:`Ragged` or lists of sequences.
 
+        A list of per-item scalars that holds NumPy scalars or 0-d tensors keeps their dtype, which must
+        be one: a list that mixes dtypes is refused, not promoted (promotion can change values, e.g. int64
+        2**53 + 1). Python scalars in it take that dtype when they hold exactly such a value (``0`` among
+        ``np.float64``); a list of Python scalars only is read by torch (floats as float32).
+
         Raises:
-            SchemaError: ``data`` is not a mapping, or the columns disagree on the batch size.
+            SchemaError: ``data`` is not a mapping, the columns disagree on the batch size, or a list of
+                per-item scalars mixes dtypes (or holds a Python scalar its NumPy scalars' dtype cannot hold).
         """
         if isinstance(data, ExperienceBatch):
             return data
@@ -148,7 +154,10 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                 except (TypeError, ValueError, RuntimeError) as e:  # SchemaError included: name the field
                     raise SchemaError(f"Field {k!r}: its per-item sequences do not pack into one column ({e}); "
                                       f"give every item a sequence of elements of one shape and dtype.") from e
-            elif isinstance(v, (list, tuple)) and v and not isinstance(v[0], (int, float, bool)):
+            elif isinstance(v, (list, tuple)) and v and (not isinstance(v[0], (int, float, bool)) or any(
+                    isinstance(x, (np.generic, np.ndarray, torch.Tensor)) for x in v)):
+                # NumPy scalars and 0-d tensors keep their dtype, wherever they stand in the list (np.float64 is a
+                # Python float too): torch would promote them with the rest (int64 2**53 + 1 -> float64 2**53)
                 cols[k] = _scalar_rows(k, v)
             else:
                 try:
@@ -313,7 +322,11 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                                       f"says {f.shape}.")
                 if lens.dtype != torch.int64 or lens.dim() != 1 or lens.shape[0] != n:
                     raise SchemaError(f"Field {name!r} needs int64 lengths of shape [{n}].")
-                if (n and int(lens.min()) < 0) or int(lens.sum()) != v.shape[0]:
+                # the running sums, not only the total: int64 lengths near 2**62 wrap around to any total, and
+                # storage would then index far outside the packed values (a crash, not an error)
+                ends = torch.cumsum(lens, 0)
+                if (bool(((lens.min() < 0) | (ends.min() < 0) | (ends[-1] != v.shape[0])).item()) if n
+                        else v.shape[0] != 0):
                     raise SchemaError(f"Field {name!r}: lengths must be >= 0 and sum to the number of "
                                       f"packed values ({v.shape[0]}).")
             else:
@@ -365,15 +378,29 @@ def _is_scalar(x: object) -> bool:
 
 
 def _scalar_rows(name: str, rows: Sequence[object]) -> torch.Tensor:
-    """A list of per-item NumPy scalars or 0-d tensors as one column, keeping their dtype."""
+    """A list of per-item NumPy scalars or 0-d tensors as one column, keeping their dtype, which must be one.
+
+    A Python scalar among NumPy scalars takes their dtype when it holds exactly that value (``0`` among
+    ``np.float64``), and is refused otherwise (``0.1`` among ``np.float32``, ``2**53 + 1`` among ``np.float64``).
+    """
     try:
-        dtypes = {r.dtype if isinstance(r, (torch.Tensor, np.ndarray, np.generic)) else type(r) for r in rows}
-        if len(dtypes) > 1:  # stacking would promote them (int64 2**24 + 1 -> float32 2**24): no value the caller gave
+        tensors = [r for r in rows if isinstance(r, torch.Tensor)]
+        if len(tensors) == len(rows):
+            tdtypes = {t.dtype for t in tensors}
+            if len(tdtypes) > 1:  # stacking would promote them (int64 2**24 + 1 -> float32 2**24)
+                raise TypeError(f"their dtypes differ: {', '.join(sorted(map(str, tdtypes)))}")
+            return torch.stack(tensors)
+        if tensors:
+            raise TypeError("it mixes 0-d tensors with other scalars")
+        dtypes = {r.dtype for r in rows if isinstance(r, (np.ndarray, np.generic))}
+        if len(dtypes) > 1:  # one array would promote them (int64 2**53 + 1 -> float64 2**53): no value the caller gave
             raise TypeError(f"their dtypes differ: {', '.join(sorted(map(str, dtypes)))}")
-        if all(isinstance(r, torch.Tensor) for r in rows):
-            return torch.stack(list(rows))  # type: ignore[arg-type]
-        return torch.from_numpy(native(np.asarray(rows)))
-    except (TypeError, ValueError, RuntimeError) as e:
+        arr = np.asarray(rows, dtype=next(iter(dtypes), None))
+        for r, a in zip(rows, arr.tolist(), strict=True):
+            if not isinstance(r, (np.ndarray, np.generic)) and not (a == r or (a != a and r != r)):  # (NaN is NaN)
+                raise TypeError(f"{r!r} is no {arr.dtype} value (the dtype of the NumPy scalars listed with it)")
+        return torch.from_numpy(native(arr))
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
         raise SchemaError(f"Field {name!r} is a list of scalars that do not form one column ({e}); give one "
                           f"scalar of one dtype per item, or a tensor [n, ...].") from e
 

@@ -163,10 +163,12 @@ class ExperienceSchema(Mapping[str, Field]):
         """Inverse of :meth:`to_dict`.
 
         Raises:
-            ConfigurationError: ``d`` is not such a description (a missing entry, an unknown dtype name).
+            ConfigurationError: ``d`` is not such a description (a missing entry, an unknown dtype name, a
+                ``ragged`` that is no bool).
         """
         try:
-            fields = {n: Field(tuple(v["shape"]), getattr(torch, v["dtype"]), bool(v.get("ragged", False)))
+            # ragged as given: Field refuses what is no bool (bool("false") would make a fixed field ragged)
+            fields = {n: Field(tuple(v["shape"]), getattr(torch, v["dtype"]), v.get("ragged", False))
                       for n, v in d.items()}
         except ConfigurationError:
             raise

@@ -47,8 +47,13 @@ def memmap_allocator(directory: str | Path) -> Allocator:
     fills up later cannot leave a mapped page without a block (a write there would kill the
     process with SIGBUS). A file system (or OS) that cannot reserve blocks keeps the file sparse.
 
+    Every column gets a new file: one that already exists (another storage's live column, which
+    a write here would overwrite, or a leftover) is refused, not mapped. Give each storage its own
+    directory.
+
     Raises:
-        PlacementError: the volume has no room left for the file's blocks.
+        PlacementError: the volume has no room left for the file's blocks (the file is removed again).
+        ConfigurationError: the column's file already exists in ``directory``.
     """
     root = Path(directory)
     reserve = getattr(os, "posix_fallocate", None)
@@ -59,18 +64,27 @@ def memmap_allocator(directory: str | Path) -> Allocator:
             numel *= int(s)
         path = root / f"{quote(str(name), safe='')}.bin"
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            # O_EXCL: an existing file may be another storage's mapped column; sharing it would mix their items
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise ConfigurationError(f"The column file {path} already exists (another storage's column, or one left "
+                                     f"behind); give each storage an empty directory of its own.") from None
         try:
             if reserve is not None:  # (macOS has no posix_fallocate: the file stays sparse there)
                 reserve(fd, 0, nbytes)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                os.close(fd)
+                fd = -1
+                path.unlink(missing_ok=True)  # the refused column leaves no file behind
                 raise PlacementError(f"The disk tier cannot reserve {_size(nbytes)} for field {name!r} in "
                                      f"{root} (the volume is full); free space there, pass "
                                      f"DiskPlacement(directory=...) on a larger volume or lower the capacity.") from e
             # EOPNOTSUPP/EINVAL: this file system cannot reserve blocks; the file stays sparse
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape)
 
     return allocate
