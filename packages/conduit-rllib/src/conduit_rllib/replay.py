@@ -101,6 +101,7 @@ class _CheckedState(NamedTuple):
     next: int
     tail: dict[str, int]
     tail_t: dict[str, int]
+    ended: dict[str, tuple[int, int]]
     lifetime: dict[str, int]
     links: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None  # succ, rew, done, episode ids
     unlogged: dict[str, int]
@@ -163,6 +164,9 @@ class _ConduitReplay:
         self._tail: dict[str, int] = {}  # unfinished episode id -> handle of its newest stored step
         # unfinished episode id -> the timestep its next chunk starts at (a chunk starting elsewhere is not linked)
         self._tail_t: dict[str, int] = {}
+        # ended episode id -> (handle of its last step, timestep it ended at): a chunk of it that starts before that
+        # timestep is refused while that step is stored (forgotten once evicted, as RLlib forgets evicted episodes)
+        self._ended: dict[str, tuple[int, int]] = {}
         self._succ = self._rew = self._done = None  # per-slot n-step links, allocated with the EDP
         self._eid = None  # per-slot source episode ids, allocated with the EDP
         self._last_handles: torch.Tensor | None = None
@@ -237,14 +241,16 @@ class _ConduitReplay:
         returns when a chunk starts at the timestep right after the episode's newest stored step
         (its ``t_started``; a chunk after a gap, e.g. one dropped on the way, starts a new run: no
         return sums across the gap; one that starts inside the stored steps, e.g. an episode's first
-        chunk, ``t_started`` 0, added again, is refused). ``weight`` is the initial priority
+        chunk, ``t_started`` 0, added again, is refused, and so is one of an episode that ended, while
+        a step of it is still stored, e.g. a whole episode added twice). ``weight`` is the initial priority
         (prioritized buffer; default: the largest priority an update set, 1.0 at first, as in RLlib: a
         weight given here does not raise later adds' default).
 
         Raises:
             conduit.SchemaError: observations or actions change shape/dtype, or are nested.
             conduit.ConfigurationError: a weight for the uniform buffer; a chunk that starts inside steps
-                of its episode already added (they would be stored twice), ``t_started`` 0 included.
+                of its episode already added (they would be stored twice), ``t_started`` 0 included, also
+                of an episode that ended in an earlier add while a step of it is still stored.
             conduit.PriorityError: a weight that is no number, or is NaN, infinite or negative.
             conduit.CapacityError: one chunk holds more steps than the capacity; nothing of this add
                 is stored. (RLlib's buffer keeps such a chunk over capacity until the next add; Conduit's
@@ -294,15 +300,25 @@ class _ConduitReplay:
         added (e.g. the same chunk added twice: its steps would be stored twice), or after a chunk of the same add
         that ended its episode. A chunk with ``t_started`` 0 of an episode whose steps are already stored is such a
         chunk too (its first chunk added again; RLlib's buffers refuse it as well): a continuation carries the
-        timestep it starts at, as the chunks ``episode.cut()`` leaves do.
+        timestep it starts at, as the chunks ``episode.cut()`` leaves do. So is a chunk that starts inside the steps
+        of an episode that ended in an earlier add, while a step of it is still stored (e.g. a whole episode added
+        twice); one that starts at or after its end is stored as a new run, as after a gap.
 
         Raises:
             conduit.ConfigurationError: such a chunk.
         """
         ends: dict[str, tuple[int, bool]] = {}  # episode id -> (where its added steps end, ended), as this add goes
+        oldest = self._next - self.capacity  # (the oldest handle stored once the adds so far are)
         for c in chunks:
             if not c.length:
                 continue
+            gone = self._ended.get(c.episode_id)
+            if gone is not None and gone[0] >= oldest and c.t_started < gone[1]:
+                raise ConfigurationError(
+                    f"Episode {c.episode_id!r} ended at timestep {gone[1]} in an earlier add and steps of it are "
+                    f"still stored, so this chunk of it, starting at timestep {c.t_started}, would store them twice. "
+                    f"Add each episode once; to store steps again (e.g. a transition sample() returned), give them a "
+                    f"new episode id. Nothing of this add was stored.")
             known = self._tail_t.get(c.episode_id)
             end, ended = ends.get(c.episode_id, (known, False) if known is not None else (None, False))
             if end is not None and (c.t_started < end or ended):
@@ -371,6 +387,12 @@ class _ConduitReplay:
         if not chunk.done:
             self._tail[chunk.episode_id] = first + n - 1
             self._tail_t[chunk.episode_id] = chunk.t_started + n
+        else:  # (kept in the order of their last steps: the evicted ones are at the front, forgotten here)
+            self._ended.pop(chunk.episode_id, None)
+            self._ended[chunk.episode_id] = (first + n - 1, chunk.t_started + n)
+            ended = self._ended
+            while ended and next(iter(ended.values()))[0] < self._next - cap:
+                del ended[next(iter(ended))]
         self._counts["added"] += n
         self._counts["evicted"] += max(0, oldest - before)
         if len(self._tail) > 4 * cap:  # episodes that never finished (e.g. a dropped EnvRunner)
@@ -682,6 +704,7 @@ class _ConduitReplay:
             state: dict[str, Any] = {"format": STATE_FORMAT, "prioritized": self.prioritized,
                                      "capacity": self.capacity, "alpha": self._alpha, "seed": self.seed,
                                      "next": self._next, "tail": dict(self._tail), "tail_t": dict(self._tail_t),
+                                     "ended": {k: list(e) for k, e in self._ended.items()},
                                      "lifetime": {k: self._lifetime[k] + self._counts[k] for k in self._lifetime},
                                      "unlogged": dict(self._counts), "metrics_calls": self._metrics_calls,
                                      "logged_iteration": self._logged_iteration,
@@ -763,6 +786,13 @@ class _ConduitReplay:
                     raise ValueError(f"unfinished episode {eid!r}'s next timestep {t!r} is no int >= 0 of an "
                                      f"unfinished episode")
             tail_t = {eid: int(t) for eid, t in tail_t.items()}
+            ended: dict[str, tuple[int, int]] = {}  # (a state saved before it was kept: no episode known ended)
+            for eid, (last_step, end_t) in dict(state.get("ended", {})).items():
+                if not all(isinstance(v, Integral) and not isinstance(v, bool) for v in (last_step, end_t)) or not (
+                        0 <= int(last_step) < nxt and int(end_t) >= 1):
+                    raise ValueError(f"ended episode {eid!r}'s last step {last_step!r} is no handle in [0, next "
+                                     f"{nxt}), or its end timestep {end_t!r} no int >= 1")
+                ended[eid] = (int(last_step), int(end_t))
             links = None
             if has_plane:  # one n-step link per slot, and the handle the next add gets is the saved plane's next
                 # (a state saved before episode ids were kept: they are unknown, None)
@@ -788,7 +818,7 @@ class _ConduitReplay:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConfigurationError(f"This Conduit replay-buffer state is damaged ({type(e).__name__}: {e}); load "
                                      f"an undamaged get_state().") from e
-        return _CheckedState(alpha, schema, seed, nxt, tail, tail_t, lifetime, links, unlogged, metrics_calls,
+        return _CheckedState(alpha, schema, seed, nxt, tail, tail_t, ended, lifetime, links, unlogged, metrics_calls,
                              logged_iteration, state["n_rng"], last, obs_space, act_space)
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -817,6 +847,7 @@ class _ConduitReplay:
             self.seed, self._next = c.seed, c.next
             self._tail = c.tail
             self._tail_t = c.tail_t
+            self._ended = c.ended
             self._lifetime = c.lifetime
             self._counts = c.unlogged
             self._metrics_calls = c.metrics_calls
