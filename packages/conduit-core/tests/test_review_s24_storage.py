@@ -157,3 +157,21 @@ def test_a_schema_description_whose_ragged_flag_is_no_bool_is_refused(flag: obje
         ExperienceSchema.from_dict({"a": {"shape": [], "dtype": "int64", "ragged": flag}})
     assert ExperienceSchema.from_dict(TOKENS.to_dict()) == TOKENS
     assert not ExperienceSchema.from_dict({"a": {"shape": [2], "dtype": "float32"}})["a"].ragged
+
+
+def test_ingesting_a_read_only_array_warns_nothing_and_copies_its_values() -> None:
+    """A read-only NumPy array (as Ray hands out from its object store) is ingested without torch's "not writable"
+    warning (Conduit only reads it), in a fresh process with every warning an error, and stored by value."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np\n"
+            "from conduit import ExperienceDataPlane, ExperienceSchema, Field\n"
+            "import torch\n"
+            "a = np.arange(8, dtype=np.float32).reshape(4, 2); a.flags.writeable = False\n"
+            "edp = ExperienceDataPlane(ExperienceSchema({'x': Field((2,), torch.float32)}), capacity=4)\n"
+            "edp.ingest({'x': a})\n"
+            "assert edp.storage.gather(torch.arange(4))['x'].tolist() == a.tolist()\n"
+            "print('stored')\n")
+    out = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "stored", out.stderr[-2000:]

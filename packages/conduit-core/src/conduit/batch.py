@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -12,6 +13,12 @@ from conduit.errors import SchemaError
 from conduit.schema import ExperienceSchema
 
 __all__ = ["Ragged", "ExperienceBatch", "as_tensor", "host_array", "native", "ranges"]
+
+
+# A read-only array (e.g. one Ray deserialised from the object store) is shared, not copied, by as_tensor: torch warns
+# that writing to it would be undefined, but Conduit only reads what it is given (ingestion copies it into storage).
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
+                        module=r"conduit\.batch")
 
 
 def as_tensor(x: object) -> torch.Tensor:
