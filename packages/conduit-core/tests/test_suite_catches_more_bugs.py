@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conduit.errors import EmptyBufferError
+from conduit.errors import EmptyBufferError, PriorityError
 from conduit.testing import (
     CAP_CHECKPOINT,
     CAP_CONCURRENT_INGEST,
@@ -84,6 +84,8 @@ class MiniReplay:
 
     def update_priorities(self, handles: Any, priorities: np.ndarray) -> None:
         h, p = np.asarray(handles), np.asarray(priorities, dtype=np.float64)
+        if h.shape != p.shape or not np.isfinite(p).all():
+            raise PriorityError("pass one finite priority per handle")
         ok = self._live(h)
         self.prio[h[ok] % self.cap] = p[ok] ** self.alpha
         self.max_p = max(self.max_p, float(p.max(initial=0)))

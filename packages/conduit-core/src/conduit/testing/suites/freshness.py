@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conduit.errors import EmptyBufferError, StaleExperienceError
+from conduit.errors import EmptyBufferError
 from conduit.testing.endpoints import OnPolicyEndpoint
 from conduit.testing.suites.base import SuiteBase
-from conduit.testing.suites.prefetch import PrefetchFreshnessChecks
+from conduit.testing.suites.prefetch import PrefetchFreshnessChecks, expect_stale
 
 __all__ = ["FreshnessSuite"]
 
@@ -41,7 +41,9 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
         """
         with self.on_policy(num_minibatches=2, num_epochs=1) as ep:
             with pytest.raises(EmptyBufferError):
-                ep.consume()
+                got = ep.consume()
+                pytest.fail(f"a new endpoint delivered {len(got)} minibatch(es) before anything was ingested "
+                            f"(ids {[m.ids.tolist() for m in got][:3]}); it must raise conduit.EmptyBufferError")
 
     def test_each_item_exactly_once_per_epoch(self) -> None:
         """Each epoch delivers every item of the rollout exactly once, in M minibatches of N/M (+-1); the
@@ -187,6 +189,34 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
             assert all(mb.version == 1 for mb in mbs), (
                 f"minibatches report versions {[mb.version for mb in mbs]}, expected the rollout's version 1")
 
+    def test_staleness_bound_of_several_versions(self) -> None:
+        """max_staleness counts versions: with max_staleness=3 and the policy at version 4, the rollouts of
+        versions 1 and 2 (3 and 2 versions behind) are delivered, oldest first, and version 0's (4 behind) is
+        dropped.
+
+        Troubleshooting: pass max_staleness through as a number of versions; do not map it onto an on/off
+        switch (one version of lag or none).
+        """
+        with self.on_policy(num_minibatches=2, num_epochs=1, max_staleness=3, on_stale="drop") as ep:
+            for v in range(3):
+                ep.set_policy_version(v)
+                ep.ingest(np.arange(10 * v, 10 * v + 10), version=v)
+                ep.end_rollout()
+            ep.set_policy_version(4)
+            got: list[tuple[int | None, list[int]]] = []
+            for _ in range(4):  # at most the 3 rollouts waiting, then EmptyBufferError
+                try:
+                    mbs = ep.consume()
+                except EmptyBufferError:
+                    break
+                got.append((mbs[0].version if mbs else None,
+                            sorted(np.concatenate([mb.ids for mb in mbs] or [np.zeros(0, np.int64)]).tolist())))
+            expected = [(v, list(range(10 * v, 10 * v + 10))) for v in (1, 2)]
+            assert got == expected, (
+                f"with max_staleness=3 and the policy at version 4, the delivered rollouts (version, first ids) are "
+                f"{[(v, ids[:3]) for v, ids in got]}, expected versions 1 and 2 (3 and 2 versions behind), oldest "
+                f"first; only version 0 (4 behind) is dropped")
+
     def test_staleness_bound_raise(self) -> None:
         """With on_stale="raise", a too-stale rollout raises and stays in the buffer.
 
@@ -196,8 +226,7 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
             ep.ingest(np.arange(8), version=0)
             ep.end_rollout()
             ep.set_policy_version(1)
-            with pytest.raises(StaleExperienceError):
-                ep.consume()
+            expect_stale(ep, "a rollout of version 0 to policy 1 (max_staleness=0, on_stale='raise')")
             ep.set_policy_version(0)
             try:
                 mbs = ep.consume()

@@ -17,9 +17,23 @@ import pytest
 
 from conduit.errors import EmptyBufferError, StaleExperienceError
 from conduit.testing.endpoints import CAP_PRIORITIZED, OnPolicyEndpoint, ReplayEndpoint
-from conduit.testing.suites.base import needs
+from conduit.testing.suites.base import needs, staleness
 
-__all__ = ["PrefetchReplayChecks", "PrefetchFreshnessChecks"]
+__all__ = ["PrefetchReplayChecks", "PrefetchFreshnessChecks", "expect_stale"]
+
+
+def expect_stale(ep: OnPolicyEndpoint, what: str) -> None:
+    """``ep.consume()`` raises :class:`~conduit.StaleExperienceError` for ``what``; anything else fails, saying
+    what came instead (another error, or minibatches)."""
+    try:
+        got = ep.consume()
+    except StaleExperienceError:
+        return
+    except Exception as e:  # noqa: BLE001 - reported as the failure
+        raise AssertionError(f"delivering {what} raised {type(e).__name__} ({e}), expected StaleExperienceError "
+                             f"(a stale rollout is not an empty buffer: raise conduit.StaleExperienceError)") from e
+    pytest.fail(f"delivering {what} returned {len(got)} minibatches of versions {sorted({m.version for m in got})} "
+                f"instead of raising StaleExperienceError")
 
 
 class PrefetchReplayChecks:
@@ -42,7 +56,7 @@ class PrefetchReplayChecks:
         n, size, alpha, beta = 8, 256, 1.0, 0.4
         with self.replay(capacity=n, prioritized=True, alpha=alpha, beta=beta, seed=11) as ep:
             needs(ep, CAP_PRIORITIZED)
-            k = int(ep.priority_staleness)
+            k = staleness(ep)
             ep.insert(np.arange(n))
             flat = np.ones(n)
             for _ in range(k + 2):  # steady state: prefetch (if any) is running
@@ -64,7 +78,7 @@ class PrefetchReplayChecks:
                 assert share > 0.99, (
                     f"draw {i} after the update (declared priority_staleness={k}) still follows the old "
                     f"priorities: item 0 is {share:.0%} of it, expected ~100%")
-                assert d.weights is not None
+                assert d.weights is not None, f"draw {i}: a prioritized endpoint returned no importance weights"
                 expected = (n * probs[d.ids]) ** (-beta) / (n * probs.min()) ** (-beta)
                 np.testing.assert_allclose(d.weights, expected, rtol=1e-3,
                                            err_msg=f"draw {i}: importance weights do not follow the new priorities")
@@ -109,8 +123,8 @@ class PrefetchFreshnessChecks:
                         pytest.fail(f"a stale rollout was delivered after the policy moved on: "
                                     f"{[(m.version, m.ids.tolist()) for m in got][:2]}")
                     continue
-                with pytest.raises(StaleExperienceError):
-                    ep.consume()
+                expect_stale(ep, "the second rollout of version 0, after the policy moved to version 1 "
+                                 "(max_staleness=0, on_stale='raise')")
                 ep.set_policy_version(0)
                 try:
                     second = ep.consume()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from abc import abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -9,18 +10,19 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from conduit.errors import ConduitError
 from conduit.testing.endpoints import CAP_CHECKPOINT, CAP_PRIORITIZED, Draw, ReplayEndpoint
-from conduit.testing.suites.base import SuiteBase, chi_square_p, needs
+from conduit.testing.suites.base import SuiteBase, chi_square_p, needs, staleness
 from conduit.testing.suites.prefetch import PrefetchReplayChecks
 
 __all__ = ["ReplaySuite"]
 
 #: chi-square tests reject below this p-value: a correct buffer fails each with probability P_MIN over seeds
 #: (Pearson's statistic with k-1 degrees of freedom; every expected count is > 200, so the chi-square
-#: approximation holds). ReplaySuite runs three such tests, so a correct adapter whose draws differ from
-#: core's fails with probability <= 3e-3; the draws are seeded, so whatever the result, it is reproducible.
+#: approximation holds). ReplaySuite makes six such tests, so a correct adapter whose draws differ from
+#: core's fails with probability <= 6e-3; the draws are seeded, so whatever the result, it is reproducible.
 P_MIN = 1e-3
 
 
@@ -64,9 +66,10 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             ep.close()
 
     def _counts(self, ep: ReplayEndpoint, n_items: int) -> np.ndarray:
+        """How often each id of ``0 .. n_items - 1`` came up in ``draws`` draws (in calls of ``chunk``)."""
         counts = np.zeros(n_items, dtype=np.int64)
-        for _ in range(self.draws // self.chunk):
-            np.add.at(counts, draw(ep, self.chunk).ids, 1)
+        for start in range(0, self.draws, self.chunk):
+            np.add.at(counts, draw(ep, min(self.chunk, self.draws - start)).ids, 1)
         return counts
 
     def _set_priorities(self, ep: ReplayEndpoint, prio_of_id: np.ndarray) -> None:
@@ -81,7 +84,7 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             ep.update_priorities(d.handles, prio_of_id[d.ids])
             seen.update(d.ids.tolist())
             if len(seen) == len(prio_of_id):
-                for _ in range(ep.priority_staleness):
+                for _ in range(staleness(ep)):
                     draw(ep, self.chunk)
                 return
         pytest.fail(f"could not reach every item through sampling to set its priority ({len(seen)} seen)")
@@ -94,7 +97,8 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
         """
         with self.replay(capacity=16) as ep:
             assert len(ep) == 0, f"a new endpoint holds {len(ep)} items"
-            assert len(ep.contents()) == 0
+            held = ep.contents()
+            assert len(held) == 0, f"a new endpoint's contents() holds {len(held)} items, e.g. ids {held[:5].tolist()}"
 
     def test_uniform_draws_are_uniform(self) -> None:
         """Uniform sampling draws every live item with equal probability (chi-square over 1e5 draws), each
@@ -144,7 +148,7 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             assert counts[-1] > counts[0] * 3, f"highest priority drawn {counts[-1]}x vs lowest {counts[0]}x"
             # new items get the largest priority seen so far (5.0); they evict ids 0..4
             ep.insert(np.arange(n, n + 5))
-            for _ in range(2 * (ep.priority_staleness + 2)):  # draws prepared before the insert
+            for _ in range(2 * (staleness(ep) + 2)):  # draws prepared before the insert
                 draw(ep, self.chunk)
             ids = np.concatenate([draw(ep, self.chunk).ids for _ in range(20)])
             new = 5 * prio.max() ** alpha
@@ -153,6 +157,45 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             assert abs(share - expected) < 0.03, (
                 f"items inserted after priority updates are {share:.1%} of the draws, expected {expected:.1%}: "
                 f"new items must get the largest priority seen so far")
+
+    def test_new_items_get_the_largest_priority_ever_set(self) -> None:
+        """Items inserted without a priority get the largest priority ever set, a running maximum that neither
+        the eviction nor the lowering of the item that held it brings down (chi-square over the live items).
+
+        Troubleshooting: keep the largest priority set so far in its own variable, raised by every update;
+        do not read it from the priorities held now (a max over the live items).
+        """
+        n, alpha, top = 20, 1.0, 100.0
+        with self.replay(capacity=n, prioritized=True, alpha=alpha, seed=12) as ep:
+            needs(ep, CAP_PRIORITIZED)
+            ep.insert(np.arange(n))
+            prio = np.ones(n)
+            prio[0] = top  # the oldest item holds the largest priority; the next insert evicts it
+            self._set_priorities(ep, prio)
+            phases = (("after the item holding the largest priority was evicted", n),
+                      ("after the item holding the largest priority was lowered to 1", n + 1))
+            for k, (what, new_id) in enumerate(phases):
+                if k:  # lower the previous new item (priority `top`) to 1: every live item is at 1 now
+                    d = draw(ep, 200)
+                    rows = np.nonzero(d.ids == new_id - 1)[0]
+                    assert len(rows), f"item {new_id - 1} (priority {top:g}) was not drawn in 200 draws"
+                    ep.update_priorities(d.handles[rows], np.ones(len(rows)))
+                    for _ in range(staleness(ep) + 2):  # draws prepared before the update
+                        draw(ep, self.chunk)
+                ep.insert(np.array([new_id]))  # evicts the oldest item
+                for _ in range(2 * (staleness(ep) + 2)):  # draws prepared before the insert
+                    draw(ep, self.chunk)
+                live = np.arange(new_id - n + 1, new_id + 1)
+                ids = np.concatenate([draw(ep, 1000).ids for _ in range(30)])  # >= 252 expected per item
+                counts = np.array([(ids == i).sum() for i in live])
+                expected = np.append(np.ones(n - 1), top ** alpha)
+                p = chi_square_p(counts, expected)
+                share = counts[-1] / counts.sum()
+                assert counts.sum() == len(ids) and p > P_MIN, (
+                    f"{what}, a new item is {share:.1%} of the draws (p={p:.2e}), expected "
+                    f"{expected[-1] / expected.sum():.1%}: new items get the largest priority ever set ({top:g}), "
+                    f"not the largest one live now; draw counts of the live ids {live[0]}..{live[-1]}: "
+                    f"{counts.tolist()}, {len(ids) - counts.sum()} draws of other ids")
 
     def test_importance_weights(self) -> None:
         """Weights are (N P(i))^-beta normalised by the largest possible weight, over the items live now
@@ -180,7 +223,7 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                                        err_msg="importance weights differ from (N P(i))^-beta / max_w")
             # evict the least likely item (FIFO): the largest possible weight now follows item 1's priority
             ep.insert(np.array([n]))
-            for _ in range(2 * (ep.priority_staleness + 2)):  # draws prepared before the insert
+            for _ in range(2 * (staleness(ep) + 2)):  # draws prepared before the insert
                 draw(ep, self.chunk)
             d = draw(ep, 256)
             assert d.weights is not None, "a prioritized endpoint returned no importance weights"
@@ -238,7 +281,7 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             assert len(live), "item 105 was never drawn in 10 x 200 draws after it was inserted"
             ep.update_priorities(old.handles[np.concatenate(stale)], np.full(2, 1e6))
             ep.update_priorities(new.handles[live], np.full(1, 1e6))
-            for _ in range(ep.priority_staleness):
+            for _ in range(staleness(ep)):
                 draw(ep, self.chunk)
             counts = np.bincount(draw(ep, 5000).ids - 100, minlength=cap)
             assert counts[5] > 0.2 * counts.sum(), (
@@ -247,7 +290,7 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             assert counts[[0, cap - 1]].max() < 0.01 * counts.sum(), (
                 f"a stale update changed a new occupant's priority: draw counts of 100..109 {counts.tolist()}")
             ep.update_priorities(np.concatenate([old.handles[stale[1]], new.handles[live]]), np.array([1e6, 1.0]))
-            for _ in range(ep.priority_staleness):
+            for _ in range(staleness(ep)):
                 draw(ep, self.chunk)
             counts = np.bincount(draw(ep, 5000).ids - 100, minlength=cap)
             assert counts.max() < 0.3 * counts.sum(), (
@@ -273,7 +316,7 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             ep.insert(np.array([cap, cap + 1]))  # evicts items 0 and 1; item 7 stays
             assert len(ep) == cap, f"len {len(ep)} after inserting 12 items (capacity {cap})"  # the insert landed
             ep.update_priorities(d.handles[np.concatenate(rows)], np.full(2, 1e6))
-            for _ in range(ep.priority_staleness + 2):  # draws prepared before the insert or the update
+            for _ in range(staleness(ep) + 2):  # draws prepared before the insert or the update
                 draw(ep, self.chunk)
             ids = draw(ep, 5000).ids
             counts = {i: int((ids == i).sum()) for i in range(2, cap + 2)}
@@ -283,6 +326,43 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                 f"voided wholesale? only the evicted items' handles are stale)")
             assert counts[cap] < 0.01 * len(ids), (
                 f"the update naming evicted item 0 changed its slot's new occupant 10: draw counts {counts}")
+
+    def test_refused_priority_update_changes_nothing(self) -> None:
+        """A priority update the buffer refuses (a NaN or infinite priority, or one priority too few) raises a
+        Conduit error and changes no priority, not even those named before the bad one. (Negative priorities
+        are left to the framework: RLlib floors them.)
+
+        Troubleshooting: check every priority (and that there is one per handle) before applying any;
+        do not set them one by one and raise at the first bad one.
+        """
+        cap = 10
+        with self.replay(capacity=cap, prioritized=True, alpha=1.0, seed=14) as ep:
+            needs(ep, CAP_PRIORITIZED)
+            ep.insert(np.arange(cap))
+            d = draw(ep, 200)
+            rows = np.concatenate([np.nonzero(d.ids == i)[0][:1] for i in (3, 5)])
+            assert len(rows) == 2, "items 3 and 5 were not both drawn in 200 draws from 10 items"
+            refused = ((np.array([1e6, np.nan]), "a NaN priority"), (np.array([1e6, np.inf]), "an infinite priority"),
+                       (np.array([1e6]), "one priority for two handles"))
+            for bad, what in refused:
+                try:
+                    ep.update_priorities(d.handles[rows], bad)
+                except ConduitError:
+                    pass
+                except Exception as e:  # noqa: BLE001 - reported as the failure
+                    raise AssertionError(f"update_priorities with {what} raised {type(e).__name__} ({e}), expected "
+                                         f"a conduit.ConduitError (PriorityError)") from e
+                else:
+                    pytest.fail(f"update_priorities with {what} (item 3 -> 1e6, item 5 -> {bad[1:].tolist()}) was "
+                                f"accepted; refuse it with conduit.PriorityError")
+            for _ in range(staleness(ep) + 2):  # draws prepared before the updates
+                draw(ep, self.chunk)
+            counts = self._counts(ep, cap)
+            p = chi_square_p(counts, np.ones(cap))
+            assert p > P_MIN, (
+                f"after three refused update_priorities calls (each naming item 3 with priority 1e6 before a bad "
+                f"entry) the draws are no longer uniform (p={p:.2e}): draw counts of 0..9 {counts.tolist()}; a "
+                f"refused call must change no priority")
 
     def test_deterministic_under_seed(self) -> None:
         """The same seed and the same calls give the same draws, uniform and prioritized; another seed draws
@@ -340,7 +420,7 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                 d = draw(ep, 64)  # advance the RNG past its seed
                 if prioritized:
                     ep.update_priorities(d.handles, (d.ids % 7 + 1).astype(np.float64))
-                    for _ in range(ep.priority_staleness):
+                    for _ in range(staleness(ep)):
                         draw(ep, 16)
                 state = ep.state_dict()
                 after = [draw(ep, 16).ids.tolist() for _ in range(4)]
@@ -350,7 +430,9 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                 with self.replay(capacity=32, prioritized=prioritized, seed=99) as other:
                     other.load_state_dict(state)
                     assert len(other) == len(live), f"restored buffer holds {len(other)} items, saved {len(live)}"
-                    assert sorted(other.contents().tolist()) == live, "restored buffer holds other items"
+                    got = sorted(other.contents().tolist())
+                    assert got == live, (f"restored buffer (prioritized={prioritized}) holds ids {got}, the saved one "
+                                         f"{live}")
                     again = [draw(other, 16).ids.tolist() for _ in range(4)]
                     assert again == after, f"restored buffer (prioritized={prioritized}) draws differently"
                     other.insert(np.arange(50, 60))
@@ -361,7 +443,7 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                     if prioritized:  # new items get the largest priority seen so far: the restore must keep it
                         shares = []
                         for e in (ep, other):
-                            for _ in range(2 * (e.priority_staleness + 2)):  # draws prepared before the insert
+                            for _ in range(2 * (staleness(e) + 2)):  # draws prepared before the insert
                                 draw(e, 16)
                             ids = np.concatenate([draw(e, 256).ids for _ in range(8)])
                             shares.append(float(np.isin(ids, np.arange(50, 60)).mean()))
@@ -376,7 +458,7 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                         shares = []
                         for e in (ep, other):
                             e.update_priorities(d.handles[row], np.full(1, 1e9))
-                            for _ in range(e.priority_staleness + 2):  # draws prepared before the update
+                            for _ in range(staleness(e) + 2):  # draws prepared before the update
                                 draw(e, 16)
                             shares.append(float((draw(e, 1000).ids == target).mean()))
                         assert min(shares) > 0.9, (
@@ -385,11 +467,68 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                             f"{shares[0]:.0%} of the saved buffer's: handles drawn before a checkpoint must name the "
                             f"same items after load_state_dict() (save what the handles refer to with the items)")
 
+    def test_checkpoint_round_trip_of_a_partly_filled_buffer(self) -> None:
+        """A checkpoint of a buffer that is not yet full, written to bytes with ``torch.save`` and read back
+        with ``torch.load``, restores only the items it held (not the empty slots), continues the same draws,
+        and fills and evicts from there exactly as the saved buffer does.
+
+        Troubleshooting: save and restore the number of live items (or the handle range), not the ring's
+        capacity; keep the state picklable (tensors and plain Python values).
+        """
+        cap = 32
+        for prioritized in (False, True):
+            with self.replay(capacity=cap, prioritized=prioritized, seed=13) as ep:
+                needs(ep, CAP_CHECKPOINT)
+                if prioritized and CAP_PRIORITIZED not in ep.capabilities:
+                    continue
+                kind = f"prioritized={prioritized}"
+                ep.insert(np.arange(12))
+                ep.insert(np.arange(12, 20))
+                d = draw(ep, 64)
+                if prioritized:
+                    ep.update_priorities(d.handles, (d.ids % 5 + 1).astype(np.float64))
+                    for _ in range(staleness(ep)):
+                        draw(ep, 16)
+                state = ep.state_dict()
+                after = [draw(ep, 16).ids.tolist() for _ in range(4)]
+                live = sorted(ep.contents().tolist())
+                ep.insert(np.arange(20, 40))
+                after_insert = sorted(ep.contents().tolist())
+                buf = io.BytesIO()
+                try:
+                    torch.save(state, buf)
+                    buf.seek(0)
+                    loaded = torch.load(buf, weights_only=False)
+                except Exception as e:  # noqa: BLE001 - reported as the failure
+                    raise AssertionError(f"{kind}: state_dict() does not survive torch.save/torch.load "
+                                         f"({type(e).__name__}: {e}); keep the state picklable") from e
+                with self.replay(capacity=cap, prioritized=prioritized, seed=99) as other:
+                    other.load_state_dict(loaded)
+                    got = sorted(other.contents().tolist())
+                    assert len(other) == len(live) == 20 and got == live, (
+                        f"{kind}: the restored buffer (saved with 20 of its {cap} slots filled) holds {len(other)} "
+                        f"items, the saved one {len(live)}: ids {got}, expected {live}; restore the number of "
+                        f"live items, not the capacity")
+                    again = [draw(other, 16).ids.tolist() for _ in range(4)]
+                    assert again == after, f"{kind}: the restored partly filled buffer draws differently"
+                    other.insert(np.arange(20, 40))
+                    got = sorted(other.contents().tolist())
+                    assert got == after_insert == list(range(8, 40)), (
+                        f"{kind}: after inserting 20 more items into the restored buffer (20 of {cap} filled) its live "
+                        f"ids are {got}, the saved buffer's {after_insert}, expected 8..39")
+
     def test_sampling_empty_buffer_raises(self) -> None:
         """Sampling an empty buffer raises a Conduit error, never returns garbage.
 
         Troubleshooting: raise conduit.EmptyBufferError (or let it propagate through the adapter).
         """
         with self.replay(capacity=8) as ep:
-            with pytest.raises(ConduitError):
-                ep.sample(4)
+            try:
+                d = ep.sample(4)
+            except ConduitError:
+                return
+            except Exception as e:  # noqa: BLE001 - reported as the failure
+                raise AssertionError(f"sampling an empty buffer raised {type(e).__name__} ({e}), expected a "
+                                     f"conduit.ConduitError (EmptyBufferError)") from e
+            pytest.fail(f"sampling an empty buffer returned ids {np.asarray(d.ids).tolist()} instead of raising "
+                        f"conduit.EmptyBufferError")
