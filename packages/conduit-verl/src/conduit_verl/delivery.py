@@ -680,7 +680,13 @@ def forced(mode: Mode) -> Iterator[None]:
 
 def conduit_make_iterator(tensordict: TensorDict, mini_batch_size: int, epochs: int, seed: int | None = None,
                           dataloader_kwargs: dict[str, Any] | None = None) -> Iterator[TensorDict]:
-    """Drop-in for ``verl.utils.tensordict_utils.make_iterator`` (same arguments, same minibatches)."""
+    """Drop-in for ``verl.utils.tensordict_utils.make_iterator`` (same arguments, same minibatches).
+
+    Unlike verl's, a minibatch's dense columns live in reused gather buffers: it stays as delivered while the next
+    two minibatches are handed out, then a later one may overwrite it (jagged columns are fresh tensors). verl's
+    one caller, ``TrainingWorker.train_mini_batch``, trains each minibatch before asking for the next; a caller that
+    keeps minibatches longer must ``.clone()`` them.
+    """
     mode = delivery_mode()
     why = None if mode == "off" else _Codec.unsupported(tensordict)
     empty = why is None and mode != "off" and int(tensordict.batch_size[0]) == 0
