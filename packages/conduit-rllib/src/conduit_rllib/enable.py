@@ -194,6 +194,8 @@ class InstallReplayBuffer:
             kwargs_rb.update({k: v for k, v in rbc.items() if k not in _SET_HERE})
         if issubclass(cls, ConduitPrioritizedEpisodeReplayBuffer):
             kwargs_rb["alpha"] = rbc.get("alpha", 1.0)
+        # every get_metrics call logs, as RLlib's buffers do: each iteration's replay counts are RLlib's
+        kwargs_rb.setdefault("metrics_every", 1)
         # capacity and alpha as configured: the buffer checks them (a ConfigurationError saying what is wrong)
         scheduler = self.scheduler() if self.scheduler is not None else None
         if scheduler is not None and not isinstance(scheduler, Scheduler):

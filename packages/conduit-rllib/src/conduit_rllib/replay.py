@@ -654,15 +654,19 @@ class _ConduitReplay:
         return 0  # eviction is per transition; see get_metrics() for evicted steps
 
     def get_metrics(self) -> dict[str, Any]:
-        """RLlib-style buffer metrics (added/evicted/sampled steps, stored size), on the first call of each
-        training iteration and every ``metrics_every`` calls.
+        """RLlib-style buffer metrics (added/evicted/sampled steps, stored size), reduced: the counts since
+        the previous logging call, or an empty dict on a call that does not log.
 
-        RLlib calls this once per learner update; logging into its MetricsLogger costs more than
-        Conduit's add and sample together, so counts accumulate and are logged and reduced on
-        every ``metrics_every``-th call, and on the first call of each training iteration
-        (:attr:`iteration_of` names it; ``enable`` sets it to the algorithm's iteration), so every
-        iteration with at least one update reports them; an empty dict in between. Sums and
-        lifetime counts stay exact; they are reported up to ``metrics_every - 1`` calls late.
+        RLlib calls this once per learner update, right after ``sample``, and sums what each call
+        returns into the iteration's results. With ``metrics_every=1`` (what ``enable`` builds) every
+        call logs, so an iteration's sums and the lifetime counts are RLlib's for the same adds and
+        samples (adds after an iteration's last call, e.g. before learning starts, are reported by the
+        next call, as RLlib's buffers report them). With ``metrics_every=n > 1`` (the class default:
+        logging and reducing into RLlib's MetricsLogger costs several ``sample`` calls) counts
+        accumulate and are logged on every n-th call and on the first call of each training iteration
+        (:attr:`iteration_of` names it; ``enable`` sets it to the algorithm's iteration). Nothing is
+        lost, but the counts are then reported up to ``n - 1`` calls late: an iteration's sums are the
+        counts since the previous log, not that iteration's.
         """
         with self._lock:
             self._metrics_calls += 1
@@ -912,7 +916,8 @@ class ConduitEpisodeReplayBuffer(_ConduitReplay, EpisodeReplayBuffer):  # type: 
         device: the learner's device; sampled batches are delivered there (Conduit does the copy).
         placement: where the transitions live (default: host memory, pinned when ``device`` is CUDA).
         scheduler: when ingestion/delivery work runs (default: synchronously).
-        metrics_every: log metrics on every n-th ``get_metrics`` call (see :meth:`get_metrics`).
+        metrics_every: log metrics on every n-th ``get_metrics`` call (``enable`` builds the buffer with 1,
+            every call, as RLlib's buffers log; see :meth:`get_metrics`).
     """
 
     prioritized = False
