@@ -15,14 +15,35 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from conduit.distributed._ray import current_node_id, ray_module
 from conduit.distributed.errors import ClusterError, RemoteTimeoutError
+from conduit.errors import ConfigurationError
 from conduit.placement.profile import LinkCost, _median_seconds
 
 if TYPE_CHECKING:
     from conduit.distributed.servers import ShardServers
 
-__all__ = ["LinkProfile", "measure_links"]
+__all__ = ["LinkProfile", "measure_links", "check_probes"]
+
+
+def check_probes(sizes: Sequence[int], repeats: int, timeout: float) -> tuple[int, ...]:
+    """``sizes`` as ints, once the probe settings are checked (before anything is sent).
+
+    Raises:
+        ConfigurationError: no size, a size that is not a positive int, ``repeats`` < 1, or ``timeout`` <= 0 (a
+            profile without a bandwidth point would price every transfer as free).
+    """
+    sz = tuple(sizes)
+    if not sz or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x <= 0 for x in sz):
+        raise ConfigurationError(f"Link probe sizes must be one or more positive ints (bytes), got {sizes!r}; e.g. "
+                                 f"sizes=(1 << 18, 1 << 22).")
+    if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
+        raise ConfigurationError(f"Link probe repeats must be an int >= 1, got {repeats!r}.")
+    if not timeout > 0:
+        raise ConfigurationError(f"Link probe timeout must be > 0 seconds, got {timeout!r}.")
+    return tuple(int(x) for x in sz)
 
 
 @dataclass
@@ -74,11 +95,12 @@ def measure_links(servers: ShardServers, *, sizes: Sequence[int] = (1 << 18, 1 <
         timeout: seconds for one probe transfer.
 
     Raises:
+        ConfigurationError: bad probe settings (see :func:`check_probes`); nothing is sent.
         RemoteTimeoutError: a probe did not finish within ``timeout``.
         ClusterError: a server is gone (its actor or its node died).
     """
+    sizes = check_probes(sizes, repeats, timeout)
     ray = ray_module()
-    import numpy as np
 
     here = current_node_id()
     probe: dict[str, Any] = {}

@@ -38,7 +38,7 @@ import torch
 
 from conduit.distributed._ray import current_node_id, ray_module, wait_all
 from conduit.distributed.errors import ClusterError, RemoteTimeoutError
-from conduit.distributed.links import LinkProfile
+from conduit.distributed.links import LinkProfile, check_probes
 from conduit.errors import ConfigurationError
 from conduit.placement.profile import LinkCost
 
@@ -178,8 +178,10 @@ class TorchGroup:
         receive here, timed from the call to the end of the receive.
 
         Raises:
+            ConfigurationError: bad probe settings (see :func:`~conduit.distributed.links.check_probes`).
             RemoteTimeoutError: a probe did not finish within the group's timeout.
         """
+        sizes = check_probes(sizes, repeats, self.timeout)
         ray = ray_module()
         probe: dict[str, int] = {}
         for i, node in enumerate(self.nodes):

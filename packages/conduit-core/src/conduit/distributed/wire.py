@@ -54,7 +54,15 @@ def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     with warnings.catch_warnings():  # object-store arrays are read-only; we only ever read them
         warnings.filterwarnings("ignore", message=".*not writable.*")
         t = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.as_tensor(a)
-    return t if t.dtype == dtype else t.view(dtype)
+    t = t if t.dtype == dtype else t.view(dtype)
+    if t.data_ptr() % t.element_size():
+        # Ray's object store places a column at a multiple of 8 bytes only, and torch's kernels read a dtype at
+        # an address that is a multiple of its element size (complex128: 16) or crash the process: such a
+        # column is copied, byte by byte, to memory torch allocated (the only case that is not a view)
+        out = torch.empty(t.shape, dtype=t.dtype)
+        out.view(torch.uint8).copy_(t.view(torch.uint8))  # (wire columns are C-contiguous)
+        t = out
+    return t
 
 
 def to_wire(batch: ExperienceBatch, schema: ExperienceSchema) -> Wire:
@@ -67,7 +75,9 @@ def to_wire(batch: ExperienceBatch, schema: ExperienceSchema) -> Wire:
 
 
 def from_wire(cols: Wire, schema: ExperienceSchema) -> ExperienceBatch:
-    """A batch viewing the NumPy columns (no copy)."""
+    """A batch viewing the NumPy columns (no copy), except a column whose address is not a multiple of its
+    element size (a ``complex128`` column Ray placed at an 8-byte boundary): it is copied, as torch cannot read it
+    in place."""
     out: dict[str, torch.Tensor | Ragged] = {}
     n = 0
     for name, f in schema.items():
@@ -109,8 +119,10 @@ def ragged_lengths(batch: ExperienceBatch, schema: ExperienceSchema) -> torch.Te
     return torch.stack(cols, dim=1).contiguous() if cols else torch.zeros((batch.batch_size, 0), dtype=torch.int64)
 
 
-#: every column starts at a multiple of this many bytes in a packed buffer (so each can be viewed in place)
-_ALIGN = 8
+#: every column starts at a multiple of this many bytes in a packed buffer, so each can be viewed in place as its
+#: dtype: torch views bytes as a dtype only at an offset that is a multiple of its element size, and the widest
+#: storable dtype (``complex128``) has 16-byte elements
+_ALIGN = 16
 
 
 def _padded(nbytes: int) -> int:
@@ -120,7 +132,7 @@ def _padded(nbytes: int) -> int:
 def pack_rows(batch: ExperienceBatch, schema: ExperienceSchema) -> torch.Tensor:
     """Every column of ``batch`` as the bytes of one ``uint8`` tensor: fixed fields in schema order,
     then the values of each ragged field (their lengths travel first, see :func:`ragged_lengths`);
-    each column starts at a multiple of 8 bytes."""
+    each column starts at a multiple of 16 bytes (the widest element size)."""
     cols = [batch.tensor(name) for name in schema.fixed] + [cast(Ragged, batch[name]).values
                                                             for name in schema.ragged]
     parts = []
