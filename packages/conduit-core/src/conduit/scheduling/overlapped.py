@@ -336,7 +336,8 @@ class Overlapped(Scheduler):
     def deliver(self, n: int | None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
         if not self._ready and len(self.edp.storage) == 0 and self._ingestion.waiting:
             self._ingestion.flush()  # nothing stored yet: handed-over data must not stay invisible
-        self._enter("This delivery")
+        if not self._mu.acquire(blocking=False):  # (the common case inline: a delivery is on the critical path)
+            self._enter("This delivery")
         try:
             if self._ring.cuda:
                 self._ring.call_started(self._delivered)
@@ -350,7 +351,7 @@ class Overlapped(Scheduler):
         """Take ``_mu`` (deliveries and what changes prepared batches hold it), or refuse ``call`` without changing
         anything when another thread holds it while this one holds the buffer's lock (inside ``read_locked()``):
         that thread's delivery may need the lock to finish, so waiting could last forever."""
-        if self._mu.acquire(blocking=False):
+        if self._mu.acquire(blocking=False):  # (free now: a caller may have found it held a moment ago)
             return
         if self.edp.holds_lock():
             raise wait_refused(call, "delivery running on another thread")
