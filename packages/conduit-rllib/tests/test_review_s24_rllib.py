@@ -20,6 +20,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+import sys  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -33,16 +34,9 @@ from conduit_rllib.learner import ConduitPPOTorchLearner  # noqa: E402
 from conduit_rllib.testing import id_episode  # noqa: E402
 from ray.rllib.core.columns import Columns  # noqa: E402
 
-Buffer = ConduitEpisodeReplayBuffer | ConduitPrioritizedEpisodeReplayBuffer
-KINDS = [ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer]
-#: what DQN's training step passes to sample(), besides num_items / n_step / gamma / beta
-DQN_KW: dict[str, Any] = dict(batch_length_T=0, lookback=0, min_batch_length_T=0, sample_episodes=True)
+sys.path.insert(0, str(Path(__file__).parent))
+from test_known_s24_rllib import DQN_KW, KINDS, Buffer, stored_ids  # noqa: E402, I001  (sibling test helpers)
 
-
-def stored_ids(buf: Buffer) -> list[int]:
-    """The observation ids of every stored transition, in storage order."""
-    state = buf.get_state()
-    return sorted(state["edp"]["storage"]["data"][Columns.OBS][:len(buf), 0].numpy().astype(np.int64).tolist())
 
 
 # -- 1. a finished episode added again ---------------------------------------------------------------------------
