@@ -415,18 +415,7 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                 needs(ep, CAP_CHECKPOINT)
                 if prioritized and CAP_PRIORITIZED not in ep.capabilities:
                     continue
-                ep.insert(np.arange(25))
-                ep.insert(np.arange(25, 50))
-                d = draw(ep, 64)  # advance the RNG past its seed
-                if prioritized:
-                    ep.update_priorities(d.handles, (d.ids % 7 + 1).astype(np.float64))
-                    for _ in range(staleness(ep)):
-                        draw(ep, 16)
-                state = ep.state_dict()
-                after = [draw(ep, 16).ids.tolist() for _ in range(4)]
-                live = sorted(ep.contents().tolist())
-                ep.insert(np.arange(50, 60))
-                after_insert = sorted(ep.contents().tolist())
+                d, state, after, live, after_insert = _save_and_go_on(ep, prioritized, (25, 50), 7, 60)
                 with self.replay(capacity=32, prioritized=prioritized, seed=99) as other:
                     other.load_state_dict(state)
                     assert len(other) == len(live), f"restored buffer holds {len(other)} items, saved {len(live)}"
@@ -482,18 +471,7 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                 if prioritized and CAP_PRIORITIZED not in ep.capabilities:
                     continue
                 kind = f"prioritized={prioritized}"
-                ep.insert(np.arange(12))
-                ep.insert(np.arange(12, 20))
-                d = draw(ep, 64)
-                if prioritized:
-                    ep.update_priorities(d.handles, (d.ids % 5 + 1).astype(np.float64))
-                    for _ in range(staleness(ep)):
-                        draw(ep, 16)
-                state = ep.state_dict()
-                after = [draw(ep, 16).ids.tolist() for _ in range(4)]
-                live = sorted(ep.contents().tolist())
-                ep.insert(np.arange(20, 40))
-                after_insert = sorted(ep.contents().tolist())
+                _, state, after, live, after_insert = _save_and_go_on(ep, prioritized, (12, 20), 5, 40)
                 buf = io.BytesIO()
                 try:
                     torch.save(state, buf)
@@ -532,3 +510,23 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                                      f"conduit.ConduitError (EmptyBufferError)") from e
             pytest.fail(f"sampling an empty buffer returned ids {np.asarray(d.ids).tolist()} instead of raising "
                         f"conduit.EmptyBufferError")
+
+
+def _save_and_go_on(ep: ReplayEndpoint, prioritized: bool, fills: tuple[int, int], mod: int, upto: int
+                    ) -> tuple[Draw, Any, list[list[int]], list[int], list[int]]:
+    """The checkpoint tests' saved buffer: ids ``0..fills[0]`` and ``fills[0]..fills[1]`` inserted, 64 draws (the
+    RNG past its seed; prioritized: their priorities set to ``id % mod + 1``, then the draws the endpoint may
+    prepare before an update), then saved. Returns those 64 draws, the state, the 4 x 16 draws and the live ids
+    that follow the save, and the live ids after inserting ``fills[1]..upto``."""
+    ep.insert(np.arange(fills[0]))
+    ep.insert(np.arange(fills[0], fills[1]))
+    d = draw(ep, 64)
+    if prioritized:
+        ep.update_priorities(d.handles, (d.ids % mod + 1).astype(np.float64))
+        for _ in range(staleness(ep)):
+            draw(ep, 16)
+    state = ep.state_dict()
+    after = [draw(ep, 16).ids.tolist() for _ in range(4)]
+    live = sorted(ep.contents().tolist())
+    ep.insert(np.arange(fills[1], upto))
+    return d, state, after, live, sorted(ep.contents().tolist())
