@@ -54,8 +54,8 @@ def _iterations(buf: Any, iteration: list[int]) -> list[dict[str, float | None]]
 
 def test_logging_on_every_call_gives_rllibs_counts_and_the_class_default_is_late() -> None:
     """The buffer as ``enable`` builds it (``metrics_every=1``) reports RLlib's counts for the same calls; one
-    built with the class default (``metrics_every=16``) reports the first iteration's 3 adds and 1 sample before
-    its first get_metrics call only, as the README states."""
+    built with ``metrics_every=16`` (the class default until session 25, now opt-in) reports the first
+    iteration's 3 adds and 1 sample before its first get_metrics call only, as the README states."""
     iteration = [0]
     native = _iterations(EpisodeReplayBuffer(capacity=1000), iteration)
     reports = {}

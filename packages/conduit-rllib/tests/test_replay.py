@@ -240,8 +240,8 @@ def test_state_round_trip_continues_identically() -> None:
         y = draw_all(b, n_step=3, n=16)
         for k in x:
             np.testing.assert_array_equal(x[k], y[k], err_msg=f"column {k} differs after restore")
-    a.add([chunk("B", 2, 3, 4, terminated=True)])
-    b.add([chunk("B", 2, 3, 4, terminated=True)])
+    a.add([chunk("C", 3, 0, 1, terminated=True)])  # (a new episode: "B" is over, a chunk of it is refused)
+    b.add([chunk("C", 3, 0, 1, terminated=True)])
     np.testing.assert_array_equal(draw_all(a, n_step=3)[Columns.REWARDS], draw_all(b, n_step=3)[Columns.REWARDS])
     assert len(s) == 16
 

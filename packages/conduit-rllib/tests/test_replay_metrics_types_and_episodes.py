@@ -94,12 +94,12 @@ def test_metrics_are_logged_on_the_first_call_of_each_iteration_not_on_every_cal
 
 
 def test_the_iteration_logged_last_is_part_of_the_checkpoint() -> None:
-    a = ConduitEpisodeReplayBuffer(capacity=20, seed=0)
+    a = ConduitEpisodeReplayBuffer(capacity=20, seed=0, metrics_every=16)
     a.iteration_of = lambda: 3
     a.add([id_episode(np.arange(6))])
     a.sample(num_items=4, n_step=1, **DQN_KW)
     assert a.get_metrics()
-    b = ConduitEpisodeReplayBuffer(capacity=20, seed=0)
+    b = ConduitEpisodeReplayBuffer(capacity=20, seed=0, metrics_every=16)
     b.iteration_of = lambda: 3
     b.set_state(a.get_state())
     for buf in (a, b):

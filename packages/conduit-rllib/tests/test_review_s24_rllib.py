@@ -5,7 +5,7 @@
    finished episode's steps, went in silently. (RLlib's own buffers refuse any chunk of an episode they hold
    that has ended.) Now such a chunk is refused, typed, nothing stored, while a step of the episode is still
    stored (as RLlib forgets an evicted episode, an evicted one may be added again); the check survives a
-   checkpoint. A chunk starting at or after the episode's end stays a new run, as after a gap.
+   checkpoint. So is a chunk starting at or after the episode's end (session 25: RLlib refuses it too).
 2. Today's changes in a real run: DQN with ``n_step`` 3 on a remote EnvRunner whose episodes arrive in chunks
    over several iterations (every chunk joins its episode; the n-step returns are the episode's), with
    evaluation workers, saved mid-training and continued with ``Algorithm.from_checkpoint``; the same for PPO.
@@ -66,7 +66,9 @@ def test_a_chunk_inside_a_finished_episodes_steps_is_refused_with_the_good_chunk
     with pytest.raises(ConfigurationError, match=r"'e' ended at timestep 5(.|\n)*starting at timestep 3"):
         buf.add([other, last_again])  # the good chunk before it is not stored either
     assert stored_ids(buf) == [0, 1, 2, 3, 4]
-    buf.add([id_episode(np.arange(5, 7), episode_id="e", t_started=5)])  # at its end: a new run, not linked
+    with pytest.raises(ConfigurationError):  # at its end: refused too, as RLlib refuses it
+        buf.add([id_episode(np.arange(5, 7), episode_id="e", t_started=5)])
+    buf.add([id_episode(np.arange(5, 7), episode_id="e2")])  # new steps under a new id: a new run, not linked
     s = buf.sample(num_items=64, n_step=3, gamma=0.5, **DQN_KW)
     obs = s.columns[Columns.OBS][:, 0].numpy().astype(np.int64)
     assert set(obs.tolist()) <= {0, 1, 2, 3, 4, 5, 6}

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from conduit import (
+    CapacityError,
     ConfigurationError,
     DevicePlacement,
     EmptyBufferError,
@@ -137,7 +138,19 @@ class MinibatchFeed:
         seed: seeds the per-epoch permutations.
         placement: where rollouts live (default: the device the train batch is on).
         prefetch: gather minibatch k + 1 on a worker thread while k trains.
-        capacity: initial rows of storage (grown between rollouts when a larger one arrives).
+        capacity: rows of storage at least (default 0: sized by the rollouts). This bounds what may
+            wait for delivery; see below.
+
+    How much may wait: rollouts ingested and not yet fully delivered (sealed or still open; the one
+    being delivered counts whole until its last minibatch) wait in storage of :attr:`capacity` rows.
+    The storage is sized when a rollout arrives while nothing waits, to ``max(capacity, the smallest
+    power of two >= 2 x that rollout's rows)``, and does not grow while anything waits. So
+    ``capacity // rows`` rollouts of the size that sized it can wait: at least two, and with the default
+    ``capacity`` 0 two or three (2 of 1000 rows in 2048, 3 of 300 in 1024); an ingest that would
+    exceed :attr:`capacity` raises :class:`conduit.CapacityError` and ingests nothing. The PPO learner
+    keeps one rollout waiting at a time; to queue more yourself, pass ``capacity`` >= the rows you let
+    wait. (A bound in rows, not rollouts: rows are what storage costs, and rollouts need not be of one
+    size.)
     """
 
     def __init__(self, *, num_minibatches: int = 1, num_epochs: int = 1, max_staleness: int = 0,
@@ -279,8 +292,10 @@ class MinibatchFeed:
             UnsupportedConfigError: a column is not a flat array, or a second module is fed.
             conduit.ConfigurationError: ``version`` is not an integer (a NumPy or 0-d tensor integer is fine;
                 a bool, float or string is refused, never rounded); nothing is ingested then.
-            conduit.SchemaError / conduit.CapacityError / conduit.ConfigurationError: as
-                :meth:`conduit.ExperienceDataPlane.ingest`.
+            conduit.CapacityError: the rows waiting for delivery and this batch's would exceed
+                :attr:`capacity` (see the class docstring); nothing is ingested. Deliver what waits first
+                (:meth:`minibatches`), or build the feed with a larger ``capacity``.
+            conduit.SchemaError / conduit.ConfigurationError: as :meth:`conduit.ExperienceDataPlane.ingest`.
         """
         version = check_version(version)
         cols = _columns(batch)
@@ -292,7 +307,17 @@ class MinibatchFeed:
                 raise UnsupportedConfigError(f"This feed serves module {self.module_id!r}; Conduit's RLlib adapter "
                                              f"supports single-agent training (one RLModule).")
             self.module_id = module_id
-            self._ensure(cols, n).ingest(cols, version=version)
+            edp = self._ensure(cols, n)
+            try:
+                edp.ingest(cols, version=version)
+            except CapacityError as e:
+                raise CapacityError(
+                    f"A rollout of {n} rows does not fit next to the {len(edp)} rows waiting for delivery "
+                    f"({self.semantics.pending_rollouts} sealed rollout(s), the one being delivered counted whole, "
+                    f"plus any rows ingested but not sealed) in this feed's storage of capacity {edp.capacity} rows, "
+                    f"which grows only while nothing waits; nothing of it was ingested. Deliver the waiting "
+                    f"rollouts first (minibatches()), or build the feed with MinibatchFeed(capacity=R) for up to "
+                    f"R rows waiting.") from e
 
     def seal(self) -> None:
         """Close the current rollout: it becomes deliverable."""
