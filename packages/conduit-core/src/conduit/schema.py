@@ -102,6 +102,12 @@ class Field:
 class ExperienceSchema(Mapping[str, Field]):
     """An ordered, immutable mapping of field name to :class:`Field`.
 
+    Fields come from ``fields`` (a mapping), then from the keyword arguments, in that order.
+
+    Raises:
+        ConfigurationError: no field, a field that is no :class:`Field`, or a name given both in ``fields``
+            and as a keyword (one would silently replace the other).
+
     Examples:
         >>> import torch
         >>> s = ExperienceSchema(obs=Field((4,), torch.float32), action=Field((), torch.int64))
@@ -111,6 +117,10 @@ class ExperienceSchema(Mapping[str, Field]):
 
     def __init__(self, fields: Mapping[str, Field] | None = None, **kwargs: Field) -> None:
         merged: dict[str, Field] = dict(fields or {})
+        twice = [name for name in kwargs if name in merged]
+        if twice:
+            raise ConfigurationError(f"Schema field(s) {', '.join(map(repr, twice))} given both in fields and as a "
+                                     f"keyword; give each field once.")
         merged.update(kwargs)
         if not merged:
             raise ConfigurationError("An ExperienceSchema needs at least one field.")

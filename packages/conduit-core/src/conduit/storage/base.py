@@ -20,7 +20,7 @@ from conduit.batch import ExperienceBatch, Ragged
 from conduit.errors import CapacityError, ConfigurationError, SchemaError
 from conduit.schema import ExperienceSchema
 
-__all__ = ["Storage", "AppendResult"]
+__all__ = ["Storage", "AppendResult", "ring_ordered"]
 
 
 class AppendResult(NamedTuple):
@@ -39,6 +39,19 @@ def handles_at(slots: torch.Tensor, oldest: int, capacity: int) -> torch.Tensor:
     """The handles of the items at ``slots`` of a ring of ``capacity`` whose oldest live handle is
     ``oldest``: for each slot the ``h`` with ``oldest <= h < oldest + capacity`` and ``h % capacity == slot``."""
     return oldest + torch.remainder(slots - oldest, capacity)
+
+
+def ring_ordered(starts: torch.Tensor, lengths: torch.Tensor, head: int, pool: int) -> bool:
+    """Whether items (in handle order) whose elements lie at ``starts`` with ``lengths`` in a ragged pool of ``pool``
+    elements keep the ring invariant for the pool's ``head``: read circularly from the head, the items that hold
+    elements come in handle order, apart, and none reaches over the head (what every append, release and truncate
+    of a :class:`~conduit.storage.columnar.ColumnarStorage` keeps, and its eviction walk relies on)."""
+    used = lengths > 0
+    if not bool(used.any()):
+        return True
+    dist = torch.remainder(starts[used] - head, pool)  # how far past the head each item starts, going round
+    ends = dist + lengths[used]
+    return bool((dist[1:] >= ends[:-1]).all()) and int(ends[-1]) <= pool
 
 
 class Storage(ABC):
@@ -126,8 +139,9 @@ class Storage(ABC):
 
     def checkpoint_layout(self, state: dict[str, Any], batch: ExperienceBatch) -> dict[str, Any] | None:
         """The ``"ragged_layout"`` of checkpoint ``state`` whose live items are ``batch``, checked; None when there is
-        none (an older checkpoint, or no ragged fields) or it was saved for a pool of another size (this storage's
-        ``ragged_capacity`` differs: the items are then packed from the pool's start).
+        none (an older checkpoint, or no ragged fields), it was saved for a pool of another size (this storage's
+        ``ragged_capacity`` differs) or its items do not keep the ring invariant (:func:`ring_ordered`; a
+        checkpoint written before that was kept after a truncate): the items are then packed from the pool's start.
 
         Raises:
             ConfigurationError: the layout is damaged (not what :meth:`ragged_layout` returns, starts outside the
@@ -145,6 +159,7 @@ class Storage(ABC):
             return None
         starts: dict[str, torch.Tensor] = {}
         heads: dict[str, int] = {}
+        ring = True
         for name in self.schema.ragged:
             st, head = layout["starts"].get(name), layout["heads"].get(name)
             ok = (isinstance(st, torch.Tensor) and st.dtype == torch.int64 and tuple(st.shape) == (batch.batch_size,)
@@ -160,6 +175,7 @@ class Storage(ABC):
                 s_used, e_used = st[used][order], ends[used][order]
                 ok = (bool((st >= 0).all()) and bool((ends <= pool).all())
                       and bool((s_used[1:] >= e_used[:-1]).all()))
+                ring = ring and (not ok or ring_ordered(st, lens, int(head), pool))
             if not ok:
                 raise ConfigurationError(f"This checkpoint's ragged_layout of field {name!r} is damaged (starts "
                                          f"must be {batch.batch_size} int64 positions whose items lie apart inside "
@@ -167,6 +183,8 @@ class Storage(ABC):
                                          f"undamaged state_dict().")
             assert isinstance(st, torch.Tensor) and isinstance(head, int)
             starts[name], heads[name] = st, head
+        if not ring:  # sound, but a later eviction walk would miss items: packed instead
+            return None
         return {"pool": pool, "starts": starts, "heads": heads}
 
     def check_ragged_fits(self, batch: ExperienceBatch) -> None:

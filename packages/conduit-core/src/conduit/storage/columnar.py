@@ -44,6 +44,48 @@ def _copy_segments(pool: torch.Tensor, starts: torch.Tensor, lengths: torch.Tens
     return out
 
 
+#: live items the first step of an eviction walk reads beyond the batch size (each further step reads twice as many)
+_WALK_FIRST = 16
+
+
+def _ring_rows(starts: np.ndarray, lengths: np.ndarray, first: int, end: int,
+               capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ragged starts and lengths of the items with handles ``first .. end - 1`` (slots ``handle % capacity``)."""
+    slots = np.arange(first, end, dtype=np.int64) % capacity
+    return starts[slots], lengths[slots]
+
+
+def _ring_walk(starts: np.ndarray, lengths: np.ndarray, first: int, end: int, capacity: int, *, head: int,
+               span: int, pool: int, step: int) -> tuple[int, int]:
+    """Walk the live items of one ragged field from handle ``first`` (no item before it holds elements) towards
+    ``end``, over what a block taking ``span`` pool elements from ``head`` on (wrapping past the pool's end) sweeps.
+
+    The live items' elements lie in the pool in handle order, read circularly from ``head`` (the ring invariant:
+    :func:`conduit.storage.base.ring_ordered`), so the swept items are the oldest ones: the walk stops at the first
+    item that holds elements outside the span, and reads about twice the items it passes, however many are live.
+
+    Returns:
+        (the first handle from ``first`` on whose item holds elements, or ``end``;
+        the handle after the newest item with elements in the span, or 0 when none has).
+    """
+    found = end
+    upto = 0
+    h = first
+    while h < end:
+        stop = min(h + step, end)
+        st, ln = _ring_rows(starts, lengths, h, stop, capacity)
+        full = np.flatnonzero(ln > 0)
+        if full.size:
+            found = min(found, h + int(full[0]))
+            outside = np.flatnonzero((st[full] - head) % pool >= span)
+            if outside.size:  # every item with elements before the first one outside the span is inside it
+                j = int(outside[0])
+                return found, (h + int(full[j - 1]) + 1 if j else upto)
+            upto = h + int(full[-1]) + 1
+        h, step = stop, step * 2
+    return found, upto
+
+
 @functools.cache
 def index_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
     """None when ``index_copy_`` copies rows of ``dtype``; else the same-width integer dtype to view both
@@ -167,6 +209,9 @@ class ColumnarStorage(Storage):
         self._rstart = {n: torch.zeros(capacity, dtype=torch.int64) for n in schema.ragged}
         self._rlen = {n: torch.zeros(capacity, dtype=torch.int64) for n in schema.ragged}
         self._rhead = {n: 0 for n in schema.ragged}
+        #: per ragged field, handles (a, b) whose items a .. b - 1 hold no elements: an eviction walk from an oldest
+        #: item in [a, b] starts at b (a bound from below, so that an oldest moved back is walked from again)
+        self._rempty = {n: (0, 0) for n in schema.ragged}
         self._oldest = 0
         self._next = 0
         self._np_cols = {n: _numpy_view(c) for n, c in self._cols.items()}
@@ -182,6 +227,7 @@ class ColumnarStorage(Storage):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_rempty", {n: (0, 0) for n in self._pools})  # (pickled before it existed)
         self._np_cols = {n: _numpy_view(c) for n, c in self._cols.items()}
         self._raw_cols = {n: _raw_rows(c) for n, c in self._cols.items()}
 
@@ -199,7 +245,13 @@ class ColumnarStorage(Storage):
         return sum(c.numel() * c.element_size() for c in cols)
 
     def _evictions_for(self, batch: ExperienceBatch) -> tuple[int, dict[str, int]]:
-        """How many oldest items must go for ``batch`` to fit, and where each ragged block starts."""
+        """How many oldest items must go for ``batch`` to fit, and where each ragged block starts.
+
+        Each ragged pool is a ring: a batch's elements go at the field's head, or at the pool's start when they do
+        not fit before its end (the rest of the pool is then skipped). The items whose elements lie in what the
+        block sweeps (from the head to the block's end, a skipped rest included) go, with every older item. The
+        cost grows with the items evicted, not with the items live (:func:`_ring_walk`).
+        """
         n = batch.batch_size
         if n > self.capacity:
             raise CapacityError(f"A batch of {n} items is larger than the capacity ({self.capacity}); "
@@ -208,20 +260,22 @@ class ColumnarStorage(Storage):
         k = max(0, size + n - self.capacity)
         starts: dict[str, int] = {}
         self.check_ragged_fits(batch)
+        pool = self.ragged_capacity
         for name in self.schema.ragged:
             col = batch[name]
             assert isinstance(col, Ragged)
             total = int(col.values.shape[0])
             head = self._rhead[name]
-            if head + total > self.ragged_capacity:
-                head = 0
-            starts[name] = head
+            wraps = head + total > pool
+            starts[name] = 0 if wraps else head
             if size and total:
-                live = (torch.arange(self._oldest, self._next) % self.capacity)
-                s, ln = self._rstart[name][live], self._rlen[name][live]
-                hit = ((s < head + total) & (s + ln > head) & (ln > 0)).nonzero()
-                if hit.numel():
-                    k = max(k, int(hit[-1]) + 1)
+                a, b = self._rempty[name]
+                found, upto = _ring_walk(self._rstart[name].numpy(), self._rlen[name].numpy(),
+                                         b if a <= self._oldest <= b else self._oldest, self._next, self.capacity,
+                                         head=head, span=pool - head + total if wraps else total, pool=pool,
+                                         step=2 * n + _WALK_FIRST)
+                self._rempty[name] = (self._oldest, found)  # (true whether or not this append goes ahead)
+                k = max(k, upto - self._oldest)
         return k, starts
 
     def append(self, batch: ExperienceBatch, *, evict: bool = True) -> AppendResult:
@@ -299,6 +353,8 @@ class ColumnarStorage(Storage):
         and their ragged pool space is reused when the pool wraps.
         """
         self._next = max(self._oldest, min(int(upto), self._next))
+        for name, (a, b) in self._rempty.items():
+            self._rempty[name] = (min(a, self._next), min(b, self._next))
 
     # -- read ------------------------------------------------------------------------------
     def gather(self, slots: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> ExperienceBatch:
@@ -334,6 +390,7 @@ class ColumnarStorage(Storage):
         self._oldest = self._next = oldest
         for name in self.schema.ragged:
             self._rhead[name] = 0
+            self._rempty[name] = (0, 0)
         if batch.batch_size:
             self.append(batch, evict=False)
         if layout is not None:

@@ -79,6 +79,14 @@ def as_devices(devices: Sequence[torch.device | str], error: type[Exception]) ->
                     f"such as 'cuda:0' or 'cpu'.") from None
 
 
+def _even_step(positions: np.ndarray) -> int:
+    """The step between ``positions`` (ascending) when they are evenly spaced (1 for one position), else 0."""
+    if positions.size == 1:
+        return 1
+    step = int(positions[1] - positions[0])
+    return step if bool((np.diff(positions) == step).all()) else 0
+
+
 class ShardedStorage(Storage):
     """A FIFO ring whose fixed-field columns are split over ``devices`` (interleaved slots).
 
@@ -222,6 +230,12 @@ class ShardedStorage(Storage):
 
     # -- read ------------------------------------------------------------------------------
     def gather(self, slots: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> ExperienceBatch:
+        """Rows ``slots`` of every field (see :meth:`Storage.gather`).
+
+        A shard whose rows take evenly spaced positions of the batch (one shard, consecutive slots, one row) selects
+        them straight into that strided view of the output on its own device; other shards select theirs into a
+        temporary and copy it to the output's positions (``index_copy_``).
+        """
         slots = slots.to("cpu", torch.int64)
         n = int(slots.shape[0])
         k = self.num_shards
@@ -235,18 +249,25 @@ class ShardedStorage(Storage):
             where = np.flatnonzero(shard_of == i)  # positions in the batch served by shard i
             if where.size == 0:
                 continue
+            step = _even_step(where)
             pos = torch.from_numpy(where)
             r = torch.from_numpy(s[where] // k)
             if self.devices[i].type != "cpu":
                 r = r.to(self.devices[i], non_blocking=True)
             for name, col in shard.items():
-                part = torch.index_select(col, 0, r)
                 target = dst[name]
+                bits = self._bits.get(name) if self._bits else None
+                if step and target.device == col.device:
+                    view = target[int(where[0]):int(where[-1]) + 1:step]
+                    if bits is not None:
+                        col, view = col.view(bits), view.view(bits)
+                    torch.index_select(col, 0, r, out=view)
+                    continue
+                part = torch.index_select(col, 0, r)
                 if target.device != part.device:
                     # non-blocking only towards a GPU, whose stream orders the index_copy_ after it: a host
                     # target is read by index_copy_ at once, before an asynchronous copy would have landed
                     part = part.to(target.device, non_blocking=target.device.type == "cuda")
-                bits = self._bits.get(name) if self._bits else None
                 if bits is not None:
                     target, part = target.view(bits), part.view(bits)
                 target.index_copy_(0, pos if target.device.type == "cpu" else pos.to(target.device), part)
