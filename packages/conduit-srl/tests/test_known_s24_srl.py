@@ -363,10 +363,10 @@ def test_a_put_during_a_get_that_frees_the_last_rollout_waits_instead_of_a_false
         assert edp is not None
         real_release = edp.release_now
 
-        def release_now(sel: Any) -> None:  # the training thread, between taking [2, 3] and freeing its storage
+        def release_now(sel: Any, **kw: Any) -> None:  # the training thread, between taking [2, 3] and freeing it
             inside.set()
             go.wait(BOUND_S)
-            real_release(sel)
+            real_release(sel, **kw)
 
         edp.release_now = release_now  # type: ignore[method-assign,assignment]
         waited = threading.Event()

@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -21,7 +21,7 @@ from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy, check_version
 from conduit.semantics.replay import Replay
 from conduit.storage.base import Storage
-from conduit.storage.columnar import empty_column
+from conduit.storage.columnar import empty_column, pool_elements
 from conduit.telemetry import Telemetry
 
 if TYPE_CHECKING:
@@ -174,8 +174,12 @@ class ExperienceDataPlane:
         placement: where the storage lives (default: host memory).
         scheduler: when work runs (default: synchronously in the caller).
         device: the learner's device delivered batches land on (default: the storage's).
-        ragged_capacity: elements per ragged field's pool (default ``64 * capacity``; under an
-            :class:`~conduit.placement.AdaptivePlacement`, ``capacity`` items of its ``mean_ragged_length``).
+        ragged_capacity: elements per ragged field's pool. Default: ``capacity`` items of 64 elements
+            (``64 * capacity``), whatever the sequences' lengths: neither the schema nor a placement built by
+            ``Plan.build()`` carries a mean length; only an :class:`~conduit.placement.AdaptivePlacement` sizes
+            it, as ``capacity`` items of its ``mean_ragged_length``. Set it for longer sequences: a batch with
+            more elements than a pool is refused (:class:`CapacityError`), and when the pool wraps, replay evicts
+            the oldest items before the slots are full (on-policy refuses the write until items are consumed).
 
     Examples:
         >>> import torch
@@ -275,12 +279,23 @@ class ExperienceDataPlane:
             raise CapacityError(f"A batch of {n} items is larger than the capacity ({self.storage.capacity}); "
                                 f"split it or raise capacity.")
         if self.schema.ragged:  # refused here, not in a background write: it could never be stored
-            self.storage.check_ragged_fits(b)
+            try:
+                self.storage.check_ragged_fits(b)
+            except CapacityError as exc:
+                raise CapacityError(f"{exc} {self._pool_hint()}") from None
         self.semantics.check_ingest(n, version=version, priorities=priorities)
         out = self.scheduler.ingest(b, version=version, priorities=priorities)
         # the caller's whole call (validation, and storing or handing over); see conduit.exposure
         self.telemetry.record("ingest_wait", n, 0, t0, time.perf_counter())
         return out
+
+    def _pool_hint(self) -> str:
+        """What sets the ragged pools' size, for the error of a batch that does not fit them."""
+        pool = getattr(self.storage, "ragged_capacity", None)
+        default = " (the default: 64 per item of capacity)" if pool == pool_elements(None, self.capacity) else ""
+        return (f"Each ragged field's pool holds {pool} elements{default}; build the buffer with "
+                f"ExperienceDataPlane(..., ragged_capacity=N), N about capacity x the mean sequence length (or "
+                f"AdaptivePlacement(..., mean_ragged_length=L)). The buffer is unchanged.")
 
     def ingest_now(self, batch: ExperienceBatch, *, version: int | None = None,
                    priorities: torch.Tensor | None = None,
@@ -428,11 +443,14 @@ class ExperienceDataPlane:
         (e.g. counts and cursors that agree with each other). ``fn`` runs on the calling thread; the lock is
         re-entrant, so ``fn`` may call the buffer's methods, but it should be short (it holds up ingestion
         and delivery). A call in ``fn`` that would wait for a scheduler's worker thread, which needs this lock
-        (e.g. ``flush``, ``seal`` or ``state_dict`` while batches wait for background storing), or for a prefetching
-        scheduler's delivery running on another thread (a ``deliver`` meanwhile), raises :class:`ConfigurationError`
-        and changes nothing, instead of waiting forever. Ingestion in the caller
-        (``Synchronous``, or ``Overlapped(background_ingest=False)``) stores from ``fn`` at once, with what other
-        producers handed over before it (a producer waiting to store waits for ``fn`` to return).
+        (e.g. ``flush``, ``seal`` or ``state_dict`` while batches wait for background storing, or a ``deliver`` that
+        needs the batch a prefetch job started under this lock prepares), raises :class:`ConfigurationError` and
+        changes nothing, instead of waiting forever. A ``deliver`` (or ``state_dict``, ``close``) in ``fn`` while a
+        prefetching scheduler's delivery runs on another thread waits for that delivery when it needs this lock no
+        more (e.g. it hands out a prepared batch), and is refused when that delivery waits for this lock (or for a
+        prefetch job yet to take it): which one follows from where that delivery is, not from timing. Ingestion in
+        the caller (``Synchronous``, or ``Overlapped(background_ingest=False)``) stores from ``fn`` at once, with what
+        other producers handed over before it (a producer waiting to store waits for ``fn`` to return).
 
         Raises:
             ConfigurationError: the buffer is closed (as ``select_now`` is refused then); ``fn`` did not run.
@@ -440,6 +458,17 @@ class ExperienceDataPlane:
         with self._lock:
             self._check_open()
             return fn()
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """The buffer's re-entrant lock, as a context manager: the one :meth:`read_locked`, ``ingest_now``,
+        ``deliver_now`` and ``select_now`` hold.
+
+        For a scheduler role that stores or prepares under it together with locks of its own: take this one first
+        (the order every write keeps), and use :meth:`read_locked` for everything else. Unlike ``read_locked``,
+        entering it works after :meth:`close` (a scheduler stores there what was handed over before ``close``).
+        """
+        return self._lock
 
     def holds_lock(self) -> bool:
         """Whether the calling thread holds the buffer's lock (inside :meth:`read_locked`'s function, or a callback of a
@@ -473,10 +502,13 @@ class ExperienceDataPlane:
         self.telemetry.record("deliver", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
         return batch, sels
 
-    def release_now(self, selection: Selection) -> None:
+    def release_now(self, selection: Selection, *, when: Callable[[], object] | None = None) -> None:
         """Tell the semantics a selection was handed over (on-policy frees a finished rollout here, and storage
-        held back for the selection)."""
+        held back for the selection). ``when`` runs first, under the buffer's lock (as the other primitives'
+        callbacks do: a scheduler clears there a mark that it waits for that lock)."""
         with self._lock:
+            if when is not None:
+                when()
             self._check_open()
             self.semantics.after_gather(selection)
 

@@ -34,6 +34,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent import futures
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -911,6 +912,11 @@ class DistributedDataPlane:
             self._check_open()
             return fn()
 
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """The plane's re-entrant lock, as a context manager (as :attr:`conduit.ExperienceDataPlane.lock`)."""
+        return self._lock
+
     def holds_lock(self) -> bool:
         """Whether the calling thread holds the buffer's lock (as ``ExperienceDataPlane.holds_lock``: a scheduler
         refuses a call there that would wait for its worker thread, which needs this lock)."""
@@ -973,10 +979,13 @@ class DistributedDataPlane:
             return self.gather_now(sels, out, replace=kwargs.get("replace", True), beta=kwargs.get("beta"),
                                    skip_lost=not peek), sels
 
-    def release_now(self, selection: Selection) -> None:
+    def release_now(self, selection: Selection, *, when: Callable[[], object] | None = None) -> None:
         """Tell the semantics a selection was handed over (on-policy frees a finished rollout here, and storage
-        held back for the selection)."""
+        held back for the selection). ``when`` runs first, under the plane's lock (see
+        :meth:`conduit.ExperienceDataPlane.release_now`)."""
         with self._lock:
+            if when is not None:
+                when()
             self._check_open()
             self.semantics.after_gather(selection)
 

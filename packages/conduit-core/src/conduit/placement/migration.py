@@ -141,7 +141,7 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
                                  "the grown fields); or migrate with the current schema.")
     edp.flush()
     t0 = time.perf_counter()
-    lock = edp._lock
+    lock = edp.lock
     with lock:
         old = edp.storage
         start = old.oldest

@@ -88,7 +88,7 @@ class Ingestion:
         self._mutex = threading.RLock()  # the condition's lock, entered directly on the producer's hot path
         self._cv = threading.Condition(self._mutex)
         #: the buffer's lock (re-entrant, held by every write): a caller storing groups takes it first (_store_ready)
-        self._buffer_lock = edp._lock
+        self._buffer_lock = edp.lock
         self._writer = threading.Lock()  # held by the caller storing groups (sequential mode), inside the buffer's lock
         self._storer: int | None = None  # that caller's thread
         self._pending: deque[Handover] = deque()

@@ -81,6 +81,27 @@ __all__ = ["Overlapped"]
 
 _Key = tuple[Any, ...]
 
+#: how often a call that holds the buffer's lock and waits for the delivery lock checks whether the delivery holding
+#: it has come to need the buffer's lock (see Overlapped._enter)
+_RECHECK_S = 0.001
+
+
+class _LockWait:
+    """Marks, while entered, that the calling thread (holding ``Overlapped._mu``) waits for the buffer's lock
+    (``Overlapped._lock_waiter``; cleared under that lock by ``Overlapped._has_buffer_lock``, or on exit). A plain
+    object reused for every call: the delivery path enters it once or twice per call."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: Overlapped) -> None:
+        self._owner = owner
+
+    def __enter__(self) -> None:
+        self._owner._lock_waiter = threading.get_ident()
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner._lock_waiter = None
+
 
 def _whole(g: Any) -> bool:
     """``g`` is a finite whole number (a count of rollouts or batches)."""
@@ -232,6 +253,11 @@ class Overlapped(Scheduler):
         self._job_key: _Key | None = None  # the key the job in flight prepares for
         #: the job in flight has entered its hold of the buffer's lock (see _await_job); set under that lock
         self._job_entered = False
+        #: the thread holding ``_mu`` while it waits for the buffer's lock (reset under that lock), and the job it
+        #: waits for: what a call holding the buffer's lock checks before it waits for ``_mu`` (see _enter)
+        self._lock_waiter: int | None = None
+        self._awaited: Job[list[_Prepared]] | None = None
+        self._lock_wait = _LockWait(self)
         self._delivered = 0
         self._prio_epoch = 0
         self._prio_lock = threading.Lock()
@@ -245,16 +271,22 @@ class Overlapped(Scheduler):
         """Let go of idle delivery buffers until they hold at most ``max_bytes`` (of items of ``item_bytes``),
         leaving room for the chunk the next call prepares for batches of ``batch`` items when
         ``room_for_a_chunk`` (see :meth:`ChunkRing.trim`; prepared batches and delivered ones stay valid)."""
-        with self._mu:
+        self._enter("trim_buffers()")
+        try:
             rows = self._chunk * batch
             limit = max_bytes / item_bytes - (rows if room_for_a_chunk else 0)
             self._ring.trim(limit, keep_rows=rows, delivered=self._delivered)
+        finally:
+            self._mu.release()
 
     def release_buffers(self) -> None:
         """Let go of every idle delivery buffer (e.g. while this scheduler waits unused; delivered batches stay
         valid, and the next fills allocate afresh)."""
-        with self._mu:
+        self._enter("release_buffers()")
+        try:
             self._ring.trim(0, keep_rows=0, delivered=self._delivered)  # (room for no rows: every idle one goes)
+        finally:
+            self._mu.release()
 
     def retune(self, *, g_ing: float | None = None, g_del: float | None = None) -> None:
         """Change the granularities from the next ingestion write / delivery chunk on.
@@ -274,13 +306,15 @@ class Overlapped(Scheduler):
         if g_del is not None and new_g_del and (self.on_policy or not _whole(g_del) or g_del < 1):
             raise ConfigurationError(f"g_del={g_del} is outside the safe range for this buffer (on-policy it "
                                      f"is fixed at 1/M).")
-        if g_ing is not None:
-            self.g_ing = g_ing if self.on_policy else int(g_ing)
-            self._ingestion.g_ing = self.g_ing
-            self._ingestion.queue_depth = max(self._ingestion.queue_depth, int(max(1, self.g_ing)))
         if new_g_del:
-            assert g_del is not None
-            with self._mu:
+            self._enter("retune()")  # (before anything changes: it may refuse)
+        try:
+            if g_ing is not None:
+                self.g_ing = g_ing if self.on_policy else int(g_ing)
+                self._ingestion.g_ing = self.g_ing
+                self._ingestion.queue_depth = max(self._ingestion.queue_depth, int(max(1, self.g_ing)))
+            if new_g_del:
+                assert g_del is not None
                 self.g_del = self._g_del_arg = int(g_del)
                 chunk = self.g_del
                 if self._max_prio_stale is None:
@@ -288,6 +322,9 @@ class Overlapped(Scheduler):
                 if self.prioritized:
                     chunk = max(1, min(chunk, self.max_priority_staleness + 1))
                 self._chunk = chunk
+        finally:
+            if new_g_del:
+                self._mu.release()
 
     @property
     def prepared(self) -> int:
@@ -348,14 +385,48 @@ class Overlapped(Scheduler):
             self._mu.release()
 
     def _enter(self, call: str) -> None:
-        """Take ``_mu`` (deliveries and what changes prepared batches hold it), or refuse ``call`` without changing
-        anything when another thread holds it while this one holds the buffer's lock (inside ``read_locked()``):
-        that thread's delivery may need the lock to finish, so waiting could last forever."""
+        """Take ``_mu`` (deliveries and what changes prepared batches hold it), waiting for another thread that holds
+        it; refuse ``call``, changing nothing, only when waiting could last forever.
+
+        That is the case when this thread holds the buffer's lock (inside ``read_locked()``, or a callback the buffer
+        runs under it) and the thread holding ``_mu`` waits for that lock, directly or through a prefetch job that has
+        not taken it yet (``_mu`` is taken before the buffer's lock everywhere else). A thread holding ``_mu`` marks
+        such waits (:meth:`_wanting_buffer_lock`, ``_awaited``) before it starts them, and a wait that has begun
+        lasts while this thread holds the lock. So the outcome does not depend on timing: a delivery that does not
+        need the buffer's lock any more (e.g. handing out a prepared batch) is waited for, and this call goes on
+        after it; one that needs it gets the lock once this thread lets go of it, and this call is refused.
+        """
         if self._mu.acquire(blocking=False):  # (free now: a caller may have found it held a moment ago)
             return
-        if self.edp.holds_lock():
-            raise wait_refused(call, "delivery running on another thread")
-        self._mu.acquire()
+        if not self.edp.holds_lock():
+            self._mu.acquire()
+            return
+        # (re-checked as the holder goes on: it marks a wait for the buffer's lock only while it holds _mu)
+        while not self._mu.acquire(timeout=_RECHECK_S):
+            if self._holder_wants_buffer_lock():
+                raise wait_refused(call, "delivery running on another thread")
+
+    def _holder_wants_buffer_lock(self) -> bool:
+        """Whether the thread holding ``_mu`` waits for the buffer's lock, or for a job that has yet to take it."""
+        job = self._awaited
+        return self._lock_waiter is not None or (job is not None and not self._job_entered and not job.done())
+
+    def _wanting_buffer_lock(self) -> _LockWait:
+        """Around a call that takes the buffer's lock while this thread holds ``_mu``: this thread waits for that
+        lock until the call runs :meth:`_has_buffer_lock` under it (see :meth:`_enter`)."""
+        return self._lock_wait
+
+    def _has_buffer_lock(self) -> bool:
+        """Run under the buffer's lock (a ``when`` or ``out`` callback of the buffer's primitives): the calling
+        thread no longer waits for it. Returns True (as a ``when`` that lets the call go on)."""
+        if self._lock_waiter == threading.get_ident():
+            self._lock_waiter = None
+        return True
+
+    def _release(self, sel: Selection) -> None:
+        """``edp.release_now(sel)``, marked as a wait for the buffer's lock (see :meth:`_enter`)."""
+        with self._wanting_buffer_lock():
+            self.edp.release_now(sel, when=self._has_buffer_lock)
 
     def _deliver_replay(self, n: int | None, kwargs: dict[str, Any]) -> tuple[ExperienceBatch, SampleInfo]:
         beta = kwargs.pop("beta", None) if self.prioritized else None
@@ -363,7 +434,8 @@ class Overlapped(Scheduler):
             PrioritizedSampler.check_beta(beta)
         if type(n) is not int and (not isinstance(n, numbers.Integral) or isinstance(n, bool)):
             # not a key to compare: the semantics refuse it
-            self.edp.select_now([n], peek=True, **kwargs)
+            with self._wanting_buffer_lock():
+                self.edp.select_now([n], peek=True, when=self._has_buffer_lock, **kwargs)
         key: _Key = (n, tuple(sorted(kwargs.items())) if kwargs else ())
         ready = self._ready
         if not ready or ready[0].key != key or self._too_stale(ready[0]):
@@ -371,7 +443,8 @@ class Overlapped(Scheduler):
             if prepared_for != key:
                 # another request discards what was prepared: the semantics check it first (a peek, which
                 # changes nothing), so that a request they refuse leaves the prepared batches as they are
-                self.edp.select_now([n], peek=True, **kwargs)
+                with self._wanting_buffer_lock():
+                    self.edp.select_now([n], peek=True, when=self._has_buffer_lock, **kwargs)
             # the prepared batch at the head is not usable (or there is none): wait for the job in flight,
             # then drop what does not fit this call. A usable head is older than the job's batches, so
             # taking it without waiting keeps the order of draws.
@@ -384,7 +457,8 @@ class Overlapped(Scheduler):
         else:
             # a single batch drawn for this call is weighted with its beta, exactly as a synchronous delivery
             exact = [beta] if self.prioritized and self._chunk == 1 else None
-            chunk = self._prepare(key, self._ring.acquire(self._delivered, inside_call=True), exact)
+            with self._wanting_buffer_lock():
+                chunk = self._prepare(key, self._ring.acquire(self._delivered, inside_call=True), exact)
             p = chunk[0]
             self._ready.extend(chunk[1:])
             self.prefetch_misses += 1
@@ -397,7 +471,8 @@ class Overlapped(Scheduler):
         self._await_job()
         pred = self._ready.popleft() if self._ready else None
         try:
-            sels = self.edp.select_now([n])  # the semantics refuse an n, as a synchronous delivery does
+            with self._wanting_buffer_lock():  # (the semantics refuse an n, as a synchronous delivery does)
+                sels = self.edp.select_now([n], when=self._has_buffer_lock)
         except BaseException:
             if pred is not None:  # state unchanged: the prediction may still come true later
                 self._ready.appendleft(pred)
@@ -415,15 +490,16 @@ class Overlapped(Scheduler):
                 buf = ring.acquire(self._delivered, inside_call=True)
                 with ring.filling(buf):
                     out, swapped = self._target(ring, buf)
-                    batch = self.edp.gather_now([sel], out)
+                    with self._wanting_buffer_lock():
+                        batch = self.edp.gather_now([sel], out)
                     (batch,) = self._to_device(ring, buf, [batch], swapped)
                     event = ring.filled(buf)
             except BaseException:  # a read that failed consumed the selection: hand it over, or on-policy storage
-                self.edp.release_now(sel)  # under it (and every later rollout's) would never be freed
+                self._release(sel)  # under it (and every later rollout's) would never be freed
                 raise
             p = _Prepared((None, ()), batch, sel.info, sel, buf, 0, event, True)
             self.prefetch_misses += 1
-        self.edp.release_now(sel)
+        self._release(sel)
         self._handover(p)
         self._last = sel.info
         if not sel.info.last:
@@ -462,7 +538,7 @@ class Overlapped(Scheduler):
                     def stamp() -> bool:
                         epoch[0] = self._prio_epoch
                         self._job_entered = True
-                        return True
+                        return self._has_buffer_lock()
 
                     res = self.edp.prepare_now([n] * self._chunk, target, when=stamp, **dict(kw), **extra)
                     assert res is not None
@@ -494,6 +570,7 @@ class Overlapped(Scheduler):
         swapped = [False]
 
         def get(rows: int) -> dict[str, torch.Tensor] | None:
+            self._has_buffer_lock()
             if ((ring.schema is not edp.schema and ring.schema != edp.schema)
                     or ring.storage_device != edp.storage.device):
                 swapped[0] = True
@@ -511,6 +588,7 @@ class Overlapped(Scheduler):
     def _entered_same_rollout(self) -> bool:
         """:meth:`_same_rollout`, noting that the preparation holds the buffer's lock (see :meth:`_await_job`)."""
         self._job_entered = True
+        self._has_buffer_lock()
         return self._same_rollout()
 
     def _same_rollout(self) -> bool:
@@ -555,10 +633,13 @@ class Overlapped(Scheduler):
             raise wait_refused("This call (a delivery, state_dict(), load_state_dict() or close())",
                                         "prefetch worker (it prepares the next batch)")
         self._job = None
+        self._awaited = job  # (a job that has not taken the buffer's lock yet: see _enter)
         try:
             self._ready.extend(job.result())
         except Exception:  # noqa: BLE001 - see the docstring: the caller's own preparation reports it
             pass
+        finally:
+            self._awaited = None
 
     def _too_stale(self, p: _Prepared) -> bool:
         """A prepared draw missed more priority updates than :attr:`priority_staleness` declares now (after a
@@ -608,7 +689,12 @@ class Overlapped(Scheduler):
             self._discard_all()
             if drawn is not None:  # the draws prepared but not delivered are made again next (see above)
                 sem = self.edp.semantics
-                self.edp.read_locked(lambda: sem.rewind_draws(drawn))
+
+                def rewind() -> None:
+                    self._has_buffer_lock()
+                    sem.rewind_draws(drawn)
+                with self._wanting_buffer_lock():
+                    self.edp.read_locked(rewind)
             edp = self.edp
             ring = self._ring
             if (ring.schema != edp.schema or ring.storage_device != edp.storage.device
@@ -633,17 +719,24 @@ class Overlapped(Scheduler):
                 self._closer.join()  # (a close on the ingestion worker stopped the prefetch on its own thread)
             self._ingestion.close()  # nothing left after a close that returned: then this returns at once
             return
-        self._closed = True
-        _OPEN.discard(self)
-        if self._ingestion.on_worker:
-            # a callback inside a background write, which holds the buffer's lock: a delivery (holding _mu) or
-            # the prefetch job may be waiting for that lock, so stopping the prefetch waits on its own thread
-            # (a later close() joins it); the ingestion worker stores the rest of its queue, then stops
-            self._closer = threading.Thread(target=self._stop_prefetch, args=(self._mu, self._pool),
-                                            name="conduit-close", daemon=True)
-            self._closer.start()
-        else:
-            self._stop_prefetch(self._mu, self._pool)
+        on_worker = self._ingestion.on_worker
+        if not on_worker:  # (refused before anything changes when waiting for a delivery could last forever)
+            self._enter("close()")
+        try:
+            self._closed = True
+            _OPEN.discard(self)
+            if on_worker:
+                # a callback inside a background write, which holds the buffer's lock: a delivery (holding _mu) or
+                # the prefetch job may be waiting for that lock, so stopping the prefetch waits on its own thread
+                # (a later close() joins it); the ingestion worker stores the rest of its queue, then stops
+                self._closer = threading.Thread(target=self._stop_prefetch, args=(self._mu, self._pool),
+                                                name="conduit-close", daemon=True)
+                self._closer.start()
+            else:
+                self._stop_prefetch(self._mu, self._pool)
+        finally:
+            if not on_worker:
+                self._mu.release()
         self._ingestion.close()
 
     def _stop_prefetch(self, mu: Any, pool: Worker | None) -> None:

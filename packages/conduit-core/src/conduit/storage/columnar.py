@@ -97,14 +97,19 @@ def index_copy_dtype(dtype: torch.dtype) -> torch.dtype | None:
     return None
 
 
+#: elements per item of capacity in each ragged pool when nothing sizes it (see :func:`pool_elements`)
+DEFAULT_POOL_PER_ITEM = 64
+
+
 def pool_elements(ragged_capacity: int | None, capacity: int) -> int:
-    """The elements of each ragged pool: ``ragged_capacity``, or ``capacity * 64`` when it is None.
+    """The elements of each ragged pool: ``ragged_capacity``, or ``capacity * DEFAULT_POOL_PER_ITEM`` (64) when it is
+    None.
 
     Raises:
         ConfigurationError: ``ragged_capacity`` is not an int (a float, a string, a bool).
     """
     if ragged_capacity is None:
-        return capacity * 64
+        return capacity * DEFAULT_POOL_PER_ITEM
     try:
         if isinstance(ragged_capacity, bool):
             raise TypeError
