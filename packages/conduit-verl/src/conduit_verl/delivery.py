@@ -422,8 +422,10 @@ class _Codec:
         for key in self.order:
             if key in self.schema:
                 c = batch[key]
-                if isinstance(c, Ragged):
-                    out[key] = jagged(c.values, c.lengths)
+                if isinstance(c, Ragged):  # built as verl's index_select builds it: samples of one dimension
+                    # record their min/max lengths, samples with trailing dimensions do not (so to_padded_tensor
+                    # pads those to the minibatch's total length, as it does verl's)
+                    out[key] = jagged(c.values, c.lengths, seqlens=c.values.dim() == 1)
                 else:
                     out[key] = c
             elif key in objects:

@@ -179,16 +179,19 @@ def unpack_column(col: PackedColumn) -> torch.Tensor | NonTensorStack:
     return _unpack_slow(col)
 
 
-def jagged(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def jagged(values: torch.Tensor, lengths: torch.Tensor, *, seqlens: bool = True) -> torch.Tensor:
     """A jagged nested tensor over ``values`` (shared) with rows of ``lengths``.
 
-    The min/max row lengths are recorded as ``as_nested_tensor`` records them; without them
-    ``TensorDict.to_padded_tensor`` pads a column to its total length instead of its longest row.
+    With ``seqlens`` the min/max row lengths are recorded as ``as_nested_tensor`` records them; without
+    them ``to_padded_tensor`` pads a column to its total length instead of its longest row (which is
+    what verl's own minibatch iterator yields for samples with trailing dimensions).
     """
     n = int(lengths.shape[0])
-    host = lengths if lengths.device.type == "cpu" else lengths.cpu()
     offsets = torch.zeros(n + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
+    if not seqlens:
+        return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+    host = lengths if lengths.device.type == "cpu" else lengths.cpu()
     lo, hi = (int(host.min()), int(host.max())) if n else (0, 0)
     return torch.nested.nested_tensor_from_jagged(values, offsets=offsets, min_seqlen=lo, max_seqlen=hi)
 

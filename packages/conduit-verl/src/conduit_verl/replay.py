@@ -19,7 +19,13 @@ run with :class:`conduit.StaleExperienceError` instead of being silently dropped
 TransferQueue is touched (a refused sample clears nothing); verl's ``wait`` is dropless (it
 holds sampling until stale in-flight groups finish, then trains them, past the bound by design),
 so there the bound is not enforced. Every sampled batch's staleness is reported
-(``conduit/staleness/mean``, ``.../max``, ``conduit/stale_groups``). ``on_stale`` is the one
+(``conduit/staleness/mean``, ``.../max``), and so is ``conduit/stale_groups``: the stale groups
+dropped since the previous ``sample`` reported (a per-step value, like verl's
+``training/off_policy/evicted_samples``: drops made outside ``sample``, e.g. by the separate-async
+trainer's wait before a step, count in the step's first sample). It holds no state across
+steps, so a resumed run reports what an uninterrupted one does (verl's trainer checkpoints no
+replay-buffer state). With ``parameter_sync_step`` > 1 verl averages it over the step's samples
+(its ``MetricsAggregator`` sums only metrics it knows). ``on_stale`` is the one
 ``sampler_kwargs`` key it reads; any other is refused (a misspelt one would silently leave verl's
 strategy in force).
 
@@ -82,8 +88,10 @@ class ConduitReplayBuffer(ReplayBufferAsync):
         self.max_staleness = None if self.max_off_policy_threshold is None else self.max_off_policy_threshold - 1
         # verl's async sampler evicts only under its "drop" strategy and holds sampling only under "wait"
         self.max_off_policy_strategy = "wait" if on_stale == "wait" else "drop"
-        #: finished groups evicted as stale (each counted once, when it is cleared)
+        #: finished groups evicted as stale by this buffer (each counted once, when it is cleared); not checkpointed
         self.stale_groups = 0
+        #: :attr:`stale_groups` when ``sample`` last reported ``conduit/stale_groups`` (the drops since)
+        self._stale_reported = 0
         #: (global_steps, batch_size) of the sample() under way, None between samples
         self._sampling: tuple[int, int] | None = None
         #: staleness of each group the current sample() selected
@@ -176,7 +184,8 @@ class ConduitReplayBuffer(ReplayBufferAsync):
         return super()._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
-        """verl's sampling of ``trainer_mode`` with Conduit's staleness rule (see the module docstring).
+        """verl's sampling of ``trainer_mode`` with Conduit's staleness rule (see the module docstring); the metrics
+        add the batch's staleness and ``conduit/stale_groups``, the stale groups dropped since the previous report.
 
         Raises:
             StaleExperienceError: under ``on_stale="raise"`` a stale group would be dropped; in ``sync`` mode under
@@ -197,7 +206,8 @@ class ConduitReplayBuffer(ReplayBufferAsync):
         if ages:
             metrics["conduit/staleness/mean"] = sum(ages) / len(ages)
             metrics["conduit/staleness/max"] = max(ages)
-        metrics["conduit/stale_groups"] = self.stale_groups
+        metrics["conduit/stale_groups"] = self.stale_groups - self._stale_reported  # this step's drops
+        self._stale_reported = self.stale_groups
         return batch, metrics
 
     def _check_sampled(self, ages: list[int], global_steps: int) -> None:

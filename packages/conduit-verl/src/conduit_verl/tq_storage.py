@@ -836,11 +836,15 @@ class ConduitStorageManager(StorageManager):
         fails before its commits were sent aborts its prepared parts and gives back its claims (a claim another put in
         flight also holds stays). A process that dies between prepare and commit cannot abort: its prepared parts hold a
         lease (a Ray object this process owns) and go when a unit sees Ray lost it, at that unit's next put (within
-        seconds of the death), and so do its claims on unit 0, at unit 0's next claim (once it sent its commits, it sent
-        unit 0 that its claims stay, :meth:`_UnitState.keep`). A clear that reaches a unit between a put's prepare and
-        commit applies to the put (its commit there skips the cleared samples), as it would had the put stored. A commit
-        is refused only when its unit lost the prepared part (the unit died, or a checkpoint restore ran during the
-        put); the other units' parts then stay stored.
+        seconds of the death), and so do its claims on unit 0, at unit 0's next claim (before it sends any commit it
+        waits until unit 0 kept its claims for good, :meth:`_UnitState.keep`, so a claim is never given back while a
+        unit stores part of the put). A client that dies while its commits are under way leaves the parts that arrived
+        stored and the others dropped; it never told TransferQueue's controller of the put, so readers are not handed
+        its fields for those samples (a dead client's overwrite of values already listed is the exception: its
+        samples on the units its commits reached read the new values). A clear that reaches a unit between a put's
+        prepare and commit applies to the put (its commit there skips the cleared samples), as it would had the put
+        stored. A commit is refused only when its unit lost the prepared part (the unit died, or a checkpoint restore
+        ran during the put); the other units' parts then stay stored.
 
         Raises:
             SchemaError: a column disagrees with its field's kind, dtype or rank on any unit, or with the claim of a
@@ -922,15 +926,18 @@ class ConduitStorageManager(StorageManager):
             for name, (dtype, width) in confirmed.items():
                 if dtype is not None:
                     widths[name] = max(widths.get(name, 0), width)
-            committing = True  # from here parts may be stored: the claims are kept for good
-            if asked:  # sent before the commits (not awaited): once this process sent a commit, its claims stay
-                self.units[0].keep.remote(token)
+            if asked:  # unit 0 keeps the claims for good before any commit is sent: Ray orders no calls to
+                # different actors, so a keep merely sent first could still be undelivered when this process dies
+                # with a commit stored, and unit 0 would give back the claim of a field a unit holds
+                with _unit_errors():
+                    await self.units[0].keep.remote(token)
+            committing = True  # from here parts may be stored
             with _unit_errors():
                 await asyncio.gather(*[self.units[rank].commit.remote(token, widths) for rank, _, _ in parts])
         except BaseException:
             # not awaited (this task may be cancelled); Ray runs them after this put's earlier calls to each unit
             undo: list[Any] = [self.units[rank].abort for rank, _, _ in parts]
-            if asked and not committing:
+            if asked and not committing:  # (after a keep unit 0 ran, a release gives back nothing)
                 undo.append(self.units[0].release)
             for method in undo:
                 with contextlib.suppress(Exception):
