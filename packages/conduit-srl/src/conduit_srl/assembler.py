@@ -161,6 +161,11 @@ class Assembler:
         self._epoch_items = 0  # on-policy: samples of the current rollout's epoch the plane delivered so far
         self._prio_updates = 0
         self._discarded_seen = 0
+        #: on_full="keep": samples that did not fit, as checked item-major arrays and their count, in put order; stored
+        #: (first, before any later put's samples) as deliveries free room
+        self._held: deque[tuple[dict[str, np.ndarray], int]] = deque()
+        self._held_samples = 0
+        self._held_version: int | None = None  # the newest policy version among them (a later sample older is late)
         self._slot_handle: np.ndarray | None = None
         self._slot_uses: np.ndarray | None = None
 
@@ -176,6 +181,8 @@ class Assembler:
         seals what was stored before it, and the waiting put's samples go to the next rollout. A put
         that completes a rollout (``rollout_size``) and starts another stores through the end of the
         completed one first when only that fits; the rest waits for its delivery to make room.
+        With ``on_full="keep"`` nothing waits: what does not fit is kept and stored first later
+        (:meth:`_store_or_keep`).
         """
         with self._put_lock:
             with self._cv:
@@ -190,74 +197,181 @@ class Assembler:
             if n > capacity:
                 raise CapacityError(f"A put of {n} samples is larger than the capacity ({capacity}); split it "
                                     f"or raise capacity.")
-            done = 0  # samples of this put handed over (on-policy: a put that ends a rollout may wait after it)
-            try:
-                while True:
-                    runs: list[tuple[int, int, int | None, bool]] | None = None
-                    with self._seal_lock:
-                        with self._cv:
-                            rest = arrays if done == 0 else {p: a[done:] for p, a in arrays.items()}
-                            plan = self._plan(rest, n - done) if n else []
-                            if fresh:
-                                self._check_open()
-                                self._start(layout)
-                                fresh = False
-                            if n == 0:
-                                return 0
-                            runs = self._runs_with_room(plan, stored_before=done)
-                            if runs is not None:
-                                before = (self._open_version, self._open_count, self.stats.late_dropped)
-                                self._commit_plan(runs)
+            if self.cfg.on_full == "keep":
+                return self._store_or_keep(arrays, n, layout, fresh)
+            return self._store(arrays, n, layout, fresh)
+
+    def _store(self, arrays: dict[str, np.ndarray], n: int, layout: RecordLayout, fresh: bool,
+               on_taken: Callable[[int], None] | None = None) -> int:
+        """Plan and store the ``n`` checked samples ``arrays`` of one put (the caller holds ``_put_lock``).
+
+        ``on_taken(k)`` is called for each part of them taken (stored, or dropped as late), under ``_seal_lock``
+        and ``_cv`` where ``samples_put`` counts them, so a snapshot sees each sample in exactly one place.
+        """
+        done = 0  # samples of this put handed over (on-policy: a put that ends a rollout may wait after it)
+        try:
+            while True:
+                runs: list[tuple[int, int, int | None, bool]] | None = None
+                with self._seal_lock:
+                    with self._cv:
+                        rest = arrays if done == 0 else {p: a[done:] for p, a in arrays.items()}
+                        plan = self._plan(rest, n - done) if n else []
+                        if fresh:
+                            self._check_open()
+                            self._start(layout)
+                            fresh = False
+                        if n == 0:
+                            return 0
+                        runs = self._runs_with_room(plan, stored_before=done)
                         if runs is not None:
-                            edp = self.edp
-                            assert edp is not None
-                            took = runs[-1][1]
-                            taken = 0  # samples of these runs dealt with: handed over, or dropped as late
-                            sealing = False
-                            try:
-                                self._pay_owed_seal()
-                                for lo, hi, version, seal_after in runs:
-                                    if version != -1:
-                                        whole = (lo, hi) == (0, n - done)
-                                        part = rest if whole else {p: a[lo:hi] for p, a in rest.items()}
-                                        edp.ingest(part, version=version)
-                                    taken = hi
-                                    if seal_after:
-                                        sealing = True
-                                        edp.seal()
-                                        sealing = False
-                            except BaseException as e:
-                                with self._cv:  # the bookkeeping and counts of exactly the runs dealt with
-                                    self._recount(before, runs, taken)
-                                    self.stats.samples_put += taken
-                                    if sealing:  # (stored, but the rollout it completed is not sealed)
-                                        self._seal_owed = True
-                                err = self._told_stored(e, done + taken, n, unsealed=sealing)
-                                if err is e:
-                                    raise
-                                raise err from e
-                            done += took
-                            with self._cv:  # (under _seal_lock: a snapshot counts exactly the samples it holds)
-                                self.stats.samples_put += took
-                            if done == n:
-                                break
-                            continue  # the rest of the put starts the next rollout: it waits for room
-                    if self.cfg.on_full == "raise" and self._ingest_pending():  # (no room, and samples of this put
-                        self.flush()  # are still being stored: store them, which waits for no get(), then decide)
-                        continue
-                    with self._cv:  # wait for room without _seal_lock, so seal() is never held up by this put
-                        self._cv.wait(timeout=0.05)
-            except BaseException as e:  # (a put that waited for room after storing a completed rollout)
-                if not done or hasattr(e, "samples_stored"):
-                    raise
-                err = self._told_stored(e, done, n, unsealed=False)
-                if err is e:
-                    raise
-                raise err from e
-            with self._cv:
-                if self._armed and self._starved and self._deliverable(extra=n):
-                    self._kick()
+                            before = (self._open_version, self._open_count, self.stats.late_dropped)
+                            self._commit_plan(runs)
+                    if runs is not None:
+                        edp = self.edp
+                        assert edp is not None
+                        took = runs[-1][1]
+                        taken = 0  # samples of these runs dealt with: handed over, or dropped as late
+                        sealing = False
+                        try:
+                            self._pay_owed_seal()
+                            for lo, hi, version, seal_after in runs:
+                                if version != -1:
+                                    whole = (lo, hi) == (0, n - done)
+                                    part = rest if whole else {p: a[lo:hi] for p, a in rest.items()}
+                                    edp.ingest(part, version=version)
+                                taken = hi
+                                if seal_after:
+                                    sealing = True
+                                    edp.seal()
+                                    sealing = False
+                        except BaseException as e:
+                            with self._cv:  # the bookkeeping and counts of exactly the runs dealt with
+                                self._recount(before, runs, taken)
+                                self.stats.samples_put += taken
+                                if on_taken is not None:
+                                    on_taken(taken)
+                                if sealing:  # (stored, but the rollout it completed is not sealed)
+                                    self._seal_owed = True
+                            err = self._told_stored(e, done + taken, n, unsealed=sealing)
+                            if err is e:
+                                raise
+                            raise err from e
+                        done += took
+                        with self._cv:  # (under _seal_lock: a snapshot counts exactly the samples it holds)
+                            self.stats.samples_put += took
+                            if on_taken is not None:
+                                on_taken(took)
+                        if done == n:
+                            break
+                        continue  # the rest of the put starts the next rollout: it waits for room
+                if self.cfg.never_waits and self._ingest_pending():  # (no room, and samples of this put
+                    self._flush_storage()  # are still being stored: store them, which waits for no get(), then decide)
+                    continue
+                with self._cv:  # wait for room without _seal_lock, so seal() is never held up by this put
+                    self._cv.wait(timeout=0.05)
+        except BaseException as e:  # (a put that waited for room after storing a completed rollout)
+            if not done or hasattr(e, "samples_stored"):
+                raise
+            err = self._told_stored(e, done, n, unsealed=False)
+            if err is e:
+                raise
+            raise err from e
+        with self._cv:
+            if self._armed and self._starved and self._deliverable(extra=n):
+                self._kick()
         return n
+
+    # -- on_full="keep": samples that do not fit yet ------------------------------------------
+    def _store_or_keep(self, arrays: dict[str, np.ndarray], n: int, layout: RecordLayout, fresh: bool) -> int:
+        """Store a checked put, or keep what does not fit (the caller holds ``_put_lock``).
+
+        Samples kept earlier are stored first; while some are still kept, this put's samples are kept
+        behind them (after the checks its store would make), so the order of puts is the order of storage.
+        """
+        self._store_held(raise_errors=True)
+        if self._held:
+            if n == 0:
+                return 0
+            self._check_keepable(arrays, n)
+            self._keep(arrays, n)
+            return n
+        try:
+            return self._store(arrays, n, layout, fresh)
+        except BufferFullError as e:
+            k = getattr(e, "samples_stored", 0)
+            self._keep({p: a[k:] for p, a in arrays.items()} if k else arrays, n - k)
+            return n
+
+    def _check_keepable(self, arrays: dict[str, np.ndarray], n: int) -> None:
+        """Refuse, as its store would, a put that is to be kept: versions that are not versions, or (on_stale="raise")
+        samples older than the newest kept one (which is stored before them)."""
+        if self.cfg.semantics != "on_policy":
+            return
+        versions = self._item_versions(arrays, n)
+        if self.cfg.on_stale != "raise":
+            return  # (late samples are dropped and counted when they are stored, as any put's)
+        newest = max((v for v in (self._open_version, self._held_version) if v is not None), default=-1)
+        before = np.maximum.accumulate(np.concatenate([[newest], versions]))[:-1]  # the newest version ahead of each
+        late = np.flatnonzero(versions < before)
+        if late.size:
+            i = int(late[0])
+            raise StaleExperienceError(
+                f"A sample of policy version {int(versions[i])} arrived after samples of version {int(before[i])}; "
+                f"nothing of this put was stored. Use on_stale='drop' to drop late samples.")
+
+    def _keep(self, arrays: dict[str, np.ndarray], n: int) -> None:
+        """Keep ``n`` samples that do not fit yet, behind those kept before (the caller holds ``_put_lock``).
+
+        Kept by value: the put returns, and its arrays are views of the caller's sample where possible, which the
+        caller may reuse or change.
+        """
+        if n <= 0:
+            return
+        arrays = {p: a.copy() for p, a in arrays.items()}
+        newest = None
+        if self.cfg.semantics == "on_policy":
+            versions = self._item_versions(arrays, n)
+            newest = max(v for v in (int(versions.max()), self._held_version, self._open_version) if v is not None)
+        with self._cv:
+            self._held.append((arrays, n))
+            self._held_samples += n
+            self._held_version = newest
+
+    def _store_held(self, *, raise_errors: bool) -> None:
+        """Store the kept samples, oldest first, until one does not fit (the caller holds ``_put_lock``).
+
+        Part of a kept put that was stored is taken off it. An error other than BufferFullError leaves
+        the rest kept and propagates when ``raise_errors`` (a put, flush), else waits for the next put to meet it.
+        """
+        while self._held:
+            arrays, n = self._held[0]
+            layout = self.layout
+            assert layout is not None  # (only a put that is not the first is kept)
+            try:
+                self._store(arrays, n, layout, False, on_taken=self._took_held)
+            except BaseException as e:
+                if isinstance(e, BufferFullError) or (not raise_errors and isinstance(e, Exception)):
+                    return
+                raise
+
+    def _took_held(self, k: int) -> None:
+        """Take the first ``k`` kept samples off the oldest kept put: they were stored (the caller holds ``_cv``)."""
+        if k <= 0:
+            return
+        arrays, n = self._held[0]
+        if k < n:
+            self._held[0] = ({p: a[k:] for p, a in arrays.items()}, n - k)
+        else:
+            self._held.popleft()
+        self._held_samples -= k
+        if not self._held:
+            self._held_version = None
+
+    def _drain_held(self) -> None:
+        """Store kept samples that fit now (a delivery may have freed room); called by get() and empty()."""
+        if self._held:  # (read without the lock: a put that keeps samples stores the older ones itself)
+            with self._put_lock:
+                self._store_held(raise_errors=False)
 
     def get(self, n: int | None = None) -> ReplayEntry:
         """The next entry: one assembled ahead, or one assembled now."""
@@ -265,6 +379,7 @@ class Assembler:
             self._check_open()
             if self.edp is None:
                 raise EmptyBufferError("Nothing was put into this buffer yet; put samples before get().")
+        self._drain_held()
         configured = self.cfg.batch_size
         if isinstance(n, np.integer):  # (a size computed with NumPy is a size)
             n = int(n)
@@ -296,6 +411,7 @@ class Assembler:
             self.stats.entries_delivered += 1
             self._armed = True
             self._kick()
+        self._drain_held()  # (the delivery may have freed room)
         return entry
 
     def empty(self) -> bool:
@@ -309,6 +425,8 @@ class Assembler:
             self._check_open()
             if self.edp is None:
                 return True
+        self._drain_held()
+        with self._cv:
             if self._prune_ready():
                 return False
         with self._deliver_lock:  # an entry being assembled right now counts
@@ -320,6 +438,11 @@ class Assembler:
                     return False
             if self._drop_stale_rollouts():
                 return False
+        if self._held:
+            self._drain_held()  # (dropping stale rollouts may have freed room)
+            with self._deliver_lock, self._cv:
+                if self._prune_ready() or self._deliverable():
+                    return False
         pending = self._pending_samples()
         if not pending:
             return True
@@ -354,8 +477,9 @@ class Assembler:
             return self.read_plane(lambda: min(self._pending_samples() + len(edp), edp.capacity))
         # on-policy: a rollout's storage is released when the plane delivers its last minibatch, which may wait
         # in _ready (counted until get() hands it out); _deliver_lock: not while it moves there
-        with self._deliver_lock, self._cv:
-            return self.read_plane(lambda: self._pending_samples() + len(edp)) + sum(e._released for e in self._ready)
+        with self._deliver_lock, self._cv:  # (with the samples kept until room is freed: on_full="keep")
+            return (self.read_plane(lambda: self._pending_samples() + len(edp)) + sum(e._released for e in self._ready)
+                    + self._held_samples)
 
     def read_plane(self, read: Callable[[], T]) -> T:
         """``read()`` under the EDP's lock (``ExperienceDataPlane.read_locked``), where ingestion and delivery
@@ -371,7 +495,15 @@ class Assembler:
             return read()
 
     def flush(self) -> None:
-        """Wait until every sample put so far is stored."""
+        """Wait until every sample put so far is stored (on_full="keep": except those kept until a delivery frees room;
+        the ones that fit now are stored first)."""
+        if self._held:
+            with self._put_lock:
+                self._store_held(raise_errors=True)
+        self._flush_storage()
+
+    def _flush_storage(self) -> None:
+        """Wait until every sample handed to the EDP is stored (a put holding ``_put_lock`` calls this)."""
         if self.edp is not None:
             self.edp.flush()
 
@@ -461,6 +593,7 @@ class Assembler:
                 base.update(edp=edp_state, ready=list(self._ready), stats=replace(self.stats), n=self._n,
                             open=(self._open_version, self._open_count), rollout_open=self._rollout_open,
                             epoch_items=self._epoch_items,
+                            held=list(self._held), held_version=self._held_version,
                             prio_updates=self._prio_updates,
                             slots=None if self._slot_uses is None else (self._slot_handle.copy(),  # type: ignore[union-attr]
                                                                         self._slot_uses.copy()))
@@ -485,6 +618,9 @@ class Assembler:
                 a._open_version, a._open_count = state["open"]
                 a._rollout_open = state["rollout_open"]
                 a._epoch_items = state.get("epoch_items", 0)
+                a._held = deque(state.get("held", ()))
+                a._held_samples = sum(n for _, n in a._held)
+                a._held_version = state.get("held_version")
                 a._prio_updates = state["prio_updates"]
                 if state["slots"] is not None:
                     a._slot_handle, a._slot_uses = state["slots"]
@@ -559,25 +695,7 @@ class Assembler:
         """``(lo, hi, version, seal_after)`` runs of a put; version -1 marks late samples that are dropped."""
         if self.cfg.semantics != "on_policy":
             return [(0, n, None, False)]
-        v = arrays[self.cfg.version_field].reshape(n, -1)
-        if v.dtype.kind == "f":  # whole numbers only: a cast to int64 would truncate, or wrap a huge value
-            v = v.astype(np.float64)
-            held = v[v >= 0]  # (negative values mean "no version")
-            bad = np.concatenate([v[np.isnan(v)], held[(held != np.floor(held)) | (held >= 2.0 ** 63)]])
-            if bad.size:
-                raise SchemaError(f"Field {self.cfg.version_field!r} holds {float(bad[0])}, which is not a policy "
-                                  f"version; versions are whole numbers >= 0 (negative marks 'no version'). "
-                                  f"Nothing of this put was stored.")
-            low = np.where(v >= 0, v, np.inf).min(axis=1)  # (compared as floats: a sentinel cast would wrap)
-            missing = np.isinf(low)
-            per_item = np.where(missing, 0, low).astype(np.int64)
-        else:
-            none = np.iinfo(np.int64).max
-            per_item = np.where(v >= 0, v, none).astype(np.int64, copy=False).min(axis=1)
-            missing = per_item == none
-        if missing.any():
-            raise SchemaError(f"A sample carries no policy version (every {self.cfg.version_field!r} value is "
-                              f"negative); on_policy needs the producing version.")
+        per_item = self._item_versions(arrays, n)
         open_v, count, size = self._open_version, self._open_count, self.cfg.rollout_size
         plan: list[tuple[int, int, int | None, bool]] = []
         lo = 0
@@ -606,6 +724,33 @@ class Assembler:
                 lo += take
         self._next_open = (open_v, count)
         return plan
+
+    def _item_versions(self, arrays: dict[str, np.ndarray], n: int) -> np.ndarray:
+        """On-policy: each sample's producing version (the smallest non-negative value of its version field).
+
+        Raises:
+            SchemaError: a value that is not a whole number, or a sample without any non-negative one.
+        """
+        v = arrays[self.cfg.version_field].reshape(n, -1)
+        if v.dtype.kind == "f":  # whole numbers only: a cast to int64 would truncate, or wrap a huge value
+            v = v.astype(np.float64)
+            held = v[v >= 0]  # (negative values mean "no version")
+            bad = np.concatenate([v[np.isnan(v)], held[(held != np.floor(held)) | (held >= 2.0 ** 63)]])
+            if bad.size:
+                raise SchemaError(f"Field {self.cfg.version_field!r} holds {float(bad[0])}, which is not a policy "
+                                  f"version; versions are whole numbers >= 0 (negative marks 'no version'). "
+                                  f"Nothing of this put was stored.")
+            low = np.where(v >= 0, v, np.inf).min(axis=1)  # (compared as floats: a sentinel cast would wrap)
+            missing = np.isinf(low)
+            per_item = np.where(missing, 0, low).astype(np.int64)
+        else:
+            none = np.iinfo(np.int64).max
+            per_item = np.where(v >= 0, v, none).astype(np.int64, copy=False).min(axis=1)
+            missing = per_item == none
+        if missing.any():
+            raise SchemaError(f"A sample carries no policy version (every {self.cfg.version_field!r} value is "
+                              f"negative); on_policy needs the producing version.")
+        return per_item  # type: ignore[no-any-return]
 
     def _commit_plan(self, plan: list[tuple[int, int, int | None, bool]]) -> None:
         if self.cfg.semantics == "on_policy":
@@ -711,7 +856,7 @@ class Assembler:
                                 f"rollout_size=) or raise capacity. {told}.")
             err.samples_stored = stored_before  # type: ignore[attr-defined]
             raise err
-        if self.cfg.on_full == "raise" and pending == 0:  # (put waits for no get(); the caller stores pending first)
+        if self.cfg.never_waits and pending == 0:  # (put waits for no get(); the caller stores pending first)
             told = (f"The first {stored_before} samples of this put were taken; the other {n_rest} were not stored"
                     if stored_before else "Nothing of this put was stored")
             full = BufferFullError(

@@ -32,7 +32,8 @@ class ConduitBuffer:
       delivered; ``update_priorities(sampling_indices, priorities)`` for prioritized replay.
     * Thread-safe: puts from the consuming thread and gets from the training thread may overlap.
       On-policy storage never evicts: a put that does not fit waits for a ``get()`` on another thread,
-      or (``on_full="raise"``, for hosts that put and get on one thread) raises ``BufferFullError``.
+      or (``on_full="raise"``, for hosts that put and get on one thread) raises ``BufferFullError``, or
+      (``on_full="keep"``) is kept and stored first once a delivery frees room.
     * Picklable (SRL's ``save_buffer_on_exit``): contents, sampler state and prepared deliveries.
 
     Keyword Args:
@@ -68,7 +69,10 @@ class ConduitBuffer:
             StaleExperienceError: on-policy, a sample older than the newest rollout (open or sealed) with
                 ``on_stale="raise"``.
             BufferFullError: on-policy with ``on_full="raise"``, the samples do not fit until a ``get()`` frees
-                room (with ``on_full="wait"``, the default, the put waits for a ``get()`` on another thread).
+                room (with ``on_full="wait"``, the default, the put waits for a ``get()`` on another thread; with
+                ``on_full="keep"`` the buffer keeps them, in order, and the next ``put``, ``get()``, ``empty()``
+                or ``flush()`` stores them first once room is freed: ``stats()["samples_held"]``, counted in
+                ``qsize()`` and in ``samples_put`` once stored).
 
         An error raised after part of the put was taken (on-policy: a put that spans rollouts and whose
         later part is refused) says how many of its first samples were taken, also in its
@@ -168,6 +172,7 @@ class ConduitBuffer:
         with a._cv:  # (a put or delivery updates these under it; the plane's lock is taken after it, as there)
             s: Stats = a.stats
             out: dict[str, Any] = dict(vars(s))
+            out["samples_held"] = a._held_samples  # on_full="keep": put, not stored yet (counted in qsize())
             edp = a.edp
             if edp is not None:
                 sem = edp.semantics

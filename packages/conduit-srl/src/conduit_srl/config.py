@@ -40,9 +40,10 @@ class BufferConfig:
     * ``"on_policy"``: Conduit's freshness semantics: rollouts of one policy version, each
       delivered as ``num_minibatches`` minibatches per epoch for ``num_epochs`` epochs, with a
       staleness bound (``max_staleness``, ``on_stale``). On-policy storage never evicts: a put that does
-      not fit waits for a delivery to free room (``on_full="wait"``), or raises
+      not fit waits for a delivery to free room (``on_full="wait"``), raises
       :class:`~conduit_srl.errors.BufferFullError` at once (``on_full="raise"``, for hosts that put and get
-      on one thread, such as SRL's buffer worker).
+      on one thread, such as SRL's buffer worker, over a claimed stream), or is kept by the buffer and
+      stored first once room is freed (``on_full="keep"``, such a host over SRL's native streams).
     """
 
     semantics: str = "queue"
@@ -78,7 +79,10 @@ class BufferConfig:
     #: on_policy: what a put does when its samples do not fit until a delivery frees room. "wait": it waits for a
     #: get() on another thread (SRL's trainer: put on the main thread, get on the training thread); "raise": it never
     #: waits, it raises BufferFullError at once (hosts that put and get on one thread, e.g. SRL's buffer worker,
-    #: where a waiting put could never be released)
+    #: where a waiting put could never be released, over a claimed stream, whose consumer keeps what is refused);
+    #: "keep": it never waits and never refuses for room: the buffer keeps what does not fit, in order, and stores
+    #: it first as deliveries free room (one thread over SRL's native streams, whose consume_to loses a sample
+    #: whose put raises)
     on_full: str = "wait"
     version_field: str = "policy_version_steps"
     drop_fields: tuple[str, ...] = ("policy_name",)
@@ -173,22 +177,27 @@ class BufferConfig:
                                          "(prefetch= assembles entries ahead).")
         if self.on_stale not in ("drop", "raise"):
             raise ConfigurationError(f"on_stale must be 'drop' or 'raise', got {self.on_stale!r}.")
-        if self.on_full not in ("wait", "raise"):
-            raise ConfigurationError(f"on_full must be 'wait' or 'raise', got {self.on_full!r}.")
-        if self.on_full == "raise":
+        if self.on_full not in ("wait", "raise", "keep"):
+            raise ConfigurationError(f"on_full must be 'keep', 'wait' or 'raise', got {self.on_full!r}.")
+        if self.never_waits:
             if self.semantics != "on_policy":
                 raise ConfigurationError(f"on_full applies to semantics='on_policy' (a {self.semantics} buffer never "
                                          f"waits for room: it evicts the oldest samples); drop on_full.")
             if self.prefetch:
-                raise ConfigurationError("on_full='raise' decides from the room deliveries made so far, and an entry "
-                                         "assembled ahead frees room at a time the caller does not control; use "
-                                         "prefetch=0 (or leave it unset).")
+                raise ConfigurationError(f"on_full={self.on_full!r} decides from the room deliveries made so far, and "
+                                         f"an entry assembled ahead frees room at a time the caller does not control; "
+                                         f"use prefetch=0 (or leave it unset).")
 
     # -- resolved values -------------------------------------------------------------------
     @property
     def replay_like(self) -> bool:
         """Deliveries are independent draws (prepared ones may be dropped and redrawn)."""
         return self.semantics in ("replay", "prioritized")
+
+    @property
+    def never_waits(self) -> bool:
+        """On-policy: a put never waits for a delivery to free room (``on_full`` is "raise" or "keep")."""
+        return self.on_full in ("raise", "keep")
 
     @property
     def resolved_capacity(self) -> int:
@@ -203,7 +212,7 @@ class BufferConfig:
             return self.prefetch
         if self.semantics == "prioritized":
             return 0
-        if self.semantics == "on_policy" and "raise" in (self.on_stale, self.on_full):
+        if self.semantics == "on_policy" and (self.on_stale == "raise" or self.never_waits):
             return 0
         return 1
 

@@ -33,7 +33,9 @@ class BufferFullError(CapacityError):
     minibatch. With ``on_full="raise"`` a put never waits for that (on a host that puts and gets on one
     thread the wait could never end): it raises this at once. Nothing of the samples it names was stored;
     call ``get()`` (or ``empty()``, which drops rollouts too stale to deliver) until room is freed, then put
-    them again, or raise ``capacity``.
+    them again, or raise ``capacity``. (``on_full="keep"`` never raises this: the buffer keeps such samples
+    and stores them first once room is freed, for callers that cannot put a sample again, such as SRL's
+    native ``consume_to``, which has taken it off its socket.)
 
     Attributes:
         samples_stored: samples of the put taken before it was refused (a put that completed a rollout stores

@@ -507,7 +507,7 @@ def run_buffer_worker(upstream: Sequence[Any], buffer: Any, downstream_buffer: A
             late += (f"; the buffer worker is still inside consume_to or get, left running as a daemon thread: a "
                      f"buffer.put that waits for room only this same thread could make by get() never returns (an "
                      f"on-policy buffer in a buffer worker needs capacity for what one consume_to(max_iter="
-                     f"{max_iter}) receives, or on_full='raise' to get BufferFullError instead of waiting)")
+                     f"{max_iter}) receives, or on_full='keep' to keep what does not fit until a get() frees room)")
         raise TimeoutError(late + ".")
     if stuck:
         raise TimeoutError(f"run_buffer_worker: thread(s) {stuck} did not finish within timeout_s={timeout_s} s "
