@@ -144,12 +144,17 @@ def test_the_log_keeps_the_newest_iterations_and_skips_warm_up_by_count() -> Non
     tel = Telemetry()
     log = ExposureLog(tel, keep=3)
     for i in range(5):
-        with log.iteration(), tel.span("update"):
-            time.sleep(0.001 * (i + 1))
+        with log.iteration():
+            # an update span of exactly i + 1 ms, recorded with its own timestamps (a slept span's length is the
+            # machine's scheduling, not the test's); the iteration lasts past its end, so nothing of it is clipped
+            start = time.perf_counter()
+            tel.record("update", 0, 0, start, start + 0.001 * (i + 1))
+            while time.perf_counter() <= start + 0.001 * (i + 1):
+                time.sleep(0.001)
     assert log.accounted == 5
     assert len(log.iterations) == 3, "the log holds at most `keep` iterations"
     updates = [round(it.update_s * 1e3) for it in log.iterations]
-    assert updates == sorted(updates) and updates[0] >= 3, f"the newest three, oldest first: {updates} ms"
+    assert updates == [3, 4, 5], f"the newest three, oldest first: {updates} ms"
     # skip counts accounted iterations: skipping 4 leaves the fifth only, though two are no longer held
     assert log.summary(skip=4)["update_s"] == log.iterations[-1].update_s
     assert log.summary(skip=2)["update_s"] == log.iterations[1].update_s  # the median of the held three

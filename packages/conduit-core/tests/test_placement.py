@@ -146,8 +146,11 @@ def test_profile_measures_and_caches_this_machine(measured: BandwidthProfile, mo
     for path in ("host_copy", "host_gather", "host_gather_scalar", "host_gather_scalar_cached", "edp_deliver",
                  "edp_ingest", "disk_read", "disk_write"):
         assert measured.has(path), path
-    assert 1e8 < measured.link("host_gather").peak_bandwidth < 1e12
-    assert 0 < measured.link("host_gather").overhead_s < 1e-2
+    # figures in bytes per second and seconds, whatever this machine's speed and load: a busy machine's noise
+    # can put a sample barely above the overhead (a huge fitted bandwidth) or slow every call down
+    gather = measured.link("host_gather")
+    assert 1e6 < gather.peak_bandwidth and math.isfinite(gather.peak_bandwidth), gather
+    assert 0 < gather.overhead_s < 1.0, gather
     assert isinstance(measured.details["disk_read_cold"], bool)
     if not torch.cuda.is_available():
         assert not measured.has("h2d_pinned") and measured.details["gpus"] == 0

@@ -25,6 +25,7 @@ from conduit import (
     Synchronous,
 )
 from conduit.placement import HostPlacement
+from conduit.testing.lifecycle import eventually
 from conduit.testing.reference import ID_SCHEMA, id_batch
 
 
@@ -148,11 +149,13 @@ def test_close_drains_everything_handed_over() -> None:
 
 
 def test_background_failure_is_raised_later_and_the_batch_retried() -> None:
-    edp = on_policy(Overlapped(), capacity=16, num_minibatches=2)
+    sched = Overlapped()
+    edp = on_policy(sched, capacity=16, num_minibatches=2)
     edp.ingest(id_batch(np.arange(10)), version=0)
     edp.seal()
     edp.ingest(id_batch(np.arange(100, 110)), version=1)  # does not fit until the first rollout is consumed
-    time.sleep(0.2)
+    # the worker's write has failed and paused storing (waited for, not slept on: a loaded machine runs it late)
+    assert eventually(lambda: sched._ingestion._paused, timeout=60), "the background write never failed"
     with pytest.raises(CapacityError, match="still queued|stay queued"):
         edp.ingest(id_batch(np.arange(200, 202)), version=1)
     assert [h.batch.batch_size for h in edp.scheduler.pending()] == [10], "the failed batch is not kept in order"

@@ -25,6 +25,7 @@ from conduit import (
     Synchronous,
 )
 from conduit.placement import HostPlacement
+from conduit.testing.lifecycle import eventually
 from conduit.testing.reference import ID_SCHEMA, id_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -195,7 +196,9 @@ def test_automatic_switching_windows_never_drops_a_delivered_on_policy_minibatch
     else:
         pytest.fail("never reached a window of the overlapped candidate that ends inside a rollout")
     edp.ingest(rollout(v + 1), version=v + 1)  # stored in the background: fails until rollout v is consumed
-    time.sleep(0.1)
+    # the background write has failed (waited for, not slept on: a loaded machine runs the worker late, and a
+    # write tried only after rollout v was consumed would succeed and test nothing)
+    assert eventually(lambda: s.inner._ingestion._paused, timeout=60), "the background write never failed"
     while True:
         try:
             b, info = edp.deliver()

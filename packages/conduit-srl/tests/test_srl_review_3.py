@@ -213,7 +213,9 @@ def test_assembler_always_prepares_the_next_minibatch_of_the_rollout() -> None:
             b.put_batch(make_sample(list(range(4)), batched=True))
             b.seal()
             b.get()
-            deadline = time.monotonic() + 2
+            # (a wait for the assembler, not a speed bound: one that stopped never prepares the entry, while a
+            # loaded machine may take seconds to run it)
+            deadline = time.monotonic() + 30
             while not b._a._ready and time.monotonic() < deadline:
                 time.sleep(0.001)
             starved += not b._a._ready
