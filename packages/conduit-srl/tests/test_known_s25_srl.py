@@ -12,9 +12,9 @@ them first (before any later put's) as deliveries free room: at the next ``put``
 from __future__ import annotations
 
 import pickle
-import threading
+import sys
 import time
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,32 +24,8 @@ from conduit_srl import BufferFullError, ConduitBuffer
 from conduit_srl.testing.driver import ZmqSampleConsumer, ZmqSampleProducer, run_buffer_worker
 from conduit_srl.testing.records import make_sample
 
-BOUND_S = 60.0  # a generous bound on calls that must return (they take well under a second)
-
-
-def bounded(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on a daemon thread and return its result (or raise its error); fail if it does not return."""
-    out: list[Any] = []
-    err: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            err.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(BOUND_S)
-    assert not t.is_alive(), "the call did not return"
-    if err:
-        raise err[0]
-    return out[0]
-
-
-def ids_of(entry: Any) -> list[int]:
-    """The sample ids of an entry, sorted (on-policy shuffles a rollout within each epoch)."""
-    return sorted(np.asarray(entry.sample.id)[0].tolist())
+sys.path.insert(0, str(Path(__file__).parent))
+from test_known_s24_srl import BOUND_S, bounded, ids_of  # noqa: E402, I001
 
 
 def on_policy(**kw: Any) -> ConduitBuffer:
