@@ -85,21 +85,26 @@ def wait_all(refs: Mapping[Any, Any] | Sequence[Any], timeout: float) -> dict[An
         timeout: seconds for all of them together.
 
     Returns:
-        key -> :class:`Outcome`. A call still pending after ``timeout`` is an outcome with
+        key -> :class:`Outcome`, for every key (one ObjectRef under several keys gives each of them its
+        outcome; the ref is waited for once). A call still pending after ``timeout`` is an outcome with
         ``lost=True`` and a ``TimeoutError``.
     """
     ray = ray_module()
     items = dict(refs) if isinstance(refs, Mapping) else dict(enumerate(refs))
     if not items:
         return {}
-    by_ref = {ref: key for key, ref in items.items()}
+    by_ref: dict[Any, list[Any]] = {}
+    for key, ref in items.items():
+        by_ref.setdefault(ref, []).append(key)
     ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=max(0.0, timeout), fetch_local=True)
     out: dict[Any, Outcome] = {}
     for ref in ready:
         try:
-            out[by_ref[ref]] = Outcome(ray.get(ref, timeout=max(1.0, timeout)))
+            got = Outcome(ray.get(ref, timeout=max(1.0, timeout)))
         except Exception as e:  # noqa: BLE001 - classified into a typed outcome
-            out[by_ref[ref]] = _classify(ray, e)
+            got = _classify(ray, e)
+        for key in by_ref[ref]:
+            out[key] = got
     for key in items:
         if key not in out:
             out[key] = Outcome(error=TimeoutError(f"no answer within {timeout:.1f} s"), lost=True)

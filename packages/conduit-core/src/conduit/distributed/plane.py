@@ -76,6 +76,9 @@ log = logging.getLogger("conduit.distributed")
 
 #: redraw rounds for replay draws that hit lost items before giving up
 _MAX_REDRAWS = 256
+#: rounds of re-replication copies in one call (the first and its retries): a copy that fails while its source
+#: lives is sent again to another target, so one stuck or refusing target does not leave a segment short
+_COPY_ROUNDS = 3
 
 
 class _Assembly:
@@ -257,6 +260,10 @@ class DistributedDataPlane:
             number of epochs on-policy).
         measure: measure the links between nodes for the plan (once per server group);
             False ranks shards by locality only.
+        links: declared links instead of measured ones (a :class:`~conduit.distributed.LinkProfile`, e.g. one
+            measured before, or the figures of a known network): the plan and the transport choice use them, and
+            nothing is measured (``measure`` is then ignored). It must name every directed link between the
+            servers' nodes and the learner's node.
         learner_node: the node delivered batches go to (default: this process's node).
         device: the torch device delivered batches land on (default: host memory).
         timeout: seconds any remote call may take; a shard that does not answer in time is lost.
@@ -288,7 +295,8 @@ class DistributedDataPlane:
     def __init__(self, schema: ExperienceSchema, *, capacity: int, semantics: Semantics | None = None,
                  servers: ShardServers | Sequence[str] | None = None, replication: int = 1,
                  shard_capacity: int | None = None, ragged_capacity: int | None = None, reuse: float | None = None,
-                 measure: bool = True, learner_node: str | None = None, device: torch.device | str | None = None,
+                 measure: bool = True, links: LinkProfile | None = None, learner_node: str | None = None,
+                 device: torch.device | str | None = None,
                  timeout: float = 30.0, health_period: float | None = 1.0,
                  on_loss: Callable[[LossReport], None] | None = None, transport: str = "auto",
                  scheduler: Scheduler | None = None) -> None:
@@ -311,6 +319,9 @@ class DistributedDataPlane:
             raise ConfigurationError(f"reuse must be a number >= 0 (expected deliveries per item), got {reuse!r}.")
         if transport not in TRANSPORTS:
             raise ConfigurationError(f"transport must be one of {TRANSPORTS}, got {transport!r}.")
+        if links is not None and not isinstance(links, LinkProfile):
+            raise ConfigurationError(f"links must be a conduit.distributed.LinkProfile or None (measure them), got "
+                                     f"{type(links).__name__}.")
         if _PRODUCER in schema:
             raise ConfigurationError(f"The field name {_PRODUCER!r} is reserved by DistributedDataPlane; rename it.")
         device = check_roles(semantics=semantics, scheduler=scheduler, device=device) or torch.device("cpu")
@@ -326,9 +337,10 @@ class DistributedDataPlane:
         self._callbacks = _LossCallbacks(on_loss)
         self.losses: list[LossReport] = []
         self._losses_seen = 0  # len(losses) at the last deliver(): batches prepared before a loss are dropped
-        #: items left with fewer than ``replication`` copies (no room on another node) when stored or re-replicated
-        #: after a loss, counted each time: a running total over the buffer's life, like :attr:`lost_items`, that
-        #: never goes down (also once such items are evicted or copied later)
+        #: items left with fewer than ``replication`` copies when stored or re-replicated after a loss (no room on
+        #: another node, or every copy failed, retries included: see _replicate), counted each time: a running
+        #: total over the buffer's life, like :attr:`lost_items`, that never goes down (also once such items are
+        #: evicted or copied later)
         self.under_replicated = 0
         self._lock = _PlaneLock(self._callbacks)
         self._closed = False
@@ -381,7 +393,11 @@ class DistributedDataPlane:
         self._pools: list[futures.ThreadPoolExecutor] = []
         try:  # what fails from here on stops the servers this buffer started
             # (probes bounded by this buffer's timeout, as every remote call it makes)
-            self.links: LinkProfile | None = self.servers.links(timeout=self.timeout) if measure else None
+            self.links: LinkProfile | None = links
+            if links is not None:
+                _check_links(links, [*nodes, self.learner_node])
+            elif measure:
+                self.links = self.servers.links(timeout=self.timeout)
             self.plan = ShardPlan(nodes, self.learner_node, links=self.links, reuse=reuse)
             if transport == TORCH:
                 self._torch = self.servers.torch_group(timeout=self.timeout)
@@ -1468,20 +1484,58 @@ class DistributedDataPlane:
     def _replicate(self, rows: list[int]) -> int:
         """Give under-replicated segments the copies they lack, each on another live node; returns items copied.
 
-        A segment still short of ``replication`` copies afterwards (no room on another node, or a copy failed)
-        counts its items in :attr:`under_replicated`; one whose source died is accounted by that loss instead.
-        During a write (a shard lost while an ingestion stores its batch) only the items the write keeps are
-        copied, into the room its evictions free: the oldest items it evicts are not (a segment it evicts
-        whole is kept aside, and copied only if the write fails and evicts nothing).
+        A copy that fails while its source lives (its target refused it, died, or answered a health probe but
+        did not store the copy within ``timeout``) is sent again to another target, in at most
+        :data:`_COPY_ROUNDS` rounds in all; a target whose copy failed gets no more copies in this call (a late
+        copy there is discarded, see :meth:`_discard_late`). Before a retry, the shards of copies whose outcome
+        is unknown are probed (at most ``timeout``), so a retry never waits on a source found dead. A segment
+        still short of ``replication`` copies afterwards (no room on another node, or every copy failed) counts
+        its items in :attr:`under_replicated`; one whose source (or another replica) was lost meanwhile is
+        accounted by that loss instead. During a write (a shard lost while an ingestion stores its batch) only
+        the items the write keeps are copied, into the room its evictions free: the oldest items it evicts are
+        not (a segment it evicts whole is kept aside, and copied only if the write fails and evicts nothing).
         """
         if self.replication < 2:
             return 0
         oldest = self.index.oldest if self._evicting is None else max(self.index.oldest, self._evicting)
-        rooms = {s: self._room(s, oldest) for s in self.alive_shards}
+        #: the shards holding each segment now: a segment one of them is lost from is that loss's to account
+        held = {row: {s for s, _ in self.index.segment(row, oldest)[2]} for row in rows}
+        copied: dict[int, int] = {}  # rows that got a copy -> their items
+        avoid: set[int] = set()  # targets whose copy failed in this call
+        todo = list(held)
+        for attempt in range(_COPY_ROUNDS):
+            retry, unsure = self._copy_round(todo, oldest, held, avoid, copied)
+            last = attempt == _COPY_ROUNDS - 1 or not retry
+            if unsure and (not last or self._monitor is None):
+                # probe now (at most ``timeout``): before a retry, so it does not wait on a dead source; and
+                # when no health monitor will look at them, so a shard that stays unreachable is found lost
+                # here (its segments accounted again by its loss), not never
+                self._settle(unsure)
+            if last:
+                break
+            todo = retry
+        short = 0
+        for row, shards in held.items():
+            _, count, reps = self.index.segment(row, oldest)
+            if count > 0 and reps and len(reps) < self.replication and all(self._alive[s] for s in shards):
+                short += count
+        self.under_replicated += short
+        return sum(copied.values())
+
+    def _copy_round(self, rows: list[int], oldest: int, held: Mapping[int, set[int]], avoid: set[int],
+                    copied: dict[int, int]) -> tuple[list[int], dict[int, Outcome]]:
+        """One round of :meth:`_replicate`: copy each short segment of ``rows`` to targets not in ``avoid``.
+
+        Records the copies that landed (in the index and ``copied``) and adds the targets whose copy failed to
+        ``avoid``. Returns the rows to copy again (their source lives) and the outcomes of copies whose outcome
+        is unknown, by shard (source and target), to probe.
+        """
+        rooms = {s: self._room(s, oldest) for s in self.alive_shards if s not in avoid}
         jobs: dict[tuple[int, int], tuple[int, int, int]] = {}
         calls: dict[tuple[int, int], Any] = {}
-        short: dict[int, int] = {}  # rows left with fewer than ``replication`` copies -> their items
         for row in rows:
+            if not all(self._alive[s] for s in held[row]):
+                continue  # the loss of one of its shards accounted it again
             first, count, reps = self.index.segment(row, oldest)
             if reps and len(reps) < self.replication and count <= 0 < self.index.segment(row)[1]:
                 self._short_evicted.append(row)  # evicted by the write under way (unless it fails)
@@ -1498,8 +1552,6 @@ class DistributedDataPlane:
                         and rooms[s][0] >= count:
                     targets.append(s)
                     used.add(self.shard_node(s))
-            if len(reps) + len(targets) < self.replication:
-                short[row] = count
             if not targets:
                 continue
             data = self.servers[src].actor.gather.remote(self.buffer_id, np.arange(src_local, src_local + count))
@@ -1508,9 +1560,9 @@ class DistributedDataPlane:
                 calls[(row, t)] = self.servers[t].actor.append.remote(self.buffer_id, data, 0, count, rooms[t][1])
                 jobs[(row, t)] = (count, first, src)
         outs = wait_all(calls, self.timeout)
-        copied: dict[int, int] = {}  # rows that got a copy -> their items
         late: set[int] = set()  # targets of copies whose outcome is unknown (they may still run)
-        unsure: dict[int, Outcome] = {}  # their sources and targets, to probe when no monitor will
+        unsure: dict[int, Outcome] = {}  # their sources and targets
+        retry: list[int] = []
         for (row, t), o in outs.items():
             count, first, src = jobs[(row, t)]
             if o.ok:
@@ -1521,8 +1573,7 @@ class DistributedDataPlane:
                 continue
             if o.lost and not o.unconfirmed:
                 # a two-hop copy: the error names the actor that died (source or target); a timeout or a
-                # passing unavailability is left to the health monitor, which pings each one alone (or, with
-                # none, to a probe of both at the end of this call)
+                # passing unavailability is settled by a probe (see _replicate) or by the health monitor
                 dead = getattr(o.error, "actor_id", None)
                 if dead == _actor_hex(self.servers[src].actor):
                     # the source's loss accounts the segment again (copied from another replica, or lost)
@@ -1532,14 +1583,10 @@ class DistributedDataPlane:
             elif o.lost:
                 late.add(t)
                 unsure[src] = unsure[t] = o
-            short[row] = count
+            avoid.add(t)
+            retry.append(row)
         self._discard_late(late)
-        self.under_replicated += sum(short.values())
-        if unsure and self._monitor is None:
-            # no health monitor will look at them: probe now (at most ``timeout``), so a shard that stays
-            # unreachable is found lost here (its segments accounted again by its loss), not never
-            self._settle(unsure)
-        return sum(copied.values())
+        return list(dict.fromkeys(retry)), unsure
 
     def _discard_late(self, shards: Collection[int]) -> None:
         """Make appends whose outcome is unknown (timed out, or Ray reported the shard unavailable) harmless.
@@ -1835,6 +1882,20 @@ def _release_dropped(stop: threading.Event, servers: ShardServers, owned: bool, 
 
 class _PartlyLoaded(ClusterError):
     """A checkpoint load that stopped part way: the rest of the checkpoint is marked lost."""
+
+
+def _check_links(links: LinkProfile, nodes: Sequence[str]) -> None:
+    """Refuse declared ``links`` that leave out a directed link between two of ``nodes``.
+
+    Raises:
+        ConfigurationError: a link is missing (named in the message).
+    """
+    missing = [(a, b) for a in dict.fromkeys(nodes) for b in dict.fromkeys(nodes) if (a, b) not in links.links]
+    if missing:
+        a, b = missing[0]
+        raise ConfigurationError(f"The declared links name no link {a[:8]} -> {b[:8]} ({len(missing)} links "
+                                 f"missing); declare every directed link between the servers' nodes and the "
+                                 f"learner's node (same-node ones too), or leave links out to measure them.")
 
 
 def _is_int(x: Any) -> bool:

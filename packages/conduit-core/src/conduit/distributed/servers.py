@@ -129,12 +129,7 @@ class ShardServers:
 
     def _leave(self, group: Any) -> None:
         """Close ``group`` here and ask every server to leave it (fire and forget; a dead server left it already)."""
-        group.close()
-        for info in self.servers:
-            try:
-                info.actor.leave_group.remote(group.group_id)
-            except Exception:  # noqa: BLE001 - a server Ray cannot reach holds no group any more
-                pass
+        group._tear_down()
 
     def kill(self, i: int) -> None:
         """Fence server ``i``: it is killed and never restarts (a lost server must not come back).

@@ -110,6 +110,8 @@ class TorchGroup:
     Raises:
         ConfigurationError: torch.distributed or the backend is missing here.
         ClusterError: a server could not join within ``timeout`` (the group is not formed).
+        RemoteTimeoutError: measuring the links failed (the group formed, and is torn down: closed here and
+            left by every server; forming it again starts afresh).
     """
 
     def __init__(self, servers: ShardServers, *, backend: str = "gloo", timeout: float = 60.0,
@@ -145,11 +147,19 @@ class TorchGroup:
                                f"{host} over TCP, or use transport='object_store'.") from e
         outs = wait_all(joins, self.timeout)
         bad = {i: o for i, o in outs.items() if not o.ok}
-        if bad:
-            i, o = next(iter(bad.items()))
-            raise ClusterError(f"Shard server {i} failed to join the torch.distributed group ({o.error}); use "
-                               f"transport='object_store'.")
-        self.links: LinkProfile | None = self.measure() if measure else None
+        self.links: LinkProfile | None = None
+        try:
+            if bad:
+                i, o = next(iter(bad.items()))
+                raise ClusterError(f"Shard server {i} failed to join the torch.distributed group ({o.error}); use "
+                                   f"transport='object_store'.")
+            if measure:
+                self.links = self.measure()
+        except BaseException:
+            # a group that failed after it formed is torn down: closed here, and every server asked to leave it,
+            # so nothing keeps it and a retry forms a new one
+            self._tear_down()
+            raise
 
     def __repr__(self) -> str:
         return f"TorchGroup({self.backend}, ranks={len(self.nodes) + 1}, broken={self.broken is not None})"
@@ -208,6 +218,16 @@ class TorchGroup:
                 samples.append((x, statistics.median(once(server, x) for _ in range(repeats))))
             prof.links[(node, self.learner_node)] = LinkCost.fit_or_bound(samples[1:], samples[0][1])
         return prof
+
+    def _tear_down(self) -> None:
+        """:meth:`close` here, and ask every server to leave the group (without waiting: a server may still be
+        stuck in it; it runs the request after what it is doing)."""
+        self.close()
+        for info in self._servers.servers:
+            try:
+                info.actor.leave_group.remote(self.group_id)
+            except Exception:  # noqa: BLE001 - a server Ray cannot reach holds no group any more
+                pass
 
     def close(self) -> None:
         """Leave the group here and close this process's sockets of it: the group's connections and its
