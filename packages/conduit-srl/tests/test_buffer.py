@@ -296,8 +296,9 @@ def test_on_policy_entry_prepared_ahead_is_dropped_when_the_version_moves(closin
     with pytest.raises(EmptyBufferError):
         b.get()
     stats = b.stats()
-    # the prepared minibatch is counted here; Conduit drops the rest of the rollout (it counts the whole rollout)
-    assert stats["stale_dropped"] == 2 and stats["rollout_dropped"] == 8, stats
+    # the prepared minibatch counts as stale, the rest of the rollout as dropped, each sample once:
+    # 2 delivered + 2 stale + 4 dropped = the 8 put
+    assert stats["samples_delivered"] == 2 and stats["stale_dropped"] == 2 and stats["rollout_dropped"] == 4, stats
 
 
 def test_on_policy_pickle_mid_rollout_continues_identically(closing) -> None:

@@ -96,14 +96,24 @@ class ReplayEntry:
 
 @dataclass
 class Stats:
-    """Counters of one buffer (``ConduitBuffer.stats()`` adds the semantics' own)."""
+    """Counters of one buffer (``ConduitBuffer.stats()`` adds the semantics' own and the waiting counts).
 
+    Queue and on-policy: each sample in ``samples_put`` is in exactly one of ``samples_delivered``,
+    ``late_dropped``, ``stale_dropped``, ``rollout_dropped``, the queue's ``queue_dropped``, or waiting.
+    """
+
+    #: samples taken by puts: stored (or on their way to storage), or dropped as late
     samples_put: int = 0
     entries_delivered: int = 0
+    #: samples handed out by ``get()`` at least once (counted at their first delivery; replay: drawn at least once
+    #: while stored)
+    samples_delivered: int = 0
     #: on-policy samples older than the newest rollout (open or sealed), not stored (on_stale="drop")
     late_dropped: int = 0
-    #: on-policy samples in entries assembled ahead that a version change made too stale
+    #: on-policy samples never handed out, in entries assembled ahead that a version change made too stale
     stale_dropped: int = 0
+    #: on-policy samples never handed out (nor assembled ahead) of rollouts dropped as too stale
+    rollout_dropped: int = 0
     #: replay entries assembled ahead and discarded (another batch size, priorities, checkpoint)
     redrawn: int = 0
 
@@ -159,6 +169,10 @@ class Assembler:
         self._seal_owed = False
         self._rollout_open = False  # on-policy: the last delivered minibatch was not its rollout's last
         self._epoch_items = 0  # on-policy: samples of the current rollout's epoch the plane delivered so far
+        #: on-policy: samples of the current rollout the plane delivered in its first epoch (handed out, assembled
+        #: ahead, or dropped from there), and the plane's count of dropped rollout samples accounted for so far
+        self._first_epoch_items = 0
+        self._plane_dropped = 0
         self._prio_updates = 0
         self._discarded_seen = 0
         #: on_full="keep": samples that did not fit, as checked item-major arrays and their count, in put order; stored
@@ -399,20 +413,28 @@ class Assembler:
                     entry = self._ready.popleft() if self._ready else None
                 if entry is None:
                     entry = self._deliver()
-            if self._usable(entry):
-                break
+                if self._usable(entry):
+                    with self._cv:  # (counted in the delivery's hold of _deliver_lock: stats() sees it in one place)
+                        self._count_handed_out(entry)
+                    break
         with self._cv:
-            if self.cfg.replay_like:
-                entry.reuses = self._count_reuses(entry.sampling_indices)
             info = entry.info
             if self.cfg.semantics == "on_policy" and info is not None and info.version is not None:
                 assert self.edp is not None  # (an entry assembled ahead: staleness as of this delivery)
                 info.staleness = self.edp.semantics.policy_version - info.version  # type: ignore[attr-defined]
-            self.stats.entries_delivered += 1
             self._armed = True
             self._kick()
         self._drain_held()  # (the delivery may have freed room)
         return entry
+
+    def _count_handed_out(self, entry: ReplayEntry) -> None:
+        """``get()`` hands ``entry`` out: count it, and its samples delivered for the first time (holds ``_cv``)."""
+        self.stats.entries_delivered += 1
+        if self.cfg.replay_like:
+            entry.reuses, first = self._count_reuses(entry.sampling_indices)
+            self.stats.samples_delivered += first
+        elif entry.info is not None and not entry.info.epoch:  # (queue and on-policy: its batch's first delivery)
+            self.stats.samples_delivered += int(entry.sampling_indices.shape[0])
 
     def empty(self) -> bool:
         """True when ``get()`` has nothing to deliver (samples put before the call count).
@@ -461,25 +483,66 @@ class Assembler:
         What is on its way and what is stored are read in one hold of the EDP's lock, so a sample being
         stored counts once (Conduit's scheduler marks it stored in the lock hold that stores it).
         """
-        edp = self.edp
-        if edp is None:
+        if self.edp is None:
             return 0
+        if self.cfg.semantics == "on_policy":  # (_deliver_lock: not while a rollout's last minibatch moves to _ready)
+            with self._deliver_lock, self._cv:
+                return self._qsize_locked()
+        with self._cv:  # (a batch assembled ahead leaves the cursor and joins _ready in one step under _cv)
+            return self._qsize_locked()
+
+    def _qsize_locked(self) -> int:
+        """:meth:`qsize`; the caller holds ``_cv`` (and, on-policy, ``_deliver_lock``)."""
+        edp = self.edp
+        assert edp is not None
         if self.cfg.semantics == "queue":
             fifo = self._fifo()
 
             def queued() -> int:
                 return min(self._pending_samples() + fifo.undelivered(), edp.capacity)
 
-            with self._cv:  # (a batch assembled ahead leaves the cursor and joins _ready in one step under _cv)
-                fresh = sum(int(e.sampling_indices.shape[0]) for e in self._ready if e.reuses == 0)
-                return self.read_plane(queued) + fresh
+            fresh = sum(int(e.sampling_indices.shape[0]) for e in self._ready if e.reuses == 0)
+            return self.read_plane(queued) + fresh
         if self.cfg.replay_like:
             return self.read_plane(lambda: min(self._pending_samples() + len(edp), edp.capacity))
         # on-policy: a rollout's storage is released when the plane delivers its last minibatch, which may wait
-        # in _ready (counted until get() hands it out); _deliver_lock: not while it moves there
-        with self._deliver_lock, self._cv:  # (with the samples kept until room is freed: on_full="keep")
-            return (self.read_plane(lambda: self._pending_samples() + len(edp)) + sum(e._released for e in self._ready)
-                    + self._held_samples)
+        # in _ready (counted until get() hands it out); with the samples kept until room is freed (on_full="keep")
+        return (self.read_plane(lambda: self._pending_samples() + len(edp)) + sum(e._released for e in self._ready)
+                + self._held_samples)
+
+    def counts(self) -> dict[str, int]:
+        """:class:`Stats` and what is waiting, read in one hold of the buffer's locks (see ``ConduitBuffer.stats``).
+
+        ``_seal_lock`` (no put is between handing samples to the plane and counting them), ``_deliver_lock`` (no
+        delivery is between leaving the plane and being counted), ``_cv``, then the plane's lock (storing, which
+        evicts and counts what it evicted, and the semantics' counters).
+        """
+        with self._seal_lock, self._deliver_lock, self._cv:
+            out: dict[str, int] = dict(vars(self.stats))
+            out.update(samples_held=self._held_samples, queue_dropped=0, queue_abandoned=0, samples_waiting=0,
+                       qsize=0)
+            edp = self.edp
+            if edp is None:
+                return out
+            ready_first = sum(int(e.sampling_indices.shape[0]) for e in self._ready
+                              if e.info is not None and not e.info.epoch)  # (their samples' first delivery)
+            if self.cfg.semantics == "queue":
+                fifo = self._fifo()
+
+                def read_queue() -> None:  # (prepared selections eviction took: dropped, as their delivery will be)
+                    out["queue_dropped"] = fifo.dropped + fifo.held_ahead()
+                    out["queue_abandoned"] = fifo.abandoned
+                    out["samples_waiting"] = self._pending_samples() + fifo.undelivered() + ready_first
+
+                self.read_plane(read_queue)
+            elif self.cfg.semantics == "on_policy":
+                stored = self.read_plane(lambda: self._pending_samples() + len(edp))
+                begun = self._first_epoch_items if self._rollout_open else 0  # (of the rollout being delivered)
+                out["samples_waiting"] = stored - begun + ready_first
+            else:
+                out["samples_waiting"] = self._qsize_locked()
+            out["qsize"] = self._qsize_locked()
+            return out
 
     def read_plane(self, read: Callable[[], T]) -> T:
         """``read()`` under the EDP's lock (``ExperienceDataPlane.read_locked``), where ingestion and delivery
@@ -592,7 +655,7 @@ class Assembler:
                     self._armed = False  # which assembles nothing ahead before its first get()
                 base.update(edp=edp_state, ready=list(self._ready), stats=replace(self.stats), n=self._n,
                             open=(self._open_version, self._open_count), rollout_open=self._rollout_open,
-                            epoch_items=self._epoch_items,
+                            epoch_items=self._epoch_items, first_epoch_items=self._first_epoch_items,
                             held=list(self._held), held_version=self._held_version,
                             prio_updates=self._prio_updates,
                             slots=None if self._slot_uses is None else (self._slot_handle.copy(),  # type: ignore[union-attr]
@@ -613,11 +676,17 @@ class Assembler:
             try:
                 a.edp.load_state_dict(state["edp"])
                 a._ready = deque(state["ready"])
-                a.stats = state["stats"]
+                saved = vars(state["stats"])  # (counters a checkpoint of an older version lacks start at 0)
+                a.stats = Stats(**{k: v for k, v in saved.items() if k in Stats.__dataclass_fields__})
                 a._n = state["n"]
                 a._open_version, a._open_count = state["open"]
                 a._rollout_open = state["rollout_open"]
                 a._epoch_items = state.get("epoch_items", 0)
+                a._first_epoch_items = state.get("first_epoch_items", 0)
+                if a.cfg.semantics == "on_policy":  # (drops before the checkpoint are in its rollout_dropped)
+                    a._plane_dropped = int(a.edp.semantics.dropped_items)  # type: ignore[attr-defined]
+                    if "rollout_dropped" not in saved:  # (an older checkpoint: the plane's count is all there is)
+                        a.stats.rollout_dropped = a._plane_dropped
                 a._held = deque(state.get("held", ()))
                 a._held_samples = sum(n for _, n in a._held)
                 a._held_version = state.get("held_version")
@@ -932,7 +1001,7 @@ class Assembler:
                             self.read_plane(self._fifo().rewind)
                         self._discarded_seen = seen
                 if self.cfg.semantics == "on_policy":
-                    batch, info = edp.deliver()
+                    batch, info = self._deliver_rollout_part()
                 else:
                     batch, info = edp.deliver(self._n)
                 break
@@ -950,18 +1019,62 @@ class Assembler:
                 if queue:
                     self._fifo().confirm(info)
                 if self.cfg.semantics == "on_policy":
+                    self._count_plane_delivery(info)
                     self._count_released(info)
             raise
         with self._cv:
             if queue:  # confirmed and (ahead of demand) kept in one step: qsize() counts the batch throughout
                 self._fifo().confirm(info)
             if self.cfg.semantics == "on_policy":
-                self._rollout_open = not info.last
+                self._count_plane_delivery(info)
                 entry._released = self._count_released(info)
             if not demand:
                 self._ready.append(entry)
             self._cv.notify_all()  # on-policy room may have been freed
         return entry
+
+    def _deliver_rollout_part(self) -> tuple[ExperienceBatch, SampleInfo]:
+        """On-policy: the plane's next minibatch; a failed delivery's drops are counted here, a successful one's by
+        the caller with the minibatch (:meth:`_count_plane_delivery`). The caller holds ``_deliver_lock``."""
+        assert self.edp is not None
+        try:
+            return self.edp.deliver()
+        except BaseException:
+            with self._cv:  # (it may have dropped stale rollouts before it found nothing fresh)
+                self._count_plane_delivery(None)
+            raise
+
+    def _count_plane_delivery(self, info: SampleInfo | None) -> None:
+        """On-policy, after a delivery from the plane (``info``; None: it raised): count the rollout samples it dropped.
+
+        The plane drops a stale rollout whole (``OnPolicy.dropped_items``), also the one being delivered whose first
+        minibatches it delivered already: those samples are counted where they went (``samples_delivered``, waiting
+        in ``_ready``, ``stale_dropped``), so ``rollout_dropped`` gets the rest only. The plane looks at the rollout
+        being delivered before any other and drops it first, so any drop while one is open (``_rollout_open``)
+        includes it. The caller holds ``_deliver_lock`` (every real selection is made under it) and ``_cv``.
+        """
+        assert self.edp is not None
+        sem = self.edp.semantics
+        continued = info is not None and self._rollout_open and bool(info.epoch or info.minibatch)
+        # (a delivery that continues the open rollout dropped nothing: the count is read, under the plane's lock, where
+        # a prediction changes it only for the time it holds the lock, once per rollout)
+        if continued:
+            total = self._plane_dropped
+        else:
+            total = int(self.read_plane(lambda: sem.dropped_items))  # type: ignore[attr-defined]
+        new = total - self._plane_dropped
+        self._plane_dropped = total
+        if new > 0 and self._rollout_open:
+            new -= self._first_epoch_items
+            self._first_epoch_items = 0
+            self._rollout_open = False
+        self.stats.rollout_dropped += new
+        if info is not None:
+            if not info.epoch:
+                if not info.minibatch:
+                    self._first_epoch_items = 0
+                self._first_epoch_items += int(info.handles.shape[0])
+            self._rollout_open = not info.last
 
     def _count_released(self, info: SampleInfo) -> int:
         """On-policy: the samples of the rollout a delivered minibatch finishes (0 unless it is the last one).
@@ -1011,8 +1124,9 @@ class Assembler:
             assert self.edp is not None
             current = self.edp.semantics.policy_version  # type: ignore[attr-defined]
             if current - entry.info.version > cfg.max_staleness:
-                with self._cv:
-                    self.stats.stale_dropped += int(entry.sampling_indices.shape[0])
+                if not entry.info.epoch:  # (a later epoch's samples were handed out in the first one)
+                    with self._cv:
+                        self.stats.stale_dropped += int(entry.sampling_indices.shape[0])
                 return False
         return True
 
@@ -1031,14 +1145,20 @@ class Assembler:
         if pending == 0 or fresh > 0:
             return False
         try:
-            batch, info = edp.deliver()
+            batch, info = self._deliver_rollout_part()
         except EmptyBufferError:
             with self._cv:
                 self._cv.notify_all()  # room was freed
             return False
-        entry = self._assemble(batch, info)
+        try:
+            entry = self._assemble(batch, info)
+        except BaseException:
+            with self._cv:  # (as in _deliver: the minibatch left the plane)
+                self._count_plane_delivery(info)
+                self._count_released(info)
+            raise
         with self._cv:
-            self._rollout_open = not info.last
+            self._count_plane_delivery(info)
             entry._released = self._count_released(info)
             self._ready.append(entry)
             self._cv.notify_all()
@@ -1053,16 +1173,18 @@ class Assembler:
             self._ready.popleft()
         return bool(self._ready)
 
-    def _count_reuses(self, handles: np.ndarray) -> float:
-        """Replay: how many times these samples were handed out before (mean); counts this delivery (holds ``_cv``)."""
+    def _count_reuses(self, handles: np.ndarray) -> tuple[float, int]:
+        """Replay: how many times these samples were handed out before (mean), and how many distinct ones never
+        were; counts this delivery (holds ``_cv``)."""
         assert self._slot_handle is not None and self._slot_uses is not None and self.edp is not None
         slots = handles % self.edp.capacity
         fresh = self._slot_handle[slots] != handles
         self._slot_uses[slots[fresh]] = 0
         self._slot_handle[slots] = handles
         reuses = float(self._slot_uses[slots].mean()) if handles.shape[0] else 0.0
+        first = int(np.unique(slots[self._slot_uses[slots] == 0]).shape[0])
         np.add.at(self._slot_uses, slots, 1)
-        return reuses
+        return reuses, first
 
     def _discard_ready(self) -> None:
         self.stats.redrawn += len(self._ready)

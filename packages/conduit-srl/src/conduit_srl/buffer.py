@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from conduit import ExperienceDataPlane, Telemetry
 
-from conduit_srl.assembler import Assembler, ReplayEntry, Stats
+from conduit_srl.assembler import Assembler, ReplayEntry
 from conduit_srl.config import BufferConfig
 
 __all__ = ["ConduitBuffer", "ReplayEntry", "srl_prioritized_class"]
@@ -161,30 +161,32 @@ class ConduitBuffer:
         return None if self._a.edp is None else self._a.edp.telemetry
 
     def stats(self) -> dict[str, Any]:
-        """Counters: samples put, entries delivered, and everything dropped or redrawn, by reason.
+        """Counters, and where the samples put are, in one consistent reading (every key present from construction).
 
-        One consistent reading: the buffer's own counters under its lock, the semantics' counters
-        (``queue_dropped``, ``queue_abandoned``, ``rollout_dropped``) under the data plane's lock, which
-        a delivery (or a selection that only predicts one and then restores the state) holds while
-        it changes them.
+        Keys: ``samples_put`` (taken by puts: stored, or dropped as late), ``samples_held`` (on-policy,
+        ``on_full="keep"``: accepted, not stored yet), ``entries_delivered``, ``samples_delivered`` (handed out by
+        ``get()`` at least once; replay: drawn at least once while stored), ``late_dropped``, ``stale_dropped`` and
+        ``rollout_dropped`` (on-policy: never handed out, dropped as late, in an entry assembled ahead that went
+        stale, or with a stale rollout), ``queue_dropped`` (evicted before their first delivery) and
+        ``queue_abandoned`` (batches whose remaining reuses eviction skipped), ``redrawn`` (replay entries
+        assembled ahead and discarded), ``samples_waiting`` (queue and on-policy: stored or on their way, never
+        handed out, not dropped; replay: held) and ``qsize`` (what :meth:`qsize` returns at the same moment).
+
+        Queue and on-policy, every sample a put accepted is in exactly one place::
+
+            accepted = samples_put + samples_held
+            samples_put = samples_delivered + late_dropped + stale_dropped + rollout_dropped + queue_dropped
+                          + samples_waiting
+
+        ``qsize`` differs from ``samples_waiting`` where samples delivered once are still owed deliveries
+        (on-policy: the rollout's later epochs; it also counts ``samples_held``) or where a queue's samples on
+        their way to storage will evict (``qsize`` takes those off already, ``queue_dropped`` counts them once stored).
+
+        All of it is read under the buffer's locks and the data plane's, so no put or delivery is halfway
+        through: the identity holds for every call, also while other threads put and get (a call waits for a
+        put's hand-over or a delivery in progress to finish).
         """
-        a = self._a
-        with a._cv:  # (a put or delivery updates these under it; the plane's lock is taken after it, as there)
-            s: Stats = a.stats
-            out: dict[str, Any] = dict(vars(s))
-            out["samples_held"] = a._held_samples  # on_full="keep": put, not stored yet (counted in qsize())
-            edp = a.edp
-            if edp is not None:
-                sem = edp.semantics
-                sampler = getattr(sem, "sampler", None)
-
-                def read() -> None:
-                    out["queue_dropped"] = getattr(sampler, "dropped", 0)
-                    out["queue_abandoned"] = getattr(sampler, "abandoned", 0)
-                    out["rollout_dropped"] = getattr(sem, "dropped_items", 0)
-
-                a.read_plane(read)
-        return out
+        return dict(self._a.counts())
 
     def close(self) -> None:
         """Store what was handed over and stop the assembler thread (also done when the buffer is collected)."""
