@@ -174,10 +174,11 @@ class ExperienceDataPlane:
         placement: where the storage lives (default: host memory).
         scheduler: when work runs (default: synchronously in the caller).
         device: the learner's device delivered batches land on (default: the storage's).
-        ragged_capacity: elements per ragged field's pool. Default: ``capacity`` items of 64 elements
-            (``64 * capacity``), whatever the sequences' lengths: neither the schema nor a placement built by
-            ``Plan.build()`` carries a mean length; only an :class:`~conduit.placement.AdaptivePlacement` sizes
-            it, as ``capacity`` items of its ``mean_ragged_length``. Set it for longer sequences: a batch with
+        ragged_capacity: elements per ragged field's pool. Default: sized by the placement when it was planned
+            for ragged fields (``Plan.build()`` of a ragged workload, or an
+            :class:`~conduit.placement.AdaptivePlacement`: ``capacity`` items of the planned mean length);
+            otherwise ``capacity`` items of 64 elements (``64 * capacity``), whatever the sequences' lengths (the
+            schema carries no mean length). Set it for longer sequences: a batch with
             more elements than a pool is refused (:class:`CapacityError`), and when the pool wraps, replay evicts
             the oldest items before the slots are full (on-policy refuses the write until items are consumed).
 

@@ -14,6 +14,8 @@ what the planner chooses and what ``conduit plan --json`` prints.
 
 from __future__ import annotations
 
+import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from conduit.errors import PlacementError
+from conduit.errors import ConfigurationError, PlacementError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import Storage
 from conduit.storage.columnar import ColumnarStorage
@@ -55,17 +57,30 @@ class PlacementSpec:
             raise PlacementError(f"A {self.tier!r} placement needs at least one device (e.g. ('cpu',), ('cuda:0',) "
                                  f"or ('disk',)).")
 
-    def build(self, *, directory: str | Path | None = None) -> Placement:
-        """The :class:`Placement` that realises this spec (``directory`` is for the disk tier)."""
+    def build(self, *, directory: str | Path | None = None, ragged_item_bytes: float | None = None) -> Placement:
+        """The :class:`Placement` that realises this spec (``directory`` is for the disk tier).
+
+        ``ragged_item_bytes`` sizes the ragged pools of the storage it builds when the buffer gives no
+        ``ragged_capacity`` (see :attr:`Placement.ragged_item_bytes`; :meth:`Plan.build` passes the plan's).
+        """
+        if ragged_item_bytes is not None and (isinstance(ragged_item_bytes, bool)
+                                              or not isinstance(ragged_item_bytes, numbers.Real)
+                                              or not 0 <= ragged_item_bytes < math.inf):
+            raise ConfigurationError(f"ragged_item_bytes must be a finite number >= 0 (bytes per item of the ragged "
+                                     f"fields) or None, got {ragged_item_bytes!r}.")
+        placement: Placement
         if self.tier == "host":
-            return HostPlacement()
-        if self.tier == "pinned":
-            return HostPlacement(pin_memory=True)
-        if self.tier == "gpu":
-            return DevicePlacement(self.devices[0])
-        if self.tier == "sharded":
-            return ShardedPlacement(self.devices)
-        return DiskPlacement(directory=directory)
+            placement = HostPlacement()
+        elif self.tier == "pinned":
+            placement = HostPlacement(pin_memory=True)
+        elif self.tier == "gpu":
+            placement = DevicePlacement(self.devices[0])
+        elif self.tier == "sharded":
+            placement = ShardedPlacement(self.devices)
+        else:
+            placement = DiskPlacement(directory=directory)
+        placement.ragged_item_bytes = ragged_item_bytes
+        return placement
 
     def to_dict(self) -> dict[str, Any]:
         return {"tier": self.tier, "devices": list(self.devices)}
@@ -84,9 +99,38 @@ class Placement(ABC):
       * it raises :class:`conduit.PlacementError` with a remedy when nothing fits.
     """
 
+    #: bytes per item of all ragged fields together that the ragged pools are sized for when :meth:`storage`
+    #: gets no ``ragged_capacity`` (the built-in tiers: see :meth:`planned_pool`); None: the storage's default,
+    #: ``DEFAULT_POOL_PER_ITEM`` elements per item. :meth:`Plan.build` sets the plan's (its workload's ragged
+    #: field bytes, i.e. at its mean ragged length), so the pools take the memory the plan checked.
+    ragged_item_bytes: float | None = None
+
     @abstractmethod
     def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
         """An empty storage for ``capacity`` items of ``schema``."""
+
+    def planned_pool(self, schema: ExperienceSchema, capacity: int, ragged_capacity: int | None) -> int | None:
+        """The elements of each ragged pool for ``capacity`` items of ``schema``: ``ragged_capacity`` when given
+        (or when ``schema`` has no ragged fields, or :attr:`ragged_item_bytes` is None); else as many as
+        ``capacity`` items of :attr:`ragged_item_bytes` hold (every ragged field's pool has that many elements,
+        so their bytes together are at most ``capacity * ragged_item_bytes``).
+
+        Raises:
+            PlacementError: the pools would be sized from a :attr:`ragged_item_bytes` of 0 (a plan of ragged
+                fields at ``mean_ragged_length=0``, which checked no memory for them): pass ``ragged_capacity``.
+        """
+        if ragged_capacity is not None or not schema.ragged or self.ragged_item_bytes is None:
+            return ragged_capacity
+        per = sum(schema[n].element_bytes for n in schema.ragged)  # bytes of one element of every ragged field
+        pool = int(capacity * self.ragged_item_bytes // per)
+        if pool <= 0:
+            raise PlacementError(
+                f"Ragged fields {', '.join(schema.ragged)}: this placement was planned for {self.ragged_item_bytes} "
+                f"B of them per item, not one element of each for {capacity} items (a workload at "
+                f"mean_ragged_length=0?), so the plan checked no memory for their pools. Plan with "
+                f"Workload.from_schema(..., mean_ragged_length=N), or build the buffer with "
+                f"ExperienceDataPlane(..., ragged_capacity=N).")
+        return pool
 
     def storage_abandoned(self, storage: Storage) -> None:
         """``storage``, built by :meth:`storage`, will not be used (a migration into it failed): a storage
@@ -126,6 +170,7 @@ class HostPlacement(Placement):
         self.pin_memory = bool(pin_memory and torch.cuda.is_available())
 
     def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
+        ragged_capacity = self.planned_pool(schema, capacity, ragged_capacity)
         return ColumnarStorage(schema, capacity, "cpu", ragged_capacity=ragged_capacity, pin_memory=self.pin_memory,
                                tier="pinned" if self.pin_memory else "host")
 
@@ -155,6 +200,7 @@ class DevicePlacement(Placement):
 
     def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
         tier = "gpu" if self.device.type != "cpu" else "host"
+        ragged_capacity = self.planned_pool(schema, capacity, ragged_capacity)
         return ColumnarStorage(schema, capacity, self.device, ragged_capacity=ragged_capacity, tier=tier)
 
     def describe(self) -> str:
@@ -187,6 +233,7 @@ class ShardedPlacement(Placement):
             _check_device(d)
 
     def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
+        ragged_capacity = self.planned_pool(schema, capacity, ragged_capacity)
         return ShardedStorage(schema, capacity, self.devices, ragged_capacity=ragged_capacity)
 
     def describe(self) -> str:
@@ -212,8 +259,10 @@ class DiskPlacement(Placement):
 
         Raises:
             PlacementError: too little free space there, or the directory cannot be made or used
-                (e.g. the path is a file, or not writable).
+                (e.g. the path is a file, or not writable), or ragged pools planned at no length
+                (:meth:`planned_pool`).
         """
+        ragged_capacity = self.planned_pool(schema, capacity, ragged_capacity)
         try:
             return DiskStorage(schema, capacity, directory=self.directory, ragged_capacity=ragged_capacity)
         except OSError as e:  # the volume refused the directory (its column files are refused typed already)

@@ -83,7 +83,18 @@ class Plan:
         return self.chosen.spec
 
     def build(self, **kwargs: Any) -> Placement:
-        """The chosen :class:`~conduit.placement.Placement`, ready for ``ExperienceDataPlane(placement=...)``."""
+        """The chosen :class:`~conduit.placement.Placement`, ready for ``ExperienceDataPlane(placement=...)``.
+
+        With ragged fields in the workload, the placement sizes a buffer's ragged pools (when the buffer
+        gives no ``ragged_capacity``) as the plan assumed: ``capacity`` items of the workload's ragged field
+        bytes (its ``mean_ragged_length``), so the pools take the memory the plan checked
+        (:attr:`Placement.ragged_item_bytes`); a workload of ragged fields at length 0 checked none, and its
+        placement needs the buffer's ``ragged_capacity``. Without ragged fields the pools keep the storage's
+        default. ``kwargs`` go to :meth:`PlacementSpec.build` (``directory`` for the disk tier).
+        """
+        w = self.workload
+        if w.ragged and "ragged_item_bytes" not in kwargs:
+            kwargs["ragged_item_bytes"] = sum(w.field_bytes[i] for i in w.ragged)
         return self.placement.build(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:

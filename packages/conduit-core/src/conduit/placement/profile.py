@@ -73,8 +73,10 @@ class LinkCost:
     TLB miss whatever its width; bulk copies have no rows), and the bytes at the effective
     bandwidth. ``points`` are ``(bytes, bytes_per_second)`` pairs sorted by size; the
     bandwidth for a size in between is interpolated linearly in ``log(bytes)`` (unlimited next
-    to an unlimited point) and clamped to the nearest point outside the measured range. A path
-    known by one figure has one point.
+    to an unlimited point) and clamped to the nearest point outside the measured range, then
+    capped so that a larger transfer never takes less time than a smaller one
+    (:meth:`bandwidth`: ``seconds`` is non-decreasing in ``nbytes`` for any points, noisy
+    measurements included). A path known by one figure has one point.
     """
 
     overhead_s: float
@@ -174,7 +176,28 @@ class LinkCost:
         return cls(full[0], ((1.0, bw),), full[1])
 
     def bandwidth(self, nbytes: float) -> float:
-        """Effective bytes per second for one transfer of ``nbytes``."""
+        """Effective bytes per second for one transfer of ``nbytes``.
+
+        The points interpolated (see the class), capped so that no transfer moves faster than the
+        slowest measured point of its size or smaller: ``nbytes / bandwidth(nbytes)`` (and so
+        :meth:`seconds`) never decreases as ``nbytes`` grows, whatever the points. Noisy samples (a
+        small transfer measured slower than a larger one) or a bandwidth that the log-size
+        interpolation raises almost as fast as the size would otherwise predict less time for more
+        bytes. Points whose predictions already grow with size are not changed.
+        """
+        bw = self._interpolated(nbytes)
+        slowest = self._slowest(nbytes)
+        if slowest > 0 and nbytes < bw * slowest:  # (nbytes / bw < slowest; bw may be infinite)
+            return nbytes / slowest
+        return bw
+
+    def _slowest(self, nbytes: float) -> float:
+        """The longest time a measured point of ``nbytes`` or fewer bytes takes to move its bytes (0 when
+        there is none, or only unlimited ones)."""
+        return max((b / w for b, w in self.points if b <= nbytes), default=0.0)
+
+    def _interpolated(self, nbytes: float) -> float:
+        """The points interpolated linearly in ``log(bytes)``, clamped outside them (see the class)."""
         pts = self.points
         if nbytes <= pts[0][0]:
             return pts[0][1]
@@ -198,8 +221,14 @@ class LinkCost:
         """
         if nbytes <= 0:
             return 0.0
-        bw = self.bandwidth(nbytes / rows if self.by_row and rows > 0 else nbytes)
-        return self.overhead_s + rows * self.per_row_s + (0.0 if math.isinf(bw) else nbytes / bw)
+        per_row = self.by_row and rows > 0
+        size = nbytes / rows if per_row else nbytes  # what the points are keyed by
+        bw = self._interpolated(size)
+        moving = 0.0 if math.isinf(bw) else nbytes / bw
+        # never less than the slowest measured point of this size or smaller (see bandwidth), row by row for a
+        # gather: a larger transfer never predicts less time
+        moving = max(moving, (rows if per_row else 1) * self._slowest(size))
+        return self.overhead_s + rows * self.per_row_s + moving
 
     @property
     def peak_bandwidth(self) -> float:

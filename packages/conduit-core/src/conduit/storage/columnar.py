@@ -291,11 +291,17 @@ class ColumnarStorage(Storage):
         else:
             k, starts = self._evictions_for(batch)
         if k and not evict:
-            short = ("capacity" if k <= max(0, self._next - self._oldest + n - self.capacity) else
-                     f"ragged_capacity (the ragged pools' {self.ragged_capacity} elements hold the live items' "
-                     f"sequences; the slots have room)")
+            if k <= max(0, self._next - self._oldest + n - self.capacity):
+                short = "capacity."
+            else:
+                default = (f", the default: {DEFAULT_POOL_PER_ITEM} per item of capacity"
+                           if self.ragged_capacity == pool_elements(None, self.capacity) else "")
+                short = (f"ragged_capacity: the slots have room, but each ragged field's pool holds "
+                         f"{self.ragged_capacity} elements{default}, and the live items' sequences fill it. Build the "
+                         f"buffer with ExperienceDataPlane(..., ragged_capacity=N), N about capacity x the mean "
+                         f"sequence length.")
             raise CapacityError(f"Storing {n} more items needs {k} live items evicted, and this buffer may "
-                                f"not evict (on-policy data not yet consumed). Consume first or raise {short}.")
+                                f"not evict (on-policy data not yet consumed). Consume first or raise {short}")
         ev_from = self._oldest
         self._oldest += k
         first = self._next
