@@ -38,6 +38,14 @@ __all__ = ["Placement", "PlacementSpec", "HostPlacement", "DevicePlacement", "Sh
 TIERS = ("host", "pinned", "gpu", "sharded", "disk")
 
 
+def ragged_pool(schema: ExperienceSchema, capacity: int, ragged_item_bytes: float) -> int:
+    """Elements per ragged pool that ``capacity`` items of ``ragged_item_bytes`` bytes of ragged fields hold (every
+    ragged field's pool has that many elements, so their bytes together are at most
+    ``capacity * ragged_item_bytes``)."""
+    per = sum(schema[n].element_bytes for n in schema.ragged)  # bytes of one element of every ragged field
+    return int(capacity * ragged_item_bytes // per)
+
+
 @dataclass(frozen=True)
 class PlacementSpec:
     """A placement as data: the tier and the devices it uses.
@@ -121,8 +129,7 @@ class Placement(ABC):
         """
         if ragged_capacity is not None or not schema.ragged or self.ragged_item_bytes is None:
             return ragged_capacity
-        per = sum(schema[n].element_bytes for n in schema.ragged)  # bytes of one element of every ragged field
-        pool = int(capacity * self.ragged_item_bytes // per)
+        pool = ragged_pool(schema, capacity, self.ragged_item_bytes)
         if pool <= 0:
             raise PlacementError(
                 f"Ragged fields {', '.join(schema.ragged)}: this placement was planned for {self.ragged_item_bytes} "

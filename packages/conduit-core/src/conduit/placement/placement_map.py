@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from conduit.errors import ConfigurationError, PlacementError
-from conduit.placement.base import Placement, PlacementSpec
+from conduit.placement.base import Placement, PlacementSpec, ragged_pool
 from conduit.placement.cost import Workload
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import Storage
@@ -327,8 +327,7 @@ class AdaptivePlacement(Placement):
     def pool_for(schema: ExperienceSchema, capacity: int, item_bytes: float) -> int:
         """Elements per ragged pool that ``capacity`` items of ``item_bytes`` (counted as
         :meth:`ExperienceSchema.item_bytes` counts them) hold: ``capacity`` x their ragged length, at least 1."""
-        per = sum(schema[n].element_bytes for n in schema.ragged)  # bytes of one element of every ragged field
-        return max(1, int(capacity * max(0.0, item_bytes - schema.fixed_item_bytes) // per))
+        return max(1, ragged_pool(schema, capacity, max(0.0, item_bytes - schema.fixed_item_bytes)))
 
     def check_pool(self, schema: ExperienceSchema, capacity: int, ragged_capacity: int, item_bytes: float) -> None:
         """Refuse ragged pools that, with the fixed fields of ``capacity`` items, take more bytes than the map
