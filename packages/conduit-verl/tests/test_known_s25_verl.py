@@ -44,11 +44,11 @@ def _async_buffer() -> Any:
 
 
 def _reported(buf: Any, global_steps: int) -> tuple[list[str], int]:
-    """The keys one ``sample`` of a one-group batch returns, and its ``conduit/stale_groups``."""
+    """The keys one ``sample`` of a one-group batch returns, and its ``conduit/stale_groups/sum``."""
     result, err = _sample(buf, global_steps, 1)
     assert err is None, f"sample({global_steps}) raised {err!r}"
     batch, metrics = result
-    return list(batch.keys), metrics["conduit/stale_groups"]
+    return list(batch.keys), metrics["conduit/stale_groups/sum"]
 
 
 @pytest.mark.slow

@@ -120,7 +120,7 @@ def test_sync_drop_drops_the_stale_group_and_samples_a_fresh_one(tq_session: Any
     assert err is None, f"on_stale=drop raised instead of dropping: {err!r}"
     batch, metrics = result
     assert list(batch.keys) == ["new_0_0"], f"sampled {batch.keys}, want the fresh group's trajectory"
-    assert buf.stale_groups == 1 and metrics["conduit/stale_groups"] == 1
+    assert buf.stale_groups == 1 and metrics["conduit/stale_groups/sum"] == 1
     assert metrics["conduit/staleness/max"] == 0
     assert sorted(_listing()) == ["new_0_0"], f"left in TransferQueue: {sorted(_listing())}"
 

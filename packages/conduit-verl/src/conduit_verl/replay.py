@@ -18,16 +18,26 @@ run with :class:`conduit.StaleExperienceError` instead of being silently dropped
 ``drop`` and ``raise`` every selected batch is re-checked against the bound before
 TransferQueue is touched (a refused sample clears nothing); verl's ``wait`` is dropless (it
 holds sampling until stale in-flight groups finish, then trains them, past the bound by design),
-so there the bound is not enforced. Every sampled batch's staleness is reported
-(``conduit/staleness/mean``, ``.../max``), and so is ``conduit/stale_groups``: the stale groups
-dropped since the previous ``sample`` reported (a per-step value, like verl's
-``training/off_policy/evicted_samples``: drops made outside ``sample``, e.g. by the separate-async
-trainer's wait before a step, count in the step's first sample). It holds no state across
-steps, so a resumed run reports what an uninterrupted one does (verl's trainer checkpoints no
-replay-buffer state). With ``parameter_sync_step`` > 1 verl averages it over the step's samples
-(its ``MetricsAggregator`` sums only metrics it knows). ``on_stale`` is the one
-``sampler_kwargs`` key it reads; any other is refused (a misspelt one would silently leave verl's
-strategy in force).
+so there the bound is not enforced. ``on_stale`` is the one ``sampler_kwargs`` key it reads; any
+other is refused (a misspelt one would silently leave verl's strategy in force).
+
+Every ``sample`` of the train partition reports three metrics. With ``parameter_sync_step`` > 1
+verl's trainer samples several times per step and its ``MetricsAggregator`` reduces each metric over
+the step's samples by its name (a name containing ``max`` by maximum, ``sum`` by sum, any other by
+a mean weighted with each sample's trajectory count); the names are chosen so that the step's value
+is the one stated:
+
+* ``conduit/staleness/mean``: the mean staleness of the trajectories sampled (each has its group's
+  staleness); over a step, the mean over the step's trajectories.
+* ``conduit/staleness/max``: the largest staleness sampled; over a step, the step's largest.
+* ``conduit/stale_groups/sum``: the stale groups dropped since the previous ``sample`` reported
+  (drops made outside ``sample``, e.g. by the separate-async trainer's wait before a step, count in
+  the step's first sample); over a step, the step's drops, like verl's
+  ``training/off_policy/evicted_samples``. It holds no state across steps, so a resumed run reports
+  what an uninterrupted one does (verl's trainer checkpoints no replay-buffer state). It was named
+  ``conduit/stale_groups``, which verl's aggregator averaged over the step's samples.
+
+The two staleness metrics are absent when the batch has no trajectory.
 
 verl 0.9.1 hands a custom sampler neither DAPO's group filter (``algorithm.filter_groups``) nor
 ``trainer.v1.sampler.sync_refill_failed_groups``: with this plug groups are not DAPO-filtered and
@@ -90,11 +100,11 @@ class ConduitReplayBuffer(ReplayBufferAsync):
         self.max_off_policy_strategy = "wait" if on_stale == "wait" else "drop"
         #: finished groups evicted as stale by this buffer (each counted once, when it is cleared); not checkpointed
         self.stale_groups = 0
-        #: :attr:`stale_groups` when ``sample`` last reported ``conduit/stale_groups`` (the drops since)
+        #: :attr:`stale_groups` when ``sample`` last reported ``conduit/stale_groups/sum`` (the drops since)
         self._stale_reported = 0
         #: (global_steps, batch_size) of the sample() under way, None between samples
         self._sampling: tuple[int, int] | None = None
-        #: staleness of each group the current sample() selected
+        #: staleness of each trajectory the current sample() selected (its group's)
         self._selected_ages: list[int] = []
 
     def _terminal_eviction_reasons(self, global_steps: int, partition_id: str) -> Any:
@@ -175,17 +185,23 @@ class ConduitReplayBuffer(ReplayBufferAsync):
         Raises:
             StaleExperienceError: a selected group is past the bound (not under ``wait``); nothing is cleared.
         """
-        if partition_id != "val" and self._sampling is not None:
-            global_steps, _ = self._sampling
-            steps = self.prompt_global_steps[partition_id]
-            ages = [staleness(global_steps, steps[u]) for u in selected_prompt_uids if u in steps]
-            self._check_sampled(ages, global_steps)
-            self._selected_ages = ages
-        return super()._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)
+        if partition_id == "val" or self._sampling is None:
+            return super()._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)
+        global_steps, _ = self._sampling
+        steps = self.prompt_global_steps[partition_id]
+        group_ages = {u: staleness(global_steps, steps[u]) for u in selected_prompt_uids if u in steps}
+        self._check_sampled(list(group_ages.values()), global_steps)
+        batch = super()._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)
+        # one age per trajectory (verl's keys are ``{uid}_{session}_{index}``): the batch's mean then weighs a group
+        # by its trajectories, as verl's MetricsAggregator weighs a step's samples
+        uids = (key.split("_")[0] for key in batch.keys)
+        self._selected_ages = [group_ages[u] for u in uids if u in group_ages]
+        return batch
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
         """verl's sampling of ``trainer_mode`` with Conduit's staleness rule (see the module docstring); the metrics
-        add the batch's staleness and ``conduit/stale_groups``, the stale groups dropped since the previous report.
+        add ``conduit/staleness/mean`` and ``.../max`` over the batch's trajectories and ``conduit/stale_groups/sum``,
+        the stale groups dropped since the previous report.
 
         Raises:
             StaleExperienceError: under ``on_stale="raise"`` a stale group would be dropped; in ``sync`` mode under
@@ -206,7 +222,8 @@ class ConduitReplayBuffer(ReplayBufferAsync):
         if ages:
             metrics["conduit/staleness/mean"] = sum(ages) / len(ages)
             metrics["conduit/staleness/max"] = max(ages)
-        metrics["conduit/stale_groups"] = self.stale_groups - self._stale_reported  # this step's drops
+        # "sum" in the name: verl's MetricsAggregator sums it over a step's samples (it would average a plain name)
+        metrics["conduit/stale_groups/sum"] = self.stale_groups - self._stale_reported
         self._stale_reported = self.stale_groups
         return batch, metrics
 
