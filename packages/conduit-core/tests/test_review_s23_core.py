@@ -210,8 +210,9 @@ def test_a_call_inside_read_locked_that_would_wait_for_background_storing_is_ref
 
 @pytest.mark.parametrize("on_policy", [False, True], ids=["replay", "on-policy"])
 def test_a_checkpoint_inside_read_locked_while_a_prefetch_waits_for_the_lock_is_refused(on_policy: bool) -> None:
-    """A delivery inside read_locked starts the next batch's prefetch, which waits for the lock; a state_dict (or
-    another delivery) there waited for that job forever. Refused instead; once the lock is let go all goes on."""
+    """A delivery inside read_locked starts the next batch's prefetch, which waits for the lock; a state_dict there
+    waited for that job forever. Refused instead; once the lock is let go all goes on. (Another delivery there
+    cancels the job, which has drawn nothing, and draws its batch in the call, as a synchronous one: session 25.)"""
     def build(scheduler: Overlapped | None) -> ExperienceDataPlane:
         sem = OnPolicy(num_minibatches=4, num_epochs=2) if on_policy else None
         edp = ExperienceDataPlane(SCALAR, capacity=64, semantics=sem, scheduler=scheduler)
@@ -226,14 +227,15 @@ def test_a_checkpoint_inside_read_locked_while_a_prefetch_waits_for_the_lock_is_
 
     def locked() -> object:
         first = edp.deliver(n)[0].tensor("r").clone()
-        for call in (edp.state_dict, lambda: edp.deliver(n)):
-            with pytest.raises(ConfigurationError, match="prefetch worker"):
-                call()
-        return first
+        with pytest.raises(ConfigurationError, match="prefetch worker"):
+            edp.state_dict()
+        return first, edp.deliver(n)[0].tensor("r").clone()
 
-    (first,) = _in_thread(lambda: edp.read_locked(locked))
-    assert isinstance(first, torch.Tensor)
+    (res,) = _in_thread(lambda: edp.read_locked(locked))
+    assert isinstance(res, tuple), res
+    first, second = res
     assert torch.equal(first, twin.deliver(n)[0].tensor("r"))
+    assert torch.equal(second, twin.deliver(n)[0].tensor("r"))
     state = _in_thread(edp.state_dict)[0]  # outside: the prefetched draw is given back, as for any checkpoint
     assert isinstance(state, dict)
     for _ in range(5):  # the same batches as a synchronous buffer from here on

@@ -50,20 +50,23 @@ def test_synchronous_loop_exposes_its_whole_experience_path() -> None:
 
 def test_overlapped_loop_hides_work_and_traces_every_span(tmp_path: Path) -> None:
     trace = tmp_path / "trace.json"
-    # (learner steps long enough, and iterations enough, that the workers run beside the loop even when other
-    # processes load the machine: with four tiny iterations, a loaded CI machine once ran them only while
-    # the loop waited, so nothing was hidden)
     res = run_loop(obs_dim=256, scheduler=Overlapped(g_del=2), iterations=8, warmup=1, rollout=128, batch=256,
                    updates=3, capacity=1024, hidden=256, trace=trace)
-    assert sum(i.hidden_s for i in res.iterations) > 0, "no experience-path work ran off the loop's thread"
+    # How much of the workers' time falls beside the loop (hidden) rather than inside its waits (exposed) is up
+    # to the OS's thread scheduling, so only what holds either way is asserted here: the identity, and that the
+    # work ran on the workers. That work beside the loop is counted hidden exactly for its part outside the
+    # loop's spans is tested with the overlap forced (tests/test_known_s25_scheduling.py).
     for it in res.iterations:
         assert it.total_s == pytest.approx(it.hidden_s + it.exposed_s)
+        assert 0 <= it.hidden_s <= it.total_s and it.exposed_s > 0  # (the hand-over is on the loop's thread)
     events = json.loads(trace.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     kinds = {e["name"] for e in spans}
     assert {"rollout", "update", "ingest", "deliver", "ingest_wait", "deliver_wait", "iteration"} <= kinds
-    names = {e["args"]["name"] for e in events if e["ph"] == "M"}
-    assert any(n.startswith("conduit-ingest") for n in names) and any(n.startswith("conduit-prefetch") for n in names)
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    # the rollouts are stored by the ingestion worker, the chunks after a delivery prepared by the prefetch one
+    assert any(e["name"] == "ingest" and lanes[e["tid"]].startswith("conduit-ingest") for e in spans)
+    assert any(e["name"] == "deliver" and lanes[e["tid"]].startswith("conduit-prefetch") for e in spans)
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
     assert len([e for e in spans if e["name"] == "iteration"]) == 8, "the trace holds warm-up iterations"
 

@@ -444,14 +444,17 @@ class ExperienceDataPlane:
         (e.g. counts and cursors that agree with each other). ``fn`` runs on the calling thread; the lock is
         re-entrant, so ``fn`` may call the buffer's methods, but it should be short (it holds up ingestion
         and delivery). A call in ``fn`` that would wait for a scheduler's worker thread, which needs this lock
-        (e.g. ``flush``, ``seal`` or ``state_dict`` while batches wait for background storing, or a ``deliver`` that
-        needs the batch a prefetch job started under this lock prepares), raises :class:`ConfigurationError` and
-        changes nothing, instead of waiting forever. A ``deliver`` (or ``state_dict``, ``close``) in ``fn`` while a
-        prefetching scheduler's delivery runs on another thread waits for that delivery when it needs this lock no
-        more (e.g. it hands out a prepared batch), and is refused when that delivery waits for this lock (or for a
-        prefetch job yet to take it): which one follows from where that delivery is, not from timing. Ingestion in
-        the caller (``Synchronous``, or ``Overlapped(background_ingest=False)``) stores from ``fn`` at once, with what
-        other producers handed over before it (a producer waiting to store waits for ``fn`` to return).
+        (e.g. ``flush``, ``seal`` or ``state_dict`` while batches wait for background storing, or ``state_dict`` or
+        ``close`` while a prefetch job waits for this lock), raises :class:`ConfigurationError` and changes nothing,
+        instead of waiting forever. A ``deliver`` in ``fn`` never waits for a prefetch job that has not taken this
+        lock: it cancels the job (which has drawn nothing) and draws the batch in the call, as a synchronous delivery
+        would, so its draws are the same whether or not the job took the lock before ``fn`` began. A ``deliver`` (or
+        ``state_dict``, ``close``) in ``fn`` while a prefetching scheduler's delivery runs on another thread waits for
+        that delivery when it needs this lock no more (e.g. it hands out a prepared batch), and is refused when that
+        delivery waits for this lock (or for a prefetch job yet to take it): which one follows from where that
+        delivery is, not from timing. Ingestion in the caller (``Synchronous``, or
+        ``Overlapped(background_ingest=False)``) stores from ``fn`` at once, with what other producers handed over
+        before it (a producer waiting to store waits for ``fn`` to return).
 
         Raises:
             ConfigurationError: the buffer is closed (as ``select_now`` is refused then); ``fn`` did not run.

@@ -851,8 +851,11 @@ class DistributedDataPlane:
             self.index.release(oldest)
             self.semantics.on_append(AppendResult(self.index.next_handle, 0, ev_from, self.index.oldest),
                                      version=None, priorities=None)
-            error.add_note(f"Conduit stored none of this batch; the {oldest - ev_from} oldest items it evicted to "
-                           f"make room stay evicted (shards had already reused their space).")
+            note = (f"Conduit stored none of this batch; the {oldest - ev_from} oldest items it evicted to make room "
+                    f"stay evicted (shards had already reused their space).")
+            if hasattr(error, "add_note"):  # (Python 3.11+; on 3.10 the log line below is all there is)
+                error.add_note(note)
+            log.warning("%s", note)
         return True
 
     # -- delivery ---------------------------------------------------------------------------------

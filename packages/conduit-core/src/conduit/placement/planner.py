@@ -272,11 +272,18 @@ class Planner:
                     + ("uses fewer devices or a simpler tier" if simpler else "the planner proposed first"))
         diffs = {k: e.breakdown.get(k, 0.0) - chosen.breakdown.get(k, 0.0)
                  for k in set(e.breakdown) | set(chosen.breakdown)}
-        worst = max(diffs, key=lambda k: diffs[k])
+        # the phase (ingest or deliver) that loses most first: the tiers split a phase into differently named
+        # parts, so the single largest part can belong to a phase the candidate is faster in
+        phases: dict[str, float] = {}
+        for k, d in diffs.items():
+            phases[k.split(":")[0]] = phases.get(k.split(":")[0], 0.0) + d
+        phase = max(phases, key=lambda p: phases[p])
+        worst = max((k for k in diffs if k.split(":")[0] == phase), key=lambda k: diffs[k])
         # a profile may price the chosen path at nothing (zero overhead, unlimited bandwidth): no ratio then
         ratio = f"{e.total_s / chosen.total_s:.2f}x" if chosen.total_s > 0 else "the chosen costs nothing"
+        part = "" if worst == phase else f"; largest part {worst} +{diffs[worst] * 1e3:.3f} ms"
         return (f"slower: {e.total_s * 1e3:.3f} ms vs {chosen.total_s * 1e3:.3f} ms "
-                f"({ratio}), mostly {worst} (+{diffs[worst] * 1e3:.3f} ms)")
+                f"({ratio}), mostly {phase} (+{phases[phase] * 1e3:.3f} ms{part})")
 
     # -- placement map -----------------------------------------------------------------------
     def placement_map(self, workload: Workload, *, min_item_bytes: float, max_item_bytes: float, points: int = 48,

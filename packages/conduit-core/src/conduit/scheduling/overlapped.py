@@ -103,6 +103,16 @@ class _LockWait:
         self._owner._lock_waiter = None
 
 
+class _Ticket:
+    """One prefetch job's cancellation mark, read by the job under the buffer's lock as it enters (see
+    :meth:`Overlapped._await_job`)."""
+
+    __slots__ = ("cancelled",)
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+
 def _whole(g: Any) -> bool:
     """``g`` is a finite whole number (a count of rollouts or batches)."""
     return isinstance(g, (int, float)) and not isinstance(g, bool) and math.isfinite(g) and int(g) == g
@@ -251,6 +261,8 @@ class Overlapped(Scheduler):
         self._ready: deque[_Prepared] = deque()
         self._job: Job[list[_Prepared]] | None = None
         self._job_key: _Key | None = None  # the key the job in flight prepares for
+        self._ticket = _Ticket()  # the job in flight's cancellation mark
+        self._cancelled: Job[list[_Prepared]] | None = None  # the last job cancelled (it may wait for the lock yet)
         #: the job in flight has entered its hold of the buffer's lock (see _await_job); set under that lock
         self._job_entered = False
         #: the thread holding ``_mu`` while it waits for the buffer's lock (reset under that lock), and the job it
@@ -448,7 +460,7 @@ class Overlapped(Scheduler):
             # the prepared batch at the head is not usable (or there is none): wait for the job in flight,
             # then drop what does not fit this call. A usable head is older than the job's batches, so
             # taking it without waiting keeps the order of draws.
-            self._await_job()
+            self._await_job(cancel=True)
             while ready and (ready[0].key != key or self._too_stale(ready[0])):
                 self._discard(ready.popleft())
         if ready:
@@ -468,7 +480,7 @@ class Overlapped(Scheduler):
         return p.batch, info
 
     def _deliver_on_policy(self, n: int | None) -> tuple[ExperienceBatch, SampleInfo]:
-        self._await_job()
+        self._await_job(cancel=True)
         pred = self._ready.popleft() if self._ready else None
         try:
             with self._wanting_buffer_lock():  # (the semantics refuse an n, as a synchronous delivery does)
@@ -514,11 +526,13 @@ class Overlapped(Scheduler):
         self._delivered += 1
 
     # -- preparing chunks -------------------------------------------------------------------
-    def _prepare(self, key: _Key, buf: int, call_beta: list[float | None] | None = None) -> list[_Prepared]:
+    def _prepare(self, key: _Key, buf: int, call_beta: list[float | None] | None = None,
+                 ticket: _Ticket | None = None) -> list[_Prepared]:
         """Select and gather one chunk into buffer ``buf`` (in the caller or in the worker).
 
         Prioritized draws are weighted with beta = 1 (see :meth:`_reweight`), or with ``call_beta[0]``
-        when given (a batch drawn for the delivery call that hands it out).
+        when given (a batch drawn for the delivery call that hands it out). A job (``ticket`` given) that a
+        delivery cancelled before it took the buffer's lock draws nothing and prepares nothing.
         """
         ring = self._ring
         try:
@@ -527,21 +541,23 @@ class Overlapped(Scheduler):
             with ring.filling(buf):
                 target, swapped = self._target(ring, buf)
                 if self.on_policy:
-                    res = self.edp.prepare_now([None], target, peek=True, when=self._entered_same_rollout)
-                    if res is None:
-                        ring.free(buf)
-                        return []
+                    res = self.edp.prepare_now([None], target, peek=True,
+                                               when=lambda: self._entered_same_rollout(ticket))
                 else:
                     draw_beta = 1.0 if call_beta is None else call_beta[0]
                     extra: dict[str, Any] = {"beta": draw_beta} if self.prioritized else {}
 
                     def stamp() -> bool:
+                        if ticket is not None and ticket.cancelled:
+                            return False  # (a delivery prepared this chunk in its call instead)
                         epoch[0] = self._prio_epoch
                         self._job_entered = True
                         return self._has_buffer_lock()
 
                     res = self.edp.prepare_now([n] * self._chunk, target, when=stamp, **dict(kw), **extra)
-                    assert res is not None
+                if res is None:
+                    ring.free(buf)
+                    return []
                 batch, sels = res
                 parts, row = [], 0
                 for s in sels:
@@ -585,8 +601,11 @@ class Overlapped(Scheduler):
             return [b.to(self.edp.device) for b in parts]
         return ring.to_device(buf, parts)
 
-    def _entered_same_rollout(self) -> bool:
-        """:meth:`_same_rollout`, noting that the preparation holds the buffer's lock (see :meth:`_await_job`)."""
+    def _entered_same_rollout(self, ticket: _Ticket | None) -> bool:
+        """:meth:`_same_rollout`, noting that the preparation holds the buffer's lock (see :meth:`_await_job`);
+        False for a job cancelled before it took that lock."""
+        if ticket is not None and ticket.cancelled:
+            return False
         self._job_entered = True
         self._has_buffer_lock()
         return self._same_rollout()
@@ -614,24 +633,35 @@ class Overlapped(Scheduler):
         buf = self._ring.acquire(self._delivered, inside_call=False)
         assert self._pool is not None
         self._job_entered = False
-        self._job = self._pool.submit(self._prepare, key, buf)
+        self._ticket = ticket = _Ticket()
+        self._job = self._pool.submit(self._prepare, key, buf, None, ticket)
         self._job_key = key
 
-    def _await_job(self) -> None:
+    def _await_job(self, *, cancel: bool = False) -> None:
         """Collect the job in flight's batches; a failed job prepared nothing and raises nothing here.
 
         Prefetch is speculative: whatever made it fail (nothing to draw yet, a storage error) is
         met again by the delivery call that prepares in the caller, and raised there, to the
         call it concerns, instead of from a later call (or ``close``/``invalidate``) that has
         its own work done.
+
+        When this thread holds the buffer's lock (inside ``read_locked()``, or a callback the buffer runs under
+        it) and the job has not taken that lock, the job cannot go on, and has drawn nothing: a delivery
+        (``cancel``) cancels it (it will prepare nothing) and prepares in the call what the job would have, the
+        next draws in order, as a synchronous delivery does; any other call is refused (waiting would last
+        forever). Whether the job took the lock first is worker timing; the outcome for a delivery is the same.
         """
         job = self._job
         if job is None:
             return
         if not self._job_entered and not job.done() and self.edp.holds_lock():
-            # the job waits for the lock this thread holds (read_locked): refused, the job stays in flight
-            raise wait_refused("This call (a delivery, state_dict(), load_state_dict() or close())",
-                                        "prefetch worker (it prepares the next batch)")
+            # the job waits for the lock this thread holds (read with it held: it cannot enter meanwhile)
+            if cancel:
+                self._ticket.cancelled = True  # (its buffer is freed by the job itself, when it gets the lock)
+                self._job, self._cancelled = None, job
+                return
+            raise wait_refused("This call (state_dict(), load_state_dict() or close())",
+                               "prefetch worker (it prepares the next batch)")
         self._job = None
         self._awaited = job  # (a job that has not taken the buffer's lock yet: see _enter)
         try:
@@ -722,6 +752,11 @@ class Overlapped(Scheduler):
         on_worker = self._ingestion.on_worker
         if not on_worker:  # (refused before anything changes when waiting for a delivery could last forever)
             self._enter("close()")
+            cancelled = self._cancelled
+            if cancelled is not None and not cancelled.done() and self.edp.holds_lock():
+                # stopping the worker waits for a job a delivery cancelled here: it ends once it has the lock
+                self._mu.release()
+                raise wait_refused("close()", "prefetch worker (it ends a cancelled job)")
         try:
             self._closed = True
             _OPEN.discard(self)
