@@ -245,6 +245,12 @@ class Automatic(Scheduler):
         return s
 
     @property
+    def calibrated(self) -> bool:
+        """Whether calibration has finished: the granularities and overlap of :attr:`decision` serve from now on.
+        (``decision`` is set when the model has chosen the candidates, before the confirm phase measures them.)"""
+        return self._phase == "run"
+
+    @property
     def g_ing(self) -> float:  # type: ignore[override]
         return self.inner.g_ing
 

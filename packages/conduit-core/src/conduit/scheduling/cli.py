@@ -71,7 +71,7 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"{args.updates} updates per iteration ...")
     res = run_loop(obs_dim=args.obs_dim, scheduler=sched, iterations=args.iterations, warmup=args.warmup,
                    rollout=args.rollout, batch=args.batch, updates=args.updates, capacity=args.capacity)
-    if sched.decision is None:
+    if not sched.calibrated or sched.decision is None:  # (a decision exists before its confirm phase ends)
         print("error: calibration did not finish; raise --warmup", file=sys.stderr)
         return 2
     print(sched.decision.explain())
