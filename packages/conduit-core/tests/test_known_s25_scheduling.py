@@ -3,8 +3,10 @@ need a prefetch job, the on-policy release step's lock mark), each made determin
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,10 @@ from conduit.testing.reference import ID_SCHEMA, id_batch
 
 D = 8
 JOIN_S = 20.0
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_known_s25_plane import _pair as _plane_pair  # noqa: E402, I001
+from test_review_s23_core import _in_thread as _s23_in_thread  # noqa: E402, I001
 
 
 def _rollout(n: int) -> dict[str, torch.Tensor]:
@@ -72,33 +78,13 @@ def test_a_background_store_beside_the_update_is_hidden_exactly_outside_the_loop
 # -- 2. a delivery inside read_locked() that needs a prefetch job that has not taken the buffer's lock -----------------
 def _in_thread(fn: Callable[[], object]) -> object:
     """``fn()``'s result or exception, run on a daemon thread (a hang fails instead of hanging the suite)."""
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except BaseException as e:  # noqa: BLE001 - returned to the test
-            out.append(e)
-
-    t = threading.Thread(target=run, name="caller", daemon=True)
-    t.start()
-    t.join(JOIN_S)
-    assert not t.is_alive(), "the call hung"
-    return out[0]
+    (res,) = _s23_in_thread(fn)
+    return res
 
 
 def _pair(on_policy: bool) -> tuple[ExperienceDataPlane, Overlapped, ExperienceDataPlane]:
     """An overlapped buffer (g_del=2 off-policy) and a synchronous twin, same contents and seed."""
-    sched = Overlapped(g_del=1 if on_policy else 2, background_ingest=False)
-
-    def build(s: Overlapped | None) -> ExperienceDataPlane:
-        sem = OnPolicy(num_minibatches=4, num_epochs=2) if on_policy else Replay(seed=3)
-        e = ExperienceDataPlane(ID_SCHEMA, capacity=64, semantics=sem, scheduler=s)
-        e.ingest(id_batch(np.arange(32)), version=0 if on_policy else None)
-        if on_policy:
-            e.seal()
-        return e
-    return build(sched), sched, build(None)
+    return _plane_pair(1 if on_policy else 2, on_policy=on_policy)
 
 
 def _ids(edp: ExperienceDataPlane, n: int | None) -> list[int]:
@@ -218,7 +204,8 @@ def _release_window(plane: Any, sched: _Watched) -> tuple[list[object], list[lis
     the delivery lock and the scheduler's marks), another thread delivers inside ``read_locked`` and is held until
     it has checked the mark once. Its outcome, and this thread's deliveries."""
     real = plane.release_now
-    other: list[object] = []
+    other: list[object] = []  # the other delivery's outcome (appended by its thread)
+    threads: list[threading.Thread] = []
     armed = [True]
 
     def release_now(selection: Any, *, when: Any = None) -> None:
@@ -230,12 +217,11 @@ def _release_window(plane: Any, sched: _Watched) -> tuple[list[object], list[lis
             lambda: [int(i) for i in plane.deliver()[1].handles.tolist()]))), daemon=True)
         t.start()
         assert sched.entering.wait(JOIN_S) and sched.checked.wait(JOIN_S), "the other delivery did not wait"
-        other.append(t)
+        threads.append(t)
 
     plane.release_now = release_now
     mine = [[int(i) for i in plane.deliver()[1].handles.tolist()]]
-    t = other.pop()
-    assert isinstance(t, threading.Thread)
+    (t,) = threads
     t.join(JOIN_S)
     assert not t.is_alive(), "the delivery inside read_locked hung"
     del plane.release_now
