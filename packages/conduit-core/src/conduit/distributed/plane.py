@@ -32,9 +32,9 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent import futures
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -166,6 +166,26 @@ class _LossCallbacks:
         self._queue: deque[LossReport] = deque()
         self._mu = threading.Lock()
         self._running: threading.Thread | None = None
+        #: per thread: how many scheduler calls (or scheduler primitives) it is inside (see :meth:`run`)
+        self._inside = threading.local()
+
+    def depth(self) -> int:
+        """How many scheduler calls (:meth:`_PlaneLock.scheduler_call`) or scheduler primitives the calling thread is
+        inside."""
+        return int(getattr(self._inside, "n", 0))
+
+    @contextmanager
+    def deferring(self) -> Iterator[None]:
+        """While entered, :meth:`run` on this thread does nothing: the thread may hold a scheduler's delivery lock
+        (``Overlapped._mu``), or run a prefetch job a delivery waits for, and a callback that took the buffer's lock
+        there could wait forever for a thread that holds the buffer's lock and waits for the delivery lock. The
+        reports stay queued, in order, for the next :meth:`run` outside (the end of the scheduler call, or of the
+        next outermost hold of the buffer's lock on any thread)."""
+        self._inside.n = self.depth() + 1
+        try:
+            yield
+        finally:
+            self._inside.n -= 1
 
     def add(self, report: LossReport) -> None:
         """Queue ``report`` (called under the buffer's lock, in the order the reports are recorded)."""
@@ -175,7 +195,10 @@ class _LossCallbacks:
     def run(self) -> None:
         """Call ``fn`` with every queued report, oldest first (called once a thread's outermost hold of the buffer's
         lock ended). When a callback is already running, this returns at once: that thread's loop takes the queued
-        reports next (also when it is this thread, i.e. the callback called into the buffer and found a loss)."""
+        reports next (also when it is this thread, i.e. the callback called into the buffer and found a loss).
+        Inside :meth:`deferring` it returns at once too (the reports stay queued)."""
+        if self.depth():
+            return
         while True:
             with self._mu:
                 if self._running is not None:
@@ -215,6 +238,18 @@ class _PlaneLock:
     def _is_owned(self) -> bool:
         """Whether the calling thread holds the lock (what :func:`~conduit.scheduling.base.lock_held` asks)."""
         return bool(self._lock._is_owned())  # type: ignore[attr-defined]
+
+    @contextmanager
+    def scheduler_call(self) -> Iterator[None]:
+        """Around a call into the scheduler (which may take its delivery lock): loss reports found meanwhile go to
+        ``on_loss`` once it returned, on this thread, unless it still holds the buffer's lock (then when that hold
+        ends)."""
+        try:
+            with self._callbacks.deferring():
+                yield
+        finally:
+            if not self._callbacks.depth() and not self._is_owned():
+                self._callbacks.run()
 
 
 class DistributedDataPlane:
@@ -273,7 +308,10 @@ class DistributedDataPlane:
         on_loss: called with each :class:`LossReport`, exactly once, in the order of :attr:`losses`, never
             under the buffer's lock (it may call the buffer, from any thread): by the thread that detected
             the loss once its call into the buffer let go of the lock (or by a thread already running an
-            earlier report's callback, which takes it next; callbacks never run concurrently). What it
+            earlier report's callback, which takes it next; callbacks never run concurrently), and never
+            under the scheduler's delivery lock: a loss found during ``deliver`` is handed over once the
+            scheduler returned; one found by a prefetch job (``gather_now``/``prepare_now``) at the end of
+            the next call into the buffer that holds no lock (any thread). What it
             raises is logged, never raised into the call that found the loss (that call goes on).
         scheduler: when ingestion and delivery work runs (default: ``Synchronous()``, in the
             caller); e.g. ``Overlapped(g_ing=..., g_del=...)`` from :mod:`conduit.scheduling`.
@@ -884,8 +922,10 @@ class DistributedDataPlane:
             # a prefetching scheduler may hold batches read before the loss, with items now reported lost
             # (LossReport.lost: never delivered again): drop them, so they are drawn and read again
             self._losses_seen = len(self.losses)
-            self.scheduler.invalidate("contents")
-        batch, info = self.scheduler.deliver(n, **kwargs)
+            with self._lock.scheduler_call():
+                self.scheduler.invalidate("contents")
+        with self._lock.scheduler_call():  # (on_loss runs after it: not under the scheduler's delivery lock)
+            batch, info = self.scheduler.deliver(n, **kwargs)
         self.telemetry.record("deliver_wait", batch.batch_size, 0, t0, time.perf_counter())  # the caller's whole call
         return batch, info
 
@@ -956,7 +996,7 @@ class DistributedDataPlane:
         semantics' next minibatch, as :meth:`deliver` skips it.
         """
         t0 = time.perf_counter()
-        with self._lock:
+        with self._callbacks.deferring(), self._lock:  # (a scheduler's primitive: see _LossCallbacks.deferring)
             self._check_open()
             total = sum(int(s.slots.shape[0]) for s in selections)
             bufs = out(total) if callable(out) else out
@@ -991,7 +1031,7 @@ class DistributedDataPlane:
                     peek: bool = False, when: Callable[[], bool] | None = None,
                     **kwargs: Any) -> tuple[ExperienceBatch, list[Selection]] | None:
         """:meth:`select_now` and :meth:`gather_now` under one lock hold (no ingestion in between)."""
-        with self._lock:
+        with self._callbacks.deferring(), self._lock:  # (a scheduler's primitive: see _LossCallbacks.deferring)
             sels = self.select_now(sizes, peek=peek, when=when, **kwargs)
             if sels is None:
                 return None

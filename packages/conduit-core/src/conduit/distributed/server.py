@@ -89,7 +89,7 @@ class ShardServer:
         except BaseException:
             # a refused append changes nothing: the driver still indexes the items it would have released
             # (an append checks before it writes, so undoing the release restores the partition exactly)
-            part._oldest = before
+            part.unrelease(before)
             raise
         return res.first, res.count, part.next_handle
 

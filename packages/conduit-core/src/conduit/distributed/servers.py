@@ -129,7 +129,7 @@ class ShardServers:
 
     def _leave(self, group: Any) -> None:
         """Close ``group`` here and ask every server to leave it (fire and forget; a dead server left it already)."""
-        group._tear_down()
+        group.tear_down()
 
     def kill(self, i: int) -> None:
         """Fence server ``i``: it is killed and never restarts (a lost server must not come back).

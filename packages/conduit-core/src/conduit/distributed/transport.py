@@ -158,7 +158,7 @@ class TorchGroup:
         except BaseException:
             # a group that failed after it formed is torn down: closed here, and every server asked to leave it,
             # so nothing keeps it and a retry forms a new one
-            self._tear_down()
+            self.tear_down()
             raise
 
     def __repr__(self) -> str:
@@ -219,9 +219,10 @@ class TorchGroup:
             prof.links[(node, self.learner_node)] = LinkCost.fit_or_bound(samples[1:], samples[0][1])
         return prof
 
-    def _tear_down(self) -> None:
+    def tear_down(self) -> None:
         """:meth:`close` here, and ask every server to leave the group (without waiting: a server may still be
-        stuck in it; it runs the request after what it is doing)."""
+        stuck in it; it runs the request after what it is doing). Servers Ray cannot reach are skipped (they hold
+        no group any more); calling it again only asks the servers again."""
         self.close()
         for info in self._servers.servers:
             try:

@@ -356,6 +356,26 @@ class ColumnarStorage(Storage):
     def release(self, upto: int) -> None:
         self._oldest = max(self._oldest, min(int(upto), self._next))
 
+    def unrelease(self, oldest: int) -> None:
+        """Undo :meth:`release` calls made since the oldest live handle was ``oldest``: the released items are live
+        again, with the rows they held.
+
+        Only for a release whose items no write has touched since, i.e. undoing the release an append made just
+        before it was refused (a refused :meth:`append` checks before it writes, so it overwrote nothing). After a
+        successful append, a :meth:`truncate` or a restore, the released slots may hold other rows: do not call it
+        then.
+
+        Raises:
+            ConfigurationError: ``oldest`` is above the oldest live handle, or so far below the next handle that
+                the items would not fit in the capacity (nothing changed).
+        """
+        oldest = int(oldest)
+        if oldest > self._oldest or self._next - oldest > self.capacity:
+            raise ConfigurationError(
+                f"unrelease({oldest}) can only restore a release of live items (oldest live handle {self._oldest}, "
+                f"next {self._next}, capacity {self.capacity}); pass the oldest handle read before that release.")
+        self._oldest = oldest
+
     def truncate(self, upto: int) -> None:
         """Forget the newest items, from handle ``upto`` on, as if they had never been appended.
 
