@@ -5,6 +5,8 @@ given twice."""
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,16 +19,8 @@ from conduit.storage.base import ring_ordered
 from conduit.storage.columnar import ColumnarStorage
 from conduit.storage.sharded import ShardedStorage
 
-TOK = ExperienceSchema(tok=Field((), torch.int64, ragged=True), x=Field((), torch.float32))
-
-
-def _tok_batch(first: int, lengths: list[int]) -> ExperienceBatch:
-    """Item ``h`` holds tokens ``1000 * h + j`` and x = h."""
-    hs = range(first, first + len(lengths))
-    vals = [torch.arange(n, dtype=torch.int64) + 1000 * h for h, n in zip(hs, lengths, strict=True)]
-    return ExperienceBatch({"tok": Ragged(torch.cat(vals) if vals else torch.empty(0, dtype=torch.int64),
-                                          torch.tensor(lengths, dtype=torch.int64)),
-                            "x": torch.tensor(list(hs), dtype=torch.float32)}, len(lengths))
+sys.path.insert(0, str(Path(__file__).parent))
+from test_schema_storage_refusals_and_disk_names import TOK, _tok_batch  # noqa: E402, I001
 
 
 def _live(st: ColumnarStorage) -> dict[int, list[int]]:
@@ -159,12 +153,8 @@ def test_a_block_in_the_space_a_truncate_left_evicts_the_older_items_it_sweeps_p
     assert _live(st) == {3: [3000 + j for j in range(45)], 4: [4000 + j for j in range(10)]}
 
 
-def test_the_eviction_walk_reads_about_the_items_it_evicts_not_every_live_item(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A guard against the scan over every live item coming back: with 20000 live items, 100 one-item appends read
-    the bookkeeping of a few dozen items each (the former scan read all 20000 per append)."""
-    st = ColumnarStorage(TOK, 20_000, ragged_capacity=80_000, prefault=False)
-    for first in range(0, 20_000, 5_000):
-        st.append(_tok_batch(first, [4] * 5_000))
+def _count_walk(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record how many items each step of the ragged eviction walk reads (the list fills as appends run)."""
     read: list[int] = []
     rows = columnar._ring_rows
 
@@ -174,6 +164,16 @@ def test_the_eviction_walk_reads_about_the_items_it_evicts_not_every_live_item(m
         return rows(starts, lengths, first, end, capacity)
 
     monkeypatch.setattr(columnar, "_ring_rows", counting)
+    return read
+
+
+def test_the_eviction_walk_reads_about_the_items_it_evicts_not_every_live_item(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guard against the scan over every live item coming back: with 20000 live items, 100 one-item appends read
+    the bookkeeping of a few dozen items each (the former scan read all 20000 per append)."""
+    st = ColumnarStorage(TOK, 20_000, ragged_capacity=80_000, prefault=False)
+    for first in range(0, 20_000, 5_000):
+        st.append(_tok_batch(first, [4] * 5_000))
+    read = _count_walk(monkeypatch)
     for h in range(20_000, 20_100):
         res = st.append(_tok_batch(h, [4]))
         assert (res.evicted_from, res.evicted_to) == (h - 20_000, h - 20_000 + 1)
@@ -187,15 +187,7 @@ def test_the_walk_passes_leading_empty_items_once(monkeypatch: pytest.MonkeyPatc
     nothing instead of reading them again on every append."""
     st = ColumnarStorage(TOK, 10_000, ragged_capacity=100)
     st.append(_tok_batch(0, [0] * 9_000))
-    read: list[int] = []
-    rows = columnar._ring_rows
-
-    def counting(starts: np.ndarray, lengths: np.ndarray, first: int, end: int,
-                 capacity: int) -> tuple[np.ndarray, np.ndarray]:
-        read.append(end - first)
-        return rows(starts, lengths, first, end, capacity)
-
-    monkeypatch.setattr(columnar, "_ring_rows", counting)
+    read = _count_walk(monkeypatch)
     st.append(_tok_batch(9_000, [50]))  # [0, 50): nothing to evict, but 9000 empty items to pass once
     first_walk = sum(read)
     assert first_walk >= 9_000

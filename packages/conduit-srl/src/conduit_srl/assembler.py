@@ -505,10 +505,13 @@ class Assembler:
             return self.read_plane(queued) + fresh
         if self.cfg.replay_like:
             return self.read_plane(lambda: min(self._pending_samples() + len(edp), edp.capacity))
-        # on-policy: a rollout's storage is released when the plane delivers its last minibatch, which may wait
-        # in _ready (counted until get() hands it out); with the samples kept until room is freed (on_full="keep")
-        return (self.read_plane(lambda: self._pending_samples() + len(edp)) + sum(e._released for e in self._ready)
-                + self._held_samples)
+        return self._on_policy_qsize(self.read_plane(lambda: self._pending_samples() + len(edp)))
+
+    def _on_policy_qsize(self, stored: int) -> int:
+        """On-policy :meth:`qsize` from ``stored`` (samples on their way to storage and in it, read under the EDP's
+        lock): a rollout's storage is released when the plane delivers its last minibatch, which may wait in _ready
+        (counted until get() hands it out); with the samples kept until room is freed (on_full="keep")."""
+        return stored + sum(e._released for e in self._ready) + self._held_samples
 
     def counts(self) -> dict[str, int]:
         """:class:`Stats` and what is waiting, read in one hold of the buffer's locks (see ``ConduitBuffer.stats``).
@@ -535,13 +538,14 @@ class Assembler:
                     out["samples_waiting"] = self._pending_samples() + fifo.undelivered() + ready_first
 
                 self.read_plane(read_queue)
-            elif self.cfg.semantics == "on_policy":
+                out["qsize"] = self._qsize_locked()
+            elif self.cfg.semantics == "on_policy":  # (one read of the plane serves both counts)
                 stored = self.read_plane(lambda: self._pending_samples() + len(edp))
                 begun = self._first_epoch_items if self._rollout_open else 0  # (of the rollout being delivered)
                 out["samples_waiting"] = stored - begun + ready_first
+                out["qsize"] = self._on_policy_qsize(stored)
             else:
-                out["samples_waiting"] = self._qsize_locked()
-            out["qsize"] = self._qsize_locked()
+                out["samples_waiting"] = out["qsize"] = self._qsize_locked()
             return out
 
     def read_plane(self, read: Callable[[], T]) -> T:

@@ -274,11 +274,12 @@ class Planner:
                  for k in set(e.breakdown) | set(chosen.breakdown)}
         # the phase (ingest or deliver) that loses most first: the tiers split a phase into differently named
         # parts, so the single largest part can belong to a phase the candidate is faster in
+        phase_of = {k: k.split(":")[0] for k in diffs}
         phases: dict[str, float] = {}
         for k, d in diffs.items():
-            phases[k.split(":")[0]] = phases.get(k.split(":")[0], 0.0) + d
+            phases[phase_of[k]] = phases.get(phase_of[k], 0.0) + d
         phase = max(phases, key=lambda p: phases[p])
-        worst = max((k for k in diffs if k.split(":")[0] == phase), key=lambda k: diffs[k])
+        worst = max((k for k in diffs if phase_of[k] == phase), key=lambda k: diffs[k])
         # a profile may price the chosen path at nothing (zero overhead, unlimited bandwidth): no ratio then
         ratio = f"{e.total_s / chosen.total_s:.2f}x" if chosen.total_s > 0 else "the chosen costs nothing"
         part = "" if worst == phase else f"; largest part {worst} +{diffs[worst] * 1e3:.3f} ms"
