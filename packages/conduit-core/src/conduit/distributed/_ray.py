@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from conduit.distributed.errors import ClusterError, RayUnavailableError
 from conduit.errors import ConduitError
 
-__all__ = ["ray_module", "current_node_id", "wait_all", "Outcome"]
+__all__ = ["ray_module", "current_node_id", "wait_all", "Outcome", "without_auto_init"]
+
+_tls = threading.local()
 
 
 def ray_module(*, initialized: bool = True) -> Any:
@@ -21,6 +25,44 @@ def ray_module(*, initialized: bool = True) -> Any:
         raise ClusterError("Ray is not initialised in this process; call ray.init(address=...) (or start a local "
                            "cluster with conduit.distributed.testing.local_cluster()) before building shards.")
     return ray
+
+
+@contextmanager
+def without_auto_init() -> Iterator[None]:
+    """Inside the block, Ray calls made on this thread never start a Ray nor connect to one.
+
+    Ray's API starts a local Ray, or connects to the newest cluster on the machine, when it is called in a process
+    where Ray is not initialised ("auto-init"). A thread of ours that checks for Ray and then calls it (the health
+    monitor, a finalizer, ``close()``) races with a ``ray.shutdown()`` on another thread: a call landing after the
+    shutdown would start a new Ray, or join another process's cluster. Inside this block such a call raises
+    Ray's own "not started" error instead; other threads keep Ray's behaviour.
+    """
+    _guard_auto_init()
+    outer = getattr(_tls, "no_auto_init", False)
+    _tls.no_auto_init = True
+    try:
+        yield
+    finally:
+        _tls.no_auto_init = outer
+
+
+def _guard_auto_init() -> None:
+    """Route Ray's auto-init hook through a check of :func:`without_auto_init`'s flag (once per process).
+
+    Ray's wrapped APIs (``ray.get``, ``ray.wait``, ``ray.put``, ``ray.kill``, actor method calls) look the hook up
+    in its module at each call, so replacing it there covers them all. A Ray without that hook is left as it is.
+    """
+    hook: Any = getattr(getattr(ray_module(initialized=False), "_private", None), "auto_init_hook", None)
+    original = getattr(hook, "auto_init_ray", None)
+    if original is None or getattr(original, "_conduit_guarded", False):
+        return
+
+    def auto_init_ray() -> None:
+        if not getattr(_tls, "no_auto_init", False):
+            original()
+
+    auto_init_ray._conduit_guarded = True  # type: ignore[attr-defined]
+    hook.auto_init_ray = auto_init_ray
 
 
 def current_node_id() -> str:

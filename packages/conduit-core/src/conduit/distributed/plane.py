@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged, host_array
-from conduit.distributed._ray import Outcome, current_node_id, ray_module, wait_all
+from conduit.distributed._ray import Outcome, current_node_id, ray_module, wait_all, without_auto_init
 from conduit.distributed.errors import (
     ClusterError,
     DistributedError,
@@ -1422,8 +1422,10 @@ class DistributedDataPlane:
             return []
         outs = self._ping(live)
         found: list[LossReport] = []
-        if self._closed:
-            return found  # close() ran while the pings were out: it stopped the shards, nothing was lost
+        if self._closed or not _ray_is_up():
+            # close() ran while the pings were out: it stopped the shards, nothing was lost; or Ray was shut down
+            # meanwhile: the pings' failures say nothing about the shards (and losing them would call Ray again)
+            return found
         for s, o in outs.items():
             if o.lost:
                 self._lose(s, _reason(o), found=found)
@@ -1862,8 +1864,14 @@ class DistributedDataPlane:
         if self._owns_servers:
             self.servers.shutdown()
         elif _ray_is_up():  # (after ray.shutdown() the servers, and this buffer's partitions, are gone already)
-            wait_all({s: self.servers[s].actor.close.remote(self.buffer_id) for s in self.alive_shards},
-                     min(self.timeout, 10.0))
+            try:
+                with without_auto_init():
+                    wait_all({s: self.servers[s].actor.close.remote(self.buffer_id) for s in self.alive_shards},
+                             min(self.timeout, 10.0))
+            except Exception:
+                if _ray_is_up():
+                    raise
+                # Ray was shut down while the partitions were being closed: they went with it
 
     def __enter__(self) -> DistributedDataPlane:
         return self
@@ -1883,8 +1891,11 @@ def _watch(ref: weakref.ref[DistributedDataPlane], stop: threading.Event, period
         if plane is None or not _ray_is_up():
             return  # dropped, or Ray was shut down (a ping now would start a new local Ray)
         try:
-            plane.check_health()
+            with without_auto_init():  # (a ray.shutdown() on another thread may land during the check)
+                plane.check_health()
         except Exception:  # noqa: BLE001 - the monitor must outlive transient errors
+            if not _ray_is_up():
+                return  # Ray was shut down during the check: what failed was the call into it
             log.exception("conduit health check failed")
         finally:
             plane = None  # not held while waiting
@@ -1913,12 +1924,13 @@ def _release_dropped(stop: threading.Event, servers: ShardServers, owned: bool, 
     if not _ray_is_up():  # Ray was shut down: its actors went with it, and a call now would start a new Ray
         return
     try:
-        if owned:
-            servers.shutdown()
-        else:
-            for s, up in enumerate(alive):
-                if up:
-                    servers[s].actor.close.remote(buffer_id)
+        with without_auto_init():  # (nor one after a ray.shutdown() on another thread that lands meanwhile)
+            if owned:
+                servers.shutdown()
+            else:
+                for s, up in enumerate(alive):
+                    if up:
+                        servers[s].actor.close.remote(buffer_id)
     except Exception:  # noqa: BLE001 - see above
         log.debug("conduit: releasing a dropped plane's shards failed", exc_info=True)
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from conduit.distributed._ray import current_node_id, ray_module, wait_all
+from conduit.distributed._ray import current_node_id, ray_module, wait_all, without_auto_init
 from conduit.distributed.errors import ClusterError
 from conduit.distributed.server import server_class
 
@@ -136,13 +136,17 @@ class ShardServers:
 
         Does nothing when it is dead already, or when Ray was shut down (its actors went with it)."""
         try:
-            ray_module().kill(self.servers[i].actor, no_restart=True)
+            with without_auto_init():  # (Ray shut down meanwhile: raise, never start a new Ray)
+                ray_module().kill(self.servers[i].actor, no_restart=True)
         except Exception:  # noqa: BLE001 - already dead (or Ray shut down) is fine
             pass
 
     def shutdown(self) -> None:
-        """Kill every server, and close this process's side of their torch.distributed group (its sockets)."""
-        if self._torch is not None:
-            self._torch.close()
-        for i in range(len(self.servers)):
-            self.kill(i)
+        """Kill every server, and close this process's side of their torch.distributed group (its sockets).
+
+        After ``ray.shutdown()`` (the servers went with it) this starts no new Ray."""
+        with without_auto_init():
+            if self._torch is not None:
+                self._torch.close()
+            for i in range(len(self.servers)):
+                self.kill(i)
