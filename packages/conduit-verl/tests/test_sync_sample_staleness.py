@@ -188,7 +188,7 @@ def _plane(refuse: dict[str, bool], seed: int | None) -> Any:
 
     sem = Refusing(num_minibatches=2, num_epochs=3, seed=seed, dataloader_kwargs={"shuffle": True})
     edp = ExperienceDataPlane(ID_SCHEMA, capacity=16, semantics=sem)
-    edp.ingest(id_batch(list(range(6))), version=0)
+    edp.ingest(id_batch(torch.arange(6).numpy()), version=0)
     edp.seal()
     return edp
 
@@ -271,7 +271,7 @@ def test_a_reservation_of_a_process_that_died_before_committing_is_freed(tq_sess
             rows = TD({"r": t.full((1, 2), value), "uid": Stack(uid)}, batch_size=[1])
             asyncio.run(here.get_client().storage_manager.put_data(rows, meta))
 
-    putter = Putter.remote()
+    putter = Putter.remote()  # type: ignore[attr-defined]  # (ray.remote's class has .remote)
     try:
         putter.put.remote(dead_meta, 1.0, "dead")
         while ray.get(manager.units[1].stats.remote())["prepared_puts"] != 1:
