@@ -15,7 +15,14 @@ import torch
 from conduit.batch import ExperienceBatch, Ragged
 from conduit.errors import CapacityError, ConfigurationError, SchemaError
 from conduit.placement.base import HostPlacement, Placement
-from conduit.scheduling.base import Scheduler, Synchronous, check_scheduler_entry, lock_held, scheduler_entry
+from conduit.scheduling.base import (
+    Scheduler,
+    Synchronous,
+    check_scheduler_entry,
+    lock_held,
+    scheduler_entry,
+    thread_flag,
+)
 from conduit.schema import ExperienceSchema
 from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy, check_version
@@ -726,13 +733,8 @@ class ExperienceDataPlane:
     @contextmanager
     def _finishing(self) -> Iterator[None]:
         """Mark this thread as finishing the buffer's work (close/flush): the scheduler may store then."""
-        tls = self._tls
-        outer = getattr(tls, "finishing", False)
-        tls.finishing = True
-        try:
+        with thread_flag(self._tls, "finishing"):
             yield
-        finally:
-            tls.finishing = outer
 
     def __enter__(self) -> ExperienceDataPlane:
         return self

@@ -9,6 +9,7 @@ from typing import Any
 
 from conduit.distributed.errors import ClusterError, RayUnavailableError
 from conduit.errors import ConduitError
+from conduit.scheduling.base import thread_flag
 
 __all__ = ["ray_module", "current_node_id", "wait_all", "Outcome", "without_auto_init"]
 
@@ -38,12 +39,8 @@ def without_auto_init() -> Iterator[None]:
     Ray's own "not started" error instead; other threads keep Ray's behaviour.
     """
     _guard_auto_init()
-    outer = getattr(_tls, "no_auto_init", False)
-    _tls.no_auto_init = True
-    try:
+    with thread_flag(_tls, "no_auto_init"):
         yield
-    finally:
-        _tls.no_auto_init = outer
 
 
 def _guard_auto_init() -> None:

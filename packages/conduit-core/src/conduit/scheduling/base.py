@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,7 +17,8 @@ if TYPE_CHECKING:
     from conduit.edp import ExperienceDataPlane
     from conduit.semantics.base import SampleInfo
 
-__all__ = ["Scheduler", "Synchronous", "check_scheduler_entry", "scheduler_entry", "lock_held", "wait_refused"]
+__all__ = ["Scheduler", "Synchronous", "check_scheduler_entry", "scheduler_entry", "lock_held", "thread_flag",
+           "wait_refused"]
 
 
 class Scheduler(ABC):
@@ -117,6 +120,18 @@ def lock_held(lock: object) -> bool:
     ``holds_lock()`` answer). Without CPython's ``RLock._is_owned`` the answer is False: nothing is refused."""
     is_owned = getattr(lock, "_is_owned", None)
     return bool(is_owned()) if is_owned is not None else False
+
+
+@contextmanager
+def thread_flag(tls: threading.local, name: str) -> Iterator[None]:
+    """Set the flag ``name`` of the thread-local ``tls`` for the calling thread inside the block (nested blocks
+    restore the outer value); read it with ``getattr(tls, name, False)``."""
+    outer = getattr(tls, name, False)
+    setattr(tls, name, True)
+    try:
+        yield
+    finally:
+        setattr(tls, name, outer)
 
 
 def wait_refused(call: str, worker: str) -> ConfigurationError:
