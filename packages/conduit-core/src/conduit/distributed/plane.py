@@ -311,7 +311,10 @@ class DistributedDataPlane:
             earlier report's callback, which takes it next; callbacks never run concurrently), and never
             under the scheduler's delivery lock: a loss found during ``deliver`` is handed over once the
             scheduler returned; one found by a prefetch job (``gather_now``/``prepare_now``) at the end of
-            the next call into the buffer that holds no lock (any thread). What it
+            the next call into the buffer that holds no lock (any thread). One found by a background ingestion
+            worker's write (``Overlapped``) is handed over on that worker, inside its write: a call there that
+            would wait for that write (``flush()`` and the calls that flush first, ``ingest()`` into a full
+            queue) raises :class:`~conduit.ConfigurationError`, changing nothing. What it
             raises is logged, never raised into the call that found the loss (that call goes on).
         scheduler: when ingestion and delivery work runs (default: ``Synchronous()``, in the
             caller); e.g. ``Overlapped(g_ing=..., g_del=...)`` from :mod:`conduit.scheduling`.
@@ -1536,14 +1539,17 @@ class DistributedDataPlane:
         is unknown are probed (at most ``timeout``), so a retry never waits on a source found dead. A segment
         still short of ``replication`` copies afterwards (no room on another node, or every copy failed) counts
         its items in :attr:`under_replicated`; one whose source (or another replica) was lost meanwhile is
-        accounted by that loss instead. During a write (a shard lost while an ingestion stores its batch) only
-        the items the write keeps are copied, into the room its evictions free: the oldest items it evicts are
-        not (a segment it evicts whole is kept aside, and copied only if the write fails and evicts nothing).
+        accounted by that loss instead, and so is one whose copy landed on a target lost later in this call (that
+        loss copies it again or counts it; the items returned leave it out). During a write (a shard lost while an
+        ingestion stores its batch) only the items the write keeps are copied, into the room its evictions free:
+        the oldest items it evicts are not (a segment it evicts whole is kept aside, and copied only if the write
+        fails and evicts nothing).
         """
         if self.replication < 2:
             return 0
         oldest = self.index.oldest if self._evicting is None else max(self.index.oldest, self._evicting)
-        #: the shards holding each segment now: a segment one of them is lost from is that loss's to account
+        #: the shards holding each segment (now, and the targets its copies land on): a segment one of them is lost
+        #: from is that loss's to account
         held = {row: {s for s, _ in self.index.segment(row, oldest)[2]} for row in rows}
         copied: dict[int, int] = {}  # rows that got a copy -> their items
         avoid: set[int] = set()  # targets whose copy failed in this call
@@ -1565,13 +1571,15 @@ class DistributedDataPlane:
             if count > 0 and reps and len(reps) < self.replication and all(self._alive[s] for s in shards):
                 short += count
         self.under_replicated += short
-        return sum(copied.values())
+        return sum(count for row, count in copied.items() if all(self._alive[s] for s in held[row]))
 
-    def _copy_round(self, rows: list[int], oldest: int, held: Mapping[int, set[int]], avoid: set[int],
+    def _copy_round(self, rows: list[int], oldest: int, held: dict[int, set[int]], avoid: set[int],
                     copied: dict[int, int]) -> tuple[list[int], dict[int, Outcome]]:
         """One round of :meth:`_replicate`: copy each short segment of ``rows`` to targets not in ``avoid``.
 
-        Records the copies that landed (in the index and ``copied``) and adds the targets whose copy failed to
+        Records the copies that landed (in the index, ``copied`` and ``held``), all of them before any failed copy
+        is settled: a target (or source) found lost by a failure then has its landed copies in the index, so its
+        loss accounts them (the index never names a replica on a lost shard). Adds the targets whose copy failed to
         ``avoid``. Returns the rows to copy again (their source lives) and the outcomes of copies whose outcome
         is unknown, by shard (source and target), to probe.
         """
@@ -1609,13 +1617,18 @@ class DistributedDataPlane:
         unsure: dict[int, Outcome] = {}  # their sources and targets
         retry: list[int] = []
         for (row, t), o in outs.items():
-            count, first, src = jobs[(row, t)]
-            if o.ok:
+            # first every copy that landed (no loss is settled before: each target here is alive)
+            if o.ok and self._alive[t]:
+                count, first, _ = jobs[(row, t)]
                 self._local_next[t] = max(self._local_next[t], int(o.value[2]))
                 seg_first, _ = self.index.segment_span(row)
                 self.index.add_replica(row, t, int(o.value[0]) - (first - seg_first))
                 copied[row] = count
+                held[row].add(t)
+        for (row, t), o in outs.items():
+            if o.ok:
                 continue
+            count, first, src = jobs[(row, t)]
             if o.lost and not o.unconfirmed:
                 # a two-hop copy: the error names the actor that died (source or target); a timeout or a
                 # passing unavailability is settled by a probe (see _replicate) or by the health monitor

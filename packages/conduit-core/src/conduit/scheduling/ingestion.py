@@ -156,6 +156,7 @@ class Ingestion:
                         f"Ingestion is paused after a failed background write and its queue is full "
                         f"({len(self._pending)} batches); call flush() to retry them. This batch was not accepted.")
                 self.refuse_wait("ingest() into a full queue")
+                self._refuse_on_worker("ingest() into a full queue")
                 self._cv.wait()
             if self._closing:  # closed while this producer waited for room: the worker may be gone
                 raise ConfigurationError("This scheduler was closed while this batch waited for room in the "
@@ -174,11 +175,16 @@ class Ingestion:
                 raise
 
     def flush(self) -> None:
-        """Return once every handed-over batch is stored (or raise why one cannot be)."""
+        """Return once every handed-over batch is stored (or raise why one cannot be).
+
+        Refused (:class:`ConfigurationError`, nothing changed) from a callback inside a write of this buffer, on
+        the worker or (sequential mode) in the caller storing: it could not return before that write does.
+        """
         if not self.background:
             self._store_ready(force=True)
             self._rollout_done()
             return
+        self._refuse_on_worker("flush() (seal(), state_dict() and load_state_dict() flush first)")
         with self._cv:
             self._raise_failure()  # an unreported failure is reported first; the retry is the next flush
             stopped = self._stopped
@@ -202,7 +208,8 @@ class Ingestion:
     def drain(self) -> bool:
         """Store everything handed over, as :meth:`flush` does, but never raise: when storing fails (or
         is paused after a failure), the batches stay queued in order, the failure stays for the
-        producer's next ``handover``/``flush``/``close`` to raise, and False is returned."""
+        producer's next ``handover``/``flush``/``close`` to raise, and False is returned. Called on the worker
+        (a callback inside one of its writes), it stores nothing and returns False (the caller retries later)."""
         if not self.background:
             try:
                 self._store_ready(force=True)
@@ -213,7 +220,7 @@ class Ingestion:
         with self._cv:
             if self._error is not None or self._paused or self._stopped:
                 return not (self._pending or self._inflight)
-            if self._would_wait_forever():  # (the caller retries later, as after a failure)
+            if self._would_wait_forever() or self.on_worker:  # (the caller retries later, as after a failure)
                 return False
             self._wait_stored()
             ok = self._error is None and not self._pending
@@ -287,6 +294,16 @@ class Ingestion:
         with self._cv:
             if self.background and self._would_wait_forever():
                 raise wait_refused(call, "ingestion worker (it has batches to store)")
+
+    def _refuse_on_worker(self, call: str) -> None:
+        """:class:`ConfigurationError` for ``call``, which waits for the worker's writes, when made on the worker
+        itself (a callback inside one of its writes, e.g. a loss callback): that write cannot end before the
+        call returns."""
+        if self.background and self.on_worker:
+            raise ConfigurationError(f"{call} was called from a callback inside a write of this buffer on its "
+                                     f"ingestion worker, and would wait for that write, which cannot finish before "
+                                     f"the callback returns: it would wait forever. Nothing was changed; call it "
+                                     f"after the write returns (from another thread).")
 
     def pending(self) -> list[Handover]:
         """Handed-over batches not stored yet, in order.
