@@ -22,6 +22,7 @@ from conduit.distributed import DistributedDataPlane, ShardServers
 from conduit.distributed._ray import Outcome
 from conduit.distributed.errors import ClusterError
 from conduit.distributed.faults import LossReport
+from conduit.distributed.testing import kill_server
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch
 
 ray = pytest.importorskip("ray")
@@ -55,21 +56,6 @@ def _plane(owned: list[Any], nodes: list[str], schema: ExperienceSchema = ID_SCH
     return plane
 
 
-def _kill(plane: DistributedDataPlane, shard: int) -> None:
-    """Kill a shard's server and return once Ray reports it dead (not merely unavailable)."""
-    actor = plane.servers[shard].actor
-    ray.kill(actor, no_restart=True)
-    for _ in range(600):
-        try:
-            ray.get(actor.ping.options(concurrency_group="health").remote(), timeout=30)
-        except ray.exceptions.ActorUnavailableError:
-            pass
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"shard {shard}'s server did not die")
-
-
 def _shards_of(plane: DistributedDataPlane, handle: int) -> list[int]:
     row = int(plane.index.segments_of(np.array([handle]))[0])
     return sorted(s for s, _ in plane.index.segment(row)[2])
@@ -93,7 +79,7 @@ def test_real_cluster_a_shard_ray_reports_unavailable_but_that_answers_a_probe_i
     assert p.alive_shards == [0, 1] and p.losses == [] and len(p) == 4
     assert _ids(p) == [0, 1, 2, 3]
     # a proven death is still a loss, found by the next health check
-    _kill(p, 1)
+    kill_server(p.servers[1].actor)
     found = p.check_health()
     assert [r.shard for r in found] == [1] and found[0].lost.tolist() == [0, 1, 2, 3]
     assert p.alive_shards == [0]
@@ -122,8 +108,8 @@ def test_real_cluster_loss_callbacks_run_outside_the_lock_in_order_once_each(clu
     p = _plane(owned, [cluster.head, cluster.workers[0], third], replication=2, on_loss=on_loss)
     p.ingest(id_batch(np.arange(4)), node=cluster.head)
     assert _shards_of(p, 0) == [0, 1]
-    _kill(p, 0)
-    _kill(p, 1)
+    kill_server(p.servers[0].actor)
+    kill_server(p.servers[1].actor)
     found = p.check_health()
     assert sorted(r.shard for r in found) == [0, 1]
     assert [id(r) for r, _, _ in calls] == [id(r) for r in p.losses] == [id(r) for r in found], \
@@ -168,7 +154,7 @@ def test_real_cluster_a_re_replication_copy_that_lands_after_its_timeout_leaves_
     assert _shards_of(p, 0) == [0, 1]
     target = p.servers[2].actor
     blocker = target.sink.remote(_late.remote(20.0))  # shard 2's data calls queue behind this one
-    _kill(p, 0)
+    kill_server(p.servers[0].actor)
     found = p.check_health()
     assert [r.shard for r in found] == [0] and found[0].recovered == 4 and found[0].re_replicated == 0
     assert p.alive_shards == [1, 2] and p.under_replicated == 4
@@ -188,7 +174,7 @@ def _evicting_setup(owned: list[Any], cluster: Any, shard_capacity: int) -> Dist
     p.ingest(id_batch(np.arange(4)), node=cluster.workers[0])
     p.ingest(id_batch(np.arange(4, 8)), node=cluster.head)
     assert _shards_of(p, 0) == [1] and _shards_of(p, 4) == [0] and len(p) == 8
-    _kill(p, 1)
+    kill_server(p.servers[1].actor)
     return p
 
 

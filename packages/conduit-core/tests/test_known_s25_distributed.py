@@ -26,6 +26,7 @@ from conduit import ConfigurationError  # noqa: E402
 from conduit.distributed import DistributedDataPlane, LinkProfile, ShardServers  # noqa: E402
 from conduit.distributed._ray import wait_all  # noqa: E402
 from conduit.distributed.errors import RemoteTimeoutError  # noqa: E402
+from conduit.distributed.testing import kill_server  # noqa: E402
 from conduit.distributed.transport import TorchGroup, make_process_group  # noqa: E402
 from conduit.placement.profile import LinkCost  # noqa: E402
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
@@ -79,7 +80,7 @@ def test_a_copy_a_live_target_never_stores_is_sent_to_another_target(cluster):
         h = plane.ingest(id_batch(np.arange(10)))
         assert _replicas(plane, h) == {0, 1}
         with _held(servers[2]):
-            servers.kill(1)
+            kill_server(servers[1].actor)  # (returns once Ray reports it dead)
             found = plane.check_health()
             assert [r.shard for r in found] == [1]
             assert found[0].num_lost == 0 and found[0].recovered == 10
@@ -104,7 +105,7 @@ def test_a_copy_no_live_target_stores_is_counted_under_replicated(cluster):
         h = plane.ingest(id_batch(np.arange(10)))
         assert _replicas(plane, h) == {0, 1}
         with _held(servers[2]):
-            servers.kill(1)
+            kill_server(servers[1].actor)  # (returns once Ray reports it dead)
             found = plane.check_health()
             assert [r.shard for r in found] == [1]
             assert found[0].recovered == 10 and found[0].re_replicated == 0

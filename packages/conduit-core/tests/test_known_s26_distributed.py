@@ -13,7 +13,6 @@ it), as a crash would kill it.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -23,6 +22,7 @@ pytest.importorskip("ray")
 
 from conduit import ConfigurationError  # noqa: E402
 from conduit.distributed import DistributedDataPlane, LossReport, ShardServers  # noqa: E402
+from conduit.distributed.testing import kill_server  # noqa: E402
 from conduit.scheduling import Overlapped  # noqa: E402
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
 
@@ -33,21 +33,6 @@ def _replicas(plane: DistributedDataPlane, handles: Any) -> set[int]:
     h = np.asarray(handles)
     shard, _ = plane.index.replicas(plane.index.segments_of(h), h)
     return set(shard[shard >= 0].tolist())
-
-
-def _kill(actor: Any) -> None:
-    """Kill a server's actor for real, and return once Ray reports it dead (``ray.kill`` only asks for it: a call
-    sent right after may still be answered)."""
-    import ray
-
-    ray.kill(actor, no_restart=True)
-    for _ in range(600):
-        try:
-            ray.get(actor.ping.options(concurrency_group="health").remote(), timeout=60)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the killed actor still answers")
 
 
 class _DiesBeforeAppend:
@@ -83,7 +68,7 @@ class _DiesBeforeAppend:
                     proxy._sent.append(proxy._real.append.remote(*args))
                     return proxy._sent[-1]
                 ray.get(proxy._sent, timeout=60)  # the copies before it are stored
-                _kill(proxy._real)
+                kill_server(proxy._real)
                 proxy.restore()
                 proxy.killed = True
                 return proxy._real.append.remote(*args)
@@ -105,7 +90,7 @@ def test_a_copy_whose_target_dies_in_the_same_round_is_accounted_by_that_loss_on
         b = plane.ingest(id_batch(np.arange(5, 10)))
         assert _replicas(plane, a) == {0, 1} and _replicas(plane, b) == {0, 1}
         dies = _DiesBeforeAppend(servers, 2, nth=2)
-        _kill(servers[1].actor)
+        kill_server(servers[1].actor)
         try:
             found = plane.check_health()
         finally:
@@ -141,7 +126,7 @@ def test_a_copy_that_landed_is_in_the_index_before_a_failed_copy_finds_a_loss(cl
         s = plane.ingest(id_batch(np.arange(8, 12)))  # shards 0 and 1 are full
         assert _replicas(plane, r1) == {0, 1} and _replicas(plane, r2) == {0, 1} and _replicas(plane, s) == {2, 4}
         u, t = _DiesBeforeAppend(servers, 2, nth=1), _DiesBeforeAppend(servers, 3, nth=2)
-        _kill(servers[1].actor)
+        kill_server(servers[1].actor)
         try:
             found = plane.check_health()
         finally:
@@ -196,7 +181,7 @@ def test_calls_that_wait_for_the_write_are_refused_from_on_loss_on_the_ingestion
         plane.ingest(id_batch(np.arange(4)), node=far)
         plane.flush()
         assert len(plane) == 4 and _replicas(plane, np.arange(4)) == {1}
-        _kill(servers[1].actor)
+        kill_server(servers[1].actor)
         plane.ingest(id_batch(np.arange(4, 8)), node=far)  # the worker's write finds shard 1 dead, stores on 0
         plane.flush()  # returns: the worker's write ended, then stored what the callback handed over
         assert [r.shard for r in plane.losses] == [1]

@@ -15,6 +15,7 @@ import atexit
 import importlib.util
 import itertools
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -24,13 +25,14 @@ import numpy as np
 from conduit.distributed._ray import ray_module
 from conduit.distributed.errors import ClusterError
 from conduit.distributed.plane import DistributedDataPlane
+from conduit.distributed.server import ping
 from conduit.distributed.servers import ShardServers
 from conduit.semantics import Semantics
 from conduit.testing.endpoints import EndpointFactory
 from conduit.testing.reference import ID_SCHEMA, CoreOnPolicyEndpoint, CoreReplayEndpoint, check_payload, id_batch
 
 __all__ = ["LocalCluster", "local_cluster", "DistributedReplayEndpoint", "DistributedOnPolicyEndpoint",
-           "FAST_FAILURE_DETECTION", "ENDPOINTS", "shared_servers", "shutdown_shared"]
+           "FAST_FAILURE_DETECTION", "ENDPOINTS", "shared_servers", "shutdown_shared", "kill_server"]
 
 #: Ray settings that declare a dead node within about 1.5 s (defaults take tens of seconds)
 FAST_FAILURE_DETECTION = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
@@ -72,6 +74,30 @@ class LocalCluster:
             raise ClusterError("The head node runs this process; kill a worker node.")
         node = self._nodes.pop(node_id)
         self.cluster.remove_node(node, allow_graceful=graceful)
+
+
+def kill_server(actor: Any, *, timeout: float = 60.0) -> None:
+    """Kill a shard server's actor as a crash would (never restarted), and return once Ray reports it dead.
+
+    ``ray.kill`` only asks for the kill: a call sent right after it may still be answered. A test that expects the
+    death to be found next (by a health check or a failed call) kills through this.
+
+    Raises:
+        AssertionError: the actor still answers (or is only unavailable) after ``timeout`` seconds.
+    """
+    ray = ray_module()
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(ping(actor), timeout=max(1.0, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError as e:
+            if not isinstance(e, ray.exceptions.ActorUnavailableError):  # (unavailable proves no death yet)
+                return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"the killed server still answers after {timeout:.0f} s")
 
 
 @contextmanager
