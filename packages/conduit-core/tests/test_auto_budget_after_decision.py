@@ -5,22 +5,54 @@ goes back to the decided g_del, and a size already checked costs no re-check (pr
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from conduit import Automatic, CapacityError, ExperienceDataPlane, PrioritizedSampler, Replay
+from conduit import (
+    Automatic,
+    CapacityError,
+    ColumnarStorage,
+    ExperienceDataPlane,
+    ExperienceSchema,
+    PrioritizedSampler,
+    Replay,
+)
+from conduit.placement import HostPlacement, Placement
+from conduit.scheduling.auto import TIE_SHARE
 from conduit.scheduling.buffers import buffers_needed
 from conduit.scheduling.granularity import g_del_fitting
+from conduit.scheduling.model import choose_granularity
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch
 
 ITEM = ID_SCHEMA.fixed_item_bytes
 STORED = 4096
+#: what every read of the slow tier below costs before it starts (seconds)
+READ_S = 0.01
 
 
-def _buffer(sched: Automatic, **kwargs: Any) -> ExperienceDataPlane:
-    edp = ExperienceDataPlane(ID_SCHEMA, capacity=2 * STORED, semantics=Replay(seed=0, **kwargs), scheduler=sched)
+class _SlowReadStorage(ColumnarStorage):
+    """Host storage whose every gather (one per delivery call: a chunk of ``g_del`` batches) first waits ``READ_S``, as
+    a read from a remote tier would. That fixed cost per call is hundreds of times what a call of the probe's sizes
+    costs here otherwise (tens of us), so the probe measures fewer, larger calls as cheaper per batch by far, however
+    fast or loaded this machine is: a delay only adds to a call's time, and it would take delays of about ``READ_S``
+    on every probed call of g_del = 2 (and of twice that at 4) for the model to choose g_del = 1."""
+
+    def gather(self, slots: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> Any:
+        time.sleep(READ_S)
+        return super().gather(slots, out)
+
+
+class _SlowReadPlacement(HostPlacement):
+    def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Any:
+        return _SlowReadStorage(schema, capacity, "cpu")
+
+
+def _buffer(sched: Automatic, *, placement: Placement | None = None, **kwargs: Any) -> ExperienceDataPlane:
+    edp = ExperienceDataPlane(ID_SCHEMA, capacity=2 * STORED, semantics=Replay(seed=0, **kwargs), scheduler=sched,
+                              placement=placement)
     edp.ingest(id_batch(np.arange(STORED)))
     edp.flush()
     return edp
@@ -64,7 +96,8 @@ class _Checker:
         assert batch.batch_size == int(n), f"{where}: got {batch.batch_size} items"
         ids = check_payload(batch)
         assert ((ids >= 0) & (ids < STORED)).all(), f"{where}: ids not stored: {ids[(ids < 0) | (ids >= STORED)]}"
-        self.recent = [r for r in self.recent if r[0] > self.k - self.depth] + [(self.k, batch, batch["id"].clone())]
+        self.recent = [r for r in self.recent if r[0] > self.k - self.depth] + [(self.k, batch,
+                                                                                 batch.tensor("id").clone())]
         for j, b, old in self.recent:
             assert torch.equal(b["id"], old), f"the batch of delivery {j} changed by {where}"
         held, allowed = _held(_rings(self.sched)), _allowed(self.budget, int(n), self.depth)
@@ -73,11 +106,11 @@ class _Checker:
         return batch, info
 
 
-def _calibrated(overlap: bool | None, depth: int, budget: int, **kwargs: Any) -> tuple[ExperienceDataPlane, Automatic,
-                                                                                      _Checker]:
+def _calibrated(overlap: bool | None, depth: int, budget: int, *, placement: Placement | None = None,
+                **kwargs: Any) -> tuple[ExperienceDataPlane, Automatic, _Checker]:
     sched = Automatic(overlap=overlap, memory_budget=budget, g_del_max=4, probe_rounds=2, output_depth=depth,
                       confirm_windows=2, confirm_deliveries=3)
-    edp = _buffer(sched, **kwargs)
+    edp = _buffer(sched, placement=placement, **kwargs)
     check = _Checker(edp, sched, budget, depth)
     while "phase=run" not in repr(sched):
         check.deliver(64)
@@ -90,16 +123,23 @@ def _calibrated(overlap: bool | None, depth: int, budget: int, **kwargs: Any) ->
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
 def test_a_batch_larger_than_the_probe_priced_stays_within_the_budget_once_decided(overlap: bool, depth: int) -> None:
     budget = buffers_needed(4, depth) * 4 * 64 * ITEM  # the probe's batches of 64 fit at g_del = 4
-    edp, sched, check = _calibrated(overlap, depth, budget)
-    decided = int(sched.decision.g_del)
-    # (the model picks the largest g_del here: with a smaller one a batch of 256 would fit and prove nothing)
-    assert _fitting(decided, 256, budget, depth) < decided, f"decided g_del={decided}: {sched.decision.explain()}"
+    edp, sched, check = _calibrated(overlap, depth, budget, placement=_SlowReadPlacement())
+    d = sched.decision
+    assert d is not None
+    decided = int(d.g_del)
+    # the decision is the model's own choice among the costs it predicted from what the probe measured
+    costs, slack = (d.deliver_overlapped, TIE_SHARE * d.deliver_gap_s) if overlap else (d.deliver_sequential, 0.0)
+    assert decided == choose_granularity(costs, slack_s=slack), f"decided g_del={decided}: {d.explain()}"
+    # and, with a slow read per call, one above 1 (2, 3 or 4): at it a batch of 256 does not fit the budget, so the
+    # deliveries below lower g_del (at g_del = 1 every batch would fit and prove nothing)
+    assert _fitting(decided, 256, budget, depth) < decided, f"decided g_del={decided}: {d.explain()}"
     for n in [256] * 6 + [64] * 6 + [1024] * 5 + [128] * 5 + [32] * 4 + [64] * 6:
         check.deliver(n)
         want = _fitting(decided, n, budget, depth)
         assert sched.g_del == want, f"batches of {n}: g_del {sched.g_del:g}, expected {want} ({sched!r})"
-    assert sched.g_del == decided and sched.decision.g_del == decided, (
-        f"batches of 64 did not go back to the decided g_del={decided}: {sched!r}, decision {sched.decision.g_del}")
+    decision = sched.decision
+    assert decision is not None and sched.g_del == decided and decision.g_del == decided, (
+        f"batches of 64 did not go back to the decided g_del={decided}: {sched!r}, decision {decision}")
     assert "phase=run" in repr(sched)
     edp.close()
 
@@ -110,7 +150,8 @@ def test_the_confirm_windows_keep_a_larger_batch_within_the_budget(prioritized: 
     budget = buffers_needed(4, depth) * 4 * 64 * ITEM
     sched = Automatic(overlap=None, memory_budget=budget, g_del_max=4, probe_rounds=2, output_depth=depth,
                       confirm_windows=3, confirm_deliveries=3)
-    edp = _buffer(sched, **({"sampler": PrioritizedSampler()} if prioritized else {}))
+    sampler: dict[str, Any] = {"sampler": PrioritizedSampler()} if prioritized else {}
+    edp = _buffer(sched, **sampler)
     check = _Checker(edp, sched, budget, depth)
     while sched._phase == "probe":
         check.deliver(64)
@@ -126,6 +167,7 @@ def test_the_confirm_windows_keep_a_larger_batch_within_the_budget(prioritized: 
         assert seen < 400, f"the confirm phase did not finish: {sched!r}"
     for n in [512] * 3 + [64] * 3:
         check.deliver(n)
+    assert sched.decision is not None
     assert sched.g_del == sched.decision.g_del, f"back at batches of 64: {sched!r}, decision {sched.decision.g_del}"
     edp.close()
 
@@ -136,6 +178,7 @@ def test_a_restored_decision_keeps_a_larger_batch_within_the_budget_and_loads_un
     edp, sched, _ = _calibrated(False, depth, budget)
     edp.deliver(1024)  # (lowered for this one; the decision, and so the checkpoint, stays as chosen)
     state = edp.state_dict()
+    assert sched.decision is not None
     assert state["scheduler"]["state"]["decision"]["g_del"] == sched.decision.g_del, state["scheduler"]
     edp.close()
     decision = copy.deepcopy(state["scheduler"]["state"]["decision"])

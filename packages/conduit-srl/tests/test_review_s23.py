@@ -34,7 +34,8 @@ from conduit_srl.testing import entry_ids, make_sample
 from conduit_srl.testing.driver import ZmqSampleConsumer, ZmqSampleProducer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_stream_close_and_coalescing import receive  # noqa: E402, I001  (sibling test helper)
+from test_review_driver_close import call_until_stuck  # noqa: E402, I001  (sibling test helpers)
+from test_stream_close_and_coalescing import receive  # noqa: E402, I001
 
 
 # -- coalescing into a buffer whose puts are [T, B, ...] -----------------------------------------------
@@ -279,61 +280,58 @@ def test_driver_run_with_a_put_waiting_for_room_returns_within_its_bound() -> No
     """An on-policy buffer (capacity 8, rollouts of 4) whose training thread stops after one step: the
     trainer's main thread then waits in ``consume_to`` for room nobody makes. ``SrlDriver.run(timeout_s=2)``
     never returned (its deadline was only checked between ``consume_to`` calls)."""
-    from conduit_srl.testing.driver import STOP_GRACE_S, SrlDriver
+    from conduit_srl.testing.driver import SrlDriver
 
-    buffer = ConduitBuffer(semantics="on_policy", capacity=8, rollout_size=4, num_minibatches=1, pin_memory=False)
-    before = set(threading.enumerate())
-    outcome: list[BaseException] = []
+    made: list[ConduitBuffer] = []
 
-    def run() -> None:
-        try:
-            SrlDriver(buffer, actors=1, samples_per_actor=32, max_steps=1).run(timeout_s=2.0)
-        except BaseException as e:  # noqa: BLE001 - checked below
-            outcome.append(e)
+    def call(timeout_s: float) -> object:
+        made.append(ConduitBuffer(semantics="on_policy", capacity=8, rollout_size=4, num_minibatches=1,
+                                  pin_memory=False))
+        return SrlDriver(made[-1], actors=1, samples_per_actor=32, max_steps=1).run(timeout_s=timeout_s)
 
-    runner = threading.Thread(target=run, daemon=True)
+    left: list[threading.Thread] = []
     try:
-        runner.start()
-        runner.join(2.0 + STOP_GRACE_S + 30.0)  # (generous: the bound is timeout_s + STOP_GRACE_S)
-        assert not runner.is_alive(), "SrlDriver.run did not return: the blocked put held it past its timeout"
-        assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError), outcome
-        assert "consume_to" in str(outcome[0]) and "room" in str(outcome[0]), str(outcome[0])
+        outcome, left = call_until_stuck(call, lambda _, names: "trainer-main-thread" in names)
+        assert isinstance(outcome, TimeoutError), f"expected a TimeoutError, got {outcome!r}"
+        assert "consume_to" in str(outcome) and "room" in str(outcome), str(outcome)
     finally:
-        buffer.close()  # ends the put waiting for room: the left-behind thread ends and closes its socket
-    for t in [t for t in threading.enumerate() if t not in before]:
+        for b in made:
+            b.close()  # ends the put waiting for room: the left-behind thread ends and closes its socket
+    for t in left:
         t.join(20.0)
         assert not t.is_alive(), f"{t.name} still running after the buffer was closed"
 
 
 def test_run_buffer_worker_whose_own_put_waits_for_room_returns_within_its_bound() -> None:
     """SRL's buffer worker calls ``consume_to`` and ``get`` on one thread. With an on-policy buffer too small for
-    what one ``consume_to(max_iter=64)`` receives, its put waits for room only that same thread's ``get`` could
-    make: ``run_buffer_worker(timeout_s=2)`` never returned (the deadline was checked between calls only)."""
-    from conduit_srl.testing.driver import STOP_GRACE_S, run_buffer_worker
+    what one ``consume_to`` receives, its put waits for room only that same thread's ``get`` could make:
+    ``run_buffer_worker(timeout_s=2)`` never returned (the deadline was checked between calls only).
 
-    upstream = [make_sample([i]) for i in range(24)]
-    buffer = ConduitBuffer(semantics="on_policy", capacity=8, rollout_size=4, num_minibatches=1, pin_memory=False)
-    downstream = ConduitBuffer(semantics="queue", batch_size=1, capacity=64, pin_memory=False)
-    before = set(threading.enumerate())
-    outcome: list[BaseException] = []
+    The buffer takes ``[T, B, ...]`` puts (capacity 8, rollouts of 4). The first message (one sample) opens a
+    rollout, which nothing can deliver; the second (eight samples) completes two rollouts, which fill the capacity,
+    and its last sample waits for room. However the two messages arrive (in one ``consume_to`` or two), the worker's
+    put waits there (unlike single samples, which a worker faster than its actor takes a few at a time, delivering
+    each rollout before the next fills the buffer)."""
+    from conduit_srl.testing.driver import run_buffer_worker
 
-    def run() -> None:
-        try:
-            run_buffer_worker(upstream, buffer, downstream, timeout_s=2.0)
-        except BaseException as e:  # noqa: BLE001 - checked below
-            outcome.append(e)
+    upstream = [make_sample([0], batched=True), make_sample(list(range(1, 9)), batched=True)]
+    made: list[ConduitBuffer] = []
 
-    runner = threading.Thread(target=run, daemon=True)
+    def call(timeout_s: float) -> object:
+        made.append(ConduitBuffer(semantics="on_policy", capacity=8, rollout_size=4, num_minibatches=1,
+                                  batched_puts=True, pin_memory=False))
+        made.append(ConduitBuffer(semantics="queue", batch_size=1, capacity=64, pin_memory=False))
+        return run_buffer_worker(upstream, made[-2], made[-1], timeout_s=timeout_s)
+
+    left: list[threading.Thread] = []
     try:
-        runner.start()
-        runner.join(2.0 + STOP_GRACE_S + 30.0)
-        assert not runner.is_alive(), "run_buffer_worker did not return: the blocked put held it past its timeout"
-        assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError), outcome
-        assert "buffer worker" in str(outcome[0]) and "room" in str(outcome[0]), str(outcome[0])
+        outcome, left = call_until_stuck(call, lambda _, names: "buffer-worker" in names)
+        assert isinstance(outcome, TimeoutError), f"expected a TimeoutError, got {outcome!r}"
+        assert "buffer worker" in str(outcome) and "room" in str(outcome), str(outcome)
     finally:
-        buffer.close()  # ends the put waiting for room: the left-behind worker ends and closes its socket
-        downstream.close()
-    for t in [t for t in threading.enumerate() if t not in before]:
+        for b in made:
+            b.close()  # ends the put waiting for room: the left-behind worker ends and closes its socket
+    for t in left:
         t.join(20.0)
         assert not t.is_alive(), f"{t.name} still running after the buffer was closed"
 
@@ -359,7 +357,11 @@ def _queue_run(ops: list[tuple[str, int]], *, wait_prepared: bool, checkpoint: b
             if wait_prepared:  # (Conduit prepares the next batch after a delivery, when one is stored)
                 fifo = b._a._fifo()
                 b.flush()
-                if fifo.undelivered() > 0 and eventually(lambda f=fifo: f._selected > f._confirmed, timeout=0.5):
+
+                def prepared_ahead(f: Any = fifo) -> bool:
+                    return bool(f._selected > f._confirmed)
+
+                if fifo.undelivered() > 0 and eventually(prepared_ahead, timeout=0.5):
                     prepared[0] += 1
             if checkpoint:
                 pickle.dumps(b)
