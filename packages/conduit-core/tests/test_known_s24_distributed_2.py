@@ -16,12 +16,13 @@ import pytest
 from conduit.batch import ExperienceBatch
 from conduit.distributed import stage
 from conduit.distributed.errors import TransferError
+from conduit.distributed.testing import kill_server
 from conduit.distributed.wire import to_wire
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_known_s24_distributed as _base  # noqa: E402, I001
-from test_known_s24_distributed import _ids, _kill, _late, _plane, _shards_of  # noqa: E402, I001
+from test_known_s24_distributed import _ids, _late, _plane, _shards_of  # noqa: E402, I001
 
 owned, third = _base.owned, _base.third  # the sibling module's fixtures, used here by name
 
@@ -73,7 +74,7 @@ def test_real_cluster_items_an_ingestion_evicts_are_not_counted_recovered_with_t
     only_old = sorted(set(_shards_of(p, 0)) - set(_shards_of(p, 4)))
     assert only_old, f"placement {_shards_of(p, 0)} / {_shards_of(p, 4)} leaves no shard with only 0-3"
     dead = only_old[0]
-    _kill(p, dead)
+    kill_server(p.servers[dead].actor)
     h = p.ingest(id_batch(np.arange(8, 12)), node=nodes[dead])  # placed on the dead shard first: finds it
     assert h.tolist() == [8, 9, 10, 11]
     assert [r.shard for r in p.losses] == [dead]
@@ -100,7 +101,7 @@ def test_real_cluster_a_failed_evicting_ingestion_counts_the_items_it_left_in_pl
     producer = _Producer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(third, soft=False)).remote()
     staged = ray.get(producer.produce.remote(np.arange(8, 12)), timeout=120)
     ray.kill(producer, no_restart=True)  # its staged batch goes with it
-    _kill(p, 2)
+    kill_server(p.servers[2].actor)
     with pytest.raises(TransferError):
         p.ingest(staged)  # placed on shard 2 first (the producer's node): finds it dead
     assert [r.shard for r in p.losses] == [2]
@@ -124,7 +125,7 @@ def test_real_cluster_without_a_monitor_a_copy_target_that_stopped_answering_is_
     hold = _late.remote(30.0)
     target.sink.remote(hold)  # its data calls queue behind this one
     target.sink.options(concurrency_group="health").remote(hold)  # and so do its health checks
-    _kill(p, 0)
+    kill_server(p.servers[0].actor)
     # a read finds shard 0 dead (it reads the learner's node's replica first; shard 2 is not pinged before)
     assert check_payload(p.read(np.arange(4))).tolist() == [0, 1, 2, 3]
     # (shard 2's report comes first: it was found while shard 0's loss was being accounted, see LossReport)

@@ -49,8 +49,13 @@ def _held(server: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        make_process_group("gloo", "conduit-test-hold", host, 0, 0, 2, 120.0, store=store)
-        assert ray.get(joined, timeout=120) == 1
+        # (kept until the server's join returns: a group dropped at once closes its sockets under the server's
+        # connectFullMesh, which then fails with "Connection closed by peer")
+        group = make_process_group("gloo", "conduit-test-hold", host, 0, 0, 2, 120.0, store=store)
+        try:
+            assert ray.get(joined, timeout=120) == 1
+        finally:
+            del group
 
 
 def _span(plane: DistributedDataPlane, shard: int) -> tuple[int, int]:
