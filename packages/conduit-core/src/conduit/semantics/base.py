@@ -186,15 +186,30 @@ def select_many(semantics: Semantics, sizes: Sequence[int | None], *, peek: bool
 
     With ``peek=True`` the semantics' state is restored afterwards, so the selections only
     *predict* the next deliveries. The caller holds the buffer's lock.
+
+    On-policy, a call refused part way (the rollouts run out before the last size) selects nothing,
+    as a refused delivery makes none: the call is checked on a prediction first. One refused at its
+    first selection is refused as that delivery would be (rollouts dropped as stale on the way stay
+    dropped). (Uniform and prioritized replay refuse a call at its first selection or not at all.)
     """
+    if not peek and len(sizes) > 1 and semantics.kind == "on_policy":
+        made: list[Selection] = []
+        try:
+            _select(semantics, sizes, True, made, kwargs)
+        except ConduitError:
+            if made:
+                raise
+    return _select(semantics, sizes, peek, [], kwargs)
+
+
+def _select(semantics: Semantics, sizes: Sequence[int | None], peek: bool, out: list[Selection],
+            kwargs: dict[str, Any]) -> list[Selection]:
+    """:func:`select_many`'s selections, appended to ``out`` as they are made."""
     snap = semantics.state_dict() if peek else None
     semantics.peeking = peek
     try:
-        if peek:
-            return [semantics.select(n, **kwargs) for n in sizes]
-        out = []
         for n in sizes:
-            drawn_from = semantics.draw_state()
+            drawn_from = None if peek else semantics.draw_state()
             sel = semantics.select(n, **kwargs)
             sel.drawn_from = drawn_from
             out.append(sel)

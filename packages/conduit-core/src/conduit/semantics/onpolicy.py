@@ -367,8 +367,10 @@ class OnPolicy(Semantics):
         over once; a prediction (``peek``), or a selection handed over again, counts for nothing.
         """
         key = selection.rollout
-        was_outstanding = key is not None and key in self._outstanding
-        if key is not None and was_outstanding:
+        if key is None:  # a prediction (every real selection names its rollout): its release_upto frees nothing
+            return
+        was_outstanding = key in self._outstanding
+        if was_outstanding:
             self._outstanding[key] -= 1
             if not self._outstanding[key]:
                 del self._outstanding[key]
