@@ -184,7 +184,8 @@ class Ingestion:
             self._store_ready(force=True)
             self._rollout_done()
             return
-        self._refuse_on_worker("flush() (seal(), state_dict() and load_state_dict() flush first)")
+        self._refuse_on_worker("flush() (seal(), state_dict(), load_state_dict() and a delivery with nothing stored "
+                              "yet flush first)")
         with self._cv:
             self._raise_failure()  # an unreported failure is reported first; the retry is the next flush
             stopped = self._stopped
