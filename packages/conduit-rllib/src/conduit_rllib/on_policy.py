@@ -32,6 +32,7 @@ from conduit import (
     Placement,
     SampleInfo,
     SchemaError,
+    Synchronous,
 )
 from conduit.batch import as_tensor
 from conduit.scheduling.worker import Job, Worker
@@ -275,7 +276,12 @@ class MinibatchFeed:
         state = None if self._restored is None else self._full_state(self._restored)
         cap = max(self.capacity, 1 << int(np.ceil(np.log2(max(2 * n, 2)))))
         sem = _CyclicOrder(**self._sem_args)
-        self.edp = ExperienceDataPlane(schema, capacity=cap, semantics=sem,
+        # a prefetch delivers one minibatch ahead, into the next delivery buffer: one buffer more than a plane's
+        # default keeps each minibatch valid as long as without prefetch (until the one after the next is asked
+        # for), also when prefetch is switched on later
+        scheduler = Synchronous()
+        scheduler.output_depth = Synchronous.output_depth + 1
+        self.edp = ExperienceDataPlane(schema, capacity=cap, semantics=sem, scheduler=scheduler,
                                        placement=self.placement or DevicePlacement(device), device=device)
         self._restored = None
         if state is not None:  # nothing is pending: carry the permutation RNG and counters over
