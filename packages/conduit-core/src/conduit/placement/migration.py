@@ -7,7 +7,8 @@ the RNG, on-policy rollouts) stays valid as it is; nothing is re-prioritised, lo
 duplicated. Ingestion and delivery keep running between chunks (each chunk holds the
 buffer's lock for one gather + one write); the last chunk, the check that both storages
 hold exactly the same live range, and the swap run under the lock. Items evicted while
-the copy runs are dropped from the new storage as well. Once the items live when the copy
+the copy runs are dropped from the new storage as well, and a checkpoint loaded into the buffer
+meanwhile (``load_state_dict``) starts the copy over from its items. Once the items live when the copy
 began are copied, chunks go on only while what is left shrinks: if ingestion adds items
 faster than chunks copy them, the rest (at most the capacity) is copied in that last hold,
 so a migration always ends.
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from conduit.batch import ExperienceBatch
-from conduit.errors import ConduitError, ConfigurationError, PlacementError, SchemaError
+from conduit.errors import CapacityError, ConduitError, ConfigurationError, PlacementError, SchemaError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import Storage
 
@@ -194,13 +195,21 @@ def _copy_and_swap(edp: ExperienceDataPlane, placement: Placement, old: Storage,
                 stats["chunk"] = max(1, min(cap, chunk_bytes // per_item))
             if transform is not None:
                 part = transformed(transform, part, new_schema)
-            new.append(part, evict=True)
+            try:
+                new.append(part, evict=True)
+            except CapacityError as e:  # live items [a, b) bring more elements than a new ragged pool holds
+                pool = getattr(new, "ragged_capacity", None)
+                raise PlacementError(
+                    f"The new placement cannot hold the {len(old)} live items: items [{a}, {b}) alone bring more "
+                    f"elements of a ragged field than its pools hold ({pool}); migrate with a larger "
+                    f"ragged_capacity. The buffer was not changed.") from e
             a = b
 
     copied = start
     max_blocked = 0.0
     with lock:
         target = old.next_handle  # the live range when the copy began
+        rewrites = old.rewrites
     gap = None  # items left to copy after the previous chunk
     while True:
         if stats["chunks"]:
@@ -216,7 +225,11 @@ def _copy_and_swap(edp: ExperienceDataPlane, placement: Placement, old: Storage,
                     f"that migration's placement ({edp.placement.describe()}). Run one migration at a time, or "
                     f"migrate again now.")
             hi, oldest = old.next_handle, old.oldest
-            if oldest > copied:  # all copied items were evicted meanwhile: start over at the oldest live one
+            if old.rewrites != rewrites:  # a checkpoint was loaded meanwhile: the copied handles hold other items
+                rewrites = old.rewrites
+                _position(new, new_schema, oldest)
+                copied, target, gap = oldest, hi, None
+            elif oldest > copied:  # all copied items were evicted meanwhile: start over at the oldest live one
                 _position(new, new_schema, oldest)
                 copied = oldest
             # chunk by chunk while catching up; once the range live at the start is copied, only while the

@@ -71,6 +71,9 @@ class Storage(ABC):
     device: torch.device
     #: a short tier name for reports: "host", "pinned", "gpu", "sharded", "disk", "remote"
     tier: str = "host"
+    #: how many times :meth:`load_state_dict` replaced the contents: a copy of live items made before this count
+    #: changed may not match the items the same handles name now (an online migration starts over then)
+    rewrites: int = 0
 
     @property
     @abstractmethod

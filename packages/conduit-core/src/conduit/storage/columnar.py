@@ -418,6 +418,7 @@ class ColumnarStorage(Storage):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         oldest, batch, layout = self.checkpoint_contents(state)
+        self.rewrites += 1
         self._oldest = self._next = oldest
         for name in self.schema.ragged:
             self._rhead[name] = 0

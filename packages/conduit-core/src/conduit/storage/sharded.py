@@ -286,6 +286,7 @@ class ShardedStorage(Storage):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         oldest, batch, layout = self.checkpoint_contents(state)
+        self.rewrites += 1
         if self._ragged is not None:
             sub = ExperienceSchema({k: self.schema[k] for k in self.schema.ragged})
             self._ragged.load_state_dict({"schema": sub.to_dict(), "capacity": self.capacity,
