@@ -181,7 +181,7 @@ def test_semantics_arguments_are_refused_when_the_buffer_is_built(args) -> None:
 def _await_prepared(b: ConduitBuffer) -> None:
     """Wait until Conduit's scheduler has prepared the next batch ahead (selected, not yet confirmed)."""
     fifo = b._a._fifo()
-    assert eventually(lambda: fifo._selected > fifo._confirmed, timeout=5), \
+    assert eventually(lambda: fifo._selected > fifo._confirmed, timeout=30), \
         "Conduit's scheduler did not prepare the next batch"
 
 
@@ -191,6 +191,7 @@ def test_a_prepared_batch_whose_samples_were_evicted_is_dropped_as_without_prefe
     b = closing(batch_size=1, capacity=2, prefetch=0)
     b.put(make_sample([0]))
     b.put(make_sample([1]))
+    b.flush()  # (else the prefetch after the get may look before 1 is stored, find no batch, and prepare nothing)
     assert entry_ids(b.get()).tolist() == [0]
     _await_prepared(b)
     b.put(make_sample([2]))
