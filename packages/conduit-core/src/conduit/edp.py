@@ -364,7 +364,10 @@ class ExperienceDataPlane:
                           "not stored.")
 
     def flush(self) -> None:
-        """Block until every batch handed to ``ingest`` is in storage.
+        """Block until every batch handed to ``ingest`` before the call is in storage.
+
+        Batches other threads hand over meanwhile are not waited for, so a flush returns while producers
+        keep ingesting (``seal``, ``state_dict`` and ``migrate`` flush first).
 
         After :meth:`close` it waits for what the scheduler still stores for this buffer (a close from
         inside a write leaves the rest of the queue to the ingestion worker), and returns at once when the

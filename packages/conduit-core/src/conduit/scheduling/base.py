@@ -75,7 +75,7 @@ class Scheduler(ABC):
         """The next delivery."""
 
     def flush(self) -> None:  # noqa: B027
-        """Block until every handed-over batch is in storage."""
+        """Block until every batch handed over before the call is in storage."""
 
     def invalidate(self, reason: str = "contents") -> None:  # noqa: B027
         """Something changed under prepared deliveries.

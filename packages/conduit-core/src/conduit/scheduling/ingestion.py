@@ -97,6 +97,10 @@ class Ingestion:
         #: under the buffer's lock by ``ingest_now``; numbers, so no group is held after its write)
         self._taken = 0
         self._stored = 0
+        #: hand-overs accepted so far, and stored so far (by writes that returned): a flush waits for those accepted
+        #: before it, not for an empty queue (which producers that keep handing over might never leave)
+        self._handed = 0
+        self._landed = 0
         self._error: BaseException | None = None
         #: the last background write failure (kept after it was raised: a flush that waited for the write
         #: raises it too, when another caller took ``_error`` first)
@@ -164,6 +168,7 @@ class Ingestion:
             if self._error is not None:
                 self._raise_failure()
             self._pending.append(item)
+            self._handed += 1
             if self.background and self._due(force=False) is not None:
                 self._cv.notify_all()  # wake the worker only when it has a group to store
         if not self.background:
@@ -175,7 +180,10 @@ class Ingestion:
                 raise
 
     def flush(self) -> None:
-        """Return once every handed-over batch is stored (or raise why one cannot be).
+        """Return once every batch handed over before the call is stored (or raise why one cannot be).
+
+        Batches other producers hand over meanwhile are not waited for (they may be stored by then or not): a
+        flush returns while producers keep the queue busy.
 
         Refused (:class:`ConfigurationError`, nothing changed) from a callback inside a write of this buffer, on
         the worker or (sequential mode) in the caller storing: it could not return before that write does.
@@ -223,22 +231,24 @@ class Ingestion:
                 return not (self._pending or self._inflight)
             if self._would_wait_forever() or self.on_worker:  # (the caller retries later, as after a failure)
                 return False
-            self._wait_stored()
-            ok = self._error is None and not self._pending
+            ok = self._wait_stored() and self._error is None
         if ok:
             self._rollout_done()
         return ok
 
-    def _wait_stored(self) -> None:
-        """Have the worker store everything queued now, and wait until it has or a write failed (the
-        caller holds the lock)."""
+    def _wait_stored(self) -> bool:
+        """Have the worker store everything queued now, and wait until what was queued is stored or a write failed
+        (the caller holds the lock). Returns whether it is stored."""
+        target = self._handed
         self._force += 1
         self._cv.notify_all()
         try:
-            while (self._pending or self._inflight) and self._error is None and not self._paused:
+            while (self._landed < target and (self._pending or self._inflight) and self._error is None
+                   and not self._paused):
                 self._cv.wait()  # (paused: a write failed, and its error may have been raised to a producer)
         finally:
             self._force -= 1
+        return self._landed >= target or not (self._pending or self._inflight)
 
     def close(self) -> None:
         """Drain the queue and stop the worker; raise if some batches could not be stored.
@@ -479,6 +489,7 @@ class Ingestion:
                         raise
                     with self._cv:
                         self._inflight = []
+                        self._landed += len(group)
             finally:
                 self._storer = None
 
@@ -486,6 +497,7 @@ class Ingestion:
         """Take ``item`` out of the queue, if it is there (under the lock)."""
         if any(h is item for h in self._pending):
             self._pending = deque(h for h in self._pending if h is not item)
+            self._handed -= 1
 
     def _run(self) -> None:
         while True:
@@ -511,6 +523,8 @@ class Ingestion:
                     self._pending.extendleft(reversed(group))
                     self._error = self._last_error = err
                     self._paused = True
+                else:
+                    self._landed += len(group)  # (once its write returned: callbacks inside it included)
                 self._inflight = []
                 self._cv.notify_all()
 
