@@ -14,7 +14,7 @@ from conduit_srl.testing import Record, entry_ids, make_sample
 
 
 def _wait_prepared(b: ConduitBuffer) -> None:
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # (a wait for the assembler thread, only reached when it never prepares)
     while not b._a._ready and time.monotonic() < deadline:
         time.sleep(0.002)
     assert b._a._ready, "the assembler did not prepare the next draw"

@@ -288,7 +288,7 @@ def test_on_policy_entry_prepared_ahead_is_dropped_when_the_version_moves(closin
     b.seal()
     first = b.get()
     assert len(entry_ids(first)) == 2
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # (a wait for the assembler thread, only reached when it never prepares)
     while b.qsize() and not b._a._ready and time.monotonic() < deadline:  # the next minibatch is assembled
         time.sleep(0.005)
     assert b._a._ready, "the assembler did not prepare the next minibatch"

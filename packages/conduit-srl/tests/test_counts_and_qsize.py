@@ -33,7 +33,7 @@ from conduit_srl.testing import Record, entry_ids, make_sample
 sys.path.insert(0, str(Path(__file__).parent))
 from test_seal_and_backlog import RefusingBuffer  # noqa: E402, I001  (a plain buffer that refuses past a limit)
 
-JOIN_S = 10.0
+JOIN_S = 60.0  # (waits for other threads, only reached when they never get there)
 
 
 # -- qsize while a batch moves to the ready queue -----------------------------------------------------------

@@ -167,7 +167,7 @@ def test_on_policy_stale_rollouts_filling_storage_are_dropped_so_a_waiting_put_p
         done.set()
 
     threading.Thread(target=producer, daemon=True).start()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # (a wait for the producer thread, only reached when its put never returns)
     while not done.is_set() and time.monotonic() < deadline:  # SRL's training loop
         if not b.empty():
             b.get()

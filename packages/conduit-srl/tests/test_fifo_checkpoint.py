@@ -10,7 +10,7 @@ from conduit_srl.testing import entry_ids, make_sample
 
 
 def _wait(cond, what: str) -> None:
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # (a wait for background threads, only reached when they never get there)
     while not cond():
         assert time.monotonic() < deadline, what
         time.sleep(0.005)
@@ -51,6 +51,7 @@ def test_queue_dropped_counts_each_evicted_undelivered_sample_once_across_a_chec
     b = ConduitBuffer(batch_size=2, capacity=6)
     for i in range(6):
         b.put(make_sample([i], time_steps=2))
+    b.flush()  # (else Conduit's prefetch after the assembler's delivery may look before 4 and 5 are stored)
     got = [entry_ids(b.get()).tolist()]
     fifo = b._a._fifo()
     # the assembler holds [2, 3] (confirmed); Conduit has selected [4, 5] ahead (not confirmed)

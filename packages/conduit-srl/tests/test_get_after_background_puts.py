@@ -24,7 +24,7 @@ def _on_their_way(b) -> int:
 
 
 def _wait(cond, what: str) -> None:
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # (a wait for the assembler thread, only reached when it never prepares)
     while not cond():
         assert time.monotonic() < deadline, what
         time.sleep(0.005)

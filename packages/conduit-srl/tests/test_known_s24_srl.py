@@ -263,11 +263,13 @@ def test_a_held_back_sample_is_returned_by_close_not_lost() -> None:
             producer.post(make_sample([i]))
         producer.flush()
         put = 0
-        for _ in range(2000):  # (until the 5th sample arrived and was refused: bounded, not timed)
+        deadline = time.monotonic() + BOUND_S  # (a wait for the transport, only reached when samples never arrive)
+        while True:  # until the 5th sample arrived and was refused
             put += bounded(lambda: consumer.consume_to(buffer, max_iter=64))
-            if put == 4 and consumer._backlog:
+            if (put == 4 and consumer._backlog) or time.monotonic() > deadline:
                 break
-        assert put == 4
+            time.sleep(0.001)
+        assert put == 4 and consumer._backlog, f"{put} samples put, held back: {consumer._backlog}"
         left = consumer.close()
         assert [int(np.asarray(s.id)[0]) for s in left] == [4]
     finally:

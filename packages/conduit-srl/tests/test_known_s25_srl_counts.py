@@ -188,12 +188,14 @@ def test_every_stats_snapshot_taken_during_concurrent_puts_and_gets_adds_up(clos
         b = closing(semantics="queue", capacity=16, batch_size=4, reuses=2, prefetch=1)
     total = 400
     done = threading.Event()
+    watching = threading.Event()  # the monitor took its first snapshot: the puts start only then
     errors: list[BaseException] = []
     snapshots: list[dict[str, Any]] = []
     handed: set[int] = set()
 
     def producer() -> None:
         try:
+            assert watching.wait(JOIN_S), "the monitor thread never took a snapshot"
             for i in range(0, total, 4):
                 b.put_batch(batch(list(range(i, i + 4)), version=i // 40))
         except BaseException as e:  # noqa: BLE001 - reported by the test
@@ -217,8 +219,11 @@ def test_every_stats_snapshot_taken_during_concurrent_puts_and_gets_adds_up(clos
         try:
             while not done.is_set():
                 snapshots.append(b.stats())
+                watching.set()
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
+        finally:
+            watching.set()
 
     threads = [threading.Thread(target=f) for f in (producer, trainer, monitor)]
     for t in threads:

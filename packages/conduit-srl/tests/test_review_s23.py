@@ -353,15 +353,17 @@ def _queue_run(ops: list[tuple[str, int]], *, wait_prepared: bool, checkpoint: b
                 continue
             if b.empty():
                 continue
+            if wait_prepared:  # (stored before the get: the prefetch its delivery starts then sees every put)
+                b.flush()
             out += entry_ids(b.get()).tolist()
             if wait_prepared:  # (Conduit prepares the next batch after a delivery, when one is stored)
                 fifo = b._a._fifo()
-                b.flush()
 
                 def prepared_ahead(f: Any = fifo) -> bool:
                     return bool(f._selected > f._confirmed)
 
-                if fifo.undelivered() > 0 and eventually(prepared_ahead, timeout=0.5):
+                # (a wait for Conduit's prefetch worker, only reached when it never prepares the batch)
+                if fifo.undelivered() > 0 and eventually(prepared_ahead, timeout=30):
                     prepared[0] += 1
             if checkpoint:
                 pickle.dumps(b)

@@ -16,7 +16,7 @@ from conduit_srl import ConduitBuffer
 from conduit_srl.testing import Record, entry_ids, make_sample
 
 
-def _wait_prepared(b: ConduitBuffer, timeout_s: float = 5.0) -> None:
+def _wait_prepared(b: ConduitBuffer, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not b._a._ready and time.monotonic() < deadline:
         time.sleep(0.005)
