@@ -22,6 +22,7 @@ pytest.importorskip("ray")
 from conduit import OnPolicy, Replay  # noqa: E402
 from conduit.distributed import DistributedDataPlane, ShardServers, TransferError, stage  # noqa: E402
 from conduit.distributed.testing import local_cluster  # noqa: E402
+from conduit.testing.lifecycle import eventually  # noqa: E402
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -86,6 +87,8 @@ def test_killed_node_is_detected_and_exactly_its_items_are_reported_lost(cluster
         detected = _wait_for_loss(plane, t0, step)
         assert detected < DETECTION_BOUND
         rep = plane.losses[0]
+        # (a loss the health monitor found is in .losses before the monitor thread has called on_loss)
+        assert eventually(lambda: len(reports) > 0, timeout=60), "on_loss was not called with the loss"
         assert reports == [rep]
         assert rep.shard == 1 and rep.node_id == victim and rep.recovered == 0
         lost_ids = {id_of_handle[h] for h in rep.lost.tolist()}

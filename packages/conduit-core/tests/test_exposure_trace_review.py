@@ -94,7 +94,11 @@ def test_a_trace_written_while_threads_record_has_every_field_a_viewer_needs(tmp
     for t in threads:
         t.start()
     try:
-        time.sleep(0.01)
+        # written while they record, once they have recorded (on a loaded machine they may get the CPU late)
+        deadline = time.monotonic() + 60
+        while not tel.records:
+            assert time.monotonic() < deadline, "the recorder threads recorded nothing in 60 s"
+            time.sleep(0.001)
         for k in range(5):
             tel.chrome_trace(tmp_path / "trace.json")
             with open(tmp_path / "trace.json") as f:

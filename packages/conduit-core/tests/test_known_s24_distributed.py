@@ -9,6 +9,7 @@ of it to the plane's decision step (``_settle``), on a live shard.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -140,24 +141,34 @@ def test_real_cluster_float8_rows_are_stored_and_delivered_bit_exactly(cluster, 
 
 # -- 4. a copy that timed out and lands later ----------------------------------------------------------------------
 @ray.remote(num_cpus=0)
-def _late(seconds: float) -> np.ndarray:
-    time.sleep(seconds)
+def _gated(gate: str) -> np.ndarray:
+    """Returns once the file ``gate`` exists (the test opens it; at most 300 s): a call that takes this as its
+    argument waits, and the shard's calls behind it queue, until the test lets them go (not a fixed time that a
+    slow machine could outlast before the call under test is even sent)."""
+    deadline = time.monotonic() + 300
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return np.ones(1, dtype=np.uint8)
 
 
-def test_real_cluster_a_re_replication_copy_that_lands_after_its_timeout_leaves_no_unknown_rows(cluster, third, owned):
+def test_real_cluster_a_re_replication_copy_that_lands_after_its_timeout_leaves_no_unknown_rows(
+        cluster, third, owned, tmp_path):
     """Shard 0 of items 0-3 (copies on shards 0 and 1) dies; the copy to shard 2 waits behind a data call there
     and times out, so the index records no copy on shard 2. The copy then ran anyway: shard 2 held four rows the
     index did not know, taking room the buffer thought free. It is now discarded when it lands."""
-    p = _plane(owned, [cluster.head, cluster.workers[0], third], replication=2, timeout=2.0)
+    p = _plane(owned, [cluster.head, cluster.workers[0], third], replication=2, timeout=10.0)
     p.ingest(id_batch(np.arange(4)), node=cluster.head)
     assert _shards_of(p, 0) == [0, 1]
     target = p.servers[2].actor
-    blocker = target.sink.remote(_late.remote(20.0))  # shard 2's data calls queue behind this one
-    kill_server(p.servers[0].actor)
-    found = p.check_health()
-    assert [r.shard for r in found] == [0] and found[0].recovered == 4 and found[0].re_replicated == 0
-    assert p.alive_shards == [1, 2] and p.under_replicated == 4
+    gate = tmp_path / "open"
+    blocker = target.sink.remote(_gated.remote(str(gate)))  # shard 2's data calls queue behind this one
+    try:
+        kill_server(p.servers[0].actor)
+        found = p.check_health()
+        assert [r.shard for r in found] == [0] and found[0].recovered == 4 and found[0].re_replicated == 0
+        assert p.alive_shards == [1, 2] and p.under_replicated == 4
+    finally:
+        gate.touch()
     assert ray.get(blocker, timeout=120) == 1  # the copy ran after it (or was discarded)
     oldest, nxt = ray.get(target.span.remote(p.buffer_id), timeout=60)
     assert nxt - oldest == 0 == p.index.held_end(2), f"shard 2 holds rows [{oldest}, {nxt}) no segment names"

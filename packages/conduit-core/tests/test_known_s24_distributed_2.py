@@ -22,7 +22,7 @@ from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_known_s24_distributed as _base  # noqa: E402, I001
-from test_known_s24_distributed import _ids, _late, _plane, _shards_of  # noqa: E402, I001
+from test_known_s24_distributed import _gated, _ids, _plane, _shards_of  # noqa: E402, I001
 
 owned, third = _base.owned, _base.third  # the sibling module's fixtures, used here by name
 
@@ -33,11 +33,11 @@ pytestmark = pytest.mark.timeout(600)
 
 
 # -- 1. room a failed write's undo frees ---------------------------------------------------------------------------
-def test_real_cluster_an_undo_truncate_that_answers_late_gives_the_room_back(cluster, owned):
+def test_real_cluster_an_undo_truncate_that_answers_late_gives_the_room_back(cluster, owned, tmp_path):
     """A write stored items on shard 0, then failed; its undo's truncate there waited behind another data call and
     did not answer in time, though the shard answered the probe. The truncate ran later, but the plane kept
     counting the forgotten rows as used: a batch that fits was refused ("No live shard can take the items")."""
-    p = _plane(owned, [cluster.head], capacity=8, timeout=2.0)
+    p = _plane(owned, [cluster.head], capacity=8, timeout=10.0)
     p.ingest(id_batch(np.arange(4)))
     actor = p.servers[0].actor
     # the part of a write that reached shard 0: it stored four rows there (the index never names them)
@@ -47,10 +47,14 @@ def test_real_cluster_an_undo_truncate_that_answers_late_gives_the_room_back(clu
     assert (first, nxt) == (4, 8)
     with p._lock:
         p._local_next[0] = nxt
-    blocker = actor.sink.remote(_late.remote(10.0))  # the undo's truncate queues behind this call
-    with p._lock:
-        evicted = p._undo_store(before, p.index.oldest, TransferError("another shard failed"))
-    assert evicted and p.alive_shards == [0] and p.losses == []
+    gate = tmp_path / "open"
+    blocker = actor.sink.remote(_gated.remote(str(gate)))  # the undo's truncate queues behind this call
+    try:
+        with p._lock:
+            evicted = p._undo_store(before, p.index.oldest, TransferError("another shard failed"))
+        assert evicted and p.alive_shards == [0] and p.losses == []
+    finally:
+        gate.touch()
     assert ray.get(blocker, timeout=120) == 1
     oldest, nxt = ray.get(actor.span.remote(p.buffer_id), timeout=60)
     assert (oldest, nxt) == (0, 4), "the late truncate forgot the write's rows"
@@ -112,22 +116,27 @@ def test_real_cluster_a_failed_evicting_ingestion_counts_the_items_it_left_in_pl
 
 
 # -- 3. no monitor: a copy that gets no answer is probed in the call ----------------------------------------------
-def test_real_cluster_without_a_monitor_a_copy_target_that_stopped_answering_is_found_lost(cluster, third, owned):
+def test_real_cluster_without_a_monitor_a_copy_target_that_stopped_answering_is_found_lost(
+        cluster, third, owned, tmp_path):
     """health_period=None. Shard 0 of items 0-3 (copies on shards 0 and 1) dies; the copy to shard 2 gets no
     answer: shard 2 stopped answering data calls and health checks alike. The copy's outcome was left to a health
     monitor that does not exist: shard 2 stayed live in the plane, and nothing would ever look at it again. The
     copy's shards are now probed in the call: shard 2 is found lost at once (its loss loses nothing: the copy
     never landed)."""
-    p = _plane(owned, [cluster.head, cluster.workers[0], third], replication=2, timeout=2.0)
+    p = _plane(owned, [cluster.head, cluster.workers[0], third], replication=2, timeout=10.0)
     p.ingest(id_batch(np.arange(4)), node=cluster.head)
     assert _shards_of(p, 0) == [0, 1]
     target = p.servers[2].actor
-    hold = _late.remote(30.0)
+    gate = tmp_path / "open"
+    hold = _gated.remote(str(gate))
     target.sink.remote(hold)  # its data calls queue behind this one
     target.sink.options(concurrency_group="health").remote(hold)  # and so do its health checks
-    kill_server(p.servers[0].actor)
-    # a read finds shard 0 dead (it reads the learner's node's replica first; shard 2 is not pinged before)
-    assert check_payload(p.read(np.arange(4))).tolist() == [0, 1, 2, 3]
+    try:
+        kill_server(p.servers[0].actor)
+        # a read finds shard 0 dead (it reads the learner's node's replica first; shard 2 is not pinged before)
+        assert check_payload(p.read(np.arange(4))).tolist() == [0, 1, 2, 3]
+    finally:
+        gate.touch()
     # (shard 2's report comes first: it was found while shard 0's loss was being accounted, see LossReport)
     assert [r.shard for r in p.losses] == [2, 0], \
         "the shard that does not answer is found lost by the call that copied to it"

@@ -18,7 +18,8 @@ from conduit import ConfigurationError, ExperienceDataPlane, ExperienceSchema, F
 from conduit.errors import ConduitError
 from conduit.telemetry import Telemetry
 
-JOIN_S = 10.0
+#: waits for another thread, hit only on failure: generous (a loaded machine, a Ray write)
+JOIN_S = 60.0
 
 
 # -- read_locked ---------------------------------------------------------------------------------------------

@@ -101,12 +101,13 @@ def test_a_migration_overtaken_by_another_does_not_drop_items_ingested_meanwhile
     schema = ExperienceSchema(id=Field((), torch.int64))
     edp = ExperienceDataPlane(schema, capacity=100, semantics=Replay(seed=0))
     edp.ingest({"id": torch.arange(40)})
-    first_done = threading.Event()
+    first_done, parked = threading.Event(), threading.Event()
     errors: list[BaseException] = []
 
     def slow_progress(chunks: int, copied: int) -> None:
         if chunks == 1:  # between chunks: another migration runs to completion and more items arrive
-            first_done.wait(30)
+            parked.set()
+            first_done.wait(60)
 
     def second() -> None:
         try:
@@ -116,6 +117,8 @@ def test_a_migration_overtaken_by_another_does_not_drop_items_ingested_meanwhile
 
     t = threading.Thread(target=second)
     t.start()
+    # (waited for, not assumed: a loaded machine may start the thread's migration only after this one has ended)
+    assert parked.wait(60), "the migration in the thread never finished its first chunk"
     migrate(edp, HostPlacement())
     edp.ingest({"id": torch.arange(40, 50)})  # into the storage the first migration swapped in
     first_done.set()

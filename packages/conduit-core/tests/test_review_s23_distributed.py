@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from conduit.distributed import ClusterError, DistributedDataPlane, RemoteTimeoutError, ShardServers
 from conduit.distributed.faults import LossReport
+from conduit.distributed.testing import kill_server
 from conduit.errors import ConfigurationError
 from conduit.semantics import Replay
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch
@@ -166,11 +167,9 @@ def test_real_cluster_closing_while_a_learner_thread_delivers_reports_no_loss(cl
 def test_real_cluster_measuring_links_to_a_dead_server_is_a_typed_error(cluster):
     """A server of a shared group dies before the first buffer on the group measures the links: the buffer
     raised Ray's own ActorDiedError out of the link probe, not a ConduitError saying what to do."""
-    import ray
-
     group = ShardServers([cluster.head, cluster.workers[0]])
     try:
-        ray.kill(group[1].actor, no_restart=True)
+        kill_server(group[1].actor)  # (returns once Ray reports it dead: ray.kill only asks for the kill)
         with pytest.raises(ClusterError, match="ShardServers") as e:
             DistributedDataPlane(ID_SCHEMA, capacity=10, servers=group, measure=True, health_period=None,
                                  timeout=10.0)

@@ -50,8 +50,12 @@ def test_synchronous_loop_exposes_its_whole_experience_path() -> None:
 
 def test_overlapped_loop_hides_work_and_traces_every_span(tmp_path: Path) -> None:
     trace = tmp_path / "trace.json"
-    res = run_loop(obs_dim=256, scheduler=Overlapped(g_del=2), iterations=8, warmup=1, rollout=128, batch=256,
-                   updates=3, capacity=1024, hidden=256, trace=trace)
+    sched = Overlapped(g_del=2)
+    # (the trace is written right after the last iteration: the rollouts handed over are stored by then, waited for,
+    # not assumed, as a loaded machine may run the ingestion worker after the whole loop)
+    res = run_loop(obs_dim=256, scheduler=sched, iterations=8, warmup=1, rollout=128, batch=256,
+                   updates=3, capacity=1024, hidden=256, trace=trace,
+                   on_iteration=lambda i, _it: sched.flush() if i == 7 else None)
     # How much of the workers' time falls beside the loop (hidden) rather than inside its waits (exposed) is up
     # to the OS's thread scheduling, so only what holds either way is asserted here: the identity, and that the
     # work ran on the workers. That work beside the loop is counted hidden exactly for its part outside the
