@@ -149,8 +149,14 @@ def _ppo_learner(algo: Any) -> ConduitPPOTorchLearner:
     return learner
 
 
-def _conduit_threads() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("conduit"))
+def _conduit_threads(before: frozenset[threading.Thread] = frozenset()) -> list[str]:
+    """Conduit's live threads but those in ``before`` (the ones other tests of this process left, e.g. a feed the
+    garbage collector has not finalised yet: the check is about the threads the test's algorithm started)."""
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("conduit") and t not in before)
+
+
+def _conduit_threads_now() -> frozenset[threading.Thread]:
+    return frozenset(t for t in threading.enumerate() if t.name.startswith("conduit"))
 
 
 def test_a_real_dqn_n_step_run_with_chunked_episodes_checkpoints_and_goes_on(
@@ -158,6 +164,7 @@ def test_a_real_dqn_n_step_run_with_chunked_episodes_checkpoints_and_goes_on(
     from ray.rllib.algorithms.algorithm import Algorithm
     from ray.rllib.algorithms.dqn import DQNConfig
 
+    before = _conduit_threads_now()
     log = _AddLog(monkeypatch)
     config = (DQNConfig().environment("CartPole-v1")
               .env_runners(num_env_runners=1, rollout_fragment_length=4)
@@ -207,7 +214,7 @@ def test_a_real_dqn_n_step_run_with_chunked_episodes_checkpoints_and_goes_on(
         path = algo.save_to_path(tmp_path / "mid")
     finally:
         algo.stop()
-    assert _conduit_threads() == []
+    assert _conduit_threads(before) == []
     restored = Algorithm.from_checkpoint(path)
     try:
         rb = restored.local_replay_buffer
@@ -219,7 +226,7 @@ def test_a_real_dqn_n_step_run_with_chunked_episodes_checkpoints_and_goes_on(
         assert new and len(rb) == saved_len + sum(n for _, _, n, _, _ in new)  # the new EnvRunner's chunks joined
     finally:
         restored.stop()
-    assert _conduit_threads() == []
+    assert _conduit_threads(before) == []
 
 
 def test_a_real_ppo_run_checkpoints_mid_training_and_goes_on_where_it_was(ray_local: None, tmp_path: Path) -> None:
@@ -227,6 +234,7 @@ def test_a_real_ppo_run_checkpoints_mid_training_and_goes_on_where_it_was(ray_lo
     from ray.rllib.algorithms.algorithm import Algorithm
     from ray.rllib.algorithms.ppo import PPOConfig
 
+    before = _conduit_threads_now()
     config = (PPOConfig().environment("CartPole-v1").env_runners(num_env_runners=1)
               .training(train_batch_size_per_learner=128, minibatch_size=48, num_epochs=2)
               .evaluation(evaluation_interval=1, evaluation_duration=1, evaluation_num_env_runners=1)
@@ -243,7 +251,7 @@ def test_a_real_ppo_run_checkpoints_mid_training_and_goes_on_where_it_was(ray_lo
         path = algo.save_to_path(tmp_path / "mid")
     finally:
         algo.stop()
-    assert _conduit_threads() == []
+    assert _conduit_threads(before) == []
     restored = Algorithm.from_checkpoint(path)
     try:
         learner = _ppo_learner(restored)
@@ -254,7 +262,7 @@ def test_a_real_ppo_run_checkpoints_mid_training_and_goes_on_where_it_was(ray_lo
         assert learner.conduit_version == 2 and learner.conduit_feed.delivered
     finally:
         restored.stop()
-    assert _conduit_threads() == []
+    assert _conduit_threads(before) == []
 
 
 

@@ -170,6 +170,10 @@ def test_clients_putting_reading_and_clearing_at_once_through_resizing_units(tq_
             assert "not ready" in str(e), e
             in_flight.append(key)
             continue
+        except tq.StorageKeyNotFoundError:  # (tq.save_checkpoint saves the controller, then the storage: a key its
+            # client cleared in between is in the controller's half only; a kept key must read back)
+            assert key not in kept, f"kept key {key} is missing from the restored storage"
+            continue
         assert _check([key], got) == [], key
     assert len(known) > len(in_flight), "the checkpoint holds no stored key"
     assert len(in_flight) <= 2 * CLIENTS, in_flight  # at most one put per client was in flight
