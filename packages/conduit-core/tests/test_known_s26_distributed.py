@@ -183,7 +183,8 @@ def test_calls_that_wait_for_the_write_are_refused_from_on_loss_on_the_ingestion
         assert len(plane) == 4 and _replicas(plane, np.arange(4)) == {1}
         kill_server(servers[1].actor)
         plane.ingest(id_batch(np.arange(4, 8)), node=far)  # the worker's write finds shard 1 dead, stores on 0
-        plane.flush()  # returns: the worker's write ended, then stored what the callback handed over
+        plane.flush()  # returns: the worker's write ended (the callback inside it included)
+        plane.flush()  # what the callback handed over (maybe after the first flush began, which then does not wait)
         assert [r.shard for r in plane.losses] == [1]
         assert len(seen) == 1 and seen[0][0] is plane.losses[0]
         flushed, room, full = seen[0][1]
