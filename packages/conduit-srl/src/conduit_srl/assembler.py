@@ -21,7 +21,10 @@ prepared batch may miss). What is SRL-specific stays here:
   a prioritized one after more than ``prefetch`` priority updates; an on-policy minibatch whose
   version a later ``set_policy_version`` made too stale is dropped (counted), as Conduit drops
   the rest of that rollout. Queue batches and on-policy minibatches are never discarded otherwise
-  (they are checkpointed with the buffer).
+  (they are checkpointed with the buffer). An entry ``get`` delivers for itself (none was ready) is
+  handed out as delivered (on-policy staleness as of that delivery): priority updates or version moves
+  that other threads make while it is assembled are concurrent with the ``get``, and discarding it for
+  them would let a thread that keeps making them hold ``get`` in a loop of redraws.
 """
 
 from __future__ import annotations
@@ -388,7 +391,7 @@ class Assembler:
                 self._store_held(raise_errors=False)
 
     def get(self, n: int | None = None) -> ReplayEntry:
-        """The next entry: one assembled ahead, or one assembled now."""
+        """The next entry: one assembled ahead that is still usable, or one assembled now (handed out as delivered)."""
         with self._cv:
             self._check_open()
             if self.edp is None:
@@ -411,15 +414,19 @@ class Assembler:
                         self._discard_ready()
                         self._n = want
                     entry = self._ready.popleft() if self._ready else None
+                ahead = entry is not None
                 if entry is None:
                     entry = self._deliver()
-                if self._usable(entry):
+                # (only an entry assembled ahead can have aged: one delivered for this call is handed out as the plane
+                # delivered it, since priority updates or version moves on other threads meanwhile are concurrent with
+                # this call; discarding it for them would redraw for as long as those threads keep going)
+                if not ahead or self._usable(entry):
                     with self._cv:  # (counted in the delivery's hold of _deliver_lock: stats() sees it in one place)
                         self._count_handed_out(entry)
                     break
         with self._cv:
             info = entry.info
-            if self.cfg.semantics == "on_policy" and info is not None and info.version is not None:
+            if ahead and self.cfg.semantics == "on_policy" and info is not None and info.version is not None:
                 assert self.edp is not None  # (an entry assembled ahead: staleness as of this delivery)
                 info.staleness = self.edp.semantics.policy_version - info.version  # type: ignore[attr-defined]
             self._armed = True

@@ -91,6 +91,10 @@ class ConduitBuffer:
             batch_size: replay only: draw this many samples instead of the configured batch size
                 (prepared draws of another size are discarded and redrawn).
 
+        An entry assembled ahead that aged (prioritized: more than ``prefetch`` priority updates; on-policy: a
+        version change made it too stale) is discarded; one delivered for this call is returned as delivered,
+        also while other threads keep updating priorities or moving the policy version.
+
         Raises:
             EmptyBufferError: nothing to deliver (``empty()`` was True).
             StaleExperienceError: on-policy, the next rollout is too stale and ``on_stale="raise"``.
@@ -143,7 +147,8 @@ class ConduitBuffer:
 
     @property
     def priority_staleness(self) -> int:
-        """Prioritized: how many ``update_priorities`` calls a delivered draw may precede (prefetch depth)."""
+        """Prioritized: how many ``update_priorities`` calls a delivered draw may precede (prefetch depth), besides
+        calls that other threads make during the ``get()`` that draws it."""
         return self._a.priority_staleness
 
     @property
