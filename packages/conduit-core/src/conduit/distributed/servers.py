@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,11 +79,17 @@ class ShardServers:
             self.servers.append(ServerInfo(a, node, pid))
         self._links: Any = None
         self._torch: Any = None
+        #: held while a torch group is formed (see :meth:`torch_group`)
+        self._torch_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (e.g. into a learner actor): the measured links and the torch group belong to this
         process (its node, its sockets), so the copy measures and forms its own."""
-        return {**self.__dict__, "_links": None, "_torch": None}
+        return {**self.__dict__, "_links": None, "_torch": None, "_torch_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._torch_lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.servers)
@@ -108,6 +115,11 @@ class ShardServers:
                     create: bool = True) -> Any:
         """The torch.distributed group of this process (rank 0) and these servers, formed on first use.
 
+        One group is formed at a time: a thread that asks while another forms one waits for it (at most that
+        formation's ``timeout`` and link measurement) and gets that group. (Two formed at once could deadlock the
+        servers, whose data calls run one at a time: one server joining the first group while another joins
+        the second, each waiting for the other until both formations time out.)
+
         Keyword Args:
             backend: ``"gloo"`` or ``"nccl"`` (used when the group is formed).
             timeout: seconds to form it, and the bound on every transfer over it.
@@ -118,14 +130,17 @@ class ShardServers:
         Returns:
             A :class:`~conduit.distributed.transport.TorchGroup` (or None, see ``create``).
         """
-        if (self._torch is None or refresh) and create:
-            from conduit.distributed.transport import TorchGroup
+        if not create:
+            return self._torch
+        with self._torch_lock:
+            if self._torch is None or refresh:
+                from conduit.distributed.transport import TorchGroup
 
-            old = self._torch
-            self._torch = TorchGroup(self, backend=backend, timeout=timeout)
-            if old is not None:
-                self._leave(old)
-        return self._torch
+                old = self._torch
+                self._torch = TorchGroup(self, backend=backend, timeout=timeout)
+                if old is not None:
+                    self._leave(old)
+            return self._torch
 
     def _leave(self, group: Any) -> None:
         """Close ``group`` here and ask every server to leave it (fire and forget; a dead server left it already)."""
