@@ -416,7 +416,8 @@ class Overlapped(Scheduler):
         # (re-checked as the holder goes on: it marks a wait for the buffer's lock only while it holds _mu)
         while not self._mu.acquire(timeout=_RECHECK_S):
             if self._holder_wants_buffer_lock():
-                raise wait_refused(call, "delivery running on another thread")
+                raise wait_refused(call, "close() running on another thread (it stops the prefetch worker)"
+                                   if self._closed else "delivery running on another thread")
 
     def _holder_wants_buffer_lock(self) -> bool:
         """Whether the thread holding ``_mu`` waits for the buffer's lock, or for a job that has yet to take it."""
@@ -741,6 +742,11 @@ class Overlapped(Scheduler):
         Called from a callback on the ingestion worker (inside a background write) it cannot wait for that
         write: it returns at once and the worker stores the rest of the queue, then stops (see
         :meth:`Ingestion.close`); a later ``close`` waits for that and raises what could not be stored.
+
+        Stopping the prefetch worker waits for a job a delivery inside ``read_locked()`` cancelled, which ends once it
+        has the buffer's lock: a delivery (or other call that waits for this scheduler) made meanwhile from inside
+        ``read_locked()`` on another thread is refused (:func:`~conduit.scheduling.base.wait_refused`, nothing
+        changed), as it is while a delivery waits for that lock, instead of waiting forever.
         """
         if not self._ingestion.on_worker:  # refused before anything changes (not once the prefetch stopped)
             self._ingestion.refuse_wait("close()")
@@ -768,9 +774,14 @@ class Overlapped(Scheduler):
                                                 name="conduit-close", daemon=True)
                 self._closer.start()
             else:
+                # stopping the worker waits for a job a delivery cancelled, which ends only once it has the buffer's
+                # lock: marked as a wait for that lock (as a job awaited is), so that a call holding the lock that
+                # meets _mu here is refused instead of waiting forever (see _enter)
+                self._awaited = cancelled
                 self._stop_prefetch(self._mu, self._pool)
         finally:
             if not on_worker:
+                self._awaited = None
                 self._mu.release()
         self._ingestion.close()
 
