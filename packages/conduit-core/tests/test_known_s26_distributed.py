@@ -22,7 +22,7 @@ pytest.importorskip("ray")
 
 from conduit import ConfigurationError  # noqa: E402
 from conduit.distributed import DistributedDataPlane, LossReport, ShardServers  # noqa: E402
-from conduit.distributed.testing import kill_server  # noqa: E402
+from conduit.distributed.testing import ServerStandIn, kill_server  # noqa: E402
 from conduit.scheduling import Overlapped  # noqa: E402
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
 
@@ -35,25 +35,17 @@ def _replicas(plane: DistributedDataPlane, handles: Any) -> set[int]:
     return set(shard[shard >= 0].tolist())
 
 
-class _DiesBeforeAppend:
+class _DiesBeforeAppend(ServerStandIn):
     """Stands in for a server's actor handle: the first ``nth - 1`` ``append`` calls go through; before the
     ``nth`` is sent, they have run and the actor is killed for real (``ray.kill``), so that one finds it dead.
     Every other call goes to the real actor; once killed (or on :meth:`restore`), the server's entry holds the real
     handle again."""
 
     def __init__(self, servers: ShardServers, shard: int, nth: int) -> None:
-        self._info = servers[shard]
-        self._real = self._info.actor
+        super().__init__(servers, shard)
         self._nth = nth
         self._sent: list[Any] = []
         self.killed = False
-        self._info.actor = self
-
-    def restore(self) -> None:
-        self._info.actor = self._real
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
 
     @property
     def append(self) -> Any:

@@ -19,31 +19,24 @@ import pytest
 pytest.importorskip("ray")
 
 from conduit.distributed import DistributedDataPlane, ShardServers  # noqa: E402
+from conduit.distributed.testing import ServerStandIn  # noqa: E402
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
 
-class _JoinsCrossed:
+class _JoinsCrossed(ServerStandIn):
     """Stands in for a server's actor handle: the first ``join_group`` sent through it is held back until a second
     one was sent (at most ``hold`` seconds), so this server gets the joins in the other order than a server whose
     handle sends them as they come. Every other call goes to the real actor."""
 
     def __init__(self, servers: ShardServers, shard: int, hold: float) -> None:
-        self._info = servers[shard]
-        self._real = self._info.actor
+        super().__init__(servers, shard)
         self._hold = hold
         self._mu = threading.Lock()
         self._sent = 0
         self.first_waiting = threading.Event()
         self._second_sent = threading.Event()
-        self._info.actor = self
-
-    def restore(self) -> None:
-        self._info.actor = self._real
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
 
     @property
     def join_group(self) -> Any:

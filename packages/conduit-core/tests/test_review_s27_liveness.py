@@ -5,34 +5,19 @@ Each test runs the call on a daemon thread and bounds it with a join that is rea
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 from conduit import ConfigurationError, ExperienceDataPlane, OnPolicy, Overlapped
 from conduit.testing.reference import ID_SCHEMA, id_batch
 
-#: how long a call may take before the test calls it stuck (only reached when it is)
-JOIN_S = 60.0
-
-
-def _in_thread(fn: Callable[[], object], name: str = "caller") -> list[object]:
-    """Run ``fn`` on a daemon thread; its result or exception (a hang fails, instead of hanging the suite)."""
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except BaseException as e:  # noqa: BLE001 - returned to the test
-            out.append(e)
-
-    t = threading.Thread(target=run, name=name, daemon=True)
-    t.start()
-    t.join(JOIN_S)
-    assert not t.is_alive(), "the call hung"
-    return out
+sys.path.insert(0, str(Path(__file__).parent))
+from test_known_s25_plane import JOIN_S, _in_thread  # noqa: E402, I001  (a call bounded by a join: a hang fails)
 
 
 def _until(cond: Callable[[], bool]) -> None:

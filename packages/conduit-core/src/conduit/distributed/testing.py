@@ -31,7 +31,7 @@ from conduit.semantics import Semantics
 from conduit.testing.endpoints import EndpointFactory
 from conduit.testing.reference import ID_SCHEMA, CoreOnPolicyEndpoint, CoreReplayEndpoint, check_payload, id_batch
 
-__all__ = ["LocalCluster", "local_cluster", "DistributedReplayEndpoint", "DistributedOnPolicyEndpoint",
+__all__ = ["LocalCluster", "local_cluster", "ServerStandIn", "DistributedReplayEndpoint", "DistributedOnPolicyEndpoint",
            "FAST_FAILURE_DETECTION", "ENDPOINTS", "shared_servers", "shutdown_shared", "kill_server"]
 
 #: Ray settings that declare a dead node within about 1.5 s (defaults take tens of seconds)
@@ -74,6 +74,23 @@ class LocalCluster:
             raise ClusterError("The head node runs this process; kill a worker node.")
         node = self._nodes.pop(node_id)
         self.cluster.remove_node(node, allow_graceful=graceful)
+
+
+class ServerStandIn:
+    """Stands in for the actor handle of shard ``shard`` of ``servers`` until :meth:`restore`: every call goes to
+    the real actor, except those a subclass intercepts (a test's way to delay, reorder or fail one kind of call)."""
+
+    def __init__(self, servers: ShardServers, shard: int) -> None:
+        self._info = servers[shard]
+        self._real = self._info.actor
+        self._info.actor = self
+
+    def restore(self) -> None:
+        """Put the real handle back."""
+        self._info.actor = self._real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
 
 
 def kill_server(actor: Any, *, timeout: float = 60.0) -> None:
