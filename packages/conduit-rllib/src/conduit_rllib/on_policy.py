@@ -355,8 +355,9 @@ class MinibatchFeed:
         sem = self.semantics
         if sem.max_staleness != 0 or sem.on_stale != "drop":
             return
-        if self._pool is not None:  # let a gather the abandoned iteration started finish first
-            self._pool.submit(lambda: None).wait()
+        # let a gather the abandoned iteration started finish first (waited for as the job it is: a no-op submitted
+        # behind it would never run should a close() on another thread stop the worker meanwhile)
+        self._settle()
         with self._lock:
             self._inflight = None  # what that gather delivered belongs to the abandoned rollout: dropped with it
             self._held = None  # the head of a minibatch of the abandoned rollout: dropped with it
@@ -441,8 +442,7 @@ class MinibatchFeed:
             conduit.ConfigurationError: the state is damaged (nothing changes then).
         """
         self.check_state_dict(state)
-        if self._pool is not None:  # let a running gather finish before the data plane goes
-            self._pool.submit(lambda: None).wait()
+        self._settle()  # let a running gather finish before the data plane goes (as in drop_leftovers)
         with self._lock:
             if self.edp is not None:
                 self.edp.close()
@@ -613,7 +613,8 @@ class MinibatchFeed:
 
         What was waiting for delivery is discarded (its rollouts' rows counted in ``dropped_items``: the state
         kept is ``state_dict(drop_pending=True)``), and a later :meth:`ingest` starts a new data plane (and
-        thread) that continues that state.
+        thread) that continues that state. A :meth:`drop_leftovers` or :meth:`load_state_dict` running on another
+        thread meanwhile returns (it waits for the in-flight gather only, never for the stopped thread).
         """
         if self._pool is not None:
             self._pool.shutdown()
