@@ -238,7 +238,9 @@ class MinibatchPrefetch(Scheduler):
     it runs on a side stream after the learner's stream has reached the hand-out point, its
     host-side wait keeps the page-locked gather buffers safe to reuse, and the learner's
     stream waits on it before use. Ingestion is synchronous. ``g_del`` is ``1/M`` of the
-    rollout being delivered.
+    rollout being delivered. The staging job draws under the buffer's lock: a delivery made while
+    holding that lock (inside ``read_locked``) does not wait for a job still waiting for it, but
+    cancels the job (which drew nothing) and draws the minibatch itself, the one the job would have.
     """
 
     output_depth = 3
@@ -251,7 +253,8 @@ class MinibatchPrefetch(Scheduler):
         self.g_ing = 1.0
         self.g_del = 1.0
         self._pool: Worker | None = None
-        self._pending: Job[tuple[ExperienceBatch, SampleInfo, Any]] | None = None
+        self._pending: Job[tuple[ExperienceBatch, SampleInfo, Any] | None] | None = None
+        self._ticket: dict[str, bool] = {"cancelled": False, "entered": False}  # the pending job's
         self._side: Any = None
         self.staged = 0
 
@@ -265,31 +268,54 @@ class MinibatchPrefetch(Scheduler):
                priorities: torch.Tensor | None) -> torch.Tensor | None:
         return self.edp.ingest_now(batch, version=version, priorities=priorities)
 
-    def _stage(self, after: Any) -> tuple[ExperienceBatch, SampleInfo, Any]:
-        if not self._cuda:
-            batch, info = self.edp.deliver_now()
-            return batch, info, None
-        with torch.cuda.stream(self._side):
-            if after is not None:
-                self._side.wait_event(after)
-            batch, info = self.edp.deliver_now()
-            done = torch.cuda.Event()
-            done.record(self._side)
+    def _stage(self, after: Any, ticket: dict[str, bool] | None = None
+               ) -> tuple[ExperienceBatch, SampleInfo, Any] | None:
+        """Select and gather the next minibatch; as a prefetch job (``ticket``), under the buffer's lock, and
+        nothing (None) when a delivery holding that lock cancelled it first (it drew the minibatch itself)."""
+        with self.edp.lock:
+            if ticket is not None:
+                if ticket["cancelled"]:
+                    return None
+                ticket["entered"] = True
+            if not self._cuda:
+                batch, info = self.edp.deliver_now()
+                return batch, info, None
+            with torch.cuda.stream(self._side):
+                if after is not None:
+                    self._side.wait_event(after)
+                batch, info = self.edp.deliver_now()
+                done = torch.cuda.Event()
+                done.record(self._side)
         done.synchronize()  # only this staging thread waits: the gather buffers are free again
         return batch, info, done
+
+    def _cancel_waiting_job(self) -> bool:
+        """Cancel the pending prefetch job when this thread holds the buffer's lock and the job has not taken it (it
+        waits for that lock, so waiting for it would never end; cancelled, it draws nothing). Whether it was."""
+        job, ticket = self._pending, self._ticket
+        if job is None or job.done() or not self.edp.holds_lock() or ticket["entered"]:
+            return False
+        ticket["cancelled"] = True
+        self._pending = None
+        return True
 
     def deliver(self, n: int | None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
         if n is not None or kwargs:
             return self.edp.deliver_now(n, **kwargs)
+        self._cancel_waiting_job()  # inside the buffer's lock (read_locked): drawn here, as a synchronous delivery
         if self._pending is not None:
             fut, self._pending = self._pending, None
-            batch, info, done = fut.result()
+            staged = fut.result()
+            assert staged is not None  # (only a cancelled job returns nothing, and it is no longer pending)
+            batch, info, done = staged
         else:  # staged here (the first minibatch, or an epoch's first with seed=None): after the learner's work so far
             now = None
             if self._cuda:
                 now = torch.cuda.Event()
                 now.record(torch.cuda.current_stream(self.edp.device))
-            batch, info, done = self._stage(now)
+            staged_now = self._stage(now)
+            assert staged_now is not None  # (no ticket: never cancelled)
+            batch, info, done = staged_now
         if done is not None:
             cur = torch.cuda.current_stream(self.edp.device)
             cur.wait_event(done)
@@ -311,7 +337,8 @@ class MinibatchPrefetch(Scheduler):
             if self._pool is None:
                 self._pool = Worker("conduit-prefetch")
                 weakref.finalize(self, self._pool.stop)  # dropped without close(): the thread ends
-            self._pending = self._pool.submit(self._stage, after)
+            self._ticket = {"cancelled": False, "entered": False}
+            self._pending = self._pool.submit(self._stage, after, self._ticket)
             self.staged += 1
         return batch, info
 
@@ -326,6 +353,16 @@ class MinibatchPrefetch(Scheduler):
         pass
 
     def close(self) -> None:
+        """Wait for the prefetch job, then stop its thread.
+
+        Raises:
+            ConfigurationError: called holding the buffer's lock (inside ``read_locked``) while the job waits for
+                that lock (waiting would never end); nothing changes: close outside the lock.
+        """
+        job = self._pending
+        if job is not None and not job.done() and self.edp.holds_lock() and not self._ticket["entered"]:
+            raise ConfigurationError("close() was called holding the buffer's lock (inside read_locked) while the "
+                                     "prefetch job waits for that lock; nothing was closed: close outside the lock.")
         if self._pending is not None:
             try:
                 self._pending.result()
