@@ -57,6 +57,7 @@ from conduit import (
     SchemaError,
 )
 from conduit.batch import ExperienceBatch
+from conduit.scheduling.base import wait_refused
 from conduit.scheduling.worker import Job, Worker
 from conduit.schema import storable
 from conduit.semantics.base import Selection
@@ -228,6 +229,17 @@ class VerlOnPolicy(OnPolicy):
 
 
 # -- scheduling --------------------------------------------------------------------------------
+class _StageTicket:
+    """One prefetch job's marks, read and set under the buffer's lock: whether a delivery cancelled it before it
+    took that lock, and whether it took it."""
+
+    __slots__ = ("cancelled", "entered")
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.entered = False
+
+
 class MinibatchPrefetch(Scheduler):
     """Stages the next on-policy minibatch while the current one trains (or not, ``prefetch=False``).
 
@@ -254,7 +266,7 @@ class MinibatchPrefetch(Scheduler):
         self.g_del = 1.0
         self._pool: Worker | None = None
         self._pending: Job[tuple[ExperienceBatch, SampleInfo, Any] | None] | None = None
-        self._ticket: dict[str, bool] = {"cancelled": False, "entered": False}  # the pending job's
+        self._ticket = _StageTicket()  # the pending job's
         self._side: Any = None
         self.staged = 0
 
@@ -268,15 +280,15 @@ class MinibatchPrefetch(Scheduler):
                priorities: torch.Tensor | None) -> torch.Tensor | None:
         return self.edp.ingest_now(batch, version=version, priorities=priorities)
 
-    def _stage(self, after: Any, ticket: dict[str, bool] | None = None
+    def _stage(self, after: Any, ticket: _StageTicket | None = None
                ) -> tuple[ExperienceBatch, SampleInfo, Any] | None:
         """Select and gather the next minibatch; as a prefetch job (``ticket``), under the buffer's lock, and
         nothing (None) when a delivery holding that lock cancelled it first (it drew the minibatch itself)."""
         with self.edp.lock:
             if ticket is not None:
-                if ticket["cancelled"]:
+                if ticket.cancelled:
                     return None
-                ticket["entered"] = True
+                ticket.entered = True
             if not self._cuda:
                 batch, info = self.edp.deliver_now()
                 return batch, info, None
@@ -289,15 +301,18 @@ class MinibatchPrefetch(Scheduler):
         done.synchronize()  # only this staging thread waits: the gather buffers are free again
         return batch, info, done
 
-    def _cancel_waiting_job(self) -> bool:
-        """Cancel the pending prefetch job when this thread holds the buffer's lock and the job has not taken it (it
-        waits for that lock, so waiting for it would never end; cancelled, it draws nothing). Whether it was."""
-        job, ticket = self._pending, self._ticket
-        if job is None or job.done() or not self.edp.holds_lock() or ticket["entered"]:
-            return False
-        ticket["cancelled"] = True
-        self._pending = None
-        return True
+    def _job_waits_for_our_lock(self) -> bool:
+        """Whether the pending prefetch job waits for the buffer's lock, which this thread holds (waiting for the
+        job would never end)."""
+        job = self._pending
+        return job is not None and not job.done() and self.edp.holds_lock() and not self._ticket.entered
+
+    def _cancel_waiting_job(self) -> None:
+        """Cancel the pending prefetch job when it waits for the buffer's lock this thread holds (cancelled, it draws
+        nothing)."""
+        if self._job_waits_for_our_lock():
+            self._ticket.cancelled = True
+            self._pending = None
 
     def deliver(self, n: int | None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
         if n is not None or kwargs:
@@ -337,7 +352,7 @@ class MinibatchPrefetch(Scheduler):
             if self._pool is None:
                 self._pool = Worker("conduit-prefetch")
                 weakref.finalize(self, self._pool.stop)  # dropped without close(): the thread ends
-            self._ticket = {"cancelled": False, "entered": False}
+            self._ticket = _StageTicket()
             self._pending = self._pool.submit(self._stage, after, self._ticket)
             self.staged += 1
         return batch, info
@@ -359,10 +374,8 @@ class MinibatchPrefetch(Scheduler):
             ConfigurationError: called holding the buffer's lock (inside ``read_locked``) while the job waits for
                 that lock (waiting would never end); nothing changes: close outside the lock.
         """
-        job = self._pending
-        if job is not None and not job.done() and self.edp.holds_lock() and not self._ticket["entered"]:
-            raise ConfigurationError("close() was called holding the buffer's lock (inside read_locked) while the "
-                                     "prefetch job waits for that lock; nothing was closed: close outside the lock.")
+        if self._job_waits_for_our_lock():
+            raise wait_refused("close()", "prefetch job (it draws the next minibatch)")
         if self._pending is not None:
             try:
                 self._pending.result()
