@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conduit import ColumnarStorage, ExperienceDataPlane, OnPolicy, Overlapped, Replay
 from conduit.placement import HostPlacement, Placement
+from conduit.testing.lifecycle import call_bounded
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch
 
 #: what every write of the slow tier below costs (seconds): storing is far slower than producing
@@ -54,15 +55,6 @@ def _producer(edp: ExperienceDataPlane, stop: threading.Event, handed: list[int]
     return t
 
 
-def _returns(call: Any) -> tuple[bool, list[Any]]:
-    """Run ``call`` on a thread; whether it returned within ``STUCK_S``, and its result."""
-    out: list[Any] = []
-    t = threading.Thread(target=lambda: out.append(call()), daemon=True)
-    t.start()
-    t.join(STUCK_S)
-    return not t.is_alive(), out
-
-
 def _wait_handed(handed: list[int], n: int) -> None:
     deadline = time.monotonic() + STUCK_S
     while handed[0] < n:
@@ -82,15 +74,16 @@ def test_a_flush_under_a_producer_that_keeps_the_queue_full_returns_with_what_ca
         _wait_handed(handed, 8)  # (the queue is full: the producer waits for room from here on)
         before = handed[0]
         target = {"flush": edp.flush, "state_dict": edp.state_dict, "drain": sched.drain}[call]
-        returned, out = _returns(target)
-        assert returned, f"{call}() did not return while a producer kept handing over (it waited for an empty queue)"
+        hang = f"{call}() did not return while a producer kept handing over (it waited for an empty queue)"
+        out = call_bounded(target, STUCK_S, hang=hang)
+        assert not isinstance(out, BaseException), out
         assert t.is_alive() and not errors, errors
         stored = edp.read_locked(lambda: len(edp))
         assert stored >= before, f"{call}() returned with {stored} items stored, {before} were handed over before it"
         if call == "drain":
-            assert out == [True]
+            assert out is True
         if call == "state_dict":
-            assert out[0]["storage"]["data"]["id"].shape[0] >= before
+            assert out["storage"]["data"]["id"].shape[0] >= before
     finally:
         stop.set()
         t.join(STUCK_S)
@@ -110,8 +103,8 @@ def test_seal_under_a_producer_of_the_next_version_returns() -> None:
     t = _producer(edp, stop, handed, errors, version=1)
     try:
         _wait_handed(handed, 8)
-        returned, _ = _returns(edp.seal)
-        assert returned, "seal() did not return while a producer kept handing over version 1"
+        out = call_bounded(edp.seal, STUCK_S, hang="seal() did not return while a producer kept handing over version 1")
+        assert out is None, out
         assert not errors, errors
         batch, info = edp.deliver()
         assert info.version == 0 and sorted(check_payload(batch).tolist()) == [0, 1, 2, 3]

@@ -22,26 +22,15 @@ from conduit import (
     Ragged,
     Replay,
 )
+from conduit.testing.lifecycle import call_bounded
 from conduit.testing.reference import ID_SCHEMA, id_batch
 
 JOIN_S = 60.0
 
 
-def _in_thread(fn: Callable[[], object], name: str = "caller") -> list[object]:
-    """Run ``fn`` on a daemon thread; its result or exception (a hang fails, instead of hanging the suite)."""
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except BaseException as e:  # noqa: BLE001 - returned to the test
-            out.append(e)
-
-    t = threading.Thread(target=run, name=name, daemon=True)
-    t.start()
-    t.join(JOIN_S)
-    assert not t.is_alive(), "the call hung"
-    return out
+def _in_thread(fn: Callable[[], object]) -> object:
+    """``fn()``'s result or exception (a hang fails, instead of hanging the suite)."""
+    return call_bounded(fn, JOIN_S)
 
 
 class _Observed(Overlapped):
@@ -122,7 +111,7 @@ def test_a_delivery_inside_read_locked_waits_for_another_threads_delivery_that_n
     def locked() -> list[int]:
         return _ids(edp.deliver(n))  # meets the delivery lock held by the paused delivery, which then goes on
 
-    (mine,) = _in_thread(lambda: edp.read_locked(locked))
+    mine = _in_thread(lambda: edp.read_locked(locked))
     b.join(JOIN_S)
     assert not b.is_alive()
     assert not isinstance(mine, BaseException), f"the delivery inside read_locked was refused: {mine!r}"
@@ -147,7 +136,7 @@ def test_a_delivery_inside_read_locked_is_refused_when_the_other_delivery_waits_
         assert sched.wants.wait(JOIN_S), "the other delivery did not come to the buffer's lock"
         edp.deliver(n)
 
-    (err,) = _in_thread(lambda: edp.read_locked(locked))
+    err = _in_thread(lambda: edp.read_locked(locked))
     b.join(JOIN_S)
     assert not b.is_alive(), "the other delivery never finished"
     assert isinstance(err, ConfigurationError), err
@@ -175,7 +164,7 @@ def test_scheduler_calls_inside_read_locked_are_refused_not_hung_behind_a_delive
         assert sched.wants.wait(JOIN_S), "the other delivery did not come to the buffer's lock"
         calls[call]()
 
-    (err,) = _in_thread(lambda: edp.read_locked(locked))
+    err = _in_thread(lambda: edp.read_locked(locked))
     b.join(JOIN_S)
     assert not b.is_alive()
     assert isinstance(err, ConfigurationError) and "delivery running on another thread" in str(err), err
@@ -195,7 +184,7 @@ def test_deliveries_inside_read_locked_on_the_same_thread_are_deterministic() ->
     def locked() -> list[list[int]]:
         return [_ids(edp.deliver(4)) for _ in range(3)]
 
-    (res,) = _in_thread(lambda: edp.read_locked(locked))
+    res = _in_thread(lambda: edp.read_locked(locked))
     assert res == [_ids(ref.deliver(4)) for _ in range(3)]
     for _ in range(4):
         assert _ids(edp.deliver(4)) == _ids(ref.deliver(4))

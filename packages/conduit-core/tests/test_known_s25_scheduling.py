@@ -24,7 +24,7 @@ JOIN_S = 20.0
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_known_s25_plane import _pair as _plane_pair  # noqa: E402, I001
-from test_review_s23_core import _in_thread as _s23_in_thread  # noqa: E402, I001
+from test_review_s23_core import _in_thread  # noqa: E402, I001
 
 
 def _rollout(n: int) -> dict[str, torch.Tensor]:
@@ -76,12 +76,6 @@ def test_a_background_store_beside_the_update_is_hidden_exactly_outside_the_loop
 
 
 # -- 2. a delivery inside read_locked() that needs a prefetch job that has not taken the buffer's lock -----------------
-def _in_thread(fn: Callable[[], object]) -> object:
-    """``fn()``'s result or exception, run on a daemon thread (a hang fails instead of hanging the suite)."""
-    (res,) = _s23_in_thread(fn)
-    return res
-
-
 def _pair(on_policy: bool) -> tuple[ExperienceDataPlane, Overlapped, ExperienceDataPlane]:
     """An overlapped buffer (g_del=2 off-policy) and a synchronous twin, same contents and seed."""
     return _plane_pair(1 if on_policy else 2, on_policy=on_policy)

@@ -22,6 +22,7 @@ from conduit import (
     Overlapped,
     ShardedPlacement,
 )
+from conduit.testing.lifecycle import call_bounded
 
 SCALAR = ExperienceSchema(r=Field((), torch.float32))
 #: bound on a join that must not hang (a deadlock guard, not a timing)
@@ -156,21 +157,10 @@ def test_an_older_version_checked_before_a_newer_one_was_stored_is_still_refused
 
 
 # -- calls inside read_locked that would wait for a worker needing the lock --------------------------
-def _in_thread(fn: Callable[[], object]) -> list[object]:
-    """Run ``fn`` on a daemon thread; its result or exception (a hang fails, instead of hanging the suite)."""
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except BaseException as e:  # noqa: BLE001 - returned to the test
-            out.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(JOIN_S)
-    assert not t.is_alive(), "the call hung: it waited for a worker thread that needs the lock the caller holds"
-    return out
+def _in_thread(fn: Callable[[], object]) -> object:
+    """``fn()``'s result or exception (a hang fails, instead of hanging the suite)."""
+    return call_bounded(fn, JOIN_S,
+                        hang="the call hung: it waited for a worker thread that needs the lock the caller holds")
 
 
 @pytest.mark.parametrize("call", ["flush", "state_dict", "seal", "close", "ingest into a full queue"])
@@ -194,7 +184,7 @@ def test_a_call_inside_read_locked_that_would_wait_for_background_storing_is_ref
         else:
             getattr(edp, call)()
 
-    (err,) = _in_thread(lambda: edp.read_locked(locked))
+    err = _in_thread(lambda: edp.read_locked(locked))
     assert isinstance(err, ConfigurationError) and "read_locked" in str(err), err
     assert not edp.closed
     edp.flush()  # outside the lock: everything handed over is stored, nothing lost or doubled
@@ -231,12 +221,12 @@ def test_a_checkpoint_inside_read_locked_while_a_prefetch_waits_for_the_lock_is_
             edp.state_dict()
         return first, edp.deliver(n)[0].tensor("r").clone()
 
-    (res,) = _in_thread(lambda: edp.read_locked(locked))
+    res = _in_thread(lambda: edp.read_locked(locked))
     assert isinstance(res, tuple), res
     first, second = res
     assert torch.equal(first, twin.deliver(n)[0].tensor("r"))
     assert torch.equal(second, twin.deliver(n)[0].tensor("r"))
-    state = _in_thread(edp.state_dict)[0]  # outside: the prefetched draw is given back, as for any checkpoint
+    state = _in_thread(edp.state_dict)  # outside: the prefetched draw is given back, as for any checkpoint
     assert isinstance(state, dict)
     for _ in range(5):  # the same batches as a synchronous buffer from here on
         assert torch.equal(edp.deliver(n)[0].tensor("r"), twin.deliver(n)[0].tensor("r"))

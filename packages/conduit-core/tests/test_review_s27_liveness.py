@@ -60,7 +60,7 @@ def test_a_call_inside_read_locked_is_refused_while_close_waits_for_a_cancelled_
         _until(lambda: sched._closed)  # close() holds the delivery lock from here until the prefetch worker stops
         edp.deliver()
 
-    (err,) = _in_thread(lambda: edp.read_locked(locked))
+    err = _in_thread(lambda: edp.read_locked(locked))
     closer.join(JOIN_S)
     assert not closer.is_alive(), "close() never returned"
     assert closed == ["closed"] and edp.closed

@@ -2,32 +2,14 @@
 
 from __future__ import annotations
 
-import threading
-from typing import Any
-
 import torch
+from conduit.testing.lifecycle import call_bounded
 from conduit_verl.delivery import MinibatchDelivery
 from tensordict import TensorDict
 
 
 def _shard(n: int = 8) -> TensorDict:
     return TensorDict({"x": torch.arange(n, dtype=torch.float32).unsqueeze(1)}, batch_size=n)
-
-
-def _bounded(fn: Any, seconds: float = 45.0) -> dict[str, Any]:
-    """Run ``fn`` on a daemon thread; return what it returned or raised (``{}``: it did not return in time)."""
-    out: dict[str, Any] = {}
-
-    def body() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - reported to the test
-            out["error"] = e
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    t.join(seconds)
-    return out
 
 
 def test_prefetched_delivery_inside_read_locked_does_not_deadlock() -> None:
@@ -42,11 +24,11 @@ def test_prefetched_delivery_inside_read_locked_does_not_deadlock() -> None:
     def two() -> list[list[float]]:
         return edp.read_locked(lambda: [d.next_minibatch()[0]["x"].flatten().tolist() for _ in range(2)])
 
-    got = _bounded(two)
-    assert got, "a delivery inside read_locked waited forever for the prefetch job that waits for the lock"
-    assert "error" not in got, got
+    hang = "a delivery inside read_locked waited forever for the prefetch job that waits for the lock"
+    got = call_bounded(two, hang=hang)
+    assert not isinstance(got, BaseException), got
     rest = [td["x"].flatten().tolist() for td, _ in d.minibatches()]
-    seen = sorted(v for mb in got["value"] + rest for v in mb)
+    seen = sorted(v for mb in got + rest for v in mb)
     assert seen == [float(i) for i in range(8)]  # nothing lost nor duplicated
     d.close()
 
@@ -69,9 +51,9 @@ def test_close_inside_read_locked_refuses_instead_of_waiting_for_the_prefetch_jo
 
         return edp.read_locked(fn)
 
-    got = _bounded(deliver_then_close)
-    assert got, "close inside read_locked waited forever for the prefetch job that waits for the lock"
-    assert isinstance(got.get("error"), ConfigurationError), got
+    got = call_bounded(deliver_then_close,
+                       hang="close inside read_locked waited forever for the prefetch job that waits for the lock")
+    assert isinstance(got, ConfigurationError), got
     assert not edp.closed
     rest = [td["x"].flatten().tolist() for td, _ in d.minibatches()]  # the buffer goes on: nothing lost
     assert sorted(v for mb in rest for v in mb) == [float(i) for i in range(2, 8)]

@@ -12,10 +12,37 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["WORKER_THREADS", "eventually", "worker_threads", "live_workers", "no_workers_beyond", "open_fds"]
+__all__ = ["WORKER_THREADS", "HANG_S", "call_bounded", "eventually", "worker_threads", "live_workers",
+           "no_workers_beyond", "open_fds"]
 
 #: the names of the threads Conduit's schedulers and adapters start
 WORKER_THREADS = ("conduit-ingest", "conduit-prefetch", "conduit-minibatch", "conduit-srl-assembler")
+
+
+#: how long :func:`call_bounded` waits by default before it calls a call hung (reached only on a hang)
+HANG_S = 60.0
+
+
+def call_bounded(fn: Callable[[], object], timeout: float = HANG_S, *, name: str = "caller",
+                 hang: str = "the call hung") -> object:
+    """Run ``fn()`` on a daemon thread named ``name`` and return what it returned, or the exception it raised.
+
+    A call that has not returned within ``timeout`` seconds fails the test with ``hang`` as the assertion
+    message (the thread is left behind, as a daemon), instead of hanging the whole suite.
+    """
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out.append(e)
+
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), hang
+    return out[0]
 
 
 def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
