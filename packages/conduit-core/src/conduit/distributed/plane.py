@@ -164,7 +164,7 @@ class _LossCallbacks:
     def __init__(self, fn: Callable[[LossReport], None] | None) -> None:
         self.fn = fn
         self._queue: deque[LossReport] = deque()
-        self._mu = threading.Lock()
+        self._mu = threading.Condition(threading.Lock())  # (notified when a callback ends: see wait_idle)
         self._running: threading.Thread | None = None
         #: per thread: how many scheduler calls (or scheduler primitives) it is inside (see :meth:`run`)
         self._inside = threading.local()
@@ -216,6 +216,27 @@ class _LossCallbacks:
             finally:
                 with self._mu:
                     self._running = None
+                    self._mu.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Run the queued reports here (as :meth:`run`), and wait until no callback runs on another thread and none
+        is queued; at most ``timeout`` seconds. Returns whether that was reached (a callback running on this thread,
+        i.e. one that called in here, counts as idle: it cannot be waited for).
+
+        Only for a thread that holds no buffer lock and is in no scheduler call: a callback waited for may call the
+        buffer, or the scheduler."""
+        deadline = time.monotonic() + timeout
+        me = threading.current_thread()
+        while True:
+            self.run()
+            with self._mu:
+                if self._running is me or (self._running is None and not self._queue):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0 or self.depth():
+                    return False
+                if self._running is not None:  # (None: a report was queued just now; the loop runs it here)
+                    self._mu.wait(left)
 
 
 class _PlaneLock:
@@ -315,7 +336,8 @@ class DistributedDataPlane:
             worker's write (``Overlapped``) is handed over on that worker, inside its write: a call there that
             would wait for that write (``flush()`` and the calls that flush first, ``ingest()`` into a full
             queue) raises :class:`~conduit.ConfigurationError`, changing nothing. What it
-            raises is logged, never raised into the call that found the loss (that call goes on).
+            raises is logged, never raised into the call that found the loss (that call goes on). No loss
+            is recorded once :meth:`close` ran, and no callback runs once it returned (see :meth:`close`).
         scheduler: when ingestion and delivery work runs (default: ``Synchronous()``, in the
             caller); e.g. ``Overlapped(g_ing=..., g_del=...)`` from :mod:`conduit.scheduling`.
         transport: how shards deliver rows to the learner: ``"object_store"`` (Ray's object
@@ -441,9 +463,9 @@ class DistributedDataPlane:
                 self.links = self.servers.links(timeout=self.timeout)
             self.plan = ShardPlan(nodes, self.learner_node, links=self.links, reuse=reuse)
             if transport == TORCH:
-                self._torch = self.servers.torch_group(timeout=self.timeout)
-                if self._torch.broken is not None:  # retired (closed, or broken by another buffer's transfer)
-                    self._torch = self.servers.torch_group(timeout=self.timeout, refresh=True)
+                # a retired group (closed, or broken by another buffer's transfer) is renewed once: a buffer built
+                # at the same time gets the same new group
+                self._torch = self.servers.torch_group(timeout=self.timeout, replace_broken=True)
             elif transport == "auto":
                 g = self.servers.torch_group(create=False)
                 self._torch = g if g is not None and g.broken is None else None
@@ -1494,9 +1516,12 @@ class DistributedDataPlane:
 
         ``found`` gets every report this recorded: this shard's, and those of shards the re-replication of its
         items found lost (their copies failed).
+
+        Once :meth:`close` marked the buffer closed (under this lock) this does nothing: a health check that was
+        under way then (its pings out, or past its own "closed?" check) reports no loss for shards close() stops.
         """
         with self._lock:
-            if not self._alive[shard]:
+            if self._closed or not self._alive[shard]:
                 return None
             before = len(self.losses)
             self._alive[shard] = False
@@ -1842,7 +1867,12 @@ class DistributedDataPlane:
         """Stop the monitor, drop this buffer's partitions, and stop the servers this buffer started.
 
         A call under way on another thread ends first (within its ``timeout`` bounds; it does not find the
-        shards stopped under it, so no loss is reported for them). Closing again does nothing; every other
+        shards stopped under it, so no loss is reported for them). A health check under way (the monitor's, or
+        :meth:`check_health` on another thread) records no loss once ``close()`` marked the buffer closed, and
+        no ``on_loss`` callback runs once ``close()`` returned: it hands the reports recorded before it to
+        ``on_loss`` and waits for a callback running on another thread (at most ``timeout + 5`` seconds, as for
+        the monitor). Called under :meth:`read_locked`, it leaves those to the end of that hold (the callback
+        may need the lock), as any call does. Closing again does nothing (but that wait); every other
         call that reads or changes the buffer is then refused (see the class docstring). A close that raised
         leaves the buffer open, as a single-node buffer's: the scheduler could not store what was handed over
         (its error is raised), so the monitor, the partitions and the servers are kept (nothing is dropped)
@@ -1851,19 +1881,31 @@ class DistributedDataPlane:
         without waiting for the servers' answers); what its scheduler still had queued is dropped.
         """
         if self._closed:
+            self._settle_callbacks()
             return
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None:
             scheduler.close()  # stores what was handed over first; raises with the buffer still open
         # under the lock: a call under way on another thread (each of its remote calls bounded by ``timeout``)
         # ends before the shards stop, so it never finds them stopped under it and reports them lost; the calls
-        # after it are refused as closed
+        # after it are refused as closed, and a health check under way records no loss (see _lose)
         with self._lock:
-            if self._closed:
-                return
+            closing = not self._closed
             self._closed = True
-        self._stop.set()
-        self._close_shards()
+        if closing:
+            self._stop.set()
+            self._close_shards()
+        self._settle_callbacks()
+
+    def _settle_callbacks(self) -> None:
+        """Hand the queued loss reports to ``on_loss`` and wait for a callback running on another thread (close()'s
+        last step: no callback runs once it returned). Not when this thread holds the buffer's lock or is in a
+        scheduler call: the callback may need those (the reports go when that hold ends, as for any call)."""
+        if self._lock._is_owned() or self._callbacks.depth():
+            return
+        if not self._callbacks.wait_idle(self.timeout + 5):
+            log.warning("conduit: close() returned while an on_loss callback still runs on another thread (it took "
+                        "more than %.0f s)", self.timeout + 5)
 
     def _close_shards(self) -> None:
         # close() may run on the monitor thread itself (an on_loss callback that closes the buffer): that

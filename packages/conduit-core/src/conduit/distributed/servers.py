@@ -112,7 +112,7 @@ class ShardServers:
         return self._links
 
     def torch_group(self, *, backend: str = "gloo", timeout: float = 60.0, refresh: bool = False,
-                    create: bool = True) -> Any:
+                    replace_broken: bool = False, create: bool = True) -> Any:
         """The torch.distributed group of this process (rank 0) and these servers, formed on first use.
 
         One group is formed at a time: a thread that asks while another forms one waits for it (at most that
@@ -125,6 +125,10 @@ class ShardServers:
             timeout: seconds to form it, and the bound on every transfer over it.
             refresh: form a new group even when one exists (e.g. after it broke); the old one is closed here
                 and the servers are asked to leave it (without waiting: a server may still be stuck in it).
+            replace_broken: form a new group (as ``refresh``) only when the existing one is retired
+                (:attr:`~conduit.distributed.transport.TorchGroup.broken`); decided under the same lock, so of
+                threads that find it retired at once the first forms the new group and the others get that one
+                (with ``refresh`` each would form its own, tearing down the one formed just before).
             create: False returns the existing group or None (what ``transport="auto"`` uses).
 
         Returns:
@@ -133,7 +137,7 @@ class ShardServers:
         if not create:
             return self._torch
         with self._torch_lock:
-            if self._torch is None or refresh:
+            if self._torch is None or refresh or (replace_broken and self._torch.broken is not None):
                 from conduit.distributed.transport import TorchGroup
 
                 old = self._torch
