@@ -179,6 +179,8 @@ class MinibatchFeed:
         # the prefetch an iteration started and did not take (yet): whoever comes first (that iteration taking it,
         # its end, or the next minibatches()) claims it, so it is held exactly once, in order
         self._inflight: Job[tuple[ExperienceBatch, SampleInfo]] | None = None
+        # close() calls so far: an iteration begun before one (on another thread) is refused from then on
+        self._closes = 0
 
     # -- configuration -----------------------------------------------------------------------
     @property
@@ -453,10 +455,27 @@ class MinibatchFeed:
             self._policy_version = int(state["policy_version"])
 
     # -- delivery -------------------------------------------------------------------------------
-    def _deliver(self) -> tuple[ExperienceBatch, SampleInfo]:
-        if self.edp is None:
+    def _deliver(self, closes: int | None = None) -> tuple[ExperienceBatch, SampleInfo]:
+        """The next delivery; for an iteration begun when :attr:`_closes` was ``closes``, the closed error once a
+        close() followed (read after the data plane: a close counts itself before it drops the plane)."""
+        edp = self.edp
+        if closes is not None and closes != self._closes:
+            raise self._closed_error()
+        if edp is None:
             raise EmptyBufferError("No rollout was ingested; ingest one and seal it.")
-        return self.edp.deliver()
+        try:
+            return edp.deliver()
+        except ConfigurationError as e:
+            if closes is not None and closes != self._closes:  # the plane was closed by close() meanwhile
+                raise self._closed_error() from e
+            raise
+
+    @staticmethod
+    def _closed_error() -> ConfigurationError:
+        return ConfigurationError("This MinibatchFeed was closed (close() ran on another thread) while an iteration "
+                                  "of minibatches() was in progress: its rollout was dropped (counted in "
+                                  "dropped_items) and the iteration cannot go on. Ingest and seal a new rollout, "
+                                  "then iterate minibatches() again.")
 
     def _record(self, info: SampleInfo) -> None:
         if info.epoch == 0 and info.minibatch == 0:
@@ -489,15 +508,20 @@ class MinibatchFeed:
                 RLlib sums into ``num_env_steps_trained``). RLlib's own iterator reports the whole
                 train batch's env steps on every minibatch; default: the minibatch's rows.
 
+        A :meth:`close` on another thread while an iteration is in progress ends it: its next step raises
+        :class:`conduit.ConfigurationError` (a minibatch already handed over stays valid as stated above).
+
         Raises:
             conduit.EmptyBufferError: nothing sealed is waiting.
             conduit.StaleExperienceError: the rollout is too stale and ``on_stale="raise"``.
+            conduit.ConfigurationError: (from the iteration) the feed was closed on another thread meanwhile.
         """
+        closes = self._closes
         self._claim_inflight()  # an earlier iteration, stopped but not closed yet, prefetched the next delivery
         first = self._take_held()
         if first is None:
-            first = self._piece(self._deliver())
-        return self._iterate(self._complete(first), env_steps)
+            first = self._piece(self._deliver(closes))
+        return self._iterate(self._complete(first, closes), env_steps, closes)
 
     def _claim_inflight(self) -> None:
         """Hold what the prefetch of a stopped iteration delivered (see :meth:`minibatches`), once."""
@@ -534,34 +558,40 @@ class MinibatchFeed:
         self._record(info)
         return {k: batch.tensor(k) for k in batch}, batch.batch_size, info
 
-    def _complete(self, head: tuple[dict[str, torch.Tensor], int, SampleInfo]
+    def _complete(self, head: tuple[dict[str, torch.Tensor], int, SampleInfo], closes: int
                   ) -> tuple[dict[str, torch.Tensor], int, SampleInfo]:
         """``head`` joined with the pieces that continue its minibatch into the next epochs (RLlib's cuts).
 
         The pieces are collected and joined once (one concatenation per column), so a minibatch of P
         pieces copies each of its rows at most twice, however large P is (a minibatch far larger than the
         rollout spans many epochs): a piece is copied out of Conduit's reused delivery buffers only when
-        the next delivery could overwrite it (``scheduler.output_depth``).
+        the next delivery could overwrite it (``scheduler.output_depth``). ``closes``: the iteration's
+        :attr:`_closes` (see :meth:`_deliver`).
         """
         cols, rows, info = head
+        edp = self.edp
         sem = self.semantics
         size = sem.cycle if isinstance(sem, _CyclicOrder) else None
         if size is None or rows >= size or info.last:
             return head
-        assert self.edp is not None
-        valid_for = max(1, int(self.edp.scheduler.output_depth))  # deliveries a delivered piece stays valid for
+        if edp is None:  # dropped since the head was delivered: a close() on another thread
+            raise self._closed_error()
+        valid_for = max(1, int(edp.scheduler.output_depth))  # deliveries a delivered piece stays valid for
         parts, owned = [cols], [False]  # a part's tensors, and whether they are fresh memory (not a delivery buffer)
         while rows < size and not info.last:
             for i in range(len(parts) - valid_for + 1):  # the next delivery may reuse these parts' buffers
                 if not owned[i]:
                     parts[i], owned[i] = {k: v.clone() for k, v in parts[i].items()}, True
             try:
-                batch, nxt = self._deliver()
+                batch, nxt = self._deliver(closes)
             except BaseException:
                 # keep the head for the next call: its continuation is still waiting (fresh memory: the
-                # pieces' buffers are reused by later deliveries)
-                self._held = (_join(parts) if len(parts) > 1 else {k: v.clone() for k, v in parts[0].items()},
-                              rows, info)
+                # pieces' buffers are reused by later deliveries); not once a close() dropped that continuation
+                # (checked under the lock close() drops what is held under, after counting itself)
+                held = (_join(parts) if len(parts) > 1 else {k: v.clone() for k, v in parts[0].items()}, rows, info)
+                with self._lock:
+                    if closes == self._closes:
+                        self._held = held
                 raise
             self._record(nxt)
             piece = {k: batch.tensor(k) for k in batch}
@@ -576,29 +606,35 @@ class MinibatchFeed:
         return (parts[0] if len(parts) == 1 else _join(parts)), rows, info
 
     def _iterate(self, first: tuple[dict[str, torch.Tensor], int, SampleInfo],
-                 env_steps: int | None) -> Iterator[MultiAgentBatch]:
+                 env_steps: int | None, closes: int) -> Iterator[MultiAgentBatch]:
         pending: Job[tuple[ExperienceBatch, SampleInfo]] | None = None
         current = first
         try:
             while True:
                 cols, _, info = current
-                if not info.last:
-                    if self.prefetch:
-                        if self._pool is None:
-                            self._pool = Worker("conduit-minibatch")
-                            weakref.finalize(self, self._pool.stop)  # dropped without close(): the thread ends
-                        pending = self._inflight = self._pool.submit(self._deliver)
+                if not info.last and self.prefetch and closes == self._closes:
+                    pool = self._pool  # (read once: a close() on another thread may drop it meanwhile)
+                    if pool is None:
+                        pool = self._pool = Worker("conduit-minibatch")
+                        weakref.finalize(self, pool.stop)  # dropped without close(): the thread ends
+                    try:
+                        pending = self._inflight = pool.submit(self._deliver, closes)
+                    except ConfigurationError:
+                        pass  # the worker was stopped by a close() on another thread: the next step raises (below)
+                # (a minibatch delivered is handed over, also when the feed was closed since: it is valid as ever)
                 yield self._to_rllib(cols, env_steps)
                 if info.last:
                     return
+                if closes != self._closes:  # closed (on another thread) since the iteration began
+                    raise self._closed_error()
                 if pending is not None:
                     job, pending = pending, None
                     if self._inflight is not job:  # claimed by a later minibatches() (or discarded): this
                         return  # iteration was stopped
                     self._inflight = None
-                    current = self._complete(self._piece(job.result()))
+                    current = self._complete(self._piece(job.result()), closes)
                 else:
-                    current = self._complete(self._piece(self._deliver()))
+                    current = self._complete(self._piece(self._deliver(closes)), closes)
         finally:
             # the caller stopped early: keep what the gather delivered for later (unless claimed or discarded
             # since). Never wait for it here: this may run as the garbage collector finalises the iteration, on
@@ -614,11 +650,15 @@ class MinibatchFeed:
         What was waiting for delivery is discarded (its rollouts' rows counted in ``dropped_items``: the state
         kept is ``state_dict(drop_pending=True)``), and a later :meth:`ingest` starts a new data plane (and
         thread) that continues that state. A :meth:`drop_leftovers` or :meth:`load_state_dict` running on another
-        thread meanwhile returns (it waits for the in-flight gather only, never for the stopped thread).
+        thread meanwhile returns (it waits for the in-flight gather only, never for the stopped thread). An
+        iteration of :meth:`minibatches` in progress on another thread raises :class:`conduit.ConfigurationError`
+        at its next step (never waits for the stopped thread).
         """
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        with self._lock:
+            self._closes += 1  # first: an iteration that finds the plane or the worker gone finds this too
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown()
         with self._lock:
             self._held = self._inflight = None
             if self.edp is not None:

@@ -5,6 +5,11 @@ work item, a semaphore and Python-level condition variables per job. A prefetchi
 scheduler submits a job every few deliveries and checks it on every one, on the
 learner's critical path, so :class:`Worker` keeps that path to a C-level queue put
 and a lock test: a job's completion is a lock, held from submission until the job ends.
+
+A stopped worker refuses work: :meth:`Worker.submit` after :meth:`Worker.stop` (or
+:meth:`Worker.shutdown`) raises :class:`~conduit.ConfigurationError` instead of queueing a
+job behind the end of its thread, which would never run (and whoever waited for it would
+wait forever). Jobs submitted before the stop still run.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import queue
 import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
+
+from conduit.errors import ConfigurationError
 
 __all__ = ["Worker", "Job"]
 
@@ -71,23 +78,40 @@ class Worker:
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[Job[Any] | None] = queue.SimpleQueue()
+        self._stopped = False
+        # orders submit against stop: a job is queued before the end mark or refused, never queued behind it
+        self._gate = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Job[T]:
-        """Queue ``fn(*args)``; the returned job reports its outcome."""
+        """Queue ``fn(*args)``; the returned job reports its outcome.
+
+        Raises:
+            ConfigurationError: the worker was stopped (:meth:`stop` or :meth:`shutdown`, on any thread, came
+                first): the job would never run, so nothing is queued. Submit to a new :class:`Worker`.
+        """
         job: Job[T] = Job(fn, args)
-        self._queue.put(job)
+        with self._gate:
+            if self._stopped:
+                raise ConfigurationError("This worker was stopped (stop() or shutdown() ran), so the job would "
+                                         "never run and was not queued; submit it to a new Worker.")
+            self._queue.put(job)
         return job
 
     def shutdown(self) -> None:
-        """Finish the queued jobs, then stop the thread."""
+        """Finish the queued jobs, then stop the thread; later submits are refused (see :meth:`submit`)."""
         self.stop()
         self._thread.join()
 
     def stop(self) -> None:
-        """Let the thread end after the queued jobs, without waiting for it (callable from any thread)."""
-        self._queue.put(None)
+        """Let the thread end after the queued jobs, without waiting for it (callable from any thread, more than
+        once); later submits are refused (see :meth:`submit`)."""
+        with self._gate:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._queue.put(None)
 
     def _loop(self) -> None:
         while True:
