@@ -109,7 +109,13 @@ class VerlOnPolicy(OnPolicy):
     delivery, not when the previous epoch's last minibatch is selected
     (:attr:`starts_epochs_on_delivery`; :class:`MinibatchPrefetch` then stages nothing across
     an epoch boundary), and the same global RNG state gives the same order as verl's, and
-    leaves the global RNG as verl's does, whatever the training in between draws.
+    leaves the global RNG as verl's does, whatever the training in between draws. A prediction
+    (``select_now(..., peek=True)``, which a multi-size real ``select_now`` makes before its
+    selections) puts back the global RNG state its draws took, so each epoch's order is drawn
+    from the global RNG once, by the real selection that starts it (the global RNG is the
+    process's: a draw another thread makes during the prediction, which holds the buffer's lock,
+    is undone with it). A delivery with ``n`` or options is refused (as :class:`~conduit.OnPolicy`
+    refuses it) before an epoch waiting for its first delivery starts: it draws nothing.
 
     ``state_dict`` keeps how many of the current rollout's epoch orders were drawn and whether the
     next epoch waits for its first delivery; a load rebuilds a seeded loader and replays its passes
@@ -123,6 +129,8 @@ class VerlOnPolicy(OnPolicy):
     def __init__(self, *, num_minibatches: int, num_epochs: int = 1, max_staleness: int = 0,
                  on_stale: Literal["drop", "raise"] = "drop", seed: int | None = None,
                  dataloader_kwargs: dict[str, Any] | None = None) -> None:
+        self._peeking = False
+        self._peek_rng: torch.Tensor | None = None  # the global RNG state before a prediction's first draw (seed=None)
         super().__init__(num_minibatches=num_minibatches, num_epochs=num_epochs, max_staleness=max_staleness,
                          on_stale=on_stale, shuffle=False, seed=0 if seed is None else int(seed))
         kwargs = dict(dataloader_kwargs or {})
@@ -149,7 +157,22 @@ class VerlOnPolicy(OnPolicy):
             return
         super()._start_epoch()
 
+    @property
+    def peeking(self) -> bool:
+        """True while ``select_many`` predicts deliveries; when it ends, the global RNG draws the prediction made
+        (``seed=None``) are given back, so the real selections draw those orders, once."""
+        return self._peeking
+
+    @peeking.setter
+    def peeking(self, value: bool) -> None:
+        if not value and self._peek_rng is not None:
+            torch.set_rng_state(self._peek_rng)
+            self._peek_rng = None
+        self._peeking = bool(value)
+
     def select(self, n: int | None = None, **kwargs: Any) -> Selection:
+        if n is not None or kwargs:  # refused below before anything changes: no deferred epoch starts (draws) for it
+            return super().select(n, **kwargs)
         if self._deferred:
             if self._cur is not None and self.stale(self._cur.version):  # dropped (or refused) below: no order to draw
                 if self.on_stale == "raise":
@@ -176,6 +199,8 @@ class VerlOnPolicy(OnPolicy):
 
     def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
         """The order verl's loader visits the rollout's items in epoch ``epoch`` (a fresh loader per rollout)."""
+        if self._peeking and self.loader_seed is None and self._peek_rng is None:
+            self._peek_rng = torch.get_rng_state()  # a prediction draws: given back when it ends (peeking setter)
         if epoch == 0 or self._orders is None:
             self._orders, self._orders_drawn = self._epoch_orders(n), 0
         self._orders_drawn += 1
@@ -253,6 +278,9 @@ class MinibatchPrefetch(Scheduler):
     rollout being delivered. The staging job draws under the buffer's lock: a delivery made while
     holding that lock (inside ``read_locked``) does not wait for a job still waiting for it, but
     cancels the job (which drew nothing) and draws the minibatch itself, the one the job would have.
+    A delivery with ``n`` or options goes to the semantics as it is, past a pending job: on-policy
+    semantics (the only ones whose deliveries it stages) refuse it, typed, before anything changes,
+    so the staged minibatch stays the next one.
     """
 
     output_depth = 3
@@ -349,12 +377,18 @@ class MinibatchPrefetch(Scheduler):
             if self._cuda:
                 after = torch.cuda.Event()
                 after.record(torch.cuda.current_stream(self.edp.device))
-            if self._pool is None:
-                self._pool = Worker("conduit-prefetch")
-                weakref.finalize(self, self._pool.stop)  # dropped without close(): the thread ends
+            pool = self._pool  # (read once: a close() on another thread may drop it meanwhile)
+            if pool is None:
+                pool = self._pool = Worker("conduit-prefetch")
+                weakref.finalize(self, pool.stop)  # dropped without close(): the thread ends
             self._ticket = _StageTicket()
-            self._pending = self._pool.submit(self._stage, after, self._ticket)
-            self.staged += 1
+            try:
+                self._pending = pool.submit(self._stage, after, self._ticket)
+            except ConfigurationError:
+                pass  # the worker was stopped by a close() on another thread: nothing is staged; this minibatch
+                # is handed over, and the next delivery is refused by the closed buffer
+            else:
+                self.staged += 1
         return batch, info
 
     def invalidate(self, reason: str = "contents") -> None:
