@@ -77,8 +77,49 @@ class Sampler(ABC):
         return torch.remainder(handles, st.capacity)
 
 
+#: a draw of n distinct items from m rejects repeats (O(n log n), independent of m) while
+#: ``n * DISTINCT_BY_REJECTION <= m``, and takes the head of a permutation of all m (``randperm``, O(m)) when n is a
+#: larger fraction of them. Measured on CPU (torch 2.13, NumPy 2.4, one thread): the two cost the same near
+#: n = m / 20 for m = 1e4 and 1e5 and near m / 10 for m = 1e6 (randperm ~8 ns per item; the rejection ~100 ns per
+#: item drawn once repeats must be sorted out); below m of a few thousand randperm is a few microseconds cheaper.
+#: For n = 512: 13 us against 9 ms at m = 1e6, 37 us against 39 us at m = 1e4
+DISTINCT_BY_REJECTION = 16
+
+
+def draw_distinct(m: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """``n`` distinct offsets in ``[0, m)`` (int64), drawn from ``gen``: every ``n``-subset is equally likely and
+    its order uniformly random, exactly, and the draw is a function of ``gen``'s state alone.
+
+    A small ``n`` costs O(n log n), not O(m): offsets are drawn with replacement (a few more than ``n``, for the
+    repeats) and the first ``n`` distinct ones are kept, in draw order; too few distinct ones draw more. The result
+    is the first ``n`` distinct values of an i.i.d. uniform stream, whose law no relabelling of ``[0, m)`` changes,
+    so every ordered ``n``-tuple of distinct offsets is equally likely. A large ``n`` (see
+    :data:`DISTINCT_BY_REJECTION`) takes the head of a uniform permutation instead. ``n <= m`` is the caller's to
+    check.
+    """
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64)
+    if n * DISTINCT_BY_REJECTION > m:
+        return torch.randperm(m, generator=gen)[:n]
+    draws = torch.randint(0, m, (n + n * n // m + 8,), generator=gen).numpy()
+    head = np.sort(draws[:n])
+    if not bool((head[1:] == head[:-1]).any()):  # no repeat among the first n (the common case when n * n << m)
+        return torch.from_numpy(draws[:n])
+    while True:
+        _, first = np.unique(draws, return_index=True)  # where each value first occurs
+        if first.shape[0] >= n:
+            break
+        more = torch.randint(0, m, (2 * (n - first.shape[0]) + 8,), generator=gen).numpy()
+        draws = np.concatenate([draws, more])
+    first.sort()
+    return torch.from_numpy(draws[first[:n]])
+
+
 class UniformSampler(Sampler):
-    """Every live item is equally likely; with ``replace=False`` a draw has no repeats."""
+    """Every live item is equally likely; with ``replace=False`` a draw has no repeats (every ``n``-subset of the
+    live items equally likely, in a uniformly random order), at a cost that does not grow with the live items
+    while ``n`` is small beside them (:func:`draw_distinct`).
+    """
 
     def reset(self, storage: Storage, seed: int) -> None:
         super().reset(storage, seed)
@@ -91,13 +132,13 @@ class UniformSampler(Sampler):
         if hi - lo == cap and hi > cap:
             # a full, wrapped ring: every slot is live, so draw slots; their handles are computed if read
             slots = (torch.randint(0, cap, (n,), generator=self._gen) if replace
-                     else torch.randperm(cap, generator=self._gen)[:n])
+                     else draw_distinct(cap, n, self._gen))
             return Selection(slots, SampleInfo(handles=RingHandles(slots, lo, cap)))
         if replace:
             # the live handles directly: the same draws as ``randint(hi - lo) + lo``, one tensor op fewer
             handles = torch.randint(lo, hi, (n,), generator=self._gen)
         else:
-            handles = torch.randperm(hi - lo, generator=self._gen)[:n]
+            handles = draw_distinct(hi - lo, n, self._gen)
             if lo:
                 handles = handles + lo
         return Selection(self._slots(handles), SampleInfo(handles=handles))
