@@ -29,6 +29,13 @@ the draws) it delivers exactly what the saved buffer delivers after its ``state_
 checkpoint taken while calibrating carries nothing (the restored buffer calibrates afresh); a
 decision outside the loading scheduler's own settings (caps, forced overlap, memory budget, on/off-
 policy or M) is not applied either; and a buffer with another kind of scheduler ignores it.
+
+**Inside ``read_locked()``.** A hand-over from a thread that holds the buffer's lock does not wait for another
+producer's hand-over or for a switch of scheduler (either may be waiting for that lock): it goes to the scheduler that
+serves now, as it would on that scheduler alone (stored in the call when ingestion runs in the caller, as in the probe).
+A switch of scheduler (the end of a calibration phase) that meets such a hand-over, or that a delivery inside
+``read_locked()`` would start while another thread's hand-over is under way, is made after a later delivery instead;
+the delivery returns its batch either way.
 """
 
 from __future__ import annotations
@@ -229,8 +236,12 @@ class Automatic(Scheduler):
         #: a switch of scheduler that waits until the current one's queue can be stored (see _activate)
         self._retry: Callable[[], None] | None = None
         #: held by a hand-over and by a switch of scheduler: a producer's batch never lands in a scheduler
-        #: that was drained and switched away from (it would stay invisible to flush, or be refused by close)
+        #: that was drained and switched away from (it would stay invisible to flush, or be refused by close).
+        #: A thread holding the buffer's lock never waits for it (see :meth:`_enter_route`)
         self._route = threading.RLock()
+        #: the probe's ingestion marks (``_ing_plan``, ``_ing_seen``, ``_probe_rollout``): held only while they are
+        #: read and changed, never across a wait (a thread holding the buffer's lock may go on without ``_route``)
+        self._probe_mu = threading.Lock()
         #: off-policy with a memory budget, once decided: the decided ``g_del`` of the scheduler that serves calls
         #: (0: no check, see :meth:`_deliver_within_budget`), and the batch sizes ``lo..hi`` already checked at its
         #: current ``g_del`` (an empty range makes the next delivery check its size)
@@ -274,26 +285,56 @@ class Automatic(Scheduler):
     # -- the scheduler role ------------------------------------------------------------------
     def ingest(self, batch: ExperienceBatch, *, version: int | None,
                priorities: torch.Tensor | None) -> torch.Tensor | None:
-        with self._route:
+        routed = self._enter_route()
+        try:
+            inner = self.inner  # (no switch completes before this hand-over is queued: see _enter_route)
             if self._probe_rollout is not None:
-                self._rollout_probed()  # before this batch's hand-over: a new rollout starts at the next value
-            out = self.inner.ingest(batch, version=version, priorities=priorities)
+                with self._probe_mu:
+                    self._rollout_probed()  # before this batch's hand-over: a new rollout starts at the next value
+            out = inner.ingest(batch, version=version, priorities=priorities)
             if self._phase == "probe" and self._ing_plan and not self.on_policy:
-                self._ing_seen += 1
-                if self._ing_seen >= self._ing_plan[0] and not self.inner.pending():
-                    self._ing_plan.pop(0)
-                    self._ing_seen = 0
-                    if self._ing_plan:
-                        self.inner.retune(g_ing=self._ing_plan[0])
+                with self._probe_mu:
+                    self._ing_seen += 1
+                    if self._ing_plan and self._ing_seen >= self._ing_plan[0] and not inner.pending():
+                        self._ing_plan.pop(0)
+                        self._ing_seen = 0
+                        if self._ing_plan:
+                            inner.retune(g_ing=self._ing_plan[0])
             return out
+        finally:
+            if routed:
+                self._route.release()
 
     def flush(self) -> None:
         self.inner.flush()
         if self._phase == "probe" and self.on_policy and self._ing_plan:
-            with self._route:  # (a producer's hand-over checks the same mark)
-                self._rollout_probed()
-                # seal() flushes, then ends the rollout open now: the next hand-over or flush sees that it ended
-                self._probe_rollout = self._open_rollout()
+            routed = self._enter_route()  # (a producer's hand-over checks the same mark)
+            try:
+                with self._probe_mu:
+                    self._rollout_probed()
+                    # seal() flushes, then ends the rollout open now: the next hand-over or flush sees that it ended
+                    self._probe_rollout = self._open_rollout()
+            finally:
+                if routed:
+                    self._route.release()
+
+    def _enter_route(self) -> bool:
+        """Take ``_route`` (for a hand-over, a flush's probe mark or a switch of scheduler); True when taken.
+
+        A thread that holds the buffer's lock (inside ``read_locked()``, or a callback the buffer runs under it) does
+        not wait for it: the thread holding it may be waiting for that lock (a producer storing in its own call, or a
+        switch draining the scheduler it leaves), so waiting could last forever. It goes on without ``_route``
+        (False), which is safe because a switch sets the new scheduler only under the buffer's lock, after checking
+        there that the scheduler it leaves holds nothing unstored (:meth:`_activate`): while this thread holds that
+        lock, the scheduler it hands over to stays the one that serves, and a switch under way that drained it before
+        this hand-over finds the batch there and is retried after a later delivery.
+        """
+        if self._route.acquire(blocking=False):
+            return True
+        if self.edp.holds_lock():
+            return False
+        self._route.acquire()
+        return True
 
     def _open_rollout(self) -> tuple[int, int] | None:
         """On-policy: (version, first handle) of the rollout storage is filling, None when none is open."""
@@ -675,8 +716,16 @@ class Automatic(Scheduler):
         (e.g. on-policy, the next rollout fits only once the learner has consumed the current one),
         nothing is switched and False is returned: the caller retries after a later delivery, the
         delivered batch is not lost, and the failure stays for the producer's next call to raise.
+
+        The same holds (False, retried later) for a delivery that holds the buffer's lock (inside ``read_locked()``)
+        while another thread holds ``_route`` (a producer's hand-over, which may wait for that lock), and when a
+        thread holding the buffer's lock handed a batch over to the current scheduler after it was drained (such a
+        thread does not wait for ``_route``, see :meth:`_enter_route`): ``new`` is set under the buffer's lock, once
+        the current scheduler holds nothing unstored, so no batch stays behind in a scheduler switched away from.
         """
-        with self._route:  # no hand-over to ``old`` between its drain and the switch
+        if not self._enter_route():  # (the producer holding it may wait for the buffer's lock this thread holds)
+            return False
+        try:  # no hand-over from a thread without the buffer's lock to ``old`` between its drain and the switch
             old = self.inner
             if old is new:
                 return True
@@ -688,7 +737,12 @@ class Automatic(Scheduler):
                 # while it is idle, and back in a later confirm window their expiry (counted in its own deliveries
                 # only) would keep them in use for output_depth more, so its ring would grow past the budget
                 old.release_buffers()
-            self.inner = new
+            with self.edp.lock:
+                if old.pending():  # handed over since the drain from inside read_locked(): drained next time
+                    return False
+                self.inner = new
+        finally:
+            self._route.release()
         if old not in self._candidates.values():
             old.close()
         return True
