@@ -3,10 +3,12 @@ thread runs consume_to, a training thread runs empty()/get(); plus the buffer-wo
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import numpy as np
 import pytest
+from conduit.testing.lifecycle import eventually
 from conduit_srl import ConduitBuffer, StreamPolicy
 from conduit_srl.testing import make_sample
 from conduit_srl.testing.driver import SrlDriver, run_buffer_worker
@@ -54,16 +56,35 @@ def test_replay_through_the_driver(closing) -> None:
     assert r.deliveries[-1].reuses > 0
 
 
-def test_prioritized_through_the_driver_with_priority_updates(closing) -> None:
-    b = closing(semantics="prioritized", batch_size=8, capacity=64, alpha=1.0, seed=4)
+@pytest.mark.parametrize("late_actors", [False, True])
+def test_prioritized_through_the_driver_with_priority_updates(closing, late_actors: bool) -> None:
+    """The last 20 of 60 steps draw mostly the samples the training thread prioritised. That holds once every sample
+    arrived and was drawn (and so re-prioritised) a while before them: a sample arriving late comes with the largest
+    priority, so a burst of arrivals near the end (actors descheduled on a loaded machine) was drawn instead. The
+    training thread therefore waits, at step 20, until all 64 samples are stored (``late_actors``: the actors send
+    everything after their first poll only then, the latest arrival this test allows)."""
+    total, wait_at = 64, 20
+    b = closing(semantics="prioritized", batch_size=8, capacity=total, alpha=1.0, seed=4)
+    steps = [0]
+    waiting = threading.Event()  # the training thread reached its wait for every sample
 
     def priorities(entry: object) -> np.ndarray:
+        steps[0] += 1
+        if steps[0] == wait_at:  # (the training thread: every sample arrives before the remaining 40 steps)
+            waiting.set()
+            assert eventually(lambda: b.stats()["samples_put"] == total, timeout=60.0), b.stats()
+            b.flush()  # (stored, so drawn from here on)
         ids = np.asarray(entry.sample.id)[0]  # type: ignore[attr-defined]
         return np.where(ids % 2 == 0, 10.0, 0.01)  # even ids matter
 
-    r = SrlDriver(b, actors=2, samples_per_actor=32, max_steps=60, priorities=priorities,
-                  step_seconds=0.001).run(timeout_s=60)
-    assert len(r.deliveries) == 60
+    def sample(i: int, version: int) -> object:
+        if late_actors and i % 32 >= 4:  # (after each actor's first poll of 4)
+            assert waiting.wait(timeout=60.0), "the training thread never reached its wait"
+        return make_sample([i], time_steps=4, dim=3, version=version)
+
+    r = SrlDriver(b, actors=2, samples_per_actor=32, max_steps=60, priorities=priorities, step_seconds=0.001,
+                  make_sample_fn=sample).run(timeout_s=120)
+    assert len(r.deliveries) == 60 and r.received == total
     late = np.concatenate([d.ids for d in r.deliveries[-20:]])
     assert (late % 2 == 0).mean() > 0.8, "priority updates sent by the training thread had no effect"
 

@@ -216,7 +216,11 @@ class Assembler:
                                     f"or raise capacity.")
             if self.cfg.on_full == "keep":
                 return self._store_or_keep(arrays, n, layout, fresh)
-            return self._store(arrays, n, layout, fresh)
+            try:
+                return self._store(arrays, n, layout, fresh)
+            except BufferFullError as e:  # (on_full="raise") the buffer keeps nothing it refused: the error carries
+                e.sample = sample  # the sample, since a caller such as SRL's native consume_to holds it nowhere else
+                raise
 
     def _store(self, arrays: dict[str, np.ndarray], n: int, layout: RecordLayout, fresh: bool,
                on_taken: Callable[[int], None] | None = None) -> int:
@@ -391,7 +395,12 @@ class Assembler:
                 self._store_held(raise_errors=False)
 
     def get(self, n: int | None = None) -> ReplayEntry:
-        """The next entry: one assembled ahead that is still usable, or one assembled now (handed out as delivered)."""
+        """The next entry: one assembled ahead that is still usable, or one assembled now (handed out as delivered).
+
+        Entries assembled ahead that aged are discarded, and the next one tried, in one hold of ``_deliver_lock``:
+        the assembler thread cannot add entries meanwhile, so a call tries at most the ``prefetch`` entries ready
+        when it started and then delivers for itself.
+        """
         with self._cv:
             self._check_open()
             if self.edp is None:
@@ -407,8 +416,11 @@ class Assembler:
             if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
                 raise ConfigurationError(f"batch size must be a positive int, got {n!r}.")
         want = configured if n is None or n == configured else n  # get() without a size: the configured one
-        while True:
-            with self._deliver_lock:
+        # One hold of _deliver_lock until an entry is handed out: the entries assembled ahead are tried in order, then
+        # this call delivers for itself. (Letting go of the lock after an aged entry let the assembler thread slip
+        # another one in front of this call, which could age in turn, for as long as other threads kept that up.)
+        with self._deliver_lock:
+            while True:
                 with self._cv:
                     if want != self._n:
                         self._discard_ready()
@@ -944,7 +956,8 @@ class Assembler:
                 f"{edp.capacity}, {pending + len(edp)} held by rollouts not fully delivered) and this put needs "
                 f"{stored(plan[:cuts[-1]])}. With on_full='raise' put never waits for room: call get() until a "
                 f"rollout's last minibatch is delivered (that frees its samples), then put the samples not stored "
-                f"again; or raise capacity (a host that puts and gets on one thread needs room for what one "
+                f"again (this error's .sample is the put's sample); or raise capacity "
+                f"(a host that puts and gets on one thread needs room for what one "
                 f"consume_to receives plus the rollouts it has not delivered). {told}.")
             full.samples_stored = stored_before  # type: ignore[attr-defined]
             raise full

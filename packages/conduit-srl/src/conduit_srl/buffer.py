@@ -69,7 +69,8 @@ class ConduitBuffer:
             StaleExperienceError: on-policy, a sample older than the newest rollout (open or sealed) with
                 ``on_stale="raise"``.
             BufferFullError: on-policy with ``on_full="raise"``, the samples do not fit until a ``get()`` frees
-                room (with ``on_full="wait"``, the default, the put waits for a ``get()`` on another thread; with
+                room; the buffer keeps none of them, the error carries ``x`` (its ``sample``) to be put again
+                (with ``on_full="wait"``, the default, the put waits for a ``get()`` on another thread; with
                 ``on_full="keep"`` the buffer keeps them, in order, and the next ``put``, ``get()``, ``empty()``
                 or ``flush()`` stores them first once room is freed: ``stats()["samples_held"]``, counted in
                 ``qsize()`` and in ``samples_put`` once stored).

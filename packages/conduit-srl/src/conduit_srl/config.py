@@ -78,11 +78,11 @@ class BufferConfig:
     batched_puts: bool = False
     #: on_policy: what a put does when its samples do not fit until a delivery frees room. "wait": it waits for a
     #: get() on another thread (SRL's trainer: put on the main thread, get on the training thread); "raise": it never
-    #: waits, it raises BufferFullError at once (hosts that put and get on one thread, e.g. SRL's buffer worker,
-    #: where a waiting put could never be released, over a claimed stream, whose consumer keeps what is refused);
-    #: "keep": it never waits and never refuses for room: the buffer keeps what does not fit, in order, and stores
-    #: it first as deliveries free room (one thread over SRL's native streams, whose consume_to loses a sample
-    #: whose put raises)
+    #: waits, it raises BufferFullError at once, carrying the refused sample (hosts that put and get on one thread,
+    #: e.g. SRL's buffer worker, where a waiting put could never be released, over a claimed stream, whose consumer
+    #: keeps what is refused); "keep": it never waits and never refuses for room: the buffer keeps what does not fit,
+    #: in order, and stores it first as deliveries free room (one thread over SRL's native streams, whose
+    #: consume_to holds no sample whose put raises and lets the error stop the worker)
     on_full: str = "wait"
     version_field: str = "policy_version_steps"
     drop_fields: tuple[str, ...] = ("policy_name",)

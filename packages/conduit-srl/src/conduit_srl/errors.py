@@ -37,10 +37,19 @@ class BufferFullError(CapacityError):
     and stores them first once room is freed, for callers that cannot put a sample again, such as SRL's
     native ``consume_to``, which has taken it off its socket.)
 
+    The buffer keeps nothing it refused, since a caller that puts the samples again (a claimed stream's
+    consumer does) would store them twice; the error carries the put's sample instead. A caller that no
+    longer holds it, such as SRL's native ``consume_to``, which took it off its socket, lets this error
+    through with the sample in it: the host that meets the error puts ``sample`` again, and nothing is lost.
+
     Attributes:
         samples_stored: samples of the put taken before it was refused (a put that completed a rollout stores
             through that rollout's end first): put only the others again.
+        sample: the sample the refused put was given, as given (of a batched ``[T, B, ...]`` one only the columns
+            from ``samples_stored`` on were not stored: ``sample[:, samples_stored:]``).
     """
+
+    sample: Any = None
 
 
 class UnstoredSamplesError(ConduitError):
