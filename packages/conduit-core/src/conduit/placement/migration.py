@@ -11,7 +11,7 @@ the copy runs are dropped from the new storage as well, and a checkpoint loaded 
 meanwhile (``load_state_dict``) starts the copy over from its items. Once the items live when the copy
 began are copied, chunks go on only while what is left shrinks: if ingestion adds items
 faster than chunks copy them, the rest (at most the capacity) is copied in that last hold,
-so a migration always ends.
+so a migration always ends. A ``close()`` meanwhile ends it too (the buffer keeps its storage, closed).
 """
 
 from __future__ import annotations
@@ -121,7 +121,10 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
             items fail the migration (PlacementError).
 
     Raises:
-        ConfigurationError: a new schema without a transform.
+        ConfigurationError: a new schema without a transform; the buffer was closed (also by a ``close()`` on
+            another thread while the items were copied: the copy stops, the new storage is let go); called holding
+            the buffer's lock (inside ``read_locked()``) while the scheduler could drop its prepared deliveries only
+            by waiting for that lock (e.g. a prefetch job waits for it): migrate outside ``read_locked()``.
         SchemaError: the transform's output does not match the new schema.
         PlacementError: the new placement cannot hold the buffer, or another migration of
             ``edp`` replaced its storage meanwhile (the buffer keeps that one's result).
@@ -141,6 +144,12 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
         raise ConfigurationError("Migrating to a new schema needs transform=old_batch -> new_batch (e.g. zero-pad "
                                  "the grown fields); or migrate with the current schema.")
     edp.flush()
+    if edp.holds_lock():
+        # called holding the buffer's lock (inside read_locked, or a callback), a scheduler may be
+        # unable to drop its prepared deliveries (a prefetch job waits for that lock): it is asked now, so that it
+        # refuses before anything changes, not after the swap (which would leave batches of the old storage, in the
+        # old schema, to be delivered). Nothing else can prepare meanwhile: this thread holds the lock throughout.
+        edp.scheduler.invalidate("contents")
     t0 = time.perf_counter()
     lock = edp.lock
     with lock:
@@ -219,6 +228,7 @@ def _copy_and_swap(edp: ExperienceDataPlane, placement: Placement, old: Storage,
         lock.acquire()
         t_hold = time.perf_counter()
         try:
+            edp._check_open()  # a close() meanwhile (another thread) ends the copy, changing nothing
             if edp.storage is not old:  # another migration swapped the storage: copying on would drop its items
                 raise PlacementError(
                     f"another migration replaced the buffer's storage while this one copied it; the buffer keeps "
@@ -252,6 +262,7 @@ def _copy_and_swap(edp: ExperienceDataPlane, placement: Placement, old: Storage,
                         f"The new placement cannot hold all {len(old)} live items (it keeps {len(new)}); raise "
                         f"ragged_capacity or the capacity. The buffer was not changed.")
             items, o, nx = len(new), new.oldest, new.next_handle
+            edp._check_open()  # (the transform, run in this hold, may have closed the buffer)
             edp._adopt_storage(new, placement, new_schema, transform)
             break
         finally:
