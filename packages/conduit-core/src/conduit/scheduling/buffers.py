@@ -33,6 +33,7 @@ import torch
 
 from conduit.batch import ExperienceBatch, Ragged
 from conduit.schema import ExperienceSchema
+from conduit.storage.columnar import empty_column
 
 __all__ = ["ChunkRing", "buffers_needed"]
 
@@ -189,8 +190,9 @@ class ChunkRing:
         return get
 
     def _alloc(self, rows: int, device: torch.device, pin: bool) -> dict[str, torch.Tensor]:
-        return {n: torch.empty((rows, *self.schema[n].shape), dtype=self.schema[n].dtype, device=device,
-                               pin_memory=pin) for n in self.schema.fixed}
+        # (normal tensors also when a delivery under torch.inference_mode() allocates them: see empty_column)
+        return {n: empty_column((rows, *self.schema[n].shape), self.schema[n].dtype, device, pin_memory=pin)
+                for n in self.schema.fixed}
 
     # -- the learner's device ----------------------------------------------------------------
     def to_device(self, i: int, parts: list[ExperienceBatch]) -> list[ExperienceBatch]:

@@ -38,6 +38,7 @@ from conduit.batch import ExperienceBatch, Ragged
 from conduit.errors import ConduitError, ConfigurationError
 from conduit.scheduling.base import wait_refused
 from conduit.semantics.onpolicy import OnPolicy
+from conduit.storage.columnar import empty_column
 
 if TYPE_CHECKING:
     from conduit.edp import ExperienceDataPlane
@@ -424,7 +425,7 @@ class Ingestion:
                     or buf.device != first.device):
                 pin = (torch.cuda.is_available() and first.device.type == "cpu"
                        and self.edp.storage.device.type == "cuda")
-                buf = torch.empty((n, *first.shape[1:]), dtype=first.dtype, device=first.device, pin_memory=pin)
+                buf = empty_column((n, *first.shape[1:]), first.dtype, first.device, pin_memory=pin)
                 self._stage[name] = buf
             torch.cat([b[name] for b in batches], out=buf[:n])  # type: ignore[misc]
             cols[name] = buf[:n]

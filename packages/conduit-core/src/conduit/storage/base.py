@@ -20,7 +20,10 @@ from conduit.batch import ExperienceBatch, Ragged
 from conduit.errors import CapacityError, ConfigurationError, SchemaError
 from conduit.schema import ExperienceSchema
 
-__all__ = ["Storage", "AppendResult", "ring_ordered"]
+__all__ = ["Storage", "AppendResult", "ring_ordered", "MAX_HANDLE"]
+
+#: the largest next handle a storage takes from a checkpoint: handles are int64 (torch.arange and the slot arithmetic)
+MAX_HANDLE = 2**63 - 1
 
 
 class AppendResult(NamedTuple):
@@ -222,7 +225,7 @@ class Storage(ABC):
 
         Raises:
             ConfigurationError: the checkpoint has another schema or capacity, or is damaged (missing
-                entries, a handle range that does not fit the capacity, items that do not match
+                entries, a handle range that does not fit the capacity or lies beyond int64, items that do not match
                 its schema, a damaged ragged layout).
             CapacityError: a ragged field's live elements exceed this storage's ragged pool.
         """
@@ -238,6 +241,9 @@ class Storage(ABC):
         if not fits:
             raise ConfigurationError("This checkpoint was written by a storage with another schema or capacity; "
                                      "build the buffer with the same schema and capacity before loading.")
+        if nxt > MAX_HANDLE:  # handles are int64: the ring's handle and slot arithmetic would overflow
+            raise ConfigurationError(f"This checkpoint's live handles [{oldest}, {nxt}) lie beyond int64 (the next "
+                                     f"handle may be at most {MAX_HANDLE}); the checkpoint is damaged.")
         if oldest < 0 or not 0 <= count <= self.capacity:
             raise ConfigurationError(f"This checkpoint's live handles [{oldest}, {oldest + count}) do not fit a "
                                      f"capacity of {self.capacity}; the checkpoint is damaged.")

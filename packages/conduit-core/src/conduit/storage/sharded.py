@@ -55,7 +55,7 @@ class _Staging:
         c = int(src.shape[0])
         buf = self._bufs.get((shard, name))
         if buf is None or buf.shape[0] < c:
-            buf = torch.empty((c, *src.shape[1:]), dtype=src.dtype, pin_memory=True)
+            buf = empty_column((c, *src.shape[1:]), src.dtype, pin_memory=True)  # (not an inference tensor)
             self._bufs[(shard, name)] = buf
         buf[:c].copy_(src)
         dst.copy_(buf[:c], non_blocking=True)
