@@ -46,7 +46,12 @@ class CallRecord(NamedTuple):
 
 @dataclass
 class Totals:
-    """Running totals for one kind of call."""
+    """Running totals for one kind of call.
+
+    ``seconds`` sums the calls' durations; a call recorded with a NaN time, its end before its start or an
+    infinite duration (a misused clock) adds no seconds, as it adds no time to an iteration's exposure, but
+    still counts in ``calls``, ``items`` and ``nbytes``.
+    """
 
     calls: int = 0
     items: int = 0
@@ -176,7 +181,9 @@ class Telemetry:
             t[0] += 1
             t[1] += rec.items
             t[2] += rec.nbytes
-            t[3] += rec.end - rec.start
+            d = rec.end - rec.start
+            if 0.0 < d < math.inf:  # a misused clock's NaN, negative or infinite duration adds no time (see Totals)
+                t[3] += d
         totals = old.copy() if changed else old
         for k, t in changed.items():
             totals[k] = (t[0], t[1], t[2], t[3])
@@ -381,11 +388,12 @@ class Telemetry:
         """The recorded calls as a Chrome trace (``chrome://tracing``, Perfetto); written to ``path`` if given.
 
         ``since`` keeps only the calls that ended after that ``time.perf_counter()`` time. A call with a
-        non-finite start or end, or an end before its start (recorded so by a caller of :meth:`record`),
-        cannot be placed on the timeline and is left out (JSON has no NaN or infinity: the file would open in
-        no viewer). Each thread is one lane (``tid``, see :func:`thread_id`), named by a ``thread_name`` event;
-        ``pid`` is this process's. The file is written atomically: a write that fails (disk full, file-size
-        limit) leaves ``path`` as it was.
+        non-finite start or end, a start or end beyond +-1e300 s (no clock reads that: its microseconds on the
+        timeline would overflow to infinity), or an end before its start (recorded so by a caller of
+        :meth:`record`), cannot be placed on the timeline and is left out (JSON has no NaN or infinity: the file
+        would open in no viewer). Each thread is one lane (``tid``, see :func:`thread_id`), named by a
+        ``thread_name`` event; ``pid`` is this process's. The file is written atomically: a write that fails
+        (disk full, file-size limit) leaves ``path`` as it was.
 
         ``otherData.dropped_calls`` says how many calls the trace misses because the ring (``maxlen``) dropped
         them to make room since the last :meth:`reset`: 0 when it holds every call. With ``since``, 0 when every
@@ -403,8 +411,9 @@ class Telemetry:
             _check_time("Telemetry.chrome_trace(since=...)", since)
         with self._lock:
             self._fold_outermost()
+            # (abs() < limit is False for NaN and the infinities too)
             recs = [r for r in self._records if (since is None or r.end > since)
-                    and math.isfinite(r.start) and math.isfinite(r.end) and r.start <= r.end]
+                    and abs(r.start) < _TRACE_TIME_LIMIT and abs(r.end) < _TRACE_TIME_LIMIT and r.start <= r.end]
             # read with the records: a fold on another thread may forget an exited thread's name once its calls
             # have left the ring, and these calls may be its last
             names = dict(self._names)
@@ -466,6 +475,9 @@ class _DepthLock:
 #: a Chrome trace's pid and tid are read as 32-bit ints (Perfetto puts a larger tid on the lane of tid 0, the idle
 #: thread); thread ids from this one up (the main thread's threading.get_ident()) get lanes counted down from it
 _LANE_LIMIT = 2**31
+#: a call placed on a trace's timeline starts and ends within +-this many seconds: then its ts and dur, differences
+#: of two such times in microseconds, stay finite (below 2e306; a float holds up to 1.8e308)
+_TRACE_TIME_LIMIT = 1e300
 
 
 def _lanes(tids: set[int]) -> dict[int, int]:
