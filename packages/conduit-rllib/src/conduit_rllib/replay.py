@@ -248,7 +248,9 @@ class _ConduitReplay:
         weight given here does not raise later adds' default).
 
         Raises:
-            conduit.SchemaError: observations or actions change shape/dtype, or are nested.
+            conduit.SchemaError: observations or actions change shape/dtype, or are nested; an entry that is
+                no ``SingleAgentEpisode`` (e.g. an old-API-stack ``SampleBatch``). Nothing of this add is stored.
+            UnsupportedConfigError: a ``MultiAgentEpisode``; nothing of this add is stored.
             conduit.ConfigurationError: a weight for the uniform buffer; a chunk that starts inside steps
                 of its episode already added (they would be stored twice), ``t_started`` 0 included; any
                 chunk of an episode that ended in an earlier add while a step of it is still stored (give
@@ -610,10 +612,17 @@ class _ConduitReplay:
                                         "sample takes one priority update).")
             elif self.edp is None:
                 return 0
-            p = np.asarray(priorities.detach().cpu().numpy() if isinstance(priorities, torch.Tensor) else priorities,
-                           dtype=np.float64).reshape(-1)
-            h = np.asarray(handles.cpu().numpy() if isinstance(handles, torch.Tensor) else handles,
-                           dtype=np.int64).reshape(-1)
+            try:
+                p = np.asarray(priorities.detach().cpu().numpy() if isinstance(priorities, torch.Tensor)
+                               else priorities, dtype=np.float64).reshape(-1)
+            except (TypeError, ValueError) as e:
+                raise PriorityError(f"Priorities must be numbers, one per transition (e.g. |td_error|), got "
+                                    f"a {type(priorities).__name__} holding something else ({e}). No priority was "
+                                    f"changed.") from e
+            if not last:
+                h = _whole_handles(handles)
+            else:
+                h = np.asarray(handles.cpu().numpy(), dtype=np.int64).reshape(-1)
             if p.shape[0] != h.shape[0]:
                 what = "the last sample of" if last else "the"
                 raise PriorityError(f"Got {p.shape[0]} priorities for {what} {h.shape[0]} transitions; pass one "
@@ -896,6 +905,29 @@ class _ConduitReplay:
             raise
 
 
+def _whole_handles(handles: Any) -> np.ndarray:
+    """``update_priorities``'s ``handles`` as a 1-d int64 array.
+
+    Raises:
+        conduit.PriorityError: an entry that is no whole number (a fraction, a string, a bool...): it names no
+            transition (NumPy would truncate 1.7 to handle 1, a transition nobody named).
+    """
+    raw = handles.detach().cpu().numpy() if isinstance(handles, torch.Tensor) else np.asarray(handles)
+    raw = raw.reshape(-1)
+    if raw.dtype.kind in "iu":
+        return raw.astype(np.int64)
+    try:
+        as_float = raw.astype(np.float64)
+        ok = raw.dtype.kind in "f" and bool(np.all(np.isfinite(as_float) & (as_float == np.floor(as_float))))
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise PriorityError(f"handles must be whole numbers, the Conduit handles a sample returned (e.g. "
+                            f"sample(...).handles[idx]), got a {type(handles).__name__} of {raw.dtype} "
+                            f"values, not all whole. No priority was changed.")
+    return as_float.astype(np.int64)
+
+
 def _episode_id_array(ids: Any) -> np.ndarray:
     """Saved per-slot episode ids as a 1-d object array (each a str, or None where unknown).
 
@@ -958,6 +990,8 @@ class ConduitPrioritizedEpisodeReplayBuffer(_ConduitReplay, PrioritizedEpisodeRe
             How many of the named transitions were still stored (and updated).
 
         Raises:
-            conduit.PriorityError: no sample to update, a length mismatch, or NaN/inf priorities.
+            conduit.PriorityError: no sample to update, a length mismatch, priorities that are no numbers or
+                are NaN/inf, or handles that are no whole numbers (a fraction, a string) or were never
+                issued. No priority is changed then.
         """
         return self._update_priorities(priorities, handles)

@@ -17,6 +17,7 @@ from conduit import ConfigurationError, ExperienceSchema, Field, SchemaError
 from conduit.batch import as_tensor
 from ray.rllib.core.columns import Columns
 from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
+from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 
 from conduit_rllib.errors import UnsupportedConfigError
 
@@ -89,11 +90,18 @@ def chunk_columns(episode: Any) -> ChunkColumns:
         SchemaError: the observations or actions are not plain arrays (Dict/Tuple spaces, or
             values whose shape differs between steps).
         UnsupportedConfigError: a ``MultiAgentEpisode`` (the adapter serves one agent).
+        SchemaError: anything else that is no ``SingleAgentEpisode`` (e.g. an old-API-stack ``SampleBatch``,
+            a dict or an array).
     """
     if isinstance(episode, MultiAgentEpisode):
         raise UnsupportedConfigError("conduit-rllib's replay buffers store single-agent episodes; this is a "
                                      "MultiAgentEpisode. Multi-agent training is not supported: run it without "
                                      "Conduit (RLlib's MultiAgentEpisodeReplayBuffer).")
+    if not isinstance(episode, SingleAgentEpisode):
+        raise SchemaError(f"conduit-rllib's replay buffers store SingleAgentEpisode chunks (what the new API "
+                          f"stack's EnvRunners sample); got a {type(episode).__name__}. Pass episodes, e.g. "
+                          f"add(episodes) with the list env_runner.sample() returns; SampleBatches of the old "
+                          f"API stack are not supported.")
     n = len(episode)
     obs = episode.get_observations()
     acts = episode.get_actions()
