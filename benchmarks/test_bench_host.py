@@ -103,3 +103,43 @@ def test_ingest(benchmark, buffers, lib: str, chunk: int, ratios) -> None:  # no
     benchmark(fn)
     ratios.add(f"host_ingest{chunk}", f"d={d}", lib, benchmark, baseline="floor",
                note=f"Ingest chunks of {chunk} float32 observations; floor = one copy_ into a preallocated ring.")
+
+
+# -- sample 512 without replacement: the cost must not grow with the buffer ----------------------------------------
+NO_REPEAT_CAPS = [10_000, 100_000, 1_000_000]
+NO_REPEAT_D = 16
+
+
+@pytest.fixture(scope="module", params=NO_REPEAT_CAPS, ids=lambda c: f"cap{c}")
+def no_repeat(request: pytest.FixtureRequest):  # noqa: ANN201
+    """A full buffer of ``cap`` items (d = 16) and three ways to draw 512 of them: Conduit's ``replace=False``
+    delivery; ``permutation``: what one writes with torch alone (the head of ``randperm(cap)``, gathered into a
+    reused buffer); ``floor``: a draw *with* replacement gathered the same way (the cost of any 512-row draw)."""
+    torch.set_num_threads(1)
+    cap = request.param
+    edp = ExperienceDataPlane(ExperienceSchema(obs=Field((NO_REPEAT_D,))), capacity=cap, semantics=Replay(seed=0))
+    data = torch.randn(min(cap, 65536), NO_REPEAT_D)
+    for s in range(0, cap, data.shape[0]):
+        edp.ingest({"obs": data[: min(data.shape[0], cap - s)]})
+    store = edp.storage._cols["obs"]
+    out = torch.empty(BATCH, NO_REPEAT_D)
+    gen = torch.Generator().manual_seed(0)
+    calls = {
+        "conduit": lambda: edp.deliver(BATCH, replace=False),
+        "permutation": lambda: torch.index_select(store, 0, torch.randperm(cap, generator=gen)[:BATCH], out=out),
+        "floor": lambda: torch.index_select(store, 0, torch.randint(cap, (BATCH,), generator=gen), out=out),
+    }
+    yield cap, calls
+    edp.close()
+    calls.clear()
+    gc.collect()
+
+
+@pytest.mark.parametrize("lib", ["floor", "conduit", "permutation"])
+def test_sample_512_without_replacement(benchmark, no_repeat, lib: str, ratios) -> None:  # noqa: ANN001
+    cap, calls = no_repeat
+    benchmark.group = f"sample512-norepeat-cap{cap}"
+    benchmark(calls[lib])
+    ratios.add("host_sample512_no_repeat", f"cap={cap}", lib, benchmark, baseline="floor",
+               note=f"Sample {BATCH} distinct items of d = {NO_REPEAT_D} (host tier, 1 thread); floor = a draw with "
+                    f"replacement gathered into a reused buffer.")

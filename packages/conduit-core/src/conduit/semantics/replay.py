@@ -102,9 +102,10 @@ def draw_distinct(m: int, n: int, gen: torch.Generator) -> torch.Tensor:
     if n * DISTINCT_BY_REJECTION > m:
         return torch.randperm(m, generator=gen)[:n]
     draws = torch.randint(0, m, (n + n * n // m + 8,), generator=gen).numpy()
-    head = np.sort(draws[:n])
-    if not bool((head[1:] == head[:-1]).any()):  # no repeat among the first n (the common case when n * n << m)
-        return torch.from_numpy(draws[:n])
+    if n * n < 2 * m:  # the first n hold no repeat with probability ~exp(-n^2 / 2m) > 1/e: check that first
+        head = np.sort(draws[:n])
+        if not bool((head[1:] == head[:-1]).any()):
+            return torch.from_numpy(draws[:n])
     while True:
         _, first = np.unique(draws, return_index=True)  # where each value first occurs
         if first.shape[0] >= n:
