@@ -33,6 +33,7 @@ append made), leaving the field as it was.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -191,17 +192,21 @@ class PoolLadder:
         elements: packed-pool elements of rung 0.
 
     Keyword Args:
-        growth: factor between rungs (> 1).
+        growth: factor between rungs (a finite number > 1).
         pin_memory: page-locked host pools (only when CUDA is present).
         max_items: no rung holds more samples than this (None: unbounded).
+
+    Raises:
+        ConfigurationError: ``items`` or ``elements`` not positive, ``growth`` not a finite number > 1 (infinity or
+            NaN included), or ``max_items`` below 1.
     """
 
     def __init__(self, items: int, elements: int, *, growth: float = 2.0, pin_memory: bool = False,
                  max_items: int | None = None) -> None:
         if items <= 0 or elements <= 0:
             raise ConfigurationError(f"PoolLadder needs positive items and elements, got {items}, {elements}.")
-        if growth <= 1:
-            raise ConfigurationError(f"PoolLadder growth must be > 1, got {growth}.")
+        if not 1 < growth < math.inf:  # (NaN fails too: int() of an infinite or NaN rung size raised untyped)
+            raise ConfigurationError(f"PoolLadder growth must be a finite number > 1, got {growth}.")
         if max_items is not None and max_items < 1:
             raise ConfigurationError(f"max_items must be >= 1 or None, got {max_items}.")
         self.growth = float(growth)

@@ -70,6 +70,12 @@ def pack_column(value: Any, n: int, name: str = "column") -> PackedColumn | list
     contiguous jagged tensor are not copied); device tensors are brought to the host. Tensors
     with a conjugate or negative view bit (``z.conj()``) are packed by value.
 
+    A ``NonTensorData`` column is one value shared by every sample (tensordict's meaning, e.g. verl's
+    ``meta_info``): each sample gets the whole value, also when it is a list or NumPy array of ``n`` items
+    (TransferQueue's SimpleStorage indexes such a sequence per sample, and refuses a scalar). Per-sample
+    objects are put as a ``NonTensorStack`` (``NonTensorStack(*items)``, as verl's ``DataProto.to_tensordict``
+    does), or as a list.
+
     Raises:
         SchemaError: a tensor without dense values to pack (sparse, mkldnn, quantized or on the meta device), or
             a nested TensorDict.
