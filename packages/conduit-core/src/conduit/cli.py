@@ -51,14 +51,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: the exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports a process it interrupted)
+INTERRUPTED = 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
-        args.rest = rest
-    elif rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    """Run one ``conduit`` command; its exit status.
+
+    0 when it finished, 2 for a refused argument or configuration (one ``error:`` line on stderr), 1 when the
+    output's reader went away, :data:`INTERRUPTED` (130) when Ctrl-C stopped it (one line on stderr, no
+    traceback; the command's own cleanup -- closing its buffer, removing a half-written file -- has run).
+    """
     try:
+        parser = build_parser()
+        args, rest = parser.parse_known_args(argv)
+        if args.command == "demo":
+            args.rest = rest
+        elif rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # a reader that went away shows up here, not as a traceback at interpreter exit
         return rc
@@ -70,6 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # what is still buffered goes nowhere, quietly
         os.close(devnull)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the command's `finally`s have run on the way here; say so in one line
+        print("interrupted (Ctrl-C): the command stopped before it finished; outputs it had not written yet are "
+              "missing.", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

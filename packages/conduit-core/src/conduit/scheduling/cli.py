@@ -1,10 +1,12 @@
 """``conduit schedule``: the safe granularity ranges of a job, and what the automatic scheduler picks here.
 
 * ``conduit schedule ranges --on-policy -M 4`` -- the granularities a job may use, from
-  nothing but on/off-policy and M (and the optional caps);
+  nothing but on/off-policy and M (and, off-policy only, the optional caps; given with
+  ``--on-policy`` they are refused, not ignored);
 * ``conduit schedule calibrate --obs-dim 5000`` -- run the synthetic actor/learner loop with
   :class:`~conduit.scheduling.Automatic` on this machine and explain its choice (the fitted
-  latency model, the predicted cost per granularity, the measured confirmation).
+  latency model, the predicted cost per granularity, the measured confirmation), then the
+  medians of the ``--iterations`` run after it (with ``--iterations 0``: said, not printed as 0 ms).
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ __all__ = ["register"]
 _DESCRIPTION = """The safe granularity ranges of a job, and what the automatic scheduler picks here.
 
   conduit schedule ranges --on-policy -M 4     the granularities a job may use, from nothing but
-                                               on/off-policy and M (and the optional caps)
+                                               on/off-policy and M (and, off-policy, the optional caps)
   conduit schedule calibrate --obs-dim 5000    run the synthetic actor/learner loop with the
                                                Automatic scheduler on this machine and explain its
                                                choice (the fitted latency model, the predicted cost
                                                per granularity, the measured confirmation)"""
 
+
+#: ``conduit schedule ranges``'s caps on g_ing and g_del when not given (off-policy)
+_DEFAULT_CAP = 8
 
 #: the most granularities ``conduit schedule ranges`` lists per range (each is printed; more would run for hours)
 _MAX_LISTED = 10_000
@@ -47,12 +52,22 @@ def _ranges(args: argparse.Namespace) -> int:
     from conduit.scheduling.granularity import safe_ranges
 
     _check_listed(("-M", args.num_minibatches), ("--g-ing-max", args.g_ing_max), ("--g-del-max", args.g_del_max))
+    if args.on_policy:  # an on-policy job's ranges come from M alone: a cap given with them would be ignored
+        caps = [flag for flag, v in (("--g-ing-max", args.g_ing_max), ("--g-del-max", args.g_del_max),
+                                     ("--batch-bytes", args.batch_bytes), ("--memory-budget", args.memory_budget))
+                if v is not None]
+        if caps:
+            raise ConfigurationError(f"{', '.join(caps)} cap{'' if len(caps) > 1 else 's'} off-policy "
+                                     f"granularities only; an on-policy job's come from -M alone. Drop "
+                                     f"{'them' if len(caps) > 1 else 'it'}, or drop --on-policy.")
     if (args.batch_bytes is None) != (args.memory_budget is None):  # one alone caps nothing
         given, missing = ("--batch-bytes", "--memory-budget") if args.memory_budget is None else \
             ("--memory-budget", "--batch-bytes")
         raise ConfigurationError(f"{given} caps g_del only together with {missing}; give both, or neither.")
-    r = safe_ranges(on_policy=args.on_policy, num_minibatches=args.num_minibatches, g_ing_max=args.g_ing_max,
-                    g_del_max=args.g_del_max, batch_bytes=args.batch_bytes, memory_budget=args.memory_budget)
+    r = safe_ranges(on_policy=args.on_policy, num_minibatches=args.num_minibatches,
+                    g_ing_max=_DEFAULT_CAP if args.g_ing_max is None else args.g_ing_max,
+                    g_del_max=_DEFAULT_CAP if args.g_del_max is None else args.g_del_max,
+                    batch_bytes=args.batch_bytes, memory_budget=args.memory_budget)
     print(r.describe())
     return 0
 
@@ -75,6 +90,9 @@ def _calibrate(args: argparse.Namespace) -> int:
         print("error: calibration did not finish; raise --warmup", file=sys.stderr)
         return 2
     print(sched.decision.explain())
+    if not res.iterations:  # nothing was measured after it: medians of no iterations are not 0 ms
+        print("\nafter calibration: no iterations measured (--iterations 0)")
+        return 0
     print(f"\nafter calibration: iteration {res.median('iteration_s') * 1e3:.2f} ms, exposed experience path "
           f"{res.median('exposed_s') * 1e3:.3f} ms, hidden {res.median('hidden_s') * 1e3:.3f} ms (medians)")
     return 0
@@ -89,14 +107,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--on-policy", action="store_true", help="an on-policy job (default: off-policy)")
     r.add_argument("-M", "--num-minibatches", type=int, default=None,
                    help=f"minibatch updates per rollout (at most {_MAX_LISTED})")
-    r.add_argument("--g-ing-max", type=int, default=8,
-                   help=f"cap on rollouts per ingestion call (off-policy; default 8, at most {_MAX_LISTED})")
-    r.add_argument("--g-del-max", type=int, default=8,
-                   help=f"cap on batches per delivery call (off-policy; default 8, at most {_MAX_LISTED})")
+    r.add_argument("--g-ing-max", type=int, default=None,
+                   help=f"cap on rollouts per ingestion call (off-policy only; default {_DEFAULT_CAP}, at most "
+                        f"{_MAX_LISTED})")
+    r.add_argument("--g-del-max", type=int, default=None,
+                   help=f"cap on batches per delivery call (off-policy only; default {_DEFAULT_CAP}, at most "
+                        f"{_MAX_LISTED})")
     r.add_argument("--batch-bytes", type=int, default=None,
-                   help="bytes per delivered batch (together with --memory-budget: caps g_del)")
+                   help="bytes per delivered batch (off-policy only; together with --memory-budget: caps g_del)")
     r.add_argument("--memory-budget", type=int, default=None,
-                   help="bytes the delivery buffers may take (together with --batch-bytes)")
+                   help="bytes the delivery buffers may take (off-policy only; together with --batch-bytes)")
     r.set_defaults(func=_ranges)
     c = sp.add_parser("calibrate", help="run the synthetic loop under the automatic scheduler and explain its choice")
     c.add_argument("--obs-dim", type=int, default=1000)
