@@ -13,35 +13,20 @@ from typing import Any
 
 from conduit import ConduitError, ConfigurationError
 from conduit.scheduling.worker import Job, Worker
+from conduit.testing.lifecycle import call_bounded
 
 BOUND = 30.0  # seconds: reached only on a hang
 
 
-def outcome_within_bound(fn: Callable[[], Any]) -> dict[str, Any]:
-    """Run ``fn`` on a thread; assert it returned (or raised) within BOUND seconds; return what it did."""
-    out: dict[str, Any] = {}
-
-    def body() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - reported to the test
-            out["error"] = e
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    t.join(BOUND)
-    assert not t.is_alive(), f"{fn} did not return within {BOUND} s (a job submitted after stop never ran)"
-    return out
-
-
-def submit_and_wait(w: Worker, fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
+def submit_and_wait(w: Worker, fn: Callable[..., Any], *args: Any) -> Any:
     """submit, then wait for the job's outcome: what a caller of the worker does."""
 
     def call() -> Any:
         job: Job[Any] = w.submit(fn, *args)
         return job.result()
 
-    return outcome_within_bound(call)
+    hang = f"{fn} did not return within {BOUND} s (a job submitted after stop never ran)"
+    return call_bounded(call, BOUND, hang=hang)
 
 
 def test_submit_after_stop_is_refused_with_a_typed_error_and_queued_jobs_still_run() -> None:
@@ -58,11 +43,11 @@ def test_submit_after_stop_is_refused_with_a_typed_error_and_queued_jobs_still_r
     queued = [w.submit(job, i) for i in range(3)]
     w.stop()  # the thread is still running the first job
     late = submit_and_wait(w, ran.append, 99)
-    assert isinstance(late.get("error"), ConfigurationError), late
-    assert isinstance(late["error"], ConduitError)
-    assert "stopped" in str(late["error"])
+    assert isinstance(late, ConfigurationError), late
+    assert isinstance(late, ConduitError)
+    assert "stopped" in str(late)
     gate.set()
-    assert [outcome_within_bound(j.result).get("value") for j in queued] == [0, 1, 2]
+    assert [call_bounded(j.result, BOUND) for j in queued] == [0, 1, 2]
     assert ran == [0, 1, 2]  # the refused job never ran
 
 
@@ -71,10 +56,10 @@ def test_submit_after_shutdown_is_refused_and_the_jobs_before_it_ran() -> None:
     out: list[int] = []
     for i in range(5):
         w.submit(out.append, i)
-    assert outcome_within_bound(w.shutdown) == {"value": None}
+    assert call_bounded(w.shutdown, BOUND) is None
     assert out == list(range(5))
     late = submit_and_wait(w, out.append, 99)
-    assert isinstance(late.get("error"), ConfigurationError), late
+    assert isinstance(late, ConfigurationError), late
     assert out == list(range(5))
 
 
@@ -83,7 +68,7 @@ def test_stop_twice_and_shutdown_after_stop_return() -> None:
     done = w.submit(lambda: "before")
     w.stop()
     w.stop()
-    assert outcome_within_bound(w.shutdown) == {"value": None}
+    assert call_bounded(w.shutdown, BOUND) is None
     assert done.result() == "before"
 
 
@@ -115,4 +100,4 @@ def test_a_stop_racing_submits_leaves_no_job_that_never_finishes() -> None:
         assert not t.is_alive()
         assert len(refused) == 1, "the submits went on after stop() and none was refused"
         # every job that was accepted runs
-        assert [outcome_within_bound(j.result).get("value") for j in jobs] == list(range(len(jobs)))
+        assert [call_bounded(j.result, BOUND) for j in jobs] == list(range(len(jobs)))

@@ -9,35 +9,19 @@ is only reached on a hang.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from conduit import ConfigurationError
+from conduit.testing.lifecycle import call_bounded
 from conduit_rllib import MinibatchFeed
 from ray.rllib.core.columns import Columns
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
 BOUND = 60.0  # seconds: reached only on a hang
 MODULE = "default_policy"
-
-
-def outcome_within_bound(fn: Callable[[], Any]) -> dict[str, Any]:
-    """Run ``fn`` on a thread; assert it returned or raised within BOUND seconds; return what it did."""
-    out: dict[str, Any] = {}
-
-    def body() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - reported to the test
-            out["error"] = e
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-    t.join(BOUND)
-    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} did not return within {BOUND} s"
-    return out
 
 
 def feed_with_rollout(lo: int, hi: int, **kwargs: Any) -> MinibatchFeed:
@@ -73,8 +57,8 @@ def the_feed_goes_on(feed: MinibatchFeed) -> None:
     """After the close, a new rollout is delivered whole, each row once (a new worker and data plane)."""
     feed.configure(num_minibatches=4, num_epochs=1, shuffle=True)  # (accepted: nothing waits after the close)
     put(feed, 100, 124, version=1)
-    got = outcome_within_bound(lambda: sorted(r for mab in feed.minibatches() for r in rows(mab)))
-    assert got == {"value": list(range(100, 124))}
+    got = call_bounded(lambda: sorted(r for mab in feed.minibatches() for r in rows(mab)), BOUND)
+    assert got == list(range(100, 124))
     feed.close()
 
 
@@ -95,10 +79,10 @@ def test_a_close_landing_on_the_prefetch_submit_ends_the_iteration_with_the_clos
         return real_submit(*args)
 
     pool.submit = close_first  # type: ignore[method-assign,assignment]
-    out = outcome_within_bound(lambda: rest_of(it, handed))
+    out = call_bounded(lambda: rest_of(it, handed), BOUND)
     assert len(submits) == 1  # the race was met: the prefetch of minibatch 2 raced the close
-    assert isinstance(out.get("error"), ConfigurationError), out
-    assert "closed" in str(out["error"])
+    assert isinstance(out, ConfigurationError), out
+    assert "closed" in str(out)
     # minibatch 1 (gathered before the close) was handed over whole; nothing after the close
     assert len(handed) == 2 and all(len(h) == 10 for h in handed)
     assert len(set(handed[0]) | set(handed[1])) == 20
@@ -120,9 +104,9 @@ def test_a_close_while_the_caller_trains_ends_the_iteration_with_the_closed_erro
     assert len(first) == (10 if minibatch_size is None else 15)
     close_on_another_thread(feed)
     handed: list[list[int]] = []
-    out = outcome_within_bound(lambda: rest_of(it, handed))
-    assert isinstance(out.get("error"), ConfigurationError), out
-    assert "closed" in str(out["error"])
+    out = call_bounded(lambda: rest_of(it, handed), BOUND)
+    assert isinstance(out, ConfigurationError), out
+    assert "closed" in str(out)
     assert handed == []
     assert feed.dropped_items == 40
     the_feed_goes_on(feed)
