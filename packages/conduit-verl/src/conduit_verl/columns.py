@@ -206,7 +206,7 @@ class PoolLadder:
         if items <= 0 or elements <= 0:
             raise ConfigurationError(f"PoolLadder needs positive items and elements, got {items}, {elements}.")
         if not 1 < growth < math.inf:  # (NaN fails too: int() of an infinite or NaN rung size raised untyped)
-            raise ConfigurationError(f"PoolLadder growth must be a finite number > 1, got {growth}.")
+            raise ConfigurationError(f"PoolLadder growth must be > 1 and finite, got {growth}.")
         if max_items is not None and max_items < 1:
             raise ConfigurationError(f"max_items must be >= 1 or None, got {max_items}.")
         self.growth = float(growth)
