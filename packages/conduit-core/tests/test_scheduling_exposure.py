@@ -59,7 +59,7 @@ def test_overlapped_loop_hides_work_and_traces_every_span(tmp_path: Path) -> Non
     # How much of the workers' time falls beside the loop (hidden) rather than inside its waits (exposed) is up
     # to the OS's thread scheduling, so only what holds either way is asserted here: the identity, and that the
     # work ran on the workers. That work beside the loop is counted hidden exactly for its part outside the
-    # loop's spans is tested with the overlap forced (tests/test_known_s25_scheduling.py).
+    # loop's spans is tested with the overlap forced (tests/test_scheduling_read_locked_and_exposure.py).
     for it in res.iterations:
         assert it.total_s == pytest.approx(it.hidden_s + it.exposed_s)
         assert 0 <= it.hidden_s <= it.total_s and it.exposed_s > 0  # (the hand-over is on the loop's thread)

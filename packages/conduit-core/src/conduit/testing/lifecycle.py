@@ -12,8 +12,8 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["WORKER_THREADS", "HANG_S", "call_bounded", "eventually", "worker_threads", "live_workers",
-           "no_workers_beyond", "open_fds"]
+__all__ = ["WORKER_THREADS", "HANG_S", "call_bounded", "start_bounded", "eventually", "worker_threads",
+           "live_workers", "no_workers_beyond", "open_fds"]
 
 #: the names of the threads Conduit's schedulers and adapters start
 WORKER_THREADS = ("conduit-ingest", "conduit-prefetch", "conduit-minibatch", "conduit-srl-assembler")
@@ -30,19 +30,32 @@ def call_bounded(fn: Callable[[], object], timeout: float = HANG_S, *, name: str
     A call that has not returned within ``timeout`` seconds fails the test with ``hang`` as the assertion
     message (the thread is left behind, as a daemon), instead of hanging the whole suite.
     """
+    t, out = start_bounded(fn, name=name)
+    t.join(timeout)
+    assert not t.is_alive(), hang
+    return out[0]
+
+
+def start_bounded(fn: Callable[..., object], *args: object,
+                  name: str = "caller") -> tuple[threading.Thread, list[object]]:
+    """Start ``fn(*args)`` on a daemon thread named ``name``; return the thread and a list that gets what the call
+    returned, or the exception it raised, once it ends.
+
+    For a call that runs beside the test (one the test lets go of later): the test joins the thread with a bound
+    reached only on a hang (e.g. :data:`HANG_S`) and asserts it is no longer alive; a hung thread is left behind,
+    as a daemon. :func:`call_bounded` is the same with the join right away.
+    """
     out: list[object] = []
 
     def run() -> None:
         try:
-            out.append(fn())
+            out.append(fn(*args))
         except BaseException as e:  # noqa: BLE001 - handed to the test
             out.append(e)
 
     t = threading.Thread(target=run, name=name, daemon=True)
     t.start()
-    t.join(timeout)
-    assert not t.is_alive(), hang
-    return out[0]
+    return t, out
 
 
 def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> bool:

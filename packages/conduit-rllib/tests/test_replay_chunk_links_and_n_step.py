@@ -1,0 +1,198 @@
+"""The off-policy path: what DQN/SAC train on through Conduit's replay buffers.
+
+Episodes are built by stepping a real ``SingleAgentEpisode`` and cutting it as an EnvRunner does
+(``rollout_fragment_length``), and compared field by field with RLlib's own buffers where the draws match.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from conduit import ConfigurationError
+from conduit_rllib.replay import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer
+from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
+
+OBS = gym.spaces.Box(-1e6, 1e6, (1,), np.float32)
+ACTS: gym.spaces.Discrete = gym.spaces.Discrete(100)
+
+
+def stepped_chunks(steps: int, every: int, *, terminated: bool = True) -> list[SingleAgentEpisode]:
+    """One episode of ``steps`` steps (obs t, action t, reward t + 1), cut every ``every`` steps as an EnvRunner
+    cuts at its rollout_fragment_length; the last step terminates (or truncates)."""
+    e = SingleAgentEpisode(observation_space=OBS, action_space=ACTS)
+    e.add_env_reset(np.array([0.0], np.float32))
+    chunks = []
+    for t in range(steps):
+        last = t == steps - 1
+        e.add_env_step(np.array([t + 1.0], np.float32), t, float(t + 1), terminated=terminated and last,
+                       truncated=not terminated and last)
+        if (t + 1) % every == 0 or last:
+            chunks.append(e)
+            if not e.is_done:
+                e = e.cut(len_lookback_buffer=1)
+    return chunks
+
+
+def by_obs(buf: ConduitEpisodeReplayBuffer, **kw: object) -> dict[float, tuple[float, float, bool, bool, int]]:
+    """Every stored transition (drawn many times): obs -> (reward, next obs, terminated, truncated, n)."""
+    s = buf.sample(num_items=400, **kw)  # type: ignore[arg-type]
+    c = s.columns
+    return {float(c["obs"][i, 0]): (float(c["rewards"][i]), float(c["new_obs"][i, 0]), bool(c["terminateds"][i]),
+                                    bool(c["truncateds"][i]), int(c["n_step"][i])) for i in range(len(s))}
+
+
+def test_n_step_over_chunks_of_one_episode_discounts_and_stops_at_its_end() -> None:
+    for terminated in (True, False):
+        buf = ConduitEpisodeReplayBuffer(capacity=50)
+        for c in stepped_chunks(5, 2, terminated=terminated):
+            buf.add(c)
+        got = by_obs(buf, n_step=3, gamma=0.5)
+        end = (terminated, not terminated)
+        assert got == {0.0: (1 + 0.5 * 2 + 0.25 * 3, 3.0, False, False, 3),
+                       1.0: (2 + 0.5 * 3 + 0.25 * 4, 4.0, False, False, 3),
+                       2.0: (3 + 0.5 * 4 + 0.25 * 5, 5.0, *end, 3),
+                       3.0: (4 + 0.5 * 5, 5.0, *end, 2),
+                       4.0: (5.0, 5.0, *end, 1)}, got
+
+
+def test_a_continuation_chunk_after_a_lost_chunk_is_not_linked_across_the_gap() -> None:
+    """An EnvRunner's chunk that never reached the buffer (e.g. dropped by sample_timeout_s) leaves a gap in
+    the episode: the n-step return must not sum rewards across it (RLlib's buffer refuses such a chunk)."""
+    first, _lost, third = stepped_chunks(6, 2)  # steps 0-1, 2-3 (lost), 4-5
+    buf = ConduitEpisodeReplayBuffer(capacity=50)
+    buf.add(first)
+    buf.add(third)
+    got = by_obs(buf, n_step=2, gamma=0.5)
+    # step 1's 2-step return stops at the newest step stored before the gap: it bootstraps from obs 2
+    assert got[1.0] == (2.0, 2.0, False, False, 1), f"step 1 was linked to step 4 across the gap: {got[1.0]}"
+    assert got[0.0] == (1 + 0.5 * 2, 2.0, False, False, 2)
+    assert got[4.0] == (5 + 0.5 * 6, 6.0, True, False, 2)
+
+
+def test_a_gap_survives_a_state_round_trip() -> None:
+    first, _lost, third = stepped_chunks(6, 2)
+    buf = ConduitEpisodeReplayBuffer(capacity=50)
+    buf.add(first)
+    twin = ConduitEpisodeReplayBuffer(capacity=50)
+    twin.set_state(buf.get_state())
+    twin.add(third)
+    assert by_obs(twin, n_step=2, gamma=0.5)[1.0] == (2.0, 2.0, False, False, 1)
+
+
+def test_a_restore_that_rolls_chunks_back_does_not_link_the_next_chunk_across_them() -> None:
+    """An algorithm restored from a checkpoint while its EnvRunners go on: the chunks added after the save are
+    gone from the buffer, the runner's next chunk starts after them."""
+    first, second, third = stepped_chunks(6, 2)
+    buf = ConduitEpisodeReplayBuffer(capacity=50)
+    buf.add(first)
+    saved = buf.get_state()
+    buf.add(second)
+    buf.set_state(saved)
+    buf.add(third)
+    got = by_obs(buf, n_step=3, gamma=0.5)
+    assert sorted(got) == [0.0, 1.0, 4.0, 5.0]
+    assert got[1.0] == (2.0, 2.0, False, False, 1), f"step 1 was linked across the rolled-back steps: {got[1.0]}"
+
+
+def test_importance_weights_and_duplicate_updates_match_rllib_on_one_transition() -> None:
+    """One stored transition drawn four times, priorities 4, 3, 2, 1 for the four draws: as in RLlib the last
+    one applies, and the largest (4) is the next add's default priority (both buffers: the new item is drawn
+    with probability 4 / 5); weights are exactly 1 with one item."""
+    ep = stepped_chunks(1, 1)[0]
+    other = SingleAgentEpisode(observations=[np.array([7.0], np.float32)] * 2, actions=[7], rewards=[7.0],
+                               terminated=True, observation_space=OBS, action_space=ACTS, len_lookback_buffer=0)
+    conduit = ConduitPrioritizedEpisodeReplayBuffer(capacity=10, alpha=1.0)
+    rllib = PrioritizedEpisodeReplayBuffer(capacity=10, alpha=1.0)
+    for buf in (conduit, rllib):
+        buf.add(ep)
+    s = conduit.sample(num_items=4, beta=0.7)
+    r: Any = rllib.sample(num_items=4, beta=0.7)
+    assert s.columns["weights"].tolist() == [e.get_extra_model_outputs("weights")[0] for e in r] == [1.0] * 4
+    assert [float(x) for x in s.columns["rewards"]] == [float(e.get_rewards(0)) for e in r]
+    for buf in (conduit, rllib):
+        buf.update_priorities(np.array([4.0, 3.0, 2.0, 1.0]))
+        buf.add(other)
+    got = conduit.sample(num_items=2, beta=1.0)
+    w = dict(zip((float(x) for x in got.columns["obs"][:, 0]), got.columns["weights"].tolist(), strict=True))
+    want = dict((float(e.get_observations(0)[0]), e.get_extra_model_outputs("weights")[0])
+                for e in cast(Any, rllib.sample(num_items=400, beta=1.0)))
+    for obs, weight in w.items():  # (N P) ** -beta / max: item 0 (p 1/5) weight 1, item 7 (p 4/5) weight 1/4
+        assert abs(weight - want[obs]) < 1e-6, (obs, weight, want[obs])
+
+
+def test_a_state_without_chunk_timesteps_still_links_and_a_damaged_one_is_refused_unchanged() -> None:
+    first, second, third = stepped_chunks(6, 2)
+    buf = ConduitEpisodeReplayBuffer(capacity=50)
+    buf.add(first)
+    state = buf.get_state()
+    assert state["tail_t"] == {first.id_: 2}
+    old = {k: v for k, v in state.items() if k != "tail_t"}  # saved before the timesteps were kept
+    twin = ConduitEpisodeReplayBuffer(capacity=50)
+    twin.set_state(old)
+    twin.add(second)
+    assert by_obs(twin, n_step=2, gamma=0.5)[1.0] == (2 + 0.5 * 3, 3.0, False, False, 2)
+    before = twin.get_state()
+    for bad in ({first.id_: -1}, {first.id_: "2"}, {"not-unfinished": 3}):
+        with pytest.raises(ConfigurationError, match="damaged"):
+            twin.set_state({**state, "tail_t": bad})
+        with pytest.raises(ConfigurationError, match="damaged"):
+            twin.check_state({**state, "tail_t": bad})
+    after = twin.get_state()
+    assert after["tail"] == before["tail"] and after["tail_t"] == before["tail_t"] == {first.id_: 4}
+    twin.add(third)
+    assert by_obs(twin, n_step=2, gamma=0.5)[3.0] == (4 + 0.5 * 5, 5.0, False, False, 2)
+
+
+def test_a_real_env_runners_chunks_link_into_whole_episodes_and_a_dropped_sample_leaves_a_gap() -> None:
+    """SingleAgentEnvRunner's cut chunks (rollout_fragment_length 4, two envs) link into one run per episode;
+    when one sample()'s chunks never reach the buffer, each episode cut there continues as a new run."""
+    from ray.rllib.algorithms.dqn import DQNConfig
+    from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
+
+    config = DQNConfig().environment("CartPole-v1").env_runners(num_envs_per_env_runner=2, rollout_fragment_length=4)
+    runner = SingleAgentEnvRunner(config=config)
+    try:
+        whole, gappy = ConduitEpisodeReplayBuffer(capacity=5000), ConduitEpisodeReplayBuffer(capacity=5000)
+        ids: set[str] = set()
+        cut_in_dropped = 0
+        for i in range(30):
+            eps = runner.sample(num_timesteps=8, random_actions=True)
+            ids.update(e.id_ for e in eps)
+            whole.add(eps)
+            if i == 10:
+                cut_in_dropped = sum(not e.is_done for e in eps)
+            else:
+                gappy.add(eps)
+        assert whole.get_num_episodes() == len(ids)
+        assert cut_in_dropped > 0
+        # each episode the dropped sample cut is stored as two runs (one, if all its earlier steps were dropped)
+        assert len(ids) < gappy.get_num_episodes() <= len(ids) + cut_in_dropped
+        s = gappy.sample(num_items=512, n_step=3, gamma=0.5)
+        want = {1: 1.0, 2: 1.5, 3: 1.75}  # CartPole pays 1 per step
+        assert all(float(r) == want[int(n)] for r, n in zip(s.columns["rewards"], s.columns["n_step"], strict=True))
+    finally:
+        runner.stop()
+
+
+def test_a_chunk_added_again_is_refused_typed_and_changes_nothing() -> None:
+    """RLlib's buffer refuses a chunk that does not start where its episode's stored steps end (assertion);
+    Conduit's stored the steps a second time and linked the n-step returns back into the past."""
+    first, second, third = stepped_chunks(6, 2)
+    buf = ConduitEpisodeReplayBuffer(capacity=50)
+    buf.add(first)
+    buf.add(second)
+    before = buf.get_state()
+    other = stepped_chunks(2, 2)[0]  # another episode: not stored either when the add is refused
+    for again in ([second], [other, second], [third, second, other]):
+        with pytest.raises(ConfigurationError, match="already added|ended at timestep"):
+            buf.add(again)
+        after = buf.get_state()
+        assert after["next"] == before["next"] == 4 and after["tail_t"] == before["tail_t"] and len(buf) == 4
+    buf.add(third)
+    assert by_obs(buf, n_step=2, gamma=0.5) == {0.0: (2.0, 2.0, False, False, 2), 1.0: (3.5, 3.0, False, False, 2),
+                                                2.0: (5.0, 4.0, False, False, 2), 3.0: (6.5, 5.0, False, False, 2),
+                                                4.0: (8.0, 6.0, True, False, 2), 5.0: (6.0, 6.0, True, False, 1)}
