@@ -1,18 +1,15 @@
-"""Placement and telemetry: a workload whose growing fields cannot grow (or name no field) is refused
+"""Placement and spans: a workload whose growing fields cannot grow (or name no field) is refused
 instead of planning every size at its own, and a resized workload keeps its class (a replay ratio); the
 growth simulation records the size where nothing fits as Conduit's failure instead of throwing the other
-strategies' results away; a link with an unlimited point prices transfers next to it as free, never NaN;
-a telemetry record made by a GC callback inside its thread's own fold does not wait for that fold for ever; a
+strategies' results away; a link with an unlimited point prices transfers next to it as free, never NaN; a
 migration of ragged items copies about ``chunk_bytes`` per lock hold, not the whole buffer at once; a span's
 NumPy or tensor counts are recorded as ints, so its trace is still JSON."""
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -122,50 +119,7 @@ def test_a_link_with_an_unlimited_point_prices_every_size_as_a_number() -> None:
     assert LinkCost.from_dict(link.to_dict()).seconds(1500) == link.seconds(1500)
 
 
-# -- 4. telemetry: a record made by a GC callback that interrupted this thread's own fold ------------------------
-def test_a_gc_callback_recording_inside_a_fold_on_its_thread_neither_hangs_nor_loses_calls() -> None:
-    tel = Telemetry(fold_every=8)
-    state: dict[str, Any] = {"thread": None, "inside": False, "in_fold": 0}
-
-    def callback(phase: str, info: dict[str, int]) -> None:
-        if phase != "start" or state["thread"] is not threading.current_thread() or state["inside"]:
-            return
-        if tel._lock.locked():  # this thread is folding: the collector interrupted it there
-            state["in_fold"] += 1
-            state["inside"] = True
-            try:
-                for _ in range(8):  # enough to reach fold_every: record() folds
-                    tel.record("gc", 0, 0, 1.0, 2.0)
-            finally:
-                state["inside"] = False
-
-    def work() -> None:
-        state["thread"] = threading.current_thread()
-        old = gc.get_threshold()
-        gc.set_threshold(1)
-        try:
-            for i in range(200):  # a new kind each: a fold allocates its Totals, so collections fall inside it
-                tel.record(f"k{i}", 1, 8, 0.0, 1.0)
-        finally:
-            gc.set_threshold(*old)
-            state["thread"] = None
-
-    gc.callbacks.append(callback)
-    try:
-        t = threading.Thread(target=work, name="gc-in-fold", daemon=True)
-        t.start()
-        t.join(30)
-    finally:
-        gc.callbacks.remove(callback)
-    assert not t.is_alive(), "record() from a GC callback inside this thread's own fold waited for it for ever"
-    assert state["in_fold"] > 0, "no collection fell inside a fold: the check exercised nothing"
-    totals = tel.totals
-    assert sum(totals[f"k{i}"].calls for i in range(200)) == 200
-    assert totals["gc"].calls == 8 * state["in_fold"]
-    assert len(tel.records) == 200 + 8 * state["in_fold"]
-
-
-# -- 5. a migration of ragged items holds the lock for about chunk_bytes at a time -------------------------------
+# -- 4. a migration of ragged items holds the lock for about chunk_bytes at a time -------------------------------
 TOKENS = ExperienceSchema(id=Field((), torch.int64), tok=Field((), torch.int64, ragged=True))
 
 
@@ -211,7 +165,7 @@ def test_a_fixed_size_migration_still_copies_chunk_bytes_of_items_per_hold() -> 
     edp.close()
 
 
-# -- 6. span counts that are NumPy or tensor integers ------------------------------------------------------------
+# -- 5. span counts that are NumPy or tensor integers ------------------------------------------------------------
 def test_span_counts_of_numpy_or_tensor_integers_are_ints_and_the_trace_is_json(tmp_path: Path) -> None:
     tel = Telemetry()
     with tel.span("rollout", items=np.int64(3), nbytes=torch.tensor([5, 7]).sum()):

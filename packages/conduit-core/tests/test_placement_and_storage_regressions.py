@@ -1,17 +1,15 @@
-"""Placement, telemetry and storage regressions, reproduced and fixed.
+"""Placement and storage regressions, reproduced and fixed.
 
 1. An adaptive placement refuses a buffer of more items than its placement map was planned for.
-2. A telemetry reader called by a garbage-collector callback that interrupted this thread's own fold (or read)
-   of the same telemetry neither hangs nor sees part of that fold.
-3. A declared profile never lands in, or loads from, this machine's measured-profile cache as its measurement.
-4. A storage's load checks a checkpoint's ragged layout once (it checked it twice), and still refuses a damaged one.
+2. A declared profile never lands in, or loads from, this machine's measured-profile cache as its measurement.
+3. A storage's load checks a checkpoint's ragged layout once (it checked it twice), and still refuses a damaged one.
+
+(Telemetry called from a GC callback inside a fold: ``test_telemetry_gc_inside_folds.py``.)
 """
 
 from __future__ import annotations
 
-import gc
 import json
-import threading
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,7 +41,6 @@ from conduit.storage.base import Storage
 from conduit.storage.columnar import ColumnarStorage
 from conduit.storage.disk import DiskStorage
 from conduit.storage.sharded import ShardedStorage
-from conduit.telemetry import Telemetry
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch
 
 HOST = PlacementSpec("host", ("cpu",))
@@ -86,113 +83,7 @@ def test_a_migration_into_an_adaptive_placement_planned_for_fewer_items_is_refus
     edp.close()
 
 
-# -- 2. telemetry readers from a GC callback inside this thread's own fold --------------------------------------
-def _read_all(tel: Telemetry) -> tuple[int, int, int, int, int]:
-    """Every reader once: (calls in the totals, in the summary, in the ring, in a snapshot, since mark 0), after
-    checking that the mark agrees with them (a view that shows part of a fold would not)."""
-    totals = sum(t.calls for t in tel.totals.values())
-    summary = sum(int(v["calls"]) for v in tel.summary().values())
-    ring = len(tel.records)
-    snap, dropped = tel.snapshot(0)
-    since, dropped_since = tel.calls_since(0)
-    mark = tel.mark()
-    assert dropped == dropped_since == 0
-    assert [r.kind for r in since] == [r.kind for r in snap]
-    assert len(tel.chrome_trace()["traceEvents"]) >= len(snap)
-    assert len(tel.since(-1.0)) == len(snap)
-    assert tel.recent("k0", 1) == [r for r in snap if r.kind == "k0"][-1:]
-    assert mark == totals, f"mark {mark} but {totals} calls in the totals: the reader saw part of a fold"
-    return totals, summary, ring, len(snap), len(since)
-
-
-def test_readers_from_a_gc_callback_inside_the_threads_own_fold_return_what_earlier_folds_left() -> None:
-    tel = Telemetry(fold_every=8)
-    state: dict[str, Any] = {"thread": None, "inside": False, "views": [], "errors": []}
-
-    def callback(phase: str, info: dict[str, int]) -> None:
-        if phase != "start" or state["thread"] is not threading.current_thread() or state["inside"]:
-            return
-        if tel._lock.locked():  # this thread is folding (it only records): the collector interrupted the fold
-            state["inside"] = True
-            try:
-                state["views"].append(_read_all(tel))
-            except Exception as e:  # noqa: BLE001 - a GC callback's exception is only printed: keep it
-                state["errors"].append(e)
-            finally:
-                state["inside"] = False
-
-    def work() -> None:
-        state["thread"] = threading.current_thread()
-        old = gc.get_threshold()
-        gc.set_threshold(1)
-        try:
-            for i in range(200):  # a new kind each: a fold allocates its Totals, so collections fall inside it
-                tel.record(f"k{i}", 1, 8, 0.0, 1.0)
-        finally:
-            gc.set_threshold(*old)
-            state["thread"] = None
-
-    gc.callbacks.append(callback)
-    try:
-        t = threading.Thread(target=work, name="gc-reads-in-fold", daemon=True)
-        t.start()
-        t.join(60)
-    finally:
-        gc.callbacks.remove(callback)
-    assert not t.is_alive(), "a telemetry reader called from a GC callback inside this thread's fold waited for ever"
-    assert not state["errors"], state["errors"]
-    assert state["views"], "no collection fell inside a fold: the check exercised nothing"
-    for view in state["views"]:  # whole folds only: a multiple of fold_every, the same count in every reader
-        assert len(set(view)) == 1 and view[0] % 8 == 0, view
-    assert _read_all(tel) == (200,) * 5  # nothing lost or counted twice
-    assert [r.kind for r in tel.records] == [f"k{i}" for i in range(200)]
-
-
-def test_reset_from_a_gc_callback_inside_the_threads_own_fold_is_refused_typed_and_loses_nothing() -> None:
-    tel = Telemetry(fold_every=8)
-    state: dict[str, Any] = {"thread": None, "inside": False, "refused": [], "other": []}
-
-    def callback(phase: str, info: dict[str, int]) -> None:
-        if phase != "start" or state["thread"] is not threading.current_thread() or state["inside"]:
-            return
-        if tel._lock.locked():
-            state["inside"] = True
-            try:
-                tel.reset()
-            except ConfigurationError as e:
-                state["refused"].append(str(e))
-            except Exception as e:  # noqa: BLE001
-                state["other"].append(e)
-            else:
-                state["other"].append("reset() inside a fold was not refused")
-            finally:
-                state["inside"] = False
-
-    def work() -> None:
-        state["thread"] = threading.current_thread()
-        old = gc.get_threshold()
-        gc.set_threshold(1)
-        try:
-            for i in range(100):
-                tel.record(f"k{i}", 1, 8, 0.0, 1.0)
-        finally:
-            gc.set_threshold(*old)
-            state["thread"] = None
-
-    gc.callbacks.append(callback)
-    try:
-        t = threading.Thread(target=work, name="gc-resets-in-fold", daemon=True)
-        t.start()
-        t.join(60)
-    finally:
-        gc.callbacks.remove(callback)
-    assert not t.is_alive(), "reset() called from a GC callback inside this thread's fold waited for ever"
-    assert not state["other"], state["other"]
-    assert state["refused"] and all("outside" in m for m in state["refused"]), state["refused"]
-    assert sum(t.calls for t in tel.totals.values()) == 100 == len(tel.records)
-
-
-# -- 3. a declared profile and this machine's measured-profile cache ------------------------------------------
+# -- 2. a declared profile and this machine's measured-profile cache ------------------------------------------
 def _profile(source: str, machine: str) -> BandwidthProfile:
     links = {"host_copy": LinkCost.constant(10, 5), "host_gather": LinkCost.constant(8, 6, 100)}
     return BandwidthProfile(links, source=source, machine=machine, created="2026-01-01T00:00:00+00:00")
@@ -233,7 +124,7 @@ def test_a_declared_profile_already_in_the_cache_is_never_taken_as_this_machines
     assert (cached.source, cached.created) == ("measured", measured.created)
 
 
-# -- 4. a ragged checkpoint's layout is checked once per load ---------------------------------------------------
+# -- 3. a ragged checkpoint's layout is checked once per load ---------------------------------------------------
 TOKENS = ExperienceSchema(r=Field((), torch.float32), tok=Field((), torch.int64, ragged=True))
 
 
