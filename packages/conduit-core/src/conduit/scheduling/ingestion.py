@@ -29,6 +29,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -70,10 +71,15 @@ class Ingestion:
         background: store in a worker thread (True) or in the producer's call (False).
         queue_depth: hand-overs that may wait before ``handover`` blocks.
         rollout_size: on-policy items per rollout (default: learned from the rollouts seen).
+        on_write: a weak reference (e.g. ``weakref.WeakMethod``) to a function called after every write that
+            stored a group, on the thread that stored it (possibly under the buffer's lock): it must not block
+            (a prefetching scheduler re-arms a prefetch that found nothing stored there). An exception it raises
+            is logged, never raised into the write.
     """
 
     def __init__(self, edp: ExperienceDataPlane, *, g_ing: float, on_policy: bool, background: bool,
-                 queue_depth: int, rollout_size: int | None = None) -> None:
+                 queue_depth: int, rollout_size: int | None = None,
+                 on_write: Callable[[], Callable[[], object] | None] | None = None) -> None:
         # held weakly: the worker thread must not keep a buffer its owner dropped alive (see abandon())
         self._edp = weakref.ref(edp)
         self._capacity = edp.capacity  # (a migration keeps it; read on every hand-over)
@@ -113,6 +119,7 @@ class Ingestion:
         self._close_unwaited = False
         self._stopped = False  # the worker thread has exited (after close)
         self._stage: dict[str, torch.Tensor] = {}
+        self._on_write = on_write
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._run, name="conduit-ingest", daemon=True)
@@ -333,6 +340,22 @@ class Ingestion:
         return self._thread is not None and self._thread is threading.current_thread()
 
     @property
+    def stored(self) -> int:
+        """Writes that stored a group so far (a count set under the buffer's lock, in the hold that stored it)."""
+        return self._stored
+
+    def _wrote(self) -> None:
+        """A write stored a group: call ``on_write`` (see the class; a failure there is logged, not raised)."""
+        ref = self._on_write
+        fn = None if ref is None else ref()
+        if fn is None:
+            return
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a notification: the write itself succeeded, and its caller goes on
+            log.warning("A scheduler's notification after a write failed; the write itself succeeded.", exc_info=True)
+
+    @property
     def waiting(self) -> bool:
         with self._cv:
             return bool(self._pending or self._inflight)
@@ -491,6 +514,7 @@ class Ingestion:
                     with self._cv:
                         self._inflight = []
                         self._landed += len(group)
+                    self._wrote()
             finally:
                 self._storer = None
 
@@ -528,6 +552,8 @@ class Ingestion:
                     self._landed += len(group)  # (once its write returned: callbacks inside it included)
                 self._inflight = []
                 self._cv.notify_all()
+            if err is None:
+                self._wrote()
 
     # -- failures --------------------------------------------------------------------------
     def _warn_unstored(self, e: BaseException) -> None:

@@ -9,7 +9,10 @@
   select-and-gather into a reused buffer); while the learner updates on one batch, a
   worker thread prepares the next chunk (double/triple buffering, see
   :mod:`conduit.scheduling.buffers`). With a GPU learner and host storage the chunk is
-  gathered into page-locked staging and copied by a side CUDA stream.
+  gathered into page-locked staging and copied by a side CUDA stream. A prefetch whose
+  draw finds nothing to deliver yet (a sampler that waits for new items, such as a queue,
+  while the items it needs are handed over but not stored) is tried again as soon as the
+  ingestion stores more, not only at the next delivery call.
 
 With ``overlap=False`` the same granularity runs sequentially in the caller: that is
 "granularity alone" (the paper's sequential configuration).
@@ -65,7 +68,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from conduit.batch import ExperienceBatch
-from conduit.errors import ConfigurationError
+from conduit.errors import ConfigurationError, EmptyBufferError
 from conduit.scheduling.base import Scheduler, wait_refused
 from conduit.scheduling.buffers import ChunkRing, buffers_needed
 from conduit.scheduling.ingestion import Handover, Ingestion
@@ -105,12 +108,18 @@ class _LockWait:
 
 class _Ticket:
     """One prefetch job's cancellation mark, read by the job under the buffer's lock as it enters (see
-    :meth:`Overlapped._await_job`)."""
+    :meth:`Overlapped._await_job`), and what its draw found (see :meth:`Overlapped._rearm`)."""
 
-    __slots__ = ("cancelled",)
+    __slots__ = ("cancelled", "seen", "starved", "rearming")
 
     def __init__(self) -> None:
         self.cancelled = False
+        #: the ingestion's writes stored when the job's draw began (read under the buffer's lock); None: not drawn
+        self.seen: int | None = None
+        #: the draw found nothing to deliver (EmptyBufferError): a later write re-arms the prefetch
+        self.starved = False
+        #: a re-arm check waits on the prefetch worker
+        self.rearming = False
 
 
 def _whole(g: Any) -> bool:
@@ -253,7 +262,7 @@ class Overlapped(Scheduler):
                                count=buffers_needed(self._chunk, self.output_depth), output_depth=self.output_depth)
         self._ingestion = Ingestion(edp, g_ing=self.g_ing, on_policy=self.on_policy,
                                     background=self.background_ingest, queue_depth=self.queue_depth,
-                                    rollout_size=self.rollout_size)
+                                    rollout_size=self.rollout_size, on_write=weakref.WeakMethod(self._rearm))
         self._pool = Worker("conduit-prefetch") if self.overlap else None
         # a buffer dropped without close() stops the threads (they hold neither it nor this scheduler)
         weakref.finalize(edp, _abandon, self._ingestion, self._pool)
@@ -289,7 +298,7 @@ class Overlapped(Scheduler):
             limit = max_bytes / item_bytes - (rows if room_for_a_chunk else 0)
             self._ring.trim(limit, keep_rows=rows, delivered=self._delivered)
         finally:
-            self._mu.release()
+            self._leave()
 
     def release_buffers(self) -> None:
         """Let go of every idle delivery buffer (e.g. while this scheduler waits unused; delivered batches stay
@@ -298,7 +307,7 @@ class Overlapped(Scheduler):
         try:
             self._ring.trim(0, keep_rows=0, delivered=self._delivered)  # (room for no rows: every idle one goes)
         finally:
-            self._mu.release()
+            self._leave()
 
     def retune(self, *, g_ing: float | None = None, g_del: float | None = None) -> None:
         """Change the granularities from the next ingestion write / delivery chunk on.
@@ -336,7 +345,7 @@ class Overlapped(Scheduler):
                 self._chunk = chunk
         finally:
             if new_g_del:
-                self._mu.release()
+                self._leave()
 
     @property
     def prepared(self) -> int:
@@ -394,7 +403,7 @@ class Overlapped(Scheduler):
                 return self._deliver_on_policy(n)
             return self._deliver_replay(n, kwargs)
         finally:
-            self._mu.release()
+            self._leave()
 
     def _enter(self, call: str) -> None:
         """Take ``_mu`` (deliveries and what changes prepared batches hold it), waiting for another thread that holds
@@ -553,9 +562,16 @@ class Overlapped(Scheduler):
                             return False  # (a delivery prepared this chunk in its call instead)
                         epoch[0] = self._prio_epoch
                         self._job_entered = True
+                        if ticket is not None:
+                            ticket.seen = self._ingestion.stored
                         return self._has_buffer_lock()
 
-                    res = self.edp.prepare_now([n] * self._chunk, target, when=stamp, **dict(kw), **extra)
+                    try:
+                        res = self.edp.prepare_now([n] * self._chunk, target, when=stamp, **dict(kw), **extra)
+                    except EmptyBufferError:
+                        if ticket is not None:  # nothing to draw yet: a later write re-arms the prefetch (_rearm)
+                            ticket.starved = True
+                        raise
                 if res is None:
                     ring.free(buf)
                     return []
@@ -638,13 +654,60 @@ class Overlapped(Scheduler):
         self._job = self._pool.submit(self._prepare, key, buf, None, ticket)
         self._job_key = key
 
+    def _rearm(self) -> None:
+        """Have a prefetch that found nothing to deliver tried again once a write stored more.
+
+        A job whose draw found nothing (:class:`~conduit.errors.EmptyBufferError`: a sampler that waits for new
+        items, such as a queue, while the items it needs are handed over but not stored yet) would otherwise leave
+        the next delivery to draw in its call. The ingestion calls this after every write that stored a group (on
+        the thread that stored it), and a call that held ``_mu`` calls it as it lets go (:meth:`_leave`). When the
+        job in flight drew before a write stored more and found nothing (or may have: it has not ended yet), a
+        check is queued on the prefetch worker, behind that job (:meth:`_rearm_now`). It never blocks.
+        """
+        t = self._ticket
+        if t.seen is None or t.rearming or t.cancelled or self._closed or self._ingestion.stored <= t.seen:
+            return  # (the common case, on every write: the job has not drawn, or nothing was stored since it did)
+        job, pool = self._job, self._pool
+        if job is None or pool is None or (job.done() and not t.starved):
+            return  # collected already (a delivery took over), or its draw found something
+        t.rearming = True
+        try:
+            pool.submit(self._rearm_now, t)
+        except ConfigurationError:  # the worker was stopped (close() on another thread): nothing more to prefetch
+            t.rearming = False
+
+    def _rearm_now(self, t: _Ticket) -> None:
+        """On the prefetch worker, after the job of ticket ``t`` ended: when that job found nothing to deliver and
+        is still the one in flight, start the next prefetch (:meth:`_start_prefetch`, with its bounds: the chunks
+        ahead, the priority staleness). It never waits for ``_mu``: a call holding it asks again as it lets go
+        (:meth:`_leave`), and a delivery starts the next prefetch itself."""
+        t.rearming = False
+        if not t.starved or self._closed or not self._mu.acquire(blocking=False):
+            return
+        try:
+            key = self._job_key
+            if self._ticket is t and self._job is not None and key is not None and not self._closed:
+                self._start_prefetch(key)
+        except Exception:  # noqa: BLE001 - prefetch is speculative: the next delivery meets the failure in its call
+            pass
+        finally:
+            self._mu.release()
+
+    def _leave(self) -> None:
+        """Let go of ``_mu`` (taken by a delivery or another call that changes prepared batches), then ask again for
+        a re-arm the prefetch worker could not start while it was held (see :meth:`_rearm`)."""
+        self._mu.release()
+        if self._ticket.starved:
+            self._rearm()
+
     def _await_job(self, *, cancel: bool = False) -> None:
         """Collect the job in flight's batches; a failed job prepared nothing and raises nothing here.
 
         Prefetch is speculative: whatever made it fail (nothing to draw yet, a storage error) is
         met again by the delivery call that prepares in the caller, and raised there, to the
         call it concerns, instead of from a later call (or ``close``/``invalidate``) that has
-        its own work done.
+        its own work done. A job that found nothing to draw is tried again when a write stores
+        more before that delivery (see :meth:`_rearm`).
 
         When this thread holds the buffer's lock (inside ``read_locked()``, or a callback the buffer runs under
         it) and the job has not taken that lock, the job cannot go on, and has drawn nothing: a delivery
