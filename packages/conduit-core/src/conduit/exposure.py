@@ -6,7 +6,7 @@ Per iteration of a loop, from the spans in a :class:`~conduit.Telemetry`:
   ``ingest``/``deliver`` calls (``ingest_wait``/``deliver_wait``: validation, the work
   itself or the hand-over to background work, and any wait for it) and of the work spans,
   on the threads that run the loop (those that record ``rollout``, ``update`` or
-  ``iteration`` spans);
+  ``iteration`` spans, unless the loop's threads are given: ``loop_threads``);
 * **hidden** -- experience-path work that other threads (the scheduler's workers) did
   while the loop was doing something else: the union of their ingest/deliver/stage
   spans, minus the part that coincided with the loop waiting for it;
@@ -167,10 +167,16 @@ class ExposureLog:
         telemetry: where the loop's spans are recorded.
         keep: how many of the newest iterations :attr:`iterations` holds (the oldest go first, so a
             long run's log stays bounded; ``None`` keeps them all). :attr:`accounted` counts them all.
+        loop_threads: the ids of the threads that run this loop (:func:`conduit.telemetry.thread_id`, called on
+            each of them). Default: every thread that records a ``rollout``, ``update`` or ``iteration`` span
+            during the iteration -- which takes in another loop's threads when two loops record into one
+            telemetry, so that each log counts the other loop's calls as its own exposed time. Two loops sharing
+            a telemetry give each log its own loop's threads (e.g. ``ExposureLog(tel, loop_threads={thread_id()})``
+            on the loop's thread), or each loop its own :class:`~conduit.Telemetry`.
 
     Raises:
-        ConfigurationError: ``telemetry`` is not a :class:`~conduit.Telemetry`, or ``keep`` not an int >= 1
-            (or None).
+        ConfigurationError: ``telemetry`` is not a :class:`~conduit.Telemetry`, ``keep`` not an int >= 1
+            (or None), or ``loop_threads`` not a non-empty collection of thread ids (or None).
 
     Examples:
         >>> import time
@@ -188,14 +194,28 @@ class ExposureLog:
         True
     """
 
-    def __init__(self, telemetry: Telemetry, *, keep: int | None = 100_000) -> None:
+    def __init__(self, telemetry: Telemetry, *, keep: int | None = 100_000,
+                 loop_threads: Iterable[int] | None = None) -> None:
         if not isinstance(telemetry, Telemetry):
             raise ConfigurationError(f"ExposureLog(telemetry) reads the spans of a conduit.Telemetry (e.g. the "
                                      f"buffer's `edp.telemetry`), got {telemetry!r}.")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ConfigurationError(f"ExposureLog(keep=...) is how many recent iterations to hold: pass an int >= 1 "
                                      f"or None (all of them), got {keep!r}.")
+        threads: frozenset[int] | None = None
+        if loop_threads is not None:
+            try:
+                threads = frozenset(loop_threads)
+                ok = bool(threads) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in threads)
+            except TypeError:  # not iterable, or of unhashable things
+                ok = False
+            if not ok:
+                raise ConfigurationError(f"ExposureLog(loop_threads=...) is the ids of the threads that run the loop "
+                                         f"(conduit.telemetry.thread_id() on each), or None for the threads that "
+                                         f"record rollout/update/iteration spans; got {loop_threads!r}.")
         self.telemetry = telemetry
+        #: the loop's threads given (None: those that record rollout/update/iteration spans, see the class)
+        self.loop_threads = threads
         #: the newest accounted iterations, oldest first (at most ``keep``)
         self.iterations: deque[IterationExposure] = deque(maxlen=keep)
         #: iterations accounted so far, including those :attr:`iterations` no longer holds
@@ -241,7 +261,7 @@ class ExposureLog:
                 # every span overlapping the iteration, however long before it started (a span is recorded when
                 # it ends, so one ending after t0 was folded after the mark)
                 recs = [r for r in records if r.end > t0]
-                self.iterations.append(measure_iteration(recs, t0, t1))
+                self.iterations.append(measure_iteration(recs, t0, t1, self.loop_threads))
                 self.accounted += 1
 
     def summary(self, skip: int = 0) -> dict[str, float]:

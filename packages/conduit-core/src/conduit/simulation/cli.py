@@ -195,6 +195,19 @@ def simulate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     made = not out.exists()
     try:
+        return _simulate_into(out, args, scenarios, samples)
+    except BaseException:
+        # interrupted (Ctrl-C) or refused before a file was written: the directory this command made for its
+        # output goes, if it is still empty (one that existed before, or that holds any file, is kept)
+        if made:
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
+
+
+def _simulate_into(out: Path, args: argparse.Namespace, scenarios: dict[str, Scenario], samples: int) -> int:
+    """Make ``out``, simulate every scenario, then write the tables, the JSON files and the plot there."""
+    try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".conduit-probe-"):  # an existing folder may refuse files
             pass
@@ -203,18 +216,13 @@ def simulate(args: argparse.Namespace) -> int:
                                  f"give a directory path that can be created or written.") from e
     results: dict[str, tuple[Scenario, list[dict[str, Any]]]] = {}
     nets: dict[str, Network] = {}
-    try:  # every scenario simulated before any file is written: a refusal (nothing fits) leaves no half output
-        for name, sc in scenarios.items():
-            net = NETWORKS[sc.network]
-            if args.rpc_us is not None:
-                net = dataclasses.replace(net, rpc_overhead_s=args.rpc_us * 1e-6)
-            nets[name] = dataclasses.replace(net, node_fetch=args.fetch == "per-node")
-            results[name] = (sc, run_scenario(sc, baseline=args.baseline, samples=samples, network=nets[name]))
-    except BaseException:
-        if made:  # the directory this command made for its output, still empty (if another wrote there: kept)
-            with contextlib.suppress(OSError):
-                out.rmdir()
-        raise
+    # every scenario simulated before any file is written: a refusal (nothing fits) leaves no half output
+    for name, sc in scenarios.items():
+        net = NETWORKS[sc.network]
+        if args.rpc_us is not None:
+            net = dataclasses.replace(net, rpc_overhead_s=args.rpc_us * 1e-6)
+        nets[name] = dataclasses.replace(net, node_fetch=args.fetch == "per-node")
+        results[name] = (sc, run_scenario(sc, baseline=args.baseline, samples=samples, network=nets[name]))
     for name, (sc, rows) in results.items():
         net = nets[name]
         md = table(sc, rows, args.baseline, net)
