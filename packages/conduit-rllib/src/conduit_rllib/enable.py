@@ -6,7 +6,8 @@ What it sets, all through RLlib's public configuration API:
   ``algorithm.local_replay_buffer`` by a Conduit buffer of the same kind (uniform or
   prioritized, same capacity and alpha; ``replay_buffer_config["type"]`` may be a class, a name
   or a dotted path, resolved as RLlib resolves it, and a subclass of Conduit's buffers is built
-  itself) delivering on the learner's device, and a learner
+  itself; RLlib 2.60's ``build_algo`` itself takes only a name or dotted path: with a class, its own
+  buffer set-up raises ``TypeError`` before this callback runs) delivering on the learner's device, and a learner
   class with :class:`~conduit_rllib.learner.ConduitOffPolicyLearner` mixed in. The training
   step, the loss and the replay-buffer config stay RLlib's.
 * PPO (on-policy): a learner class with :class:`~conduit_rllib.learner.ConduitOnPolicyLearner`

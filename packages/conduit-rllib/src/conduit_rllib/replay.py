@@ -243,7 +243,9 @@ class _ConduitReplay:
         return sums across the gap; one that starts inside the stored steps, e.g. an episode's first
         chunk, ``t_started`` 0, added again, is refused, and so is any chunk of an episode that ended, while
         a step of it is still stored, e.g. a whole episode added twice, or a chunk starting at or after its
-        end, as RLlib's buffers refuse it). ``weight`` is the initial priority
+        end, as RLlib's buffers refuse it). Once every stored step of an episode is evicted, its id is
+        forgotten, as RLlib forgets an evicted episode: a chunk of it is stored (and counted) as a new
+        episode, whatever its ``t_started``. ``weight`` is the initial priority
         (prioritized buffer; default: the largest priority an update set, 1.0 at first, as in RLlib: a
         weight given here does not raise later adds' default).
 
@@ -252,9 +254,9 @@ class _ConduitReplay:
                 no ``SingleAgentEpisode`` (e.g. an old-API-stack ``SampleBatch``). Nothing of this add is stored.
             UnsupportedConfigError: a ``MultiAgentEpisode``; nothing of this add is stored.
             conduit.ConfigurationError: a weight for the uniform buffer; a chunk that starts inside steps
-                of its episode already added (they would be stored twice), ``t_started`` 0 included; any
-                chunk of an episode that ended in an earlier add while a step of it is still stored (give
-                new steps a new episode id).
+                of its episode already added, while a step of it is still stored (they would be stored
+                twice), ``t_started`` 0 included; any chunk of an episode that ended in an earlier add while
+                a step of it is still stored (give new steps a new episode id).
             conduit.PriorityError: a weight that is no number, or is NaN, infinite or negative.
             conduit.CapacityError: one chunk holds more steps than the capacity; nothing of this add
                 is stored. (RLlib's buffer keeps such a chunk over capacity until the next add; Conduit's
@@ -307,16 +309,20 @@ class _ConduitReplay:
         timestep it starts at, as the chunks ``episode.cut()`` leaves do. So is any chunk of an episode that ended in
         an earlier add, while a step of it is still stored: one inside its steps (e.g. a whole episode added twice)
         and one that starts at or after its end (an ended episode has no continuation; RLlib's buffers refuse such
-        a chunk as well). Once its last step is evicted the id is free again, as RLlib forgets evicted episodes.
+        a chunk as well). Once its last step is evicted the id is free again, as RLlib forgets evicted episodes; so is
+        an unfinished episode's once all its stored steps are: a chunk of it then starts a new episode, whatever its
+        ``t_started`` (its first chunk again included). Eviction is counted chunk by chunk, as the add stores them.
 
         Raises:
             conduit.ConfigurationError: such a chunk.
         """
         ends: dict[str, tuple[int, bool]] = {}  # episode id -> (where its added steps end, ended), as this add goes
-        oldest = self._next - self.capacity  # (the oldest handle stored once the adds so far are)
+        added = 0  # steps of this add's chunks before c
         for c in chunks:
             if not c.length:
                 continue
+            oldest = self._next + added - self.capacity  # (the oldest handle stored once the chunks before c are)
+            added += c.length
             gone = self._ended.get(c.episode_id)
             if gone is not None and gone[0] >= oldest:
                 why = ("would store them twice" if c.t_started < gone[1] else
@@ -326,7 +332,8 @@ class _ConduitReplay:
                     f"still stored, so this chunk of it, starting at timestep {c.t_started}, {why}. Add each "
                     f"episode once; to store steps again (e.g. a transition sample() returned) or to store another "
                     f"episode, give them a new episode id. Nothing of this add was stored.")
-            known = self._tail_t.get(c.episode_id)
+            newest = self._tail.get(c.episode_id)  # (an unfinished episode whose steps were all evicted is forgotten)
+            known = self._tail_t.get(c.episode_id) if newest is None or newest >= oldest else None
             end, ended = ends.get(c.episode_id, (known, False) if known is not None else (None, False))
             if end is not None and (c.t_started < end or ended):
                 why = (f"the episode ended at timestep {end} earlier in this add" if ended else
@@ -389,7 +396,7 @@ class _ConduitReplay:
         follows = expected is None or chunk.t_started == expected
         if tail is not None and tail >= oldest and follows:
             self._succ[tail % cap] = first
-        if tail is None:
+        if tail is None or tail < before:  # (an episode whose stored steps were all evicted comes back as a new one)
             self._counts["episodes"] += 1
         if not chunk.done:
             self._tail[chunk.episode_id] = first + n - 1
@@ -610,8 +617,6 @@ class _ConduitReplay:
                 if handles is None or self.edp is None:
                     raise PriorityError("update_priorities applies to the last sample(); call sample() first (each "
                                         "sample takes one priority update).")
-            elif self.edp is None:
-                return 0
             try:
                 p = np.asarray(priorities.detach().cpu().numpy() if isinstance(priorities, torch.Tensor)
                                else priorities, dtype=np.float64).reshape(-1)
@@ -627,6 +632,12 @@ class _ConduitReplay:
                 what = "the last sample of" if last else "the"
                 raise PriorityError(f"Got {p.shape[0]} priorities for {what} {h.shape[0]} transitions; pass one "
                                     f"per transition.")
+            if self.edp is None:  # nothing added yet: no handle was ever issued (checked as after adds)
+                if h.size:
+                    raise PriorityError(f"Handle {int(h[0])} was never issued: this buffer holds nothing yet (no "
+                                        f"handle was issued); pass the handles a sample() returned. No priority "
+                                        f"was changed.")
+                return 0
             # RLlib's floor for small (and negative) values; NaN and +-inf go on unchanged, so the data plane
             # refuses them (np.maximum would have turned -inf into the floor)
             applied = self.edp.update_priorities(h, np.where(np.isfinite(p), np.maximum(p, MIN_PRIORITY), p))
@@ -992,6 +1003,6 @@ class ConduitPrioritizedEpisodeReplayBuffer(_ConduitReplay, PrioritizedEpisodeRe
         Raises:
             conduit.PriorityError: no sample to update, a length mismatch, priorities that are no numbers or
                 are NaN/inf, or handles that are no whole numbers (a fraction, a string) or were never
-                issued. No priority is changed then.
+                issued (before the first add, every handle: none was issued yet). No priority is changed then.
         """
         return self._update_priorities(priorities, handles)
