@@ -58,8 +58,8 @@ from conduit.storage import ColumnarStorage
 from conduit_verl.compat import MissingKeyError
 from conduit_verl.packing import PackedColumn
 
-__all__ = ["Rung", "PoolLadder", "PoolPlacement", "Migration", "FieldStore", "Appended", "check_indexes",
-           "kind_error", "dtype_error", "rank_error", "storage_dtype"]
+__all__ = ["Rung", "PoolLadder", "MIN_GROWTH", "PoolPlacement", "Migration", "FieldStore", "Appended",
+           "check_indexes", "kind_error", "dtype_error", "rank_error", "storage_dtype"]
 
 
 def check_indexes(name: str, gis: list[int], held: Collection[int], max_items: int | None,
@@ -167,6 +167,10 @@ class Appended:
     before: _Layout
 
 
+#: the smallest :class:`PoolLadder` growth: from it on, every size below 2**63 is within 4,000 rungs of rung 0
+MIN_GROWTH = 1.01
+
+
 class PoolPlacement(HostPlacement):
     """Host placement (page-locked when CUDA is present) whose ragged pools hold ``elements`` each."""
 
@@ -187,18 +191,23 @@ class PoolLadder:
     than rung ``k - 1``). Rungs are computed as they are first needed, so every size has one, whatever ``growth``:
     only ``max_items`` limits the slots, nothing limits the pool.
 
+    ``growth`` is at least :data:`MIN_GROWTH` (1.01): a growth closer to 1 makes rungs one element apart, so reaching
+    a large pool would walk (and keep) millions of rungs. From 1.01 on, every size below 2**63 is within 4,000
+    rungs of rung 0. A field asks for twice what it needs whenever it moves, so ``growth`` only sets how far past
+    that a rung may overshoot: 1.01 to about 4 is the useful range (2.0, the default).
+
     Args:
         items: sample slots of rung 0.
         elements: packed-pool elements of rung 0.
 
     Keyword Args:
-        growth: factor between rungs (a finite number > 1).
+        growth: factor between rungs (a finite number >= :data:`MIN_GROWTH`).
         pin_memory: page-locked host pools (only when CUDA is present).
         max_items: no rung holds more samples than this (None: unbounded).
 
     Raises:
         ConfigurationError: ``items`` or ``elements`` not positive, ``growth`` not a finite number > 1 (infinity or
-            NaN included), or ``max_items`` below 1.
+            NaN included) or below :data:`MIN_GROWTH`, or ``max_items`` below 1.
     """
 
     def __init__(self, items: int, elements: int, *, growth: float = 2.0, pin_memory: bool = False,
@@ -207,6 +216,10 @@ class PoolLadder:
             raise ConfigurationError(f"PoolLadder needs positive items and elements, got {items}, {elements}.")
         if not 1 < growth < math.inf:  # (NaN fails too: int() of an infinite or NaN rung size raised untyped)
             raise ConfigurationError(f"PoolLadder growth must be > 1 and finite, got {growth}.")
+        if growth < MIN_GROWTH:  # rungs one element apart: a large pool would take millions of them
+            raise ConfigurationError(
+                f"PoolLadder growth must be at least {MIN_GROWTH}, got {growth}: closer to 1, rungs grow by one "
+                f"element, so a large pool takes millions of rungs. Use {MIN_GROWTH} to about 4 (the default is 2.0).")
         if max_items is not None and max_items < 1:
             raise ConfigurationError(f"max_items must be >= 1 or None, got {max_items}.")
         self.growth = float(growth)

@@ -13,7 +13,7 @@ its staleness rule with Conduit's on-policy one
 ``staleness <= max_staleness``. verl's ``max_off_policy_threshold`` counts the versions a
 trajectory *spans* (staleness + 1), so ``max_staleness = max_off_policy_threshold - 1`` and
 the two agree where both apply. On top of verl's ``drop`` and ``wait`` it adds Conduit's
-``raise`` (``trainer.v1.sampler.sampler_kwargs.on_stale=raise``): a stale group stops the
+``raise`` (``+trainer.v1.sampler.sampler_kwargs.on_stale=raise``): a stale group stops the
 run with :class:`conduit.StaleExperienceError` instead of being silently dropped. Under
 ``drop`` and ``raise`` every selected batch is re-checked against the bound before
 TransferQueue is touched (a refused sample clears nothing); verl's ``wait`` is dropless (it
@@ -40,8 +40,10 @@ is the one stated:
 The two staleness metrics are absent when the batch has no trajectory.
 
 verl 0.9.1 hands a custom sampler neither DAPO's group filter (``algorithm.filter_groups``) nor
-``trainer.v1.sampler.sync_refill_failed_groups``: with this plug groups are not DAPO-filtered and
-sync mode does not refill failed groups.
+``trainer.v1.sampler.sync_refill_failed_groups``, so this plug could neither DAPO-filter groups nor
+(``sync`` mode) refill failed ones. Rather than train unfiltered groups silently, it refuses a trainer
+config that turns either on (:class:`conduit.ConfigurationError` when verl's trainer builds it): for
+DAPO keep verl's own sampler (Conduit's storage backend and delivery still apply).
 
 The rule holds in every trainer mode, ``sync`` included: there verl ignores staleness (its sync
 sampling is meant to be on-policy), but a finished group can still be left for a later step
@@ -61,6 +63,7 @@ from __future__ import annotations
 from typing import Any
 
 from conduit import ConfigurationError, StaleExperienceError
+from omegaconf import DictConfig, OmegaConf
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
@@ -106,6 +109,34 @@ class ConduitReplayBuffer(ReplayBufferAsync):
         self._sampling: tuple[int, int] | None = None
         #: staleness of each trajectory the current sample() selected (its group's)
         self._selected_ages: list[int] = []
+        self._refuse_options_not_passed()
+
+    def _refuse_options_not_passed(self) -> None:
+        """Refuse the trainer options verl 0.9.1 does not pass to a custom sampler, which this one would ignore.
+
+        The trainer's config is read from ``refill_fn``, the bound ``_add_prompts_to_generate`` of the verl trainer
+        that builds the buffer (a buffer built otherwise, with no such config, is not checked).
+
+        Raises:
+            ConfigurationError: ``algorithm.filter_groups.enable`` is on (DAPO), or ``sync`` mode with
+                ``trainer.v1.sampler.sync_refill_failed_groups`` on, and the trainer did not pass it here.
+        """
+        cfg = getattr(getattr(self.refill_fn, "__self__", None), "config", None)
+        if not isinstance(cfg, DictConfig):
+            return
+        keep = ("drop the trainer.v1.sampler.custom_sampler overrides to use verl's own sampler (Conduit's storage "
+                "backend and minibatch delivery stay on)")
+        if self.filter_groups_metric is None and OmegaConf.select(cfg, "algorithm.filter_groups.enable", default=False):
+            raise ConfigurationError(
+                f"algorithm.filter_groups.enable=True (DAPO), but verl 0.9.1 does not hand the group filter to a "
+                f"custom sampler, so ConduitReplayBuffer would train the groups DAPO filters out. For DAPO, {keep}; or "
+                f"set algorithm.filter_groups.enable=False.")
+        if (self.trainer_mode == "sync" and not self.sync_refill_failed_groups
+                and OmegaConf.select(cfg, "trainer.v1.sampler.sync_refill_failed_groups", default=False)):
+            raise ConfigurationError(
+                f"trainer.v1.sampler.sync_refill_failed_groups=True, but verl 0.9.1 does not hand it to a custom "
+                f"sampler, so ConduitReplayBuffer would train failed groups instead of refilling them. To refill them, "
+                f"{keep}; or set trainer.v1.sampler.sync_refill_failed_groups=False.")
 
     def _terminal_eviction_reasons(self, global_steps: int, partition_id: str) -> Any:
         if self.trainer_mode == "sync":  # verl's synchronous rules (failed groups stay sampleable), plus staleness

@@ -21,14 +21,15 @@ Three parts, each registered through TransferQueue's own registries:
 
 Samples are routed to units by ``global_index % num_units``, as SimpleStorage does.
 
-Configuration (``transfer_queue.backend.Conduit.*``, every key optional):
+Configuration (``transfer_queue.backend.Conduit.*``, every key optional; verl's config has no ``Conduit``
+section, so a hydra override adds a key with a leading ``+``: ``+transfer_queue.backend.Conduit.num_units=2``):
 
 ``num_units`` (1), ``capacity`` (1024 sample slots per field and unit before the first
 migration), ``mean_length`` (256 elements per sample in the first placement),
-``growth`` (2.0, the placement map's factor), ``max_items`` (null: unbounded),
+``growth`` (2.0, the placement map's factor, at least 1.01), ``max_items`` (null: unbounded),
 ``unit_num_cpus`` (0; ``tq.init`` refuses units that together reserve more CPUs than their
 node has, and stops them if one has not started within :data:`UNIT_START_TIMEOUT_S`),
-``device`` (``cpu``; ``auto`` returns tensors on the reading process's accelerator),
+``device`` (``cpu``; ``auto`` returns tensors on the reading process's accelerator; nothing else),
 ``delivery`` (``prefetch``; ``sync``, or ``off`` to leave verl's minibatch iteration alone:
 see :mod:`conduit_verl.delivery`).
 """
@@ -619,6 +620,9 @@ def _with_defaults(cfg: Any) -> dict[str, Any]:
 def _validated(cfg: dict[str, Any]) -> dict[str, Any]:
     """``cfg`` (defaults filled in) when every key is known and every value usable.
 
+    ``device`` is ``cpu`` or ``auto``: a fixed device would be every reading process's, and verl's controller and
+    agent loop have no accelerator.
+
     Raises:
         ConfigurationError: an unknown key or a bad value, named with the hydra path to fix.
     """
@@ -642,6 +646,10 @@ def _validated(cfg: dict[str, Any]) -> dict[str, Any]:
                                  f"{units}, {cfg['mean_length']}, {cpus}.")
     if cfg["delivery"] not in ("prefetch", "sync", "off"):
         raise ConfigurationError(f"{where}.delivery={cfg['delivery']!r}; use prefetch, sync or off.")
+    if cfg["device"] not in ("cpu", "auto"):  # one fixed device for every reading process: verl's controller and
+        # agent loop have no accelerator (their first read would fail mid-run), and "meta" would drop the data
+        raise ConfigurationError(f"{where}.device={cfg['device']!r}; use cpu, or auto to read onto each reading "
+                                 f"process's own accelerator (CPU where it has none, as verl's controller).")
     return cfg
 
 

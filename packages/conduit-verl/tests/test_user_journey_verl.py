@@ -1,0 +1,191 @@
+"""What a verl user does with Conduit under RLHF post-training, followed from the README.
+
+* The backend's documented options: the README's table states the defaults the backend uses, and its keys are set
+  the way the README says (hydra needs a leading ``+``: verl's ``transfer_queue`` config has no ``Conduit`` section,
+  nor ``sampler_kwargs`` an ``on_stale`` key). ``device`` takes what the README offers (``cpu``, ``auto``): a fixed
+  device passed the check and failed mid-run in verl's controller, which has no accelerator.
+* The storage's pool ladder refuses a ``growth`` too close to 1 (rungs one element apart: a large pool took millions
+  of rungs), naming the useful range, typed, at ``PoolLadder`` and at the backend's config check.
+* DAPO's group filter (``algorithm.filter_groups``) and sync mode's ``sync_refill_failed_groups``, which verl 0.9.1
+  does not hand to a custom sampler, were silently ignored under ``ConduitReplayBuffer``: verl's own trainer now
+  gets a ``ConfigurationError`` that says what to do when it builds the buffer.
+* The usual actor choices (dynamic batch sizes, several PPO epochs, shuffled minibatches, GRPO's n rollouts per
+  prompt) train through Conduit's delivery exactly as through verl's own iterator.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conduit import ConfigurationError
+
+pytestmark = pytest.mark.requires("verl")
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+#: Conduit switched on the README's way (backend and replay-buffer plug), on verl's CPU-sized trainer config
+PLUG = ["transfer_queue.backend.storage_backend=Conduit",
+        "trainer.v1.sampler.custom_sampler.path=pkg://conduit_verl.replay",
+        "trainer.v1.sampler.custom_sampler.name=ConduitReplayBuffer"]
+
+
+def _readme_config_table() -> dict[str, str]:
+    """key -> the default the README's backend configuration table states (as written)."""
+    text = README.read_text()
+    section = text.split("### Configuration (`transfer_queue.backend.Conduit.*`", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): m.group(2).strip().strip("`") for m in re.finditer(r"^\| `(\w+)` \| ([^|]+) \|", section, re.M)}
+
+
+# -- 1. the documented options ------------------------------------------------------------------------------------
+def test_the_readme_states_the_backends_keys_and_defaults_and_how_to_set_them() -> None:
+    """Every key of the README's table, set as the README says (``+transfer_queue.backend.Conduit.KEY=DEFAULT``),
+    composes with verl's trainer config and reaches the backend as its own default."""
+    from conduit_verl.cpu.config import compose
+    from conduit_verl.tq_storage import DEFAULTS, _validated, _with_defaults
+
+    table = _readme_config_table()
+    assert table.keys() == DEFAULTS.keys()
+    stated = {k: None if v == "null" else type(DEFAULTS[k])(v) for k, v in table.items()}
+    assert stated == DEFAULTS, "the README's defaults are not the backend's"
+
+    assert "+transfer_queue.backend.Conduit." in README.read_text(), "the README does not say how to set a key"
+    with pytest.raises(Exception, match=r"\+transfer_queue.backend.Conduit.capacity"):  # hydra: "use +..."
+        compose([*PLUG, "transfer_queue.backend.Conduit.capacity=8"])
+    cfg = compose([*PLUG, *(f"+transfer_queue.backend.Conduit.{k}={v}" for k, v in table.items())])
+    assert cfg.transfer_queue.backend.storage_backend == "Conduit"
+    assert _validated(_with_defaults(cfg.transfer_queue.backend.Conduit)) == DEFAULTS
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "meta"])
+def test_a_fixed_read_device_is_refused_at_the_config_check_and_auto_named(device: str) -> None:
+    """The README offers ``cpu`` and ``auto``. A fixed device used to pass the backend's check (``tq.init`` started
+    the units), then every process read onto it: a process without that accelerator (verl's controller has none,
+    nor has this CPU host) failed untyped at its first read, mid-run, and ``meta`` returned tensors without data.
+    Now refused before anything starts."""
+    from conduit_verl.cpu.config import compose
+    from conduit_verl.tq_storage import _validated, _with_defaults
+
+    cfg = compose([*PLUG, f"+transfer_queue.backend.Conduit.device={device}"])
+    with pytest.raises(ConfigurationError, match=r"Conduit\.device=.*use cpu, or auto"):
+        _validated(_with_defaults(cfg.transfer_queue.backend.Conduit))
+    for fine in ("cpu", "auto"):
+        cfg = compose([*PLUG, f"+transfer_queue.backend.Conduit.device={fine}"])
+        assert _validated(_with_defaults(cfg.transfer_queue.backend.Conduit))["device"] == fine
+
+
+def test_every_override_the_readme_shows_composes_with_verls_config() -> None:
+    """A user pastes the README's overrides: each one hydra takes as written (``on_stale=raise`` needed a ``+``, as
+    ``sampler_kwargs`` is an empty section of verl's config), and ``on_stale`` reaches the Conduit sampler."""
+    from conduit_verl.cpu.config import compose
+
+    top = set(compose([]).keys())
+    shown = [o for o in re.findall(r"`(\+?[a-z_]+(?:\.\w+)+=[^`\s]+)`", README.read_text())
+             if o.lstrip("+").split(".", 1)[0] in top]
+    assert "+trainer.v1.sampler.sampler_kwargs.on_stale=raise" in shown, shown
+    for override in shown:
+        compose([*PLUG, override])  # hydra raises on an override it cannot apply
+    assert _trainer("sync", "+trainer.v1.sampler.sampler_kwargs.on_stale=raise").replay_buffer.on_stale == "raise"
+
+
+# -- 2. the pool ladder's growth ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("growth", [1.0000001, 1.001, 1.0099])
+def test_a_growth_too_close_to_one_is_refused_with_the_useful_range(growth: float) -> None:
+    """A growth barely above 1 used to be accepted: rungs one element apart, so a field that needed a pool of ten
+    million elements walked (and kept) ten million rungs. Now PoolLadder and the backend's config check refuse it,
+    typed, naming the smallest growth; growth <= 1 keeps its documented refusal."""
+    from conduit_verl.columns import PoolLadder
+    from conduit_verl.cpu.config import compose
+    from conduit_verl.tq_storage import DEFAULTS, _validated, _with_defaults
+
+    with pytest.raises(ConfigurationError, match=r"growth must be at least 1\.01.*about 4"):
+        PoolLadder(1024, 1024 * 256, growth=growth)
+    cfg = compose([*PLUG, f"+transfer_queue.backend.Conduit.growth={growth}"])
+    with pytest.raises(ConfigurationError, match=r"transfer_queue\.backend\.Conduit.*at least 1\.01"):
+        _validated(_with_defaults(cfg.transfer_queue.backend.Conduit))
+    with pytest.raises(ConfigurationError, match="growth must be > 1 and finite"):
+        _validated(dict(DEFAULTS, growth=1.0))
+
+    from conduit_verl.columns import MIN_GROWTH
+
+    assert MIN_GROWTH == 1.01
+    ladder = PoolLadder(1, 1, growth=MIN_GROWTH)  # the smallest growth reaches any size in a few thousand rungs
+    k = ladder.pool(2**62)
+    assert ladder.elements[k] >= 2**62 and len(ladder.elements) < 4000
+    assert ladder.items[ladder.slots(10**7)] >= 10**7 and len(ladder.items) < 4000
+
+
+# -- 3. what verl does not hand a custom sampler ---------------------------------------------------------------------
+def _trainer(mode: str, *extra: str, plug: list[str] = PLUG) -> Any:
+    """verl's own V1 trainer of ``mode`` (its constructor builds the replay buffer) on the tiny CPU config."""
+    import verl.trainer.ppo.v1  # noqa: F401  (registers the trainer modes)
+    from conduit_verl.cpu.config import compose, cpu_overrides
+    from verl.trainer.ppo.v1.trainer_base import get_trainer_cls
+
+    cfg = compose([*cpu_overrides("/nonexistent/model", n=2, mini_batch=1), *plug, "algorithm.adv_estimator=grpo",
+                   "data.train_batch_size=4", f"trainer.v1.trainer_mode={mode}", *extra])
+    return get_trainer_cls(mode)(cfg)
+
+
+DAPO = ["algorithm.filter_groups.enable=True", "algorithm.filter_groups.metric=acc"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_dapo_group_filtering_with_the_conduit_sampler_is_refused_not_ignored(mode: str) -> None:
+    """verl 0.9.1 builds a custom sampler without DAPO's filter metric: ConduitReplayBuffer used to be built and to
+    train every group, DAPO's filtered ones included. verl's trainer now stops with a ConfigurationError that says to
+    keep verl's own sampler for DAPO; without DAPO the same trainer builds the Conduit sampler."""
+    from conduit_verl.replay import ConduitReplayBuffer
+
+    assert type(_trainer(mode).replay_buffer) is ConduitReplayBuffer
+    with pytest.raises(ConfigurationError, match=r"filter_groups.*custom_sampler overrides"):
+        _trainer(mode, *DAPO)
+    # the advice works: with the Conduit backend but verl's own sampler, DAPO's filter is in force
+    assert _trainer(mode, *DAPO, plug=PLUG[:1]).replay_buffer.filter_groups_metric == "acc"
+
+
+def test_sync_refill_of_failed_groups_with_the_conduit_sampler_is_refused_in_sync_mode() -> None:
+    """In sync mode verl's own sampler refills failed groups when asked; ConduitReplayBuffer never got the option
+    and trained them. Now refused, typed; in the async modes (where verl's sampler refills failed groups anyway)
+    it stays accepted."""
+    refill = "trainer.v1.sampler.sync_refill_failed_groups=True"
+    with pytest.raises(ConfigurationError, match=r"sync_refill_failed_groups.*custom_sampler overrides"):
+        _trainer("sync", refill)
+    assert not _trainer("colocate_async", refill).replay_buffer.sync_refill_failed_groups
+
+
+# -- 4. the actor's usual choices, through Conduit's delivery ---------------------------------------------------------
+@pytest.mark.parametrize(("choice", "kw", "extra"), [
+    pytest.param("dynamic batch sizes, 2 shuffled epochs", dict(n=4, mini_batch=1, micro_batch=2, epochs=2,
+                                                                shuffle=True),
+                 ["actor_rollout_ref.actor.use_dynamic_bsz=True",
+                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40",
+                  "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+                  "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=40"], id="dynamic-bsz"),
+    pytest.param("n=2, minibatch of 2 prompts, micro batch 1, 3 epochs", dict(n=2, mini_batch=2, micro_batch=1,
+                                                                             epochs=3, shuffle=True), [],
+                 id="n2-mini2-micro1-epochs3"),
+])
+def test_the_actors_usual_choices_train_the_same_through_conduit(tiny: dict[str, Path], gloo: None, choice: str,
+                                                                  kw: dict[str, Any], extra: list[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's real actor worker (FSDP2 on gloo, in process): the same losses, gradient norms and weights with
+    Conduit's prefetching delivery as with verl's own iterator, for every optimizer step."""
+    from conduit_verl.cpu.config import compose, cpu_overrides
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    run_update = importlib.import_module("test_actor_inprocess").run_update  # verl's helpers: one GRPO actor update
+
+    cfg = compose([*cpu_overrides(str(tiny["model"]), **kw), *extra])
+    ref_metrics, ref_params = run_update(cfg, "off")
+    got_metrics, got_params = run_update(cfg, "prefetch")
+    steps = 2 // kw["mini_batch"] * kw["epochs"]  # run_update's rollout: 2 prompts x n
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert len(ref_metrics[key]) == steps, (choice, key, ref_metrics[key])
+        assert got_metrics[key] == ref_metrics[key], (choice, key)
+    assert any(g > 0 for g in ref_metrics["actor/grad_norm"]), "the update trained nothing"
+    assert all(torch.equal(got_params[k], ref_params[k]) for k in ref_params), choice
