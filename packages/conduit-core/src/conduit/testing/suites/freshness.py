@@ -45,6 +45,29 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
                 pytest.fail(f"a new endpoint delivered {len(got)} minibatch(es) before anything was ingested "
                             f"(ids {[m.ids.tolist() for m in got][:3]}); it must raise conduit.EmptyBufferError")
 
+    def test_ending_an_empty_rollout_delivers_nothing(self) -> None:
+        """``end_rollout`` with nothing ingested since the last one (on a new endpoint, or called twice) ends no
+        rollout: nothing is delivered for it, neither M x E empty minibatches nor a rollout of another's items.
+
+        Troubleshooting: on ``end_rollout`` seal the open rollout only if it holds items; a learner handed empty
+        minibatches computes its loss over nothing.
+        """
+        with self.on_policy(num_minibatches=3, num_epochs=2, seed=4) as ep:
+            ep.end_rollout()
+            with pytest.raises(EmptyBufferError):
+                got = ep.consume()
+                pytest.fail(f"end_rollout() on a new endpoint made a rollout: consume() delivered {len(got)} "
+                            f"minibatch(es) of sizes {[len(m.ids) for m in got]} instead of raising EmptyBufferError")
+            ep.ingest(np.arange(12), version=0)
+            ep.end_rollout()
+            ep.end_rollout()  # nothing ingested since the last one
+            assert self._epochs(ep.consume(), 2) == [list(range(12))] * 2, "the rollout was not delivered whole"
+            with pytest.raises(EmptyBufferError):
+                got = ep.consume()
+                pytest.fail(f"a second end_rollout() with nothing ingested since the first made a rollout: consume() "
+                            f"delivered {len(got)} minibatch(es) of sizes {[len(m.ids) for m in got]} instead of "
+                            f"raising EmptyBufferError")
+
     def test_each_item_exactly_once_per_epoch(self) -> None:
         """Each epoch delivers every item of the rollout exactly once, in M minibatches of N/M (+-1); the
         epochs come one after another.

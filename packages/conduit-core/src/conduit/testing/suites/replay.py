@@ -236,6 +236,33 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                 "importance weights after the least likely item was evicted differ from (N P(i))^-beta / max_w: "
                 "normalise by the smallest probability among the live items, not the smallest ever stored"))
 
+    def test_importance_weights_of_a_partly_filled_buffer(self) -> None:
+        """Before the buffer is full, prioritized draws come from the live items only, and their importance weights
+        are (N P(i))^-beta normalised over the live items: the empty slots are neither drawn nor the least likely
+        item (the other weight checks fill the buffer first, where every slot is live).
+
+        Troubleshooting: take min_j P(j) over the live items only (an empty leaf of a min-tree holds +inf, not 0);
+        give slots that hold no item priority 0 so they are never drawn.
+        """
+        n, cap, alpha, beta = 12, 32, 0.6, 0.5
+        with self.replay(capacity=cap, prioritized=True, alpha=alpha, beta=beta, seed=15) as ep:
+            needs(ep, CAP_PRIORITIZED)
+            ep.insert(np.arange(n))
+            prio = np.arange(1, n + 1, dtype=np.float64)
+            self._set_priorities(ep, prio)
+            d = draw(ep, 512)
+            foreign = sorted(set(d.ids.tolist()) - set(range(n)))
+            assert not foreign, (f"a prioritized draw from a partly filled buffer ({n} of {cap} slots filled, ids "
+                                 f"0..{n - 1}) holds ids {foreign[:5]}: draw the live items only")
+            assert d.weights is not None, "a prioritized endpoint returned no importance weights"
+            probs = prio ** alpha / (prio ** alpha).sum()
+            expected = (probs[d.ids] / probs.min()) ** (-beta)
+            np.testing.assert_allclose(d.weights, expected, rtol=1e-4, err_msg=(
+                f"importance weights in a partly filled buffer ({n} of {cap} slots filled) differ from "
+                f"(N P(i))^-beta / max_w over the {n} live items (weights from {np.min(d.weights):.3g} to "
+                f"{np.max(d.weights):.3g}, expected {expected.min():.3g} to {expected.max():.3g}): are empty slots "
+                f"counted as the least likely item, or as items?"))
+
     def test_fifo_eviction_and_capacity(self) -> None:
         """The buffer never holds more than its capacity and evicts the oldest items first.
 
@@ -496,21 +523,25 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                         f"ids are {got}, the saved buffer's {after_insert}, expected 8..39")
 
     def test_sampling_empty_buffer_raises(self) -> None:
-        """Sampling an empty buffer raises a Conduit error, never returns garbage.
+        """Sampling an empty buffer raises a Conduit error, never returns garbage, uniform and prioritized.
 
-        Troubleshooting: raise conduit.EmptyBufferError (or let it propagate through the adapter).
+        Troubleshooting: raise conduit.EmptyBufferError (or let it propagate through the adapter), on the
+        prioritized path too (a draw proportional to an all-zero priority sum is NaN, not empty).
         """
-        with self.replay(capacity=8) as ep:
-            try:
-                d = ep.sample(4)
-            except ConduitError:
-                return
-            except Exception as e:  # noqa: BLE001 - reported as the failure
-                raise AssertionError(f"sampling an empty buffer raised {type(e).__name__} ({e}), expected a "
-                                     f"conduit.ConduitError (EmptyBufferError)") from e
-            pytest.fail(f"sampling an empty buffer returned ids {np.asarray(d.ids).tolist()} instead of raising "
-                        f"conduit.EmptyBufferError")
-
+        for prioritized in (False, True):
+            with self.replay(capacity=8, prioritized=prioritized) as ep:
+                if prioritized and CAP_PRIORITIZED not in ep.capabilities:
+                    continue
+                try:
+                    d = ep.sample(4)
+                except ConduitError:
+                    continue
+                except Exception as e:  # noqa: BLE001 - reported as the failure
+                    raise AssertionError(f"sampling an empty buffer (prioritized={prioritized}) raised "
+                                         f"{type(e).__name__} ({e}), expected a conduit.ConduitError "
+                                         f"(EmptyBufferError)") from e
+                pytest.fail(f"sampling an empty buffer (prioritized={prioritized}) returned ids "
+                            f"{np.asarray(d.ids).tolist()} instead of raising conduit.EmptyBufferError")
 
 def _save_and_go_on(ep: ReplayEndpoint, prioritized: bool, fills: tuple[int, int], mod: int, upto: int
                     ) -> tuple[Draw, Any, list[list[int]], list[int], list[int]]:
