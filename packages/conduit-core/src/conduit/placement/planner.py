@@ -105,17 +105,19 @@ class Plan:
                 "workload": self.workload.to_dict(), "candidates": [x.to_dict() for x in self.candidates]}
 
     def explain(self) -> str:
-        """A readable table of every candidate."""
+        """A readable table of every candidate (the candidate column as wide as its longest placement, so the
+        columns stay aligned however many GPUs a sharded placement names)."""
         w = self.workload
+        width = max([46, *(len(str(c.spec)) + 2 for c in self.candidates)])
         lines = [f"topology {self.topology.name} (bandwidth: {self.profile_source}), item {w.item_bytes} B, "
                  f"capacity {w.capacity}, batch {w.batch}, learners {w.learners}",
                  f"chosen: {self.placement}  (ingest {self.chosen.estimate.ingest_s * 1e3:.3f} ms + deliver "
                  f"{self.chosen.estimate.deliver_s * 1e3:.3f} ms per iteration)", "",
-                 f"{'':2}{'candidate':46}{'ingest ms':>11}{'deliver ms':>12}{'memory GiB':>12}  {'fits':5} why"]
+                 f"{'':2}{'candidate':{width}}{'ingest ms':>11}{'deliver ms':>12}{'memory GiB':>12}  {'fits':5} why"]
         for c in self.candidates:
             e = c.estimate
             mem = max(e.memory.values()) / 2**30 if e.memory else 0.0
-            lines.append(f"{'*' if c.chosen else ' ':2}{str(c.spec):46}{e.ingest_s * 1e3:11.3f}"
+            lines.append(f"{'*' if c.chosen else ' ':2}{str(c.spec):{width}}{e.ingest_s * 1e3:11.3f}"
                          f"{e.deliver_s * 1e3:12.3f}{mem:12.2f}  {'yes' if c.feasible else 'no':5} {c.reason}")
         return "\n".join(lines)
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from conduit.errors import PlacementError
-from conduit.placement.profile import BandwidthProfile, LinkCost, _host_memory, machine_id
+from conduit.placement.profile import PATHS, BandwidthProfile, LinkCost, _host_memory, machine_id
 
 __all__ = ["Gpu", "Topology", "load_topology", "discover_topology", "available_topologies"]
 
@@ -91,7 +91,17 @@ class Topology:
 
     @classmethod
     def from_file_dict(cls, d: dict[str, Any]) -> Topology:
-        """A declared topology from its data-file form (see the files in ``topologies/``)."""
+        """A declared topology from its data-file form (see the files in ``topologies/``).
+
+        ``links`` maps path names (:data:`~conduit.placement.profile.PATHS`, ``name:i`` for one GPU,
+        ``p2p:i:j`` for a pair) to ``{"gbps": G, "overhead_us": U, "per_row_ns": R}`` (each optional;
+        without ``gbps`` the bandwidth is unlimited) or to a profile's link form (:meth:`LinkCost.to_dict`).
+
+        Raises:
+            PlacementError: the data is malformed or a figure is out of range; the message names what to fix
+                (a link whose name is no path, that has a key a link does not have, or whose figure is not a
+                finite number, > 0 for a bandwidth and >= 0 otherwise, is named with it).
+        """
         try:
             name = str(d["name"])
             gpu = d.get("gpu") or {}
@@ -104,17 +114,17 @@ class Topology:
             if n < 0 or host < 0 or disk < 0 or any(g.memory_bytes < 0 for g in gpus):
                 raise PlacementError(f"Topology {name!r}: gpu.count, host_memory_gib, disk_gib and gpu.memory_gib "
                                      f"must be >= 0.")
-            links = {k: LinkCost.from_dict(v) for k, v in d.get("links", {}).items()}
+            links = {k: _declared_link(name, k, v) for k, v in d.get("links", {}).items()}
             p2p = d.get("p2p")
             if p2p:
-                over = float(p2p.get("overhead_us", 0.0))
+                over = _figure(name, "p2p.overhead_us", p2p.get("overhead_us", 0.0), positive=False)
                 if "matrix_gbps" in p2p:
                     mat = p2p["matrix_gbps"]
                     if len(mat) != n or any(len(r) != n for r in mat):
                         raise PlacementError(f"Topology {name!r}: p2p.matrix_gbps must be {n}x{n}.")
                     default = p2p.get("gbps")  # the figure for pairs the matrix leaves out (null or 0)
                     if default is not None:
-                        links["p2p"] = LinkCost.constant(float(default), over)
+                        links["p2p"] = LinkCost.constant(_figure(name, "p2p.gbps", default, positive=True), over)
                     for i in range(n):
                         for j in range(n):
                             v = mat[i][j]
@@ -127,7 +137,7 @@ class Topology:
                                     f"p2p.gbps as the figure for the pairs left out).")
                             links[f"p2p:{i}:{j}"] = LinkCost.constant(float(v), over)
                 else:
-                    links["p2p"] = LinkCost.constant(float(p2p["gbps"]), over)
+                    links["p2p"] = LinkCost.constant(_figure(name, "p2p.gbps", p2p["gbps"], positive=True), over)
             prof = BandwidthProfile(links, source="declared", machine=f"declared:{name}",
                                     details={"source": d.get("source", "")})
             groups = d.get("host_link_groups")
@@ -145,6 +155,55 @@ class Topology:
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise PlacementError(f"Malformed topology data ({e!r}); compare with the files in "
                                  f"conduit/placement/topologies/.") from e
+
+
+#: the keys of one link in a data file: its own form (each optional: no ``gbps`` is an unlimited bandwidth, a
+#: pure per-call cost), or a profile's (:meth:`LinkCost.to_dict`, as ``conduit profile --json`` prints it)
+_FILE_LINK_KEYS = frozenset({"gbps", "overhead_us", "per_row_ns"})
+_PROFILE_LINK_KEYS = frozenset({"overhead_s", "points", "per_row_s", "by_row"})
+
+
+def _figure(topology: str, where: str, v: Any, *, positive: bool) -> float:
+    """A link figure of a data file, as a float: a finite number, > 0 when ``positive`` (a bandwidth), else >= 0.
+
+    Raises:
+        PlacementError: it is not such a number (a bool, a string, NaN, infinite, or out of range); the
+            message names the figure.
+    """
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > 0 if positive
+                                                                                        else v >= 0)
+    if not ok:
+        raise PlacementError(f"Topology {topology!r}: {where} is {v!r}; it must be a finite number "
+                             f"{'> 0 (GB/s)' if positive else '>= 0'}.")
+    return float(v)
+
+
+def _declared_link(topology: str, key: str, entry: Any) -> LinkCost:
+    """Link ``key`` of a topology's data file.
+
+    Raises:
+        PlacementError: ``key`` names no path Conduit prices (a misspelt name would leave the path to the
+            planner's refusal, or unpriced), ``entry`` is not an object, has keys a link does not have (a
+            misspelt ``gbps`` would silently declare an unlimited bandwidth), or a figure that is not a finite
+            number in range; the message names the link and what to write.
+    """
+    kind = str(key).split(":")[0]
+    if kind not in PATHS:
+        raise PlacementError(f"Topology {topology!r}: links.{key} names no data path Conduit prices; use one of "
+                             f"{', '.join(PATHS)} (for one GPU 'name:i', for a GPU pair 'p2p:i:j').")
+    if not isinstance(entry, dict):
+        raise PlacementError(f"Malformed topology data: links.{key} of topology {topology!r} is {entry!r}, not an "
+                             f"object such as {{\"gbps\": 12, \"overhead_us\": 5}}.")
+    allowed = _PROFILE_LINK_KEYS if "overhead_s" in entry else _FILE_LINK_KEYS
+    unknown = sorted(map(str, set(entry) - allowed))
+    if unknown:
+        raise PlacementError(f"Topology {topology!r}: links.{key} has unknown key(s) {', '.join(unknown)}; a link is "
+                             f"{{\"gbps\": G, \"overhead_us\": U, \"per_row_ns\": R}} (each optional; without gbps "
+                             f"the bandwidth is unlimited).")
+    if allowed is _FILE_LINK_KEYS:
+        for f in sorted(entry):
+            _figure(topology, f"links.{key}.{f}", entry[f], positive=f == "gbps")
+    return LinkCost.from_dict(entry)
 
 
 def available_topologies() -> list[str]:

@@ -7,14 +7,20 @@
   :class:`~conduit.scheduling.Automatic` on this machine and explain its choice (the fitted
   latency model, the predicted cost per granularity, the measured confirmation), then the
   medians of the ``--iterations`` run after it (with ``--iterations 0``: said, not printed as 0 ms).
+  Without ``--warmup`` it warms up for as many iterations as the calibration can take at
+  ``--updates`` deliveries per iteration (:func:`calibration_deliveries`), so it finishes there.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from conduit.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from conduit.scheduling.auto import Automatic
 
 __all__ = ["register"]
 
@@ -82,9 +88,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     _check_listed(("--g-ing-max", args.g_ing_max), ("--g-del-max", args.g_del_max))
     overlap = {"auto": None, "on": True, "off": False}[args.overlap]
     sched = Automatic(overlap=overlap, g_ing_max=args.g_ing_max, g_del_max=args.g_del_max)
+    warmup = args.warmup if args.warmup is not None else _warmup_for(sched, args.updates)
     print(f"calibrating on the synthetic loop: d={args.obs_dim}, batch {args.batch}, rollout {args.rollout}, "
-          f"{args.updates} updates per iteration ...")
-    res = run_loop(obs_dim=args.obs_dim, scheduler=sched, iterations=args.iterations, warmup=args.warmup,
+          f"{args.updates} updates per iteration, {warmup} warm-up iterations ...")
+    res = run_loop(obs_dim=args.obs_dim, scheduler=sched, iterations=args.iterations, warmup=warmup,
                    rollout=args.rollout, batch=args.batch, updates=args.updates, capacity=args.capacity)
     if not sched.calibrated or sched.decision is None:  # (a decision exists before its confirm phase ends)
         print("error: calibration did not finish; raise --warmup", file=sys.stderr)
@@ -96,6 +103,26 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(f"\nafter calibration: iteration {res.median('iteration_s') * 1e3:.2f} ms, exposed experience path "
           f"{res.median('exposed_s') * 1e3:.3f} ms, hidden {res.median('hidden_s') * 1e3:.3f} ms (medians)")
     return 0
+
+
+def calibration_deliveries(sched: Automatic) -> int:
+    """The most deliveries an off-policy calibration of ``sched`` takes (the synthetic loop is off-policy): the
+    probe (``probe_rounds`` chunks of each probed ``g_del``, a chunk being ``g_del`` deliveries), then, unless
+    overlap is forced, ``confirm_windows`` windows per configuration of one untimed chunk and
+    ``confirm_deliveries`` timed deliveries each, at ``g_del_max`` at most."""
+    from conduit.scheduling.auto import _probe_values
+
+    probed = _probe_values(tuple(float(g) for g in range(1, sched.g_del_max + 1)))
+    probe = sched.probe_rounds * int(sum(probed))
+    if sched.force_overlap is not None:
+        return probe
+    return probe + 2 * sched.confirm_windows * (sched.g_del_max + sched.confirm_deliveries)
+
+
+def _warmup_for(sched: Automatic, updates: int) -> int:
+    """Warm-up iterations of ``updates`` deliveries each that hold the whole calibration (one more: a switch of
+    scheduler may be retried after a later delivery)."""
+    return -(-calibration_deliveries(sched) // updates) + 1
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -127,6 +154,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     c.add_argument("--overlap", choices=("auto", "on", "off"), default="auto")
     c.add_argument("--g-ing-max", type=int, default=8, help=f"default 8, at most {_MAX_LISTED}")
     c.add_argument("--g-del-max", type=int, default=8, help=f"default 8, at most {_MAX_LISTED}")
-    c.add_argument("--warmup", type=int, default=28, help="iterations for calibration (not accounted)")
+    c.add_argument("--warmup", type=int, default=None,
+                   help="iterations for calibration (not accounted; default: as many as the calibration can take "
+                        "at --updates deliveries per iteration)")
     c.add_argument("--iterations", type=int, default=5)
     c.set_defaults(func=_calibrate)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from conduit.errors import ConfigurationError
 from conduit.telemetry import CallRecord
 
 __all__ = ["LatencyFit", "fit_latency", "observations", "per_unit", "exposed_per_unit", "choose_granularity"]
@@ -111,15 +112,15 @@ def fit_latency(obs: Sequence[tuple[float, float, bool]]) -> LatencyFit:
     """Fit the model to ``(bytes, seconds, staged)`` observations.
 
     Raises:
-        ValueError: no observations, or one whose bytes or seconds are negative or not finite
-            (a timing that is no measurement: drop it before fitting).
+        ConfigurationError: (a ``ValueError``) no observations, or one whose bytes or seconds are negative or
+            not finite (a timing that is no measurement: drop it before fitting).
     """
     if not obs:
-        raise ValueError("no calls to fit a latency model to; run some ingest/deliver calls first")
+        raise ConfigurationError("no calls to fit a latency model to; run some ingest/deliver calls first")
     for b, s, _ in obs:
         if not (math.isfinite(b) and math.isfinite(s) and b >= 0 and s >= 0):
-            raise ValueError(f"cannot fit a latency model to a call of {b!r} bytes taking {s!r} s: bytes and "
-                             f"seconds must be finite and >= 0; drop such observations before fitting")
+            raise ConfigurationError(f"cannot fit a latency model to a call of {b!r} bytes taking {s!r} s: bytes "
+                                     f"and seconds must be finite and >= 0; drop such observations before fitting")
     groups: dict[tuple[float, bool], list[float]] = {}
     for b, s, staged in obs:
         groups.setdefault((b, staged), []).append(s)
@@ -183,13 +184,14 @@ def choose_granularity(costs: dict[float, float], *, tolerance: float = 0.02, sl
     small a difference counts as a tie.
 
     Raises:
-        ValueError: no costs, or a cost that is negative or not finite (no prediction to rank).
+        ConfigurationError: (a ``ValueError``) no costs, or a cost that is negative or not finite (no prediction
+            to rank).
     """
     if not costs:
-        raise ValueError("no granularities to choose from: pass the predicted cost of at least one")
+        raise ConfigurationError("no granularities to choose from: pass the predicted cost of at least one")
     bad = {g: c for g, c in costs.items() if not (math.isfinite(c) and c >= 0)}
     if bad:
-        raise ValueError(f"predicted costs must be finite and >= 0 to rank granularities, got {bad}; "
-                         f"check the latency fit and the unit sizes they were predicted from")
+        raise ConfigurationError(f"predicted costs must be finite and >= 0 to rank granularities, got {bad}; "
+                                 f"check the latency fit and the unit sizes they were predicted from")
     best = min(costs.values())
     return min(g for g, c in costs.items() if c <= best * (1 + tolerance) + slack_s + 1e-9)
