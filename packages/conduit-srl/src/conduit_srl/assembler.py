@@ -196,7 +196,8 @@ class Assembler:
         ``seal`` are atomic with each other (``_seal_lock``), but an on-policy put that waits for
         room releases ``_seal_lock`` while it waits and plans again afterwards: a ``seal()`` meanwhile
         seals what was stored before it, and the waiting put's samples go to the next rollout. A put
-        that completes a rollout (``rollout_size``) and starts another stores through the end of the
+        that completes a rollout (``rollout_size``, or a newer version: the open rollout is sealed before
+        anything of the newer version is stored) and starts another stores through the end of the
         completed one first when only that fits; the rest waits for its delivery to make room.
         With ``on_full="keep"`` nothing waits: what does not fit is kept and stored first later
         (:meth:`_store_or_keep`).
@@ -256,7 +257,7 @@ class Assembler:
                         try:
                             self._pay_owed_seal()
                             for lo, hi, version, seal_after in runs:
-                                if version != -1:
+                                if version != -1 and hi > lo:  # (an empty run only seals)
                                     whole = (lo, hi) == (0, n - done)
                                     part = rest if whole else {p: a[lo:hi] for p, a in rest.items()}
                                     edp.ingest(part, version=version)
@@ -484,10 +485,18 @@ class Assembler:
             with self._deliver_lock, self._cv:
                 if self._prune_ready() or self._deliverable():
                     return False
-        pending = self._pending_samples()
-        if not pending:
-            return True
-        if self.cfg.semantics != "on_policy" and not self._deliverable(extra=pending):
+
+        def look() -> tuple[int, bool]:
+            # one hold of the plane's lock: samples stored since the looks above count once, stored or on their way
+            # (read apart, a group stored in between counted as neither, and empty() said True with a batch waiting)
+            pending = self._pending_samples()
+            return pending, self._deliverable(extra=pending)
+
+        with self._deliver_lock, self._cv:
+            pending, could = self.read_plane(look)
+            if not pending:
+                return not (could or self._prune_ready())
+        if self.cfg.semantics != "on_policy" and not could:
             return True  # even with what is on its way to storage, no batch is complete
         # what is on its way completes a batch (or, on-policy, may close a rollout): let it land, then look
         self.edp.flush()
@@ -784,7 +793,12 @@ class Assembler:
 
     # -- put: versions, rollouts, room ----------------------------------------------------------
     def _plan(self, arrays: dict[str, np.ndarray], n: int) -> list[tuple[int, int, int | None, bool]]:
-        """``(lo, hi, version, seal_after)`` runs of a put; version -1 marks late samples that are dropped."""
+        """``(lo, hi, version, seal_after)`` runs of a put; version -1 marks late samples that are dropped.
+
+        A newer version than the open rollout's, while that rollout holds samples, is preceded by an empty run
+        ``(lo, lo, open_version, True)`` that seals it: room for the newer samples is then looked for with it
+        deliverable (the plane would seal it anyway when it stores the first of them).
+        """
         if self.cfg.semantics != "on_policy":
             return [(0, n, None, False)]
         per_item = self._item_versions(arrays, n)
@@ -805,7 +819,9 @@ class Assembler:
                 lo = hi
                 continue
             if ver != open_v:
-                count = 0  # a new version starts a new rollout
+                if count:  # a new version closes the open rollout, as the plane would once it stores the first sample:
+                    plan.append((lo, lo, open_v, True))  # sealed first (an empty run), so that room for this put is
+                count = 0  # looked for with that rollout deliverable; a new version starts a new rollout
             open_v = ver
             while lo < hi:
                 take = hi - lo if size is None else min(hi - lo, size - count)

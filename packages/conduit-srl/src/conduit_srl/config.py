@@ -56,9 +56,13 @@ class BufferConfig:
     num_minibatches: int | None = None
     minibatch_size: int | None = None
     num_epochs: int = 1
+    #: on_policy: rollouts more than this many versions behind the learner's are dropped or raise (``on_stale``); the
+    #: learner's version is what ``ConduitBuffer.set_policy_version`` last set (0 until then: SRL's stock trainer never
+    #: calls it, so without that call nothing is stale)
     max_staleness: int = 0
     on_stale: str = "drop"
-    #: seal an on-policy rollout after this many samples (None: only on a version change or seal())
+    #: seal an on-policy rollout after this many samples (None: only on a version change or seal()); a sample of a newer
+    #: version seals the open rollout before room for it is looked for, so capacity may be one rollout's worth
     rollout_size: int | None = None
     seed: int = 0
     #: Conduit's scheduler: ingestion granularity (off-policy: puts per storage write; on-policy: part of a rollout)
