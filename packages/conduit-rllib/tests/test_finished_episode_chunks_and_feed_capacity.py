@@ -28,7 +28,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from conduit import CapacityError, ConfigurationError, EmptyBufferError  # noqa: E402
 from conduit_rllib import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer, MinibatchFeed  # noqa: E402
-from conduit_rllib.testing import id_episode  # noqa: E402
+from conduit_rllib.testing import DQN_SAMPLE_KWARGS as DQN_KW  # noqa: E402
+from conduit_rllib.testing import id_episode
 from ray.rllib.core.columns import Columns  # noqa: E402
 from ray.rllib.policy.sample_batch import SampleBatch  # noqa: E402
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger  # noqa: E402
@@ -39,8 +40,6 @@ Buffer = ConduitEpisodeReplayBuffer | ConduitPrioritizedEpisodeReplayBuffer
 #: (Conduit's buffer, RLlib's buffer of the same kind)
 PAIRS = [(ConduitEpisodeReplayBuffer, EpisodeReplayBuffer),
          (ConduitPrioritizedEpisodeReplayBuffer, PrioritizedEpisodeReplayBuffer)]
-#: what DQN's training step passes to sample(), besides num_items / n_step / gamma / beta
-DQN_KW: dict[str, Any] = dict(batch_length_T=0, lookback=0, min_batch_length_T=0, sample_episodes=True)
 #: the state entries an add changes (the stored contents are compared through stored_ids)
 STATE_KEYS = ("next", "tail", "tail_t", "ended", "lifetime", "unlogged")
 

@@ -27,13 +27,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from conduit import Overlapped  # noqa: E402
 from conduit_rllib import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer, MinibatchFeed  # noqa: E402
+from conduit_rllib.testing import DQN_SAMPLE_KWARGS as DQN_KW  # noqa: E402
 from ray.rllib.core.columns import Columns  # noqa: E402
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402
 from ray.rllib.policy.sample_batch import SampleBatch  # noqa: E402
 
 SPACE = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
 ACTS: gym.spaces.Discrete = gym.spaces.Discrete(10 ** 6)
-DQN_KW: dict[str, Any] = dict(batch_length_T=0, lookback=0, min_batch_length_T=0, sample_episodes=True)
 
 
 def step_chunk(eid: str, t: int, handle: int, *, done: bool) -> SingleAgentEpisode:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conduit import ConfigurationError, EmptyBufferError, PriorityError, SchemaError
 from conduit_rllib import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer, UnsupportedConfigError
+from conduit_rllib.testing import DQN_SAMPLE_KWARGS as DQN_KW
 from conduit_rllib.testing import id_episode
 from ray.rllib.core.columns import Columns
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
@@ -17,8 +18,6 @@ from scipy import stats
 
 SPACE = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
 ACTS = gym.spaces.Discrete(1000)
-#: what DQN's training step passes to sample(), besides num_items / n_step / gamma / beta
-DQN_KW = dict(batch_length_T=0, lookback=0, min_batch_length_T=0, sample_episodes=True)
 
 
 def chunk(episode: str, code: int, t0: int, t1: int, *, terminated: bool = False,

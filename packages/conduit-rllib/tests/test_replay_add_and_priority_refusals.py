@@ -30,15 +30,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from conduit import ConduitError, PriorityError, SchemaError  # noqa: E402
 from conduit_rllib import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer  # noqa: E402
-from conduit_rllib.testing import id_episode  # noqa: E402
+from conduit_rllib.testing import DQN_SAMPLE_KWARGS as DQN_KW  # noqa: E402
+from conduit_rllib.testing import id_episode
 from ray.rllib.core.columns import Columns  # noqa: E402
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402
 from ray.rllib.policy.sample_batch import SampleBatch  # noqa: E402
 
 Buffer = ConduitEpisodeReplayBuffer | ConduitPrioritizedEpisodeReplayBuffer
 KINDS = [ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer]
-#: what DQN's training step passes to sample(), besides num_items / n_step / gamma / beta
-DQN_KW: dict[str, Any] = dict(batch_length_T=0, lookback=0, min_batch_length_T=0, sample_episodes=True)
 
 
 def stored_obs(buf: Buffer) -> list[float]:

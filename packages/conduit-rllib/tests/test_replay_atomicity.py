@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from conduit import CapacityError, SchemaError
 from conduit_rllib import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer
+from conduit_rllib.testing import DQN_SAMPLE_KWARGS as DQN_KW
 from ray.rllib.core.columns import Columns
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 
 SPACE = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
 ACTS = gym.spaces.Discrete(1000)
-DQN_KW = dict(batch_length_T=0, lookback=0, min_batch_length_T=0, sample_episodes=True)
 
 
 def chunk(episode: str, code: int, t0: int, t1: int, *, terminated: bool = False) -> SingleAgentEpisode:

@@ -11,10 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 from conduit_rllib import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer
+from conduit_rllib.testing import DQN_SAMPLE_KWARGS as DQN_KW
 from conduit_rllib.testing import id_episode
-
-#: what DQN's training step passes to sample(), besides num_items / n_step / gamma / beta
-DQN_KW: dict[str, Any] = dict(batch_length_T=0, lookback=0, min_batch_length_T=0, sample_episodes=True)
 
 
 def _values(metrics: dict[str, Any]) -> dict[str, float]:

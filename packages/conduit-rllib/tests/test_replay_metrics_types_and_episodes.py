@@ -14,15 +14,13 @@ import conduit_rllib
 import numpy as np
 import pytest
 from conduit_rllib import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer, UnsupportedConfigError
+from conduit_rllib.testing import DQN_SAMPLE_KWARGS as DQN_KW
 from conduit_rllib.testing import id_episode
 from conduit_rllib.workloads import dqn_large_obs
 from ray.rllib.algorithms.dqn import DQNConfig
 from ray.rllib.utils.metrics import NUM_ENV_STEPS_ADDED_LIFETIME, NUM_ENV_STEPS_SAMPLED_LIFETIME, REPLAY_BUFFER_RESULTS
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
-
-#: what DQN's training step passes to sample(), besides num_items / n_step / gamma / beta
-DQN_KW: dict[str, Any] = dict(batch_length_T=0, lookback=0, min_batch_length_T=0, sample_episodes=True)
 
 
 class TaggedPrioritizedBuffer(ConduitPrioritizedEpisodeReplayBuffer):

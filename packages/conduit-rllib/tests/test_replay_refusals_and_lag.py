@@ -17,14 +17,13 @@ from conduit_rllib import (  # noqa: E402
     MinibatchFeed,
     UnsupportedConfigError,
 )
-from conduit_rllib.testing import id_episode  # noqa: E402
+from conduit_rllib.testing import DQN_SAMPLE_KWARGS as DQN_KW  # noqa: E402
+from conduit_rllib.testing import id_episode
 from ray.rllib.core.columns import Columns  # noqa: E402
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402
 
 SPACE = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
 ACTS = gym.spaces.Discrete(1000)
-#: what DQN's training step passes to sample(), besides num_items / n_step / gamma / beta
-DQN_KW = dict(batch_length_T=0, lookback=0, min_batch_length_T=0, sample_episodes=True)
 
 
 def episode(eid: str, code: int, n: int, *, terminated: bool = True, t_started: int = 0) -> SingleAgentEpisode:

@@ -15,11 +15,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from conduit import ConfigurationError  # noqa: E402
 from conduit_rllib import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer  # noqa: E402
-from conduit_rllib.testing import id_episode  # noqa: E402
+from conduit_rllib.testing import DQN_SAMPLE_KWARGS as DQN_KW  # noqa: E402
+from conduit_rllib.testing import id_episode
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402
 
-#: what DQN's training step passes to sample(), besides num_items / n_step / gamma / beta
-DQN_KW = dict(batch_length_T=0, lookback=0, min_batch_length_T=0, sample_episodes=True)
 WIDE = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
 
 

@@ -38,7 +38,8 @@ import torch  # noqa: E402
 from conduit import ConfigurationError  # noqa: E402
 from conduit_rllib import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer, MinibatchFeed  # noqa: E402
 from conduit_rllib.learner import ON_POLICY_COMPONENT, REPLAY_COMPONENT, ConduitDQNTorchLearner  # noqa: E402
-from conduit_rllib.testing import id_episode  # noqa: E402
+from conduit_rllib.testing import DQN_SAMPLE_KWARGS as DQN_KW  # noqa: E402
+from conduit_rllib.testing import id_episode
 from ray.rllib.algorithms.dqn import DQNConfig  # noqa: E402
 from ray.rllib.core import DEFAULT_MODULE_ID  # noqa: E402
 from ray.rllib.core.columns import Columns  # noqa: E402
@@ -52,8 +53,6 @@ from test_on_policy_learner_state_and_refusals import ROW, build_learner, train_
 
 Buffer = ConduitEpisodeReplayBuffer | ConduitPrioritizedEpisodeReplayBuffer
 KINDS = [ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer]
-#: what DQN's training step passes to sample(), besides num_items / n_step / gamma / beta
-DQN_KW: dict[str, Any] = dict(batch_length_T=0, lookback=0, min_batch_length_T=0, sample_episodes=True)
 
 
 def stored_ids(buf: Buffer) -> list[int]:

@@ -18,6 +18,7 @@ import torch
 from conduit import ConfigurationError
 from conduit_rllib import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer, UnsupportedConfigError
 from conduit_rllib.learner import ConduitDQNTorchLearner
+from conduit_rllib.testing import DQN_SAMPLE_KWARGS as DQN_KW
 from conduit_rllib.testing import id_episode
 from conduit_rllib.workloads import dqn_large_obs
 from ray.rllib.algorithms.algorithm import Algorithm
@@ -27,9 +28,6 @@ from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.learner.training_data import TrainingData
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
-
-#: what DQN's training step passes to sample(), besides num_items / n_step / gamma / beta
-DQN_KW: dict[str, Any] = dict(batch_length_T=0, lookback=0, min_batch_length_T=0, sample_episodes=True)
 
 
 def overlapped() -> conduit.Overlapped:

@@ -14,13 +14,11 @@ import torch
 from conduit import ConduitError, ConfigurationError, Field, PriorityError, SchemaError
 from conduit_rllib import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer, UnsupportedConfigError
 from conduit_rllib.on_policy import MinibatchFeed
+from conduit_rllib.testing import DQN_SAMPLE_KWARGS as DQN_KW
 from ray.rllib.core.columns import Columns
 from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
-
-#: what DQN's training step passes to sample(), besides num_items / n_step / gamma / beta
-DQN_KW: dict[str, Any] = dict(batch_length_T=0, lookback=0, min_batch_length_T=0, sample_episodes=True)
 
 
 def episode(obs_space: gym.Space, act_space: gym.Space, n: int, *, seed: int, terminated: bool = False,

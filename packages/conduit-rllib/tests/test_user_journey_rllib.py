@@ -21,7 +21,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from conduit import ConfigurationError, PriorityError  # noqa: E402
 from conduit_rllib import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer  # noqa: E402
-from conduit_rllib.testing import id_episode  # noqa: E402
+from conduit_rllib.testing import DQN_SAMPLE_KWARGS as DQN_KW  # noqa: E402
+from conduit_rllib.testing import id_episode
 from ray.rllib.algorithms.algorithm import Algorithm  # noqa: E402
 from ray.rllib.algorithms.dqn import DQNConfig  # noqa: E402
 from ray.rllib.algorithms.ppo import PPOConfig  # noqa: E402
@@ -34,8 +35,6 @@ Buffer = ConduitEpisodeReplayBuffer | ConduitPrioritizedEpisodeReplayBuffer
 #: Conduit's buffer next to RLlib's own of the same kind
 KINDS = [(ConduitEpisodeReplayBuffer, EpisodeReplayBuffer),
          (ConduitPrioritizedEpisodeReplayBuffer, PrioritizedEpisodeReplayBuffer)]
-#: what DQN's training step passes to sample(), besides num_items / n_step / gamma / beta
-DQN_KW: dict[str, Any] = dict(batch_length_T=0, lookback=0, min_batch_length_T=0, sample_episodes=True)
 
 
 def stored_ids(buf: Buffer) -> list[int]:

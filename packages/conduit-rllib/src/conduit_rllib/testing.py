@@ -39,7 +39,13 @@ from conduit_rllib.delivery import WEIGHTS
 from conduit_rllib.on_policy import MinibatchFeed
 from conduit_rllib.replay import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer
 
-__all__ = ["RLlibReplayEndpoint", "RLlibOnPolicyEndpoint", "ENDPOINTS", "id_episode", "OBS_SPACE", "ACTION_SPACE"]
+__all__ = ["RLlibReplayEndpoint", "RLlibOnPolicyEndpoint", "ENDPOINTS", "id_episode", "OBS_SPACE", "ACTION_SPACE",
+           "DQN_SAMPLE_KWARGS"]
+
+#: what RLlib 2.60's DQN training step passes to a replay buffer's ``sample()`` besides ``num_items``, ``n_step``,
+#: ``gamma`` and ``beta`` (to sample in a test as DQN does: ``buffer.sample(32, n_step=1, **DQN_SAMPLE_KWARGS)``)
+DQN_SAMPLE_KWARGS: dict[str, Any] = {"batch_length_T": 0, "lookback": 0, "min_batch_length_T": 0,
+                                     "sample_episodes": True}
 
 #: observation = (id, id) as float32 (ids up to 2**24 are exact)
 OBS_SPACE = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
