@@ -32,8 +32,8 @@ def check_probes(sizes: Sequence[int], repeats: int, timeout: float) -> tuple[in
     """``sizes`` as ints, once the probe settings are checked (before anything is sent).
 
     Raises:
-        ConfigurationError: no size, a size that is not a positive int, ``repeats`` < 1, or ``timeout`` <= 0 (a
-            profile without a bandwidth point would price every transfer as free).
+        ConfigurationError: no size, a size that is not a positive int, ``repeats`` < 1, or a ``timeout`` that is
+            not a number > 0 (a profile without a bandwidth point would price every transfer as free).
     """
     sz = tuple(sizes)
     if not sz or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x <= 0 for x in sz):
@@ -41,7 +41,7 @@ def check_probes(sizes: Sequence[int], repeats: int, timeout: float) -> tuple[in
                                  f"sizes=(1 << 18, 1 << 22).")
     if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
         raise ConfigurationError(f"Link probe repeats must be an int >= 1, got {repeats!r}.")
-    if not timeout > 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)) or not timeout > 0:
         raise ConfigurationError(f"Link probe timeout must be > 0 seconds, got {timeout!r}.")
     return tuple(int(x) for x in sz)
 

@@ -320,7 +320,10 @@ class DistributedDataPlane:
             measured before, or the figures of a known network): the plan and the transport choice use them, and
             nothing is measured (``measure`` is then ignored). It must name every directed link between the
             servers' nodes and the learner's node.
-        learner_node: the node delivered batches go to (default: this process's node).
+        learner_node: the node delivered batches go to (default: this process's node): the id of an alive
+            node of this Ray cluster (``ray.get_runtime_context().get_node_id()`` in the learner's process, or
+            one of :func:`~conduit.distributed.alive_nodes`); anything else (a host name, an address, a shortened
+            or dead node's id) is refused with :class:`~conduit.ConfigurationError` before any server starts.
         device: the torch device delivered batches land on (default: host memory).
         timeout: seconds any remote call may take; a shard that does not answer in time is lost.
         health_period: seconds between health checks of the monitor thread (None: no thread;
@@ -389,6 +392,8 @@ class DistributedDataPlane:
             raise ConfigurationError(f"The field name {_PRODUCER!r} is reserved by DistributedDataPlane; rename it.")
         device = check_roles(semantics=semantics, scheduler=scheduler, device=device) or torch.device("cpu")
         ray_module()
+        if learner_node is not None:
+            _check_learner_node(learner_node, servers)
         self.schema = schema
         self.semantics: Semantics = semantics if semantics is not None else Replay()
         self._replay = isinstance(self.semantics, Replay)
@@ -2006,6 +2011,25 @@ def _check_links(links: LinkProfile, nodes: Sequence[str]) -> None:
         raise ConfigurationError(f"The declared links name no link {a[:8]} -> {b[:8]} ({len(missing)} links "
                                  f"missing); declare every directed link between the servers' nodes and the "
                                  f"learner's node (same-node ones too), or leave links out to measure them.")
+
+
+def _check_learner_node(node: Any, servers: ShardServers | Sequence[str] | None) -> None:
+    """Refuse a ``learner_node`` that is no alive node id of this Ray cluster (a host name, an address, a shortened
+    or dead node's id): the plan and the transport choice would price every shard as on another node, and the
+    batches' locality would be silently lost. The node of a given server group is taken as it is.
+
+    Raises:
+        ConfigurationError: ``node`` is not the id of an alive node of the cluster.
+    """
+    if isinstance(servers, ShardServers) and isinstance(node, str) and node in servers.nodes:
+        return
+    if isinstance(node, str) and node:
+        if node in {str(n.get("NodeID")) for n in ray_module().nodes() if n.get("Alive")}:
+            return
+    raise ConfigurationError(f"learner_node={node!r} is not the id of an alive node of this Ray cluster; pass the "
+                             f"learner's node id (ray.get_runtime_context().get_node_id() in the learner's process, "
+                             f"or one of conduit.distributed.alive_nodes()), or leave learner_node out for this "
+                             f"process's node.")
 
 
 def _is_int(x: Any) -> bool:

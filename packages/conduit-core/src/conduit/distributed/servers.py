@@ -10,6 +10,7 @@ from typing import Any
 from conduit.distributed._ray import current_node_id, ray_module, wait_all, without_auto_init
 from conduit.distributed.errors import ClusterError
 from conduit.distributed.server import server_class
+from conduit.errors import ConfigurationError
 
 __all__ = ["ShardServers", "ServerInfo", "alive_nodes"]
 
@@ -38,20 +39,28 @@ class ShardServers:
     every server), so tests and jobs that build many buffers start servers once.
 
     Args:
-        nodes: node ids to place servers on (default: every alive node); repeat a node for
-            several servers on it.
+        nodes: a list of node ids to place servers on (default: every alive node); repeat a node for
+            several servers on it. One id as a bare string is refused (write ``[node_id]``).
 
     Keyword Args:
-        start_timeout: seconds to wait for the servers to come up.
+        start_timeout: seconds to wait for the servers to come up (a positive number).
 
     Raises:
-        ClusterError: Ray is not initialised, a node is unknown or dead, or a server did not start in time.
+        ClusterError: Ray is not initialised, a node is unknown or dead, ``nodes`` is one string, or a server did
+            not start in time.
+        ConfigurationError: ``start_timeout`` is not a positive number (no server is started).
     """
 
     def __init__(self, nodes: Sequence[str] | None = None, *, start_timeout: float = 120.0) -> None:
         ray = ray_module()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
+            # (checked before any server starts: a wait that fails on it would leave them running)
+            raise ConfigurationError(f"start_timeout must be a positive number of seconds, got {start_timeout!r}.")
+        if isinstance(nodes, (str, bytes)):  # (a list of its characters would be refused as unknown nodes)
+            raise ClusterError(f"nodes must be a list of node ids, got one string {nodes!r}; pass [node_id] for one "
+                               f"server on that node, or alive_nodes() for one on every node.")
         alive = alive_nodes()
         wanted = list(nodes) if nodes is not None else alive
         if not wanted:
