@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -131,7 +132,7 @@ class ShardServers:
 
         Keyword Args:
             backend: ``"gloo"`` or ``"nccl"`` (used when the group is formed).
-            timeout: seconds to form it, and the bound on every transfer over it.
+            timeout: seconds to form it, and the bound on every transfer over it: a finite number > 0.
             refresh: form a new group even when one exists (e.g. after it broke); the old one is closed here
                 and the servers are asked to leave it (without waiting: a server may still be stuck in it).
             replace_broken: form a new group (as ``refresh``) only when the existing one is retired
@@ -142,7 +143,13 @@ class ShardServers:
 
         Returns:
             A :class:`~conduit.distributed.transport.TorchGroup` (or None, see ``create``).
+
+        Raises:
+            ConfigurationError: ``timeout`` is not a finite number of seconds > 0 (checked first: nothing is
+                started or torn down).
         """
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
+            raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}.")
         if not create:
             return self._torch
         with self._torch_lock:

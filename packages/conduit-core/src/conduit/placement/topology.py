@@ -97,14 +97,22 @@ class Topology:
         ``p2p:i:j`` for a pair) to ``{"gbps": G, "overhead_us": U, "per_row_ns": R}`` (each optional;
         without ``gbps`` the bandwidth is unlimited) or to a profile's link form (:meth:`LinkCost.to_dict`).
 
+        The file's top-level keys are :data:`_FILE_KEYS` (``nics`` is read by :mod:`conduit.simulation`), and
+        ``gpu``'s are :data:`_FILE_GPU_KEYS`; any other key is refused (a misspelt ``disk_gib`` would silently
+        leave the machine without a disk tier).
+
         Raises:
             PlacementError: the data is malformed or a figure is out of range; the message names what to fix
-                (a link whose name is no path, that has a key a link does not have, or whose figure is not a
-                finite number, > 0 for a bandwidth and >= 0 otherwise, is named with it).
+                (a top-level or ``gpu`` key the file form does not have, listing the accepted ones; a link whose
+                name is no path, that has a key a link does not have, or whose figure is not a finite number,
+                > 0 for a bandwidth and >= 0 otherwise, is named with it).
         """
         try:
             name = str(d["name"])
+            _known_keys(name, "", d, _FILE_KEYS)
             gpu = d.get("gpu") or {}
+            if isinstance(gpu, dict):
+                _known_keys(name, "gpu.", gpu, _FILE_GPU_KEYS)
             count = gpu.get("count", 0)
             if isinstance(count, bool) or float(count) != int(float(count)):
                 raise PlacementError(f"Topology {name!r}: gpu.count must be a whole number of GPUs, got {count!r}.")
@@ -155,6 +163,27 @@ class Topology:
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise PlacementError(f"Malformed topology data ({e!r}); compare with the files in "
                                  f"conduit/placement/topologies/.") from e
+
+
+#: the top-level keys of a topology data file (``nics``: the network cards :mod:`conduit.simulation` reads)
+_FILE_KEYS = frozenset({"name", "description", "source", "notes", "host_memory_gib", "disk_gib", "gpu", "links",
+                        "p2p", "host_link_groups", "nics"})
+#: the keys of a data file's ``gpu`` object
+_FILE_GPU_KEYS = frozenset({"count", "name", "memory_gib"})
+
+
+def _known_keys(topology: str, where: str, d: dict[str, Any], allowed: frozenset[str]) -> None:
+    """Refuse the keys of ``d`` (the object at ``where`` in a data file) that are not in ``allowed``.
+
+    Raises:
+        PlacementError: naming the unknown key(s) and listing the accepted ones.
+    """
+    unknown = sorted(map(str, set(d) - allowed))
+    if unknown:
+        raise PlacementError(f"Topology {topology!r}: unknown key(s) {', '.join(where + k for k in unknown)}; "
+                             f"{'gpu' if where else 'a topology data file'} takes "
+                             f"{', '.join(where + k for k in sorted(allowed))} (compare with the files in "
+                             f"conduit/placement/topologies/).")
 
 
 #: the keys of one link in a data file: its own form (each optional: no ``gbps`` is an unlimited bandwidth, a

@@ -29,10 +29,16 @@ P_MIN = 1e-3
 def draw(ep: ReplayEndpoint, n: int) -> Draw:
     """``ep.sample(n)``, checked to hold exactly ``n`` items: ``n`` ids, and ``n`` handles and weights where given.
 
-    (Without the check a draw one row short passes the distribution tests: their expected counts scale with
-    what was drawn.)
+    A draw with importance weights (a prioritized draw) must carry handles: the suite updates priorities through
+    them (without the check a draw with ``handles=None`` failed later, inside a test, with a ``TypeError`` on None).
+
+    (Without the count check a draw one row short passes the distribution tests: their expected counts scale
+    with what was drawn.)
     """
     d = ep.sample(n)
+    assert d.weights is None or d.handles is not None, (
+        f"sample({n}) returned importance weights but handles=None: a prioritized draw carries one handle per "
+        f"item (Draw.handles, what update_priorities takes to name the item; see ReplayEndpoint.sample)")
     got = {"ids": len(d.ids)}
     if d.handles is not None:
         got["handles"] = len(d.handles)
