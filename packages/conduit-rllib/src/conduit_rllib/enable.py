@@ -6,10 +6,11 @@ What it sets, all through RLlib's public configuration API:
   ``algorithm.local_replay_buffer`` by a Conduit buffer of the same kind (uniform or
   prioritized, same capacity and alpha; ``replay_buffer_config["type"]`` may be a class, a name
   or a dotted path, resolved as RLlib resolves it, and a subclass of Conduit's buffers is built
-  itself; RLlib 2.60's ``build_algo`` itself takes only a name or dotted path: with a class, its own
-  buffer set-up raises ``TypeError`` before this callback runs) delivering on the learner's device, and a learner
-  class with :class:`~conduit_rllib.learner.ConduitOffPolicyLearner` mixed in. The training
-  step, the loss and the replay-buffer config stay RLlib's.
+  itself) delivering on the learner's device, and a learner class with
+  :class:`~conduit_rllib.learner.ConduitOffPolicyLearner` mixed in. The training step, the loss and
+  the replay-buffer config stay RLlib's, except that a type given as a class is written into it
+  as its name or dotted path, the only forms RLlib 2.60's ``build_algo`` takes (a class defined in
+  a function, which no dotted path names, is refused).
 * PPO (on-policy): a learner class with :class:`~conduit_rllib.learner.ConduitOnPolicyLearner`
   mixed in, and Conduit's options in ``config.learner_config_dict["conduit"]``.
 
@@ -150,6 +151,34 @@ def _replay_class(config: AlgorithmConfig) -> type:
                                  f"only. {_WHAT_TO_SET}")
 
 
+def _buildable_type(rb_type: type) -> str:
+    """``replay_buffer_config["type"]`` given as a class, written the way RLlib 2.60's ``build_algo`` takes it.
+
+    RLlib's buffer set-up tests the type with ``in`` (a class raises ``TypeError`` there, with or without Conduit),
+    so it takes a name or a dotted path only. RLlib's own ``EpisodeReplayBuffer`` /
+    ``PrioritizedEpisodeReplayBuffer`` become their plain names (the only form SAC's config check accepts), any
+    other class its dotted path ``module.Class``, which must resolve back to that very class.
+
+    Raises:
+        UnsupportedConfigError: a class no dotted path names (defined in a function, nested in a class, or no
+            longer what its module's attribute of that name is).
+    """
+    if rb_type in (EpisodeReplayBuffer, PrioritizedEpisodeReplayBuffer):
+        return rb_type.__name__
+    path = f"{rb_type.__module__}.{rb_type.__qualname__}"
+    try:
+        found: object = _resolve_buffer_type(path)
+    except UnsupportedConfigError:
+        found = None
+    if found is rb_type:
+        return path
+    raise UnsupportedConfigError(
+        f"replay_buffer_config['type'] is the class {rb_type.__qualname__} (module {rb_type.__module__}), which "
+        f"cannot be named by an importable dotted path ({path!r} does not import it back). RLlib's build_algo takes "
+        f"the type as a name or dotted path only, so define the class at module level in an importable module and "
+        f"pass the class or its dotted path (e.g. 'my_pkg.buffers.MyBuffer'). {_WHAT_TO_SET}")
+
+
 class _IterationOf:
     """The algorithm's current training iteration (None once it is gone: the buffer holds no reference to it)."""
 
@@ -239,7 +268,9 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
     ``replay_buffer_config["type"]`` says) whose ``sample()`` delivers the assembled train batch
     onto the learner's device. On-policy (PPO): the learner's minibatches are delivered by
     Conduit's on-policy path (each row once per epoch, minibatch k + 1 prepared while k trains).
-    Calling it twice is harmless.
+    Calling it twice is harmless. A ``replay_buffer_config["type"]`` given as a class is replaced in
+    ``config`` by its plain name (RLlib's ``EpisodeReplayBuffer`` / ``PrioritizedEpisodeReplayBuffer``) or its
+    dotted path ``module.Class`` (any other class), as RLlib 2.60's ``build_algo`` takes no class there.
 
     Keyword Args:
         placement: where experience lives (default: host memory; a PPO batch stays on its device).
@@ -252,7 +283,8 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
         UnsupportedConfigError: a frozen config (one a built algorithm holds; nothing is changed), a
             ``placement`` that is no Placement, a ``scheduler`` that is no factory (e.g. a Scheduler instance), or a
             setting the adapter cannot serve (old API stack, non-torch,
-            multi-agent, several learners, RNN models, custom learner connectors off-policy, ...).
+            multi-agent, several learners, RNN models, custom learner connectors off-policy, a replay
+            buffer class defined in a function or nested in a class, which no dotted path names, ...).
         conduit_rllib.compat.RLlibCompatibilityError: the installed RLlib moved a hook we use.
     """
     if not isinstance(config, AlgorithmConfig):
@@ -294,11 +326,16 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
                                          "connector pieces would be skipped; remove "
                                          "config.learners(learner_connector=...) or run without Conduit.")
         _replay_class(config)
+        replay_config = cast("DQNConfig | SACConfig", config)
+        rb_type = replay_config.replay_buffer_config.get("type")
+        buildable = _buildable_type(rb_type) if isinstance(rb_type, type) else None
         learner = _learner_class(config, default_learner, conduit_learner, ConduitOffPolicyLearner)
         hooks = force_list(config.callbacks_on_algorithm_init)
         hooks = [h for h in hooks if not isinstance(h, InstallReplayBuffer)]
         config.callbacks(on_algorithm_init=[*hooks, InstallReplayBuffer(placement, scheduler)])
         config.learners(learner_class=learner)
+        if buildable is not None:  # the whole dict: RLlib replaces it whole when the type changes
+            replay_config.training(replay_buffer_config={**replay_config.replay_buffer_config, "type": buildable})
     else:
         if scheduler is not None:  # (the on-policy path prefetches on its own: see prefetch=)
             raise UnsupportedConfigError("scheduler= applies to DQN/SAC replay only; PPO's minibatch delivery is "
