@@ -34,7 +34,7 @@ def steps_to_reach(config: Any, threshold: float, budget: int) -> tuple[int | No
 
 
 @pytest.mark.parametrize(("name", "make", "threshold", "budget"), [
-    ("dqn", lambda: dqn_cartpole(seed=0, steps=1000), 100.0, 12_000),
+    ("dqn", lambda: dqn_cartpole(seed=0, steps=1000), 100.0, 16_000),
     ("ppo", lambda: ppo_cartpole(seed=0, batch=2000, minibatch=128, epochs=6), 150.0, 40_000),
 ])
 def test_conduit_reaches_the_native_threshold_in_the_same_budget(name: str, make: Any, threshold: float,
