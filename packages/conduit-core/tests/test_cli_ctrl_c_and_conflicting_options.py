@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conduit.cli import INTERRUPTED, main
+from conduit.testing.lifecycle import ctrl_c_enabled
 
 CONDUIT = str(Path(sys.executable).with_name("conduit"))
 TINY = ["--obs-dim", "8", "--batch", "8", "--rollout", "8", "--capacity", "64"]
@@ -30,7 +31,7 @@ def _interrupt_after(argv: list[str], stream: str, marker: str, settle_s: float 
     The bounds below are reached only on a hang."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([CONDUIT, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=ctrl_c_enabled)
     watched = proc.stdout if stream == "stdout" else proc.stderr
     other = proc.stderr if stream == "stdout" else proc.stdout
     assert watched is not None and other is not None

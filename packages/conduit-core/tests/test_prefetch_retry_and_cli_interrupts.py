@@ -32,7 +32,7 @@ from conduit.exposure import ExposureLog
 from conduit.semantics import SampleInfo, Sampler, Selection
 from conduit.storage.base import Storage
 from conduit.telemetry import thread_id
-from conduit.testing.lifecycle import HANG_S, eventually
+from conduit.testing.lifecycle import HANG_S, ctrl_c_enabled, eventually
 
 SCHEMA = ExperienceSchema(obs=Field((1,)))
 
@@ -225,7 +225,7 @@ def _simulate_interrupted(where: str, out: Path) -> tuple[int, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", _INTERRUPTING, where, "simulate", "--scenario", "a100", "--gpus", "8",
                            "--out", str(out)], capture_output=True, text=True, env=env, timeout=HANG_S * 4,
-                          start_new_session=True)
+                          start_new_session=True, preexec_fn=ctrl_c_enabled)
     return proc.returncode, proc.stderr
 
 

@@ -17,9 +17,12 @@ import torch
 from conduit import ConfigurationError, ExperienceDataPlane, ExperienceSchema, Field, Overlapped, Synchronous
 from conduit.errors import ConduitError
 from conduit.telemetry import Telemetry
+from conduit.testing.lifecycle import start_bounded
 
 #: waits for another thread, hit only on failure: generous (a loaded machine, a Ray write)
 JOIN_S = 60.0
+#: how long a qsize() that waits for a paused store is given before the store goes on (it returns either way)
+QSIZE_WAIT_S = 0.5
 
 
 # -- read_locked ---------------------------------------------------------------------------------------------
@@ -66,9 +69,10 @@ def test_read_locked_returns_the_result_runs_under_the_buffer_lock_and_is_refuse
 class GatedTelemetry(Telemetry):
     """A buffer's telemetry that pauses the thread storing a batch right after its write.
 
-    ``ingest_now`` records its call after it stored the batch and released the buffer's lock, and before the
-    scheduler marks the batch stored: the real write is paused at exactly that point (puts run on another
-    thread than the test's, so only a write on another thread waits).
+    ``ingest_now`` records its call after it stored the batch, and before the scheduler marks the batch stored:
+    the real write is paused at exactly that point (puts run on another thread than the test's, so only a write
+    on another thread waits). A background ingestion worker has released the buffer's lock by then; a store run
+    in the putting thread (no overlap) still holds it.
     """
 
     def __init__(self, main: threading.Thread) -> None:
@@ -108,14 +112,20 @@ def test_srl_qsize_counts_a_sample_being_stored_once(semantics: str, overlap: bo
         put.start()
         try:
             assert tel.entered.wait(JOIN_S), "the write of the second sample did not run"
-            assert len(edp) == 2, "the paused write had not stored its sample"
-            seen = b.qsize()
+            # (the storage read directly: a store in the putting thread holds the buffer's lock through its record)
+            assert len(edp.storage) == 2, "the paused write had not stored its sample"
+            # qsize() may answer now, or wait for the store to finish (a put stored in the caller's thread holds
+            # the buffer's lock through it): either is right, as long as it counts the sample once
+            reader, seen = start_bounded(b.qsize, name="qsize")
+            reader.join(QSIZE_WAIT_S)
         finally:
             tel.gate.set()
         put.join(JOIN_S)
+        reader.join(JOIN_S)
+        assert not reader.is_alive(), "qsize() did not return once the store finished"
         b.flush()
-        assert seen == 2, (f"qsize() said {seen} while the second sample was being stored ({semantics}, "
-                           f"overlap={overlap}); 2 samples were put (the one being stored counted twice)")
+        assert seen == [2], (f"qsize() said {seen[0]} while the second sample was being stored ({semantics}, "
+                             f"overlap={overlap}); 2 samples were put (the one being stored counted twice)")
         assert b.qsize() == 2
 
 

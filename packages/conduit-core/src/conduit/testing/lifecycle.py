@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
 
 __all__ = ["WORKER_THREADS", "HANG_S", "call_bounded", "start_bounded", "eventually", "worker_threads",
-           "live_workers", "no_workers_beyond", "open_fds"]
+           "live_workers", "no_workers_beyond", "open_fds", "ctrl_c_enabled"]
 
 #: the names of the threads Conduit's schedulers and adapters start
 WORKER_THREADS = ("conduit-ingest", "conduit-prefetch", "conduit-minibatch", "conduit-srl-assembler")
@@ -89,3 +90,14 @@ def no_workers_beyond(before: set[threading.Thread]) -> bool:
 def open_fds() -> int:
     """File descriptors open in this process (Linux: ``/proc/self/fd``)."""
     return len(os.listdir("/proc/self/fd"))
+
+
+def ctrl_c_enabled() -> None:
+    """A ``preexec_fn`` for a child process a test will interrupt with SIGINT: the child gets Ctrl-C's default.
+
+    A test runner started as a background job of a non-interactive shell (``cmd &`` in a script) ignores SIGINT,
+    and its children inherit that: their Python then never raises ``KeyboardInterrupt``, and a test that sends
+    SIGINT would wait on a command that does not stop. Restoring the default disposition in the child makes
+    it start as it would at a terminal.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
