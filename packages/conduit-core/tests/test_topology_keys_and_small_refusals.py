@@ -96,6 +96,16 @@ def test_a_bad_torch_group_timeout_is_refused_before_a_group_is_formed(one_serve
     assert one_server.torch_group(create=False) is None, "a group was formed"
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("timeout", [None, "5", 0, float("inf"), True])
+def test_a_torch_group_built_directly_checks_its_timeout_too(one_server: Any, timeout: Any) -> None:
+    """``TorchGroup(servers, timeout=None)`` (the class, not ``torch_group``) raised a bare ``TypeError``."""
+    from conduit.distributed.transport import TorchGroup
+
+    with pytest.raises(ConfigurationError, match="timeout must be a positive number of seconds, got "):
+        TorchGroup(one_server, timeout=timeout, measure=False)
+
+
 # -- the conformance suite's draws ------------------------------------------------------------------------------------
 class _NoHandles(CoreReplayEndpoint):
     """Broken: its draws carry ids and (prioritized) importance weights, but no handles."""

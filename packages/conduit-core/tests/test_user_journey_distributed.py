@@ -112,20 +112,22 @@ def _shard_server_actors() -> int:
                if a["ActorClassName"].endswith("ShardServer") and a["State"] != "DEAD")
 
 
-@pytest.mark.parametrize("start_timeout", [None, "30", float("nan"), 0])
+@pytest.mark.parametrize("start_timeout", [None, "30", float("nan"), 0, float("inf")])
 def test_a_start_timeout_that_is_no_positive_number_is_refused_typed_and_starts_no_server(cluster, start_timeout):
     """``ShardServers(start_timeout=None)`` (or ``"30"``) started the servers, then failed in the wait with a bare
     ``TypeError``, leaving them running with nobody holding them (``nan`` and ``0`` gave up at once, naming a
-    start failure). A setting that cannot work is refused typed before anything starts."""
+    start failure). A setting that cannot work is refused typed before anything starts; so is ``inf``, as every
+    other timeout of the tier (a remote call is always bounded)."""
     before = _shard_server_actors()
     with pytest.raises(ConfigurationError, match="start_timeout must be a positive number"):
         ShardServers([cluster.head], start_timeout=start_timeout)
     assert _shard_server_actors() == before
 
 
-@pytest.mark.parametrize("timeout", [None, "5"])
+@pytest.mark.parametrize("timeout", [None, "5", float("inf")])
 def test_a_link_probe_timeout_that_is_no_number_is_refused_typed(cluster, timeout):
-    """``ShardServers.links(timeout=None)`` failed with a bare ``TypeError`` from the settings check itself."""
+    """``ShardServers.links(timeout=None)`` failed with a bare ``TypeError`` from the settings check itself; ``inf``
+    was taken, unlike every other timeout of the tier."""
     servers = ShardServers([cluster.head])
     try:
         with pytest.raises(ConfigurationError, match="timeout must be > 0 seconds"):

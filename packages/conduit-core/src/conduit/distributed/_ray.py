@@ -7,13 +7,24 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from conduit.distributed.errors import ClusterError, RayUnavailableError
 from conduit.errors import ConduitError
 from conduit.scheduling.base import thread_flag
 
-__all__ = ["ray_module", "current_node_id", "wait_all", "Outcome", "without_auto_init"]
+__all__ = ["ray_module", "current_node_id", "wait_all", "Outcome", "without_auto_init", "positive_finite"]
 
 _tls = threading.local()
+
+
+def positive_finite(x: Any) -> bool:
+    """``x`` is a finite real number > 0, not a bool: what a timeout, a period or a rate must be.
+
+    Infinity is refused: every remote call of the multi-node tier is bounded, so "wait forever" is not a timeout.
+    """
+    real = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+    return real and bool(0 < x < float("inf"))
 
 
 def ray_module(*, initialized: bool = True) -> Any:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from conduit.distributed._ray import current_node_id, ray_module
+from conduit.distributed._ray import current_node_id, positive_finite, ray_module
 from conduit.distributed.errors import ClusterError, RemoteTimeoutError
 from conduit.errors import ConfigurationError
 from conduit.placement.profile import LinkCost, _median_seconds
@@ -33,7 +33,7 @@ def check_probes(sizes: Sequence[int], repeats: int, timeout: float) -> tuple[in
 
     Raises:
         ConfigurationError: no size, a size that is not a positive int, ``repeats`` < 1, or a ``timeout`` that is
-            not a number > 0 (a profile without a bandwidth point would price every transfer as free).
+            not a finite number > 0 (a profile without a bandwidth point would price every transfer as free).
     """
     sz = tuple(sizes)
     if not sz or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x <= 0 for x in sz):
@@ -41,7 +41,7 @@ def check_probes(sizes: Sequence[int], repeats: int, timeout: float) -> tuple[in
                                  f"sizes=(1 << 18, 1 << 22).")
     if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
         raise ConfigurationError(f"Link probe repeats must be an int >= 1, got {repeats!r}.")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)) or not timeout > 0:
+    if not positive_finite(timeout):
         raise ConfigurationError(f"Link probe timeout must be > 0 seconds, got {timeout!r}.")
     return tuple(int(x) for x in sz)
 

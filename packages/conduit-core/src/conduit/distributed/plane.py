@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged, host_array
-from conduit.distributed._ray import Outcome, current_node_id, ray_module, wait_all, without_auto_init
+from conduit.distributed._ray import Outcome, current_node_id, positive_finite, ray_module, wait_all, without_auto_init
 from conduit.distributed.errors import (
     ClusterError,
     DistributedError,
@@ -371,9 +371,9 @@ class DistributedDataPlane:
         if not isinstance(replication, int) or replication < 1:
             raise ConfigurationError(f"replication must be an int >= 1, got {replication!r}.")
         # checked before any server starts (a refusal afterwards would leave the servers it started running)
-        if not _is_positive(timeout):
+        if not positive_finite(timeout):
             raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}.")
-        if health_period is not None and not _is_positive(health_period):
+        if health_period is not None and not positive_finite(health_period):
             raise ConfigurationError(f"health_period must be a positive number of seconds or None (no monitor "
                                      f"thread), got {health_period!r}.")
         if shard_capacity is not None and not (_is_int(shard_capacity) and shard_capacity > 0):
@@ -381,7 +381,7 @@ class DistributedDataPlane:
         if ragged_capacity is not None and not (_is_int(ragged_capacity) and ragged_capacity > 0):
             if schema.ragged or not (_is_int(ragged_capacity) and ragged_capacity == 0):
                 raise ConfigurationError(f"ragged_capacity must be a positive int or None, got {ragged_capacity!r}.")
-        if reuse is not None and not (_is_positive(reuse) or (not isinstance(reuse, bool) and reuse == 0)):
+        if reuse is not None and not (positive_finite(reuse) or (not isinstance(reuse, bool) and reuse == 0)):
             raise ConfigurationError(f"reuse must be a number >= 0 (expected deliveries per item), got {reuse!r}.")
         if transport not in TRANSPORTS:
             raise ConfigurationError(f"transport must be one of {TRANSPORTS}, got {transport!r}.")
@@ -2034,12 +2034,6 @@ def _check_learner_node(node: Any, servers: ShardServers | Sequence[str] | None)
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _is_positive(x: Any) -> bool:
-    """A finite real number > 0 (not a bool)."""
-    real = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-    return real and bool(0 < x < float("inf"))
 
 
 def _reason(o: Outcome) -> str:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import numbers
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from conduit.distributed._ray import current_node_id, ray_module, wait_all, without_auto_init
+from conduit.distributed._ray import current_node_id, positive_finite, ray_module, wait_all, without_auto_init
 from conduit.distributed.errors import ClusterError
 from conduit.distributed.server import server_class
 from conduit.errors import ConfigurationError
@@ -44,19 +43,19 @@ class ShardServers:
             several servers on it. One id as a bare string is refused (write ``[node_id]``).
 
     Keyword Args:
-        start_timeout: seconds to wait for the servers to come up (a positive number).
+        start_timeout: seconds to wait for the servers to come up (a finite number > 0).
 
     Raises:
         ClusterError: Ray is not initialised, a node is unknown or dead, ``nodes`` is one string, or a server did
             not start in time.
-        ConfigurationError: ``start_timeout`` is not a positive number (no server is started).
+        ConfigurationError: ``start_timeout`` is not a finite number > 0 (no server is started).
     """
 
     def __init__(self, nodes: Sequence[str] | None = None, *, start_timeout: float = 120.0) -> None:
         ray = ray_module()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
+        if not positive_finite(start_timeout):
             # (checked before any server starts: a wait that fails on it would leave them running)
             raise ConfigurationError(f"start_timeout must be a positive number of seconds, got {start_timeout!r}.")
         if isinstance(nodes, (str, bytes)):  # (a list of its characters would be refused as unknown nodes)
@@ -148,7 +147,7 @@ class ShardServers:
             ConfigurationError: ``timeout`` is not a finite number of seconds > 0 (checked first: nothing is
                 started or torn down).
         """
-        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
+        if not positive_finite(timeout):
             raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}.")
         if not create:
             return self._torch

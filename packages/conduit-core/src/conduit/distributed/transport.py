@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from conduit.distributed._ray import current_node_id, ray_module, wait_all
+from conduit.distributed._ray import current_node_id, positive_finite, ray_module, wait_all
 from conduit.distributed.errors import ClusterError, RemoteTimeoutError
 from conduit.distributed.links import LinkProfile, check_probes
 from conduit.errors import ConfigurationError
@@ -108,7 +108,8 @@ class TorchGroup:
         measure: measure the links of this transport once formed (:attr:`links`).
 
     Raises:
-        ConfigurationError: torch.distributed or the backend is missing here.
+        ConfigurationError: torch.distributed or the backend is missing here, or ``timeout`` is not a finite
+            number > 0 (nothing is formed).
         ClusterError: a server could not join within ``timeout`` (the group is not formed).
         RemoteTimeoutError: measuring the links failed (the group formed, and is torn down: closed here and
             left by every server; forming it again starts afresh).
@@ -118,6 +119,8 @@ class TorchGroup:
                  measure: bool = True) -> None:
         import torch.distributed as dist
 
+        if not positive_finite(timeout):  # (checked before the store opens or any server is asked to join)
+            raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}.")
         _backend_ok(backend)
         ray = ray_module()
         self.backend = backend
