@@ -9,7 +9,9 @@ unmutated parts, so a failure below comes from the injected bug, not from the ha
 
 from __future__ import annotations
 
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,8 +31,15 @@ from conduit.testing import (
     ReplaySuite,
 )
 
-#: what a failing suite check raises: a plain assertion, or pytest.fail's exception
-FAILED = (AssertionError, pytest.fail.Exception)
+sys.path.insert(0, str(Path(__file__).parent))
+from _suite_mutants import (  # noqa: E402, I001  (the mutant tests' shared harness)
+    FAILED,
+    catches_mutants,
+    concurrency_suite,
+    controls_pass,
+    freshness_suite,
+    replay_suite,
+)
 
 
 # -- harness ---------------------------------------------------------------------------------
@@ -59,30 +68,6 @@ class MutantOnPolicy(CoreOnPolicyEndpoint):
         sem = self.semantics(num_minibatches=s.num_minibatches, num_epochs=s.num_epochs,
                              max_staleness=s.max_staleness, on_stale=s.on_stale, seed=s.seed)
         return super()._build(capacity, sem, **kwargs)
-
-
-def replay_suite(ep: type) -> ReplaySuite:
-    class Bound(ReplaySuite):
-        def make_replay(self, **kw: Any) -> Any:
-            return ep(**kw)
-    return Bound()
-
-
-def freshness_suite(ep: type) -> FreshnessSuite:
-    class Bound(FreshnessSuite):
-        def make_on_policy(self, **kw: Any) -> Any:
-            return ep(**kw)
-    return Bound()
-
-
-def concurrency_suite(ep: type, per_thread: int | None = None) -> ConcurrencySuite:
-    class Bound(ConcurrencySuite):
-        if per_thread is not None:
-            items_per_thread = per_thread
-
-        def make_replay(self, **kw: Any) -> Any:
-            return ep(**kw)
-    return Bound()
 
 
 # -- uniform sampler mutants -----------------------------------------------------------------
@@ -544,46 +529,15 @@ CONCURRENCY_MUTANTS = [
 ]
 
 
-def _id(v: Any) -> str:
-    if isinstance(v, type):
-        extra = [s.__name__ for k in ("uniform", "prioritized", "semantics")
-                 if (s := v.__dict__.get(k)) is not None]
-        return extra[0] if extra else v.__name__
-    return str(v)[:24]
-
-
 # -- controls: the harness passes on the unmutated parts -------------------------------------
-@pytest.mark.parametrize("check", sorted({c for _, c, _ in REPLAY_MUTANTS}))
-def test_control_replay_passes(check: str) -> None:
-    getattr(replay_suite(MutantReplay), check)()
-
-
-@pytest.mark.parametrize("check", sorted({c for _, c, _ in FRESHNESS_MUTANTS}))
-def test_control_freshness_passes(check: str) -> None:
-    getattr(freshness_suite(MutantOnPolicy), check)()
-
-
-def test_control_concurrency_passes() -> None:
-    concurrency_suite(CoreReplayEndpoint).test_concurrent_producers_lose_and_duplicate_nothing()
-
+test_control_replay_passes = controls_pass(replay_suite, MutantReplay, REPLAY_MUTANTS)
+test_control_freshness_passes = controls_pass(freshness_suite, MutantOnPolicy, FRESHNESS_MUTANTS)
+test_control_concurrency_passes = controls_pass(concurrency_suite, CoreReplayEndpoint, CONCURRENCY_MUTANTS)
 
 # -- mutants: the suite fails with a message that names the problem --------------------------
-@pytest.mark.parametrize(("ep", "check", "match"), REPLAY_MUTANTS, ids=_id)
-def test_replay_suite_catches_mutant(ep: type, check: str, match: str) -> None:
-    with pytest.raises(FAILED, match=match):
-        getattr(replay_suite(ep), check)()
-
-
-@pytest.mark.parametrize(("ep", "check", "match"), FRESHNESS_MUTANTS, ids=_id)
-def test_freshness_suite_catches_mutant(ep: type, check: str, match: str) -> None:
-    with pytest.raises(FAILED, match=match):
-        getattr(freshness_suite(ep), check)()
-
-
-@pytest.mark.parametrize(("ep", "check", "match"), CONCURRENCY_MUTANTS, ids=_id)
-def test_concurrency_suite_catches_mutant(ep: type, check: str, match: str) -> None:
-    with pytest.raises(FAILED, match=match):
-        getattr(concurrency_suite(ep), check)()
+test_replay_suite_catches_mutant = catches_mutants(replay_suite, REPLAY_MUTANTS)
+test_freshness_suite_catches_mutant = catches_mutants(freshness_suite, FRESHNESS_MUTANTS)
+test_concurrency_suite_catches_mutant = catches_mutants(concurrency_suite, CONCURRENCY_MUTANTS)
 
 
 # -- found by a later review of the suite: messages, integration-tests, the no-weakening guard ---------

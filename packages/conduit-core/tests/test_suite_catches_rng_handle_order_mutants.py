@@ -21,7 +21,6 @@ from conduit.testing import (
     CAP_CHECKPOINT,
     CAP_CONCURRENT_INGEST,
     CAP_PRIORITIZED,
-    ConcurrencySuite,
     CoreOnPolicyEndpoint,
     CoreReplayEndpoint,
     Draw,
@@ -30,14 +29,16 @@ from conduit.testing import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_conformance_catches_mutants import (  # noqa: E402, I001  (sibling test helpers)
-    _integration_module,
+from _suite_mutants import (  # noqa: E402, I001  (the mutant tests' shared harness)
+    FAILED,
+    catches_mutants,
+    concurrency_suite,
+    controls_pass,
     freshness_suite,
+    mutant_id,
     replay_suite,
 )
-
-#: what a failing suite check raises: a plain assertion, or pytest.fail's exception
-FAILED = (AssertionError, pytest.fail.Exception)
+from test_conformance_catches_mutants import _integration_module  # noqa: E402  (sibling test helper)
 
 
 def with_prioritized(sampler: type[PrioritizedSampler]) -> type[CoreReplayEndpoint]:
@@ -222,28 +223,10 @@ FRESHNESS_MUTANTS = [
 ]
 
 
-@pytest.mark.parametrize("check", sorted({c for _, c, _ in REPLAY_MUTANTS}))
-def test_control_replay_passes(check: str) -> None:
-    getattr(replay_suite(CoreReplayEndpoint), check)()
-
-
-@pytest.mark.parametrize("check", sorted({c for _, c, _ in FRESHNESS_MUTANTS}))
-def test_control_freshness_passes(check: str) -> None:
-    getattr(freshness_suite(CoreOnPolicyEndpoint), check)()
-
-
-@pytest.mark.parametrize(("ep", "check", "match"), REPLAY_MUTANTS,
-                         ids=lambda v: v.__name__ if isinstance(v, type) else str(v)[:30])
-def test_replay_suite_catches_mutant(ep: type, check: str, match: str) -> None:
-    with pytest.raises(FAILED, match=match):
-        getattr(replay_suite(ep), check)()
-
-
-@pytest.mark.parametrize(("ep", "check", "match"), FRESHNESS_MUTANTS,
-                         ids=lambda v: v.__name__ if isinstance(v, type) else str(v)[:30])
-def test_freshness_suite_catches_mutant(ep: type, check: str, match: str) -> None:
-    with pytest.raises(FAILED, match=match):
-        getattr(freshness_suite(ep), check)()
+test_control_replay_passes = controls_pass(replay_suite, CoreReplayEndpoint, REPLAY_MUTANTS)
+test_control_freshness_passes = controls_pass(freshness_suite, CoreOnPolicyEndpoint, FRESHNESS_MUTANTS)
+test_replay_suite_catches_mutant = catches_mutants(replay_suite, REPLAY_MUTANTS)
+test_freshness_suite_catches_mutant = catches_mutants(freshness_suite, FRESHNESS_MUTANTS)
 
 
 @pytest.mark.parametrize(("ep", "check"), [
@@ -251,31 +234,21 @@ def test_freshness_suite_catches_mutant(ep: type, check: str, match: str) -> Non
     (SplitsRolloutByIngestCall, "test_each_item_exactly_once_per_epoch"),
     (SplitsRolloutByIngestCall, "test_version_purity"),
     (ShufflesWithinIngestCalls, "test_each_item_exactly_once_per_epoch"),
-], ids=lambda v: v.__name__ if isinstance(v, type) else str(v)[:30])
+], ids=mutant_id)
 def test_mutant_passes_the_older_checks(ep: type, check: str) -> None:
     """Why the new checks are needed: each mutant passes the check that looked closest to catching it."""
     suite = replay_suite(ep) if issubclass(ep, CoreReplayEndpoint) else freshness_suite(ep)
     getattr(suite, check)()
 
 
-def concurrency_suite(ep: type) -> ConcurrencySuite:
-    class Bound(ConcurrencySuite):
-        def make_replay(self, **kw: Any) -> Any:
-            return ep(**kw)
-    return Bound()
-
-
-@pytest.mark.parametrize("ep", [ReversesBulkInserts, SwapsEachProducersCalls], ids=lambda v: v.__name__)
+@pytest.mark.parametrize("ep", [ReversesBulkInserts, SwapsEachProducersCalls], ids=mutant_id)
 def test_concurrency_suite_catches_reordered_producer(ep: type) -> None:
     """Nothing is lost or duplicated, but a producer's items are stored out of its insertion order; the
-    replay suite's FIFO check (small single-threaded inserts) passes."""
+    replay suite's FIFO check (small single-threaded inserts) passes. (The control, core's endpoint passing
+    the same check, is test_conformance_catches_mutants.py's test_control_concurrency_passes.)"""
     replay_suite(ep).test_fifo_eviction_and_capacity()
     with pytest.raises(FAILED, match=r"producer \d's items were not stored in the order it inserted them"):
         concurrency_suite(ep).test_concurrent_producers_lose_and_duplicate_nothing()
-
-
-def test_control_concurrency_passes() -> None:
-    concurrency_suite(CoreReplayEndpoint).test_concurrent_producers_lose_and_duplicate_nothing()
 
 
 # -- integration-tests: a capability an adapter stops declaring is not a silent skip ------------------

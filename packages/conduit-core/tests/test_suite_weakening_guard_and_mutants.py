@@ -35,16 +35,16 @@ from conduit.testing import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_conformance_catches_mutants import (  # noqa: E402, I001  (sibling test helpers)
-    OneDrawBehind,
-    _integration_module,
+from _suite_mutants import (  # noqa: E402, I001  (the mutant tests' shared harness)
+    FAILED,
+    catches_mutants,
+    controls_pass,
     freshness_suite,
+    mutant_id,
     replay_suite,
 )
+from test_conformance_catches_mutants import OneDrawBehind, _integration_module  # noqa: E402  (sibling test helpers)
 from test_suite_catches_rng_handle_order_mutants import with_prioritized  # noqa: E402
-
-#: what a failing suite check raises: a plain assertion, or pytest.fail's exception
-FAILED = (AssertionError, pytest.fail.Exception)
 
 
 # -- replay mutants -------------------------------------------------------------------------------
@@ -137,35 +137,17 @@ FRESHNESS_MUTANTS = [
 ]
 
 
-@pytest.mark.parametrize("check", sorted({c for _, c, _ in REPLAY_MUTANTS}))
-def test_control_replay_passes(check: str) -> None:
-    getattr(replay_suite(CoreReplayEndpoint), check)()
-
-
-@pytest.mark.parametrize("check", sorted({c for _, c, _ in FRESHNESS_MUTANTS}))
-def test_control_freshness_passes(check: str) -> None:
-    getattr(freshness_suite(CoreOnPolicyEndpoint), check)()
-
-
-@pytest.mark.parametrize(("ep", "check", "match"), REPLAY_MUTANTS,
-                         ids=lambda v: v.__name__ if isinstance(v, type) else str(v)[:30])
-def test_replay_suite_catches_mutant(ep: type, check: str, match: str) -> None:
-    with pytest.raises(FAILED, match=match):
-        getattr(replay_suite(ep), check)()
-
-
-@pytest.mark.parametrize(("ep", "check", "match"), FRESHNESS_MUTANTS,
-                         ids=lambda v: v.__name__ if isinstance(v, type) else str(v)[:30])
-def test_freshness_suite_catches_mutant(ep: type, check: str, match: str) -> None:
-    with pytest.raises(FAILED, match=match):
-        getattr(freshness_suite(ep), check)()
+test_control_replay_passes = controls_pass(replay_suite, CoreReplayEndpoint, REPLAY_MUTANTS)
+test_control_freshness_passes = controls_pass(freshness_suite, CoreOnPolicyEndpoint, FRESHNESS_MUTANTS)
+test_replay_suite_catches_mutant = catches_mutants(replay_suite, REPLAY_MUTANTS)
+test_freshness_suite_catches_mutant = catches_mutants(freshness_suite, FRESHNESS_MUTANTS)
 
 
 @pytest.mark.parametrize(("ep", "check"), [
     (with_prioritized(NewItemsGetLiveMax), "test_prioritized_frequency_proportional_to_priority_alpha"),
     (with_prioritized(NewItemsGetLiveMax), "test_checkpoint_round_trip"),
     (RestoresEmptySlots, "test_checkpoint_round_trip"),
-], ids=lambda v: v.__name__ if isinstance(v, type) else str(v)[:30])
+], ids=mutant_id)
 def test_mutant_passes_the_older_checks(ep: type, check: str) -> None:
     """Why the new checks are needed: each mutant passes the check that looked closest to catching it."""
     getattr(replay_suite(ep), check)()

@@ -34,6 +34,9 @@ from conduit.testing import (
     ReplaySuite,
 )
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _suite_mutants import concurrency_suite, freshness_suite, replay_suite  # noqa: E402, I001  (shared binders)
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -210,20 +213,6 @@ class DequeOnPolicyEndpoint(OnPolicyEndpoint):
 ENDPOINTS = EndpointFactory("deque-journey", make_replay=DequeReplayEndpoint, make_on_policy=DequeOnPolicyEndpoint)
 
 
-def replay_suite(ep: type) -> ReplaySuite:
-    class TestReplay(ReplaySuite):
-        def make_replay(self, **kwargs: Any) -> ReplayEndpoint:
-            return ep(**kwargs)  # type: ignore[no-any-return]
-    return TestReplay()
-
-
-def freshness_suite(ep: type) -> FreshnessSuite:
-    class TestFreshness(FreshnessSuite):
-        def make_on_policy(self, **kwargs: Any) -> OnPolicyEndpoint:
-            return ep(**kwargs)  # type: ignore[no-any-return]
-    return TestFreshness()
-
-
 def _tests(suite: type) -> list[str]:
     return sorted(n for n in dir(suite) if n.startswith("test_"))
 
@@ -240,13 +229,8 @@ def test_the_authors_on_policy_buffer_conforms(check: str) -> None:
 
 
 def test_the_authors_replay_buffer_conforms_under_concurrent_producers() -> None:
-    class TestConcurrency(ConcurrencySuite):
-        items_per_thread = 10_000  # called directly, below the guard: the full size is the suite's own business
-
-        def make_replay(self, **kwargs: Any) -> ReplayEndpoint:
-            return DequeReplayEndpoint(**kwargs)
-
-    TestConcurrency().test_concurrent_producers_lose_and_duplicate_nothing()
+    # called directly, below the guard, with 10,000 items per thread: the full size is the suite's own business
+    concurrency_suite(DequeReplayEndpoint, per_thread=10_000).test_concurrent_producers_lose_and_duplicate_nothing()
 
 
 def test_an_installed_adapter_is_discovered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
