@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -104,6 +105,44 @@ def test_ctrl_c_during_simulate_says_one_line_and_leaves_no_output_directory(tmp
 
 
 # -- conduit schedule ranges --on-policy: off-policy caps given with it are refused, not silently ignored --------
+
+
+#: a child that presses Ctrl-C on itself as soon as torch starts to load, then runs the console script's entry
+_CTRL_C_WHILE_LOADING = textwrap.dedent("""
+    import os, signal, sys
+
+    class CtrlCOnTorch:
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch":
+                os.kill(os.getpid(), signal.SIGINT)  # KeyboardInterrupt inside the import chain
+            return None
+
+    sys.meta_path.insert(0, CtrlCOnTorch())
+    import conduit_entry
+    assert "torch" not in sys.modules
+    sys.exit(conduit_entry.main())
+""")
+
+
+def test_ctrl_c_while_the_command_line_loads_says_one_line() -> None:
+    """Ctrl-C while ``conduit`` was still importing torch (the package's ``__init__``, a second or more) printed a
+    KeyboardInterrupt traceback from inside torch: ``conduit.cli.main`` had not started. The console script's
+    entry (``conduit_entry``, outside the package) catches it."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_WHILE_LOADING, "plan"], capture_output=True, text=True,
+                          env=env, timeout=240, preexec_fn=ctrl_c_enabled)
+    _assert_one_interrupted_line(proc.returncode, proc.stderr)
+    assert "while conduit was starting" in proc.stderr
+
+
+def test_the_console_script_enters_through_conduit_entry() -> None:
+    from importlib.metadata import entry_points
+
+    import conduit_entry
+
+    scripts = {e.name: e.value for e in entry_points(group="console_scripts") if e.name == "conduit"}
+    assert scripts == {"conduit": "conduit_entry:main"}, scripts
+    assert conduit_entry.INTERRUPTED == INTERRUPTED
 
 
 @pytest.mark.parametrize("caps", [["--g-ing-max", "2"], ["--g-del-max", "2"],
