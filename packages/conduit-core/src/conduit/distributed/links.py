@@ -42,7 +42,7 @@ def check_probes(sizes: Sequence[int], repeats: int, timeout: float) -> tuple[in
     if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
         raise ConfigurationError(f"Link probe repeats must be an int >= 1, got {repeats!r}.")
     if not positive_finite(timeout):
-        raise ConfigurationError(f"Link probe timeout must be > 0 seconds, got {timeout!r}.")
+        raise ConfigurationError(f"Link probe timeout must be a finite number of seconds > 0, got {timeout!r}.")
     return tuple(int(x) for x in sz)
 
 
