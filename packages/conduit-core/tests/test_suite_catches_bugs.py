@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from conduit.semantics.replay import PrioritizedSampler
-from conduit.testing import CoreOnPolicyEndpoint, CoreReplayEndpoint, Draw, FreshnessSuite, Minibatch, ReplaySuite
+from conduit.testing import CoreOnPolicyEndpoint, CoreReplayEndpoint, Draw, Minibatch, ReplaySuite
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _suite_mutants import catches_mutants, freshness_suite, replay_suite  # noqa: E402, I001  (the shared harness)
 
 
 class HalfBlind(CoreReplayEndpoint):
@@ -59,44 +64,17 @@ class WithReplacement(CoreOnPolicyEndpoint):
         return [Minibatch(rng.choice(pool, len(m.ids)), m.version, m.epoch) for m in mbs]
 
 
-def run(suite: type, name: str) -> None:
-    getattr(suite(), name)()
+REPLAY_MUTANTS = [
+    (HalfBlind, "test_uniform_draws_are_uniform", "chi-square"),
+    (IgnoresAlpha, "test_prioritized_frequency_proportional_to_priority_alpha", "p\\^alpha"),
+    (StaleUpdates, "test_update_for_evicted_handle_is_ignored", "stale update"),
+]
+FRESHNESS_MUTANTS = [
+    (WithReplacement, "test_each_item_exactly_once_per_epoch", "not a permutation"),
+]
 
-
-def test_biased_uniform_sampling_fails() -> None:
-    class S(ReplaySuite):
-        def make_replay(self, **kw: Any) -> CoreReplayEndpoint:
-            return HalfBlind(**kw)
-
-    with pytest.raises(AssertionError, match="chi-square"):
-        run(S, "test_uniform_draws_are_uniform")
-
-
-def test_wrong_alpha_fails() -> None:
-    class S(ReplaySuite):
-        def make_replay(self, **kw: Any) -> CoreReplayEndpoint:
-            return IgnoresAlpha(**kw)
-
-    with pytest.raises(AssertionError, match="p\\^alpha"):
-        run(S, "test_prioritized_frequency_proportional_to_priority_alpha")
-
-
-def test_stale_priority_update_fails() -> None:
-    class S(ReplaySuite):
-        def make_replay(self, **kw: Any) -> CoreReplayEndpoint:
-            return StaleUpdates(**kw)
-
-    with pytest.raises(AssertionError, match="stale update"):
-        run(S, "test_update_for_evicted_handle_is_ignored")
-
-
-def test_sampling_with_replacement_on_policy_fails() -> None:
-    class S(FreshnessSuite):
-        def make_on_policy(self, **kw: Any) -> CoreOnPolicyEndpoint:
-            return WithReplacement(**kw)
-
-    with pytest.raises(AssertionError, match="not a permutation"):
-        run(S, "test_each_item_exactly_once_per_epoch")
+test_replay_suite_catches_mutant = catches_mutants(replay_suite, REPLAY_MUTANTS)
+test_freshness_suite_catches_mutant = catches_mutants(freshness_suite, FRESHNESS_MUTANTS)
 
 
 def test_overriding_a_suite_test_without_xfail_fails() -> None:
@@ -108,4 +86,4 @@ def test_overriding_a_suite_test_without_xfail_fails() -> None:
             pass
 
     with pytest.raises(AssertionError, match="without @pytest.mark.xfail"):
-        run(S, "test_no_overrides_DO_NOT_OVERRIDE")
+        S().test_no_overrides_DO_NOT_OVERRIDE()
