@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 
-#: the exit status of a command stopped by Ctrl-C (kept equal to ``conduit.cli.INTERRUPTED``, which needs torch)
+#: the exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports a process it interrupted);
+#: defined here, torch-free, and imported by :mod:`conduit.cli`, so both exits report the same status
 INTERRUPTED = 130
 
 

@@ -14,9 +14,11 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
+from conduit_entry import INTERRUPTED  # the exit status of Ctrl-C (130), shared with the console script's entry
+
 from conduit.errors import ConduitError
 
-__all__ = ["main"]
+__all__ = ["INTERRUPTED", "main"]
 
 #: ``register(subparsers)`` adds one subcommand whose handler is ``args.func(args) -> int``
 Registrar = Callable[[argparse._SubParsersAction], None]  # type: ignore[type-arg]
@@ -49,10 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     for ep in sorted(entry_points(group="conduit.commands"), key=lambda e: e.name):
         ep.load()(sub)
     return parser
-
-
-#: the exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports a process it interrupted)
-INTERRUPTED = 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
