@@ -113,13 +113,13 @@ def _shard_server_actors() -> int:
 
 
 @pytest.mark.parametrize("start_timeout", [None, "30", float("nan"), 0, float("inf")])
-def test_a_start_timeout_that_is_no_positive_number_is_refused_typed_and_starts_no_server(cluster, start_timeout):
+def test_a_start_timeout_that_is_no_finite_positive_number_is_refused_typed_and_starts_no_server(cluster, start_timeout):
     """``ShardServers(start_timeout=None)`` (or ``"30"``) started the servers, then failed in the wait with a bare
     ``TypeError``, leaving them running with nobody holding them (``nan`` and ``0`` gave up at once, naming a
     start failure). A setting that cannot work is refused typed before anything starts; so is ``inf``, as every
     other timeout of the tier (a remote call is always bounded)."""
     before = _shard_server_actors()
-    with pytest.raises(ConfigurationError, match="start_timeout must be a positive number"):
+    with pytest.raises(ConfigurationError, match="start_timeout must be a finite number of seconds > 0"):
         ShardServers([cluster.head], start_timeout=start_timeout)
     assert _shard_server_actors() == before
 

@@ -10,10 +10,11 @@ from typing import Any
 import numpy as np
 
 from conduit.distributed.errors import ClusterError, RayUnavailableError
-from conduit.errors import ConduitError
+from conduit.errors import ConduitError, ConfigurationError
 from conduit.scheduling.base import thread_flag
 
-__all__ = ["ray_module", "current_node_id", "wait_all", "Outcome", "without_auto_init", "positive_finite"]
+__all__ = ["ray_module", "current_node_id", "wait_all", "Outcome", "without_auto_init", "positive_finite",
+           "check_seconds"]
 
 _tls = threading.local()
 
@@ -25,6 +26,27 @@ def positive_finite(x: Any) -> bool:
     """
     real = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
     return real and bool(0 < x < float("inf"))
+
+
+def check_seconds(name: str, value: object, *, none_means: str | None = None) -> None:
+    """Refuse a duration setting that is not a finite real number of seconds > 0 (see :func:`positive_finite`).
+
+    Args:
+        name: the setting as the user wrote it (``"timeout"``, ``"start_timeout"``), the first word of the message.
+        value: what was given.
+        none_means: when given, ``None`` is accepted too and this says what it means (e.g. ``"no monitor
+            thread"``); the message then offers it as ``or None (<none_means>)``.
+
+    Raises:
+        ConfigurationError: ``"<name> must be a finite number of seconds > 0[ or None (<none_means>)], got
+            <value!r>."`` -- for None (unless ``none_means``), a string, a bool, 0, a negative number, NaN or
+            infinity. Nothing is started or changed by the check.
+    """
+    if none_means is not None and value is None:
+        return
+    if not positive_finite(value):
+        offer = f" or None ({none_means})" if none_means is not None else ""
+        raise ConfigurationError(f"{name} must be a finite number of seconds > 0{offer}, got {value!r}.")
 
 
 def ray_module(*, initialized: bool = True) -> Any:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from conduit.distributed._ray import current_node_id, positive_finite, ray_module
+from conduit.distributed._ray import check_seconds, current_node_id, ray_module
 from conduit.distributed.errors import ClusterError, RemoteTimeoutError
 from conduit.errors import ConfigurationError
 from conduit.placement.profile import LinkCost, _median_seconds
@@ -41,8 +41,7 @@ def check_probes(sizes: Sequence[int], repeats: int, timeout: float) -> tuple[in
                                  f"sizes=(1 << 18, 1 << 22).")
     if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
         raise ConfigurationError(f"Link probe repeats must be an int >= 1, got {repeats!r}.")
-    if not positive_finite(timeout):
-        raise ConfigurationError(f"Link probe timeout must be a finite number of seconds > 0, got {timeout!r}.")
+    check_seconds("Link probe timeout", timeout)
     return tuple(int(x) for x in sz)
 
 

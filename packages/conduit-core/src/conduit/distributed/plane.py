@@ -41,7 +41,15 @@ import numpy as np
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged, host_array
-from conduit.distributed._ray import Outcome, current_node_id, positive_finite, ray_module, wait_all, without_auto_init
+from conduit.distributed._ray import (
+    Outcome,
+    check_seconds,
+    current_node_id,
+    positive_finite,
+    ray_module,
+    wait_all,
+    without_auto_init,
+)
 from conduit.distributed.errors import (
     ClusterError,
     DistributedError,
@@ -371,11 +379,8 @@ class DistributedDataPlane:
         if not isinstance(replication, int) or replication < 1:
             raise ConfigurationError(f"replication must be an int >= 1, got {replication!r}.")
         # checked before any server starts (a refusal afterwards would leave the servers it started running)
-        if not positive_finite(timeout):
-            raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}.")
-        if health_period is not None and not positive_finite(health_period):
-            raise ConfigurationError(f"health_period must be a positive number of seconds or None (no monitor "
-                                     f"thread), got {health_period!r}.")
+        check_seconds("timeout", timeout)
+        check_seconds("health_period", health_period, none_means="no monitor thread")
         if shard_capacity is not None and not (_is_int(shard_capacity) and shard_capacity > 0):
             raise ConfigurationError(f"shard_capacity must be a positive int or None, got {shard_capacity!r}.")
         if ragged_capacity is not None and not (_is_int(ragged_capacity) and ragged_capacity > 0):

@@ -7,10 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from conduit.distributed._ray import current_node_id, positive_finite, ray_module, wait_all, without_auto_init
+from conduit.distributed._ray import check_seconds, current_node_id, ray_module, wait_all, without_auto_init
 from conduit.distributed.errors import ClusterError
 from conduit.distributed.server import server_class
-from conduit.errors import ConfigurationError
 
 __all__ = ["ShardServers", "ServerInfo", "alive_nodes"]
 
@@ -55,9 +54,8 @@ class ShardServers:
         ray = ray_module()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        if not positive_finite(start_timeout):
-            # (checked before any server starts: a wait that fails on it would leave them running)
-            raise ConfigurationError(f"start_timeout must be a positive number of seconds, got {start_timeout!r}.")
+        # (checked before any server starts: a wait that fails on it would leave them running)
+        check_seconds("start_timeout", start_timeout)
         if isinstance(nodes, (str, bytes)):  # (a list of its characters would be refused as unknown nodes)
             raise ClusterError(f"nodes must be a list of node ids, got one string {nodes!r}; pass [node_id] for one "
                                f"server on that node, or alive_nodes() for one on every node.")
@@ -147,8 +145,7 @@ class ShardServers:
             ConfigurationError: ``timeout`` is not a finite number of seconds > 0 (checked first: nothing is
                 started or torn down).
         """
-        if not positive_finite(timeout):
-            raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+        check_seconds("timeout", timeout)
         if not create:
             return self._torch
         with self._torch_lock:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from conduit.distributed._ray import current_node_id, positive_finite, ray_module, wait_all
+from conduit.distributed._ray import check_seconds, current_node_id, ray_module, wait_all
 from conduit.distributed.errors import ClusterError, RemoteTimeoutError
 from conduit.distributed.links import LinkProfile, check_probes
 from conduit.errors import ConfigurationError
@@ -119,8 +119,7 @@ class TorchGroup:
                  measure: bool = True) -> None:
         import torch.distributed as dist
 
-        if not positive_finite(timeout):  # (checked before the store opens or any server is asked to join)
-            raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+        check_seconds("timeout", timeout)  # (checked before the store opens or any server is asked to join)
         _backend_ok(backend)
         ray = ray_module()
         self.backend = backend
