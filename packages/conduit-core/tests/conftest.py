@@ -1,4 +1,4 @@
-"""Fixtures shared by core's multi-node tests (each module gets its own cluster)."""
+"""Fixtures shared by core's multi-node tests (each module connects to a kept cluster of its own job)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    """A 2-node local Ray cluster on 127.0.0.1 for this module."""
-    from conduit.distributed.testing import local_cluster
+    """A 2-node local Ray cluster on 127.0.0.1 for this module (kept running for the next module: each module's
+    connection is a Ray job of its own, and a module that lost one of the two nodes gets a fresh cluster)."""
+    from conduit.distributed.testing import kept_cluster
 
-    with local_cluster(2) as lc:
+    with kept_cluster(2) as lc:
         yield lc
 
 

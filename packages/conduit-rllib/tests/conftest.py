@@ -1,4 +1,4 @@
-"""Shared fixtures: a local Ray per test module (started here, shut down after), CPU only."""
+"""Shared fixtures: a local Ray per test module (a job on a node kept running between modules), CPU only."""
 
 from __future__ import annotations
 
@@ -13,13 +13,12 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
-    """A fresh local Ray instance for the module (never an existing cluster on the machine)."""
-    import ray
+    """A local one-node Ray (2 CPUs) for the module, never an existing cluster on the machine: the node is kept
+    running for the next module (``kept_cluster``), each module a Ray job of its own."""
     import torch
+    from conduit.distributed.testing import kept_cluster
 
     torch.set_num_threads(1)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    try:
+    with kept_cluster(1, num_cpus=2, object_store_memory=512 << 20, fast_failure_detection=False,
+                      logging_level="ERROR"):
         yield
-    finally:
-        ray.shutdown()

@@ -85,19 +85,21 @@ def gloo() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def ray_local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A fresh local Ray instance (never someone else's cluster); yields the delivery trace directory."""
-    import ray
+    """A local one-node Ray for this module (never someone else's cluster); yields the delivery trace directory.
+
+    The node is kept running for the next module (``kept_cluster``): each module is a Ray job of its own, whose
+    workers carry the module's environment."""
+    from conduit.distributed.testing import kept_cluster
 
     trace = tmp_path_factory.mktemp("conduit-trace")
     marker = uuid.uuid4().hex
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "RAY_AUTH_MODE": "disabled", "CONDUIT_VERL_TRACE_DIR": str(trace), MARKER: marker}
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env})
     try:
-        yield trace
+        with kept_cluster(1, num_cpus=8, object_store_memory=512 << 20, fast_failure_detection=False,
+                          runtime_env={"env_vars": env}):
+            yield trace
     finally:
-        ray.shutdown()
         kill_marked(marker)
 
 

@@ -2,7 +2,8 @@
 
 :func:`local_cluster` starts a :class:`ray.cluster_utils.Cluster` of several nodes on this
 machine (separate raylets and object stores on 127.0.0.1), connects this process to it
-and tears everything down afterwards. The endpoints drive a
+and tears everything down afterwards; :func:`kept_cluster` keeps one running between uses
+(test modules connect to it in turn instead of each starting a cluster). The endpoints drive a
 :class:`~conduit.distributed.DistributedDataPlane` for the conformance suites, spreading
 ingestion over the producer nodes so every suite runs on a multi-node buffer.
 
@@ -18,7 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -31,8 +32,9 @@ from conduit.semantics import Semantics
 from conduit.testing.endpoints import EndpointFactory
 from conduit.testing.reference import ID_SCHEMA, CoreOnPolicyEndpoint, CoreReplayEndpoint, check_payload, id_batch
 
-__all__ = ["LocalCluster", "local_cluster", "ServerStandIn", "DistributedReplayEndpoint", "DistributedOnPolicyEndpoint",
-           "FAST_FAILURE_DETECTION", "ENDPOINTS", "shared_servers", "shutdown_shared", "kill_server"]
+__all__ = ["LocalCluster", "local_cluster", "kept_cluster", "stop_kept_cluster", "ServerStandIn",
+           "DistributedReplayEndpoint", "DistributedOnPolicyEndpoint", "FAST_FAILURE_DETECTION", "ENDPOINTS",
+           "shared_servers", "shutdown_shared", "kill_server"]
 
 #: Ray settings that declare a dead node within about 1.5 s (defaults take tens of seconds)
 FAST_FAILURE_DETECTION = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
@@ -130,11 +132,120 @@ def local_cluster(num_nodes: int = 2, *, num_cpus: int = 1, object_store_memory:
     Raises:
         ClusterError: Ray is already initialised in this process.
     """
-    ray = ray_module(initialized=False)
-    from ray.cluster_utils import Cluster
+    ray = _not_connected()
+    lc = _start_cluster(num_nodes, num_cpus, object_store_memory, fast_failure_detection)
+    try:
+        ray.init(address=lc.cluster.address, log_to_driver=False, configure_logging=False)
+        yield lc
+    finally:
+        ray.shutdown()
+        lc.cluster.shutdown()
 
+
+#: the cluster :func:`kept_cluster` keeps between uses: ``{"shape": (...), "cluster": LocalCluster}``
+_KEPT: dict[str, Any] = {}
+_KEPT_LOCK = threading.Lock()
+#: how long :func:`kept_cluster` waits for an earlier connection's actors to be gone before starting afresh
+KEPT_IDLE_WAIT_S = 20.0
+
+
+@contextmanager
+def kept_cluster(num_nodes: int = 2, *, num_cpus: int = 1, object_store_memory: int = 80 << 20,
+                 fast_failure_detection: bool = True, **connect: Any) -> Iterator[LocalCluster]:
+    """:func:`local_cluster`, kept running between uses: on exit this process only disconnects, and the next call
+    of the same shape connects to the same cluster (well under a second, against ~6 s of CPU to start one).
+
+    Each use is a Ray job of its own: the actors and objects of the last one are gone when the block starts (it
+    waits until no named actor is left and every CPU is free, and starts a fresh cluster if that takes over
+    :data:`KEPT_IDLE_WAIT_S`). Nodes the block added and did not kill are stopped on exit; if a node the cluster
+    had at the start died, the cluster is stopped instead of kept. One cluster is kept per process: a call of
+    another shape stops it first. :func:`stop_kept_cluster` (and the process's exit) stops it.
+
+    Keyword Args:
+        num_cpus, object_store_memory, fast_failure_detection: as for :func:`local_cluster` (the shape).
+        connect: more ``ray.init`` arguments for this connection only (``runtime_env``, ``logging_level``...).
+
+    Raises:
+        ClusterError: Ray is already initialised in this process.
+    """
+    ray = _not_connected()
+    shape = (num_nodes, num_cpus, object_store_memory, fast_failure_detection)
+    with _KEPT_LOCK:
+        lc = _kept(shape)
+        ray.init(address=lc.cluster.address, **{"log_to_driver": False, "configure_logging": False, **connect})
+        if not _idle(ray):  # an earlier job's actors outlived it: start afresh rather than share with them
+            ray.shutdown()
+            _stop_kept()
+            lc = _kept(shape)
+            ray.init(address=lc.cluster.address, **{"log_to_driver": False, "configure_logging": False, **connect})
+    first = set(lc.nodes)
+    try:
+        yield lc
+    finally:
+        with _KEPT_LOCK:
+            try:
+                alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            except Exception:  # noqa: BLE001 - a cluster that cannot answer is not kept
+                alive = set()
+            ray.shutdown()
+            lost = first - set(lc.nodes) or first - alive  # killed through ``lc``, or found dead by Ray
+            for node in set(lc.nodes) - first:
+                lc.kill_node(node)
+            if lost and _KEPT.get("cluster") is lc:
+                _stop_kept()
+
+
+def stop_kept_cluster() -> None:
+    """Stop the cluster :func:`kept_cluster` keeps, if any (safe to call any time; not while connected to it)."""
+    with _KEPT_LOCK:
+        _stop_kept()
+
+
+def _kept(shape: tuple[Any, ...]) -> LocalCluster:
+    """The kept cluster of ``shape``, started now if none or another shape is kept (caller holds the lock)."""
+    if _KEPT.get("shape") != shape:
+        _stop_kept()
+        _KEPT["cluster"] = _start_cluster(*shape)
+        _KEPT["shape"] = shape
+    return cast(LocalCluster, _KEPT["cluster"])
+
+
+def _stop_kept() -> None:
+    _KEPT.pop("shape", None)
+    lc = _KEPT.pop("cluster", None)
+    if lc is not None:
+        lc.cluster.shutdown()
+
+
+def _idle(ray: Any) -> bool:
+    """Whether the connected cluster holds no named actor and no CPU of an earlier job (waits up to
+    :data:`KEPT_IDLE_WAIT_S`)."""
+    deadline = time.monotonic() + KEPT_IDLE_WAIT_S
+    while True:
+        if (not ray.util.list_named_actors(all_namespaces=True)
+                and ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0)):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+atexit.register(stop_kept_cluster)
+
+
+def _not_connected() -> Any:
+    """The ``ray`` module, in a process not connected to any Ray."""
+    ray = ray_module(initialized=False)
     if ray.is_initialized():
         raise ClusterError("Ray is already initialised in this process; call ray.shutdown() first.")
+    return ray
+
+
+def _start_cluster(num_nodes: int, num_cpus: int, object_store_memory: int,
+                   fast_failure_detection: bool) -> LocalCluster:
+    """Start a local cluster of ``num_nodes`` nodes (this process not connected to it)."""
+    from ray.cluster_utils import Cluster
+
     node_args = {"num_cpus": num_cpus, "object_store_memory": object_store_memory}
     head_args: dict[str, Any] = {**node_args, "include_dashboard": False}
     if fast_failure_detection:
@@ -144,11 +255,10 @@ def local_cluster(num_nodes: int = 2, *, num_cpus: int = 1, object_store_memory:
         lc = LocalCluster(cluster, node_args)
         for _ in range(num_nodes - 1):
             lc.add_node()
-        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-        yield lc
-    finally:
-        ray.shutdown()
+    except BaseException:
         cluster.shutdown()
+        raise
+    return lc
 
 
 def _retry_startup(start: Any, attempts: int = 3) -> Any:
@@ -227,9 +337,10 @@ _SHARED_LOCK = threading.Lock()
 
 
 def shared_servers() -> ShardServers:
-    """Shard servers on both nodes of a 2-node local cluster shared by this process (started on first use).
+    """Shard servers on both nodes of a 2-node :func:`kept_cluster` shared by this process (started on first use).
 
-    The cluster has a small object store (80 MiB per node); :func:`shutdown_shared` stops it
+    The cluster has a small object store (80 MiB per node); :func:`shutdown_shared` stops the servers and
+    disconnects from it
     (integration-tests/conftest.py does at the end of each test module; at exit otherwise).
 
     Raises:
@@ -239,7 +350,7 @@ def shared_servers() -> ShardServers:
         if "servers" not in _SHARED:
             stack = ExitStack()
             try:
-                lc = stack.enter_context(local_cluster(2))
+                lc = stack.enter_context(kept_cluster(2))
                 _SHARED["servers"] = ShardServers([lc.head, lc.workers[0]])
             except BaseException:
                 stack.close()
@@ -249,7 +360,7 @@ def shared_servers() -> ShardServers:
 
 
 def shutdown_shared() -> None:
-    """Stop the shared servers and cluster, if started (safe to call any time)."""
+    """Stop the shared servers and disconnect from their cluster, if started (safe to call any time)."""
     with _SHARED_LOCK:
         servers = _SHARED.pop("servers", None)
         stack = _SHARED.pop("stack", None)
