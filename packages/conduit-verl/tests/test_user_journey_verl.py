@@ -92,6 +92,18 @@ def test_every_override_the_readme_shows_composes_with_verls_config() -> None:
     assert _trainer("sync", "+trainer.v1.sampler.sampler_kwargs.on_stale=raise").replay_buffer.on_stale == "raise"
 
 
+@pytest.mark.parametrize(("key", "value"), [("num_units", 2.5), ("capacity", 1024.0), ("mean_length", "256"),
+                                            ("max_items", 7.9), ("num_units", True)])
+def test_a_whole_number_key_given_a_fraction_or_a_bool_is_refused_named(key: str, value: Any) -> None:
+    """``num_units=2.5`` started two units and ``max_items=7.9`` held seven (the check ran ``int()`` on them), and
+    ``num_units=True`` was one unit. Each is refused before anything starts, naming the key and the value."""
+    from conduit_verl.tq_storage import DEFAULTS, _validated
+
+    with pytest.raises(ConfigurationError, match=rf"transfer_queue\.backend\.Conduit\.{key}=.*whole number"):
+        _validated(dict(DEFAULTS, **{key: value}))
+    assert _validated(dict(DEFAULTS, max_items=None, num_units=2))["num_units"] == 2
+
+
 # -- 2. the pool ladder's growth ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("growth", [1.0000001, 1.001, 1.0099])
 def test_a_growth_too_close_to_one_is_refused_with_the_useful_range(growth: float) -> None:

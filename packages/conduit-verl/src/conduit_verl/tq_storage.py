@@ -44,6 +44,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from numbers import Integral
 from typing import Any, cast
 
 import ray
@@ -617,6 +618,10 @@ def _with_defaults(cfg: Any) -> dict[str, Any]:
     return out
 
 
+#: the keys that take a whole number (``max_items`` also null)
+_WHOLE_NUMBERS = ("num_units", "capacity", "mean_length", "max_items")
+
+
 def _validated(cfg: dict[str, Any]) -> dict[str, Any]:
     """``cfg`` (defaults filled in) when every key is known and every value usable.
 
@@ -630,6 +635,10 @@ def _validated(cfg: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(cfg) - set(DEFAULTS) - {"_run_id"})
     if unknown:
         raise ConfigurationError(f"{where} has unknown key(s) {unknown}; known: {sorted(DEFAULTS)}.")
+    for key in _WHOLE_NUMBERS:  # (int() would truncate 2.5 to 2 and take True as 1, silently)
+        v = cfg[key]
+        if not (v is None and key == "max_items") and (isinstance(v, bool) or not isinstance(v, Integral)):
+            raise ConfigurationError(f"{where}.{key}={v!r}: give a whole number (e.g. {DEFAULTS[key] or 4096}).")
     try:
         units, cpus = int(cfg["num_units"]), float(cfg["unit_num_cpus"])
         PoolLadder(int(cfg["capacity"]), int(cfg["capacity"]) * int(cfg["mean_length"]), growth=float(cfg["growth"]),
