@@ -9,17 +9,25 @@ injected bug, not the harness)::
     test_control_replay_passes = controls_pass(replay_suite, CoreReplayEndpoint, REPLAY_MUTANTS)
     test_replay_suite_catches_mutant = catches_mutants(replay_suite, REPLAY_MUTANTS)
 
+It also holds the mutants and helpers that more than one mutant file uses (:class:`MutantReplay` /
+:func:`mutant_replay`, :class:`OneDrawBehind`, :func:`integration_module`), so no test module imports
+another (pytest would load a second copy of it).
+
 Test files import this module as they import sibling test modules (``sys.path`` holds the tests dir).
 It is not collected itself: its name does not start with ``test_``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
-from conduit.testing import ConcurrencySuite, FreshnessSuite, ReplaySuite
+from conduit.semantics import PrioritizedSampler, Replay, Semantics, UniformSampler
+from conduit.testing import ConcurrencySuite, CoreReplayEndpoint, Draw, FreshnessSuite, ReplaySuite
 
 #: what a failing suite check raises: a plain assertion, or pytest.fail's exception
 FAILED = (AssertionError, pytest.fail.Exception)
@@ -98,3 +106,52 @@ def catches_mutants(suite: Binder, mutants: Sequence[Mutant]) -> Callable[[type,
             getattr(suite(ep), check)()
 
     return test
+
+
+# -- mutants and helpers shared by several mutant files -------------------------------------------
+class MutantReplay(CoreReplayEndpoint):
+    """Core's replay endpoint with its sampler swapped for ``uniform`` / ``prioritized`` subclasses: a
+    prioritized endpoint gets ``prioritized(alpha=, beta=, max_from_ingest=)`` with the settings it was built
+    with, a uniform one gets ``uniform()``; the seed is kept. Unmutated (as here) it behaves as
+    :class:`CoreReplayEndpoint` and serves as the control. Build mutants with :func:`mutant_replay`."""
+
+    uniform: type[UniformSampler] = UniformSampler
+    prioritized: type[PrioritizedSampler] = PrioritizedSampler
+
+    def _build(self, capacity: int, semantics: Semantics, **kwargs: Any) -> Any:
+        assert isinstance(semantics, Replay)
+        s = semantics.sampler
+        sampler = (self.prioritized(alpha=s.alpha, beta=s.beta, max_from_ingest=s.max_from_ingest)
+                   if isinstance(s, PrioritizedSampler) else self.uniform())
+        return super()._build(capacity, Replay(sampler, seed=semantics.seed), **kwargs)
+
+
+def mutant_replay(**samplers: type) -> type:
+    """A :class:`MutantReplay` subclass whose ``uniform`` and/or ``prioritized`` sampler class is replaced, e.g.
+    ``mutant_replay(prioritized=WeightsOffByFactor)``; named after the injected samplers (which
+    :func:`mutant_id` also uses for the test id)."""
+    return type("Mutant" + "".join(s.__name__ for s in samplers.values()), (MutantReplay,), samplers)
+
+
+class OneDrawBehind(CoreReplayEndpoint):
+    """Prefetches one draw ahead but declares priority_staleness 0."""
+
+    _ahead: Draw | None = None
+
+    def sample(self, n: int) -> Draw:
+        if self._ahead is None or len(self._ahead.ids) != n:
+            self._ahead = super().sample(n)
+        d, self._ahead = self._ahead, super().sample(n)
+        return d
+
+
+def integration_module() -> ModuleType:
+    """A fresh copy of ``integration-tests/test_conformance_all_adapters.py`` (the run that puts every adapter
+    through every suite), loaded from the repository under a private name, so a test may change its
+    module-level tables (``KNOWN_GAPS``) without touching the real run's."""
+    path = Path(__file__).resolve().parents[3] / "integration-tests" / "test_conformance_all_adapters.py"
+    spec = importlib.util.spec_from_file_location("_conformance_all_adapters_under_test", path)
+    assert spec is not None and spec.loader is not None, f"cannot load {path}"
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from conduit.errors import StaleExperienceError
-from conduit.semantics import OnPolicy, PrioritizedSampler, Replay, Semantics, UniformSampler
+from conduit.semantics import OnPolicy, PrioritizedSampler, Semantics, UniformSampler
 from conduit.semantics.base import SampleInfo, Selection
 from conduit.storage.base import AppendResult
 from conduit.testing import (
@@ -34,29 +34,19 @@ from conduit.testing import (
 sys.path.insert(0, str(Path(__file__).parent))
 from _suite_mutants import (  # noqa: E402, I001  (the mutant tests' shared harness)
     FAILED,
+    MutantReplay,
+    OneDrawBehind,
     catches_mutants,
     concurrency_suite,
     controls_pass,
     freshness_suite,
+    integration_module,
+    mutant_replay,
     replay_suite,
 )
 
 
-# -- harness ---------------------------------------------------------------------------------
-class MutantReplay(CoreReplayEndpoint):
-    """Core's replay endpoint with its sampler swapped for ``uniform`` / ``prioritized`` subclasses."""
-
-    uniform: type[UniformSampler] = UniformSampler
-    prioritized: type[PrioritizedSampler] = PrioritizedSampler
-
-    def _build(self, capacity: int, semantics: Semantics, **kwargs: Any) -> Any:
-        assert isinstance(semantics, Replay)
-        s = semantics.sampler
-        sampler = (self.prioritized(alpha=s.alpha, beta=s.beta, max_from_ingest=s.max_from_ingest)
-                   if isinstance(s, PrioritizedSampler) else self.uniform())
-        return super()._build(capacity, Replay(sampler, seed=semantics.seed), **kwargs)
-
-
+# -- harness (MutantReplay / mutant_replay are in _suite_mutants) ----------------------------
 class MutantOnPolicy(CoreOnPolicyEndpoint):
     """Core's on-policy endpoint with its semantics swapped for a subclass of :class:`OnPolicy`."""
 
@@ -181,18 +171,6 @@ class EvictsNewest(CoreReplayEndpoint):
         room = self.edp.capacity - len(self)
         if room > 0:
             super().insert(ids[:room])
-
-
-class OneDrawBehind(CoreReplayEndpoint):
-    """Prefetches one draw ahead but declares priority_staleness 0."""
-
-    _ahead: Draw | None = None
-
-    def sample(self, n: int) -> Draw:
-        if self._ahead is None or len(self._ahead.ids) != n:
-            self._ahead = super().sample(n)
-        d, self._ahead = self._ahead, super().sample(n)
-        return d
 
 
 class TwoDrawsBehind(OneDrawBehind):
@@ -465,10 +443,6 @@ class GlobalRngShuffle(CoreOnPolicyEndpoint):
         return super()._build(capacity, sem, **kwargs)
 
 
-def mutant_replay(**samplers: type) -> type:
-    return type("Mutant", (MutantReplay,), samplers)
-
-
 def mutant_on_policy(sem: type[OnPolicy]) -> type:
     return type(f"Mutant{sem.__name__}", (MutantOnPolicy,), {"semantics": sem})
 
@@ -548,24 +522,12 @@ def test_concurrency_suite_names_an_id_no_producer_made() -> None:
 
 
 # -- integration-tests: every adapter runs every suite, or the report says why not -----------
-def _integration_module() -> Any:
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[3] / "integration-tests" / "test_conformance_all_adapters.py"
-    spec = importlib.util.spec_from_file_location("_conformance_all_adapters_under_test", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_integration_runs_every_suite_and_skips_a_missing_kind_with_a_reason() -> None:
     """A factory without an on-policy (or replay) endpoint gets a skipped test naming it, as EndpointFactory
     documents, instead of nothing; one with a replay endpoint gets the concurrency suite too."""
     from conduit.testing import EndpointFactory
 
-    mod = _integration_module()
+    mod = integration_module()
     classes = mod.suite_classes([EndpointFactory("replayonly", make_replay=CoreReplayEndpoint),
                                  EndpointFactory("onpolicyonly", make_on_policy=CoreOnPolicyEndpoint)])
     assert issubclass(classes["TestReplay_replayonly"], ReplaySuite)
@@ -580,7 +542,7 @@ def test_integration_runs_every_suite_and_skips_a_missing_kind_with_a_reason() -
 def test_integration_fails_for_a_package_that_is_not_registered(tmp_path: Any) -> None:
     """A package that registers no conformance endpoints, or whose registration is not installed, is an
     error, not an adapter that silently goes untested."""
-    mod = _integration_module()
+    mod = integration_module()
     for name, body in (("conduit-ok", '[project.entry-points."conduit.conformance"]\nok = "x:Y"\n'),
                        ("conduit-none", '[project]\nname = "conduit-none"\n'),
                        ("conduit-gone", '[project.entry-points."conduit.conformance"]\n"gone" = "x:Y"\n[tool.x]\n')):

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conduit.semantics import PrioritizedSampler, Replay, Semantics
+from conduit.semantics import PrioritizedSampler
 from conduit.storage.base import Storage
 from conduit.testing import (
     CAP_CHECKPOINT,
@@ -35,25 +35,11 @@ from _suite_mutants import (  # noqa: E402, I001  (the mutant tests' shared harn
     concurrency_suite,
     controls_pass,
     freshness_suite,
+    integration_module,
     mutant_id,
+    mutant_replay,
     replay_suite,
 )
-from test_conformance_catches_mutants import _integration_module  # noqa: E402  (sibling test helper)
-
-
-def with_prioritized(sampler: type[PrioritizedSampler]) -> type[CoreReplayEndpoint]:
-    """Core's replay endpoint whose prioritized sampler is ``sampler``."""
-
-    class Endpoint(CoreReplayEndpoint):
-        def _build(self, capacity: int, semantics: Semantics, **kwargs: Any) -> Any:
-            assert isinstance(semantics, Replay)
-            s = semantics.sampler
-            if isinstance(s, PrioritizedSampler):
-                semantics = Replay(sampler(alpha=s.alpha, beta=s.beta), seed=semantics.seed)
-            return super()._build(capacity, semantics, **kwargs)
-
-    Endpoint.__name__ = sampler.__name__
-    return Endpoint
 
 
 # -- replay mutants -------------------------------------------------------------------------------
@@ -204,9 +190,9 @@ class ShufflesWithinIngestCalls(CoreOnPolicyEndpoint):
 
 
 REPLAY_MUTANTS = [
-    (with_prioritized(PrioritizedIgnoresSeed), "test_deterministic_under_seed",
+    (mutant_replay(prioritized=PrioritizedIgnoresSeed), "test_deterministic_under_seed",
      "prioritized.*different seeds drew the same items"),
-    (with_prioritized(PrioritizedSharesOneRng), "test_deterministic_under_seed",
+    (mutant_replay(prioritized=PrioritizedSharesOneRng), "test_deterministic_under_seed",
      "prioritized.*share an RNG"),
     (HandlesVoidedByEviction, "test_update_for_live_handle_drawn_before_an_eviction_is_applied",
      "item 7 .*was not applied"),
@@ -261,7 +247,7 @@ class NoConcurrentIngest(CoreReplayEndpoint):
 def test_integration_fails_for_an_adapter_whose_suite_tests_would_skip() -> None:
     """Before this review an adapter that stopped declaring a capability (or building an endpoint kind) still
     gave a green integration run, its conformance tests skipped; now that fails unless KNOWN_GAPS lists it."""
-    mod = _integration_module()
+    mod = integration_module()
     full = EndpointFactory("full", make_replay=CoreReplayEndpoint, make_on_policy=CoreOnPolicyEndpoint)
     mod.test_no_conformance_test_is_skipped_unannounced(full)
     lacking = EndpointFactory("lacking", make_replay=NoConcurrentIngest, make_on_policy=CoreOnPolicyEndpoint)

@@ -37,14 +37,15 @@ from conduit.testing import (
 sys.path.insert(0, str(Path(__file__).parent))
 from _suite_mutants import (  # noqa: E402, I001  (the mutant tests' shared harness)
     FAILED,
+    OneDrawBehind,
     catches_mutants,
     controls_pass,
     freshness_suite,
+    integration_module,
     mutant_id,
+    mutant_replay,
     replay_suite,
 )
-from test_conformance_catches_mutants import OneDrawBehind, _integration_module  # noqa: E402  (sibling test helpers)
-from test_suite_catches_rng_handle_order_mutants import with_prioritized  # noqa: E402
 
 
 # -- replay mutants -------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ class StaleRaisesEmpty(CoreOnPolicyEndpoint):
 
 REPLAY_MUTANTS = [
     # (mutant endpoint, suite check, what the message must say)
-    (with_prioritized(NewItemsGetLiveMax), "test_new_items_get_the_largest_priority_ever_set",
+    (mutant_replay(prioritized=NewItemsGetLiveMax), "test_new_items_get_the_largest_priority_ever_set",
      "after the item holding the largest priority was evicted.*largest priority ever set"),
     (RestoresEmptySlots, "test_checkpoint_round_trip_of_a_partly_filled_buffer",
      "restored buffer .*holds 32 items, the saved one 20"),
@@ -144,8 +145,8 @@ test_freshness_suite_catches_mutant = catches_mutants(freshness_suite, FRESHNESS
 
 
 @pytest.mark.parametrize(("ep", "check"), [
-    (with_prioritized(NewItemsGetLiveMax), "test_prioritized_frequency_proportional_to_priority_alpha"),
-    (with_prioritized(NewItemsGetLiveMax), "test_checkpoint_round_trip"),
+    (mutant_replay(prioritized=NewItemsGetLiveMax), "test_prioritized_frequency_proportional_to_priority_alpha"),
+    (mutant_replay(prioritized=NewItemsGetLiveMax), "test_checkpoint_round_trip"),
     (RestoresEmptySlots, "test_checkpoint_round_trip"),
 ], ids=mutant_id)
 def test_mutant_passes_the_older_checks(ep: type, check: str) -> None:
@@ -223,7 +224,7 @@ class AppliesUpToTheBadPriority(PrioritizedSampler):
 def test_suite_catches_a_refused_update_that_applied_its_first_priorities() -> None:
     """Bad input gets a typed error and leaves the buffer unchanged: the mutant raises PriorityError as it
     should, so only the draws after the refused call show the priorities it set first."""
-    ep = with_prioritized(AppliesUpToTheBadPriority)
+    ep = mutant_replay(prioritized=AppliesUpToTheBadPriority)
     replay_suite(ep).test_update_for_evicted_handle_is_ignored()  # the mutant passes the older update checks
     replay_suite(ep).test_prioritized_frequency_proportional_to_priority_alpha()
     replay_suite(CoreReplayEndpoint).test_refused_priority_update_changes_nothing()  # control
@@ -247,7 +248,7 @@ def test_integration_counts_a_capability_only_both_endpoint_kinds_declare() -> N
     prioritized checkpoint checks skip unannounced."""
     with pytest.raises(pytest.skip.Exception, match="does not declare 'checkpoint'"):
         replay_suite(UniformOnlyCheckpoint).test_checkpoint_round_trip()
-    mod = _integration_module()
+    mod = integration_module()
     f = EndpointFactory("halfcheckpoint", make_replay=UniformOnlyCheckpoint, make_on_policy=CoreOnPolicyEndpoint)
     assert mod.untested(f) == {CAP_CHECKPOINT}
     with pytest.raises(AssertionError, match=r"adapter 'halfcheckpoint' leaves \['checkpoint'\] untested"):
