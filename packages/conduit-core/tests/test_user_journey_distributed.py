@@ -113,7 +113,7 @@ def _shard_server_actors() -> int:
 
 
 @pytest.mark.parametrize("start_timeout", [None, "30", float("nan"), 0, float("inf")])
-def test_a_start_timeout_that_is_no_finite_positive_number_is_refused_typed_and_starts_no_server(cluster, start_timeout):
+def test_a_bad_start_timeout_is_refused_typed_and_starts_no_server(cluster, start_timeout):
     """``ShardServers(start_timeout=None)`` (or ``"30"``) started the servers, then failed in the wait with a bare
     ``TypeError``, leaving them running with nobody holding them (``nan`` and ``0`` gave up at once, naming a
     start failure). A setting that cannot work is refused typed before anything starts; so is ``inf``, as every
