@@ -45,12 +45,12 @@ def test_the_next_use_connects_to_the_same_cluster_with_nothing_of_the_last_job_
         assert second.head == head  # the same cluster, not a fresh one
         assert ray.util.list_named_actors(all_namespaces=True) == []
         assert ray.available_resources().get("CPU", 0) == 1
-
-
-def test_a_use_while_connected_is_refused() -> None:
-    with kept_cluster(1, num_cpus=1, fast_failure_detection=False):
         with pytest.raises(ClusterError, match="already initialised"), kept_cluster(1, num_cpus=1):
-            pass  # pragma: no cover
+            pass  # pragma: no cover - a use while connected is refused
+    # another shape stops the kept cluster first
+    with kept_cluster(1, num_cpus=2, fast_failure_detection=False) as other:
+        assert other.head != head
+        assert ray.cluster_resources().get("CPU") == 2
 
 
 def test_added_nodes_are_stopped_and_a_cluster_that_lost_a_node_is_not_kept() -> None:
@@ -67,11 +67,3 @@ def test_added_nodes_are_stopped_and_a_cluster_that_lost_a_node_is_not_kept() ->
     with kept_cluster(2) as third:
         assert third.head != head, "a cluster that lost a node was handed on"
         assert len(_alive()) == 2
-
-
-def test_another_shape_stops_the_kept_cluster_first() -> None:
-    with kept_cluster(1, num_cpus=1, fast_failure_detection=False) as one:
-        head = one.head
-    with kept_cluster(1, num_cpus=2, fast_failure_detection=False) as other:
-        assert other.head != head
-        assert ray.cluster_resources().get("CPU") == 2
