@@ -1,19 +1,69 @@
-"""Root pytest configuration: markers that skip with a reason where the machine lacks a part."""
+"""Root pytest configuration: markers that skip with a reason where the machine lacks a part, and the order in
+which test files are handed to pytest-xdist's workers (heaviest first)."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
+
+#: seconds each test file took in a full run (``file: seconds``). Refresh it with a full run that records them:
+#: ``CONDUIT_RECORD_DURATIONS=.test-durations.json .venv/bin/python -m pytest -n 2 --dist loadfile``
+DURATIONS = Path(__file__).with_name(".test-durations.json")
+#: where a run writes each file's seconds (setup, call and teardown of its tests), when set
+RECORD = "CONDUIT_RECORD_DURATIONS"
+_recorded: dict[str, float] = {}
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # ``--dist loadfile`` hands files out in collection order only without its own reordering (by number of
+    # tests, which put the few-test, minute-long files last: one worker ran them alone at the end)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _heaviest_files_first(items)
     import torch
 
     has_gpu = torch.cuda.is_available()
     for item in items:
         if item.get_closest_marker("gpu") and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; the CPU path is tested separately"))
+
+
+def _heaviest_files_first(items: list[pytest.Item]) -> None:
+    """Order whole files by their time in :data:`DURATIONS`, longest first (a file not listed, e.g. a new one, goes
+    first); tests keep their order within a file. Two workers taking files in this order finish close together."""
+    try:
+        seconds = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.nodeid.split("::", 1)[0], i)
+
+    def key(item: pytest.Item) -> tuple[float, int]:
+        f = item.nodeid.split("::", 1)[0]
+        return -float(seconds.get(f, float("inf"))), first_seen[f]
+
+    items.sort(key=key)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get(RECORD):
+        f = report.nodeid.split("::", 1)[0]
+        _recorded[f] = _recorded.get(f, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    out = os.environ.get(RECORD)
+    if out and _recorded and not hasattr(session.config, "workerinput"):  # (the controller has every report)
+        rows = ",\n".join(f"  {json.dumps(f)}: {round(s, 1)}" for f, s in sorted(_recorded.items()))
+        Path(out).write_text("{\n" + rows + "\n}\n")

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,3 +46,37 @@ def test_core_imports_no_framework() -> None:
                 assert name.split(".")[0] not in banned, f"{path.relative_to(ROOT)} imports {name}"
                 assert not name.startswith("ray.rllib"), f"{path.relative_to(ROOT)} imports {name}"
                 assert ray_ok or name.split(".")[0] != "ray", f"{path.relative_to(ROOT)} imports {name}"
+
+
+def _root_conftest() -> Any:
+    spec = importlib.util.spec_from_file_location("_root_conftest_under_test", ROOT / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_test_files_go_to_the_workers_heaviest_first_each_file_whole() -> None:
+    """``--dist loadfile`` hands out files in collection order (xdist's own reordering, by number of tests, is off):
+    the root conftest puts the files the durations file lists as longest first, a file it does not list before
+    them, and keeps each file's tests together and in order."""
+    conftest = _root_conftest()
+    seconds = json.loads(conftest.DURATIONS.read_text())
+    assert seconds and all(isinstance(v, (int, float)) and v >= 0 for v in seconds.values())
+    light, heavy = sorted(seconds, key=seconds.get)[0], sorted(seconds, key=seconds.get)[-1]
+    items = [SimpleNamespace(nodeid=f"{light}::a"), SimpleNamespace(nodeid=f"{heavy}::b"),
+             SimpleNamespace(nodeid="integration-tests/test_not_listed.py::c"),
+             SimpleNamespace(nodeid=f"{light}::d"), SimpleNamespace(nodeid=f"{heavy}::e")]
+    conftest._heaviest_files_first(items)
+    assert [i.nodeid.rsplit("::", 1)[1] for i in items] == ["c", "b", "e", "a", "d"]
+
+
+def test_a_run_records_each_files_seconds_for_the_durations_file(tmp_path: Path) -> None:
+    out = tmp_path / "durations.json"
+    target = "packages/conduit-core/tests/test_worker.py"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", target], cwd=ROOT,
+                          env={**os.environ, "CONDUIT_RECORD_DURATIONS": str(out)}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recorded = json.loads(out.read_text())
+    assert list(recorded) == [target] and recorded[target] >= 0
