@@ -428,23 +428,18 @@ class DropsWhatWrapsTheRing(CoreReplayEndpoint):
         super().insert(ids)
 
 
-class GlobalRngShuffle(CoreOnPolicyEndpoint):
+class GlobalRngOrder(OnPolicy):
     """Shuffles each epoch with torch's global RNG: the endpoint's seed is ignored."""
 
-    def _build(self, capacity: int, semantics: Semantics, **kwargs: Any) -> Any:
-        class Global(OnPolicy):
-            def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
-                return torch.randperm(n)
-
-        assert isinstance(semantics, OnPolicy)
-        s = semantics
-        sem = Global(num_minibatches=s.num_minibatches, num_epochs=s.num_epochs, max_staleness=s.max_staleness,
-                     on_stale=s.on_stale, seed=s.seed)
-        return super()._build(capacity, sem, **kwargs)
+    def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
+        return torch.randperm(n)
 
 
 def mutant_on_policy(sem: type[OnPolicy]) -> type:
     return type(f"Mutant{sem.__name__}", (MutantOnPolicy,), {"semantics": sem})
+
+
+GlobalRngShuffle = mutant_on_policy(GlobalRngOrder)
 
 
 REPLAY_MUTANTS = [
