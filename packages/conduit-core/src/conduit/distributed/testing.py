@@ -170,14 +170,15 @@ def kept_cluster(num_nodes: int = 2, *, num_cpus: int = 1, object_store_memory: 
     """
     ray = _not_connected()
     shape = (num_nodes, num_cpus, object_store_memory, fast_failure_detection)
+    init = {"log_to_driver": False, "configure_logging": False, **connect}
     with _KEPT_LOCK:
         lc = _kept(shape)
-        ray.init(address=lc.cluster.address, **{"log_to_driver": False, "configure_logging": False, **connect})
+        ray.init(address=lc.cluster.address, **init)
         if not _idle(ray):  # an earlier job's actors outlived it: start afresh rather than share with them
             ray.shutdown()
             _stop_kept()
             lc = _kept(shape)
-            ray.init(address=lc.cluster.address, **{"log_to_driver": False, "configure_logging": False, **connect})
+            ray.init(address=lc.cluster.address, **init)
     first = set(lc.nodes)
     try:
         yield lc
