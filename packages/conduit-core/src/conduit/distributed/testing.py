@@ -30,6 +30,7 @@ from conduit.distributed.server import ping
 from conduit.distributed.servers import ShardServers
 from conduit.semantics import Semantics
 from conduit.testing.endpoints import EndpointFactory
+from conduit.testing.lifecycle import eventually
 from conduit.testing.reference import ID_SCHEMA, CoreOnPolicyEndpoint, CoreReplayEndpoint, check_payload, id_batch
 
 __all__ = ["LocalCluster", "local_cluster", "kept_cluster", "stop_kept_cluster", "ServerStandIn",
@@ -221,14 +222,9 @@ def _stop_kept() -> None:
 def _idle(ray: Any) -> bool:
     """Whether the connected cluster holds no named actor and no CPU of an earlier job (waits up to
     :data:`KEPT_IDLE_WAIT_S`)."""
-    deadline = time.monotonic() + KEPT_IDLE_WAIT_S
-    while True:
-        if (not ray.util.list_named_actors(all_namespaces=True)
-                and ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0)):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
+    return eventually(lambda: not ray.util.list_named_actors(all_namespaces=True)
+                      and ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0),
+                      timeout=KEPT_IDLE_WAIT_S)
 
 
 atexit.register(stop_kept_cluster)
@@ -341,8 +337,7 @@ def shared_servers() -> ShardServers:
     """Shard servers on both nodes of a 2-node :func:`kept_cluster` shared by this process (started on first use).
 
     The cluster has a small object store (80 MiB per node); :func:`shutdown_shared` stops the servers and
-    disconnects from it
-    (integration-tests/conftest.py does at the end of each test module; at exit otherwise).
+    disconnects from it (integration-tests/conftest.py does at the end of each test module; at exit otherwise).
 
     Raises:
         ClusterError: Ray is already initialised in this process by someone else.
