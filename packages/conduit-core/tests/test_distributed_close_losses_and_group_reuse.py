@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -25,17 +24,11 @@ pytest.importorskip("ray")
 
 from conduit.distributed import DistributedDataPlane, LossReport, ShardServers  # noqa: E402
 from conduit.distributed.testing import kill_server  # noqa: E402
+from conduit.testing.lifecycle import wait_until  # noqa: E402
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-
-def _wait_until(cond: Any, what: str, bound: float = 60.0) -> None:
-    """Poll ``cond`` until it holds (the bound is only reached on a hang)."""
-    deadline = time.monotonic() + bound
-    while not cond():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.01)
 
 
 def _gate_lose(plane: DistributedDataPlane) -> tuple[threading.Event, threading.Event]:
@@ -98,7 +91,7 @@ def test_the_monitors_check_under_way_when_close_runs_reports_no_loss(cluster: A
         assert entered.wait(60), "the monitor never found the dead shard"
         closer = threading.Thread(target=plane.close, daemon=True)
         closer.start()
-        _wait_until(lambda: plane.closed, "close() marked the buffer closed")
+        wait_until(lambda: plane.closed, "close() marked the buffer closed", timeout=60)
         go.set()
         closer.join(60)
         assert not closer.is_alive(), "close() hung"
@@ -154,7 +147,8 @@ def test_close_returns_only_after_an_on_loss_callback_running_on_another_thread(
 
         closer = threading.Thread(target=close, daemon=True)
         closer.start()
-        _wait_until(lambda: waiting.is_set() or not closer.is_alive(), "close() returned or waits for on_loss")
+        wait_until(lambda: waiting.is_set() or not closer.is_alive(), "close() returned or waits for on_loss",
+                   timeout=60)
         go.set()
         closer.join(60)
         checker.join(60)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -22,14 +21,8 @@ from conduit import (
     Synchronous,
 )
 from conduit.scheduling.base import Scheduler
+from conduit.testing.lifecycle import wait_until
 from conduit.testing.reference import ID_SCHEMA, id_batch
-
-
-def _wait_until(cond: Any, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.002)
 
 
 def _innermost(thread: threading.Thread) -> str:
@@ -53,8 +46,8 @@ def test_ingest_inside_read_locked_does_not_deadlock_against_a_producer_waiting_
 
     def locked() -> None:
         producer.start()
-        _wait_until(lambda: sched.pending() and _innermost(producer) in ("ingest_now", "_store_ready"),
-                    "the producer handed its batch over and waits for the buffer's lock to store it")
+        wait_until(lambda: sched.pending() and _innermost(producer) in ("ingest_now", "_store_ready"),
+                   "the producer handed its batch over and waits for the buffer's lock to store it", timeout=30)
         edp.ingest(id_batch(np.arange(4, 8)))
         seen.extend(_ids(edp))
 
@@ -133,7 +126,8 @@ def test_a_delivery_inside_read_locked_while_another_thread_delivers_is_refused_
 
     def locked() -> None:
         other.start()
-        _wait_until(lambda: _innermost(other) == "select_now", "the other delivery waits for the buffer's lock")
+        wait_until(lambda: _innermost(other) == "select_now", "the other delivery waits for the buffer's lock",
+                   timeout=30)
         try:
             edp.deliver(4)
         except ConfigurationError as e:

@@ -7,25 +7,16 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from conduit import ConfigurationError, ExperienceDataPlane, OnPolicy, Overlapped
+from conduit.testing.lifecycle import wait_until
 from conduit.testing.reference import ID_SCHEMA, id_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_read_locked_deliveries_and_lock_access import JOIN_S, _in_thread  # noqa: E402, I001  (a call bounded by a join: a hang fails)
-
-
-def _until(cond: Callable[[], bool]) -> None:
-    """Wait for ``cond`` (a state another thread reaches at once; the bound is reached only when it never does)."""
-    deadline = time.monotonic() + JOIN_S
-    while not cond():
-        assert time.monotonic() < deadline, "the other thread never got there"
-        time.sleep(0.001)
 
 
 # -- 1. close() stopping the prefetch worker while a job a delivery cancelled waits for the buffer's lock --------------
@@ -57,7 +48,8 @@ def test_a_call_inside_read_locked_is_refused_while_close_waits_for_a_cancelled_
         seen.append(edp.deliver()[1].handles.clone())  # cancels it (the rollout's last minibatch: no job after it)
         assert sched._cancelled is not None and not sched._cancelled.done()
         closer.start()
-        _until(lambda: sched._closed)  # close() holds the delivery lock from here until the prefetch worker stops
+        # close() holds the delivery lock from here until the prefetch worker stops
+        wait_until(lambda: sched._closed, "close() marked the scheduler closed", timeout=JOIN_S)
         edp.deliver()
 
     err = _in_thread(lambda: edp.read_locked(locked))

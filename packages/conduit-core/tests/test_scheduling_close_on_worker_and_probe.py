@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -22,14 +21,8 @@ from conduit import (
     Replay,
 )
 from conduit.placement import HostPlacement
+from conduit.testing.lifecycle import wait_until
 from conduit.testing.reference import ID_SCHEMA, id_batch
-
-
-def _wait_until(cond: Any, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.002)
 
 
 class _RecordingStorage(ColumnarStorage):
@@ -156,7 +149,7 @@ def test_close_from_the_ingestion_worker_while_a_delivery_waits_for_the_buffer_l
     sem.edp = edp  # the next write closes the buffer from its callback, under the buffer's lock
     placement.gate.clear()
     edp.ingest(id_batch(np.arange(16, 20)))  # the worker holds the buffer's lock, waiting at the gate
-    _wait_until(lambda: sched._ingestion._inflight, "the worker took the batch")
+    wait_until(lambda: sched._ingestion._inflight, "the worker took the batch")
     got: list[Any] = []
 
     refused: list[ConfigurationError] = []
@@ -176,7 +169,7 @@ def test_close_from_the_ingestion_worker_while_a_delivery_waits_for_the_buffer_l
             sched._mu.release()
             return False
         return True
-    _wait_until(delivery_waits, "the learner waits inside a delivery")
+    wait_until(delivery_waits, "the learner waits inside a delivery")
     placement.gate.set()
     assert sem.done.wait(10), "close() from the ingestion worker hung (a delivery waits for the buffer's lock)"
     assert sem.close_errors == [], f"close() on the ingestion worker raised {sem.close_errors!r}"
@@ -246,10 +239,10 @@ def test_a_failed_caller_side_write_is_not_stored_by_a_producer_waiting_to_store
     placement.gate.clear()
     a = threading.Thread(target=failing_producer, name="failing-producer", daemon=True)
     a.start()
-    _wait_until(lambda: ing._inflight, "the failing producer's write started")
+    wait_until(lambda: ing._inflight, "the failing producer's write started")
     c = threading.Thread(target=lambda: edp.ingest(id_batch(np.arange(4, 8))), name="waiting-producer", daemon=True)
     c.start()
-    _wait_until(lambda: len(ing._pending) == 1, "the second producer queued its batch and waits to store it")
+    wait_until(lambda: len(ing._pending) == 1, "the second producer queued its batch and waits to store it")
     placement.gate.set()
     a.join(10)
     c.join(10)

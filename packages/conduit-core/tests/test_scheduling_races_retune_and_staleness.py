@@ -31,6 +31,7 @@ from conduit import (
     Synchronous,
 )
 from conduit.placement import HostPlacement
+from conduit.testing.lifecycle import wait_until
 from conduit.testing.reference import ID_SCHEMA, id_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -119,12 +120,6 @@ def _gated(gate: threading.Event, scheduler: Any, schema: Any = ID_SCHEMA) -> Ex
                                scheduler=scheduler)
 
 
-def _wait_until(cond: Any, what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.002)
-
 
 def _ingest_in_thread(edp: ExperienceDataPlane, batch: Any, errors: list[BaseException]) -> threading.Thread:
     def run() -> None:
@@ -150,7 +145,7 @@ def test_concurrent_producers_do_not_share_the_staging_buffer_in_sequential_inge
     errors: list[BaseException] = []
     edp.ingest(batch(0))  # half a group: waits in the queue
     first = _ingest_in_thread(edp, batch(10), errors)  # completes the group: staged, then its write waits at the gate
-    _wait_until(lambda: sched._ingestion._inflight, "the first group is being stored")
+    wait_until(lambda: sched._ingestion._inflight, "the first group is being stored")
     second = [_ingest_in_thread(edp, batch(20), errors)]
     time.sleep(0.05)
     second.append(_ingest_in_thread(edp, batch(30), errors))  # the second group (another producer's)
@@ -177,7 +172,7 @@ def test_flush_waits_for_a_group_another_producer_is_storing_in_sequential_inges
     errors: list[BaseException] = []
     edp.ingest(id_batch(np.arange(0, 4)))
     producer = _ingest_in_thread(edp, id_batch(np.arange(4, 8)), errors)  # stores both, waiting at the gate
-    _wait_until(lambda: sched._ingestion._inflight, "the group is being stored")
+    wait_until(lambda: sched._ingestion._inflight, "the group is being stored")
     flushed = threading.Event()
     flusher = threading.Thread(target=lambda: (edp.flush(), flushed.set()))
     flusher.start()
@@ -399,7 +394,7 @@ def test_flush_waiting_in_another_thread_never_hangs_when_a_blocked_producer_tak
         assert isinstance(edp.storage, _FailOnceStorage)
         edp.storage.fail = 1
         edp.ingest(id_batch(np.arange(0, 4)))  # the worker takes it and waits at the gate; its write will fail
-        _wait_until(lambda s=sched: s._ingestion._inflight, "the worker took the first batch")
+        wait_until(lambda s=sched: s._ingestion._inflight, "the worker took the first batch")
         edp.ingest(id_batch(np.arange(4, 8)))  # fills the queue
         got: dict[str, str] = {}
 
@@ -417,7 +412,7 @@ def test_flush_waiting_in_another_thread_never_hangs_when_a_blocked_producer_tak
         producer = call("ingest", lambda edp=edp: edp.ingest(id_batch(np.arange(8, 12))))  # waits for room
         time.sleep(0.03)  # the producer waits first: woken first, it mostly takes the failure first
         flusher = call("flush", edp.flush)
-        _wait_until(lambda s=sched: s._ingestion._force, "flush() waits for the worker")  # before the write fails
+        wait_until(lambda s=sched: s._ingestion._force, "flush() waits for the worker")  # before the write fails
         gate.set()
         producer.join(5)
         flusher.join(5)

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["WORKER_THREADS", "HANG_S", "call_bounded", "start_bounded", "eventually", "worker_threads",
+__all__ = ["WORKER_THREADS", "HANG_S", "call_bounded", "start_bounded", "eventually", "wait_until", "worker_threads",
            "live_workers", "no_workers_beyond", "open_fds", "ctrl_c_enabled"]
 
 #: the names of the threads Conduit's schedulers and adapters start
@@ -86,6 +86,19 @@ def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
             collect_at = time.monotonic() + COLLECT_EVERY_S
             continue
         time.sleep(0.01)
+
+
+def wait_until(cond: Callable[[], object], what: str, timeout: float = 10.0) -> None:
+    """Fail the test unless ``cond()`` holds within ``timeout`` seconds (the bound is reached only on a hang).
+
+    For a state another thread reaches on its own (a worker took a batch, a caller waits for a lock): polled every
+    2 ms, with no garbage collection between tries (:func:`eventually` is the wait that collects). ``what`` names
+    the state in the failure message ("timed out after 10 s waiting until <what>").
+    """
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting until {what}"
+        time.sleep(0.002)
 
 
 def worker_threads() -> list[str]:
