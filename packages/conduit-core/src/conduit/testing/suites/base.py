@@ -9,7 +9,9 @@ from numbers import Integral
 import numpy as np
 import pytest
 
-__all__ = ["SuiteBase", "chi_square_p", "needs", "staleness"]
+from conduit.testing.endpoints import Draw, ReplayEndpoint
+
+__all__ = ["SuiteBase", "chi_square_p", "draw", "needs", "staleness"]
 
 
 def chi_square_p(observed: np.ndarray, expected: np.ndarray) -> float:
@@ -17,6 +19,30 @@ def chi_square_p(observed: np.ndarray, expected: np.ndarray) -> float:
     from scipy import stats
 
     return float(stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)
+
+
+def draw(ep: ReplayEndpoint, n: int) -> Draw:
+    """``ep.sample(n)``, checked to hold exactly ``n`` items: ``n`` ids, and ``n`` handles and weights where given.
+
+    A draw with importance weights (a prioritized draw) must carry handles: the suite updates priorities through
+    them (without the check a draw with ``handles=None`` failed later, inside a test, with a ``TypeError`` on None).
+
+    (Without the count check a draw one row short passes the distribution tests: their expected counts scale
+    with what was drawn.)
+    """
+    d = ep.sample(n)
+    assert d.weights is None or d.handles is not None, (
+        f"sample({n}) returned importance weights but handles=None: a prioritized draw carries one handle per "
+        f"item (Draw.handles, what update_priorities takes to name the item; see ReplayEndpoint.sample)")
+    got = {"ids": len(d.ids)}
+    if d.handles is not None:
+        got["handles"] = len(d.handles)
+    if d.weights is not None:
+        got["weights"] = len(d.weights)
+    wrong = [f"{v} {k}" for k, v in got.items() if v != n]
+    assert not wrong, (f"sample({n}) returned {', '.join(wrong)}: a draw holds exactly n = {n} items, with one "
+                       f"handle and one importance weight per item")
+    return d
 
 
 def needs(endpoint: object, capability: str) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from conduit.errors import EmptyBufferError, StaleExperienceError
 from conduit.testing.endpoints import CAP_PRIORITIZED, OnPolicyEndpoint, ReplayEndpoint
-from conduit.testing.suites.base import needs, staleness
+from conduit.testing.suites.base import draw, needs, staleness
 
 __all__ = ["PrefetchReplayChecks", "PrefetchFreshnessChecks", "expect_stale"]
 
@@ -60,16 +60,16 @@ class PrefetchReplayChecks:
             ep.insert(np.arange(n))
             flat = np.ones(n)
             for _ in range(k + 2):  # steady state: prefetch (if any) is running
-                d = ep.sample(size)
+                d = draw(ep, size)
                 ep.update_priorities(d.handles, flat[d.ids])
-            d = ep.sample(size)
+            d = draw(ep, size)
             assert sorted(set(d.ids.tolist())) == list(range(n)), "every item should appear in 256 draws of 8"
             skewed = np.full(n, 1e-6)
             skewed[0] = 1e6
             ep.update_priorities(d.handles, skewed[d.ids])
             draws = []
             for _ in range(k + 3):
-                d = ep.sample(size)
+                d = draw(ep, size)
                 draws.append(d)
                 ep.update_priorities(d.handles, skewed[d.ids])
             probs = skewed ** alpha / (skewed ** alpha).sum()

@@ -14,7 +14,7 @@ import torch
 
 from conduit.errors import ConduitError
 from conduit.testing.endpoints import CAP_CHECKPOINT, CAP_PRIORITIZED, Draw, ReplayEndpoint
-from conduit.testing.suites.base import SuiteBase, chi_square_p, needs, staleness
+from conduit.testing.suites.base import SuiteBase, chi_square_p, draw, needs, staleness
 from conduit.testing.suites.prefetch import PrefetchReplayChecks
 
 __all__ = ["ReplaySuite"]
@@ -24,30 +24,6 @@ __all__ = ["ReplaySuite"]
 #: approximation holds). ReplaySuite makes six such tests, so a correct adapter whose draws differ from
 #: core's fails with probability <= 6e-3; the draws are seeded, so whatever the result, it is reproducible.
 P_MIN = 1e-3
-
-
-def draw(ep: ReplayEndpoint, n: int) -> Draw:
-    """``ep.sample(n)``, checked to hold exactly ``n`` items: ``n`` ids, and ``n`` handles and weights where given.
-
-    A draw with importance weights (a prioritized draw) must carry handles: the suite updates priorities through
-    them (without the check a draw with ``handles=None`` failed later, inside a test, with a ``TypeError`` on None).
-
-    (Without the count check a draw one row short passes the distribution tests: their expected counts scale
-    with what was drawn.)
-    """
-    d = ep.sample(n)
-    assert d.weights is None or d.handles is not None, (
-        f"sample({n}) returned importance weights but handles=None: a prioritized draw carries one handle per "
-        f"item (Draw.handles, what update_priorities takes to name the item; see ReplayEndpoint.sample)")
-    got = {"ids": len(d.ids)}
-    if d.handles is not None:
-        got["handles"] = len(d.handles)
-    if d.weights is not None:
-        got["weights"] = len(d.weights)
-    wrong = [f"{v} {k}" for k, v in got.items() if v != n]
-    assert not wrong, (f"sample({n}) returned {', '.join(wrong)}: a draw holds exactly n = {n} items, with one "
-                       f"handle and one importance weight per item")
-    return d
 
 
 class ReplaySuite(PrefetchReplayChecks, SuiteBase):
