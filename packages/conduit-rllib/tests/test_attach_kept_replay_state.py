@@ -48,7 +48,8 @@ Buffer = ConduitEpisodeReplayBuffer | ConduitPrioritizedEpisodeReplayBuffer
 @pytest.fixture(scope="module")
 def config() -> DQNConfig:
     return conduit_rllib.enable(DQNConfig().environment("CartPole-v1").debugging(seed=0)
-                                .training(replay_buffer_config={"type": "EpisodeReplayBuffer", "capacity": 10}))
+                                .training(replay_buffer_config={"type": "EpisodeReplayBuffer", "capacity": 10},
+                                          store_buffer_in_checkpoints=True))
 
 
 @pytest.fixture(scope="module")

@@ -170,7 +170,7 @@ def test_a_real_dqn_n_step_run_with_chunked_episodes_checkpoints_and_goes_on(
               .env_runners(num_env_runners=1, rollout_fragment_length=4)
               .training(n_step=3, gamma=0.5, train_batch_size=16, num_steps_sampled_before_learning_starts=24,
                         replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": 2000,
-                                              "alpha": 0.6, "beta": 0.4})
+                                              "alpha": 0.6, "beta": 0.4}, store_buffer_in_checkpoints=True)
               .reporting(min_sample_timesteps_per_iteration=40)
               .evaluation(evaluation_interval=1, evaluation_duration=1, evaluation_num_env_runners=1)
               .debugging(seed=1))

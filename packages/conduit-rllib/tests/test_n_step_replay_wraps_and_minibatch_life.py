@@ -252,7 +252,7 @@ def test_a_sac_checkpoint_restores_the_buffer_and_training_goes_on(ray_local: No
 
     config = sac_pendulum(steps=40, batch=16, learning_starts=20)
     config.training(replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": 60,
-                                          "alpha": 0.6, "beta": 0.4})
+                                          "alpha": 0.6, "beta": 0.4}, store_buffer_in_checkpoints=True)
     algo = conduit_rllib.enable(config).build_algo()
     try:
         algo.train()

@@ -38,7 +38,8 @@ Buffer = ConduitEpisodeReplayBuffer | ConduitPrioritizedEpisodeReplayBuffer
 
 @pytest.fixture(scope="module")
 def learner() -> Iterator[ConduitDQNTorchLearner]:
-    config = conduit_rllib.enable(DQNConfig().environment("CartPole-v1").debugging(seed=0))
+    config = conduit_rllib.enable(DQNConfig().environment("CartPole-v1").debugging(seed=0)
+                                  .training(store_buffer_in_checkpoints=True))  # the learner state holds the buffer
     built = config.build_learner(env=gym.make("CartPole-v1"))
     assert isinstance(built, ConduitDQNTorchLearner)
     yield built

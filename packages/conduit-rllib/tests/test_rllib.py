@@ -42,6 +42,7 @@ def cyclic_pieces(rows: int, minibatch_size: int, num_epochs: int) -> list[tuple
 def dqn(ray_local: None) -> Any:
     """A Conduit DQN on 8-dimensional observations after one iteration (learning from step 60)."""
     config = dqn_large_obs(8, steps=120, batch=16, capacity=100, learning_starts=60)
+    config.training(store_buffer_in_checkpoints=True)  # its checkpoints hold the buffer
     algo = conduit_rllib.enable(config).build_algo()
     algo.train()
     yield algo

@@ -241,7 +241,8 @@ def test_a_ppo_learner_refuses_conduits_part_inside_an_update_and_is_exact_betwe
 @pytest.fixture(scope="module")
 def learner() -> Iterator[ConduitDQNTorchLearner]:
     """A DQN learner built locally, as before enable's on_algorithm_init attaches a buffer."""
-    config = conduit_rllib.enable(DQNConfig().environment("CartPole-v1").debugging(seed=0))
+    config = conduit_rllib.enable(DQNConfig().environment("CartPole-v1").debugging(seed=0)
+                                  .training(store_buffer_in_checkpoints=True))  # the learner state holds the buffer
     built = config.build_learner(env=gym.make("CartPole-v1"))
     assert isinstance(built, ConduitDQNTorchLearner)
     yield built

@@ -78,6 +78,7 @@ def test_stopping_a_dqn_algorithm_stops_its_replay_buffers_threads(tmp_path: Pat
     stopped one refuses to train, saying what to do."""
     before = conduit_threads()
     config = dqn_large_obs(4, steps=40, batch=8, capacity=100, learning_starts=20)
+    config.training(store_buffer_in_checkpoints=True)  # its checkpoints hold the buffer
     algo = conduit_rllib.enable(config, scheduler=overlapped).build_algo()
     try:
         algo.train()

@@ -177,13 +177,15 @@ def _dqn_counts(results: dict[str, Any]) -> dict[str, float]:
 def test_dqn_with_uniform_replay_an_n_step_range_and_training_intensity_counts_as_stock_rllib(tmp_path: Any) -> None:
     """A user's DQN: uniform buffer, n-step drawn from 1..3, training_intensity; random actions so both runs
     see the same episodes. Conduit's buffer is used, every promised metric is reported, the counts are RLlib's,
-    and the stopped algorithm saves (algo.save()) and comes back (Algorithm.from_checkpoint) with its buffer."""
+    and the stopped algorithm saves (algo.save()) and comes back (Algorithm.from_checkpoint) with its buffer
+    (the user set store_buffer_in_checkpoints=True: without it no buffer is saved)."""
     def config() -> DQNConfig:
         return (DQNConfig().environment("CartPole-v1").env_runners(num_env_runners=0)
                 .reporting(min_sample_timesteps_per_iteration=48)
                 .training(n_step=(1, 4), training_intensity=32, train_batch_size=8, epsilon=[(0, 1.0), (10 ** 6, 1.0)],
                           num_steps_sampled_before_learning_starts=24,
-                          replay_buffer_config={"type": "EpisodeReplayBuffer", "capacity": 500})
+                          replay_buffer_config={"type": "EpisodeReplayBuffer", "capacity": 500},
+                          store_buffer_in_checkpoints=True)
                 .debugging(seed=3, log_level="ERROR"))
 
     native = config().build_algo()

@@ -5,7 +5,8 @@
   the learner connector (episodes -> batch -> tensors) is skipped because Conduit already
   delivered the batch, assembled, on the learner's device. Anything else goes through
   RLlib's path unchanged. It also checkpoints the Conduit replay buffer with the learner's
-  state (RLlib's new API stack does not save replay buffers).
+  state when the config says ``store_buffer_in_checkpoints=True`` (RLlib's flag, default False;
+  RLlib's new API stack itself saves no replay buffer even then).
 * :class:`ConduitOnPolicyLearner` (PPO): RLlib's learner connector still builds the train
   batch (advantages, value targets); Conduit then delivers its minibatches through
   ``conduit.OnPolicy`` (:class:`~conduit_rllib.on_policy.MinibatchFeed`) instead of RLlib's
@@ -123,10 +124,16 @@ class ConduitOffPolicyLearner:
     """Mixin for DQN/SAC learners: Conduit-delivered batches skip the learner connector.
 
     A batch sampled from a Conduit buffer is trained on only while a buffer is attached (:meth:`update` refuses
-    it otherwise: the learner's checkpoints would miss the buffer).
+    it otherwise: the learner would not own the buffer it trains from).
+
+    The buffer's contents are part of the learner's state (:meth:`get_state`) only with
+    ``config.training(store_buffer_in_checkpoints=True)`` (RLlib's DQN/SAC flag, default False), or when asked
+    for by name (``get_state(components=REPLAY_COMPONENT)``); :meth:`set_state` restores a state's replay part
+    whatever the flag.
 
     Attributes:
-        conduit_replay: the Conduit replay buffer attached by ``enable`` (checkpointed with the learner).
+        conduit_replay: the Conduit replay buffer attached by ``enable`` (checkpointed with the learner when
+            ``store_buffer_in_checkpoints`` is True).
         conduit_batches: train batches received from Conduit so far (the fast path).
         native_batches: train batches that went through RLlib's learner connector.
     """
@@ -137,7 +144,8 @@ class ConduitOffPolicyLearner:
     _conduit_pending_state: Any = None
 
     def conduit_attach_replay(self, buffer: Any) -> None:
-        """Attach the driver's Conduit replay buffer (local learner only): it is saved with this learner.
+        """Attach the driver's Conduit replay buffer (local learner only): it is saved with this learner (see
+        :meth:`get_state`) and closed by its :meth:`shutdown`.
 
         A replay part :meth:`set_state` kept because no buffer was attached yet (checked there as far as it can
         be without a buffer) is restored into ``buffer`` first. If ``buffer`` refuses it (a checkpoint's buffer
@@ -189,7 +197,10 @@ class ConduitOffPolicyLearner:
 
     def update(self, *args: Any, **kwargs: Any) -> Any:
         """RLlib's ``update``, refusing (before anything changes) a batch sampled from a Conduit replay buffer while
-        no buffer is attached to this learner: its checkpoints would silently miss the buffer it trains from.
+        no buffer is attached to this learner: the learner would train from a buffer it does not own, so its state
+        could not hold that buffer (with ``store_buffer_in_checkpoints=True`` or asked for by name), a replay part
+        restored from a checkpoint and kept for the buffer would not reach it, and :meth:`shutdown` would not close
+        it.
 
         Raises:
             conduit.ConfigurationError: such a batch (attach the buffer with :meth:`conduit_attach_replay` first;
@@ -205,7 +216,10 @@ class ConduitOffPolicyLearner:
                         if self._conduit_pending_state is not None else "")
                 raise ConfigurationError(
                     f"This learner got a batch sampled from a Conduit replay buffer, but no buffer is attached to it, "
-                    f"so its checkpoints (get_state) would not hold the buffer it trains from. Attach the buffer first "
+                    f"so it does not own the buffer it trains from: its state (get_state, with "
+                    f"store_buffer_in_checkpoints=True or components={REPLAY_COMPONENT!r}) could not hold that "
+                    f"buffer, a replay part restored from a checkpoint would not reach it, and shutdown would not "
+                    f"close it. Attach the buffer first "
                     f"with learner.conduit_attach_replay(buffer) (conduit_rllib.enable's on_algorithm_init does this "
                     f"for an algorithm built from the config).{kept} Nothing was updated.")
         return super().update(*args, **kwargs)  # type: ignore[misc]
@@ -220,11 +234,21 @@ class ConduitOffPolicyLearner:
 
     def get_state(self, components: str | Collection[str] | None = None, *,
                   not_components: str | Collection[str] | None = None, **kwargs: Any) -> dict[str, Any]:
-        """RLlib's learner state, with the Conduit replay buffer's under :data:`REPLAY_COMPONENT`: the attached
-        buffer's, or before one is attached the part :meth:`set_state` kept for it (a copy), so a learner
-        restored and saved again before ``enable`` attached its buffer still saves the buffer's contents."""
+        """RLlib's learner state, with the Conduit replay buffer's under :data:`REPLAY_COMPONENT` when this
+        learner's config says ``store_buffer_in_checkpoints=True`` (RLlib's DQN/SAC flag; a config without it
+        counts as False, RLlib's default) or when ``components`` names :data:`REPLAY_COMPONENT` (then whatever the
+        flag); ``not_components`` naming it leaves it out always. So ``algo.save_to_path`` saves the buffer only
+        with the flag set (a buffer can be large: capacity x observation size).
+
+        The replay part is the attached buffer's state, or before one is attached the part :meth:`set_state` kept
+        for it (a copy), so a learner restored and saved again before ``enable`` attached its buffer still saves
+        the buffer's contents (when the replay part is included, as above)."""
         state = super().get_state(components, not_components=not_components, **kwargs)  # type: ignore[misc]
         if not self._check_component(REPLAY_COMPONENT, components, not_components):  # type: ignore[attr-defined]
+            return state
+        # components=None means "everything RLlib saves": the buffer then only with RLlib's flag; when components
+        # is given, _check_component above was True only because it names the replay part
+        if components is None and not self.conduit_stores_buffer_in_checkpoints:
             return state
         if self.conduit_replay is not None:
             state[REPLAY_COMPONENT] = self.conduit_replay.get_state()
@@ -232,8 +256,20 @@ class ConduitOffPolicyLearner:
             state[REPLAY_COMPONENT] = copy.deepcopy(self._conduit_pending_state)
         return state
 
+    @property
+    def conduit_stores_buffer_in_checkpoints(self) -> bool:
+        """Whether :meth:`get_state` (without ``components``) includes the replay buffer: the learner config's
+        ``store_buffer_in_checkpoints`` (RLlib's DQN/SAC flag), False for a config without it (RLlib's
+        default)."""
+        return bool(getattr(getattr(self, "config", None), "store_buffer_in_checkpoints", False))
+
     def set_state(self, state: dict[str, Any]) -> None:
         """Restore RLlib's part of ``state``, then the Conduit replay buffer's.
+
+        A state that holds a replay part (:data:`REPLAY_COMPONENT`) restores it whatever this learner's
+        ``store_buffer_in_checkpoints``: a checkpoint saved with the flag on brings its buffer back also into an
+        algorithm whose config leaves the flag off. A state without one (saved with the flag off) leaves the
+        buffer as it is: an algorithm built from such a checkpoint starts with an empty buffer.
 
         The buffer's part is checked (``check_state``) before anything is restored and applied only once
         RLlib's part was restored, so a refused state (the buffer's part damaged, or RLlib's ``set_state``

@@ -225,7 +225,9 @@ class _ConduitReplay:
             raise ConfigurationError(f"This replay buffer is closed (close() ran; an algorithm's stop() closes its "
                                      f"buffer), so it cannot {what}. Build a new buffer and restore this one's "
                                      f"get_state() into it (for an algorithm: build a new one, e.g. "
-                                     f"Algorithm.from_checkpoint(path), or restore_from_path into a new one).")
+                                     f"Algorithm.from_checkpoint(path), or restore_from_path into a new one; its "
+                                     f"checkpoint holds the buffer only if saved with "
+                                     f"store_buffer_in_checkpoints=True).")
 
     def _discard(self) -> None:
         """Drop the data plane and its links: the buffer is as before its first add."""
