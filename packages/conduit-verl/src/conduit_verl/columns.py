@@ -55,8 +55,8 @@ from conduit.batch import ExperienceBatch
 from conduit.schema import same_width_integer, storable
 from conduit.storage import ColumnarStorage
 
-from conduit_verl.compat import MissingKeyError
 from conduit_verl.packing import PackedColumn
+from conduit_verl.unit_errors import missing_key
 
 __all__ = ["Rung", "PoolLadder", "MIN_GROWTH", "PoolPlacement", "Migration", "FieldStore", "Appended",
            "check_indexes", "kind_error", "dtype_error", "rank_error", "storage_dtype"]
@@ -495,13 +495,14 @@ class FieldStore:
         """The samples ``gis``, in that order, packed (fresh tensors).
 
         Raises:
-            MissingKeyError: a global index this field does not hold.
+            MissingKeyError: a global index this field does not hold (:func:`~conduit_verl.unit_errors.missing_key`:
+                :mod:`conduit_verl.compat`'s class, or where compat is not imported, a stand-in that unpickles as it).
         """
         try:
             handles = torch.tensor([self._handle[int(g)] for g in gis], dtype=torch.int64)
         except KeyError as e:
-            raise MissingKeyError(f"Field {self.name!r} holds no sample with global index {e.args[0]}; it was never "
-                                  f"put, or was cleared.") from None
+            raise missing_key(f"Field {self.name!r} holds no sample with global index {e.args[0]}; it was never "
+                              f"put, or was cleared.") from None
         b = self.storage.gather(handles % self.storage.capacity)
         vals = b["values"]
         assert isinstance(vals, Ragged)

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from conduit import SchemaError
 from conduit.batch import ranges
-from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+
+if TYPE_CHECKING:  # (imported where used: a storage unit's process, which builds none, need not import it)
+    from tensordict import NonTensorStack
 
 __all__ = ["PackedColumn", "pack_column", "unpack_column", "jagged", "select_rows", "concat_rows", "to_wire",
            "from_wire"]
@@ -93,6 +95,8 @@ def pack_column(value: Any, n: int, name: str = "column") -> PackedColumn | list
         numel = int(np.prod(per, dtype=np.int64)) if per else 1
         shapes = torch.tensor([len(per), *per], dtype=torch.int64).expand(n, -1).contiguous()
         return PackedColumn(t.reshape(-1), torch.full((n,), numel, dtype=torch.int64), shapes)
+    from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+
     if isinstance(value, NonTensorData):
         return [value.data] * n
     if isinstance(value, NonTensorStack):
@@ -217,6 +221,8 @@ def nested_or_stack(samples: list[torch.Tensor]) -> torch.Tensor | NonTensorStac
             return torch.nested.as_nested_tensor(samples, layout=layout)
         except (RuntimeError, TypeError, ValueError):
             continue
+    from tensordict import NonTensorStack
+
     return NonTensorStack(*samples)
 
 
