@@ -77,6 +77,27 @@ def test_sumtree_matches_a_brute_force_prefix_search(capacity: int, flat: bool) 
     assert np.array_equal(t2.state(), w) and t2.total == t.total and t2.min == t.min
 
 
+@pytest.mark.parametrize("flat", [True, False], ids=["leaves-only", "two-level"])
+def test_sumtree_total_and_minimum_follow_every_write(flat: bool) -> None:
+    """The total and the smallest positive weight are kept between reads: each kind of write (several slots, one
+    slot, a load) changes them, including a full buffer of positive weights (read without a zero mask) that gets a
+    zero weight."""
+    t = SumTree(200, flat=flat)
+    w = np.arange(1.0, 201.0)
+    t.set(np.arange(200), w)
+    assert (t.total, t.min) == (w.sum(), 1.0)
+    t.set_one(7, 0.25)
+    w[7] = 0.25
+    assert (t.total, t.min) == (w.sum(), 0.25)
+    t.set(np.array([7, 150]), np.array([0.0, 0.5]))  # a zero weight: not the smallest positive one
+    w[7], w[150] = 0.0, 0.5
+    assert (t.total, t.min) == (w.sum(), 0.5)
+    t.load(np.full(200, 3.0))
+    assert (t.total, t.min) == (600.0, 3.0)
+    t.set(np.arange(200), np.zeros(200))
+    assert (t.total, t.min) == (0.0, np.inf)
+
+
 def test_sampling_errors() -> None:
     edp = ExperienceDataPlane(SCHEMA, capacity=8)
     with pytest.raises(EmptyBufferError, match="empty"):

@@ -17,16 +17,22 @@ leaves, never adjusted incrementally, so no rounding error accumulates.
 Up to :data:`FLAT_MAX` slots only the leaves are kept: a write is one NumPy call, and the
 total, the minimum and a draw take one pass over all leaves (a prefix sum and a binary
 search), which costs less there than the dozen calls of the two-level search.
+
+Prefix sums run in torch on views of the same arrays (``torch.cumsum`` is 3-4x faster than
+NumPy's on these sizes: 5 us against 18 us for 5000 leaves); the rest is NumPy. The total and
+the smallest positive weight are kept between writes, so a draw reads each once.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 __all__ = ["SumTree", "FLAT_MAX"]
 
-#: capacities up to this keep leaves only (see the module docstring); measured cheaper up to ~8k here
-FLAT_MAX = 8192
+#: capacities up to this keep leaves only (see the module docstring). Measured here, a prioritized step (draw 32,
+#: update 32) with leaves only against two levels: 60 / 89 us at 5000 slots, 73 / 90 us at 16384, even at 32768
+FLAT_MAX = 16384
 
 
 class SumTree:
@@ -52,21 +58,37 @@ class SumTree:
         self._bmin = np.full(self.blocks, np.inf, dtype=np.float64)
         self._stale = np.zeros(self.blocks, dtype=bool)  # blocks whose sum and minimum are out of date
         self._any_stale = False
+        # torch views of the leaves (the same memory), for the prefix sums
+        self._leaves_t = torch.from_numpy(self._leaves[:capacity])
+        self._bsum_t = torch.from_numpy(self._bsum)
+        self._total: float | None = None  # the total and smallest positive weight, None once a write changed them
+        self._min: float | None = None
+
+    def _changed(self) -> None:
+        self._total = self._min = None
 
     @property
     def total(self) -> float:
-        if self.flat:
-            return float(self._leaves.sum())
-        self._refresh()
-        return float(self._bsum.sum())
+        if self._total is None:
+            if self.flat:
+                self._total = float(self._leaves.sum())
+            else:
+                self._refresh()
+                self._total = float(self._bsum.sum())
+        return self._total
 
     @property
     def min(self) -> float:
         """Smallest positive weight (``inf`` when every weight is zero)."""
-        if self.flat:
-            return float(np.min(self._leaves, where=self._leaves > 0, initial=np.inf))
-        self._refresh()
-        return float(self._bmin.min())
+        if self._min is None:
+            if self.flat:
+                live = self._leaves[:self.capacity]
+                low = float(live.min())  # (a full buffer with positive weights: no mask needed)
+                self._min = low if low > 0 else float(np.min(live, where=live > 0, initial=np.inf))
+            else:
+                self._refresh()
+                self._min = float(self._bmin.min())
+        return self._min
 
     def _refresh(self) -> None:
         """Recompute the sums and minima of the blocks updated since the last read."""
@@ -75,7 +97,11 @@ class SumTree:
         touched = np.flatnonzero(self._stale)
         rows = self._rows[touched]
         self._bsum[touched] = rows.sum(axis=1)
-        self._bmin[touched] = np.where(rows > 0, rows, np.inf).min(axis=1)
+        low = rows.min(axis=1)
+        zero = low <= 0  # blocks with an empty or zero-weight slot: their smallest positive weight, by a mask
+        if zero.any():
+            low[zero] = np.where(rows[zero] > 0, rows[zero], np.inf).min(axis=1)
+        self._bmin[touched] = low
         self._stale[touched] = False
         self._any_stale = False
 
@@ -91,6 +117,7 @@ class SumTree:
             return
         slots = np.asarray(slots, dtype=np.int64)
         self._leaves[slots] = values
+        self._changed()
         if self.flat:
             return
         self._stale[slots // self.block] = True
@@ -99,6 +126,7 @@ class SumTree:
     def set_one(self, slot: int, value: float) -> None:
         """Set one weight (one env step per call is common: scalar indexing, one block)."""
         self._leaves[slot] = value
+        self._changed()
         if not self.flat:
             self._stale[slot // self.block] = True
             self._any_stale = True
@@ -111,12 +139,13 @@ class SumTree:
         """
         u = np.asarray(prefix, dtype=np.float64)
         if self.flat:
-            return np.minimum(np.searchsorted(np.cumsum(self._leaves), u, side="right"), self.capacity - 1)
+            cum = torch.cumsum(self._leaves_t, 0).numpy()
+            return np.minimum(np.searchsorted(cum, u, side="right"), self.capacity - 1)
         self._refresh()
-        cum = np.cumsum(self._bsum)
+        cum = torch.cumsum(self._bsum_t, 0).numpy()
         blk = np.minimum(np.searchsorted(cum, u, side="right"), self.blocks - 1)
         rest = u - (cum[blk] - self._bsum[blk])
-        inside = np.cumsum(self._rows[blk], axis=1)
+        inside = torch.cumsum(torch.from_numpy(self._rows[blk]), 1).numpy()
         j = np.minimum((inside <= rest[:, None]).sum(axis=1), self.block - 1)
         return blk * self.block + j
 
@@ -130,3 +159,4 @@ class SumTree:
         self._bmin[:] = np.where(self._rows > 0, self._rows, np.inf).min(axis=1)
         self._stale[:] = False
         self._any_stale = False
+        self._changed()
