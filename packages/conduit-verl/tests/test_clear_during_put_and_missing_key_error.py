@@ -42,7 +42,8 @@ def test_a_clear_after_a_put_was_prepared_is_not_undone_by_its_commit() -> None:
     """Put "a" of global indexes 2 and 4 is prepared; a clear of 2 comes; a new key's put takes index 2 (the
     controller reuses freed indexes); "a" commits. Index 2 must hold the new put's sample and 4 "a"'s; a prepared put
     whose every index was cleared stores nothing; a clear of an index a put prepares later does not touch it."""
-    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+    from conduit_verl.tq_storage import DEFAULTS
+    from conduit_verl.unit import _UnitState
 
     unit = _UnitState(dict(DEFAULTS, capacity=4, mean_length=2, num_units=2))
     unit.prepare("a", [2, 4], _wire([1.0, 2.0]))
@@ -68,7 +69,8 @@ def test_a_missing_sample_is_transfer_queues_storage_key_not_found_error() -> No
     for a cleared sample, a field a unit never got, and a sample a prepared put has not committed yet."""
     import transfer_queue as tq
     from conduit_verl.compat import MissingKeyError
-    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+    from conduit_verl.tq_storage import DEFAULTS
+    from conduit_verl.unit import _UnitState
 
     unit = _UnitState(dict(DEFAULTS, capacity=4, mean_length=2, num_units=2))
     unit.put([0, 2], _wire([1.0, 2.0]))

@@ -118,7 +118,8 @@ def test_a_zero_size_trailing_dimension_reads_back(column: torch.Tensor) -> None
     """A column whose samples have a zero-size trailing dimension (SimpleStorage returns it as a jagged tensor)
     was stored but every read raised a raw RuntimeError (an ambiguous view(-1, 0))."""
     from conduit_verl.packing import from_wire, pack_column, to_wire, unpack_column
-    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+    from conduit_verl.tq_storage import DEFAULTS
+    from conduit_verl.unit import _UnitState
 
     rows = column.unbind()
     unit = _UnitState(dict(DEFAULTS, capacity=2, mean_length=2))
@@ -134,7 +135,8 @@ def test_a_checkpoint_of_another_num_units_is_refused(tmp_path: Any) -> None:
     load silently (extra unit files ignored, samples on the wrong units, reads failing later)."""
     from conduit import SchemaError
     from conduit_verl.packing import pack_column, to_wire
-    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+    from conduit_verl.tq_storage import DEFAULTS
+    from conduit_verl.unit import _UnitState
 
     three = _UnitState(dict(DEFAULTS, num_units=3, capacity=2, mean_length=2))
     three.put([0, 3], {"x": to_wire(pack_column(torch.tensor([1.0, 2.0]), 2)), "uid": ["a", "b"]})

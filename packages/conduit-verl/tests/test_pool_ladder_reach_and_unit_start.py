@@ -17,7 +17,8 @@ import torch
 from conduit import CapacityError, ConfigurationError
 from conduit_verl.columns import FieldStore, PoolLadder
 from conduit_verl.packing import from_wire, pack_column, to_wire, unpack_column
-from conduit_verl.tq_storage import DEFAULTS, _UnitState
+from conduit_verl.tq_storage import DEFAULTS
+from conduit_verl.unit import _UnitState
 
 
 def _wire(t: torch.Tensor) -> dict[str, Any]:

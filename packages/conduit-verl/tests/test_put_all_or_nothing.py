@@ -367,7 +367,8 @@ def test_prepared_samples_count_against_max_items_until_committed_or_aborted(tmp
     typed, changing nothing; a clear of a reserved index does not let more in; abort frees the room; a restore drops
     the prepared puts, and committing one of them then is a typed error that says to put again."""
     from conduit import CapacityError, SchemaError
-    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+    from conduit_verl.tq_storage import DEFAULTS
+    from conduit_verl.unit import _UnitState
 
     unit = _UnitState(dict(DEFAULTS, capacity=2, mean_length=2, max_items=2, num_units=2))
     unit.put([0], _wire([9.0]))
@@ -399,7 +400,8 @@ def test_a_claim_is_released_by_its_last_holder_only() -> None:
     """Holders "a" and "b" hold field f's claim: "a" giving it back leaves it ("b" may be storing); "b" giving it
     back frees it for another kind. A claim made without a holder stays."""
     from conduit import SchemaError
-    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+    from conduit_verl.tq_storage import DEFAULTS
+    from conduit_verl.unit import _UnitState
 
     unit0 = _UnitState(dict(DEFAULTS, num_units=2))
     assert unit0.claim({"f": ("float32", 2)}, "a") == (["f"], {"f": ("float32", 2)})

@@ -39,7 +39,8 @@ def test_a_column_with_a_view_bit_is_stored_by_value(column: torch.Tensor) -> No
     """``z.conj()`` is a view with the conjugate bit set; packing shared its memory and the wire format then
     reinterpreted it as bytes, which torch refuses for a view bit: the put failed with a raw RuntimeError."""
     from conduit_verl.packing import from_wire, pack_column, to_wire, unpack_column
-    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+    from conduit_verl.tq_storage import DEFAULTS
+    from conduit_verl.unit import _UnitState
 
     unit = _UnitState(dict(DEFAULTS, capacity=2, mean_length=2))
     unit.put([7, 8, 9], {"z": to_wire(pack_column(column, 3))})
@@ -161,7 +162,8 @@ def test_an_object_field_keeps_max_items_and_refuses_a_repeated_index_like_a_ten
     """``max_items`` limits the samples of every field on a unit, and a put naming a global index twice is refused;
     a put of Python-object columns only used to pass both (the last value of a repeated index won silently)."""
     from conduit import CapacityError, SchemaError
-    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+    from conduit_verl.tq_storage import DEFAULTS
+    from conduit_verl.unit import _UnitState
 
     unit = _UnitState(dict(DEFAULTS, capacity=2, mean_length=2, max_items=2))
     unit.put([0, 1], {"uid": ["a", "b"]})

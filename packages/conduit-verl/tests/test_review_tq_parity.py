@@ -39,7 +39,8 @@ def test_a_read_of_a_field_the_unit_never_held_is_a_runtime_error_as_on_simple_s
     """SimpleStorage: unknown field -> RuntimeError (its manager's wrap of the unit's ValueError); a sample missing
     from a held field -> StorageKeyNotFoundError, no RuntimeError. Conduit's unit must raise the same types."""
     from conduit_verl.compat import MissingKeyError
-    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+    from conduit_verl.tq_storage import DEFAULTS
+    from conduit_verl.unit import _UnitState
     from transfer_queue import StorageKeyNotFoundError
     from transfer_queue.storage import StorageUnitData
 

@@ -118,7 +118,8 @@ def test_typed_errors_leave_state_unchanged() -> None:
 def test_unit_state_put_get_clear_and_typed_errors() -> None:
     """A storage unit's state: tensor and object fields, typed errors for unknown fields or samples."""
     from conduit_verl.packing import to_wire
-    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+    from conduit_verl.tq_storage import DEFAULTS
+    from conduit_verl.unit import _UnitState
 
     unit = _UnitState(dict(DEFAULTS, capacity=2, mean_length=2))
     unit.put([5, 6], {"responses": to_wire(pack_column(_jagged([3, 1]), 2)), "uid": ["a", "b"]})
@@ -137,7 +138,8 @@ def test_unit_state_put_get_clear_and_typed_errors() -> None:
 def test_unit_state_checkpoint_round_trip(tmp_path: Any) -> None:
     """What a unit saves (TransferQueue's save_checkpoint) comes back exactly on load."""
     from conduit_verl.packing import to_wire
-    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+    from conduit_verl.tq_storage import DEFAULTS
+    from conduit_verl.unit import _UnitState
 
     unit = _UnitState(dict(DEFAULTS, capacity=2, mean_length=2))
     unit.put([3, 4, 5], {"responses": to_wire(pack_column(_jagged([2, 5, 1]), 3)), "uid": ["a", "b", "c"]})

@@ -40,7 +40,8 @@ def test_replacing_at_max_items_needs_no_extra_room() -> None:
 
 def test_unit_put_with_a_bad_column_writes_no_column() -> None:
     """A put whose second column is rejected leaves the first column's samples as they were."""
-    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+    from conduit_verl.tq_storage import DEFAULTS
+    from conduit_verl.unit import _UnitState
 
     unit = _UnitState(dict(DEFAULTS, capacity=4, mean_length=4))
     unit.put([0, 1], {"a": to_wire(pack_column(torch.tensor([[1, 1], [2, 2]]), 2)),

@@ -305,7 +305,8 @@ def test_a_reservation_of_a_live_process_stays(ray_local: Path) -> None:
     refused, however long it waits; an abort frees the room."""
     import ray
     from conduit import CapacityError
-    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+    from conduit_verl.tq_storage import DEFAULTS
+    from conduit_verl.unit import _UnitState
 
     unit = _UnitState(dict(DEFAULTS, capacity=2, mean_length=2, max_items=1, num_units=2))
     lease = ray.put("p")

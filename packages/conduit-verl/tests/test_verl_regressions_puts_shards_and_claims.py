@@ -31,7 +31,8 @@ WAIT_S = 120.0
 
 # -- 1. a unit's put is all or nothing ------------------------------------------------------------
 def _unit(**cfg: Any) -> Any:
-    from conduit_verl.tq_storage import DEFAULTS, _UnitState
+    from conduit_verl.tq_storage import DEFAULTS
+    from conduit_verl.unit import _UnitState
 
     return _UnitState({**DEFAULTS, **cfg})
 
@@ -272,7 +273,7 @@ def test_the_claims_of_a_client_that_died_before_storing_are_given_back(ray_loca
     and a live client's claim holds."""
     import ray
     from conduit import SchemaError
-    from conduit_verl.tq_storage import _owner_died
+    from conduit_verl.unit import _owner_died
 
     unit0 = _unit(num_units=2)
     dead, stored = _lease_owner(), _lease_owner()

@@ -71,8 +71,6 @@ from conduit_verl.packing import (
     unpack_column,
 )
 from conduit_verl.unit import ConduitStorageUnit, unit_name
-from conduit_verl.unit import _owner_died as _owner_died  # (these two are re-exported: code written before
-from conduit_verl.unit import _UnitState as _UnitState  # the unit had its own module imports them from here)
 
 __all__ = ["BACKEND", "DEFAULTS", "ConduitStorageUnit", "ConduitStorageManager", "bootstrap", "unit_name"]
 
