@@ -98,6 +98,26 @@ def test_sumtree_total_and_minimum_follow_every_write(flat: bool) -> None:
     assert (t.total, t.min) == (0.0, np.inf)
 
 
+@pytest.mark.parametrize("flat", [True, False], ids=["leaves-only", "two-level"])
+@pytest.mark.parametrize("copy_of", ["deepcopy", "pickle"])
+def test_a_copied_sumtree_searches_its_own_weights(flat: bool, copy_of: str) -> None:
+    """A deep copy or an unpickled tree (SRL's checkpoints pickle the buffer) is independent of the original: writes
+    to either change only its own searches, totals and minima. (The two-level tree's blocks are a view of its leaves:
+    copied as an array of their own, the copy's searches read the leaves as they were at the copy.)"""
+    import copy
+    import pickle
+
+    t = SumTree(100, flat=flat)
+    t.set(np.arange(100), np.ones(100))
+    assert t.total == 100.0  # (read once: the kept total is copied too)
+    c = copy.deepcopy(t) if copy_of == "deepcopy" else pickle.loads(pickle.dumps(t))
+    c.set(np.arange(100), np.zeros(100))
+    c.set(np.array([5]), np.array([2.0]))
+    assert c.find(np.array([0.0, 1.0, 1.99])).tolist() == [5, 5, 5]
+    assert (c.total, c.min) == (2.0, 2.0)
+    assert t.find(np.array([0.5, 99.5])).tolist() == [0, 99] and (t.total, t.min) == (100.0, 1.0)
+
+
 def test_sampling_errors() -> None:
     edp = ExperienceDataPlane(SCHEMA, capacity=8)
     with pytest.raises(EmptyBufferError, match="empty"):

@@ -18,8 +18,9 @@ Up to :data:`FLAT_MAX` slots only the leaves are kept: a write is one NumPy call
 total, the minimum and a draw take one pass over all leaves (a prefix sum and a binary
 search), which costs less there than the dozen calls of the two-level search.
 
-Prefix sums run in torch on views of the same arrays (``torch.cumsum`` is 3-4x faster than
-NumPy's on these sizes: 5 us against 18 us for 5000 leaves); the rest is NumPy. The total and
+Prefix sums run in torch (``torch.cumsum`` is 3-4x faster than NumPy's on these sizes: 5 us
+against 18 us for 5000 leaves), on views of the arrays made per call: a kept view would, in a
+copied or unpickled tree, still show the original's memory. The rest is NumPy. The total and
 the smallest positive weight are kept between writes, so a draw reads each once.
 """
 
@@ -58,11 +59,19 @@ class SumTree:
         self._bmin = np.full(self.blocks, np.inf, dtype=np.float64)
         self._stale = np.zeros(self.blocks, dtype=bool)  # blocks whose sum and minimum are out of date
         self._any_stale = False
-        # torch views of the leaves (the same memory), for the prefix sums
-        self._leaves_t = torch.from_numpy(self._leaves[:capacity])
-        self._bsum_t = torch.from_numpy(self._bsum)
         self._total: float | None = None  # the total and smallest positive weight, None once a write changed them
         self._min: float | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        """For a copy or pickle: without ``_rows``, a view of ``_leaves`` that a copy would turn into an array of
+        its own (rebuilt by :meth:`__setstate__` as a view of the copy's leaves)."""
+        state = self.__dict__.copy()
+        del state["_rows"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._rows = self._leaves.reshape(self.blocks, self.block)
 
     def _changed(self) -> None:
         self._total = self._min = None
@@ -139,10 +148,10 @@ class SumTree:
         """
         u = np.asarray(prefix, dtype=np.float64)
         if self.flat:
-            cum = torch.cumsum(self._leaves_t, 0).numpy()
+            cum = torch.cumsum(torch.from_numpy(self._leaves[:self.capacity]), 0).numpy()
             return np.minimum(np.searchsorted(cum, u, side="right"), self.capacity - 1)
         self._refresh()
-        cum = torch.cumsum(self._bsum_t, 0).numpy()
+        cum = torch.cumsum(torch.from_numpy(self._bsum), 0).numpy()
         blk = np.minimum(np.searchsorted(cum, u, side="right"), self.blocks - 1)
         rest = u - (cum[blk] - self._bsum[blk])
         inside = torch.cumsum(torch.from_numpy(self._rows[blk]), 1).numpy()
