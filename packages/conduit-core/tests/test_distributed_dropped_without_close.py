@@ -227,11 +227,15 @@ from conduit.testing.lifecycle import eventually
 from conduit.testing.reference import ID_SCHEMA, id_batch
 with local_cluster(1) as lc:
     group = ShardServers([lc.head])
-    shared = DistributedDataPlane(ID_SCHEMA, capacity=8, servers=group, measure=False, health_period=0.05)
-    owned = DistributedDataPlane(ID_SCHEMA, capacity=8, servers=[lc.head], measure=False, health_period=0.05)
+    # timeout=5: a health check in flight when Ray goes down may wait that long for its pings (the default 30 s
+    # would outlast the wait below on a loaded machine); a monitor ends at most one check after the shutdown
+    shared = DistributedDataPlane(ID_SCHEMA, capacity=8, servers=group, measure=False, health_period=0.05,
+                                  timeout=5)
+    owned = DistributedDataPlane(ID_SCHEMA, capacity=8, servers=[lc.head], measure=False, health_period=0.05,
+                                 timeout=5)
     shared.ingest(id_batch(np.arange(4)))
     time.sleep(0.3)
-ended = eventually(lambda: not shared._monitor.is_alive() and not owned._monitor.is_alive(), timeout=10)
+ended = eventually(lambda: not shared._monitor.is_alive() and not owned._monitor.is_alive(), timeout=30)
 errors = []
 for plane in (shared, owned):
     for _ in range(2):
