@@ -4,6 +4,8 @@ Each registered factory gets its own test classes, generated here, so a failure 
 adapter. Core registers itself too, so this module always runs something. A factory that
 cannot build one kind of endpoint gets a skipped test saying so, and a package under
 ``packages/`` that registers nothing (or is not installed) fails here instead of going untested.
+Each adapter's seeded draws are also compared across two fresh processes with other
+``PYTHONHASHSEED`` values (the suites' determinism tests can only look inside one).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from conduit.testing import (
     EndpointFactory,
     FreshnessSuite,
     ReplaySuite,
+    assert_deterministic_across_processes,
     discover_endpoints,
 )
 
@@ -180,3 +183,16 @@ def test_same_on_policy_epochs_as_core(factory: EndpointFactory) -> None:
     """The same rollouts give the same per-epoch contents and minibatch counts in every adapter as in core."""
     core = next(f for f in FACTORIES if f.name == "core")
     assert _on_policy_scenario(factory) == _on_policy_scenario(core)
+
+
+@pytest.mark.parametrize("factory", FACTORIES, ids=lambda f: f.name)
+def test_seeded_draws_are_the_same_in_every_process(factory: EndpointFactory) -> None:
+    """The calls of the suites' ``test_deterministic_under_seed`` (replay: uniform and, when declared,
+    prioritized; on-policy) draw the same items in two fresh processes with PYTHONHASHSEED 1 and 2, the
+    endpoints rebuilt there from the adapter's registered factory: a new run of the same seeded job
+    draws what the last one drew."""
+    kinds = [kind for kind, make in (("replay", factory.make_replay), ("on_policy", factory.make_on_policy))
+             if make is not None]
+    assert kinds, f"adapter {factory.name!r} builds no endpoint"
+    for kind in kinds:  # one pair of processes draws every kind (kept between the calls)
+        assert_deterministic_across_processes(factory.name, kind)

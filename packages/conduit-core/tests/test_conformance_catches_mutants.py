@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conduit.errors import StaleExperienceError
+from conduit.errors import ConfigurationError, StaleExperienceError
 from conduit.semantics import OnPolicy, PrioritizedSampler, Semantics, UniformSampler
 from conduit.semantics.base import SampleInfo, Selection
 from conduit.storage.base import AppendResult
@@ -26,9 +26,12 @@ from conduit.testing import (
     CoreOnPolicyEndpoint,
     CoreReplayEndpoint,
     Draw,
+    EndpointFactory,
     FreshnessSuite,
     Minibatch,
     ReplaySuite,
+    assert_deterministic_across_processes,
+    draws_in_subprocess,
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -442,6 +445,48 @@ def mutant_on_policy(sem: type[OnPolicy]) -> type:
 GlobalRngShuffle = mutant_on_policy(GlobalRngOrder)
 
 
+# -- mutants that draw the same twice in one process, and differently in the next (PYTHONHASHSEED) ----------------
+class HashSeededUniform(UniformSampler):
+    """Seeds its generator from ``hash()`` of a string made of the endpoint's seed: the same seed gives the same
+    draws within a process, other draws in a process with another ``PYTHONHASHSEED``."""
+
+    def reset(self, storage: Any, seed: int) -> None:
+        super().reset(storage, hash(f"uniform-{seed}") % 2**31)
+
+
+class HashSeededPrioritized(PrioritizedSampler):
+    """:class:`HashSeededUniform`'s bug in the prioritized sampler."""
+
+    def reset(self, storage: Any, seed: int) -> None:
+        super().reset(storage, hash(f"prioritized-{seed}") % 2**31)
+
+
+class SetOrderedQuarters(OnPolicy):
+    """Cuts each epoch's seeded permutation into quarters and visits them in the iteration order of a set of
+    strings (the quarters' names): stable within a process, another order under another ``PYTHONHASHSEED``."""
+
+    def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
+        quarters = {f"quarter-{k}": q for k, q in enumerate(super().epoch_order(n, epoch).chunk(4))}
+        return torch.cat([quarters[name] for name in set(quarters)])
+
+
+#: an endpoint factory whose draws follow the process's string hashes: replay seeded through ``hash()``, on-policy
+#: ordered by a set of strings; the cross-process checks rebuild it in subprocesses as
+#: ``test_conformance_catches_mutants:HASH_DEPENDENT``
+HASH_DEPENDENT = EndpointFactory(
+    "hash-dependent", make_replay=mutant_replay(uniform=HashSeededUniform, prioritized=HashSeededPrioritized),
+    make_on_policy=mutant_on_policy(SetOrderedQuarters))
+HASH_DEPENDENT_SPEC = f"{Path(__file__).stem}:HASH_DEPENDENT"
+
+
+def _refuse(**kwargs: Any) -> Any:
+    raise ConfigurationError("no on-policy endpoint here")
+
+
+#: core's replay endpoint, and an on-policy endpoint that cannot be built (for the subprocess's error report)
+REFUSES_ON_POLICY = EndpointFactory("refuses-on-policy", make_replay=CoreReplayEndpoint, make_on_policy=_refuse)
+
+
 REPLAY_MUTANTS = [
     # (mutant endpoint, suite check, what the message must say)
     (mutant_replay(uniform=NeverNewest), "test_uniform_draws_are_uniform", "chi-square"),
@@ -587,3 +632,36 @@ def test_two_adapters_with_one_factory_name_are_refused(tmp_path: Any, monkeypat
     importlib.invalidate_caches()
     with pytest.raises(ConfigurationError, match=r"'copycat' .* both register an EndpointFactory named 'core'"):
         discover_endpoints()
+
+
+# -- determinism across processes (PYTHONHASHSEED) ------------------------------------------------------------------
+@pytest.mark.parametrize(("suite", "kind", "entry"), [(replay_suite, "replay", "replay/uniform"),
+                                                      (freshness_suite, "on_policy", "on_policy")])
+def test_cross_process_check_catches_hash_dependent_draws(suite: Any, kind: str, entry: str) -> None:
+    """An endpoint whose draws follow ``hash()`` of strings (a seed derived from it; an order from iterating a set
+    of strings) passes the in-process determinism test, and fails the cross-process one, with a message naming
+    the adapter, the kind and the first differing position."""
+    make = HASH_DEPENDENT.make_replay if kind == "replay" else HASH_DEPENDENT.make_on_policy
+    assert make is not None
+    suite(make).test_deterministic_under_seed()  # the bug is invisible inside one process
+    with pytest.raises(FAILED, match=rf"adapter 'hash-dependent', {entry}: the same seed and calls drew "
+                                     rf"differently in two processes \(PYTHONHASHSEED=1 and 2\), first at "
+                                     rf"(position|minibatch) \d+"):
+        assert_deterministic_across_processes(HASH_DEPENDENT_SPEC, kind)
+
+
+def test_cross_process_check_reports_a_subprocess_error_with_its_stderr() -> None:
+    """What fails in the subprocess fails the check with the error and the end of the subprocess's stderr, not a
+    bare exit status: an endpoint that cannot be built there (the other kinds are still drawn), a factory that
+    cannot be resolved, and a subprocess that outlives its timeout (killed)."""
+    got = draws_in_subprocess(f"{Path(__file__).stem}:REFUSES_ON_POLICY", hash_seed=1)
+    assert got.entries("replay") == ["replay/uniform", "replay/prioritized"] and got.get("replay/uniform"), got
+    with pytest.raises(AssertionError, match=r"(?s)adapter 'refuses-on-policy' .*on_policy: the determinism calls "
+                                             r"failed .*PYTHONHASHSEED=1: ConfigurationError: no on-policy endpoint "
+                                             r"here.*stderr tail.*Traceback"):
+        got.get("on_policy")
+    with pytest.raises(AssertionError, match=r"(?s)'conduit.testing.reference:ID_SCHEMA'.*exit status 1.*stderr "
+                                             r"tail.*is of type ExperienceSchema, not a conduit.testing.Endpoint"):
+        draws_in_subprocess("conduit.testing.reference:ID_SCHEMA", hash_seed=1)
+    with pytest.raises(AssertionError, match=r"PYTHONHASHSEED=1 did not finish within the timeout \(killed\)"):
+        draws_in_subprocess("core", hash_seed=1, timeout=0.2)

@@ -8,13 +8,23 @@ Adapters subclass the suites in a short ``tests/test_conformance.py``::
         def make_replay(self, **kwargs):
             return MyAdapterReplayEndpoint(**kwargs)
 
+The suites' determinism tests compare draws made inside one process. ``integration-tests/`` also makes
+those calls in fresh processes with other ``PYTHONHASHSEED`` values, for every registered adapter
+(:func:`assert_deterministic_across_processes`, :mod:`conduit.testing.crossprocess`), so a seed or an order
+taken from ``hash()`` of a string is caught; an adapter's own tests can call it with the adapter's name.
+
 Importing this module needs pytest (``pip install 'conduit-core[testing]'``).
 """
 
 import pytest
 
-pytest.register_assert_rewrite("conduit.testing.suites")
+pytest.register_assert_rewrite("conduit.testing.suites", "conduit.testing.crossprocess")
 
+from conduit.testing.crossprocess import (  # noqa: E402
+    ProcessDraws,
+    assert_deterministic_across_processes,
+    draws_in_subprocess,
+)
 from conduit.testing.endpoints import (  # noqa: E402
     CAP_CHECKPOINT,
     CAP_CONCURRENT_INGEST,
@@ -46,4 +56,7 @@ __all__ = [
     "ConcurrencySuite",
     "CoreReplayEndpoint",
     "CoreOnPolicyEndpoint",
+    "draws_in_subprocess",
+    "assert_deterministic_across_processes",
+    "ProcessDraws",
 ]

@@ -11,6 +11,11 @@ import numpy as np
 import pytest
 
 from conduit.errors import EmptyBufferError
+from conduit.testing.crossprocess import (
+    ON_POLICY_SEED,
+    deliver_rollout,
+    on_policy_deliveries,
+)
 from conduit.testing.endpoints import OnPolicyEndpoint
 from conduit.testing.suites.base import SuiteBase
 from conduit.testing.suites.prefetch import PrefetchFreshnessChecks, expect_stale
@@ -142,25 +147,20 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
         Troubleshooting: draw each epoch's permutation from a generator seeded from the endpoint's seed,
         not from a global one.
         """
-        def rollout(ep: OnPolicyEndpoint, v: int) -> list[tuple[int, list[int]]]:
-            ep.set_policy_version(v)
-            ep.ingest(np.arange(100 * v, 100 * v + 40), version=v)
-            ep.end_rollout()
-            return [(mb.epoch, mb.ids.tolist()) for mb in ep.consume()]
-
         def run(seed: int) -> list[tuple[int, list[int]]]:
-            with self.on_policy(num_minibatches=4, num_epochs=3, seed=seed) as ep:
-                return rollout(ep, 0) + rollout(ep, 1)
+            return on_policy_deliveries(self.make_on_policy, seed=seed)
 
-        a = run(5)
-        assert run(5) == a, "two endpoints with the same seed delivered different minibatches (or another order)"
-        assert run(6) != a, "endpoints with different seeds delivered the same minibatches: the seed is ignored"
-        with self.on_policy(num_minibatches=4, num_epochs=3, seed=5) as e1, \
-                self.on_policy(num_minibatches=4, num_epochs=3, seed=5) as e2:
+        a = run(ON_POLICY_SEED)
+        assert run(ON_POLICY_SEED) == a, (
+            "two endpoints with the same seed delivered different minibatches (or another order)")
+        assert run(ON_POLICY_SEED + 1) != a, (
+            "endpoints with different seeds delivered the same minibatches: the seed is ignored")
+        with self.on_policy(num_minibatches=4, num_epochs=3, seed=ON_POLICY_SEED) as e1, \
+                self.on_policy(num_minibatches=4, num_epochs=3, seed=ON_POLICY_SEED) as e2:
             got1, got2 = [], []
             for v in range(2):
-                got1 += rollout(e1, v)
-                got2 += rollout(e2, v)
+                got1 += deliver_rollout(e1, v)
+                got2 += deliver_rollout(e2, v)
             assert got1 == a == got2, ("two endpoints with the same seed, used in turn, delivered differently from "
                                        "one alone: they share an RNG (a global one?)")
 

@@ -13,6 +13,13 @@ import pytest
 import torch
 
 from conduit.errors import ConduitError
+from conduit.testing.crossprocess import (
+    REPLAY_CALLS,
+    REPLAY_DRAW,
+    REPLAY_SEED,
+    fill_replay,
+    replay_draws,
+)
 from conduit.testing.endpoints import CAP_CHECKPOINT, CAP_PRIORITIZED, Draw, ReplayEndpoint
 from conduit.testing.suites.base import SuiteBase, chi_square_p, draw, needs, staleness
 from conduit.testing.suites.prefetch import PrefetchReplayChecks
@@ -380,33 +387,27 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
         Troubleshooting: draw from an RNG seeded from the endpoint's seed, not a global one (for the
         prioritized sampler too).
         """
-        def filled(ep: ReplayEndpoint) -> ReplayEndpoint:
-            ep.insert(np.arange(50))
-            ep.insert(np.arange(50, 100))
-            return ep
-
         for prioritized in (False, True):
-            with self.replay(capacity=64, prioritized=prioritized, seed=7) as probe:
+            with self.replay(capacity=64, prioritized=prioritized, seed=REPLAY_SEED) as probe:
                 if prioritized and CAP_PRIORITIZED not in probe.capabilities:
                     continue
             kind = f"prioritized={prioritized}"
 
-            def run(seed: int = 7, prioritized: bool = prioritized) -> list[int]:
-                with self.replay(capacity=64, prioritized=prioritized, seed=seed) as ep:
-                    filled(ep)
-                    return np.concatenate([draw(ep, 32).ids for _ in range(5)]).tolist()
+            def run(seed: int = REPLAY_SEED, prioritized: bool = prioritized) -> list[int]:
+                return replay_draws(self.make_replay, prioritized=prioritized, seed=seed)
 
             a, b = run(), run()
             assert a == b, f"{kind}: two endpoints with the same seed drew different items"
-            assert run(seed=8) != a, f"{kind}: endpoints with different seeds drew the same items: the seed is ignored"
-            with self.replay(capacity=64, prioritized=prioritized, seed=7) as e1, \
-                    self.replay(capacity=64, prioritized=prioritized, seed=7) as e2:
-                filled(e1)
-                filled(e2)
+            assert run(seed=REPLAY_SEED + 1) != a, (
+                f"{kind}: endpoints with different seeds drew the same items: the seed is ignored")
+            with self.replay(capacity=64, prioritized=prioritized, seed=REPLAY_SEED) as e1, \
+                    self.replay(capacity=64, prioritized=prioritized, seed=REPLAY_SEED) as e2:
+                fill_replay(e1)
+                fill_replay(e2)
                 d1, d2 = [], []
-                for _ in range(5):
-                    d1.append(draw(e1, 32).ids)
-                    d2.append(draw(e2, 32).ids)
+                for _ in range(REPLAY_CALLS):
+                    d1.append(draw(e1, REPLAY_DRAW).ids)
+                    d2.append(draw(e2, REPLAY_DRAW).ids)
                 assert np.concatenate(d1).tolist() == a == np.concatenate(d2).tolist(), (
                     f"{kind}: two interleaved endpoints with the same seed drew differently from one alone: "
                     f"they share an RNG (a global one?)")
