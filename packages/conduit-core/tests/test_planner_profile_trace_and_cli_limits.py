@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 from conduit.cli import build_parser, main
+from conduit.commands import count
 from conduit.errors import ConfigurationError, PlacementError
 from conduit.exposure import measure_iteration
 from conduit.placement import load_topology
 from conduit.placement.base import PlacementSpec
-from conduit.placement.cli import _count
 from conduit.placement.cost import CostModel, Workload
 from conduit.placement.planner import Planner
 from conduit.placement.profile import BandwidthProfile, LinkCost, load_profile, machine_id
@@ -278,6 +278,9 @@ def test_plan_counts_too_large_for_int64_are_argument_errors(flag: str, capsys: 
     assert f"argument {flag}" in err and "too large" in err, err
 
 
-def test_plan_counts_written_out_are_read_exactly() -> None:
-    assert _count("9223372036854775807") == 2**63 - 1
-    assert _count("1e6") == 10**6 and _count("1_000") == 1000
+def test_counts_written_out_are_read_exactly() -> None:
+    """``conduit plan`` and ``conduit simulate`` read their counts with ``conduit.commands.count``: exact up to
+    int64 (through a float, 2**63 - 1 became 2**63), ``1e6`` and ``1_000`` accepted."""
+    assert count("9223372036854775807") == 2**63 - 1
+    assert count("12345678901234567") == 12345678901234567
+    assert count("1e6") == 10**6 and count("1_000") == 1000

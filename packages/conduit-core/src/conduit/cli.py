@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands.register(sub)
     for ep in sorted(entry_points(group="conduit.commands"), key=lambda e: e.name):
         ep.load()(sub)
+    for sp in sub.choices.values():  # the subcommand's parser refuses what it does not know, with its own usage
+        sp.set_defaults(command_parser=sp)
     return parser
 
 
@@ -65,8 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, rest = parser.parse_known_args(argv)
         if args.command == "demo":
             args.rest = rest
-        elif rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        elif rest:  # said by the subcommand's parser (its usage lists the options it takes), not the top level's
+            getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(rest)}")
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # a reader that went away shows up here, not as a traceback at interpreter exit
         return rc

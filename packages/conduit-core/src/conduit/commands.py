@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 
-__all__ = ["register"]
+from conduit.errors import ConfigurationError
+
+__all__ = ["register", "MAX_COUNT", "count", "check_counts"]
+
+#: the largest count a command takes: sizes are int64 in torch and NumPy, so larger ones would overflow
+MAX_COUNT = 2**63 - 1
 
 #: modules whose ``register(subparsers)`` adds subcommands (a module not written yet is skipped)
 MODULES = ("conduit.placement.cli", "conduit.scheduling.cli", "conduit.simulation.cli")
@@ -21,3 +27,35 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                 continue
             raise
         mod.register(sub)
+
+
+def count(text: str) -> int:
+    """An argparse type: a count from 1 to :data:`MAX_COUNT`, accepting ``1e6`` and ``1_000_000`` (whole numbers
+    written out are read exactly, not through a float)."""
+    try:
+        v: float = int(text.replace("_", ""))
+    except ValueError:
+        try:
+            v = float(text.replace("_", ""))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v) or v < 1 or v != int(v):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
+    if int(v) > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text!r} is too large: use a whole number up to 2**63 - 1")
+    return int(v)
+
+
+def check_counts(*flags: tuple[str, int | None, int, int | None, str]) -> None:
+    """Refuse a count outside its bounds, before a command runs anything: ``(flag, value, least, most, meaning)``
+    each, a value of None (not given) passing and a ``most`` of None bounding nothing.
+
+    Raises:
+        ConfigurationError: one is out of bounds; the message names its flag, what it counts and what to give.
+    """
+    for flag, v, least, most, meaning in flags:
+        if v is not None and v < least:
+            raise ConfigurationError(f"{flag} must be {least} or more ({meaning}), got {v}; give {flag} {least} or "
+                                     f"more.")
+        if v is not None and most is not None and v > most:
+            raise ConfigurationError(f"{flag} must be at most {most} ({meaning}), got {v}; give a smaller {flag}.")

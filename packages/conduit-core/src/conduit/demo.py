@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from conduit.commands import MAX_COUNT, check_counts
 from conduit.edp import ExperienceDataPlane
 from conduit.errors import ConfigurationError
 from conduit.exposure import ExposureLog, IterationExposure
@@ -31,6 +32,7 @@ from conduit.placement.base import HostPlacement, Placement
 from conduit.scheduling import Automatic, Overlapped, Scheduler, Synchronous
 from conduit.schema import ExperienceSchema, Field
 from conduit.semantics import Replay
+from conduit.semantics.replay import MAX_DRAW
 from conduit.telemetry import probe_writable
 
 __all__ = ["run_synthetic", "run_loop", "LoopResult", "make_scheduler", "SCHEDULERS"]
@@ -38,8 +40,8 @@ __all__ = ["run_synthetic", "run_loop", "LoopResult", "make_scheduler", "SCHEDUL
 #: ``--scheduler`` choices
 SCHEDULERS = ("sync", "sequential", "overlapped", "auto")
 
-#: the largest count a tensor dimension can have (int64)
-_MAX_COUNT = 2**63 - 1
+#: the largest ``--g-ing`` / ``--g-del`` of ``conduit demo --synthetic`` (the most ``conduit schedule`` lists)
+_MAX_GRANULARITY = 10_000
 
 #: where ``conduit demo --synthetic`` writes its Chrome trace unless ``--trace`` says otherwise
 DEFAULT_TRACE = "conduit-synthetic-trace.json"
@@ -151,7 +153,7 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
     if isinstance(capacity, int) and 0 < capacity < rollout:  # (the buffer refuses it as "a batch ... split it")
         raise ConfigurationError(f"A rollout of {rollout} transitions does not fit in a buffer of capacity "
                                  f"{capacity}; lower rollout or raise capacity.")
-    if isinstance(capacity, int) and capacity > _MAX_COUNT:  # (numpy refuses such a shape with a bare ValueError)
+    if isinstance(capacity, int) and capacity > MAX_COUNT:  # (numpy refuses such a shape with a bare ValueError)
         raise ConfigurationError(f"capacity must be at most 2**63 - 1 items, got {capacity!r}; lower it.")
     sched = scheduler if scheduler is not None else Synchronous()
     plc = placement if placement is not None else HostPlacement()
@@ -254,37 +256,52 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
                                 description="Synthetic actor/learner loop through the EDP, with exposed-latency "
                                             "accounting per iteration.")
     p.add_argument("--obs-dim", type=int, default=5000, help="d: observation size (default 5000)")
-    p.add_argument("--iterations", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3, help="iterations run before accounting starts")
-    p.add_argument("--rollout", type=int, default=256, help="transitions per actor rollout")
-    p.add_argument("--batch", type=int, default=512)
-    p.add_argument("--updates", type=int, default=4, help="learner updates per iteration")
-    p.add_argument("--capacity", type=int, default=8192)
-    p.add_argument("--hidden", type=int, default=64, help="MLP hidden width")
-    p.add_argument("--scheduler", choices=SCHEDULERS, default="overlapped")
-    p.add_argument("--g-ing", type=int, help="rollouts per ingestion call (sequential/overlapped only; default 1)")
-    p.add_argument("--g-del", type=int, help="batches per delivery call (sequential/overlapped only; default 4); "
-                   "with overlap, one worker hand-off per chunk of this many batches")
+    p.add_argument("--iterations", type=int, default=20, help="accounted iterations (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="iterations run before accounting starts (default 3)")
+    p.add_argument("--rollout", type=int, default=256, help="transitions per actor rollout (default 256)")
+    p.add_argument("--batch", type=int, default=512, help="transitions per learner update (default 512)")
+    p.add_argument("--updates", type=int, default=4, help="learner updates per iteration (default 4)")
+    p.add_argument("--capacity", type=int, default=8192, help="buffer capacity in transitions (default 8192)")
+    p.add_argument("--hidden", type=int, default=64, help="MLP hidden width (default 64)")
+    p.add_argument("--scheduler", choices=SCHEDULERS, default="overlapped",
+                   help="how the experience path runs (default overlapped)")
+    p.add_argument("--g-ing", type=int, help=f"rollouts per ingestion call (sequential/overlapped only; default 1, "
+                   f"at most {_MAX_GRANULARITY})")
+    p.add_argument("--g-del", type=int, help=f"batches per delivery call (sequential/overlapped only; default 4, at "
+                   f"most {_MAX_GRANULARITY}); with overlap, one worker hand-off per chunk of this many batches")
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the synchronous baseline and report the exposed-latency reduction")
     p.add_argument("--trace", default=DEFAULT_TRACE,
                    help=f"Chrome trace output (default {DEFAULT_TRACE} in the current directory; '' for none)")
     args = p.parse_args(list(argv or []))
-    if args.batch < 1:  # (the loop's first delivery would refuse it, after the table header, as "n")
-        raise ConfigurationError(f"--batch must be at least 1 (transitions per learner update), got {args.batch}.")
+    # refused before the table header (the loop refused them after it, naming its own parameters, or not at all:
+    # a --g-del past the index range ended in a traceback)
+    check_counts(("--obs-dim", args.obs_dim, 1, MAX_COUNT, "obs_dim: floats per observation"),
+                  ("--iterations", args.iterations, 0, None, "accounted iterations"),
+                  ("--warmup", args.warmup, 0, None, "iterations before accounting starts"),
+                  ("--rollout", args.rollout, 1, None, "transitions per actor rollout"),
+                  ("--batch", args.batch, 1, MAX_DRAW, "transitions per learner update"),
+                  ("--updates", args.updates, 0, None, "learner updates per iteration"),
+                  ("--capacity", args.capacity, 1, MAX_COUNT, "buffer capacity in transitions"),
+                  ("--hidden", args.hidden, 1, None, "MLP hidden width"),
+                  ("--g-ing", args.g_ing, 1, None, "rollouts per ingestion call"),
+                  ("--g-del", args.g_del, 1, None, "batches per delivery call"))
     for flag, given in (("--g-ing", args.g_ing), ("--g-del", args.g_del)):
         if given is not None and args.scheduler not in ("sequential", "overlapped"):  # it would be ignored
             raise ConfigurationError(f"{flag} sets the granularity of the sequential and overlapped schedulers; "
                                      f"--scheduler {args.scheduler} does not take it (the automatic one chooses "
                                      f"its own). Drop {flag}, or use --scheduler sequential or overlapped.")
     deliveries = args.updates * (args.warmup + args.iterations)
-    counts_ok = min(args.updates, args.warmup, args.iterations) >= 0  # (negative ones: refused by run_loop)
-    if counts_ok and args.g_del is not None and args.g_del > max(1, deliveries):  # one call would prepare them all
+    if args.g_del is not None and args.g_del > max(1, deliveries):  # one call would prepare them all
         raise ConfigurationError(f"--g-del {args.g_del} would prepare {args.g_del} batches in one delivery call, more "
                                  f"than the {deliveries} the run takes (--updates x (--warmup + --iterations)); "
                                  f"use --g-del {max(1, deliveries)} or less.")
+    # (after the check above, which says what this run takes; past the cap, a run long enough to take them made the
+    # first call prepare more batches than a list can index: an OverflowError traceback)
+    check_counts(("--g-ing", args.g_ing, 1, _MAX_GRANULARITY, "rollouts per ingestion call"),
+                  ("--g-del", args.g_del, 1, _MAX_GRANULARITY, "batches per delivery call"))
     rollouts = args.warmup + args.iterations  # ingestion calls of the loop (one rollout each)
-    if counts_ok and args.g_ing is not None and args.g_ing > max(1, rollouts):  # no group is written in the loop
+    if args.g_ing is not None and args.g_ing > max(1, rollouts):  # no group is written in the loop
         print(f"note: --g-ing {args.g_ing} stores {args.g_ing} rollouts per ingestion call, more than the {rollouts} "
               f"the run produces (--warmup + --iterations): none of them reaches the buffer while the loop runs "
               f"(only when it closes), so the figures time no ingestion; use --g-ing {max(1, rollouts)} or less to "

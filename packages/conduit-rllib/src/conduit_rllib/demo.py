@@ -102,11 +102,13 @@ def run(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in logs)")
     p.epilog = "conduit demo --synthetic [--help] runs conduit-core's synthetic actor/learner loop instead."
     args = p.parse_args(list(argv or []))
-    if args.iterations < 1 or args.steps < 1 or args.obs_dim < 4:
-        p.error("--iterations and --steps must be >= 1 and --obs-dim >= 4")
-    for flag, v in (("--batch", args.batch), ("--capacity", args.capacity), ("--hidden", args.hidden)):
-        if v < 1:  # RLlib would train on empty batches or fail deep inside with a bare AssertionError
-            p.error(f"{flag} must be >= 1, got {v}")
+    # each refused alone, by name (one message for --iterations, --steps and --obs-dim named all three, whichever
+    # was wrong); RLlib would train on empty batches or fail deep inside with a bare AssertionError
+    for flag, v, least in (("--obs-dim", args.obs_dim, 4), ("--iterations", args.iterations, 1),
+                           ("--steps", args.steps, 1), ("--batch", args.batch, 1), ("--capacity", args.capacity, 1),
+                           ("--hidden", args.hidden, 1)):
+        if v < least:
+            p.error(f"{flag} must be >= {least}, got {v}; give {flag} {least} or more")
     args.out = _plot_path(p, args.out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

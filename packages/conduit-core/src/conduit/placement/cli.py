@@ -5,33 +5,14 @@ from __future__ import annotations
 import argparse
 import errno
 import json
-import math
 import sys
 import tempfile
 import warnings
 from pathlib import Path
 
+from conduit.commands import count
+
 __all__ = ["register"]
-
-
-#: the largest count accepted: sizes are int64 in torch and numpy, so larger ones would overflow
-_MAX_COUNT = 2**63 - 1
-
-
-def _count(text: str) -> int:
-    """An item count, accepting ``1e6`` and ``1_000_000`` (at most ``2**63 - 1``)."""
-    try:
-        v: float = int(text.replace("_", ""))  # exact for whole numbers written out
-    except ValueError:
-        try:
-            v = float(text.replace("_", ""))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v) or v <= 0 or v != int(v):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
-    if int(v) > _MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"{text!r} is too large: use a whole number up to 2**63 - 1")
-    return int(v)
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -89,11 +70,16 @@ def _size(b: float) -> str:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    """``conduit plan``: refuse a ``--batch`` above ``--capacity`` before loading anything, then plan and explain."""
+    from conduit.errors import ConfigurationError
     from conduit.placement.cost import Workload
     from conduit.placement.planner import Planner
     from conduit.placement.profile import profile_machine
     from conduit.placement.topology import load_topology
 
+    if args.batch > args.capacity:  # (the workload refused it as "batch (B) exceeds capacity (C).", no flag named)
+        raise ConfigurationError(f"--batch {args.batch} is more items per delivery than the buffer holds (--capacity "
+                                 f"{args.capacity}); lower --batch or raise --capacity.")
     topo = load_topology(args.topology)
     profile = None
     if topo.source == "discovered":
@@ -129,9 +115,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     q = sub.add_parser("plan", help="choose a placement for a transition buffer and explain every candidate")
     q.add_argument("--topology", required=True, help="a declared topology (dgx-a100-80g, mi250x-node, h200x1) or "
                                                      "'local' (this machine, measured)")
-    q.add_argument("--obs-dim", type=_count, required=True, help="observation size d (obs and next_obs, float32)")
-    q.add_argument("--capacity", type=_count, required=True, help="buffer capacity in items (1e6 is accepted)")
-    q.add_argument("--batch", type=_count, required=True, help="items per delivery, per learner")
-    q.add_argument("--learners", type=_count, default=1, help="learners (one GPU each where there are GPUs)")
+    q.add_argument("--obs-dim", type=count, required=True, help="observation size d (obs and next_obs, float32)")
+    q.add_argument("--capacity", type=count, required=True, help="buffer capacity in items (1e6 is accepted)")
+    q.add_argument("--batch", type=count, required=True, help="items per delivery, per learner")
+    q.add_argument("--learners", type=count, default=1, help="learners (one GPU each where there are GPUs)")
     q.add_argument("--json", action="store_true", help="print the plan as JSON (top-level 'placement')")
     q.set_defaults(func=_plan)

@@ -17,6 +17,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from conduit.commands import MAX_COUNT, check_counts
 from conduit.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -57,6 +58,11 @@ def _check_listed(*flags: tuple[str, int | None]) -> None:
 def _ranges(args: argparse.Namespace) -> int:
     from conduit.scheduling.granularity import safe_ranges
 
+    check_counts(("-M", args.num_minibatches, 1, None, "minibatch updates per rollout"),
+                  ("--g-ing-max", args.g_ing_max, 1, None, "rollouts per ingestion call"),
+                  ("--g-del-max", args.g_del_max, 1, None, "batches per delivery call"),
+                  ("--batch-bytes", args.batch_bytes, 0, None, "bytes per delivered batch"),
+                  ("--memory-budget", args.memory_budget, 0, None, "bytes the delivery buffers may take"))
     _check_listed(("-M", args.num_minibatches), ("--g-ing-max", args.g_ing_max), ("--g-del-max", args.g_del_max))
     if args.on_policy:  # an on-policy job's ranges come from M alone: a cap given with them would be ignored
         caps = [flag for flag, v in (("--g-ing-max", args.g_ing_max), ("--g-del-max", args.g_del_max),
@@ -81,10 +87,20 @@ def _ranges(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from conduit.demo import run_loop
     from conduit.scheduling.auto import Automatic
+    from conduit.semantics.replay import MAX_DRAW
 
     if args.updates < 1:  # without deliveries the calibration never starts, whatever --warmup says
         raise ConfigurationError(f"--updates must be >= 1 to calibrate (Automatic calibrates on the learner's "
                                  f"deliveries), got {args.updates}.")
+    # refused before the loop starts (it refused them after "calibrating ...", naming its own parameters)
+    check_counts(("--obs-dim", args.obs_dim, 1, MAX_COUNT, "floats per observation"),
+                  ("--batch", args.batch, 1, MAX_DRAW, "transitions per learner update"),
+                  ("--rollout", args.rollout, 1, None, "transitions per actor rollout"),
+                  ("--capacity", args.capacity, 1, MAX_COUNT, "buffer capacity in transitions"),
+                  ("--g-ing-max", args.g_ing_max, 1, None, "rollouts per ingestion call"),
+                  ("--g-del-max", args.g_del_max, 1, None, "batches per delivery call"),
+                  ("--warmup", args.warmup, 0, None, "calibration iterations"),
+                  ("--iterations", args.iterations, 0, None, "iterations measured after calibration"))
     _check_listed(("--g-ing-max", args.g_ing_max), ("--g-del-max", args.g_del_max))
     overlap = {"auto": None, "on": True, "off": False}[args.overlap]
     sched = Automatic(overlap=overlap, g_ing_max=args.g_ing_max, g_del_max=args.g_del_max)
@@ -144,18 +160,20 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="bytes per delivered batch (off-policy only; together with --memory-budget: caps g_del)")
     r.add_argument("--memory-budget", type=int, default=None,
                    help="bytes the delivery buffers may take (off-policy only; together with --batch-bytes)")
-    r.set_defaults(func=_ranges)
+    r.set_defaults(func=_ranges, command_parser=r)  # (an unknown option is refused with this parser's usage)
     c = sp.add_parser("calibrate", help="run the synthetic loop under the automatic scheduler and explain its choice")
-    c.add_argument("--obs-dim", type=int, default=1000)
-    c.add_argument("--batch", type=int, default=512)
-    c.add_argument("--rollout", type=int, default=256)
-    c.add_argument("--updates", type=int, default=4)
-    c.add_argument("--capacity", type=int, default=8192)
-    c.add_argument("--overlap", choices=("auto", "on", "off"), default="auto")
+    c.add_argument("--obs-dim", type=int, default=1000, help="d: floats per observation (default 1000)")
+    c.add_argument("--batch", type=int, default=512, help="transitions per learner update (default 512)")
+    c.add_argument("--rollout", type=int, default=256, help="transitions per actor rollout (default 256)")
+    c.add_argument("--updates", type=int, default=4, help="learner updates (deliveries) per iteration (default 4)")
+    c.add_argument("--capacity", type=int, default=8192, help="buffer capacity in transitions (default 8192)")
+    c.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                   help="auto: the scheduler decides whether to overlap; on/off: forced (default auto)")
     c.add_argument("--g-ing-max", type=int, default=8, help=f"default 8, at most {_MAX_LISTED}")
     c.add_argument("--g-del-max", type=int, default=8, help=f"default 8, at most {_MAX_LISTED}")
     c.add_argument("--warmup", type=int, default=None,
                    help="iterations for calibration (not accounted; default: as many as the calibration can take "
                         "at --updates deliveries per iteration)")
-    c.add_argument("--iterations", type=int, default=5)
-    c.set_defaults(func=_calibrate)
+    c.add_argument("--iterations", type=int, default=5,
+                   help="iterations measured after calibration; 0 for none (default 5)")
+    c.set_defaults(func=_calibrate, command_parser=c)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from conduit.commands import count
 from conduit.errors import ConfigurationError
 from conduit.simulation.cluster import NETWORKS, SCENARIOS, Network, Scenario, load_node
 from conduit.simulation.model import BASELINES, MAX_NODES, layout, node_workload, run_scenario
@@ -28,23 +29,12 @@ __all__ = ["register", "simulate", "table", "plot"]
 LABEL = "SIMULATION"
 
 
-def _positive_int(text: str) -> int:
-    """A count >= 1 (``1e6`` and ``1_000_000`` accepted)."""
-    try:
-        v = float(text.replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v) or v < 1 or v != int(v):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
-    return int(v)
-
-
 def _scales(text: str) -> tuple[int, ...]:
     """Comma-separated GPU counts, each >= 1: each simulated once, in increasing order (rows and plot)."""
     parts = [x.strip() for x in text.split(",")]
     if not parts or any(not x for x in parts):
         raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated GPU counts, e.g. 1,2,4")
-    return tuple(sorted({_positive_int(x) for x in parts}))
+    return tuple(sorted({count(x) for x in parts}))
 
 
 def _finite_float(lower: float, *, inclusive: bool) -> Callable[[str], float]:
@@ -182,7 +172,14 @@ def simulate(args: argparse.Namespace) -> int:
         changes["gpus"] = args.gpus
     # every scenario and scale checked before any is simulated or the output directory is made (a refused value
     # refuses the command, not its second half)
-    scenarios = {name: dataclasses.replace(SCENARIOS[name], **changes) for name in names}
+    scenarios: dict[str, Scenario] = {}
+    for name in names:
+        try:
+            scenarios[name] = dataclasses.replace(SCENARIOS[name], **changes)
+        except ConfigurationError as e:  # (it names the scenario's fields: the options that set them are said first)
+            given = ", ".join(f"--{f.replace('_', '-')} {changes[f]:{'g' if isinstance(changes[f], float) else 'd'}}"
+                              for f in ("obs_dim", "capacity", "replay_ratio") if f in changes)
+            raise ConfigurationError(f"{given} ({name}): {e}") from e
     for sc in scenarios.values():
         _check_scales(sc)
     if not args.out.strip():  # (Path("") is the current directory: the files would land there unasked)
@@ -256,12 +253,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="directory for the tables and the plot (default simulation-out in the current directory)")
     p.add_argument("--baseline", choices=BASELINES, default="rank-order",
                    help="what 'adaptive placement off' means (see docs)")
-    p.add_argument("--samples", type=_positive_int,
+    p.add_argument("--samples", type=count,
                    help="placements simulated per scale with --baseline link-blind (default 8)")
     p.add_argument("--gpus", type=_scales, help="comma-separated scales, simulated in increasing order (default: the "
                    f"paper's; at most {MAX_NODES} nodes)")
-    p.add_argument("--obs-dim", dest="obs_dim", type=_positive_int, help="transition size d (default 20000)")
-    p.add_argument("--capacity", type=_positive_int, help="global buffer capacity (default 1e6)")
+    p.add_argument("--obs-dim", dest="obs_dim", type=count, help="transition size d (default 20000)")
+    p.add_argument("--capacity", type=count, help="global buffer capacity (default 1e6)")
     p.add_argument("--replay-ratio", dest="replay_ratio", type=_positive_float,
                    help="deliveries per ingested item (at least total batch / capacity: an iteration ingests "
                         "at most the buffer's capacity)")
