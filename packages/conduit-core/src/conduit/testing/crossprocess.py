@@ -18,10 +18,11 @@ the factory builds:
   ``100..139`` (version 1), each delivered whole (:func:`on_policy_deliveries`);
 
 exactly the calls of ``ReplaySuite.test_deterministic_under_seed`` and ``FreshnessSuite.test_deterministic_under_seed``
-(which use these functions), and prints them as JSON. The suites run the comparison in their
-``test_deterministic_across_processes`` when they know their factory (``factory_name``). A pair of processes
-costs what two fresh imports of the adapter cost (a few seconds; a multi-node endpoint also starts a local Ray
-cluster in each), once per factory: the replay and on-policy checks share it.
+(which use these functions), and prints them as JSON. ``integration-tests/`` compares two such processes for
+every registered adapter; an adapter's own tests may call :func:`assert_deterministic_across_processes` with its
+name. A pair of processes costs what two fresh imports of the adapter cost (a few seconds; a multi-node endpoint
+also starts a local Ray cluster in each), once per factory and pytest process: the replay and on-policy checks
+share it.
 """
 
 from __future__ import annotations
