@@ -1,4 +1,6 @@
-"""Core's own subcommands beyond ``demo``: each area adds a ``cli`` module with ``register(sub)``."""
+"""Core's own subcommands beyond ``demo`` (each area adds a ``cli`` module with ``register(sub)``), and the
+argument checks they share: counts read exactly (:func:`count`) and refused by the option typed
+(:func:`check_counts`)."""
 
 from __future__ import annotations
 
