@@ -64,6 +64,15 @@ def test_schedule_ranges_counts_below_their_bound_name_the_option(argv: list[str
     assert "or more" in err, err
 
 
+def test_schedule_ranges_a_budget_too_small_names_both_options(capsys: pytest.CaptureFixture[str]) -> None:
+    """Delivery buffers over the budget at g_del = 1 were refused as "over memory_budget=10 bytes": the library's
+    parameter, not the options typed."""
+    _, err = _refused(["schedule", "ranges", "--batch-bytes", "100", "--memory-budget", "10"], "--memory-budget",
+                      capsys)
+    assert err.startswith("error: --batch-bytes 100 with --memory-budget 10: "), err
+    assert "raise the budget" in err, err
+
+
 # -- conduit schedule calibrate ----------------------------------------------------------------------------------
 
 

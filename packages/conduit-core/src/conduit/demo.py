@@ -277,15 +277,15 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
     # refused before the table header (the loop refused them after it, naming its own parameters, or not at all:
     # a --g-del past the index range ended in a traceback)
     check_counts(("--obs-dim", args.obs_dim, 1, MAX_COUNT, "obs_dim: floats per observation"),
-                  ("--iterations", args.iterations, 0, None, "accounted iterations"),
-                  ("--warmup", args.warmup, 0, None, "iterations before accounting starts"),
-                  ("--rollout", args.rollout, 1, None, "transitions per actor rollout"),
-                  ("--batch", args.batch, 1, MAX_DRAW, "transitions per learner update"),
-                  ("--updates", args.updates, 0, None, "learner updates per iteration"),
-                  ("--capacity", args.capacity, 1, MAX_COUNT, "buffer capacity in transitions"),
-                  ("--hidden", args.hidden, 1, None, "MLP hidden width"),
-                  ("--g-ing", args.g_ing, 1, None, "rollouts per ingestion call"),
-                  ("--g-del", args.g_del, 1, None, "batches per delivery call"))
+                 ("--iterations", args.iterations, 0, None, "accounted iterations"),
+                 ("--warmup", args.warmup, 0, None, "iterations before accounting starts"),
+                 ("--rollout", args.rollout, 1, None, "transitions per actor rollout"),
+                 ("--batch", args.batch, 1, MAX_DRAW, "transitions per learner update"),
+                 ("--updates", args.updates, 0, None, "learner updates per iteration"),
+                 ("--capacity", args.capacity, 1, MAX_COUNT, "buffer capacity in transitions"),
+                 ("--hidden", args.hidden, 1, None, "MLP hidden width"),
+                 ("--g-ing", args.g_ing, 1, None, "rollouts per ingestion call"),
+                 ("--g-del", args.g_del, 1, None, "batches per delivery call"))
     for flag, given in (("--g-ing", args.g_ing), ("--g-del", args.g_del)):
         if given is not None and args.scheduler not in ("sequential", "overlapped"):  # it would be ignored
             raise ConfigurationError(f"{flag} sets the granularity of the sequential and overlapped schedulers; "
@@ -299,7 +299,7 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
     # (after the check above, which says what this run takes; past the cap, a run long enough to take them made the
     # first call prepare more batches than a list can index: an OverflowError traceback)
     check_counts(("--g-ing", args.g_ing, 1, _MAX_GRANULARITY, "rollouts per ingestion call"),
-                  ("--g-del", args.g_del, 1, _MAX_GRANULARITY, "batches per delivery call"))
+                 ("--g-del", args.g_del, 1, _MAX_GRANULARITY, "batches per delivery call"))
     rollouts = args.warmup + args.iterations  # ingestion calls of the loop (one rollout each)
     if args.g_ing is not None and args.g_ing > max(1, rollouts):  # no group is written in the loop
         print(f"note: --g-ing {args.g_ing} stores {args.g_ing} rollouts per ingestion call, more than the {rollouts} "

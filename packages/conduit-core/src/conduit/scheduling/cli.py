@@ -59,10 +59,10 @@ def _ranges(args: argparse.Namespace) -> int:
     from conduit.scheduling.granularity import safe_ranges
 
     check_counts(("-M", args.num_minibatches, 1, None, "minibatch updates per rollout"),
-                  ("--g-ing-max", args.g_ing_max, 1, None, "rollouts per ingestion call"),
-                  ("--g-del-max", args.g_del_max, 1, None, "batches per delivery call"),
-                  ("--batch-bytes", args.batch_bytes, 0, None, "bytes per delivered batch"),
-                  ("--memory-budget", args.memory_budget, 0, None, "bytes the delivery buffers may take"))
+                 ("--g-ing-max", args.g_ing_max, 1, None, "rollouts per ingestion call"),
+                 ("--g-del-max", args.g_del_max, 1, None, "batches per delivery call"),
+                 ("--batch-bytes", args.batch_bytes, 0, None, "bytes per delivered batch"),
+                 ("--memory-budget", args.memory_budget, 0, None, "bytes the delivery buffers may take"))
     _check_listed(("-M", args.num_minibatches), ("--g-ing-max", args.g_ing_max), ("--g-del-max", args.g_del_max))
     if args.on_policy:  # an on-policy job's ranges come from M alone: a cap given with them would be ignored
         caps = [flag for flag, v in (("--g-ing-max", args.g_ing_max), ("--g-del-max", args.g_del_max),
@@ -76,10 +76,16 @@ def _ranges(args: argparse.Namespace) -> int:
         given, missing = ("--batch-bytes", "--memory-budget") if args.memory_budget is None else \
             ("--memory-budget", "--batch-bytes")
         raise ConfigurationError(f"{given} caps g_del only together with {missing}; give both, or neither.")
-    r = safe_ranges(on_policy=args.on_policy, num_minibatches=args.num_minibatches,
-                    g_ing_max=_DEFAULT_CAP if args.g_ing_max is None else args.g_ing_max,
-                    g_del_max=_DEFAULT_CAP if args.g_del_max is None else args.g_del_max,
-                    batch_bytes=args.batch_bytes, memory_budget=args.memory_budget)
+    try:
+        r = safe_ranges(on_policy=args.on_policy, num_minibatches=args.num_minibatches,
+                        g_ing_max=_DEFAULT_CAP if args.g_ing_max is None else args.g_ing_max,
+                        g_del_max=_DEFAULT_CAP if args.g_del_max is None else args.g_del_max,
+                        batch_bytes=args.batch_bytes, memory_budget=args.memory_budget)
+    except ConfigurationError as e:  # every count was checked above: what is left is the budget (named by the
+        if args.memory_budget is None:  # library's parameter): the options that set it are said first
+            raise
+        raise ConfigurationError(f"--batch-bytes {args.batch_bytes} with --memory-budget {args.memory_budget}: "
+                                 f"{e}") from e
     print(r.describe())
     return 0
 
@@ -94,13 +100,13 @@ def _calibrate(args: argparse.Namespace) -> int:
                                  f"deliveries), got {args.updates}.")
     # refused before the loop starts (it refused them after "calibrating ...", naming its own parameters)
     check_counts(("--obs-dim", args.obs_dim, 1, MAX_COUNT, "floats per observation"),
-                  ("--batch", args.batch, 1, MAX_DRAW, "transitions per learner update"),
-                  ("--rollout", args.rollout, 1, None, "transitions per actor rollout"),
-                  ("--capacity", args.capacity, 1, MAX_COUNT, "buffer capacity in transitions"),
-                  ("--g-ing-max", args.g_ing_max, 1, None, "rollouts per ingestion call"),
-                  ("--g-del-max", args.g_del_max, 1, None, "batches per delivery call"),
-                  ("--warmup", args.warmup, 0, None, "calibration iterations"),
-                  ("--iterations", args.iterations, 0, None, "iterations measured after calibration"))
+                 ("--batch", args.batch, 1, MAX_DRAW, "transitions per learner update"),
+                 ("--rollout", args.rollout, 1, None, "transitions per actor rollout"),
+                 ("--capacity", args.capacity, 1, MAX_COUNT, "buffer capacity in transitions"),
+                 ("--g-ing-max", args.g_ing_max, 1, None, "rollouts per ingestion call"),
+                 ("--g-del-max", args.g_del_max, 1, None, "batches per delivery call"),
+                 ("--warmup", args.warmup, 0, None, "calibration iterations"),
+                 ("--iterations", args.iterations, 0, None, "iterations measured after calibration"))
     _check_listed(("--g-ing-max", args.g_ing_max), ("--g-del-max", args.g_del_max))
     overlap = {"auto": None, "on": True, "off": False}[args.overlap]
     sched = Automatic(overlap=overlap, g_ing_max=args.g_ing_max, g_del_max=args.g_del_max)
