@@ -21,8 +21,7 @@ exactly the calls of ``ReplaySuite.test_deterministic_under_seed`` and ``Freshne
 (which use these functions), and prints them as JSON. ``integration-tests/`` compares two such processes for
 every registered adapter; an adapter's own tests may call :func:`assert_deterministic_across_processes` with its
 name. A pair of processes costs what two fresh imports of the adapter cost (a few seconds; a multi-node endpoint
-also starts a local Ray cluster in each), once per factory and pytest process: the replay and on-policy checks
-share it.
+also starts a local Ray cluster in each).
 """
 
 from __future__ import annotations
@@ -313,42 +312,34 @@ def draws_in_subprocess(factory: str, *, hash_seed: int | str, timeout: float | 
     return _collect(_start(factory, hash_seed), time.monotonic() + (TIMEOUT_S if timeout is None else timeout))
 
 
-#: what :func:`_runs` found, per (factory, hash seeds): the suites' replay and on-policy checks share one run
-_CACHE: dict[tuple[str, tuple[str, ...]], list[ProcessDraws] | AssertionError] = {}
-
-
 def _runs(factory: str, hash_seeds: Sequence[int | str], timeout: float | None) -> list[ProcessDraws]:
-    """:func:`draws_in_subprocess` for each of ``hash_seeds``, the processes run at once; remembered per process
-    (the result, or the assertion a failed process raised), so every kind of one factory is checked on one run."""
-    key = (factory, tuple(str(h) for h in hash_seeds))
-    if key not in _CACHE:
-        started: list[_Started] = []
-        try:
-            for h in hash_seeds:
-                started.append(_start(factory, h))
-        except BaseException:
-            for s in started:
+    """:func:`draws_in_subprocess` for each of ``hash_seeds``, the processes run at once (the first failure raises,
+    once every process ended)."""
+    started: list[_Started] = []
+    try:
+        for h in hash_seeds:
+            started.append(_start(factory, h))
+    except BaseException:
+        for s in started:
+            _kill(s.proc)
+        raise
+    deadline = time.monotonic() + (TIMEOUT_S if timeout is None else timeout)
+    results: list[ProcessDraws] = []
+    failure: AssertionError | None = None
+    try:
+        for s in started:
+            try:
+                results.append(_collect(s, deadline))
+            except AssertionError as e:
+                failure = failure or e
+    except BaseException:  # interrupted: end the processes not collected yet
+        for s in started:
+            if s.proc.poll() is None:
                 _kill(s.proc)
-            raise
-        deadline = time.monotonic() + (TIMEOUT_S if timeout is None else timeout)
-        results: list[ProcessDraws] = []
-        failure: AssertionError | None = None
-        try:
-            for s in started:
-                try:
-                    results.append(_collect(s, deadline))
-                except AssertionError as e:
-                    failure = failure or e
-        except BaseException:  # interrupted: end the processes not collected yet
-            for s in started:
-                if s.proc.poll() is None:
-                    _kill(s.proc)
-            raise
-        _CACHE[key] = failure if failure is not None else results
-    got = _CACHE[key]
-    if isinstance(got, AssertionError):
-        raise got
-    return got
+        raise
+    if failure is not None:
+        raise failure
+    return results
 
 
 def _first_difference(a: Any, b: Any, path: tuple[int, ...] = ()) -> tuple[tuple[int, ...], Any, Any] | None:
@@ -379,26 +370,25 @@ def _where(entry: str, path: tuple[int, ...], draws: Any) -> str:
     return f"position {list(path)}"
 
 
-def assert_deterministic_across_processes(factory: str, kind: str, *, hash_seeds: Sequence[int | str] = HASH_SEEDS,
+def assert_deterministic_across_processes(factory: str, kind: str | None = None, *,
+                                          hash_seeds: Sequence[int | str] = HASH_SEEDS,
                                           timeout: float | None = None) -> None:
-    """The determinism calls of ``kind`` (``"replay"``: uniform and, when declared, prioritized; ``"on_policy"``)
-    draw the same in fresh processes with the ``hash_seeds`` (``PYTHONHASHSEED``) as each other.
-
-    The processes run at once, and every kind the factory builds is drawn in them; the result is kept for this
-    process, so the check of the other kind reuses it.
+    """The determinism calls draw the same in fresh processes with the ``hash_seeds`` (``PYTHONHASHSEED``) as each
+    other: those of ``kind`` (``"replay"``: uniform and, when declared, prioritized; ``"on_policy"``), or with
+    ``kind`` None those of every kind the factory builds. The processes run at once, one per hash seed.
 
     Raises:
         AssertionError: the draws differ (the message names the adapter, the entry, the first differing position
             and the values there), the factory builds no endpoint of ``kind``, or a subprocess failed (see
             :func:`draws_in_subprocess`).
     """
-    if kind not in ("replay", "on_policy"):
-        raise ValueError(f"kind={kind!r}: pass 'replay' or 'on_policy'")
+    if kind not in (None, "replay", "on_policy"):
+        raise ValueError(f"kind={kind!r}: pass 'replay', 'on_policy' or None (every kind)")
     runs = _runs(factory, hash_seeds, timeout)
     first = runs[0]
-    entries = first.entries(kind)
-    assert entries, (f"adapter {first.factory!r} ({factory}) builds no {kind} endpoint (its "
-                     f"EndpointFactory.make_{kind} is None): nothing to compare across processes")
+    entries = first.entries(kind) if kind is not None else first.entries("replay") + first.entries("on_policy")
+    what = f"{kind} endpoint (its EndpointFactory.make_{kind} is None)" if kind else "endpoint"
+    assert entries, f"adapter {first.factory!r} ({factory}) builds no {what}: nothing to compare across processes"
     for entry in entries:
         a = first.get(entry)
         for other in runs[1:]:
