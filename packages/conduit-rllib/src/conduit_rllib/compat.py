@@ -38,6 +38,7 @@ def _hooks() -> list[tuple[str, Callable[[], bool]]]:
     from ray.rllib.algorithms.dqn.dqn import DQN
     from ray.rllib.core.learner.learner import Learner
     from ray.rllib.core.learner.learner_group import LearnerGroup
+    from ray.rllib.core.learner.training_data import TrainingData
     from ray.rllib.utils.checkpoints import Checkpointable
     from ray.rllib.utils.replay_buffers import utils as rb_utils
 
@@ -74,6 +75,16 @@ def _hooks() -> list[tuple[str, Callable[[], bool]]]:
          lambda: all(s in step() for s in ("n_step=", "gamma=", "beta=", "sample_episodes=True"))),
         ("DQN's training step hands the sample unchanged to learner_group.update(episodes=...)",
          lambda: "self.learner_group.update(" in step() and "episodes=episodes" in step()),
+        ("DQN's training step concatenates the learners' TD errors in learner order (remote learners)",
+         lambda: "for res in learner_results" in step() and "np.concatenate(" in step()),
+        ("LearnerGroup.update takes episodes=, batches= and training_data=, and sends batches[k] to learner k",
+         lambda: {"episodes", "batches", "training_data"} <= set(_params(LearnerGroup.update))
+         and "TrainingData(batch=b)" in _source(TrainingData.shard)
+         and "for b in self.batches" in _source(TrainingData.shard)),
+        ("LearnerGroup saves and restores through save_to_path / restore_from_path and its _worker_manager",
+         lambda: callable(getattr(LearnerGroup, "save_to_path", None))
+         and callable(getattr(LearnerGroup, "restore_from_path", None))
+         and "self._worker_manager" in _source(LearnerGroup.get_checkpointable_components)),
         ("DQN's training step updates priorities via update_priorities_in_episode_replay_buffer",
          lambda: "update_priorities_in_episode_replay_buffer(" in step()),
         ("update_priorities_in_episode_replay_buffer calls update_priorities for PrioritizedEpisodeReplayBuffer",

@@ -6,7 +6,9 @@ What it sets, all through RLlib's public configuration API:
   ``algorithm.local_replay_buffer`` by a Conduit buffer of the same kind (uniform or
   prioritized, same capacity and alpha; ``replay_buffer_config["type"]`` may be a class, a name
   or a dotted path, resolved as RLlib resolves it, and a subclass of Conduit's buffers is built
-  itself) delivering on the learner's device, and a learner class with
+  itself) delivering on the learner's device (with remote learners, ``num_learners >= 1``: into
+  host memory in the driver, each learner sent its contiguous slice of every sample, see
+  :mod:`conduit_rllib.remote`), and a learner class with
   :class:`~conduit_rllib.learner.ConduitOffPolicyLearner` mixed in. The training step, the loss and
   the replay-buffer config stay RLlib's, except that a type given as a class is written into it
   as its name or dotted path, the only forms RLlib 2.60's ``build_algo`` takes (a class defined in
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+import torch
 from conduit import Placement, Scheduler
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 from ray.rllib.algorithms.dqn.dqn import DQN, DQNConfig
@@ -53,6 +56,7 @@ from conduit_rllib.learner import (
     ConduitPPOTorchLearner,
     ConduitSACTorchLearner,
 )
+from conduit_rllib.remote import route_to_remote_learners
 from conduit_rllib.replay import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer
 
 __all__ = ["enable", "is_enabled", "SUPPORTED_ALGORITHMS", "InstallReplayBuffer"]
@@ -197,7 +201,9 @@ _SET_HERE = frozenset({"type", "capacity", "alpha", "seed", "device", "placement
 
 @dataclass
 class InstallReplayBuffer:
-    """The ``on_algorithm_init`` callback: swap in a Conduit replay buffer and attach it to the learner.
+    """The ``on_algorithm_init`` callback: swap in a Conduit replay buffer and attach it to the learner (a
+    learner in the driver), or hand it to the learner group (remote learners: a
+    :class:`~conduit_rllib.remote.ConduitLearnerGroup`).
 
     Picklable (it travels inside the config into checkpoints).
 
@@ -212,12 +218,11 @@ class InstallReplayBuffer:
     def __call__(self, *, algorithm: Any, metrics_logger: Any = None, **kwargs: Any) -> None:
         cfg = algorithm.config
         group = algorithm.learner_group
-        if not group.is_local:
-            raise UnsupportedConfigError("Conduit's off-policy path needs the learner in the driver "
-                                         "(config.learners(num_learners=0)).")
         cls = _replay_class(cfg)
         rbc = cfg.replay_buffer_config
-        device = next(iter(group.foreach_learner(lambda learner: learner.device))).get()
+        # a remote learner's slice goes through Ray from host memory (conduit_rllib.remote)
+        device = (next(iter(group.foreach_learner(lambda learner: learner.device))).get() if group.is_local
+                  else torch.device("cpu"))
         kwargs_rb: dict[str, Any] = {}
         if cls not in (ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer):
             # your subclass gets the config's other keys too, as RLlib passes them to the type it builds
@@ -236,10 +241,13 @@ class InstallReplayBuffer:
                      placement=self.placement, scheduler=scheduler,
                      metrics_num_episodes_for_smoothing=cfg.metrics_num_episodes_for_smoothing, **kwargs_rb)
         buffer.iteration_of = _IterationOf(algorithm)  # metrics in every iteration's results
-        # attached first: a buffer the learner refuses (it cannot take a replay part restored before it was
-        # attached) is not the one the algorithm samples from either
-        for res in group.foreach_learner(lambda learner: learner.conduit_attach_replay(buffer)):
-            res.get()
+        if group.is_local:
+            # attached first: a buffer the learner refuses (it cannot take a replay part restored before it was
+            # attached) is not the one the algorithm samples from either
+            for res in group.foreach_learner(lambda learner: learner.conduit_attach_replay(buffer)):
+                res.get()
+        else:  # the buffer stays here; each remote learner gets its slice of every sample
+            route_to_remote_learners(group, buffer)
         algorithm.local_replay_buffer = buffer
 
 
@@ -282,9 +290,9 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
             no trainable is registered under.
         UnsupportedConfigError: a frozen config (one a built algorithm holds; nothing is changed), a
             ``placement`` that is no Placement, a ``scheduler`` that is no factory (e.g. a Scheduler instance), or a
-            setting the adapter cannot serve (old API stack, non-torch,
-            multi-agent, several learners, RNN models, custom learner connectors off-policy, a replay
-            buffer class defined in a function or nested in a class, which no dotted path names, ...).
+            setting the adapter cannot serve (old API stack, non-torch, multi-agent, several PPO learners,
+            RNN models, custom learner connectors off-policy, a replay buffer class defined in a function or
+            nested in a class, which no dotted path names, ...).
         conduit_rllib.compat.RLlibCompatibilityError: the installed RLlib moved a hook we use.
     """
     if not isinstance(config, AlgorithmConfig):
@@ -318,9 +326,6 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
             raise UnsupportedConfigError(f"scheduler= takes a zero-argument factory that returns a new scheduler "
                                          f"(e.g. lambda: conduit.Overlapped(g_del=2, background_ingest=False)): each "
                                          f"buffer built from this config needs its own scheduler; got {scheduler!r}.")
-        if config.num_learners != 0:
-            raise UnsupportedConfigError(f"Conduit's {base.__name__} path delivers into the learner in the driver; "
-                                         f"set config.learners(num_learners=0) (got {config.num_learners}).")
         if config._learner_connector is not None:
             raise UnsupportedConfigError("Conduit delivers DQN/SAC train batches ready-made, so custom learner "
                                          "connector pieces would be skipped; remove "

@@ -120,11 +120,26 @@ def _check_unattached_replay_part(state: Any) -> None:
     cls(capacity=cast(int, capacity), seed=0).check_state(state)
 
 
+def includes_replay_part(owner: Any, components: str | Collection[str] | None,
+                         not_components: str | Collection[str] | None, stores_buffer: bool) -> bool:
+    """Whether a learner state asked for with ``components``/``not_components`` includes the replay part:
+    ``components=None`` means everything RLlib saves, so the buffer only with ``stores_buffer`` (RLlib's
+    ``store_buffer_in_checkpoints``); a ``components`` that names it includes it whatever the flag; a
+    ``not_components`` that names it never. ``owner``: the Checkpointable asked (for its ``_check_component``)."""
+    if not owner._check_component(REPLAY_COMPONENT, components, not_components):
+        return False
+    # when components is given, _check_component was True only because it names the replay part
+    return components is not None or stores_buffer
+
+
 class ConduitOffPolicyLearner:
     """Mixin for DQN/SAC learners: Conduit-delivered batches skip the learner connector.
 
-    A batch sampled from a Conduit buffer is trained on only while a buffer is attached (:meth:`update` refuses
-    it otherwise: the learner would not own the buffer it trains from).
+    A learner in the driver (``num_learners=0``) owns the buffer: a batch sampled from a Conduit buffer is
+    trained on only while a buffer is attached (:meth:`update` refuses it otherwise: the learner would not own the
+    buffer it trains from). A remote learner (``num_learners >= 1``, see :attr:`conduit_replay_in_driver`) owns
+    none: the buffer stays in the driver, which sends each learner its slice of every sample and saves and
+    restores the buffer with the learners' state (:class:`~conduit_rllib.remote.ConduitLearnerGroup`).
 
     The buffer's contents are part of the learner's state (:meth:`get_state`) only with
     ``config.training(store_buffer_in_checkpoints=True)`` (RLlib's DQN/SAC flag, default False), or when asked
@@ -136,11 +151,14 @@ class ConduitOffPolicyLearner:
             ``store_buffer_in_checkpoints`` is True).
         conduit_batches: train batches received from Conduit so far (the fast path).
         native_batches: train batches that went through RLlib's learner connector.
+        conduit_last_handles: the Conduit handles of the last such batch, in row order (a remote learner's:
+            its slice of the driver's sample).
     """
 
     conduit_replay: Any = None
     conduit_batches: int = 0
     native_batches: int = 0
+    conduit_last_handles: Any = None
     _conduit_pending_state: Any = None
 
     def conduit_attach_replay(self, buffer: Any) -> None:
@@ -171,6 +189,17 @@ class ConduitOffPolicyLearner:
                     f"this buffer as it is.") from e
             self._conduit_pending_state = None
         self.conduit_replay = buffer
+
+    def conduit_keep_replay_state(self, state: Any) -> None:
+        """Keep ``state`` (a replay buffer's ``get_state()``) as the part :meth:`get_state` saves while no buffer is
+        attached: how the driver's group of remote learners has learner 0 save the driver's buffer."""
+        self._conduit_pending_state = state
+
+    def conduit_take_kept_replay_state(self) -> Any:
+        """The replay part kept for a buffer not attached yet (None if none), given up here: how the driver's group
+        of remote learners takes a restored checkpoint's buffer for the driver's buffer."""
+        kept, self._conduit_pending_state = self._conduit_pending_state, None
+        return kept
 
     def conduit_drop_kept_replay_state(self) -> bool:
         """Give up the replay part :meth:`set_state` kept for a buffer not attached yet (e.g. one the attached
@@ -206,7 +235,7 @@ class ConduitOffPolicyLearner:
             conduit.ConfigurationError: such a batch (attach the buffer with :meth:`conduit_attach_replay` first;
                 ``conduit_rllib.enable`` does it for an algorithm built from the config).
         """
-        if self.conduit_replay is None:
+        if self.conduit_replay is None and not self.conduit_replay_in_driver:
             given = _UPDATE_ARGS.bind_partial(self, *args, **kwargs).arguments
             data = given.get("training_data")
             episodes = getattr(data, "episodes", None) if data is not None else given.get("episodes")
@@ -226,9 +255,18 @@ class ConduitOffPolicyLearner:
 
     def _make_batch_if_necessary(self, training_data: Any) -> Any:
         episodes = training_data.episodes
-        if isinstance(episodes, ConduitSampledEpisodes):
+        if isinstance(episodes, ConduitSampledEpisodes):  # delivered onto this learner's device
             self.conduit_batches += 1
+            self.conduit_last_handles = episodes.handles
             return episodes.to_multi_agent_batch()
+        piece = training_data.batch
+        if isinstance(piece, ConduitSampledEpisodes):  # a remote learner's slice, in host memory
+            self.conduit_batches += 1
+            self.conduit_last_handles = piece.handles
+            batch = piece.to_multi_agent_batch()
+            device = self.device  # type: ignore[attr-defined]
+            on_device = all(col.device == device for col in piece.columns.values())
+            return batch if on_device else self._convert_batch_type(batch)  # type: ignore[attr-defined]
         self.native_batches += 1
         return super()._make_batch_if_necessary(training_data)  # type: ignore[misc]
 
@@ -244,17 +282,19 @@ class ConduitOffPolicyLearner:
         for it (a copy), so a learner restored and saved again before ``enable`` attached its buffer still saves
         the buffer's contents (when the replay part is included, as above)."""
         state = super().get_state(components, not_components=not_components, **kwargs)  # type: ignore[misc]
-        if not self._check_component(REPLAY_COMPONENT, components, not_components):  # type: ignore[attr-defined]
-            return state
-        # components=None means "everything RLlib saves": the buffer then only with RLlib's flag; when components
-        # is given, _check_component above was True only because it names the replay part
-        if components is None and not self.conduit_stores_buffer_in_checkpoints:
+        if not includes_replay_part(self, components, not_components, self.conduit_stores_buffer_in_checkpoints):
             return state
         if self.conduit_replay is not None:
             state[REPLAY_COMPONENT] = self.conduit_replay.get_state()
         elif self._conduit_pending_state is not None:
             state[REPLAY_COMPONENT] = copy.deepcopy(self._conduit_pending_state)
         return state
+
+    @property
+    def conduit_replay_in_driver(self) -> bool:
+        """Whether this is a remote learner (its config's ``num_learners >= 1``): the replay buffer lives in the
+        driver, never in this learner, which trains the slices of its samples the driver sends."""
+        return int(getattr(getattr(self, "config", None), "num_learners", 0) or 0) > 0
 
     @property
     def conduit_stores_buffer_in_checkpoints(self) -> bool:
@@ -277,6 +317,9 @@ class ConduitOffPolicyLearner:
         as far as it can be without the buffer (its own consistency, by a buffer of the kind and capacity that
         saved it), kept (once RLlib's part was restored) and restored when the buffer is attached (see
         :meth:`conduit_attach_replay`, which refuses a buffer of another kind or capacity).
+
+        A remote learner (:attr:`conduit_replay_in_driver`) never has a buffer attached: it keeps the part, and
+        the driver's learner group takes it for the driver's buffer (``ConduitLearnerGroup.restore_from_path``).
 
         Raises:
             conduit.ConfigurationError: the buffer's part is no Conduit replay state or is damaged, or was saved
