@@ -65,7 +65,6 @@ def test_settings_the_adapter_cannot_serve() -> None:
          "new API stack"),
         (DQNConfig().framework("tf2"), "torch"),
         (DQNConfig().multi_agent(policies={"a", "b"}, policy_mapping_fn=lambda aid, *a, **k: "a"), "single-agent"),
-        (PPOConfig().learners(num_learners=2), "at most one learner"),
         (DQNConfig().training(replay_buffer_config={"type": "MultiAgentPrioritizedEpisodeReplayBuffer"}),
          "EpisodeReplayBuffer"),
         (DQNConfig().rl_module(model_config={"use_lstm": True}), "Stateful"),

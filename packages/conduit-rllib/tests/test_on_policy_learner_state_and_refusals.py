@@ -81,10 +81,12 @@ def conduit_update(learner: Any, rows: int, *, minibatch_size: int, num_epochs: 
     return mbs, steps, list(learner.conduit_feed.delivered)
 
 
-def rllib_minibatches(rows: int, minibatch_size: int, num_epochs: int) -> list[list[int]]:
-    """Row ids of each minibatch of RLlib's own ``MiniBatchCyclicIterator`` over ``train_batch(rows)``, unshuffled."""
+def rllib_minibatches(rows: int, minibatch_size: int, num_epochs: int, total: int = 0) -> list[list[int]]:
+    """Row ids of each minibatch of RLlib's own ``MiniBatchCyclicIterator`` over ``train_batch(rows)``, unshuffled
+    (``total``: its ``num_total_minibatches``)."""
     return [mb.policy_batches[DEFAULT_MODULE_ID][ROW].tolist() for mb in MiniBatchCyclicIterator(
-        train_batch(rows), num_epochs=num_epochs, minibatch_size=minibatch_size, shuffle_batch_per_epoch=False)]
+        train_batch(rows), num_epochs=num_epochs, minibatch_size=minibatch_size, shuffle_batch_per_epoch=False,
+        num_total_minibatches=total)]
 
 
 def cyclic_pieces(rows: int, minibatch_size: int, num_epochs: int) -> list[tuple[int, int]]:
@@ -93,6 +95,26 @@ def cyclic_pieces(rows: int, minibatch_size: int, num_epochs: int) -> list[tuple
     total = -(-num_epochs * rows // minibatch_size) * minibatch_size
     cuts = sorted(set(range(minibatch_size, total + 1, minibatch_size)) | set(range(rows, total, rows)))
     return [(a // rows, b - a) for a, b in zip([0, *cuts], cuts, strict=False)]
+
+
+@pytest.mark.parametrize(("rows", "minibatch_size", "num_epochs", "total"), [
+    (100, 30, 2, 5),    # fewer than the epochs need (ceil(200 / 30) = 7): RLlib stops at 5, mid-epoch
+    (100, 30, 2, 9),    # more: a third and a fourth pass go on
+    (7, 3, 1, 4),       # tiny: [0, 1, 2], [3, 4, 5], [6, 0, 1], [2, 3, 4]
+    (64, 16, 3, 12),    # the epochs' own count
+    (10, 64, 1, 2),     # a minibatch larger than the shard: cycled over it, as RLlib does
+])
+def test_several_learners_count_of_minibatches_is_rllibs(learner: Any, rows: int, minibatch_size: int,
+                                                         num_epochs: int, total: int) -> None:
+    """With several learners RLlib passes each one ``num_total_minibatches``: exactly that many minibatches of
+    ``minibatch_size`` rows from its shard, whatever the epochs say, so the learners step in lock step."""
+    it = learner._create_iterator_if_necessary(
+        training_data=TrainingData(batch=train_batch(rows)), num_epochs=num_epochs, minibatch_size=minibatch_size,
+        shuffle_batch_per_epoch=False, num_total_minibatches=total)
+    mbs = [mab.policy_batches[DEFAULT_MODULE_ID][ROW].tolist() for mab in it]
+    rllib = rllib_minibatches(rows, minibatch_size, num_epochs, total)
+    assert len(rllib) == total and {len(mb) for mb in rllib} == {minibatch_size}, "the expectation itself is RLlib's"
+    assert mbs == rllib, f"not RLlib's {total} minibatches of {minibatch_size} rows: {mbs}"
 
 
 @pytest.mark.parametrize(("rows", "minibatch_size", "num_epochs", "shuffle"), [
@@ -218,7 +240,6 @@ def test_a_restored_learner_continues_versions_and_minibatch_order(tmp_path: Pat
      UnsupportedConfigError, "single-agent"),
     (PPOConfig().rl_module(model_config={"use_attention": True}), UnsupportedConfigError, "feed-forward"),
     (PPOConfig().framework("tf2"), UnsupportedConfigError, "torch"),
-    (PPOConfig().learners(num_learners=3), UnsupportedConfigError, "num_learners <= 1"),
 ])
 def test_enable_refuses_what_it_cannot_serve_and_leaves_the_config_alone(config: Any, error: type,
                                                                            words: str) -> None:

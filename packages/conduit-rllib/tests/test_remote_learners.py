@@ -1,5 +1,6 @@
-"""DQN/SAC with remote learners (``num_learners >= 1``): the buffer stays in the driver, each learner trains its
-contiguous slice of every sample (:mod:`conduit_rllib.remote`).
+"""Remote learners (``num_learners >= 1``). DQN/SAC: the buffer stays in the driver, each learner trains its
+contiguous slice of every sample (:mod:`conduit_rllib.remote`). PPO with two learners: each cuts RLlib's common
+count of minibatches from its shard.
 
 Real RLlib algorithms with learner actors on a local Ray (two learners average gradients over torch's gloo
 backend on this CPU box), tiny settings.
@@ -24,10 +25,15 @@ from conduit_rllib import UnsupportedConfigError  # noqa: E402
 from conduit_rllib.delivery import ConduitSampledEpisodes  # noqa: E402
 from conduit_rllib.learner import REPLAY_COMPONENT  # noqa: E402
 from conduit_rllib.remote import ConduitLearnerGroup, route_to_remote_learners, split_sample  # noqa: E402
-from conduit_rllib.workloads import dqn_large_obs, sac_pendulum  # noqa: E402
+from conduit_rllib.workloads import dqn_large_obs, ppo_cartpole, sac_pendulum  # noqa: E402
 from ray.rllib.core import DEFAULT_MODULE_ID  # noqa: E402
 from ray.rllib.core.learner.learner_group import LearnerGroup  # noqa: E402
-from ray.rllib.utils.metrics import NUM_ENV_STEPS_TRAINED, TD_ERROR_KEY  # noqa: E402
+from ray.rllib.utils.metrics import (  # noqa: E402
+    ENV_RUNNER_RESULTS,
+    NUM_ENV_STEPS_SAMPLED,
+    NUM_ENV_STEPS_TRAINED,
+    TD_ERROR_KEY,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_offpolicy_learner_state import same  # noqa: E402, I001  (sibling test helper)
@@ -183,3 +189,25 @@ def test_a_learner_group_subclass_is_refused_not_stripped_of_its_overrides() -> 
     with pytest.raises(UnsupportedConfigError, match="MyGroup"):
         route_to_remote_learners(group, buffer=None)
     assert type(group) is MyGroup
+
+
+def test_ppo_with_two_learners_steps_them_in_lock_step_through_conduit(ray_local: None) -> None:
+    config = ppo_cartpole(batch=400, minibatch=64, epochs=2).learners(num_learners=2)
+    algo = conduit_rllib.enable(config).build_algo()
+    try:
+        result = algo.train()
+        got = [r.get() for r in algo.learner_group.foreach_learner(
+            lambda learner: (learner.conduit_version, [(int(i.epoch), len(i.handles))
+                                                       for i in learner.conduit_feed.delivered]))]
+        assert len(got) == 2 and [v for v, _ in got] == [1, 1], got
+        # RLlib's count for both learners: int(num_epochs * env steps / (learners * minibatch_size)); each shard
+        # has a few more rows than env steps (the learner connector's row at each episode's end)
+        steps = result[ENV_RUNNER_RESULTS][NUM_ENV_STEPS_SAMPLED]
+        total = int(2 * steps / (2 * 64))
+        assert total > 0, steps
+        for _, pieces in got:
+            shard = sum(n for e, n in pieces if e == 0)
+            assert shard > 0 and sum(n for _, n in pieces) == total * 64, \
+                f"a learner with {shard} rows did not train RLlib's {total} minibatches of 64: {pieces}"
+    finally:
+        algo.stop()

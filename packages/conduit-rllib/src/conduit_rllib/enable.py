@@ -290,9 +290,9 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
             no trainable is registered under.
         UnsupportedConfigError: a frozen config (one a built algorithm holds; nothing is changed), a
             ``placement`` that is no Placement, a ``scheduler`` that is no factory (e.g. a Scheduler instance), or a
-            setting the adapter cannot serve (old API stack, non-torch, multi-agent, several PPO learners,
-            RNN models, custom learner connectors off-policy, a replay buffer class defined in a function or
-            nested in a class, which no dotted path names, ...).
+            setting the adapter cannot serve (old API stack, non-torch, multi-agent, RNN models, custom learner
+            connectors off-policy, a replay buffer class defined in a function or nested in a class, which no
+            dotted path names, ...).
         conduit_rllib.compat.RLlibCompatibilityError: the installed RLlib moved a hook we use.
     """
     if not isinstance(config, AlgorithmConfig):
@@ -346,9 +346,6 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
             raise UnsupportedConfigError("scheduler= applies to DQN/SAC replay only; PPO's minibatch delivery is "
                                          "scheduled by Conduit's on-policy path (prefetch=True/False). Drop "
                                          "scheduler= for PPO.")
-        if config.num_learners > 1:
-            raise UnsupportedConfigError(f"Conduit's PPO path runs with at most one learner (num_learners <= 1); "
-                                         f"got {config.num_learners}.")
         learner = _learner_class(config, default_learner, conduit_learner, ConduitOnPolicyLearner)
         config.learners(learner_class=learner,
                         learner_config_dict={CONFIG_KEY: {"placement": placement, "prefetch": bool(prefetch)}})

@@ -357,7 +357,10 @@ class ConduitOnPolicyLearner:
     the last minibatch come from the head of one more (reshuffled) pass, as in RLlib (e.g. 250 rows,
     minibatch_size 64, 2 epochs: 8 minibatches of 64; 12 rows train a third time). Every minibatch
     reports the train batch's env steps, so ``num_env_steps_trained`` is K * env steps and
-    ``num_module_steps_trained`` K * minibatch_size, as with RLlib's iterator. Options come from
+    ``num_module_steps_trained`` K * minibatch_size, as with RLlib's iterator. With several learners
+    (``num_learners >= 2``) RLlib gives each learner its shard of the episodes and one count of minibatches
+    for all (``num_total_minibatches``, so that they step in lock step); each learner's feed then cuts its
+    shard into exactly that many, cycling over it as RLlib's iterator does. Options come from
     ``config.learner_config_dict["conduit"]`` (``prefetch``: gather minibatch k + 1 while k trains,
     default True; ``placement``).
     The update count and the feed's permutation RNG are saved with the learner's state, so a
@@ -394,9 +397,6 @@ class ConduitOnPolicyLearner:
             return super()._create_iterator_if_necessary(  # type: ignore[misc]
                 training_data=training_data, num_total_minibatches=num_total_minibatches, num_epochs=num_epochs,
                 minibatch_size=minibatch_size, shuffle_batch_per_epoch=shuffle_batch_per_epoch, **kwargs)
-        if num_total_minibatches:
-            raise UnsupportedConfigError("Conduit's on-policy delivery runs one learner (num_learners <= 1); "
-                                         "several learners in lock step are not supported.")
         batch: MultiAgentBatch = self._make_batch_if_necessary(training_data=training_data)  # type: ignore
         for module_id in list(batch.policy_batches):
             if not self.should_module_be_updated(module_id, batch):  # type: ignore[attr-defined]
@@ -419,9 +419,13 @@ class ConduitOnPolicyLearner:
         version = self.conduit_version
         feed.set_policy_version(version)
         feed.drop_leftovers()  # an earlier update that stopped mid-epoch may have left its (now stale) rollout
-        # RLlib's cuts: ceil(E * rows / size) minibatches of size rows (see _minibatch_rows)
+        # RLlib's cuts: ceil(E * rows / size) minibatches of size rows (see _minibatch_rows), or with several
+        # learners num_total_minibatches of them (RLlib's one-batch iterator, without minibatch_size and with
+        # one epoch, ignores that count)
+        cyclic = bool(minibatch_size) or num_epochs > 1
         feed.configure(minibatch_size=size, num_epochs=max(1, int(num_epochs)),
-                       shuffle=bool(shuffle_batch_per_epoch and num_epochs > 1))
+                       shuffle=bool(shuffle_batch_per_epoch and num_epochs > 1),
+                       num_total_minibatches=int(num_total_minibatches) if cyclic else 0)
         feed.ingest(module_id, module_batch, version=version)
         feed.seal()
         self.conduit_version = version + 1  # counted once ingested: a refused train batch is no update

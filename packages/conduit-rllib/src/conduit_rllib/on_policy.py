@@ -68,10 +68,11 @@ def _columns(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return cols
 
 
-def _cyclic_plan(n: int, size: int, epochs: int) -> tuple[int, int]:
-    """(minibatches, passes) of RLlib's cyclic iterator over ``n`` rows: ceil(epochs * n / size)
-    minibatches of ``size`` rows, which walk ceil(minibatches * size / n) passes over the rows."""
-    k = -(-epochs * n // size)
+def _cyclic_plan(n: int, size: int, epochs: int, total: int = 0) -> tuple[int, int]:
+    """(minibatches, passes) of RLlib's cyclic iterator over ``n`` rows: ``total`` minibatches of ``size`` rows
+    when ``total > 0`` (several learners in lock step), else ceil(epochs * n / size); they walk
+    ceil(minibatches * size / n) passes over the rows."""
+    k = total if total > 0 else -(-epochs * n // size)
     return k, -(-k * size // n)
 
 
@@ -86,18 +87,23 @@ class _CyclicOrder(OnPolicy):
     identity and each later epoch a seeded permutation (with ``shuffle``).
 
     With ``cycle`` (a minibatch size) it also makes RLlib's cuts: the epochs form one stream of
-    rows cut into ``K = ceil(E * N / cycle)`` minibatches of exactly ``cycle`` rows. Conduit
+    rows cut into ``K = ceil(E * N / cycle)`` minibatches of exactly ``cycle`` rows (``K = total``
+    when ``total > 0``: RLlib's ``num_total_minibatches``, which keeps several learners in lock step). Conduit
     delivers the stream as pieces that end at an epoch's end or at a minibatch's end (the feed
     joins the pieces of one minibatch), and when ``E * N`` is no multiple of ``cycle`` the last
     minibatch is filled from the head of one more pass (``num_epochs`` is then the passes the
     current rollout needs; ``rllib_epochs`` keeps E).
     """
 
-    def __init__(self, *, cycle: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, cycle: int | None = None, total: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if cycle is not None and (isinstance(cycle, bool) or not isinstance(cycle, int) or cycle <= 0):
             raise ConfigurationError(f"minibatch_size must be a positive int, got {cycle!r}.")
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise ConfigurationError(f"num_total_minibatches must be an int >= 0 (0: count them from the epochs), "
+                                     f"got {total!r}.")
         self.cycle = cycle
+        self.total = total
         self.rllib_epochs = self.num_epochs
 
     def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
@@ -106,7 +112,7 @@ class _CyclicOrder(OnPolicy):
     def epoch_sizes(self, n: int, epoch: int) -> list[int]:
         if self.cycle is None:
             return super().epoch_sizes(n, epoch)
-        k, passes = _cyclic_plan(n, self.cycle, self.rllib_epochs)
+        k, passes = _cyclic_plan(n, self.cycle, self.rllib_epochs, self.total)
         if epoch == 0:
             self.num_epochs = passes  # this rollout's passes (checked by OnPolicy against the sizes)
         lo, hi = epoch * n, min((epoch + 1) * n, k * self.cycle)
@@ -160,7 +166,7 @@ class MinibatchFeed:
                  minibatch_size: int | None = None) -> None:
         self._sem_args: dict[str, Any] = dict(num_minibatches=num_minibatches, num_epochs=num_epochs,
                                               max_staleness=max_staleness, on_stale=on_stale, shuffle=shuffle,
-                                              seed=seed, cycle=minibatch_size)
+                                              seed=seed, cycle=minibatch_size, total=0)
         _CyclicOrder(**self._sem_args)  # validate now: errors at construction
         self.placement = placement
         self.prefetch = prefetch
@@ -223,7 +229,7 @@ class MinibatchFeed:
         return True
 
     def configure(self, *, num_minibatches: int = 1, num_epochs: int, shuffle: bool,
-                  minibatch_size: int | None = None) -> None:
+                  minibatch_size: int | None = None, num_total_minibatches: int = 0) -> None:
         """Set M (or the minibatch size), E and shuffling for the next rollout (only while nothing is
         waiting for delivery).
 
@@ -236,6 +242,9 @@ class MinibatchFeed:
                 epochs, and when ``num_epochs * N`` is no multiple of ``minibatch_size`` the last
                 minibatch is filled with the head of one more pass (its ``ceil(...) * minibatch_size -
                 num_epochs * N`` rows train once more, as in RLlib).
+            num_total_minibatches: with ``minibatch_size``, exactly this many minibatches instead when > 0
+                (RLlib's count for several learners in lock step, each cutting its own shard): the stream of
+                passes goes on, or stops, at that many.
             num_epochs: E.
             shuffle: reshuffle each epoch after the first.
 
@@ -243,7 +252,7 @@ class MinibatchFeed:
             conduit.ConfigurationError: rollouts are still pending, or the values are invalid.
         """
         args = dict(self._sem_args, num_minibatches=int(num_minibatches), num_epochs=int(num_epochs),
-                    shuffle=bool(shuffle), cycle=minibatch_size)
+                    shuffle=bool(shuffle), cycle=minibatch_size, total=num_total_minibatches)
         _CyclicOrder(**args)  # validates
         if args == self._sem_args:
             return
@@ -256,7 +265,7 @@ class MinibatchFeed:
             assert isinstance(sem, _CyclicOrder)
             sem.num_minibatches, sem.num_epochs, sem.shuffle = args["num_minibatches"], args["num_epochs"], \
                 args["shuffle"]
-            sem.cycle, sem.rllib_epochs = args["cycle"], args["num_epochs"]
+            sem.cycle, sem.total, sem.rllib_epochs = args["cycle"], args["total"], args["num_epochs"]
 
     def _ensure(self, cols: dict[str, torch.Tensor], n: int) -> ExperienceDataPlane:
         fields = {name: storable_field(f"train-batch column {name!r}", tuple(col.shape[1:]), col.dtype)
