@@ -11,7 +11,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import conduit_rllib  # noqa: E402
 import ray  # noqa: E402
-from conduit.distributed.testing import kept_cluster  # noqa: E402
+from conduit.distributed.testing import local_cluster  # noqa: E402
 from conduit_rllib.workloads import dqn_large_obs  # noqa: E402
 
 
@@ -23,9 +23,9 @@ def test_dqn_learner_on_another_node_trains_the_drivers_samples() -> None:
     import torch
 
     torch.set_num_threads(1)
-    # the shape of the tests' ray_local cluster (conftest), so the kept head node is reused
-    with kept_cluster(1, num_cpus=2, object_store_memory=512 << 20, fast_failure_detection=False,
-                      logging_level="ERROR") as lc:
+    # a cluster of its own, not the kept one the other modules share: the node added here is gone at the end,
+    # and a kept cluster's next user would find it still listed until Ray declares it dead
+    with local_cluster(1, num_cpus=2, object_store_memory=256 << 20) as lc:
         other = lc.add_node(num_cpus=1, resources={"learner_node": 1})
         config = (dqn_large_obs(64, steps=40, batch=16, capacity=200, learning_starts=20)
                   .learners(num_learners=1, custom_resources_per_learner={"learner_node": 0.5}))

@@ -127,6 +127,11 @@ def dqn(*, learners: int, store: bool = True) -> Any:
                                 .training(store_buffer_in_checkpoints=store)).build_algo()
 
 
+def kept_copies(algo: Any) -> list[Any]:
+    """Per remote learner, the replay part it keeps (None: none)."""
+    return [r.get() for r in algo.learner_group.foreach_learner(lambda learner: learner._conduit_pending_state)]
+
+
 def test_a_checkpoint_carries_the_buffer_between_a_driver_learner_and_remote_learners(ray_local: None,
                                                                                       tmp_path: Path) -> None:
     local = dqn(learners=0)
@@ -140,14 +145,12 @@ def test_a_checkpoint_carries_the_buffer_between_a_driver_learner_and_remote_lea
     try:
         remote.restore_from_path(tmp_path / "local")
         same(remote.local_replay_buffer.get_state(), saved, "the local checkpoint's buffer, in the remote driver")
-        kept = [r.get() for r in remote.learner_group.foreach_learner(lambda learner: learner._conduit_pending_state)]
-        assert kept == [None], "the remote learner still holds a copy of the buffer after the restore"
+        assert kept_copies(remote) == [None], "the remote learner still holds a copy of the buffer after the restore"
         remote.train()
         trained = remote.local_replay_buffer.get_state()
         assert len(remote.local_replay_buffer) > len(local.local_replay_buffer), "the restored buffer grew"
         remote.save_to_path(tmp_path / "remote")
-        kept = [r.get() for r in remote.learner_group.foreach_learner(lambda learner: learner._conduit_pending_state)]
-        assert kept == [None], "learner 0 kept its copy of the buffer after the save"
+        assert kept_copies(remote) == [None], "learner 0 kept its copy of the buffer after the save"
     finally:
         remote.stop()
     again = dqn(learners=0)
@@ -186,6 +189,7 @@ def test_a_learner_group_subclass_is_refused_not_stripped_of_its_overrides() -> 
         pass
 
     group = MyGroup.__new__(MyGroup)  # (route_to_remote_learners looks at the type first)
+    group._is_shut_down = True  # (nothing to shut down when it is collected)
     with pytest.raises(UnsupportedConfigError, match="MyGroup"):
         route_to_remote_learners(group, buffer=None)
     assert type(group) is MyGroup
