@@ -1,60 +1,65 @@
 #!/usr/bin/env bash
-# Ray 2.60 + RLlib for a lent GPU machine that reaches no registry, carried in parts: a call carries
-# at most 64 MiB with the working tree, and Ray's cp312 wheel alone is 79 MB. The machine keeps ignored
-# files between calls while it stays warm, so each call parks one part in .bundle/, and the last one
-# reassembles and installs them.
+# Ray 2.60 + RLlib for a lent GPU machine that reaches no registry, in one call. A call carries at most
+# 64 MiB with the working tree and Ray's cp312 wheel alone is 79 MB, so the wheels are installed here for
+# CPython 3.12 (the H200 image's python3) into a folder, Ray's Java jars are left out, and the folder
+# travels as one xz tarball (~30 MB). torch, numpy, scipy, pandas and pyarrow are left out: the image has
+# them (../.library/device/KINDS.md). Conduit's packages are not in it: they run from the working tree.
 #
-# Here (downloads from PyPI; torch, numpy, scipy, pandas and pyarrow are left out: the H200 image has
-# them, see ../.library/device/KINDS.md; ~95 MB in two parts of PART_MB):
-#   bash benchmarks/scripts/gpu_rllib_bundle.sh pack            # -> .whl/rllib/part-00, part-01, ...
-# There, one call per part, each with carry [".whl/rllib/part-NN"] (the first also ".whl/rllib/SHA256SUMS"),
-# back to back:
-#   bash benchmarks/scripts/gpu_rllib_bundle.sh keep            # moves the carried part into .bundle/
-# and in the call that carries the last part (or a later one):
-#   bash benchmarks/scripts/gpu_rllib_bundle.sh keep && bash benchmarks/scripts/gpu_rllib_bundle.sh install \
-#     && PYTHONPATH=/tmp/rllib-site python3 benchmarks/scripts/rllib_gpu_dqn.py --out "$OUT/rllib_gpu_dqn.json"
-set -euo pipefail
+# Here (downloads from PyPI, ~2 min of xz):
+#   bash benchmarks/scripts/gpu_rllib_bundle.sh pack            # -> .whl/rllib/site.tar.xz + SHA256SUMS
+# There, with carry [".whl/rllib"]:
+#   bash benchmarks/scripts/gpu_rllib_bundle.sh run             # install, then the GPU checks into $OUT
+set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
-PART_MB=${PART_MB:-56}  # + the working tree (~3 MB) stays under the 64 MiB a call carries
+SITE=/tmp/rllib-site
 
 case "${1:-}" in
 pack)
+  set -e
   dir=$(mktemp -d)
   .venv/bin/python -m pip download -q --only-binary=:all: --implementation cp --python-version 3.12 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$dir" "ray[rllib]==2.60.0"
-  rm -f "$dir"/numpy-*.whl "$dir"/scipy-*.whl "$dir"/torch-*.whl "$dir"/pandas-*.whl "$dir"/pyarrow-*.whl
-  .venv/bin/python -m pip wheel -q --no-deps -w "$dir" packages/conduit-core packages/conduit-rllib
+    -d "$dir/whl" "ray[rllib]==2.60.0"
+  rm -f "$dir"/whl/{numpy,scipy,torch,pandas,pyarrow}-*.whl
+  .venv/bin/python -m pip install -q --no-deps --no-compile --only-binary=:all: --implementation cp \
+    --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --target "$dir/site" "$dir"/whl/*.whl
+  rm -rf "$dir/site/ray/jars" "$dir/site/ray/dashboard/client/build"
   rm -rf .whl/rllib && mkdir -p .whl/rllib
-  tar cf - -C "$dir" . | split -b "${PART_MB}M" -d - .whl/rllib/part-
-  (cd "$dir" && sha256sum ./*.whl) >.whl/rllib/SHA256SUMS
+  tar cf - -C "$dir/site" . | xz -9 -T0 >.whl/rllib/site.tar.xz
+  (cd .whl/rllib && sha256sum site.tar.xz >SHA256SUMS)
   rm -rf "$dir"
   ls -l .whl/rllib
   ;;
-keep)
-  mkdir -p .bundle
-  found=0
-  for p in .whl/rllib/part-* .whl/rllib/SHA256SUMS; do
-    [ -e "$p" ] && mv "$p" .bundle/ && found=1
-  done
-  [ "$found" = 1 ] || { echo "no part carried: pass carry [\".whl/rllib/part-NN\"]" >&2; exit 1; }
-  ls -l .bundle
-  ;;
-install)
-  rm -rf /tmp/rllib-bundle /tmp/rllib-site && mkdir -p /tmp/rllib-bundle
-  cat .bundle/part-* | tar xf - -C /tmp/rllib-bundle
-  if [ -e .bundle/SHA256SUMS ]; then
-    root=$PWD
-    (cd /tmp/rllib-bundle && sha256sum -c --quiet "$root/.bundle/SHA256SUMS")
-  else
-    echo "no .bundle/SHA256SUMS carried: wheels not checked" >&2
-  fi
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/rllib-site /tmp/rllib-bundle/*.whl
-  PYTHONPATH=/tmp/rllib-site "$PY" -c "import ray, ray.rllib, conduit_rllib; print('ray', ray.__version__, 'ok')"
+run)
+  OUT=${OUT:-out/gpu}
+  mkdir -p "$OUT"
+  LOG="$OUT/gpu_rllib.log"
+  export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 RAY_AUTH_MODE=disabled
+  step() {  # step NAME SECONDS COMMAND...: its own time limit; a failing step does not stop the next one
+    local name=$1 secs=$2
+    shift 2
+    echo "=== $name ($(date -u +%T))" | tee -a "$LOG"
+    timeout "$secs" "$@" >>"$LOG" 2>&1
+    echo "=== $name rc=$? ($(date -u +%T))" | tee -a "$LOG"
+  }
+  (cd .whl/rllib && sha256sum -c --quiet SHA256SUMS) || exit 1
+  rm -rf "$SITE" && mkdir -p "$SITE" && xz -dc -T0 .whl/rllib/site.tar.xz | tar xf - -C "$SITE" || exit 1
+  export PYTHONPATH="$SITE:$PWD/packages/conduit-core/src:$PWD/packages/conduit-rllib/src:$PWD/packages/conduit-srl/src"
+  { nvidia-smi -L; nproc; "$PY" -c "import torch, numpy, ray, ray.rllib, conduit_rllib; print('torch',
+torch.__version__, 'numpy', numpy.__version__, 'ray', ray.__version__, torch.cuda.get_device_name(0))"; } >>"$LOG" 2>&1
+  # issue 5: the d = 5000 DQN comparison, learner on the GPU (buffer on host and on the GPU tier), then a
+  # remote learner holding the GPU
+  step rllib_gpu_dqn "${RLLIB_SECONDS:-330}" "$PY" benchmarks/scripts/rllib_gpu_dqn.py --num-cpus 12 --iterations 8 --remote-iterations 4 \
+    --out "$OUT/rllib_gpu_dqn.json"
+  # every GPU-marked test, now with Ray present (the distributed tier's and the RLlib adapter's too)
+  step gpu_tests "${TESTS_SECONDS:-60}" "$PY" -m pytest -p no:cacheprovider -p no:randomly -q -rs -m gpu \
+    packages/conduit-core/tests packages/conduit-srl/tests/test_buffer.py packages/conduit-rllib/tests/test_replay.py
+  tail -5 "$LOG"
   ;;
 *)
-  echo "usage: $0 pack | keep | install" >&2
+  echo "usage: $0 pack | run" >&2
   exit 2
   ;;
 esac

@@ -1,13 +1,24 @@
 """The d = 5000 DQN comparison with the learner on a GPU (prepared for a machine with CUDA; outside CI).
 
-Three variants, iterations interleaved, the same table as ``rllib_breakdown.py``:
+Part 1, the learner in the driver on ``--device`` (three variants, iterations interleaved, the same table
+as ``rllib_breakdown.py``):
 
-* ``native``: RLlib's replay buffer and learner connector, learner on ``cuda:0``;
-* ``conduit``: Conduit, transitions in pinned host memory, delivered to the GPU by Conduit;
-* ``conduit-gpu``: Conduit with the buffer on the GPU tier (``DevicePlacement("cuda:0")``):
-  ingestion copies each step to the GPU once, sampling gathers on the GPU.
+* ``native``: RLlib's replay buffer and learner connector;
+* ``conduit``: Conduit, transitions in pinned host memory, delivered to the learner's device by Conduit;
+* ``conduit-gpu``: Conduit with the buffer on the GPU tier (``DevicePlacement(device)``): ingestion copies
+  each step to the GPU once, sampling gathers on the GPU;
+* ``conduit-overlapped``: Conduit in host memory with core's ``Overlapped`` scheduler (``--overlap`` batches
+  prefetched while the learner updates; prioritized draws at most that many updates stale).
 
-    .venv/bin/python benchmarks/scripts/rllib_gpu_dqn.py --iterations 6 --steps 200
+Part 2, one remote learner (a Ray actor holding the GPU, ``num_learners=1``): ``native-remote``, then
+``conduit-remote`` (the buffer in the driver, each sample shipped to the actor as its batch). The
+experience-path probe times a driver learner only, so part 2 reports iteration time, the learner's device
+and the return.
+
+A variant that fails is reported with its traceback and the others go on. ``--device cpu`` runs the same
+code without a GPU (a dry run of the script, not a measurement).
+
+    python3 benchmarks/scripts/rllib_gpu_dqn.py --iterations 6 --steps 200 --out rllib_gpu_dqn.json
 """
 
 from __future__ import annotations
@@ -15,19 +26,126 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
+import traceback
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+def _build(name: str, make: Any, errors: dict[str, str]) -> Any:
+    try:
+        return make()
+    except Exception:
+        errors[name] = traceback.format_exc()
+        print(f"{name}: build failed\n{errors[name]}", flush=True)
+        return None
+
+
+def driver_learner(args: argparse.Namespace, config: Any, errors: dict[str, str]) -> dict[str, Any]:
+    import conduit_rllib
+    from conduit import DevicePlacement
+    from conduit_rllib.compare import Variant, summarize, table
+
+    makers = {"native": lambda: Variant("native", config(0)),
+              "conduit": lambda: Variant("conduit", config(0)),
+              "conduit-gpu": lambda: Variant("conduit", config(0), enable=lambda c: conduit_rllib.enable(
+                  c, placement=DevicePlacement(args.device)))}
+    if args.overlap:
+        from conduit import Overlapped
+
+        makers["conduit-overlapped"] = lambda: Variant("conduit", config(0), enable=lambda c: conduit_rllib.enable(
+            c, scheduler=lambda: Overlapped(g_del=args.overlap, background_ingest=False)))
+    variants = {}
+    for name, make in makers.items():
+        v = _build(name, make, errors)
+        if v is not None:
+            v.name = name
+            variants[name] = v
+    print({n: v.algo.local_replay_buffer.__class__.__name__ for n, v in variants.items()}, flush=True)
+    for i in range(args.iterations):
+        for name, v in list(variants.items()):
+            try:
+                r = v.iteration()
+                print(f"{name:>12} it {i + 1}: iteration {r.iteration_s:.3f} s, exposed {r.exposed_s * 1e3:.1f} ms",
+                      flush=True)
+            except Exception:
+                errors[name] = traceback.format_exc()
+                print(f"{name}: iteration failed\n{errors[name]}", flush=True)
+                v.close()
+                del variants[name]
+    rows = {n: v.rows for n, v in variants.items() if v.rows}
+    for n, v in variants.items():
+        for r in v.rows:
+            r.variant = n
+        v.close()
+    if not rows:
+        return {}
+    print(table(rows))
+    s = summarize(rows, baseline="native" if "native" in rows else next(iter(rows)))
+    for name in rows:
+        ch = s[name].get("change")
+        tail = "" if ch is None else (f"  vs native: exposed {ch['exposed_s']:+.0%}, iteration "
+                                      f"{ch['iteration_s']:+.0%}")
+        print(f"{name:>12}: exposed {s[name]['exposed_s'] * 1e3:.1f} ms, iteration {s[name]['iteration_s']:.3f} s"
+              + tail, flush=True)
+    return {"summary": s, "rows": {k: [r.to_dict() for r in v] for k, v in rows.items()}}
+
+
+def remote_learner(args: argparse.Namespace, config: Any, errors: dict[str, str]) -> dict[str, Any]:
+    import statistics
+
+    import conduit_rllib
+
+    def build(enable: bool) -> Any:
+        c = config(1)
+        if enable:
+            conduit_rllib.enable(c)
+        return c.build_algo()
+
+    out: dict[str, Any] = {}
+    for name, enable in (("native-remote", False), ("conduit-remote", True)):
+        # one at a time: each learner actor holds the whole GPU (num_gpus_per_learner=1)
+        a = _build(name, lambda e=enable: build(e), errors)
+        if a is None:
+            continue
+        try:
+            out[name] = m = {"learner_device": [r.get() for r in a.learner_group.foreach_learner(
+                lambda learner: str(learner._device))], "group": type(a.learner_group).__name__,
+                "iteration_s": [], "return": []}
+            for i in range(args.remote_iterations):
+                t0 = time.perf_counter()
+                result = a.train()
+                m["iteration_s"].append(time.perf_counter() - t0)
+                m["return"].append(result.get("env_runners", {}).get("episode_return_mean"))
+                print(f"{name:>15} it {i + 1}: iteration {m['iteration_s'][-1]:.3f} s", flush=True)
+        except Exception:
+            errors[name] = traceback.format_exc()
+            print(f"{name}: failed\n{errors[name]}", flush=True)
+        finally:
+            a.stop()
+    for name, m in out.items():
+        its = m["iteration_s"][1:]
+        m["median_iteration_s"] = statistics.median(its) if its else None
+        print(f"{name:>15}: learner on {m['learner_device']} ({m['group']}), median iteration after the first "
+              f"{m['median_iteration_s']}", flush=True)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda:0", help="the learner's device (cpu: a dry run of the script)")
     p.add_argument("--obs-dim", type=int, default=5000)
     p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--remote-iterations", type=int, default=4, help="part 2's iterations (0: skip part 2)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--uniform", action="store_true")
+    p.add_argument("--overlap", type=int, default=2, metavar="G_DEL",
+                   help="also Conduit (host) with Overlapped(g_del=G_DEL) storing adds in the caller (0: not)")
+    p.add_argument("--num-cpus", type=int, default=8)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" /
                    "rllib_gpu_dqn.json")
     args = p.parse_args()
@@ -35,53 +153,39 @@ def main() -> int:
     import ray
     import torch
 
-    if not torch.cuda.is_available():
-        print("no CUDA device: this script needs a GPU (the CPU comparison is rllib_breakdown.py)")
+    gpus = 0 if args.device == "cpu" else 1
+    if gpus and not torch.cuda.is_available():
+        print("no CUDA device: this script needs a GPU (the CPU comparison is rllib_breakdown.py; --device cpu "
+              "dry-runs this one)")
         return 2
-    import conduit_rllib
-    from conduit import DevicePlacement
-    from conduit_rllib.compare import Variant, summarize, table
     from conduit_rllib.workloads import dqn_large_obs
 
     torch.set_num_threads(1)
 
-    def config():
+    def config(num_learners: int) -> Any:
         return dqn_large_obs(args.obs_dim, steps=args.steps, batch=args.batch, prioritized=not args.uniform,
-                             capacity=20_000).learners(num_learners=0, num_gpus_per_learner=1)
+                             capacity=20_000).learners(num_learners=num_learners, num_gpus_per_learner=gpus)
 
-    ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR")
+    info = {"device": args.device, "torch": torch.__version__, "ray": ray.__version__,
+            "gpu": torch.cuda.get_device_name(0) if gpus else None, "obs_dim": args.obs_dim,
+            "steps": args.steps, "batch": args.batch, "prioritized": not args.uniform}
+    print(info, flush=True)
+    ray.init(address="local", num_cpus=args.num_cpus, num_gpus=gpus, include_dashboard=False,
+             log_to_driver=False, logging_level="ERROR")
+    errors: dict[str, str] = {}
+    result: dict[str, Any] = {"info": info, "errors": errors}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        variants = [Variant("native", config()), Variant("conduit", config())]
-        gpu = Variant("conduit", config(),
-                      enable=lambda c: conduit_rllib.enable(c, placement=DevicePlacement("cuda:0")))
-        gpu.name = "conduit-gpu"
-        variants.append(gpu)
-        print({v.name: v.algo.local_replay_buffer.__class__.__name__ for v in variants})
-        for _ in range(args.iterations):
-            for v in variants:
-                v.iteration()
-        for v in variants:
-            for r in v.rows:
-                r.variant = v.name
-        rows = {v.name: v.rows for v in variants}
-        for v in variants:
-            v.close()
+        if args.iterations:
+            result["driver_learner"] = driver_learner(args, config, errors)
+        args.out.write_text(json.dumps(result, indent=1))
+        if args.remote_iterations:
+            result["remote_learner"] = remote_learner(args, config, errors)
     finally:
         ray.shutdown()
-    print(table(rows))
-    s = summarize(rows)
-    for name in rows:
-        ch = s[name].get("change")
-        tail = "" if ch is None else (f"  vs native: exposed {ch['exposed_s']:+.0%}, iteration "
-                                      f"{ch['iteration_s']:+.0%}")
-        print(f"{name:>12}: exposed {s[name]['exposed_s'] * 1e3:.1f} ms, iteration {s[name]['iteration_s']:.2f} s"
-              + tail)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"summary": s, "rows": {k: [r.to_dict() for r in v] for k, v in rows.items()}},
-                                   indent=1))
-    print(f"wrote {args.out}")
-    return 0
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}; errors: {sorted(errors) or 'none'}")
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

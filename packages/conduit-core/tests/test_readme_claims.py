@@ -241,20 +241,28 @@ def test_a_gpu_test_is_skipped_with_a_reason_without_cuda() -> None:
         assert "needs a CUDA GPU" in out, out
 
 
-def test_gpu_checks_runs_every_gpu_marked_test_file_of_core_and_srl() -> None:
-    """``benchmarks/scripts/gpu_checks.sh`` runs the GPU tests of core and the SRL adapter (what it installs)."""
-    script = (ROOT / "benchmarks/scripts/gpu_checks.sh").read_text()
-    step = re.search(r"^step gpu_tests .*?-m gpu \\\n(.*?)\n", script, re.S | re.M)
-    assert step is not None, "gpu_checks.sh has no gpu_tests step running -m gpu"
+@pytest.mark.parametrize(("script", "packages", "installs"), [
+    ("gpu_checks.sh", ("conduit-core", "conduit-srl"),
+     "pip wheel --no-deps -w .whl packages/conduit-core packages/conduit-srl"),
+    ("gpu_rllib_bundle.sh", ("conduit-core", "conduit-srl", "conduit-rllib"), "$PWD/packages/conduit-core/src:"
+     "$PWD/packages/conduit-rllib/src:$PWD/packages/conduit-srl/src"),
+])
+def test_the_gpu_scripts_run_every_gpu_marked_test_file_of_their_packages(script: str, packages: tuple[str, ...],
+                                                                       installs: str) -> None:
+    """The README: ``gpu_checks.sh`` runs the GPU tests of core and the SRL adapter (what it installs),
+    ``gpu_rllib_bundle.sh`` those of core, the SRL adapter and the RLlib adapter."""
+    text = (ROOT / "benchmarks/scripts" / script).read_text()
+    step = re.search(r"^\s*step gpu_tests .*?-m gpu \\\n(.*?)\n", text, re.S | re.M)
+    assert step is not None, f"{script} has no gpu_tests step running -m gpu"
     covered = step.group(1).split()
-    assert "pip wheel --no-deps -w .whl packages/conduit-core packages/conduit-srl" in script
-    for package in ("conduit-core", "conduit-srl"):
+    assert installs in text, f"{script} does not put {packages} on the GPU machine"
+    for package in packages:
         for path in sorted((ROOT / "packages" / package / "tests").glob("test_*.py")):
             if "pytest.mark.gpu" not in path.read_text():
                 continue
             rel = str(path.relative_to(ROOT))
             assert any(rel == c or rel.startswith(c.rstrip("/") + "/") for c in covered), \
-                f"{rel} has GPU tests that gpu_checks.sh does not run"
+                f"{rel} has GPU tests that {script} does not run"
 
 
 def test_ci_runs_the_readmes_static_checks_after_the_tests() -> None:
