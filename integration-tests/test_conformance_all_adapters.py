@@ -190,5 +190,10 @@ def test_seeded_draws_are_the_same_in_every_process(factory: EndpointFactory) ->
     """The calls of the suites' ``test_deterministic_under_seed`` (replay: uniform and, when declared,
     prioritized; on-policy) draw the same items in two fresh processes with PYTHONHASHSEED 1 and 2, the
     endpoints rebuilt there from the adapter's registered factory: a new run of the same seeded job
-    draws what the last one drew."""
+    draws what the last one drew. The multi-node endpoint's processes join this process's shared cluster as
+    jobs of their own (``SHARED_CLUSTER_ENV``), their workers with their hash seeds, instead of each starting one."""
+    if factory.name == "distributed":
+        from conduit.distributed.testing import shared_servers
+
+        shared_servers()
     assert_deterministic_across_processes(factory.name)  # every kind the factory builds, one pair of processes

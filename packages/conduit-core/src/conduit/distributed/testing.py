@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import itertools
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ from conduit.testing.reference import ID_SCHEMA, CoreOnPolicyEndpoint, CoreRepla
 
 __all__ = ["LocalCluster", "local_cluster", "kept_cluster", "stop_kept_cluster", "ServerStandIn",
            "DistributedReplayEndpoint", "DistributedOnPolicyEndpoint", "FAST_FAILURE_DETECTION", "ENDPOINTS",
-           "shared_servers", "shutdown_shared", "kill_server"]
+           "shared_servers", "shutdown_shared", "kill_server", "SHARED_CLUSTER_ENV"]
 
 #: Ray settings that declare a dead node within about 1.5 s (defaults take tens of seconds)
 FAST_FAILURE_DETECTION = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
@@ -331,6 +332,10 @@ def _plane(servers: ShardServers, capacity: int, semantics: Semantics, kwargs: d
 # -- the registered endpoints (``conduit.conformance``): one shared 2-node cluster per process -----------------------
 _SHARED: dict[str, Any] = {}
 _SHARED_LOCK = threading.Lock()
+#: set in this process's environment while its shared cluster runs, to that cluster's address: a subprocess that
+#: inherits it (the cross-process determinism check, :mod:`conduit.testing.crossprocess`) joins that cluster as a
+#: job of its own instead of starting one (~25 s on two vCPUs)
+SHARED_CLUSTER_ENV = "CONDUIT_SHARED_CLUSTER_ADDRESS"
 
 
 def shared_servers() -> ShardServers:
@@ -338,6 +343,8 @@ def shared_servers() -> ShardServers:
 
     The cluster has a small object store (80 MiB per node); :func:`shutdown_shared` stops the servers and
     disconnects from it (integration-tests/conftest.py does at the end of each test module; at exit otherwise).
+    Where :data:`SHARED_CLUSTER_ENV` names a running cluster (a parent process's shared one), the servers are
+    started there instead, in a job whose workers get this process's ``PYTHONHASHSEED``.
 
     Raises:
         ClusterError: Ray is already initialised in this process by someone else.
@@ -346,13 +353,30 @@ def shared_servers() -> ShardServers:
         if "servers" not in _SHARED:
             stack = ExitStack()
             try:
-                lc = stack.enter_context(kept_cluster(2))
-                _SHARED["servers"] = ShardServers([lc.head, lc.workers[0]])
+                address = os.environ.get(SHARED_CLUSTER_ENV)
+                if address:
+                    _SHARED["servers"] = _joined_servers(address, stack)
+                else:
+                    lc = stack.enter_context(kept_cluster(2))
+                    _SHARED["servers"] = ShardServers([lc.head, lc.workers[0]])
+                    os.environ[SHARED_CLUSTER_ENV] = lc.cluster.address
+                    stack.callback(os.environ.pop, SHARED_CLUSTER_ENV, None)
             except BaseException:
                 stack.close()
                 raise
             _SHARED["stack"] = stack
         return _SHARED["servers"]
+
+
+def _joined_servers(address: str, stack: ExitStack) -> ShardServers:
+    """Shard servers on the alive nodes of the running cluster at ``address`` (sorted by node id), this process
+    connected to it until ``stack`` closes; the job's workers get this process's ``PYTHONHASHSEED``."""
+    ray = _not_connected()
+    seed = os.environ.get("PYTHONHASHSEED")
+    ray.init(address=address, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONHASHSEED": seed}} if seed is not None else None)
+    stack.callback(ray.shutdown)
+    return ShardServers(sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]))
 
 
 def shutdown_shared() -> None:
