@@ -21,7 +21,8 @@ exactly the calls of ``ReplaySuite.test_deterministic_under_seed`` and ``Freshne
 (which use these functions), and prints them as JSON. ``integration-tests/`` compares two such processes for
 every registered adapter; an adapter's own tests may call :func:`assert_deterministic_across_processes` with its
 name. A pair of processes costs what two fresh imports of the adapter cost (a few seconds; a multi-node endpoint
-also starts a local Ray cluster in each).
+also starts a local Ray cluster in each, or joins this process's shared one as a job of its own when it runs:
+``conduit.distributed.testing.SHARED_CLUSTER_ENV``).
 """
 
 from __future__ import annotations
