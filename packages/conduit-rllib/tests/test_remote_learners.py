@@ -24,6 +24,7 @@ from conduit import ConfigurationError  # noqa: E402
 from conduit_rllib import UnsupportedConfigError  # noqa: E402
 from conduit_rllib.delivery import ConduitSampledEpisodes  # noqa: E402
 from conduit_rllib.learner import REPLAY_COMPONENT  # noqa: E402
+from conduit_rllib.profiling import ExperiencePathProbe  # noqa: E402
 from conduit_rllib.remote import ConduitLearnerGroup, route_to_remote_learners, split_sample  # noqa: E402
 from conduit_rllib.workloads import dqn_large_obs, ppo_cartpole, sac_pendulum  # noqa: E402
 from ray.rllib.core import DEFAULT_MODULE_ID  # noqa: E402
@@ -108,14 +109,21 @@ def test_dqn_with_two_remote_learners_trains_slices_of_the_drivers_sample_in_ord
         algo.stop()
 
 
-def test_sac_with_one_remote_learner_trains_conduit_batches(ray_local: None) -> None:
+def test_sac_with_one_remote_learner_trains_conduit_batches_and_the_probe_times_the_driver_side(
+        ray_local: None) -> None:
     config = sac_pendulum(steps=30, batch=16, prioritized=False, learning_starts=16).learners(num_learners=1)
     algo = conduit_rllib.enable(config).build_algo()
     try:
+        probe = ExperiencePathProbe(algo)
         result = algo.train()
         ((conduit, native, handles),) = learner_views(algo)
         assert conduit > 0 and native == 0 and len(handles) == 16
         assert result["learners"]["__all_modules__"][NUM_ENV_STEPS_TRAINED] == 16 * conduit
+        parts = probe.take()
+        assert probe.parts == ("add", "sample", "priorities") and "batch" not in parts, parts
+        assert parts["add"] > 0 and parts["sample"] > 0 and parts["update"] > 0, parts
+        assert parts["exposed"] == parts["add"] + parts["sample"] + parts["priorities"], parts
+        probe.close()
     finally:
         algo.stop()
 

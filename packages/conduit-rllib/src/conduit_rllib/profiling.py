@@ -27,6 +27,12 @@ in iteration time can be placed: ``env`` (the local EnvRunner's ``sample``), ``w
 (``sync_weights`` to the EnvRunners) and ``update`` (the learner's ``update`` without the
 experience-path calls nested in it: forward, loss, backward, optimizer step).
 
+With remote learners (``num_learners >= 1``, off-policy), the probe times what runs in this
+process: ``add``, ``sample`` and ``priorities`` are the experience path, and ``update`` is the
+learner group's whole ``update`` call, which now holds turning the sample into each learner's
+batch (RLlib: sharding the episodes here and its learner connector in the actor; Conduit:
+slicing the sample's columns) and shipping it; ``batch`` and ``minibatch`` are not reported.
+
 ``gc`` is the time Python's cyclic garbage collector ran in between (any thread). It is not
 a part of its own: a collection runs inside whichever call allocated when it fell due, and
 stops every thread while it walks all tracked objects of the process, so a buffer that keeps
@@ -71,20 +77,26 @@ class ExperiencePathProbe:
     """Accumulates exposed experience-path time per part; :meth:`take` returns and resets it.
 
     Args:
-        algo: a built RLlib ``Algorithm`` with a local learner (``num_learners=0``).
+        algo: a built RLlib ``Algorithm``: a local learner (``num_learners=0``), or remote learners with a
+            replay buffer in this process (DQN, SAC; see the module docstring for what is timed then).
 
     Raises:
-        UnsupportedConfigError: the algorithm's learner runs in a remote actor (``num_learners >= 1``): the
-            learner's calls could not be timed from here, and its parts would read 0 (nothing is wrapped then).
+        UnsupportedConfigError: the learners run in remote actors and there is no replay buffer here (PPO): the
+            whole experience path runs in the actors, where it could not be timed (nothing is wrapped then).
     """
 
     def __init__(self, algo: Any) -> None:
-        if not getattr(algo.learner_group, "is_local", True):
+        remote = not getattr(algo.learner_group, "is_local", True)
+        rb = getattr(algo, "local_replay_buffer", None)
+        if remote and rb is None:
             raise UnsupportedConfigError(
-                "ExperiencePathProbe times the learner's calls in this process, but this algorithm's learner runs "
-                "in a remote actor (num_learners >= 1), so its batch, minibatch and update time could not be "
-                "measured and would read 0. Build the algorithm to measure with config.learners(num_learners=0).")
+                "ExperiencePathProbe times the experience path in this process, but this algorithm's learners run "
+                "in remote actors (num_learners >= 1) and it has no replay buffer here: its batch and minibatch "
+                "work runs in the actors, could not be measured and would read 0. Build the algorithm to measure "
+                "with config.learners(num_learners=0).")
         self.algo = algo
+        #: the experience-path parts this probe times (the learner's own are not in this process when remote)
+        self.parts: tuple[str, ...] = tuple(p for p in PARTS if p not in ("batch", "minibatch")) if remote else PARTS
         self._acc: dict[str, float] = defaultdict(float)
         self._local = threading.local()
         self._main = thread_id()
@@ -97,7 +109,6 @@ class ExperiencePathProbe:
         self._gc_callback = _gc_callback(weakref.ref(self))
         gc.callbacks.append(self._gc_callback)
         weakref.finalize(self, _remove_callback, self._gc_callback)
-        rb = getattr(algo, "local_replay_buffer", None)
         self.buffer = rb
         if rb is not None:
             for name, part in (("add", "add"), ("sample", "sample"), ("get_metrics", "sample"),
@@ -106,23 +117,30 @@ class ExperiencePathProbe:
                     self._wrap(rb, name, part)
         if rb is not None:
             self._wrap_metrics_aggregation(algo)
-        results = list(algo.learner_group.foreach_learner(lambda learner: learner))
-        self.learner = results[0].get()
-        self._wrap(self.learner, "_make_batch_if_necessary", "batch")
-        self._wrap(self.learner, "update", "update")
         runners = getattr(algo, "env_runner_group", None)
         local = getattr(runners, "local_env_runner", None)
         if local is not None:
             self._wrap(local, "sample", "env")
         if runners is not None:
             self._wrap(runners, "sync_weights", "weights")
-        orig = self.learner._create_iterator_if_necessary
+        #: the local learner (None when the learners are remote)
+        self.learner: Any = None
+        if remote:
+            self._wrap(algo.learner_group, "update", "update")
+        else:
+            self._wrap_local_learner(list(algo.learner_group.foreach_learner(lambda learner: learner))[0].get())
+
+    def _wrap_local_learner(self, learner: Any) -> None:
+        self.learner = learner
+        self._wrap(learner, "_make_batch_if_necessary", "batch")
+        self._wrap(learner, "update", "update")
+        orig = learner._create_iterator_if_necessary
 
         @wraps(orig)
         def create_iterator(*args: Any, **kwargs: Any) -> Any:
             return _TimedIterator(self._timed("minibatch", orig, *args, **kwargs), self)
 
-        self.learner._create_iterator_if_necessary = create_iterator
+        learner._create_iterator_if_necessary = create_iterator
 
     def _wrap(self, obj: Any, name: str, part: str) -> None:
         orig = getattr(obj, name)
@@ -201,12 +219,12 @@ class ExperiencePathProbe:
         return measure_iteration(recs, since, end, loop_threads=set(self._loop_threads)).hidden_s
 
     def take(self) -> dict[str, float]:
-        """Seconds per part and context part since the last call, plus ``exposed``, ``background`` (hidden
-        work on Conduit's threads, see :meth:`background`), ``total`` (exposed + background) and ``gc``
-        (garbage collection, overlapping the parts)."""
-        out = {p: self._acc.get(p, 0.0) for p in PARTS + CONTEXT}
+        """Seconds per part (:attr:`parts`) and context part since the last call, plus ``exposed``,
+        ``background`` (hidden work on Conduit's threads, see :meth:`background`), ``total`` (exposed +
+        background) and ``gc`` (garbage collection, overlapping the parts)."""
+        out = {p: self._acc.get(p, 0.0) for p in self.parts + CONTEXT}
         out["gc"] = self._acc.get("gc", 0.0)
-        out["exposed"] = sum(out[p] for p in PARTS)
+        out["exposed"] = sum(out[p] for p in self.parts)
         now = time.perf_counter()
         seen = len(self._waits)
         out["background"] = self.background(self._t0, now)
