@@ -1,6 +1,6 @@
 """The d = 5000 DQN comparison with the learner on a GPU (prepared for a machine with CUDA; outside CI).
 
-Part 1, the learner in the driver on ``--device`` (three variants, iterations interleaved, the same table
+Part 1, the learner in the driver on ``--device`` (four variants, iterations interleaved, the same table
 as ``rllib_breakdown.py``):
 
 * ``native``: RLlib's replay buffer and learner connector;
@@ -11,9 +11,8 @@ as ``rllib_breakdown.py``):
   prefetched while the learner updates; prioritized draws at most that many updates stale).
 
 Part 2, one remote learner (a Ray actor holding the GPU, ``num_learners=1``): ``native-remote``, then
-``conduit-remote`` (the buffer in the driver, each sample shipped to the actor as its batch). The
-experience-path probe times a driver learner only, so part 2 reports iteration time, the learner's device
-and the return.
+``conduit-remote`` (the buffer in the driver, each sample shipped to the actor as its batch), the same
+table; the experience path is then what runs in the driver (``conduit_rllib.profiling``).
 
 A variant that fails is reported with its traceback and the others go on. ``--device cpu`` runs the same
 code without a GPU (a dry run of the script, not a measurement).
@@ -26,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -44,32 +42,25 @@ def _build(name: str, make: Any, errors: dict[str, str]) -> Any:
         return None
 
 
-def driver_learner(args: argparse.Namespace, config: Any, errors: dict[str, str]) -> dict[str, Any]:
-    import conduit_rllib
-    from conduit import DevicePlacement
-    from conduit_rllib.compare import Variant, summarize, table
-
-    makers = {"native": lambda: Variant("native", config(0)),
-              "conduit": lambda: Variant("conduit", config(0)),
-              "conduit-gpu": lambda: Variant("conduit", config(0), enable=lambda c: conduit_rllib.enable(
-                  c, placement=DevicePlacement(args.device)))}
-    if args.overlap:
-        from conduit import Overlapped
-
-        makers["conduit-overlapped"] = lambda: Variant("conduit", config(0), enable=lambda c: conduit_rllib.enable(
-            c, scheduler=lambda: Overlapped(g_del=args.overlap, background_ingest=False)))
+def run_variants(makers: dict[str, Any], iterations: int, errors: dict[str, str],
+                 devices: dict[str, list[str]]) -> dict[str, list[Any]]:
+    """Build every variant, run their iterations interleaved, close them: the rows of each that ran (a variant
+    that fails is reported in ``errors`` and dropped; ``devices`` gets each one's learner devices)."""
     variants = {}
     for name, make in makers.items():
         v = _build(name, make, errors)
         if v is not None:
             v.name = name
             variants[name] = v
-    print({n: v.algo.local_replay_buffer.__class__.__name__ for n, v in variants.items()}, flush=True)
-    for i in range(args.iterations):
+            devices[name] = [r.get() for r in v.algo.learner_group.foreach_learner(
+                lambda learner: str(learner._device))]
+    print({n: (type(v.algo.local_replay_buffer).__name__, type(v.algo.learner_group).__name__, devices[n])
+           for n, v in variants.items()}, flush=True)
+    for i in range(iterations):
         for name, v in list(variants.items()):
             try:
                 r = v.iteration()
-                print(f"{name:>12} it {i + 1}: iteration {r.iteration_s:.3f} s, exposed {r.exposed_s * 1e3:.1f} ms",
+                print(f"{name:>15} it {i + 1}: iteration {r.iteration_s:.3f} s, exposed {r.exposed_s * 1e3:.1f} ms",
                       flush=True)
             except Exception:
                 errors[name] = traceback.format_exc()
@@ -81,57 +72,54 @@ def driver_learner(args: argparse.Namespace, config: Any, errors: dict[str, str]
         for r in v.rows:
             r.variant = n
         v.close()
+    return rows
+
+
+def report(rows: dict[str, list[Any]], baseline: str) -> dict[str, Any]:
+    """Print the per-iteration table and the medians against ``baseline``; the JSON-ready summary and rows."""
+    from conduit_rllib.compare import summarize, table
+
     if not rows:
         return {}
     print(table(rows))
-    s = summarize(rows, baseline="native" if "native" in rows else next(iter(rows)))
+    s = summarize(rows, baseline=baseline if baseline in rows else next(iter(rows)))
     for name in rows:
         ch = s[name].get("change")
-        tail = "" if ch is None else (f"  vs native: exposed {ch['exposed_s']:+.0%}, iteration "
+        tail = "" if ch is None else (f"  vs {baseline}: exposed {ch['exposed_s']:+.0%}, iteration "
                                       f"{ch['iteration_s']:+.0%}")
-        print(f"{name:>12}: exposed {s[name]['exposed_s'] * 1e3:.1f} ms, iteration {s[name]['iteration_s']:.3f} s"
+        print(f"{name:>15}: exposed {s[name]['exposed_s'] * 1e3:.1f} ms, iteration {s[name]['iteration_s']:.3f} s"
               + tail, flush=True)
     return {"summary": s, "rows": {k: [r.to_dict() for r in v] for k, v in rows.items()}}
 
 
-def remote_learner(args: argparse.Namespace, config: Any, errors: dict[str, str]) -> dict[str, Any]:
-    import statistics
-
+def driver_learner(args: argparse.Namespace, config: Any, errors: dict[str, str],
+                   devices: dict[str, list[str]]) -> dict[str, Any]:
     import conduit_rllib
+    from conduit import DevicePlacement
+    from conduit_rllib.compare import Variant
 
-    def build(enable: bool) -> Any:
-        c = config(1)
-        if enable:
-            conduit_rllib.enable(c)
-        return c.build_algo()
+    makers = {"native": lambda: Variant("native", config(0)),
+              "conduit": lambda: Variant("conduit", config(0)),
+              "conduit-gpu": lambda: Variant("conduit", config(0), enable=lambda c: conduit_rllib.enable(
+                  c, placement=DevicePlacement(args.device)))}
+    if args.overlap:
+        from conduit import Overlapped
 
-    out: dict[str, Any] = {}
-    for name, enable in (("native-remote", False), ("conduit-remote", True)):
-        # one at a time: each learner actor holds the whole GPU (num_gpus_per_learner=1)
-        a = _build(name, lambda e=enable: build(e), errors)
-        if a is None:
-            continue
-        try:
-            out[name] = m = {"learner_device": [r.get() for r in a.learner_group.foreach_learner(
-                lambda learner: str(learner._device))], "group": type(a.learner_group).__name__,
-                "iteration_s": [], "return": []}
-            for i in range(args.remote_iterations):
-                t0 = time.perf_counter()
-                result = a.train()
-                m["iteration_s"].append(time.perf_counter() - t0)
-                m["return"].append(result.get("env_runners", {}).get("episode_return_mean"))
-                print(f"{name:>15} it {i + 1}: iteration {m['iteration_s'][-1]:.3f} s", flush=True)
-        except Exception:
-            errors[name] = traceback.format_exc()
-            print(f"{name}: failed\n{errors[name]}", flush=True)
-        finally:
-            a.stop()
-    for name, m in out.items():
-        its = m["iteration_s"][1:]
-        m["median_iteration_s"] = statistics.median(its) if its else None
-        print(f"{name:>15}: learner on {m['learner_device']} ({m['group']}), median iteration after the first "
-              f"{m['median_iteration_s']}", flush=True)
-    return out
+        makers["conduit-overlapped"] = lambda: Variant("conduit", config(0), enable=lambda c: conduit_rllib.enable(
+            c, scheduler=lambda: Overlapped(g_del=args.overlap, background_ingest=False)))
+    return report(run_variants(makers, args.iterations, errors, devices), "native")
+
+
+def remote_learner(args: argparse.Namespace, config: Any, errors: dict[str, str],
+                   devices: dict[str, list[str]]) -> dict[str, Any]:
+    from conduit_rllib.compare import Variant
+
+    rows: dict[str, list[Any]] = {}
+    for name, kind in (("native-remote", "native"), ("conduit-remote", "conduit")):
+        # one after the other: each learner actor holds the whole GPU (num_gpus_per_learner=1)
+        rows.update(run_variants({name: lambda k=kind: Variant(k, config(1))}, args.remote_iterations, errors,
+                                 devices))
+    return report(rows, "native-remote")
 
 
 def main() -> int:
@@ -173,14 +161,15 @@ def main() -> int:
     ray.init(address="local", num_cpus=args.num_cpus, num_gpus=gpus, include_dashboard=False,
              log_to_driver=False, logging_level="ERROR")
     errors: dict[str, str] = {}
-    result: dict[str, Any] = {"info": info, "errors": errors}
+    devices: dict[str, list[str]] = {}
+    result: dict[str, Any] = {"info": info, "errors": errors, "learner_devices": devices}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     try:
         if args.iterations:
-            result["driver_learner"] = driver_learner(args, config, errors)
+            result["driver_learner"] = driver_learner(args, config, errors, devices)
         args.out.write_text(json.dumps(result, indent=1))
         if args.remote_iterations:
-            result["remote_learner"] = remote_learner(args, config, errors)
+            result["remote_learner"] = remote_learner(args, config, errors, devices)
     finally:
         ray.shutdown()
         args.out.write_text(json.dumps(result, indent=1))
