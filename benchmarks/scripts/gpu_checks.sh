@@ -17,13 +17,8 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/conduit-site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/conduit-site
 
-step() {  # step NAME SECONDS COMMAND...
-  local name=$1 secs=$2
-  shift 2
-  echo "=== $name ($(date -u +%T))" | tee -a "$LOG"
-  timeout "$secs" "$@" >>"$LOG" 2>&1
-  echo "=== $name rc=$? ($(date -u +%T))" | tee -a "$LOG"
-}
+# shellcheck source=gpu_step.sh
+source "$(dirname "$0")/gpu_step.sh"
 
 { nvidia-smi -L; "$PY" -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__,
 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"; } >>"$LOG" 2>&1

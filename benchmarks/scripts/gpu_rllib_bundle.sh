@@ -37,13 +37,8 @@ run)
   mkdir -p "$OUT"
   LOG="$OUT/gpu_rllib.log"
   export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 RAY_AUTH_MODE=disabled
-  step() {  # step NAME SECONDS COMMAND...: its own time limit; a failing step does not stop the next one
-    local name=$1 secs=$2
-    shift 2
-    echo "=== $name ($(date -u +%T))" | tee -a "$LOG"
-    timeout "$secs" "$@" >>"$LOG" 2>&1
-    echo "=== $name rc=$? ($(date -u +%T))" | tee -a "$LOG"
-  }
+  # shellcheck source=gpu_step.sh
+  source benchmarks/scripts/gpu_step.sh
   (cd .whl/rllib && sha256sum -c --quiet SHA256SUMS) || exit 1
   rm -rf "$SITE" && mkdir -p "$SITE" && xz -dc -T0 .whl/rllib/site.tar.xz | tar xf - -C "$SITE" || exit 1
   export PYTHONPATH="$SITE:$PWD/packages/conduit-core/src:$PWD/packages/conduit-rllib/src:$PWD/packages/conduit-srl/src"

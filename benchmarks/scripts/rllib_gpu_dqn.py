@@ -82,10 +82,11 @@ def report(rows: dict[str, list[Any]], baseline: str) -> dict[str, Any]:
     if not rows:
         return {}
     print(table(rows))
-    s = summarize(rows, baseline=baseline if baseline in rows else next(iter(rows)))
+    base = baseline if baseline in rows else next(iter(rows))  # (the baseline's variant may have failed)
+    s = summarize(rows, baseline=base)
     for name in rows:
         ch = s[name].get("change")
-        tail = "" if ch is None else (f"  vs {baseline}: exposed {ch['exposed_s']:+.0%}, iteration "
+        tail = "" if ch is None else (f"  vs {base}: exposed {ch['exposed_s']:+.0%}, iteration "
                                       f"{ch['iteration_s']:+.0%}")
         print(f"{name:>15}: exposed {s[name]['exposed_s'] * 1e3:.1f} ms, iteration {s[name]['iteration_s']:.3f} s"
               + tail, flush=True)
@@ -167,7 +168,7 @@ def main() -> int:
     try:
         if args.iterations:
             result["driver_learner"] = driver_learner(args, config, errors, devices)
-        args.out.write_text(json.dumps(result, indent=1))
+        args.out.write_text(json.dumps(result, indent=1))  # kept if part 2 is killed by a time limit
         if args.remote_iterations:
             result["remote_learner"] = remote_learner(args, config, errors, devices)
     finally:

@@ -1,0 +1,10 @@
+# Sourced by the GPU scripts (gpu_checks.sh, gpu_rllib_bundle.sh), with LOG set to their log file.
+# step NAME SECONDS COMMAND...: run COMMAND under its own time limit, its output appended to $LOG and its
+# start, end and exit status marked there and on stdout; a failing step does not stop the next one.
+step() {
+  local name=$1 secs=$2
+  shift 2
+  echo "=== $name ($(date -u +%T))" | tee -a "$LOG"
+  timeout "$secs" "$@" >>"$LOG" 2>&1
+  echo "=== $name rc=$? ($(date -u +%T))" | tee -a "$LOG"
+}
