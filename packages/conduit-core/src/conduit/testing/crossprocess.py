@@ -22,7 +22,9 @@ exactly the calls of ``ReplaySuite.test_deterministic_under_seed`` and ``Freshne
 every registered adapter; an adapter's own tests may call :func:`assert_deterministic_across_processes` with its
 name. A pair of processes costs what two fresh imports of the adapter cost (a few seconds; a multi-node endpoint
 also starts a local Ray cluster in each, or joins this process's shared one as a job of its own when it runs:
-``conduit.distributed.testing.SHARED_CLUSTER_ENV``).
+``conduit.distributed.testing.SHARED_CLUSTER_ENV``). A subprocess connected to Ray also reports ``hash()`` of one
+string from a worker of its Ray job, and the check requires it to equal the subprocess's own
+(:meth:`ProcessDraws.check_hash_seed`): workers with another hash seed would hide what the check is for.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ STDERR_TAIL = 3000
 ENTRIES = ("replay/uniform", "replay/prioritized", "on_policy")
 #: the line prefix under which the subprocess prints its JSON result (anything else on stdout is ignored)
 _MARK = "CONDUIT-CROSSPROCESS-RESULT "
+#: the string whose ``hash()`` the subprocess reports from itself and from the Ray workers of its job
+_HASH_PROBE = "conduit-crossprocess"
 
 
 # -- the script: the calls of the in-process determinism tests --------------------------------------------------
@@ -174,6 +178,21 @@ def _script(spec: str) -> dict[str, Any]:
             del out["draws"]["replay/prioritized"]
     if make_on_policy is not None:
         attempt("on_policy", lambda: on_policy_deliveries(make_on_policy))
+    out["hashes"] = _hashes()
+    return out
+
+
+def _probe_hash() -> int:
+    return hash(_HASH_PROBE)
+
+
+def _hashes() -> dict[str, int]:
+    """``hash()`` of a fixed string in this process and, when the endpoints connected it to Ray, in a task of its
+    Ray job (the job's workers, e.g. shard servers, draw with that hash seed)."""
+    out = {"process": _probe_hash()}
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        out["ray worker"] = int(ray.get(ray.remote(num_cpus=0)(_probe_hash).remote(), timeout=120))
     return out
 
 
@@ -200,6 +219,25 @@ class ProcessDraws:
     errors: dict[str, str] = field(default_factory=dict)
     #: the end of the subprocess's stderr (tracebacks of the errors among it)
     stderr_tail: str = ""
+    #: ``hash()`` of one string in the subprocess (``"process"``) and, when its endpoints connected it to Ray, in a
+    #: worker of its Ray job (``"ray worker"``)
+    hashes: dict[str, int] = field(default_factory=dict)
+
+    def check_hash_seed(self) -> None:
+        """The subprocess's Ray workers hash as the subprocess does; ``AssertionError`` otherwise.
+
+        Workers started with another ``PYTHONHASHSEED`` (e.g. those of a cluster the subprocess joined, when the
+        job does not pass its seed on through ``runtime_env``) would make the comparison of two processes compare
+        workers that share one hash seed, and miss what the check is for.
+        """
+        own = self.hashes.get("process")
+        for where, h in self.hashes.items():
+            assert h == own, (
+                f"adapter {self.factory!r} ({self.spec}): in the subprocess with PYTHONHASHSEED={self.hash_seed}, "
+                f"hash() in its {where} differs from the subprocess's own: that {where} runs with another "
+                f"PYTHONHASHSEED, so the check across processes cannot see what depends on it there. Start or join "
+                f"the cluster with the process's seed (ray.init(runtime_env={{'env_vars': {{'PYTHONHASHSEED': "
+                f"os.environ['PYTHONHASHSEED']}}}}))")
 
     def get(self, entry: str) -> Any:
         """The draws of ``entry``; ``AssertionError`` with the subprocess's error and stderr tail when it failed."""
@@ -294,7 +332,8 @@ def _collect(s: _Started, deadline: float) -> ProcessDraws:
         raise AssertionError(f"{what} failed (exit status {rc}) before reporting its draws"
                              f"\n--- stderr tail ---\n{tail}")
     result = json.loads(lines[-1][len(_MARK):])
-    return ProcessDraws(s.spec, result["factory"], s.hash_seed, result["draws"], result["errors"], tail)
+    return ProcessDraws(s.spec, result["factory"], s.hash_seed, result["draws"], result["errors"], tail,
+                        result.get("hashes", {}))
 
 
 def draws_in_subprocess(factory: str, *, hash_seed: int | str, timeout: float | None = None) -> ProcessDraws:
@@ -380,12 +419,15 @@ def assert_deterministic_across_processes(factory: str, kind: str | None = None,
 
     Raises:
         AssertionError: the draws differ (the message names the adapter, the entry, the first differing position
-            and the values there), the factory builds no endpoint of ``kind``, or a subprocess failed (see
-            :func:`draws_in_subprocess`).
+            and the values there), the factory builds no endpoint of ``kind``, a subprocess's Ray workers run with
+            another hash seed than the subprocess (:meth:`ProcessDraws.check_hash_seed`), or a subprocess failed
+            (see :func:`draws_in_subprocess`).
     """
     if kind not in (None, "replay", "on_policy"):
         raise ValueError(f"kind={kind!r}: pass 'replay', 'on_policy' or None (every kind)")
     runs = _runs(factory, hash_seeds, timeout)
+    for run in runs:
+        run.check_hash_seed()
     first = runs[0]
     entries = first.entries(kind) if kind is not None else first.entries("replay") + first.entries("on_policy")
     what = f"{kind} endpoint (its EndpointFactory.make_{kind} is None)" if kind else "endpoint"
