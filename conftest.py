@@ -38,20 +38,49 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; the CPU path is tested separately"))
 
 
+#: fixtures that connect a test module to a local Ray cluster kept running between modules
+#: (``conduit.distributed.testing.kept_cluster``); each conftest that defines one keeps a cluster of its own shape
+CLUSTER_FIXTURES = ("ray_local", "cluster")
+
+
+def _cluster_of(item: pytest.Item) -> str:
+    """The kept cluster ``item`` connects to: where its cluster fixture is defined and that fixture's name ("" for
+    none)."""
+    info = getattr(item, "_fixtureinfo", None)
+    for name in CLUSTER_FIXTURES:
+        if name in getattr(item, "fixturenames", ()):
+            defs = info.name2fixturedefs.get(name) if info is not None else None
+            return f"{defs[-1].baseid}::{name}" if defs else name
+    return ""
+
+
 def _heaviest_files_first(items: list[pytest.Item]) -> None:
     """Order whole files by their time in :data:`DURATIONS`, longest first (a file not listed, e.g. a new one, goes
-    first); tests keep their order within a file. Two workers taking files in this order finish close together."""
+    first, and its group with it); tests keep their order within a file. Two workers taking files in this order
+    finish close together.
+
+    Files whose tests connect to the same kept Ray cluster (:data:`CLUSTER_FIXTURES`) run one after another, the
+    group with the most seconds first and the files that need no cluster last: a worker process keeps one cluster
+    and starts another when a file needs another shape (seconds of CPU each time), so interleaving the groups
+    would start clusters over and over."""
     try:
         seconds = json.loads(DURATIONS.read_text())
     except (OSError, ValueError):
         return
     first_seen: dict[str, int] = {}
+    cluster: dict[str, str] = {}
     for i, item in enumerate(items):
-        first_seen.setdefault(item.nodeid.split("::", 1)[0], i)
-
-    def key(item: pytest.Item) -> tuple[float, int]:
         f = item.nodeid.split("::", 1)[0]
-        return -float(seconds.get(f, float("inf"))), first_seen[f]
+        first_seen.setdefault(f, i)
+        cluster[f] = cluster.get(f) or _cluster_of(item)
+    group_seconds: dict[str, float] = {}
+    for f, c in cluster.items():
+        group_seconds[c] = group_seconds.get(c, 0.0) + float(seconds.get(f, float("inf")))
+
+    def key(item: pytest.Item) -> tuple[bool, float, str, float, int]:
+        f = item.nodeid.split("::", 1)[0]
+        c = cluster[f]
+        return not c, -group_seconds[c], c, -float(seconds.get(f, float("inf"))), first_seen[f]
 
     items.sort(key=key)
 

@@ -1,7 +1,7 @@
 """Shard faults on a real local Ray cluster: a node dies (or hangs) in the middle of a run.
 
-The module's cluster has a head node (this process, the learner) and one stable worker;
-each test adds its own victim node, places a shard server there, and kills it. Ray is
+The module's cluster (the tests' shared 2-node ``cluster``, see conftest.py) has a head node and one stable
+worker; each test adds its own victim node, places a shard server there, and kills it. Ray is
 configured to declare a dead node within ~1.5 s (``FAST_FAILURE_DETECTION``); Conduit's
 health monitor pings every 0.2 s, so losses are found within a few seconds, and the
 bound asserted below (``DETECTION_BOUND``) is generous for a loaded 2-core machine.
@@ -21,7 +21,6 @@ pytest.importorskip("ray")
 
 from conduit import OnPolicy, Replay  # noqa: E402
 from conduit.distributed import DistributedDataPlane, ShardServers, TransferError, stage  # noqa: E402
-from conduit.distributed.testing import local_cluster  # noqa: E402
 from conduit.testing.lifecycle import eventually  # noqa: E402
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
 
@@ -29,12 +28,6 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 #: seconds within which a killed node's shard must be reported lost (health_period + timeout + Ray's detection)
 DETECTION_BOUND = 30.0
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_cluster(2) as lc:
-        yield lc
 
 
 def _ids_of(plane, handles) -> set[int]:

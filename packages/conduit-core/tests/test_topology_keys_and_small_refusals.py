@@ -75,17 +75,15 @@ def test_the_simulator_still_reads_the_declared_network_cards() -> None:
 
 # -- ShardServers.torch_group timeout ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def one_server() -> Iterator[Any]:
-    pytest.importorskip("ray")
+def one_server(cluster: Any) -> Iterator[Any]:
+    """One shard server on the head node of the tests' shared cluster (conftest.py)."""
     from conduit.distributed import ShardServers
-    from conduit.distributed.testing import local_cluster
 
-    with local_cluster(1) as lc:
-        servers = ShardServers([lc.head])
-        try:
-            yield servers
-        finally:
-            servers.shutdown()
+    servers = ShardServers([cluster.head])
+    try:
+        yield servers
+    finally:
+        servers.shutdown()
 
 
 @pytest.mark.timeout(120)
