@@ -265,12 +265,18 @@ def test_the_gpu_scripts_run_every_gpu_marked_test_file_of_their_packages(script
                 f"{rel} has GPU tests that {script} does not run"
 
 
-def test_ci_runs_the_readmes_static_checks_after_the_tests() -> None:
+def test_ci_runs_the_readmes_static_checks_beside_the_tests() -> None:
+    """The README's ruff and mypy commands run in CI, started before the README's test command and waited for (their
+    status checked) after it, as the README says ("beside the tests")."""
     ci = (ROOT / ".ci/run").read_text()
-    section = _section(README, "Tests")
-    ruff = re.search(r"`(\.venv/bin/ruff check [^`]+)`", " ".join(section.split()))
+    section = " ".join(_section(README, "Tests").split())
+    assert "CI runs them beside the tests" in section
+    ruff = re.search(r"`(\.venv/bin/ruff check [^`]+)`", section)
     assert ruff is not None and ruff.group(1) in ci, "CI does not run the README's ruff command"
-    assert ci.index(ruff.group(1)) > ci.index("-m pytest -n 2"), "CI runs ruff before the tests"
+    tests = ci.index("-m pytest -n 2")
+    assert ci.index(ruff.group(1)) < tests, "CI starts the static checks after the tests, not beside them"
+    assert ci.index('wait "$static"') > tests and '[ "$status" -eq 0 ]' in ci[tests:], \
+        "CI does not check the static checks' exit status after the tests"
     mypy_line = next(ln for ln in ci.splitlines() if "-m mypy" in ln)
     assert sorted(mypy_line.split()[3:]) == sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("packages/*/src")), \
         "CI's mypy does not check what the README's `packages/*/src` names"
