@@ -124,12 +124,49 @@ def test_a_failing_close_from_another_thread_raises_without_the_warning(caplog: 
     storage = edp.storage
     assert isinstance(storage, _GatedStorage)
     storage.fail_ids, storage.fail_times = {0}, 1
+    ingestion = edp.scheduler._ingestion
+    placement.gate.clear()  # the write waits until close() has begun: it fails inside close(), not before it
     edp.ingest(id_batch(np.arange(0, 4)))
+
+    def open_once_closing() -> None:
+        for _ in range(2000):
+            if ingestion._closing:
+                break
+            threading.Event().wait(0.005)
+        placement.gate.set()
+
+    opener = threading.Thread(target=open_once_closing)
+    opener.start()
     with pytest.raises(RuntimeError, match="injected append failure"):
         edp.close()
+    opener.join(10)
     assert _unstored_warnings(caplog) == [], "close() raised the failure; a warning on top of it is noise"
     edp.close()
     assert storage.sizes == [4]
+
+
+def test_a_write_failing_before_close_is_retried_by_close_and_nothing_is_lost() -> None:
+    """close() makes one last try: a background write that failed before it (unreported) is retried, and when the
+    retry stores everything, close() returns with every batch stored once, in order."""
+    placement = _GatedPlacement()
+    edp = ExperienceDataPlane(ID_SCHEMA, capacity=100, semantics=Replay(seed=1), placement=placement,
+                              scheduler=Overlapped(g_ing=1, overlap=False, background_ingest=True))
+    storage = edp.storage
+    assert isinstance(storage, _GatedStorage)
+    storage.fail_ids, storage.fail_times = {4}, 1
+    ingestion = edp.scheduler._ingestion
+    placement.gate.clear()  # all three are handed over before the failure (a hand-over after it would raise it)
+    for k in range(3):
+        edp.ingest(id_batch(np.arange(4 * k, 4 * k + 4)))
+    placement.gate.set()
+    with ingestion._cv:  # the second write fails on the worker, which pauses with two batches queued
+        assert ingestion._cv.wait_for(lambda: ingestion._paused, 10), "the injected failure never happened"
+    assert len(edp.scheduler.pending()) == 2
+    edp.close()
+    assert storage.sizes == [4, 4, 4], f"writes {storage.sizes}: the retry should store both queued batches"
+    assert edp.scheduler.pending() == []
+    stored = storage.gather(torch.arange(12))["id"].tolist()
+    assert stored == list(range(12)), f"stored ids {stored}: a retried batch was stored out of order"
 
 
 # -- 2. the learned on-policy rollout size counts whole rollouts --
