@@ -7,7 +7,8 @@
 #
 # Here (downloads from PyPI, ~2 min of xz):
 #   bash benchmarks/scripts/gpu_rllib_bundle.sh pack            # -> .whl/rllib/site.tar.xz + SHA256SUMS
-# There, with carry [".whl/rllib"]:
+#   bash benchmarks/scripts/gpu_rllib_bundle.sh pack-verl       # optional: -> .whl/verl (verl's GPU test too)
+# There, with carry [".whl/rllib"] (and ".whl/verl"):
 #   bash benchmarks/scripts/gpu_rllib_bundle.sh run             # install, then the GPU checks into $OUT
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -41,20 +42,46 @@ run)
   source benchmarks/scripts/gpu_step.sh
   (cd .whl/rllib && sha256sum -c --quiet SHA256SUMS) || exit 1
   rm -rf "$SITE" && mkdir -p "$SITE" && xz -dc -T0 .whl/rllib/site.tar.xz | tar xf - -C "$SITE" || exit 1
+  tests=(packages/conduit-core/tests packages/conduit-srl/tests/test_buffer.py packages/conduit-rllib/tests/test_replay.py)
+  if [ -f .whl/verl/site.tar.xz ]; then  # (carried when "pack-verl" made it)
+    (cd .whl/verl && sha256sum -c --quiet SHA256SUMS) && xz -dc -T0 .whl/verl/site.tar.xz | tar xf - -C "$SITE" \
+      && tests+=(packages/conduit-verl/tests/test_delivery.py)
+  fi
   export PYTHONPATH="$SITE:$PWD/packages/conduit-core/src:$PWD/packages/conduit-rllib/src:$PWD/packages/conduit-srl/src"
+  PYTHONPATH="$PYTHONPATH:$PWD/packages/conduit-verl/src"
   { nvidia-smi -L; nproc; "$PY" -c "import torch, numpy, ray, ray.rllib, conduit_rllib; print('torch',
 torch.__version__, 'numpy', numpy.__version__, 'ray', ray.__version__, torch.cuda.get_device_name(0))"; } >>"$LOG" 2>&1
   # issue 5: the d = 5000 DQN comparison, learner on the GPU (buffer on host and on the GPU tier), then a
   # remote learner holding the GPU
-  step rllib_gpu_dqn "${RLLIB_SECONDS:-330}" "$PY" benchmarks/scripts/rllib_gpu_dqn.py --num-cpus 12 --iterations 8 --remote-iterations 4 \
-    --out "$OUT/rllib_gpu_dqn.json"
-  # every GPU-marked test, now with Ray present (the distributed tier's and the RLlib adapter's too)
-  step gpu_tests "${TESTS_SECONDS:-60}" "$PY" -m pytest -p no:cacheprovider -p no:randomly -q -rs -m gpu \
-    packages/conduit-core/tests packages/conduit-srl/tests/test_buffer.py packages/conduit-rllib/tests/test_replay.py
+  # (RLLIB_SECONDS=0 leaves it out)
+  [ "${RLLIB_SECONDS:-330}" -gt 0 ] && step rllib_gpu_dqn "${RLLIB_SECONDS:-330}" "$PY" benchmarks/scripts/rllib_gpu_dqn.py \
+    --num-cpus 12 --iterations 8 --remote-iterations 4 --out "$OUT/rllib_gpu_dqn.json"
+  # where one DQN sample's time goes on the GPU machine (cProfile and torch.profiler tables; PROFILE_SECONDS=0: not)
+  [ "${PROFILE_SECONDS:-0}" -gt 0 ] && step sample_profile "$PROFILE_SECONDS" "$PY" benchmarks/scripts/gpu_sample_profile.py \
+    --device cuda:0 --out "$OUT/sample_profile"
+  # every GPU-marked test, now with Ray present (the distributed tier's and the RLlib adapter's too; verl's when carried)
+  step gpu_tests "${TESTS_SECONDS:-60}" "$PY" -m pytest -p no:cacheprovider -p no:randomly -q -rs -m gpu "${tests[@]}"
   tail -5 "$LOG"
   ;;
+pack-verl)
+  # verl's delivery test on the GPU needs verl and what importing it pulls in beyond Ray and the image
+  # (transformers, accelerate and tokenizers are there): the versions of this project's venv, for CPython 3.12
+  set -e
+  dir=$(mktemp -d)
+  plat=(--implementation cp --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
+        --platform manylinux2014_x86_64)
+  .venv/bin/python -m pip install -q --no-deps --no-compile --only-binary=:all: "${plat[@]}" --target "$dir/site" \
+    verl==0.9.1 tensordict==0.10.0 TransferQueue==0.1.11 orjson==3.13.0 msgspec==0.23.0 pyzmq==27.3.0 \
+    pyvers==0.1.0 importlib_metadata==10.2.0 dill==0.4.1 codetiming==1.4.0 omegaconf==2.3.1 hydra-core==1.3.8
+  .venv/bin/python -m pip install -q --no-deps --no-compile --target "$dir/site" antlr4-python3-runtime==4.9.3
+  rm -rf .whl/verl && mkdir -p .whl/verl
+  tar cf - -C "$dir/site" . | xz -9 -T0 >.whl/verl/site.tar.xz
+  (cd .whl/verl && sha256sum site.tar.xz >SHA256SUMS)
+  rm -rf "$dir"
+  ls -l .whl/verl
+  ;;
 *)
-  echo "usage: $0 pack | run" >&2
+  echo "usage: $0 pack | pack-verl | run" >&2
   exit 2
   ;;
 esac
