@@ -244,19 +244,28 @@ def test_a_gpu_test_is_skipped_with_a_reason_without_cuda() -> None:
 @pytest.mark.parametrize(("script", "packages", "installs"), [
     ("gpu_checks.sh", ("conduit-core", "conduit-srl"),
      "pip wheel --no-deps -w .whl packages/conduit-core packages/conduit-srl"),
-    ("gpu_rllib_bundle.sh", ("conduit-core", "conduit-srl", "conduit-rllib"), "$PWD/packages/conduit-core/src:"
-     "$PWD/packages/conduit-rllib/src:$PWD/packages/conduit-srl/src"),
+    ("gpu_rllib_bundle.sh", ("conduit-core", "conduit-srl", "conduit-rllib", "conduit-verl"),
+     "$PWD/packages/conduit-core/src:$PWD/packages/conduit-rllib/src:$PWD/packages/conduit-srl/src"),
 ])
 def test_the_gpu_scripts_run_every_gpu_marked_test_file_of_their_packages(script: str, packages: tuple[str, ...],
                                                                        installs: str) -> None:
     """The README: ``gpu_checks.sh`` runs the GPU tests of core and the SRL adapter (what it installs),
-    ``gpu_rllib_bundle.sh`` those of core, the SRL adapter and the RLlib adapter."""
+    ``gpu_rllib_bundle.sh`` those of core, the SRL adapter and the RLlib adapter (and the verl adapter's, when its
+    bundle is carried). A step may name its files after ``-m gpu`` or pass ``"${tests[@]}"``, the words of the
+    script's ``tests=(...)`` and ``tests+=(...)``."""
     text = (ROOT / "benchmarks/scripts" / script).read_text()
-    step = re.search(r"^\s*step gpu_tests .*?-m gpu \\\n(.*?)\n", text, re.S | re.M)
+    step = re.search(r"^\s*step gpu_tests .*?-m gpu (.*?)\n", text, re.M)
     assert step is not None, f"{script} has no gpu_tests step running -m gpu"
-    covered = step.group(1).split()
+    if step.group(1).strip() == '"${tests[@]}"':
+        covered = [w for m in re.finditer(r"\btests\+?=\((.*?)\)", text, re.S) for w in m.group(1).split()]
+    else:
+        tail = re.search(r"-m gpu \\\n(.*?)\n", text[step.start():], re.S)
+        assert tail is not None, f"{script}: the gpu_tests step names no test files"
+        covered = tail.group(1).split()
     assert installs in text, f"{script} does not put {packages} on the GPU machine"
     for package in packages:
+        if "$PWD/packages/" in text:  # (run from the working tree, not installed)
+            assert f"$PWD/packages/{package}/src" in text, f"{script} does not put {package} on PYTHONPATH"
         for path in sorted((ROOT / "packages" / package / "tests").glob("test_*.py")):
             if "pytest.mark.gpu" not in path.read_text():
                 continue
