@@ -78,6 +78,15 @@ class _CloseOnFirstAppend(Replay):
                 self.done.set()
 
 
+def _background_replay() -> tuple[ExperienceDataPlane, _GatedPlacement, _GatedStorage]:
+    """A replay buffer on gated host storage that stores each hand-over on its background ingestion worker."""
+    placement = _GatedPlacement()
+    edp = ExperienceDataPlane(ID_SCHEMA, capacity=100, semantics=Replay(seed=1), placement=placement,
+                              scheduler=Overlapped(g_ing=1, overlap=False, background_ingest=True))
+    assert isinstance(edp.storage, _GatedStorage)
+    return edp, placement, edp.storage
+
+
 def _unstored_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("conduit")
             and "not stored" in r.getMessage()]
@@ -118,11 +127,7 @@ def test_a_write_failing_after_close_on_the_worker_logs_a_warning(caplog: pytest
 
 def test_a_failing_close_from_another_thread_raises_without_the_warning(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING)
-    placement = _GatedPlacement()
-    edp = ExperienceDataPlane(ID_SCHEMA, capacity=100, semantics=Replay(seed=1), placement=placement,
-                              scheduler=Overlapped(g_ing=1, overlap=False, background_ingest=True))
-    storage = edp.storage
-    assert isinstance(storage, _GatedStorage)
+    edp, placement, storage = _background_replay()
     storage.fail_ids, storage.fail_times = {0}, 1
     ingestion = edp.scheduler._ingestion
     placement.gate.clear()  # the write waits until close() has begun: it fails inside close(), not before it
@@ -148,11 +153,7 @@ def test_a_failing_close_from_another_thread_raises_without_the_warning(caplog: 
 def test_a_write_failing_before_close_is_retried_by_close_and_nothing_is_lost() -> None:
     """close() makes one last try: a background write that failed before it (unreported) is retried, and when the
     retry stores everything, close() returns with every batch stored once, in order."""
-    placement = _GatedPlacement()
-    edp = ExperienceDataPlane(ID_SCHEMA, capacity=100, semantics=Replay(seed=1), placement=placement,
-                              scheduler=Overlapped(g_ing=1, overlap=False, background_ingest=True))
-    storage = edp.storage
-    assert isinstance(storage, _GatedStorage)
+    edp, placement, storage = _background_replay()
     storage.fail_ids, storage.fail_times = {4}, 1
     ingestion = edp.scheduler._ingestion
     placement.gate.clear()  # all three are handed over before the failure (a hand-over after it would raise it)
@@ -165,7 +166,9 @@ def test_a_write_failing_before_close_is_retried_by_close_and_nothing_is_lost() 
     edp.close()
     assert storage.sizes == [4, 4, 4], f"writes {storage.sizes}: the retry should store both queued batches"
     assert edp.scheduler.pending() == []
-    stored = storage.gather(torch.arange(12))["id"].tolist()
+    ids = storage.gather(torch.arange(12))["id"]
+    assert isinstance(ids, torch.Tensor)
+    stored = ids.tolist()
     assert stored == list(range(12)), f"stored ids {stored}: a retried batch was stored out of order"
 
 
