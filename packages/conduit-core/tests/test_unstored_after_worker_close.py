@@ -24,6 +24,7 @@ from conduit.placement import HostPlacement
 from conduit.placement.base import PlacementSpec
 from conduit.placement.cost import Workload
 from conduit.placement.placement_map import AdaptivePlacement, MapRange, PlacementMap
+from conduit.testing.lifecycle import eventually
 from conduit.testing.reference import ID_SCHEMA, id_batch
 
 
@@ -134,10 +135,7 @@ def test_a_failing_close_from_another_thread_raises_without_the_warning(caplog: 
     edp.ingest(id_batch(np.arange(0, 4)))
 
     def open_once_closing() -> None:
-        for _ in range(2000):
-            if ingestion._closing:
-                break
-            threading.Event().wait(0.005)
+        eventually(lambda: ingestion._closing, timeout=10)
         placement.gate.set()
 
     opener = threading.Thread(target=open_once_closing)
