@@ -14,24 +14,28 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
 SITE=/tmp/rllib-site
+# binary wheels for the GPU image's CPython 3.12 on x86-64 Linux
+PLATFORM=(--only-binary=:all: --implementation cp --python-version 3.12 --platform manylinux_2_28_x86_64
+          --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+
+# seal DIR NAME: DIR/site packed as .whl/NAME/site.tar.xz with its SHA256SUMS; DIR removed
+seal() {
+  rm -rf ".whl/$2" && mkdir -p ".whl/$2"
+  tar cf - -C "$1/site" . | xz -9 -T0 >".whl/$2/site.tar.xz"
+  (cd ".whl/$2" && sha256sum site.tar.xz >SHA256SUMS)
+  rm -rf "$1"
+  ls -l ".whl/$2"
+}
 
 case "${1:-}" in
 pack)
   set -e
   dir=$(mktemp -d)
-  .venv/bin/python -m pip download -q --only-binary=:all: --implementation cp --python-version 3.12 \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$dir/whl" "ray[rllib]==2.60.0"
+  .venv/bin/python -m pip download -q "${PLATFORM[@]}" -d "$dir/whl" "ray[rllib]==2.60.0"
   rm -f "$dir"/whl/{numpy,scipy,torch,pandas,pyarrow}-*.whl
-  .venv/bin/python -m pip install -q --no-deps --no-compile --only-binary=:all: --implementation cp \
-    --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --target "$dir/site" "$dir"/whl/*.whl
+  .venv/bin/python -m pip install -q --no-deps --no-compile "${PLATFORM[@]}" --target "$dir/site" "$dir"/whl/*.whl
   rm -rf "$dir/site/ray/jars" "$dir/site/ray/dashboard/client/build"
-  rm -rf .whl/rllib && mkdir -p .whl/rllib
-  tar cf - -C "$dir/site" . | xz -9 -T0 >.whl/rllib/site.tar.xz
-  (cd .whl/rllib && sha256sum site.tar.xz >SHA256SUMS)
-  rm -rf "$dir"
-  ls -l .whl/rllib
+  seal "$dir" rllib
   ;;
 run)
   OUT=${OUT:-out/gpu}
@@ -68,17 +72,11 @@ pack-verl)
   # (transformers, accelerate and tokenizers are there): the versions of this project's venv, for CPython 3.12
   set -e
   dir=$(mktemp -d)
-  plat=(--implementation cp --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
-        --platform manylinux2014_x86_64)
-  .venv/bin/python -m pip install -q --no-deps --no-compile --only-binary=:all: "${plat[@]}" --target "$dir/site" \
+  .venv/bin/python -m pip install -q --no-deps --no-compile "${PLATFORM[@]}" --target "$dir/site" \
     verl==0.9.1 tensordict==0.10.0 TransferQueue==0.1.11 orjson==3.13.0 msgspec==0.23.0 pyzmq==27.3.0 \
     pyvers==0.1.0 importlib_metadata==10.2.0 dill==0.4.1 codetiming==1.4.0 omegaconf==2.3.1 hydra-core==1.3.8
   .venv/bin/python -m pip install -q --no-deps --no-compile --target "$dir/site" antlr4-python3-runtime==4.9.3
-  rm -rf .whl/verl && mkdir -p .whl/verl
-  tar cf - -C "$dir/site" . | xz -9 -T0 >.whl/verl/site.tar.xz
-  (cd .whl/verl && sha256sum site.tar.xz >SHA256SUMS)
-  rm -rf "$dir"
-  ls -l .whl/verl
+  seal "$dir" verl
   ;;
 *)
   echo "usage: $0 pack | pack-verl | run" >&2
