@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from conduit_rllib.testing import DQN_SAMPLE_KWARGS
 
 
 def episodes(obs_dim: int, n: int, length: int, seed: int) -> list[Any]:
@@ -59,8 +60,6 @@ def build(variant: str, args: argparse.Namespace) -> Any:
 
 def one_step(buf: Any, args: argparse.Namespace, rng: np.random.Generator, sync: bool) -> tuple[float, float]:
     """One sample and one priority update as DQN's training step makes them; their seconds (synchronised)."""
-    from conduit_rllib.testing import DQN_SAMPLE_KWARGS
-
     t0 = time.perf_counter()
     s = buf.sample(num_items=args.batch, n_step=1, gamma=0.99, beta=0.4, **DQN_SAMPLE_KWARGS)
     if sync:
