@@ -3,7 +3,9 @@ the tier-specific logic (sharded interleaving, memory-mapped files, device check
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -278,23 +280,29 @@ def test_sharded_host_shards_need_no_staging() -> None:
     assert ShardedStorage(SCHEMA, 8, ["cpu"] * 2)._staging is None
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _resident_bytes(column: torch.Tensor) -> int:
+    """Bytes of ``column``'s own pages that are in memory now (Linux ``mincore``). Not the process's resident size:
+    another test's garbage freed meanwhile (by the collector, or by a thread it left) would shrink that, and in one
+    run under load it hid the whole 64 MiB a prefault had just committed."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = column.data_ptr() // page * page
+    length = column.data_ptr() + column.nbytes - start
+    pages = (ctypes.c_ubyte * -(-length // page))()
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), pages) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(b & 1 for b in pages) * page
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc to read resident memory")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads resident pages with Linux mincore")
 def test_host_columns_are_committed_at_construction_unless_prefault_is_off() -> None:
     """prefault=True writes every page of a host column up front; prefault=False leaves them to the first write."""
     schema = ExperienceSchema(obs=Field((1024,), torch.float32))  # 4 KiB per item, 64 MiB per storage
-    before = _resident_bytes()
     lazy = ColumnarStorage(schema, 16384, prefault=False)
-    lazy_growth = _resident_bytes() - before
-    before = _resident_bytes()
     eager = ColumnarStorage(schema, 16384)
-    eager_growth = _resident_bytes() - before
-    assert eager_growth >= 60 << 20, f"prefaulted storage grew resident memory by only {eager_growth >> 20} MiB"
-    assert lazy_growth < 16 << 20, f"prefault=False committed {lazy_growth >> 20} MiB at construction"
+    lazy_resident, eager_resident = (_resident_bytes(st._cols["obs"]) for st in (lazy, eager))
+    assert eager_resident >= 60 << 20, f"only {eager_resident >> 20} MiB of the prefaulted column are in memory"
+    assert lazy_resident < 16 << 20, f"prefault=False committed {lazy_resident >> 20} MiB of the column at construction"
     assert len(lazy) == len(eager) == 0
 
 
