@@ -21,7 +21,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, SupportsIndex
+from typing import Any, Final, NamedTuple, SupportsIndex
 
 from conduit.errors import ConfigurationError
 
@@ -101,10 +101,13 @@ class Telemetry:
             raise ConfigurationError(f"Telemetry(fold_every=...) is how many recorded calls are held before they are "
                                      f"folded: pass an int >= 0, got {fold_every!r}.")
         self.maxlen = maxlen
-        self._records: deque[CallRecord] = deque(maxlen=maxlen)
+        #: the ring and the queue hold plain tuples in CallRecord's field order: the collector stops tracking a
+        #: tuple of numbers and a str, never a CallRecord (a tuple subclass), so 64k CallRecords kept alive would
+        #: make every full collection walk them (readers make CallRecords of what they return)
+        self._records: deque[_Raw] = deque(maxlen=maxlen)
         #: kind -> (calls, items, bytes, seconds): replaced, never changed in place (see _fold_locked)
         self._totals: dict[str, tuple[int, int, int, float]] = {}
-        self._new: deque[CallRecord] = deque()
+        self._new: deque[_Raw] = deque()
         self._fold_every = fold_every
         #: reentrant (a reader re-entered on the thread that holds it must not wait for itself); its ``depth``
         #: tells a re-entered call not to fold
@@ -133,7 +136,7 @@ class Telemetry:
             tid = _local.tid
         except AttributeError:  # this thread's first call
             tid = _new_thread_id()
-        new.append(_new_record((kind, items, nbytes, start, end, tid)))
+        new.append((kind, items, nbytes, start, end, tid))
         if tid not in self._names:
             self._names[tid] = threading.current_thread().name
         if len(new) >= self._fold_every:
@@ -174,14 +177,14 @@ class Telemetry:
         # the totals of the kinds in this fold, summed on from the old ones call by call, in the order recorded
         old = self._totals
         changed: dict[str, list[Any]] = {}
-        for rec in batch:
-            t = changed.get(rec.kind)
+        for kind, items, nbytes, start, end, _ in batch:
+            t = changed.get(kind)
             if t is None:
-                t = changed[rec.kind] = list(old.get(rec.kind, _NO_CALLS))
+                t = changed[kind] = list(old.get(kind, _NO_CALLS))
             t[0] += 1
-            t[1] += rec.items
-            t[2] += rec.nbytes
-            d = rec.end - rec.start
+            t[1] += items
+            t[2] += nbytes
+            d = end - start
             if 0.0 < d < math.inf:  # a misused clock's NaN, negative or infinite duration adds no time (see Totals)
                 t[3] += d
         totals = old.copy() if changed else old
@@ -200,8 +203,8 @@ class Telemetry:
             first += over
             # (the running latest first: max() then passes over a NaN end)
             dropped_end = max(itertools.chain(
-                (dropped_end,), (r.end for r in itertools.islice(self._records, over - through)),
-                (r.end for r in itertools.islice(batch, through))))
+                (dropped_end,), (r[_END] for r in itertools.islice(self._records, over - through)),
+                (r[_END] for r in itertools.islice(batch, through))))
         folded = self._folded + n
         # the commit (see above: no allocation or call before the extend)
         self._totals = totals
@@ -224,10 +227,10 @@ class Telemetry:
         # live threads first, then the queue: a thread that exits after this has queued all its calls
         keep: set[int | None] = {_thread_ids.get(t) for t in threading.enumerate()}
         try:
-            keep.update(r.thread for r in tuple(self._new))
+            keep.update(r[_THREAD] for r in tuple(self._new))
         except RuntimeError:  # the queue changed while it was copied: try again at the next fold
             return
-        keep.update(r.thread for r in self._records)
+        keep.update(r[_THREAD] for r in self._records)
         for tid in [tid for tid in list(self._names) if tid not in keep]:
             self._names.pop(tid, None)
         self._names_limit = 2 * len(self._names) + _NAMES_SLACK
@@ -238,7 +241,7 @@ class Telemetry:
         other threads record."""
         with self._lock:
             self._fold_outermost()
-            return tuple(self._records)
+            return tuple(map(_new_record, self._records))
 
     def mark(self) -> int:
         """A point in the stream of calls: how many have been folded into :attr:`records` so far, after
@@ -259,7 +262,7 @@ class Telemetry:
         _check_mark("snapshot", since)
         with self._lock:
             self._fold_outermost()
-            return tuple(self._records), self._dropped_since(since)
+            return tuple(map(_new_record, self._records)), self._dropped_since(since)
 
     def calls_since(self, since: int) -> tuple[list[CallRecord], int]:
         """The calls folded at or after the mark ``since`` (from :meth:`mark`) that the ring still holds,
@@ -274,7 +277,7 @@ class Telemetry:
             self._fold_outermost()
             # read from the newest end: skipping the older calls from the left would walk the whole deque
             newer = itertools.islice(reversed(self._records), max(0, self._folded - max(since, self._first)))
-            return list(newer)[::-1], self._dropped_since(since)
+            return list(map(_new_record, newer))[::-1], self._dropped_since(since)
 
     def _dropped_since(self, since: int) -> int:
         """Calls folded at or after the mark ``since`` that the ring dropped to make room (caller holds the lock)."""
@@ -300,8 +303,8 @@ class Telemetry:
             for r in reversed(self._records):
                 if len(out) >= n:
                     break
-                if r.kind == kind:
-                    out.append(r)
+                if r[_KIND] == kind:
+                    out.append(_new_record(r))
         return out[::-1]
 
     @property
@@ -336,7 +339,20 @@ class Telemetry:
         _check_time("Telemetry.since(t0=...)", t0)
         with self._lock:
             self._fold_outermost()
-            return [r for r in self._records if r.start >= t0]
+            return [_new_record(r) for r in self._records if r[_START] >= t0]
+
+    def during(self, t0: float, t1: float) -> list[CallRecord]:
+        """Records of the calls that overlap the window ``[t0, t1)``: ended after ``t0`` and started before ``t1``
+        (a call still running is not recorded yet), oldest first.
+
+        Raises:
+            ConfigurationError: ``t0`` or ``t1`` is not a number (a ``time.perf_counter()`` reading), or NaN.
+        """
+        _check_time("Telemetry.during(t0=...)", t0)
+        _check_time("Telemetry.during(t1=...)", t1)
+        with self._lock:
+            self._fold_outermost()
+            return [_new_record(r) for r in self._records if r[_END] > t0 and r[_START] < t1]
 
     def reset(self) -> None:
         """Forget the recent calls and the totals. Marks go on counting (a later call still gets a later
@@ -412,7 +428,7 @@ class Telemetry:
         with self._lock:
             self._fold_outermost()
             # (abs() < limit is False for NaN and the infinities too)
-            recs = [r for r in self._records if (since is None or r.end > since)
+            recs = [r for r in map(_new_record, self._records) if (since is None or r.end > since)
                     and abs(r.start) < _TRACE_TIME_LIMIT and abs(r.end) < _TRACE_TIME_LIMIT and r.start <= r.end]
             # read with the records: a fold on another thread may forget an exited thread's name once its calls
             # have left the ring, and these calls may be its last
@@ -566,6 +582,13 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 _new_record = functools.partial(tuple.__new__, CallRecord)
+#: a call as the ring and the queue hold it: CallRecord's fields, as a plain tuple
+_Raw = tuple[str, int, int, float, float, int]
+#: positions in a _Raw
+_KIND: Final = 0
+_START: Final = 3
+_END: Final = 4
+_THREAD: Final = 5
 #: the totals of a kind never recorded: (calls, items, bytes, seconds)
 _NO_CALLS = (0, 0, 0, 0.0)
 #: thread names a Telemetry keeps beyond twice those it needs before it forgets the unneeded ones

@@ -214,7 +214,7 @@ class ExperiencePathProbe:
         A span counts once it has ended, so one still running at ``until`` is not in this window.
         """
         end = time.perf_counter() if until is None else until
-        recs = [r for edp in self._planes() for r in edp.telemetry.records if r.end > since and r.start < end]
+        recs = [r for edp in self._planes() for r in edp.telemetry.during(since, end)]
         recs += [w for w in list(self._waits) if w.end > since and w.start < end]
         return measure_iteration(recs, since, end, loop_threads=set(self._loop_threads)).hidden_s
 
