@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 import torch
 from conduit import ExperienceBatch, ExperienceSchema, Field, Ragged
+from conduit.distributed import _ray as ray_mod
+from conduit.distributed import checkpoint as checkpoint_mod
 from conduit.distributed import plane as plane_mod
+from conduit.distributed import recovery as recovery_mod
 from conduit.distributed import servers as servers_mod
 from conduit.distributed._ray import Outcome
 from conduit.distributed.errors import ClusterError
@@ -103,12 +106,19 @@ def _wait_all(refs: Any, timeout: float) -> dict[Any, Outcome]:
     return {k: Outcome(r.value, r.error, r.lost) for k, r in items.items()}
 
 
+def patch_ray(monkeypatch: pytest.MonkeyPatch, ray: Any) -> None:
+    """Route a plane's Ray calls (and its servers' group's) to ``ray``, and its waits to :func:`_wait_all`, in every
+    module that imported ``ray_module`` or ``wait_all`` by name (``ray_mod``'s own ``ray_module``: ``ray_is_up``)."""
+    for mod in (plane_mod, checkpoint_mod, servers_mod, ray_mod):
+        monkeypatch.setattr(mod, "ray_module", lambda **_: ray)
+    for mod in (plane_mod, recovery_mod, checkpoint_mod):
+        monkeypatch.setattr(mod, "wait_all", _wait_all)
+
+
 @pytest.fixture
 def fake_ray(monkeypatch: pytest.MonkeyPatch) -> Any:
     threads = torch.get_num_threads()
-    monkeypatch.setattr(plane_mod, "ray_module", lambda **_: _FakeRay)
-    monkeypatch.setattr(plane_mod, "wait_all", _wait_all)
-    monkeypatch.setattr(servers_mod, "ray_module", lambda **_: _FakeRay)
+    patch_ray(monkeypatch, _FakeRay)
     yield _FakeRay
     torch.set_num_threads(threads)
 

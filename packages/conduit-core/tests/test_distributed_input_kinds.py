@@ -20,15 +20,13 @@ import torch
 from conduit import ExperienceSchema, Field, OnPolicy, PrioritizedSampler, Replay
 from conduit.batch import ExperienceBatch, Ragged
 from conduit.distributed import experience as experience_mod
-from conduit.distributed import plane as plane_mod
-from conduit.distributed import servers as servers_mod
 from conduit.distributed.plane import DistributedDataPlane
 from conduit.distributed.wire import from_wire, pack_rows, packed_nbytes, ragged_lengths, to_wire, unpack_rows
 from conduit.errors import PriorityError, SchemaError
 from conduit.scheduling import Overlapped
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_distributed_bookkeeping import _Actor, _FakeRay, _Ref, _servers, _wait_all  # noqa: E402, I001
+from test_distributed_bookkeeping import _Actor, _FakeRay, _Ref, _servers, patch_ray  # noqa: E402, I001
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")]
 
@@ -68,9 +66,8 @@ def ray_like(monkeypatch: pytest.MonkeyPatch) -> Any:
         return out
 
     monkeypatch.setattr(_Actor, "call", call_through_store)
-    for mod in (plane_mod, servers_mod, experience_mod):
-        monkeypatch.setattr(mod, "ray_module", lambda **_: _StoreRay)
-    monkeypatch.setattr(plane_mod, "wait_all", _wait_all)
+    patch_ray(monkeypatch, _StoreRay)
+    monkeypatch.setattr(experience_mod, "ray_module", lambda **_: _StoreRay)
     monkeypatch.setattr(experience_mod, "current_node_id", lambda: "b")
     yield _StoreRay
     torch.set_num_threads(threads)

@@ -20,6 +20,7 @@ import logging, threading, weakref
 import numpy as np, ray
 from conduit.distributed import DistributedDataPlane
 from conduit.distributed import plane as P
+from conduit.distributed import recovery as R
 from conduit.distributed.testing import local_cluster
 from conduit.testing.reference import ID_SCHEMA, id_batch
 
@@ -33,7 +34,7 @@ cm = local_cluster(1)
 lc = cm.__enter__()
 plane = DistributedDataPlane(ID_SCHEMA, capacity=8, servers=[lc.head], measure=False, health_period=3600)
 plane.ingest(id_batch(np.arange(4)))
-real_ping, pings = P.ping, []
+real_ping, pings = R.ping, []
 
 def ping_after_shutdown(actor):
     if not pings:  # the shutdown lands after the monitor found Ray up, before its first ping
@@ -41,7 +42,7 @@ def ping_after_shutdown(actor):
     pings.append(actor)
     return real_ping(actor)
 
-P.ping = ping_after_shutdown
+R.ping = ping_after_shutdown
 t = threading.Thread(target=P._watch, args=(weakref.ref(plane), threading.Event(), 0.01), daemon=True)
 t.start()
 t.join(60)

@@ -13,8 +13,8 @@ from conduit.distributed.errors import ClusterError, RayUnavailableError
 from conduit.errors import ConduitError, ConfigurationError
 from conduit.scheduling.base import thread_flag
 
-__all__ = ["ray_module", "current_node_id", "wait_all", "Outcome", "without_auto_init", "positive_finite",
-           "check_seconds"]
+__all__ = ["ray_module", "ray_is_up", "current_node_id", "wait_all", "Outcome", "without_auto_init",
+           "positive_finite", "is_int", "check_seconds"]
 
 _tls = threading.local()
 
@@ -26,6 +26,11 @@ def positive_finite(x: Any) -> bool:
     """
     real = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
     return real and bool(0 < x < float("inf"))
+
+
+def is_int(x: Any) -> bool:
+    """``x`` is an integer (Python's or NumPy's), not a bool: what a count or a handle must be."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def check_seconds(name: str, value: object, *, none_means: str | None = None) -> None:
@@ -59,6 +64,15 @@ def ray_module(*, initialized: bool = True) -> Any:
         raise ClusterError("Ray is not initialised in this process; call ray.init(address=...) (or start a local "
                            "cluster with conduit.distributed.testing.local_cluster()) before building shards.")
     return ray
+
+
+def ray_is_up() -> bool:
+    """Whether Ray is importable and started in this process (after ``ray.shutdown()`` it is not)."""
+    try:
+        ray_module()
+    except ClusterError:
+        return False
+    return True
 
 
 @contextmanager

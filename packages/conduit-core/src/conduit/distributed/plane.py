@@ -31,25 +31,29 @@ import threading
 import time
 import uuid
 import weakref
-from collections import deque
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
 
-from conduit.batch import ExperienceBatch, Ragged, host_array
+from conduit.batch import ExperienceBatch, host_array
+from conduit.distributed import checkpoint, recovery
 from conduit.distributed._ray import (
     Outcome,
     check_seconds,
     current_node_id,
+    is_int,
     positive_finite,
+    ray_is_up,
     ray_module,
     wait_all,
     without_auto_init,
 )
+from conduit.distributed.assembly import Assembly, concat
+from conduit.distributed.callbacks import LossCallbacks, PlaneLock
 from conduit.distributed.errors import (
     ClusterError,
     DistributedError,
@@ -62,14 +66,13 @@ from conduit.distributed.faults import LossReport
 from conduit.distributed.index import ShardIndex
 from conduit.distributed.links import LinkProfile
 from conduit.distributed.plan import Chunk, ShardPlan
-from conduit.distributed.server import ping
 from conduit.distributed.servers import ShardServers
 from conduit.distributed.transport import OBJECT_STORE, TORCH, TRANSPORTS, TorchGroup
 from conduit.distributed.wire import from_wire, packed_nbytes, to_wire, unpack_rows
 from conduit.edp import check_roles
 from conduit.errors import CapacityError, ConduitError, ConfigurationError, EmptyBufferError
-from conduit.scheduling.base import Scheduler, Synchronous, check_scheduler_entry, lock_held, scheduler_entry
-from conduit.schema import ExperienceSchema, same_width_integer
+from conduit.scheduling.base import Scheduler, Synchronous, lock_held
+from conduit.schema import ExperienceSchema
 from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy, check_version
 from conduit.semantics.replay import PrioritizedSampler, Replay, UniformSampler
@@ -84,201 +87,12 @@ log = logging.getLogger("conduit.distributed")
 
 #: redraw rounds for replay draws that hit lost items before giving up
 _MAX_REDRAWS = 256
-#: rounds of re-replication copies in one call (the first and its retries): a copy that fails while its source
-#: lives is sent again to another target, so one stuck or refusing target does not leave a segment short
-_COPY_ROUNDS = 3
-
-
-class _Assembly:
-    """Rows arriving from several shards, written into one batch in draw order."""
-
-    def __init__(self, schema: ExperienceSchema, k: int, out: Mapping[str, torch.Tensor] | None = None) -> None:
-        self.schema, self.k = schema, k
-        self.fixed = {n: (out[n][:k] if out is not None else torch.empty((k, *schema[n].shape), dtype=schema[n].dtype))
-                      for n in schema.fixed}
-        self.ragged: list[tuple[np.ndarray, ExperienceBatch]] = []
-
-    def put(self, dest: np.ndarray, part: ExperienceBatch) -> None:
-        d = torch.from_numpy(dest)
-        for n in self.schema.fixed:
-            _bits(self.fixed[n]).index_copy_(0, d, _bits(part.tensor(n)))
-        if self.schema.ragged:
-            self.ragged.append((dest, ExperienceBatch({n: part[n] for n in self.schema.ragged}, part.batch_size)))
-
-    def batch(self, keep: np.ndarray | None = None) -> ExperienceBatch:
-        """The assembled rows (only positions ``keep``, in order, when given)."""
-        cols: dict[str, torch.Tensor | Ragged] = dict(self.fixed)
-        if self.schema.ragged:
-            dests = np.concatenate([d for d, _ in self.ragged]) if self.ragged else np.zeros(0, np.int64)
-            where = np.empty(self.k, dtype=np.int64)
-            where[dests] = np.arange(dests.shape[0])
-            for n in self.schema.ragged:
-                parts = cast("list[Ragged]", [p[n] for _, p in self.ragged])
-                vals = torch.cat([p.values for p in parts]) if parts else torch.empty(
-                    (0, *self.schema[n].shape), dtype=self.schema[n].dtype)
-                lens = torch.cat([p.lengths for p in parts]) if parts else torch.zeros(0, dtype=torch.int64)
-                cols[n] = Ragged(vals, lens)
-            tmp = ExperienceBatch({n: cols[n] for n in self.schema.ragged}, int(dests.shape[0]))
-            order = where if keep is None else where[keep]
-            tmp = tmp.select(torch.from_numpy(order))
-            cols.update({n: tmp[n] for n in self.schema.ragged})
-        n_out = self.k
-        if keep is not None:
-            kt = torch.from_numpy(keep)
-            for n in self.schema.fixed:
-                cols[n] = self.fixed[n].index_select(0, kt)
-            n_out = int(keep.shape[0])
-        return ExperienceBatch({n: cols[n] for n in self.schema}, n_out)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed as the integer dtype of its element size, as core's storage copies rows
-    (:func:`conduit.schema.same_width_integer`: exact for every dtype, and torch has no ``index_copy_`` for some,
-    e.g. the float8 dtypes); ``t`` itself when no integer is that wide (e.g. complex128)."""
-    b = same_width_integer(t.dtype)
-    return t if b is None or t.dtype == b else t.view(b)
 
 
 #: the column a batch handed to a scheduler carries: each row's producer node (an index into the buffer's list of
 #: producers). A column, not an attribute, so it survives whatever the scheduler does to the rows: copy them
 #: (``copy_on_ingest``) or coalesce several hand-overs into one write (``g_ing > 1``).
 _PRODUCER = "conduit.distributed/producer"
-
-
-def _concat(schema: ExperienceSchema, parts: list[ExperienceBatch], fixed: Mapping[str, torch.Tensor] | None
-            ) -> ExperienceBatch:
-    """Batches back to back; fixed fields are already back to back in ``fixed`` when given."""
-    n = sum(p.batch_size for p in parts)
-    cols: dict[str, torch.Tensor | Ragged] = {}
-    for name in schema:
-        if schema[name].ragged:
-            rs = cast("list[Ragged]", [p[name] for p in parts])
-            cols[name] = Ragged(torch.cat([r.values for r in rs]), torch.cat([r.lengths for r in rs]))
-        elif fixed is not None:
-            cols[name] = fixed[name][:n]
-        else:
-            cols[name] = torch.cat([p.tensor(name) for p in parts])
-    return ExperienceBatch(cols, n)
-
-
-class _LossCallbacks:
-    """Hands loss reports to the user's ``on_loss`` callback: outside the buffer's lock, in the order they were
-    recorded in :attr:`DistributedDataPlane.losses`, each exactly once, one call at a time.
-
-    It holds no reference to the plane (the plane's lock holds it, and a plane dropped without ``close()`` must
-    still be freed by reference counting).
-    """
-
-    def __init__(self, fn: Callable[[LossReport], None] | None) -> None:
-        self.fn = fn
-        self._queue: deque[LossReport] = deque()
-        self._mu = threading.Condition(threading.Lock())  # (notified when a callback ends: see wait_idle)
-        self._running: threading.Thread | None = None
-        #: per thread: how many scheduler calls (or scheduler primitives) it is inside (see :meth:`run`)
-        self._inside = threading.local()
-
-    def depth(self) -> int:
-        """How many scheduler calls (:meth:`_PlaneLock.scheduler_call`) or scheduler primitives the calling thread is
-        inside."""
-        return int(getattr(self._inside, "n", 0))
-
-    @contextmanager
-    def deferring(self) -> Iterator[None]:
-        """While entered, :meth:`run` on this thread does nothing: the thread may hold a scheduler's delivery lock
-        (``Overlapped._mu``), or run a prefetch job a delivery waits for, and a callback that took the buffer's lock
-        there could wait forever for a thread that holds the buffer's lock and waits for the delivery lock. The
-        reports stay queued, in order, for the next :meth:`run` outside (the end of the scheduler call, or of the
-        next outermost hold of the buffer's lock on any thread)."""
-        self._inside.n = self.depth() + 1
-        try:
-            yield
-        finally:
-            self._inside.n -= 1
-
-    def add(self, report: LossReport) -> None:
-        """Queue ``report`` (called under the buffer's lock, in the order the reports are recorded)."""
-        with self._mu:
-            self._queue.append(report)
-
-    def run(self) -> None:
-        """Call ``fn`` with every queued report, oldest first (called once a thread's outermost hold of the buffer's
-        lock ended). When a callback is already running, this returns at once: that thread's loop takes the queued
-        reports next (also when it is this thread, i.e. the callback called into the buffer and found a loss).
-        Inside :meth:`deferring` it returns at once too (the reports stay queued)."""
-        if self.depth():
-            return
-        while True:
-            with self._mu:
-                if self._running is not None:
-                    return
-                if not self._queue:
-                    return
-                report = self._queue.popleft()
-                self._running = threading.current_thread()
-            try:
-                fn = self.fn
-                if fn is not None:
-                    fn(report)
-            except Exception:  # noqa: BLE001 - a failing callback must not abort the call that found the loss
-                log.exception("conduit: on_loss raised; the loss itself is recorded in .losses")
-            finally:
-                with self._mu:
-                    self._running = None
-                    self._mu.notify_all()
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Run the queued reports here (as :meth:`run`), and wait until no callback runs on another thread and none
-        is queued; at most ``timeout`` seconds. Returns whether that was reached (a callback running on this thread,
-        i.e. one that called in here, counts as idle: it cannot be waited for).
-
-        Only for a thread that holds no buffer lock and is in no scheduler call: a callback waited for may call the
-        buffer, or the scheduler."""
-        deadline = time.monotonic() + timeout
-        me = threading.current_thread()
-        while True:
-            self.run()
-            with self._mu:
-                if self._running is me or (self._running is None and not self._queue):
-                    return True
-                left = deadline - time.monotonic()
-                if left <= 0 or self.depth():
-                    return False
-                if self._running is not None:  # (None: a report was queued just now; the loop runs it here)
-                    self._mu.wait(left)
-
-
-class _PlaneLock:
-    """The buffer's re-entrant lock: when a thread's outermost hold ends, the loss reports recorded meanwhile go
-    to ``on_loss`` (:class:`_LossCallbacks`), so a callback never runs under the lock and may call the buffer,
-    from any thread."""
-
-    def __init__(self, callbacks: _LossCallbacks) -> None:
-        self._lock = threading.RLock()
-        self._callbacks = callbacks
-
-    def __enter__(self) -> bool:
-        return self._lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-        if not self._is_owned():
-            self._callbacks.run()
-
-    def _is_owned(self) -> bool:
-        """Whether the calling thread holds the lock (what :func:`~conduit.scheduling.base.lock_held` asks)."""
-        return bool(self._lock._is_owned())  # type: ignore[attr-defined]
-
-    @contextmanager
-    def scheduler_call(self) -> Iterator[None]:
-        """Around a call into the scheduler (which may take its delivery lock): loss reports found meanwhile go to
-        ``on_loss`` once it returned, on this thread, unless it still holds the buffer's lock (then when that hold
-        ends)."""
-        try:
-            with self._callbacks.deferring():
-                yield
-        finally:
-            if not self._callbacks.depth() and not self._is_owned():
-                self._callbacks.run()
 
 
 class DistributedDataPlane:
@@ -381,10 +195,10 @@ class DistributedDataPlane:
         # checked before any server starts (a refusal afterwards would leave the servers it started running)
         check_seconds("timeout", timeout)
         check_seconds("health_period", health_period, none_means="no monitor thread")
-        if shard_capacity is not None and not (_is_int(shard_capacity) and shard_capacity > 0):
+        if shard_capacity is not None and not (is_int(shard_capacity) and shard_capacity > 0):
             raise ConfigurationError(f"shard_capacity must be a positive int or None, got {shard_capacity!r}.")
-        if ragged_capacity is not None and not (_is_int(ragged_capacity) and ragged_capacity > 0):
-            if schema.ragged or not (_is_int(ragged_capacity) and ragged_capacity == 0):
+        if ragged_capacity is not None and not (is_int(ragged_capacity) and ragged_capacity > 0):
+            if schema.ragged or not (is_int(ragged_capacity) and ragged_capacity == 0):
                 raise ConfigurationError(f"ragged_capacity must be a positive int or None, got {ragged_capacity!r}.")
         if reuse is not None and not (positive_finite(reuse) or (not isinstance(reuse, bool) and reuse == 0)):
             raise ConfigurationError(f"reuse must be a number >= 0 (expected deliveries per item), got {reuse!r}.")
@@ -407,7 +221,7 @@ class DistributedDataPlane:
         self.timeout = float(timeout)
         self.device = device
         self.telemetry = Telemetry()
-        self._callbacks = _LossCallbacks(on_loss)
+        self._callbacks = LossCallbacks(on_loss)
         self.losses: list[LossReport] = []
         self._losses_seen = 0  # len(losses) at the last deliver(): batches prepared before a loss are dropped
         #: items left with fewer than ``replication`` copies when stored or re-replicated after a loss (no room on
@@ -415,7 +229,7 @@ class DistributedDataPlane:
         #: total over the buffer's life, like :attr:`lost_items`, that never goes down (also once such items are
         #: evicted or copied later)
         self.under_replicated = 0
-        self._lock = _PlaneLock(self._callbacks)
+        self._lock = PlaneLock(self._callbacks)
         self._closed = False
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -1031,7 +845,7 @@ class DistributedDataPlane:
         semantics' next minibatch, as :meth:`deliver` skips it.
         """
         t0 = time.perf_counter()
-        with self._callbacks.deferring(), self._lock:  # (a scheduler's primitive: see _LossCallbacks.deferring)
+        with self._callbacks.deferring(), self._lock:  # (a scheduler's primitive: see LossCallbacks.deferring)
             self._check_open()
             total = sum(int(s.slots.shape[0]) for s in selections)
             bufs = out(total) if callable(out) else out
@@ -1057,7 +871,7 @@ class DistributedDataPlane:
                     row += took
                 shrunk = grown or any(p.batch_size != int(s.slots.shape[0])
                                       for p, s in zip(parts, selections, strict=True))
-                batch = parts[0] if len(parts) == 1 else _concat(self.schema, parts, None if shrunk else bufs)
+                batch = parts[0] if len(parts) == 1 else concat(self.schema, parts, None if shrunk else bufs)
         self.telemetry.record("deliver", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
         return batch
 
@@ -1066,7 +880,7 @@ class DistributedDataPlane:
                     peek: bool = False, when: Callable[[], bool] | None = None,
                     **kwargs: Any) -> tuple[ExperienceBatch, list[Selection]] | None:
         """:meth:`select_now` and :meth:`gather_now` under one lock hold (no ingestion in between)."""
-        with self._callbacks.deferring(), self._lock:  # (a scheduler's primitive: see _LossCallbacks.deferring)
+        with self._callbacks.deferring(), self._lock:  # (a scheduler's primitive: see LossCallbacks.deferring)
             sels = self.select_now(sizes, peek=peek, when=when, **kwargs)
             if sels is None:
                 return None
@@ -1095,7 +909,7 @@ class DistributedDataPlane:
         while True:
             handles = sel.info.handles.numpy().copy()
             k = handles.shape[0]
-            asm = _Assembly(self.schema, k, out(k))
+            asm = Assembly(self.schema, k, out(k))
             dropped = self.index.lost_mask(handles)
             dropped[self._fetch(handles, np.nonzero(~dropped)[0], asm)] = True
             if not skip_lost or not dropped.all() or sel.info.last or k == 0:
@@ -1124,7 +938,7 @@ class DistributedDataPlane:
         ends = np.cumsum(sizes)
         starts = ends - sizes
         handles = np.concatenate([s.info.handles.numpy() for s in sels]) if sels else np.zeros(0, np.int64)
-        asm = _Assembly(self.schema, int(handles.shape[0]), out)
+        asm = Assembly(self.schema, int(handles.shape[0]), out)
         todo = np.arange(handles.shape[0])
         losses, redrawn = len(self.losses), False
         for _ in range(_MAX_REDRAWS):
@@ -1220,7 +1034,7 @@ class DistributedDataPlane:
             self.semantics.after_gather(sel)
         return batch, sel.info
 
-    def _fetch(self, handles: np.ndarray, pos: np.ndarray, asm: _Assembly) -> np.ndarray:
+    def _fetch(self, handles: np.ndarray, pos: np.ndarray, asm: Assembly) -> np.ndarray:
         """Read the items at positions ``pos`` of ``handles`` into ``asm``; returns positions not read.
 
         A shard that fails is lost (and its replicas elsewhere are read instead); positions
@@ -1372,7 +1186,7 @@ class DistributedDataPlane:
             if bad.any():
                 raise CapacityError(f"{int(bad.sum())} handles are not live (live: [{self.index.oldest}, "
                                     f"{self.index.next_handle})); read only live handles.")
-            asm = _Assembly(self.schema, h.shape[0])
+            asm = Assembly(self.schema, h.shape[0])
             missing = self._fetch(h, np.arange(h.shape[0]), asm)
             if missing.size:
                 gone = h[missing]  # the report that names these items (none: lost in a load that stopped)
@@ -1447,261 +1261,27 @@ class DistributedDataPlane:
         """Block until every batch handed to ``ingest`` is in the shards (the scheduler's queue drained)."""
         self.scheduler.flush()
 
-    # -- faults -----------------------------------------------------------------------------------
+    # -- faults (conduit.distributed.recovery) ----------------------------------------------------
     def check_health(self) -> list[LossReport]:
         """Ping every live shard once (at most ``timeout`` seconds); returns the losses this found (the shards
         that did not answer, and any that the re-replication of their items then found lost), in the order
         they were recorded in :attr:`losses`."""
-        live = self.alive_shards
-        if self._closed or not live:
-            return []
-        outs = self._ping(live)
-        found: list[LossReport] = []
-        if self._closed or not _ray_is_up():
-            # close() ran while the pings were out: it stopped the shards, nothing was lost; or Ray was shut down
-            # meanwhile: the pings' failures say nothing about the shards (and losing them would call Ray again)
-            return found
-        for s, o in outs.items():
-            if o.lost:
-                self._lose(s, _reason(o), found=found)
-        return found
-
-    def _ping(self, shards: Collection[int]) -> dict[int, Outcome]:
-        """Ping ``shards`` at once, at most ``timeout`` seconds in all.
-
-        A ping Ray refuses to send (the server's actor is unknown to it, e.g. after Ray was restarted under the
-        buffer) is an answer of a lost server. A ping Ray answers with ``ActorUnavailableError`` (the actor is
-        unreachable for now, which proves no death) is sent again, after a short pause, until it gets another
-        answer or the ``timeout`` is spent: a passing fault is not a loss, and a server that stays unreachable
-        is still found lost within ``timeout``.
-        """
-        deadline = time.monotonic() + self.timeout
-        out: dict[int, Outcome] = {}
-        todo, pause = list(shards), 0.05
-        while True:
-            refs = {}
-            for s in todo:
-                try:
-                    refs[s] = ping(self.servers[s].actor)
-                except Exception as e:  # noqa: BLE001 - classified: the actor cannot be reached
-                    out[s] = Outcome(error=e, lost=True)
-            got = wait_all(refs, max(0.0, deadline - time.monotonic()))
-            out.update(got)
-            todo = [s for s, o in got.items() if o.unconfirmed and not isinstance(o.error, TimeoutError)]
-            left = deadline - time.monotonic()
-            if not todo or left <= 0:
-                return out
-            time.sleep(min(pause, left))
-            pause = min(2 * pause, 0.5)
+        return recovery.check_health(self)
 
     def _settle(self, failed: dict[int, Outcome]) -> set[int]:
-        """Decide which shards whose call failed are lost; returns those found alive (their call is stuck).
-
-        A shard whose actor or node died is lost. A shard whose call only timed out, or that Ray
-        reported unavailable for now (``ActorUnavailableError``), is pinged (health checks run on
-        their own thread there, see :meth:`_ping`): no answer within ``timeout`` makes it lost; an
-        answer means it lives and the call itself is stuck (or failed in passing).
-        """
-        probe = set()
-        for s, o in failed.items():
-            if not self._alive[s]:
-                continue
-            if o.unconfirmed:
-                probe.add(s)
-            else:
-                self._lose(s, _reason(o))
-        if not probe:
-            return set()
-        answers = self._ping(probe)
-        stuck = set()
-        for s, a in answers.items():
-            if a.ok:
-                stuck.add(s)
-            else:
-                self._lose(s, _reason(a))
-        return stuck
+        """Decide which shards whose call failed are lost; returns those found alive (see :func:`recovery.settle`)."""
+        return recovery.settle(self, failed)
 
     def _lose(self, shard: int, reason: str, *, found: list[LossReport] | None = None) -> LossReport | None:
-        """Declare ``shard`` lost: fence it, account its items, restore replication where possible.
-
-        ``found`` gets every report this recorded: this shard's, and those of shards the re-replication of its
-        items found lost (their copies failed).
-
-        Once :meth:`close` marked the buffer closed (under this lock) this does nothing: a health check that was
-        under way then (its pings out, or past its own "closed?" check) reports no loss for shards close() stops.
-        """
-        with self._lock:
-            if self._closed or not self._alive[shard]:
-                return None
-            before = len(self.losses)
-            self._alive[shard] = False
-            self.servers.kill(shard)
-            lost, recovered, under = self.index.drop_shard(shard)
-            if lost.size and self._replay and getattr(self.semantics.sampler, "prioritized", False):  # type: ignore[attr-defined]
-                _forget_priorities(self.semantics, lost, self.capacity)
-            evicting = self._evicting is not None
-            keep = max(self.index.oldest, cast(int, self._evicting)) if evicting else self.index.oldest
-            gone = lost[lost < keep]
-            if gone.size:  # the write under way evicts these (unless it fails and evicts nothing)
-                lost = lost[lost >= keep]
-            # so are the oldest items of segments with a replica elsewhere: neither lost nor recovered
-            spared = [(r, self.index.segment(r)[1] - max(0, self.index.segment(r, keep)[1])) for r in under]
-            spared = [(r, k) for r, k in spared if k > 0]
-            recovered -= sum(k for _, k in spared)
-            copied = self._replicate(under) if under else 0
-            if len(self.losses) > before:
-                # the copies found the other replica of some segments lost too: that loss reports their items
-                # lost, so they are not recovered here (each item counted once, lost or recovered)
-                recovered = sum(c for _, c, reps in (self.index.segment(r, keep) for r in under) if c > 0 and reps)
-            report = LossReport(shard, self.shard_node(shard), reason, time.time(), lost, recovered, copied)
-            self.losses.append(report)
-            if evicting or self._held_losses:  # held until the write ends (see _release_losses), in order
-                self._held_losses.append((len(self.losses) - 1, gone, spared))
-            else:  # on_loss runs once this thread's outermost hold of the lock ends
-                self._callbacks.add(report)
-            if found is not None:  # (under the lock: every report since ``before`` was recorded by this call)
-                found.extend(self.losses[before:])
-        log.warning("conduit: %s", report)
-        return report
+        """Declare ``shard`` lost: fence it, account its items, restore replication (see :func:`recovery.lose`)."""
+        return recovery.lose(self, shard, reason, found=found)
 
     def _replicate(self, rows: list[int]) -> int:
-        """Give under-replicated segments the copies they lack, each on another live node; returns items copied.
+        """Give under-replicated segments the copies they lack; returns items copied (see
+        :func:`recovery.replicate`)."""
+        return recovery.replicate(self, rows)
 
-        A copy that fails while its source lives (its target refused it, died, or answered a health probe but
-        did not store the copy within ``timeout``) is sent again to another target, in at most
-        :data:`_COPY_ROUNDS` rounds in all; a target whose copy failed gets no more copies in this call (a late
-        copy there is discarded, see :meth:`_discard_late`). Before a retry, the shards of copies whose outcome
-        is unknown are probed (at most ``timeout``), so a retry never waits on a source found dead. A segment
-        still short of ``replication`` copies afterwards (no room on another node, or every copy failed) counts
-        its items in :attr:`under_replicated`; one whose source (or another replica) was lost meanwhile is
-        accounted by that loss instead, and so is one whose copy landed on a target lost later in this call (that
-        loss copies it again or counts it; the items returned leave it out). During a write (a shard lost while an
-        ingestion stores its batch) only the items the write keeps are copied, into the room its evictions free:
-        the oldest items it evicts are not (a segment it evicts whole is kept aside, and copied only if the write
-        fails and evicts nothing).
-        """
-        if self.replication < 2:
-            return 0
-        oldest = self.index.oldest if self._evicting is None else max(self.index.oldest, self._evicting)
-        #: the shards holding each segment (now, and the targets its copies land on): a segment one of them is lost
-        #: from is that loss's to account
-        held = {row: {s for s, _ in self.index.segment(row, oldest)[2]} for row in rows}
-        copied: dict[int, int] = {}  # rows that got a copy -> their items
-        avoid: set[int] = set()  # targets whose copy failed in this call
-        todo = list(held)
-        for attempt in range(_COPY_ROUNDS):
-            retry, unsure = self._copy_round(todo, oldest, held, avoid, copied)
-            last = attempt == _COPY_ROUNDS - 1 or not retry
-            if unsure and (not last or self._monitor is None):
-                # probe now (at most ``timeout``): before a retry, so it does not wait on a dead source; and
-                # when no health monitor will look at them, so a shard that stays unreachable is found lost
-                # here (its segments accounted again by its loss), not never
-                self._settle(unsure)
-            if last:
-                break
-            todo = retry
-        short = 0
-        for row, shards in held.items():
-            _, count, reps = self.index.segment(row, oldest)
-            if count > 0 and reps and len(reps) < self.replication and all(self._alive[s] for s in shards):
-                short += count
-        self.under_replicated += short
-        return sum(count for row, count in copied.items() if all(self._alive[s] for s in held[row]))
-
-    def _copy_round(self, rows: list[int], oldest: int, held: dict[int, set[int]], avoid: set[int],
-                    copied: dict[int, int]) -> tuple[list[int], dict[int, Outcome]]:
-        """One round of :meth:`_replicate`: copy each short segment of ``rows`` to targets not in ``avoid``.
-
-        Records the copies that landed (in the index, ``copied`` and ``held``), all of them before any failed copy
-        is settled: a target (or source) found lost by a failure then has its landed copies in the index, so its
-        loss accounts them (the index never names a replica on a lost shard). Adds the targets whose copy failed to
-        ``avoid``. Returns the rows to copy again (their source lives) and the outcomes of copies whose outcome
-        is unknown, by shard (source and target), to probe.
-        """
-        rooms = {s: self._room(s, oldest) for s in self.alive_shards if s not in avoid}
-        jobs: dict[tuple[int, int], tuple[int, int, int]] = {}
-        calls: dict[tuple[int, int], Any] = {}
-        for row in rows:
-            if not all(self._alive[s] for s in held[row]):
-                continue  # the loss of one of its shards accounted it again
-            first, count, reps = self.index.segment(row, oldest)
-            if reps and len(reps) < self.replication and count <= 0 < self.index.segment(row)[1]:
-                self._short_evicted.append(row)  # evicted by the write under way (unless it fails)
-                continue
-            if count <= 0 or not reps or len(reps) >= self.replication:
-                continue
-            # as many copies as the segment lacks (a write that lost several shards leaves it more than one short),
-            # each on another node
-            used = {self.shard_node(s) for s, _ in reps}
-            src, src_local = reps[0]
-            targets: list[int] = []
-            for s in self.plan.order(self.shard_node(src), count * self.schema.fixed_item_bytes, list(rooms)):
-                if len(reps) + len(targets) < self.replication and self.shard_node(s) not in used \
-                        and rooms[s][0] >= count:
-                    targets.append(s)
-                    used.add(self.shard_node(s))
-            if not targets:
-                continue
-            data = self.servers[src].actor.gather.remote(self.buffer_id, np.arange(src_local, src_local + count))
-            for t in targets:
-                rooms[t] = (rooms[t][0] - count, rooms[t][1])
-                calls[(row, t)] = self.servers[t].actor.append.remote(self.buffer_id, data, 0, count, rooms[t][1])
-                jobs[(row, t)] = (count, first, src)
-        outs = wait_all(calls, self.timeout)
-        late: set[int] = set()  # targets of copies whose outcome is unknown (they may still run)
-        unsure: dict[int, Outcome] = {}  # their sources and targets
-        retry: list[int] = []
-        for (row, t), o in outs.items():
-            # first every copy that landed (no loss is settled before: each target here is alive)
-            if o.ok and self._alive[t]:
-                count, first, _ = jobs[(row, t)]
-                self._local_next[t] = max(self._local_next[t], int(o.value[2]))
-                seg_first, _ = self.index.segment_span(row)
-                self.index.add_replica(row, t, int(o.value[0]) - (first - seg_first))
-                copied[row] = count
-                held[row].add(t)
-        for (row, t), o in outs.items():
-            if o.ok:
-                continue
-            count, first, src = jobs[(row, t)]
-            if o.lost and not o.unconfirmed:
-                # a two-hop copy: the error names the actor that died (source or target); a timeout or a
-                # passing unavailability is settled by a probe (see _replicate) or by the health monitor
-                dead = getattr(o.error, "actor_id", None)
-                if dead == _actor_hex(self.servers[src].actor):
-                    # the source's loss accounts the segment again (copied from another replica, or lost)
-                    self._lose(src, _reason(o))
-                    continue
-                self._lose(t, _reason(o))
-            elif o.lost:
-                late.add(t)
-                unsure[src] = unsure[t] = o
-            avoid.add(t)
-            retry.append(row)
-        self._discard_late(late)
-        return list(dict.fromkeys(retry)), unsure
-
-    def _discard_late(self, shards: Collection[int]) -> None:
-        """Make appends whose outcome is unknown (timed out, or Ray reported the shard unavailable) harmless.
-
-        Such an append may still run, and store rows the index does not know. A shard runs data calls one at
-        a time in submission order, so a truncate sent now runs right after it, before any later call: it
-        forgets whatever the late append stored (rows from ``_local_next`` on, which no segment names). Not
-        waited for (it queues behind the stuck call); the shard's next answer tells its next handle. During a
-        write, the shard is also marked doubtful: the late append may have released the items the write
-        evicts, so a write that then fails counts them evicted (:meth:`_undo_store`).
-        """
-        for t in shards:
-            if not self._alive[t]:
-                continue
-            if self._evicting is not None:
-                self._doubtful.add(t)
-            try:
-                self.servers[t].actor.truncate.remote(self.buffer_id, max(self._local_next[t], self.index.held_end(t)))
-            except Exception:  # noqa: BLE001 - Ray cannot reach the shard: the health checks will find it lost
-                log.debug("conduit: discarding a late copy on shard %d failed", t, exc_info=True)
-
-    # -- checkpoint -------------------------------------------------------------------------------
+    # -- checkpoint (conduit.distributed.checkpoint) ----------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Live contents (read from the shards), handles, lost ranges and semantics state (RNG included).
 
@@ -1715,29 +1295,7 @@ class DistributedDataPlane:
         Raises:
             ConfigurationError: the buffer is closed (its partitions are gone): take the checkpoint before close().
         """
-        self.scheduler.flush()
-        self.scheduler.invalidate("checkpoint")
-        with self._lock:
-            self._check_open()
-            for attempt in range(self.num_shards + 1):  # each failed read fences a shard: more cannot fail
-                h = self.index.live_handles()
-                try:
-                    batch = self.read(h)
-                    break
-                except ShardLostError:
-                    if attempt == self.num_shards:
-                        raise
-            data: dict[str, Any] = {}
-            for name in self.schema:
-                c = batch[name]
-                data[name] = (c.values.clone(), c.lengths.clone()) if isinstance(c, Ragged) else c.clone()
-            out = {"format": "conduit.distributed/1", "schema": self.schema.to_dict(), "capacity": self.capacity,
-                   "oldest": self.index.oldest, "next": self.index.next_handle, "handles": torch.from_numpy(h),
-                   "data": data, "semantics": self.semantics.state_dict()}
-        entry = scheduler_entry(self.scheduler, self)
-        if entry is not None:
-            out["scheduler"] = entry
-        return out
+        return checkpoint.state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (items go to the live shards; lost items stay lost).
@@ -1753,124 +1311,7 @@ class DistributedDataPlane:
             CapacityError: the checkpoint holds more items than the live shards can (the buffer is unchanged).
             ClusterError: loading stopped part way (the rest of the checkpoint is marked lost).
         """
-        keys = ("schema", "capacity", "oldest", "next", "handles", "data", "semantics")
-        if (not isinstance(state, Mapping) or state.get("format") != "conduit.distributed/1"
-                or any(k not in state for k in keys)):
-            raise ConfigurationError("Unknown checkpoint format; it was not written by DistributedDataPlane "
-                                     "(expected the dict its state_dict() returns).")
-        if state["capacity"] != self.capacity or ExperienceSchema.from_dict(state["schema"]) != self.schema:
-            raise ConfigurationError("This checkpoint was written by a buffer with another schema or capacity; "
-                                     "build the buffer with the same schema and capacity before loading.")
-        self._check_checkpoint(state)
-        # checked before anything changes; applied once the contents are in
-        load_scheduler = "scheduler" in state and check_scheduler_entry(self.scheduler, state["scheduler"])
-        self.scheduler.flush()
-        self.scheduler.invalidate("contents")
-        with self._lock:
-            self._check_open()
-            n, live = int(state["handles"].shape[0]), len(self.alive_shards)
-            if n > self.shard_capacity * live:
-                raise CapacityError(f"This checkpoint holds {n} items and the {live} live shards hold at most "
-                                    f"{self.shard_capacity * live}; add shard servers or raise shard_capacity.")
-            before = self.semantics.load_checked(state["semantics"])  # a checkpoint of other semantics: unchanged
-            try:
-                self._load_contents(state)
-            except _PartlyLoaded:
-                self.semantics.load_state_dict(state["semantics"])  # the index now describes the checkpoint
-                self._forget_lost_priorities()  # the items not loaded are lost, as a lost shard's
-                raise
-            except BaseException:
-                self.semantics.load_state_dict(before)
-                raise
-            self.semantics.load_state_dict(state["semantics"])  # again: a shard lost while loading forgot priorities
-            self._forget_lost_priorities()  # ... of the items it had loaded there: they stay lost, out of the total
-        if load_scheduler:
-            self.scheduler.load_state_dict(state["scheduler"]["state"])
-
-    def _forget_lost_priorities(self) -> None:
-        """Give every lost item in the window priority 0 (prioritized replay), as :meth:`_lose` does."""
-        if self._replay and getattr(self.semantics.sampler, "prioritized", False) and self.index.lost_in_window():  # type: ignore[attr-defined]
-            h = np.arange(self.index.oldest, self.index.next_handle, dtype=np.int64)
-            _forget_priorities(self.semantics, h[self.index.lost_mask(h)], self.capacity)
-
-    def _check_checkpoint(self, state: Mapping[str, Any]) -> None:
-        """Refuse a checkpoint whose parts disagree, before anything changes.
-
-        Raises:
-            ConfigurationError: handles that are not increasing int64 handles inside ``[oldest, next)``, a
-                window larger than the capacity, or data that is not one row per handle of the schema.
-        """
-        h, oldest, nxt = state["handles"], state["oldest"], state["next"]
-        ok = (isinstance(h, torch.Tensor) and h.dtype == torch.int64 and h.dim() == 1
-              and _is_int(oldest) and _is_int(nxt) and 0 <= oldest <= nxt <= oldest + self.capacity
-              and isinstance(state["data"], Mapping) and set(state["data"]) == set(self.schema))
-        if ok and h.numel():
-            a = h.numpy()
-            ok = bool(a[0] >= oldest and a[-1] < nxt and (np.diff(a) > 0).all())
-        if ok:
-            try:
-                cols = {n: Ragged(v[0], v[1]) if isinstance(v, tuple) else v for n, v in state["data"].items()}
-                ok = ExperienceBatch.checked(cols, self.schema).batch_size == int(h.shape[0])
-            except (ConduitError, TypeError, ValueError, IndexError):
-                ok = False
-        if not ok:
-            raise ConfigurationError("This checkpoint is damaged: its handles, window and data do not agree (the "
-                                     "buffer is unchanged); load the dict state_dict() returned, unmodified.")
-
-    def _load_contents(self, state: dict[str, Any]) -> None:
-        """Replace every live shard's items and the index by the checkpoint's (under the lock)."""
-        live = self.alive_shards
-        outs = wait_all({s: self.servers[s].actor.open.remote(self.buffer_id, self.schema.to_dict(),
-                                                              self.shard_capacity, self._ragged_capacity)
-                         for s in live},
-                        self.timeout)
-        h = state["handles"].numpy()
-        oldest, nxt = int(state["oldest"]), int(state["next"])
-        self.index.reset(oldest)  # first: a shard lost now held only contents being replaced (none is lost)
-        # a shard that answers a probe but whose open failed may or may not have emptied its partition: fenced
-        # (the index names nothing there now, so no item is lost with it)
-        for s in sorted(self._settle({s: o for s, o in outs.items() if o.lost})):
-            self._lose(s, f"its partition could not be reopened for the load ({_reason(outs[s])})")
-        for s in outs:
-            self._local_next[s] = 0
-        cols: dict[str, torch.Tensor | Ragged] = {}
-        for name, v in state["data"].items():
-            cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
-        cursor = oldest
-        breaks = np.nonzero(np.diff(h) != 1)[0] + 1 if h.size else np.zeros(0, np.int64)
-        starts = np.concatenate([[0], breaks]).astype(np.int64) if h.size else np.zeros(0, np.int64)
-        ends = np.concatenate([breaks, [h.size]]).astype(np.int64) if h.size else np.zeros(0, np.int64)
-        try:
-            # (in the try: a put that fails, e.g. a full object store, also stops the load after the reset)
-            payload = ray_module().put(to_wire(ExperienceBatch(cols, int(h.shape[0])), self.schema)) if h.size else None
-            for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-                first = int(h[a])
-                if first > cursor:
-                    self.index.add_segment(cursor, first - cursor, [])
-                    cursor = first  # recorded: a load that stops below must not record it again
-                for start, count, reps in self._store(payload, [(a, b - a, self.learner_node)],
-                                                      self.schema.fixed_item_bytes, oldest):
-                    self.index.add_segment(first + start - a, count, reps)
-                cursor = first + (b - a)
-        except Exception as e:  # noqa: BLE001 - whatever stopped it, the buffer must describe the checkpoint
-            # the old contents are gone (the shards were reopened): describe the whole checkpoint, the rest
-            # of it lost, so the buffer stays consistent and usable
-            missing = int((h >= cursor).sum())
-            self.index.add_segment(cursor, nxt - cursor, [])
-            self.index._next = nxt
-            raise _PartlyLoaded(f"Loading stopped after {h.size - missing} of the checkpoint's {h.size} items "
-                                f"({type(e).__name__}: {e}); the other {missing} are lost (never delivered, not "
-                                f"counted by len()). Check the cluster's health, then load again.") from e
-        finally:
-            self._release_losses(evicted=True)  # (the writes start at the window's start: they evict nothing)
-        if nxt > cursor:
-            self.index.add_segment(cursor, nxt - cursor, [])
-        self.index._next = nxt
-        # as an ingestion: items stored with fewer than ``replication`` copies get one on another node where
-        # there is room, else they are counted in under_replicated
-        short = [r for r in self.index.live_rows() if 0 < len(self.index.segment(r)[2]) < self.replication]
-        if short:
-            self._replicate(short)
+        checkpoint.load_state_dict(self, state)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
@@ -1928,13 +1369,13 @@ class DistributedDataPlane:
             pool.shutdown(wait=False)
         if self._owns_servers:
             self.servers.shutdown()
-        elif _ray_is_up():  # (after ray.shutdown() the servers, and this buffer's partitions, are gone already)
+        elif ray_is_up():  # (after ray.shutdown() the servers, and this buffer's partitions, are gone already)
             try:
                 with without_auto_init():
                     wait_all({s: self.servers[s].actor.close.remote(self.buffer_id) for s in self.alive_shards},
                              min(self.timeout, 10.0))
             except Exception:
-                if _ray_is_up():
+                if ray_is_up():
                     raise
                 # Ray was shut down while the partitions were being closed: they went with it
 
@@ -1953,25 +1394,17 @@ def _watch(ref: weakref.ref[DistributedDataPlane], stop: threading.Event, period
     """
     while not stop.wait(period):
         plane = ref()
-        if plane is None or not _ray_is_up():
+        if plane is None or not ray_is_up():
             return  # dropped, or Ray was shut down (a ping now would start a new local Ray)
         try:
             with without_auto_init():  # (a ray.shutdown() on another thread may land during the check)
                 plane.check_health()
         except Exception:  # noqa: BLE001 - the monitor must outlive transient errors
-            if not _ray_is_up():
+            if not ray_is_up():
                 return  # Ray was shut down during the check: what failed was the call into it
             log.exception("conduit health check failed")
         finally:
             plane = None  # not held while waiting
-
-
-def _ray_is_up() -> bool:
-    try:
-        ray_module()
-    except ClusterError:
-        return False
-    return True
 
 
 def _release_dropped(stop: threading.Event, servers: ShardServers, owned: bool, buffer_id: str, alive: list[bool],
@@ -1986,7 +1419,7 @@ def _release_dropped(stop: threading.Event, servers: ShardServers, owned: bool, 
     stop.set()
     for pool in pools:
         pool.shutdown(wait=False)
-    if not _ray_is_up():  # Ray was shut down: its actors went with it, and a call now would start a new Ray
+    if not ray_is_up():  # Ray was shut down: its actors went with it, and a call now would start a new Ray
         return
     try:
         with without_auto_init():  # (nor one after a ray.shutdown() on another thread that lands meanwhile)
@@ -1998,10 +1431,6 @@ def _release_dropped(stop: threading.Event, servers: ShardServers, owned: bool, 
                         servers[s].actor.close.remote(buffer_id)
     except Exception:  # noqa: BLE001 - see above
         log.debug("conduit: releasing a dropped plane's shards failed", exc_info=True)
-
-
-class _PartlyLoaded(ClusterError):
-    """A checkpoint load that stopped part way: the rest of the checkpoint is marked lost."""
 
 
 def _check_links(links: LinkProfile, nodes: Sequence[str]) -> None:
@@ -2037,25 +1466,4 @@ def _check_learner_node(node: Any, servers: ShardServers | Sequence[str] | None)
                              f"process's node.")
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
-
-def _reason(o: Outcome) -> str:
-    if isinstance(o.error, TimeoutError):
-        return f"no answer: {o.error}"
-    first = str(o.error).strip().splitlines()[0] if str(o.error).strip() else type(o.error).__name__
-    return f"{type(o.error).__name__}: {first}"
-
-
-def _actor_hex(actor: Any) -> str | None:
-    try:
-        return str(actor._actor_id.hex())
-    except AttributeError:  # pragma: no cover - Ray internals moved
-        return None
-
-
-def _forget_priorities(semantics: Semantics, handles: np.ndarray, capacity: int) -> None:
-    """Give lost items priority 0 in the global sum tree, so they are never drawn and not in the total."""
-    tree = semantics.sampler._tree  # type: ignore[attr-defined]
-    tree.set(handles % capacity, np.zeros(handles.shape[0]))

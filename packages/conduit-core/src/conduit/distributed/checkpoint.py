@@ -1,0 +1,179 @@
+"""Checkpoints of a :class:`~conduit.distributed.DistributedDataPlane`: the live contents read from the shards,
+the handles, the lost ranges and the semantics' state, and their restore onto the live shards.
+
+The plane's ``state_dict`` and ``load_state_dict`` call these; each function takes the plane and works on it as a
+method would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from conduit.batch import ExperienceBatch, Ragged
+from conduit.distributed._ray import is_int, ray_module, wait_all
+from conduit.distributed.errors import ClusterError, ShardLostError
+from conduit.distributed.recovery import failure, forget_lost_priorities
+from conduit.distributed.wire import to_wire
+from conduit.errors import CapacityError, ConduitError, ConfigurationError
+from conduit.scheduling.base import check_scheduler_entry, scheduler_entry
+from conduit.schema import ExperienceSchema
+
+if TYPE_CHECKING:
+    from conduit.distributed.plane import DistributedDataPlane
+
+__all__ = ["load_state_dict", "state_dict"]
+
+
+class _PartlyLoaded(ClusterError):
+    """A checkpoint load that stopped part way: the rest of the checkpoint is marked lost."""
+
+
+def state_dict(plane: DistributedDataPlane) -> dict[str, Any]:
+    """:meth:`DistributedDataPlane.state_dict` (its docstring states what is kept): the live items are read from
+    the shards under the plane's lock, retried while a read fences a lost shard."""
+    plane.scheduler.flush()
+    plane.scheduler.invalidate("checkpoint")
+    with plane._lock:
+        plane._check_open()
+        for attempt in range(plane.num_shards + 1):  # each failed read fences a shard: more cannot fail
+            h = plane.index.live_handles()
+            try:
+                batch = plane.read(h)
+                break
+            except ShardLostError:
+                if attempt == plane.num_shards:
+                    raise
+        data: dict[str, Any] = {}
+        for name in plane.schema:
+            c = batch[name]
+            data[name] = (c.values.clone(), c.lengths.clone()) if isinstance(c, Ragged) else c.clone()
+        out = {"format": "conduit.distributed/1", "schema": plane.schema.to_dict(), "capacity": plane.capacity,
+               "oldest": plane.index.oldest, "next": plane.index.next_handle, "handles": torch.from_numpy(h),
+               "data": data, "semantics": plane.semantics.state_dict()}
+    entry = scheduler_entry(plane.scheduler, plane)
+    if entry is not None:
+        out["scheduler"] = entry
+    return out
+
+
+def load_state_dict(plane: DistributedDataPlane, state: dict[str, Any]) -> None:
+    """:meth:`DistributedDataPlane.load_state_dict` (its docstring states the semantics and the errors): every
+    check runs before anything changes; the semantics' state is put back when the contents cannot be loaded."""
+    keys = ("schema", "capacity", "oldest", "next", "handles", "data", "semantics")
+    if (not isinstance(state, Mapping) or state.get("format") != "conduit.distributed/1"
+            or any(k not in state for k in keys)):
+        raise ConfigurationError("Unknown checkpoint format; it was not written by DistributedDataPlane "
+                                 "(expected the dict its state_dict() returns).")
+    if state["capacity"] != plane.capacity or ExperienceSchema.from_dict(state["schema"]) != plane.schema:
+        raise ConfigurationError("This checkpoint was written by a buffer with another schema or capacity; "
+                                 "build the buffer with the same schema and capacity before loading.")
+    _check_checkpoint(plane, state)
+    # checked before anything changes; applied once the contents are in
+    load_scheduler = "scheduler" in state and check_scheduler_entry(plane.scheduler, state["scheduler"])
+    plane.scheduler.flush()
+    plane.scheduler.invalidate("contents")
+    with plane._lock:
+        plane._check_open()
+        n, live = int(state["handles"].shape[0]), len(plane.alive_shards)
+        if n > plane.shard_capacity * live:
+            raise CapacityError(f"This checkpoint holds {n} items and the {live} live shards hold at most "
+                                f"{plane.shard_capacity * live}; add shard servers or raise shard_capacity.")
+        before = plane.semantics.load_checked(state["semantics"])  # a checkpoint of other semantics: unchanged
+        try:
+            _load_contents(plane, state)
+        except _PartlyLoaded:
+            plane.semantics.load_state_dict(state["semantics"])  # the index now describes the checkpoint
+            forget_lost_priorities(plane)  # the items not loaded are lost, as a lost shard's
+            raise
+        except BaseException:
+            plane.semantics.load_state_dict(before)
+            raise
+        plane.semantics.load_state_dict(state["semantics"])  # again: a shard lost while loading forgot priorities
+        forget_lost_priorities(plane)  # ... of the items it had loaded there: they stay lost, out of the total
+    if load_scheduler:
+        plane.scheduler.load_state_dict(state["scheduler"]["state"])
+
+
+def _check_checkpoint(plane: DistributedDataPlane, state: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint whose parts disagree, before anything changes.
+
+    Raises:
+        ConfigurationError: handles that are not increasing int64 handles inside ``[oldest, next)``, a
+            window larger than the capacity, or data that is not one row per handle of the schema.
+    """
+    h, oldest, nxt = state["handles"], state["oldest"], state["next"]
+    ok = (isinstance(h, torch.Tensor) and h.dtype == torch.int64 and h.dim() == 1
+          and is_int(oldest) and is_int(nxt) and 0 <= oldest <= nxt <= oldest + plane.capacity
+          and isinstance(state["data"], Mapping) and set(state["data"]) == set(plane.schema))
+    if ok and h.numel():
+        a = h.numpy()
+        ok = bool(a[0] >= oldest and a[-1] < nxt and (np.diff(a) > 0).all())
+    if ok:
+        try:
+            cols = {n: Ragged(v[0], v[1]) if isinstance(v, tuple) else v for n, v in state["data"].items()}
+            ok = ExperienceBatch.checked(cols, plane.schema).batch_size == int(h.shape[0])
+        except (ConduitError, TypeError, ValueError, IndexError):
+            ok = False
+    if not ok:
+        raise ConfigurationError("This checkpoint is damaged: its handles, window and data do not agree (the "
+                                 "buffer is unchanged); load the dict state_dict() returned, unmodified.")
+
+
+def _load_contents(plane: DistributedDataPlane, state: dict[str, Any]) -> None:
+    """Replace every live shard's items and the index by the checkpoint's (under the lock)."""
+    live = plane.alive_shards
+    outs = wait_all({s: plane.servers[s].actor.open.remote(plane.buffer_id, plane.schema.to_dict(),
+                                                          plane.shard_capacity, plane._ragged_capacity)
+                     for s in live},
+                    plane.timeout)
+    h = state["handles"].numpy()
+    oldest, nxt = int(state["oldest"]), int(state["next"])
+    plane.index.reset(oldest)  # first: a shard lost now held only contents being replaced (none is lost)
+    # a shard that answers a probe but whose open failed may or may not have emptied its partition: fenced
+    # (the index names nothing there now, so no item is lost with it)
+    for s in sorted(plane._settle({s: o for s, o in outs.items() if o.lost})):
+        plane._lose(s, f"its partition could not be reopened for the load ({failure(outs[s])})")
+    for s in outs:
+        plane._local_next[s] = 0
+    cols: dict[str, torch.Tensor | Ragged] = {}
+    for name, v in state["data"].items():
+        cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
+    cursor = oldest
+    breaks = np.nonzero(np.diff(h) != 1)[0] + 1 if h.size else np.zeros(0, np.int64)
+    starts = np.concatenate([[0], breaks]).astype(np.int64) if h.size else np.zeros(0, np.int64)
+    ends = np.concatenate([breaks, [h.size]]).astype(np.int64) if h.size else np.zeros(0, np.int64)
+    try:
+        # (in the try: a put that fails, e.g. a full object store, also stops the load after the reset)
+        payload = ray_module().put(to_wire(ExperienceBatch(cols, int(h.shape[0])), plane.schema)) if h.size else None
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            first = int(h[a])
+            if first > cursor:
+                plane.index.add_segment(cursor, first - cursor, [])
+                cursor = first  # recorded: a load that stops below must not record it again
+            for start, count, reps in plane._store(payload, [(a, b - a, plane.learner_node)],
+                                                  plane.schema.fixed_item_bytes, oldest):
+                plane.index.add_segment(first + start - a, count, reps)
+            cursor = first + (b - a)
+    except Exception as e:  # noqa: BLE001 - whatever stopped it, the buffer must describe the checkpoint
+        # the old contents are gone (the shards were reopened): describe the whole checkpoint, the rest
+        # of it lost, so the buffer stays consistent and usable
+        missing = int((h >= cursor).sum())
+        plane.index.add_segment(cursor, nxt - cursor, [])
+        plane.index._next = nxt
+        raise _PartlyLoaded(f"Loading stopped after {h.size - missing} of the checkpoint's {h.size} items "
+                            f"({type(e).__name__}: {e}); the other {missing} are lost (never delivered, not "
+                            f"counted by len()). Check the cluster's health, then load again.") from e
+    finally:
+        plane._release_losses(evicted=True)  # (the writes start at the window's start: they evict nothing)
+    if nxt > cursor:
+        plane.index.add_segment(cursor, nxt - cursor, [])
+    plane.index._next = nxt
+    # as an ingestion: items stored with fewer than ``replication`` copies get one on another node where
+    # there is room, else they are counted in under_replicated
+    short = [r for r in plane.index.live_rows() if 0 < len(plane.index.segment(r)[2]) < plane.replication]
+    if short:
+        plane._replicate(short)
