@@ -73,8 +73,12 @@ def test_sumtree_matches_a_brute_force_prefix_search(capacity: int, flat: bool) 
             assert (w[found] > 0).all(), "a zero weight was found"
             assert np.array_equal(found, np.searchsorted(cum, u, side="right"))
     t2 = SumTree(capacity, flat=flat)
+    t2.find(np.zeros(1))  # (a search before the load: what it keeps must not outlive the load)
     t2.load(t.state())
     assert np.array_equal(t2.state(), w) and t2.total == t.total and t2.min == t.min
+    if t.total > 0:
+        u = rng.random(64) * t.total
+        assert np.array_equal(t2.find(u), t.find(u)), "a loaded tree searches other weights than the saved one"
 
 
 @pytest.mark.parametrize("flat", [True, False], ids=["leaves-only", "two-level"])

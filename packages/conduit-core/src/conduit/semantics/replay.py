@@ -212,6 +212,11 @@ class PrioritizedSampler(Sampler):
         Floating tensors of any width are read by value, including those NumPy has no type for
         (``bfloat16``, ``float8``): every such value is exact in float64.
         """
+        return PrioritizedSampler._checked(priorities)[0]
+
+    @staticmethod
+    def _checked(priorities: torch.Tensor | np.ndarray) -> tuple[np.ndarray, float]:
+        """:meth:`check`, and the largest priority (0.0 for none), which the check reads anyway."""
         try:
             if isinstance(priorities, torch.Tensor):
                 if priorities.is_complex():
@@ -226,11 +231,14 @@ class PrioritizedSampler(Sampler):
         except (TypeError, ValueError) as e:
             raise PriorityError(f"Priorities must be real numbers (a float tensor or array, one per item), got "
                                 f"{type(priorities).__name__} ({e}); pass e.g. |td_error| + 1e-6.") from e
-        if p.size and not (p.min() >= 0 and p.max() < np.inf):  # NaN fails both comparisons
+        if not p.size:
+            return p, 0.0
+        top = p.max()
+        if not (p.min() >= 0 and top < np.inf):  # NaN fails both comparisons
             bad = ~np.isfinite(p) | (p < 0)
             raise PriorityError(f"{int(bad.sum())} priorities are NaN, infinite or negative (first: "
                                 f"{p[bad][0]}); pass finite values >= 0, e.g. |td_error| + 1e-6.")
-        return p
+        return p, float(top)
 
     def on_append(self, result: AppendResult, priorities: torch.Tensor | None) -> None:
         cap = self.storage.capacity
@@ -252,11 +260,11 @@ class PrioritizedSampler(Sampler):
                 vals = p ** self.alpha
             self._tree.set(slots, vals)
 
-    def check_range(self, p: np.ndarray) -> None:
+    def check_range(self, p: np.ndarray, *, top: float | None = None) -> None:
         """:class:`PriorityError` if a priority of ``p`` (checked by :meth:`check`) is so large that its
         ``p ** alpha``, summed over a full buffer of such items, overflows float64: the sum tree would hold
-        inf, and every draw would land on one item with an infinite weight."""
-        top = float(p.max(initial=0.0))
+        inf, and every draw would land on one item with an infinite weight. ``top``: ``p``'s largest, when known."""
+        top = float(p.max(initial=0.0)) if top is None else top
         if top <= 0 or self.alpha == 0:
             return
         log_limit = (math.log(_FLOAT64_MAX) - math.log(self._tree.capacity)) / self.alpha
@@ -304,14 +312,14 @@ class PrioritizedSampler(Sampler):
         return leaf / self._tree.total, (self._tree.min / leaf) ** b
 
     def update(self, handles: torch.Tensor | np.ndarray, priorities: torch.Tensor | np.ndarray) -> int:
-        p = self.check(priorities)
+        p, top = self._checked(priorities)
         h = self.check_handles(handles)
         if h.shape != p.shape:
             raise PriorityError(f"Got {h.shape[0]} handles and {p.shape[0]} priorities; pass one priority "
                                 f"per handle.")
         if not h.size:
             return 0
-        self.check_range(p)
+        self.check_range(p, top=top)
         st = self.storage
         if not (h.min() >= st.oldest and h.max() < st.next_handle):
             if h.min() < 0 or h.max() >= st.next_handle:
@@ -322,8 +330,9 @@ class PrioritizedSampler(Sampler):
             h, p = h[live], p[live]
             if not h.size:
                 return 0
+            top = float(p.max())
         self._tree.set(h % st.capacity, p ** self.alpha)
-        self._max_priority = max(self._max_priority, float(p.max()))
+        self._max_priority = max(self._max_priority, top)
         return int(h.size)
 
     def check_live(self, oldest: int, next_handle: int) -> None:
