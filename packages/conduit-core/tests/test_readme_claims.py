@@ -340,19 +340,23 @@ def test_the_benchmarks_area_table_links_resolve() -> None:
             assert anchor in anchors, f"{link}: no such heading in {path.relative_to(ROOT)}"
 
 
-def test_the_prioritized_table_names_the_sum_tree_each_capacity_gets() -> None:
-    """"5000 (Conduit: leaves-only sum tree)", "50000 (Conduit: two-level tree)"."""
+def test_the_prioritized_table_names_the_sum_tree_each_column_measured() -> None:
+    """"Conduit (compiled tree)" is the tree a prioritized buffer gets where the kernels are built (CI builds them);
+    "Conduit (NumPy tree ...)": leaves only at 5000, two levels at 50000, as the NumPy tree picks by capacity."""
     from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay
+    from conduit.semantics.sumtree import COMPILED, CompiledSumTree, SumTree
 
     section = BENCH_README.split("## Prioritized replay step", 1)[1]
-    kinds = dict(re.findall(r"^\| (\d+) \(Conduit: ([\w -]+?) (?:sum )?tree\)", section, re.M))
-    assert kinds == {"5000": "leaves-only", "50000": "two-level"}, kinds
+    assert "| capacity | cpprb | Conduit (compiled tree) | Conduit (NumPy tree: the code before) |" in section
+    kinds = dict(re.findall(r"^\| (\d+) \|.*\(\d\.\d+x; ([\w ]+)\) \|$", section, re.M))
+    assert kinds == {"5000": "leaves only", "50000": "two levels"}, kinds
     for capacity, kind in kinds.items():
+        assert SumTree(int(capacity)).flat == (kind == "leaves only"), (capacity, kind)
         edp = ExperienceDataPlane(ExperienceSchema(obs=Field((4,))), capacity=int(capacity),
                                   semantics=Replay(PrioritizedSampler(alpha=0.6)))
         try:
             tree = edp.semantics.sampler._tree  # type: ignore[attr-defined]
-            assert tree.flat == (kind == "leaves-only"), (capacity, kind)
+            assert type(tree) is (CompiledSumTree if COMPILED else SumTree), (capacity, type(tree))
         finally:
             edp.close()
 

@@ -20,7 +20,17 @@ from conduit import (
     PriorityError,
     Replay,
 )
-from conduit.semantics.sumtree import SumTree
+from conduit.semantics.sumtree import COMPILED, CompiledSumTree, SumTree
+
+#: every sum tree kind: NumPy's two (leaves only, two levels) and the compiled one (where this install has it)
+TREES = ["leaves-only", "two-level",
+         pytest.param("compiled", marks=pytest.mark.skipif(not COMPILED, reason="no compiled kernels in this install "
+                                                                                "(test_the_compiled_tree_is_built "
+                                                                                "says whether that is expected)"))]
+
+
+def make_tree(kind: str, capacity: int) -> SumTree | CompiledSumTree:
+    return CompiledSumTree(capacity) if kind == "compiled" else SumTree(capacity, flat=kind == "leaves-only")
 
 SCHEMA = ExperienceSchema(id=Field((), torch.int64))
 
@@ -29,9 +39,9 @@ def ids(a: int, b: int) -> dict[str, torch.Tensor]:
     return {"id": torch.arange(a, b)}
 
 
-@pytest.mark.parametrize("flat", [True, False], ids=["leaves-only", "two-level"])
-def test_sumtree_sums_and_finds(flat: bool) -> None:
-    t = SumTree(5, flat=flat)
+@pytest.mark.parametrize("kind", TREES)
+def test_sumtree_sums_and_finds(kind: str) -> None:
+    t = make_tree(kind, 5)
     t.set(np.arange(5), np.array([1.0, 0.0, 2.0, 3.0, 4.0]))
     assert t.total == 10.0 and t.min == 1.0
     assert t.find(np.array([0.0, 0.99, 1.0, 2.99, 3.0, 5.99, 6.0, 9.99])).tolist() == [0, 0, 2, 2, 3, 3, 4, 4]
@@ -39,16 +49,16 @@ def test_sumtree_sums_and_finds(flat: bool) -> None:
     assert t.total == 6.5 and t.min == 0.5
 
 
-@pytest.mark.parametrize("flat", [True, False], ids=["leaves-only", "two-level"])
+@pytest.mark.parametrize("kind", TREES)
 @pytest.mark.parametrize("capacity", [1, 17, 1000, 70_001])
-def test_sumtree_matches_a_brute_force_prefix_search(capacity: int, flat: bool) -> None:
+def test_sumtree_matches_a_brute_force_prefix_search(capacity: int, kind: str) -> None:
     """Several blocks, zero weights, repeated and one-slot updates: totals, minima and searches agree with NumPy.
 
     Some rounds read nothing (updates pile up between two reads) and the first read alternates
     between a search and the total (either one brings stale blocks up to date).
     """
     rng = np.random.default_rng(capacity)
-    t = SumTree(capacity, flat=flat)
+    t = make_tree(kind, capacity)
     w = np.zeros(capacity)
     for i in range(12):
         k = 1 if i % 2 else int(rng.integers(1, min(capacity, 600) + 1))  # odd rounds: the one-slot path
@@ -72,7 +82,7 @@ def test_sumtree_matches_a_brute_force_prefix_search(capacity: int, flat: bool) 
             found = t.find(u)
             assert (w[found] > 0).all(), "a zero weight was found"
             assert np.array_equal(found, np.searchsorted(cum, u, side="right"))
-    t2 = SumTree(capacity, flat=flat)
+    t2 = make_tree(kind, capacity)
     t2.find(np.zeros(1))  # (a search before the load: what it keeps must not outlive the load)
     t2.load(t.state())
     assert np.array_equal(t2.state(), w) and t2.total == t.total and t2.min == t.min
@@ -81,12 +91,12 @@ def test_sumtree_matches_a_brute_force_prefix_search(capacity: int, flat: bool) 
         assert np.array_equal(t2.find(u), t.find(u)), "a loaded tree searches other weights than the saved one"
 
 
-@pytest.mark.parametrize("flat", [True, False], ids=["leaves-only", "two-level"])
-def test_sumtree_total_and_minimum_follow_every_write(flat: bool) -> None:
+@pytest.mark.parametrize("kind", TREES)
+def test_sumtree_total_and_minimum_follow_every_write(kind: str) -> None:
     """The total and the smallest positive weight are kept between reads: each kind of write (several slots, one
     slot, a load) changes them, including a full buffer of positive weights (read without a zero mask) that gets a
     zero weight."""
-    t = SumTree(200, flat=flat)
+    t = make_tree(kind, 200)
     w = np.arange(1.0, 201.0)
     t.set(np.arange(200), w)
     assert (t.total, t.min) == (w.sum(), 1.0)
@@ -102,16 +112,16 @@ def test_sumtree_total_and_minimum_follow_every_write(flat: bool) -> None:
     assert (t.total, t.min) == (0.0, np.inf)
 
 
-@pytest.mark.parametrize("flat", [True, False], ids=["leaves-only", "two-level"])
+@pytest.mark.parametrize("kind", TREES)
 @pytest.mark.parametrize("copy_of", ["deepcopy", "pickle"])
-def test_a_copied_sumtree_searches_its_own_weights(flat: bool, copy_of: str) -> None:
+def test_a_copied_sumtree_searches_its_own_weights(kind: str, copy_of: str) -> None:
     """A deep copy or an unpickled tree (SRL's checkpoints pickle the buffer) is independent of the original: writes
     to either change only its own searches, totals and minima. (The two-level tree's blocks are a view of its leaves:
     copied as an array of their own, the copy's searches read the leaves as they were at the copy.)"""
     import copy
     import pickle
 
-    t = SumTree(100, flat=flat)
+    t = make_tree(kind, 100)
     t.set(np.arange(100), np.ones(100))
     assert t.total == 100.0  # (read once: the kept total is copied too)
     c = copy.deepcopy(t) if copy_of == "deepcopy" else pickle.loads(pickle.dumps(t))

@@ -13,7 +13,7 @@ import torch
 from conduit.batch import host_array
 from conduit.errors import CapacityError, ConfigurationError, EmptyBufferError, PriorityError
 from conduit.semantics.base import RingHandles, SampleInfo, Selection, Semantics, check_seed
-from conduit.semantics.sumtree import SumTree
+from conduit.semantics.sumtree import sum_tree
 from conduit.storage.base import AppendResult, Storage
 
 __all__ = ["Replay", "Sampler", "UniformSampler", "PrioritizedSampler"]
@@ -185,7 +185,7 @@ class PrioritizedSampler(Sampler):
 
     def reset(self, storage: Storage, seed: int) -> None:
         super().reset(storage, seed)
-        self._tree = SumTree(storage.capacity)
+        self._tree = sum_tree(storage.capacity)
         self._rng = np.random.Generator(np.random.PCG64(seed))
         self._max_priority = 1.0
 

@@ -1,0 +1,54 @@
+"""Build hook: compile conduit-core's optional C kernels where a C compiler is found.
+
+``conduit.semantics._sumtree`` (the compiled sum tree behind prioritized replay) is built next to its source with
+the compiler and flags this Python was built with (``sysconfig``'s ``LDSHARED``): in the source tree for an
+editable install, and into the wheel otherwise (the wheel is then tagged for this platform). Where no compiler
+works, the build goes on without it and ``conduit.semantics.sumtree.SumTree`` runs on NumPy alone (same
+semantics, slower prioritized draws and updates); set ``CONDUIT_NO_NATIVE=1`` to build without it on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+
+SOURCES = {"src/conduit/semantics/_sumtree.c": "conduit/semantics"}
+
+
+class NativeBuildHook(BuildHookInterface):
+    PLUGIN_NAME = "custom"
+
+    def initialize(self, version: str, build_data: dict[str, Any]) -> None:
+        if self.target_name != "wheel" or os.environ.get("CONDUIT_NO_NATIVE") == "1":
+            return
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        ldshared = sysconfig.get_config_var("LDSHARED")
+        if not suffix or not ldshared:
+            self.app.display_warning("conduit-core: no C compiler settings in sysconfig; prioritized replay runs "
+                                     "on NumPy alone")
+            return
+        include = sysconfig.get_paths()["include"]
+        for source, package in SOURCES.items():
+            src = Path(self.root, source)
+            out = src.with_name(src.stem + suffix)
+            tmp = out.with_name(out.name + ".part")
+            cmd = [*shlex.split(ldshared), "-O2", "-fPIC", f"-I{include}", str(src), "-o", str(tmp)]
+            try:
+                subprocess.run(cmd, check=True, capture_output=True, text=True)
+            except (OSError, subprocess.CalledProcessError) as e:
+                detail = getattr(e, "stderr", "") or str(e)
+                self.app.display_warning(f"conduit-core: compiling {src.name} failed, so prioritized replay runs on "
+                                         f"NumPy alone:\n{detail}")
+                tmp.unlink(missing_ok=True)
+                continue
+            tmp.replace(out)  # (at once: an import never finds a half-written file)
+            if version != "editable":
+                build_data["pure_python"] = False
+                build_data["infer_tag"] = True
+                build_data["force_include"][str(out)] = f"{package}/{out.name}"
