@@ -42,32 +42,43 @@ static void give_back(Buf *buf) {
 
 static Py_ssize_t items(const Buf *buf) { return buf->view.len / 8; }
 
+/* A tree's buffers, taken from the first five arguments of set, set_one and build. */
+typedef struct {
+    Buf sums, mins, leaves;
+    Py_ssize_t p, cap;
+} Tree;
+
 /* The trees (sums, mins: 2P items each) and the leaves (at least `cap` items), with P >= cap >= 1. */
-static int take_tree(PyObject *const *args, Buf *sums, Buf *mins, Buf *leaves, Py_ssize_t *p, Py_ssize_t *cap) {
-    *p = PyLong_AsSsize_t(args[3]);
-    *cap = PyLong_AsSsize_t(args[4]);
+static int take_tree(PyObject *const *args, Tree *t) {
+    t->p = PyLong_AsSsize_t(args[3]);
+    t->cap = PyLong_AsSsize_t(args[4]);
     if (PyErr_Occurred()) {
         return -1;
     }
-    if (take(args[0], sums, 1, "sums") < 0 || take(args[1], mins, 1, "mins") < 0 ||
-        take(args[2], leaves, 1, "leaves") < 0) {
+    if (take(args[0], &t->sums, 1, "sums") < 0 || take(args[1], &t->mins, 1, "mins") < 0 ||
+        take(args[2], &t->leaves, 1, "leaves") < 0) {
         return -1;
     }
-    if (*cap < 1 || *p < *cap || items(sums) < 2 * *p || items(mins) < 2 * *p || items(leaves) < *cap) {
+    if (t->cap < 1 || t->p < t->cap || items(&t->sums) < 2 * t->p || items(&t->mins) < 2 * t->p ||
+        items(&t->leaves) < t->cap) {
         PyErr_SetString(PyExc_ValueError, "the trees need 2P items and the leaves capacity items, P >= capacity >= 1");
         return -1;
     }
     return 0;
 }
 
-static void write_leaf(double *sums, double *mins, Py_ssize_t node, double w) {
-    sums[node] = w;
-    mins[node] = w > 0 ? w : INFINITY;
-    for (node >>= 1; node >= 1; node >>= 1) {
-        double a = mins[2 * node], b = mins[2 * node + 1];
-        sums[node] = sums[2 * node] + sums[2 * node + 1];
-        mins[node] = a < b ? a : b;
+static void give_back_tree(Tree *t) {
+    give_back(&t->sums);
+    give_back(&t->mins);
+    give_back(&t->leaves);
+}
+
+static int check_slot(long long slot, Py_ssize_t cap) {
+    if (slot < 0 || slot >= (long long)cap) {
+        PyErr_Format(PyExc_IndexError, "slot %lld is outside [0, %zd)", slot, cap);
+        return -1;
     }
+    return 0;
 }
 
 static int check_weight(double w) {
@@ -78,18 +89,31 @@ static int check_weight(double w) {
     return 0;
 }
 
+/* leaves[slot] = w, and every node above it recomputed from its children. */
+static void write_leaf(Tree *t, Py_ssize_t slot, double w) {
+    double *sums = t->sums.view.buf, *mins = t->mins.view.buf;
+    Py_ssize_t node = t->p + slot;
+    ((double *)t->leaves.view.buf)[slot] = w;
+    sums[node] = w;
+    mins[node] = w > 0 ? w : INFINITY;
+    for (node >>= 1; node >= 1; node >>= 1) {
+        double a = mins[2 * node], b = mins[2 * node + 1];
+        sums[node] = sums[2 * node] + sums[2 * node + 1];
+        mins[node] = a < b ? a : b;
+    }
+}
+
 /* set(sums, mins, leaves, P, capacity, slots, weights): leaves[slots[k]] = weights[k] in order (for a
  * repeated slot the last wins), and the nodes above each. */
 static PyObject *set(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    Buf sums = {0}, mins = {0}, leaves = {0}, slots = {0}, weights = {0};
+    Tree t = {0};
+    Buf slots = {0}, weights = {0};
     PyObject *result = NULL;
-    Py_ssize_t p, cap;
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError, "set(sums, mins, leaves, P, capacity, slots, weights)");
         return NULL;
     }
-    if (take_tree(args, &sums, &mins, &leaves, &p, &cap) < 0 || take(args[5], &slots, 0, "slots") < 0 ||
-        take(args[6], &weights, 0, "weights") < 0) {
+    if (take_tree(args, &t) < 0 || take(args[5], &slots, 0, "slots") < 0 || take(args[6], &weights, 0, "weights") < 0) {
         goto done;
     }
     Py_ssize_t n = items(&slots);
@@ -100,24 +124,16 @@ static PyObject *set(PyObject *module, PyObject *const *args, Py_ssize_t nargs) 
         goto done;
     }
     for (Py_ssize_t k = 0; k < n; k++) {
-        if (s[k] < 0 || s[k] >= cap) {
-            PyErr_Format(PyExc_IndexError, "slot %lld is outside [0, %zd)", (long long)s[k], cap);
-            goto done;
-        }
-        if (check_weight(w[k]) < 0) {
+        if (check_slot((long long)s[k], t.cap) < 0 || check_weight(w[k]) < 0) {
             goto done;
         }
     }
-    double *sm = sums.view.buf, *mn = mins.view.buf, *lv = leaves.view.buf;
     for (Py_ssize_t k = 0; k < n; k++) {
-        lv[s[k]] = w[k];
-        write_leaf(sm, mn, p + s[k], w[k]);
+        write_leaf(&t, (Py_ssize_t)s[k], w[k]);
     }
     result = Py_NewRef(Py_None);
 done:
-    give_back(&sums);
-    give_back(&mins);
-    give_back(&leaves);
+    give_back_tree(&t);
     give_back(&slots);
     give_back(&weights);
     return result;
@@ -125,58 +141,47 @@ done:
 
 /* set_one(sums, mins, leaves, P, capacity, slot, weight): one leaf (one env step per call is common). */
 static PyObject *set_one(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    Buf sums = {0}, mins = {0}, leaves = {0};
+    Tree t = {0};
     PyObject *result = NULL;
-    Py_ssize_t p, cap;
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError, "set_one(sums, mins, leaves, P, capacity, slot, weight)");
         return NULL;
     }
-    if (take_tree(args, &sums, &mins, &leaves, &p, &cap) < 0) {
+    if (take_tree(args, &t) < 0) {
         goto done;
     }
     Py_ssize_t slot = PyLong_AsSsize_t(args[5]);
     double w = PyFloat_AsDouble(args[6]);
-    if (PyErr_Occurred()) {
+    if (PyErr_Occurred() || check_slot((long long)slot, t.cap) < 0 || check_weight(w) < 0) {
         goto done;
     }
-    if (slot < 0 || slot >= cap) {
-        PyErr_Format(PyExc_IndexError, "slot %zd is outside [0, %zd)", slot, cap);
-        goto done;
-    }
-    if (check_weight(w) < 0) {
-        goto done;
-    }
-    ((double *)leaves.view.buf)[slot] = w;
-    write_leaf(sums.view.buf, mins.view.buf, p + slot, w);
+    write_leaf(&t, slot, w);
     result = Py_NewRef(Py_None);
 done:
-    give_back(&sums);
-    give_back(&mins);
-    give_back(&leaves);
+    give_back_tree(&t);
     return result;
 }
 
 /* build(sums, mins, leaves, P, capacity): the trees from the first `capacity` leaves. */
 static PyObject *build(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    Buf sums = {0}, mins = {0}, leaves = {0};
+    Tree t = {0};
     PyObject *result = NULL;
-    Py_ssize_t p, cap;
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "build(sums, mins, leaves, P, capacity)");
         return NULL;
     }
-    if (take_tree(args, &sums, &mins, &leaves, &p, &cap) < 0) {
+    if (take_tree(args, &t) < 0) {
         goto done;
     }
-    double *sm = sums.view.buf, *mn = mins.view.buf, *lv = leaves.view.buf;
-    for (Py_ssize_t k = 0; k < cap; k++) {
+    double *sm = t.sums.view.buf, *mn = t.mins.view.buf, *lv = t.leaves.view.buf;
+    Py_ssize_t p = t.p;
+    for (Py_ssize_t k = 0; k < t.cap; k++) {
         if (check_weight(lv[k]) < 0) {
             goto done;
         }
     }
     for (Py_ssize_t k = 0; k < p; k++) {
-        double w = k < cap ? lv[k] : 0.0;
+        double w = k < t.cap ? lv[k] : 0.0;
         sm[p + k] = w;
         mn[p + k] = w > 0 ? w : INFINITY;
     }
@@ -189,9 +194,7 @@ static PyObject *build(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     mn[0] = INFINITY;
     result = Py_NewRef(Py_None);
 done:
-    give_back(&sums);
-    give_back(&mins);
-    give_back(&leaves);
+    give_back_tree(&t);
     return result;
 }
 

@@ -2,9 +2,9 @@
 
 Two implementations of one interface; :func:`sum_tree` picks the faster one this install has.
 :class:`CompiledSumTree` is a binary tree whose kernels are C (``conduit.semantics._sumtree``,
-compiled when conduit-core is installed where a C compiler is found): every call is one C call
-over ``log2 C`` levels, so a priority update or a draw of 32 costs about a microsecond whatever
-the capacity. :class:`SumTree` is NumPy alone, for installs without the compiled kernels:
+compiled when conduit-core is installed where a C compiler is found): a write or a draw is one
+C call over ``log2 C`` levels, so a priority update or a draw of 32 costs a few microseconds
+whatever the capacity. :class:`SumTree` is NumPy alone, for installs without the compiled kernels:
 
 A two-level structure rather than a binary tree: leaves are grouped in blocks of ``B``
 (64 by default), and each block keeps its sum and its smallest positive leaf. An update
@@ -214,8 +214,6 @@ class CompiledSumTree:
     Raises:
         ImportError: this install has no compiled kernels (:data:`COMPILED` is False).
     """
-
-    flat = False
 
     def __init__(self, capacity: int) -> None:
         if _kernels is None:
