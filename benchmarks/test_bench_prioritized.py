@@ -1,10 +1,11 @@
 """Prioritized replay, one DQN training step's buffer work: draw 32 with weights, then update their 32 priorities.
 
 Conduit (``Replay(PrioritizedSampler())``, host tier) against cpprb's
-``PrioritizedReplayBuffer``, alpha 0.6, beta 0.4, a full buffer of 4-float observations, at capacity 5000 (Conduit's
-leaves-only sum tree) and 50000 (RLlib's DQN default; Conduit's two-level tree). Each call is
-``draw`` + ``update`` (priorities from the draw's indices), so the measure includes what a
-deferred update leaves for the next draw. TorchRL is left out: the TorchRL 0.10.1 wheel that
+``PrioritizedReplayBuffer``, alpha 0.6, beta 0.4, a full buffer of 4-float observations, at capacity 5000 and 50000
+(RLlib's DQN default). Conduit's sum tree is the one this install has (``conduit.semantics.sumtree.sum_tree``: the
+compiled tree, or without compiled kernels NumPy's, which keeps leaves only at 5000 and two levels at 50000). Each
+call is ``draw`` + ``update`` (priorities from the draw's indices), so the measure includes what a deferred update
+leaves for the next draw. TorchRL is left out: the TorchRL 0.10.1 wheel that
 fits this environment ships without its compiled segment trees ("SumSegmentTreeFp32 is not
 available"), so its prioritized buffer cannot be built here.
 
