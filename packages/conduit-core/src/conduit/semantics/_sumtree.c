@@ -1,4 +1,4 @@
-/* conduit.semantics._sumtree: the compiled kernels of conduit.semantics.sumtree.SumTree (its "native" mode).
+/* conduit.semantics._sumtree: the compiled kernels of conduit.semantics.sumtree.CompiledSumTree.
  *
  * A complete binary tree over P >= capacity leaf positions, in two arrays of 2P float64: node i has
  * children 2i and 2i + 1, the leaves sit at P .. P + capacity - 1 (the rest stay 0), the root at 1.
@@ -6,9 +6,11 @@
  * node is always recomputed from its two children, never adjusted by a difference, so the trees
  * depend on the leaves alone (a rebuilt tree equals an updated one) and no rounding accumulates.
  *
- * Every function checks its arguments before it writes anything, holds the GIL throughout (a call
- * is atomic to other Python threads) and raises a Python exception instead of touching memory out
- * of range. Buffers are C-contiguous: float64 for weights and draws, int64 for slots.
+ * Every function checks its arguments (buffer sizes; set and set_one also each slot and weight)
+ * before it writes anything, holds the GIL throughout (a call is atomic to other Python threads)
+ * and raises a Python exception instead of touching memory out of range. build takes the leaves as
+ * they are: CompiledSumTree.load checks them before it writes them. Buffers are C-contiguous:
+ * float64 for weights and draws, int64 for slots.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -162,7 +164,7 @@ done:
     return result;
 }
 
-/* build(sums, mins, leaves, P, capacity): the trees from the first `capacity` leaves. */
+/* build(sums, mins, leaves, P, capacity): the trees from the first `capacity` leaves (checked by the caller). */
 static PyObject *build(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     Tree t = {0};
     PyObject *result = NULL;
@@ -175,11 +177,6 @@ static PyObject *build(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     }
     double *sm = t.sums.view.buf, *mn = t.mins.view.buf, *lv = t.leaves.view.buf;
     Py_ssize_t p = t.p;
-    for (Py_ssize_t k = 0; k < t.cap; k++) {
-        if (check_weight(lv[k]) < 0) {
-            goto done;
-        }
-    }
     for (Py_ssize_t k = 0; k < p; k++) {
         double w = k < t.cap ? lv[k] : 0.0;
         sm[p + k] = w;
