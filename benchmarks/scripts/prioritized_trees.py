@@ -1,0 +1,79 @@
+"""Prioritized replay step, the compiled sum tree against NumPy's, in alternating paired rounds (outside CI).
+
+One training step's buffer work as ``benchmarks/test_bench_prioritized.py`` times it (draw 32 with importance
+weights, then update their 32 priorities; alpha 0.6, beta 0.4, a full buffer of 4-float observations), on two
+buffers that differ only in their sampler's tree: ``CompiledSumTree`` and NumPy's ``SumTree`` (leaves only up to
+16384 slots, two levels above), loaded with the same priorities. Each round times both, in a shuffled order
+(median of ``--calls`` calls, the thread's CPU clock); the figure is the median of the per-round ratios with a 95%
+bootstrap interval.
+
+    .venv/bin/python benchmarks/scripts/prioritized_trees.py [--capacities 5000 50000] [--rounds 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay
+from conduit.placement.profile import _median_seconds
+from conduit.semantics.sumtree import COMPILED, SumTree
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from config_sweep import bootstrap_ci  # noqa: E402
+
+
+def step_of(capacity: int, compiled: bool) -> Callable[[], object]:
+    """A full prioritized buffer whose sampler has the compiled tree or NumPy's; returns one training step."""
+    obs = np.random.default_rng(0).random((capacity, 4), dtype=np.float32)
+    edp = ExperienceDataPlane(ExperienceSchema(obs=Field((4,))), capacity=capacity,
+                              semantics=Replay(PrioritizedSampler(alpha=0.6, beta=0.4), seed=0))
+    edp.ingest({"obs": torch.from_numpy(obs)})
+    sampler = edp.semantics.sampler
+    if not compiled:
+        tree = SumTree(capacity)
+        tree.load(sampler._tree.state())  # type: ignore[attr-defined]
+        sampler._tree = tree  # type: ignore[attr-defined]
+    prios = np.random.default_rng(1)
+
+    def step() -> object:
+        _, info = edp.deliver(32)
+        return edp.update_priorities(info.handles.numpy(), prios.random(32) + 0.01)
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--capacities", type=int, nargs="+", default=[5000, 50000])
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--calls", type=int, default=500)
+    args = ap.parse_args()
+    if not COMPILED:
+        sys.exit("this install has no compiled sum tree (see packages/conduit-core/hatch_build.py)")
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    for cap in args.capacities:
+        steps = {"compiled": step_of(cap, True), "numpy": step_of(cap, False)}
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(args.rounds):
+            order = list(steps)
+            rng.shuffle(order)
+            for k in order:
+                times[k].append(_median_seconds(steps[k], reps=args.calls, warmup=50, clock=time.thread_time,
+                                                min_total=0))
+        ratios = [c / n for c, n in zip(times["compiled"], times["numpy"], strict=True)]
+        lo, hi = bootstrap_ci(ratios, rng=rng)
+        print(f"capacity {cap}: compiled {statistics.median(times['compiled']) * 1e6:.1f} us, NumPy "
+              f"{statistics.median(times['numpy']) * 1e6:.1f} us, compiled / NumPy {statistics.median(ratios):.3f}x "
+              f"({lo:.3f}-{hi:.3f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
