@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NamedTuple, SupportsIndex
 
+from conduit._checks import is_int
 from conduit.errors import ConfigurationError
 
 __all__ = ["Telemetry", "CallRecord", "Totals", "thread_id"]
@@ -294,7 +295,7 @@ class Telemetry:
         Raises:
             ConfigurationError: ``n`` is not an int >= 0.
         """
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        if not is_int(n) or n < 0:
             raise ConfigurationError(f"Telemetry.recent(kind, n=...) is how many of the newest calls to return: "
                                      f"pass an int >= 0, got {n!r}.")
         out: list[CallRecord] = []
@@ -534,7 +535,7 @@ def _json_count(v: object) -> int | float | str:
 
 def _check_mark(method: str, since: object) -> None:
     """Refuse a ``since`` that is not a mark from :meth:`Telemetry.mark` (an int >= 0)."""
-    if isinstance(since, bool) or not isinstance(since, numbers.Integral) or since < 0:
+    if not is_int(since) or since < 0:
         raise ConfigurationError(f"Telemetry.{method}(since=...) is a mark from Telemetry.mark() (an int >= 0), "
                                  f"got {since!r}.")
 

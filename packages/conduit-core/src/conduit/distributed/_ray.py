@@ -14,7 +14,7 @@ from conduit.errors import ConduitError, ConfigurationError
 from conduit.scheduling.base import thread_flag
 
 __all__ = ["ray_module", "ray_is_up", "current_node_id", "wait_all", "Outcome", "without_auto_init",
-           "positive_finite", "is_int", "check_seconds"]
+           "positive_finite", "check_seconds"]
 
 _tls = threading.local()
 
@@ -27,10 +27,6 @@ def positive_finite(x: Any) -> bool:
     real = isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
     return real and bool(0 < x < float("inf"))
 
-
-def is_int(x: Any) -> bool:
-    """``x`` is an integer (Python's or NumPy's), not a bool: what a count or a handle must be."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def check_seconds(name: str, value: object, *, none_means: str | None = None) -> None:

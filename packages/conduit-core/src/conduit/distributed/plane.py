@@ -39,13 +39,13 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import torch
 
+from conduit._checks import is_int
 from conduit.batch import ExperienceBatch, host_array
 from conduit.distributed import checkpoint, recovery
 from conduit.distributed._ray import (
     Outcome,
     check_seconds,
     current_node_id,
-    is_int,
     positive_finite,
     ray_is_up,
     ray_module,

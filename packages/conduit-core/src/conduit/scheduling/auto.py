@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from conduit._checks import is_int
 from conduit.batch import ExperienceBatch
 from conduit.errors import ConfigurationError
 from conduit.scheduling.base import Scheduler
@@ -193,12 +194,12 @@ class Automatic(Scheduler):
                  confirm_windows: int = 3, output_depth: int = 2, queue_depth: int = 8) -> None:
         for name, v in (("probe_rounds", probe_rounds), ("confirm_deliveries", confirm_deliveries),
                         ("confirm_windows", confirm_windows)):
-            if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+            if not is_int(v):
                 raise ConfigurationError(f"{name} must be an int (values below 1 count as 1), got {v!r}.")
         if overlap is not None and not isinstance(overlap, bool):
             raise ConfigurationError(f"overlap must be True, False or None (let the measurement decide), got "
                                      f"{overlap!r}.")
-        if not isinstance(queue_depth, numbers.Integral) or isinstance(queue_depth, bool) or queue_depth < 1:
+        if not is_int(queue_depth) or queue_depth < 1:
             raise ConfigurationError(f"queue_depth must be an int >= 1, got {queue_depth!r}.")
         # the caps are checked here, not at the buffer's first delivery (ConfigurationError, as safe_ranges says)
         safe_ranges(on_policy=False, g_ing_max=g_ing_max, g_del_max=g_del_max, memory_budget=memory_budget,
@@ -480,7 +481,7 @@ class Automatic(Scheduler):
     # -- calibration ---------------------------------------------------------------------------
     def _first_delivery(self, n: int | None, kwargs: dict[str, Any]) -> tuple[ExperienceBatch, SampleInfo]:
         """The first delivery sizes the probe plan from its batch size; a refused one leaves no plan behind."""
-        if not self.on_policy and not (isinstance(n, numbers.Integral) and not isinstance(n, bool) and n > 0):
+        if not self.on_policy and not (is_int(n) and n > 0):
             self.edp.select_now([n], peek=True, **kwargs)  # the semantics refuse it as a delivery would (a peek)
         saved = (self.range, self.inner.g_del)
         self._start_delivery_probe(n)
@@ -519,8 +520,7 @@ class Automatic(Scheduler):
         delivery, which may have been smaller), and let go of chunk buffers from earlier calls that would take the
         probe's buffers over the budget (see :meth:`_trim_buffers`). ``g_del = 1`` stays when even that does not
         fit. A size the semantics refuse is left to them."""
-        if (self.on_policy or self.memory_budget is None or not isinstance(n, numbers.Integral)
-                or isinstance(n, bool) or n <= 0):
+        if self.on_policy or self.memory_budget is None or not is_int(n) or n <= 0:
             return
         batch_bytes = _item_bytes(self.edp) * int(n)
         g = self._fitting_g_del(int(self.inner.g_del), batch_bytes)
@@ -551,7 +551,7 @@ class Automatic(Scheduler):
         are asked first, as the scheduler does for a new request); a size that is not a positive int is left to
         them.
         """
-        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n <= 0:
+        if not is_int(n) or n <= 0:
             return self.inner.deliver(n, **kwargs)
         size = int(n)
         if self._checked_lo <= size <= self._checked_hi:  # (checked already: an int of another type, e.g. numpy's)
@@ -865,7 +865,7 @@ def _decision_from(state: Any) -> Decision | None:
     on_policy, m = r["on_policy"], r["num_minibatches"]
     if not isinstance(on_policy, bool):
         raise _damaged(f"range.on_policy must be True or False, got {on_policy!r}")
-    if m is not None and (not isinstance(m, numbers.Integral) or isinstance(m, bool) or m < 1):
+    if m is not None and (not is_int(m) or m < 1):
         raise _damaged(f"range.num_minibatches must be None or an int >= 1, got {m!r}")
 
     def granularity(v: Any, what: str) -> float:
@@ -895,7 +895,7 @@ def _decision_from(state: Any) -> Decision | None:
         args: dict[str, Any] = {}
         for k in names:
             if k in ("calls", "sizes"):
-                if not isinstance(v[k], numbers.Integral) or isinstance(v[k], bool) or v[k] < 0:
+                if not is_int(v[k]) or v[k] < 0:
                     raise _damaged(f"{what}.{k} must be an int >= 0, got {v[k]!r}")
                 args[k] = int(v[k])
             else:  # (the knee is infinite when none was found; the error may be NaN on degenerate telemetry)

@@ -18,10 +18,10 @@ bounds priority staleness, and ``memory_budget`` bounds the delivery buffers.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 
+from conduit._checks import is_int
 from conduit.errors import ConfigurationError
 from conduit.scheduling.buffers import buffers_needed
 from conduit.semantics.base import Semantics
@@ -84,12 +84,12 @@ def safe_ranges(*, on_policy: bool, num_minibatches: int | None = None, g_ing_ma
     if not isinstance(on_policy, bool):  # (a string such as "no" would be truthy)
         raise ConfigurationError(f"on_policy must be True or False, got {on_policy!r}.")
     for name, v in (("g_ing_max", g_ing_max), ("g_del_max", g_del_max), ("output_depth", output_depth)):
-        if not _is_int(v) or v < 1:
+        if not is_int(v) or v < 1:
             raise ConfigurationError(f"{name} must be an int >= 1, got {v!r}.")
     for name, b in (("batch_bytes", batch_bytes), ("memory_budget", memory_budget)):
-        if b is not None and (not _is_int(b) or b < 0):
+        if b is not None and (not is_int(b) or b < 0):
             raise ConfigurationError(f"{name} must be None or an int >= 0 (bytes), got {b!r}.")
-    if num_minibatches is not None and (not _is_int(num_minibatches)
+    if num_minibatches is not None and (not is_int(num_minibatches)
                                         or num_minibatches < 1):  # (off-policy M bounds nothing, but is still M)
         raise ConfigurationError(f"num_minibatches (M) must be a positive int, got {num_minibatches!r}.")
     # numpy integers are ints too (a count read from a config array): plain ints from here on
@@ -122,10 +122,6 @@ def g_del_fitting(g_del_max: int, *, batch_bytes: float, memory_budget: float | 
                  if memory_budget is None or not batch_bytes
                  or buffers_needed(g, output_depth) * g * batch_bytes <= memory_budget)
 
-
-def _is_int(v: object) -> bool:
-    """``v`` is an integer (Python's or numpy's), not a bool."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def ranges_for(semantics: Semantics, **caps: int | None) -> GranularityRange:

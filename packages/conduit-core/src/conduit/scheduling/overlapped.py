@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import atexit
 import math
-import numbers
 import threading
 import weakref
 from collections import deque
@@ -67,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from conduit._checks import is_int
 from conduit.batch import ExperienceBatch
 from conduit.errors import ConfigurationError, EmptyBufferError
 from conduit.scheduling.base import Scheduler, wait_refused
@@ -129,7 +129,7 @@ def _whole(g: Any) -> bool:
 
 def _count(v: Any, least: int) -> bool:
     """``v`` is an integer (not a bool) of at least ``least``."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) >= least
+    return is_int(v) and int(v) >= least
 
 
 @dataclass
@@ -454,7 +454,7 @@ class Overlapped(Scheduler):
         beta = kwargs.pop("beta", None) if self.prioritized else None
         if beta is not None:  # checked before anything is handed over
             PrioritizedSampler.check_beta(beta)
-        if type(n) is not int and (not isinstance(n, numbers.Integral) or isinstance(n, bool)):
+        if type(n) is not int and not is_int(n):
             # not a key to compare: the semantics refuse it
             with self._wanting_buffer_lock():
                 self.edp.select_now([n], peek=True, when=self._has_buffer_lock, **kwargs)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Any
 
 import torch
 
+from conduit._checks import is_int
 from conduit.errors import ConduitError, ConfigurationError
 from conduit.storage.base import AppendResult, Storage, handles_at
 
@@ -175,7 +175,7 @@ class Semantics(ABC):
 
 def check_seed(seed: object) -> int:
     """``seed`` as an int, or :class:`ConfigurationError` unless it is an int in ``[0, 2**63)``."""
-    if isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= int(seed) < 2 ** 63:
+    if not is_int(seed) or not 0 <= int(seed) < 2 ** 63:
         raise ConfigurationError(f"seed must be an int in [0, 2**63), got {seed!r}.")
     return int(seed)
 

@@ -1,0 +1,12 @@
+"""Predicates the argument checks share (each check still raises its own typed error)."""
+
+from __future__ import annotations
+
+import numbers
+from typing import TypeGuard
+
+
+def is_int(x: object) -> TypeGuard[int]:
+    """``x`` is an integer (Python's, NumPy's or any other ``numbers.Integral``), not a bool: what a count, a
+    size or a handle must be (``int`` to the type checker: NumPy integers compare and index as ints do)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
