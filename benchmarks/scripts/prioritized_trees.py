@@ -1,11 +1,16 @@
 """Prioritized replay step, the compiled sum tree against NumPy's, in alternating paired rounds (outside CI).
 
 One training step's buffer work as ``benchmarks/test_bench_prioritized.py`` times it (draw 32 with importance
-weights, then update their 32 priorities; alpha 0.6, beta 0.4, a full buffer of 4-float observations), on two
-buffers that differ only in their sampler's tree: ``CompiledSumTree`` and NumPy's ``SumTree`` (leaves only up to
-16384 slots, two levels above), loaded with the same priorities. Each round times both, in a shuffled order
-(median of ``--calls`` calls, the thread's CPU clock); the figure is the median of the per-round ratios with a 95%
-bootstrap interval.
+weights, then update their 32 priorities; alpha 0.6, beta 0.4, a full buffer of 4-float observations), on three
+buffers that differ only in their sampler's tree, loaded with the same priorities:
+
+* ``compiled``: ``CompiledSumTree``, whose draw and update the sampler makes one C call each;
+* ``general``: the same compiled tree under another type, so the sampler takes its general NumPy path around
+  the tree's kernels (find, get, the weights, set: the path before the one-call kernels);
+* ``numpy``: NumPy's ``SumTree`` (leaves only up to 16384 slots, two levels above), on that general path.
+
+Each round times all three, in a shuffled order (median of ``--calls`` calls, the thread's CPU clock); each figure
+is the median of the per-round ratios with a 95% bootstrap interval.
 
     .venv/bin/python benchmarks/scripts/prioritized_trees.py [--capacities 5000 50000] [--rounds 12]
 """
@@ -24,21 +29,25 @@ import numpy as np
 import torch
 from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay
 from conduit.placement.profile import _median_seconds
-from conduit.semantics.sumtree import COMPILED, SumTree
+from conduit.semantics.sumtree import COMPILED, CompiledSumTree, SumTree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from config_sweep import bootstrap_ci  # noqa: E402
 
 
-def step_of(capacity: int, compiled: bool) -> Callable[[], object]:
-    """A full prioritized buffer whose sampler has the compiled tree or NumPy's; returns one training step."""
+class GeneralPathTree(CompiledSumTree):
+    """The compiled tree under another type: the sampler's general path runs on it."""
+
+
+def step_of(capacity: int, variant: str) -> Callable[[], object]:
+    """A full prioritized buffer whose sampler has the tree of ``variant`` (see above); returns one training step."""
     obs = np.random.default_rng(0).random((capacity, 4), dtype=np.float32)
     edp = ExperienceDataPlane(ExperienceSchema(obs=Field((4,))), capacity=capacity,
                               semantics=Replay(PrioritizedSampler(alpha=0.6, beta=0.4), seed=0))
     edp.ingest({"obs": torch.from_numpy(obs)})
     sampler = edp.semantics.sampler
-    if not compiled:
-        tree = SumTree(capacity)
+    if variant != "compiled":
+        tree = SumTree(capacity) if variant == "numpy" else GeneralPathTree(capacity)
         tree.load(sampler._tree.state())  # type: ignore[attr-defined]
         sampler._tree = tree  # type: ignore[attr-defined]
     prios = np.random.default_rng(1)
@@ -60,7 +69,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rng = random.Random(0)
     for cap in args.capacities:
-        steps = {"compiled": step_of(cap, True), "numpy": step_of(cap, False)}
+        steps = {k: step_of(cap, k) for k in ("compiled", "general", "numpy")}
         times: dict[str, list[float]] = {k: [] for k in steps}
         for _ in range(args.rounds):
             order = list(steps)
@@ -68,11 +77,13 @@ def main() -> None:
             for k in order:
                 times[k].append(_median_seconds(steps[k], reps=args.calls, warmup=50, clock=time.thread_time,
                                                 min_total=0))
-        ratios = [c / n for c, n in zip(times["compiled"], times["numpy"], strict=True)]
-        lo, hi = bootstrap_ci(ratios, rng=rng)
-        print(f"capacity {cap}: compiled {statistics.median(times['compiled']) * 1e6:.1f} us, NumPy "
-              f"{statistics.median(times['numpy']) * 1e6:.1f} us, compiled / NumPy {statistics.median(ratios):.3f}x "
-              f"({lo:.3f}-{hi:.3f})", flush=True)
+        medians = ", ".join(f"{k} {statistics.median(t) * 1e6:.1f} us" for k, t in times.items())
+        figures = []
+        for other in ("general", "numpy"):
+            ratios = [c / o for c, o in zip(times["compiled"], times[other], strict=True)]
+            lo, hi = bootstrap_ci(ratios, rng=rng)
+            figures.append(f"compiled / {other} {statistics.median(ratios):.3f}x ({lo:.3f}-{hi:.3f})")
+        print(f"capacity {cap}: {medians}; {'; '.join(figures)}", flush=True)
 
 
 if __name__ == "__main__":

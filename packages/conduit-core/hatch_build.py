@@ -25,19 +25,24 @@ class NativeBuildHook(BuildHookInterface):
     PLUGIN_NAME = "custom"
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
-        if self.target_name != "wheel" or os.environ.get("CONDUIT_NO_NATIVE") == "1":
+        if self.target_name != "wheel":
             return
         suffix = sysconfig.get_config_var("EXT_SUFFIX")
         ldshared = sysconfig.get_config_var("LDSHARED")
-        if not suffix or not ldshared:
-            self.app.display_warning("conduit-core: no C compiler settings in sysconfig; prioritized replay runs "
-                                     "on NumPy alone")
+        if os.environ.get("CONDUIT_NO_NATIVE") == "1" or not suffix or not ldshared:
+            if suffix:  # a module an earlier build left would still be imported (an editable install reads src/)
+                for source in SOURCES:
+                    src = Path(self.root, source)
+                    src.with_name(src.stem + suffix).unlink(missing_ok=True)
+            if os.environ.get("CONDUIT_NO_NATIVE") != "1":
+                self.app.display_warning("conduit-core: no C compiler settings in sysconfig; prioritized replay "
+                                         "runs on NumPy alone")
             return
         include = sysconfig.get_paths()["include"]
         for source, package in SOURCES.items():
             src = Path(self.root, source)
             out = src.with_name(src.stem + suffix)
-            tmp = out.with_name(out.name + ".part")
+            tmp = out.with_name(f"{out.name}.{os.getpid()}.part")  # (two builds at once write files of their own)
             cmd = [*shlex.split(ldshared), "-O2", "-fPIC", f"-I{include}", str(src), "-o", str(tmp)]
             try:
                 subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -46,6 +51,7 @@ class NativeBuildHook(BuildHookInterface):
                 self.app.display_warning(f"conduit-core: compiling {src.name} failed, so prioritized replay runs on "
                                          f"NumPy alone:\n{detail}")
                 tmp.unlink(missing_ok=True)
+                out.unlink(missing_ok=True)  # (a module an earlier build left was compiled from another source)
                 continue
             tmp.replace(out)  # (at once: an import never finds a half-written file)
             if version != "editable":

@@ -50,6 +50,40 @@ def test_sumtree_sums_and_finds(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", TREES)
+@pytest.mark.parametrize("capacity", [5, 100, 20_000])
+def test_sumtree_searches_past_the_total_stay_inside_the_capacity(capacity: int, kind: str) -> None:
+    """Values at, past or beyond the total (rounding, inf, NaN) land on a slot below the capacity: never on the
+    padding past it (the two-level tree's last block ran into it)."""
+    t = make_tree(kind, capacity)
+    t.set(np.array([1, 3]), np.array([1.0, 2.0]))
+    found = t.find(np.array([3.0, 4.0, np.inf, np.nan, np.nextafter(3.0, 4.0)]))
+    assert 0 <= found.min() and found.max() < capacity, found.tolist()
+
+
+@pytest.mark.parametrize("kind", TREES)
+@pytest.mark.parametrize("write", ["set_one(10, 5.0)", "set_one(-1, 5.0)",
+                                   "set(np.array([-1, 2]), np.array([5.0, 1.0]))",
+                                   "set(np.array([10, 2]), np.array([5.0, 1.0]))"])
+def test_sumtree_refuses_slots_outside_the_capacity(kind: str, write: str) -> None:
+    """A slot past the capacity or negative is an IndexError that changes nothing, on every tree (NumPy's wrote
+    the padding: its total counted weights no slot holds)."""
+    t = make_tree(kind, 10)
+    t.set(np.arange(10), np.ones(10))
+    with pytest.raises(IndexError):
+        eval(f"t.{write}")  # noqa: S307 - one of the literal calls above
+    assert t.total == t.state().sum() == 10.0
+
+
+@pytest.mark.parametrize("kind", TREES)
+def test_sumtree_searches_keep_the_shape_of_their_values(kind: str) -> None:
+    t = make_tree(kind, 10)
+    t.set(np.arange(10), np.ones(10))
+    for u in (np.float64(3.5), np.array([[1.5, 2.5], [3.5, 4.5]])):
+        assert np.shape(t.find(u)) == np.shape(u)
+    assert t.find(np.array([[1.5, 2.5], [3.5, 4.5]])).tolist() == [[1, 2], [3, 4]]
+
+
+@pytest.mark.parametrize("kind", TREES)
 @pytest.mark.parametrize("capacity", [1, 17, 1000, 70_001])
 def test_sumtree_matches_a_brute_force_prefix_search(capacity: int, kind: str) -> None:
     """Several blocks, zero weights, repeated and one-slot updates: totals, minima and searches agree with NumPy.

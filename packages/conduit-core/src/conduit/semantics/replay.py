@@ -13,7 +13,7 @@ import torch
 from conduit.batch import host_array
 from conduit.errors import CapacityError, ConfigurationError, EmptyBufferError, PriorityError
 from conduit.semantics.base import RingHandles, SampleInfo, Selection, Semantics, check_seed
-from conduit.semantics.sumtree import sum_tree
+from conduit.semantics.sumtree import CompiledSumTree, sum_tree
 from conduit.storage.base import AppendResult, Storage
 
 __all__ = ["Replay", "Sampler", "UniformSampler", "PrioritizedSampler"]
@@ -27,6 +27,8 @@ def _finite_non_negative(x: object) -> bool:
 
 
 _FLOAT64_MAX = float(np.finfo(np.float64).max)
+#: the dtypes of the arrays the compiled priority update takes as they are (a byte-swapped one is another object)
+_INT64, _FLOAT64 = np.dtype(np.int64), np.dtype(np.float64)
 
 #: the most items one replay delivery draws (a batch of more is refused, typed, before anything is drawn)
 MAX_DRAW = 2**31 - 1
@@ -267,23 +269,50 @@ class PrioritizedSampler(Sampler):
         top = float(p.max(initial=0.0)) if top is None else top
         if top <= 0 or self.alpha == 0:
             return
-        log_limit = (math.log(_FLOAT64_MAX) - math.log(self._tree.capacity)) / self.alpha
+        log_limit = self._log_limit()
         if math.log(top) > log_limit:
             raise PriorityError(f"Priority {top:g} is too large: raised to alpha={self.alpha:g} and summed over up to "
                                 f"{self._tree.capacity} items it overflows float64 (priorities up to "
                                 f"{math.exp(min(log_limit, math.log(_FLOAT64_MAX))):.3g} are safe); clip or scale the "
                                 f"priorities (e.g. the TD errors) first.")
 
+    def _log_limit(self) -> float:
+        """The largest ``log(priority)`` whose ``priority ** alpha``, summed over a full buffer, stays below
+        float64's largest (inf for alpha 0); see :meth:`check_range`."""
+        if self.alpha == 0:
+            return math.inf
+        return (math.log(_FLOAT64_MAX) - math.log(self._tree.capacity)) / self.alpha
+
     def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
         if not replace:
             raise ConfigurationError("PrioritizedSampler draws with replacement; use replace=True.")
         if beta is not None:
             self.check_beta(beta)
-        total = self._tree.total
+        tree = self._tree
+        total = tree.total
         if total <= 0:
             raise EmptyBufferError("Every live item has priority 0, so none can be drawn; update priorities "
                                    "with positive values (e.g. |td_error| + 1e-6).")
-        slots = self._tree.find(self._rng.random(n) * total)
+        u = self._rng.random(n)
+        st = self.storage
+        # the compiled tree draws, weighs and finds the handles in one call (None: a draw needs redrawing, below)
+        drawn = (tree.draw(u, self.beta if beta is None else float(beta), st.oldest)
+                 if type(tree) is CompiledSumTree else None)
+        if drawn is None:
+            slots, probs, weights = self._drawn(u * total, beta)
+            # as Storage.handles_of, in NumPy (nothing evicted yet: handle == slot)
+            handles = slots.copy() if st.oldest == 0 else st.oldest + (slots - st.oldest) % st.capacity
+        else:
+            slots, handles, probs, weights = drawn
+        info = SampleInfo(handles=torch.from_numpy(handles), weights=torch.from_numpy(weights),
+                          probabilities=torch.from_numpy(probs))
+        return Selection(torch.from_numpy(slots), info)
+
+    def _drawn(self, x: np.ndarray, beta: float | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The slots of prefix sums ``x``, redrawing those that land on a zero weight, with their
+        probabilities and float32 importance weights (:meth:`weigh`)."""
+        total = self._tree.total
+        slots = self._tree.find(x)
         leaf = self._tree.get(slots)
         for _ in range(8):  # rounding can land on a zero leaf at an interval edge: redraw those
             if leaf.min() > 0:
@@ -291,13 +320,8 @@ class PrioritizedSampler(Sampler):
             zero = leaf <= 0
             slots[zero] = self._tree.find(self._rng.random(int(zero.sum())) * total)
             leaf = self._tree.get(slots)
-        st = self.storage
         probs, weights = self.weigh(leaf, beta)
-        # as Storage.handles_of, in NumPy (nothing evicted yet: handle == slot)
-        handles = slots.copy() if st.oldest == 0 else st.oldest + (slots - st.oldest) % st.capacity
-        info = SampleInfo(handles=torch.from_numpy(handles), weights=torch.from_numpy(weights.astype(np.float32)),
-                          probabilities=torch.from_numpy(probs))
-        return Selection(torch.from_numpy(slots), info)
+        return slots, probs, weights.astype(np.float32)
 
     def priorities(self, slots: np.ndarray) -> np.ndarray:
         """What ``slots`` are drawn in proportion to now (their ``priority ** alpha``; 0 for no item)."""
@@ -312,6 +336,19 @@ class PrioritizedSampler(Sampler):
         return leaf / self._tree.total, (self._tree.min / leaf) ** b
 
     def update(self, handles: torch.Tensor | np.ndarray, priorities: torch.Tensor | np.ndarray) -> int:
+        tree = self._tree
+        if type(tree) is CompiledSumTree:
+            # checked, filtered and written in one call; None: the input needs the conversions or the refusals below
+            h = host_array(handles) if type(handles) is torch.Tensor else handles
+            p = (host_array(priorities.detach().to("cpu", torch.float64))
+                 if type(priorities) is torch.Tensor and priorities.is_floating_point() else priorities)
+            if type(h) is np.ndarray and type(p) is np.ndarray and h.dtype is _INT64 and p.dtype is _FLOAT64:
+                st = self.storage
+                done = tree.set_by_handle(h, p, self.alpha, st.oldest, st.next_handle, self._log_limit())
+                if done is not None:
+                    if done[0]:
+                        self._max_priority = max(self._max_priority, done[1])
+                    return done[0]
         p, top = self._checked(priorities)
         h = self.check_handles(handles)
         if h.shape != p.shape:

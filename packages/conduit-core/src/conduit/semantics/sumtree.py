@@ -35,18 +35,29 @@ element is the total.
 from __future__ import annotations
 
 import importlib
+import operator
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["SumTree", "CompiledSumTree", "COMPILED", "sum_tree", "FLAT_MAX"]
+__all__ = ["SumTree", "CompiledSumTree", "COMPILED", "KERNELS", "sum_tree", "FLAT_MAX"]
 
-_kernels: Any
-try:
-    _kernels = importlib.import_module("conduit.semantics._sumtree")
-except ImportError:  # built without a C compiler (see conduit-core's hatch_build.py): NumPy's tree only
-    _kernels = None
+#: the kernels :class:`CompiledSumTree` calls
+KERNELS = ("set", "set_one", "build", "find", "draw", "update")
+
+
+def _load_kernels() -> Any:
+    """``conduit.semantics._sumtree``, or None where it was not built (no C compiler: see conduit-core's
+    ``hatch_build.py``) or lacks a kernel (compiled from an older source that an install left in place)."""
+    try:
+        module = importlib.import_module("conduit.semantics._sumtree")
+    except ImportError:
+        return None
+    return module if all(hasattr(module, k) for k in KERNELS) else None
+
+
+_kernels: Any = _load_kernels()
 
 #: whether this install has the compiled kernels (:class:`CompiledSumTree`)
 COMPILED = _kernels is not None
@@ -154,6 +165,8 @@ class SumTree:
             self.set_one(int(slots.reshape(-1)[0]), float(np.asarray(values).reshape(-1)[-1]))
             return
         slots = np.asarray(slots, dtype=np.int64)
+        if slots.min() < 0 or slots.max() >= self.capacity:  # (the padding past the capacity is no slot)
+            raise IndexError(f"slots must lie in [0, {self.capacity}), got {slots.min()} .. {slots.max()}")
         self._leaves[slots] = values
         self._changed()
         if self.flat:
@@ -163,6 +176,8 @@ class SumTree:
 
     def set_one(self, slot: int, value: float) -> None:
         """Set one weight (one env step per call is common: scalar indexing, one block)."""
+        if not 0 <= slot < self.capacity:  # (the padding past the capacity is no slot)
+            raise IndexError(f"slot {slot} is outside [0, {self.capacity})")
         self._leaves[slot] = value
         self._changed()
         if not self.flat:
@@ -178,12 +193,14 @@ class SumTree:
         u = np.asarray(prefix, dtype=np.float64)
         if self.flat:
             return np.minimum(np.searchsorted(self._prefix(), u, side="right"), self.capacity - 1)
+        if u.ndim != 1:
+            return self.find(u.reshape(-1)).reshape(u.shape)
         cum = self._prefix()  # (refreshes the block sums read below)
         blk = np.minimum(np.searchsorted(cum, u, side="right"), self.blocks - 1)
         rest = u - (cum[blk] - self._bsum[blk])
         inside = torch.cumsum(torch.from_numpy(self._rows[blk]), 1).numpy()
         j = np.minimum((inside <= rest[:, None]).sum(axis=1), self.block - 1)
-        return blk * self.block + j
+        return np.minimum(blk * self.block + j, self.capacity - 1)  # (the last block's padding is no slot)
 
     def state(self) -> np.ndarray:
         return self._leaves[:self.capacity].copy()
@@ -219,6 +236,9 @@ class CompiledSumTree:
         if _kernels is None:
             raise ImportError("conduit.semantics._sumtree was not compiled in this install (no C compiler when "
                               "conduit-core was installed); use SumTree, or sum_tree() to pick.")
+        capacity = operator.index(capacity)
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._p = 1 << max(0, (capacity - 1).bit_length())
         self._leaves = np.zeros(capacity, dtype=np.float64)
@@ -252,14 +272,42 @@ class CompiledSumTree:
 
     def set_one(self, slot: int, value: float) -> None:
         """Set one weight (one env step per call is common)."""
-        _kernels.set_one(self._sums, self._mins, self._leaves, self._p, self.capacity, int(slot), float(value))
+        _kernels.set_one(self._sums, self._mins, self._leaves, self._p, self.capacity, operator.index(slot),
+                         float(value))
 
     def find(self, prefix: np.ndarray) -> np.ndarray:
         """As :meth:`SumTree.find`; a value at or past the total (rounding) lands on the last positive-weight slot."""
         u = np.ascontiguousarray(prefix, dtype=np.float64).reshape(-1)
         out = np.empty(u.shape[0], dtype=np.int64)
         _kernels.find(self._sums, self._p, self.capacity, u, out)
-        return out
+        return out.reshape(np.shape(prefix))
+
+    def draw(self, u: np.ndarray, beta: float, oldest: int) -> tuple[np.ndarray, ...] | None:
+        """A prioritized draw in one call, for uniforms ``u`` in [0, 1) (float64, C-contiguous): the slots
+        ``find(u * total)``; their items' handles in a ring of ``capacity`` slots whose oldest live item has
+        handle ``oldest``; their weights' shares of the total (float64); and ``(min / weight) ** beta``
+        (float32: the importance weights). None when a draw landed on a zero weight (rounding at an interval's
+        edge): the caller then draws by :meth:`find` and redraws those."""
+        n = u.shape[0]
+        slots, handles = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+        probs, weights = np.empty(n), np.empty(n, dtype=np.float32)
+        if _kernels.draw(self._sums, self._mins, self._leaves, self._p, self.capacity, u, beta, oldest, slots,
+                         handles, probs, weights):
+            return None
+        return slots, handles, probs, weights
+
+    def set_by_handle(self, handles: np.ndarray, priorities: np.ndarray, alpha: float, oldest: int,
+                      next_handle: int, log_limit: float) -> tuple[int, float] | None:
+        """A prioritized replay's priority update in one call: the weight of slot ``handle % capacity`` becomes
+        ``priority ** alpha`` for each handle in ``[oldest, next_handle)``, in order; handles below ``oldest``
+        (evicted) are skipped. Returns how many were applied and the largest applied priority (0.0 for none).
+
+        None, with nothing changed, where the caller's general path must convert or refuse the input: arrays
+        that are not C-contiguous int64 handles and float64 priorities of one length, a priority NaN,
+        infinite or negative, a handle outside ``[0, next_handle)``, or a largest priority whose log exceeds
+        ``log_limit``."""
+        return _kernels.update(self._sums, self._mins, self._leaves, self._p, self.capacity, handles, priorities,
+                               alpha, oldest, next_handle, log_limit)
 
     def state(self) -> np.ndarray:
         return self._leaves.copy()
