@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 stamp=.venv/.conduit-installed
 # (the build hook and the C sources count: a change to them must rebuild the compiled kernels)
 want=$(cat requirements/*.txt packages/*/pyproject.toml packages/conduit-core/hatch_build.py \
-  packages/conduit-core/src/conduit/semantics/*.c | sha256sum | cut -d' ' -f1)
+  packages/conduit-core/src/conduit/*/*.c | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   .venv/bin/python -m pip install -q -r requirements/torch-cpu.txt

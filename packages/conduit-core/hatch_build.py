@@ -1,10 +1,11 @@
 """Build hook: compile conduit-core's optional C kernels where a C compiler is found.
 
-``conduit.semantics._sumtree`` (the compiled sum tree behind prioritized replay) is built next to its source with
-the compiler and flags this Python was built with (``sysconfig``'s ``LDSHARED``): in the source tree for an
-editable install, and into the wheel otherwise (the wheel is then tagged for this platform). Where no compiler
-works, the build goes on without it and ``conduit.semantics.sumtree.SumTree`` runs on NumPy alone (same
-semantics, slower prioritized draws and updates); set ``CONDUIT_NO_NATIVE=1`` to build without it on purpose.
+``conduit.semantics._sumtree`` (the compiled sum tree behind prioritized replay) and ``conduit.storage._rows`` (the
+host ring's one-call row store behind synchronous ingestion) are built next to their sources with the compiler and
+flags this Python was built with (``sysconfig``'s ``LDSHARED``): in the source tree for an editable install, and
+into the wheel otherwise (the wheel is then tagged for this platform). Where no compiler works, the build goes on
+without them and the same semantics run on NumPy and torch alone (``conduit.semantics.sumtree.SumTree``, the
+general ingestion path), slower; set ``CONDUIT_NO_NATIVE=1`` to build without them on purpose.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
-SOURCES = {"src/conduit/semantics/_sumtree.c": "conduit/semantics"}
+SOURCES = {"src/conduit/semantics/_sumtree.c": "conduit/semantics",
+           "src/conduit/storage/_rows.c": "conduit/storage"}
 
 
 class NativeBuildHook(BuildHookInterface):
@@ -35,8 +37,8 @@ class NativeBuildHook(BuildHookInterface):
                     src = Path(self.root, source)
                     src.with_name(src.stem + suffix).unlink(missing_ok=True)
             if os.environ.get("CONDUIT_NO_NATIVE") != "1":
-                self.app.display_warning("conduit-core: no C compiler settings in sysconfig; prioritized replay "
-                                         "runs on NumPy alone")
+                self.app.display_warning("conduit-core: no C compiler settings in sysconfig; its kernels run "
+                                         "on NumPy and torch alone")
             return
         include = sysconfig.get_paths()["include"]
         for source, package in SOURCES.items():
@@ -48,8 +50,8 @@ class NativeBuildHook(BuildHookInterface):
                 subprocess.run(cmd, check=True, capture_output=True, text=True)
             except (OSError, subprocess.CalledProcessError) as e:
                 detail = getattr(e, "stderr", "") or str(e)
-                self.app.display_warning(f"conduit-core: compiling {src.name} failed, so prioritized replay runs on "
-                                         f"NumPy alone:\n{detail}")
+                self.app.display_warning(f"conduit-core: compiling {src.name} failed, so its kernels run on NumPy "
+                                         f"and torch alone:\n{detail}")
                 tmp.unlink(missing_ok=True)
                 out.unlink(missing_ok=True)  # (a module an earlier build left was compiled from another source)
                 continue

@@ -23,12 +23,15 @@ needs_compiled = pytest.mark.skipif(not COMPILED, reason="no compiled kernels in
 
 
 def test_the_compiled_tree_is_built() -> None:
-    """CI installs with a C compiler and sets CONDUIT_REQUIRE_COMPILED=1: there the kernels must have been built
-    (a broken build hook would otherwise only make prioritized replay slower). Anywhere, the sampler takes the
-    tree this install's flag names."""
+    """CI installs with a C compiler and sets CONDUIT_REQUIRE_COMPILED=1: there the kernels (the sum tree's and the
+    ingestion row store's) must have been built (a broken build hook would otherwise only make prioritized replay
+    and ingestion slower). Anywhere, the sampler takes the tree this install's flag names."""
     if os.environ.get("CONDUIT_REQUIRE_COMPILED") == "1":
         assert COMPILED, ("conduit.semantics._sumtree was not compiled: see the warning conduit-core's build hook "
                           "(packages/conduit-core/hatch_build.py) printed during the install")
+        from conduit.storage import columnar
+
+        assert columnar._rows is not None, "conduit.storage._rows was not compiled: see the build hook's warning"
     edp = ExperienceDataPlane(ExperienceSchema(x=Field(())), capacity=8, semantics=Replay(PrioritizedSampler()))
     try:
         tree = edp.semantics.sampler._tree  # type: ignore[attr-defined]

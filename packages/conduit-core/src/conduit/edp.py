@@ -281,6 +281,10 @@ class ExperienceDataPlane:
         """
         self._check_open()
         t0 = time.perf_counter()
+        if type(batch) is dict and version is None and priorities is None and type(self.scheduler) is Synchronous:
+            handles = self._ingest_rows(batch, t0)
+            if handles is not None:
+                return handles
         b = ExperienceBatch.checked(batch, self.schema)
         n = b.batch_size
         if n > self.storage.capacity:
@@ -296,6 +300,32 @@ class ExperienceDataPlane:
         # the caller's whole call (validation, and storing or handing over); see conduit.exposure
         self.telemetry.record("ingest_wait", n, 0, t0, time.perf_counter())
         return out
+
+    def _ingest_rows(self, columns: dict[str, Any], t0: float) -> torch.Tensor | None:
+        """:meth:`ingest`, for the common case in one step: synchronous replay, no migration pending, and a dict
+        that the storage checks and stores whole (:meth:`Storage.append_rows`: the host ring's compiled row store
+        takes exact tensors of the schema's fields). Stores, evicts, updates the sampler and records telemetry as
+        the general path does, without building an :class:`ExperienceBatch`. None, with nothing changed, for any
+        other buffer or batch: the general path then validates it, and stores or refuses it."""
+        if type(self.semantics) is not Replay:  # (Replay.check_ingest refuses nothing without priorities)
+            return None
+        with self._lock:
+            if self.closed or self._upgrades:
+                return None
+            outer, self._writer = self._writer, _get_ident()
+            try:
+                res = self.storage.append_rows(columns)
+                if res is None:
+                    return None
+                self.semantics.on_append(res, version=None, priorities=None)
+            finally:
+                self._writer = outer
+        t1 = time.perf_counter()
+        n = res.count
+        self.telemetry.record("ingest", n, n * self.schema.fixed_item_bytes, t0, t1)
+        # the caller's whole call, as ingest() records it (see conduit.exposure)
+        self.telemetry.record("ingest_wait", n, 0, t0, t1)
+        return torch.from_numpy(np.arange(res.first, res.first + n, dtype=np.int64))
 
     def _pool_hint(self) -> str:
         """What sets the ragged pools' size, for the error of a batch that does not fit them."""

@@ -99,6 +99,12 @@ class Storage(ABC):
             CapacityError: the batch cannot fit (even after eviction, or eviction is off).
         """
 
+    def append_rows(self, columns: dict[str, Any]) -> AppendResult | None:
+        """:meth:`append` (evicting as needed) of a batch still given as a dict of tensors, where this storage has
+        a path that checks and stores it in one step; None, with nothing changed, where it has none or the batch
+        does not fit it (the default): then validate the batch and :meth:`append` it."""
+        return None
+
     @abstractmethod
     def gather(self, slots: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> ExperienceBatch:
         """Rows ``slots`` of every field, into ``out`` when given (shapes must match).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 import operator
 from collections.abc import Callable
 from typing import Any, cast
@@ -162,6 +163,12 @@ def _raw_rows(column: torch.Tensor) -> tuple[int, int, torch.dtype] | None:
 
 _memmove = ctypes.memmove
 
+_rows: Any
+try:  # compiled where a C compiler was found at install (conduit-core's hatch_build.py); see append_rows
+    _rows = importlib.import_module("conduit.storage._rows")
+except ImportError:
+    _rows = None
+
 
 class ColumnarStorage(Storage):
     """One contiguous preallocated tensor per field; ragged fields in a packed element pool.
@@ -231,12 +238,13 @@ class ColumnarStorage(Storage):
         self._np_cols = {n: _numpy_view(c) for n, c in self._cols.items()}
         #: host columns written by one memmove per contiguous run of rows (the columns are never reallocated)
         self._raw_cols = {n: _raw_rows(c) for n, c in self._cols.items()}
+        self._plan = self._rows_plan()
 
     def __getstate__(self) -> dict[str, Any]:
         """The storage for a copy or pickle, without the columns' NumPy views and raw addresses: those name this
         object's memory (a copy writing through them would write into this storage, or into freed memory)."""
         state = self.__dict__.copy()
-        del state["_np_cols"], state["_raw_cols"]
+        del state["_np_cols"], state["_raw_cols"], state["_plan"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -244,6 +252,37 @@ class ColumnarStorage(Storage):
         self.__dict__.setdefault("_rempty", {n: (0, 0) for n in self._pools})  # (pickled before it existed)
         self._np_cols = {n: _numpy_view(c) for n, c in self._cols.items()}
         self._raw_cols = {n: _raw_rows(c) for n, c in self._cols.items()}
+        self._plan = self._rows_plan()
+
+    def _rows_plan(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...], int, int], ...] | None:
+        """What :meth:`append_rows` hands the compiled row store: per fixed field (name, dtype, item shape, column
+        address, bytes per row); None where it cannot serve (no compiled kernels, ragged fields, a column off the
+        host or not contiguous)."""
+        if _rows is None or self._pools or not self._cols or any(r is None for r in self._raw_cols.values()):
+            return None
+        return tuple((n, raw[2], tuple(self.schema[n].shape), raw[0], raw[1])
+                     for n, raw in self._raw_cols.items() if raw is not None)
+
+    def append_rows(self, columns: dict[str, Any]) -> AppendResult | None:
+        """:meth:`append`, evicting as needed, for the common batch in one compiled call: a dict holding exactly the
+        schema's fields as host tensors of their dtypes and item shapes, contiguous, 1 to ``capacity`` rows. The
+        call checks every field, then copies each with one ``memmove`` per run of rows.
+
+        Returns None, with nothing changed, for anything else (NumPy arrays, other shapes or dtypes, ragged
+        fields, columns off the host, an install without the compiled row store): then validate the batch
+        (:meth:`ExperienceBatch.checked`) and :meth:`append` it, which converts it or refuses it typed.
+        """
+        plan = self._plan
+        if plan is None:
+            return None
+        first = self._next
+        n = _rows.put(columns, plan, first % self.capacity, self.capacity)
+        if n < 0:
+            return None
+        evicted_from = self._oldest
+        self._oldest = max(evicted_from, first + n - self.capacity)
+        self._next = first + n
+        return AppendResult(first, n, evicted_from, self._oldest)
 
     # -- ring ------------------------------------------------------------------------------
     @property

@@ -158,6 +158,7 @@ class DiskStorage(ColumnarStorage):
         self._cols.clear()
         self._np_cols.clear()
         self._raw_cols.clear()  # their addresses point into the unmapped files
+        self._plan = None
         self._pools.clear()
         self._finalizer()
 

@@ -1,0 +1,153 @@
+"""Synchronous replay ingestion through the host ring's compiled row store (``conduit.storage._rows``,
+``ColumnarStorage.append_rows``): the same contents, handles, evictions, priorities and telemetry as the general
+path (validate into an ``ExperienceBatch``, then ``append``), and every batch it cannot take whole left to that
+path, which stores it or refuses it with the same typed error, nothing changed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay, Synchronous
+from conduit.storage import columnar
+from conduit.storage.columnar import ColumnarStorage
+
+needs_rows = pytest.mark.skipif(columnar._rows is None, reason="no compiled row store in this install (whether one "
+                                                               "is expected: test_the_compiled_tree_is_built)")
+
+SCHEMA = ExperienceSchema(obs=Field((3, 2)), act=Field((), torch.int64), done=Field((), torch.bool))
+
+
+class GeneralPath(Synchronous):
+    """Synchronous under another type: ``ExperienceDataPlane.ingest`` takes its general path for it."""
+
+
+def pair(capacity: int, prioritized: bool) -> tuple[ExperienceDataPlane, ExperienceDataPlane]:
+    def one(scheduler: Synchronous) -> ExperienceDataPlane:
+        sampler = PrioritizedSampler(alpha=0.7) if prioritized else None
+        return ExperienceDataPlane(SCHEMA, capacity=capacity, scheduler=scheduler,
+                                   semantics=Replay(sampler, seed=1) if sampler else Replay(seed=1))
+    return one(Synchronous()), one(GeneralPath())
+
+
+def batch(rng: np.random.Generator, n: int) -> dict[str, torch.Tensor]:
+    return {"obs": torch.from_numpy(rng.random((n, 3, 2), dtype=np.float32)),
+            "act": torch.from_numpy(rng.integers(0, 9, n)), "done": torch.from_numpy(rng.random(n) < 0.3)}
+
+
+def outcome(call):  # noqa: ANN001, ANN201
+    """What ``call()`` returned, or the type and message of what it raised."""
+    try:
+        out = call()
+        return "returned", None if out is None else out.tolist()
+    except Exception as e:  # noqa: BLE001 - compared between the two paths
+        return type(e).__name__, str(e)
+
+
+def same(a: ExperienceDataPlane, b: ExperienceDataPlane) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert (sa["storage"]["oldest"], sa["storage"]["next"]) == (sb["storage"]["oldest"], sb["storage"]["next"])
+    for name in SCHEMA:
+        assert torch.equal(sa["storage"]["data"][name], sb["storage"]["data"][name]), name
+    assert torch.equal(a.storage._cols["obs"], b.storage._cols["obs"])  # type: ignore[attr-defined]
+    sampler_a, sampler_b = sa["semantics"]["sampler"], sb["semantics"]["sampler"]
+    assert sampler_a.keys() == sampler_b.keys()
+    if "leaves" in sampler_a:
+        assert torch.equal(sampler_a["leaves"], sampler_b["leaves"])
+    ta, tb = a.telemetry.totals, b.telemetry.totals
+    for kind in ("ingest", "ingest_wait"):
+        assert (ta[kind].calls, ta[kind].items, ta[kind].nbytes) == (tb[kind].calls, tb[kind].items, tb[kind].nbytes)
+
+
+@needs_rows
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_the_row_store_ingests_what_the_general_path_does(prioritized: bool) -> None:
+    """Random batch sizes (1 to the whole capacity) through a ring that wraps many times, mixed with batches the
+    row store must leave to the general path (NumPy arrays, a strided view, another dtype, a missing or extra
+    field, other shapes, sizes over the capacity, empty batches): both buffers return the same handles or errors
+    and end with the same contents, sampler state and telemetry counts."""
+    fast, general = pair(13, prioritized)
+    rng = np.random.default_rng(7)
+    stored = 0
+    for step in range(300):
+        n = int(rng.choice([1, 1, 2, 5, 13, 14, 0]))
+        b: dict = batch(rng, n)
+        kind = int(rng.integers(12))
+        if kind == 0:
+            b["obs"] = b["obs"].numpy()
+        elif kind == 1:
+            b["obs"] = torch.from_numpy(rng.random((n, 2, 3), dtype=np.float32)).transpose(1, 2)  # not contiguous
+        elif kind == 2:
+            b["act"] = b["act"].int()
+        elif kind == 3:
+            del b["done"]
+        elif kind == 4:
+            b["extra"] = b["act"]
+        elif kind == 5:
+            b["obs"] = b["obs"].reshape(n, 6)
+        elif kind == 6:
+            b["obs"] = b["obs"].requires_grad_()  # stored by value, as the general path stores it
+        got = [outcome(lambda e=e, b=b: e.ingest(dict(b))) for e in (fast, general)]
+        assert got[0] == got[1], (step, kind, n, got)
+        stored += got[0][0] == "returned" and n
+        same(fast, general)
+        if prioritized and got[0][0] == "returned" and rng.random() < 0.3 and len(fast):
+            _, info = fast.deliver(4)
+            p = rng.random(4) + 0.1
+            for e in (fast, general):
+                e.update_priorities(info.handles.numpy(), p)
+    assert stored > 5 * 13, "the ring should have wrapped several times"
+    for e in (fast, general):
+        e.close()
+
+
+@needs_rows
+def test_the_row_store_refuses_a_batch_whole_and_changes_nothing() -> None:
+    """``append_rows`` checks every field before it writes: a bad last field leaves the earlier ones unwritten."""
+    st = ColumnarStorage(SCHEMA, 6)
+    rng = np.random.default_rng(0)
+    assert st.append_rows(batch(rng, 4)) == (0, 4, 0, 0)
+    before = {n: c.clone() for n, c in st._cols.items()}
+    bad = [
+        {**batch(rng, 2), "done": torch.zeros(2, dtype=torch.uint8)},  # last field of another dtype
+        {**batch(rng, 2), "done": torch.zeros(3, dtype=torch.bool)},  # rows differ
+        {**batch(rng, 2), "done": torch.zeros(2, dtype=torch.bool)[:, None]},  # another item shape
+        {**batch(rng, 2), "done": torch.zeros(2, dtype=torch.bool).to("meta")},
+        {**batch(rng, 2), "obs": torch.zeros(2, 3, 2)._neg_view()},  # a negative view bit: stored by value elsewhere
+        {**batch(rng, 2), "act": torch.zeros(2, dtype=torch.int64).to_sparse()},
+        batch(rng, 7),  # more than the capacity
+        batch(rng, 0),
+        {"obs": batch(rng, 2)["obs"]},
+    ]
+    for b in bad:
+        assert st.append_rows(b) is None, b
+        assert (st.oldest, st.next_handle) == (0, 4)
+        assert all(torch.equal(st._cols[n], before[n]) for n in before)
+    res = st.append_rows(batch(rng, 5))  # wraps: slots 4, 5, 0, 1, 2; evicts handles 0..2
+    assert res == (4, 5, 0, 3) and (st.oldest, st.next_handle) == (3, 9)
+
+
+@needs_rows
+def test_subclassed_tensors_and_other_storages_take_the_general_path() -> None:
+    """A tensor subclass (its own semantics for attribute reads) and storages without a row store (ragged fields,
+    disk once closed) are left to the general path."""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    st = ColumnarStorage(SCHEMA, 4)
+    b = batch(np.random.default_rng(0), 2)
+    b["act"] = b["act"].as_subclass(Tagged)
+    assert st.append_rows(b) is None and st.next_handle == 0
+    ragged = ColumnarStorage(ExperienceSchema(tok=Field((), torch.int64, ragged=True)), 4)
+    assert ragged._plan is None and ragged.append_rows({"tok": torch.zeros(3, dtype=torch.int64)}) is None
+
+
+def test_without_the_row_store_ingestion_takes_the_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An install built without a C compiler has no row store: buffers have no plan and ingest as before."""
+    monkeypatch.setattr(columnar, "_rows", None)
+    edp = ExperienceDataPlane(SCHEMA, capacity=4, semantics=Replay(seed=0))
+    assert edp.storage._plan is None  # type: ignore[attr-defined]
+    handles = edp.ingest(batch(np.random.default_rng(0), 3))
+    assert handles is not None and handles.tolist() == [0, 1, 2] and len(edp) == 3
+    edp.close()
