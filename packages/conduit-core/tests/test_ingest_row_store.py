@@ -1,14 +1,23 @@
-"""Synchronous replay ingestion through the host ring's compiled row store (``conduit.storage._rows``,
-``ColumnarStorage.append_rows``): the same contents, handles, evictions, priorities and telemetry as the general
+"""The host ring's compiled row copies (``conduit.storage._rows``). Synchronous replay ingestion through
+``ColumnarStorage.append_rows``: the same contents, handles, evictions, priorities and telemetry as the general
 path (validate into an ``ExperienceBatch``, then ``append``), and every batch it cannot take whole left to that
-path, which stores it or refuses it with the same typed error, nothing changed."""
+path, which stores it or refuses it with the same typed error, nothing changed. Gathers: what
+``torch.index_select`` gives, for every dtype and row size, and the same refusals."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay, Synchronous
+from conduit import (
+    ExperienceBatch,
+    ExperienceDataPlane,
+    ExperienceSchema,
+    Field,
+    PrioritizedSampler,
+    Replay,
+    Synchronous,
+)
 from conduit.storage import columnar
 from conduit.storage.columnar import ColumnarStorage
 
@@ -151,3 +160,55 @@ def test_without_the_row_store_ingestion_takes_the_general_path(monkeypatch: pyt
     handles = edp.ingest(batch(np.random.default_rng(0), 3))
     assert handles is not None and handles.tolist() == [0, 1, 2] and len(edp) == 3
     edp.close()
+
+
+# -- gathers: the compiled row copy behind ColumnarStorage.gather -------------------------------------------------
+@needs_rows
+@pytest.mark.parametrize(("dtype", "item", "rows"), [
+    (torch.float32, (5000,), 300),  # 6 MB: written around the caches (non-temporal stores)
+    (torch.float32, (1000,), 512),  # 2 MB: one memcpy per row, the GIL released
+    (torch.float32, (4,), 32),  # 512 bytes
+    (torch.float16, (3, 3), 700),  # rows of 18 bytes: no 16-byte stores
+    (torch.bfloat16, (7,), 40), (torch.bool, (2,), 17), (torch.uint8, (1999,), 2200),
+    (torch.uint8, (1,), 50), (torch.float32, (1,), 50), (torch.float64, (1,), 50),  # rows of 1, 4, 8 bytes
+    (torch.int64, (), 9),  # a scalar column: torch's own gather
+])
+def test_compiled_gathers_equal_index_select(dtype: torch.dtype, item: tuple[int, ...], rows: int) -> None:
+    """Rows drawn with repeats, in any order, of several dtypes and row sizes (both copy kinds, both sides of
+    the GIL threshold) come out as torch.index_select gives them, in the reused buffers handed in."""
+    cap = 2500 if item != (5000,) else 400
+    st = ColumnarStorage(ExperienceSchema(x=Field(item, dtype)), cap)
+    g = torch.Generator().manual_seed(rows)
+    values = (torch.rand((cap, *item), generator=g) * 100).to(dtype)
+    st.append(ExperienceBatch({"x": values}, cap))
+    slots = torch.randint(cap, (rows,), generator=g)
+    out = {"x": torch.full((rows, *item), 7).to(dtype)}
+    got = st.gather(slots, out)
+    assert got["x"] is out["x"] and torch.equal(got["x"], torch.index_select(values, 0, slots))
+
+
+@needs_rows
+def test_a_gather_of_a_slot_outside_the_ring_is_refused_before_it_copies() -> None:
+    st = ColumnarStorage(ExperienceSchema(x=Field((4,))), 8)
+    out = {"x": torch.zeros(3, 4)}
+    with pytest.raises(IndexError):
+        st.gather(torch.tensor([1, 8, 2]), out)
+    with pytest.raises(IndexError):
+        st.gather(torch.tensor([-1, 2, 3]), out)
+    assert torch.equal(out["x"], torch.zeros(3, 4))
+
+
+def test_gathers_the_row_copy_cannot_take_go_to_index_select() -> None:
+    """int32 slots, a strided slot view, a non-contiguous output and no output at all give index_select's results,
+    and an output of another dtype its refusal (the general path)."""
+    st = ColumnarStorage(ExperienceSchema(x=Field((4,))), 8)
+    values = torch.arange(32.0).reshape(8, 4)
+    st.append(ExperienceBatch({"x": values}, 8))
+    idx = torch.tensor([3, 1, 3, 7])
+    want = values[idx]
+    assert torch.equal(st.gather(idx.int(), {"x": torch.empty(4, 4)})["x"], want)
+    assert torch.equal(st.gather(torch.tensor([3, 0, 1, 0, 3, 0, 7])[::2], {"x": torch.empty(4, 4)})["x"], want)
+    with pytest.raises(RuntimeError):  # index_select's own refusal of an output of another dtype
+        st.gather(idx, {"x": torch.empty(4, 4, dtype=torch.float64)})
+    assert torch.equal(st.gather(idx, {"x": torch.empty(4, 8)[:, ::2]})["x"], want)
+    assert torch.equal(st.gather(idx)["x"], want)

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from conduit.errors import PlacementError
-from conduit.storage.columnar import empty_column
+from conduit.storage.columnar import empty_column, gather_into
 from conduit.telemetry import write_atomically
 
 __all__ = ["LinkCost", "BandwidthProfile", "profile_machine", "measure_host_paths", "load_profile", "machine_id",
@@ -57,7 +57,7 @@ __all__ = ["LinkCost", "BandwidthProfile", "profile_machine", "measure_host_path
 
 #: the version of the profile file layout or of what its paths measure (bumped when either changes;
 #: older files are re-measured)
-PROFILE_FORMAT = 3
+PROFILE_FORMAT = 4
 
 #: every path name a profile may carry (per-device variants add ``:i`` / ``:i:j``)
 PATHS = ("host_copy", "host_gather", "host_gather_scalar", "host_gather_scalar_cached", "h2d_pinned", "h2d_pageable",
@@ -540,9 +540,9 @@ def _measure_gather(flat: torch.Tensor, widths: Iterable[int], reps: int, *, row
             if before is not None:
                 before()
 
-        def gather() -> None:
+        def gather() -> None:  # as a storage column gathers into a delivery buffer
             for c, o in zip(cols, outs, strict=True):
-                torch.index_select(c, 0, state["idx"], out=o[state["i"]])
+                gather_into(c, state["idx"], o[state["i"]])
 
         return _median_seconds(gather, reps=reps, sync=sync, before=draw, clock=clock) / len(cols)
 

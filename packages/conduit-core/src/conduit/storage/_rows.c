@@ -1,4 +1,5 @@
-/* conduit.storage._rows: the compiled row store of conduit.storage.columnar.ColumnarStorage.append_rows.
+/* conduit.storage._rows: the compiled row copies of conduit.storage.columnar.ColumnarStorage: put (behind
+ * append_rows) and gather (behind gather).
  *
  * put(columns, plan, slot, capacity) stores one batch, given as a dict of tensors, into a host ring of
  * contiguous columns: it checks every field first and writes only when all of them can be copied whole, by
@@ -11,10 +12,21 @@
  * plan: a tuple with one (name, dtype, item shape tuple, column address, bytes per row) per field. The
  * caller keeps the columns alive and the plan true (host columns are never reallocated). The GIL is held
  * throughout, so no Python thread can resize or free a source tensor during the copy.
+ *
+ * gather(dst, src, row, slots, n, capacity) copies rows src[slots[i]] to dst[i] by raw addresses the caller
+ * checked: every slot is checked against the capacity first; a copy of 4 MiB or more uses non-temporal
+ * stores (SSE2), so that writing the batch neither first reads each output line nor evicts the cache for
+ * rows nobody reads before they are evicted anyway (measured on this project's VM: about 0.76x the time of
+ * torch.index_select for 512 rows of 20 kB); smaller copies are one memcpy per row. Both prefetch the rows
+ * ahead; copies of 64 KiB or more release the GIL, as torch's own ops do.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 #define MAX_FIELDS 256
 
@@ -171,13 +183,118 @@ static PyObject *put(PyObject *module, PyObject *const *args, Py_ssize_t nargs) 
     return PyLong_FromSsize_t(n);
 }
 
+/* Copies of at least this many bytes write around the caches (non-temporal stores): the rows would evict
+ * each other before anyone read them, and a plain store first reads every line it writes. */
+#define STREAM_MIN_BYTES ((Py_ssize_t)4 << 20)
+/* Copies of at least this many bytes run with the GIL released. */
+#define RELEASE_MIN_BYTES ((Py_ssize_t)1 << 16)
+/* Rows ahead whose first lines are prefetched. */
+#define AHEAD 4
+
+static void copy_rows(char *dst, const char *src, Py_ssize_t row, const int64_t *slots, Py_ssize_t n) {
+#ifdef __SSE2__
+    if (n * row >= STREAM_MIN_BYTES && row % 16 == 0 && ((uintptr_t)dst & 15) == 0) {
+        Py_ssize_t m = row / 16;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (i + AHEAD < n) {
+                __builtin_prefetch(src + slots[i + AHEAD] * row, 0, 0);
+            }
+            const __m128i *s = (const __m128i *)(src + slots[i] * row);
+            __m128i *d = (__m128i *)(dst + i * row);
+            for (Py_ssize_t j = 0; j < m; j++) {
+                _mm_stream_si128(d + j, _mm_loadu_si128(s + j));
+            }
+        }
+        _mm_sfence();
+        return;
+    }
+#endif
+#define TYPED(T)                                                          \
+    for (Py_ssize_t i = 0; i < n; i++) {                                  \
+        ((T *)dst)[i] = ((const T *)src)[slots[i]];                       \
+    }                                                                     \
+    return;
+    switch (row) { /* scalar items: one load and store each, which the CPU overlaps (no call per row) */
+    case 1:
+        TYPED(uint8_t)
+    case 2:
+        TYPED(uint16_t)
+    case 4:
+        TYPED(uint32_t)
+    case 8:
+        TYPED(uint64_t)
+    default:
+        break;
+    }
+#undef TYPED
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            __builtin_prefetch(src + slots[i + AHEAD] * row, 0, 0);
+        }
+        memcpy(dst + i * row, src + slots[i] * row, (size_t)row);
+    }
+}
+
+/* gather(dst, src, row, slots, n, capacity): the rows src[slots[i]] (row bytes each, 0 <= slots[i] < capacity)
+ * to dst[i], for i < n; all addresses raw (the caller checked the tensors behind them and keeps them alive).
+ * Every slot is checked before anything is copied (IndexError); large copies release the GIL. */
+static PyObject *gather(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "gather(dst, src, row, slots, n, capacity)");
+        return NULL;
+    }
+    char *dst = PyLong_AsVoidPtr(args[0]);
+    if (!dst && PyErr_Occurred()) {
+        return NULL;
+    }
+    const char *src = PyLong_AsVoidPtr(args[1]);
+    if (!src && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t row = PyLong_AsSsize_t(args[2]);
+    if (row == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    const int64_t *slots = PyLong_AsVoidPtr(args[3]);
+    if (!slots && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(args[4]);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t cap = PyLong_AsSsize_t(args[5]);
+    if (cap == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (row < 1 || n < 0 || cap < 1 || (n > 0 && (!dst || !src || !slots))) {
+        PyErr_SetString(PyExc_ValueError, "gather needs row >= 1, n >= 0, capacity >= 1 and addresses");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= cap) {
+            PyErr_Format(PyExc_IndexError, "slot %lld is outside [0, %zd)", (long long)slots[i], cap);
+            return NULL;
+        }
+    }
+    if (n * row >= RELEASE_MIN_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_rows(dst, src, row, slots, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        copy_rows(dst, src, row, slots, n);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"put", (PyCFunction)(void (*)(void))put, METH_FASTCALL, "put(columns, plan, slot, capacity) -> rows or -1"},
+    {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, "gather(dst, src, row, slots, n, capacity)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_rows", "The compiled row store of conduit.storage.columnar.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_rows", "The compiled row copies of conduit.storage.columnar.", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

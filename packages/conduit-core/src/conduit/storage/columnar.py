@@ -161,6 +161,23 @@ def _raw_rows(column: torch.Tensor) -> tuple[int, int, torch.dtype] | None:
     return column.data_ptr(), column[:1].nbytes, column.dtype
 
 
+def gather_into(column: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
+                raw: tuple[int, int, torch.dtype] | None = None) -> torch.Tensor:
+    """``torch.index_select(column, 0, slots, out=out)``: by the compiled row copy (``conduit.storage._rows``)
+    where it applies (a contiguous host column of items with a shape, an output of its dtype, int64 host slots),
+    which gathers the same rows faster (large gathers write around the caches); else by torch (which gathers
+    scalar columns as fast). ``raw``: ``column``'s :func:`_raw_rows`, when known."""
+    raw = _raw_rows(column) if raw is None else raw
+    k = slots.shape[0]
+    if (_rows is not None and raw is not None and column.dim() > 1 and slots.dtype is torch.int64 and slots.is_cpu
+            and slots.dim() == 1
+            and slots.is_contiguous() and type(out) is torch.Tensor and out.dtype is raw[2] and out.is_cpu
+            and out.is_contiguous() and out.shape[0] == k and out.nbytes == k * raw[1] and not out.is_neg()):
+        _rows.gather(out.data_ptr(), raw[0], raw[1], slots.data_ptr(), k, column.shape[0])
+        return out
+    return torch.index_select(column, 0, slots, out=out)
+
+
 _memmove = ctypes.memmove
 
 _rows: Any
@@ -441,7 +458,7 @@ class ColumnarStorage(Storage):
         dev_slots = slots if slots.device == self.device else slots.to(self.device)
         for name, col in self._cols.items():
             if out is not None:
-                cols[name] = torch.index_select(col, 0, dev_slots, out=out[name])
+                cols[name] = gather_into(col, dev_slots, out[name], self._raw_cols[name])
             else:
                 cols[name] = torch.index_select(col, 0, dev_slots)
         for name, pool in self._pools.items():
