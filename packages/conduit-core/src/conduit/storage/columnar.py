@@ -161,6 +161,14 @@ def _raw_rows(column: torch.Tensor) -> tuple[int, int, torch.dtype] | None:
     return column.data_ptr(), column[:1].nbytes, column.dtype
 
 
+_rows: Any
+try:  # compiled where a C compiler was found at install (conduit-core's hatch_build.py); see gather_into and
+    # ColumnarStorage.append_rows
+    _rows = importlib.import_module("conduit.storage._rows")
+except ImportError:
+    _rows = None
+
+
 def gather_into(column: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
                 raw: tuple[int, int, torch.dtype] | None = None) -> torch.Tensor:
     """``torch.index_select(column, 0, slots, out=out)``: by the compiled row copy (``conduit.storage._rows``)
@@ -170,21 +178,15 @@ def gather_into(column: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
     raw = _raw_rows(column) if raw is None else raw
     k = slots.shape[0]
     if (_rows is not None and raw is not None and column.dim() > 1 and slots.dtype is torch.int64 and slots.is_cpu
-            and slots.dim() == 1
-            and slots.is_contiguous() and type(out) is torch.Tensor and out.dtype is raw[2] and out.is_cpu
-            and out.is_contiguous() and out.shape[0] == k and out.nbytes == k * raw[1] and not out.is_neg()):
+            and slots.dim() == 1 and slots.is_contiguous() and type(out) is torch.Tensor and out.dtype is raw[2]
+            and out.is_cpu and out.is_contiguous() and out.shape[0] == k and out.nbytes == k * raw[1]
+            and not out.is_neg()):
         _rows.gather(out.data_ptr(), raw[0], raw[1], slots.data_ptr(), k, column.shape[0])
         return out
     return torch.index_select(column, 0, slots, out=out)
 
 
 _memmove = ctypes.memmove
-
-_rows: Any
-try:  # compiled where a C compiler was found at install (conduit-core's hatch_build.py); see append_rows
-    _rows = importlib.import_module("conduit.storage._rows")
-except ImportError:
-    _rows = None
 
 
 class ColumnarStorage(Storage):
