@@ -212,3 +212,24 @@ def test_gathers_the_row_copy_cannot_take_go_to_index_select() -> None:
         st.gather(idx, {"x": torch.empty(4, 4, dtype=torch.float64)})
     assert torch.equal(st.gather(idx, {"x": torch.empty(4, 8)[:, ::2]})["x"], want)
     assert torch.equal(st.gather(idx)["x"], want)
+
+
+@needs_rows
+def test_large_stores_and_stores_from_the_ring_itself_keep_every_byte() -> None:
+    """Runs of 1 MiB or more are written around the caches (and with the GIL released), a batch that wraps the
+    ring is two runs, and a source that overlaps its destination (rows of the ring itself) is copied as memmove
+    copies it: each case leaves exactly the rows given."""
+    d, cap = 5000, 120  # 20 kB rows
+    st = ColumnarStorage(ExperienceSchema(x=Field((d,))), cap)
+    g = torch.Generator().manual_seed(0)
+    first = torch.rand(100, d, generator=g)
+    assert st.append_rows({"x": first}) == (0, 100, 0, 0)  # one 2 MB run
+    second = torch.rand(60, d, generator=g)
+    assert st.append_rows({"x": second}) == (100, 60, 0, 40)  # 20 rows to the end, 40 from the start
+    want = torch.cat([second[20:], first[40:], second[:20]])  # slots 0..39, 40..99, 100..119
+    assert torch.equal(st._cols["x"], want)
+    ring = st._cols["x"]
+    view = ring[30:90]  # a source inside the ring, overlapping slots 40..99 that the next 60 rows take
+    expected = view.clone()
+    assert st.append_rows({"x": view}) == (160, 60, 40, 100)
+    assert torch.equal(ring[40:100], expected)
