@@ -90,17 +90,6 @@ static int truth(PyObject *o, PyObject *name, int call) {
     return r;
 }
 
-/* An integer attribute of `o` (called when `call`), or -1 with an exception (or for a value -1). */
-static Py_ssize_t size_of(PyObject *o, PyObject *name, int call) {
-    PyObject *v = call ? PyObject_CallMethodNoArgs(o, name) : PyObject_GetAttr(o, name);
-    if (!v) {
-        return -1;
-    }
-    Py_ssize_t r = PyLong_AsSsize_t(v);
-    Py_DECREF(v);
-    return r;
-}
-
 /* The rows of field `c` when it can be copied as the plan entry describes, 0 when not (-1 with an exception),
  * its data address in *src. */
 static Py_ssize_t rows_of(PyObject *c, PyObject *entry, void **src) {
@@ -144,16 +133,14 @@ static Py_ssize_t rows_of(PyObject *c, PyObject *entry, void **src) {
     if ((r = truth(c, s_is_neg, 1)) != 0) {
         return r < 0 ? -1 : 0;
     }
-    Py_ssize_t nbytes = size_of(c, s_nbytes, 0);
-    if (nbytes == -1 && PyErr_Occurred()) {
+    PyObject *nbytes = PyObject_GetAttr(c, s_nbytes), *address = NULL;
+    Py_ssize_t size = nbytes ? PyLong_AsSsize_t(nbytes) : -1;
+    Py_XDECREF(nbytes);
+    if (size == -1 && PyErr_Occurred()) {
         return -1;
     }
-    if (row < 1 || nbytes / row != n || nbytes % row != 0) {
-        return 0;
-    }
-    PyObject *address = PyObject_CallMethodNoArgs(c, s_data_ptr);
-    if (!address) {
-        return -1;
+    if (row < 1 || size / row != n || size % row != 0 || !(address = PyObject_CallMethodNoArgs(c, s_data_ptr))) {
+        return PyErr_Occurred() ? -1 : 0;
     }
     *src = PyLong_AsVoidPtr(address);
     Py_DECREF(address);
