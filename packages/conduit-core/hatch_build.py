@@ -31,12 +31,13 @@ class NativeBuildHook(BuildHookInterface):
             return
         suffix = sysconfig.get_config_var("EXT_SUFFIX")
         ldshared = sysconfig.get_config_var("LDSHARED")
-        if os.environ.get("CONDUIT_NO_NATIVE") == "1" or not suffix or not ldshared:
+        off = os.environ.get("CONDUIT_NO_NATIVE") == "1"
+        if off or not suffix or not ldshared:
             if suffix:  # a module an earlier build left would still be imported (an editable install reads src/)
                 for source in SOURCES:
                     src = Path(self.root, source)
                     src.with_name(src.stem + suffix).unlink(missing_ok=True)
-            if os.environ.get("CONDUIT_NO_NATIVE") != "1":
+            if not off:
                 self.app.display_warning("conduit-core: no C compiler settings in sysconfig; its kernels run "
                                          "on NumPy and torch alone")
             return

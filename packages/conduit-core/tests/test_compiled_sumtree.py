@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay
+from conduit._native import load_kernels
 from conduit.semantics import replay as replay_module
 from conduit.semantics import sumtree
 from conduit.semantics.sumtree import COMPILED, CompiledSumTree, SumTree, sum_tree
@@ -277,6 +278,6 @@ def test_a_module_compiled_from_an_older_source_is_not_used(monkeypatch: pytest.
     for name in sumtree.KERNELS[:-1]:  # the last one missing
         setattr(old, name, lambda *a: None)
     monkeypatch.setitem(sys.modules, "conduit.semantics._sumtree", old)
-    assert sumtree._load_kernels() is None
+    assert load_kernels("conduit.semantics._sumtree", sumtree.KERNELS) is None
     setattr(old, sumtree.KERNELS[-1], lambda *a: None)
-    assert sumtree._load_kernels() is old
+    assert load_kernels("conduit.semantics._sumtree", sumtree.KERNELS) is old

@@ -34,30 +34,20 @@ element is the total.
 
 from __future__ import annotations
 
-import importlib
 import operator
 from typing import Any
 
 import numpy as np
 import torch
 
+from conduit._native import load_kernels
+
 __all__ = ["SumTree", "CompiledSumTree", "COMPILED", "KERNELS", "sum_tree", "FLAT_MAX"]
 
 #: the kernels :class:`CompiledSumTree` calls
 KERNELS = ("set", "set_one", "build", "find", "draw", "update")
 
-
-def _load_kernels() -> Any:
-    """``conduit.semantics._sumtree``, or None where it was not built (no C compiler: see conduit-core's
-    ``hatch_build.py``) or lacks a kernel (compiled from an older source that an install left in place)."""
-    try:
-        module = importlib.import_module("conduit.semantics._sumtree")
-    except ImportError:
-        return None
-    return module if all(hasattr(module, k) for k in KERNELS) else None
-
-
-_kernels: Any = _load_kernels()
+_kernels: Any = load_kernels("conduit.semantics._sumtree", KERNELS)
 
 #: whether this install has the compiled kernels (:class:`CompiledSumTree`)
 COMPILED = _kernels is not None

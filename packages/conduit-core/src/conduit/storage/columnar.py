@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib
 import operator
 from collections.abc import Callable
 from typing import Any, cast
@@ -12,6 +11,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from conduit._native import load_kernels
 from conduit.batch import ExperienceBatch, Ragged, ranges
 from conduit.errors import CapacityError, ConfigurationError
 from conduit.schema import ExperienceSchema, same_width_integer
@@ -161,12 +161,8 @@ def _raw_rows(column: torch.Tensor) -> tuple[int, int, torch.dtype] | None:
     return column.data_ptr(), column[:1].nbytes, column.dtype
 
 
-_rows: Any
-try:  # compiled where a C compiler was found at install (conduit-core's hatch_build.py); see gather_into and
-    # ColumnarStorage.append_rows
-    _rows = importlib.import_module("conduit.storage._rows")
-except ImportError:
-    _rows = None
+#: the compiled row copies (see gather_into and ColumnarStorage.append_rows), or None
+_rows: Any = load_kernels("conduit.storage._rows", ("put", "gather"))
 
 
 def gather_into(column: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
