@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU check in one run, for a lent GPU machine whose python3 already holds a CUDA torch, pytest,
 # scipy and tqdm (the project's H200 image; it has no Ray, so the RLlib and distributed checks cannot run
-# there). Prepare the wheels here, then run this there from the repository root:
+# there). Prepare pure wheels here (the image's Python is another version: a wheel with this venv's compiled
+# kernels would not install there), then run this there from the repository root; it compiles the kernels with
+# the image's Python where a C compiler is found (the log says whether they run):
 #
-#   .venv/bin/python -m pip wheel --no-deps -w .whl packages/conduit-core packages/conduit-srl
+#   CONDUIT_NO_NATIVE=1 .venv/bin/python -m pip wheel --no-deps -w .whl packages/conduit-core packages/conduit-srl
 #   OUT=out/gpu bash benchmarks/scripts/gpu_checks.sh      # with .whl carried to the GPU machine
 #
 # Each step has its own time limit and log in $OUT; a failing step does not stop the next one.
@@ -22,6 +24,7 @@ source "$(dirname "$0")/gpu_step.sh"
 
 { nvidia-smi -L; "$PY" -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__,
 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"; } >>"$LOG" 2>&1
+kernels --into /tmp/conduit-site
 
 # the GPU-marked tests of core and the SRL adapter (tiers, pinned staging, side-stream prefetch)
 step gpu_tests 150 "$PY" -m pytest -p no:cacheprovider -q -rs -m gpu \

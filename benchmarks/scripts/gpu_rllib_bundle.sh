@@ -3,7 +3,8 @@
 # 64 MiB with the working tree and Ray's cp312 wheel alone is 79 MB, so the wheels are installed here for
 # CPython 3.12 (the H200 image's python3) into a folder, Ray's Java jars are left out, and the folder
 # travels as one xz tarball (~30 MB). torch, numpy, scipy, pandas and pyarrow are left out: the image has
-# them (../.library/device/KINDS.md). Conduit's packages are not in it: they run from the working tree.
+# them (../.library/device/KINDS.md). Conduit's packages are not in it: they run from the working tree, with
+# core's C kernels compiled there by the image's Python where it finds a C compiler.
 #
 # Here (downloads from PyPI, ~2 min of xz):
 #   bash benchmarks/scripts/gpu_rllib_bundle.sh pack            # -> .whl/rllib/site.tar.xz + SHA256SUMS
@@ -55,6 +56,7 @@ run)
   PYTHONPATH="$PYTHONPATH:$PWD/packages/conduit-verl/src"
   { nvidia-smi -L; nproc; "$PY" -c "import torch, numpy, ray, ray.rllib, conduit_rllib; print('torch',
 torch.__version__, 'numpy', numpy.__version__, 'ray', ray.__version__, torch.cuda.get_device_name(0))"; } >>"$LOG" 2>&1
+  kernels  # (in the working tree's src/, which the PYTHONPATH above imports)
   # issue 5: the d = 5000 DQN comparison, learner on the GPU (buffer on host and on the GPU tier), then a
   # remote learner holding the GPU
   # (RLLIB_SECONDS=0 leaves it out)

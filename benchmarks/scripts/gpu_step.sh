@@ -8,3 +8,11 @@ step() {
   timeout "$secs" "$@" >>"$LOG" 2>&1
   echo "=== $name rc=$? ($(date -u +%T))" | tee -a "$LOG"
 }
+
+# kernels [--into SITE]: compile conduit-core's C kernels with $PY (next to the sources, or into SITE where a pure
+# wheel went), then say in $LOG which ones conduit runs (without a C compiler there, its NumPy and torch paths)
+kernels() {
+  step kernels 120 "$PY" packages/conduit-core/hatch_build.py "$@"
+  "$PY" -c "from conduit.semantics import sumtree; from conduit.storage import columnar
+print('compiled kernels: sum tree', sumtree.COMPILED, '- row store', columnar._rows is not None)" >>"$LOG" 2>&1
+}

@@ -243,7 +243,7 @@ def test_a_gpu_test_is_skipped_with_a_reason_without_cuda() -> None:
 
 @pytest.mark.parametrize(("script", "packages", "installs"), [
     ("gpu_checks.sh", ("conduit-core", "conduit-srl"),
-     "pip wheel --no-deps -w .whl packages/conduit-core packages/conduit-srl"),
+     "CONDUIT_NO_NATIVE=1 .venv/bin/python -m pip wheel --no-deps -w .whl packages/conduit-core packages/conduit-srl"),
     ("gpu_rllib_bundle.sh", ("conduit-core", "conduit-srl", "conduit-rllib", "conduit-verl"),
      "$PWD/packages/conduit-core/src:$PWD/packages/conduit-rllib/src:$PWD/packages/conduit-srl/src"),
 ])
@@ -252,8 +252,10 @@ def test_the_gpu_scripts_run_every_gpu_marked_test_file_of_their_packages(script
     """The README: ``gpu_checks.sh`` runs the GPU tests of core and the SRL adapter (what it installs),
     ``gpu_rllib_bundle.sh`` those of core, the SRL adapter and the RLlib adapter (and the verl adapter's, when its
     bundle is carried). A step may name its files after ``-m gpu`` or pass ``"${tests[@]}"``, the words of the
-    script's ``tests=(...)`` and ``tests+=(...)``."""
+    script's ``tests=(...)`` and ``tests+=(...)``. Both compile core's C kernels with the GPU machine's Python
+    (``kernels``, from ``gpu_step.sh``), whose version differs from this venv's: the wheels made here are pure."""
     text = (ROOT / "benchmarks/scripts" / script).read_text()
+    assert re.search(r"^\s*kernels\b", text, re.M), f"{script} does not compile the kernels where it runs"
     step = re.search(r"^\s*step gpu_tests .*?-m gpu (.*?)\n", text, re.M)
     assert step is not None, f"{script} has no gpu_tests step running -m gpu"
     if step.group(1).strip() == '"${tests[@]}"':
