@@ -6,6 +6,11 @@ path, which stores it or refuses it with the same typed error, nothing changed. 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -233,3 +238,89 @@ def test_large_stores_and_stores_from_the_ring_itself_keep_every_byte() -> None:
     expected = view.clone()
     assert st.append_rows({"x": view}) == (160, 60, 40, 100)
     assert torch.equal(ring[40:100], expected)
+
+
+def _child(code: str) -> str:
+    """Run ``code`` in a fresh interpreter (a memory error there crashes it, not the test run); its stdout."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, f"rc {proc.returncode} (-11: a segfault)\n{proc.stdout}\n{proc.stderr[-2000:]}"
+    return proc.stdout
+
+
+@needs_rows
+def test_a_field_replaced_while_the_store_checks_it_is_still_the_one_stored() -> None:
+    """The store's checks read tensor attributes, which can run Python code (here a torch function mode) that
+    replaces the dict's entry: the tensor checked stays alive and is what gets stored (16 MiB, copied without the
+    GIL), never the freed memory it lived in."""
+    out = _child("""
+        import torch
+        from torch.overrides import TorchFunctionMode
+        from conduit import ExperienceSchema, Field
+        from conduit.storage.columnar import ColumnarStorage
+        D = 1 << 16
+        st = ColumnarStorage(ExperienceSchema(obs=Field((D,))), 64)
+        cols = {"obs": torch.full((64, D), 7.0)}
+        class Swap(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if getattr(func, "__name__", "") == "data_ptr" and cols["obs"][0, 0].item() == 7.0:
+                    cols["obs"] = torch.full((64, D), 9.0)  # the checked tensor's last reference in the dict
+                return out
+        with Swap():
+            res = st.append_rows(cols)
+        print(res.count, float(st._cols["obs"].min()), float(st._cols["obs"].max()))
+    """)
+    assert out.split() == ["64", "7.0", "7.0"], out
+
+
+@needs_rows
+def test_closing_a_disk_storage_during_a_store_leaves_its_files_mapped_until_the_copy_ends() -> None:
+    """A store of 128 MiB runs without the GIL while another thread closes the memory-mapped storage: the plan the
+    store was given holds the columns, so the copy finishes into mapped memory (the close lets go after it)."""
+    out = _child("""
+        import tempfile, threading, time, torch
+        from conduit import ExperienceSchema, Field
+        from conduit.storage.disk import DiskStorage
+        D, N = 1 << 16, 512
+        st = DiskStorage(ExperienceSchema(obs=Field((D,))), N, directory=tempfile.mkdtemp())
+        src = torch.ones(N, D)
+        def close():
+            time.sleep(0.002)
+            st.close()
+        t = threading.Thread(target=close)
+        t.start()
+        res = st.append_rows({"obs": src})
+        t.join()
+        print("stored", res.count)
+    """)
+    assert out.split() == ["stored", "512"], out
+
+
+@needs_rows
+def test_slots_written_by_another_thread_during_a_gather_are_never_read_unchecked() -> None:
+    """A 256 MiB gather runs without the GIL while another thread writes a slot far outside the ring: the gather
+    copies the rows of the slots it checked (or refuses the written slot, had the write come first), never reads
+    outside the column."""
+    out = _child("""
+        import threading, time, torch
+        from conduit import ExperienceBatch, ExperienceSchema, Field
+        from conduit.storage.columnar import ColumnarStorage, gather_into
+        D, CAP, K = 1 << 12, 256, 1 << 14
+        st = ColumnarStorage(ExperienceSchema(x=Field((D,))), CAP)
+        st.append(ExperienceBatch({"x": torch.ones(CAP, D)}, CAP))
+        slots, out = torch.zeros(K, dtype=torch.int64), torch.empty(K, D)
+        def write():
+            time.sleep(0.003)
+            slots[-1] = 1 << 40
+        t = threading.Thread(target=write)
+        t.start()
+        try:
+            gather_into(st._cols["x"], slots, out, st._raw_cols["x"])
+            print("copied", float(out[-1].sum()))
+        except IndexError:
+            print("refused", float(D))
+        t.join()
+    """)
+    what, total = out.split()
+    assert what in ("copied", "refused") and float(total) == 1 << 12, out

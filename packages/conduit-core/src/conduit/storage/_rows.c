@@ -10,13 +10,16 @@
  * the caller's general path converts the batch or refuses it with a typed error. Runs of 1 MiB or more are
  * written with non-temporal stores (0.5-0.7x glibc's memmove for runs of 5-20 MB on this project's VM).
  *
- * plan: a tuple with one (name, dtype, item shape tuple, column address, bytes per row) per field. The
- * caller keeps the columns alive and the plan true (host columns are never reallocated). Copies of 64 KiB or
- * more release the GIL once every field is checked, as torch's own copies do: a source tensor resized by
- * another thread meanwhile is the caller's race, as it is for torch.
+ * plan: a tuple with one (name, dtype, item shape tuple, column address, bytes per row, column) per field; the
+ * caller holds it through the call, so the columns stay alive (and mapped) until the copy ends, and keeps it
+ * true (host columns are never reallocated). put holds every field it checked, so Python code its attribute
+ * reads may run cannot free one. Copies of 64 KiB or more release the GIL once every field is checked, as
+ * torch's own copies do: a source tensor resized by another thread meanwhile is the caller's race, as it is
+ * for torch.
  *
  * gather(dst, src, row, slots, n, capacity) copies rows src[slots[i]] to dst[i] by raw addresses the caller
- * checked: every slot is checked against the capacity first; a copy of 4 MiB or more uses non-temporal
+ * checked: every slot is checked against the capacity first (a copy that releases the GIL checks and reads its
+ * own copy of the slots, which no other thread can write); a copy of 4 MiB or more uses non-temporal
  * stores (SSE2), so that writing the batch neither first reads each output line nor evicts the cache for
  * rows nobody reads before they are evicted anyway (measured on this project's VM: about 0.76x the time of
  * torch.index_select for 512 rows of 20 kB); smaller copies are one memcpy per row. Both prefetch the rows
@@ -144,7 +147,10 @@ static Py_ssize_t rows_of(PyObject *c, PyObject *entry, void **src) {
     }
     *src = PyLong_AsVoidPtr(address);
     Py_DECREF(address);
-    return PyErr_Occurred() ? -1 : n;
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    return *src ? n : 0; /* (no data pointer for n rows, e.g. a functional tensor: the general path copies it) */
 }
 
 /* put(columns, plan, slot, capacity) -> rows stored, or -1 with nothing written (see the top of this file). */
@@ -162,53 +168,55 @@ static PyObject *put(PyObject *module, PyObject *const *args, Py_ssize_t nargs) 
     if (cap == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    Py_ssize_t k = PyTuple_GET_SIZE(plan), n = -1;
+    Py_ssize_t k = PyTuple_GET_SIZE(plan), n = -1, held = 0;
     if (cap < 1 || slot < 0 || slot >= cap || k < 1 || k > MAX_FIELDS || PyDict_GET_SIZE(columns) != k) {
         return PyLong_FromLong(-1);
     }
+    /* every field checked is held until its rows are copied: the checks read attributes, which can run Python code
+     * (a torch function mode, a finalizer, another thread) that replaces the dict's entries and frees the old ones */
+    PyObject *fields[MAX_FIELDS], *result = NULL;
     void *src[MAX_FIELDS];
     char *dst[MAX_FIELDS];
     Py_ssize_t width[MAX_FIELDS];
     for (Py_ssize_t i = 0; i < k; i++) {
         PyObject *entry = PyTuple_GET_ITEM(plan, i);
-        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 5 || !PyTuple_Check(PyTuple_GET_ITEM(entry, 2))) {
-            PyErr_SetString(PyExc_TypeError, "a plan entry is (name, dtype, item shape tuple, address, row bytes)");
-            return NULL;
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 6 || !PyTuple_Check(PyTuple_GET_ITEM(entry, 2))) {
+            PyErr_SetString(PyExc_TypeError,
+                            "a plan entry is (name, dtype, item shape tuple, address, row bytes, column)");
+            goto done;
         }
         PyObject *c = PyDict_GetItemWithError(columns, PyTuple_GET_ITEM(entry, 0));
         if (!c) {
-            return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
+            result = PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
+            goto done;
         }
+        Py_INCREF(c);
+        fields[held++] = c;
         Py_ssize_t rows = rows_of(c, entry, &src[i]);
         if (rows < 0) {
-            return NULL;
+            goto done;
         }
         if (rows == 0 || (n >= 0 && rows != n)) {
-            return PyLong_FromLong(-1);
+            result = PyLong_FromLong(-1);
+            goto done;
         }
         n = rows;
         dst[i] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 3));
         width[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 4));  /* (checked >= 1 by rows_of) */
         if (!dst[i] || PyErr_Occurred()) {
-            return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
+            result = PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
+            goto done;
         }
     }
     if (n > cap) {
-        return PyLong_FromLong(-1);
+        result = PyLong_FromLong(-1);
+        goto done;
     }
     Py_ssize_t first = cap - slot < n ? cap - slot : n, total = 0;
     for (Py_ssize_t i = 0; i < k; i++) {
         total += n * width[i];
     }
-    PyObject *sources = NULL;
-    PyThreadState *released = NULL;
-    if (total >= RELEASE_MIN_BYTES) {
-        /* the source tensors stay alive while the GIL is released, whatever another thread does to the dict */
-        if (!(sources = PyDict_Values(columns))) {
-            return NULL;
-        }
-        released = PyEval_SaveThread();
-    }
+    PyThreadState *released = total >= RELEASE_MIN_BYTES ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0; i < k; i++) {
         copy_run(dst[i] + slot * width[i], src[i], first * width[i]);
         if (first < n) {
@@ -217,11 +225,14 @@ static PyObject *put(PyObject *module, PyObject *const *args, Py_ssize_t nargs) 
     }
     if (released) {
         PyEval_RestoreThread(released);
-        Py_DECREF(sources);
     }
-    return PyLong_FromSsize_t(n);
+    result = PyLong_FromSsize_t(n);
+done:
+    for (Py_ssize_t i = 0; i < held; i++) {
+        Py_DECREF(fields[i]);
+    }
+    return result;
 }
-
 
 static void copy_rows(char *dst, const char *src, Py_ssize_t row, const int64_t *slots, Py_ssize_t n) {
 #ifdef __SSE2__
@@ -303,16 +314,27 @@ static PyObject *gather(PyObject *module, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_ValueError, "gather needs row >= 1, n >= 0, capacity >= 1 and addresses");
         return NULL;
     }
+    int release = n * row >= RELEASE_MIN_BYTES;
+    int64_t *own = NULL;
+    if (release) { /* the copy reads slots of its own: another thread may write the caller's once the GIL is free */
+        if (!(own = PyMem_Malloc((size_t)n * sizeof(int64_t)))) {
+            return PyErr_NoMemory();
+        }
+        memcpy(own, slots, (size_t)n * sizeof(int64_t));
+        slots = own;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (slots[i] < 0 || slots[i] >= cap) {
             PyErr_Format(PyExc_IndexError, "slot %lld is outside [0, %zd)", (long long)slots[i], cap);
+            PyMem_Free(own);
             return NULL;
         }
     }
-    if (n * row >= RELEASE_MIN_BYTES) {
+    if (release) {
         Py_BEGIN_ALLOW_THREADS
         copy_rows(dst, src, row, slots, n);
         Py_END_ALLOW_THREADS
+        PyMem_Free(own);
     } else {
         copy_rows(dst, src, row, slots, n);
     }

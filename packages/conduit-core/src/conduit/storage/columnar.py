@@ -269,13 +269,14 @@ class ColumnarStorage(Storage):
         self._raw_cols = {n: _raw_rows(c) for n, c in self._cols.items()}
         self._plan = self._rows_plan()
 
-    def _rows_plan(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...], int, int], ...] | None:
+    def _rows_plan(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...], int, int, torch.Tensor], ...] | None:
         """What :meth:`append_rows` hands the compiled row store: per fixed field (name, dtype, item shape, column
-        address, bytes per row); None where it cannot serve (no compiled kernels, ragged fields, a column off the
-        host or not contiguous)."""
+        address, bytes per row, the column: held by the plan, so that a store running without the GIL never
+        writes into a column :meth:`close` let go of); None where it cannot serve (no compiled kernels, ragged
+        fields, a column off the host or not contiguous)."""
         if _rows is None or self._pools or not self._cols or any(r is None for r in self._raw_cols.values()):
             return None
-        return tuple((n, raw[2], tuple(self.schema[n].shape), raw[0], raw[1])
+        return tuple((n, raw[2], tuple(self.schema[n].shape), raw[0], raw[1], self._cols[n])
                      for n, raw in self._raw_cols.items() if raw is not None)
 
     def append_rows(self, columns: dict[str, Any]) -> AppendResult | None:
@@ -376,10 +377,11 @@ class ColumnarStorage(Storage):
                 src = cols[name]
                 raw = self._raw_cols[name]
                 if (raw is not None and type(src) is torch.Tensor and src.dtype is raw[2] and src.is_cpu
-                        and src.is_contiguous() and not src.is_neg() and src.nbytes == n * raw[1]):
+                        and src.is_contiguous() and not src.is_neg() and src.nbytes == n * raw[1]
+                        and (p := src.data_ptr())):
                     # the rows are one contiguous block on both sides, of the same dtype: the fastest copy there is
                     # (it cannot write past the ring or read past ``src``: the sizes were just checked)
-                    row, p = raw[1], src.data_ptr()
+                    row = raw[1]
                     _memmove(raw[0] + s * row, p, a * row)
                     if a < n:
                         _memmove(raw[0], p + a * row, (n - a) * row)
