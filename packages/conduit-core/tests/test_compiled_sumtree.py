@@ -4,6 +4,7 @@ searches are checked against brute force with NumPy's trees in ``test_semantics.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import subprocess
@@ -13,7 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay
+from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, PriorityError, Replay
 from conduit._native import load_kernels
 from conduit.semantics import replay as replay_module
 from conduit.semantics import sumtree
@@ -110,9 +111,23 @@ def planes(capacity: int, alpha: float, monkeypatch: pytest.MonkeyPatch) -> tupl
     return tuple(made)
 
 
-def same_state(a: ExperienceDataPlane, b: ExperienceDataPlane) -> None:
+def _numpy_power_is_libm() -> bool:
+    """Whether NumPy's float64 ``**`` gives the C library's ``pow`` here (the kernels call ``pow``). NumPy computes it
+    with Intel's SVML on CPUs with AVX-512, which differs in the last bit for some inputs."""
+    x = np.random.default_rng(0).random(4096) * 3
+    return all(float(a) == math.pow(float(b), 0.6) for a, b in zip(np.power(x, 0.6), x, strict=True))
+
+
+#: the kernels' weights equal NumPy's bit for bit for every alpha (else for alpha 0, 0.5, 1 and 2 only)
+LIBM_POWER = _numpy_power_is_libm()
+
+
+def same_state(a: ExperienceDataPlane, b: ExperienceDataPlane, exact: bool = True) -> None:
     sa, sb = a.semantics.sampler, b.semantics.sampler  # type: ignore[attr-defined]
-    assert np.array_equal(sa._tree.state(), sb._tree.state()), "the trees' weights differ"
+    if exact:
+        assert np.array_equal(sa._tree.state(), sb._tree.state()), "the trees' weights differ"
+    else:
+        assert np.allclose(sa._tree.state(), sb._tree.state(), rtol=1e-12, atol=0), "the trees' weights differ"
     assert sa._max_priority == sb._max_priority, (sa._max_priority, sb._max_priority)
 
 
@@ -130,7 +145,9 @@ def test_one_call_draws_and_updates_equal_the_general_path(alpha: float, monkeyp
     """Over a random run (ingestion with and without priorities, the ring wrapping, draws at several betas, updates
     by NumPy arrays and tensors naming live, evicted, repeated and never-issued handles, bad priorities), the
     one-call kernels give the general path's slots, handles, probabilities and float32 weights bit for bit, the
-    same counts, refusals and messages, and leave the same weights and largest priority behind."""
+    same counts, refusals and messages, and leave the same weights and largest priority behind. (Where NumPy's
+    float64 power is not the C library's, alphas other than 0, 0.5, 1 and 2 give weights within a few ulps.)"""
+    exact = alpha in (0.0, 0.5, 1.0, 2.0) or LIBM_POWER
     fused, general = planes(37, alpha, monkeypatch)
     rng = np.random.default_rng(int(alpha * 10))
     issued = 0
@@ -152,7 +169,8 @@ def test_one_call_draws_and_updates_equal_the_general_path(alpha: float, monkeyp
                 assert torch.equal(ba["x"], bb["x"]), step
                 for name in ("handles", "probabilities", "weights"):
                     x, y = getattr(ia, name), getattr(ib, name)
-                    assert x.dtype == y.dtype and torch.equal(x, y), (step, name, x, y)
+                    assert x.dtype == y.dtype and (torch.equal(x, y) if exact or name == "handles" else
+                                                   torch.allclose(x, y, rtol=1e-6, atol=0)), (step, name, x, y)
                 assert ia.weights.dtype == torch.float32 and torch.equal(ba["x"].long(), ia.handles), step
             else:
                 assert got[0] == got[1], (step, got)
@@ -166,10 +184,69 @@ def test_one_call_draws_and_updates_equal_the_general_path(alpha: float, monkeyp
                 h, p = torch.from_numpy(h), torch.from_numpy(p).float()
             got = [outcome(lambda e=e, h=h, p=p: e.update_priorities(h, p)) for e in (fused, general)]
             assert got[0] == got[1], (step, got)
-        same_state(fused, general)
+        same_state(fused, general, exact)
     assert issued > 3 * 37, "the ring should have wrapped several times"
     for e in (fused, general):
         e.close()
+
+
+def largest_accepted(sampler: PrioritizedSampler) -> float:
+    """The largest priority ``sampler.check_range`` takes (bisected on float64's spacing)."""
+    limit = sampler._log_limit()
+    lo, hi = math.exp(limit - 1e-9), float(np.finfo(np.float64).max)
+    while math.nextafter(lo, math.inf) < hi:
+        mid = lo + (hi - lo) / 2
+        lo, hi = (mid, hi) if math.log(mid) <= limit else (lo, mid)
+    return lo
+
+
+@needs_compiled
+@pytest.mark.parametrize(("capacity", "alpha"), [(1, 2.0), (2, 1.0), (4, 2.0), (37, 1.5)])
+def test_a_full_buffer_of_the_largest_priority_accepted_sums_to_a_finite_total(
+        capacity: int, alpha: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The range check promises that a priority it takes, raised to alpha and summed over a full buffer, stays
+    finite. At the exact bound ``log`` rounded priorities through whose sum (or, for one item at alpha 2, whose
+    square) was inf: the one-call update wrote an infinite weight and the general path raised a ValueError. Now
+    both paths take the largest priority accepted and keep a finite total, and refuse one twice as large with
+    ``PriorityError``, nothing changed."""
+    for e in planes(capacity, alpha, monkeypatch):
+        sampler = e.semantics.sampler  # type: ignore[attr-defined]
+        e.ingest({"x": torch.zeros(capacity)})
+        top = largest_accepted(sampler)
+        assert e.update_priorities(np.arange(capacity), np.full(capacity, top)) == capacity
+        assert math.isfinite(sampler._tree.total) and sampler._tree.total > 0
+        info = e.deliver(4)[1]
+        assert bool(torch.isfinite(info.probabilities).all() and torch.isfinite(info.weights).all())
+        before = sampler._tree.state().copy()
+        with pytest.raises(PriorityError, match="too large"):
+            e.update_priorities(np.arange(capacity), np.full(capacity, 2 * top))
+        assert np.array_equal(sampler._tree.state(), before)
+        e.close()
+
+
+def test_an_ingested_priority_too_large_is_refused_before_anything_is_stored() -> None:
+    """For one item at alpha 2, 1.3407807929942817e154 squared is inf: the ingestion's range check refuses it, so
+    the item is not stored (before, the check let it through, the storage stored the item and evicted the old
+    one, and only then did the tree refuse the weight)."""
+    e = ExperienceDataPlane(ExperienceSchema(x=Field(())), capacity=1,
+                            semantics=Replay(PrioritizedSampler(alpha=2.0), seed=3))
+    e.ingest({"x": torch.zeros(1)})
+    with pytest.raises(PriorityError, match="too large"):
+        e.ingest({"x": torch.ones(1)}, priorities=torch.tensor([1.3407807929942817e154], dtype=torch.float64))
+    assert (e.storage.oldest, e.storage.next_handle, float(e.deliver(1)[0]["x"][0])) == (0, 1, 0.0)
+    e.close()
+
+
+@needs_compiled
+@pytest.mark.parametrize(("alpha", "priority"), [(float("nan"), 2.0), (-1.0, 0.0), (math.inf, 2.0), (2.0, 1e200)])
+def test_the_update_kernel_writes_only_weights_set_would_take(alpha: float, priority: float) -> None:
+    """Called directly, the update kernel leaves input whose weight would not be finite and >= 0 (a NaN, negative or
+    infinite alpha; a power that overflows) to the general path (None), the tree unchanged."""
+    t = CompiledSumTree(4)
+    t.set(np.arange(4), np.ones(4))
+    got = sumtree._kernels.update(t._sums, t._mins, t._leaves, t._p, 4, np.array([1]), np.array([priority]), alpha,
+                                  0, 4, math.inf)
+    assert got is None and np.array_equal(t.state(), np.ones(4)), (got, t.state())
 
 
 @needs_compiled

@@ -275,7 +275,8 @@ done:
 }
 
 /* x ** e as NumPy's `array ** scalar` computes it: NumPy takes sqrt for 0.5, a product for 2 and x itself for 1
- * (pow's last bit can differ from those), pow otherwise. */
+ * (pow's last bit can differ from those), pow otherwise (where NumPy uses Intel's SVML for it, on AVX-512 CPUs,
+ * the last bit can differ from pow's). */
 static double power(double x, double e) {
     if (e == 1.0) {
         return x;
@@ -408,7 +409,9 @@ static PyObject *update(PyObject *module, PyObject *const *args, Py_ssize_t narg
             live++;
         }
     }
-    if (top > 0 && alpha != 0 && log(top) > log_limit) {
+    /* every weight written is one set() takes (finite, >= 0): power grows with p for alpha >= 0, so the largest
+     * priority's bounds them all; a NaN, negative or infinite alpha is no sampler's (the general path's to refuse) */
+    if (!(alpha >= 0) || isinf(alpha) || (top > 0 && alpha != 0 && log(top) > log_limit) || isinf(power(top, alpha))) {
         result = Py_NewRef(Py_None);
         goto done;
     }

@@ -277,11 +277,12 @@ class PrioritizedSampler(Sampler):
                                 f"priorities (e.g. the TD errors) first.")
 
     def _log_limit(self) -> float:
-        """The largest ``log(priority)`` whose ``priority ** alpha``, summed over a full buffer, stays below
-        float64's largest (inf for alpha 0); see :meth:`check_range`."""
+        """The largest ``log(priority)`` whose ``priority ** alpha``, summed over a full buffer, stays below half
+        of float64's largest (inf for alpha 0; the half is room for the rounding of ``log``, ``**`` and the
+        tree's additions, which at the exact bound overflowed); see :meth:`check_range`."""
         if self.alpha == 0:
             return math.inf
-        return (math.log(_FLOAT64_MAX) - math.log(self._tree.capacity)) / self.alpha
+        return (math.log(_FLOAT64_MAX / 2) - math.log(self._tree.capacity)) / self.alpha
 
     def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
         if not replace:
