@@ -97,6 +97,7 @@ class _CyclicOrder(OnPolicy):
 
     def __init__(self, *, cycle: int | None = None, total: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self._rollout_seed = 0  # seeds the current rollout's shuffled epochs (see epoch_order)
         if cycle is not None and (isinstance(cycle, bool) or not isinstance(cycle, int) or cycle <= 0):
             raise ConfigurationError(f"minibatch_size must be a positive int, got {cycle!r}.")
         if isinstance(total, bool) or not isinstance(total, int) or total < 0:
@@ -107,7 +108,16 @@ class _CyclicOrder(OnPolicy):
         self.rllib_epochs = self.num_epochs
 
     def epoch_order(self, n: int, epoch: int) -> torch.Tensor:
-        return torch.arange(n) if epoch == 0 else super().epoch_order(n, epoch)
+        """Epoch 0 in the batch's order, each later one a permutation seeded by the rollout's one draw from the
+        feed's generator (taken as epoch 0 starts), so the generator advances once per rollout whatever its rows and
+        passes. Learners that cut shards of different sizes in lock step thus keep equal generators, and RLlib's
+        restore, which loads learner 0's state into every learner, leaves each one the order it had."""
+        if epoch == 0:
+            self._rollout_seed = int(torch.randint(1 << 62, (1,), generator=self._gen))
+            return torch.arange(n)
+        if not self.shuffle:
+            return torch.arange(n)
+        return torch.randperm(n, generator=torch.Generator().manual_seed(self._rollout_seed + epoch))
 
     def epoch_sizes(self, n: int, epoch: int) -> list[int]:
         if self.cycle is None:

@@ -155,8 +155,13 @@ class ConduitLearnerGroup(LearnerGroup):
                 the learners were restored, the buffer is as it was.
         """
         super().restore_from_path(*args, **kwargs)
-        kept = self._results(self.foreach_learner(_take))
-        part = next((k for k in kept if k is not None), None)
+        # RLlib loads learner 0's state into every learner: one copy comes back (a buffer's state may be gigabytes);
+        # the others' copies are dropped where they are
+        ids = cast(Any, self._worker_manager).healthy_actor_ids()
+        kept = self._results(self.foreach_learner(_take, remote_actor_ids=ids[:1])) if ids else []
+        if ids[1:]:  # (an empty remote_actor_ids would name every learner)
+            self._results(self.foreach_learner(_drop, remote_actor_ids=ids[1:]))
+        part = kept[0] if kept else None
         if part is None:
             return
         try:
