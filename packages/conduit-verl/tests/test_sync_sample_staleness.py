@@ -242,6 +242,7 @@ def test_a_reservation_of_a_process_that_died_before_committing_is_freed(tq_sess
     import transfer_queue as tq
     import verl  # noqa: F401  (verl loads its plugins: conduit-verl registers the "Conduit" backend)
     from conduit import CapacityError
+    from conduit_verl.packing import objects_from_wire
 
     tq_session("Conduit", num_units=2, capacity=2, mean_length=2, max_items=1)
     client = tq.get_client()
@@ -297,7 +298,8 @@ def test_a_reservation_of_a_process_that_died_before_committing_is_freed(tq_sess
             time.sleep(0.5)
     assert ray.get(manager.units[1].stats.remote())["prepared_puts"] == 0
     gi = int(live_meta.global_indexes[0])
-    assert ray.get(manager.units[1].get.remote([gi], ["uid"])) == {"uid": ["live"]}, "the put did not store"
+    got = objects_from_wire(ray.get(manager.units[1].get.remote([gi], ["uid"])))
+    assert got == {"uid": ["live"]}, "the put did not store"
 
 
 def test_a_reservation_of_a_live_process_stays(ray_local: Path) -> None:

@@ -14,6 +14,7 @@ __all__ = [
     "UnsupportedVerlError",
     "MissingKeyError",
     "MissingFieldError",
+    "UnitTimeoutError",
     "verl_version",
     "require_supported_verl",
 ]
@@ -87,3 +88,8 @@ def require_supported_verl(what: str = "conduit-verl") -> str:
             f"contract changed in 0.8 and 0.9), but verl {ver} is installed. Install verl>=0.9.1,<0.10, or use a "
             f"conduit-verl release made for verl {ver}.")
     return ver
+
+
+class UnitTimeoutError(ConduitError, TimeoutError):
+    """A Conduit storage unit did not answer a call within the backend's ``call_timeout_s`` (a unit whose process or
+    host stopped answering without Ray declaring it dead; SimpleStorage raises ``StorageUnitTimeout`` there)."""

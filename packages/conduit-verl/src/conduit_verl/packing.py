@@ -13,6 +13,7 @@ stacked densely, per-sample tensors as a jagged nested tensor (strided nested te
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,12 +22,13 @@ import numpy as np
 import torch
 from conduit import SchemaError
 from conduit.batch import ranges
+from ray import cloudpickle
 
 if TYPE_CHECKING:  # (imported where used: a storage unit's process, which builds none, need not import it)
     from tensordict import NonTensorStack
 
 __all__ = ["PackedColumn", "pack_column", "unpack_column", "jagged", "select_rows", "concat_rows", "to_wire",
-           "from_wire"]
+           "from_wire", "objects_to_wire", "objects_from_wire"]
 
 
 @dataclass
@@ -233,6 +235,21 @@ def to_wire(col: PackedColumn) -> dict[str, Any]:
     raw = vals.view(torch.uint8) if vals.numel() else torch.empty(0, dtype=torch.uint8)
     return {"dtype": str(col.dtype).removeprefix("torch."), "values": raw.numpy(),
             "lengths": col.lengths.numpy(), "shapes": col.shapes.numpy()}
+
+
+def objects_to_wire(columns: dict[str, Any]) -> dict[str, Any]:
+    """``columns`` with each Python-object column (a list of values) pickled in band, as bytes; wire columns of
+    tensors (dicts) as they are.
+
+    Ray would hand NumPy arrays (and containers of them) to the receiver zero-copy, as read-only views of the call's
+    object: a value kept (a unit keeps what it stores; a reader keeps what it read) would pin the whole call in
+    Ray's object store and could not be written. Pickled in band, the receiver's values own their memory."""
+    return {k: v if isinstance(v, dict) else cloudpickle.dumps(list(v), protocol=5) for k, v in columns.items()}
+
+
+def objects_from_wire(columns: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`objects_to_wire`: each bytes column back to its list of values."""
+    return {k: pickle.loads(v) if isinstance(v, bytes) else v for k, v in columns.items()}
 
 
 def _tensor(a: np.ndarray, copy: bool) -> torch.Tensor:

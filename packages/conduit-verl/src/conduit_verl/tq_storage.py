@@ -41,11 +41,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from numbers import Integral
+from numbers import Integral, Real
 from typing import Any, cast
 
 import ray
@@ -60,11 +61,14 @@ from transfer_queue.utils.common import get_node_round_robin_scheduling_strategi
 
 import conduit_verl.compat  # noqa: F401  (a unit built in this process raises compat's errors: see unit_errors)
 from conduit_verl.columns import PoolLadder
+from conduit_verl.compat import UnitTimeoutError
 from conduit_verl.packing import (
     PackedColumn,
     concat_rows,
     from_wire,
     nested_or_stack,
+    objects_from_wire,
+    objects_to_wire,
     pack_column,
     select_rows,
     to_wire,
@@ -89,6 +93,7 @@ DEFAULTS: dict[str, Any] = {
     "unit_num_cpus": 0,
     "device": "cpu",
     "delivery": "prefetch",
+    "call_timeout_s": 600.0,
 }
 
 
@@ -136,6 +141,10 @@ def _validated(cfg: dict[str, Any]) -> dict[str, Any]:
     except (TypeError, ValueError, RuntimeError) as e:
         raise ConfigurationError(f"{where} has a value of the wrong type or form ({e}); see the defaults "
                                  f"{DEFAULTS}.") from None
+    timeout = cfg["call_timeout_s"]
+    if isinstance(timeout, bool) or not isinstance(timeout, Real) or not 0 < float(timeout) < math.inf:
+        raise ConfigurationError(f"{where}.call_timeout_s={timeout!r}: give a finite number of seconds > 0 (e.g. "
+                                 f"{DEFAULTS['call_timeout_s']:g}).")
     if units < 1 or cpus < 0 or int(cfg["mean_length"]) < 1:
         raise ConfigurationError(f"{where} needs num_units >= 1, mean_length >= 1 and unit_num_cpus >= 0; got "
                                  f"{units}, {cfg['mean_length']}, {cpus}.")
@@ -379,10 +388,9 @@ class ConduitStorageManager(StorageManager):
                     payload[k] = to_wire(part)
                 else:
                     payload[k] = col if len(routes) == 1 else [col[p] for p in positions]
-            parts.append((rank, [gis[p] for p in positions], payload))
+            parts.append((rank, [gis[p] for p in positions], objects_to_wire(payload)))
         if len(self.units) == 1:  # one unit: its calls are serialised, and its put stores every column or none
-            with _unit_errors():
-                await self.units[0].put.remote(parts[0][1], parts[0][2])
+            await self._answers([(0, self.units[0].put.remote(parts[0][1], parts[0][2]))], "a put")
         else:
             await self._put_over_units(parts, columns, routes)
         self.telemetry.record("put", n, nbytes, t0, time.perf_counter())
@@ -397,13 +405,14 @@ class ConduitStorageManager(StorageManager):
         try:
             lease = ray.put(token)  # owned by this process: lost with it, which frees its prepared parts on the units
             refs = [(rank, part_gis, ray.put(payload)) for rank, part_gis, payload in parts]
-            phase = [self.units[rank].prepare.remote(token, part_gis, ref, [lease]) for rank, part_gis, ref in refs]
+            phase = [(rank, self.units[rank].prepare.remote(token, part_gis, ref, [lease]))
+                     for rank, part_gis, ref in refs]
             if len(parts) < len(self.units):  # a unit the put does not reach still refuses a field it holds in another
                 # kind, dtype or rank
-                empty = {k: to_wire(_no_rows(c)) if isinstance(c, PackedColumn) else [] for k, c in columns.items()}
-                phase += [self.units[r].check.remote([], empty) for r in range(len(self.units)) if r not in routes]
-            with _unit_errors():
-                answers: list[Any] = await asyncio.gather(*phase, self.units[0].generation.remote())
+                empty = objects_to_wire({k: to_wire(_no_rows(c)) if isinstance(c, PackedColumn) else []
+                                         for k, c in columns.items()})
+                phase += [(r, self.units[r].check.remote([], empty)) for r in range(len(self.units)) if r not in routes]
+            answers = await self._answers([*phase, (0, self.units[0].generation.remote())], "a put's preparation")
             held: list[dict[str, int]] = answers[:-1]
             generation: int = answers[-1]
             if generation != self._claims_generation:  # a checkpoint restore (from any client) dropped unit 0's
@@ -423,8 +432,8 @@ class ConduitStorageManager(StorageManager):
             ask = {k: kind for k, kind in kinds.items() if not self._knows(k, kind)}
             if ask:
                 asked = True
-                with _unit_errors():
-                    _, got = await self.units[0].claim.remote(ask, token, [lease])
+                ((_, got),) = await self._answers([(0, self.units[0].claim.remote(ask, token, [lease]))],
+                                                  "a put's claim of new fields")
                 confirmed.update(got)
             for name, (dtype, width) in confirmed.items():
                 if dtype is not None:
@@ -432,11 +441,10 @@ class ConduitStorageManager(StorageManager):
             if asked:  # unit 0 keeps the claims for good before any commit is sent: Ray orders no calls to
                 # different actors, so a keep merely sent first could still be undelivered when this process dies
                 # with a commit stored, and unit 0 would give back the claim of a field a unit holds
-                with _unit_errors():
-                    await self.units[0].keep.remote(token)
+                await self._answers([(0, self.units[0].keep.remote(token))], "a put's claim of new fields")
             committing = True  # from here parts may be stored
-            with _unit_errors():
-                await asyncio.gather(*[self.units[rank].commit.remote(token, widths) for rank, _, _ in parts])
+            await self._answers([(rank, self.units[rank].commit.remote(token, widths)) for rank, _, _ in parts],
+                                "a put's commit")
         except BaseException:
             # not awaited (this task may be cancelled); Ray runs them after this put's earlier calls to each unit
             undo: list[Any] = [self.units[rank].abort for rank, _, _ in parts]
@@ -461,9 +469,9 @@ class ConduitStorageManager(StorageManager):
         fields = list(metadata.field_names)
         gis = [int(g) for g in metadata.global_indexes]
         routes = self._route(gis)
-        with _unit_errors():
-            parts: list[dict[str, Any]] = await asyncio.gather(
-                *[self.units[r].get.remote([gis[p] for p in pos], fields) for r, pos in routes.items()])
+        replies = await self._answers([(r, self.units[r].get.remote([gis[p] for p in pos], fields))
+                                       for r, pos in routes.items()], "a read")
+        parts = [objects_from_wire(r) for r in replies]
         order = [p for pos in routes.values() for p in pos]  # batch position of each row as received
         inverse = torch.empty(n, dtype=torch.int64)
         inverse[torch.tensor(order, dtype=torch.int64)] = torch.arange(n, dtype=torch.int64)
@@ -488,8 +496,8 @@ class ConduitStorageManager(StorageManager):
     async def clear_data(self, metadata: BatchMeta) -> None:
         gis = [int(g) for g in metadata.global_indexes]
         routes = self._route(gis)
-        with _unit_errors():
-            await asyncio.gather(*[self.units[r].clear.remote([gis[p] for p in pos]) for r, pos in routes.items()])
+        await self._answers([(r, self.units[r].clear.remote([gis[p] for p in pos])) for r, pos in routes.items()],
+                            "a clear")
 
     def _trace(self) -> None:
         """With ``CONDUIT_VERL_TRACE_DIR`` set, keep this process's call totals in a JSON file there."""
@@ -506,9 +514,8 @@ class ConduitStorageManager(StorageManager):
     async def save_checkpoint(self, checkpoint_dir: str) -> None:
         """Each unit writes its samples to ``checkpoint_dir/conduit_unit_<rank>.pt``."""
         os.makedirs(checkpoint_dir, exist_ok=True)
-        with _unit_errors():
-            await asyncio.gather(*[u.save.remote(os.path.join(checkpoint_dir, f"conduit_unit_{r}.pt"))
-                                   for r, u in enumerate(self.units)])
+        await self._answers([(r, u.save.remote(os.path.join(checkpoint_dir, f"conduit_unit_{r}.pt")))
+                             for r, u in enumerate(self.units)], "a checkpoint save")
 
     async def load_checkpoint(self, checkpoint_dir: str) -> None:
         """Each unit restores what :meth:`save_checkpoint` wrote (same ``num_units``): all or none. Every unit first
@@ -524,24 +531,26 @@ class ConduitStorageManager(StorageManager):
             raise FileNotFoundError(f"Conduit checkpoint files missing: {missing}; restore with the num_units the "
                                     f"checkpoint was written with.")
         try:
-            with _unit_errors():
-                await asyncio.gather(*[u.stage.remote(p) for u, p in zip(self.units, paths, strict=True)])
+            await self._answers([(r, u.stage.remote(paths[r])) for r, u in enumerate(self.units)],
+                                "a checkpoint restore")
         except BaseException:
             for u in self.units:
                 with contextlib.suppress(Exception):
                     u.unstage.remote()
             raise
         self._claimed.clear()  # unit 0 forgets its claims too: the restored samples are what the fields hold
-        with _unit_errors():
-            await asyncio.gather(*[u.install_staged.remote() for u in self.units])
+        await self._answers([(r, u.install_staged.remote()) for r, u in enumerate(self.units)], "a checkpoint restore")
 
     def close(self) -> None:
-        """Close TransferQueue's sockets; in the process that started the units (``tq.init``), stop them too.
+        """Close TransferQueue's sockets; when this is the storage manager of ``tq.init``'s client in the process
+        that started the units (``tq.close()`` closes that client), stop them too.
 
-        ``tq.close()`` stops only SimpleStorage's units itself; this is where Conduit's go.
+        ``tq.close()`` stops only SimpleStorage's units itself; this is where Conduit's go. Any other client's
+        manager (TransferQueue builds more, e.g. for a ``StreamingDataset``) closes its sockets only: the units
+        serve ``tq.init``'s client until ``tq.close()``.
         """
         run = self.cfg.get("_run_id")
-        if run in _OWNED_RUNS:
+        if run in _OWNED_RUNS and self._serves_tq_client():
             _OWNED_RUNS.discard(run)
             for u in getattr(self, "units", []):
                 try:
@@ -550,10 +559,55 @@ class ConduitStorageManager(StorageManager):
                     pass
         super().close()
 
+    def __del__(self) -> None:
+        """Close the sockets of a manager nobody closed; never stop the units (a collected client is no
+        ``tq.close()``; the units of a process that exits go with it, see :mod:`conduit_verl.unit`)."""
+        with contextlib.suppress(Exception):  # (at interpreter exit modules may be half torn down)
+            StorageManager.close(self)
+
+    def _serves_tq_client(self) -> bool:
+        """Whether this manager is the one of the client ``tq.init`` made in this process."""
+        import transfer_queue.interface as tq_interface
+
+        return getattr(getattr(tq_interface, "_TQ_CLIENT", None), "storage_manager", None) is self
+
     def stats(self) -> list[dict[str, Any]]:
-        """Each unit's fields, placements, migrations and call telemetry."""
+        """Each unit's fields, placements, migrations and call telemetry (each unit within ``call_timeout_s``)."""
+        refs: list[Any] = [u.stats.remote() for u in self.units]
+        _, waiting = ray.wait(refs, num_returns=len(refs), timeout=float(self.cfg["call_timeout_s"]))
+        if waiting:
+            raise self._late([refs.index(w) for w in waiting], "a stats request")
         with _unit_errors():
-            return ray.get([u.stats.remote() for u in self.units])
+            return ray.get(refs)
+
+    async def _answers(self, calls: list[tuple[int, Any]], what: str) -> list[Any]:
+        """The answers to ``calls`` ((unit rank, the call's ``ObjectRef``) pairs), in order, each within the backend's
+        ``call_timeout_s``; the first error a unit raised, as :func:`_unit_errors` passes it.
+
+        Raises:
+            UnitTimeoutError: a unit did not answer in time (its process or host stopped answering while Ray still
+                counts it alive: without a bound this call would wait forever). The calls may still run on the
+                units; what they do stands as it would have.
+        """
+        tasks = [asyncio.ensure_future(ref) for _, ref in calls]
+        with _unit_errors():
+            done, pending = await asyncio.wait(tasks, timeout=float(self.cfg["call_timeout_s"]),
+                                               return_when=asyncio.FIRST_EXCEPTION)
+            for t in pending:
+                t.cancel()
+            failed = [t for t in tasks if t in done and t.exception() is not None]
+            if failed:
+                raise cast(BaseException, failed[0].exception())
+            if pending:
+                raise self._late([rank for (rank, _), t in zip(calls, tasks, strict=True) if t in pending], what)
+        return [t.result() for t in tasks]
+
+    def _late(self, ranks: list[int], what: str) -> UnitTimeoutError:
+        return UnitTimeoutError(
+            f"Conduit storage unit(s) {sorted(set(ranks))} of run {self.cfg['_run_id']} did not answer {what} within "
+            f"call_timeout_s={float(self.cfg['call_timeout_s']):g} s (the process or its host stopped answering, "
+            f"though Ray counts it alive). Check those units' nodes; raise transfer_queue.backend.{BACKEND}."
+            f"call_timeout_s for calls that legitimately take longer.")
 
 
 @contextlib.contextmanager

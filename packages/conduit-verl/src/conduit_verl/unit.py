@@ -32,7 +32,7 @@ from conduit_verl.columns import (
     kind_error,
     rank_error,
 )
-from conduit_verl.packing import PackedColumn, from_wire, select_rows, to_wire
+from conduit_verl.packing import PackedColumn, from_wire, objects_from_wire, objects_to_wire, select_rows, to_wire
 from conduit_verl.unit_errors import missing_field, missing_key
 
 __all__ = ["ConduitStorageUnit", "LEASE_CHECK_S", "unit_name"]
@@ -491,18 +491,19 @@ class ConduitStorageUnit:
     def __init__(self, config: dict[str, Any]) -> None:
         self.state = _UnitState(config)
 
+    # Python-object columns cross these calls pickled (conduit_verl.packing.objects_to_wire), both ways
     def check(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None) -> dict[str, int]:
         """Raise what :meth:`put` would raise; returns the shape-row width of each tensor field this unit holds."""
-        return self.state.held_widths(self.state.check(gis, columns, widths)[1])
+        return self.state.held_widths(self.state.check(gis, objects_from_wire(columns), widths)[1])
 
     def put(self, gis: list[int], columns: dict[str, Any], widths: dict[str, int] | None = None) -> None:
-        self.state.put(gis, columns, widths)
+        self.state.put(gis, objects_from_wire(columns), widths)
 
     def prepare(self, token: str, gis: list[int], columns: dict[str, Any], lease: list[Any] | None = None
                 ) -> dict[str, int]:
         """See :meth:`_UnitState.prepare`; ``lease`` comes wrapped in a list (Ray would resolve a bare ``ObjectRef``
         argument to its value)."""
-        return self.state.prepare(token, gis, columns, lease[0] if lease else None)
+        return self.state.prepare(token, gis, objects_from_wire(columns), lease[0] if lease else None)
 
     def commit(self, token: str, widths: dict[str, int] | None = None) -> None:
         self.state.commit(token, widths)
@@ -525,7 +526,7 @@ class ConduitStorageUnit:
         self.state.keep(holder)
 
     def get(self, gis: list[int], fields: list[str]) -> dict[str, Any]:
-        return self.state.get(gis, fields)
+        return objects_to_wire(self.state.get(gis, fields))
 
     def generation(self) -> int:
         """See :attr:`_UnitState.generation` (the manager asks unit 0 whether its cached claims still hold)."""

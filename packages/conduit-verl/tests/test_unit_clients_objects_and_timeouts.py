@@ -1,0 +1,149 @@
+"""Conduit's TransferQueue storage units beside more than one client, with NumPy object values, and when a unit
+stops answering: only ``tq.close()`` stops the units, object values own their memory (nothing stays pinned in Ray's
+object store, and they can be written, as SimpleStorage's), and every call to a unit is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import re
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conduit import ConfigurationError
+from tensordict import NonTensorStack, TensorDict
+
+pytestmark = [pytest.mark.requires("verl"), pytest.mark.slow]
+
+
+def _put(keys: list[str], objects: Any = None) -> None:
+    import transfer_queue as tq
+
+    cols: dict[str, Any] = {"f": torch.arange(3.0 * len(keys)).reshape(len(keys), 3)}
+    if objects is not None:
+        cols["o"] = objects
+    tq.kv_batch_put(keys=keys, partition_id="p", fields=TensorDict(cols, batch_size=[len(keys)]),
+                    tags=[{}] * len(keys))
+
+
+def _unit_pids(manager: Any) -> list[int]:
+    import ray
+
+    return [ray.get(u.__ray_call__.remote(lambda _: os.getpid()), timeout=60) for u in manager.units]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["closed", "collected"])
+def test_another_client_in_the_process_that_started_the_units_does_not_stop_them(tq_session: Any, how: str) -> None:
+    """TransferQueue builds more clients than ``tq.init``'s (a ``StreamingDataset`` does), each with a storage
+    manager. Closing one, or letting it be collected, leaves the units serving ``tq.init``'s client; ``tq.close()``
+    stops them."""
+    import transfer_queue as tq
+    from conduit_verl.tq_storage import ConduitStorageManager
+
+    tq_session("Conduit", num_units=2)
+    main = tq.get_client().storage_manager
+    _put(["a", "b"])
+    pids = _unit_pids(main)
+
+    def another_client() -> None:
+        extra = ConduitStorageManager(main.controller_info, main.config)
+        if how == "closed":
+            extra.close()
+
+    another_client()
+    gc.collect()
+    time.sleep(2)  # (ray.kill is asynchronous)
+    assert all(_alive(p) for p in pids), f"another client, {how}, stopped the units"
+    got = tq.kv_batch_get(keys=["b", "a"], partition_id="p", select_fields=["f"])["f"]
+    assert [r.tolist() for r in got.unbind()] == [[3.0, 4.0, 5.0], [0.0, 1.0, 2.0]]
+    tq.close()
+    deadline = time.monotonic() + 60
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, "tq.close() did not stop the units"
+        time.sleep(0.2)
+    tq_session("Conduit", num_units=1)  # (the fixture closes a session at the end)
+
+
+def _plasma_mib() -> int:
+    """MiB of Ray's shared-memory object store in use (objects referenced or pinned)."""
+    from ray._private.internal_api import memory_summary
+
+    m = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
+    assert m is not None
+    return int(m.group(1))
+
+
+def test_numpy_object_values_own_their_memory_as_simple_storages_do(tq_session: Any) -> None:
+    """Ray hands NumPy arrays over zero-copy, as read-only views of the call's object: kept by a unit they would pin
+    every put (its 32 MB of tensors too) in Ray's object store, and read back they could not be written. Object
+    columns cross the calls pickled in band: three such puts leave nothing pinned, and the values come back
+    writable, as from SimpleStorage."""
+    import transfer_queue as tq
+
+    writable = {}
+    for backend in ("SimpleStorage", "Conduit"):
+        tq_session(backend, num_units=2)
+        _put(["a", "b"], NonTensorStack(np.arange(3.0), {"ids": np.arange(2)}))
+        got = tq.kv_batch_get(keys=["a", "b"], partition_id="p", select_fields=["o"]).get("o").tolist()
+        writable[backend] = [bool(got[0].flags.writeable), bool(got[1]["ids"].flags.writeable)]
+        np.testing.assert_array_equal(got[0], np.arange(3.0))
+        tq.close()
+    assert writable == {"SimpleStorage": [True, True], "Conduit": [True, True]}, writable
+
+    tq_session("Conduit", num_units=1)
+    for b in range(3):
+        keys = [f"k{b}_{i}" for i in range(4)]
+        tq.kv_batch_put(keys=keys, partition_id="p", tags=[{}] * 4, fields=TensorDict(
+            {"big": torch.zeros(4, 2_000_000), "o": NonTensorStack(*[{"ids": np.arange(3)} for _ in range(4)])},
+            batch_size=[4]))
+    time.sleep(1)
+    assert _plasma_mib() < 8, "the units' object values pin the puts that carried them in Ray's object store"
+
+
+def test_a_unit_that_stops_answering_fails_the_call_typed_within_call_timeout_s(tq_session: Any) -> None:
+    """A unit process that stops answering (stopped here; a wedged host alike) is not dead to Ray: a read, a put
+    and a clear routed to it raise ``UnitTimeoutError`` naming it after ``call_timeout_s``, instead of waiting
+    forever; once it answers again the buffer works on."""
+    import transfer_queue as tq
+    from conduit_verl.compat import UnitTimeoutError
+    from transfer_queue.metadata import BatchMeta
+
+    tq_session("Conduit", num_units=2, call_timeout_s=3)
+    _put(["a", "b"])
+    manager = tq.get_client().storage_manager
+    pid = _unit_pids(manager)[1]
+    meta = BatchMeta(global_indexes=[0, 1], partition_ids=["p", "p"], field_schema={"f": {}})
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for call in (manager.get_data(meta), manager.clear_data(meta)):
+            t0 = time.monotonic()
+            with pytest.raises(UnitTimeoutError, match=r"unit\(s\) \[1\] .* call_timeout_s=3 s"):
+                asyncio.run(asyncio.wait_for(call, 60))
+            assert time.monotonic() - t0 < 30
+        with pytest.raises(UnitTimeoutError, match=r"\[1\]"):
+            manager.stats()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert len(manager.stats()) == 2
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "10"])
+def test_call_timeout_s_must_be_a_finite_positive_number_of_seconds(bad: Any) -> None:
+    from conduit_verl.tq_storage import _validated, _with_defaults
+
+    with pytest.raises(ConfigurationError, match="call_timeout_s"):
+        _validated(_with_defaults({"call_timeout_s": bad}))
+    assert _validated(_with_defaults({"call_timeout_s": 5}))["call_timeout_s"] == 5
