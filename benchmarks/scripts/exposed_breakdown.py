@@ -5,7 +5,9 @@ iteration) overlapped at one d and g, and times on the loop's thread, by wall cl
 clock: every ``ingest`` and ``deliver`` call (deliveries by their position in the iteration), and the hand-offs
 that wake a background thread (the prefetch worker's job submission, the ingestion queue's hand-over). Then,
 outside the loop, the cost to a thread of waking another one that sleeps on a queue, after the waker slept and
-after it computed for 3 ms (what the loop's thread does before it hands a job over)::
+after it computed for 3 ms (what the loop's thread does before it hands a job over); and, against the synchronous
+loop run after it, the most the overlap could hide if every delivery cost what the cheapest one in the iteration
+does (no wake-up, no GIL contention)::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scripts/exposed_breakdown.py [--d 128] [--g 4] [--iterations 400]
 
@@ -15,12 +17,15 @@ Run it on a quiet machine: other processes' load changes every figure.
 from __future__ import annotations
 
 import argparse
+import json
 import queue
 import statistics
+import tempfile
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,6 +107,39 @@ def wake_cost(busy_s: float, rounds: int = 400) -> tuple[float, float]:
     return statistics.median(wall), statistics.median(cpu)
 
 
+def bound(d: int, g: int, iterations: int, placement: str) -> str:
+    """The most the overlap could hide on this loop: an overlapped run's exposed spans (``ingest_wait``,
+    ``deliver_wait``) by position in the iteration, and what the iteration would expose if every delivery cost what
+    the cheapest position's median does (no wake-up, no GIL contention), against a synchronous run's exposed time."""
+    kw: dict[str, Any] = dict(obs_dim=d, iterations=iterations, warmup=2, rollout=256, batch=512, updates=4,
+                              capacity=16384, hidden=64, prefill=4096)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        res = run_loop(scheduler=Overlapped(g_ing=g, g_del=g, overlap=True), trace=trace,
+                       placement=DiskPlacement() if placement == "disk" else HostPlacement(), **kw)
+        spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    sync = statistics.median(it.exposed_s for it in run_loop(**kw).iterations) * 1e6
+    loop = sorted((e for e in spans if e["name"] in ("rollout", "ingest_wait", "deliver_wait")), key=lambda e: e["ts"])
+    ingest: list[float] = []
+    delivery: dict[int, list[float]] = defaultdict(list)
+    pos = 0
+    for e in loop:  # (trace times are in us)
+        if e["name"] == "rollout":
+            pos = 0
+        elif e["name"] == "ingest_wait":
+            ingest.append(e["dur"])
+        else:
+            delivery[pos].append(e["dur"])
+            pos += 1
+    med = {k: statistics.median(v) for k, v in sorted(delivery.items())}
+    floor = statistics.median(ingest) + 4 * min(med.values())
+    exposed = statistics.median(it.exposed_s for it in res.iterations) * 1e6
+    return (f"exposed spans (us, medians): ingest {statistics.median(ingest):.1f}, deliveries by position "
+            f"{', '.join(f'{v:.1f}' for v in med.values())}; overlapped exposed {exposed:.1f} us per iteration "
+            f"({1 - exposed / sync:.1%} below the synchronous loop's {sync:.1f}); with every delivery at the cheapest "
+            f"position {floor:.1f} us: at most {1 - floor / sync:.1%} below")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--d", type=int, default=128)
@@ -129,6 +167,7 @@ def main() -> None:
         xs = dw[(pos - start) % 4::4]
         print(f"  deliver, position {pos} in the iteration: wall median {statistics.median(xs) * us:.1f} us, "
               f"mean {statistics.mean(xs) * us:.1f} us")
+    print(bound(args.d, args.g, args.iterations, args.placement))
     for busy, what in ((0.0, "after sleeping 3 ms"), (0.003, "after 3 ms of matmuls")):
         wake_wall, wake_cpu = wake_cost(busy)
         print(f"waking a thread blocked on a queue, {what}: wall {wake_wall * us:.1f} us, "
