@@ -590,17 +590,20 @@ class ConduitStorageManager(StorageManager):
                 units; what they do stands as it would have.
         """
         tasks = [asyncio.ensure_future(ref) for _, ref in calls]
-        with _unit_errors():
-            done, pending = await asyncio.wait(tasks, timeout=float(self.cfg["call_timeout_s"]),
-                                               return_when=asyncio.FIRST_EXCEPTION)
-            for t in pending:
-                t.cancel()
-            failed = [t for t in tasks if t in done and t.exception() is not None]
-            if failed:
-                raise cast(BaseException, failed[0].exception())
-            if pending:
-                raise self._late([rank for (rank, _), t in zip(calls, tasks, strict=True) if t in pending], what)
-        return [t.result() for t in tasks]
+        try:
+            with _unit_errors():
+                done, pending = await asyncio.wait(tasks, timeout=float(self.cfg["call_timeout_s"]),
+                                                   return_when=asyncio.FIRST_EXCEPTION)
+                failed = [t for t in tasks if t in done and t.exception() is not None]
+                if failed:
+                    raise cast(BaseException, failed[0].exception())
+                if pending:
+                    raise self._late([rank for (rank, _), t in zip(calls, tasks, strict=True) if t in pending], what)
+            return [t.result() for t in tasks]
+        finally:  # (this call raised, or was cancelled: stop waiting for the rest)
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
 
     def _late(self, ranks: list[int], what: str) -> UnitTimeoutError:
         return UnitTimeoutError(
