@@ -209,3 +209,26 @@ def test_a_chunk_added_again_is_refused_typed_and_changes_nothing() -> None:
     assert by_obs(buf, n_step=2, gamma=0.5) == {0.0: (2.0, 2.0, False, False, 2), 1.0: (3.5, 3.0, False, False, 2),
                                                 2.0: (5.0, 4.0, False, False, 2), 3.0: (6.5, 5.0, False, False, 2),
                                                 4.0: (8.0, 6.0, True, False, 2), 5.0: (6.0, 6.0, True, False, 1)}
+
+
+@pytest.mark.parametrize("done", [False, True], ids=["ongoing", "finished"])
+@pytest.mark.parametrize("kind", [ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer],
+                         ids=["uniform", "prioritized"])
+def test_an_episode_evicted_earlier_in_the_same_add_comes_back_as_a_new_one(kind: Any, done: bool) -> None:
+    """One add whose later chunk evicts every step of an episode it added first, then brings that episode's id
+    again: RLlib's ``EpisodeReplayBuffer`` evicts after each episode of an add, so the id is forgotten and the
+    chunk starts a new episode; so does Conduit, uniform and prioritized (it refused the chunk as a repeat of steps
+    no longer stored). (RLlib's ``PrioritizedEpisodeReplayBuffer`` fails on this add with an IndexError.)"""
+    from conduit_rllib.testing import id_episode
+    from ray.rllib.utils.metrics import NUM_EPISODES_ADDED_LIFETIME
+    from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
+
+    chunks = [id_episode(np.arange(3), episode_id="e", terminated=done),
+              id_episode(np.arange(10, 16), episode_id="f", terminated=True),  # evicts every step of e
+              id_episode(np.arange(20, 22), episode_id="e")]
+    rllib = EpisodeReplayBuffer(capacity=6)
+    rllib.add(chunks)
+    buf = kind(capacity=6, seed=0)
+    buf.add(chunks)
+    assert len(buf) == 6
+    assert buf.get_metrics()[NUM_EPISODES_ADDED_LIFETIME] == rllib.get_metrics()[NUM_EPISODES_ADDED_LIFETIME] == 3

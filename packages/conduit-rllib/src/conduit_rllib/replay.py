@@ -318,7 +318,8 @@ class _ConduitReplay:
         Raises:
             conduit.ConfigurationError: such a chunk.
         """
-        ends: dict[str, tuple[int, bool]] = {}  # episode id -> (where its added steps end, ended), as this add goes
+        # episode id -> (where its added steps end, ended, the handle of its last step), as this add goes
+        ends: dict[str, tuple[int, bool, int]] = {}
         added = 0  # steps of this add's chunks before c
         for c in chunks:
             if not c.length:
@@ -336,7 +337,10 @@ class _ConduitReplay:
                     f"episode, give them a new episode id. Nothing of this add was stored.")
             newest = self._tail.get(c.episode_id)  # (an unfinished episode whose steps were all evicted is forgotten)
             known = self._tail_t.get(c.episode_id) if newest is None or newest >= oldest else None
-            end, ended = ends.get(c.episode_id, (known, False) if known is not None else (None, False))
+            here = ends.get(c.episode_id)
+            if here is not None and here[2] < oldest:  # all its steps this add stored are evicted by now: forgotten
+                here = None
+            end, ended = here[:2] if here is not None else (known, False)
             if end is not None and (c.t_started < end or ended):
                 why = (f"the episode ended at timestep {end} earlier in this add" if ended else
                        f"its steps up to {end - 1} were already added (they would be stored twice)")
@@ -347,7 +351,7 @@ class _ConduitReplay:
                     f"Episode {c.episode_id!r}'s chunk starts at timestep {c.t_started}, but {why}. Add each chunk "
                     f"once, in order; to add an episode in parts, add the chunks episode.cut() leaves (an "
                     f"EnvRunner's samples are such chunks){hint}. Nothing of this add was stored.")
-            ends[c.episode_id] = (c.t_started + c.length, c.done)
+            ends[c.episode_id] = (c.t_started + c.length, c.done, self._next + added - 1)
 
     def _check_chunks(self, chunks: list[ChunkColumns]) -> None:
         """Validate every chunk of one ``add`` before any is stored (as ``ExperienceDataPlane.ingest`` would)."""
