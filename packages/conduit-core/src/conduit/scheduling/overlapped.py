@@ -400,7 +400,7 @@ class Overlapped(Scheduler):
             if self._ring.cuda:
                 self._ring.call_started(self._delivered)
             if self.on_policy:
-                return self._deliver_on_policy(n)
+                return self._deliver_on_policy(n, kwargs)
             return self._deliver_replay(n, kwargs)
         finally:
             self._leave()
@@ -489,12 +489,12 @@ class Overlapped(Scheduler):
         self._start_prefetch(key)
         return p.batch, info
 
-    def _deliver_on_policy(self, n: int | None) -> tuple[ExperienceBatch, SampleInfo]:
+    def _deliver_on_policy(self, n: int | None, kwargs: dict[str, Any]) -> tuple[ExperienceBatch, SampleInfo]:
         self._await_job(cancel=True)
         pred = self._ready.popleft() if self._ready else None
         try:
-            with self._wanting_buffer_lock():  # (the semantics refuse an n, as a synchronous delivery does)
-                sels = self.edp.select_now([n], when=self._has_buffer_lock)
+            with self._wanting_buffer_lock():  # (the semantics refuse an n or an option, as a synchronous delivery)
+                sels = self.edp.select_now([n], when=self._has_buffer_lock, **kwargs)
         except BaseException:
             if pred is not None:  # state unchanged: the prediction may still come true later
                 self._ready.appendleft(pred)

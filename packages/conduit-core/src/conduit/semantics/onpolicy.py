@@ -342,19 +342,28 @@ class OnPolicy(Semantics):
         return sel
 
     def check_live(self, oldest: int, next_handle: int) -> None:
-        """:class:`ConfigurationError` when a rollout of the current state (a checkpoint just loaded) names an
-        item outside the live handles ``[oldest, next_handle)``: it would deliver rows of evicted or never
-        written slots."""
-        rollouts = [(r.version, r.first, r.count) for r in (self._cur, *self._sealed, self._open) if r is not None]
+        """:class:`ConfigurationError` when the current state (a checkpoint just loaded) does not account for the
+        live handles ``[oldest, next_handle)`` exactly: a rollout naming an item outside them (it would deliver rows
+        of evicted or never written slots), a live item before the first rollout that neither a finished rollout nor
+        a held-back release keeps for a selection (it would never be delivered nor freed), or a selection
+        outstanding in no rollout being delivered and none held back (its release would never come)."""
+        live = [r for r in (self._cur, *self._sealed, self._open) if r is not None]
+        rollouts = [(r.version, r.first, r.count) for r in live]
         bad = [(v, first, count) for v, first, count in rollouts if first < oldest or first + count > next_handle]
         fin, due = self._finished_end, self._due
         out = [first for first in self._outstanding if not oldest <= first < next_handle]
-        if (bad or out or (fin is not None and not oldest <= fin <= next_handle)
+        covered_from = live[0].first if live else next_handle  # (rollouts are kept oldest first)
+        delivering = {r.first for r in (self._cur, *self._sealed) if r is not None}
+        held = max((end for end in (fin, due) if end is not None), default=oldest)  # (kept for a selection)
+        stray = oldest < covered_from and held < covered_from
+        phantom = [first for first in self._outstanding if first not in delivering and first >= covered_from]
+        if (bad or out or stray or phantom or (fin is not None and not oldest <= fin <= next_handle)
                 or (due is not None and not oldest <= due <= next_handle)):
             raise ConfigurationError(f"This checkpoint's on-policy rollouts {bad or rollouts!r} (finished up to "
                                      f"{fin}, held back up to {due}, selections outstanding in rollouts from "
-                                     f"{sorted(self._outstanding)}) name items outside its live handles [{oldest}, "
-                                     f"{next_handle}); the checkpoint is damaged.")
+                                     f"{sorted(self._outstanding)}) do not account for its live handles [{oldest}, "
+                                     f"{next_handle}) (each in a rollout, or held back for a selection not handed "
+                                     f"over); the checkpoint is damaged.")
 
     def after_gather(self, selection: Selection) -> None:
         """``selection`` was handed over: it is no longer outstanding, and a rollout's storage is released
