@@ -92,6 +92,7 @@ def test_numpy_object_values_own_their_memory_as_simple_storages_do(tq_session: 
     columns cross the calls pickled in band: three such puts leave nothing pinned, and the values come back
     writable, as from SimpleStorage."""
     import transfer_queue as tq
+    import verl  # noqa: F401  (verl loads its plugins: conduit-verl registers the "Conduit" backend)
 
     writable = {}
     for backend in ("SimpleStorage", "Conduit"):
@@ -118,6 +119,7 @@ def test_a_unit_that_stops_answering_fails_the_call_typed_within_call_timeout_s(
     and a clear routed to it raise ``UnitTimeoutError`` naming it after ``call_timeout_s``, instead of waiting
     forever; once it answers again the buffer works on."""
     import transfer_queue as tq
+    import verl  # noqa: F401  (verl loads its plugins: conduit-verl registers the "Conduit" backend)
     from conduit_verl.compat import UnitTimeoutError
     from transfer_queue.metadata import BatchMeta
 

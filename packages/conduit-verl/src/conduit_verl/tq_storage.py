@@ -93,7 +93,7 @@ DEFAULTS: dict[str, Any] = {
     "unit_num_cpus": 0,
     "device": "cpu",
     "delivery": "prefetch",
-    "call_timeout_s": 600.0,
+    "call_timeout_s": 600,
 }
 
 
