@@ -330,8 +330,8 @@ def test_priorities_whose_power_or_sum_overflows_are_refused_and_change_nothing(
         c = buf.sample(num_items=200, beta=1.0, **DQN_KW).columns
     np.testing.assert_array_equal(c["weights"].numpy(), 1.0, err_msg="a refused priority update changed a priority")
     assert set(c[Columns.REWARDS].tolist()) == {0.0, 1.0, 2.0, 3.0}, "draws are no longer uniform over equal priorities"
-    # the largest safe value is taken
-    safe = (np.finfo(np.float64).max / buf.capacity) ** (1 / alpha) * 0.99
+    # the largest safe value is taken (a full buffer of it sums to under half of float64's largest)
+    safe = (np.finfo(np.float64).max / 2 / buf.capacity) ** (1 / alpha) * 0.99
     assert buf.update_priorities(np.full(4, safe), handles=np.arange(4)) == 4
     w = buf.sample(num_items=50, beta=1.0, **DQN_KW).columns["weights"].numpy()
     assert np.isfinite(w).all() and (w > 0).all() and (w <= 1).all()
