@@ -56,6 +56,16 @@ def _timed(owner: Any, name: str, label: str, samples: Samples, main: int) -> Ca
     return lambda: setattr(owner, name, original)
 
 
+#: the configuration sweep's loop (the rest of run_loop's arguments)
+LOOP: dict[str, Any] = dict(warmup=2, rollout=256, batch=512, updates=4, capacity=16384, hidden=64, prefill=4096)
+
+
+def overlapped_run(d: int, g: int, iterations: int, placement: str, **kwargs: Any) -> Any:
+    """One run of :data:`LOOP` overlapped at ``g`` (``g_ing = g_del``) on ``placement`` ("disk" or "host")."""
+    return run_loop(obs_dim=d, scheduler=Overlapped(g_ing=g, g_del=g, overlap=True), iterations=iterations,
+                    placement=DiskPlacement() if placement == "disk" else HostPlacement(), **LOOP, **kwargs)
+
+
 def loop_breakdown(d: int, g: int, iterations: int, placement: str) -> tuple[Samples, float, float]:
     """Per-call samples of one overlapped run; and its median and mean exposed time per iteration (s)."""
     samples: Samples = defaultdict(list)
@@ -65,10 +75,7 @@ def loop_breakdown(d: int, g: int, iterations: int, placement: str) -> tuple[Sam
             _timed(worker.Worker, "submit", "prefetch job submission", samples, main),
             _timed(ingestion.Ingestion, "handover", "ingestion hand-over", samples, main)]
     try:
-        res = run_loop(obs_dim=d, scheduler=Overlapped(g_ing=g, g_del=g, overlap=True),
-                       placement=DiskPlacement() if placement == "disk" else HostPlacement(),
-                       iterations=iterations, warmup=2, rollout=256, batch=512, updates=4, capacity=16384,
-                       hidden=64, prefill=4096)
+        res = overlapped_run(d, g, iterations, placement)
     finally:
         for u in undo:
             u()
@@ -111,14 +118,12 @@ def bound(d: int, g: int, iterations: int, placement: str) -> str:
     """The most the overlap could hide on this loop: an overlapped run's exposed spans (``ingest_wait``,
     ``deliver_wait``) by position in the iteration, and what the iteration would expose if every delivery cost what
     the cheapest position's median does (no wake-up, no GIL contention), against a synchronous run's exposed time."""
-    kw: dict[str, Any] = dict(obs_dim=d, iterations=iterations, warmup=2, rollout=256, batch=512, updates=4,
-                              capacity=16384, hidden=64, prefill=4096)
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
-        res = run_loop(scheduler=Overlapped(g_ing=g, g_del=g, overlap=True), trace=trace,
-                       placement=DiskPlacement() if placement == "disk" else HostPlacement(), **kw)
+        res = overlapped_run(d, g, iterations, placement, trace=trace)
         spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
-    sync = statistics.median(it.exposed_s for it in run_loop(**kw).iterations) * 1e6
+    sync = statistics.median(it.exposed_s for it in run_loop(obs_dim=d, iterations=iterations, **LOOP).iterations)
+    sync *= 1e6
     loop = sorted((e for e in spans if e["name"] in ("rollout", "ingest_wait", "deliver_wait")), key=lambda e: e["ts"])
     ingest: list[float] = []
     delivery: dict[int, list[float]] = defaultdict(list)
@@ -132,7 +137,7 @@ def bound(d: int, g: int, iterations: int, placement: str) -> str:
             delivery[pos].append(e["dur"])
             pos += 1
     med = {k: statistics.median(v) for k, v in sorted(delivery.items())}
-    floor = statistics.median(ingest) + 4 * min(med.values())
+    floor = statistics.median(ingest) + LOOP["updates"] * min(med.values())
     exposed = statistics.median(it.exposed_s for it in res.iterations) * 1e6
     return (f"exposed spans (us, medians): ingest {statistics.median(ingest):.1f}, deliveries by position "
             f"{', '.join(f'{v:.1f}' for v in med.values())}; overlapped exposed {exposed:.1f} us per iteration "

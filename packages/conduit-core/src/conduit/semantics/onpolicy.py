@@ -353,7 +353,7 @@ class OnPolicy(Semantics):
         fin, due = self._finished_end, self._due
         out = [first for first in self._outstanding if not oldest <= first < next_handle]
         covered_from = live[0].first if live else next_handle  # (rollouts are kept oldest first)
-        delivering = {r.first for r in (self._cur, *self._sealed) if r is not None}
+        delivering = {r.first for r in live if r is not self._open}
         held = max((end for end in (fin, due) if end is not None), default=oldest)  # (kept for a selection)
         stray = oldest < covered_from and held < covered_from
         phantom = [first for first in self._outstanding if first not in delivering and first >= covered_from]
