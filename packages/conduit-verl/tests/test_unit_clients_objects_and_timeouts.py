@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conduit import ConfigurationError
+from conduit.testing.lifecycle import process_running
 from tensordict import NonTensorStack, TensorDict
 
 pytestmark = [pytest.mark.requires("verl"), pytest.mark.slow]
@@ -35,14 +36,6 @@ def _unit_pids(manager: Any) -> list[int]:
     import ray
 
     return [ray.get(u.__ray_call__.remote(lambda _: os.getpid()), timeout=60) for u in manager.units]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("how", ["closed", "collected"])
@@ -66,22 +59,25 @@ def test_another_client_in_the_process_that_started_the_units_does_not_stop_them
     another_client()
     gc.collect()
     time.sleep(2)  # (ray.kill is asynchronous)
-    assert all(_alive(p) for p in pids), f"another client, {how}, stopped the units"
+    assert all(process_running(p) for p in pids), f"another client, {how}, stopped the units"
     got = tq.kv_batch_get(keys=["b", "a"], partition_id="p", select_fields=["f"])["f"]
     assert [r.tolist() for r in got.unbind()] == [[3.0, 4.0, 5.0], [0.0, 1.0, 2.0]]
     tq.close()
     deadline = time.monotonic() + 60
-    while any(_alive(p) for p in pids):
+    while any(process_running(p) for p in pids):
         assert time.monotonic() < deadline, "tq.close() did not stop the units"
         time.sleep(0.2)
     tq_session("Conduit", num_units=1)  # (the fixture closes a session at the end)
 
 
 def _plasma_mib() -> int:
-    """MiB of Ray's shared-memory object store in use (objects referenced or pinned)."""
+    """MiB of Ray's shared-memory object store in use (objects referenced or pinned), on this test's cluster (another
+    test process may run a local Ray of its own)."""
+    import ray
     from ray._private.internal_api import memory_summary
 
-    m = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
+    text = memory_summary(ray.get_runtime_context().gcs_address, stats_only=True)
+    m = re.search(r"Plasma memory usage (\d+) MiB", text)
     assert m is not None
     return int(m.group(1))
 
