@@ -27,7 +27,14 @@ pytest.importorskip("ray")
 from conduit import Overlapped, Replay  # noqa: E402
 from conduit.distributed import DistributedDataPlane, ShardServers  # noqa: E402
 from conduit.distributed.server import ping  # noqa: E402
-from conduit.testing.lifecycle import eventually, live_workers, no_workers_beyond, open_fds, worker_threads  # noqa: E402
+from conduit.testing.lifecycle import (  # noqa: E402
+    eventually,
+    live_workers,
+    no_workers_beyond,
+    open_fds,
+    process_running,
+    worker_threads,
+)
 from conduit.testing.reference import ID_SCHEMA, id_batch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -61,15 +68,6 @@ def _partitions(servers: ShardServers) -> list[int]:
     return [int(ray.get(ping(s.actor), timeout=60)) for s in servers.servers]
 
 
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` (a shard server on this machine: every node of the local cluster is) still runs."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def _drop(make: Any) -> weakref.ref[DistributedDataPlane]:
     """Build and use a plane in a frame of its own, and return only a weak reference to it."""
     plane = make()
@@ -95,7 +93,7 @@ def test_a_dropped_plane_closes_its_partitions_on_shared_servers(servers):
     assert eventually(lambda: ref() is None, timeout=15), "the dropped plane is still alive"
     assert eventually(lambda: _partitions(servers) == parts, timeout=15), (
         f"the shared servers still hold the dropped plane's partitions: {_partitions(servers)} (before: {parts})")
-    assert all(_running(s.pid) for s in servers.servers), "a dropped plane stopped servers it did not start"
+    assert all(process_running(s.pid) for s in servers.servers), "a dropped plane stopped servers it did not start"
 
 
 def test_a_dropped_overlapped_plane_is_freed_and_its_workers_end(servers):
@@ -126,10 +124,10 @@ def test_a_dropped_plane_stops_the_servers_it_started(cluster):
         return plane
 
     ref = _drop(make)
-    assert pids and all(_running(p) for p in pids)
+    assert pids and all(process_running(p) for p in pids)
     assert eventually(lambda: ref() is None, timeout=15), "the dropped plane is still alive"
-    assert eventually(lambda: not any(_running(p) for p in pids), timeout=60), (
-        f"the shard servers the dropped plane started still run: pids {[p for p in pids if _running(p)]}")
+    assert eventually(lambda: not any(process_running(p) for p in pids), timeout=60), (
+        f"the shard servers the dropped plane started still run: pids {[p for p in pids if process_running(p)]}")
     assert eventually(lambda: _conduit_threads() == threads, timeout=15), (
         f"threads of the dropped plane still run: {_conduit_threads()} (before: {threads})")
 
@@ -145,8 +143,8 @@ def test_a_dropped_torch_plane_stops_its_servers_and_receivers(cluster):
 
     ref = _drop(make)
     assert eventually(lambda: ref() is None, timeout=15), "the dropped torch plane is still alive"
-    assert eventually(lambda: not any(_running(p) for p in pids), timeout=60), (
-        f"the shard servers the dropped plane started still run: pids {[p for p in pids if _running(p)]}")
+    assert eventually(lambda: not any(process_running(p) for p in pids), timeout=60), (
+        f"the shard servers the dropped plane started still run: pids {[p for p in pids if process_running(p)]}")
     assert eventually(lambda: _conduit_threads() == threads, timeout=15), (
         f"threads of the dropped plane still run: {_conduit_threads()} (before: {threads})")
 
@@ -206,13 +204,13 @@ def test_close_twice_and_close_after_the_finalizer_ran_are_harmless(servers, clu
     assert plane.closed and _partitions(servers) == parts
     del plane
     gc.collect()
-    assert all(_running(s.pid) for s in servers.servers), "dropping a closed plane stopped shared servers"
+    assert all(process_running(s.pid) for s in servers.servers), "dropping a closed plane stopped shared servers"
     assert _partitions(servers) == parts
 
     owned = _plane([cluster.head], health_period=0.05)
     pid = owned.servers[0].pid
     owned._release()  # what the garbage collector runs for a dropped plane  # type: ignore[attr-defined]
-    assert eventually(lambda: not _running(pid), timeout=60), "the finalizer did not stop the plane's own server"
+    assert eventually(lambda: not process_running(pid), timeout=60), "the finalizer did not stop the plane's own server"
     owned.close()
     owned.close()
     assert owned.closed

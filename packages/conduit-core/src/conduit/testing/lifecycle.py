@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 __all__ = ["WORKER_THREADS", "HANG_S", "call_bounded", "start_bounded", "eventually", "wait_until", "worker_threads",
-           "live_workers", "no_workers_beyond", "open_fds", "ctrl_c_enabled"]
+           "live_workers", "no_workers_beyond", "open_fds", "process_running", "ctrl_c_enabled"]
 
 #: the names of the threads Conduit's schedulers and adapters start
 WORKER_THREADS = ("conduit-ingest", "conduit-prefetch", "conduit-minibatch", "conduit-srl-assembler")
@@ -115,6 +115,16 @@ def no_workers_beyond(before: set[threading.Thread]) -> bool:
     """Whether every Conduit worker thread alive now was alive at ``before`` (a :func:`live_workers` reading).
     Threads that were ending then (an earlier test's) may have ended since."""
     return live_workers() <= before
+
+
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` on this machine still runs (neither gone nor a zombie): e.g. a Ray worker a buffer
+    started, which a test expects to stop or to stay."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # (the name in parentheses may hold spaces)
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def open_fds() -> int:
