@@ -57,10 +57,12 @@ class UnstoredSamplesError(ConduitError):
 
     Raised by ``ConduitSampleConsumer.consume_to`` when the buffer's ``put`` raises part way through
     a coalesced message (or through samples ``consume()`` had left over), or refuses a message of one
-    sample (``stored=0, total=1``); not for :class:`BufferFullError`, whose refused samples the
-    consumer keeps and puts first on its next ``consume_to``. The samples before the
-    refused one are stored; the refused one and every later one of the message are attached here,
-    so nothing received is lost without a trace. Messages not received yet stay with the transport.
+    sample (``stored=0, total=1``), or receives a message whose coalescing header does not match its data
+    (``stored=0, total=1``, a :class:`~conduit.SchemaError` cause, the message as received in ``samples``);
+    not for :class:`BufferFullError`, whose refused samples the consumer keeps and puts first on its next
+    ``consume_to``. The samples before the refused one are stored; the refused one and every later one of
+    the message are attached here, so nothing received is lost without a trace. Messages not received yet
+    stay with the transport.
 
     Attributes:
         stored: samples of the message the buffer stored before it refused.

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from conduit import ConfigurationError
+from conduit import ConfigurationError, SchemaError
 
 from conduit_srl.buffer import ConduitBuffer
 from conduit_srl.errors import BufferFullError, SamplesLostWarning, UnstoredSamplesError
@@ -343,6 +343,30 @@ def _unstored(sample: Any, e: BaseException, batched: bool) -> Any:
         return sample  # was stored: samples_stored of its cause)
 
 
+def _coalesced_width_is(x: Any, k: Any) -> bool:
+    """Whether the coalesced message ``x`` holds ``k`` samples: ``k`` an int >= 1, every field ``k`` wide on axis 1."""
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+        return False
+
+    def fits(rec: Any) -> bool:
+        for _, v in rec.items():
+            if v is None:
+                continue
+            if hasattr(v, "items") and not isinstance(v, np.ndarray):
+                if not fits(v):
+                    return False
+                continue
+            shape = getattr(v, "shape", None)
+            if shape is None or len(shape) < 2 or shape[1] != k:
+                return False
+        return True
+
+    try:
+        return fits(x)
+    except Exception:  # noqa: BLE001 - a message that cannot be read field by field is not a coalesced one
+        return False
+
+
 class _Unpacker:
     """What a native consumer puts into: forwards samples to the real buffer, unpacking coalesced ones."""
 
@@ -363,7 +387,12 @@ class _Unpacker:
         meta = getattr(x, "metadata", None)
         k = meta.get(COALESCED_KEY) if meta is not None else None
         batched = _batched_puts(self.buffer)
-        if not k:  # a message of one sample: refused, it is carried by the error as a coalesced one's would be
+        if k is not None and not _coalesced_width_is(x, k):  # a malformed frame: refused whole, nothing of it put
+            cause = SchemaError(f"A received message says it coalesces {k!r} samples, but its fields do not hold that "
+                                f"many along the batch axis (1); it was not put. Its sender is not a Conduit sample "
+                                f"producer of this version, or the message was altered on the way.")
+            raise UnstoredSamplesError(stored=0, total=1, samples=[x], cause=cause) from cause
+        if k is None:  # a message of one sample: refused, it is carried by the error as a coalesced one's would be
             try:
                 self.buffer.put(x)
             except Exception as e:  # noqa: BLE001 - re-raised, typed, with the sample not stored
