@@ -25,6 +25,21 @@ _SRL_HINTS = {
 }
 
 
+#: arguments that only some semantics read, and which (any other value than the default is refused elsewhere: it
+#: would be ignored)
+_ONLY_FOR = {
+    "num_minibatches": ("on_policy",),
+    "minibatch_size": ("on_policy",),
+    "num_epochs": ("on_policy",),
+    "max_staleness": ("on_policy",),
+    "on_stale": ("on_policy",),
+    "version_field": ("on_policy",),
+    "alpha": ("prioritized",),
+    "beta": ("prioritized",),
+    "warmup": ("replay", "prioritized"),
+}
+
+
 @dataclass(frozen=True)
 class BufferConfig:
     """Everything a Conduit buffer is built from (``make_buffer("conduit", **buffer_args)``).
@@ -99,7 +114,8 @@ class BufferConfig:
 
         Raises:
             ConfigurationError: an unknown argument (with the Conduit spelling of SRL's ones), a value
-                out of range, or arguments that do not fit the semantics.
+                out of range, or arguments that do not fit the semantics (also one that the semantics would
+                ignore, given a value other than its default).
         """
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
@@ -113,6 +129,13 @@ class BufferConfig:
             kwargs["drop_fields"] = () if drop is None else (drop,) if isinstance(drop, str) else tuple(drop)
         cfg = cls(**kwargs)
         cfg._check()
+        defaults = cls()
+        ignored = sorted(k for k, only in _ONLY_FOR.items()
+                         if cfg.semantics not in only and getattr(cfg, k) != getattr(defaults, k))
+        if ignored:
+            where = "; ".join(f"{k} applies to semantics={' or '.join(map(repr, _ONLY_FOR[k]))}" for k in ignored)
+            raise ConfigurationError(f"Buffer argument(s) {ignored} would be ignored with semantics={cfg.semantics!r} "
+                                     f"({where}); drop them or choose the semantics they belong to.")
         return cfg
 
     # -- checks ----------------------------------------------------------------------------
