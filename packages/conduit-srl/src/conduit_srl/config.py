@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 from conduit import ConfigurationError
 
 __all__ = ["BufferConfig", "SEMANTICS"]
@@ -187,8 +189,19 @@ class BufferConfig:
                 raise ConfigurationError("on_stale='raise' checks staleness when get() is called, so nothing can be "
                                          "prepared ahead; use prefetch=0 or on_stale='drop'.")
         positive("queue_depth", self.queue_depth)
-        if not isinstance(self.g_ing, (int, float)) or isinstance(self.g_ing, bool) or not self.g_ing > 0:
+        if (not isinstance(self.g_ing, (int, float)) or isinstance(self.g_ing, bool) or not self.g_ing > 0
+                or not math.isfinite(self.g_ing)):
             raise ConfigurationError(f"g_ing must be a positive number, got {self.g_ing!r}.")
+        for name in ("overlap", "copy_on_put", "batched_puts", "pin_memory"):
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)) and not (v is None and name == "pin_memory"):
+                raise ConfigurationError(f"{name} must be True or False{' (or None)' if name == 'pin_memory' else ''}"
+                                         f", got {v!r}; a string such as 'no' would read as True.")
+        if not isinstance(self.version_field, str) or not self.version_field:
+            raise ConfigurationError(f"version_field must be a field name, got {self.version_field!r}.")
+        bad = [f for f in self.drop_fields if not isinstance(f, str)]
+        if bad:
+            raise ConfigurationError(f"drop_fields are field names (str), got {bad!r}.")
         if self.semantics == "on_policy":
             if self.g_ing > 1:
                 raise ConfigurationError(f"on_policy g_ing is a part of one rollout, in (0, 1]; got {self.g_ing}.")
