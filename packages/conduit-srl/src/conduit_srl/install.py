@@ -100,7 +100,8 @@ def make_conduit_buffer(name: str, buffer_args: Mapping[str, Any], prioritized_b
     priorities).
 
     Raises:
-        ConfigurationError: an unknown semantics suffix, or one that contradicts ``buffer_args``.
+        ConfigurationError: an unknown semantics suffix, or one that contradicts ``buffer_args``; on-policy
+            without ``rollout_size`` (SRL's workers never call ``seal()``: no rollout would ever be delivered).
     """
     args = dict(buffer_args)
     if ":" in name:
@@ -112,6 +113,11 @@ def make_conduit_buffer(name: str, buffer_args: Mapping[str, Any], prioritized_b
             raise ConfigurationError(f"buffer_name {name!r} and buffer_args semantics={args['semantics']!r} "
                                      f"disagree; give the semantics once.")
         args["semantics"] = sem
+    if args.get("semantics") == "on_policy" and args.get("rollout_size") is None:
+        raise ConfigurationError(f"buffer_name {name!r} builds an on-policy buffer without rollout_size: SRL's workers "
+                                 f"never call seal(), and the policy version the samples carry moves only after the "
+                                 f"trainer has trained, so no rollout would ever be sealed and delivered (the trainer "
+                                 f"would wait for ever). Add rollout_size=<samples per rollout> to buffer_args.")
     if args.get("semantics") == "prioritized" and isinstance(prioritized_base, type):
         return srl_prioritized_class(prioritized_base)(**args)
     return ConduitBuffer(**args)
