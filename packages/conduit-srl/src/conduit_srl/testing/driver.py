@@ -6,11 +6,13 @@ Written from how SRL's workers use their streams and buffers (not from their cod
   producer once per poll (SRL flushes every producer on every actor poll);
 * the **trainer's main thread** calls ``consumer.consume_to(buffer, max_iter=...)`` in a loop;
 * the trainer's **training thread** loops ``if not buffer.empty(): entry = buffer.get()`` (else a
-  5 ms sleep), reads ``entry.sample.min_of("policy_version_steps")`` for staleness,
-  ``length(0) * length(1)`` for the sample count and ``entry.reuses``, sends priorities back
-  for prioritized buffers, and advances the learner's version once per step;
-* a **buffer worker** loop consumes into its own buffer, takes ``get().sample`` and re-posts it
-  unpacked along the batch axis (``sample[:, i]``) to the next stream.
+  5 ms sleep), reads ``entry.sample.average_of`` / ``min_of("policy_version_steps")`` for staleness,
+  sets ``entry.sample.policy_name = None`` before the step, reads ``length(0) * length(1)`` for the
+  sample count and ``entry.reuses``, sends priorities back for prioritized buffers, and advances the
+  learner's version once per step;
+* a **buffer worker** loop consumes into its own buffer and, if it is not empty, takes one
+  ``get().sample`` per poll and re-posts it unpacked along the batch axis (``sample[:, i]``) to the
+  next stream.
 
 The transport mirrors SRL's IP sample stream: ZMQ PUSH/PULL over TCP, pickled samples, consumer
 bound to a free port on 127.0.0.1. Each socket is used by one thread at a time and closed after
@@ -313,11 +315,13 @@ class SrlDriver:
                     entry = self.buffer.get()
                     dt = time.perf_counter() - t0
                     s = entry.sample
+                    s.average_of("policy_version_steps")  # (SRL's trainer reads both)
                     version_min = s.min_of("policy_version_steps")
                     report.deliveries.append(Delivery(
                         ids=np.asarray(s.id)[0].copy(), reuses=float(entry.reuses),
                         staleness=float(self.version - version_min), samples=s.length(0) * s.length(1),
                         time_steps=s.length(0), get_seconds=dt))
+                    s.policy_name = None  # (SRL's trainer overwrites this non-numeric field before its step)
                     if self.step_seconds:
                         time.sleep(self.step_seconds)
                     if self.priorities is not None:
@@ -399,9 +403,9 @@ def run_buffer_worker(upstream: Sequence[Any], buffer: Any, downstream_buffer: A
     """SRL's buffer-worker pattern between two real streams.
 
     ``upstream`` samples are posted by an actor thread to stream 1; the buffer worker (a thread
-    of its own) loops ``consume_to(buffer, max_iter)`` then, while the buffer is not empty, takes
-    ``get().sample`` (``[T, B, ...]``) and posts ``sample[:, i]`` for each ``i`` to stream 2,
-    flushing after each; a trainer thread consumes stream 2 into ``downstream_buffer``.
+    of its own) loops ``consume_to(buffer, max_iter)`` then, if the buffer is not empty, takes one
+    ``get().sample`` (``[T, B, ...]``) per poll, as SRL's buffer worker does, and posts ``sample[:, i]``
+    for each ``i`` to stream 2, then flushes; a trainer thread consumes stream 2 into ``downstream_buffer``.
 
     Every thread is joined within ``timeout_s`` plus :data:`STOP_GRACE_S` (once the worker fails, or the time is up,
     the threads are told to stop); one still running then (e.g. the trainer inside a ``downstream_buffer.put`` that
@@ -459,7 +463,7 @@ def run_buffer_worker(upstream: Sequence[Any], buffer: Any, downstream_buffer: A
                 while not errors and not stop.is_set():
                     consumed += stream1.consume_to(buffer, max_iter=max_iter)
                     moved = False
-                    while not buffer.empty():
+                    if not buffer.empty():
                         sample = buffer.get().sample
                         for i in range(sample.length(1)):
                             out.post(sample[:, i])
