@@ -393,12 +393,16 @@ def _claim(spec: Any) -> tuple[Any, str] | None:
 def _producer_policy(spec: Any, name: str, default: StreamPolicy, policies: dict[str, StreamPolicy]) -> StreamPolicy:
     """The policy of a claimed producer, refused (StreamClaimError) where its native producer would garble it.
 
+    A policy without a route takes the stream type's own rule: round robin for ``NAME_ROUND_ROBIN``, rank otherwise.
+
     SRL's multi-agent producer caches every post of a flush and sends them stacked along axis 1 (one column
     per agent): coalesced ``[T, k, ...]`` messages posted to it would be stacked again, and the trainer would
     receive records with an extra axis that no consumer can take apart.
     """
     policy = policies.get(name, default)
     kind = None if isinstance(spec, str) else getattr(getattr(spec, "type_", None), "name", None)
+    if policy.route is None and kind == "NAME_ROUND_ROBIN":  # (SRL's rule for this stream: each post to the next)
+        policy = dataclasses.replace(policy, route="round_robin")
     if kind == "NAME_MULTI_AGENT" and policy.coalesce > 1:
         raise StreamClaimError(f"Stream {STREAM_MARKER + name!r} is a NAME_MULTI_AGENT stream, whose producer stacks "
                                f"the samples of each flush along the agent axis itself; coalescing (coalesce="

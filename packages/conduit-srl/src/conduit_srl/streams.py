@@ -89,18 +89,20 @@ class StreamPolicy:
     """How a claimed stream routes and coalesces.
 
     Args:
-        route: ``"rank"``, ``"round_robin"`` or ``"least_sent"``.
+        route: ``"rank"``, ``"round_robin"`` or ``"least_sent"``; None (default): the claimed stream's own SRL rule
+            (``"round_robin"`` for a ``NAME_ROUND_ROBIN`` stream, ``"rank"`` otherwise).
         coalesce: samples per message (1: one message per sample, as SRL does).
         max_delay_s: the longest a posted sample waits for partners before it is sent anyway.
     """
 
-    route: str = "rank"
+    route: str | None = None
     coalesce: int = 1
     max_delay_s: float = 0.05
 
     def __post_init__(self) -> None:
-        if self.route not in ROUTES:
-            raise ConfigurationError(f"route must be one of {ROUTES}, got {self.route!r}.")
+        if self.route is not None and self.route not in ROUTES:
+            raise ConfigurationError(f"route must be one of {ROUTES} (or None: the stream's own rule), got "
+                                     f"{self.route!r}.")
         if not isinstance(self.coalesce, int) or isinstance(self.coalesce, bool) or self.coalesce < 1:
             raise ConfigurationError(f"coalesce must be an int >= 1, got {self.coalesce!r}.")
         if (not isinstance(self.max_delay_s, (int, float)) or isinstance(self.max_delay_s, bool)
@@ -305,7 +307,7 @@ class ConduitSampleProducer:
         return groups
 
     def _route(self, n: int) -> int:
-        route, m = self.policy.route, len(self.targets)
+        route, m = self.policy.route or "rank", len(self.targets)
         if route == "rank":
             return self.rank % m
         if route == "round_robin":
