@@ -34,7 +34,7 @@ from conduit_srl.testing import entry_ids, make_sample
 from conduit_srl.testing.driver import ZmqSampleConsumer, ZmqSampleProducer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_review_driver_close import call_until_stuck  # noqa: E402, I001  (sibling test helpers)
+from test_driver_close import call_until_stuck  # noqa: E402, I001  (sibling test helpers)
 from test_stream_close_and_coalescing import receive  # noqa: E402, I001
 
 

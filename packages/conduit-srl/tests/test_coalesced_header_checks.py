@@ -1,4 +1,4 @@
-"""Wire-level review of the claimed sample stream: what a consumer does with a message whose coalescing header
+"""The claimed sample stream on the wire: what a consumer does with a message whose coalescing header
 does not match its data (a malformed frame from a buggy or foreign peer), over real ZMQ sockets on 127.0.0.1."""
 
 from __future__ import annotations
