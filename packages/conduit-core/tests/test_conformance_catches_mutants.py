@@ -431,6 +431,23 @@ class DropsWhatWrapsTheRing(CoreReplayEndpoint):
         super().insert(ids)
 
 
+class LosesFirstItemOfNewVersion(CoreOnPolicyEndpoint):
+    """An ingest of a new version that closes the open rollout loses its first item (an off-by-one where the new
+    rollout starts): every rollout opened by ``end_rollout`` is whole, so only the version change shows it."""
+
+    _open_version: int | None = None
+
+    def ingest(self, ids: np.ndarray, version: int) -> None:
+        if self._open_version is not None and version != self._open_version:
+            ids = ids[1:]
+        self._open_version = version
+        super().ingest(ids, version)
+
+    def end_rollout(self) -> None:
+        self._open_version = None
+        super().end_rollout()
+
+
 class GlobalRngOrder(OnPolicy):
     """Shuffles each epoch with torch's global RNG: the endpoint's seed is ignored."""
 
@@ -535,6 +552,8 @@ FRESHNESS_MUTANTS = [
     (mutant_on_policy(DeliversOpenRollout), "test_version_purity", "delivered before end_rollout"),
     (EpochsInterleaved, "test_each_item_exactly_once_per_epoch", "epoch order"),
     (LastEpochLabelled, "test_each_item_exactly_once_per_epoch", "minibatches"),
+    (LosesFirstItemOfNewVersion, "test_version_purity",
+     "epoch 0 of version 1's rollout .*opened by that ingest.* 1 missing \\(e.g. \\[1000\\]\\)"),
 ]
 
 CONCURRENCY_MUTANTS = [

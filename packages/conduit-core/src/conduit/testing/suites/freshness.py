@@ -165,11 +165,14 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
                                        "one alone: they share an RNG (a global one?)")
 
     def test_version_purity(self) -> None:
-        """A minibatch never mixes items of two policy versions; rollouts come oldest first; a rollout
-        is delivered only once it has ended (a new version arrived or ``end_rollout``).
+        """A minibatch never mixes items of two policy versions; rollouts come oldest first, each whole (every
+        epoch holds all its items, also those of the ingest that arrived with a new version and closed the
+        previous rollout); a rollout is delivered only once it has ended (a new version arrived or
+        ``end_rollout``).
 
-        Troubleshooting: seal a rollout when a new version arrives; cut minibatches inside one rollout;
-        raise conduit.EmptyBufferError while only an open rollout is waiting.
+        Troubleshooting: seal a rollout when a new version arrives, then add that ingest's items, all of them,
+        to the new one; cut minibatches inside one rollout; raise conduit.EmptyBufferError while only an open
+        rollout is waiting.
         """
         with self.on_policy(num_minibatches=3, num_epochs=2, max_staleness=5) as ep:
             ep.ingest(np.arange(0, 30), version=0)
@@ -182,6 +185,14 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
                     assert mb.version == version, f"expected version {version}, got {mb.version}"
                     assert ((mb.ids >= base) & (mb.ids < base + 30)).all(), (
                         f"minibatch of version {version} holds ids {mb.ids.tolist()}")
+                for epoch, ids in enumerate(self._epochs(mbs, 2)):
+                    lost = sorted(set(range(base, base + 30)) - set(ids))
+                    assert ids == list(range(base, base + 30)), (
+                        f"epoch {epoch} of version {version}'s rollout (ids {base}..{base + 29}, "
+                        f"{'ended by the ingest of version 1' if version == 0 else 'opened by that ingest'}) "
+                        f"delivered {len(ids)} items: {len(lost)} missing (e.g. {lost[:5]}), "
+                        f"{len(ids) - len(set(ids))} repeated; every epoch delivers each of the rollout's items "
+                        f"exactly once")
             ep.ingest(np.arange(2000, 2012), version=1)  # an open rollout is not deliverable until it ends
             with pytest.raises(EmptyBufferError):
                 mbs = ep.consume()
