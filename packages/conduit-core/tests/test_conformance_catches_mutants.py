@@ -504,6 +504,26 @@ def _refuse(**kwargs: Any) -> Any:
 REFUSES_ON_POLICY = EndpointFactory("refuses-on-policy", make_replay=CoreReplayEndpoint, make_on_policy=_refuse)
 
 
+class LeavesAThreadRunning(CoreReplayEndpoint):
+    """``close()`` leaves a non-daemon thread running: a process that used the endpoint never exits."""
+
+    def close(self) -> None:
+        super().close()
+        threading.Thread(target=threading.Event().wait, name="left-running-by-close", daemon=False).start()
+
+
+def _crash_in_native_code(**kwargs: Any) -> Any:
+    """A replay endpoint whose construction crashes the process (a segmentation fault in native code)."""
+    import ctypes
+
+    return ctypes.string_at(0)
+
+
+#: endpoints that leave the subprocess running after its report, or crash it (the cross-process check's reports)
+LEAVES_A_THREAD = EndpointFactory("leaves-a-thread", make_replay=LeavesAThreadRunning)
+CRASHES = EndpointFactory("crashes", make_replay=_crash_in_native_code)
+
+
 REPLAY_MUTANTS = [
     # (mutant endpoint, suite check, what the message must say)
     (mutant_replay(uniform=NeverNewest), "test_uniform_draws_are_uniform", "chi-square"),
@@ -684,3 +704,21 @@ def test_cross_process_check_reports_a_subprocess_error_with_its_stderr() -> Non
         draws_in_subprocess("conduit.testing.reference:ID_SCHEMA", hash_seed=1)
     with pytest.raises(AssertionError, match=r"PYTHONHASHSEED=1 did not finish within the timeout \(killed\)"):
         draws_in_subprocess("core", hash_seed=1, timeout=0.2)
+
+
+def test_cross_process_check_reports_a_subprocess_that_hangs_or_crashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A subprocess that reported its draws and then does not exit (its endpoints left a non-daemon thread
+    running) is killed EXIT_GRACE_S later, and the report says so, with the stacks of its threads; it read "did
+    not finish within the timeout ... if the endpoint is that slow to build, raise TIMEOUT_S" after the whole
+    timeout (300 s by default). One that crashes in native code names the signal and shows where it crashed (the
+    report held "exit status -11" and an empty stderr tail)."""
+    import conduit.testing.crossprocess as crossprocess
+
+    monkeypatch.setattr(crossprocess, "EXIT_GRACE_S", 1.0)
+    with pytest.raises(AssertionError, match=r"(?s)'test_conformance_catches_mutants:LEAVES_A_THREAD' .*reported its "
+                                             r"draws, then did not exit .*outlives their close\(\).*stderr tail.*"
+                                             r"in _shutdown"):
+        draws_in_subprocess(f"{Path(__file__).stem}:LEAVES_A_THREAD", hash_seed=1, timeout=240)
+    with pytest.raises(AssertionError, match=r"(?s)killed by signal SIGSEGV.*stderr tail.*Segmentation fault.*"
+                                             r"in _crash_in_native_code"):
+        draws_in_subprocess(f"{Path(__file__).stem}:CRASHES", hash_seed=1)

@@ -51,7 +51,7 @@ from conduit.testing.suites.base import draw
 
 __all__ = ["ProcessDraws", "draws_in_subprocess", "assert_deterministic_across_processes", "replay_draws",
            "fill_replay", "on_policy_deliveries", "deliver_rollout", "resolve_factory", "HASH_SEEDS", "TIMEOUT_S",
-           "REPLAY_SEED", "ON_POLICY_SEED", "ENTRIES"]
+           "REPLAY_SEED", "ON_POLICY_SEED", "ENTRIES", "EXIT_GRACE_S"]
 
 #: the ``PYTHONHASHSEED`` values of the two processes :func:`assert_deterministic_across_processes` compares
 HASH_SEEDS = (1, 2)
@@ -64,12 +64,17 @@ REPLAY_SEED = 7
 ON_POLICY_SEED = 5
 #: replay draws: ``REPLAY_CALLS`` sample calls of ``REPLAY_DRAW`` items each
 REPLAY_CALLS, REPLAY_DRAW = 5, 32
+#: how long a subprocess that reported its draws may take to exit, in seconds (a Ray cluster's shutdown included);
+#: past it the subprocess is killed and the check fails: something its endpoints started outlives ``close()``
+EXIT_GRACE_S = 60.0
 #: how much of a failed subprocess's stderr an assertion message quotes
 STDERR_TAIL = 3000
 #: what the subprocess draws, in this order (an entry is left out for a kind the factory does not build)
 ENTRIES = ("replay/uniform", "replay/prioritized", "on_policy")
 #: the line prefix under which the subprocess prints its JSON result (anything else on stdout is ignored)
 _MARK = "CONDUIT-CROSSPROCESS-RESULT "
+#: the signals on which the subprocess prints the stacks of its threads (``faulthandler``'s)
+_CRASHES = {getattr(signal, n) for n in ("SIGSEGV", "SIGFPE", "SIGABRT", "SIGBUS", "SIGILL") if hasattr(signal, n)}
 #: the string whose ``hash()`` the subprocess reports from itself and from the Ray workers of its job
 _HASH_PROBE = "conduit-crossprocess"
 
@@ -282,7 +287,11 @@ def _start(spec: str, hash_seed: int | str) -> _Started:
     root = _import_root(spec)
     if root is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    code = "import sys; from conduit.testing.crossprocess import _main; sys.exit(_main(sys.argv[1:]))"
+    # a crash (a signal) prints the Python stack of every thread; on posix SIGUSR1 prints them too (sent at a
+    # timeout), registered before anything slow is imported
+    code = ("import faulthandler, signal, sys; faulthandler.enable(); "
+            "hasattr(signal, 'SIGUSR1') and faulthandler.register(signal.SIGUSR1, all_threads=True); "
+            "from conduit.testing.crossprocess import _main; sys.exit(_main(sys.argv[1:]))")
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
     try:
         proc = subprocess.Popen([sys.executable, "-c", code, spec], stdin=subprocess.DEVNULL, stdout=out, stderr=err,
@@ -306,13 +315,46 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
+def _reported(stdout: IO[bytes]) -> bool:
+    """Whether the subprocess printed its result line (to ``stdout``, the file it writes its stdout to). Read with
+    ``pread``, which leaves the file offset it shares with the running subprocess alone (always ``False`` where
+    there is none)."""
+    if not hasattr(os, "pread"):  # pragma: no cover - posix has it
+        return False
+    fd = stdout.fileno()
+    return _MARK.encode() in os.pread(fd, os.fstat(fd).st_size, 0)
+
+
+def _wait(s: _Started, deadline: float) -> tuple[int | None, bool]:
+    """Wait for the subprocess to exit, until ``deadline``, or :data:`EXIT_GRACE_S` after it reported its draws:
+    its exit status (``None``: it did not exit, and was killed, with what it started) and whether it reported.
+    At a timeout it first prints the stacks of its threads (SIGUSR1, see :func:`_start`)."""
+    grace_end = None
+    while True:
+        now = time.monotonic()
+        end = deadline if grace_end is None else min(deadline, grace_end)
+        try:
+            return s.proc.wait(timeout=max(0.0, min(end - now, 0.5))), _reported(s.stdout)
+        except subprocess.TimeoutExpired:
+            pass
+        if grace_end is None and _reported(s.stdout):
+            grace_end = time.monotonic() + EXIT_GRACE_S
+        if time.monotonic() >= end:
+            break
+    if hasattr(signal, "SIGUSR1"):
+        try:
+            os.kill(s.proc.pid, signal.SIGUSR1)
+            s.proc.wait(timeout=1)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    _kill(s.proc)
+    return None, _reported(s.stdout)
+
+
 def _collect(s: _Started, deadline: float) -> ProcessDraws:
     try:
         try:
-            rc = s.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _kill(s.proc)
-            rc = None
+            rc, reported = _wait(s, deadline)
         except BaseException:
             _kill(s.proc)
             raise
@@ -324,12 +366,28 @@ def _collect(s: _Started, deadline: float) -> ProcessDraws:
         s.stdout.close()
         s.stderr.close()
     what = f"the determinism calls on {s.spec!r} in a subprocess with PYTHONHASHSEED={s.hash_seed}"
+    stacks = "the stacks of its Python threads just before the kill end the stderr tail"
+    if rc is None and reported:
+        raise AssertionError(
+            f"{what} reported its draws, then did not exit (killed after EXIT_GRACE_S = {EXIT_GRACE_S:g} s, or at the "
+            f"timeout): something its endpoints started outlives their close() (a non-daemon thread, a child process, "
+            f"a Ray job that does not end); {stacks}\n--- stderr tail ---\n{tail}")
     if rc is None:
-        raise AssertionError(f"{what} did not finish within the timeout (killed); if the endpoint is that slow to "
-                             f"build, raise conduit.testing.crossprocess.TIMEOUT_S\n--- stderr tail ---\n{tail}")
+        raise AssertionError(f"{what} did not finish within the timeout (killed); {stacks}. If the endpoint is "
+                             f"that slow to build, raise conduit.testing.crossprocess.TIMEOUT_S"
+                             f"\n--- stderr tail ---\n{tail}")
     lines = [ln for ln in stdout.splitlines() if ln.startswith(_MARK)]
     if rc != 0 or not lines:
-        raise AssertionError(f"{what} failed (exit status {rc}) before reporting its draws"
+        how = f"exit status {rc}"
+        if rc < 0:
+            try:
+                sig = signal.Signals(-rc)
+            except ValueError:
+                sig = None
+            if sig is not None:
+                how = f"killed by signal {sig.name}" + (
+                    "; the stacks of its threads at the crash are in the stderr tail" if sig in _CRASHES else "")
+        raise AssertionError(f"{what} failed ({how}) before reporting its draws"
                              f"\n--- stderr tail ---\n{tail}")
     result = json.loads(lines[-1][len(_MARK):])
     return ProcessDraws(s.spec, result["factory"], s.hash_seed, result["draws"], result["errors"], tail,
@@ -345,9 +403,11 @@ def draws_in_subprocess(factory: str, *, hash_seed: int | str, timeout: float | 
     :attr:`ProcessDraws.errors` (and raises on :meth:`ProcessDraws.get`).
 
     Raises:
-        AssertionError: the subprocess did not finish within ``timeout`` seconds (default :data:`TIMEOUT_S`; it
-            is killed, with what it started), or exited without reporting (e.g. the factory could not be
-            resolved); the message quotes the end of its stderr.
+        AssertionError: the subprocess did not finish within ``timeout`` seconds (default :data:`TIMEOUT_S`), or
+            did not exit within :data:`EXIT_GRACE_S` of reporting its draws (it is killed, with what it started,
+            after printing the stacks of its threads), or exited without reporting (e.g. the factory could not be
+            resolved, or it crashed: the stacks at the crash are printed); the message quotes the end of its
+            stderr.
     """
     return _collect(_start(factory, hash_seed), time.monotonic() + (TIMEOUT_S if timeout is None else timeout))
 
