@@ -9,6 +9,7 @@ unmutated parts, so a failure below comes from the injected bug, not from the ha
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from pathlib import Path
@@ -22,6 +23,7 @@ from conduit.semantics import OnPolicy, PrioritizedSampler, Semantics, UniformSa
 from conduit.semantics.base import SampleInfo, Selection
 from conduit.storage.base import AppendResult
 from conduit.testing import (
+    CAP_PRIORITIZED,
     ConcurrencySuite,
     CoreOnPolicyEndpoint,
     CoreReplayEndpoint,
@@ -524,6 +526,19 @@ LEAVES_A_THREAD = EndpointFactory("leaves-a-thread", make_replay=LeavesAThreadRu
 CRASHES = EndpointFactory("crashes", make_replay=_crash_in_native_code)
 
 
+class PrioritizedUnderHashSeedOne(CoreReplayEndpoint):
+    """Declares CAP_PRIORITIZED only in a process with PYTHONHASHSEED=1 (a capability read from something hash()
+    changes): the two processes of the cross-process check make different entries."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        if os.environ.get("PYTHONHASHSEED") != "1":
+            self.capabilities = self.capabilities - {CAP_PRIORITIZED}
+
+
+CAPS_FOLLOW_HASH_SEED = EndpointFactory("caps-follow-hash-seed", make_replay=PrioritizedUnderHashSeedOne)
+
+
 REPLAY_MUTANTS = [
     # (mutant endpoint, suite check, what the message must say)
     (mutant_replay(uniform=NeverNewest), "test_uniform_draws_are_uniform", "chi-square"),
@@ -722,3 +737,20 @@ def test_cross_process_check_reports_a_subprocess_that_hangs_or_crashes(monkeypa
     with pytest.raises(AssertionError, match=r"(?s)killed by signal SIGSEGV.*stderr tail.*Segmentation fault.*"
                                              r"in _crash_in_native_code"):
         draws_in_subprocess(f"{Path(__file__).stem}:CRASHES", hash_seed=1)
+
+
+def test_cross_process_check_compares_every_entry_of_every_process() -> None:
+    """The comparison cannot pass vacuously: fewer than two different hash seeds compare nothing (it passed), and
+    processes that made different entries (one declared CAP_PRIORITIZED, the other not) fail naming them: the
+    entries came from the first process alone, so that process's seed decided between a KeyError and a pass that
+    left the prioritized draws uncompared."""
+    for seeds in ((1,), (2, 2)):
+        with pytest.raises(ValueError, match="at least two different PYTHONHASHSEED values"):
+            assert_deterministic_across_processes("core", hash_seeds=seeds)
+    spec = f"{Path(__file__).stem}:CAPS_FOLLOW_HASH_SEED"
+    for seeds in ((1, 2), (2, 1)):
+        a, b = seeds
+        with pytest.raises(AssertionError, match=rf"'caps-follow-hash-seed': the process with PYTHONHASHSEED={a} "
+                                                 rf"made \[.*\], the one with PYTHONHASHSEED={b} \[.*\]: the "
+                                                 rf"endpoints declare other capabilities"):
+            assert_deterministic_across_processes(spec, "replay", hash_seeds=seeds)

@@ -479,19 +479,33 @@ def assert_deterministic_across_processes(factory: str, kind: str | None = None,
 
     Raises:
         AssertionError: the draws differ (the message names the adapter, the entry, the first differing position
-            and the values there), the factory builds no endpoint of ``kind``, a subprocess's Ray workers run with
+            and the values there), the processes made different entries (e.g. one declared ``CAP_PRIORITIZED``,
+            the other not), the factory builds no endpoint of ``kind``, a subprocess's Ray workers run with
             another hash seed than the subprocess (:meth:`ProcessDraws.check_hash_seed`), or a subprocess failed
             (see :func:`draws_in_subprocess`).
+        ValueError: ``kind`` is none of the kinds, or ``hash_seeds`` holds fewer than two different seeds.
     """
     if kind not in (None, "replay", "on_policy"):
         raise ValueError(f"kind={kind!r}: pass 'replay', 'on_policy' or None (every kind)")
+    if len({str(h) for h in hash_seeds}) < 2:
+        raise ValueError(f"hash_seeds={tuple(hash_seeds)!r}: pass at least two different PYTHONHASHSEED values (one "
+                         f"process, or processes with one seed, compare nothing that hash() changes)")
     runs = _runs(factory, hash_seeds, timeout)
     for run in runs:
         run.check_hash_seed()
     first = runs[0]
-    entries = first.entries(kind) if kind is not None else first.entries("replay") + first.entries("on_policy")
+
+    def made(run: ProcessDraws) -> list[str]:
+        return run.entries(kind) if kind is not None else run.entries("replay") + run.entries("on_policy")
+
+    entries = made(first)
     what = f"{kind} endpoint (its EndpointFactory.make_{kind} is None)" if kind else "endpoint"
     assert entries, f"adapter {first.factory!r} ({factory}) builds no {what}: nothing to compare across processes"
+    for other in runs[1:]:
+        assert made(other) == entries, (
+            f"adapter {first.factory!r}: the process with PYTHONHASHSEED={first.hash_seed} made {entries}, the one "
+            f"with PYTHONHASHSEED={other.hash_seed} {made(other)}: the endpoints declare other capabilities (e.g. "
+            f"CAP_PRIORITIZED) in another process; derive them from nothing that hash() changes")
     for entry in entries:
         a = first.get(entry)
         for other in runs[1:]:
