@@ -149,6 +149,16 @@ class UpdatesEvictedOccupants(PrioritizedSampler):
         return int(h.size)
 
 
+class UnseededAfterUpdate(PrioritizedSampler):
+    """Draws from a generator the OS seeds once priorities were updated: the endpoint's seed decides the draws only
+    until the first update (every earlier determinism call drew without updating, so all of them passed)."""
+
+    def update(self, handles: Any, priorities: Any) -> int:
+        out = super().update(handles, priorities)
+        self._rng = np.random.default_rng()
+        return out
+
+
 class PrioritizedDropsRng(PrioritizedSampler):
     """A checkpoint that keeps the priorities but not the RNG state."""
 
@@ -555,6 +565,8 @@ REPLAY_MUTANTS = [
     (mutant_replay(prioritized=UpdatesEvictedOccupants), "test_update_for_evicted_handle_is_ignored",
      "stale update"),
     (mutant_replay(prioritized=PrioritizedDropsRng), "test_checkpoint_round_trip", "draws differently"),
+    (mutant_replay(prioritized=UnseededAfterUpdate), "test_deterministic_under_seed",
+     "prioritized=True: two endpoints with the same seed drew different items"),
     (mutant_replay(prioritized=DropsMaxPriority), "test_checkpoint_round_trip", "largest priority seen was not"),
     (EvictsNewest, "test_fifo_eviction_and_capacity", "newest 10"),
     (OneDrawBehind, "test_prefetched_priorities_at_most_declared_staleness", "old priorities"),

@@ -13,7 +13,8 @@ the name it is registered under (the ``conduit.conformance`` entry-point group) 
 the factory builds:
 
 * ``replay/uniform`` and, when the endpoint declares ``CAP_PRIORITIZED``, ``replay/prioritized``: a buffer of
-  capacity 64 with seed 7, ids ``0..49`` then ``50..99`` inserted, 5 draws of 32 (:func:`replay_draws`);
+  capacity 64 with seed 7, ids ``0..49`` then ``50..99`` inserted, 5 draws of 32 (:func:`replay_draws`; a
+  prioritized endpoint that declares ``priority_staleness`` 0 gets a priority update after each draw);
 * ``on_policy``: 4 minibatches x 3 epochs with seed 5, rollouts of ids ``0..39`` (version 0) and
   ``100..139`` (version 1), each delivered whole (:func:`on_policy_deliveries`);
 
@@ -47,11 +48,11 @@ from typing import IO, Any
 import numpy as np
 
 from conduit.testing.endpoints import CAP_PRIORITIZED, EndpointFactory, OnPolicyEndpoint, ReplayEndpoint
-from conduit.testing.suites.base import draw
+from conduit.testing.suites.base import draw, staleness
 
 __all__ = ["ProcessDraws", "draws_in_subprocess", "assert_deterministic_across_processes", "replay_draws",
-           "fill_replay", "on_policy_deliveries", "deliver_rollout", "resolve_factory", "HASH_SEEDS", "TIMEOUT_S",
-           "REPLAY_SEED", "ON_POLICY_SEED", "ENTRIES", "EXIT_GRACE_S"]
+           "fill_replay", "replay_call", "on_policy_deliveries", "deliver_rollout", "resolve_factory", "HASH_SEEDS",
+           "TIMEOUT_S", "REPLAY_SEED", "ON_POLICY_SEED", "ENTRIES", "EXIT_GRACE_S"]
 
 #: the ``PYTHONHASHSEED`` values of the two processes :func:`assert_deterministic_across_processes` compares
 HASH_SEEDS = (1, 2)
@@ -87,14 +88,25 @@ def fill_replay(ep: ReplayEndpoint) -> ReplayEndpoint:
     return ep
 
 
+def replay_call(ep: ReplayEndpoint, *, prioritized: bool) -> list[int]:
+    """One of the determinism checks' sample calls on ``ep``: the ids of a draw of 32. A prioritized endpoint that
+    declares ``priority_staleness`` 0 then gets the drawn items' priorities set to ``id % 7 + 1``, so the later
+    draws follow priorities the updates set (an endpoint that prefetches draws ahead of the updates is left out:
+    which draw sees an update may follow its worker's timing)."""
+    d = draw(ep, REPLAY_DRAW)
+    if prioritized and staleness(ep) == 0:
+        ep.update_priorities(d.handles, (d.ids % 7 + 1).astype(np.float64))
+    return [int(i) for i in d.ids.tolist()]
+
+
 def replay_draws(make_replay: Callable[..., ReplayEndpoint], *, prioritized: bool,
                  seed: int = REPLAY_SEED) -> list[int]:
-    """The ids a new endpoint ``make_replay(capacity=64, prioritized=..., seed=...)`` draws in 5 draws of 32
-    after :func:`fill_replay`, in draw order (the endpoint is closed afterwards)."""
+    """The ids a new endpoint ``make_replay(capacity=64, prioritized=..., seed=...)`` draws in 5 calls of
+    :func:`replay_call` after :func:`fill_replay`, in draw order (the endpoint is closed afterwards)."""
     ep = make_replay(capacity=64, prioritized=prioritized, seed=seed)
     try:
         fill_replay(ep)
-        return [int(i) for _ in range(REPLAY_CALLS) for i in draw(ep, REPLAY_DRAW).ids.tolist()]
+        return [i for _ in range(REPLAY_CALLS) for i in replay_call(ep, prioritized=prioritized)]
     finally:
         ep.close()
 

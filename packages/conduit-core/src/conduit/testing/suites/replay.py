@@ -15,9 +15,9 @@ import torch
 from conduit.errors import ConduitError
 from conduit.testing.crossprocess import (
     REPLAY_CALLS,
-    REPLAY_DRAW,
     REPLAY_SEED,
     fill_replay,
+    replay_call,
     replay_draws,
 )
 from conduit.testing.endpoints import CAP_CHECKPOINT, CAP_PRIORITIZED, Draw, ReplayEndpoint
@@ -381,11 +381,13 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                 f"refused call must change no priority")
 
     def test_deterministic_under_seed(self) -> None:
-        """The same seed and the same calls give the same draws, uniform and prioritized; another seed draws
-        differently; two endpoints with one seed, used in turn, draw as one alone does.
+        """The same seed and the same calls give the same draws, uniform and prioritized (with a priority update
+        after each draw where the endpoint declares ``priority_staleness`` 0: every draw sees every update, so
+        nothing is left to timing); another seed draws differently; two endpoints with one seed, used in turn,
+        draw as one alone does.
 
         Troubleshooting: draw from an RNG seeded from the endpoint's seed, not a global one (for the
-        prioritized sampler too).
+        prioritized sampler too, also after priority updates).
         """
         for prioritized in (False, True):
             with self.replay(capacity=64, prioritized=prioritized, seed=REPLAY_SEED) as probe:
@@ -404,11 +406,12 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                     self.replay(capacity=64, prioritized=prioritized, seed=REPLAY_SEED) as e2:
                 fill_replay(e1)
                 fill_replay(e2)
-                d1, d2 = [], []
+                d1: list[int] = []
+                d2: list[int] = []
                 for _ in range(REPLAY_CALLS):
-                    d1.append(draw(e1, REPLAY_DRAW).ids)
-                    d2.append(draw(e2, REPLAY_DRAW).ids)
-                assert np.concatenate(d1).tolist() == a == np.concatenate(d2).tolist(), (
+                    d1 += replay_call(e1, prioritized=prioritized)
+                    d2 += replay_call(e2, prioritized=prioritized)
+                assert d1 == a == d2, (
                     f"{kind}: two interleaved endpoints with the same seed drew differently from one alone: "
                     f"they share an RNG (a global one?)")
 
