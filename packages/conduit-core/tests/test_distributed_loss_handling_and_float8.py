@@ -210,3 +210,26 @@ def test_real_cluster_a_failed_evicting_ingestion_reports_the_items_it_left_in_p
     assert p.losses[0].lost.tolist() == [0, 1, 2, 3] and p.lost_items == 4
     assert p.index.oldest == 0 and len(p) == 4
     assert _ids(p) == [4, 5, 6, 7]
+
+
+def test_real_cluster_after_a_loss_a_replay_ingestion_evicts_further_to_fit_the_surviving_shards(cluster, owned):
+    """Capacity 8 over two shards of 4; shard 1 (items 0-3) is lost. Shard 0 is full with 4-7, and FIFO eviction
+    of the lost 0-1 frees nothing there: every later ingestion was refused with ClusterError "do not fit in the
+    live shards (room for 0)", for ever (the training loop could not go on). Now the oldest live items go too
+    (FIFO), and the priority total holds exactly the items kept."""
+    from conduit import PrioritizedSampler, Replay
+
+    p = _plane(owned, [cluster.head, cluster.workers[0]], shard_capacity=4,
+               semantics=Replay(PrioritizedSampler(alpha=1.0), seed=2))
+    p.ingest(id_batch(np.arange(4)), node=cluster.workers[0], priorities=torch.full((4,), 100.0))
+    p.ingest(id_batch(np.arange(4, 8)), node=cluster.head, priorities=torch.arange(1.0, 5.0))
+    assert _shards_of(p, 0) == [1] and _shards_of(p, 4) == [0]
+    kill_server(p.servers[1].actor)
+    assert [r.lost.tolist() for r in p.check_health()] == [[0, 1, 2, 3]]
+    h = p.ingest(id_batch(np.arange(8, 10)), node=cluster.head, priorities=torch.tensor([5.0, 6.0]))
+    assert h.tolist() == [8, 9]
+    assert _ids(p) == [6, 7, 8, 9] and len(p) == 4 and p.lost_items == 4
+    assert p.semantics.sampler._tree.total == pytest.approx(3.0 + 4.0 + 5.0 + 6.0)
+    assert set(check_payload(p.deliver(200)[0]).tolist()) == {6, 7, 8, 9}
+    p.ingest(id_batch(np.arange(10, 14)), node=cluster.workers[0])  # (routed to the surviving shard)
+    assert _ids(p) == [10, 11, 12, 13]

@@ -132,7 +132,9 @@ class DistributedDataPlane:
             node ids to start one server on each (owned), or None for every alive node.
         replication: copies of each item, on distinct nodes (1 or more).
         shard_capacity: item slots per shard (default ``capacity``: any shard can take
-            everything, so routing never runs out of room).
+            everything, so routing never runs out of room). Below it, the shards that survive a loss
+            may not hold ``capacity`` items: a replay ingestion then evicts the oldest items (FIFO)
+            until they have room, so the buffer goes on holding fewer.
         ragged_capacity: elements per ragged field's pool per shard (default ``64 * shard_capacity``).
         reuse: expected deliveries per item, for the plan (default: 1 for replay, the
             number of epochs on-policy).
@@ -531,6 +533,8 @@ class DistributedDataPlane:
                 raise CapacityError(f"Storing {n} more items needs {k} live items evicted, and this buffer may not "
                                     f"evict (on-policy data not yet consumed). Consume first or raise capacity.")
             new_oldest = self.index.oldest + k
+            if n and self._replay and not all(self._alive):  # (with every shard up, the capacity has room)
+                new_oldest = self._oldest_with_room(n, new_oldest)
             if n:
                 if payload is None:
                     payload = ray_module().put(to_wire(b, self.schema))
@@ -547,7 +551,10 @@ class DistributedDataPlane:
                 self._release_losses(evicted=True)
             else:
                 placed = []
+            ev_from = self.index.oldest
+            self.index.release(new_oldest)  # (beyond the ``k`` the reservation evicts: see _oldest_with_room)
             res = self.index.reserve(n, evict=self._replay)
+            res = AppendResult(res.first, res.count, ev_from, res.evicted_to)
             for start, count, reps in placed:
                 self.index.add_segment(res.first + start, count, reps)
             # row numbers once every segment is in (adding one may compact the index's arrays)
@@ -572,6 +579,28 @@ class DistributedDataPlane:
         ends = [*starts[1:], n]
         with self._producers_lock:
             return [(a, e - a, self._producers[int(ids[a])]) for a, e in zip(starts, ends, strict=True)]
+
+    def _oldest_with_room(self, n: int, oldest: int) -> int:
+        """Where the window must start for the live shards to have room for one copy of ``n`` more items: ``oldest``
+        (the start the capacity asks for), or later when the shards lost since took their room with them.
+
+        The live shards can hold fewer than ``capacity`` items once a shard is lost (``shard_capacity`` below the
+        capacity): a replay ingestion then evicts further oldest items (FIFO), rather than being refused for ever
+        while the survivors keep their items. Unchanged when even an empty window has no room (the write raises).
+        """
+        def room(start: int) -> int:
+            return sum(max(0, self._room(s, start)[0]) for s in self.alive_shards)
+
+        lo, hi = oldest, self.index.next_handle
+        if room(lo) >= n or room(hi) < n:
+            return oldest
+        while lo < hi:  # (the room only grows as the window starts later)
+            mid = (lo + hi) // 2
+            if room(mid) >= n:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def _room(self, shard: int, oldest: int) -> tuple[int, int]:
         """(free slots, release point) of ``shard`` once the window starts at ``oldest``."""
