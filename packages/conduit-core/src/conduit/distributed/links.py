@@ -111,7 +111,7 @@ def measure_links(servers: ShardServers, *, sizes: Sequence[int] = (1 << 18, 1 <
         try:
             return ray.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError as e:
-            raise RemoteTimeoutError(f"A link probe did not finish within {timeout:.0f} s; the cluster is "
+            raise RemoteTimeoutError(f"A link probe did not finish within {timeout:g} s; the cluster is "
                                      f"overloaded or a node is unreachable.") from e
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
             node = node_of.get(str(getattr(e, "actor_id", None)), "?")

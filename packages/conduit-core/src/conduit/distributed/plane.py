@@ -664,7 +664,7 @@ class DistributedDataPlane:
             if stuck:
                 self._doubtful |= stuck  # (their appends may still run: _undo_store discards what they store)
                 raise TransferError(f"Shards {sorted(stuck)} answer health checks but could not store the batch "
-                                    f"within {self.timeout:.0f} s: the batch is unreadable (if it was staged on "
+                                    f"within {self.timeout:g} s: the batch is unreadable (if it was staged on "
                                     f"another node, its producer or node died) or the shards are overloaded. Produce "
                                     f"it again, or raise timeout.")
             pending = []
@@ -1102,7 +1102,7 @@ class DistributedDataPlane:
             stuck = self._settle({s: o for s, o in outs.items() if o.lost})
             if stuck:
                 raise RemoteTimeoutError(f"Shards {sorted(stuck)} answer health checks but did not deliver within "
-                                         f"{self.timeout:.0f} s (overloaded, or unreachable for a moment). "
+                                         f"{self.timeout:g} s (overloaded, or unreachable for a moment). "
                                          f"Deliver smaller batches or raise timeout.")
             failed = []
             for s, o in outs.items():

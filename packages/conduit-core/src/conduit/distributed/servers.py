@@ -76,7 +76,7 @@ class ShardServers:
             for a in actors:
                 ray.kill(a, no_restart=True)
             raise ClusterError(f"Shard servers on nodes {[wanted[i] for i in failed]} did not start within "
-                               f"{start_timeout:.0f} s ({outcomes[failed[0]].error}); check the nodes' health and "
+                               f"{start_timeout:g} s ({outcomes[failed[0]].error}); check the nodes' health and "
                                f"memory, or raise start_timeout.")
         self.servers = []
         for i, a in enumerate(actors):

@@ -145,7 +145,7 @@ class TorchGroup:
             bad = wait_all(joins, 1.0)
             why = next((f"server {i}: {o.error}" for i, o in bad.items() if not o.ok), str(e))
             raise ClusterError(f"The shard servers could not form a torch.distributed {backend} group with this "
-                               f"process within {self.timeout:.0f} s ({why}); check that the nodes reach "
+                               f"process within {self.timeout:g} s ({why}); check that the nodes reach "
                                f"{host} over TCP, or use transport='object_store'.") from e
         outs = wait_all(joins, self.timeout)
         bad = {i: o for i, o in outs.items() if not o.ok}
