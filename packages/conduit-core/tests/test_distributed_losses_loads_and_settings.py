@@ -397,10 +397,11 @@ def test_set_policy_version_refuses_a_non_integer_typed_and_keeps_the_version(ba
 @pytest.mark.parametrize("kwargs", [
     {"health_period": 0}, {"health_period": -1.0}, {"health_period": float("nan")}, {"timeout": "5"},
     {"timeout": float("inf")}, {"shard_capacity": 0}, {"shard_capacity": 2.5}, {"reuse": -1.0},
-    {"ragged_capacity": 0, "schema": RAGGED}, {"ragged_capacity": "8"},
+    {"ragged_capacity": 0, "schema": RAGGED}, {"ragged_capacity": "8"}, {"replication": True},
 ], ids=lambda kw: ",".join(f"{k}={v!r}" for k, v in kw.items() if k != "schema"))
 def test_bad_settings_are_refused_typed_before_any_server_starts(kwargs):
-    """health_period=0 (or < 0, NaN) made the monitor ping every shard in a busy loop; timeout="5" raised a
+    """health_period=0 (or < 0, NaN) made the monitor ping every shard in a busy loop; replication=True was taken
+    as 1 copy (a bool is refused for every other count); timeout="5" raised a
     raw TypeError; shard_capacity=2.5 became 2; reuse < 0 raised ClusterError, and it, shard_capacity=0 and
     a bad ragged_capacity were refused only after the servers were started (servers the buffer starts
     itself, given as node ids, were left running). Node ids are given here: with the in-process stand-in
@@ -409,6 +410,16 @@ def test_bad_settings_are_refused_typed_before_any_server_starts(kwargs):
     schema = kwargs.pop("schema", ID_SCHEMA)
     with pytest.raises(ConfigurationError):
         DistributedDataPlane(schema, capacity=10, servers=["a", "b"], measure=False, **kwargs)
+
+
+@pytest.mark.usefixtures("fake_ray")
+def test_a_numpy_integer_replication_is_a_count_of_copies():
+    """replication=np.int64(2) (a count read from a config array) was refused as "not an int"."""
+    p = _plane(["a", "b"], capacity=4, replication=np.int64(2))
+    assert p.replication == 2 and type(p.replication) is int
+    p.ingest(id_batch(np.arange(4)), node="a")
+    assert _ids(p) == [0, 1, 2, 3] and all(len(p.index.segment(r)[2]) == 2 for r in p.index.live_rows())
+    p.close()
 
 
 @pytest.mark.usefixtures("fake_ray")

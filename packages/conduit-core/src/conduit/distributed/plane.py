@@ -192,8 +192,9 @@ class DistributedDataPlane:
                  scheduler: Scheduler | None = None) -> None:
         if not isinstance(schema, ExperienceSchema):
             raise ConfigurationError("schema must be a conduit.ExperienceSchema.")
-        if not isinstance(replication, int) or replication < 1:
+        if not is_int(replication) or replication < 1:  # (True is no count of copies; NumPy's 2 is)
             raise ConfigurationError(f"replication must be an int >= 1, got {replication!r}.")
+        replication = int(replication)
         # checked before any server starts (a refusal afterwards would leave the servers it started running)
         check_seconds("timeout", timeout)
         check_seconds("health_period", health_period, none_means="no monitor thread")
