@@ -233,3 +233,21 @@ def test_real_cluster_after_a_loss_a_replay_ingestion_evicts_further_to_fit_the_
     assert set(check_payload(p.deliver(200)[0]).tolist()) == {6, 7, 8, 9}
     p.ingest(id_batch(np.arange(10, 14)), node=cluster.workers[0])  # (routed to the surviving shard)
     assert _ids(p) == [10, 11, 12, 13]
+
+
+def test_real_cluster_both_replicas_dead_before_a_check_are_reported_with_plain_reasons(cluster, third, owned):
+    """Items 0-3 have copies on shards 0 and 1, and both die before a health check. The check loses one shard;
+    copying its items from the other fails, and that loss's reason was the copy's RayTaskError header: ANSI colour
+    codes and the target's process and actor ("RayTaskError(ActorDiedError): \\x1b[36mray::ShardServer.append()
+    ...(pid=..., actor_id=<the target's>...)"), naming the shard that took the copy, not what happened. Both
+    reasons now say what failed; the items are lost once."""
+    p = _plane(owned, [cluster.head, cluster.workers[0], third], replication=2)
+    p.ingest(id_batch(np.arange(4)), node=cluster.head)
+    assert _shards_of(p, 0) == [0, 1]
+    kill_server(p.servers[0].actor)
+    kill_server(p.servers[1].actor)
+    found = p.check_health()
+    assert sorted(r.shard for r in found) == [0, 1] and p.lost_items == 4
+    for r in found:
+        assert r.reason.startswith("ActorDiedError: "), r.reason
+        assert "\x1b" not in r.reason and "ray::" not in r.reason, r.reason

@@ -10,6 +10,7 @@ a plane's step can be wrapped on the instance.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, cast
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
 __all__ = ["check_health", "forget_lost_priorities", "failure", "lose", "replicate", "settle"]
 
 log = logging.getLogger("conduit.distributed")
+
+#: terminal colour codes (Ray colours the headers of its task errors)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 #: rounds of re-replication copies in one call (the first and its retries): a copy that fails while its source
 #: lives is sent again to another target, so one stuck or refusing target does not leave a segment short
@@ -300,11 +304,20 @@ def forget_lost_priorities(plane: DistributedDataPlane) -> None:
 
 
 def failure(o: Outcome) -> str:
-    """What failed, in one line, for a loss report."""
-    if isinstance(o.error, TimeoutError):
-        return f"no answer: {o.error}"
-    first = str(o.error).strip().splitlines()[0] if str(o.error).strip() else type(o.error).__name__
-    return f"{type(o.error).__name__}: {first}"
+    """What failed, in one line, for a loss report.
+
+    A Ray task error is described by its cause: its own first line is a coloured header naming the process the
+    task ran in (for a copy, the target's, whichever shard died).
+    """
+    e = o.error
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        e = cause
+    if isinstance(e, TimeoutError):
+        return f"no answer: {e}"
+    text = _ANSI.sub("", str(e)).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    return f"{type(e).__name__}: {first}"
 
 
 def _actor_hex(actor: Any) -> str | None:
