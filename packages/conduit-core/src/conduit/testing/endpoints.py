@@ -73,6 +73,9 @@ class ReplayEndpoint(ABC):
     (transitions); ``prioritized``, proportional prioritized sampling instead of uniform; ``alpha``, the priority
     exponent; ``beta``, the exponent of the importance weights :meth:`sample` returns; ``seed``, from which every
     draw follows (the same seed and calls give the same draws, also with two endpoints used in turn: no global RNG).
+    An endpoint that prefetches (``priority_staleness > 0``) promises that only where nothing is inserted and no
+    priority is updated between its draws: a prefetch drawn while the caller inserts or updates depends on timing
+    (within the staleness it declares), and the suites' determinism checks update no priority for it.
     """
 
     #: capabilities this endpoint declares (CAP_* constants); the suites read them
