@@ -61,6 +61,7 @@ from conduit.scheduling.base import wait_refused
 from conduit.scheduling.worker import Job, Worker
 from conduit.schema import storable
 from conduit.semantics.base import Selection
+from conduit.semantics.onpolicy import check_version
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from torch.utils.data import DataLoader, Dataset
 
@@ -666,11 +667,17 @@ class MinibatchDelivery:
         """The learner's policy is now ``version`` (between rollouts only).
 
         Raises:
-            ConfigurationError: called while a rollout is half delivered.
+            ConfigurationError: called while a rollout is half delivered, or after :meth:`close`, or ``version`` is not
+                an integer (a NumPy or 0-d tensor integer is fine), as :meth:`ExperienceDataPlane.set_policy_version
+                <conduit.ExperienceDataPlane.set_policy_version>` refuses it; the version is then unchanged.
         """
+        v = check_version(version)
         if self._mid_rollout:
             raise ConfigurationError("set_policy_version during a rollout's minibatches; finish the rollout first.")
-        self.semantics.policy_version = int(version)
+        if self.edp is not None:
+            self.edp.set_policy_version(v)
+        else:  # (no buffer yet: the semantics it will be built with)
+            self.semantics.policy_version = v
 
     def _rows(self, handles: torch.Tensor) -> tuple[dict[str, list[Any]], dict[str, Any]]:
         hs = handles.tolist()
