@@ -49,3 +49,26 @@ def test_set_policy_version_on_a_closed_delivery_is_refused() -> None:
     d.close()
     with pytest.raises(ConfigurationError, match="closed"):
         d.set_policy_version(1)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_shard_of_a_newer_version_opens_a_rollout_with_its_own_constants(prefetch: bool) -> None:
+    """A shard of another policy version starts a new rollout (core's on-policy semantics seal the open one), so it
+    may carry other constants. It used to be refused as if it joined the open rollout (SchemaError: 'differ from
+    the open rollout's earlier shards'), so shards of successive versions had to be split by seal() calls."""
+    from conduit import SchemaError
+    from conduit_verl.delivery import MinibatchDelivery
+
+    d = MinibatchDelivery(num_minibatches=1, epochs=1, seed=0, device="cpu", capacity=16, max_staleness=5,
+                          prefetch=prefetch)
+    d.ingest(_shard([0, 1], 0.7), version=0)
+    d.ingest(_shard([2, 3], 1.0), version=1)  # a new rollout: its own temperature
+    d.ingest(_shard([4, 5], 1.0), version=1)  # the same rollout, the same temperature
+    with pytest.raises(SchemaError, match="differ from the open rollout"):
+        d.ingest(_shard([6, 7], 0.7), version=1)  # the version-1 rollout's constant is 1.0 now
+    d.seal()
+    got = [(m["x"].tolist(), list(m["uid"]), m["temperature"], info.version)
+           for _ in range(2) for m, info in d.minibatches()]
+    assert got == [([0.0, 1.0], ["u0", "u1"], 0.7, 0),
+                   ([2.0, 3.0, 4.0, 5.0], ["u2", "u3", "u4", "u5"], 1.0, 1)]
+    d.close()

@@ -613,7 +613,9 @@ class MinibatchDelivery:
         version is checked).
 
         A minibatch carries one value of a constant column (``NonTensorData``, e.g. ``temperature``), and its rows may
-        come from any shard of the rollout, so every shard of a rollout must carry the same constants.
+        come from any shard of the rollout, so every shard of a rollout must carry the same constants. A shard of
+        another ``version`` than the open rollout's opens a rollout of its own (on-policy semantics seal the open
+        one), with constants of its own.
 
         Raises:
             SchemaError: the shard's columns differ from the first shard's, or a constant column's value differs
@@ -634,7 +636,12 @@ class MinibatchDelivery:
         if differs is not None:
             raise SchemaError(f"This shard's columns differ from the first shard's: {differs}; every shard carries "
                               f"the same columns, of the same kinds.")
-        if self._open_consts is not None:
+        open_ = self.semantics.open_rollout
+        try:  # whether the shard joins the open rollout (a shard of another version opens one of its own)
+            joins = open_ is not None and open_[0] == check_version(version)
+        except ConfigurationError:
+            joins = False  # (refused by the ingest below)
+        if joins and self._open_consts is not None:
             other = [k for k in self.codec.consts if not _same_constant(td.get(k), self._open_consts[k])]
             if other:
                 raise SchemaError(
@@ -654,7 +661,7 @@ class MinibatchDelivery:
         first = int(handles[0]) if handles.numel() else self.edp.storage.next_handle
         self._firsts.append(first)
         self._segments.append((first, objects, consts))
-        if self._open_consts is None:
+        if not joins and handles.numel():  # this shard's rows opened a rollout (an empty shard opens none)
             self._open_consts = consts
 
     def seal(self) -> None:
