@@ -72,3 +72,63 @@ def test_a_shard_of_a_newer_version_opens_a_rollout_with_its_own_constants(prefe
     assert got == [([0.0, 1.0], ["u0", "u1"], 0.7, 0),
                    ([2.0, 3.0, 4.0, 5.0], ["u2", "u3", "u4", "u5"], 1.0, 1)]
     d.close()
+
+
+def _responses(ids: list[int], length: int) -> TensorDict:
+    return TensorDict({"responses": torch.nested.as_nested_tensor([torch.full((length + i % 3,), i) for i in ids],
+                                                                  layout=torch.jagged),
+                       "id": torch.tensor(ids)}, batch_size=[len(ids)])
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_later_rollouts_with_longer_sequences_fit_the_default_pool(prefetch: bool) -> None:
+    """GRPO responses grow during training. With ``ragged_capacity`` left to its default (sized from the first
+    shard), a later rollout whose sequences hold more tokens than the first shard's was refused (CapacityError,
+    'more than its pool') even with the buffer empty, and its advice named ExperienceDataPlane's argument. The
+    default pool now grows (conduit-core's online migration) for it, also while an earlier rollout is half
+    delivered; every row arrives intact."""
+    from conduit_verl.delivery import MinibatchDelivery
+
+    d = MinibatchDelivery(num_minibatches=2, epochs=2, seed=0, dataloader_kwargs={"shuffle": True}, device="cpu",
+                          capacity=8, prefetch=prefetch)
+    seen: list[int] = []
+
+    def deliver(count: int | None = None) -> None:
+        for _ in range(count or 10**9):
+            m, info = d.next_minibatch()
+            for i, row in zip(m["id"].tolist(), m["responses"].unbind(), strict=True):
+                assert bool((row == i).all()) and row.shape[0] == lengths[i] + i % 3, f"row {i} came back as {row}"
+                seen.append(i)
+            if info.last:
+                return
+
+    lengths = {i: 2 for i in range(4)}
+    d.ingest(_responses(list(range(4)), 2), version=0)
+    d.seal()
+    deliver(1)  # the first rollout half delivered: the pool holds its rows while the next one arrives
+    lengths.update({i: 40 for i in range(4, 8)})
+    d.ingest(_responses(list(range(4, 8)), 40), version=0)
+    d.seal()
+    deliver()
+    deliver()
+    lengths.update({i: 300 for i in range(8, 12)})
+    d.ingest(_responses(list(range(8, 12)), 300), version=0)
+    d.seal()
+    deliver()
+    assert sorted(seen) == sorted(2 * list(range(12))), "a row was lost or repeated"
+    d.close()
+
+
+def test_a_pool_the_user_sized_is_not_grown() -> None:
+    """An explicit ``ragged_capacity`` is a limit: a rollout past it is refused and the delivery is unchanged."""
+    from conduit import CapacityError
+    from conduit_verl.delivery import MinibatchDelivery
+
+    d = MinibatchDelivery(num_minibatches=1, epochs=1, seed=0, device="cpu", capacity=8, ragged_capacity=16)
+    d.ingest(_responses([0, 1], 2), version=0)
+    with pytest.raises(CapacityError, match="pool"):
+        d.ingest(_responses([2, 3], 40), version=0)
+    d.seal()
+    (m, _info), = list(d.minibatches())
+    assert m["id"].tolist() == [0, 1] and d.edp is not None and d.edp.storage.ragged_capacity == 16
+    d.close()

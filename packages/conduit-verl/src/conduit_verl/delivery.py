@@ -45,6 +45,7 @@ from typing import Any, Literal, cast
 import numpy as np
 import torch
 from conduit import (
+    CapacityError,
     ConfigurationError,
     ExperienceDataPlane,
     ExperienceSchema,
@@ -62,6 +63,7 @@ from conduit.scheduling.worker import Job, Worker
 from conduit.schema import storable
 from conduit.semantics.base import Selection
 from conduit.semantics.onpolicy import check_version
+from conduit.storage import ColumnarStorage
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from torch.utils.data import DataLoader, Dataset
 
@@ -564,7 +566,8 @@ class MinibatchDelivery:
         prefetch: stage minibatch k+1 while k trains.
         device: where minibatches land (default: the current CUDA device if any, else CPU).
         capacity: rows the buffer holds (default: the first shard's size).
-        ragged_capacity: packed elements per jagged column (default: sized from the first shard).
+        ragged_capacity: packed elements per jagged column, a limit (default: sized from the first shard, and grown
+            online when a later shard's sequences do not fit, as GRPO responses grow).
 
     The buffer (its columns, capacity and jagged pools) is built from the first shard with rows: an empty shard
     before it stores nothing and fixes nothing.
@@ -600,10 +603,28 @@ class MinibatchDelivery:
         if rag is None:
             totals = [int(td.get(k).values().shape[0]) for k, f in self.codec.schema.items() if f.ragged]
             rag = max(1, -(-max(totals, default=1) * cap // max(n, 1)))
-        pin = self.device.type == "cuda"
         self.edp = ExperienceDataPlane(self.codec.schema, capacity=cap, semantics=self.semantics,
-                                       placement=HostPlacement(pin_memory=pin), scheduler=self.scheduler,
+                                       placement=self._placement(), scheduler=self.scheduler,
                                        device=self.device, ragged_capacity=rag)
+
+    def _placement(self) -> HostPlacement:
+        return HostPlacement(pin_memory=self.device.type == "cuda")
+
+    def _ingest(self, batch: ExperienceBatch, version: int) -> torch.Tensor | None:
+        """Ingest ``batch``; when its sequences do not fit a default-sized pool (``ragged_capacity=None``) while its
+        rows fit the slots, grow the pools first (conduit-core's online migration: every row kept) and retry."""
+        assert self.edp is not None
+        try:
+            return self.edp.ingest(batch, version=version)
+        except CapacityError:
+            st = self.edp.storage
+            brought = [int(cast(Ragged, batch[k]).values.shape[0]) for k in self.edp.schema.ragged]
+            if (self.ragged_capacity is not None or not brought or not isinstance(st, ColumnarStorage)
+                    or st.next_handle - st.oldest + batch.batch_size > st.capacity):  # (out of slots: no pool helps)
+                raise
+            pool = st.ragged_capacity
+        self.edp.migrate(self._placement(), ragged_capacity=2 * (pool + max(brought)))  # room for what is held too
+        return self.edp.ingest(batch, version=version)
 
     def ingest(self, td: TensorDict, *, version: int) -> None:
         """Add a shard produced by policy ``version`` to the open rollout.
@@ -651,7 +672,7 @@ class MinibatchDelivery:
                     f"with other constants, or put the value as a per-row column (NonTensorStack).")
         try:
             batch, objects, consts = self.codec.encode(td)
-            handles = self.edp.ingest(batch, version=version)
+            handles = self._ingest(batch, version)
         except BaseException:
             if built:  # the buffer was built for this shard: forget it, so the next first shard builds its own
                 self.edp.close()
