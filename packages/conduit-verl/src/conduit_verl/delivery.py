@@ -528,10 +528,16 @@ def _constant(v: Any) -> Any:
 
 
 def _same_constant(a: Any, b: Any) -> bool:
-    """Whether two constant columns carry the same value (tensors and arrays by dtype, shape and elements)."""
+    """Whether two constant columns carry the same value (tensors and arrays by dtype, shape and elements, also inside
+    dicts, lists and tuples)."""
     x, y = _constant(a), _constant(b)
     if x is y:
         return True
+    # (== would ask a tensor or array inside a container for a truth value)
+    if isinstance(x, dict) and type(x) is type(y):
+        return x.keys() == y.keys() and all(_same_constant(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)) and type(x) is type(y):
+        return len(x) == len(y) and all(_same_constant(u, v) for u, v in zip(x, y, strict=True))
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
         return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
                 and x.shape == y.shape and bool(torch.equal(x.cpu(), y.cpu())))
