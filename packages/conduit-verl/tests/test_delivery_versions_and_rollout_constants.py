@@ -132,3 +132,23 @@ def test_a_pool_the_user_sized_is_not_grown() -> None:
     (m, _info), = list(d.minibatches())
     assert m["id"].tolist() == [0, 1] and d.edp is not None and d.edp.storage.ragged_capacity == 16
     d.close()
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["closed-before-a-shard", "closed-after-a-shard"])
+def test_a_closed_delivery_refuses_every_call(built: bool) -> None:
+    """A delivery closed before any shard built its buffer used to go on as if open: the next ingest built a buffer
+    (and a prefetch thread) and minibatches came out of it. Closed, it now refuses every call, as it does once
+    built (ConfigurationError)."""
+    from conduit import ConfigurationError
+    from conduit_verl.delivery import MinibatchDelivery
+
+    d = MinibatchDelivery(num_minibatches=1, epochs=1, seed=0, device="cpu", capacity=8)
+    if built:
+        d.ingest(_shard([0, 1], 0.7), version=0)
+    d.close()
+    for call in (lambda: d.ingest(_shard([2, 3], 0.7), version=0), d.seal, d.next_minibatch,
+                 lambda: d.set_policy_version(1)):
+        with pytest.raises(ConfigurationError, match="closed"):
+            call()
+    assert d.edp is None or d.edp.closed
+    d.close()  # (closing again is harmless)

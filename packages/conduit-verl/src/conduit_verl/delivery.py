@@ -600,6 +600,7 @@ class MinibatchDelivery:
         self._open_consts: dict[str, Any] | None = None
         self._mid_rollout = False
         self.delivered = 0
+        self._closed = False
 
     def _build(self, td: TensorDict) -> None:
         self.codec = _Codec(td)
@@ -648,7 +649,9 @@ class MinibatchDelivery:
             SchemaError: the shard's columns differ from the first shard's, or a constant column's value differs
                 from the open rollout's earlier shards (seal the rollout first, or put it as a per-row column).
             CapacityError: it does not fit next to the undelivered rollouts.
+            ConfigurationError: a shard Conduit cannot carry, or called after :meth:`close`.
         """
+        self._check_open()
         why = _Codec.unsupported(td)
         if why is not None:
             raise ConfigurationError(f"Conduit cannot carry this shard: {why}.")
@@ -693,6 +696,7 @@ class MinibatchDelivery:
 
     def seal(self) -> None:
         """Close the open rollout: it can be delivered (the next shard opens a rollout, with constants of its own)."""
+        self._check_open()
         if self.edp is not None:
             self.edp.seal()
         self._open_consts = None
@@ -706,6 +710,7 @@ class MinibatchDelivery:
                 <conduit.ExperienceDataPlane.set_policy_version>` refuses it; the version is then unchanged.
         """
         v = check_version(version)
+        self._check_open()
         if self._mid_rollout:
             raise ConfigurationError("set_policy_version during a rollout's minibatches; finish the rollout first.")
         if self.edp is not None:
@@ -728,7 +733,9 @@ class MinibatchDelivery:
         Raises:
             EmptyBufferError: no sealed rollout is waiting.
             StaleExperienceError: the rollout is too stale and ``on_stale="raise"``.
+            ConfigurationError: called after :meth:`close`.
         """
+        self._check_open()
         if self.edp is None:
             from conduit import EmptyBufferError
 
@@ -755,9 +762,16 @@ class MinibatchDelivery:
             if info.last:
                 return
 
+    def _check_open(self) -> None:
+        """:class:`~conduit.ConfigurationError` after :meth:`close` (also when no shard had built the buffer)."""
+        if self._closed:
+            raise ConfigurationError("This MinibatchDelivery is closed; build a new one.")
+
     def close(self) -> None:
+        """Close the buffer (and stop the prefetch thread); every later call is refused (ConfigurationError)."""
         if self.edp is not None:
-            self.edp.close()
+            self.edp.close()  # (a close refused inside read_locked leaves the delivery open)
+        self._closed = True
 
 
 # -- the hook ---------------------------------------------------------------------------------------
