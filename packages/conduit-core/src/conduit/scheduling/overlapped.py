@@ -726,9 +726,12 @@ class Overlapped(Scheduler):
                 return
             raise wait_refused("This call (state_dict(), load_state_dict() or close())",
                                "prefetch worker (it prepares the next batch)")
-        self._job = None
         self._awaited = job  # (a job that has not taken the buffer's lock yet: see _enter)
         try:
+            # the job stays in flight until it has ended: a wait interrupted here (Ctrl-C's KeyboardInterrupt) leaves
+            # its batches to the next call, instead of dropping draws it made (a queue's items would be skipped)
+            job.wait()
+            self._job = None
             self._ready.extend(job.result())
         except Exception:  # noqa: BLE001 - see the docstring: the caller's own preparation reports it
             pass
