@@ -1,10 +1,14 @@
-"""``Overlapped`` calls interrupted (Ctrl-C's ``KeyboardInterrupt``) while they wait for the scheduler's workers.
+"""``Overlapped`` calls interrupted (Ctrl-C's ``KeyboardInterrupt``) or refused while they wait for the scheduler's
+workers.
 
 Each case was a known defect:
 
 * a delivery interrupted while it waited for the prefetch job forgot the job: the batches the job drew were
   dropped once it ended, so a sampler that hands every item out once (a queue) skipped them for good, and the
-  chunk buffer they were gathered into stayed marked busy.
+  chunk buffer they were gathered into stayed marked busy;
+* a ``deliver`` or ``ingest`` call that raised (e.g. refused after waiting for a flush, or for room in a full
+  queue) was not recorded: the loop's wait was not exposed time, and the background work it waited for was
+  counted as hidden.
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conduit import ExperienceDataPlane, Overlapped, Replay
+from conduit import Automatic, CapacityError, EmptyBufferError, ExperienceDataPlane, OnPolicy, Overlapped, Replay
+from conduit.errors import ConfigurationError
+from conduit.exposure import ExposureLog
 from conduit.semantics import Selection
 from conduit.testing.lifecycle import HANG_S, eventually
 
@@ -91,4 +98,107 @@ def test_a_delivery_interrupted_while_it_waits_for_the_prefetch_keeps_the_prefet
         assert not any(s.busy for s in sched._ring.slots), "a chunk buffer stayed marked busy"
     finally:
         sampler.gate.set()
+        edp.close()
+
+
+# -- a call that raised is still the caller's time on the experience path ----------------------------------------
+
+
+def test_a_delivery_that_raised_after_waiting_for_background_ingestion_counts_as_exposed() -> None:
+    """The delivery flushes (nothing stored yet), so the loop waits for the ingestion worker's write, then is refused
+    (no sealed rollout): that write coincided with the loop waiting for it, so it is not hidden, and the call's time
+    is exposed."""
+    sched = Overlapped(g_ing=1, g_del=1)
+    edp = ExperienceDataPlane(SCHEMA, capacity=64, semantics=OnPolicy(num_minibatches=2), scheduler=sched)
+    gate = threading.Event()
+    ingestion = sched._ingestion
+    store = ingestion._store
+
+    def gated(group: Any) -> None:  # the worker's write waits until the delivery waits for it
+        assert gate.wait(HANG_S), "the test never opened the ingestion gate"
+        store(group)
+
+    ingestion._store = gated  # type: ignore[method-assign]
+    log = ExposureLog(edp.telemetry)
+    try:
+        with log.iteration():
+            edp.ingest(_rows(0, 4), version=0)
+            opener = threading.Thread(target=lambda: eventually(lambda: ingestion._force > 0, HANG_S) and gate.set(),
+                                      daemon=True)
+            opener.start()
+            t0 = time.perf_counter()
+            with pytest.raises(EmptyBufferError):
+                edp.deliver()  # (nothing sealed)
+            t1 = time.perf_counter()
+            opener.join(HANG_S)
+        waits = [r for r in edp.telemetry.records if r.kind == "deliver_wait"]
+        assert len(waits) == 1 and t0 <= waits[0].start <= waits[0].end <= t1 and waits[0].items == 0, \
+            f"the refused delivery's call was not recorded: {waits}"
+        (write,) = [r for r in edp.telemetry.records if r.kind == "ingest"]
+        it = log.iterations[-1]
+        assert it.hidden_s == 0.0, f"the write the loop waited for was counted as hidden: {it}"
+        assert it.exposed_s >= write.end - write.start
+        assert it.total_s == it.exposed_s + it.hidden_s
+    finally:
+        gate.set()
+        edp.close()
+
+
+def test_an_ingest_refused_after_waiting_for_room_counts_as_exposed() -> None:
+    """A producer blocked on a full queue until the buffer closed: its call is recorded, with no items."""
+    sched = Overlapped(g_ing=1, g_del=1, queue_depth=1)
+    edp = ExperienceDataPlane(SCHEMA, capacity=64, semantics=Replay(_Queue()), scheduler=sched)
+    gate = threading.Event()
+    ingestion = sched._ingestion
+    store = ingestion._store
+
+    def gated(group: Any) -> None:
+        assert gate.wait(HANG_S), "the test never opened the ingestion gate"
+        store(group)
+
+    ingestion._store = gated  # type: ignore[method-assign]
+    try:
+        edp.ingest(_rows(0, 2))  # taken by the worker, which waits at the gate
+        assert eventually(lambda: ingestion._inflight != [], timeout=HANG_S)
+        edp.ingest(_rows(2, 4))  # fills the queue
+        refused: list[BaseException] = []
+
+        def produce() -> None:
+            try:
+                edp.ingest(_rows(4, 6))  # waits for room
+            except ConfigurationError as e:
+                refused.append(e)
+
+        producer = threading.Thread(target=produce, daemon=True)
+        producer.start()
+        assert eventually(lambda: producer.is_alive() and len(ingestion._pending) == 1, timeout=HANG_S)
+        closer = threading.Thread(target=edp.close, daemon=True)
+        closer.start()
+        assert eventually(lambda: ingestion._closing, timeout=HANG_S)
+        gate.set()
+        producer.join(HANG_S)
+        closer.join(HANG_S)
+        assert refused, "the producer waiting for room was not refused by close()"
+        assert edp.storage.next_handle == 4
+        waits = [r for r in edp.telemetry.records if r.kind == "ingest_wait"]
+        assert sorted(r.items for r in waits) == [0, 2, 2], f"the refused hand-over was not recorded: {waits}"
+    finally:
+        gate.set()
+        edp.close()
+
+
+def test_refused_deliveries_recorded_with_no_items_do_not_size_the_automatic_model() -> None:
+    """The automatic scheduler sizes a delivered batch from the deliveries' records: the refused ones (recorded
+    with no items, see above) are left out, however many there are."""
+    sched = Automatic(overlap=False, probe_rounds=3, g_ing_max=1, g_del_max=1, memory_budget=None)
+    edp = ExperienceDataPlane(SCHEMA, capacity=64, semantics=Replay(), scheduler=sched)
+    try:
+        edp.ingest(_rows(0, 50))
+        while sched.decision is None:
+            for _ in range(3):  # more refused calls than delivered ones
+                with pytest.raises(CapacityError):
+                    edp.deliver(100, replace=False)
+            edp.deliver(8)
+        assert sched.decision.batch_bytes == 8 * 4, sched.decision  # 8 items of one float32
+    finally:
         edp.close()

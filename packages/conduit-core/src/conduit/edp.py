@@ -296,7 +296,11 @@ class ExperienceDataPlane:
             except CapacityError as exc:
                 raise CapacityError(f"{exc} {self._pool_hint()}") from None
         self.semantics.check_ingest(n, version=version, priorities=priorities)
-        out = self.scheduler.ingest(b, version=version, priorities=priorities)
+        try:
+            out = self.scheduler.ingest(b, version=version, priorities=priorities)
+        except BaseException:  # the caller waited for the call all the same (e.g. for room in a full queue)
+            self.telemetry.record("ingest_wait", 0, 0, t0, time.perf_counter())  # (no items: none accepted)
+            raise
         # the caller's whole call (validation, and storing or handing over); see conduit.exposure
         self.telemetry.record("ingest_wait", n, 0, t0, time.perf_counter())
         return out
@@ -433,7 +437,11 @@ class ExperienceDataPlane:
         """
         self._check_open()
         t0 = time.perf_counter()
-        batch, info = self.scheduler.deliver(n, **kwargs)
+        try:
+            batch, info = self.scheduler.deliver(n, **kwargs)
+        except BaseException:  # the caller waited for the call all the same (e.g. for a flush or a prefetch job)
+            self.telemetry.record("deliver_wait", 0, 0, t0, time.perf_counter())  # (no items: none delivered)
+            raise
         # the caller's whole call (selecting and gathering, or taking a prepared batch); see conduit.exposure
         self.telemetry.record("deliver_wait", batch.batch_size, 0, t0, time.perf_counter())
         return batch, info

@@ -4,7 +4,8 @@ Per iteration of a loop, from the spans in a :class:`~conduit.Telemetry`:
 
 * **exposed** -- experience-path time on the *critical path*: the union of the caller's
   ``ingest``/``deliver`` calls (``ingest_wait``/``deliver_wait``: validation, the work
-  itself or the hand-over to background work, and any wait for it) and of the work spans,
+  itself or the hand-over to background work, and any wait for it; a call that raised after
+  it reached the scheduler counts too, with no items) and of the work spans,
   on the threads that run the loop (those that record ``rollout``, ``update`` or
   ``iteration`` spans, unless the loop's threads are given: ``loop_threads``);
 * **hidden** -- experience-path work that other threads (the scheduler's workers) did

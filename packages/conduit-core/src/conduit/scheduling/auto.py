@@ -614,8 +614,9 @@ class Automatic(Scheduler):
         i_obs = observations(recs, "ingest")
         dfit = fit_latency(d_obs) if d_obs else None
         ifit = fit_latency(i_obs) if len({(b, s) for b, _, s in i_obs}) >= 2 else None
-        waits = [r for r in recs if r.kind == "deliver_wait"]
-        ing = [r for r in recs if r.kind == "ingest_wait"]
+        # (calls that raised are recorded with no items: they delivered or accepted nothing to size the model by)
+        waits = [r for r in recs if r.kind == "deliver_wait" and r.items]
+        ing = [r for r in recs if r.kind == "ingest_wait" and r.items]
         sizes = [r.items for r in waits] + [last_items]
         if not self.on_policy and self.memory_budget is not None:
             self._cap_g_del(max(sizes))
