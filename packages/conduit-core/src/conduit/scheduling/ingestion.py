@@ -368,7 +368,13 @@ class Ingestion:
         if not self.rollout_size:
             self._rollout_done()
         n = self.rollout_size or self._learned
-        return math.ceil(self.g_ing * n) if n else 1
+        if not n:
+            return 1
+        # k/M of a rollout is a whole number of items when M divides it, however the float k/M rounds (9/11 of 77
+        # items comes out as 63.00000000000001, which must not make a write wait for a 64th item)
+        items = self.g_ing * n
+        whole = round(items)
+        return max(1, whole if math.isclose(items, whole, rel_tol=1e-9) else math.ceil(items))
 
     def _group(self) -> tuple[list[Handover], bool]:
         """The group at the head of the queue, and whether it is complete (must be called under the lock)."""
