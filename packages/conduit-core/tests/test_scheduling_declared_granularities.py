@@ -1,10 +1,12 @@
-"""``Overlapped``'s granularities taken as declared.
+"""``Overlapped``'s settings taken as declared.
 
 Each case was a known defect:
 
 * on-policy ``g_ing = k/M`` wrote one item more than ``k/M`` of the rollout when the float ``k / M`` times the
   rollout's items rounded up past a whole number (9/11 of 77 items: 64, not 63), so a write waited for another
-  part of the rollout.
+  part of the rollout;
+* ``Overlapped(overlap="false")`` (a value read from a config file) ran with overlap on: the on/off settings were
+  taken by truthiness, not checked.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conduit import ExperienceDataPlane, OnPolicy, Overlapped
+from conduit.errors import ConfigurationError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_prefetch_retry_and_cli_interrupts import SCHEMA, _rows  # noqa: E402, I001
@@ -40,3 +43,15 @@ def test_on_policy_g_ing_of_k_over_m_writes_exactly_k_over_m_of_the_rollout(roll
         assert len(edp.storage) - before == 63, "9/11 of the rollout was not written with its 9th part"
     finally:
         edp.close()
+
+
+@pytest.mark.parametrize("setting", ["overlap", "background_ingest", "copy_on_ingest"])
+@pytest.mark.parametrize("value", ["false", "no", 0, 1.0])
+def test_on_off_settings_that_are_not_bools_are_refused(setting: str, value: object) -> None:
+    with pytest.raises(ConfigurationError, match=f"{setting} must be True or False"):
+        Overlapped(**{setting: value})  # type: ignore[arg-type]
+
+
+def test_on_off_settings_take_bools_and_background_ingest_none() -> None:
+    assert Overlapped(overlap=False, background_ingest=None).background_ingest is False
+    assert Overlapped(overlap=True, background_ingest=False, copy_on_ingest=True).background_ingest is False

@@ -209,6 +209,11 @@ class Overlapped(Scheduler):
             raise ConfigurationError(f"queue_depth must be an int >= 1, got {queue_depth!r}.")
         if rollout_size is not None and not _count(rollout_size, 1):
             raise ConfigurationError(f"rollout_size must be None (learned) or an int >= 1, got {rollout_size!r}.")
+        for name, flag, none_ok in (("overlap", overlap, False), ("background_ingest", background_ingest, True),
+                                    ("copy_on_ingest", copy_on_ingest, False)):
+            if not isinstance(flag, bool) and not (none_ok and flag is None):  # ("false" from a config is truthy)
+                raise ConfigurationError(f"{name} must be True or False{' (or None: as overlap)' if none_ok else ''}, "
+                                         f"got {flag!r}.")
         self.g_ing = g_ing
         self.g_del = g_del
         #: g_del as asked for (the constructor's or retune's): on-policy, ``_attach`` replaces g_del by 1/M of
