@@ -1,5 +1,4 @@
-"""``Overlapped`` calls interrupted (Ctrl-C's ``KeyboardInterrupt``) or refused while they wait for the scheduler's
-workers.
+"""``Overlapped`` calls interrupted (Ctrl-C's ``KeyboardInterrupt``), refused or failing part way.
 
 Each case was a known defect:
 
@@ -8,7 +7,8 @@ Each case was a known defect:
   chunk buffer they were gathered into stayed marked busy;
 * a ``deliver`` or ``ingest`` call that raised (e.g. refused after waiting for a flush, or for room in a full
   queue) was not recorded: the loop's wait was not exposed time, and the background work it waited for was
-  counted as hidden.
+  counted as hidden;
+* an on-policy delivery whose read failed kept its chunk buffer marked busy for good.
 """
 
 from __future__ import annotations
@@ -200,5 +200,42 @@ def test_refused_deliveries_recorded_with_no_items_do_not_size_the_automatic_mod
                     edp.deliver(100, replace=False)
             edp.deliver(8)
         assert sched.decision.batch_bytes == 8 * 4, sched.decision  # 8 items of one float32
+    finally:
+        edp.close()
+
+
+# -- a failed read gives its chunk buffer back --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_on_policy_deliveries_whose_read_failed_leave_no_chunk_buffer_busy(overlap: bool) -> None:
+    """Each on-policy delivery that gathers in its call (a miss) takes a chunk buffer; one whose read failed kept
+    it marked busy for good, so every failed read added a buffer (and its memory) to the ring."""
+    sched = Overlapped(g_ing=1, g_del=1, overlap=overlap)
+    edp = ExperienceDataPlane(SCHEMA, capacity=256, semantics=OnPolicy(num_minibatches=4, num_epochs=50),
+                              scheduler=sched)
+    try:
+        edp.ingest(_rows(0, 32), version=0)
+        edp.seal()
+        gather = edp.storage.gather
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            raise OSError("the read failed")
+
+        for _ in range(10):
+            sched._await_job()  # (a prefetch prepared nothing for the next call: it gathers in the call)
+            sched._discard_all()
+            edp.storage.gather = failing  # type: ignore[method-assign]
+            try:
+                with pytest.raises(OSError, match="the read failed"):
+                    edp.deliver()
+            finally:
+                edp.storage.gather = gather  # type: ignore[method-assign]
+            edp.deliver()
+        sched._await_job()
+        sched._discard_all()
+        busy = [i for i, s in enumerate(sched._ring.slots) if s.busy]
+        assert busy == [], f"chunk buffers {busy} of {len(sched._ring.slots)} stayed busy after failed reads"
+        assert len(sched._ring.slots) <= 4, f"the ring grew to {len(sched._ring.slots)} buffers"
     finally:
         edp.close()

@@ -513,8 +513,8 @@ class Overlapped(Scheduler):
             if pred is not None:
                 self._discard(pred)
             ring = self._ring
+            buf = ring.acquire(self._delivered, inside_call=True)
             try:
-                buf = ring.acquire(self._delivered, inside_call=True)
                 with ring.filling(buf):
                     out, swapped = self._target(ring, buf)
                     with self._wanting_buffer_lock():
@@ -523,6 +523,7 @@ class Overlapped(Scheduler):
                     event = ring.filled(buf)
             except BaseException:  # a read that failed consumed the selection: hand it over, or on-policy storage
                 self._release(sel)  # under it (and every later rollout's) would never be freed
+                ring.free(buf)  # (it holds nothing prepared: kept busy, every failed read would add a buffer)
                 raise
             p = _Prepared((None, ()), batch, sel.info, sel, buf, 0, event, True)
             self.prefetch_misses += 1
