@@ -250,7 +250,8 @@ def _hold_data_thread(actor, gate: str):
 def test_a_shard_whose_data_calls_hang_gives_typed_errors_naming_the_timeout_and_changes_nothing(cluster, tmp_path):
     """A shard's data thread hangs (its pings answer): a delivery raises RemoteTimeoutError and an ingestion
     TransferError, each after the timeout, and their messages name it as set: 2.5 s read "within 2 s" (rounded,
-    sub-second timeouts read "0 s"). Nothing is lost, and once the hang ends every item reads back."""
+    sub-second timeouts read "0 s"). Each refused call is recorded as the caller's wait, with no items. Nothing is
+    lost, and once the hang ends every item reads back."""
     import ray
     from conduit.distributed import RemoteTimeoutError
 
@@ -268,6 +269,10 @@ def test_a_shard_whose_data_calls_hang_gives_typed_errors_naming_the_timeout_and
         with pytest.raises(TransferError, match=r"within 2\.5 s"):
             plane.ingest(id_batch(np.arange(40, 50)), node=cluster.workers[0])
         assert not plane.losses and len(plane) == 40 and plane.alive_shards == [0, 1]
+        # the caller waited the timeout in each refused call: its time is recorded, with no items
+        waits = [(r.kind, r.items, r.end - r.start) for r in plane.telemetry.records if r.kind.endswith("_wait")]
+        assert [(k, i) for k, i, _ in waits[-2:]] == [("deliver_wait", 0), ("ingest_wait", 0)], waits
+        assert all(d >= 2.0 for _, _, d in waits[-2:]), waits  # (each waited out the timeout)
         gate.touch()
         assert ray.get(held, timeout=120) == 1
         assert _ids_of(plane, plane.live_handles()) == set(range(40))

@@ -448,19 +448,23 @@ class DistributedDataPlane:
         self._check_node(node)
         t0 = time.perf_counter()
         sync = isinstance(self.scheduler, Synchronous)
-        if isinstance(batch, ExperienceRef) or sync:
-            if not sync:
-                self.scheduler.flush()  # what was queued before it is stored before it
-            out = self._ingest(batch, version, priorities, node, validated=False)
-            n = int(out.shape[0])
-        else:
-            b = ExperienceBatch.checked(batch, self.schema)
-            n = b.batch_size
-            self.index.evictions_for(n)  # raises CapacityError for a batch larger than the capacity
-            self.semantics.check_ingest(n, version=version, priorities=priorities)
-            tagged = ExperienceBatch({**{name: b[name] for name in b},
-                                      _PRODUCER: torch.full((n,), self._producer_id(node), dtype=torch.int32)}, n)
-            out = self.scheduler.ingest(tagged, version=version, priorities=priorities)  # type: ignore[assignment]
+        try:
+            if isinstance(batch, ExperienceRef) or sync:
+                if not sync:
+                    self.scheduler.flush()  # what was queued before it is stored before it
+                out = self._ingest(batch, version, priorities, node, validated=False)
+                n = int(out.shape[0])
+            else:
+                b = ExperienceBatch.checked(batch, self.schema)
+                n = b.batch_size
+                self.index.evictions_for(n)  # raises CapacityError for a batch larger than the capacity
+                self.semantics.check_ingest(n, version=version, priorities=priorities)
+                tagged = ExperienceBatch({**{name: b[name] for name in b},
+                                          _PRODUCER: torch.full((n,), self._producer_id(node), dtype=torch.int32)}, n)
+                out = self.scheduler.ingest(tagged, version=version, priorities=priorities)  # type: ignore[assignment]
+        except BaseException:  # the caller waited for the call all the same (e.g. for a shard, or for room in a queue)
+            self.telemetry.record("ingest_wait", 0, 0, t0, time.perf_counter())  # (no items: none accepted)
+            raise
         self.telemetry.record("ingest_wait", n, 0, t0, time.perf_counter())  # the caller's whole call
         return out
 
@@ -803,8 +807,12 @@ class DistributedDataPlane:
             self._losses_seen = len(self.losses)
             with self._lock.scheduler_call():
                 self.scheduler.invalidate("contents")
-        with self._lock.scheduler_call():  # (on_loss runs after it: not under the scheduler's delivery lock)
-            batch, info = self.scheduler.deliver(n, **kwargs)
+        try:
+            with self._lock.scheduler_call():  # (on_loss runs after it: not under the scheduler's delivery lock)
+                batch, info = self.scheduler.deliver(n, **kwargs)
+        except BaseException:  # the caller waited for the call all the same (e.g. for a shard until the timeout)
+            self.telemetry.record("deliver_wait", 0, 0, t0, time.perf_counter())  # (no items: none delivered)
+            raise
         self.telemetry.record("deliver_wait", batch.batch_size, 0, t0, time.perf_counter())  # the caller's whole call
         return batch, info
 
