@@ -87,6 +87,16 @@ def test_schedule_calibrate_bad_counts_are_refused_before_it_starts(flag: str, v
     assert "calibrating" not in out, out
 
 
+@pytest.mark.timeout(60)
+def test_schedule_calibrate_a_rollout_above_capacity_is_refused_before_it_starts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """It was refused by the loop after "calibrating on the synthetic loop: ...", as "lower rollout or raise
+    capacity": the loop's parameters, not the options typed."""
+    out, err = _refused([*CALIBRATE, "--rollout", "100", "--capacity", "64"], "--rollout", capsys)
+    assert "--capacity 64" in err and "lower --rollout or raise --capacity" in err, err
+    assert "calibrating" not in out, out
+
+
 def test_schedule_calibrate_help_describes_every_option(capsys: pytest.CaptureFixture[str]) -> None:
     """``--obs-dim``, ``--batch``, ``--rollout``, ``--updates``, ``--capacity``, ``--overlap`` and ``--iterations``
     were listed with no description and no default."""
@@ -115,6 +125,17 @@ def test_demo_bad_counts_are_refused_before_the_table(argv: list[str], flag: str
     """They were refused by the loop after its header, as ``obs_dim``, ``g_ing``, ``capacity`` ... or, for a huge
     --batch, as "A delivery of ... items is more than one call draws", naming no option."""
     out, _ = _refused(["demo", "--synthetic", *TINY, *argv], flag, capsys)
+    assert "synthetic loop" not in out and "iter" not in out, out
+
+
+@pytest.mark.parametrize("argv", [["--rollout", "100"], ["--capacity", "8"]])
+@pytest.mark.timeout(60)
+def test_demo_a_rollout_above_capacity_is_refused_before_the_table(argv: list[str],
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """It was refused by the loop after the header and the table's column names, as "lower rollout or raise
+    capacity": the loop's parameters, not the options typed."""
+    out, err = _refused(["demo", "--synthetic", *TINY, *argv], "--rollout", capsys)
+    assert "--capacity" in err and "lower --rollout or raise --capacity" in err, err
     assert "synthetic loop" not in out and "iter" not in out, out
 
 

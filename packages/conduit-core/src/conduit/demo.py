@@ -237,6 +237,18 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:9.2f}"
 
 
+def check_rollout_fits(rollout: int, capacity: int) -> None:
+    """Refuse a ``--rollout`` larger than ``--capacity`` by the options typed, before a command prints anything
+    (:func:`run_loop` refuses it too, but only once the run has started, naming its own parameters).
+
+    Raises:
+        ConfigurationError: the rollout does not fit; the message names both options and what to do.
+    """
+    if rollout > capacity:
+        raise ConfigurationError(f"--rollout {rollout} is more transitions than the buffer holds (--capacity "
+                                 f"{capacity}); lower --rollout or raise --capacity.")
+
+
 def _check_output(path: Path) -> None:
     """Make sure the trace can be written to ``path`` once the run is over (probed now, left as it was).
 
@@ -286,6 +298,7 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
                  ("--hidden", args.hidden, 1, None, "MLP hidden width"),
                  ("--g-ing", args.g_ing, 1, None, "rollouts per ingestion call"),
                  ("--g-del", args.g_del, 1, None, "batches per delivery call"))
+    check_rollout_fits(args.rollout, args.capacity)
     for flag, given in (("--g-ing", args.g_ing), ("--g-del", args.g_del)):
         if given is not None and args.scheduler not in ("sequential", "overlapped"):  # it would be ignored
             raise ConfigurationError(f"{flag} sets the granularity of the sequential and overlapped schedulers; "

@@ -91,7 +91,7 @@ def _ranges(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from conduit.demo import run_loop
+    from conduit.demo import check_rollout_fits, run_loop
     from conduit.scheduling.auto import Automatic
     from conduit.semantics.replay import MAX_DRAW
 
@@ -108,6 +108,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                  ("--warmup", args.warmup, 0, None, "calibration iterations"),
                  ("--iterations", args.iterations, 0, None, "iterations measured after calibration"))
     _check_listed(("--g-ing-max", args.g_ing_max), ("--g-del-max", args.g_del_max))
+    check_rollout_fits(args.rollout, args.capacity)
     overlap = {"auto": None, "on": True, "off": False}[args.overlap]
     sched = Automatic(overlap=overlap, g_ing_max=args.g_ing_max, g_del_max=args.g_del_max)
     warmup = args.warmup if args.warmup is not None else _warmup_for(sched, args.updates)
