@@ -8,7 +8,12 @@ started printing, blamed ``--gpus`` for a huge ``--obs-dim``, or ended in an ``O
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,6 +142,57 @@ def test_demo_a_rollout_above_capacity_is_refused_before_the_table(argv: list[st
     out, err = _refused(["demo", "--synthetic", *TINY, *argv], "--rollout", capsys)
     assert "--capacity" in err and "lower --rollout or raise --capacity" in err, err
     assert "synthetic loop" not in out and "iter" not in out, out
+
+
+@pytest.mark.timeout(60)
+def test_demo_a_fifo_as_the_trace_is_refused_before_the_run_not_waited_on(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The check that the trace can be written opened the FIFO and waited for a reader, forever (and a device such
+    as /dev/null, opened at once, was replaced by a regular file when the trace was renamed over it)."""
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    out, err = _refused(["demo", "--synthetic", *TINY, "--trace", str(fifo)], "--trace", capsys)
+    assert "not a regular file" in err, err
+    assert "synthetic loop" not in out, out
+
+
+@pytest.mark.timeout(120)
+def test_demo_a_trace_in_a_folder_that_takes_no_new_file_is_refused_before_the_run(tmp_path: Path) -> None:
+    """A file the user may write, in a folder where they may not create files: the trace is written beside it and
+    renamed over it, so the run went to its end and then failed with a PermissionError traceback. (Run as a
+    process of its own; as root, without the capability that overrides file permissions.)"""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    trace = folder / "trace.json"
+    trace.write_text("")
+    trace.chmod(0o666)
+    folder.chmod(0o555)
+    drop = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: no way to make a folder root cannot write into")
+        drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+    code = "import sys; from conduit.cli import main; sys.exit(main(sys.argv[1:]))"
+    try:
+        done = subprocess.run([*drop, sys.executable, "-c", code, "demo", "--synthetic", *TINY, "--trace",
+                               str(trace)], capture_output=True, text=True, timeout=100)
+    finally:
+        folder.chmod(0o755)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.startswith("error: ") and "Traceback" not in done.stderr, done.stderr
+    assert "--trace" in done.stderr and "Permission denied" in done.stderr, done.stderr
+    assert "synthetic loop" not in done.stdout, done.stdout
+    assert trace.read_text() == "", "the file was changed"
+
+
+@pytest.mark.timeout(60)
+def test_demo_a_trace_with_a_long_file_name_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A name of 220 characters or more (a file name may have 255) was refused only after the run, by an OSError
+    traceback: the temporary file beside it took the whole name plus the process and thread ids."""
+    trace = tmp_path / ("t" * 240 + ".json")
+    assert main(["demo", "--synthetic", *TINY, "--trace", str(trace)]) == 0, capsys.readouterr().err
+    assert json.loads(trace.read_text())["traceEvents"], "the trace holds no events"
+    assert [p.name for p in tmp_path.iterdir()] == [trace.name], "a temporary file was left beside the trace"
 
 
 @pytest.mark.timeout(60)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -250,13 +251,23 @@ def check_rollout_fits(rollout: int, capacity: int) -> None:
 
 
 def _check_output(path: Path) -> None:
-    """Make sure the trace can be written to ``path`` once the run is over (probed now, left as it was).
+    """Make sure the trace can be written to ``path`` once the run is over (probed now, left as it was): it is
+    written beside ``path`` and renamed over it (:func:`~conduit.telemetry.write_atomically`), so ``path`` is a
+    regular file or none yet, in a folder that takes new files.
 
     Raises:
-        ConfigurationError: it is a directory, its folder is missing, or it cannot be written.
+        ConfigurationError: it is a directory or no regular file (a device such as /dev/null, a FIFO: the rename
+            would replace it, or the probe wait for a reader), its folder is missing, or it or its folder cannot
+            be written.
     """
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise ConfigurationError(f"Cannot write the trace to {str(path)!r}: it is not a regular file (a device or "
+                                 f"a FIFO, which writing the trace would replace by a file); give --trace a file "
+                                 f"name, or --trace '' for none.")
     try:
         probe_writable(path)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".conduit-probe-"):  # the trace's rename needs it
+            pass
     except OSError as e:
         raise ConfigurationError(f"Cannot write the trace to {str(path)!r} ({e.strerror or e}); give --trace a "
                                  f"writable file in an existing folder, or --trace '' for none.") from e

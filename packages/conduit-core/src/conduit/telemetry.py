@@ -559,10 +559,17 @@ def probe_writable(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+#: the characters of a file's name that :func:`write_atomically`'s temporary name keeps (with the dot, the process
+#: id, the thread ident and ``.tmp``, at most 255 bytes for an ASCII name)
+_TMP_NAME_KEPT = 200
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path``, then rename it over ``path`` (never half a file)."""
-    # a name of this process and thread, created exclusively (and with the umask's permissions, as a plain write)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    # a name of this process and thread, created exclusively (and with the umask's permissions, as a plain write);
+    # the start of a long name only, so that the temporary name stays within a file name's 255 bytes wherever
+    # ``path``'s does (with the whole name, a name of 220 or more could not be written at all)
+    tmp = path.with_name(f".{path.name[:_TMP_NAME_KEPT]}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         f = open(tmp, "x")  # noqa: SIM115 - closed below, before the rename
     except FileExistsError:
