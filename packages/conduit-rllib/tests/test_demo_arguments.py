@@ -6,6 +6,8 @@ them was wrong, and so named options the user had not typed.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conduit_rllib.demo import run
 
@@ -27,3 +29,38 @@ def test_each_bad_count_is_refused_by_its_own_name(flag: str, value: str, least:
     assert f"give {flag} {least} or more" in line, line
     assert [f for f in ALL if f in line] == [flag], f"names options that were not wrong: {line}"
     assert "RLlib DQN on LargeObsCartPole" not in out, "the run started before the refusal"
+
+
+HUGE = str(10**20)  # past int64
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--capacity", HUGE], "--capacity must be at most 2**63 - 1"),
+    (["--steps", HUGE], "--steps must be at most 2**63 - 1"),
+    (["--capacity", str(10**13), "--obs-dim", "5000"], "--capacity 10000000000000 with --obs-dim 5000: "),
+    (["--batch", str(10**13), "--obs-dim", "5000"], "--batch 10000000000000 with --obs-dim 5000: "),
+    (["--hidden", str(10**13), "--obs-dim", "5000"], "--hidden 10000000000000 with --obs-dim 5000: "),
+])
+def test_a_count_too_large_is_refused_before_ray_starts(argv: list[str], named: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A --capacity past int64 passed, started Ray and ended in RLlib's "TypeError: loop of ufunc does not support
+    argument 0 of type int" traceback; sizes no memory holds passed too (RLlib's prioritized buffer builds Python
+    lists of 4x the capacity, element by element; Conduit's preallocates the observations), after the native run
+    if that survived them. (Ray is stopped at its start so that a check that lets them through fails at once.)"""
+    import ray
+
+    def reached(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the demo started Ray: the count was not refused")
+
+    monkeypatch.setattr(ray, "init", reached)
+    with pytest.raises(SystemExit) as done:
+        run([*argv, "--no-progress", "--out", str(tmp_path / "plot.png")])
+    assert done.value.code == 2
+    out, err = capsys.readouterr()
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("conduit demo: error: ") and "Traceback" not in err, err
+    assert named in line, line
+    assert "give a smaller" in line or "; lower " in line, line
+    assert "RLlib DQN on LargeObsCartPole" not in out, "the run started before the refusal"
+    assert not list(tmp_path.iterdir()), "the refused command left a file"

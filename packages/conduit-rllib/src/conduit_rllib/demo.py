@@ -17,6 +17,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from conduit.commands import MAX_COUNT
 from conduit.telemetry import probe_writable
 
 from conduit_rllib.compare import Row
@@ -83,6 +84,29 @@ def _plot_path(p: argparse.ArgumentParser, out: Path) -> Path:
     return out
 
 
+def _check_memory(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before Ray starts, sizes whose float32 observations alone need more than this machine's memory:
+    the replay buffer's (``--capacity``, preallocated by Conduit's), one train batch's (obs and next_obs) and the
+    network's first layer (``--obs-dim`` x ``--hidden``). A usage error (exit 2) naming the options; otherwise the
+    native run went first, for as long as it took, and the run ended in an allocation's traceback."""
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not said by this OS: nothing to compare with
+        return
+    d = args.obs_dim
+    for flags, values, count, what in ((("--capacity", "--obs-dim"), (args.capacity, d), args.capacity * d,
+                                        "the replay buffer's observations"),
+                                       (("--batch", "--obs-dim"), (args.batch, d), 2 * args.batch * d,
+                                        "one train batch's observations and next observations"),
+                                       (("--hidden", "--obs-dim"), (args.hidden, d), args.hidden * d,
+                                        "the network's first layer")):
+        need = 4 * count
+        if need > host:
+            given = " with ".join(f"{f} {v}" for f, v in zip(flags, values, strict=True))
+            p.error(f"{given}: {what} would need {need / 2**30:,.1f} GiB alone (float32), more than this machine's "
+                    f"{host / 2**30:,.1f} GiB of memory; lower {' or '.join(flags)}")
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """The ``conduit.demos`` entry point: run both variants, print the per-iteration table, write the plot."""
     p = argparse.ArgumentParser(prog="conduit demo", description="RLlib DQN on large observations, native replay "
@@ -109,6 +133,9 @@ def run(argv: Sequence[str] | None = None) -> int:
                            ("--hidden", args.hidden, 1)):
         if v < least:
             p.error(f"{flag} must be >= {least}, got {v}; give {flag} {least} or more")
+        if v > MAX_COUNT:  # (RLlib's buffer took a capacity past int64 to numpy: a TypeError traceback)
+            p.error(f"{flag} must be at most 2**63 - 1, got {v}; give a smaller {flag}")
+    _check_memory(p, args)
     args.out = _plot_path(p, args.out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
