@@ -64,3 +64,18 @@ def test_a_count_too_large_is_refused_before_ray_starts(argv: list[str], named: 
     assert "give a smaller" in line or "; lower " in line, line
     assert "RLlib DQN on LargeObsCartPole" not in out, "the run started before the refusal"
     assert not list(tmp_path.iterdir()), "the refused command left a file"
+
+
+def test_the_plots_missing_folders_are_not_left_behind_by_a_run_that_does_not_finish(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check of --out created its missing folders before the (minutes-long) run: a run that then failed or was
+    interrupted (Ctrl-C) left them behind, empty. (Here Ray fails to start.)"""
+    import ray
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Ray could not start")
+
+    monkeypatch.setattr(ray, "init", fails)
+    with pytest.raises(RuntimeError, match="Ray could not start"):
+        run(["--no-progress", "--out", str(tmp_path / "results" / "run1" / "plot.png")])
+    assert not (tmp_path / "results").exists(), "the plot's folders were left behind"

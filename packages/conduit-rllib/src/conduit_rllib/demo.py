@@ -13,6 +13,7 @@ says exactly what is timed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,7 +65,8 @@ def _plot_path(p: argparse.ArgumentParser, out: Path) -> Path:
 
     A name without a suffix gets ``.png`` (what matplotlib writes then); a format matplotlib cannot
     write, a directory, or a place that cannot be written ends the command with a usage error (exit 2).
-    Missing parent folders are created, as the plot would create them.
+    Missing parent folders are created for the probe and removed after it (:func:`plot` creates them once the
+    plot is drawn): a run that fails or is interrupted leaves none behind.
     """
     from matplotlib.backend_bases import FigureCanvasBase
 
@@ -76,11 +78,16 @@ def _plot_path(p: argparse.ArgumentParser, out: Path) -> Path:
     if out.suffix[1:].lower() not in formats:
         p.error(f"--out {str(out)!r}: matplotlib cannot write {out.suffix!r} files; use one of "
                 f"{', '.join('.' + f for f in sorted(formats))}")
+    missing = [d for d in (out.parent, *out.parent.parents) if not d.exists()]  # deepest first
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         probe_writable(out)
     except OSError as e:
         p.error(f"cannot write the plot to {str(out)!r} ({e.strerror or e}); give --out a writable file")
+    finally:
+        for d in missing:  # (empty: only the probe was there, and it is gone)
+            with contextlib.suppress(OSError):
+                d.rmdir()
     return out
 
 
