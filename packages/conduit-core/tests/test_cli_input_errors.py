@@ -69,6 +69,17 @@ def test_schedule_ranges_counts_below_their_bound_name_the_option(argv: list[str
     assert "or more" in err, err
 
 
+def test_schedule_ranges_says_that_m_bounds_nothing_off_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    """``schedule ranges -M 4`` (--on-policy forgotten) printed the off-policy ranges as if -M had been used: a
+    cap given with --on-policy is refused as ignored, but -M without it was ignored without a word."""
+    assert main(["schedule", "ranges", "-M", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("off-policy: "), out
+    assert err.startswith("note: -M 4 bounds on-policy granularities only") and "--on-policy" in err, err
+    assert main(["schedule", "ranges", "--on-policy", "-M", "4"]) == 0
+    assert capsys.readouterr().err == "", "a note for an on-policy job's M"
+
+
 def test_schedule_ranges_a_budget_too_small_names_both_options(capsys: pytest.CaptureFixture[str]) -> None:
     """Delivery buffers over the budget at g_del = 1 were refused as "over memory_budget=10 bytes": the library's
     parameter, not the options typed."""

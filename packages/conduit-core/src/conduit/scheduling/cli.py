@@ -72,6 +72,9 @@ def _ranges(args: argparse.Namespace) -> int:
             raise ConfigurationError(f"{', '.join(caps)} cap{'' if len(caps) > 1 else 's'} off-policy "
                                      f"granularities only; an on-policy job's come from -M alone. Drop "
                                      f"{'them' if len(caps) > 1 else 'it'}, or drop --on-policy.")
+    if not args.on_policy and args.num_minibatches is not None:  # (taken, as the library does, but it bounds nothing)
+        print(f"note: -M {args.num_minibatches} bounds on-policy granularities only; an off-policy job's ranges do not "
+              f"depend on it (add --on-policy for an on-policy job's).", file=sys.stderr)
     if (args.batch_bytes is None) != (args.memory_budget is None):  # one alone caps nothing
         given, missing = ("--batch-bytes", "--memory-budget") if args.memory_budget is None else \
             ("--memory-budget", "--batch-bytes")
@@ -156,7 +159,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r = sp.add_parser("ranges", help="safe g_ing / g_del ranges from on/off-policy and M")
     r.add_argument("--on-policy", action="store_true", help="an on-policy job (default: off-policy)")
     r.add_argument("-M", "--num-minibatches", type=int, default=None,
-                   help=f"minibatch updates per rollout (at most {_MAX_LISTED})")
+                   help=f"minibatch updates per rollout (on-policy: sets its granularities; at most {_MAX_LISTED})")
     r.add_argument("--g-ing-max", type=int, default=None,
                    help=f"cap on rollouts per ingestion call (off-policy only; default {_DEFAULT_CAP}, at most "
                         f"{_MAX_LISTED})")
