@@ -29,7 +29,8 @@ from conduit.semantics import Selection
 from conduit.testing.lifecycle import HANG_S, eventually
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_prefetch_retry_and_cli_interrupts import SCHEMA, _Queue, _rows, _values  # noqa: E402, I001
+from test_prefetch_retry_and_cli_interrupts import (  # noqa: E402, I001
+    SCHEMA, _gate_ingestion, _Queue, _queue_plane, _rows, _values)
 
 
 class _GatedQueue(_Queue):
@@ -144,19 +145,11 @@ def test_a_delivery_that_raised_after_waiting_for_background_ingestion_counts_as
         edp.close()
 
 
-def test_an_ingest_refused_after_waiting_for_room_counts_as_exposed() -> None:
+def test_an_ingest_refused_after_waiting_for_room_counts_as_exposed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A producer blocked on a full queue until the buffer closed: its call is recorded, with no items."""
-    sched = Overlapped(g_ing=1, g_del=1, queue_depth=1)
-    edp = ExperienceDataPlane(SCHEMA, capacity=64, semantics=Replay(_Queue()), scheduler=sched)
-    gate = threading.Event()
+    edp, sched, _ = _queue_plane(queue_depth=1)
+    gate = _gate_ingestion(sched, monkeypatch)
     ingestion = sched._ingestion
-    store = ingestion._store
-
-    def gated(group: Any) -> None:
-        assert gate.wait(HANG_S), "the test never opened the ingestion gate"
-        store(group)
-
-    ingestion._store = gated  # type: ignore[method-assign]
     try:
         edp.ingest(_rows(0, 2))  # taken by the worker, which waits at the gate
         assert eventually(lambda: ingestion._inflight != [], timeout=HANG_S)
