@@ -54,7 +54,7 @@ import torch
 from conduit._checks import is_int
 from conduit.batch import ExperienceBatch
 from conduit.errors import ConfigurationError
-from conduit.scheduling.base import Scheduler
+from conduit.scheduling.base import Scheduler, unattached
 from conduit.scheduling.buffers import buffers_needed
 from conduit.scheduling.granularity import GranularityRange, g_del_fitting, ranges_for, safe_ranges
 from conduit.scheduling.model import (
@@ -176,6 +176,10 @@ class Automatic(Scheduler):
         ConfigurationError: a setting of the wrong type or below its bound (checked here, before a
             buffer is built; counts may be numpy integers).
 
+    Before it serves a buffer (passed as ``scheduler=``), nothing was handed over: ``flush`` and ``close`` do
+    nothing, ``pending()`` is empty and :attr:`calibrated` is False; :attr:`g_ing` and :attr:`g_del`, chosen for
+    the buffer, raise :class:`~conduit.errors.ConfigurationError`.
+
     Examples:
         >>> import torch
         >>> from conduit import Automatic, ExperienceDataPlane, ExperienceSchema, Field
@@ -260,14 +264,18 @@ class Automatic(Scheduler):
     def calibrated(self) -> bool:
         """Whether calibration has finished: the granularities and overlap of :attr:`decision` serve from now on.
         (``decision`` is set when the model has chosen the candidates, before the confirm phase measures them.)"""
-        return self._phase == "run"
+        return self._serves and self._phase == "run"
 
     @property
     def g_ing(self) -> float:  # type: ignore[override]
+        if not self._serves:
+            raise unattached(self, "g_ing")
         return self.inner.g_ing
 
     @property
     def g_del(self) -> float:  # type: ignore[override]
+        if not self._serves:
+            raise unattached(self, "g_del")
         return self.inner.g_del
 
     @property
@@ -307,6 +315,8 @@ class Automatic(Scheduler):
                 self._route.release()
 
     def flush(self) -> None:
+        if not self._serves:
+            return  # (nothing was handed over)
         self.inner.flush()
         if self._phase == "probe" and self.on_policy and self._ing_plan:
             routed = self._enter_route()  # (a producer's hand-over checks the same mark)
@@ -401,6 +411,8 @@ class Automatic(Scheduler):
         """Forwarded to the active scheduler and to the confirm phase's idle candidate, which a migration
         must re-size too before it is switched back in. After ``"contents"`` (a migration may change the
         schema, so the bytes of a batch) the next delivery's size is checked against the memory budget again."""
+        if not self._serves:
+            return  # (nothing prepared)
         if reason == "contents":
             self._checked_lo, self._checked_hi = 1, 0
         self.inner.invalidate(reason)
@@ -409,13 +421,15 @@ class Automatic(Scheduler):
                 c.invalidate(reason)
 
     def close(self) -> None:
+        if not self._serves:
+            return  # (nothing to close)
         for c in self._candidates.values():
             if c is not self.inner:
                 c.close()
         self.inner.close()
 
     def pending(self) -> list[Any]:
-        return self.inner.pending()
+        return self.inner.pending() if self._serves else []
 
     # -- checkpoint ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

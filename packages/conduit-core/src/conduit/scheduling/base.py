@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from conduit.semantics.base import SampleInfo
 
 __all__ = ["Scheduler", "Synchronous", "check_scheduler_entry", "scheduler_entry", "lock_held", "thread_flag",
-           "wait_refused"]
+           "unattached", "wait_refused"]
 
 
 class Scheduler(ABC):
@@ -61,6 +61,11 @@ class Scheduler(ABC):
         except BaseException:
             del self.edp  # refused: free to serve another buffer
             raise
+
+    @property
+    def _serves(self) -> bool:
+        """Whether this scheduler was attached to a buffer (see :meth:`attach`; a closed one still counts)."""
+        return getattr(self, "edp", None) is not None
 
     def _attach(self, edp: ExperienceDataPlane) -> None:  # noqa: B027 - an optional hook
         """Set up for ``edp`` (subclasses); raising refuses the buffer and leaves the scheduler free."""
@@ -142,6 +147,14 @@ def wait_refused(call: str, worker: str) -> ConfigurationError:
                               f"this thread holds (inside read_locked(), or a callback the buffer runs under its "
                               f"lock): it would wait forever. Nothing was changed; call it after the locked function "
                               f"returns.")
+
+
+def unattached(scheduler: Scheduler, call: str) -> ConfigurationError:
+    """The error for ``call``, which depends on the buffer ``scheduler`` serves (its kind, its storage) while it serves
+    none yet."""
+    return ConfigurationError(f"{call} depends on the buffer this {type(scheduler).__name__} scheduler serves, and it "
+                              f"serves none yet; pass it as scheduler= to a buffer (ExperienceDataPlane(..., "
+                              f"scheduler=...)) first.")
 
 
 def _kind(scheduler: Scheduler) -> str:

@@ -69,7 +69,7 @@ import torch
 from conduit._checks import is_int
 from conduit.batch import ExperienceBatch
 from conduit.errors import ConfigurationError, EmptyBufferError
-from conduit.scheduling.base import Scheduler, wait_refused
+from conduit.scheduling.base import Scheduler, unattached, wait_refused
 from conduit.scheduling.buffers import ChunkRing, buffers_needed
 from conduit.scheduling.ingestion import Handover, Ingestion
 from conduit.scheduling.worker import Job, Worker
@@ -176,6 +176,11 @@ class Overlapped(Scheduler):
         copy_on_ingest: copy each batch in ``ingest`` before handing it over, so the
             producer may overwrite its arrays at once. Off by default: the producer must
             not write into a handed-over batch until ``flush()``.
+
+    Before it serves a buffer (passed as ``scheduler=``), nothing was handed over or prepared: ``flush``,
+    ``close``, ``release_buffers`` and ``trim_buffers`` do nothing, ``pending()`` is empty and ``prepared`` is 0;
+    ``retune`` and ``priority_staleness``, which depend on the buffer's kind, raise
+    :class:`~conduit.errors.ConfigurationError`.
 
     Examples:
         >>> import torch
@@ -296,11 +301,21 @@ class Overlapped(Scheduler):
     def trim_buffers(self, max_bytes: float, batch: int, item_bytes: float, *, room_for_a_chunk: bool) -> None:
         """Let go of idle delivery buffers until they hold at most ``max_bytes`` (of items of ``item_bytes``),
         leaving room for the chunk the next call prepares for batches of ``batch`` items when
-        ``room_for_a_chunk`` (see :meth:`ChunkRing.trim`; prepared batches and delivered ones stay valid)."""
+        ``room_for_a_chunk`` (see :meth:`ChunkRing.trim`; prepared batches and delivered ones stay valid). Items
+        of no bytes (a schema of ragged fields only, which the buffers do not hold) never exceed ``max_bytes``.
+
+        Raises:
+            ConfigurationError: ``item_bytes`` is negative or not a number (nothing changed).
+        """
+        if not item_bytes >= 0:
+            raise ConfigurationError(f"item_bytes must be a number >= 0 (the bytes of one item's fixed fields), "
+                                     f"got {item_bytes!r}.")
+        if not self._serves:
+            return  # (no buffers yet)
         self._enter("trim_buffers()")
         try:
             rows = self._chunk * batch
-            limit = max_bytes / item_bytes - (rows if room_for_a_chunk else 0)
+            limit = (max_bytes / item_bytes if item_bytes else math.inf) - (rows if room_for_a_chunk else 0)
             self._ring.trim(limit, keep_rows=rows, delivered=self._delivered)
         finally:
             self._leave()
@@ -308,6 +323,8 @@ class Overlapped(Scheduler):
     def release_buffers(self) -> None:
         """Let go of every idle delivery buffer (e.g. while this scheduler waits unused; delivered batches stay
         valid, and the next fills allocate afresh)."""
+        if not self._serves:
+            return  # (no buffers yet)
         self._enter("release_buffers()")
         try:
             self._ring.trim(0, keep_rows=0, delivered=self._delivered)  # (room for no rows: every idle one goes)
@@ -320,7 +337,13 @@ class Overlapped(Scheduler):
         Off-policy ``g_del`` (batches per call) and either kind's ``g_ing`` may change; the
         semantics' bounds are checked as in the constructor. Prepared batches stay valid.
         Both values are checked before either changes: a refused call changes nothing.
+
+        Raises:
+            ConfigurationError: a value outside the safe range, or this scheduler serves no buffer yet (the range
+                depends on its kind: pass the granularities to the constructor instead).
         """
+        if not self._serves:
+            raise unattached(self, "retune()")
         if g_ing is not None:
             if self.on_policy:
                 ok = isinstance(g_ing, (int, float)) and not isinstance(g_ing, bool) and 0 < g_ing <= 1
@@ -354,12 +377,18 @@ class Overlapped(Scheduler):
 
     @property
     def prepared(self) -> int:
-        """Batches prepared and not yet delivered (a job in flight not counted)."""
-        return len(self._ready)
+        """Batches prepared and not yet delivered (a job in flight not counted; 0 before it serves a buffer)."""
+        return len(self._ready) if self._serves else 0
 
     @property
     def priority_staleness(self) -> int:
-        """How many ``update_priorities`` calls a delivered batch's draw may precede (0: none)."""
+        """How many ``update_priorities`` calls a delivered batch's draw may precede (0: none).
+
+        Raises:
+            ConfigurationError: this scheduler serves no buffer yet (the bound depends on its kind).
+        """
+        if not self._serves:
+            raise unattached(self, "priority_staleness")
         if not self.prioritized:
             return 0
         return self.max_priority_staleness if self.overlap else self._chunk - 1
@@ -378,11 +407,14 @@ class Overlapped(Scheduler):
         return None
 
     def flush(self) -> None:
-        self._ingestion.flush()
+        if self._serves:  # (else nothing was handed over)
+            self._ingestion.flush()
 
     def drain(self) -> bool:
         """Store everything handed over unless storing fails; then keep it queued (and the failure for the
         producer's next call) and return False. See :meth:`Ingestion.drain`."""
+        if not self._serves:
+            return True  # (nothing was handed over)
         if self._job is not None and not self._job_entered and not self._job.done() and self.edp.holds_lock():
             return False  # (the prefetch job waits for the lock this thread holds: storing would wait forever too)
         return self._ingestion.drain()
@@ -392,8 +424,9 @@ class Overlapped(Scheduler):
 
         Read under the buffer's lock (``edp.read_locked``) it agrees exactly with the storage: a batch being
         stored counts either here (its write has not stored it yet) or in the storage, never in both.
+        Empty before this scheduler serves a buffer.
         """
-        return self._ingestion.pending()
+        return self._ingestion.pending() if self._serves else []
 
     # -- delivery --------------------------------------------------------------------------
     def deliver(self, n: int | None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
@@ -779,6 +812,8 @@ class Overlapped(Scheduler):
         the semantics), a migration or a scheduler switch (``"contents"``) leaves the buffer drawing
         next exactly what a synchronous one would, instead of skipping the dropped draws.
         """
+        if not self._serves:
+            return  # (nothing prepared)
         if reason == "priorities":
             with self._prio_lock:
                 self._prio_epoch += 1
@@ -819,15 +854,19 @@ class Overlapped(Scheduler):
         has the buffer's lock: a delivery (or other call that waits for this scheduler) made meanwhile from inside
         ``read_locked()`` on another thread is refused (:func:`~conduit.scheduling.base.wait_refused`, nothing
         changed), as it is while a delivery waits for that lock, instead of waiting forever.
+
+        Before this scheduler serves a buffer there is nothing to close: it returns at once.
         """
-        if not self._ingestion.on_worker:  # refused before anything changes (not once the prefetch stopped)
+        if not self._serves:
+            return
+        on_worker = self._ingestion.on_worker
+        if not on_worker:  # refused before anything changes (not once the prefetch stopped)
             self._ingestion.refuse_wait("close()")
         if self._closed:
-            if self._closer is not None and not self._ingestion.on_worker:
+            if self._closer is not None and not on_worker:
                 self._closer.join()  # (a close on the ingestion worker stopped the prefetch on its own thread)
             self._ingestion.close()  # nothing left after a close that returned: then this returns at once
             return
-        on_worker = self._ingestion.on_worker
         if not on_worker:  # (refused before anything changes when waiting for a delivery could last forever)
             self._enter("close()")
             cancelled = self._cancelled
