@@ -102,6 +102,41 @@ def test_a_delivery_interrupted_while_it_waits_for_the_prefetch_keeps_the_prefet
         edp.close()
 
 
+def test_a_close_interrupted_while_it_stops_the_prefetch_is_finished_by_the_next_close(interrupt_main: Any) -> None:
+    """``close`` marked the scheduler closed before it stopped the prefetch worker: interrupted while it waited for
+    the job in flight, a later ``close`` (here the buffer's) returned at once, leaving the worker thread running for
+    good."""
+    sampler = _GatedQueue()
+    sched = Overlapped(g_ing=1, g_del=1)
+    edp = ExperienceDataPlane(SCHEMA, capacity=64, semantics=Replay(sampler), scheduler=sched)
+    try:
+        edp.ingest(_rows(0, 8))
+        edp.flush()
+        sampler.gate.clear()
+        assert _values(edp.deliver(2)[0]) == [0, 1]
+        job, pool = sched._job, sched._pool
+        assert job is not None and pool is not None, "no prefetch after the first delivery"
+
+        def kick() -> None:  # once close() waits for the job (stuck in the gated draw)
+            if eventually(lambda: sched._closed and sched._awaited is job, timeout=HANG_S):
+                interrupt_main()
+
+        kicker = threading.Thread(target=kick, daemon=True)
+        kicker.start()
+        with pytest.raises(KeyboardInterrupt):
+            sched.close()  # (as Automatic closes its candidates; a buffer's close drops the prepared draws first)
+        kicker.join(HANG_S)
+        sampler.gate.set()
+        assert eventually(job.done, timeout=HANG_S)
+        assert pool._thread.is_alive()  # (the interrupted close did not stop it)
+        edp.close()
+        assert not pool._thread.is_alive(), "the second close() left the prefetch worker running"
+        assert sched.prepared == 0 and not sched._ring.slots, "the second close() kept the prepared batches"
+    finally:
+        sampler.gate.set()
+        edp.close()
+
+
 # -- a call that raised is still the caller's time on the experience path ----------------------------------------
 
 

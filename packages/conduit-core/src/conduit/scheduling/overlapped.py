@@ -295,6 +295,8 @@ class Overlapped(Scheduler):
         self._last: SampleInfo | None = None
         self._closed = False  # (a scheduler whose buffer was closed serves a new one afresh)
         self._closer = None
+        #: close() stopped the prefetch worker (else a close interrupted part way left that to the next close)
+        self._prefetch_stopped = False
         self.discarded = self.prefetch_hits = self.prefetch_misses = 0
         _OPEN.add(self)
 
@@ -855,18 +857,20 @@ class Overlapped(Scheduler):
         ``read_locked()`` on another thread is refused (:func:`~conduit.scheduling.base.wait_refused`, nothing
         changed), as it is while a delivery waits for that lock, instead of waiting forever.
 
-        Before this scheduler serves a buffer there is nothing to close: it returns at once.
+        A close interrupted while it stopped the prefetch (Ctrl-C's ``KeyboardInterrupt``) is finished by the next
+        one. Before this scheduler serves a buffer there is nothing to close: it returns at once.
         """
         if not self._serves:
             return
         on_worker = self._ingestion.on_worker
         if not on_worker:  # refused before anything changes (not once the prefetch stopped)
             self._ingestion.refuse_wait("close()")
-        if self._closed:
+        if self._closed and (on_worker or self._closer is not None or self._prefetch_stopped):
             if self._closer is not None and not on_worker:
                 self._closer.join()  # (a close on the ingestion worker stopped the prefetch on its own thread)
             self._ingestion.close()  # nothing left after a close that returned: then this returns at once
             return
+        # (the first close, or one after a close interrupted while it stopped the prefetch: this one finishes that)
         if not on_worker:  # (refused before anything changes when waiting for a delivery could last forever)
             self._enter("close()")
             cancelled = self._cancelled
@@ -904,6 +908,8 @@ class Overlapped(Scheduler):
                 self._ring.slots.clear()  # delivered batches the caller still holds keep their own memory alive
         if pool is not None:
             pool.shutdown()
+        if self._mu is mu:
+            self._prefetch_stopped = True
 
 
 def _abandon(ingestion: Ingestion, pool: Worker | None) -> None:
