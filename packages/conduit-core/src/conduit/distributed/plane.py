@@ -19,8 +19,14 @@ the index does not name): it is fenced (killed, never restarted), its items
 are either recovered from replicas (``replication=2``) or reported lost exactly, by handle,
 in a :class:`~conduit.distributed.faults.LossReport`; the buffer keeps serving from the
 other shards. A health monitor thread pings the shards every ``health_period`` seconds, so
-a loss is detected within ``health_period + timeout`` seconds of Ray reporting it, even
-when nobody calls the buffer.
+a loss is detected within ``health_period + timeout`` seconds of Ray reporting it (or of the
+shard hanging), even when nobody calls the buffer, provided no call holds the buffer's lock
+meanwhile: the monitor records a loss under that lock, so it waits for a call that holds it.
+A delivery or write waiting on a shard holds it up to ``2 * timeout`` (its remote call, then
+the health probe of a shard that did not answer; one waiting on the lost shard finds the loss
+itself), which makes the bound ``health_period + 3 * timeout``. A call that meets several
+failures holds it longer: ``2 * timeout`` more for each replica it reads or copy round it
+sends after fencing a shard (re-replication with ``replication=2``).
 """
 
 from __future__ import annotations
