@@ -15,6 +15,7 @@ and update, the part exposed on the critical path. The spans are written as a Ch
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -253,7 +254,8 @@ def check_rollout_fits(rollout: int, capacity: int) -> None:
 def _check_output(path: Path) -> None:
     """Make sure the trace can be written to ``path`` once the run is over (probed now, left as it was): it is
     written beside ``path`` and renamed over it (:func:`~conduit.telemetry.write_atomically`), so ``path`` is a
-    regular file or none yet, in a folder that takes new files.
+    regular file or none yet, in a folder that takes new files (a symbolic link: its target, see
+    :func:`~conduit.telemetry.write_atomically`).
 
     Raises:
         ConfigurationError: it is a directory or no regular file (a device such as /dev/null, a FIFO: the rename
@@ -266,7 +268,8 @@ def _check_output(path: Path) -> None:
                                  f"name, or --trace '' for none.")
     try:
         probe_writable(path)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".conduit-probe-"):  # the trace's rename needs it
+        # the trace's rename needs it, beside the file a link points to
+        with tempfile.NamedTemporaryFile(dir=Path(os.path.realpath(path)).parent, prefix=".conduit-probe-"):
             pass
     except OSError as e:
         raise ConfigurationError(f"Cannot write the trace to {str(path)!r} ({e.strerror or e}); give --trace a "
@@ -330,6 +333,9 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
               f"the run produces (--warmup + --iterations): none of them reaches the buffer while the loop runs "
               f"(only when it closes), so the figures time no ingestion; use --g-ing {max(1, rollouts)} or less to "
               f"time it.", file=sys.stderr)
+    if args.trace and not args.trace.strip():  # (else a file named with spaces in the current directory)
+        raise ConfigurationError(f"--trace {args.trace!r} names no file; give --trace a file name, or --trace '' "
+                                 f"for none.")
     if args.trace:
         _check_output(Path(args.trace))
     torch.manual_seed(0)

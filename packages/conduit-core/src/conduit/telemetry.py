@@ -552,6 +552,7 @@ def probe_writable(path: Path) -> None:
     Raises:
         OSError: it is a directory, its folder is missing, or it cannot be written.
     """
+    path = Path(os.path.realpath(path))  # (a dangling link: the file it would create goes, not the link)
     existed = path.exists()
     with open(path, "a"):
         pass
@@ -565,7 +566,12 @@ _TMP_NAME_KEPT = 200
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path``, then rename it over ``path`` (never half a file)."""
+    """Write ``text`` to a temporary file beside ``path``, then rename it over ``path`` (never half a file).
+
+    A ``path`` that is a symbolic link (or lies in a linked folder) is written through: the file it points to is
+    replaced (created, for a dangling link), and the link stays, as a plain write would leave it.
+    """
+    path = Path(os.path.realpath(path))  # (a rename over the link would replace it by a file, leaving its target)
     # a name of this process and thread, created exclusively (and with the umask's permissions, as a plain write);
     # the start of a long name only, so that the temporary name stays within a file name's 255 bytes wherever
     # ``path``'s does (with the whole name, a name of 220 or more could not be written at all)

@@ -183,8 +183,8 @@ def simulate(args: argparse.Namespace) -> int:
     for sc in scenarios.values():
         _check_scales(sc)
     if not args.out.strip():  # (Path("") is the current directory: the files would land there unasked)
-        raise ConfigurationError("--out '' names no directory; give the directory for the tables and the plot "
-                                 "(--out . for the current one).")
+        raise ConfigurationError(f"--out {args.out!r} names no directory; give the directory for the tables and the "
+                                 f"plot (--out . for the current one).")
     samples = 8 if args.samples is None else args.samples
     if args.samples is not None and args.baseline != "link-blind":
         print(f"note: --samples applies to --baseline link-blind only; the {args.baseline} baseline simulates one "
