@@ -26,6 +26,10 @@ also starts a local Ray cluster in each, or joins this process's shared one as a
 ``conduit.distributed.testing.SHARED_CLUSTER_ENV``). A subprocess connected to Ray also reports ``hash()`` of one
 string from a worker of its Ray job, and the check requires it to equal the subprocess's own
 (:meth:`ProcessDraws.check_hash_seed`): workers with another hash seed would hide what the check is for.
+
+A subprocess dies with the process that started it (on Linux: ``PR_SET_PDEATHSIG``; elsewhere on posix a watchdog
+thread that sees it re-parented ends its process group), so a parent killed outright (a test runner's SIGKILL)
+leaves no subprocess hanging for ever in its own session.
 """
 
 from __future__ import annotations
@@ -294,14 +298,35 @@ def _import_root(spec: str) -> str | None:
     return str(origin.parent.parent if found.submodule_search_locations is not None else origin.parent)
 
 
+#: the subprocess's first statements: it dies with its parent (process ``{parent}``). On Linux the kernel sends it
+#: SIGKILL when the parent (the thread that started it, which waits for it) ends; elsewhere on posix a daemon thread
+#: checks every half second whether it was re-parented, then kills its process group. Either way a parent that died
+#: before this ran is noticed at once (the subprocess was re-parented already)
+_PARENT_DEATH = (
+    "import os as _os, signal as _signal, sys as _sys, threading as _threading, time as _time\n"
+    "if _sys.platform.startswith('linux'):\n"
+    "    import ctypes as _ctypes\n"
+    "    _ctypes.CDLL(None, use_errno=True).prctl(1, _signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "elif _os.name == 'posix':\n"
+    "    def _watch():\n"
+    "        while _os.getppid() == {parent}:\n"
+    "            _time.sleep(0.5)\n"
+    "        _os.killpg(_os.getpgrp(), _signal.SIGKILL)\n"
+    "    _threading.Thread(target=_watch, name='conduit-parent-watch', daemon=True).start()\n"
+    "if _os.name == 'posix' and _os.getppid() != {parent}:\n"
+    "    _os._exit(1)\n"
+)
+
+
 def _start(spec: str, hash_seed: int | str) -> _Started:
     env = dict(os.environ, PYTHONHASHSEED=str(hash_seed))
     root = _import_root(spec)
     if root is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    # it dies with this process first (see _PARENT_DEATH; its own session would otherwise outlive a killed parent);
     # a crash (a signal) prints the Python stack of every thread; on posix SIGUSR1 prints them too (sent at a
     # timeout), registered before anything slow is imported
-    code = ("import faulthandler, signal, sys; faulthandler.enable(); "
+    code = (_PARENT_DEATH.format(parent=os.getpid()) + "import faulthandler, signal, sys; faulthandler.enable(); "
             "hasattr(signal, 'SIGUSR1') and faulthandler.register(signal.SIGUSR1, all_threads=True); "
             "from conduit.testing.crossprocess import _main; sys.exit(_main(sys.argv[1:]))")
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
