@@ -145,7 +145,7 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         if type(data) is dict and data:  # fast path: all fixed fields given as tensors of one length
             n = -1
             for v in data.values():
-                if type(v) is not torch.Tensor or not v.dim() or (n >= 0 and v.shape[0] != n):
+                if type(v) is not torch.Tensor or v.is_nested or not v.dim() or (n >= 0 and v.shape[0] != n):
                     break
                 n = v.shape[0]
             else:
@@ -172,6 +172,8 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                 except (TypeError, ValueError, RuntimeError) as e:
                     raise SchemaError(f"Field {k!r} cannot be made a tensor ({type(v).__name__}: {e}); give a "
                                       f"tensor or NumPy array [n, ...] of a numeric or bool dtype.") from e
+                if t.is_nested:  # (it has no shape: torch raises an internal error on reading one)
+                    raise SchemaError(_nested_error(k))
                 if t.dim() == 0:
                     raise SchemaError(f"Field {k!r} is a scalar; give one row per item (shape [n, ...]).")
                 cols[k] = t
@@ -357,8 +359,16 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
 _STRIDED = torch.strided
 
 
+def _nested_error(name: str) -> str:
+    """What a nested tensor given for field ``name`` is told."""
+    return (f"Field {name!r} is a nested tensor; give a conduit.Ragged for a variable-length field (e.g. "
+            f"Ragged.from_sequences(t.unbind())), or a dense tensor [n, *shape] for a fixed one.")
+
+
 def _check_has_values(name: str, t: torch.Tensor) -> None:
     """:class:`SchemaError` unless ``t`` is a dense tensor with data (storage copies rows of strided memory)."""
+    if t.is_nested:  # (a strided nested tensor reports the strided layout, and has no shape)
+        raise SchemaError(_nested_error(name))
     if t.layout is not _STRIDED:
         raise SchemaError(f"Field {name!r} is a {str(t.layout).removeprefix('torch.')} tensor; give a dense one "
                           f"(e.g. .to_dense()).")
@@ -422,7 +432,8 @@ def _matching_rows(columns: Mapping[str, object], schema: ExperienceSchema) -> i
     n = -1
     for name, dtype, shape, dims in checks:
         c = columns.get(name)
-        if type(c) is not torch.Tensor or c.dtype is not dtype or c.layout is not _STRIDED or c.is_meta:
+        if (type(c) is not torch.Tensor or c.dtype is not dtype or c.layout is not _STRIDED or c.is_meta
+                or c.is_nested):
             return -1
         s = c.shape
         if len(s) != dims or (dims > 1 and s[1:] != shape) or (n >= 0 and s[0] != n):

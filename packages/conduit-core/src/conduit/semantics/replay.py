@@ -201,7 +201,11 @@ class PrioritizedSampler(Sampler):
     def check_handles(handles: torch.Tensor | np.ndarray) -> np.ndarray:
         """Handles as int64 NumPy, or :class:`PriorityError` when they are not integers (e.g. the
         priorities passed where the handles go: truncated, they would name other items)."""
-        raw = np.asarray(host_array(handles) if isinstance(handles, torch.Tensor) else handles)
+        try:
+            raw = np.asarray(host_array(handles) if isinstance(handles, torch.Tensor) else handles)
+        except RuntimeError as e:  # torch cannot read them (a meta tensor holds no values, a nested one no shape)
+            raise PriorityError(f"Handles must be the int64 handles a delivery returned (a tensor or array with "
+                                f"values), got one torch cannot read ({e}).") from e
         if raw.size and raw.dtype.kind not in "iu":
             raise PriorityError(f"Handles must be integers (the int64 handles a delivery returned), got dtype "
                                 f"{raw.dtype}; pass info.handles first, then the priorities.")
@@ -230,7 +234,7 @@ class PrioritizedSampler(Sampler):
                 if np.iscomplexobj(priorities):
                     raise TypeError("complex values")
                 p = np.asarray(priorities, dtype=np.float64).reshape(-1)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RuntimeError) as e:  # (RuntimeError: a meta or nested tensor torch cannot read)
             raise PriorityError(f"Priorities must be real numbers (a float tensor or array, one per item), got "
                                 f"{type(priorities).__name__} ({e}); pass e.g. |td_error| + 1e-6.") from e
         if not p.size:
@@ -340,9 +344,14 @@ class PrioritizedSampler(Sampler):
         tree = self._tree
         if type(tree) is CompiledSumTree:
             # checked, filtered and written in one call; None: the input needs the conversions or the refusals below
-            h = host_array(handles) if type(handles) is torch.Tensor else handles
-            p = (host_array(priorities.detach().to("cpu", torch.float64))
-                 if type(priorities) is torch.Tensor and priorities.is_floating_point() else priorities)
+            h: object = None
+            p: object = None
+            try:
+                h = host_array(handles) if type(handles) is torch.Tensor else handles
+                p = (host_array(priorities.detach().to("cpu", torch.float64))
+                     if type(priorities) is torch.Tensor and priorities.is_floating_point() else priorities)
+            except RuntimeError:  # a tensor torch cannot read (meta, nested): refused by the checks below
+                pass
             if type(h) is np.ndarray and type(p) is np.ndarray and h.dtype is _INT64 and p.dtype is _FLOAT64:
                 st = self.storage
                 done = tree.set_by_handle(h, p, self.alpha, st.oldest, st.next_handle, self._log_limit())

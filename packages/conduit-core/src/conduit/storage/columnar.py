@@ -292,7 +292,10 @@ class ColumnarStorage(Storage):
         if plan is None:
             return None
         first = self._next
-        n = _rows.put(columns, plan, first % self.capacity, self.capacity)
+        try:
+            n = _rows.put(columns, plan, first % self.capacity, self.capacity)
+        except RuntimeError:  # torch refused to read a field (e.g. the shape of a nested tensor): put wrote nothing
+            return None
         if n < 0:
             return None
         evicted_from = self._oldest
