@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import torch
 
+from conduit._checks import is_int
 from conduit.errors import ConfigurationError, EmptyBufferError, StaleExperienceError
 from conduit.semantics.base import SampleInfo, Selection, Semantics, check_seed
 from conduit.storage.base import AppendResult
@@ -106,17 +107,19 @@ class OnPolicy(Semantics):
         if (num_minibatches is None) == (minibatch_size is None):
             raise ConfigurationError("Give exactly one of num_minibatches (M) or minibatch_size.")
         for name, v in (("num_minibatches", num_minibatches), ("minibatch_size", minibatch_size)):
-            if v is not None and (not isinstance(v, int) or v <= 0):
+            # (an integer of NumPy is one, a bool is none: True would silently mean 1)
+            if v is not None and (not is_int(v) or v <= 0):
                 raise ConfigurationError(f"{name} must be a positive int, got {v!r}.")
-        if not isinstance(num_epochs, int) or num_epochs <= 0:
+        if not is_int(num_epochs) or num_epochs <= 0:
             raise ConfigurationError(f"num_epochs must be a positive int, got {num_epochs!r}.")
         if not _non_negative_number(max_staleness):
             raise ConfigurationError(f"max_staleness must be a number >= 0 (versions), got {max_staleness!r}.")
         if on_stale not in ("drop", "raise"):
             raise ConfigurationError(f"on_stale must be 'drop' or 'raise', got {on_stale!r}.")
-        self.num_minibatches = num_minibatches
-        self.minibatch_size = minibatch_size
-        self.num_epochs = num_epochs
+        # plain ints: the cuts are Python lists, and a checkpoint holds them (torch.load(weights_only=True) reads it)
+        self.num_minibatches = None if num_minibatches is None else int(num_minibatches)
+        self.minibatch_size = None if minibatch_size is None else int(minibatch_size)
+        self.num_epochs = int(num_epochs)
         self.max_staleness = max_staleness
         self.on_stale = on_stale
         self.shuffle = shuffle
