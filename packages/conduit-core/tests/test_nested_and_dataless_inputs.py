@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from conduit import (
@@ -95,3 +96,14 @@ def test_meta_or_nested_handles_are_refused_typed(kind: str) -> None:
     with pytest.raises(PriorityError, match="Handles must be"):
         edp.update_priorities(bad, torch.tensor([1.0, 2.0]))
     assert _saved(edp) == before
+
+
+def test_an_unsigned_handle_past_int64_is_named_as_given() -> None:
+    """A uint64 handle of 2**64 - 1 was reported as "Handle -1 was never issued" (its int64 reading)."""
+    edp = ExperienceDataPlane(FIXED, capacity=4, semantics=Replay(PrioritizedSampler(alpha=1.0)))
+    edp.ingest(_fixed_batch(2))
+    before = _saved(edp)
+    with pytest.raises(PriorityError, match=f"Handle {2**64 - 1} was never issued"):
+        edp.update_priorities(np.array([2**64 - 1, 0], dtype=np.uint64), np.array([1.0, 2.0]))
+    assert _saved(edp) == before
+    assert edp.update_priorities(np.array([1], dtype=np.uint64), np.array([3.0])) == 1

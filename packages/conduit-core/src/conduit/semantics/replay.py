@@ -14,7 +14,7 @@ from conduit.batch import host_array
 from conduit.errors import CapacityError, ConfigurationError, EmptyBufferError, PriorityError
 from conduit.semantics.base import RingHandles, SampleInfo, Selection, Semantics, check_seed
 from conduit.semantics.sumtree import CompiledSumTree, sum_tree
-from conduit.storage.base import AppendResult, Storage
+from conduit.storage.base import MAX_HANDLE, AppendResult, Storage
 
 __all__ = ["Replay", "Sampler", "UniformSampler", "PrioritizedSampler"]
 
@@ -209,6 +209,9 @@ class PrioritizedSampler(Sampler):
         if raw.size and raw.dtype.kind not in "iu":
             raise PriorityError(f"Handles must be integers (the int64 handles a delivery returned), got dtype "
                                 f"{raw.dtype}; pass info.handles first, then the priorities.")
+        if raw.size and raw.dtype.kind == "u" and int(raw.max()) > MAX_HANDLE:  # (as int64 it would read negative)
+            raise PriorityError(f"Handle {int(raw.max())} was never issued (handles are int64); pass the info.handles "
+                                f"a delivery returned. No priority was changed.")
         return raw.astype(np.int64, copy=False).reshape(-1)
 
     @staticmethod
