@@ -5,8 +5,15 @@ from __future__ import annotations
 import numbers
 from typing import TypeGuard
 
+import numpy as np
+
 
 def is_int(x: object) -> TypeGuard[int]:
     """``x`` is an integer (Python's, NumPy's or any other ``numbers.Integral``), not a bool: what a count, a
     size or a handle must be (``int`` to the type checker: NumPy integers compare and index as ints do)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_bool(x: object) -> TypeGuard[bool]:
+    """``x`` is a bool (Python's or NumPy's): what a flag must be (a string such as ``"no"`` is truthy)."""
+    return isinstance(x, (bool, np.bool_))

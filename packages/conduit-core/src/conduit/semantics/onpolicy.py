@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from conduit._checks import is_int
+from conduit._checks import is_bool, is_int
 from conduit.errors import ConfigurationError, EmptyBufferError, StaleExperienceError
 from conduit.semantics.base import SampleInfo, Selection, Semantics, check_seed
 from conduit.storage.base import AppendResult
@@ -116,13 +116,15 @@ class OnPolicy(Semantics):
             raise ConfigurationError(f"max_staleness must be a number >= 0 (versions), got {max_staleness!r}.")
         if on_stale not in ("drop", "raise"):
             raise ConfigurationError(f"on_stale must be 'drop' or 'raise', got {on_stale!r}.")
+        if not is_bool(shuffle):  # (a string such as "no" is truthy: it shuffled)
+            raise ConfigurationError(f"shuffle must be True or False, got {shuffle!r}.")
         # plain ints: the cuts are Python lists, and a checkpoint holds them (torch.load(weights_only=True) reads it)
         self.num_minibatches = None if num_minibatches is None else int(num_minibatches)
         self.minibatch_size = None if minibatch_size is None else int(minibatch_size)
         self.num_epochs = int(num_epochs)
         self.max_staleness = max_staleness
         self.on_stale = on_stale
-        self.shuffle = shuffle
+        self.shuffle = bool(shuffle)
         self.seed = check_seed(seed)
         self.policy_version = 0
         self.dropped_items = 0

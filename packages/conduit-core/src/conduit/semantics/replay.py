@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from conduit._checks import is_bool
 from conduit.batch import host_array
 from conduit.errors import CapacityError, ConfigurationError, EmptyBufferError, PriorityError
 from conduit.semantics.base import RingHandles, SampleInfo, Selection, Semantics, check_seed
@@ -476,6 +477,10 @@ class Replay(Semantics):
                                      f"Replay(PrioritizedSampler()).")
         if type(n) is not int and (isinstance(n, bool) or not isinstance(n, Integral)) or n <= 0:
             raise ConfigurationError(f"Replay delivery needs a positive batch size n (an int), got {n!r}.")
+        if replace is not True and replace is not False:
+            if not is_bool(replace):  # (a string such as "no" is truthy: it drew with replacement)
+                raise ConfigurationError(f"replace must be True or False, got {replace!r}.")
+            replace = bool(replace)
         n = int(n)
         if n > MAX_DRAW:
             raise ConfigurationError(f"A delivery of {n} items is more than one call draws (at most {MAX_DRAW}); ask "
