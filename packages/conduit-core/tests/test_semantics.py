@@ -202,6 +202,15 @@ def test_all_zero_priorities_cannot_be_sampled() -> None:
         edp.deliver(2)
 
 
+def test_priorities_whose_power_underflows_are_named_in_the_refusal() -> None:
+    """Positive priorities so small that ``p ** alpha`` is 0 in float64 weigh nothing in the tree: the refusal said
+    "Every live item has priority 0", which the caller could not find in its priorities; it names the underflow."""
+    edp = ExperienceDataPlane(SCHEMA, capacity=4, semantics=Replay(PrioritizedSampler(alpha=2.0)))
+    edp.ingest(ids(0, 2), priorities=torch.full((2,), 1e-200, dtype=torch.float64))
+    with pytest.raises(EmptyBufferError, match=r"underflows float64 to 0: below about 2\.22e-162 at alpha=2"):
+        edp.deliver(2)
+
+
 def test_new_items_get_the_largest_priority_seen() -> None:
     edp = ExperienceDataPlane(SCHEMA, capacity=8, semantics=Replay(PrioritizedSampler(alpha=1.0)))
     edp.ingest(ids(0, 2), priorities=torch.tensor([5.0, 1.0]))

@@ -284,6 +284,10 @@ class PrioritizedSampler(Sampler):
                                 f"{math.exp(min(log_limit, math.log(_FLOAT64_MAX))):.3g} are safe); clip or scale the "
                                 f"priorities (e.g. the TD errors) first.")
 
+    def _underflow(self) -> float:
+        """The priority below which ``priority ** alpha`` is 0 in float64 (0 for alpha 0: every priority is 1)."""
+        return 0.0 if self.alpha == 0 else math.exp(math.log(5e-324) / self.alpha)
+
     def _log_limit(self) -> float:
         """The largest ``log(priority)`` whose ``priority ** alpha``, summed over a full buffer, stays below half
         of float64's largest (inf for alpha 0; the half is room for the rounding of ``log``, ``**`` and the
@@ -300,8 +304,10 @@ class PrioritizedSampler(Sampler):
         tree = self._tree
         total = tree.total
         if total <= 0:
-            raise EmptyBufferError("Every live item has priority 0, so none can be drawn; update priorities "
-                                   "with positive values (e.g. |td_error| + 1e-6).")
+            raise EmptyBufferError(f"Every live item has priority 0 (or one so small that its priority ** alpha "
+                                   f"underflows float64 to 0: below about {self._underflow():.3g} at "
+                                   f"alpha={self.alpha:g}), so none can be drawn; update priorities with positive "
+                                   f"values (e.g. |td_error| + 1e-6).")
         u = self._rng.random(n)
         st = self.storage
         # the compiled tree draws, weighs and finds the handles in one call (None: a draw needs redrawing, below)
