@@ -258,8 +258,17 @@ def is_enabled(config: AlgorithmConfig) -> bool:
 
 
 def _learner_class(config: AlgorithmConfig, default: type, conduit: type, mixin: type) -> type:
-    current = config._learner_class  # None: RLlib's default for this algorithm
-    if current is None or current is default:
+    """The learner class ``enable`` sets: Conduit's for RLlib's stock learner, the config's own if it has the mixin.
+
+    The config's learner is the one it builds (``config.learner_class``): an explicit ``learner_class``, else its
+    ``get_default_learner_class()``, which a config subclass may point at its own learner.
+
+    Raises:
+        UnsupportedConfigError: the config's own learner class lacks Conduit's mixin (it is not replaced: that
+            would drop the user's learner, e.g. its loss).
+    """
+    current = config.learner_class
+    if current is default:
         return conduit
     if isinstance(current, type) and issubclass(current, mixin):
         return current
@@ -292,7 +301,7 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
             ``placement`` that is no Placement, a ``scheduler`` that is no factory (e.g. a Scheduler instance), or a
             setting the adapter cannot serve (old API stack, non-torch, multi-agent, RNN models, custom learner
             connectors off-policy, a replay buffer class defined in a function or nested in a class, which no
-            dotted path names, ...).
+            dotted path names, a learner class, explicit or the config's default, without Conduit's mixin, ...).
         conduit_rllib.compat.RLlibCompatibilityError: the installed RLlib moved a hook we use.
     """
     if not isinstance(config, AlgorithmConfig):
