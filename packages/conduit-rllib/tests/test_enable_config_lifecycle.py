@@ -67,3 +67,23 @@ def test_rllibs_stock_learner_given_explicitly_is_still_replaced() -> None:
     config = conduit_rllib.enable(DQNConfig().learners(learner_class=DQNTorchLearner))
     assert issubclass(config.learner_class, ConduitOffPolicyLearner)
 
+
+# -- PPO on several learners without a minibatch_size -------------------------------------------------------------
+
+@pytest.mark.parametrize("minibatch_size", [None, 0])
+def test_ppo_on_several_learners_without_a_minibatch_size_is_refused_typed_naming_the_fix(
+        minibatch_size: int | None) -> None:
+    """RLlib's LearnerGroup computes the learners' common count of minibatches from ``minibatch_size`` whenever it
+    shards episodes among two or more learners (``int(epochs * steps / (learners * minibatch_size))``), so every
+    PPO training step ends in a TypeError (None) or ZeroDivisionError (0) there, with or without Conduit, after the
+    whole build and a first rollout. enable accepted the config, and the README promised PPO on any num_learners
+    and RLlib's cuts without a minibatch_size."""
+    config = PPOConfig().environment("CartPole-v1").learners(num_learners=2).training(minibatch_size=minibatch_size)
+    with pytest.raises(UnsupportedConfigError, match=r"minibatch_size.*num_learners"):
+        conduit_rllib.enable(config)
+    assert config._learner_class is None and "conduit" not in config.learner_config_dict, "the refused call changed it"
+    # what RLlib itself serves stays accepted: one learner (remote or local) without a minibatch_size, or a size
+    for ok in (PPOConfig().learners(num_learners=1).training(minibatch_size=None),
+               PPOConfig().training(minibatch_size=None),
+               PPOConfig().learners(num_learners=2).training(minibatch_size=64)):
+        assert conduit_rllib.is_enabled(conduit_rllib.enable(ok))

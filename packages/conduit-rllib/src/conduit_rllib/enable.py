@@ -301,7 +301,8 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
             ``placement`` that is no Placement, a ``scheduler`` that is no factory (e.g. a Scheduler instance), or a
             setting the adapter cannot serve (old API stack, non-torch, multi-agent, RNN models, custom learner
             connectors off-policy, a replay buffer class defined in a function or nested in a class, which no
-            dotted path names, a learner class, explicit or the config's default, without Conduit's mixin, ...).
+            dotted path names, a learner class, explicit or the config's default, without Conduit's mixin, PPO on
+            two or more learners without a ``minibatch_size``, which RLlib's learner group cannot shard, ...).
         conduit_rllib.compat.RLlibCompatibilityError: the installed RLlib moved a hook we use.
     """
     if not isinstance(config, AlgorithmConfig):
@@ -355,6 +356,14 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
             raise UnsupportedConfigError("scheduler= applies to DQN/SAC replay only; PPO's minibatch delivery is "
                                          "scheduled by Conduit's on-policy path (prefetch=True/False). Drop "
                                          "scheduler= for PPO.")
+        if (config.num_learners >= 2 and not config.minibatch_size
+                and getattr(_resolve(config.algo_class), "training_step", None) is PPO.training_step):
+            # RLlib's LearnerGroup divides by minibatch_size to count the learners' common minibatches
+            raise UnsupportedConfigError(
+                f"PPO with num_learners={config.num_learners} needs a minibatch_size (it is "
+                f"{config.minibatch_size!r}): RLlib's LearnerGroup computes the learners' common count of "
+                f"minibatches from it and fails in every training step without one, with or without Conduit. Set "
+                f"config.training(minibatch_size=...) (e.g. 128), or use num_learners <= 1.")
         learner = _learner_class(config, default_learner, conduit_learner, ConduitOnPolicyLearner)
         config.learners(learner_class=learner,
                         learner_config_dict={CONFIG_KEY: {"placement": placement, "prefetch": bool(prefetch)}})
