@@ -12,6 +12,7 @@ from ray.rllib.algorithms.dqn import DQNConfig
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
 from ray.rllib.algorithms.ppo import PPOConfig
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+from ray.rllib.connectors.connector_v2 import ConnectorV2
 
 
 class MyPPOLearner(PPOTorchLearner):
@@ -87,3 +88,55 @@ def test_ppo_on_several_learners_without_a_minibatch_size_is_refused_typed_namin
                PPOConfig().training(minibatch_size=None),
                PPOConfig().learners(num_learners=2).training(minibatch_size=64)):
         assert conduit_rllib.is_enabled(conduit_rllib.enable(ok))
+
+
+# -- a config changed after enable ---------------------------------------------------------------------------------
+
+def _hook(**kwargs: object) -> None:
+    pass
+
+
+def test_is_enabled_says_no_once_callbacks_set_after_enable_replaced_conduits_hook() -> None:
+    """RLlib's ``config.callbacks(on_algorithm_init=...)`` replaces the list of callbacks, Conduit's with it: the
+    algorithm then trains on RLlib's own buffer (Conduit's learner takes RLlib's episodes as RLlib does), while
+    is_enabled kept saying True. Calling enable again after the change wires Conduit back, keeping the user's hook."""
+    config = conduit_rllib.enable(DQNConfig().environment("CartPole-v1"))
+    config.callbacks(on_algorithm_init=_hook)
+    assert not conduit_rllib.is_enabled(config), "Conduit's replay hook is gone: the config is not enabled"
+    conduit_rllib.enable(config)
+    assert conduit_rllib.is_enabled(config) and config.callbacks_on_algorithm_init[0] is _hook
+    ppo = conduit_rllib.enable(PPOConfig().environment("CartPole-v1")).callbacks(on_algorithm_init=_hook)
+    assert conduit_rllib.is_enabled(ppo), "PPO needs no hook: its learner class is all of Conduit's wiring"
+
+
+class _Tap(ConnectorV2):
+    def __call__(self, *, rl_module: Any, batch: Any, episodes: Any, **kwargs: Any) -> Any:
+        return batch
+
+
+CHANGED_AFTER_ENABLE = {
+    # before: AttributeError ('DQNTorchLearner' object has no attribute 'conduit_attach_replay') at build
+    "learner class without the mixin": (lambda c: c.learners(learner_class=DQNTorchLearner), "mixin"),
+    # before: built and trained with the user's connector piece silently never called
+    "learner connector": (lambda c: c.learners(learner_connector=lambda *a, **k: _Tap()), "learner connector"),
+    # before: built, then RLlib's LSTM module failed on Conduit's one-step batch (a torch shape RuntimeError)
+    "stateful model": (lambda c: c.rl_module(model_config={"use_lstm": True}), "Stateful"),
+}
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("change", list(CHANGED_AFTER_ENABLE))
+def test_a_dqn_config_changed_after_enable_into_one_conduit_cannot_serve_is_refused_typed_at_build(
+        change: str) -> None:
+    """RLlib's config stays mutable after enable: a setting enable refuses, made after it, was served wrong
+    (a skipped connector) or failed untyped once the algorithm was built or trained. Conduit's build-time hook
+    checks the config again and refuses it typed, saying to make the change before enable or call it again."""
+    config = conduit_rllib.enable(
+        DQNConfig().environment("CartPole-v1").env_runners(num_env_runners=0, rollout_fragment_length=8)
+        .training(train_batch_size=16, num_steps_sampled_before_learning_starts=16,
+                  replay_buffer_config={"type": "EpisodeReplayBuffer", "capacity": 1000})
+        .reporting(min_sample_timesteps_per_iteration=32).debugging(seed=0))
+    make_change, words = CHANGED_AFTER_ENABLE[change]
+    make_change(config)
+    with pytest.raises(UnsupportedConfigError, match=f"{words}.*call enable\\(\\) again"):
+        config.build_algo()

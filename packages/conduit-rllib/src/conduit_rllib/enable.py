@@ -155,6 +155,41 @@ def _replay_class(config: AlgorithmConfig) -> type:
                                  f"only. {_WHAT_TO_SET}")
 
 
+def _check_served(config: AlgorithmConfig) -> None:
+    """Refuse the settings of a supported algorithm's config that the adapter cannot serve (DQN, SAC and PPO).
+
+    Raises:
+        UnsupportedConfigError: old API stack, not torch, multi-agent, a stateful (LSTM/attention) model.
+    """
+    if not (config.enable_rl_module_and_learner and config.enable_env_runner_and_connector_v2):
+        raise UnsupportedConfigError("Conduit plugs into RLlib's new API stack (RLModule, Learner, EnvRunner); "
+                                     "enable it with config.api_stack(enable_rl_module_and_learner=True, "
+                                     "enable_env_runner_and_connector_v2=True).")
+    if config.framework_str != "torch":
+        raise UnsupportedConfigError(f"Conduit's RLlib adapter supports framework 'torch', not "
+                                     f"{config.framework_str!r}.")
+    if config.is_multi_agent:
+        raise UnsupportedConfigError("Conduit's RLlib adapter supports single-agent training; this config is "
+                                     "multi-agent.")
+    if config.model_config.get("use_lstm") or config.model_config.get("use_attention"):
+        raise UnsupportedConfigError("Stateful (LSTM/attention) modules need sequence sampling, which Conduit's "
+                                     "RLlib adapter does not support; use a feed-forward model.")
+
+
+def _check_off_policy(config: AlgorithmConfig) -> None:
+    """Refuse what DQN/SAC's Conduit path cannot serve on top of :func:`_check_served`.
+
+    Raises:
+        UnsupportedConfigError: custom learner connector pieces (Conduit's batches skip the connector), or a
+            ``replay_buffer_config["type"]`` Conduit does not replace (see :func:`_replay_class`).
+    """
+    if config._learner_connector is not None:
+        raise UnsupportedConfigError("Conduit delivers DQN/SAC train batches ready-made, so custom learner "
+                                     "connector pieces would be skipped; remove "
+                                     "config.learners(learner_connector=...) or run without Conduit.")
+    _replay_class(config)
+
+
 def _buildable_type(rb_type: type) -> str:
     """``replay_buffer_config["type"]`` given as a class, written the way RLlib 2.60's ``build_algo`` takes it.
 
@@ -199,6 +234,27 @@ _SET_HERE = frozenset({"type", "capacity", "alpha", "seed", "device", "placement
                        "metrics_num_episodes_for_smoothing"})
 
 
+def _check_still_served(config: AlgorithmConfig) -> None:
+    """What ``enable`` checked, checked again on the config an algorithm is built from: a setting changed after
+    ``enable`` (RLlib's config stays mutable) must not be served wrong or fail untyped.
+
+    Raises:
+        UnsupportedConfigError: the config is no longer one ``enable`` accepts (multi-agent, a stateful model, a
+            learner connector, another replay buffer type, a learner class without ``ConduitOffPolicyLearner``).
+    """
+    try:
+        _check_served(config)
+        _check_off_policy(config)
+        learner = config.learner_class
+        if not (isinstance(learner, type) and issubclass(learner, ConduitOffPolicyLearner)):
+            raise UnsupportedConfigError(f"This algorithm's learner class {learner!r} lacks Conduit's mixin, so it "
+                                         f"cannot train on Conduit's replay samples. Give it "
+                                         f"conduit_rllib.ConduitOffPolicyLearner first in its bases.")
+    except UnsupportedConfigError as e:
+        raise UnsupportedConfigError(f"{e} (conduit_rllib.enable accepted this config before it was changed: make "
+                                     f"the change before enable(), or call enable() again after it.)") from e
+
+
 @dataclass
 class InstallReplayBuffer:
     """The ``on_algorithm_init`` callback: swap in a Conduit replay buffer and attach it to the learner (a
@@ -217,6 +273,7 @@ class InstallReplayBuffer:
 
     def __call__(self, *, algorithm: Any, metrics_logger: Any = None, **kwargs: Any) -> None:
         cfg = algorithm.config
+        _check_still_served(cfg)
         group = algorithm.learner_group
         cls = _replay_class(cfg)
         rbc = cfg.replay_buffer_config
@@ -252,9 +309,16 @@ class InstallReplayBuffer:
 
 
 def is_enabled(config: AlgorithmConfig) -> bool:
-    """Whether ``enable`` has wired Conduit into ``config``."""
-    return isinstance(config.learner_class, type) and issubclass(
-        config.learner_class, (ConduitOffPolicyLearner, ConduitOnPolicyLearner))
+    """Whether ``enable`` has wired Conduit into ``config``: a learner class with Conduit's mixin and, for DQN/SAC,
+    the ``on_algorithm_init`` callback that installs the replay buffer (``config.callbacks(on_algorithm_init=...)``
+    after ``enable`` replaces RLlib's list of callbacks, Conduit's with it: call ``enable`` again after it)."""
+    learner = config.learner_class
+    if not isinstance(learner, type):
+        return False
+    if issubclass(learner, ConduitOnPolicyLearner):
+        return True
+    return issubclass(learner, ConduitOffPolicyLearner) and any(
+        isinstance(hook, InstallReplayBuffer) for hook in force_list(config.callbacks_on_algorithm_init))
 
 
 def _learner_class(config: AlgorithmConfig, default: type, conduit: type, mixin: type) -> type:
@@ -314,19 +378,7 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
                                      "on an unfrozen copy: conduit_rllib.enable(config.copy(copy_frozen=False)).")
     base = _algorithm(config)
     kind, default_learner, conduit_learner = _TABLE[base]
-    if not (config.enable_rl_module_and_learner and config.enable_env_runner_and_connector_v2):
-        raise UnsupportedConfigError("Conduit plugs into RLlib's new API stack (RLModule, Learner, EnvRunner); "
-                                     "enable it with config.api_stack(enable_rl_module_and_learner=True, "
-                                     "enable_env_runner_and_connector_v2=True).")
-    if config.framework_str != "torch":
-        raise UnsupportedConfigError(f"Conduit's RLlib adapter supports framework 'torch', not "
-                                     f"{config.framework_str!r}.")
-    if config.is_multi_agent:
-        raise UnsupportedConfigError("Conduit's RLlib adapter supports single-agent training; this config is "
-                                     "multi-agent.")
-    if config.model_config.get("use_lstm") or config.model_config.get("use_attention"):
-        raise UnsupportedConfigError("Stateful (LSTM/attention) modules need sequence sampling, which Conduit's "
-                                     "RLlib adapter does not support; use a feed-forward model.")
+    _check_served(config)
     if placement is not None and not isinstance(placement, Placement):
         raise UnsupportedConfigError(f"placement= takes a conduit Placement instance (e.g. conduit.HostPlacement() or "
                                      f"conduit.DevicePlacement('cuda')), or None for the default; got {placement!r}.")
@@ -336,11 +388,7 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
             raise UnsupportedConfigError(f"scheduler= takes a zero-argument factory that returns a new scheduler "
                                          f"(e.g. lambda: conduit.Overlapped(g_del=2, background_ingest=False)): each "
                                          f"buffer built from this config needs its own scheduler; got {scheduler!r}.")
-        if config._learner_connector is not None:
-            raise UnsupportedConfigError("Conduit delivers DQN/SAC train batches ready-made, so custom learner "
-                                         "connector pieces would be skipped; remove "
-                                         "config.learners(learner_connector=...) or run without Conduit.")
-        _replay_class(config)
+        _check_off_policy(config)
         replay_config = cast("DQNConfig | SACConfig", config)
         rb_type = replay_config.replay_buffer_config.get("type")
         buildable = _buildable_type(rb_type) if isinstance(rb_type, type) else None
