@@ -126,8 +126,9 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
             the buffer's lock (inside ``read_locked()``) while the scheduler could drop its prepared deliveries only
             by waiting for that lock (e.g. a prefetch job waits for it): migrate outside ``read_locked()``.
         SchemaError: the transform's output does not match the new schema.
-        PlacementError: the new placement cannot hold the buffer, or another migration of
-            ``edp`` replaced its storage meanwhile (the buffer keeps that one's result).
+        PlacementError: the new placement cannot hold the buffer, or builds a storage of another capacity
+            (a custom placement: the slots would move), or another migration of ``edp`` replaced its storage
+            meanwhile (the buffer keeps that one's result).
         Any of these leaves the buffer exactly as it was.
     """
     from conduit.placement.base import Placement as PlacementRole
@@ -160,6 +161,12 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
         ragged_capacity = getattr(old, "ragged_capacity", None)
     new = placement.storage(new_schema, cap, ragged_capacity=ragged_capacity if new_schema.ragged else None)
     try:
+        if new.capacity != cap:  # (a custom placement): items would change slots under the sampler's state
+            raise PlacementError(
+                f"{placement.describe()} built a storage of {new.capacity} items for this buffer of capacity {cap}; "
+                f"a migration keeps the capacity (every item keeps its slot, handle % capacity, which the sampler's "
+                f"priorities and on-policy positions are keyed by). Make its storage() return exactly the capacity "
+                f"asked for. The buffer was not changed.")
         items, o, nx, nbytes, chunks, max_blocked = _copy_and_swap(edp, placement, old, new, start, new_schema,
                                                                   transform, chunk_bytes, progress)
     except BaseException:

@@ -1,0 +1,69 @@
+"""Placement review: a migration target must keep the buffer's capacity (slots and sampler state are keyed by
+``handle % capacity``); a placement spec names devices, not the characters of one name; a hand-built placement map
+answers only the sizes its ranges cover; a plan on a discovered topology builds its disk tier on the volume it
+checked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay
+from conduit.errors import PlacementError
+from conduit.placement import (
+    HostPlacement,
+    PlacementSpec,
+    Workload,
+)
+from conduit.storage.base import Storage
+from conduit.storage.columnar import ColumnarStorage
+
+SCHEMA = ExperienceSchema(id=Field((), torch.int64), obs=Field((2,), torch.float32))
+HOST = PlacementSpec("host", ("cpu",))
+TEMPLATE = Workload.from_schema(SCHEMA, capacity=100, batch=10)
+
+
+def batch(ids: range) -> dict[str, torch.Tensor]:
+    t = torch.as_tensor(np.asarray(list(ids)), dtype=torch.int64)
+    return {"id": t, "obs": torch.stack([t.float(), 2 * t.float()], 1)}
+
+
+def prioritized(items: int) -> ExperienceDataPlane:
+    """A prioritized buffer of 8 slots that has taken ``items`` items (more than 8: the ring wrapped)."""
+    edp = ExperienceDataPlane(SCHEMA, capacity=8, semantics=Replay(PrioritizedSampler(alpha=0.6), seed=3))
+    for a in range(0, items, 3):
+        b = min(items, a + 3)
+        edp.ingest(batch(range(a, b)), priorities=torch.arange(a + 1.0, b + 1.0))
+    return edp
+
+
+class _Resized(HostPlacement):
+    """A custom placement whose storage has another capacity than the one asked for."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+        self.built: list[Storage] = []
+
+    def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
+        st = ColumnarStorage(schema, int(capacity * self.factor), "cpu")
+        self.built.append(st)
+        return st
+
+
+@pytest.mark.parametrize(("factor", "items"), [(2, 10), (0.5, 3)])
+def test_a_migration_target_of_another_capacity_is_refused_and_changes_nothing(factor: float, items: int) -> None:
+    edp, twin = prioritized(items), prioritized(items)
+    old = edp.storage
+    target = _Resized(factor)
+    with pytest.raises(PlacementError, match="keeps the capacity"):
+        edp.migrate(target)
+    assert target.built, "the target's storage was never built"
+    assert edp.storage is old and edp.capacity == 8 and len(edp) == len(twin)
+    # the buffer goes on as its twin that never tried: same draws, and ingestion into the ring it has
+    for _ in range(3):
+        (a, ia), (b, ib) = edp.deliver(4), twin.deliver(4)
+        assert torch.equal(ia.handles, ib.handles) and torch.equal(a["id"], b["id"])
+    for e in (edp, twin):
+        e.ingest(batch(range(10, 13)), priorities=torch.tensor([1.0, 2.0, 3.0]))
+    assert edp.state_dict()["storage"]["data"]["id"].tolist() == twin.state_dict()["storage"]["data"]["id"].tolist()
