@@ -67,3 +67,13 @@ def test_a_migration_target_of_another_capacity_is_refused_and_changes_nothing(f
     for e in (edp, twin):
         e.ingest(batch(range(10, 13)), priorities=torch.tensor([1.0, 2.0, 3.0]))
     assert edp.state_dict()["storage"]["data"]["id"].tolist() == twin.state_dict()["storage"]["data"]["id"].tolist()
+
+
+@pytest.mark.parametrize("devices", ["cpu", "cuda:0", "disk"])
+def test_a_spec_whose_devices_are_one_name_is_refused_naming_the_tuple_to_write(devices: str) -> None:
+    with pytest.raises(PlacementError, match=r"sequence of device names"):
+        PlacementSpec("host", devices)  # type: ignore[arg-type]
+
+
+def test_a_spec_still_takes_any_sequence_of_device_names() -> None:
+    assert PlacementSpec("sharded", ["cpu", torch.device("cpu")]).devices == ("cpu", "cpu")  # type: ignore[list-item]

@@ -52,6 +52,9 @@ class PlacementSpec:
 
     ``devices`` are torch device strings (``"cpu"``, ``"cuda:3"``); the disk tier lists
     ``"disk"``.
+
+    Raises:
+        PlacementError: an unknown tier, no devices, or ``devices`` that is one name instead of a sequence.
     """
 
     tier: str
@@ -60,6 +63,9 @@ class PlacementSpec:
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
             raise PlacementError(f"Unknown tier {self.tier!r}; use one of {', '.join(TIERS)}.")
+        if isinstance(self.devices, (str, bytes)):  # (a tuple of its characters otherwise: 'c', 'p', 'u')
+            raise PlacementError(f"A placement's devices are a sequence of device names, got the one name "
+                                 f"{self.devices!r}; write PlacementSpec({self.tier!r}, ({self.devices!r},)).")
         object.__setattr__(self, "devices", tuple(str(d) for d in self.devices))
         if not self.devices:
             raise PlacementError(f"A {self.tier!r} placement needs at least one device (e.g. ('cpu',), ('cuda:0',) "
