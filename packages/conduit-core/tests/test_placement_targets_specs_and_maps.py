@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay
-from conduit.errors import PlacementError
+from conduit.errors import ConfigurationError, PlacementError
 from conduit.placement import (
     HostPlacement,
     PlacementSpec,
     Workload,
 )
+from conduit.placement.placement_map import MapRange, PlacementMap
 from conduit.storage.base import Storage
 from conduit.storage.columnar import ColumnarStorage
 
@@ -77,3 +78,22 @@ def test_a_spec_whose_devices_are_one_name_is_refused_naming_the_tuple_to_write(
 
 def test_a_spec_still_takes_any_sequence_of_device_names() -> None:
     assert PlacementSpec("sharded", ["cpu", torch.device("cpu")]).devices == ("cpu", "cpu")  # type: ignore[list-item]
+
+
+def test_a_map_whose_maximum_lies_beyond_its_last_range_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="last range"):
+        PlacementMap([MapRange(0.0, 50.0, HOST)], TEMPLATE, "t", max_item_bytes=100.0)
+
+
+def test_a_map_whose_maximum_ends_its_last_range_still_answers_it() -> None:
+    pmap = PlacementMap([MapRange(0.0, 50.0, HOST)], TEMPLATE, "t", max_item_bytes=50.0)
+    assert pmap.lookup(40.0) == HOST
+    with pytest.raises(PlacementError):
+        pmap.lookup(60.0)
+
+
+@pytest.mark.parametrize("bad", [MapRange("0", 50.0, HOST), MapRange(0.0, None, HOST),  # type: ignore[arg-type]
+                                 MapRange(True, 50.0, HOST)])  # type: ignore[arg-type]
+def test_a_map_range_that_is_no_number_is_a_configuration_error(bad: MapRange) -> None:
+    with pytest.raises(ConfigurationError, match="range 0"):
+        PlacementMap([bad], TEMPLATE, "t")

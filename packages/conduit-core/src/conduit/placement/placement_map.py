@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 import time
 import weakref
 from collections.abc import Callable
@@ -73,7 +74,8 @@ class PlacementMap:
     Raises:
         ConfigurationError: no ranges, an item that is not a :class:`MapRange`, a range that is
             empty or not a number, ranges that are unsorted or leave gaps (``hi`` of one must be
-            ``lo`` of the next), or a ``max_item_bytes`` that is NaN, negative or infinite.
+            ``lo`` of the next), or a ``max_item_bytes`` that is NaN, negative, infinite or beyond
+            the last range's end.
     """
 
     def __init__(self, ranges: list[MapRange], workload: Workload, topology: str, *,
@@ -83,6 +85,8 @@ class PlacementMap:
         for i, r in enumerate(ranges):
             if not isinstance(r, MapRange):
                 raise ConfigurationError(f"Placement map range {i} is {type(r).__name__}, not a MapRange.")
+            if any(isinstance(x, bool) or not isinstance(x, numbers.Real) for x in (r.lo, r.hi)):
+                raise ConfigurationError(f"Placement map range {i} ({r.lo!r} .. {r.hi!r}) must be numbers of bytes.")
             if not 0 <= r.lo < r.hi:  # (False for NaN)
                 raise ConfigurationError(f"Placement map range {i} ({r.lo} .. {r.hi} B) must have 0 <= lo < hi.")
             if i and ranges[i - 1].hi != r.lo:
@@ -91,6 +95,10 @@ class PlacementMap:
         if max_item_bytes is not None and not 0 <= max_item_bytes < math.inf:
             raise ConfigurationError(f"max_item_bytes must be a finite number >= 0 (the largest item size the map was "
                                      f"planned for; or None: the last range's end), got {max_item_bytes!r}.")
+        if max_item_bytes is not None and max_item_bytes > ranges[-1].hi:  # (sizes there are in no range)
+            raise ConfigurationError(f"max_item_bytes ({max_item_bytes} B) lies beyond the last range, which ends at "
+                                     f"{ranges[-1].hi} B: no range places the sizes in between. End the last range "
+                                     f"there (or at math.inf), or lower max_item_bytes.")
         self.ranges = tuple(ranges)
         self.workload = workload
         self.topology = topology
