@@ -5,15 +5,24 @@ checked."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay
 from conduit.errors import ConfigurationError, PlacementError
 from conduit.placement import (
+    BandwidthProfile,
     HostPlacement,
+    LinkCost,
     PlacementSpec,
+    Planner,
     Workload,
+    discover_topology,
+    machine_id,
 )
 from conduit.placement.placement_map import MapRange, PlacementMap
 from conduit.storage.base import Storage
@@ -97,3 +106,28 @@ def test_a_map_whose_maximum_ends_its_last_range_still_answers_it() -> None:
 def test_a_map_range_that_is_no_number_is_a_configuration_error(bad: MapRange) -> None:
     with pytest.raises(ConfigurationError, match="range 0"):
         PlacementMap([bad], TEMPLATE, "t")
+
+
+def test_a_plan_on_a_discovered_topology_builds_the_disk_tier_in_the_directory_it_checked(tmp_path: Path) -> None:
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    local = discover_topology(disk_directory=str(volume))
+    small = dataclasses.replace(local, host_memory_bytes=1 << 20, gpus=())  # memory cannot hold the buffer
+    links = {k: LinkCost.constant(5.0, 10.0) for k in ("host_copy", "host_gather", "disk_read", "disk_write")}
+    links |= {"edp_deliver": LinkCost(4e-5), "edp_ingest": LinkCost(3e-5)}
+    profile = BandwidthProfile(links, source="measured", machine=machine_id())
+    plan = Planner(small, profile).plan(Workload.from_schema(SCHEMA, capacity=100_000, batch=10))
+    assert plan.placement.tier == "disk"
+    edp = ExperienceDataPlane(SCHEMA, capacity=100_000, placement=plan.build())
+    try:
+        assert Path(edp.storage.directory).parent == volume.absolute()  # type: ignore[attr-defined]
+        assert os.listdir(volume)
+    finally:
+        edp.close()
+    other = tmp_path / "other"
+    other.mkdir()
+    edp = ExperienceDataPlane(SCHEMA, capacity=100_000, placement=plan.build(directory=other))
+    try:
+        assert Path(edp.storage.directory).parent == other.absolute()  # type: ignore[attr-defined]
+    finally:
+        edp.close()

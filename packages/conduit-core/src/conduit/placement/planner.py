@@ -90,11 +90,14 @@ class Plan:
         bytes (its ``mean_ragged_length``), so the pools take the memory the plan checked
         (:attr:`Placement.ragged_item_bytes`); a workload of ragged fields at length 0 checked none, and its
         placement needs the buffer's ``ragged_capacity``. Without ragged fields the pools keep the storage's
-        default. ``kwargs`` go to :meth:`PlacementSpec.build` (``directory`` for the disk tier).
+        default. ``kwargs`` go to :meth:`PlacementSpec.build` (``directory`` for the disk tier: by default the
+        volume whose free space the plan checked, ``discover_topology(disk_directory=...)``'s, else the temp dir).
         """
         w = self.workload
         if w.ragged and "ragged_item_bytes" not in kwargs:
             kwargs["ragged_item_bytes"] = sum(w.field_bytes[i] for i in w.ragged)
+        if self.placement.tier == "disk" and kwargs.get("directory") is None:
+            kwargs["directory"] = self.topology.details.get("disk_directory")
         return self.placement.build(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
