@@ -1,18 +1,20 @@
 """Placement review: a migration target must keep the buffer's capacity (slots and sampler state are keyed by
 ``handle % capacity``); a placement spec names devices, not the characters of one name; a hand-built placement map
 answers only the sizes its ranges cover; a plan on a discovered topology builds its disk tier on the volume it
-checked."""
+checked; batches handed over either side of a migration to a new schema are stored apart."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay
+from conduit.batch import ExperienceBatch
 from conduit.errors import ConfigurationError, PlacementError
 from conduit.placement import (
     BandwidthProfile,
@@ -24,7 +26,9 @@ from conduit.placement import (
     discover_topology,
     machine_id,
 )
+from conduit.placement.migration import migrate
 from conduit.placement.placement_map import MapRange, PlacementMap
+from conduit.scheduling import Overlapped
 from conduit.storage.base import Storage
 from conduit.storage.columnar import ColumnarStorage
 
@@ -131,3 +135,54 @@ def test_a_plan_on_a_discovered_topology_builds_the_disk_tier_in_the_directory_i
         assert Path(edp.storage.directory).parent == other.absolute()  # type: ignore[attr-defined]
     finally:
         edp.close()
+
+
+# -- a migration to a new schema under background ingestion ----------------------------------------------------------
+ID = ExperienceSchema(id=Field((), torch.int64), obs=Field((2,), torch.float32))
+#: the schema grown two ways: a field added (the old batch's columns would stand for the new one's), and a field
+#: wider (the two could not be staged together at all)
+ADDED = ExperienceSchema(id=Field((), torch.int64), obs=Field((2,), torch.float32), extra=Field((), torch.float32))
+WIDER = ExperienceSchema(id=Field((), torch.int64), obs=Field((4,), torch.float32))
+
+
+def _grow(schema: ExperienceSchema) -> Callable[[ExperienceBatch], dict[str, torch.Tensor]]:
+    def transform(b: ExperienceBatch) -> dict[str, torch.Tensor]:
+        obs = b.tensor("obs")
+        if schema is WIDER:
+            return {"id": b.tensor("id"), "obs": torch.cat([obs, torch.full((b.batch_size, 2), -1.0)], 1)}
+        return {"id": b.tensor("id"), "obs": obs, "extra": torch.full((b.batch_size,), -1.0)}
+    return transform
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("grown", ["added", "wider"])
+def test_batches_either_side_of_a_schema_migration_are_never_staged_into_one_write(overlap: bool, grown: str) -> None:
+    """An old-schema batch handed over while the items are copied waits for its group (g_ing=4) past the swap; a
+    new-schema batch handed over after the migration joined that group: its own columns were dropped for the old
+    batch's (ADDED: its ``extra`` stored as the transform's -1) or the staging failed (WIDER: a RuntimeError from
+    every flush, state_dict and close after, nothing more stored)."""
+    new = ADDED if grown == "added" else WIDER
+    edp = ExperienceDataPlane(ID, capacity=64, scheduler=Overlapped(g_ing=4, overlap=overlap, queue_depth=8))
+    edp.ingest({"id": torch.arange(3), "obs": torch.zeros(3, 2)})
+    edp.flush()
+    during: list[int] = []
+
+    def progress(chunks: int, upto: int) -> None:  # between two copied chunks, outside the lock
+        if not during:
+            during.append(chunks)
+            edp.ingest({"id": torch.tensor([100, 101]), "obs": torch.ones(2, 2)})  # the old schema, as documented
+
+    migrate(edp, HostPlacement(), schema=new, transform=_grow(new), chunk_bytes=1, progress=progress)
+    assert during, "the migration copied one chunk only: nothing was handed over during it"
+    after = {"id": torch.tensor([200, 201]), "obs": torch.full((2, 2 if new is ADDED else 4), 5.0)}
+    if new is ADDED:
+        after["extra"] = torch.tensor([7.0, 8.0])
+    edp.ingest(after)
+    edp.flush()
+    data = edp.state_dict()["storage"]["data"]
+    assert data["id"].tolist() == [0, 1, 2, 100, 101, 200, 201]
+    if new is ADDED:
+        assert data["extra"].tolist() == [-1.0] * 5 + [7.0, 8.0]
+    else:
+        assert data["obs"][5:].tolist() == [[5.0] * 4] * 2 and data["obs"][3:5, 2:].tolist() == [[-1.0] * 2] * 2
+    edp.close()

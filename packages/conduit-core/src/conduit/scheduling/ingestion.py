@@ -3,8 +3,9 @@
 Producers hand validated batches over; the data reaches storage in *groups*. A group is
 up to ``g_ing`` hand-overs off-policy (rollouts per ingestion call), or up to ``g_ing``
 of a rollout's items on-policy (rollout parts per ingestion call), never mixing policy
-versions or batches with and without priorities. A group of several batches is staged
-into one reused buffer and stored with one storage write (one lock hold, one semantics
+versions, batches with and without priorities, or batches of different fields (validated either
+side of a migration to a new schema: each is stored, an old one transformed, apart). A group of
+several batches is staged into one reused buffer and stored with one storage write (one lock hold, one semantics
 update): the per-call overhead is paid once per group.
 
 In the background (``background=True``) one worker thread stores groups; ``handover``
@@ -56,6 +57,22 @@ class Handover:
     batch: ExperienceBatch
     version: int | None
     priorities: torch.Tensor | None
+
+
+def _same_fields(a: ExperienceBatch, b: ExperienceBatch) -> bool:
+    """Whether ``a`` and ``b`` have the same fields, each ragged in both or in neither, of one dtype and item shape:
+    batches that can be staged into one (a batch validated against the schema a migration replaced cannot)."""
+    if a.keys() != b.keys():
+        return False
+    for name, x in a.items():
+        y = b[name]
+        if isinstance(x, Ragged) != isinstance(y, Ragged):
+            return False
+        tx = x.values if isinstance(x, Ragged) else x
+        ty = y.values if isinstance(y, Ragged) else y
+        if tx.dtype != ty.dtype or tx.shape[1:] != ty.shape[1:]:
+            return False
+    return True
 
 
 class Ingestion:
@@ -387,7 +404,7 @@ class Ingestion:
             if units >= target:
                 return group, True
             if (h.version != head.version or (h.priorities is None) != (head.priorities is None)
-                    or rows + h.batch.batch_size > self._capacity):
+                    or rows + h.batch.batch_size > self._capacity or not _same_fields(h.batch, head.batch)):
                 return group, True  # the next hand-over starts another group
             group.append(h)
             units += h.batch.batch_size if self.on_policy else 1
