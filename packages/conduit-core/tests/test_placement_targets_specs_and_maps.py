@@ -1,11 +1,13 @@
 """Placement review: a migration target must keep the buffer's capacity (slots and sampler state are keyed by
 ``handle % capacity``); a placement spec names devices, not the characters of one name; a hand-built placement map
 answers only the sizes its ranges cover; a plan on a discovered topology builds its disk tier on the volume it
-checked; batches handed over either side of a migration to a new schema are stored apart."""
+checked; batches handed over either side of a migration to a new schema are stored apart; a corrupt profile cache
+is a PlacementError (which profile_machine answers by measuring again)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -24,10 +26,12 @@ from conduit.placement import (
     Planner,
     Workload,
     discover_topology,
+    load_profile,
     machine_id,
 )
 from conduit.placement.migration import migrate
 from conduit.placement.placement_map import MapRange, PlacementMap
+from conduit.placement.profile import PROFILE_FORMAT
 from conduit.scheduling import Overlapped
 from conduit.storage.base import Storage
 from conduit.storage.columnar import ColumnarStorage
@@ -186,3 +190,23 @@ def test_batches_either_side_of_a_schema_migration_are_never_staged_into_one_wri
     else:
         assert data["obs"][5:].tolist() == [[5.0] * 4] * 2 and data["obs"][3:5, 2:].tolist() == [[-1.0] * 2] * 2
     edp.close()
+
+
+# -- a corrupt profile cache ------------------------------------------------------------------------------------------
+_HUGE = "1" + "0" * 400  # a JSON integer no float holds
+
+
+@pytest.mark.parametrize("link", [f'{{"overhead_s": {_HUGE}, "points": [[1, 2]]}}',
+                                  f'{{"overhead_s": 0, "points": [[{_HUGE}, 2]]}}',
+                                  '{"overhead_s": 0, "points": [[1, 2]], "by_row": "false"}',
+                                  "[" * 100_000 + "]" * 100_000],
+                         ids=["huge-overhead", "huge-point", "by_row-string", "nested"])
+def test_a_corrupt_profile_figure_is_a_placement_error_saying_to_re_measure(link: str, tmp_path: Path) -> None:
+    """(Was: OverflowError / RecursionError out of load_profile, and so out of profile_machine, which re-measures
+    only on a PlacementError; "false" read as by_row=True, pricing the path per row.)"""
+    doc = json.dumps({"format": PROFILE_FORMAT, "source": "measured", "machine": machine_id(), "details": {},
+                      "links": {"host_copy": "LINK"}}).replace('"LINK"', link)
+    f = tmp_path / "profile.json"
+    f.write_text(doc)
+    with pytest.raises(PlacementError, match="not a readable bandwidth profile"):
+        load_profile(f)

@@ -242,10 +242,18 @@ class LinkCost:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LinkCost:
         """Inverse of :meth:`to_dict`; also accepts the data-file form
-        ``{"gbps": G, "overhead_us": U, "per_row_ns": R}`` (any of the three may be left out)."""
+        ``{"gbps": G, "overhead_us": U, "per_row_ns": R}`` (any of the three may be left out).
+
+        Raises:
+            ValueError, TypeError, KeyError: a malformed entry (e.g. ``by_row`` that is not a bool);
+                :func:`load_profile` reports them as a :class:`PlacementError`.
+        """
         if "overhead_s" in d:
             pts = tuple((float(b), math.inf if bw is None else float(bw)) for b, bw in d["points"])
-            return cls(float(d["overhead_s"]), pts, float(d.get("per_row_s", 0.0)), bool(d.get("by_row", False)))
+            by_row = d.get("by_row", False)
+            if not isinstance(by_row, bool):  # (bool("false") is True: the points would be read per row)
+                raise ValueError(f"by_row must be true or false, got {by_row!r}")
+            return cls(float(d["overhead_s"]), pts, float(d.get("per_row_s", 0.0)), by_row)
         over = float(d.get("overhead_us", 0.0))
         per_row = float(d.get("per_row_ns", 0.0))
         if "gbps" in d:
@@ -431,9 +439,9 @@ def load_profile(path: str | Path | None = None) -> BandwidthProfile:
     except OSError as e:  # a directory, or a file this user may not read
         raise PlacementError(f"Cannot read the bandwidth profile at {p} ({e}); remove it (or point "
                              f"CONDUIT_CACHE_DIR elsewhere) and run `conduit profile`.") from e
-    try:
+    try:  # (OverflowError: a figure that is an integer too large for a float; RecursionError: nesting too deep)
         prof = BandwidthProfile.from_dict(json.loads(text))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
         raise PlacementError(f"{p} is not a readable bandwidth profile ({e}); delete it and run `conduit profile`.") \
             from e
     if prof.source != "measured" and _is_cache_file(p):
