@@ -2,7 +2,8 @@
 ``handle % capacity``); a placement spec names devices, not the characters of one name; a hand-built placement map
 answers only the sizes its ranges cover; a plan on a discovered topology builds its disk tier on the volume it
 checked; batches handed over either side of a migration to a new schema are stored apart; a corrupt profile cache
-is a PlacementError (which profile_machine answers by measuring again)."""
+is a PlacementError (which profile_machine answers by measuring again); the host memory planned for ragged fields
+covers their per-item index."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from conduit.batch import ExperienceBatch
 from conduit.errors import ConfigurationError, PlacementError
 from conduit.placement import (
     BandwidthProfile,
+    CostModel,
     HostPlacement,
     LinkCost,
     PlacementSpec,
@@ -27,6 +29,7 @@ from conduit.placement import (
     Workload,
     discover_topology,
     load_profile,
+    load_topology,
     machine_id,
 )
 from conduit.placement.migration import migrate
@@ -210,3 +213,33 @@ def test_a_corrupt_profile_figure_is_a_placement_error_saying_to_re_measure(link
     f.write_text(doc)
     with pytest.raises(PlacementError, match="not a readable bandwidth profile"):
         load_profile(f)
+
+
+# -- the memory a ragged buffer takes ---------------------------------------------------------------------------------
+TOKENS = ExperienceSchema(id=Field((), torch.int64), tok=Field((), torch.int64, ragged=True),
+                          logp=Field((), torch.float32, ragged=True))
+
+
+def _tensor_bytes(obj: object) -> int:
+    """Bytes of every distinct tensor ``obj`` holds in its attributes (directly or in dicts of them)."""
+    seen: dict[int, int] = {}
+    for v in vars(obj).values():
+        for t in (v.values() if isinstance(v, dict) else [v]):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("length", [1, 2, 16])
+def test_the_host_memory_planned_for_a_ragged_buffer_covers_what_its_storage_takes(length: int) -> None:
+    """(Was: the cost model charged the columns and pools only; each item's start and length in the pools, 16 B
+    per ragged field kept in host memory by every tier, went uncharged: at length 2 the host storage took 1.7x
+    the memory the planner checked, so a buffer it called a fit could exceed the host's share.)"""
+    w = Workload.from_schema(TOKENS, capacity=1000, batch=10, mean_ragged_length=length)
+    model = CostModel(load_topology("h200x1"))
+    out = model.output_depth * w.batch * w.item_bytes  # (the delivery buffers, on the host for a host tier)
+    st = HOST.build(ragged_item_bytes=sum(w.field_bytes[i] for i in w.ragged)).storage(TOKENS, w.capacity)
+    assert _tensor_bytes(st) <= model.memory(HOST, w)["cpu"] - out
+    # a GPU tier keeps that index in host memory too
+    index = 2 * 16 * w.capacity
+    assert model.memory(PlacementSpec("gpu", ("cuda:0",)), w).get("cpu", 0) >= index

@@ -40,7 +40,8 @@ Memory: the columns plus the delivery output buffers (``output_depth`` batches o
 gathering device and on each learner device), times ``1 + headroom``, must fit the
 usable share of each device's memory. A sharded placement spreads the fixed fields' columns
 over its shards and charges the ragged fields' pools (``Workload.ragged``) whole to its first
-device, where ``ShardedStorage`` keeps them.
+device, where ``ShardedStorage`` keeps them. Every tier also keeps, per ragged field, each item's
+start and length in its pool (two int64) in host memory: charged to the host.
 """
 
 from __future__ import annotations
@@ -354,6 +355,9 @@ class DeliverySteps:
 
 #: bytes of one row index or output position (int64) a sharded delivery uploads
 _INDEX_BYTES = 8
+#: host bytes per item and ragged field whatever the tier: its start and length in the pool (two int64s,
+#: ``ColumnarStorage``'s ragged index)
+_RAGGED_INDEX_BYTES = 16
 
 
 def _cuda_index(device: str) -> int | None:
@@ -429,7 +433,8 @@ class CostModel:
 
     # -- memory ------------------------------------------------------------------------------
     def memory(self, spec: PlacementSpec, workload: Workload) -> dict[str, int]:
-        """Bytes the placement needs per device: columns + delivery output buffers."""
+        """Bytes the placement needs per device: columns + delivery output buffers (+ on the host, the ragged
+        pools' index: a start and a length per item and ragged field)."""
         item = workload.item_bytes
         out = self.output_depth * workload.batch * item
         need: dict[str, int] = {}
@@ -455,6 +460,8 @@ class CostModel:
         else:
             add("disk", workload.capacity * item)
             home = "cpu"
+        if workload.ragged:  # the pools' index of every item, in host memory on every tier
+            add("cpu", workload.capacity * len(workload.ragged) * _RAGGED_INDEX_BYTES)
         add(home, out)
         for ld in sorted(set(self.learner_devices(workload))):
             if ld != home:
