@@ -243,3 +243,16 @@ def test_the_host_memory_planned_for_a_ragged_buffer_covers_what_its_storage_tak
     # a GPU tier keeps that index in host memory too
     index = 2 * 16 * w.capacity
     assert model.memory(PlacementSpec("gpu", ("cuda:0",)), w).get("cpu", 0) >= index
+
+
+@pytest.mark.parametrize("bad", ["x", 2.5, True])
+def test_a_ragged_capacity_that_is_no_int_is_refused_by_a_migration_of_fixed_fields_too(bad: object) -> None:
+    """(Was: silently ignored when neither schema has ragged fields; the constructor refuses it for any schema.)"""
+    edp, twin = prioritized(5), prioritized(5)
+    old = edp.storage
+    with pytest.raises(ConfigurationError, match="ragged_capacity"):
+        edp.migrate(HostPlacement(), ragged_capacity=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="ragged_capacity"):
+        ExperienceDataPlane(SCHEMA, capacity=8, ragged_capacity=bad)  # type: ignore[arg-type]
+    assert edp.storage is old
+    assert torch.equal(edp.deliver(4)[1].handles, twin.deliver(4)[1].handles)

@@ -27,6 +27,7 @@ from conduit.batch import ExperienceBatch
 from conduit.errors import CapacityError, ConduitError, ConfigurationError, PlacementError, SchemaError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import Storage
+from conduit.storage.columnar import pool_elements
 
 if TYPE_CHECKING:
     from conduit.edp import ExperienceDataPlane
@@ -121,8 +122,9 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
             items fail the migration (PlacementError).
 
     Raises:
-        ConfigurationError: a new schema without a transform; the buffer was closed (also by a ``close()`` on
-            another thread while the items were copied: the copy stops, the new storage is let go); called holding
+        ConfigurationError: a new schema without a transform; a ``ragged_capacity`` that is no int; the buffer was
+            closed (also by a ``close()`` on another thread while the items were copied: the copy stops, the new
+            storage is let go); called holding
             the buffer's lock (inside ``read_locked()``) while the scheduler could drop its prepared deliveries only
             by waiting for that lock (e.g. a prefetch job waits for it): migrate outside ``read_locked()``.
         SchemaError: the transform's output does not match the new schema.
@@ -140,6 +142,8 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
                                  f"{type(schema).__name__}.")
     if transform is not None and not callable(transform):
         raise ConfigurationError(f"transform must be a callable old_batch -> new_batch, got {transform!r}.")
+    if ragged_capacity is not None:  # refused as the buffer's constructor refuses it, ragged fields or not
+        pool_elements(ragged_capacity, edp.capacity)
     new_schema = schema if schema is not None else edp.schema
     if new_schema != edp.schema and transform is None:
         raise ConfigurationError("Migrating to a new schema needs transform=old_batch -> new_batch (e.g. zero-pad "
