@@ -3,15 +3,17 @@
 answers only the sizes its ranges cover; a plan on a discovered topology builds its disk tier on the volume it
 checked; batches handed over either side of a migration to a new schema are stored apart; a corrupt profile cache
 is a PlacementError (which profile_machine answers by measuring again); the host memory planned for ragged fields
-covers their per-item index."""
+covers their per-item index; a batch validated just before a migration to a new schema is stored through the
+transform."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -256,3 +258,42 @@ def test_a_ragged_capacity_that_is_no_int_is_refused_by_a_migration_of_fixed_fie
         ExperienceDataPlane(SCHEMA, capacity=8, ragged_capacity=bad)  # type: ignore[arg-type]
     assert edp.storage is old
     assert torch.equal(edp.deliver(4)[1].handles, twin.deliver(4)[1].handles)
+
+
+# -- a batch validated just before a migration to a new schema swaps the storage -------------------------------------
+PLAIN = ExperienceSchema(id=Field((), torch.int64))
+SEQ_A = ExperienceSchema(id=Field((), torch.int64), a=Field((), torch.int64, ragged=True))
+SEQ_B = ExperienceSchema(id=Field((), torch.int64), b=Field((), torch.int64, ragged=True))
+
+
+@pytest.mark.parametrize(("old", "new"), [(PLAIN, SEQ_A), (SEQ_A, SEQ_B)], ids=["ragged-field-added", "renamed"])
+def test_a_batch_validated_just_before_a_schema_migration_is_stored_through_its_transform(
+        old: ExperienceSchema, new: ExperienceSchema, monkeypatch: pytest.MonkeyPatch) -> None:
+    """migrate's docstring: old-schema batches validated just before the swap go through the transform. The
+    ingest's pool check read the new schema and storage after validating against the old one: KeyError 'a' / 'b'
+    (untyped), the batch refused. The migration lands between validation and that check (a producer racing it)."""
+    edp = ExperienceDataPlane(old, capacity=16, ragged_capacity=64)
+    seqs = {"a": [torch.arange(2)] * 3} if old is SEQ_A else {}
+    edp.ingest({"id": torch.arange(3), **seqs})
+    name = "b" if new is SEQ_B else "a"
+
+    def grow(b: ExperienceBatch) -> dict[str, object]:
+        return {"id": b.tensor("id"), name: [torch.full((1,), -1, dtype=torch.int64)] * b.batch_size}
+
+    validate = ExperienceBatch.checked.__func__  # type: ignore[attr-defined]
+    armed = [True]
+
+    def checked(cls: type[ExperienceBatch], data: Mapping[str, object], schema: ExperienceSchema) -> ExperienceBatch:
+        out = validate(cls, data, schema)
+        if armed[0] and schema is old and data["id"][0] == 10:  # the producer's batch, valid for the old schema
+            armed[0] = False
+            edp.migrate(HostPlacement(), schema=new, transform=grow)
+        return out
+
+    monkeypatch.setattr(ExperienceBatch, "checked", classmethod(checked))
+    late = {"id": torch.tensor([10, 11]), **({"a": [torch.arange(3)] * 2} if old is SEQ_A else {})}
+    edp.ingest(MappingProxyType(late))  # (a mapping that is no dict: the validating path, not the row store's)
+    assert not armed[0], "the migration did not run between validation and storing"
+    data = edp.state_dict()["storage"]["data"]
+    assert data["id"].tolist() == [0, 1, 2, 10, 11] and edp.schema == new
+    edp.close()

@@ -285,14 +285,19 @@ class ExperienceDataPlane:
             handles = self._ingest_rows(batch, t0)
             if handles is not None:
                 return handles
-        b = ExperienceBatch.checked(batch, self.schema)
+        schema = self.schema
+        b = ExperienceBatch.checked(batch, schema)
         n = b.batch_size
         if n > self.storage.capacity:
             raise CapacityError(f"A batch of {n} items is larger than the capacity ({self.storage.capacity}); "
                                 f"split it or raise capacity.")
-        if self.schema.ragged:  # refused here, not in a background write: it could never be stored
+        storage = self.storage
+        # refused here, not in a background write: it could never be stored. (Against the storage of the schema it
+        # was validated for: after a migration to a new schema swapped them meanwhile, the batch is transformed
+        # when it is stored, and the storage checks what the transform made.)
+        if schema.ragged and storage.schema == schema:
             try:
-                self.storage.check_ragged_fits(b)
+                storage.check_ragged_fits(b)
             except CapacityError as exc:
                 raise CapacityError(f"{exc} {self._pool_hint()}") from None
         self.semantics.check_ingest(n, version=version, priorities=priorities)
