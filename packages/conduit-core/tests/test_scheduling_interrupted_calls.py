@@ -66,8 +66,8 @@ def interrupt_main() -> Iterator[Any]:
         signal.signal(signal.SIGUSR1, previous)
 
 
-def test_a_delivery_interrupted_while_it_waits_for_the_prefetch_keeps_the_prefetched_batch(
-        interrupt_main: Any) -> None:
+def _gated_prefetch() -> tuple[ExperienceDataPlane, Overlapped, _GatedQueue]:
+    """A buffer of rows 0..7 whose first delivery ([0, 1]) is made and whose prefetch job waits at the gate."""
     sampler = _GatedQueue()
     sched = Overlapped(g_ing=1, g_del=1)
     edp = ExperienceDataPlane(SCHEMA, capacity=64, semantics=Replay(sampler), scheduler=sched)
@@ -75,10 +75,21 @@ def test_a_delivery_interrupted_while_it_waits_for_the_prefetch_keeps_the_prefet
         edp.ingest(_rows(0, 8))
         edp.flush()
         sampler.gate.clear()
-        batch, _ = edp.deliver(2)
-        assert _values(batch) == [0, 1]
+        assert _values(edp.deliver(2)[0]) == [0, 1]
+        assert sched._job is not None, "no prefetch after the first delivery"
+    except BaseException:
+        sampler.gate.set()
+        edp.close()
+        raise
+    return edp, sched, sampler
+
+
+def test_a_delivery_interrupted_while_it_waits_for_the_prefetch_keeps_the_prefetched_batch(
+        interrupt_main: Any) -> None:
+    edp, sched, sampler = _gated_prefetch()
+    try:
         job = sched._job
-        assert job is not None, "no prefetch after the first delivery"
+        assert job is not None
 
         def kick() -> None:  # once the next delivery waits for the job (it is stuck in the gated draw)
             if eventually(lambda: sched._awaited is job, timeout=HANG_S):
@@ -106,16 +117,10 @@ def test_a_close_interrupted_while_it_stops_the_prefetch_is_finished_by_the_next
     """``close`` marked the scheduler closed before it stopped the prefetch worker: interrupted while it waited for
     the job in flight, a later ``close`` (here the buffer's) returned at once, leaving the worker thread running for
     good."""
-    sampler = _GatedQueue()
-    sched = Overlapped(g_ing=1, g_del=1)
-    edp = ExperienceDataPlane(SCHEMA, capacity=64, semantics=Replay(sampler), scheduler=sched)
+    edp, sched, sampler = _gated_prefetch()
     try:
-        edp.ingest(_rows(0, 8))
-        edp.flush()
-        sampler.gate.clear()
-        assert _values(edp.deliver(2)[0]) == [0, 1]
         job, pool = sched._job, sched._pool
-        assert job is not None and pool is not None, "no prefetch after the first delivery"
+        assert job is not None and pool is not None
 
         def kick() -> None:  # once close() waits for the job (stuck in the gated draw)
             if eventually(lambda: sched._closed and sched._awaited is job, timeout=HANG_S):
