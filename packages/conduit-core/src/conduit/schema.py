@@ -15,9 +15,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
+from conduit._checks import is_bool
 from conduit.errors import ConfigurationError
 
 __all__ = ["Field", "ExperienceSchema", "storable", "same_width_integer"]
@@ -79,7 +79,7 @@ class Field:
                                      f"than torch can index (2**63 - 1); give a smaller shape.")
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigurationError(f"Field dtype must be a torch.dtype, got {self.dtype!r}.")
-        if not isinstance(self.ragged, (bool, np.bool_)):
+        if not is_bool(self.ragged):
             raise ConfigurationError(f"Field ragged must be True or False, got {self.ragged!r}.")
         if not storable(self.dtype):
             raise ConfigurationError(f"Field dtype {self.dtype} cannot be stored: this torch cannot gather rows of it "
