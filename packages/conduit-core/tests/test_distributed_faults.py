@@ -281,3 +281,87 @@ def test_a_shard_whose_data_calls_hang_gives_typed_errors_naming_the_timeout_and
         gate.touch()
         plane.close()
         servers.shutdown()
+
+
+@pytest.mark.parametrize("replication", [1, 2])
+def test_a_shard_whose_data_thread_stays_stuck_is_fenced_and_the_loop_goes_on(cluster, tmp_path, replication):
+    """A shard answers pings but its data thread never finishes a call: every call touching it would fail after the
+    timeout for as long as the hang lasts. The health monitor fences it once its no-op on the data thread has waited
+    ``stuck_after``: its items are reported lost exactly (replication 1) or recovered (2), and deliveries and
+    ingestion go on without it."""
+    import ray
+
+    servers = ShardServers([cluster.head, cluster.workers[0]])
+    plane = DistributedDataPlane(ID_SCHEMA, capacity=100, servers=servers, replication=replication,
+                                 health_period=0.2, timeout=2.0, stuck_after=3.0, measure=False,
+                                 semantics=Replay(seed=5))
+    gate = tmp_path / "open"
+    try:
+        assert plane.stuck_after == 3.0
+        plane.ingest(id_batch(np.arange(20)), node=cluster.head)
+        plane.ingest(id_batch(np.arange(20, 40)), node=cluster.workers[0])
+        shard = _shard_of(plane, plane.live_handles())
+        on_one = {i for i, row in zip(range(40), shard, strict=True) if 1 in row.tolist()}
+        assert on_one and not plane.losses
+        held = _hold_data_thread(servers[1].actor, str(gate))
+        t0 = time.monotonic()
+        while not plane.losses:
+            assert time.monotonic() - t0 < DETECTION_BOUND, "the stuck shard was not fenced within the bound"
+            time.sleep(0.05)
+        rep = plane.losses[0]
+        assert rep.shard == 1 and "data thread" in rep.reason and "stuck_after=3 s" in rep.reason, rep.reason
+        assert time.monotonic() - t0 >= 3.0, "fenced before its probe had waited stuck_after"
+        assert plane.alive_shards == [0]
+        if replication == 1:
+            assert rep.num_lost == len(on_one) == 20 and rep.recovered == 0
+            survivors = set(range(40)) - on_one
+        else:
+            assert rep.num_lost == 0 and rep.recovered == len(on_one) == 40
+            survivors = set(range(40))
+        assert _ids_of(plane, plane.live_handles()) == survivors
+        # the loop goes on, on the live shard only
+        assert set(check_payload(plane.deliver(1000)[0]).tolist()) == survivors
+        h = plane.ingest(id_batch(np.arange(100, 110)))
+        assert (_shard_of(plane, h)[:, 0] == 0).all()
+        with pytest.raises(Exception):  # noqa: B017,PT011 - the fenced server was killed (any of Ray's errors)
+            ray.get(held, timeout=60)
+    finally:
+        gate.touch()
+        plane.close()
+        servers.shutdown()
+
+
+def test_a_data_thread_busy_for_less_than_stuck_after_is_not_fenced(cluster, tmp_path):
+    """A data call that runs long but ends before ``stuck_after`` loses nothing: the probe waits behind it, answers,
+    and the next checks send new ones."""
+    import ray
+
+    servers = ShardServers([cluster.head, cluster.workers[0]])
+    plane = DistributedDataPlane(ID_SCHEMA, capacity=100, servers=servers, health_period=0.2, timeout=2.0,
+                                 stuck_after=60.0, measure=False, semantics=Replay(seed=6))
+    gate = tmp_path / "open"
+    try:
+        plane.ingest(id_batch(np.arange(20)), node=cluster.head)
+        plane.ingest(id_batch(np.arange(20, 40)), node=cluster.workers[0])
+        held = _hold_data_thread(servers[1].actor, str(gate))
+        time.sleep(3.0)  # longer than timeout + several health periods: only stuck_after may fence it
+        assert not plane.losses
+        gate.touch()
+        assert ray.get(held, timeout=60) == 1
+        sent = plane._ticks[1][1]
+        assert eventually(lambda: plane._ticks.get(1, (None, sent))[1] > sent, timeout=60), \
+            "the monitor sent no new probe once the data thread answered"
+        assert not plane.losses and plane.alive_shards == [0, 1]
+        assert set(check_payload(plane.deliver(1000)[0]).tolist()) == set(range(40))
+    finally:
+        gate.touch()
+        plane.close()
+        servers.shutdown()
+
+
+def test_stuck_after_must_be_a_positive_number_of_seconds(cluster):
+    from conduit import ConfigurationError
+
+    for bad in (0, -1.0, float("nan"), "10", True):
+        with pytest.raises(ConfigurationError, match="stuck_after must be a finite number of seconds"):
+            DistributedDataPlane(ID_SCHEMA, capacity=10, servers=[cluster.head], stuck_after=bad, measure=False)

@@ -18,9 +18,12 @@ or write whose outcome stays unknown is discarded should it run late, so no shar
 the index does not name): it is fenced (killed, never restarted), its items
 are either recovered from replicas (``replication=2``) or reported lost exactly, by handle,
 in a :class:`~conduit.distributed.faults.LossReport`; the buffer keeps serving from the
-other shards. A health monitor thread pings the shards every ``health_period`` seconds, so
-a loss is detected within ``health_period + timeout`` seconds of Ray reporting it (or of the
-shard hanging), even when nobody calls the buffer, provided no call holds the buffer's lock
+other shards. A shard whose pings answer but whose data thread has run nothing for
+``stuck_after`` seconds (a data call that never returns) is lost too: the monitor finds it by a
+no-op it sends down that thread with each check. A health monitor thread pings the shards every
+``health_period`` seconds, so a loss is detected within ``health_period + timeout`` seconds of Ray
+reporting it (or of the shard hanging; ``stuck_after + health_period + timeout`` of its data thread
+sticking), even when nobody calls the buffer, provided no call holds the buffer's lock
 meanwhile: the monitor records a loss under that lock, so it waits for a call that holds it.
 A delivery or write waiting on a shard holds it up to ``2 * timeout`` (its remote call, then
 the health probe of a shard that did not answer; one waiting on the lost shard finds the loss
@@ -159,6 +162,11 @@ class DistributedDataPlane:
         health_period: seconds between health checks of the monitor thread (None: no thread;
             losses are then found by the calls that hit them, which probe a shard that did not answer
             themselves, re-replication copies included, or by :meth:`check_health`).
+        stuck_after: seconds a shard's data thread may run nothing while its pings answer before the shard is
+            lost (default ``max(4 * timeout, 60)``): checked by the health checks (the monitor thread's, or
+            :meth:`check_health`), each of which sends a no-op down every shard's data thread unless the previous
+            one is still waiting. A call that takes longer than ``timeout`` already fails its caller
+            (:class:`RemoteTimeoutError` / :class:`TransferError`); this ends a hang that would fail every later call.
         on_loss: called with each :class:`LossReport`, exactly once, in the order of :attr:`losses`, never
             under the buffer's lock (it may call the buffer, from any thread): by the thread that detected
             the loss once its call into the buffer let go of the lock (or by a thread already running an
@@ -193,7 +201,7 @@ class DistributedDataPlane:
                  shard_capacity: int | None = None, ragged_capacity: int | None = None, reuse: float | None = None,
                  measure: bool = True, links: LinkProfile | None = None, learner_node: str | None = None,
                  device: torch.device | str | None = None,
-                 timeout: float = 30.0, health_period: float | None = 1.0,
+                 timeout: float = 30.0, health_period: float | None = 1.0, stuck_after: float | None = None,
                  on_loss: Callable[[LossReport], None] | None = None, transport: str = "auto",
                  scheduler: Scheduler | None = None) -> None:
         if not isinstance(schema, ExperienceSchema):
@@ -204,6 +212,7 @@ class DistributedDataPlane:
         # checked before any server starts (a refusal afterwards would leave the servers it started running)
         check_seconds("timeout", timeout)
         check_seconds("health_period", health_period, none_means="no monitor thread")
+        check_seconds("stuck_after", stuck_after, none_means="max(4 * timeout, 60)")
         if shard_capacity is not None and not (is_int(shard_capacity) and shard_capacity > 0):
             raise ConfigurationError(f"shard_capacity must be a positive int or None, got {shard_capacity!r}.")
         if ragged_capacity is not None and not (is_int(ragged_capacity) and ragged_capacity > 0):
@@ -228,6 +237,9 @@ class DistributedDataPlane:
         self.index = ShardIndex(schema, capacity, replication)
         self.replication = replication
         self.timeout = float(timeout)
+        self.stuck_after = float(stuck_after) if stuck_after is not None else max(4 * self.timeout, 60.0)
+        #: the health checks' no-op on each shard's data thread still waiting: shard -> (ObjectRef, sent when)
+        self._ticks: dict[int, tuple[Any, float]] = {}
         self.device = device
         self.telemetry = Telemetry()
         self._callbacks = LossCallbacks(on_loss)
@@ -1307,9 +1319,10 @@ class DistributedDataPlane:
 
     # -- faults (conduit.distributed.recovery) ----------------------------------------------------
     def check_health(self) -> list[LossReport]:
-        """Ping every live shard once (at most ``timeout`` seconds); returns the losses this found (the shards
-        that did not answer, and any that the re-replication of their items then found lost), in the order
-        they were recorded in :attr:`losses`."""
+        """Ping every live shard once (at most ``timeout`` seconds) and probe its data thread; returns the losses
+        this found (the shards that did not answer, those whose data thread has run nothing for ``stuck_after``
+        seconds, and any that the re-replication of their items then found lost), in the order they were
+        recorded in :attr:`losses`."""
         return recovery.check_health(self)
 
     def _settle(self, failed: dict[int, Outcome]) -> set[int]:

@@ -19,13 +19,13 @@ import numpy as np
 
 from conduit.distributed._ray import Outcome, ray_is_up, wait_all
 from conduit.distributed.faults import LossReport
-from conduit.distributed.server import ping
+from conduit.distributed.server import ping, tick
 from conduit.semantics.base import Semantics
 
 if TYPE_CHECKING:
     from conduit.distributed.plane import DistributedDataPlane
 
-__all__ = ["check_health", "forget_lost_priorities", "failure", "lose", "replicate", "settle"]
+__all__ = ["check_health", "forget_lost_priorities", "failure", "lose", "replicate", "settle", "stuck_data_threads"]
 
 log = logging.getLogger("conduit.distributed")
 
@@ -38,7 +38,8 @@ _COPY_ROUNDS = 3
 
 
 def check_health(plane: DistributedDataPlane) -> list[LossReport]:
-    """:meth:`DistributedDataPlane.check_health`: one ping of every live shard, each that did not answer lost."""
+    """:meth:`DistributedDataPlane.check_health`: one ping of every live shard, each that did not answer lost; then
+    each that answered but whose data thread is stuck (see :func:`stuck_data_threads`) lost too."""
     live = plane.alive_shards
     if plane._closed or not live:
         return []
@@ -51,7 +52,35 @@ def check_health(plane: DistributedDataPlane) -> list[LossReport]:
     for s, o in outs.items():
         if o.lost:
             plane._lose(s, failure(o), found=found)
+    for s, waited in stuck_data_threads(plane, [s for s, o in outs.items() if o.ok]):
+        plane._lose(s, f"its data thread ran nothing for {waited:.0f} s (stuck_after={plane.stuck_after:g} s) "
+                       f"while it answered health checks: a data call there never returned", found=found)
     return found
+
+
+def stuck_data_threads(plane: DistributedDataPlane, shards: Collection[int]) -> list[tuple[int, float]]:
+    """Probe the data thread of each of ``shards`` (alive: their pings answered); returns (shard, seconds waited) for
+    each whose probe has waited ``plane.stuck_after`` seconds or more.
+
+    The probe is a no-op call on the server's data thread (:func:`~conduit.distributed.server.tick`): it runs once
+    the data calls queued before it did. One is kept per shard: a shard whose probe answered gets a new one, one whose
+    probe still waits keeps it, and this only reads how long it has waited (it never waits itself).
+    """
+    now = time.monotonic()
+    # (read once: a check on another thread may replace or drop an entry meanwhile)
+    waiting = {s: sent for s in shards if (sent := plane._ticks.get(s)) is not None}
+    outs = wait_all({s: ref for s, (ref, _) in waiting.items()}, 0.0)  # (a probe not answered yet: a TimeoutError)
+    stuck = []
+    for s in shards:
+        if s in outs and outs[s].lost and isinstance(outs[s].error, TimeoutError):
+            if now - waiting[s][1] >= plane.stuck_after:
+                stuck.append((s, now - waiting[s][1]))
+            continue
+        try:
+            plane._ticks[s] = (tick(plane.servers[s].actor), now)
+        except Exception:  # noqa: BLE001 - a server Ray cannot reach is the pings' to find (the next check)
+            plane._ticks.pop(s, None)
+    return stuck
 
 
 def ping_shards(plane: DistributedDataPlane, shards: Collection[int]) -> dict[int, Outcome]:
@@ -126,6 +155,7 @@ def lose(plane: DistributedDataPlane, shard: int, reason: str, *,
             return None
         before = len(plane.losses)
         plane._alive[shard] = False
+        plane._ticks.pop(shard, None)
         plane.servers.kill(shard)
         lost, recovered, under = plane.index.drop_shard(shard)
         if lost.size and plane._replay and getattr(plane.semantics.sampler, "prioritized", False):  # type: ignore[attr-defined]

@@ -9,7 +9,9 @@ append that would need more room fails instead of overwriting live items.
 
 Data calls run one at a time in submission order; health checks (:func:`ping`) run in a
 separate concurrency group, so a server whose data call waits for an unreadable argument
-still answers them, and only a server that answers nothing is lost.
+still answers them, and only a server that answers nothing is lost at once. The health monitor
+also sends a no-op down the data thread (:func:`tick`): a server that answers pings while that
+no-op waits for ``stuck_after`` seconds has a stuck data thread and is lost too.
 
 This module imports no Ray at import time; :func:`server_class` wraps the class lazily.
 """
@@ -27,7 +29,7 @@ from conduit.distributed.wire import Wire, pack_rows, ragged_lengths, to_wire, w
 from conduit.schema import ExperienceSchema
 from conduit.storage.columnar import ColumnarStorage
 
-__all__ = ["ShardServer", "server_class", "ping", "AppendAck"]
+__all__ = ["ShardServer", "server_class", "ping", "tick", "AppendAck"]
 
 #: what an append returns: (first local handle written, items written, next local handle)
 AppendAck = tuple[int, int, int]
@@ -53,6 +55,11 @@ class ShardServer:
     def ping(self) -> int:
         """Answer a health check (runs in the ``health`` concurrency group, so a data call stuck
         waiting for its argument does not hold it up); returns the number of partitions."""
+        return len(self._parts)
+
+    def tick(self) -> int:
+        """Answer on the data thread (the default concurrency group), once the data calls queued before it
+        have run: the health monitor's probe of that thread (:func:`tick`). Returns the number of partitions."""
         return len(self._parts)
 
     # -- partitions ---------------------------------------------------------------------------
@@ -197,3 +204,8 @@ def server_class() -> Any:
 def ping(actor: Any) -> Any:
     """ObjectRef of a health check of a server (its own thread: data calls cannot delay it)."""
     return actor.ping.options(concurrency_group="health").remote()
+
+
+def tick(actor: Any) -> Any:
+    """ObjectRef of a probe of a server's data thread: it answers once the data calls queued before it ran."""
+    return actor.tick.remote()
