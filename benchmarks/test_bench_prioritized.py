@@ -28,8 +28,10 @@ LIBS = ("conduit", "cpprb")
 BATCH = 32
 
 
-def build(lib: str, cap: int) -> Callable[[], Any]:
-    """A full prioritized buffer of ``lib``; returns one step: draw BATCH, update their priorities."""
+def build(lib: str, cap: int) -> tuple[np.ndarray, Callable[[], Any]]:
+    """A full prioritized buffer of ``lib``: the observations it holds, and one step (draw BATCH, update their
+    priorities) that returns the draw's observations, its importance weights and how many updates applied (cpprb:
+    None, it does not say)."""
     obs = np.random.default_rng(0).random((cap, 4), dtype=np.float32)
     prios = np.random.default_rng(1)
     if lib == "conduit":
@@ -38,9 +40,10 @@ def build(lib: str, cap: int) -> Callable[[], Any]:
         edp.ingest({"obs": torch.from_numpy(obs)})
 
         def step() -> Any:
-            _, info = edp.deliver(BATCH)
-            return edp.update_priorities(info.handles.numpy(), prios.random(BATCH) + 0.01)
-        return step
+            batch, info = edp.deliver(BATCH)
+            applied = edp.update_priorities(info.handles.numpy(), prios.random(BATCH) + 0.01)
+            return batch["obs"], info.weights, applied
+        return obs, step
     if lib == "cpprb":
         import cpprb
 
@@ -49,21 +52,34 @@ def build(lib: str, cap: int) -> Callable[[], Any]:
 
         def step() -> Any:
             s = rb.sample(BATCH, beta=0.4)
-            return rb.update_priorities(s["indexes"], prios.random(BATCH) + 0.01)
-        return step
+            rb.update_priorities(s["indexes"], prios.random(BATCH) + 0.01)
+            return s["obs"], s["weights"], None
+        return obs, step
     raise ValueError(lib)
+
+
+def check_step(lib: str, out: Any, obs: np.ndarray) -> None:
+    """One step drew BATCH of the buffer's rows with importance weights in (0, 1] and (Conduit) updated all their
+    priorities: a fast wrong answer must not be timed as a step."""
+    rows, weights, applied = out
+    rows, weights = np.asarray(rows), np.asarray(weights).reshape(-1)
+    assert rows.shape == (BATCH, 4) and rows.dtype == np.float32, (lib, rows.shape, rows.dtype)
+    for row in rows:  # candidates by the first value, then the whole row
+        assert any(np.array_equal(obs[i], row) for i in np.flatnonzero(obs[:, 0] == row[0])), \
+            f"{lib}: a drawn row {row} was never stored"
+    assert weights.shape == (BATCH,) and np.all((weights > 0) & (weights <= 1)), f"{lib}: importance weights {weights}"
+    if lib == "conduit":
+        assert applied == BATCH, f"{applied} of {BATCH} priority updates reached live items"
 
 
 @pytest.mark.parametrize("cap", CAPACITIES)
 @pytest.mark.parametrize("lib", LIBS)
 def test_prioritized_step(benchmark: Any, lib: str, cap: int, ratios: Any) -> None:
     torch.set_num_threads(1)
-    step = build(lib, cap)
-    applied = step()
-    if lib == "conduit":
-        assert applied == BATCH, f"{applied} of {BATCH} priority updates reached live items"
+    obs, step = build(lib, cap)
+    check_step(lib, step(), obs)
     benchmark.group = f"prioritized-{cap}"
-    benchmark(step)
+    check_step(lib, benchmark(step), obs)
     ratios.add("prioritized_step", f"capacity {cap}", lib, benchmark, baseline="cpprb",
                note=f"One training step's prioritized-replay work: draw {BATCH} with importance weights, then update "
                     f"their {BATCH} priorities (alpha 0.6, beta 0.4, full buffer, 1 thread).")
