@@ -52,6 +52,11 @@ def build(lib: str, d: int, data: torch.Tensor) -> tuple[Callable[[], Any], Call
     return rb.sample, lambda: None
 
 
+def observations(lib: str, out: Any) -> torch.Tensor:
+    """The observations of one draw of ``lib``."""
+    return out[0]["obs"] if lib.startswith("conduit") else out["obs"]
+
+
 #: matrix products per stand-in training step: the step must outlast the slowest draw
 #: (TorchRL's at d = 5000, ~3 ms here), so that every prefetcher can keep up and what is timed
 #: is its hand-over, not a queue running dry
@@ -81,8 +86,14 @@ def test_delivery_after_a_training_step(benchmark: Any, dim: int, lib: str, rati
             out = draw()
         benchmark.group = f"prefetch-d{dim}"
         out = benchmark.pedantic(draw, setup=lambda: training_step(dim), rounds=ROUNDS, iterations=1)
-        batch = out[0]["obs"] if lib.startswith("conduit") else out["obs"]
-        assert tuple(batch.shape) == (BATCH, dim)
+        batch = observations(lib, out).clone()
+        training_step(dim)
+        following = observations(lib, draw())
+        for b in (batch, following):  # a prefetcher handing over a stale, empty or foreign batch must not win
+            assert tuple(b.shape) == (BATCH, dim) and b.dtype == torch.float32
+            assert all(any(torch.equal(data[i], row) for i in (data[:, 0] == row[0]).nonzero().flatten().tolist())
+                       for row in b), f"{lib}: a delivered row is none of the rows ingested"
+        assert not torch.equal(batch, following), f"{lib}: two draws in a row handed over the same batch"
         ratios.add("delivery_prefetch", f"d={dim}", lib, benchmark, baseline="conduit-sync",
                    note=f"Caller-side time of one draw of {BATCH} float32 observations after a training step "
                         f"(the step untimed; prefetching variants prepare during it). Capacity {CAPACITY}, "
