@@ -62,7 +62,10 @@ def run_once(kind: str, d: int, reports: list[DriverReport]) -> None:
         close = getattr(buffer, "close", None)
         if close is not None:
             close()
-    assert r.received == SAMPLES and len(r.delivered_ids) == SAMPLES  # a broken run is not a measurement
+    # a broken run is not a measurement: every posted sample delivered exactly once (queue semantics), not merely
+    # as many deliveries as samples (a lost sample and a repeated one would make up the count)
+    assert r.received == SAMPLES and len(r.posted) == SAMPLES
+    assert sorted(r.delivered_ids.tolist()) == sorted(r.posted), f"{kind}: delivered ids are not the posted ids"
     reports.append(r)
 
 
