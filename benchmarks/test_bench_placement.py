@@ -142,12 +142,16 @@ def test_tiers_sample512(benchmark, ratios, tier: str) -> None:  # noqa: ANN001
     d = 1000
     cap = buffer_capacity(d, BATCH, 64 << 20)
     edp = ExperienceDataPlane(transition_schema(d), capacity=cap, placement=TIERS[tier](), semantics=Replay(seed=0))
-    ones = torch.ones(1024, d)
-    for s in range(0, cap, 1024):
-        n = min(1024, cap - s)
-        edp.ingest({"obs": ones[:n], "next_obs": ones[:n], "action": torch.zeros(n, dtype=torch.int64),
-                    "reward": torch.zeros(n), "done": torch.zeros(n, dtype=torch.bool)})
-    benchmark(edp.deliver, BATCH)
+    for s in range(0, cap, 1024):  # item i holds i in every field: a delivery can be checked against its handles
+        ids = torch.arange(s, min(s + 1024, cap))
+        n = ids.numel()
+        edp.ingest({"obs": ids[:, None].float().expand(n, d), "next_obs": ids[:, None].float().expand(n, d),
+                    "action": ids, "reward": ids.float(), "done": torch.zeros(n, dtype=torch.bool)})
+    batch, info = benchmark(edp.deliver, BATCH)
+    # a tier that hands over other rows than the ones it drew (or a view never gathered) must not be timed
+    for name in ("obs", "next_obs"):
+        assert torch.equal(batch[name], info.handles[:, None].float().expand(BATCH, d)), f"{tier}: {name} rows"
+    assert torch.equal(batch["action"], info.handles), f"{tier}: action rows"
     ratios.add("placement_tiers_sample512", f"d={d}, capacity {cap}", tier, benchmark, baseline="host",
                note="Sample-512 of transitions by tier; the sharded tier uses 4 host shards (its own logic's cost, "
                     "not a multi-GPU figure); the disk tier reads memory-mapped files with the page cache warm.")
@@ -175,7 +179,8 @@ def test_online_migration(benchmark, target: str) -> None:  # noqa: ANN001
 
         t = threading.Thread(target=learner)
         t.start()
-        while served[0] == 0:
+        while served[0] == 0:  # (a learner that raised would leave this waiting for ever)
+            assert t.is_alive(), "the learner thread ended before its first delivery (see its traceback above)"
             time.sleep(0.001)
         before = served[0]
         rep = migrate(edp, TIERS[target]())
