@@ -107,6 +107,14 @@ def test_put(benchmark: Any, backend: str, mean_len: int, ratios: Any) -> None:
                                               "1 storage unit, CPU, local Ray.")
 
 
+def same_back(out: Any, td: Any) -> None:
+    """A get returned every field as put: each jagged field's values and row lengths, and the uids."""
+    for k in ("input_ids", "responses", "response_mask", "rollout_log_probs"):
+        assert torch.equal(out[k].values(), td[k].values()), f"{k}: other values back"
+        assert torch.equal(out[k].offsets(), td[k].offsets()), f"{k}: other row lengths back"
+    assert list(out["uid"]) == list(td["uid"]), "uid: other values back"
+
+
 @pytest.mark.parametrize("mean_len", LENGTHS, ids=lambda x: f"L{x}")
 def test_get(benchmark: Any, backend: str, mean_len: int, ratios: Any) -> None:
     import transfer_queue as tq
@@ -119,11 +127,10 @@ def test_get(benchmark: Any, backend: str, mean_len: int, ratios: Any) -> None:
     def get() -> Any:
         return tq.kv_batch_get(keys=keys, partition_id="bench", select_fields=fields)
 
-    out = get()
-    assert torch.equal(out["responses"].values(), td["responses"].values())  # same bytes back
+    same_back(get(), td)
     benchmark.group = f"verl-get-L{mean_len}"
     benchmark.extra_info["bytes"] = nbytes(td)
-    benchmark.pedantic(get, rounds=5, warmup_rounds=1)
+    same_back(benchmark.pedantic(get, rounds=5, warmup_rounds=1), td)
     tq.kv_clear(keys=keys, partition_id="bench")
     ratios.add("verl_tq_get", f"256 x {mean_len} tokens ({nbytes(td) / 2**20:.0f} MiB)", backend, benchmark,
                baseline="SimpleStorage", note="tq.kv_batch_get of the same 256 trajectories (all fields), read "
@@ -167,12 +174,33 @@ def shard() -> Any:
     return td
 
 
+def minibatches(mode: str, shard: Any) -> list[dict[str, torch.Tensor]]:
+    """One epoch's minibatches in ``mode`` (``off``: verl's own iterator), each column's values copied out."""
+    import verl.utils.tensordict_utils as tu
+    from conduit_verl import delivery
+
+    out = []
+    with delivery.forced(mode):  # type: ignore[arg-type]
+        for td in tu.make_iterator(shard, SHARD // M, epochs=1, seed=0, dataloader_kwargs={"shuffle": True}):
+            out.append({k: (v.values() if v.is_nested else v).clone() for k, v in td.items()
+                        if isinstance(v, torch.Tensor)})
+    return out
+
+
 @pytest.mark.parametrize("mode", ["verl", "sync", "prefetch"])
 def test_minibatch_delivery(benchmark: Any, shard: Any, mode: str, ratios: Any) -> None:
     import verl.utils.tensordict_utils as tu
     from conduit_verl import delivery
 
     delivery.install()
+    if mode != "verl":  # the figure must be Conduit's: it took the shard (no fallback), with verl's minibatches
+        before = delivery._iterations
+        got = minibatches(mode, shard)
+        assert delivery._iterations == before + 1, f"conduit {mode} passed the shard to verl's iterator"
+        want = minibatches("off", shard)
+        assert len(got) == len(want) == M and all(
+            g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in g) for g, w in zip(got, want, strict=True)
+        ), f"conduit {mode} delivered other minibatches than verl's make_iterator"
 
     def epoch() -> None:
         with delivery.forced("off" if mode == "verl" else mode):  # type: ignore[arg-type]
