@@ -120,6 +120,15 @@ def built(request: pytest.FixtureRequest, ray_local: None) -> Iterator[dict[str,
         b.close()
 
 
+def conduit_path_count(b: Built) -> int | None:
+    """How often Conduit's path has served the learner so far (off-policy: train batches taken from Conduit's
+    sample; PPO: train batches its minibatch feed took in); None for a learner without Conduit's parts."""
+    if b.workload.startswith("ppo"):
+        feed = getattr(b.learner, "conduit_feed", None)
+        return None if feed is None else b.learner.conduit_version
+    return getattr(b.learner, "conduit_batches", None)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_experience_path_of_one_step(benchmark: Any, built: dict[str, Built], variant: str, ratios: Any) -> None:
     b = built[variant]
@@ -129,7 +138,17 @@ def test_experience_path_of_one_step(benchmark: Any, built: dict[str, Built], va
         fn, setup, rounds = b.on_policy_update_path, b.rollout, 5
     else:
         fn, setup, rounds = b.off_policy_step, b.next_chunk, 60
+    before = conduit_path_count(b)
     benchmark.pedantic(fn, setup=setup, rounds=rounds, iterations=1, warmup_rounds=2)
+    # each variant ran its own path: Conduit's fast path on every call (not RLlib's learner connector behind
+    # a Conduit buffer), and RLlib's own learner without any Conduit part
+    calls = 1 if benchmark.disabled else rounds + 2
+    if variant == "conduit":
+        after = conduit_path_count(b)
+        assert before is not None and after is not None and after - before >= calls, \
+            f"{b.workload}: the Conduit path served fewer than {calls} calls ({before} -> {after})"
+    else:
+        assert before is None, f"{b.workload}: the native variant's learner has Conduit parts"
     ratios.add("rllib_experience_step", b.workload, variant, benchmark, baseline="native",
                note="Experience path of one training step as RLlib calls it (off-policy: add 1 step, sample, "
                     "get_metrics, learner batch, update_priorities; PPO: train batch + all minibatches of one "
