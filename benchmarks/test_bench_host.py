@@ -72,6 +72,33 @@ def build(lib: str, d: int, cap: int, data: torch.Tensor):  # noqa: ANN201 - ret
     raise ValueError(lib)
 
 
+def sampled_rows(lib: str, out: object) -> torch.Tensor:
+    """The observations one ``sample`` call of ``lib`` returned."""
+    if lib == "conduit":
+        return out[0]["obs"]  # type: ignore[index]
+    if lib == "cpprb":
+        return torch.from_numpy(out["obs"])  # type: ignore[index]
+    if lib == "torchrl":
+        return out["obs"]  # type: ignore[index]
+    return out  # type: ignore[return-value]
+
+
+def check_sample(lib: str, out: object, data: torch.Tensor) -> None:
+    """A draw is ``BATCH`` float32 rows of shape ``(d,)``, each one of the rows ingested (``data``'s): a fast wrong
+    answer (an empty, short or foreign batch) must not be timed as a sample."""
+    rows = sampled_rows(lib, out)
+    assert tuple(rows.shape) == (BATCH, data.shape[1]) and rows.dtype == torch.float32, (lib, rows.shape, rows.dtype)
+    assert all(stored_row(row, data) is not None for row in rows), f"{lib}: a sampled row is none of the rows ingested"
+
+
+def stored_row(row: torch.Tensor, data: torch.Tensor) -> int | None:
+    """The index of a row of ``data`` equal to ``row`` (candidates found by the first value), or None."""
+    for i in (data[:, 0] == row[0]).nonzero().flatten().tolist():
+        if torch.equal(data[i], row):
+            return int(i)
+    return None
+
+
 @pytest.fixture(scope="module", params=DIMS, ids=lambda d: f"d{d}")
 def buffers(request: pytest.FixtureRequest):  # noqa: ANN201
     torch.set_num_threads(1)
@@ -79,17 +106,19 @@ def buffers(request: pytest.FixtureRequest):  # noqa: ANN201
     cap = capacity_for(d)
     data = torch.randn(1024, d)
     made = {lib: build(lib, d, cap, data) for lib in LIBS}
-    yield d, made
+    for lib, (_, _, sample) in made.items():
+        check_sample(lib, sample(), data)
+    yield d, made, data
     made.clear()
     gc.collect()
 
 
 @pytest.mark.parametrize("lib", LIBS)
 def test_sample_512(benchmark, buffers, lib: str, ratios) -> None:  # noqa: ANN001
-    d, made = buffers
+    d, made, data = buffers
     sample = made[lib][2]
     benchmark.group = f"sample512-d{d}"
-    benchmark(sample)
+    check_sample(lib, benchmark(sample), data)
     ratios.add("host_sample512", f"d={d}", lib, benchmark, baseline="floor",
                note=f"Sample {BATCH} float32 observations (host tier, 1 thread).")
 
@@ -97,7 +126,7 @@ def test_sample_512(benchmark, buffers, lib: str, ratios) -> None:  # noqa: ANN0
 @pytest.mark.parametrize("chunk", [1, 256])
 @pytest.mark.parametrize("lib", LIBS)
 def test_ingest(benchmark, buffers, lib: str, chunk: int, ratios) -> None:  # noqa: ANN001
-    d, made = buffers
+    d, made, _ = buffers
     fn = made[lib][0 if chunk == 1 else 1]
     benchmark.group = f"ingest{chunk}-d{d}"
     benchmark(fn)
@@ -120,8 +149,11 @@ def no_repeat(request: pytest.FixtureRequest):  # noqa: ANN201
     edp = ExperienceDataPlane(ExperienceSchema(obs=Field((NO_REPEAT_D,))), capacity=cap, semantics=Replay(seed=0))
     data = torch.randn(min(cap, 65536), NO_REPEAT_D)
     for s in range(0, cap, data.shape[0]):
-        edp.ingest({"obs": data[: min(data.shape[0], cap - s)]})
+        part = data[: min(data.shape[0], cap - s)].clone()
+        part[:, 0] = torch.arange(s, s + part.shape[0])  # each item's first value is its index: draws can be checked
+        edp.ingest({"obs": part})
     store = edp.storage._cols["obs"]
+    assert torch.equal(store[:, 0], torch.arange(cap, dtype=torch.float32))
     out = torch.empty(BATCH, NO_REPEAT_D)
     gen = torch.Generator().manual_seed(0)
     calls = {
@@ -129,17 +161,31 @@ def no_repeat(request: pytest.FixtureRequest):  # noqa: ANN201
         "permutation": lambda: torch.index_select(store, 0, torch.randperm(cap, generator=gen)[:BATCH], out=out),
         "floor": lambda: torch.index_select(store, 0, torch.randint(cap, (BATCH,), generator=gen), out=out),
     }
-    yield cap, calls
+    for lib, call in calls.items():
+        check_items(lib, call(), store, distinct=lib != "floor")
+    yield cap, calls, store
     edp.close()
     calls.clear()
     gc.collect()
 
 
+def check_items(lib: str, out: object, store: torch.Tensor, *, distinct: bool) -> None:
+    """A draw is ``BATCH`` stored items (each row's first value is its item's index), all different ones with
+    ``distinct``: a draw without replacement that repeats an item must not be timed as one."""
+    rows = sampled_rows(lib, out)
+    assert tuple(rows.shape) == (BATCH, store.shape[1]) and rows.dtype == torch.float32, (lib, rows.shape, rows.dtype)
+    items = rows[:, 0].long()
+    assert bool(((items >= 0) & (items < store.shape[0])).all()) and torch.equal(rows, store[items]), \
+        f"{lib}: a drawn row is none of the items stored"
+    if distinct:
+        assert items.unique().numel() == BATCH, f"{lib}: a draw without replacement repeated an item"
+
+
 @pytest.mark.parametrize("lib", ["floor", "conduit", "permutation"])
 def test_sample_512_without_replacement(benchmark, no_repeat, lib: str, ratios) -> None:  # noqa: ANN001
-    cap, calls = no_repeat
+    cap, calls, store = no_repeat
     benchmark.group = f"sample512-norepeat-cap{cap}"
-    benchmark(calls[lib])
+    check_items(lib, benchmark(calls[lib]), store, distinct=lib != "floor")
     ratios.add("host_sample512_no_repeat", f"cap={cap}", lib, benchmark, baseline="floor",
                note=f"Sample {BATCH} distinct items of d = {NO_REPEAT_D} (host tier, 1 thread); floor = a draw with "
                     f"replacement gathered into a reused buffer.")
