@@ -34,7 +34,7 @@ def build(lib: str, d: int, cap: int, data: torch.Tensor):  # noqa: ANN201 - ret
             one, chunk = data[:1], data[:256]
             return (lambda: edp.ingest({"obs": one}), lambda: edp.ingest({"obs": chunk}),
                     lambda: edp.deliver(BATCH))
-        store = edp.storage._cols["obs"]  # the same memory Conduit gathers from
+        store = edp.storage._cols["obs"]  # a storage of its own, built and filled as Conduit's is
         out = torch.empty(BATCH, d)
         gen = torch.Generator().manual_seed(0)
         ring = torch.empty(cap, d).fill_(1.0)  # touch every page, as a filled buffer has
