@@ -265,7 +265,7 @@ def test_on_policy_late_samples_are_dropped_or_refused(closing) -> None:
     r = on_policy(closing, on_stale="raise")
     r.put(sample(0, version=5))
     with pytest.raises(StaleExperienceError):
-        r.put_batch(make_sample(np.arange(1, 3), batched=True, version=4))
+        r.put_batch(Sample(**dict(make_sample(np.arange(1, 3), batched=True, version=4).items())))
     r.flush()
     assert len(r) == 1
     with pytest.raises(SchemaError, match="no policy version"):
@@ -279,7 +279,7 @@ def test_on_policy_needs_the_version_field_and_room(closing) -> None:
     small = on_policy(closing, capacity=4)
     small.put_batch(make_sample(np.arange(4), batched=True))
     with pytest.raises(CapacityError, match="seal"):
-        small.put(sample(4))  # the open rollout fills the buffer and nothing can be delivered
+        small.put(make_sample([4]))  # the open rollout fills the buffer and nothing can be delivered
 
 
 def test_on_policy_entry_prepared_ahead_is_dropped_when_the_version_moves(closing) -> None:

@@ -81,3 +81,27 @@ def test_layout_refuses_what_it_cannot_store() -> None:
         lay.split(Record(a=np.zeros((4, 2)), s=None), batched=False)
     with pytest.raises(SchemaError, match="batch size"):
         lay.split(Record(a=np.zeros((4, 2, 2)), s=Record(x=np.zeros((4, 3)))), batched=True)
+
+
+def test_a_sample_of_another_record_class_is_refused_and_nothing_of_it_stored() -> None:
+    # the first sample fixes the record classes (README): deliveries are built with them, so a later sample of
+    # another class (at the top or nested) would come back as the first one's class
+    from conduit_srl import ConduitBuffer
+
+    first = make_sample([1], time_steps=3)
+    layout = RecordLayout(first, batched=False)
+    with pytest.raises(SchemaError, match="Batch record, the first sample's was a Record"):
+        layout.split(Batch(**dict(first.items())), batched=False)
+    nested = RecordLayout(Record(a=np.zeros((3, 2)), c=Record(d=np.ones((3, 1)))), batched=False)
+    with pytest.raises(SchemaError, match="Field 'c' is a Batch record"):
+        nested.split(Record(a=np.zeros((3, 2)), c=Batch(d=np.ones((3, 1)))), batched=False)
+    buf = ConduitBuffer(batch_size=1, capacity=8)
+    try:
+        buf.put(first)
+        with pytest.raises(SchemaError):
+            buf.put(Batch(**dict(make_sample([2], time_steps=3).items())))
+        assert buf.qsize() == 1 and buf.stats()["samples_put"] == 1
+        entry = buf.get()
+        assert type(entry.sample) is Record and entry.sample.length(1) == 1
+    finally:
+        buf.close()

@@ -157,6 +157,12 @@ class RecordLayout:
         if not hasattr(rec, "items"):
             raise SchemaError(f"Field {prefix[:-1] or 'sample'!r} should be a {node.cls.__name__} record, got "
                               f"{type(rec).__name__}.")
+        cls: type = type(rec)
+        if cls is not node.cls:  # (delivered as the first sample's class: another one would come back changed)
+            raise SchemaError(f"{'Field ' + repr(prefix[:-1]) if prefix else 'The sample'} is a "
+                              f"{cls.__qualname__} record, the first sample's was a {node.cls.__qualname__}; "
+                              f"every sample of one buffer has the same record classes (deliveries are built "
+                              f"with the first sample's).")
         got = dict(rec.items())
         names = [name for name, _ in node.children]
         if set(got) != set(names):
