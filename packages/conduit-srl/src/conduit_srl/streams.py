@@ -403,7 +403,9 @@ class _Unpacker:
             return
         x.pop_metadata(COALESCED_KEY)
         k = int(k)
-        put_batch = None if batched else getattr(self.buffer, "put_batch", None)
+        # (only a Conduit buffer's put_batch takes a [T, k, ...] record as k samples: another buffer's method of that
+        # name may mean something else, e.g. a list of samples, so any other buffer gets k put calls)
+        put_batch = self.buffer.put_batch if isinstance(self.buffer, ConduitBuffer) and not batched else None
         step = 1 if put_batch is None else min(k, _capacity(self.buffer) or k)
         lo = 0
         while lo < k:
