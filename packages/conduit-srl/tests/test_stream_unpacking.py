@@ -55,3 +55,53 @@ def test_a_coalesced_message_goes_to_another_buffer_as_k_puts_even_if_it_has_a_p
     finally:
         producer.close()
         assert consumer.close() == []
+
+
+class FlushFailsOnce:
+    """A real IP producer whose first flush meets a socket error (the samples stay in its cache, as SRL's would)."""
+
+    def __init__(self, inner: ZmqSampleProducer) -> None:
+        self.inner = inner
+        self.failures = 1
+
+    def post(self, sample: Any) -> None:
+        self.inner.post(sample)
+
+    def flush(self) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise OSError("transient socket error")
+        self.inner.flush()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_target_whose_flush_raised_is_flushed_by_the_next_flush_and_others_are_not_skipped() -> None:
+    # Round robin over two trainers: target 0's flush raised, and target 1 (given a message in the same call) was
+    # never flushed; later flush() calls with nothing new to send flushed neither, so both messages sat in the
+    # targets' caches (past max_delay_s) until new samples happened to go there, or close().
+    consumers = [ZmqSampleConsumer(), ZmqSampleConsumer()]
+    targets = [FlushFailsOnce(ZmqSampleProducer(c.address)) for c in consumers]
+    producer = ConduitSampleProducer(targets, policy=StreamPolicy(route="round_robin"))
+    try:
+        producer.post(make_sample([0]))
+        producer.post(make_sample([1]))
+        targets[1].failures = 0
+        try:
+            producer.flush()
+        except OSError:
+            pass
+        else:
+            raise AssertionError("the first flush should raise target 0's error")
+        assert targets[1].inner.sent == 1  # flushed although target 0's flush raised first
+        producer.flush()  # nothing new: target 0, whose flush raised, is flushed again
+        assert targets[0].inner.sent == 1
+        for c, want in zip(consumers, ([0], [1]), strict=True):
+            buf = ListBuffer()
+            assert receive(ConduitSampleConsumer(c), buf, 1) == 1
+            assert [int(x.id[0]) for x in buf.items] == want
+    finally:
+        producer.close()
+        for c in consumers:
+            c.close()

@@ -196,6 +196,8 @@ class ConduitSampleProducer:
         self.sent = [0] * len(self.targets)
         #: messages sent to each target
         self.messages = [0] * len(self.targets)
+        #: targets given messages since their last flush that returned (a flush that raised is tried again)
+        self._unflushed: set[int] = set()
         weakref.finalize(self, _report_lost, self._pending, "unsent", "Conduit sample producer",
                          "Call close() when an actor stops: it sends what is pending.")
 
@@ -214,7 +216,9 @@ class ConduitSampleProducer:
     def flush(self) -> None:
         """Send every full group of ``coalesce`` samples, and the rest once the oldest waited ``max_delay_s``.
 
-        A no-op once the producer is closed (``close`` sent everything).
+        Every target given messages is flushed, also when another one's flush raises (the first error
+        propagates); a target whose flush raised is flushed again by the next call, even if nothing new goes
+        to it. A no-op once the producer is closed (``close`` sent everything).
         """
         with self._send_lock:
             if not self._closed:
@@ -279,12 +283,28 @@ class ConduitSampleProducer:
         except BaseException:
             with self._lock:  # what no target took is first in line again, in order (sends never overlap)
                 self._pending.extendleft(reversed(taken[done:]))
-            for i in sorted(touched):  # what the targets took goes out as it would have
-                with contextlib.suppress(Exception):
-                    self.targets[i].flush()
+            with contextlib.suppress(Exception):  # what the targets took goes out as it would have
+                self._flush_targets(touched)
             raise
-        for i in sorted(touched):
-            self.targets[i].flush()
+        self._flush_targets(touched)
+
+    def _flush_targets(self, touched: set[int]) -> None:
+        """Flush the targets ``touched`` and every one whose flush raised before (the caller holds ``_send_lock``).
+
+        Each is tried even if another raises (the first error is raised after), and one that raised is tried
+        again at the next flush, also when nothing new goes to it: what a target took is sent once it can be.
+        """
+        self._unflushed |= touched
+        error: Exception | None = None
+        for i in sorted(self._unflushed):
+            try:
+                self.targets[i].flush()
+            except Exception as e:  # noqa: BLE001 - the first is raised once every target was tried
+                error = error or e
+            else:
+                self._unflushed.discard(i)
+        if error is not None:
+            raise error
 
     @staticmethod
     def _groups(samples: list[Any], k: int) -> list[list[Any]]:
