@@ -20,9 +20,15 @@ sample is dead too.
   from a :class:`PoolLadder` (size -> placement; geometric rungs, each computed when first needed).
 * *More samples than slots* (or slots held by samples cleared out of order): core's
   migration keeps the slot count by design, so here the adapter copies the live samples,
-  packed, into a store with more slots (the next rung) and re-maps their handles.
+  packed, into a store with enough slots (twice the samples the put needs, in this rung
+  or a larger one) and re-maps their handles.
+* *Dead samples fill the pool* (a sample cleared late pins the ring, so the pool would have
+  to hold everything put since): at least half the pool's elements belong to cleared samples,
+  so the live ones are compacted the same way instead of the pool growing. A field's memory
+  thus follows what it holds, not what was put since its oldest live sample.
 
-Every move is recorded as a :class:`Migration`.
+Every move to a larger placement is recorded as a :class:`Migration` (a compaction within the
+same rungs is not).
 
 A put is two steps, so that a storage unit can store several fields all or nothing:
 :meth:`FieldStore.append` makes room (migrating when needed) and appends the samples after the
@@ -440,12 +446,16 @@ class FieldStore:
         indexes the put overwrites, not worth moving)."""
         range_slots = self._range_slots()
         in_range = int(range_slots.shape[0])
-        live = int(self._alive[range_slots].sum())
-        if in_range + n > self.storage.capacity:  # out of slots (or held by samples cleared out of order)
-            self._reslot(live - len(replacing) + n,
-                         int(self._elems[range_slots][self._alive[range_slots]].sum()) + elements, replacing)
+        alive = self._alive[range_slots]
+        live = int(alive.sum())
+        held = int(self._elems[range_slots].sum())  # the pool keeps the whole handle range, cleared samples too
+        live_elems = int(self._elems[range_slots][alive].sum())
+        if in_range + n > self.storage.capacity or 2 * live_elems <= held:  # out of slots, or at least half the
+            # pool is dead (samples cleared behind an older live one): compact the live samples (a pinned ring
+            # would otherwise grow the slots and pool with everything put since its oldest sample)
+            self._reslot(live - len(replacing) + n, live_elems + elements, replacing)
             return
-        need = int(self._elems[range_slots].sum()) + elements  # the pool keeps the whole handle range
+        need = held + elements
         k = self.ladder.pool(2 * need, at_least=self.pool_rung + 1)  # room to grow before the next move
         src = self.rung
         report = self.edp.migrate(self.ladder.placement(k))  # conduit-core: online, handles and slots kept
@@ -454,7 +464,8 @@ class FieldStore:
                                          report.seconds))
 
     def _reslot(self, need_items: int, need_elems: int, replacing: Sequence[int] = ()) -> None:
-        """Copy the live samples, packed, into a store with enough slots; re-map their handles.
+        """Copy the live samples, packed, into a store with enough slots (of this rung, or a larger one) and pool;
+        re-map their handles.
 
         The samples of ``replacing`` are not copied (the caller's put stores their new values right after). The old
         store is left as it is (:meth:`settle` closes it, :meth:`rollback` goes back to it).
@@ -473,7 +484,7 @@ class FieldStore:
         want = 2 * need_items  # room to grow before the next move
         if self.ladder.max_items is not None:  # max_items caps that headroom, not what must fit
             want = max(need_items, min(want, self.ladder.max_items))
-        sk = self.ladder.slots(want, at_least=self.slot_rung + 1)
+        sk = self.ladder.slots(want, at_least=self.slot_rung)  # (the same rung when the copy leaves it room)
         pk = self.ladder.pool(2 * need_elems, at_least=self.pool_rung)
         self._build(sk, pk)
         remap: dict[int, int] = {}
@@ -486,6 +497,8 @@ class FieldStore:
             self._elems[slots] = vals.lengths
             remap = dict(zip(handles, new_handles.tolist(), strict=True))
         self._handle = {g: remap[h] for g, h in self._handle.items() if h in remap}  # not: the replaced
+        if self.rung == src:  # a compaction within the same rungs: no move to record
+            return
         nbytes = vals.values.numel() * vals.values.element_size() + int(live_slots.shape[0]) * self.width * 8
         self.migrations.append(Migration(self.name, "slots", src, self.rung, int(live_slots.shape[0]), nbytes,
                                          time.perf_counter() - t0))
