@@ -141,6 +141,10 @@ def _validated(cfg: dict[str, Any]) -> dict[str, Any]:
     except (TypeError, ValueError, RuntimeError) as e:
         raise ConfigurationError(f"{where} has a value of the wrong type or form ({e}); see the defaults "
                                  f"{DEFAULTS}.") from None
+    if isinstance(cfg["unit_num_cpus"], bool) or not 0 <= cpus < math.inf:  # (NaN passed, and Ray's start then
+        # failed with an untyped "cannot convert float NaN to integer"; True was taken as 1 CPU)
+        raise ConfigurationError(f"{where}.unit_num_cpus={cfg['unit_num_cpus']!r}: give a finite number of CPUs >= 0 "
+                                 f"(e.g. 0, which reserves none, or 1).")
     timeout = cfg["call_timeout_s"]
     if isinstance(timeout, bool) or not isinstance(timeout, Real) or not 0 < float(timeout) < math.inf:
         raise ConfigurationError(f"{where}.call_timeout_s={timeout!r}: give a finite number of seconds > 0 (e.g. "
