@@ -79,3 +79,13 @@ def test_the_plots_missing_folders_are_not_left_behind_by_a_run_that_does_not_fi
     with pytest.raises(RuntimeError, match="Ray could not start"):
         run(["--no-progress", "--out", str(tmp_path / "results" / "run1" / "plot.png")])
     assert not (tmp_path / "results").exists(), "the plot's folders were left behind"
+
+
+def test_counts_written_as_1e6_are_read_as_conduit_plan_reads_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--capacity 1e6`` was refused ("invalid int value: '1e6'") while ``conduit plan --capacity 1e6`` took it:
+    here it is read, and the refusal is the one for ``--iterations 0`` (so that nothing starts)."""
+    with pytest.raises(SystemExit) as done:
+        run(["--capacity", "1e6", "--steps", "2e2", "--iterations", "0", "--no-progress"])
+    assert done.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--iterations must be >= 1, got 0" in line, line

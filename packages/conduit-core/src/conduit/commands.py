@@ -1,6 +1,6 @@
 """Core's own subcommands beyond ``demo`` (each area adds a ``cli`` module with ``register(sub)``), and the
-argument checks they share: counts read exactly (:func:`count`) and refused by the option typed
-(:func:`check_counts`)."""
+argument checks they share: whole numbers and counts read exactly (:func:`whole_number`, :func:`count`; ``1e6``
+accepted) and refused by the option typed (:func:`check_counts`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 
 from conduit.errors import ConfigurationError
 
-__all__ = ["register", "MAX_COUNT", "count", "check_counts"]
+__all__ = ["register", "MAX_COUNT", "whole_number", "count", "check_counts"]
 
 #: the largest count a command takes: sizes are int64 in torch and NumPy, so larger ones would overflow
 MAX_COUNT = 2**63 - 1
@@ -31,9 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         mod.register(sub)
 
 
-def count(text: str) -> int:
-    """An argparse type: a count from 1 to :data:`MAX_COUNT`, accepting ``1e6`` and ``1_000_000`` (whole numbers
-    written out are read exactly, not through a float)."""
+def whole_number(text: str) -> int:
+    """An argparse type: a whole number, accepting ``1e6`` and ``1_000_000`` (whole numbers written out are read
+    exactly, not through a float). Its bounds are the command's to check (:func:`check_counts` names the option and
+    what it counts); :func:`count` is this with the bounds of a count."""
     try:
         v: float = int(text.replace("_", ""))
     except ValueError:
@@ -41,11 +42,20 @@ def count(text: str) -> int:
             v = float(text.replace("_", ""))
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(v) or v < 1 or v != int(v):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
-    if int(v) > MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"{text!r} is too large: use a whole number up to 2**63 - 1")
+    if not math.isfinite(v) or v != int(v):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number")
     return int(v)
+
+
+def count(text: str) -> int:
+    """An argparse type: a count from 1 to :data:`MAX_COUNT`, read as :func:`whole_number` reads it (``1e6`` and
+    ``1_000_000`` accepted)."""
+    v = whole_number(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
+    if v > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text!r} is too large: use a whole number up to 2**63 - 1")
+    return v
 
 
 def check_counts(*flags: tuple[str, int | None, int, int | None, str]) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from conduit.commands import MAX_COUNT, check_counts
+from conduit.commands import MAX_COUNT, check_counts, whole_number
 from conduit.edp import ExperienceDataPlane
 from conduit.errors import ConfigurationError
 from conduit.exposure import ExposureLog, IterationExposure
@@ -281,19 +281,22 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="conduit demo --synthetic",
                                 description="Synthetic actor/learner loop through the EDP, with exposed-latency "
                                             "accounting per iteration.")
-    p.add_argument("--obs-dim", type=int, default=5000, help="d: observation size (default 5000)")
-    p.add_argument("--iterations", type=int, default=20, help="accounted iterations (default 20)")
-    p.add_argument("--warmup", type=int, default=3, help="iterations run before accounting starts (default 3)")
-    p.add_argument("--rollout", type=int, default=256, help="transitions per actor rollout (default 256)")
-    p.add_argument("--batch", type=int, default=512, help="transitions per learner update (default 512)")
-    p.add_argument("--updates", type=int, default=4, help="learner updates per iteration (default 4)")
-    p.add_argument("--capacity", type=int, default=8192, help="buffer capacity in transitions (default 8192)")
-    p.add_argument("--hidden", type=int, default=64, help="MLP hidden width (default 64)")
+    p.add_argument("--obs-dim", type=whole_number, default=5000, help="d: observation size (default 5000)")
+    p.add_argument("--iterations", type=whole_number, default=20, help="accounted iterations (default 20)")
+    p.add_argument("--warmup", type=whole_number, default=3, help="iterations run before accounting starts (default 3)")
+    p.add_argument("--rollout", type=whole_number, default=256, help="transitions per actor rollout (default 256)")
+    p.add_argument("--batch", type=whole_number, default=512, help="transitions per learner update (default 512)")
+    p.add_argument("--updates", type=whole_number, default=4, help="learner updates per iteration (default 4)")
+    p.add_argument("--capacity", type=whole_number, default=8192,
+                   help="buffer capacity in transitions (default 8192; 1e6 is accepted)")
+    p.add_argument("--hidden", type=whole_number, default=64, help="MLP hidden width (default 64)")
     p.add_argument("--scheduler", choices=SCHEDULERS, default="overlapped",
                    help="how the experience path runs (default overlapped)")
-    p.add_argument("--g-ing", type=int, help=f"rollouts per ingestion call (sequential/overlapped only; default 1, "
+    p.add_argument("--g-ing", type=whole_number,
+                   help=f"rollouts per ingestion call (sequential/overlapped only; default 1, "
                    f"at most {_MAX_GRANULARITY})")
-    p.add_argument("--g-del", type=int, help=f"batches per delivery call (sequential/overlapped only; default 4, at "
+    p.add_argument("--g-del", type=whole_number,
+                   help=f"batches per delivery call (sequential/overlapped only; default 4, at "
                    f"most {_MAX_GRANULARITY}); with overlap, one worker hand-off per chunk of this many batches")
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the synchronous baseline and report the exposed-latency reduction")

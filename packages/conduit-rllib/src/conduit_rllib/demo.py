@@ -18,7 +18,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from conduit.commands import MAX_COUNT
+from conduit.commands import MAX_COUNT, whole_number
 from conduit.telemetry import probe_writable
 
 from conduit_rllib.compare import Row
@@ -119,14 +119,17 @@ def run(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="conduit demo", description="RLlib DQN on large observations, native replay "
                                 "vs Conduit, same seed; per-iteration experience-path, exposed and iteration "
                                 "time and return for both, and a PNG plot.")
-    p.add_argument("--obs-dim", type=int, default=5000, help="observation size d, float32 values (default: 5000)")
-    p.add_argument("--iterations", type=int, default=5,
+    p.add_argument("--obs-dim", type=whole_number, default=5000,
+                   help="observation size d, float32 values (default: 5000)")
+    p.add_argument("--iterations", type=whole_number, default=5,
                    help="training iterations per variant; the first fills the buffer (default: 5)")
-    p.add_argument("--steps", type=int, default=200, help="env steps (= learner updates) per iteration (default: 200)")
-    p.add_argument("--batch", type=int, default=32, help="train batch size (default: 32, RLlib's DQN default)")
-    p.add_argument("--capacity", type=int, default=5000, help="replay capacity in transitions (default: 5000)")
+    p.add_argument("--steps", type=whole_number, default=200,
+                   help="env steps (= learner updates) per iteration (default: 200)")
+    p.add_argument("--batch", type=whole_number, default=32, help="train batch size (default: 32, RLlib's DQN default)")
+    p.add_argument("--capacity", type=whole_number, default=5000,
+                   help="replay capacity in transitions (default: 5000; 1e6 is accepted)")
     p.add_argument("--uniform", action="store_true", help="uniform replay (default: prioritized, as RLlib's DQN)")
-    p.add_argument("--hidden", type=int, default=64, help="hidden layer width (default: 64)")
+    p.add_argument("--hidden", type=whole_number, default=64, help="hidden layer width (default: 64)")
     p.add_argument("--seed", type=int, default=0, help="seed of both variants (default: 0)")
     p.add_argument("--out", type=Path, default=Path("conduit-demo-rllib.png"),
                    help="where to write the plot (default: conduit-demo-rllib.png)")

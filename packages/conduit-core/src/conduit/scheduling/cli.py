@@ -17,7 +17,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from conduit.commands import MAX_COUNT, check_counts
+from conduit.commands import MAX_COUNT, check_counts, whole_number
 from conduit.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -158,32 +158,34 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     sp = p.add_subparsers(dest="schedule_command", required=True)
     r = sp.add_parser("ranges", help="safe g_ing / g_del ranges from on/off-policy and M")
     r.add_argument("--on-policy", action="store_true", help="an on-policy job (default: off-policy)")
-    r.add_argument("-M", "--num-minibatches", type=int, default=None,
+    r.add_argument("-M", "--num-minibatches", type=whole_number, default=None,
                    help=f"minibatch updates per rollout (on-policy: sets its granularities; at most {_MAX_LISTED})")
-    r.add_argument("--g-ing-max", type=int, default=None,
+    r.add_argument("--g-ing-max", type=whole_number, default=None,
                    help=f"cap on rollouts per ingestion call (off-policy only; default {_DEFAULT_CAP}, at most "
                         f"{_MAX_LISTED})")
-    r.add_argument("--g-del-max", type=int, default=None,
+    r.add_argument("--g-del-max", type=whole_number, default=None,
                    help=f"cap on batches per delivery call (off-policy only; default {_DEFAULT_CAP}, at most "
                         f"{_MAX_LISTED})")
-    r.add_argument("--batch-bytes", type=int, default=None,
+    r.add_argument("--batch-bytes", type=whole_number, default=None,
                    help="bytes per delivered batch (off-policy only; together with --memory-budget: caps g_del)")
-    r.add_argument("--memory-budget", type=int, default=None,
+    r.add_argument("--memory-budget", type=whole_number, default=None,
                    help="bytes the delivery buffers may take (off-policy only; together with --batch-bytes)")
     r.set_defaults(func=_ranges, command_parser=r)  # (an unknown option is refused with this parser's usage)
     c = sp.add_parser("calibrate", help="run the synthetic loop under the automatic scheduler and explain its choice")
-    c.add_argument("--obs-dim", type=int, default=1000, help="d: floats per observation (default 1000)")
-    c.add_argument("--batch", type=int, default=512, help="transitions per learner update (default 512)")
-    c.add_argument("--rollout", type=int, default=256, help="transitions per actor rollout (default 256)")
-    c.add_argument("--updates", type=int, default=4, help="learner updates (deliveries) per iteration (default 4)")
-    c.add_argument("--capacity", type=int, default=8192, help="buffer capacity in transitions (default 8192)")
+    c.add_argument("--obs-dim", type=whole_number, default=1000, help="d: floats per observation (default 1000)")
+    c.add_argument("--batch", type=whole_number, default=512, help="transitions per learner update (default 512)")
+    c.add_argument("--rollout", type=whole_number, default=256, help="transitions per actor rollout (default 256)")
+    c.add_argument("--updates", type=whole_number, default=4,
+                   help="learner updates (deliveries) per iteration (default 4)")
+    c.add_argument("--capacity", type=whole_number, default=8192,
+                   help="buffer capacity in transitions (default 8192; 1e6 is accepted)")
     c.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                    help="auto: the scheduler decides whether to overlap; on/off: forced (default auto)")
-    c.add_argument("--g-ing-max", type=int, default=8, help=f"default 8, at most {_MAX_LISTED}")
-    c.add_argument("--g-del-max", type=int, default=8, help=f"default 8, at most {_MAX_LISTED}")
-    c.add_argument("--warmup", type=int, default=None,
+    c.add_argument("--g-ing-max", type=whole_number, default=8, help=f"default 8, at most {_MAX_LISTED}")
+    c.add_argument("--g-del-max", type=whole_number, default=8, help=f"default 8, at most {_MAX_LISTED}")
+    c.add_argument("--warmup", type=whole_number, default=None,
                    help="iterations for calibration (not accounted; default: as many as the calibration can take "
                         "at --updates deliveries per iteration)")
-    c.add_argument("--iterations", type=int, default=5,
+    c.add_argument("--iterations", type=whole_number, default=5,
                    help="iterations measured after calibration; 0 for none (default 5)")
     c.set_defaults(func=_calibrate, command_parser=c)
