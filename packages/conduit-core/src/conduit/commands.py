@@ -1,16 +1,18 @@
 """Core's own subcommands beyond ``demo`` (each area adds a ``cli`` module with ``register(sub)``), and the
 argument checks they share: whole numbers and counts read exactly (:func:`whole_number`, :func:`count`; ``1e6``
-accepted) and refused by the option typed (:func:`check_counts`)."""
+accepted), finite numbers within bounds (:func:`finite_number`), and counts refused by the option typed
+(:func:`check_counts`)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import math
+from collections.abc import Callable
 
 from conduit.errors import ConfigurationError
 
-__all__ = ["register", "MAX_COUNT", "whole_number", "count", "check_counts"]
+__all__ = ["register", "MAX_COUNT", "whole_number", "count", "finite_number", "check_counts"]
 
 #: the largest count a command takes: sizes are int64 in torch and NumPy, so larger ones would overflow
 MAX_COUNT = 2**63 - 1
@@ -56,6 +58,31 @@ def count(text: str) -> int:
     if v > MAX_COUNT:
         raise argparse.ArgumentTypeError(f"{text!r} is too large: use a whole number up to 2**63 - 1")
     return v
+
+
+def finite_number(least: float, *, inclusive: bool, most: float = math.inf,
+                  meaning: str = "") -> Callable[[str], float]:
+    """An argparse type: a finite number > ``least`` (>= ``least`` when ``inclusive``) and at most ``most``.
+
+    ``nan``, ``inf`` and numbers out of bounds are refused (an argument error, exit status 2) with the bounds and,
+    past ``most``, what ``meaning`` says that bound stands for (e.g. "one second per remote fetch").
+    """
+    bound = f"{'>=' if inclusive else '>'} {least:g}" + ("" if most == math.inf else f" and at most {most:g}")
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) or v < least or (v == least and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number {bound}")
+        if v > most:
+            raise argparse.ArgumentTypeError(f"{text!r} is too large: give a finite number {bound}"
+                                             + (f" ({meaning})" if meaning else ""))
+        return v
+
+    parse.__doc__ = f"A finite number {bound}."
+    return parse
 
 
 def check_counts(*flags: tuple[str, int | None, int, int | None, str]) -> None:

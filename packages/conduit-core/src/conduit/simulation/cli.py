@@ -10,15 +10,13 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from conduit.commands import count
+from conduit.commands import count, finite_number
 from conduit.errors import ConfigurationError
 from conduit.simulation.cluster import NETWORKS, SCENARIOS, Network, Scenario, load_node
 from conduit.simulation.model import BASELINES, MAX_NODES, layout, node_workload, run_scenario
@@ -37,25 +35,10 @@ def _scales(text: str) -> tuple[int, ...]:
     return tuple(sorted({count(x) for x in parts}))
 
 
-def _finite_float(lower: float, *, inclusive: bool) -> Callable[[str], float]:
-    """An argparse type: a finite number > ``lower`` (>= ``lower`` when ``inclusive``)."""
-    bound = f"{'>=' if inclusive else '>'} {lower:g}"
-
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not math.isfinite(v) or v < lower or (v == lower and not inclusive):
-            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number {bound}")
-        return v
-
-    parse.__doc__ = f"A finite number {bound}."
-    return parse
-
-
-_positive_float = _finite_float(0.0, inclusive=False)
-_non_negative_float = _finite_float(0.0, inclusive=True)
+_positive_float = finite_number(0.0, inclusive=False)
+#: a remote fetch's cost at the requester, in us: up to one second (the default is 50 us; far past a second, the
+#: simulated latencies are the fetch cost alone, printed as 300-digit numbers)
+_rpc_us = finite_number(0.0, inclusive=True, most=1e6, meaning="us per remote fetch: at most one second")
 
 
 def _ms(x: float | None) -> str:
@@ -262,8 +245,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--replay-ratio", dest="replay_ratio", type=_positive_float,
                    help="deliveries per ingested item (at least total batch / capacity: an iteration ingests "
                         "at most the buffer's capacity)")
-    p.add_argument("--rpc-us", dest="rpc_us", type=_non_negative_float,
-                   help="cost of one remote fetch at the requester (us)")
+    p.add_argument("--rpc-us", dest="rpc_us", type=_rpc_us,
+                   help="cost of one remote fetch at the requester (us, 0 to 1e6; default: the network's)")
     p.add_argument("--fetch", choices=("per-node", "per-learner"), default="per-node",
                    help="remote fetches: one per pair of nodes for all of a node's learners (default), or one "
                         "per learner")
