@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from conduit._checks import is_bool
 from conduit.errors import ConfigurationError, PlacementError
 from conduit.placement.base import PlacementSpec
 from conduit.placement.profile import BandwidthProfile, LinkCost
@@ -401,8 +402,9 @@ class CostModel:
                                     details={**profile.details, "declared_fallback": topology.name})
         for nm, v in (("headroom", headroom), ("gpu_usable", gpu_usable), ("host_usable", host_usable),
                       ("disk_usable", disk_usable)):
-            if not (0 <= v <= (10 if nm == "headroom" else 1)):
-                raise ConfigurationError(f"{nm}={v} is out of range.")
+            most = 10 if nm == "headroom" else 1
+            if is_bool(v) or not isinstance(v, numbers.Real) or not (0 <= v <= most):
+                raise ConfigurationError(f"{nm} must be a number from 0 to {most} (a fraction), got {v!r}.")
         if isinstance(output_depth, bool) or not isinstance(output_depth, int) or output_depth < 1:
             raise ConfigurationError(f"output_depth must be an int >= 1 (the scheduler's output_depth), got "
                                      f"{output_depth!r}.")

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from conduit._checks import is_int
 from conduit.errors import PlacementError
 from conduit.placement.profile import PATHS, BandwidthProfile, LinkCost, _host_memory, machine_id
 
@@ -34,6 +35,12 @@ class Gpu:
     index: int
     name: str
     memory_bytes: int
+
+    def __post_init__(self) -> None:
+        """Raises PlacementError: ``index`` or ``memory_bytes`` is not an int >= 0 (a bool is no size)."""
+        for what, v in (("index", self.index), ("memory_bytes", self.memory_bytes)):
+            if not is_int(v) or v < 0:
+                raise PlacementError(f"Gpu {what} must be an int >= 0, got {v!r}; give the GPU's {what} as an int.")
 
     @property
     def device(self) -> str:
@@ -65,6 +72,16 @@ class Topology:
     description: str = ""
     source: str = "declared"
     details: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        """Raises PlacementError: a size is not an int >= 0 (a bool is no size), or a GPU is not a :class:`Gpu`."""
+        for what, v in (("host_memory_bytes", self.host_memory_bytes), ("disk_bytes", self.disk_bytes)):
+            if not is_int(v) or v < 0:
+                raise PlacementError(f"Topology {self.name!r}: {what} must be an int >= 0, got {v!r}; give the "
+                                     f"size in bytes as an int.")
+        bad = [g for g in self.gpus if not isinstance(g, Gpu)]
+        if bad:
+            raise PlacementError(f"Topology {self.name!r}: gpus must be Gpu objects, got {bad[0]!r}.")
 
     @property
     def num_gpus(self) -> int:
@@ -117,12 +134,14 @@ class Topology:
             if isinstance(count, bool) or float(count) != int(float(count)):
                 raise PlacementError(f"Topology {name!r}: gpu.count must be a whole number of GPUs, got {count!r}.")
             n = int(float(count))
-            gpus = tuple(Gpu(i, str(gpu["name"]), int(float(gpu["memory_gib"]) * GIB)) for i in range(n))
-            host, disk = int(float(d["host_memory_gib"]) * GIB), int(float(d.get("disk_gib", 0)) * GIB)
+            gib = (_figure(name, "gpu.memory_gib", gpu["memory_gib"], positive=False) if n > 0 else 0.0)
+            gpus = tuple(Gpu(i, str(gpu["name"]), int(gib * GIB)) for i in range(n))
+            host = int(_figure(name, "host_memory_gib", d["host_memory_gib"], positive=False) * GIB)
+            disk = int(_figure(name, "disk_gib", d.get("disk_gib", 0), positive=False) * GIB)
             if n < 0 or host < 0 or disk < 0 or any(g.memory_bytes < 0 for g in gpus):
                 raise PlacementError(f"Topology {name!r}: gpu.count, host_memory_gib, disk_gib and gpu.memory_gib "
                                      f"must be >= 0.")
-            links = {k: _declared_link(name, k, v) for k, v in d.get("links", {}).items()}
+            links = {k: _declared_link(name, k, v, n) for k, v in d.get("links", {}).items()}
             p2p = d.get("p2p")
             if p2p:
                 over = _figure(name, "p2p.overhead_us", p2p.get("overhead_us", 0.0), positive=False)
@@ -207,19 +226,40 @@ def _figure(topology: str, where: str, v: Any, *, positive: bool) -> float:
     return float(v)
 
 
-def _declared_link(topology: str, key: str, entry: Any) -> LinkCost:
-    """Link ``key`` of a topology's data file.
+#: the paths priced per GPU (``name:i``) in a data file's ``links``; ``p2p`` is priced per pair (``p2p:i:j``)
+_PER_GPU_PATHS = frozenset({"h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable", "gpu_gather"})
+
+
+def _declared_link(topology: str, key: str, entry: Any, num_gpus: int) -> LinkCost:
+    """Link ``key`` of a topology's data file, on a machine of ``num_gpus`` GPUs.
 
     Raises:
         PlacementError: ``key`` names no path Conduit prices (a misspelt name would leave the path to the
-            planner's refusal, or unpriced), ``entry`` is not an object, has keys a link does not have (a
-            misspelt ``gbps`` would silently declare an unlimited bandwidth), or a figure that is not a finite
-            number in range; the message names the link and what to write.
+            planner's refusal, or unpriced), or a GPU (``name:i``, ``p2p:i:j``) the topology does not have, or
+            GPUs on a path that is not priced per GPU (an entry no lookup would read), ``entry`` is not an object,
+            has keys a link does not have (a misspelt ``gbps`` would silently declare an unlimited bandwidth), or
+            a figure that is not a finite number in range; the message names the link and what to write.
     """
-    kind = str(key).split(":")[0]
+    kind, *indices = str(key).split(":")
     if kind not in PATHS:
         raise PlacementError(f"Topology {topology!r}: links.{key} names no data path Conduit prices; use one of "
                              f"{', '.join(PATHS)} (for one GPU 'name:i', for a GPU pair 'p2p:i:j').")
+    if indices:
+        want = 2 if kind == "p2p" else 1 if kind in _PER_GPU_PATHS else 0
+        if not want:
+            raise PlacementError(f"Topology {topology!r}: links.{key}: {kind} is not priced per GPU, so this entry "
+                                 f"would never be read; write links.{kind}.")
+        form = "p2p:i:j" if want == 2 else f"{kind}:i"
+        if len(indices) != want or any(not i.isdigit() or str(int(i)) != i for i in indices) or \
+                (want == 2 and indices[0] == indices[1]):
+            raise PlacementError(f"Topology {topology!r}: links.{key} is no link name; write '{form}' with "
+                                 f"{'two distinct GPU indices' if want == 2 else 'a GPU index'} (0, 1, ...), or "
+                                 f"'{kind}' for every GPU.")
+        missing = [int(i) for i in indices if int(i) >= num_gpus]
+        if missing:
+            has = f"GPUs 0..{num_gpus - 1}" if num_gpus > 1 else "GPU 0" if num_gpus else "no GPUs"
+            raise PlacementError(f"Topology {topology!r}: links.{key} names GPU {missing[0]}, which the topology "
+                                 f"does not have (gpu.count {num_gpus}: {has}); fix the index or gpu.count.")
     if not isinstance(entry, dict):
         raise PlacementError(f"Malformed topology data: links.{key} of topology {topology!r} is {entry!r}, not an "
                              f"object such as {{\"gbps\": 12, \"overhead_us\": 5}}.")
