@@ -31,3 +31,12 @@ def test_flags_of_the_right_type_are_accepted(closing) -> None:
 
     b = closing(batch_size=4, overlap=False, copy_on_put=np.bool_(True), batched_puts=False, pin_memory=None)
     assert b.config.copy_on_put
+
+
+def test_the_flags_are_checked_by_cores_public_bool_check() -> None:
+    """The config had its own copy of core's check (``isinstance(v, (bool, np.bool_))``): it uses core's now, so a
+    flag core takes is taken here too."""
+    import conduit.checks
+    import conduit_srl.config
+
+    assert conduit_srl.config.is_bool is conduit.checks.is_bool

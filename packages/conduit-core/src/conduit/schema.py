@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from conduit._checks import is_bool
+from conduit.checks import is_bool
 from conduit.errors import ConfigurationError
 
 __all__ = ["Field", "ExperienceSchema", "storable", "same_width_integer"]

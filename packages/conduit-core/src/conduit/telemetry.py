@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NamedTuple, SupportsIndex
 
-from conduit._checks import is_int
+from conduit.checks import is_int
 from conduit.errors import ConfigurationError
 
 __all__ = ["Telemetry", "CallRecord", "Totals", "thread_id"]

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-import numpy as np
 from conduit import ConfigurationError
+from conduit.checks import is_bool
 
 __all__ = ["BufferConfig", "SEMANTICS"]
 
@@ -194,7 +194,7 @@ class BufferConfig:
             raise ConfigurationError(f"g_ing must be a positive number, got {self.g_ing!r}.")
         for name in ("overlap", "copy_on_put", "batched_puts", "pin_memory"):
             v = getattr(self, name)
-            if not isinstance(v, (bool, np.bool_)) and not (v is None and name == "pin_memory"):
+            if not is_bool(v) and not (v is None and name == "pin_memory"):
                 raise ConfigurationError(f"{name} must be True or False{' (or None)' if name == 'pin_memory' else ''}"
                                          f", got {v!r}; a string such as 'no' would read as True.")
         if not isinstance(self.version_field, str) or not self.version_field:

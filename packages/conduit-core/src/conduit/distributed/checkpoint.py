@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from conduit._checks import is_int
 from conduit.batch import ExperienceBatch, Ragged
+from conduit.checks import is_int
 from conduit.distributed._ray import ray_module, wait_all
 from conduit.distributed.errors import ClusterError, ShardLostError
 from conduit.distributed.recovery import failure, forget_lost_priorities

@@ -48,8 +48,8 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import torch
 
-from conduit._checks import is_int
 from conduit.batch import ExperienceBatch, host_array
+from conduit.checks import is_int
 from conduit.distributed import checkpoint, recovery
 from conduit.distributed._ray import (
     Outcome,

@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from conduit._checks import is_bool
+from conduit.checks import is_bool
 from conduit.errors import ConfigurationError, PlacementError
 from conduit.placement.base import PlacementSpec
 from conduit.placement.profile import BandwidthProfile, LinkCost

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from conduit._checks import is_int
+from conduit.checks import is_int
 from conduit.errors import PlacementError
 from conduit.placement.profile import PATHS, BandwidthProfile, LinkCost, _host_memory, machine_id
 

@@ -51,8 +51,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from conduit._checks import is_int
 from conduit.batch import ExperienceBatch
+from conduit.checks import is_bool, is_int
 from conduit.errors import ConfigurationError
 from conduit.scheduling.base import Scheduler, unattached
 from conduit.scheduling.buffers import buffers_needed
@@ -200,7 +200,7 @@ class Automatic(Scheduler):
                         ("confirm_windows", confirm_windows)):
             if not is_int(v):
                 raise ConfigurationError(f"{name} must be an int (values below 1 count as 1), got {v!r}.")
-        if overlap is not None and not isinstance(overlap, bool):
+        if overlap is not None and not is_bool(overlap):
             raise ConfigurationError(f"overlap must be True, False or None (let the measurement decide), got "
                                      f"{overlap!r}.")
         if not is_int(queue_depth) or queue_depth < 1:
@@ -208,7 +208,7 @@ class Automatic(Scheduler):
         # the caps are checked here, not at the buffer's first delivery (ConfigurationError, as safe_ranges says)
         safe_ranges(on_policy=False, g_ing_max=g_ing_max, g_del_max=g_del_max, memory_budget=memory_budget,
                     output_depth=output_depth)
-        self.force_overlap: bool | None = overlap
+        self.force_overlap: bool | None = None if overlap is None else bool(overlap)
         self.g_ing_max: int = int(g_ing_max)
         self.g_del_max: int = int(g_del_max)
         self.memory_budget: int | None = None if memory_budget is None else int(memory_budget)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from conduit._checks import is_int
+from conduit.checks import is_bool, is_int
 from conduit.errors import ConfigurationError
 from conduit.scheduling.buffers import buffers_needed
 from conduit.semantics.base import Semantics
@@ -81,7 +81,7 @@ def safe_ranges(*, on_policy: bool, num_minibatches: int | None = None, g_ing_ma
         >>> safe_ranges(on_policy=True, num_minibatches=4).describe()
         'on-policy (M=4): g_ing in {1/4, 1/2, 3/4, 1}, g_del in {1/4}'
     """
-    if not isinstance(on_policy, bool):  # (a string such as "no" would be truthy)
+    if not is_bool(on_policy):  # (a string such as "no" would be truthy)
         raise ConfigurationError(f"on_policy must be True or False, got {on_policy!r}.")
     for name, v in (("g_ing_max", g_ing_max), ("g_del_max", g_del_max), ("output_depth", output_depth)):
         if not is_int(v) or v < 1:

@@ -66,8 +66,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from conduit._checks import is_int
 from conduit.batch import ExperienceBatch
+from conduit.checks import is_bool, is_int
 from conduit.errors import ConfigurationError, EmptyBufferError
 from conduit.scheduling.base import Scheduler, unattached, wait_refused
 from conduit.scheduling.buffers import ChunkRing, buffers_needed
@@ -216,7 +216,7 @@ class Overlapped(Scheduler):
             raise ConfigurationError(f"rollout_size must be None (learned) or an int >= 1, got {rollout_size!r}.")
         for name, flag, none_ok in (("overlap", overlap, False), ("background_ingest", background_ingest, True),
                                     ("copy_on_ingest", copy_on_ingest, False)):
-            if not isinstance(flag, bool) and not (none_ok and flag is None):  # ("false" from a config is truthy)
+            if not is_bool(flag) and not (none_ok and flag is None):  # ("false" from a config is truthy)
                 raise ConfigurationError(f"{name} must be True or False{' (or None: as overlap)' if none_ok else ''}, "
                                          f"got {flag!r}.")
         self.g_ing = g_ing
@@ -229,7 +229,7 @@ class Overlapped(Scheduler):
         self.queue_depth = int(queue_depth)
         self.output_depth = int(output_depth)
         self.rollout_size = None if rollout_size is None else int(rollout_size)
-        self.copy_on_ingest = copy_on_ingest
+        self.copy_on_ingest = bool(copy_on_ingest)
         self._max_prio_stale = max_priority_staleness
         #: prepared batches discarded undelivered (replay: key change, staleness, checkpoint)
         self.discarded = 0

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from conduit._checks import is_int
+from conduit.checks import is_int
 from conduit.errors import ConduitError, ConfigurationError
 from conduit.storage.base import AppendResult, Storage, handles_at
 

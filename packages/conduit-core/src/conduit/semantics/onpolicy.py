@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from conduit._checks import is_bool, is_int
+from conduit.checks import is_bool, is_int
 from conduit.errors import ConfigurationError, EmptyBufferError, StaleExperienceError
 from conduit.semantics.base import SampleInfo, Selection, Semantics, check_seed
 from conduit.storage.base import AppendResult

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from conduit._checks import is_bool
 from conduit.batch import host_array
+from conduit.checks import is_bool
 from conduit.errors import CapacityError, ConfigurationError, EmptyBufferError, PriorityError
 from conduit.semantics.base import RingHandles, SampleInfo, Selection, Semantics, check_seed
 from conduit.semantics.sumtree import CompiledSumTree, sum_tree

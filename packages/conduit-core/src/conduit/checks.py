@@ -1,4 +1,8 @@
-"""Predicates the argument checks share (each check still raises its own typed error)."""
+"""Predicates the argument checks share (each check still raises its own typed error).
+
+Public, for adapters that check their own settings the way core does (a flag is a Python or NumPy bool; a count
+an integer that is not a bool), so that a setting core takes is not refused by an adapter, nor the reverse.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import numbers
 from typing import TypeGuard
 
 import numpy as np
+
+__all__ = ["is_bool", "is_int"]
 
 
 def is_int(x: object) -> TypeGuard[int]:
