@@ -68,12 +68,14 @@ def test_a_resized_workload_keeps_its_class_and_every_other_field() -> None:
     big = w.resized(2_012)
     # was a plain Workload: replay_ratio 1, so a map planned from it priced 4x the ingestion calls
     assert type(big) is ReplayWorkload and big.replay_ratio == 4.0 and big.learner_batch == 3.5
-    assert big.calls_per_iteration == w.calls_per_iteration == 0.25
+    # (2 learners drawing 3.5 items each, a quarter of them ingested, in calls of 2 x 4 items)
+    assert big.calls_per_iteration == w.calls_per_iteration == 2 * 3.5 / 4.0 / 8
     assert (big.field_bytes, big.capacity, big.batch, big.learners, big.growing, big.scalar, big.name) == (
         (8, 2_000, 4), 100, 4, 2, (1,), (0, 2), "r@2012B")
     planner = _host_only_planner()
     assert planner.cost.ingest(HOST, big) == planner.cost.ingest(HOST, ReplayWorkload(
-        (8, 2_000, 4), capacity=100, batch=4, learners=2, growing=(1,), scalar=(0, 2), replay_ratio=4.0))
+        (8, 2_000, 4), capacity=100, batch=4, learners=2, growing=(1,), scalar=(0, 2), replay_ratio=4.0,
+        learner_batch=3.5))
 
 
 def test_a_map_planned_from_a_workload_that_cannot_grow_is_refused_before_it_claims_big_items_fit() -> None:

@@ -77,7 +77,7 @@ class ReplayWorkload(Workload):
     ``learner_batch``: the items each learner draws per iteration as the simulation draws them (the
     cluster's total batch over its learners, not always a whole number; ``batch`` is it rounded). With
     several nodes :class:`~.planning.ClusterCostModel` prices this batch, as :func:`node_loads` does for
-    the simulation. None: ``batch``.
+    the simulation, and ingestion ingests it (:attr:`calls_per_iteration`). None: ``batch``.
     """
 
     replay_ratio: float = 1.0
@@ -94,7 +94,11 @@ class ReplayWorkload(Workload):
 
     @property
     def calls_per_iteration(self) -> float:
-        return super().calls_per_iteration / self.replay_ratio
+        """Ingestion calls of ``ingest_call_items`` items per iteration: the learners' unrounded batches
+        (``learner_batch``) over ``replay_ratio``, so a node ingests its share of the total batch, not of
+        the rounded one (fractional calls are kept)."""
+        drawn = 1.0 if self.learner_batch is None else self.learner_batch / self.batch
+        return super().calls_per_iteration * drawn / self.replay_ratio
 
 
 @dataclass(frozen=True)

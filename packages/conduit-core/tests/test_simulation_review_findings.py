@@ -1,0 +1,32 @@
+"""The scale simulator (conduit.simulation): review findings on ingestion counts, engine ties and CLI bounds."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conduit.placement import PlacementSpec
+from conduit.simulation import NETWORKS, SCENARIOS, ClusterPlanner, simulate_iteration
+from conduit.simulation.cluster import load_node
+from conduit.simulation.model import layout, node_workload
+
+
+@pytest.mark.parametrize("total_batch", [8, 12, 24, 2048])
+def test_a_node_ingests_its_share_of_the_total_batch_when_a_learners_batch_is_not_whole(total_batch):
+    """scale.md: fractional items are kept, and an iteration ingests total batch / replay ratio items. With
+    16 GPUs and a total batch of 8, 12 or 24 a learner draws 0.5, 0.75 or 1.5 items; ingestion counted the
+    rounded batch per learner (1, 1, 2), so each node ingested 8, 8 and 16 items instead of 4, 6 and 12."""
+    sc = dataclasses.replace(SCENARIOS["a100"], total_batch=total_batch, gpus=(16,))
+    lay = layout(16, total_batch, 8)
+    w = node_workload(sc, lay)
+    assert w.calls_per_iteration * w.ingest_call_items == pytest.approx(total_batch / lay.nodes, rel=1e-12)
+    # and the simulated ingestion follows: host memory ingests one item per call here, so the time is the
+    # number of calls times one call's time, proportional to the items
+    net = NETWORKS[sc.network]
+    cost = ClusterPlanner(load_node(sc.topology), nodes=lay.nodes, network=net).cost
+    host = PlacementSpec("host", ("cpu",))
+    one = dataclasses.replace(sc, total_batch=16)
+    per_item = simulate_iteration(cost, host, one, layout(16, 16, 8), net).ingest_s / 8  # 8 calls of 1 item
+    if w.batch == 1:
+        assert simulate_iteration(cost, host, sc, lay, net).ingest_s == pytest.approx(
+            per_item * total_batch / lay.nodes, rel=1e-9)
