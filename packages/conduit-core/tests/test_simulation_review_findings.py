@@ -30,3 +30,27 @@ def test_a_node_ingests_its_share_of_the_total_batch_when_a_learners_batch_is_no
     if w.batch == 1:
         assert simulate_iteration(cost, host, sc, lay, net).ingest_s == pytest.approx(
             per_item * total_batch / lay.nodes, rel=1e-9)
+
+
+def test_a_task_ready_through_a_zero_duration_task_keeps_its_submission_order_at_a_resource():
+    """engine.py: FCFS at a resource, ties in submission order. b (submitted first) and c are both ready at
+    t=0, b through a zero-duration task without a resource; c took r first because b became ready one
+    event later at the same time."""
+    from conduit.simulation import Simulation
+
+    sim = Simulation()
+    a = sim.task("a", 0.0)
+    b = sim.task("b", 1.0, "r", [a])
+    c = sim.task("c", 1.0, "r")
+    assert sim.run() == 2.0
+    assert (a.start, a.end, b.start, c.start) == (0.0, 0.0, 0.0, 1.0)
+    # a chain of them, ready later: the same
+    sim = Simulation()
+    t0 = sim.task("t0", 1.0)
+    z1 = sim.task("z1", 0.0, None, [t0])
+    z2 = sim.task("z2", 0.0, None, [z1])
+    d = sim.task("d", 1.0, "r", [z2])
+    e = sim.task("e", 1.0, "r", [t0])
+    assert sim.run() == 3.0
+    assert (z2.end, d.start, e.start) == (1.0, 1.0, 2.0)
+    assert sim.busy == {"r": 2.0}

@@ -2,7 +2,8 @@
 
 A task becomes *ready* when every task it depends on has finished; it then queues at its
 resource (a link, a device, a lock) and runs when the resource is free, first come first
-served (ties in submission order). A task without a resource runs as soon as it is ready.
+served (ties in submission order: tasks ready at the same time, also through a zero-duration task without a
+resource, which ends the moment it is ready). A task without a resource runs as soon as it is ready.
 :meth:`Simulation.run` returns the makespan; every task keeps its start and end, and every
 resource its busy time, so a run says what was on the critical path and what was busy.
 """
@@ -77,10 +78,28 @@ class Simulation:
             else:
                 queues.setdefault(t.resource, deque()).append(t)
 
-        for t in self.tasks:
-            if not t.deps:
-                ready(t, 0.0)
         done = 0
+
+        def settle(became: list[Task], at: float) -> None:
+            # tasks ready at ``at``: a zero-duration task without a resource ends at once, so what it makes
+            # ready is ready at ``at`` too; then all of them take their resources in submission order
+            nonlocal done
+            stack, out = list(became), []
+            while stack:
+                t = stack.pop()
+                if t.resource is None and t.duration == 0.0:
+                    t.start = t.end = at
+                    done += 1
+                    for nxt in t._next:
+                        nxt._waiting -= 1
+                        if nxt._waiting == 0:
+                            stack.append(nxt)
+                else:
+                    out.append(t)
+            for t in sorted(out, key=lambda x: x._seq):
+                ready(t, at)
+
+        settle([t for t in self.tasks if not t.deps], 0.0)
         while events:
             # every task ending at ``now`` first (queued tasks take the resources they free), then the
             # tasks this made ready, in submission order (ties at a resource: submission order)
@@ -100,8 +119,7 @@ class Simulation:
                     nxt._waiting -= 1
                     if nxt._waiting == 0:
                         became.append(nxt)
-            for nxt in sorted(became, key=lambda x: x._seq):
-                ready(nxt, now)
+            settle(became, now)
         if done != len(self.tasks):  # pragma: no cover - deps are built from earlier tasks, so no cycles
             raise RuntimeError("some tasks never became ready (a dependency cycle)")
         return now
