@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from conduit.placement import PlacementSpec
@@ -54,3 +55,27 @@ def test_a_task_ready_through_a_zero_duration_task_keeps_its_submission_order_at
     assert sim.run() == 3.0
     assert (z2.end, d.start, e.start) == (1.0, 1.0, 2.0)
     assert sim.busy == {"r": 2.0}
+
+
+@pytest.mark.parametrize("duration", [math.inf, "1", True, None])
+def test_engine_refuses_a_duration_that_is_no_finite_number(duration):
+    """An infinite duration ran (makespan inf), a string raised a bare TypeError from a comparison."""
+    from conduit.simulation import Simulation
+
+    with pytest.raises(ValueError, match="finite seconds >= 0"):
+        Simulation().task("x", duration)
+
+
+def test_engine_refuses_a_dependency_on_another_simulations_task():
+    """A task of another simulation never ends in this one: the run raised 'a dependency cycle' (there was
+    none), after appending to the other simulation's task. It is refused when the task is added."""
+    from conduit.simulation import Simulation
+
+    other = Simulation()
+    foreign = other.task("foreign", 1.0)
+    sim = Simulation()
+    mine = sim.task("mine", 1.0)
+    with pytest.raises(ValueError, match="'foreign', which is no task of this simulation"):
+        sim.task("late", 1.0, "r", [mine, foreign])
+    assert sim.run() == 1.0 and len(sim.tasks) == 1
+    assert other.run() == 1.0 and foreign.end == 1.0

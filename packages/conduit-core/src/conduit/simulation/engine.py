@@ -11,6 +11,8 @@ resource its busy time, so a run says what was on the critical path and what was
 from __future__ import annotations
 
 import heapq
+import math
+import numbers
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -39,15 +41,27 @@ class Simulation:
     def __init__(self) -> None:
         self.tasks: list[Task] = []
         self.busy: dict[str, float] = {}
+        self._ids: set[int] = set()  # (ids of self.tasks, which holds them: a dependency is checked in O(1))
         self._ran = False
 
     def task(self, name: str, duration: float, resource: str | None = None, deps: Iterable[Task] = ()) -> Task:
-        """Add a task (``duration`` >= 0 seconds) and return it, to be named as a later task's dependency."""
-        if duration < 0 or duration != duration:
-            raise ValueError(f"task {name!r} has duration {duration}; durations are seconds >= 0")
-        t = Task(name, float(duration), resource, tuple(deps))
+        """Add a task (``duration``: finite seconds >= 0) and return it, to be named as a later task's dependency.
+
+        Raises:
+            ValueError: ``duration`` is no finite number >= 0, or a dependency is no task of this simulation.
+        """
+        if isinstance(duration, bool) or not isinstance(duration, numbers.Real) or not 0 <= duration < math.inf:
+            raise ValueError(f"task {name!r} has duration {duration!r}; durations are finite seconds >= 0")
+        before = tuple(deps)
+        for d in before:
+            if id(d) not in self._ids:  # (another simulation's task would never end here: this one would never start)
+                what = f"task {d.name!r}" if isinstance(d, Task) else repr(d)
+                raise ValueError(f"task {name!r} depends on {what}, which is no task of this simulation; name a "
+                                 f"task that this simulation's task() returned")
+        t = Task(name, float(duration), resource, before)
         t._seq = len(self.tasks)
         self.tasks.append(t)
+        self._ids.add(id(t))
         return t
 
     def run(self) -> float:
