@@ -79,3 +79,34 @@ def test_engine_refuses_a_dependency_on_another_simulations_task():
         sim.task("late", 1.0, "r", [mine, foreign])
     assert sim.run() == 1.0 and len(sim.tasks) == 1
     assert other.run() == 1.0 and foreign.end == 1.0
+
+
+@pytest.mark.parametrize("change", [{"gpus": (True,)}, {"gpus": (1.5,)}, {"gpus": ()}, {"total_batch": 2048.7},
+                                    {"total_batch": "2048"}, {"obs_dim": True}, {"capacity": 1e6},
+                                    {"replay_ratio": True}])
+def test_a_scenario_refuses_counts_that_are_no_whole_numbers(change):
+    """Scenario took gpus=(True,) (one GPU), total_batch=2048.7, capacity=1e6 and replay_ratio=True and
+    simulated them; gpus=(1.5,) and total_batch='2048' raised bare TypeErrors deep inside the simulation."""
+    from conduit.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=next(iter(change))):
+        dataclasses.replace(SCENARIOS["a100"], **change)
+
+
+def test_a_scenario_takes_numpy_counts_and_a_list_of_scales():
+    import numpy as np
+
+    sc = dataclasses.replace(SCENARIOS["a100"], gpus=[np.int64(1), 2], capacity=np.int64(10**6),
+                             replay_ratio=np.float64(2.0))
+    assert sc.gpus == (1, 2) and isinstance(sc.gpus, tuple)
+
+
+@pytest.mark.parametrize("change", [{"node_fetch": "no"}, {"node_fetch": 0}, {"rpc_overhead_s": True},
+                                    {"rpc_overhead_s": "1"}])
+def test_a_network_refuses_a_flag_that_is_no_bool_and_a_cost_that_is_no_number(change):
+    """node_fetch='no' is truthy: it simulated one fetch per pair of nodes; rpc_overhead_s=True was taken as
+    one second, and a string raised a bare TypeError."""
+    from conduit.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match=next(iter(change))):
+        dataclasses.replace(NETWORKS["hdr-ib-8x"], **change)
