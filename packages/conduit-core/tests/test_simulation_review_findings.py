@@ -110,3 +110,32 @@ def test_a_network_refuses_a_flag_that_is_no_bool_and_a_cost_that_is_no_number(c
 
     with pytest.raises(ConfigurationError, match=next(iter(change))):
         dataclasses.replace(NETWORKS["hdr-ib-8x"], **change)
+
+
+@pytest.mark.parametrize(("gpus", "capacity", "ratio"), [(16, 10**9, 2.048e-6), (1, 10**9, 2.048e-6),
+                                                         (4096, 10**6, 2.048e-3)])
+def test_an_iteration_of_too_many_ingestion_calls_is_refused_with_a_replay_ratio_that_would_do(gpus, capacity, ratio):
+    """--capacity 1e9 --obs-dim 1 --replay-ratio 2.048e-6 (every check passed: the buffer holds what one iteration
+    ingests) built millions of ingestion calls, each several tasks, for hours and tens of GB; it is refused before
+    anything is built, saying the least replay ratio that is simulated, and that ratio is."""
+    import re
+
+    from conduit.errors import ConfigurationError
+    from conduit.simulation.model import MAX_INGEST_CALLS
+
+    sc = dataclasses.replace(SCENARIOS["a100"], obs_dim=1, capacity=capacity, replay_ratio=ratio, gpus=(gpus,))
+    lay = layout(gpus, sc.total_batch, min(gpus, 8))
+    with pytest.raises(ConfigurationError, match="at most 200000 ingestion calls") as e:
+        node_workload(sc, lay)
+    least = float(re.search(r"replay ratio to at least (\S+) ", str(e.value)).group(1))
+    w = node_workload(dataclasses.replace(sc, replay_ratio=least), lay)
+    assert lay.nodes * math.ceil(w.calls_per_iteration) <= MAX_INGEST_CALLS
+
+
+def test_simulate_refuses_too_many_ingestion_calls_before_writing(tmp_path, capsys):
+    from conduit.cli import main
+
+    assert main(["simulate", "--scenario", "a100", "--gpus", "16", "--out", str(tmp_path / "o"), "--capacity", "1e9",
+                 "--obs-dim", "1", "--replay-ratio", "2.048e-6"]) == 2
+    assert "error: --gpus 16 (a100): An iteration would ingest 1e+09 items" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -66,8 +66,8 @@ from conduit.simulation.cluster import NETWORKS, Network, Scenario, load_node
 from conduit.simulation.engine import Simulation, Task
 from conduit.simulation.planning import ClusterCostModel, ClusterPlanner, uniform_view
 
-__all__ = ["ReplayWorkload", "ScalePoint", "Layout", "MAX_NODES", "layout", "simulate_iteration", "node_workload",
-           "node_in_use", "equivalent_specs", "simulate_scale", "run_scenario"]
+__all__ = ["ReplayWorkload", "ScalePoint", "Layout", "MAX_NODES", "MAX_INGEST_CALLS", "layout", "simulate_iteration",
+           "node_workload", "node_in_use", "equivalent_specs", "simulate_scale", "run_scenario"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,11 @@ class Layout:
 #: and memory grow with nodes**2 (512 nodes: about half a minute and 2 GB here; the paper's largest run is 128)
 MAX_NODES = 512
 
+#: the most ingestion calls (all nodes together) one simulated iteration may make: each is several tasks, so a
+#: low replay ratio on a big buffer (an iteration ingesting 10^9 small items) would build tens of millions of
+#: them, for hours and more memory than there is (200000: about half a minute and 1.5 GB here)
+MAX_INGEST_CALLS = 200_000
+
 
 def layout(gpus: int, total_batch: int, gpus_per_node: int) -> Layout:
     """``gpus`` learners on nodes of ``gpus_per_node`` GPUs, filled up ``gpus_per_node`` at a time.
@@ -143,7 +148,8 @@ def node_workload(scenario: Scenario, lay: Layout) -> ReplayWorkload:
 
     Raises:
         ConfigurationError: a node's share of the capacity holds fewer items than one learner's batch
-            (the message says the capacity that would).
+            (the message says the capacity that would), or the iteration's ingestion takes more than
+            :data:`MAX_INGEST_CALLS` calls (the message says the replay ratio that would do).
     """
     batch = max(1, round(lay.batch))
     capacity = math.ceil(scenario.capacity / lay.nodes)
@@ -155,8 +161,19 @@ def node_workload(scenario: Scenario, lay: Layout) -> ReplayWorkload:
             f"{lay.gpus} GPUs); raise the capacity to at least {least}.")
     w = Workload.transitions(scenario.obs_dim, capacity=capacity, batch=batch,
                              learners=lay.gpus_per_node, ingest_items=batch)
-    return ReplayWorkload(w.field_bytes, w.capacity, w.batch, w.learners, w.ingest_items, w.growing, w.name,
-                          w.scalar, replay_ratio=scenario.replay_ratio, learner_batch=lay.batch)
+    rw = ReplayWorkload(w.field_bytes, w.capacity, w.batch, w.learners, w.ingest_items, w.growing, w.name,
+                        w.scalar, replay_ratio=scenario.replay_ratio, learner_batch=lay.batch)
+    calls = lay.nodes * math.ceil(rw.calls_per_iteration)
+    if calls > MAX_INGEST_CALLS:
+        # (each node's calls are whole: its share of the budget, rounded down; the ratio said is rounded up)
+        ratio = scenario.replay_ratio * rw.calls_per_iteration / (MAX_INGEST_CALLS // lay.nodes) * (1 + 1e-9)
+        said = f"{ratio:.4g}" if float(f"{ratio:.4g}") >= ratio else f"{ratio * (1 + 1e-3):.4g}"
+        raise ConfigurationError(
+            f"An iteration would ingest {scenario.total_batch / scenario.replay_ratio:.4g} items in {calls} calls of "
+            f"{batch} (one learner's batch) over {lay.nodes} node(s); the simulator simulates at most "
+            f"{MAX_INGEST_CALLS} ingestion calls per iteration, as each is several tasks. Raise the replay ratio to "
+            f"at least {said} (or simulate a smaller capacity).")
+    return rw
 
 
 def _resized(w: Workload, batch: int) -> Workload:
