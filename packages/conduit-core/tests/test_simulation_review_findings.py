@@ -139,3 +139,17 @@ def test_simulate_refuses_too_many_ingestion_calls_before_writing(tmp_path, caps
                  "--obs-dim", "1", "--replay-ratio", "2.048e-6"]) == 2
     assert "error: --gpus 16 (a100): An iteration would ingest 1e+09 items" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_scale_md_names_every_kind_of_resource_the_simulation_queues_at():
+    """scale.md's list of resources left out the shard server (server:n) and the cards' two directions
+    (nic-out, nic-in), though the busiest resources in its tables name them."""
+    from pathlib import Path
+
+    from conduit.simulation import simulate_scale
+
+    doc = (Path(__file__).resolve().parents[3] / "benchmarks" / "docs" / "scale.md").read_text()
+    kinds = {r.split(":")[0] for r in simulate_scale(SCENARIOS["a100"], 16)[0].busy}
+    assert {"cpu", "server", "nic-out", "nic-in"} <= kinds
+    missing = sorted(k for k in kinds if f"`{k}:n" not in doc)
+    assert not missing, f"scale.md does not name the resources {missing}"
