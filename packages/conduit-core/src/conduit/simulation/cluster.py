@@ -14,7 +14,7 @@ import numbers
 from dataclasses import dataclass, field, replace
 from importlib import resources
 
-from conduit._checks import is_bool, is_int
+from conduit.checks import is_bool, is_int
 from conduit.errors import ConfigurationError
 from conduit.placement.profile import LinkCost
 from conduit.placement.topology import Topology, load_topology

@@ -1,4 +1,4 @@
-"""The scale simulator (conduit.simulation): review findings on ingestion counts, engine ties and CLI bounds."""
+"""The scale simulator (conduit.simulation): fractional batches ingested, engine ties and inputs, scenario types."""
 
 from __future__ import annotations
 
