@@ -145,6 +145,27 @@ def test_a_refused_later_sample_of_a_bad_kind_changes_nothing(closing: Any) -> N
     assert len(b) == 1 and b.stats()["samples_put"] == 1
 
 
+
+class _UnreadableArray:
+    """An array-like whose ``__array__`` raises an error of its own kind (not TypeError/ValueError/RuntimeError)."""
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise KeyError("no such column")
+
+
+def test_an_array_like_whose_conversion_raises_any_error_is_refused_typed_and_changes_nothing(closing: Any) -> None:
+    """A field whose ``__array__`` raises, e.g., a KeyError escaped ``put`` as that raw KeyError (only TypeError,
+    ValueError and RuntimeError were turned into the adapter's SchemaError), as a first sample and as a later one."""
+    b = _make(closing, capacity=4)
+    with pytest.raises(SchemaError, match="'y'.*drop_fields"):
+        b.put(Record(x=_x(0), y=_UnreadableArray()))
+    assert b.edp is None and b.stats()["samples_put"] == 0 and b.empty()
+    b.put(Record(x=_x(0)))
+    with pytest.raises(SchemaError, match="'x'.*drop_fields"):
+        b.put(Record(x=_UnreadableArray()))
+    assert len(b) == 1 and b.stats()["samples_put"] == 1
+    assert np.array_equal(_only(b), _x(0))
+
 # -- torch tensors -------------------------------------------------------------------------------------------
 def test_torch_tensors_with_view_bits_or_grad_are_stored_by_value(closing: Any) -> None:
     z = torch.tensor([[1 + 2j, 3 - 4j, 5 + 6j]] * 4, dtype=torch.complex64)

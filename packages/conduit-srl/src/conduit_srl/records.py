@@ -52,8 +52,9 @@ def as_array(value: Any, path: str) -> np.ndarray:
             arr = host_array(value)
         else:
             arr = value if isinstance(value, np.ndarray) else np.asarray(value)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise SchemaError(f"Field {path!r} cannot be read as one array ({type(value).__name__}: {e}); send a NumPy "
+    except Exception as e:  # noqa: BLE001 - whatever a foreign __array__ / tensor raises: refused, typed
+        raise SchemaError(f"Field {path!r} cannot be read as one array ({type(value).__name__}: "
+                          f"{type(e).__name__}: {e}); send a NumPy "
                           f"array or tensor [T, ...] of a numeric or bool dtype (NumPy has no bfloat16: convert "
                           f"such tensors to float32), or list the field in buffer_args['drop_fields'].") from None
     return native(arr)
