@@ -166,6 +166,24 @@ def test_an_array_like_whose_conversion_raises_any_error_is_refused_typed_and_ch
     assert len(b) == 1 and b.stats()["samples_put"] == 1
     assert np.array_equal(_only(b), _x(0))
 
+
+def test_a_dict_valued_field_is_refused_saying_to_send_a_record(closing: Any) -> None:
+    """A field holding a dict of ``[T, ...]`` arrays (which a coalescing producer stacks as it would a nested
+    record) was refused as "has shape ()" (the dict read as a 0-d object array), and as a later sample's field
+    as "has dtype object": neither says that nested fields are records, not mappings."""
+    b = _make(closing, capacity=4)
+    for bad in (Record(x=_x(0), info={"a": _x(1)}), Record(x={"a": _x(1)})):
+        with pytest.raises(SchemaError, match="'(info|x)' is a dict.*record.*drop_fields") as err:
+            b.put(bad)
+        assert "shape ()" not in str(err.value) and "dtype object" not in str(err.value), str(err.value)
+        assert b.stats()["samples_put"] == (0 if b.edp is None else 1)
+        if b.edp is None:
+            b.put(Record(x=_x(0)))
+    assert len(b) == 1 and np.array_equal(_only(b), _x(0))
+    b2 = _make(closing, capacity=4)
+    b2.put(Record(x=_x(0), info=Record(a=_x(1))))  # the same entries as a nested record are stored
+    assert np.array_equal(b2.get().sample.info.a[:, 0], _x(1))
+
 # -- torch tensors -------------------------------------------------------------------------------------------
 def test_torch_tensors_with_view_bits_or_grad_are_stored_by_value(closing: Any) -> None:
     z = torch.tensor([[1 + 2j, 3 - 4j, 5 + 6j]] * 4, dtype=torch.complex64)

@@ -45,8 +45,14 @@ def as_array(value: Any, path: str) -> np.ndarray:
     values are unchanged; deliveries are native). Anything else is read with ``np.asarray``.
 
     Raises:
-        SchemaError: the value cannot be read as one array (naming the field and what to send).
+        SchemaError: the value cannot be read as one array (naming the field and what to send), also a
+            mapping (``dict``): nested fields are records, as the sample itself is.
     """
+    if isinstance(value, Mapping):  # (np.asarray would read it as a 0-d object array: "shape ()")
+        raise SchemaError(f"Field {path!r} is a {type(value).__name__}, which is not an array; nested fields are "
+                          f"records of named [T, ...] fields, like the sample itself (e.g. a NamedArray): send its "
+                          f"entries as such a record, or as fields of their own, or list the field in "
+                          f"buffer_args['drop_fields'] to deliver it as None.")
     try:
         if isinstance(value, torch.Tensor):
             arr = host_array(value)
