@@ -245,6 +245,41 @@ def test_an_unstored_samples_error_counts_what_its_consume_to_call_put() -> None
     assert getattr(err, "put_by_call", None) == 3, "the samples this consume_to call put are not counted"
 
 
+
+def test_a_transport_error_in_consume_to_is_typed_and_counts_what_the_call_put(closing: Any) -> None:
+    """Over a real ZMQ socket, two good messages then bytes that do not unpickle (a foreign sender): the native
+    consumer's ``pickle.loads`` raised out of ``consume_to`` as a raw UnpicklingError, and the count of the
+    samples that call had already put (they stay in the buffer) was lost with it."""
+    import pickle
+
+    import zmq
+    from conduit_srl import ReceiveError
+    from conduit_srl.testing.driver import ZmqSampleConsumer
+
+    native = ZmqSampleConsumer()
+    consumer = ConduitSampleConsumer(native)
+    buffer = closing(batch_size=2, capacity=8, pin_memory=False)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(f"tcp://{native.address}")
+    try:
+        for i in range(2):  # (one socket: the three messages arrive in this order)
+            push.send(pickle.dumps(make_sample([i])))
+        push.send(b"not a pickle")
+        returned = 0
+        with pytest.raises(ReceiveError) as info:
+            for _ in range(20_000):  # (until the third arrives: bounded, not timed)
+                returned += consumer.consume_to(buffer, max_iter=64)
+                time.sleep(0.001)
+        err = info.value
+        assert isinstance(err.__cause__, pickle.UnpicklingError), repr(err.__cause__)
+        assert buffer.stats()["samples_put"] == 2 and native.received == 3
+        assert returned + err.put_by_call == 2, f"2 samples were put, {returned} + {err.put_by_call} counted"
+        assert sorted(entry_ids(buffer.get()).tolist()) == [0, 1]
+    finally:
+        push.close()
+        consumer.close()
+
 # -- stats() under the data plane's lock ---------------------------------------------------------------------
 def test_stats_reads_rollout_dropped_under_the_data_planes_lock(closing) -> None:
     """A selection that only predicts the next delivery (peek, as Conduit's prefetch makes) drops a stale

@@ -15,6 +15,7 @@ from conduit_srl.buffer import ConduitBuffer, srl_prioritized_class
 from conduit_srl.config import SEMANTICS, BufferConfig
 from conduit_srl.errors import (
     BufferFullError,
+    ReceiveError,
     SamplesLostWarning,
     SrlNotFoundError,
     StreamClaimError,
@@ -65,6 +66,7 @@ __all__ = [
     "SrlNotFoundError",
     "StreamClaimError",
     "UnstoredSamplesError",
+    "ReceiveError",
     "SamplesLostWarning",
     "__version__",
 ]

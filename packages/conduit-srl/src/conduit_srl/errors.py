@@ -7,7 +7,7 @@ from typing import Any
 from conduit.errors import CapacityError, ConduitError, ConfigurationError
 
 __all__ = ["BufferFullError", "ZeroCopyStreamError", "SrlNotFoundError", "StreamClaimError", "UnstoredSamplesError",
-           "SamplesLostWarning"]
+           "ReceiveError", "SamplesLostWarning"]
 
 
 class ZeroCopyStreamError(ConfigurationError):
@@ -83,6 +83,26 @@ class UnstoredSamplesError(ConduitError):
         self.samples = samples
         self.put_by_call = stored
 
+
+
+class ReceiveError(ConduitError):
+    """The native consumer under a ``ConduitSampleConsumer`` raised while receiving (its error is the ``__cause__``).
+
+    Raised by ``ConduitSampleConsumer.consume_to`` for an error of the transport it wraps, e.g. a received
+    message whose bytes do not unpickle (from a foreign sender); a buffer's refusal is an
+    :class:`UnstoredSamplesError` instead. The samples the call put before the error stay in the buffer, and are
+    counted here; what the native consumer had taken off its socket when it raised is its own to report (SRL's
+    drops a message it cannot unpickle, with a warning).
+
+    Attributes:
+        put_by_call: samples the raising ``consume_to`` call put into the buffer: what it would have returned.
+    """
+
+    def __init__(self, *, put_by_call: int, cause: BaseException) -> None:
+        super().__init__(f"The sample stream's native consumer raised after this consume_to call put {put_by_call} "
+                         f"samples into the buffer (they stay stored; .put_by_call counts them): "
+                         f"{type(cause).__name__}: {cause}")
+        self.put_by_call = put_by_call
 
 class SamplesLostWarning(RuntimeWarning):
     """A Conduit sample producer or consumer was garbage-collected without ``close()`` while it held samples.

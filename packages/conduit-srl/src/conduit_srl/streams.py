@@ -45,7 +45,7 @@ import numpy as np
 from conduit import ConfigurationError, SchemaError
 
 from conduit_srl.buffer import ConduitBuffer
-from conduit_srl.errors import BufferFullError, SamplesLostWarning, UnstoredSamplesError
+from conduit_srl.errors import BufferFullError, ReceiveError, SamplesLostWarning, UnstoredSamplesError
 from conduit_srl.protocols import SampleConsumerLike, SampleProducerLike
 
 __all__ = ["StreamPolicy", "ConduitSampleProducer", "ConduitSampleConsumer", "COALESCED_KEY",
@@ -494,6 +494,9 @@ class ConduitSampleConsumer:
                 sample, or of the left-over samples) for another reason than a full buffer; the samples not
                 stored are in the error, the ones before are stored, and its ``put_by_call`` is the count
                 this call would have returned.
+            ReceiveError: the native consumer raised while receiving (e.g. bytes that do not unpickle); its
+                error is the ``__cause__``, and ``put_by_call`` counts the samples this call had put (they
+                stay stored).
         """
         self._check_open()
         shim = _Unpacker(buffer)
@@ -519,6 +522,8 @@ class ConduitSampleConsumer:
                 return shim.count
             e.put_by_call = shim.count  # (the count this call would have returned)
             raise
+        except Exception as e:  # noqa: BLE001 - the transport's error, typed, with what this call put (chained)
+            raise ReceiveError(put_by_call=shim.count, cause=e) from e
         return shim.count
 
     def consume(self) -> Any:
