@@ -460,7 +460,9 @@ class ConduitSampleConsumer:
     """An SRL sample consumer over a native one, unpacking coalesced messages.
 
     ``consume_to(buffer, max_iter)`` receives up to ``max_iter`` messages and returns the number of
-    *samples* put into ``buffer``. ``consume()`` returns one sample at a time; what it has not yet
+    *samples* put into ``buffer``, as posted: a coalesced message counts its ``k``, and a ``[T, B, ...]``
+    sample put into a ``batched_puts=True`` buffer counts 1 (see :meth:`consume_to`). ``consume()``
+    returns one sample at a time; what it has not yet
     returned of a coalesced message is handed out by the next ``consume``/``consume_to``, or by ``close()``.
     Samples a full ``on_full="raise"`` Conduit buffer refused are kept the same way (put first next time).
     """
@@ -479,6 +481,14 @@ class ConduitSampleConsumer:
 
     def consume_to(self, buffer: Any, max_iter: int = 16) -> int:
         """Put what has arrived (up to ``max_iter`` messages) into ``buffer``; returns the number of samples.
+
+        Samples are counted as posted (a coalesced message counts its ``k`` samples): a ``[T, B, ...]`` sample
+        put into a ``batched_puts=True`` buffer counts 1, not ``B`` (its ``stats()["samples_put"]`` counts the
+        ``B`` columns), once its put completes (one a full buffer took in part counts on the call that puts its
+        rest). That is the unit of every count of this stream (the producer's ``sent``, the ``stored``,
+        ``total`` and ``put_by_call`` of :class:`~conduit_srl.errors.UnstoredSamplesError`, ``put_by_call`` of
+        :class:`~conduit_srl.errors.ReceiveError`) and of SRL's own consumers, which count a batched
+        shared-memory read once (SRL's workers do not use the count).
 
         Samples left over from a coalesced message that ``consume()`` returned in part are put first.
 
