@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
+import numbers
 from collections.abc import Collection, Iterable
 from typing import Any, cast
 
@@ -86,6 +88,20 @@ def _minibatch_rows(batch: MultiAgentBatch, rows: int, minibatch_size: int | Non
                                      f"cut this one. Set minibatch_size (config.training(minibatch_size=...)) or "
                                      f"num_epochs=1, or pass a batch whose env_steps is positive.")
     return env_steps
+
+
+def _passes(num_epochs: Any) -> int:
+    """``num_epochs`` as the whole passes RLlib's ``MiniBatchCyclicIterator`` makes: it cuts minibatches while some
+    row has been covered fewer than ``num_epochs`` times, so a fractional count (e.g. 2.5) makes ``ceil`` passes (3),
+    and one in (0, 1) one pass.
+
+    Raises:
+        UnsupportedConfigError: ``num_epochs`` is no finite real number (RLlib would fail on it, or cut forever).
+    """
+    if isinstance(num_epochs, bool) or not isinstance(num_epochs, numbers.Real) or not math.isfinite(num_epochs):
+        raise UnsupportedConfigError(f"num_epochs must be a finite number of passes over the train batch, got "
+                                     f"{num_epochs!r}; set config.training(num_epochs=...) to an int (e.g. 10).")
+    return int(math.ceil(num_epochs))
 
 
 #: RLlib's ``Learner.update`` signature: how :meth:`ConduitOffPolicyLearner.update` finds the episodes it is given
@@ -351,7 +367,8 @@ class ConduitOnPolicyLearner:
     RLlib makes (its ``MiniBatchCyclicIterator``): K = ceil(num_epochs * rows / minibatch_size)
     minibatches of exactly ``minibatch_size`` rows (without a ``minibatch_size``, as RLlib: with
     ``num_epochs > 1`` minibatches of the train batch's env steps, with one epoch the whole batch once;
-    see :func:`_minibatch_rows`). The epochs run as one stream, so a minibatch may end one epoch and begin
+    see :func:`_minibatch_rows`; a fractional ``num_epochs`` counts, as in RLlib's iterator, as ceil(num_epochs)
+    passes). The epochs run as one stream, so a minibatch may end one epoch and begin
     the next; every row trains in each of the ``num_epochs`` epochs, and when ``num_epochs * rows``
     is no multiple of ``minibatch_size`` the K * minibatch_size - num_epochs * rows rows that fill
     the last minibatch come from the head of one more (reshuffled) pass, as in RLlib (e.g. 250 rows,
@@ -414,6 +431,7 @@ class ConduitOnPolicyLearner:
         if rows == 0:
             raise EmptyBufferError(f"The train batch for module {module_id!r} has no rows; an update needs at least "
                                    f"one timestep (sample some before calling update).")
+        num_epochs = _passes(num_epochs)  # (RLlib's iterator makes ceil(num_epochs) passes)
         size = _minibatch_rows(batch, rows, minibatch_size, num_epochs)
         feed = self.conduit_feed
         version = self.conduit_version
@@ -423,7 +441,7 @@ class ConduitOnPolicyLearner:
         # learners num_total_minibatches of them (RLlib's one-batch iterator, without minibatch_size and with
         # one epoch, ignores that count)
         cyclic = bool(minibatch_size) or num_epochs > 1
-        feed.configure(minibatch_size=size, num_epochs=max(1, int(num_epochs)),
+        feed.configure(minibatch_size=size, num_epochs=max(1, num_epochs),
                        shuffle=bool(shuffle_batch_per_epoch and num_epochs > 1),
                        num_total_minibatches=int(num_total_minibatches) if cyclic else 0)
         feed.ingest(module_id, module_batch, version=version)
