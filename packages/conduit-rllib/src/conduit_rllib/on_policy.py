@@ -34,6 +34,7 @@ from conduit import (
     SchemaError,
     Synchronous,
 )
+from conduit._checks import is_bool, is_int
 from conduit.batch import as_tensor
 from conduit.scheduling.worker import Job, Worker
 from conduit.semantics.onpolicy import check_version
@@ -158,6 +159,10 @@ class MinibatchFeed:
         capacity: rows of storage at least (default 0: sized by the rollouts). This bounds what may
             wait for delivery; see below.
 
+    Raises:
+        conduit.ConfigurationError: an argument is invalid (e.g. ``capacity=-1``, ``prefetch="no"``, a
+            ``placement`` that is no :class:`conduit.Placement`), checked here rather than at the first ingest.
+
     How much may wait: rollouts ingested and not yet fully delivered (sealed or still open; the one
     being delivered counts whole until its last minibatch) wait in storage of :attr:`capacity` rows.
     The storage is sized when a rollout arrives while nothing waits, to ``max(capacity, the smallest
@@ -178,8 +183,16 @@ class MinibatchFeed:
                                               max_staleness=max_staleness, on_stale=on_stale, shuffle=shuffle,
                                               seed=seed, cycle=minibatch_size, total=0)
         _CyclicOrder(**self._sem_args)  # validate now: errors at construction
+        if placement is not None and not isinstance(placement, Placement):
+            raise ConfigurationError(f"placement must be a conduit Placement (e.g. HostPlacement() or "
+                                     f"DevicePlacement('cuda')) or None (the train batch's device), got {placement!r}.")
+        if not is_bool(prefetch):  # (a string such as "no" is truthy: it prefetched)
+            raise ConfigurationError(f"prefetch must be True or False, got {prefetch!r}.")
+        if not is_int(capacity) or capacity < 0:
+            raise ConfigurationError(f"capacity must be an int >= 0 (rows of storage; 0: sized by the rollouts), "
+                                     f"got {capacity!r}.")
         self.placement = placement
-        self.prefetch = prefetch
+        self.prefetch = bool(prefetch)
         self.capacity = int(capacity)
         self.edp: ExperienceDataPlane | None = None
         self.module_id: str | None = None
@@ -259,11 +272,13 @@ class MinibatchFeed:
             shuffle: reshuffle each epoch after the first.
 
         Raises:
-            conduit.ConfigurationError: rollouts are still pending, or the values are invalid.
+            conduit.ConfigurationError: rollouts are still pending, or the values are invalid (never rounded:
+                ``num_epochs=2.5`` is refused, not made 2); nothing changes then.
         """
-        args = dict(self._sem_args, num_minibatches=int(num_minibatches), num_epochs=int(num_epochs),
-                    shuffle=bool(shuffle), cycle=minibatch_size, total=num_total_minibatches)
-        _CyclicOrder(**args)  # validates
+        args = dict(self._sem_args, num_minibatches=num_minibatches, num_epochs=num_epochs, shuffle=shuffle,
+                    cycle=minibatch_size, total=num_total_minibatches)
+        _CyclicOrder(**args)  # validates (never rounds: num_epochs=2.5 is refused, not made 2)
+        args.update(num_minibatches=int(num_minibatches), num_epochs=int(num_epochs), shuffle=bool(shuffle))
         if args == self._sem_args:
             return
         if not self._idle():
