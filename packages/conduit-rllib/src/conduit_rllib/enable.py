@@ -363,6 +363,7 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
             no trainable is registered under.
         UnsupportedConfigError: a frozen config (one a built algorithm holds; nothing is changed), a
             ``placement`` that is no Placement, a ``scheduler`` that is no factory (e.g. a Scheduler instance), or a
+            ``prefetch`` that is no bool, ``prefetch=False`` for DQN/SAC (it applies to PPO only), a
             setting the adapter cannot serve (old API stack, non-torch, multi-agent, RNN models, custom learner
             connectors off-policy, a replay buffer class defined in a function or nested in a class, which no
             dotted path names, a learner class, explicit or the config's default, without Conduit's mixin, PPO on
@@ -382,8 +383,13 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
     if placement is not None and not isinstance(placement, Placement):
         raise UnsupportedConfigError(f"placement= takes a conduit Placement instance (e.g. conduit.HostPlacement() or "
                                      f"conduit.DevicePlacement('cuda')), or None for the default; got {placement!r}.")
+    if not isinstance(prefetch, bool):  # (a string such as "no" is truthy: it would prefetch)
+        raise UnsupportedConfigError(f"prefetch= takes True or False, got {prefetch!r}.")
     compat.check()
     if kind == "off_policy":
+        if not prefetch:  # (DQN/SAC replay overlaps through scheduler=)
+            raise UnsupportedConfigError("prefetch= applies to PPO's minibatch delivery only; DQN/SAC replay is "
+                                         "scheduled by scheduler= (synchronous by default). Drop prefetch=False.")
         if scheduler is not None and (isinstance(scheduler, Scheduler) or not callable(scheduler)):
             raise UnsupportedConfigError(f"scheduler= takes a zero-argument factory that returns a new scheduler "
                                          f"(e.g. lambda: conduit.Overlapped(g_del=2, background_ingest=False)): each "
@@ -414,5 +420,5 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
                 f"config.training(minibatch_size=...) (e.g. 128), or use num_learners <= 1.")
         learner = _learner_class(config, default_learner, conduit_learner, ConduitOnPolicyLearner)
         config.learners(learner_class=learner,
-                        learner_config_dict={CONFIG_KEY: {"placement": placement, "prefetch": bool(prefetch)}})
+                        learner_config_dict={CONFIG_KEY: {"placement": placement, "prefetch": prefetch}})
     return config

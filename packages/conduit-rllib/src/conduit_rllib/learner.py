@@ -397,7 +397,12 @@ class ConduitOnPolicyLearner:
 
     def build(self) -> None:
         """RLlib's build, then the minibatch feed. Like RLlib's, a second call changes nothing: the feed built
-        first (its state, permutation RNG and prefetch thread) stays."""
+        first (its state, permutation RNG and prefetch thread) stays.
+
+        Raises:
+            conduit.ConfigurationError: ``learner_config_dict["conduit"]`` holds a ``prefetch`` that is no bool or a
+                ``placement`` that is no conduit Placement.
+        """
         super().build()  # type: ignore[misc]
         if getattr(self, "conduit_feed", None) is not None:
             return
@@ -405,7 +410,7 @@ class ConduitOnPolicyLearner:
         opts = dict(config.learner_config_dict.get(CONFIG_KEY, {}))
         seed = config.seed
         self.conduit_feed = MinibatchFeed(seed=0 if seed is None else int(seed), max_staleness=0, on_stale="drop",
-                                          placement=opts.get("placement"), prefetch=bool(opts.get("prefetch", True)))
+                                          placement=opts.get("placement"), prefetch=opts.get("prefetch", True))
 
     def _create_iterator_if_necessary(self, *, training_data: Any, num_total_minibatches: int = 0,
                                       num_epochs: int = 1, minibatch_size: int | None = None,
