@@ -34,8 +34,8 @@ from conduit import (
     SchemaError,
     Synchronous,
 )
-from conduit._checks import is_bool, is_int
 from conduit.batch import as_tensor
+from conduit.checks import is_bool, is_int
 from conduit.scheduling.worker import Job, Worker
 from conduit.semantics.onpolicy import check_version
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
