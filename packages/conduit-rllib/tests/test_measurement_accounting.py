@@ -253,3 +253,17 @@ def test_summarize_refuses_a_variant_without_iterations() -> None:
 
     with pytest.raises(ConfigurationError, match="'conduit'"):
         summarize({"native": [], "conduit": []})
+
+
+def test_a_conduit_variant_leaves_the_config_it_was_given_unchanged(ray_local: None) -> None:
+    """Variant("conduit", cfg) enabled Conduit in ``cfg`` itself: the same config then built a "native" variant
+    that ran Conduit (run_sequential/run_interleaved with one config object under both names)."""
+    import conduit_rllib
+
+    cfg = dqn_large_obs(8, steps=20, learning_starts=10, capacity=200)
+    v = Variant("conduit", cfg)
+    try:
+        assert conduit_rllib.is_enabled(v.algo.config), "the conduit variant runs Conduit"
+        assert not conduit_rllib.is_enabled(cfg), "the caller's config was changed"
+    finally:
+        v.close()

@@ -62,7 +62,8 @@ def _set_rng_state(state: tuple[Any, ...]) -> None:
 
 
 class Variant:
-    """One built algorithm ("native" or "conduit") with its experience-path probe.
+    """One built algorithm ("native" or "conduit") with its experience-path probe. A "conduit" variant enables
+    Conduit in a copy of ``config``: the config given is left unchanged.
 
     Each variant keeps its own copy of the process-global random states (Python's, NumPy's,
     torch's), seeded when it is built and swapped in around its ``train()`` calls: variants
@@ -76,6 +77,7 @@ class Variant:
         if name == "conduit":
             import conduit_rllib
 
+            config = config.copy(copy_frozen=False)  # (the caller's config stays as it is: it may build "native")
             (enable or conduit_rllib.enable)(config)
         self.name = name
         self.algo = config.build_algo()
