@@ -560,8 +560,8 @@ def probe_writable(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-#: the characters of a file's name that :func:`write_atomically`'s temporary name keeps (with the dot, the process
-#: id, the thread ident and ``.tmp``, at most 255 bytes for an ASCII name)
+#: the bytes of a file's name (as the file system stores it) that :func:`write_atomically`'s temporary name keeps
+#: at most (with the dot, the process id, the thread ident and ``.tmp``, within a file name's 255 bytes)
 _TMP_NAME_KEPT = 200
 
 
@@ -574,8 +574,12 @@ def write_atomically(path: Path, text: str) -> None:
     path = Path(os.path.realpath(path))  # (a rename over the link would replace it by a file, leaving its target)
     # a name of this process and thread, created exclusively (and with the umask's permissions, as a plain write);
     # the start of a long name only, so that the temporary name stays within a file name's 255 bytes wherever
-    # ``path``'s does (with the whole name, a name of 220 or more could not be written at all)
-    tmp = path.with_name(f".{path.name[:_TMP_NAME_KEPT]}.{os.getpid()}.{threading.get_ident()}.tmp")
+    # ``path``'s does (with the whole name, a name of 220 bytes or more could not be written at all). Counted in
+    # bytes: a character outside ASCII takes several (80 CJK characters are 240 bytes, a valid name).
+    kept = path.name[:_TMP_NAME_KEPT]
+    while len(os.fsencode(kept)) > _TMP_NAME_KEPT:
+        kept = kept[:-1]
+    tmp = path.with_name(f".{kept}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         f = open(tmp, "x")  # noqa: SIM115 - closed below, before the rename
     except FileExistsError:
