@@ -7,6 +7,9 @@ Each case was a known defect:
   temporary name past a file name's 255 bytes: ``Telemetry.chrome_trace(path)`` raised ``OSError: File name too
   long``, and ``conduit demo --synthetic --trace NAME`` (whose probe writes the name itself) ran the whole loop and
   then ended in that traceback, writing no trace;
+* ``measure_iteration(loop_threads=...)`` took any iterable of hashables: a str such as ``"12"`` (its characters
+  matched no thread, so the loop's whole experience path was reported hidden and none exposed), or bools and
+  floats, where ``ExposureLog(loop_threads=...)`` refuses them and the docstring promises a ``ConfigurationError``;
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from pathlib import Path
 
 import pytest
 from conduit.cli import main
-from conduit.telemetry import Telemetry
+from conduit.errors import ConfigurationError
+from conduit.exposure import ExposureLog, measure_iteration
+from conduit.telemetry import CallRecord, Telemetry
 
 #: a valid file name of 245 bytes (85 characters): each CJK character is 3 bytes in UTF-8
 LONG_NAME = "轨迹" * 40 + ".json"
@@ -53,3 +58,25 @@ def test_demo_writes_its_trace_to_a_valid_name_of_many_multibyte_characters(
     assert rc == 0, capsys.readouterr().err
     assert any(e["ph"] == "X" for e in json.loads(out.read_text())["traceEvents"])
     assert os.listdir(tmp_path) == [LONG_NAME]
+
+
+#: the loop (thread 12) waits 1 s for a delivery, then rolls out for 1 s
+_LOOP = [CallRecord("deliver_wait", 1, 0, 0.0, 1.0, 12), CallRecord("rollout", 0, 0, 1.0, 2.0, 12)]
+
+
+@pytest.mark.parametrize("bad", ["12", b"\x0c", [12.0], [True], [12, "13"], 12, [[12]]],
+                         ids=["str", "bytes", "float", "bool", "mixed", "int", "unhashable"])
+def test_measure_iteration_refuses_loop_threads_that_are_no_thread_ids_typed(bad: object) -> None:
+    with pytest.raises(ConfigurationError, match="loop_threads"):
+        measure_iteration(_LOOP, 0.0, 2.0, loop_threads=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="loop_threads"):
+        ExposureLog(Telemetry(), loop_threads=bad)  # type: ignore[arg-type]
+
+
+def test_measure_iteration_takes_the_thread_ids_it_documents() -> None:
+    np = pytest.importorskip("numpy")
+    for given in ({12}, [12, 13], (t for t in [12]), [np.int64(12)], frozenset({12})):
+        e = measure_iteration(_LOOP, 0.0, 2.0, loop_threads=given)
+        assert (e.exposed_s, e.hidden_s) == (1.0, 0.0)
+    e = measure_iteration(_LOOP, 0.0, 2.0, loop_threads=[])  # no loop thread: the work counts as done elsewhere
+    assert (e.exposed_s, e.hidden_s) == (0.0, 0.0)  # (a wait is no work: hidden counts work spans only)

@@ -37,6 +37,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from conduit._checks import is_int
 from conduit.errors import CapacityError, ConfigurationError
 from conduit.telemetry import CallRecord, Telemetry
 
@@ -62,6 +63,19 @@ def _union(intervals: Iterable[_Interval]) -> list[_Interval]:
         else:
             out.append((a, b))
     return out
+
+
+def _thread_ids(loop_threads: object) -> frozenset[int] | None:
+    """``loop_threads`` as a set of thread ids (:func:`conduit.telemetry.thread_id`), or None when it is no collection
+    of them: not iterable, a str or bytes (whose characters or bytes would pass for ids), or holding anything but ints
+    (a bool included)."""
+    if isinstance(loop_threads, (str, bytes, bytearray)):
+        return None
+    try:
+        threads = frozenset(loop_threads)  # type: ignore[call-overload]
+    except TypeError:  # not iterable, or of unhashable things
+        return None
+    return threads if all(is_int(t) for t in threads) else None
 
 
 def _length(intervals: Sequence[_Interval]) -> float:
@@ -116,7 +130,7 @@ def measure_iteration(records: Iterable[CallRecord], start: float, end: float,
         start: the iteration's start (``time.perf_counter()``).
         end: its end.
         loop_threads: the loop's thread ids, as in :attr:`CallRecord.thread` (:func:`conduit.telemetry.thread_id`;
-            default: those with rollout/update/iteration spans).
+            default: those with rollout/update/iteration spans; an empty collection: none, so all of it is hidden).
 
     A span whose end is before its start (a malformed record) adds no time, never negative time.
 
@@ -135,11 +149,11 @@ def measure_iteration(records: Iterable[CallRecord], start: float, end: float,
     if loop_threads is None:
         loop = {r.thread for r in recs if r.kind in LOOP_KINDS}
     else:
-        try:
-            loop = set(loop_threads)
-        except TypeError as exc:
+        given = _thread_ids(loop_threads)
+        if given is None:
             raise ConfigurationError(f"measure_iteration(loop_threads=...) is a collection of the loop's thread ids "
-                                     f"(conduit.telemetry.thread_id()), got {loop_threads!r}.") from exc
+                                     f"(conduit.telemetry.thread_id(), ints), got {loop_threads!r}.")
+        loop = set(given)
 
     def clipped(kinds: frozenset[str] | set[str], on_loop: bool | None = None) -> list[_Interval]:
         """The union of the spans of ``kinds`` (on the loop's threads, off them, or anywhere), clipped to the
@@ -205,12 +219,8 @@ class ExposureLog:
                                      f"or None (all of them), got {keep!r}.")
         threads: frozenset[int] | None = None
         if loop_threads is not None:
-            try:
-                threads = frozenset(loop_threads)
-                ok = bool(threads) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in threads)
-            except TypeError:  # not iterable, or of unhashable things
-                ok = False
-            if not ok:
+            threads = _thread_ids(loop_threads)
+            if not threads:
                 raise ConfigurationError(f"ExposureLog(loop_threads=...) is the ids of the threads that run the loop "
                                          f"(conduit.telemetry.thread_id() on each), or None for the threads that "
                                          f"record rollout/update/iteration spans; got {loop_threads!r}.")
