@@ -10,6 +10,9 @@ Each case was a known defect:
 * ``measure_iteration(loop_threads=...)`` took any iterable of hashables: a str such as ``"12"`` (its characters
   matched no thread, so the loop's whole experience path was reported hidden and none exposed), or bools and
   floats, where ``ExposureLog(loop_threads=...)`` refuses them and the docstring promises a ``ConfigurationError``;
+* the time arguments of ``Telemetry.since``, ``during`` and ``chrome_trace(since=...)`` were checked for NaN with
+  ``math.isnan``, which raised a bare ``OverflowError`` for an int past a float's range (a number they take:
+  every recorded call started before it).
 """
 
 from __future__ import annotations
@@ -80,3 +83,21 @@ def test_measure_iteration_takes_the_thread_ids_it_documents() -> None:
         assert (e.exposed_s, e.hidden_s) == (1.0, 0.0)
     e = measure_iteration(_LOOP, 0.0, 2.0, loop_threads=[])  # no loop thread: the work counts as done elsewhere
     assert (e.exposed_s, e.hidden_s) == (0.0, 0.0)  # (a wait is no work: hidden counts work spans only)
+
+
+def test_the_time_readers_take_an_int_past_a_floats_range() -> None:
+    tel = Telemetry()
+    tel.record("deliver", 4, 64, 1.0, 2.0)
+    huge = 10**400  # (later than every call: compares exactly with the recorded floats)
+    assert tel.since(huge) == []
+    assert tel.since(-huge) == list(tel.records)
+    assert tel.during(-huge, huge) == list(tel.records)
+    assert tel.during(huge, huge + 1) == []
+    trace = tel.chrome_trace(since=huge)
+    assert [e for e in trace["traceEvents"] if e["ph"] == "X"] == []
+    assert len([e for e in tel.chrome_trace(since=-huge)["traceEvents"] if e["ph"] == "X"]) == 1
+    with pytest.raises(ConfigurationError, match="not NaN"):
+        tel.since(float("nan"))
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ConfigurationError, match="not NaN"):
+        tel.chrome_trace(since=np.float32("nan"))
