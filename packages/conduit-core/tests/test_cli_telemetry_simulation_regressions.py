@@ -230,18 +230,19 @@ def test_profile_machine_still_warns_library_callers(tmp_path: Path, monkeypatch
 def test_demo_says_when_its_trace_misses_calls_the_ring_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """A buffer whose telemetry ring is smaller than the run's calls: the demo counts and prints what its trace
-    lacks (a real Telemetry with a small ring, built where the buffer builds its own)."""
+    lacks (a real Telemetry with a small ring, built where the buffer builds its own; one that holds an iteration's
+    calls, about 16 here: the demo gives a ring too small for that a larger one)."""
     import functools
 
     import conduit.edp
     from conduit.demo import run_loop, run_synthetic
 
-    monkeypatch.setattr(conduit.edp, "Telemetry", functools.partial(Telemetry, maxlen=16, fold_every=0))
+    monkeypatch.setattr(conduit.edp, "Telemetry", functools.partial(Telemetry, maxlen=100, fold_every=0))
     path = tmp_path / "trace.json"
-    res = run_loop(obs_dim=4, iterations=3, warmup=0, rollout=8, batch=8, updates=4, capacity=64, trace=path)
+    res = run_loop(obs_dim=4, iterations=8, warmup=0, rollout=8, batch=8, updates=4, capacity=64, trace=path)
     written = json.loads(path.read_text())["otherData"]["dropped_calls"]
     assert res.trace_dropped_calls == written > 0, (res.trace_dropped_calls, written)
-    assert run_synthetic(["--iterations", "3", "--warmup", "0", "--obs-dim", "4", "--rollout", "8", "--batch",
+    assert run_synthetic(["--iterations", "8", "--warmup", "0", "--obs-dim", "4", "--rollout", "8", "--batch",
                           "8", "--capacity", "64", "--no-baseline", "--trace", str(tmp_path / "t2.json")]) == 0
     out = capsys.readouterr().out
     assert "note: the trace misses" in out and "calls that the telemetry ring dropped" in out, out

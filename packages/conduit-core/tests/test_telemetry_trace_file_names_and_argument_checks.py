@@ -12,7 +12,11 @@ Each case was a known defect:
   floats, where ``ExposureLog(loop_threads=...)`` refuses them and the docstring promises a ``ConfigurationError``;
 * the time arguments of ``Telemetry.since``, ``during`` and ``chrome_trace(since=...)`` were checked for NaN with
   ``math.isnan``, which raised a bare ``OverflowError`` for an int past a float's range (a number they take:
-  every recorded call started before it).
+  every recorded call started before it);
+* ``conduit demo --synthetic`` (:func:`~conduit.demo.run_loop`) accounted its iterations on the buffer's default
+  telemetry ring (65536 calls): with ``--updates`` of about 22000 or more an iteration records more calls than that,
+  so after running the whole iteration it stopped with a CapacityError telling the user to raise the Telemetry's
+  maxlen, which the command has no option for. It now sizes the ring for the iterations it runs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from conduit.cli import main
+from conduit.demo import make_scheduler, run_loop
 from conduit.errors import ConfigurationError
 from conduit.exposure import ExposureLog, measure_iteration
 from conduit.telemetry import CallRecord, Telemetry
@@ -101,3 +106,15 @@ def test_the_time_readers_take_an_int_past_a_floats_range() -> None:
     np = pytest.importorskip("numpy")
     with pytest.raises(ConfigurationError, match="not NaN"):
         tel.chrome_trace(since=np.float32("nan"))
+
+
+@pytest.mark.parametrize("kind", ["sync", "overlapped"])
+def test_the_demo_loop_sizes_the_telemetry_ring_for_the_calls_of_its_iterations(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the buffer's default ring shrunk from 65536 to 50 calls, so that a few dozen updates per iteration outgrow it
+    # as 22000 do with the real default (every other part is the real loop)
+    monkeypatch.setattr(Telemetry.__init__, "__defaults__", (50, 1024))
+    assert Telemetry().maxlen == 50
+    res = run_loop(obs_dim=4, scheduler=make_scheduler(kind), iterations=2, warmup=1, rollout=8, batch=4, updates=40,
+                   capacity=64, hidden=2)
+    assert len(res.iterations) == 2 and all(i.total_s > 0 and i.update_s > 0 for i in res.iterations)

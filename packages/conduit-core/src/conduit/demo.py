@@ -35,7 +35,7 @@ from conduit.scheduling import Automatic, Overlapped, Scheduler, Synchronous
 from conduit.schema import ExperienceSchema, Field
 from conduit.semantics import Replay
 from conduit.semantics.replay import MAX_DRAW
-from conduit.telemetry import probe_writable
+from conduit.telemetry import Telemetry, probe_writable
 
 __all__ = ["run_synthetic", "run_loop", "LoopResult", "make_scheduler", "SCHEDULERS"]
 
@@ -167,6 +167,13 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
             raise
         raise ConfigurationError(f"Not enough memory for a buffer of capacity {capacity} transitions of "
                                  f"d={obs_dim} ({_first_line(e)}); lower capacity or obs_dim.") from e
+    # every call of an iteration must fit the telemetry's ring, or the ExposureLog refuses to account for it (and
+    # tells the user to raise a maxlen that `conduit demo` has no option for): per update, the delivery call, the
+    # scheduler's work for it (twice at most: a prefetch it dropped and its own draw) and the update; the rest is the
+    # rollout, its ingestion and the iteration's own span
+    calls = _CALLS_PER_UPDATE * updates + _CALLS_PER_ITERATION
+    if calls > edp.telemetry.maxlen:
+        edp.telemetry = Telemetry(maxlen=calls)
     env = torch.Generator().manual_seed(seed + 1)
     try:
         learner = _Learner(obs_dim, hidden, actions, seed, edp.device)
@@ -218,6 +225,11 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
     finally:
         edp.close()
     return result
+
+
+#: the most calls :func:`run_loop` records per learner update, and per iteration besides them (with room to spare)
+_CALLS_PER_UPDATE = 4
+_CALLS_PER_ITERATION = 64
 
 
 def _out_of_memory(e: BaseException) -> bool:
