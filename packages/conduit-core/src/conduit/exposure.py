@@ -37,7 +37,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from conduit._checks import is_int
+from conduit.checks import is_int
 from conduit.errors import CapacityError, ConfigurationError
 from conduit.telemetry import CallRecord, Telemetry
 
