@@ -22,6 +22,8 @@ from conduit.distributed.wire import to_wire
 from conduit.errors import CapacityError, ConduitError, ConfigurationError
 from conduit.scheduling.base import check_scheduler_entry, scheduler_entry
 from conduit.schema import ExperienceSchema
+from conduit.storage.base import MAX_HANDLE
+from conduit.storage.columnar import pool_elements
 
 if TYPE_CHECKING:
     from conduit.distributed.plane import DistributedDataPlane
@@ -72,7 +74,7 @@ def load_state_dict(plane: DistributedDataPlane, state: dict[str, Any]) -> None:
     if state["capacity"] != plane.capacity or ExperienceSchema.from_dict(state["schema"]) != plane.schema:
         raise ConfigurationError("This checkpoint was written by a buffer with another schema or capacity; "
                                  "build the buffer with the same schema and capacity before loading.")
-    _check_checkpoint(plane, state)
+    batch = _check_checkpoint(plane, state)
     # checked before anything changes; applied once the contents are in
     load_scheduler = "scheduler" in state and check_scheduler_entry(plane.scheduler, state["scheduler"])
     plane.scheduler.flush()
@@ -83,9 +85,10 @@ def load_state_dict(plane: DistributedDataPlane, state: dict[str, Any]) -> None:
         if n > plane.shard_capacity * live:
             raise CapacityError(f"This checkpoint holds {n} items and the {live} live shards hold at most "
                                 f"{plane.shard_capacity * live}; add shard servers or raise shard_capacity.")
+        _check_ragged_room(plane, batch, live)
         before = plane.semantics.load_checked(state["semantics"])  # a checkpoint of other semantics: unchanged
         try:
-            _load_contents(plane, state)
+            _load_contents(plane, state, batch)
         except _PartlyLoaded:
             plane.semantics.load_state_dict(state["semantics"])  # the index now describes the checkpoint
             forget_lost_priorities(plane)  # the items not loaded are lost, as a lost shard's
@@ -99,33 +102,63 @@ def load_state_dict(plane: DistributedDataPlane, state: dict[str, Any]) -> None:
         plane.scheduler.load_state_dict(state["scheduler"]["state"])
 
 
-def _check_checkpoint(plane: DistributedDataPlane, state: Mapping[str, Any]) -> None:
-    """Refuse a checkpoint whose parts disagree, before anything changes.
+def _check_checkpoint(plane: DistributedDataPlane, state: Mapping[str, Any]) -> ExperienceBatch:
+    """Refuse a checkpoint whose parts disagree, before anything changes; returns its items as a batch.
+
+    The items are checked as they are, as :meth:`ExperienceDataPlane.load_state_dict` checks them: columns that
+    are not tensors of the schema (e.g. NumPy arrays) are refused, not converted.
 
     Raises:
         ConfigurationError: handles that are not increasing int64 handles inside ``[oldest, next)``, a
-            window larger than the capacity, or data that is not one row per handle of the schema.
+            window larger than the capacity or beyond int64 handles, or data that is not one row per handle
+            of the schema.
     """
     h, oldest, nxt = state["handles"], state["oldest"], state["next"]
     ok = (isinstance(h, torch.Tensor) and h.dtype == torch.int64 and h.dim() == 1
-          and is_int(oldest) and is_int(nxt) and 0 <= oldest <= nxt <= oldest + plane.capacity
+          and is_int(oldest) and is_int(nxt) and 0 <= oldest <= nxt <= min(oldest + plane.capacity, MAX_HANDLE)
           and isinstance(state["data"], Mapping) and set(state["data"]) == set(plane.schema))
     if ok and h.numel():
         a = h.numpy()
         ok = bool(a[0] >= oldest and a[-1] < nxt and (np.diff(a) > 0).all())
+    batch = None
     if ok:
         try:
-            cols = {n: Ragged(v[0], v[1]) if isinstance(v, tuple) else v for n, v in state["data"].items()}
-            ok = ExperienceBatch.checked(cols, plane.schema).batch_size == int(h.shape[0])
-        except (ConduitError, TypeError, ValueError, IndexError):
-            ok = False
-    if not ok:
+            cols = {}
+            for name, v in state["data"].items():
+                if isinstance(v, tuple) and len(v) != 2:
+                    raise TypeError(f"ragged field {name!r} is not a (values, lengths) pair")
+                cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
+            batch = ExperienceBatch(cols, int(h.shape[0]))
+            batch.validate(plane.schema)
+        except (ConduitError, TypeError, ValueError, IndexError, AttributeError):
+            batch = None
+    if batch is None:
         raise ConfigurationError("This checkpoint is damaged: its handles, window and data do not agree (the "
                                  "buffer is unchanged); load the dict state_dict() returned, unmodified.")
+    return batch
 
 
-def _load_contents(plane: DistributedDataPlane, state: dict[str, Any]) -> None:
-    """Replace every live shard's items and the index by the checkpoint's (under the lock)."""
+def _check_ragged_room(plane: DistributedDataPlane, batch: ExperienceBatch, live: int) -> None:
+    """Refuse a checkpoint whose ragged elements cannot fit the ``live`` shards' pools, before anything changes.
+
+    Raises:
+        CapacityError: a ragged field holds more elements than the live shards' pools together, or one item
+            more than a shard's pool.
+    """
+    pool = pool_elements(plane._ragged_capacity, plane.shard_capacity)
+    for name in plane.schema.ragged:
+        c = batch[name]
+        assert isinstance(c, Ragged)  # (checked by _check_checkpoint)
+        total, longest = int(c.values.shape[0]), int(c.lengths.max()) if c.lengths.numel() else 0
+        if total > pool * live or longest > pool:
+            raise CapacityError(f"This checkpoint holds {total} elements of ragged field {name!r} (at most "
+                                f"{longest} in one item) and the {live} live shards' pools hold {pool} each "
+                                f"(the buffer is unchanged); build the buffer with a larger ragged_capacity or "
+                                f"add shard servers before loading.")
+
+
+def _load_contents(plane: DistributedDataPlane, state: dict[str, Any], batch: ExperienceBatch) -> None:
+    """Replace every live shard's items and the index by the checkpoint's ``batch`` (under the lock)."""
     live = plane.alive_shards
     outs = wait_all({s: plane.servers[s].actor.open.remote(plane.buffer_id, plane.schema.to_dict(),
                                                           plane.shard_capacity, plane._ragged_capacity)
@@ -140,16 +173,13 @@ def _load_contents(plane: DistributedDataPlane, state: dict[str, Any]) -> None:
         plane._lose(s, f"its partition could not be reopened for the load ({failure(outs[s])})")
     for s in outs:
         plane._local_next[s] = 0
-    cols: dict[str, torch.Tensor | Ragged] = {}
-    for name, v in state["data"].items():
-        cols[name] = Ragged(v[0], v[1]) if isinstance(v, tuple) else v
     cursor = oldest
     breaks = np.nonzero(np.diff(h) != 1)[0] + 1 if h.size else np.zeros(0, np.int64)
     starts = np.concatenate([[0], breaks]).astype(np.int64) if h.size else np.zeros(0, np.int64)
     ends = np.concatenate([breaks, [h.size]]).astype(np.int64) if h.size else np.zeros(0, np.int64)
     try:
         # (in the try: a put that fails, e.g. a full object store, also stops the load after the reset)
-        payload = ray_module().put(to_wire(ExperienceBatch(cols, int(h.shape[0])), plane.schema)) if h.size else None
+        payload = ray_module().put(to_wire(batch, plane.schema)) if h.size else None
         for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
             first = int(h[a])
             if first > cursor:

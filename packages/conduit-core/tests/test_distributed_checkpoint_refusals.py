@@ -1,0 +1,113 @@
+"""Checkpoints a :class:`~conduit.distributed.DistributedDataPlane` must refuse before it empties its shards.
+
+A load reopens every live shard's partition before it stores the checkpoint's items, so anything that would stop
+it part way must be found first: what got through before emptied the buffer and then raised a ``ClusterError``
+("Loading stopped after 0 of the checkpoint's N items"), or loaded a window later calls overflowed on.
+
+Most tests use the in-process harness of ``test_distributed_bookkeeping`` (real shard server bodies called
+without Ray); the last one runs the ragged refusal on the module's real local Ray cluster.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conduit import CapacityError, ConfigurationError, ExperienceDataPlane
+from conduit.distributed.plane import DistributedDataPlane
+from conduit.testing.reference import ID_SCHEMA, id_batch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_distributed_bookkeeping import RAGGED, _ids, _plane, _ragged_batch, fake_ray  # noqa: E402, F401, I001
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _ragged_ids(plane: DistributedDataPlane) -> list[int]:
+    return sorted(plane.read(plane.live_handles())["id"].tolist())
+
+
+@pytest.mark.usefixtures("fake_ray")
+def test_a_checkpoint_whose_columns_are_numpy_arrays_is_refused_typed_and_changes_nothing():
+    """Columns converted to NumPy (e.g. to pickle them without torch) passed the check, which converted a copy,
+    and the raw arrays then went to the shards after they were emptied: a ClusterError "Loading stopped after 0
+    of the checkpoint's 6 items (AttributeError: 'numpy.ndarray' object has no attribute 'detach')", and the
+    buffer's own items were gone. ExperienceDataPlane refuses such a checkpoint as damaged; so must this one."""
+    p = _plane(["a", "b"], capacity=10)
+    p.ingest(id_batch(np.arange(6)))
+    state = p.state_dict()
+    state["data"] = {k: v.numpy() for k, v in state["data"].items()}
+    core = ExperienceDataPlane(ID_SCHEMA, capacity=10)
+    with pytest.raises(ConfigurationError):  # the single-node buffer's answer to the same columns
+        core.load_state_dict({**core.state_dict(), "storage": {**core.state_dict()["storage"], "data": state["data"],
+                                                                "next": 6}})
+    q = _plane(["a", "b"], capacity=10)
+    q.ingest(id_batch(np.arange(100, 103)))
+    with pytest.raises(ConfigurationError, match="damaged"):
+        q.load_state_dict(state)
+    assert _ids(q) == [100, 101, 102] and len(q) == 3 and not q.lost_items
+
+
+@pytest.mark.usefixtures("fake_ray")
+@pytest.mark.parametrize("start", [2**63, 2**64 + 3])
+def test_a_checkpoint_whose_handles_lie_beyond_int64_is_refused_and_changes_nothing(start):
+    """An (empty) window starting beyond int64 loaded: the buffer then held nothing and every ingestion raised an
+    untyped OverflowError. ExperienceDataPlane refuses such handles as damaged; so must this one."""
+    p = _plane(["a", "b"], capacity=10)
+    state = {**p.state_dict(), "oldest": start, "next": start}
+    q = _plane(["a", "b"], capacity=10)
+    q.ingest(id_batch(np.arange(3)))
+    with pytest.raises(ConfigurationError, match="damaged"):
+        q.load_state_dict(state)
+    assert _ids(q) == [0, 1, 2] and q.index.next_handle == 3
+    assert q.ingest(id_batch(np.arange(3, 5))).tolist() == [3, 4]
+
+
+@pytest.mark.usefixtures("fake_ray")
+@pytest.mark.parametrize("case", ["total", "one_item"])
+def test_a_ragged_checkpoint_larger_than_the_live_pools_is_refused_typed_and_changes_nothing(case):
+    """A checkpoint of a buffer with larger ragged pools: its elements do not fit this buffer's live shards
+    (in all, or one item larger than a pool). Only the item count was checked, so the shards were emptied, no
+    shard could take the items, and the load raised ClusterError "Loading stopped after 0 of the checkpoint's 4
+    items", the buffer's own items gone. ExperienceDataPlane raises CapacityError and keeps its items."""
+    p = _plane(["a", "b"], schema=RAGGED, capacity=4, ragged_capacity=1000)
+    if case == "total":
+        p.ingest(_ragged_batch([0, 1, 2, 3], 200))  # 800 elements, the pools hold 2 x 300
+    else:
+        p.ingest(_ragged_batch([0], 400))  # 400 elements, in all less than 2 x 300, but one item
+    state = p.state_dict()
+    q = _plane(["a", "b"], schema=RAGGED, capacity=4, ragged_capacity=300)
+    q.ingest(_ragged_batch([10, 11], 2))
+    with pytest.raises(CapacityError, match="ragged_capacity"):
+        q.load_state_dict(state)
+    assert _ragged_ids(q) == [10, 11] and len(q) == 2 and not q.lost_items and not q.losses
+    # a buffer whose pools hold it loads it exactly
+    r = _plane(["a", "b"], schema=RAGGED, capacity=4, ragged_capacity=1000)
+    r.load_state_dict(state)
+    got, want = r.read(r.live_handles()), p.read(p.live_handles())
+    assert got["id"].tolist() == want["id"].tolist()
+    assert got["tok"].values.tolist() == want["tok"].values.tolist()
+    assert got["tok"].lengths.tolist() == want["tok"].lengths.tolist()
+
+
+@pytest.mark.slow
+def test_real_cluster_a_ragged_checkpoint_larger_than_the_live_pools_is_refused_and_changes_nothing(servers):
+    """The ragged refusal above on a real two-node cluster: the buffer keeps its items and goes on."""
+    p = DistributedDataPlane(RAGGED, capacity=4, servers=servers, measure=False, health_period=None,
+                             ragged_capacity=1000)
+    q = DistributedDataPlane(RAGGED, capacity=4, servers=servers, measure=False, health_period=None,
+                             ragged_capacity=300)
+    try:
+        p.ingest(_ragged_batch([0, 1, 2, 3], 200))
+        state = p.state_dict()
+        q.ingest(_ragged_batch([10, 11], 2))
+        with pytest.raises(CapacityError, match="ragged_capacity"):
+            q.load_state_dict(state)
+        assert _ragged_ids(q) == [10, 11] and len(q) == 2 and not q.lost_items
+        q.ingest(_ragged_batch([12], 2))
+        assert _ragged_ids(q) == [10, 11, 12]
+    finally:
+        p.close()
+        q.close()
