@@ -94,11 +94,14 @@ def test_a_ragged_checkpoint_larger_than_the_live_pools_is_refused_typed_and_cha
 
 @pytest.mark.slow
 def test_real_cluster_a_ragged_checkpoint_larger_than_the_live_pools_is_refused_and_changes_nothing(servers):
-    """The ragged refusal above on a real two-node cluster: the buffer keeps its items and goes on."""
+    """The ragged refusal above on a real two-node cluster: the buffer keeps its items and goes on; a buffer
+    whose pools hold the checkpoint only spread over both nodes loads it exactly."""
     p = DistributedDataPlane(RAGGED, capacity=4, servers=servers, measure=False, health_period=None,
                              ragged_capacity=1000)
     q = DistributedDataPlane(RAGGED, capacity=4, servers=servers, measure=False, health_period=None,
                              ragged_capacity=300)
+    r = DistributedDataPlane(RAGGED, capacity=4, servers=servers, measure=False, health_period=None,
+                             ragged_capacity=500)
     try:
         p.ingest(_ragged_batch([0, 1, 2, 3], 200))
         state = p.state_dict()
@@ -108,6 +111,33 @@ def test_real_cluster_a_ragged_checkpoint_larger_than_the_live_pools_is_refused_
         assert _ragged_ids(q) == [10, 11] and len(q) == 2 and not q.lost_items
         q.ingest(_ragged_batch([12], 2))
         assert _ragged_ids(q) == [10, 11, 12]
+        r.load_state_dict(state)
+        got, want = r.read(r.live_handles()), p.read(p.live_handles())
+        assert got["id"].tolist() == want["id"].tolist() == [0, 1, 2, 3] and not r.lost_items
+        assert got["tok"].values.tolist() == want["tok"].values.tolist()
     finally:
         p.close()
         q.close()
+        r.close()
+
+
+@pytest.mark.usefixtures("fake_ray")
+@pytest.mark.parametrize("nodes,pool,n,length", [(["a", "b"], 500, 4, 200), (["a", "b", "c"], 250, 6, 100),
+                                                 (["a", "b", "c"], 300, 9, 100)])
+def test_a_ragged_checkpoint_that_fits_only_spread_over_the_shards_loads_exactly(nodes, pool, n, length):
+    """The checkpoint's elements fit the live pools together, not in one: the load sent all its items to the
+    learner's shard as one append, which that shard's pool refused whole, and so did every other shard: the
+    shards emptied, then ClusterError "Loading stopped after 0 of the checkpoint's 4 items". The items are sent
+    in runs that each fit a pool, so they spread over the shards and load exactly."""
+    p = _plane(nodes, schema=RAGGED, capacity=n, ragged_capacity=10_000)
+    p.ingest(_ragged_batch(list(range(n)), length))
+    state = p.state_dict()
+    q = _plane(nodes, schema=RAGGED, capacity=n, ragged_capacity=pool)
+    q.ingest(_ragged_batch([100], 2))
+    q.load_state_dict(state)
+    got, want = q.read(q.live_handles()), p.read(p.live_handles())
+    assert q.live_handles().tolist() == p.live_handles().tolist() and len(q) == n and not q.lost_items
+    assert got["id"].tolist() == want["id"].tolist()
+    assert got["tok"].values.tolist() == want["tok"].values.tolist()
+    assert got["tok"].lengths.tolist() == want["tok"].lengths.tolist()
+    assert len({s for r in q.index.live_rows() for s, _ in q.index.segment(r)[2]}) > 1, "spread over the shards"
