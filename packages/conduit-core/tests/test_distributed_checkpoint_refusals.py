@@ -141,3 +141,25 @@ def test_a_ragged_checkpoint_that_fits_only_spread_over_the_shards_loads_exactly
     assert got["tok"].values.tolist() == want["tok"].values.tolist()
     assert got["tok"].lengths.tolist() == want["tok"].lengths.tolist()
     assert len({s for r in q.index.live_rows() for s, _ in q.index.segment(r)[2]}) > 1, "spread over the shards"
+
+
+@pytest.mark.usefixtures("fake_ray")
+@pytest.mark.parametrize("pool", [400, 500, 700])
+def test_a_replicated_ragged_checkpoint_whose_copies_do_not_all_fit_loads_every_item_once(pool):
+    """replication=2, three shards whose pools hold one copy of the checkpoint's 1200 elements, not two. The plan
+    places copies by item slots, so the first runs took two copies each and left no pool room for the last: the
+    shards emptied, then ClusterError "Loading stopped after 0 of the checkpoint's 6 items". Every item is
+    stored once first, then copied where room is left; the copies missing are counted in under_replicated."""
+    nodes = ["a", "b", "c"]
+    p = _plane(nodes, schema=RAGGED, capacity=6, ragged_capacity=10_000, replication=2)
+    p.ingest(_ragged_batch(list(range(6)), 200))
+    state = p.state_dict()
+    q = _plane(nodes, schema=RAGGED, capacity=6, ragged_capacity=pool, replication=2)
+    q.load_state_dict(state)
+    got, want = q.read(q.live_handles()), p.read(p.live_handles())
+    assert got["id"].tolist() == want["id"].tolist() == list(range(6)) and not q.lost_items
+    assert got["tok"].values.tolist() == want["tok"].values.tolist()
+    copies = sum(c * len(reps) for c, reps in (q.index.segment(r)[1:] for r in q.index.live_rows()))
+    assert q.under_replicated == 12 - copies
+    if pool == 700:  # a run of three items (600 elements) is copied where another pool has room for it
+        assert copies > 6

@@ -194,6 +194,10 @@ def _load_contents(plane: DistributedDataPlane, state: dict[str, Any], batch: Ex
         plane._lose(s, f"its partition could not be reopened for the load ({failure(outs[s])})")
     for s in outs:
         plane._local_next[s] = 0
+    # the plan places copies by item slots, blind to the ragged pools: with ragged fields every item is stored
+    # once first (the extra copies of the first runs would take the pool room later runs need), and replicated
+    # below where the pools leave room
+    copies = 1 if plane.schema.ragged else plane.replication
     cursor = oldest
     breaks = np.nonzero(np.diff(h) != 1)[0] + 1 if h.size else np.zeros(0, np.int64)
     starts = np.concatenate([[0], breaks]).astype(np.int64) if h.size else np.zeros(0, np.int64)
@@ -207,7 +211,7 @@ def _load_contents(plane: DistributedDataPlane, state: dict[str, Any], batch: Ex
                 plane.index.add_segment(cursor, first - cursor, [])
                 cursor = first  # recorded: a load that stops below must not record it again
             runs = [(r, k, plane.learner_node) for r, k in _pool_runs(plane, batch, a, b)]
-            for start, count, reps in plane._store(payload, runs, plane.schema.fixed_item_bytes, oldest):
+            for start, count, reps in plane._store(payload, runs, plane.schema.fixed_item_bytes, oldest, copies):
                 plane.index.add_segment(first + start - a, count, reps)
             cursor = first + (b - a)
     except Exception as e:  # noqa: BLE001 - whatever stopped it, the buffer must describe the checkpoint

@@ -632,23 +632,24 @@ class DistributedDataPlane:
         upto = min(upto, self._pinned.get(shard, upto))  # rows this write stored in an earlier round stay
         return self.shard_capacity - (self._local_next[shard] - upto), upto
 
-    def _store(self, payload: Any, runs: Sequence[tuple[int, int, str]], row_bytes: float, oldest: int
-               ) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    def _store(self, payload: Any, runs: Sequence[tuple[int, int, str]], row_bytes: float, oldest: int,
+               copies: int | None = None) -> list[tuple[int, int, list[tuple[int, int]]]]:
         """Write rows of ``payload`` to shards; returns (start, count, replicas) runs in row order.
 
         ``runs`` are (start, count, producer node): each run is placed by the plan for its
-        producer, and every run's writes go out in one round of parallel calls.
+        producer, and every run's writes go out in one round of parallel calls. Each row gets
+        ``copies`` replicas where there is room (default ``replication``).
         """
         self._pinned = dict(enumerate(self._local_next))
         self._evicting, self._short_evicted, self._doubtful = oldest, [], set()
         try:
-            return self._store_rounds(payload, runs, row_bytes, oldest)
+            return self._store_rounds(payload, runs, row_bytes, oldest, self.replication if copies is None else copies)
         finally:
             self._pinned = {}
             self._evicting = None
 
-    def _store_rounds(self, payload: Any, runs: Sequence[tuple[int, int, str]], row_bytes: float, oldest: int
-                      ) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    def _store_rounds(self, payload: Any, runs: Sequence[tuple[int, int, str]], row_bytes: float, oldest: int,
+                      copies: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
         placed: list[tuple[int, int, list[tuple[int, int]], str]] = []
         pending = list(runs)
         full: set[int] = set()
@@ -666,7 +667,7 @@ class DistributedDataPlane:
             plan: list[tuple[Chunk, str]] = []
             for p_start, p_count, producer in pending:
                 try:
-                    chunks, _ = self.plan.split(p_count, producer, row_bytes * p_count, rooms, self.replication)
+                    chunks, _ = self.plan.split(p_count, producer, row_bytes * p_count, rooms, copies)
                 except ClusterError as e:
                     if not full:
                         raise
