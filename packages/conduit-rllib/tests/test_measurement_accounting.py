@@ -223,6 +223,32 @@ def test_interleaved_variants_with_the_same_seed_draw_the_same_random_streams(ra
     assert not differing, f"same seed and config, different trained weights in {differing}"
 
 
+def test_take_refuses_a_window_whose_worker_spans_the_telemetry_ring_dropped(conduit_variant: Variant) -> None:
+    """The probe read background time with Telemetry.during(), which cannot see the calls the data plane's
+    bounded ring (Telemetry(maxlen=...)) dropped inside the window: a window whose workers recorded more spans
+    than the ring holds reported the hidden time of the last maxlen of them only, without a word. It is now
+    refused (CapacityError), as ExposureLog refuses such an iteration, and the next window is measured again."""
+    from conduit.errors import CapacityError
+
+    probe = conduit_variant.probe
+    tel = probe.buffer.edp.telemetry
+    probe.take()
+
+    def many_short_ingests() -> None:  # the first ones, 0.1 s long, fall out of the ring before take() reads it
+        t = time.perf_counter()
+        tel.record("ingest", 1, 0, t, t + 0.1)
+        for _ in range(tel.maxlen):
+            t = time.perf_counter()
+            tel.record("ingest", 1, 0, t, t)
+
+    w = _worker(many_short_ingests)
+    w.join()
+    with pytest.raises(CapacityError, match="maxlen"):
+        probe.take()
+    p = probe.take()  # the refused window is over: the next one (no drops in it) is measured
+    assert p["background"] >= 0.0, p
+
+
 def test_exposure_log_counts_a_long_background_span_that_started_before_the_iteration() -> None:
     """conduit.exposure.ExposureLog: every span overlapping the iteration counts for its part inside it,
     also one that started more than a minute before (it looked only at spans started in the last 60 s)."""

@@ -37,6 +37,11 @@ slicing the sample's columns) and shipping it; ``batch`` and ``minibatch`` are n
 a part of its own: a collection runs inside whichever call allocated when it fell due, and
 stops every thread while it walks all tracked objects of the process, so a buffer that keeps
 one Python object per transition makes every collection longer, whoever triggers it.
+
+``background`` is read from each data plane's bounded ring of recent calls (``Telemetry(maxlen=...)``): a
+window that records more calls than the ring holds would lose its earliest ones, so :meth:`~ExperiencePathProbe.take`
+refuses to report it (:class:`~conduit.errors.CapacityError`) rather than under-count it, as
+:class:`~conduit.exposure.ExposureLog` does for an iteration.
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ from collections.abc import Callable, Iterable, Iterator
 from functools import wraps
 from typing import Any
 
+from conduit.errors import CapacityError
 from conduit.exposure import measure_iteration
-from conduit.telemetry import CallRecord, thread_id
+from conduit.telemetry import CallRecord, Telemetry, thread_id
 
 from conduit_rllib.errors import UnsupportedConfigError
 
@@ -104,6 +110,8 @@ class ExperiencePathProbe:
         self._loop_threads: set[int] = {self._main}
         self._waits: list[CallRecord] = []  # until the next take() (not kept after close())
         self._closed = False
+        #: each data plane's telemetry -> its mark (Telemetry.mark()) at the start of the window (see background)
+        self._marks: dict[Telemetry, int] = {}
         self._t0 = time.perf_counter()
         self._gc_start = 0.0
         self._gc_callback = _gc_callback(weakref.ref(self))
@@ -129,6 +137,8 @@ class ExperiencePathProbe:
             self._wrap(algo.learner_group, "update", "update")
         else:
             self._wrap_local_learner(list(algo.learner_group.foreach_learner(lambda learner: learner))[0].get())
+        self._marks = self._marks_now()
+        self._t0 = time.perf_counter()
 
     def _wrap_local_learner(self, learner: Any) -> None:
         self.learner = learner
@@ -206,32 +216,67 @@ class ExperiencePathProbe:
             planes.append(feed.edp)
         return planes
 
+    def _marks_now(self) -> dict[Telemetry, int]:
+        """Each data plane's telemetry and its mark (:meth:`Telemetry.mark() <conduit.Telemetry.mark>`): a call
+        that ends after a clock reading taken after this is folded after the mark."""
+        return {edp.telemetry: edp.telemetry.mark() for edp in self._planes()}
+
     def background(self, since: float, until: float | None = None) -> float:
         """Hidden seconds in ``[since, until)`` (``until``: now): experience-path work on Conduit's worker
         threads (the union of their ingest/deliver/stage spans, clipped to the window) while the loop was
         not inside a wrapped experience-path call; see :func:`conduit.exposure.measure_iteration`.
 
-        A span counts once it has ended, so one still running at ``until`` is not in this window.
+        A span counts once it has ended, so one still running at ``until`` is not in this window. Spans are
+        read from the calls recorded since the last :meth:`take` (or the probe's creation), so ``since`` is
+        no earlier than that.
+
+        Raises:
+            CapacityError: a data plane's telemetry ring (``Telemetry(maxlen=...)``) dropped calls recorded
+                since the last :meth:`take`, so the hidden time would be under-counted.
         """
         end = time.perf_counter() if until is None else until
-        recs = [r for edp in self._planes() for r in edp.telemetry.during(since, end)]
+        return self._hidden(since, end, self._marks)
+
+    def _hidden(self, since: float, end: float, marks: dict[Telemetry, int]) -> float:
+        """:meth:`background` from the calls recorded after ``marks``."""
+        recs: list[CallRecord] = []
+        for edp in self._planes():
+            tel = edp.telemetry
+            # a plane that appeared since the window began: all its calls count (from its first mark, 0)
+            calls, dropped = tel.calls_since(marks.get(tel, 0))
+            if dropped:
+                raise CapacityError(
+                    f"The data plane's telemetry ring (Telemetry(maxlen={tel.maxlen})) dropped {dropped} calls "
+                    f"recorded since the probe's last take(), so its background (hidden) time would be "
+                    f"under-counted. Raise the Telemetry's maxlen above the calls one window records, or call "
+                    f"take() more often.")
+            recs += [r for r in calls if r.end > since and r.start < end]
         recs += [w for w in list(self._waits) if w.end > since and w.start < end]
         return measure_iteration(recs, since, end, loop_threads=set(self._loop_threads)).hidden_s
 
     def take(self) -> dict[str, float]:
         """Seconds per part (:attr:`parts`) and context part since the last call, plus ``exposed``,
         ``background`` (hidden work on Conduit's threads, see :meth:`background`), ``total`` (exposed +
-        background) and ``gc`` (garbage collection, overlapping the parts)."""
+        background) and ``gc`` (garbage collection, overlapping the parts).
+
+        Raises:
+            CapacityError: as :meth:`background`: the window's background time cannot be measured. The window
+                is over all the same (the next call reports the one after it).
+        """
         out = {p: self._acc.get(p, 0.0) for p in self.parts + CONTEXT}
         out["gc"] = self._acc.get("gc", 0.0)
         out["exposed"] = sum(out[p] for p in self.parts)
+        since, marks = self._t0, self._marks
+        self._marks = self._marks_now()  # before the clock: the next window's calls all come after it
         now = time.perf_counter()
         seen = len(self._waits)
-        out["background"] = self.background(self._t0, now)
+        try:
+            out["background"] = self._hidden(since, now, marks)
+        finally:
+            self._acc.clear()
+            del self._waits[:seen]  # all ended before now; later ones belong to the next window
+            self._t0 = now
         out["total"] = out["exposed"] + out["background"]
-        self._acc.clear()
-        del self._waits[:seen]  # all ended before now; later ones belong to the next window
-        self._t0 = now
         return out
 
 
