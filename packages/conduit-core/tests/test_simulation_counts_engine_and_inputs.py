@@ -66,6 +66,21 @@ def test_engine_refuses_a_duration_that_is_no_finite_number(duration):
         Simulation().task("x", duration)
 
 
+@pytest.mark.parametrize("k", [-1, 1.5, True, "2", None])
+def test_busiest_refuses_a_count_that_is_no_int_of_at_least_zero(k):
+    """busiest(-1) returned every resource but the least busy one (a slice from the end), busiest(1.5) raised a
+    bare TypeError from the slice and busiest(True) listed one."""
+    from conduit.simulation import Simulation
+
+    sim = Simulation()
+    sim.task("a", 1.0, "r1")
+    sim.task("b", 2.0, "r2")
+    sim.run()
+    with pytest.raises(ValueError, match="int >= 0"):
+        sim.busiest(k)
+    assert sim.busiest(0) == [] and sim.busiest(5) == [("r2", 2.0), ("r1", 1.0)]
+
+
 def test_engine_refuses_a_dependency_on_another_simulations_task():
     """A task of another simulation never ends in this one: the run raised 'a dependency cycle' (there was
     none), after appending to the other simulation's task. It is refused when the task is added."""

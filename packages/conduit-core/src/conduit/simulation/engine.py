@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from conduit.checks import is_int
+
 __all__ = ["Task", "Simulation"]
 
 
@@ -139,5 +141,12 @@ class Simulation:
         return now
 
     def busiest(self, k: int = 3) -> list[tuple[str, float]]:
-        """The ``k`` resources busy longest (name, seconds)."""
+        """The ``k`` resources busy longest (name, seconds; all of them when there are fewer).
+
+        Raises:
+            ValueError: ``k`` is no int >= 0 (a negative one would cut that many off the end instead).
+        """
+        if not is_int(k) or k < 0:
+            raise ValueError(f"Simulation.busiest(k={k!r}) is how many of the busiest resources to list; pass an "
+                             f"int >= 0")
         return sorted(self.busy.items(), key=lambda kv: -kv[1])[:k]
