@@ -20,6 +20,7 @@ of the accounted iterations.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -233,3 +234,15 @@ def test_every_lane_of_a_trace_is_a_32_bit_id_so_perfetto_keeps_threads_apart() 
     assert len(set(lanes.values())) == 3, f"three threads, three lanes: {lanes}"
     assert {k: names[v] for k, v in lanes.items()} == {"ingest": "ingest-worker", "deliver": "deliver-worker",
                                                        "update": threading.main_thread().name}
+
+
+@pytest.mark.parametrize("window", [(0.0, 1.0), (0, 1)], ids=["float-window", "int-window"])
+def test_an_iteration_without_spans_reports_every_field_as_a_float(window):
+    """measure_iteration summed an empty list of intervals, so an iteration with no experience-path (or no
+    rollout/update) spans reported exposed_s, rollout_s and update_s as the int 0 (and an int window's start and
+    end as ints), though the fields are floats: a consumer's formatting or type checks saw an int."""
+    it = measure_iteration([], *window)
+    for f in dataclasses.fields(it):
+        assert type(getattr(it, f.name)) is float, (f.name, getattr(it, f.name))
+    assert (it.total_s, it.exposed_s, it.hidden_s, it.rollout_s, it.update_s) == (0.0,) * 5
+    assert it.iteration_s == 1.0

@@ -79,7 +79,7 @@ def _thread_ids(loop_threads: object) -> frozenset[int] | None:
 
 
 def _length(intervals: Sequence[_Interval]) -> float:
-    return sum(b - a for a, b in intervals)
+    return sum((b - a for a, b in intervals), 0.0)  # (a float also for none)
 
 
 def _intersection(x: Sequence[_Interval], y: Sequence[_Interval]) -> float:
@@ -98,7 +98,7 @@ def _intersection(x: Sequence[_Interval], y: Sequence[_Interval]) -> float:
 
 @dataclass(frozen=True)
 class IterationExposure:
-    """Where one iteration's time went (seconds)."""
+    """Where one iteration's time went (seconds; every field a float, 0.0 for a part with no spans)."""
 
     start: float
     end: float
@@ -172,7 +172,7 @@ def measure_iteration(records: Iterable[CallRecord], start: float, end: float,
     h = _length(background) - _intersection(background, exposed)
     rollout = _length(clipped({"rollout"}))
     update = _length(clipped({"update"}))
-    return IterationExposure(start, end, e + h, e, h, rollout, update)
+    return IterationExposure(float(start), float(end), e + h, e, h, rollout, update)
 
 
 class ExposureLog:
