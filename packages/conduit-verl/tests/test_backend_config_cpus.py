@@ -8,8 +8,10 @@ the whole-number keys refuse booleans. Both are now a ``ConfigurationError`` nam
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
+import torch
 from conduit import ConfigurationError
 from conduit_verl.tq_storage import DEFAULTS, _validated
 
@@ -23,3 +25,27 @@ def test_a_bad_unit_num_cpus_is_a_configuration_error(cpus: object) -> None:
 @pytest.mark.parametrize("cpus", [0, 1, 0.5, 2.0])
 def test_a_finite_unit_num_cpus_is_kept(cpus: float) -> None:
     assert _validated(dict(DEFAULTS, unit_num_cpus=cpus))["unit_num_cpus"] == cpus
+
+
+@pytest.mark.parametrize(("capacity", "mean_length", "says"), [
+    (10**6, 10**7, "physical memory"),  # 9 TiB of pool: the first put raised an untyped MemoryError
+    (10**30, 256, "int64"),  # the first put raised an untyped TypeError (overflow unpacking the size)
+], ids=["beyond-memory", "beyond-int64"])
+def test_a_first_pool_that_could_never_be_allocated_is_refused_at_init(capacity: int, mean_length: int,
+                                                                        says: str) -> None:
+    """capacity x mean_length sizes every tensor field's first pool, which a unit allocates whole at the field's
+    first put. A size no machine of this kind could allocate was accepted here, and only that put failed, untyped;
+    it is refused with the keys and the bytes it would need."""
+    from conduit_verl.columns import FieldStore, PoolLadder
+
+    assert capacity * mean_length > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # (impossible here)
+    if says == "int64":  # what the first put met (the other case is not tried: it could page in the machine)
+        with pytest.raises(TypeError):
+            FieldStore("responses", torch.uint8, 1, PoolLadder(capacity, capacity * mean_length))
+    with pytest.raises(ConfigurationError, match=rf"capacity={capacity}.*mean_length={mean_length}.*{says}") as e:
+        _validated(dict(DEFAULTS, capacity=capacity, mean_length=mean_length))
+    assert f"{capacity * mean_length + 25 * capacity} bytes" in str(e.value)
+
+
+def test_a_first_pool_that_fits_is_accepted() -> None:
+    assert _validated(dict(DEFAULTS, capacity=4096, mean_length=8192))["capacity"] == 4096

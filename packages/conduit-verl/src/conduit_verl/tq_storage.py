@@ -26,7 +26,9 @@ Configuration (``transfer_queue.backend.Conduit.*``, every key optional; verl's 
 section, so a hydra override adds a key with a leading ``+``: ``+transfer_queue.backend.Conduit.num_units=2``):
 
 ``num_units`` (1), ``capacity`` (1024 sample slots per field and unit before the first
-migration), ``mean_length`` (256 elements per sample in the first placement),
+migration), ``mean_length`` (256 elements per sample in the first placement; a first pool of
+``capacity * mean_length`` elements beyond int64, or at one byte each beyond the physical memory of
+the machine that runs ``tq.init``, is refused there, as a field's first put could never allocate it),
 ``growth`` (2.0, the placement map's factor, at least 1.01), ``max_items`` (null: unbounded),
 ``unit_num_cpus`` (0; ``tq.init`` refuses units that together reserve more CPUs than their
 node has, and stops them if one has not started within :data:`UNIT_START_TIMEOUT_S`),
@@ -152,6 +154,7 @@ def _validated(cfg: dict[str, Any]) -> dict[str, Any]:
     if units < 1 or cpus < 0 or int(cfg["mean_length"]) < 1:
         raise ConfigurationError(f"{where} needs num_units >= 1, mean_length >= 1 and unit_num_cpus >= 0; got "
                                  f"{units}, {cfg['mean_length']}, {cpus}.")
+    _check_first_placement(cfg, where)
     if cfg["delivery"] not in ("prefetch", "sync", "off"):
         raise ConfigurationError(f"{where}.delivery={cfg['delivery']!r}; use prefetch, sync or off.")
     if cfg["device"] not in ("cpu", "auto"):  # one fixed device for every reading process: verl's controller and
@@ -160,6 +163,47 @@ def _validated(cfg: dict[str, Any]) -> dict[str, Any]:
                                  f"process's own accelerator (CPU where it has none, as verl's controller).")
     return cfg
 
+
+def _physical_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # (no sysconf, or no such name on this system)
+        return None
+
+
+def _check_first_placement(cfg: dict[str, Any], where: str) -> None:
+    """Refuse a ``capacity`` x ``mean_length`` that no field's first placement could ever be allocated with.
+
+    A unit allocates a tensor field's first placement whole when the field's first put arrives
+    (:class:`~conduit_verl.columns.FieldStore`, rung 0 of :class:`~conduit_verl.columns.PoolLadder`): a packed pool of
+    ``capacity * mean_length`` elements and ``min(capacity, max_items)`` slots, each with at least 25 bytes of
+    bookkeeping (start, length and held elements, int64; alive, bool). At one byte per element (the smallest
+    dtype) that is a lower bound of what each field needs; a pool beyond int64 elements, or bytes beyond this
+    machine's physical memory, failed only at that put, with an untyped MemoryError, RuntimeError or TypeError.
+
+    Raises:
+        ConfigurationError: the pool's elements exceed int64, or its lower bound exceeds the physical memory.
+    """
+    capacity, mean_length = int(cfg["capacity"]), int(cfg["mean_length"])
+    slots = capacity if cfg["max_items"] is None else min(capacity, int(cfg["max_items"]))
+    elements = capacity * mean_length
+    need = elements + 25 * slots
+    if elements > _INT64_MAX:
+        raise ConfigurationError(
+            f"{where}.capacity={capacity} x {where}.mean_length={mean_length} = {elements} elements in each tensor "
+            f"field's first pool, beyond what a tensor can hold (int64, {_INT64_MAX}); that is at least {need} "
+            f"bytes per field and unit. Lower capacity or mean_length (the pool grows when sequences need it).")
+    memory = _physical_memory()
+    if memory is not None and need > memory:
+        raise ConfigurationError(
+            f"{where}.capacity={capacity} x {where}.mean_length={mean_length} sizes each tensor field's first pool "
+            f"at {elements} elements: at least {need} bytes per field and unit (at one byte per element), more "
+            f"than this machine's {memory} bytes of physical memory, so a field's first put could never allocate "
+            f"it. Lower capacity or mean_length (the pool grows when sequences need it).")
+
+
+_INT64_MAX = 2**63 - 1
 
 #: how long :func:`bootstrap` waits for the units to start (Ray holds a unit back while its node's CPUs are taken)
 UNIT_START_TIMEOUT_S = 600.0
