@@ -164,7 +164,8 @@ def test_cached_profile_is_reused(measured: BandwidthProfile, monkeypatch: pytes
     monkeypatch.setenv("CONDUIT_CACHE_DIR", str(tmp_path))
     measured.save()
     assert profile_path().parent == tmp_path
-    assert profile_machine(quick=True).created == measured.created  # no re-measurement
+    again = profile_machine(quick=True, disk_directory=measured.details["disk_directory"])
+    assert again.created == measured.created  # no re-measurement (its disk tier measured in the same directory)
 
 
 def test_profile_from_another_machine_is_refused(measured: BandwidthProfile, tmp_path) -> None:

@@ -23,9 +23,10 @@ Path names (``BandwidthProfile.links`` keys):
   locking, accounting).
 
 :func:`profile_machine` measures these on the machine it runs on and caches the result
-in the user cache directory, keyed by machine; loading a profile measured on another
-machine raises :class:`conduit.PlacementError`. That cache file holds only this machine's
-measurement: a declared profile is neither saved there nor taken from there as one.
+in the user cache directory, keyed by machine (and reused only for the directory its disk tier
+was measured in); loading a profile measured on another machine raises
+:class:`conduit.PlacementError`. That cache file holds only this machine's measurement: a
+declared profile is neither saved there nor taken from there as one.
 """
 
 from __future__ import annotations
@@ -692,19 +693,25 @@ def profile_machine(*, cache: bool = True, refresh: bool = False, quick: bool = 
             that cannot be written is a ``RuntimeWarning``: the measured profile is still returned).
         refresh: measure even if a cached profile exists.
         quick: fewer repetitions and smaller buffers (a few seconds).
-        disk_directory: where to measure the disk tier (default: the temp dir).
+        disk_directory: where to measure the disk tier (default: the temp dir). The cached profile is
+            returned only when its disk tier was measured there (the volume decides ``disk_read`` and
+            ``disk_write``); otherwise this one is measured, and cached in its place.
     """
+    disk_dir = os.path.realpath(disk_directory or tempfile.gettempdir())
     if cache and not refresh:
         try:
-            return load_profile()
+            cached = load_profile()
         except PlacementError:
             pass
+        else:
+            if cached.details.get("disk_directory") == disk_dir:
+                return cached
     reps = 11 if quick else 21
     cpu = torch.device("cpu")
     llc = _llc_bytes()
     copy_sizes = [64 << 10, 1 << 20, 16 << 20] if quick else [64 << 10, 1 << 20, 16 << 20, 64 << 20]
     links = measure_host_paths(quick=quick)
-    disk_read, disk_write, cold = _measure_disk(disk_directory, (16 << 20) if quick else (64 << 20), reps)
+    disk_read, disk_write, cold = _measure_disk(disk_dir, (16 << 20) if quick else (64 << 20), reps)
     links["disk_read"], links["disk_write"] = disk_read, disk_write
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for i in range(n_gpu):
@@ -728,7 +735,7 @@ def profile_machine(*, cache: bool = True, refresh: bool = False, quick: bool = 
                             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                             details={"machine": machine_summary(), "quick": quick, "torch": torch.__version__,
                                      "torch_threads": torch.get_num_threads(), "llc_bytes": llc,
-                                     "disk_read_cold": cold, "gpus": n_gpu})
+                                     "disk_read_cold": cold, "disk_directory": disk_dir, "gpus": n_gpu})
     if cache:
         try:
             prof.save()

@@ -1,0 +1,40 @@
+"""Review of the placement planner's inputs: the profile cache and the planner's own settings.
+
+* ``profile_machine(disk_directory=D)`` returned the cached profile whatever volume its disk tier had been measured
+  on (the cache is keyed by machine only): a profile measured on a RAM-backed temp dir priced the disk tier of a
+  slow volume at memory speed, and a plan of ``discover_topology(disk_directory=D)`` used figures of another volume.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from conduit.placement import BandwidthProfile, LinkCost
+from conduit.placement.profile import load_profile, machine_id, profile_machine, profile_path
+
+
+def _fake_cached(directory: Path) -> BandwidthProfile:
+    """A profile of this machine whose disk tier was (said to be) measured in ``directory``, saved to the cache."""
+    links = {k: LinkCost.constant(1.0, 1.0) for k in ("host_copy", "host_gather", "edp_deliver", "edp_ingest",
+                                                      "disk_read", "disk_write")}
+    prof = BandwidthProfile(links, source="measured", machine=machine_id(), created="2000-01-01T00:00:00+00:00",
+                            details={"disk_directory": os.path.realpath(directory)})
+    prof.save()
+    return prof
+
+
+def test_a_cached_profile_of_another_disk_directory_is_measured_again(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONDUIT_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "fast").mkdir()
+    (tmp_path / "slow").mkdir()
+    _fake_cached(tmp_path / "fast")
+    # the same directory, however spelt: the cache is what it was
+    same = profile_machine(quick=True, disk_directory=str(tmp_path / "slow" / ".." / "fast"))
+    assert same.created == "2000-01-01T00:00:00+00:00"
+    prof = profile_machine(quick=True, disk_directory=str(tmp_path / "slow"))
+    assert prof.created != "2000-01-01T00:00:00+00:00", "the disk figures of another directory were reused"
+    assert prof.details["disk_directory"] == os.path.realpath(tmp_path / "slow")
+    assert load_profile(profile_path()).created == prof.created  # the new measurement replaced the cache
