@@ -15,12 +15,12 @@ from conduit.placement import BandwidthProfile, LinkCost
 from conduit.placement.profile import load_profile, machine_id, profile_machine, profile_path
 
 
-def _fake_cached(directory: Path) -> BandwidthProfile:
+def _fake_cached(directory: Path, *, quick: bool = True) -> BandwidthProfile:
     """A profile of this machine whose disk tier was (said to be) measured in ``directory``, saved to the cache."""
     links = {k: LinkCost.constant(1.0, 1.0) for k in ("host_copy", "host_gather", "edp_deliver", "edp_ingest",
                                                       "disk_read", "disk_write")}
     prof = BandwidthProfile(links, source="measured", machine=machine_id(), created="2000-01-01T00:00:00+00:00",
-                            details={"disk_directory": os.path.realpath(directory)})
+                            details={"disk_directory": os.path.realpath(directory), "quick": quick})
     prof.save()
     return prof
 
@@ -38,3 +38,17 @@ def test_a_cached_profile_of_another_disk_directory_is_measured_again(tmp_path: 
     assert prof.created != "2000-01-01T00:00:00+00:00", "the disk figures of another directory were reused"
     assert prof.details["disk_directory"] == os.path.realpath(tmp_path / "slow")
     assert load_profile(profile_path()).created == prof.created  # the new measurement replaced the cache
+
+
+def test_a_full_measurement_is_not_answered_by_a_cached_quick_one(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """profile_machine(quick=False) returned the cached quick profile (that `conduit plan --topology local` leaves
+    there): fewer repetitions and smaller buffers than asked for."""
+    monkeypatch.setenv("CONDUIT_CACHE_DIR", str(tmp_path / "cache"))
+    quick = _fake_cached(tmp_path, quick=True)
+    assert profile_machine(quick=True, disk_directory=str(tmp_path)).created == quick.created  # quick for quick
+    full = profile_machine(quick=False, disk_directory=str(tmp_path))
+    assert full.created != quick.created and full.details["quick"] is False, "a quick profile answered a full one"
+    # and a full cached profile answers both
+    assert profile_machine(quick=True, disk_directory=str(tmp_path)).created == full.created
+    assert profile_machine(quick=False, disk_directory=str(tmp_path)).created == full.created

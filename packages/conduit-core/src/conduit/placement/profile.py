@@ -692,7 +692,8 @@ def profile_machine(*, cache: bool = True, refresh: bool = False, quick: bool = 
         cache: read the cached profile if there is one, and write the new one to the cache (a cache
             that cannot be written is a ``RuntimeWarning``: the measured profile is still returned).
         refresh: measure even if a cached profile exists.
-        quick: fewer repetitions and smaller buffers (a few seconds).
+        quick: fewer repetitions and smaller buffers (a few seconds). A full measurement
+            (``quick=False``) is not answered by a cached quick one: it measures, and caches its result.
         disk_directory: where to measure the disk tier (default: the temp dir). The cached profile is
             returned only when its disk tier was measured there (the volume decides ``disk_read`` and
             ``disk_write``); otherwise this one is measured, and cached in its place.
@@ -704,7 +705,7 @@ def profile_machine(*, cache: bool = True, refresh: bool = False, quick: bool = 
         except PlacementError:
             pass
         else:
-            if cached.details.get("disk_directory") == disk_dir:
+            if cached.details.get("disk_directory") == disk_dir and (quick or cached.details.get("quick") is False):
                 return cached
     reps = 11 if quick else 21
     cpu = torch.device("cpu")
