@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 import pytest
-from conduit.placement import BandwidthProfile, LinkCost
+from conduit.errors import ConfigurationError
+from conduit.placement import BandwidthProfile, LinkCost, Planner, load_topology
 from conduit.placement.profile import load_profile, machine_id, profile_machine, profile_path
 
 
@@ -52,3 +53,11 @@ def test_a_full_measurement_is_not_answered_by_a_cached_quick_one(tmp_path: Path
     # and a full cached profile answers both
     assert profile_machine(quick=True, disk_directory=str(tmp_path)).created == full.created
     assert profile_machine(quick=False, disk_directory=str(tmp_path)).created == full.created
+
+
+@pytest.mark.parametrize("tol", [True, "0.02", None, [0.02]])
+def test_a_tie_tolerance_that_is_no_number_is_a_configuration_error(tol: object) -> None:
+    """True was taken as a tolerance of 100% (any candidate twice as slow counted as tied), and a string or None
+    raised a bare TypeError from the comparison."""
+    with pytest.raises(ConfigurationError, match="tie_tolerance"):
+        Planner(load_topology("h200x1"), tie_tolerance=tol)  # type: ignore[arg-type]

@@ -20,10 +20,12 @@ learner outranks one that hosts none however fast (even unlimited) its links.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from conduit.checks import is_bool
 from conduit.errors import ConfigurationError, PlacementError
 from conduit.placement.base import TIERS, Placement, PlacementSpec
 from conduit.placement.cost import CostModel, Estimate, Workload
@@ -150,8 +152,10 @@ class Planner:
 
     def __init__(self, topology: Topology, profile: BandwidthProfile | None = None, *, tie_tolerance: float = 0.02,
                  **cost_kwargs: Any) -> None:
-        if not tie_tolerance >= 0:
-            raise ConfigurationError(f"tie_tolerance must be >= 0, got {tie_tolerance!r}.")
+        tol: object = tie_tolerance  # (checked as what a caller may pass, not as what the signature says)
+        if is_bool(tol) or not isinstance(tol, numbers.Real) or not float(tol) >= 0:
+            raise ConfigurationError(f"tie_tolerance must be a number >= 0 (a fraction of the fastest candidate's "
+                                     f"latency), got {tie_tolerance!r}.")
         self.topology = topology
         self.cost = CostModel(topology, profile, **cost_kwargs)
         self.tie_tolerance = tie_tolerance
