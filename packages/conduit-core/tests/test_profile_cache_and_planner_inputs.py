@@ -8,12 +8,13 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 from conduit.errors import ConfigurationError
 from conduit.placement import BandwidthProfile, LinkCost, Planner, load_topology
-from conduit.placement.profile import load_profile, machine_id, profile_machine, profile_path
+from conduit.placement.profile import load_profile, machine_id, measure_host_paths, profile_machine, profile_path
 
 
 def _fake_cached(directory: Path, *, quick: bool = True) -> BandwidthProfile:
@@ -61,3 +62,16 @@ def test_a_tie_tolerance_that_is_no_number_is_a_configuration_error(tol: object)
     raised a bare TypeError from the comparison."""
     with pytest.raises(ConfigurationError, match="tie_tolerance"):
         Planner(load_topology("h200x1"), tie_tolerance=tol)  # type: ignore[arg-type]
+
+
+def test_every_host_path_is_timed_by_the_clock_given() -> None:
+    """measure_host_paths(clock=...) timed the bulk host copy by the wall clock whatever clock it was given (the
+    gathers and EDP calls by the one given): ``edp_ingest``, a measured ingestion minus ``host_copy``'s prediction,
+    mixed the two clocks. Here a clock that runs 1000x fast: every path's per-call overhead is at least 1000x the
+    shortest time a call can take (100 ns)."""
+    def fast() -> float:
+        return time.perf_counter() * 1000
+
+    links = measure_host_paths(quick=True, clock=fast)
+    assert links["host_copy"].overhead_s >= 1e-4, links["host_copy"]
+    assert links["host_gather"].overhead_s >= 1e-4, links["host_gather"]

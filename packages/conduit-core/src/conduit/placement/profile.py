@@ -486,8 +486,8 @@ def _median_seconds(fn: Callable[[], object], *, reps: int, warmup: int = 2,
 
 
 def _measure_copy(src_dev: torch.device, dst_dev: torch.device, sizes: list[int], reps: int, *,
-                  pin_src: bool = False, pin_dst: bool = False) -> LinkCost:
-    """Bulk copy ``src_dev`` -> ``dst_dev`` at several sizes, and the 4-byte per-call overhead."""
+                  pin_src: bool = False, pin_dst: bool = False, clock: Clock = time.perf_counter) -> LinkCost:
+    """Bulk copy ``src_dev`` -> ``dst_dev`` at several sizes, and the 4-byte per-call overhead (timed by ``clock``)."""
     cuda_devs = [d for d in (src_dev, dst_dev) if d.type == "cuda"]
 
     def sync_all() -> None:
@@ -500,7 +500,8 @@ def _measure_copy(src_dev: torch.device, dst_dev: torch.device, sizes: list[int]
     dst = torch.empty(big // 4, dtype=torch.float32, device=dst_dev, pin_memory=pin_dst)
     src.fill_(1.0)
     dst.fill_(0.0)
-    overhead = _median_seconds(lambda: dst[:1].copy_(src[:1]), reps=max(50, reps * 5), warmup=10, sync=sync)
+    overhead = _median_seconds(lambda: dst[:1].copy_(src[:1]), reps=max(50, reps * 5), warmup=10, sync=sync,
+                               clock=clock)
     samples = []
     for b in sizes:
         n = b // 4
@@ -508,7 +509,7 @@ def _measure_copy(src_dev: torch.device, dst_dev: torch.device, sizes: list[int]
         def copy_n(n: int = n) -> torch.Tensor:
             return dst[:n].copy_(src[:n])
 
-        samples.append((float(b), _median_seconds(copy_n, reps=reps, sync=sync)))
+        samples.append((float(b), _median_seconds(copy_n, reps=reps, sync=sync, clock=clock)))
     return LinkCost.fit(samples, overhead)
 
 
@@ -662,7 +663,7 @@ def measure_host_paths(*, quick: bool = False, clock: Clock = time.perf_counter)
     llc = _llc_bytes()
     links: dict[str, LinkCost] = {}
     copy_sizes = [64 << 10, 1 << 20, 16 << 20] if quick else [64 << 10, 1 << 20, 16 << 20, 64 << 20]
-    links["host_copy"] = _measure_copy(cpu, cpu, copy_sizes, reps)
+    links["host_copy"] = _measure_copy(cpu, cpu, copy_sizes, reps, clock=clock)
     big = max(4 * llc, (128 << 20) if quick else (512 << 20))
     column = empty_column((big // 4,), torch.float32).fill_(1.0)  # allocated as storage columns are
     # two columns, each several times the last-level cache, gathered with the same rows; into one
