@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conduit.errors import ConfigurationError
-from conduit.placement import BandwidthProfile, LinkCost, Planner, load_topology
+from conduit.placement import BandwidthProfile, LinkCost, Planner, Workload, load_topology
 from conduit.placement.profile import load_profile, machine_id, measure_host_paths, profile_machine, profile_path
 
 
@@ -75,3 +75,20 @@ def test_every_host_path_is_timed_by_the_clock_given() -> None:
     links = measure_host_paths(quick=True, clock=fast)
     assert links["host_copy"].overhead_s >= 1e-4, links["host_copy"]
     assert links["host_gather"].overhead_s >= 1e-4, links["host_gather"]
+
+
+def test_a_plan_from_a_measured_profile_completed_by_declared_figures_says_so() -> None:
+    """A measured profile of host paths only, planning a declared GPU topology: every GPU path was priced by the
+    topology's declared figures, and the plan said its bandwidth was all ``measured:<machine>``."""
+    host_only = BandwidthProfile({"host_copy": LinkCost.constant(3.0, 1.0), "host_gather": LinkCost.constant(2.0, 1.0)},
+                                 source="measured", machine="0123456789abcdef")
+    plan = Planner(load_topology("h200x1"), host_only).plan(Workload.transitions(1000, capacity=10**5, batch=256))
+    declared = load_topology("h200x1").declared
+    assert declared is not None
+    lacking = len(set(declared.links) - {"host_copy", "host_gather"})
+    assert plan.profile_source == f"measured:0123456789abcdef, declared:h200x1 for {lacking} path(s) it lacks"
+    assert plan.explain().startswith(f"topology h200x1 (bandwidth: {plan.profile_source})")
+    assert plan.to_dict()["profile"] == plan.profile_source
+    # the declared figures alone: named as before
+    full = Planner(load_topology("h200x1")).plan(Workload.transitions(1000, capacity=10**5, batch=256))
+    assert full.profile_source == "declared:h200x1"

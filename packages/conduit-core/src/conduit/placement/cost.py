@@ -397,9 +397,12 @@ class CostModel:
             prof.check_machine()
         if profile is not None and topology.declared is not None and profile is not topology.declared:
             # measured figures where the profile has them, the declared ones for the rest
+            # (declared_paths: the paths priced by the declared figures, which a plan's provenance names)
             prof = BandwidthProfile({**topology.declared.links, **profile.links}, source=profile.source,
                                     machine=profile.machine, created=profile.created,
-                                    details={**profile.details, "declared_fallback": topology.name})
+                                    details={**profile.details, "declared_fallback": topology.name,
+                                             "declared_paths": sorted(set(topology.declared.links)
+                                                                      - set(profile.links))})
         for nm, v in (("headroom", headroom), ("gpu_usable", gpu_usable), ("host_usable", host_usable),
                       ("disk_usable", disk_usable)):
             most = 10 if nm == "headroom" else 1

@@ -74,6 +74,9 @@ class Plan:
     topology: Topology
     workload: Workload
     candidates: tuple[Candidate, ...]
+    #: where the figures came from: ``declared:<topology>``, ``measured:<machine>``, or a measured profile
+    #: completed by the topology's declared figures, saying so (``measured:<machine>, declared:<topology> for N
+    #: path(s) it lacks``)
     profile_source: str
 
     @property
@@ -258,7 +261,11 @@ class Planner:
         cands = [Candidate(e, e is chosen, self._reason(e, chosen, best_t, fallback_only=bool(in_memory)), lb)
                  for e, lb in priced]
         cands.sort(key=lambda c: (not c.chosen, not c.feasible, c.estimate.total_s))
-        src = self.profile.machine if self.profile.source == "declared" else f"measured:{self.profile.machine}"
+        prof = self.profile
+        src = prof.machine if prof.source == "declared" else f"measured:{prof.machine}"
+        declared = prof.details.get("declared_paths")
+        if declared:  # a profile merged with the topology's declared figures: not every figure is its own
+            src += f", declared:{prof.details['declared_fallback']} for {len(declared)} path(s) it lacks"
         return Plan(self.topology, workload, tuple(cands), src)
 
     def _reason(self, e: Estimate, chosen: Estimate, best_t: float, *, fallback_only: bool = False) -> str:
