@@ -92,3 +92,14 @@ def test_a_plan_from_a_measured_profile_completed_by_declared_figures_says_so() 
     # the declared figures alone: named as before
     full = Planner(load_topology("h200x1")).plan(Workload.transitions(1000, capacity=10**5, batch=256))
     assert full.profile_source == "declared:h200x1"
+
+
+@pytest.mark.parametrize(("tol", "said"), [(0.02, "2%"), (0.004, "0.4%"), (0.005, "0.5%"), (0.125, "12.5%")])
+def test_a_plan_states_the_tie_tolerance_it_used(tol: float, said: str) -> None:
+    """The reasons printed the tolerance rounded to a whole percent: a tolerance of 0.4% read 'within 0% of the
+    chosen' for a candidate the planner had counted as tied, 12.5% read 12%."""
+    plan = Planner(load_topology("dgx-a100-80g"), tie_tolerance=tol).plan(
+        Workload.transitions(5000, capacity=10**6, batch=512, learners=2))
+    twin = next(c for c in plan.candidates if str(c.spec) == "gpu[cuda:1]")  # as fast as gpu[cuda:0], chosen
+    assert plan.placement.devices == ("cuda:0",)
+    assert twin.reason.startswith(f"within {said} of the chosen"), twin.reason

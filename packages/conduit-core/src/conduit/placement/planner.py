@@ -268,10 +268,15 @@ class Planner:
             src += f", declared:{prof.details['declared_fallback']} for {len(declared)} path(s) it lacks"
         return Plan(self.topology, workload, tuple(cands), src)
 
+    @property
+    def _tolerance(self) -> str:
+        """The tie tolerance as a percentage, to 3 significant digits (``0.005`` is 0.5%, not 0% or 1%)."""
+        return f"{float(self.tie_tolerance) * 100:.3g}%"
+
     def _reason(self, e: Estimate, chosen: Estimate, best_t: float, *, fallback_only: bool = False) -> str:
         if e is chosen:
             if e.total_s > best_t:
-                return (f"chosen: within {self.tie_tolerance:.0%} of the fastest and uses fewer devices or a simpler "
+                return (f"chosen: within {self._tolerance} of the fastest and uses fewer devices or a simpler "
                         f"tier")
             return "chosen: fastest feasible"
         short = e.shortfalls()
@@ -283,7 +288,7 @@ class Planner:
         if e.total_s <= chosen.total_s:
             simpler = (len(chosen.spec.devices), TIERS.index(chosen.spec.tier)) < (len(e.spec.devices),
                                                                                   TIERS.index(e.spec.tier))
-            return (f"within {self.tie_tolerance:.0%} of the chosen ({e.total_s * 1e3:.3f} ms vs "
+            return (f"within {self._tolerance} of the chosen ({e.total_s * 1e3:.3f} ms vs "
                     f"{chosen.total_s * 1e3:.3f} ms), which "
                     + ("uses fewer devices or a simpler tier" if simpler else "the planner proposed first"))
         diffs = {k: e.breakdown.get(k, 0.0) - chosen.breakdown.get(k, 0.0)
