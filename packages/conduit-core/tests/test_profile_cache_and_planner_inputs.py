@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from conduit.errors import ConfigurationError
 from conduit.placement import BandwidthProfile, LinkCost, Planner, Workload, load_topology
+from conduit.placement.cost import transition_schema
 from conduit.placement.profile import load_profile, machine_id, measure_host_paths, profile_machine, profile_path
+from conduit.storage.sharded import ShardedStorage
 
 
 def _fake_cached(directory: Path, *, quick: bool = True) -> BandwidthProfile:
@@ -103,3 +105,14 @@ def test_a_plan_states_the_tie_tolerance_it_used(tol: float, said: str) -> None:
     twin = next(c for c in plan.candidates if str(c.spec) == "gpu[cuda:1]")  # as fast as gpu[cuda:0], chosen
     assert plan.placement.devices == ("cuda:0",)
     assert twin.reason.startswith(f"within {said} of the chosen"), twin.reason
+
+
+
+def test_no_candidate_shards_a_buffer_over_more_gpus_than_it_has_slots() -> None:
+    """With capacity 3 on an 8-GPU topology the plan listed sharded[4 GPUs] and sharded[8 GPUs] as fitting ('yes'),
+    which ShardedStorage refuses (a shard without a slot): candidates that cannot be built."""
+    with pytest.raises(ConfigurationError, match="at most one shard per slot"):
+        ShardedStorage(transition_schema(8), 3, ["cpu"] * 4)
+    plan = Planner(load_topology("dgx-a100-80g")).plan(Workload.transitions(8, capacity=3, batch=1))
+    sharded = [str(c.spec) for c in plan.candidates if c.spec.tier == "sharded"]
+    assert sharded and all(len(c.spec.devices) <= 3 for c in plan.candidates), sharded

@@ -215,7 +215,9 @@ class Planner:
 
             order = sorted(range(n), key=rank)
             grouped = bool(topo.details.get("host_link_groups"))
-            sizes = sorted({k for k in (2, 4, 8, 16, 32, 64) if k < n} | ({n} if n > 1 else set()))
+            # (no more shards than item slots: ShardedStorage refuses a shard without a slot)
+            sizes = sorted(k for k in {k for k in (2, 4, 8, 16, 32, 64) if k < n} | ({n} if n > 1 else set())
+                           if k <= workload.capacity)
             seen: set[frozenset[int]] = set()
             for k in sizes:
                 tries = [(order[:k], f"{k} GPUs with the fastest links to the learners")]
