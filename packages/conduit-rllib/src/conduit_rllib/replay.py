@@ -624,10 +624,9 @@ class _ConduitReplay:
                     raise PriorityError("update_priorities applies to the last sample(); call sample() first (each "
                                         "sample takes one priority update).")
             try:
-                p = np.asarray(priorities.detach().cpu().numpy() if isinstance(priorities, torch.Tensor)
-                               else priorities, dtype=np.float64).reshape(-1)
+                p = _real_priorities(priorities)
             except (TypeError, ValueError) as e:
-                raise PriorityError(f"Priorities must be numbers, one per transition (e.g. |td_error|), got "
+                raise PriorityError(f"Priorities must be real numbers, one per transition (e.g. |td_error|), got "
                                     f"a {type(priorities).__name__} holding something else ({e}). No priority was "
                                     f"changed.") from e
             if not last:
@@ -920,6 +919,26 @@ class _ConduitReplay:
                 self._build(edp.schema).load_state_dict(cast(dict[str, Any], kept))
                 self._succ, self._rew, self._done, self._eid = links
             raise
+
+
+def _real_priorities(priorities: Any) -> np.ndarray:
+    """``update_priorities``'s ``priorities`` as a 1-d float64 array, read as the data plane reads them: a floating
+    tensor of any dtype (bfloat16 too, which NumPy has no counterpart for) is converted by torch first.
+
+    Raises:
+        TypeError: complex values (NumPy would drop their imaginary parts with only a warning), or no numbers.
+        ValueError: values that form no array of numbers.
+    """
+    if isinstance(priorities, torch.Tensor):
+        if priorities.is_complex():
+            raise TypeError("complex values")
+        t = priorities.detach()
+        raw: Any = (t.to("cpu", torch.float64) if t.is_floating_point() else t.cpu()).numpy()
+    else:
+        if np.iscomplexobj(priorities):
+            raise TypeError("complex values")
+        raw = priorities
+    return np.asarray(raw, dtype=np.float64).reshape(-1)
 
 
 def _whole_handles(handles: Any) -> np.ndarray:
