@@ -58,6 +58,7 @@ from conduit import (
     Scheduler,
     UniformSampler,
 )
+from conduit.checks import is_int
 from conduit.scheduling.base import check_scheduler_entry
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
@@ -173,8 +174,9 @@ class _ConduitReplay:
         self._counts = {"added": 0, "episodes": 0, "evicted": 0, "sampled": 0, "n_step_sum": 0}
         self._lifetime = {"added": 0, "evicted": 0, "sampled": 0, "episodes": 0}
         self._ones: dict[torch.dtype, torch.Tensor] = {}
-        if int(metrics_every) < 1:
-            raise ConfigurationError(f"metrics_every must be >= 1, got {metrics_every!r}.")
+        if not is_int(metrics_every) or metrics_every < 1:  # (no bool, fraction or string: int() would take them)
+            raise ConfigurationError(f"metrics_every must be an int >= 1 (log on every n-th get_metrics call), got "
+                                     f"{metrics_every!r}.")
         self.metrics_every = int(metrics_every)
         self._metrics_calls = 0
         #: the training iteration the caller is in (``enable`` sets it to the algorithm's): get_metrics logs on
