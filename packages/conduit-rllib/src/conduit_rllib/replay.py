@@ -58,7 +58,7 @@ from conduit import (
     Scheduler,
     UniformSampler,
 )
-from conduit.checks import is_int
+from conduit.checks import is_bool, is_int
 from conduit.scheduling.base import check_scheduler_entry
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
@@ -274,6 +274,8 @@ class _ConduitReplay:
                                      "ConduitPrioritizedEpisodeReplayBuffer or drop the weight.")
         if weight is not None:
             try:
+                if isinstance(weight, (str, bytes)):  # (float() would parse "2.0")
+                    raise TypeError("text is no number")
                 weight = float(weight)
             except (TypeError, ValueError) as e:
                 raise PriorityError(f"An add's weight is one initial priority for all its steps, a number; got "
@@ -476,6 +478,8 @@ class _ConduitReplay:
             beta = 0.0
         else:
             try:
+                if isinstance(beta, (str, bytes)) or is_bool(beta):  # (float() would parse "0.4"; the plane's check)
+                    raise TypeError(f"a {type(beta).__name__} is no number")
                 beta = float(beta)
             except (TypeError, ValueError) as e:
                 raise ConfigurationError(f"beta (replay_buffer_config['beta']) must be one number >= 0, got {beta!r} "
