@@ -38,7 +38,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, cast
 
@@ -144,7 +144,7 @@ class VerlOnPolicy(OnPolicy):
                                      f"others only (e.g. shuffle).")
         self.loader_seed = seed
         self.dataloader_kwargs = kwargs
-        self._orders: Iterator[torch.Tensor] | None = None
+        self._orders: Generator[torch.Tensor, None, None] | None = None
         self._orders_drawn = 0  # passes drawn from the current rollout's loader
         self._deferred = False  # the next epoch starts on the next delivery (seed=None)
 
@@ -186,7 +186,7 @@ class VerlOnPolicy(OnPolicy):
                 self._deferred = False
         return super().select(n, **kwargs)
 
-    def _epoch_orders(self, n: int) -> Iterator[torch.Tensor]:
+    def _epoch_orders(self, n: int) -> Generator[torch.Tensor, None, None]:
         gen = None
         if self.loader_seed is not None:
             gen = torch.Generator()
@@ -208,6 +208,14 @@ class VerlOnPolicy(OnPolicy):
             self._orders, self._orders_drawn = self._epoch_orders(n), 0
         self._orders_drawn += 1
         return next(self._orders)
+
+    def release_loader(self) -> None:
+        """End the current rollout's loader (and the worker processes ``num_workers`` with ``persistent_workers``
+        keeps between passes), as verl's iterator ends its own when its iteration ends. The next rollout, or a
+        :meth:`load_state_dict`, builds a fresh one; ``state_dict`` is unchanged."""
+        orders, self._orders = self._orders, None
+        if orders is not None:
+            orders.close()  # the suspended pass lets its loader go now, not at a later collection
 
     def _start_epoch_checked(self) -> None:
         """Draw and cut the epoch; a refused order or cut (ConfigurationError) gives its loader pass back.
@@ -771,6 +779,7 @@ class MinibatchDelivery:
         """Close the buffer (and stop the prefetch thread); every later call is refused (ConfigurationError)."""
         if self.edp is not None:
             self.edp.close()  # (a close refused inside read_locked leaves the delivery open)
+        self.semantics.release_loader()
         self._closed = True
 
 
