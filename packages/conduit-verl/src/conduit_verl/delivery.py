@@ -402,6 +402,14 @@ class MinibatchPrefetch(Scheduler):
                 self.staged += 1
         return batch, info
 
+    def detach(self) -> None:
+        """Forget the buffer once it is closed (a no-op while it is open). The buffer and its scheduler refer to each
+        other, so without this a closed buffer (its copy of the rollout, page-locked on a GPU host, and its gather
+        buffers) lived on after its owner let it go, until a garbage collection: one more per verl train step."""
+        edp = getattr(self, "edp", None)
+        if edp is not None and edp.closed:
+            del self.edp
+
     def invalidate(self, reason: str = "contents") -> None:
         """A staged minibatch was selected before the change; it stays and is delivered next.
 
@@ -693,6 +701,7 @@ class MinibatchDelivery:
         except BaseException:
             if built:  # the buffer was built for this shard: forget it, so the next first shard builds its own
                 self.edp.close()
+                self.scheduler.detach()
                 self.edp, self.codec = None, None
             raise
         assert handles is not None
@@ -779,6 +788,7 @@ class MinibatchDelivery:
         """Close the buffer (and stop the prefetch thread); every later call is refused (ConfigurationError)."""
         if self.edp is not None:
             self.edp.close()  # (a close refused inside read_locked leaves the delivery open)
+            self.scheduler.detach()  # the closed buffer goes with this delivery, not at a later garbage collection
         self.semantics.release_loader()
         self._closed = True
 
