@@ -116,6 +116,24 @@ def test_dataloader_kwargs_that_the_delivery_sets_itself_are_refused_up_front(ke
     assert got == [[0.0, 1.0], [2.0, 3.0]]
 
 
+@pytest.mark.parametrize("kwargs", [{"bogus": 1}, {"num_workers": -1}, {"shuffle": True, "sampler": [0, 1]},
+                                    {"persistent_workers": True}], ids=["unknown", "negative-workers",
+                                                                        "sampler-and-shuffle", "persistent-no-workers"])
+def test_dataloader_kwargs_torch_refuses_are_refused_up_front(kwargs: dict[str, Any]) -> None:
+    """dataloader_kwargs that torch's DataLoader refuses used to be accepted when the delivery was built; the raw
+    TypeError/ValueError came at the first minibatch (verl's own iterator raises when it is built). They are refused
+    (ConfigurationError) when the delivery is built, before the shard is ingested, with torch's reason."""
+    from conduit import ConfigurationError
+    from conduit_verl import delivery
+
+    with pytest.raises(ConfigurationError, match="DataLoader refuses"):
+        delivery.MinibatchDelivery(num_minibatches=2, seed=0, device="cpu", dataloader_kwargs=dict(kwargs))
+    delivery.install()
+    td = TensorDict({"x": torch.arange(4.0)}, batch_size=[4])
+    with delivery.forced("prefetch"), pytest.raises(ConfigurationError, match="DataLoader refuses"):
+        delivery.conduit_make_iterator(td, 2, 1, seed=0, dataloader_kwargs=dict(kwargs))
+
+
 def test_hf_rollout_and_reward_replicas_of_one_rank_both_start(tiny: dict[str, Path], ray_local: Path) -> None:
     """The CPU ``hf`` rollout named every replica's server ``conduit_hf_server_<rank>``: a reward-model (or teacher)
     replica of rank 0 beside the policy's rollout replica 0 failed to start (Ray: the actor name is taken). Each

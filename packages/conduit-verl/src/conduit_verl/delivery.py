@@ -126,7 +126,8 @@ class VerlOnPolicy(OnPolicy):
     pass from the global RNG, as a fresh one does: its next pass is drawn from the RNG as it is then.
 
     ``dataloader_kwargs`` may not set what the loader is built with (``dataset``, ``batch_size``,
-    ``generator``, ``collate_fn``, ``batch_sampler``): :class:`~conduit.ConfigurationError` at construction.
+    ``generator``, ``collate_fn``, ``batch_sampler``), nor options torch's DataLoader refuses (an unknown one, or
+    ones that do not work together): :class:`~conduit.ConfigurationError` at construction.
     """
 
     def __init__(self, *, num_minibatches: int, num_epochs: int = 1, max_staleness: int = 0,
@@ -142,6 +143,11 @@ class VerlOnPolicy(OnPolicy):
             raise ConfigurationError(f"dataloader_kwargs sets {own}, which the delivery sets itself (dataset, "
                                      f"batch_size from num_minibatches, generator from seed, collate_fn); pass the "
                                      f"others only (e.g. shuffle).")
+        try:  # built as each rollout's loader is (building one draws nothing and starts no worker)
+            DataLoader(cast("Dataset[torch.Tensor]", torch.arange(1)), batch_size=1, collate_fn=lambda x: x, **kwargs)
+        except (TypeError, ValueError) as e:  # else a raw error at the first minibatch, maybe on the prefetch thread
+            raise ConfigurationError(f"torch's DataLoader refuses dataloader_kwargs {kwargs!r}: {e}; pass only "
+                                     f"DataLoader options that work together (e.g. shuffle).") from e
         self.loader_seed = seed
         self.dataloader_kwargs = kwargs
         self._orders: Generator[torch.Tensor, None, None] | None = None
