@@ -85,9 +85,14 @@ class _PoolModel:
             self.oldest += 1
 
     def truncate(self, upto: int) -> None:
+        """As if the items from ``upto`` on had never been appended: the head goes back to the newest live item's
+        end (what follows it in the pool is free)."""
         while self.next > max(upto, self.oldest):
             self.next -= 1
             del self.items[self.next]
+        if self.next > self.oldest:
+            s, ln = self.items[self.next - 1]
+            self.head = s + ln
 
 
 def _check_against_model(st: ColumnarStorage, model: _PoolModel) -> None:
@@ -135,22 +140,25 @@ def test_ragged_evictions_follow_the_model_and_lose_nothing_else(seed: int) -> N
         _check_against_model(st, model)
 
 
-def test_a_block_in_the_space_a_truncate_left_evicts_the_older_items_it_sweeps_past() -> None:
-    """After a truncate leaves forgotten elements behind the head, a wrapping block sweeps from the head round to its
-    end: an older item in the skipped pool end goes (the former overlap rule kept it until a later block landed on a
-    newer item, leaving a layout out of ring order in between)."""
+def test_a_truncate_leaves_no_forgotten_elements_behind_the_head_so_no_block_sweeps_past_a_live_item() -> None:
+    """A truncate forgets the newest items as if they had never been appended. The head used to stay past the
+    forgotten elements, so a later block wrapped to the pool's start, sweeping the skipped pool end and evicting
+    item 1 (5 elements in a pool with room for it); the head now goes back to item 1's end."""
     st = ColumnarStorage(TOK, 10, ragged_capacity=100)
     st.append(_tok_batch(0, [95]))
     st.append(_tok_batch(1, [5]))  # item 1 at [95, 100)
     st.append(_tok_batch(2, [50]))  # wraps: [0, 50), item 0 goes
-    st.truncate(2)  # forget item 2: the head stays at 50
-    st.append(_tok_batch(2, [10]))  # [50, 60)
-    res = st.append(_tok_batch(3, [45]))  # 60 + 45 > 100: at [0, 45), sweeping [60, 100) with item 1 in it
+    st.truncate(2)  # forget item 2: the head goes back to 100 (item 1's end)
+    res = st.append(_tok_batch(2, [10]))  # wraps to [0, 10): it sweeps no live item
+    assert (res.evicted_from, res.evicted_to) == (1, 1)
+    res = st.append(_tok_batch(3, [45]))  # [10, 55)
+    assert (res.evicted_from, res.evicted_to) == (1, 1)
+    assert _live(st) == {1: [1000 + j for j in range(5)], 2: [2000 + j for j in range(10)],
+                         3: [3000 + j for j in range(45)]}
+    res = st.append(_tok_batch(4, [45]))  # [55, 100): over item 1, the oldest (FIFO)
     assert (res.evicted_from, res.evicted_to) == (1, 2)
-    assert _live(st) == {2: [2000 + j for j in range(10)], 3: [3000 + j for j in range(45)]}
-    res = st.append(_tok_batch(4, [10]))  # [45, 55): over item 2
-    assert (res.evicted_from, res.evicted_to) == (2, 3)
-    assert _live(st) == {3: [3000 + j for j in range(45)], 4: [4000 + j for j in range(10)]}
+    assert _live(st) == {2: [2000 + j for j in range(10)], 3: [3000 + j for j in range(45)],
+                         4: [4000 + j for j in range(45)]}
 
 
 def _count_walk(monkeypatch: pytest.MonkeyPatch) -> list[int]:

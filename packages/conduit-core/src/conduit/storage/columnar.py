@@ -448,12 +448,17 @@ class ColumnarStorage(Storage):
         """Forget the newest items, from handle ``upto`` on, as if they had never been appended.
 
         Undoes appends whose items the caller could not keep (a sharded write that failed on
-        another shard). Older items are untouched; the forgotten items' slots are free again,
-        and their ragged pool space is reused when the pool wraps.
+        another shard). Older items are untouched; the forgotten items' slots and ragged pool
+        space are free again: each pool's head goes back to the end of the newest live item's
+        elements (live items lie in the pool in handle order, so what follows them is free).
         """
         self._next = max(self._oldest, min(int(upto), self._next))
         for name, (a, b) in self._rempty.items():
             self._rempty[name] = (min(a, self._next), min(b, self._next))
+        if self._next > self._oldest:
+            slot = (self._next - 1) % self.capacity
+            for name in self._pools:
+                self._rhead[name] = int(self._rstart[name][slot]) + int(self._rlen[name][slot])
 
     # -- read ------------------------------------------------------------------------------
     def gather(self, slots: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> ExperienceBatch:
