@@ -156,28 +156,6 @@ def _check_ragged_room(plane: DistributedDataPlane, batch: ExperienceBatch, live
                                 f"add shard servers before loading.")
 
 
-def _pool_runs(plane: DistributedDataPlane, batch: ExperienceBatch, a: int, b: int) -> list[tuple[int, int]]:
-    """Rows ``[a, b)`` of ``batch`` as (start, count) runs whose ragged elements each fit one shard's pool.
-
-    A run goes to a shard as one append, which that shard refuses whole when its pool cannot hold the run
-    (and then gets no more of this write): rows that fit the live pools only spread over several shards would
-    stop the load part way. Greedy from ``a``, each run as long as every ragged field's pool allows (at least
-    one row: :func:`_check_ragged_room` refused a row larger than a pool).
-    """
-    if not plane.schema.ragged:
-        return [(a, b - a)]
-    pool = pool_elements(plane._ragged_capacity, plane.shard_capacity)
-    # per field, elements before each row of [a, b] (cumulative, from a)
-    ends = [np.concatenate([[0], np.cumsum(cast(Ragged, batch[n]).lengths.numpy()[a:b])]) for n in plane.schema.ragged]
-    runs, i = [], 0
-    while i < b - a:
-        j = min(int(np.searchsorted(e, e[i] + pool, side="right")) - 1 for e in ends)
-        j = max(j, i + 1)
-        runs.append((a + i, j - i))
-        i = j
-    return runs
-
-
 def _load_contents(plane: DistributedDataPlane, state: dict[str, Any], batch: ExperienceBatch) -> None:
     """Replace every live shard's items and the index by the checkpoint's ``batch`` (under the lock)."""
     live = plane.alive_shards
@@ -210,7 +188,7 @@ def _load_contents(plane: DistributedDataPlane, state: dict[str, Any], batch: Ex
             if first > cursor:
                 plane.index.add_segment(cursor, first - cursor, [])
                 cursor = first  # recorded: a load that stops below must not record it again
-            runs = [(r, k, plane.learner_node) for r, k in _pool_runs(plane, batch, a, b)]
+            runs = [(r, k, plane.learner_node) for r, k in plane._pool_runs(batch, a, b)]
             for start, count, reps in plane._store(payload, runs, plane.schema.fixed_item_bytes, oldest, copies):
                 plane.index.add_segment(first + start - a, count, reps)
             cursor = first + (b - a)

@@ -48,7 +48,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import torch
 
-from conduit.batch import ExperienceBatch, host_array
+from conduit.batch import ExperienceBatch, Ragged, host_array
 from conduit.checks import is_int
 from conduit.distributed import checkpoint, recovery
 from conduit.distributed._ray import (
@@ -86,6 +86,7 @@ from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy, check_version
 from conduit.semantics.replay import PrioritizedSampler, Replay, UniformSampler
 from conduit.storage.base import AppendResult
+from conduit.storage.columnar import pool_elements
 from conduit.telemetry import Telemetry
 
 __all__ = ["DistributedDataPlane"]
@@ -540,7 +541,9 @@ class DistributedDataPlane:
             runs = [(0, n, node or batch.node_id)]
         else:
             b = cast(ExperienceBatch, batch) if validated else ExperienceBatch.checked(batch, self.schema)
-            runs = self._producer_runs(b, node)
+            # each producer's rows in runs that fit one shard's ragged pools (a shard refuses an append whole)
+            runs = [(r, k, prod) for a, c, prod in self._producer_runs(b, node)
+                    for r, k in self._pool_runs(b, a, a + c)]
             if _PRODUCER in b:
                 b = ExperienceBatch({name: b[name] for name in self.schema}, b.batch_size)
             n, nbytes, payload = b.batch_size, b.nbytes(), None
@@ -602,6 +605,28 @@ class DistributedDataPlane:
         ends = [*starts[1:], n]
         with self._producers_lock:
             return [(a, e - a, self._producers[int(ids[a])]) for a, e in zip(starts, ends, strict=True)]
+
+    def _pool_runs(self, batch: ExperienceBatch, a: int, b: int) -> list[tuple[int, int]]:
+        """Rows ``[a, b)`` of ``batch`` as (start, count) runs whose ragged elements each fit one shard's pool.
+
+        A run goes to a shard as one append, which that shard refuses whole when its pool cannot hold the run
+        (and then gets no more of this write): rows that fit the live pools only spread over several shards would
+        be refused. Greedy from ``a``, each run as long as every ragged field's pool allows (at least one row: a
+        row larger than a pool is refused by every shard).
+        """
+        if not self.schema.ragged or b <= a:
+            return [(a, b - a)]
+        pool = pool_elements(self._ragged_capacity, self.shard_capacity)
+        # per field, elements before each row of [a, b] (cumulative, from a)
+        ends = [np.concatenate([[0], np.cumsum(cast(Ragged, batch[n]).lengths[a:b].cpu().numpy())])
+                for n in self.schema.ragged]
+        runs, i = [], 0
+        while i < b - a:
+            j = min(int(np.searchsorted(e, e[i] + pool, side="right")) - 1 for e in ends)
+            j = max(j, i + 1)
+            runs.append((a + i, j - i))
+            i = j
+        return runs
 
     def _oldest_with_room(self, n: int, oldest: int) -> int:
         """Where the window must start for the live shards to have room for one copy of ``n`` more items: ``oldest``

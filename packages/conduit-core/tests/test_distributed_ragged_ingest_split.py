@@ -1,0 +1,142 @@
+"""A ragged batch that fits the shards' pools only spread over several of them is ingested, not refused.
+
+An ingestion sent each producer's rows as one append per shard the plan chose; a shard whose ragged pool cannot
+hold the whole run refuses it, and so did every other shard: ``ClusterError`` for a batch whose elements fit the
+live pools together (e.g. 4 items x 200 elements into 2 shards of ``ragged_capacity=500``). The rows now go in
+runs that each fit one pool, as a checkpoint load sends them. Most tests use the in-process harness of
+``test_distributed_bookkeeping``; the last one runs on the real two-node cluster.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from conduit import OnPolicy
+from conduit.distributed.errors import ClusterError
+from conduit.distributed.plane import DistributedDataPlane
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_distributed_bookkeeping import RAGGED, _plane, _ragged_batch, fake_ray  # noqa: E402, F401, I001
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _shards(p: DistributedDataPlane) -> set[int]:
+    return {s for r in p.index.live_rows() for s, _ in p.index.segment(r)[2]}
+
+
+def _check_exact(p: DistributedDataPlane, ids: list[int], length: int) -> None:
+    got = p.read(p.live_handles())
+    want = _ragged_batch(ids, length)
+    assert got["id"].tolist() == ids and len(p) == len(ids) and not p.lost_items
+    assert got["tok"].values.tolist() == want["tok"].values.tolist()
+    assert got["tok"].lengths.tolist() == want["tok"].lengths.tolist()
+
+
+@pytest.mark.usefixtures("fake_ray")
+@pytest.mark.parametrize("nodes,pool,n,length", [(["a", "b"], 500, 4, 200), (["a", "b", "c"], 250, 6, 100),
+                                                 (["a", "b", "c"], 300, 9, 100)])
+def test_a_replay_ingestion_that_fits_only_spread_over_the_pools_stores_every_item(nodes, pool, n, length):
+    p = _plane(nodes, schema=RAGGED, capacity=n, ragged_capacity=pool)
+    handles = p.ingest(_ragged_batch(list(range(n)), length))
+    assert handles is not None and handles.tolist() == list(range(n))
+    _check_exact(p, list(range(n)), length)
+    assert len(_shards(p)) > 1, "spread over the shards"
+    batch, _ = p.deliver(16)  # replay draws over every shard
+    assert set(batch["id"].tolist()) <= set(range(n))
+
+
+@pytest.mark.usefixtures("fake_ray")
+def test_an_on_policy_ingestion_that_fits_only_spread_over_the_pools_is_delivered_exactly_once():
+    p = _plane(["a", "b"], schema=RAGGED, capacity=4, ragged_capacity=500,
+               semantics=OnPolicy(num_minibatches=2, num_epochs=1, seed=0))
+    p.ingest(_ragged_batch([0, 1, 2, 3], 200), version=0)
+    _check_exact(p, [0, 1, 2, 3], 200)
+    p.seal()
+    seen: list[int] = []
+    while True:
+        batch, info = p.deliver()
+        assert batch["tok"].lengths.tolist() == [200] * batch.batch_size
+        seen += batch["id"].tolist()
+        if info.last:
+            break
+    assert sorted(seen) == [0, 1, 2, 3] and len(p) == 0
+
+
+@pytest.mark.usefixtures("fake_ray")
+def test_a_full_replay_buffer_evicts_fifo_for_a_batch_that_fits_only_spread():
+    """The old items sit on the learner's shard; the new batch evicts them all and spreads over both pools."""
+    p = _plane(["a", "b"], schema=RAGGED, capacity=4, ragged_capacity=500)
+    p.ingest(_ragged_batch([0, 1, 2, 3], 100))
+    p.ingest(_ragged_batch([10, 11], 200))  # evicts 0, 1 (FIFO)
+    assert p.read(p.live_handles())["id"].tolist() == [2, 3, 10, 11]
+    p.ingest(_ragged_batch([20, 21, 22, 23], 200))
+    _check_exact(p, [20, 21, 22, 23], 200)
+    assert p.index.oldest == 6
+
+
+@pytest.mark.usefixtures("fake_ray")
+def test_replication_2_copies_what_the_pools_hold_and_counts_the_rest():
+    """Three nodes whose pools hold every item once and most twice (1200 of 1500 elements)."""
+    p = _plane(["a", "b", "c"], schema=RAGGED, capacity=3, ragged_capacity=500, replication=2)
+    p.ingest(_ragged_batch([0, 1, 2], 200))
+    _check_exact(p, [0, 1, 2], 200)
+    for r in p.index.live_rows():
+        reps = p.index.segment(r)[2]
+        assert len({p.shard_node(s) for s, _ in reps}) == len(reps), "copies on distinct nodes"
+    copies = sum(c * len(reps) for c, reps in (p.index.segment(r)[1:] for r in p.index.live_rows()))
+    assert copies >= 5 and p.under_replicated == 6 - copies
+
+
+@pytest.mark.usefixtures("fake_ray")
+@pytest.mark.parametrize("replication", [1, 2])
+def test_a_batch_larger_than_the_pools_together_stores_none_of_it(replication):
+    """All or nothing: runs that some shards stored before the others refused are taken back (no eviction
+    needed: the buffer keeps its item)."""
+    nodes = ["a", "b"] if replication == 1 else ["a", "b", "c"]
+    p = _plane(nodes, schema=RAGGED, capacity=16, ragged_capacity=500, replication=replication)
+    p.ingest(_ragged_batch([100], 2))
+    with pytest.raises(ClusterError, match="ragged_capacity"):
+        p.ingest(_ragged_batch(list(range(8)), 200))  # 1600 elements, the pools hold 500 each
+    _check_exact(p, [100], 2)
+    assert p.index.next_handle == 1
+    p.ingest(_ragged_batch([101, 102], 200))  # the room the failed ingestion used is free again
+    assert p.read(p.live_handles())["id"].tolist() == [100, 101, 102]
+
+
+@pytest.mark.slow
+def test_real_cluster_a_batch_that_fits_only_spread_over_both_nodes_is_ingested(cluster, servers):
+    """On the real two-node cluster: replay and on-policy buffers store 4 items x 200 elements in two pools of
+    500, from either node, exactly; with replication=2 (both copies do not fit) the refusal stores none of it."""
+    kw = {"servers": servers, "measure": False, "health_period": None, "ragged_capacity": 500}
+    replay = DistributedDataPlane(RAGGED, capacity=4, **kw)
+    on_policy = DistributedDataPlane(RAGGED, capacity=4, semantics=OnPolicy(num_minibatches=2, seed=0), **kw)
+    replicated = DistributedDataPlane(RAGGED, capacity=8, replication=2, **kw)
+    try:
+        replay.ingest(_ragged_batch([0, 1, 2, 3], 200), node=cluster.workers[0])
+        _check_exact(replay, [0, 1, 2, 3], 200)
+        assert len(_shards(replay)) == 2
+        replay.ingest(_ragged_batch([4, 5], 200))  # evicts 0, 1 (FIFO)
+        assert replay.read(replay.live_handles())["id"].tolist() == [2, 3, 4, 5] and not replay.lost_items
+        on_policy.ingest(_ragged_batch([0, 1, 2, 3], 200), version=0)
+        _check_exact(on_policy, [0, 1, 2, 3], 200)
+        on_policy.seal()
+        seen: list[int] = []
+        while True:
+            batch, info = on_policy.deliver()
+            seen += batch["id"].tolist()
+            if info.last:
+                break
+        assert sorted(seen) == [0, 1, 2, 3]
+        replicated.ingest(_ragged_batch([100], 2))
+        with pytest.raises(ClusterError, match="ragged_capacity"):
+            replicated.ingest(_ragged_batch([0, 1, 2, 3], 200))
+        _check_exact(replicated, [100], 2)
+        replicated.ingest(_ragged_batch([101], 200))
+        assert replicated.read(replicated.live_handles())["id"].tolist() == [100, 101]
+    finally:
+        replay.close()
+        on_policy.close()
+        replicated.close()
