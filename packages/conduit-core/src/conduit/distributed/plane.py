@@ -539,11 +539,16 @@ class DistributedDataPlane:
                                          "buffer's schema.")
             n, nbytes, payload = batch.batch_size, batch.nbytes, batch.ref
             runs = [(0, n, node or batch.node_id)]
+            copies = None
         else:
             b = cast(ExperienceBatch, batch) if validated else ExperienceBatch.checked(batch, self.schema)
             # each producer's rows in runs that fit one shard's ragged pools (a shard refuses an append whole)
-            runs = [(r, k, prod) for a, c, prod in self._producer_runs(b, node)
-                    for r, k in self._pool_runs(b, a, a + c)]
+            producers = self._producer_runs(b, node)
+            runs = [(r, k, prod) for a, c, prod in producers for r, k in self._pool_runs(b, a, a + c)]
+            # rows too large for one pool: the plan places copies by item slots, blind to the pools, so the copies
+            # of the first runs would take the room later runs need. Every row is stored once, then copied below
+            # where the pools leave room (as a checkpoint load does); a batch that fits one pool keeps its copies
+            copies = 1 if len(runs) > len(producers) else None
             if _PRODUCER in b:
                 b = ExperienceBatch({name: b[name] for name in self.schema}, b.batch_size)
             n, nbytes, payload = b.batch_size, b.nbytes(), None
@@ -566,7 +571,7 @@ class DistributedDataPlane:
                     payload = ray_module().put(to_wire(b, self.schema))
                 before = list(self._local_next)
                 try:
-                    placed = self._store(payload, runs, nbytes / n, new_oldest)
+                    placed = self._store(payload, runs, nbytes / n, new_oldest, copies)
                 except BaseException as e:
                     evicted = False  # (should the undo itself fail: the items stay reported lost)
                     try:
