@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from conduit.commands import MAX_COUNT, whole_number
+from conduit.placement.profile import host_memory
 from conduit.telemetry import probe_writable
 
 from conduit_rllib.compare import Row
@@ -96,9 +97,8 @@ def _check_memory(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     the replay buffer's (``--capacity``, preallocated by Conduit's), one train batch's (obs and next_obs) and the
     network's first layer (``--obs-dim`` x ``--hidden``). A usage error (exit 2) naming the options; otherwise the
     native run went first, for as long as it took, and the run ended in an allocation's traceback."""
-    try:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not said by this OS: nothing to compare with
+    host = host_memory()
+    if not host:  # not said by this OS: nothing to compare with
         return
     d = args.obs_dim
     for flags, values, count, what in ((("--capacity", "--obs-dim"), (args.capacity, d), args.capacity * d,

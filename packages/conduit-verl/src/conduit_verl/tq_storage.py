@@ -54,6 +54,7 @@ from typing import Any, cast
 import ray
 import torch
 from conduit import ConduitError, ConfigurationError, SchemaError, Telemetry
+from conduit.placement.profile import host_memory
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tensordict import NonTensorStack, TensorDict
 from transfer_queue.metadata import BatchMeta, extract_field_schema
@@ -164,14 +165,6 @@ def _validated(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _physical_memory() -> int | None:
-    """This machine's physical memory in bytes (None where the system does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # (no sysconf, or no such name on this system)
-        return None
-
-
 def _check_first_placement(cfg: dict[str, Any], where: str) -> None:
     """Refuse a ``capacity`` x ``mean_length`` that no field's first placement could ever be allocated with.
 
@@ -194,8 +187,8 @@ def _check_first_placement(cfg: dict[str, Any], where: str) -> None:
             f"{where}.capacity={capacity} x {where}.mean_length={mean_length} = {elements} elements in each tensor "
             f"field's first pool, beyond what a tensor can hold (int64, {_INT64_MAX}); that is at least {need} "
             f"bytes per field and unit. Lower capacity or mean_length (the pool grows when sequences need it).")
-    memory = _physical_memory()
-    if memory is not None and need > memory:
+    memory = host_memory()  # (0: not said by this system, nothing to compare with)
+    if memory and need > memory:
         raise ConfigurationError(
             f"{where}.capacity={capacity} x {where}.mean_length={mean_length} sizes each tensor field's first pool "
             f"at {elements} elements: at least {need} bytes per field and unit (at one byte per element), more "

@@ -54,7 +54,7 @@ from conduit.storage.columnar import empty_column, gather_into
 from conduit.telemetry import write_atomically
 
 __all__ = ["LinkCost", "BandwidthProfile", "profile_machine", "measure_host_paths", "load_profile", "machine_id",
-           "machine_summary", "cache_dir", "profile_path", "PATHS"]
+           "machine_summary", "host_memory", "cache_dir", "profile_path", "PATHS"]
 
 #: the version of the profile file layout or of what its paths measure (bumped when either changes;
 #: older files are re-measured)
@@ -278,7 +278,8 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _host_memory() -> int:
+def host_memory() -> int:
+    """This machine's physical memory in bytes (0 where the operating system does not say)."""
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
@@ -288,7 +289,7 @@ def _host_memory() -> int:
 def machine_summary() -> dict[str, Any]:
     """What identifies this machine for profiling: host name, CPU, cores, memory, GPUs."""
     return {"hostname": socket.gethostname(), "platform": platform.machine(), "cpu": _cpu_model(),
-            "cpus": os.cpu_count() or 1, "host_memory": _host_memory(), "gpus": _gpu_names()}
+            "cpus": os.cpu_count() or 1, "host_memory": host_memory(), "gpus": _gpu_names()}
 
 
 def machine_id() -> str:

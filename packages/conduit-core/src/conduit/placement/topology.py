@@ -21,7 +21,7 @@ import torch
 
 from conduit.checks import is_int
 from conduit.errors import PlacementError
-from conduit.placement.profile import PATHS, BandwidthProfile, LinkCost, _host_memory, machine_id
+from conduit.placement.profile import PATHS, BandwidthProfile, LinkCost, host_memory, machine_id
 
 __all__ = ["Gpu", "Topology", "load_topology", "discover_topology", "available_topologies"]
 
@@ -363,5 +363,5 @@ def discover_topology(*, disk_directory: str | None = None) -> Topology:
     disk_dir = disk_directory or tempfile.gettempdir()
     disk = shutil.disk_usage(disk_dir).free
     details["disk_directory"] = disk_dir
-    return Topology("local", _host_memory(), tuple(gpus), int(disk), None,
+    return Topology("local", host_memory(), tuple(gpus), int(disk), None,
                     f"this machine ({n} GPU(s))", "discovered", details)
