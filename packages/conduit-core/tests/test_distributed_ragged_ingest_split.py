@@ -27,6 +27,19 @@ def _shards(p: DistributedDataPlane) -> set[int]:
     return {s for r in p.index.live_rows() for s, _ in p.index.segment(r)[2]}
 
 
+def _delivered_rollout(p: DistributedDataPlane, length: int) -> list[int]:
+    """Seal the open rollout and deliver it to its last minibatch; the ids delivered, sorted (each item's sequence
+    is checked to be ``length`` long)."""
+    p.seal()
+    seen: list[int] = []
+    while True:
+        batch, info = p.deliver()
+        assert batch["tok"].lengths.tolist() == [length] * batch.batch_size
+        seen += batch["id"].tolist()
+        if info.last:
+            return sorted(seen)
+
+
 def _check_exact(p: DistributedDataPlane, ids: list[int], length: int) -> None:
     got = p.read(p.live_handles())
     want = _ragged_batch(ids, length)
@@ -54,15 +67,7 @@ def test_an_on_policy_ingestion_that_fits_only_spread_over_the_pools_is_delivere
                semantics=OnPolicy(num_minibatches=2, num_epochs=1, seed=0))
     p.ingest(_ragged_batch([0, 1, 2, 3], 200), version=0)
     _check_exact(p, [0, 1, 2, 3], 200)
-    p.seal()
-    seen: list[int] = []
-    while True:
-        batch, info = p.deliver()
-        assert batch["tok"].lengths.tolist() == [200] * batch.batch_size
-        seen += batch["id"].tolist()
-        if info.last:
-            break
-    assert sorted(seen) == [0, 1, 2, 3] and len(p) == 0
+    assert _delivered_rollout(p, 200) == [0, 1, 2, 3] and len(p) == 0
 
 
 @pytest.mark.usefixtures("fake_ray")
@@ -133,14 +138,7 @@ def test_real_cluster_a_batch_that_fits_only_spread_over_both_nodes_is_ingested(
         assert replay.read(replay.live_handles())["id"].tolist() == [2, 3, 4, 5] and not replay.lost_items
         on_policy.ingest(_ragged_batch([0, 1, 2, 3], 200), version=0)
         _check_exact(on_policy, [0, 1, 2, 3], 200)
-        on_policy.seal()
-        seen: list[int] = []
-        while True:
-            batch, info = on_policy.deliver()
-            seen += batch["id"].tolist()
-            if info.last:
-                break
-        assert sorted(seen) == [0, 1, 2, 3]
+        assert _delivered_rollout(on_policy, 200) == [0, 1, 2, 3]
         replicated.ingest(_ragged_batch([100], 2))
         with pytest.raises(ClusterError, match="ragged_capacity"):
             replicated.ingest(_ragged_batch(list(range(5)), 200))
