@@ -1,7 +1,8 @@
 """Predicates the argument checks share (each check still raises its own typed error).
 
 Public, for adapters that check their own settings the way core does (a flag is a Python or NumPy bool; a count
-an integer that is not a bool), so that a setting core takes is not refused by an adapter, nor the reverse.
+an integer that is not a bool; a duration or a ratio a real number that is not a bool), so that a setting core
+takes is not refused by an adapter, nor the reverse.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import TypeGuard
 
 import numpy as np
 
-__all__ = ["is_bool", "is_int"]
+__all__ = ["is_bool", "is_int", "is_real"]
 
 
 def is_int(x: object) -> TypeGuard[int]:
@@ -23,3 +24,9 @@ def is_int(x: object) -> TypeGuard[int]:
 def is_bool(x: object) -> TypeGuard[bool]:
     """``x`` is a bool (Python's or NumPy's): what a flag must be (a string such as ``"no"`` is truthy)."""
     return isinstance(x, (bool, np.bool_))
+
+
+def is_real(x: object) -> TypeGuard[float]:
+    """``x`` is a real number (Python's, NumPy's or any other ``numbers.Real``), not a bool: what a duration, a ratio
+    or a size in bytes must be (``float`` to the type checker; NaN and infinity are the caller's to refuse)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)

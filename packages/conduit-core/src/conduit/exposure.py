@@ -28,7 +28,6 @@ refuses to account for it (:class:`~conduit.errors.CapacityError`) rather than u
 
 from __future__ import annotations
 
-import numbers
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from conduit.checks import is_int
+from conduit.checks import is_int, is_real
 from conduit.errors import CapacityError, ConfigurationError
 from conduit.telemetry import CallRecord, Telemetry
 
@@ -139,7 +138,7 @@ def measure_iteration(records: Iterable[CallRecord], start: float, end: float,
             no window to account for; ``loop_threads`` is not a collection of thread ids.
     """
     for t in (start, end):
-        if isinstance(t, bool) or not isinstance(t, numbers.Real):
+        if not is_real(t):
             raise ConfigurationError(f"The iteration window's start and end are time.perf_counter() readings: pass "
                                      f"two numbers, got [{start!r}, {end!r}).")
     if not start <= end:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NamedTuple, SupportsIndex
 
-from conduit.checks import is_int
+from conduit.checks import is_int, is_real
 from conduit.errors import ConfigurationError
 
 __all__ = ["Telemetry", "CallRecord", "Totals", "thread_id"]
@@ -543,7 +543,7 @@ def _check_mark(method: str, since: object) -> None:
 def _check_time(what: str, t: object) -> None:
     """Refuse a time that is not a real number (a ``time.perf_counter()`` reading), or is NaN. (NaN is the one number
     unequal to itself: ``math.isnan`` would convert an int to a float first, which overflows past 1.8e308.)"""
-    if isinstance(t, bool) or not isinstance(t, numbers.Real) or t != t:
+    if not is_real(t) or t != t:
         raise ConfigurationError(f"{what} is a time.perf_counter() reading: pass a number (not NaN), got {t!r}.")
 
 

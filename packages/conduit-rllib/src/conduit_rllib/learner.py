@@ -24,11 +24,11 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-import numbers
 from collections.abc import Collection, Iterable
 from typing import Any, cast
 
 from conduit import ConfigurationError, EmptyBufferError
+from conduit.checks import is_real
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
@@ -98,7 +98,7 @@ def _passes(num_epochs: Any) -> int:
     Raises:
         UnsupportedConfigError: ``num_epochs`` is no finite real number (RLlib would fail on it, or cut forever).
     """
-    if isinstance(num_epochs, bool) or not isinstance(num_epochs, numbers.Real) or not math.isfinite(num_epochs):
+    if not is_real(num_epochs) or not math.isfinite(num_epochs):
         raise UnsupportedConfigError(f"num_epochs must be a finite number of passes over the train batch, got "
                                      f"{num_epochs!r}; set config.training(num_epochs=...) to an int (e.g. 10).")
     return int(math.ceil(num_epochs))

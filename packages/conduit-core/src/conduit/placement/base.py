@@ -15,7 +15,6 @@ what the planner chooses and what ``conduit plan --json`` prints.
 from __future__ import annotations
 
 import math
-import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from conduit.checks import is_real
 from conduit.errors import ConfigurationError, PlacementError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import Storage
@@ -77,8 +77,7 @@ class PlacementSpec:
         ``ragged_item_bytes`` sizes the ragged pools of the storage it builds when the buffer gives no
         ``ragged_capacity`` (see :attr:`Placement.ragged_item_bytes`; :meth:`Plan.build` passes the plan's).
         """
-        if ragged_item_bytes is not None and (isinstance(ragged_item_bytes, bool)
-                                              or not isinstance(ragged_item_bytes, numbers.Real)
+        if ragged_item_bytes is not None and (not is_real(ragged_item_bytes)
                                               or not 0 <= ragged_item_bytes < math.inf):
             raise ConfigurationError(f"ragged_item_bytes must be a finite number >= 0 (bytes per item of the ragged "
                                      f"fields) or None, got {ragged_item_bytes!r}.")

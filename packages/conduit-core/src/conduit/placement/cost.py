@@ -47,7 +47,6 @@ start and length in its pool (two int64) in host memory: charged to the host.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -55,7 +54,7 @@ from typing import Any
 
 import torch
 
-from conduit.checks import is_bool
+from conduit.checks import is_int, is_real
 from conduit.errors import ConfigurationError, PlacementError
 from conduit.placement.base import PlacementSpec
 from conduit.placement.profile import BandwidthProfile, LinkCost
@@ -100,7 +99,7 @@ def _field_indices(name: str, indices: object, fields: int) -> tuple[int, ...]:
     out: tuple[object, ...] | None = None
     if isinstance(indices, Iterable) and not isinstance(indices, (str, bytes)):
         out = tuple(indices)
-    if (out is None or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= int(i) < fields
+    if (out is None or any(not is_int(i) or not 0 <= int(i) < fields
                            for i in out)
             or len(set(out)) != len(out)):
         raise ConfigurationError(f"{name} must hold distinct indices of field_bytes (ints 0 .. {fields - 1}), got "
@@ -144,7 +143,7 @@ class Workload:
     ragged: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if (not self.field_bytes or any(isinstance(b, bool) or not isinstance(b, numbers.Real) or not 0 <= b < math.inf
+        if (not self.field_bytes or any(not is_real(b) or not 0 <= b < math.inf
                                         for b in self.field_bytes)):
             raise ConfigurationError(f"field_bytes must be non-empty, each a finite number >= 0, got "
                                      f"{self.field_bytes}.")
@@ -188,7 +187,7 @@ class Workload:
         Raises:
             ConfigurationError: ``mean_ragged_length`` is NaN, infinite or negative (or a count is invalid).
         """
-        if (isinstance(mean_ragged_length, bool) or not isinstance(mean_ragged_length, numbers.Real)
+        if (not is_real(mean_ragged_length)
                 or not 0 <= mean_ragged_length < math.inf):
             raise ConfigurationError(f"mean_ragged_length must be a finite number >= 0, got {mean_ragged_length!r}.")
         fb = []
@@ -216,7 +215,7 @@ class Workload:
         Raises:
             ConfigurationError: ``item_bytes`` is NaN, infinite or negative.
         """
-        if isinstance(item_bytes, bool) or not isinstance(item_bytes, numbers.Real) or not 0 <= item_bytes < math.inf:
+        if not is_real(item_bytes) or not 0 <= item_bytes < math.inf:
             raise ConfigurationError(f"item_bytes must be a finite number >= 0, got {item_bytes!r}.")
         grow = self.growing if self.growing is not None else tuple(range(len(self.field_bytes)))
         fixed = sum(b for i, b in enumerate(self.field_bytes) if i not in grow)
@@ -406,7 +405,7 @@ class CostModel:
         for nm, v in (("headroom", headroom), ("gpu_usable", gpu_usable), ("host_usable", host_usable),
                       ("disk_usable", disk_usable)):
             most = 10 if nm == "headroom" else 1
-            if is_bool(v) or not isinstance(v, numbers.Real) or not (0 <= v <= most):
+            if not is_real(v) or not (0 <= v <= most):
                 raise ConfigurationError(f"{nm} must be a number from 0 to {most} (a fraction), got {v!r}.")
         if isinstance(output_depth, bool) or not isinstance(output_depth, int) or output_depth < 1:
             raise ConfigurationError(f"output_depth must be an int >= 1 (the scheduler's output_depth), got "
@@ -667,7 +666,7 @@ class CostModel:
         Raises:
             ConfigurationError: ``nbytes`` is NaN or infinite.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real) or not math.isfinite(nbytes):
+        if not is_real(nbytes) or not math.isfinite(nbytes):
             raise ConfigurationError(f"nbytes must be a finite number of bytes, got {nbytes!r}.")
         if nbytes <= 0:
             return 0.0

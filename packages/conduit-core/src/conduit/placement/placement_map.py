@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import numbers
 import time
 import weakref
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from conduit.checks import is_real
 from conduit.errors import ConfigurationError, PlacementError
 from conduit.placement.base import Placement, PlacementSpec, ragged_pool
 from conduit.placement.cost import Workload
@@ -85,7 +85,7 @@ class PlacementMap:
         for i, r in enumerate(ranges):
             if not isinstance(r, MapRange):
                 raise ConfigurationError(f"Placement map range {i} is {type(r).__name__}, not a MapRange.")
-            if any(isinstance(x, bool) or not isinstance(x, numbers.Real) for x in (r.lo, r.hi)):
+            if any(not is_real(x) for x in (r.lo, r.hi)):
                 raise ConfigurationError(f"Placement map range {i} ({r.lo!r} .. {r.hi!r}) must be numbers of bytes.")
             if not 0 <= r.lo < r.hi:  # (False for NaN)
                 raise ConfigurationError(f"Placement map range {i} ({r.lo} .. {r.hi} B) must have 0 <= lo < hi.")

@@ -20,12 +20,11 @@ learner outranks one that hosts none however fast (even unlimited) its links.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from conduit.checks import is_bool
+from conduit.checks import is_real
 from conduit.errors import ConfigurationError, PlacementError
 from conduit.placement.base import TIERS, Placement, PlacementSpec
 from conduit.placement.cost import CostModel, Estimate, Workload
@@ -156,7 +155,7 @@ class Planner:
     def __init__(self, topology: Topology, profile: BandwidthProfile | None = None, *, tie_tolerance: float = 0.02,
                  **cost_kwargs: Any) -> None:
         tol: object = tie_tolerance  # (checked as what a caller may pass, not as what the signature says)
-        if is_bool(tol) or not isinstance(tol, numbers.Real) or not float(tol) >= 0:
+        if not is_real(tol) or not float(tol) >= 0:
             raise ConfigurationError(f"tie_tolerance must be a number >= 0 (a fraction of the fastest candidate's "
                                      f"latency), got {tie_tolerance!r}.")
         self.topology = topology

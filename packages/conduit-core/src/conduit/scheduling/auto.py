@@ -41,7 +41,6 @@ the delivery returns its batch either way.
 from __future__ import annotations
 
 import math
-import numbers
 import statistics
 import threading
 import time
@@ -52,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from conduit.batch import ExperienceBatch
-from conduit.checks import is_bool, is_int
+from conduit.checks import is_bool, is_int, is_real
 from conduit.errors import ConfigurationError
 from conduit.scheduling.base import Scheduler, unattached
 from conduit.scheduling.buffers import buffers_needed
@@ -854,7 +853,7 @@ def _damaged(what: str) -> ConfigurationError:
 
 
 def _real(v: Any, what: str, *, least: float | None = 0.0, finite: bool = True) -> float:
-    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+    if not is_real(v):
         raise _damaged(f"{what} must be a number, got {v!r}")
     x = float(v)
     if (finite and not math.isfinite(x)) or (least is not None and not x >= least):

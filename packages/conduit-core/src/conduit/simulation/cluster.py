@@ -10,21 +10,15 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 from dataclasses import dataclass, field, replace
 from importlib import resources
 
-from conduit.checks import is_bool, is_int
+from conduit.checks import is_bool, is_int, is_real
 from conduit.errors import ConfigurationError
 from conduit.placement.profile import LinkCost
 from conduit.placement.topology import Topology, load_topology
 
 __all__ = ["Network", "NETWORKS", "Scenario", "SCENARIOS", "load_node"]
-
-
-def _is_real(x: object) -> bool:
-    """``x`` is a real number and not a bool (what a duration or a ratio must be)."""
-    return isinstance(x, numbers.Real) and not is_bool(x)
 
 
 def load_node(name: str) -> Topology:
@@ -75,7 +69,7 @@ class Network:
         if not is_bool(self.node_fetch):  # (a string such as "no" is truthy)
             raise ConfigurationError(f"node_fetch must be a bool (True: one fetch per pair of nodes), got "
                                      f"{self.node_fetch!r}.")
-        if not _is_real(self.rpc_overhead_s) or not (math.isfinite(self.rpc_overhead_s) and self.rpc_overhead_s >= 0):
+        if not is_real(self.rpc_overhead_s) or not (math.isfinite(self.rpc_overhead_s) and self.rpc_overhead_s >= 0):
             raise ConfigurationError(f"rpc_overhead_s must be a finite number of seconds >= 0, got "
                                      f"{self.rpc_overhead_s!r}.")
 
@@ -137,7 +131,7 @@ class Scenario:
         for name in ("total_batch", "obs_dim", "capacity"):
             if not is_int(getattr(self, name)):  # (a float or a bool is no count of items or values)
                 raise ConfigurationError(f"{name} must be a whole number, got {getattr(self, name)!r}.")
-        if not _is_real(self.replay_ratio):
+        if not is_real(self.replay_ratio):
             raise ConfigurationError(f"replay_ratio must be a number, got {self.replay_ratio!r}.")
         if self.total_batch <= 0 or self.obs_dim <= 0 or self.capacity <= 0 or not (
                 math.isfinite(self.replay_ratio) and self.replay_ratio > 0):

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import heapq
 import math
-import numbers
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from conduit.checks import is_int
+from conduit.checks import is_int, is_real
 
 __all__ = ["Task", "Simulation"]
 
@@ -52,7 +51,7 @@ class Simulation:
         Raises:
             ValueError: ``duration`` is no finite number >= 0, or a dependency is no task of this simulation.
         """
-        if isinstance(duration, bool) or not isinstance(duration, numbers.Real) or not 0 <= duration < math.inf:
+        if not is_real(duration) or not 0 <= duration < math.inf:
             raise ValueError(f"task {name!r} has duration {duration!r}; durations are finite seconds >= 0")
         before = tuple(deps)
         for d in before:
