@@ -227,13 +227,20 @@ with local_cluster(1) as lc:
     group = ShardServers([lc.head])
     # timeout=5: a health check in flight when Ray goes down may wait that long for its pings (the default 30 s
     # would outlast the wait below on a loaded machine); a monitor ends at most one check after the shutdown
+    # (a 30 s wait failed once in CI under load, with no trace: the wait is 60 s and a failure prints the stacks)
     shared = DistributedDataPlane(ID_SCHEMA, capacity=8, servers=group, measure=False, health_period=0.05,
                                   timeout=5)
     owned = DistributedDataPlane(ID_SCHEMA, capacity=8, servers=[lc.head], measure=False, health_period=0.05,
                                  timeout=5)
     shared.ingest(id_batch(np.arange(4)))
     time.sleep(0.3)
-ended = eventually(lambda: not shared._monitor.is_alive() and not owned._monitor.is_alive(), timeout=30)
+ended = eventually(lambda: not shared._monitor.is_alive() and not owned._monitor.is_alive(), timeout=60)
+if not ended:  # where a monitor still runs (the failure message shows it)
+    import sys, traceback
+    frames = sys._current_frames()
+    for t in (shared._monitor, owned._monitor):
+        if t.is_alive():
+            print("STACK", t.name, "".join(traceback.format_stack(frames[t.ident])).replace(chr(10), " | "))
 errors = []
 for plane in (shared, owned):
     for _ in range(2):
@@ -251,9 +258,10 @@ def test_after_ray_shutdown_monitors_end_without_starting_a_new_ray_and_close_is
     out = subprocess.run([sys.executable, "-c", _AFTER_SHUTDOWN], capture_output=True, text=True, timeout=300)
     result = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
     assert result, f"the script failed: {out.stdout[-2000:]}{out.stderr[-3000:]}"
+    stacks = [ln for ln in out.stdout.splitlines() if ln.startswith("STACK")]
     assert result[0] == "RESULT True False []", (
         f"want: monitors ended, Ray not started again, close() harmless; got {result[0]} "
-        f"(stderr: {out.stderr[-1500:]})")
+        f"(monitors still running: {stacks}; stderr: {out.stderr[-1500:]})")
 
 
 def test_refreshing_a_torch_group_makes_the_servers_leave_the_old_one(cluster):
