@@ -17,7 +17,7 @@ import pytest
 import torch
 from conduit import ConfigurationError
 from conduit_rllib import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer, UnsupportedConfigError
-from conduit_rllib.learner import ConduitDQNTorchLearner
+from conduit_rllib.learner import ON_POLICY_COMPONENT, ConduitDQNTorchLearner
 from conduit_rllib.testing import DQN_SAMPLE_KWARGS as DQN_KW
 from conduit_rllib.testing import id_episode
 from conduit_rllib.workloads import dqn_large_obs
@@ -146,6 +146,22 @@ def test_a_second_build_keeps_the_ppo_feed_its_state_and_its_thread() -> None:
     finally:
         learner.shutdown()
         reference.shutdown()
+
+
+def test_a_ppo_learners_set_state_before_build_raises_rllibs_own_error() -> None:
+    """RLlib's ``Learner.set_state`` before ``build()`` raises its ValueError saying build() must be called; the PPO
+    mixin read its feed (which build makes) first, so a state with Conduit's part raised AttributeError instead."""
+    env = gym.make("CartPole-v1")
+    config = conduit_rllib.enable(PPOConfig().environment("CartPole-v1"))
+    built = config.build_learner(env=env)
+    try:
+        state = built.get_state()
+    finally:
+        built.shutdown()
+    assert ON_POLICY_COMPONENT in state
+    unbuilt = config.learner_class(config=config, module_spec=config.get_multi_rl_module_spec(env=env))
+    with pytest.raises(ValueError, match=r"build\(\) must be called"):
+        unbuilt.set_state(state)
 
 
 # -- sample(): n_step and gamma are checked before anything is drawn -------------------------------------------

@@ -506,10 +506,12 @@ class ConduitOnPolicyLearner:
         Conduit's part as it was.
 
         Raises:
+            ValueError: RLlib's own, before ``build()`` (which makes the feed Conduit's part goes to).
             conduit.ConfigurationError: Conduit's part is damaged (nothing is restored then).
         """
         saved: Any = None
         version: Any = None
+        self._check_is_built()  # type: ignore[attr-defined]
         if ON_POLICY_COMPONENT in state:
             state = dict(state)
             saved = state.pop(ON_POLICY_COMPONENT)
