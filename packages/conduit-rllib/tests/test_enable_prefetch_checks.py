@@ -9,6 +9,7 @@ from typing import Any
 
 import conduit_rllib
 import gymnasium as gym
+import numpy as np
 import pytest
 from conduit import ConfigurationError
 from conduit_rllib import UnsupportedConfigError
@@ -42,3 +43,10 @@ def test_ppo_still_takes_prefetch_false_and_a_hand_set_prefetch_is_checked() -> 
     config.learners(learner_config_dict={"conduit": {"prefetch": "no"}})
     with pytest.raises(ConfigurationError, match="prefetch"):
         config.build_learner(env=gym.make("CartPole-v1"))
+
+
+@pytest.mark.parametrize("prefetch", [np.bool_(True), np.bool_(False)])
+def test_a_numpy_bool_prefetch_is_taken_as_minibatch_feed_takes_it(prefetch: Any) -> None:
+    """``MinibatchFeed(prefetch=)`` takes NumPy bools (``conduit.checks.is_bool``); ``enable`` refused them."""
+    config = conduit_rllib.enable(PPOConfig().environment("CartPole-v1"), prefetch=prefetch)
+    assert config.learner_config_dict["conduit"]["prefetch"] is bool(prefetch)

@@ -32,6 +32,7 @@ from typing import Any, cast
 
 import torch
 from conduit import Placement, Scheduler
+from conduit.checks import is_bool
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 from ray.rllib.algorithms.dqn.dqn import DQN, DQNConfig
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
@@ -383,8 +384,9 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
     if placement is not None and not isinstance(placement, Placement):
         raise UnsupportedConfigError(f"placement= takes a conduit Placement instance (e.g. conduit.HostPlacement() or "
                                      f"conduit.DevicePlacement('cuda')), or None for the default; got {placement!r}.")
-    if not isinstance(prefetch, bool):  # (a string such as "no" is truthy: it would prefetch)
+    if not is_bool(prefetch):  # (a string such as "no" is truthy: it would prefetch)
         raise UnsupportedConfigError(f"prefetch= takes True or False, got {prefetch!r}.")
+    prefetch = bool(prefetch)  # (a NumPy bool, as MinibatchFeed takes, is kept as Python's in the config)
     compat.check()
     if kind == "off_policy":
         if not prefetch:  # (DQN/SAC replay overlaps through scheduler=)
