@@ -438,7 +438,8 @@ class CostModel:
     # -- memory ------------------------------------------------------------------------------
     def memory(self, spec: PlacementSpec, workload: Workload) -> dict[str, int]:
         """Bytes the placement needs per device: columns + delivery output buffers (+ on the host, the ragged
-        pools' index: a start and a length per item and ragged field)."""
+        pools' index: a start and a length per item and ragged field, and for GPU shards the page-locked staging
+        each (shard, fixed field) keeps for one ingestion call's share of rows)."""
         item = workload.item_bytes
         out = self.output_depth * workload.batch * item
         need: dict[str, int] = {}
@@ -460,6 +461,8 @@ class CostModel:
             for i, d in enumerate(spec.devices):
                 add(d, ((workload.capacity - i + k - 1) // k) * (item - pools))
             add(spec.devices[0], workload.capacity * pools)
+            if any(_cuda_index(d) is not None for d in spec.devices):  # (a call's rows go at most ceil(n / k) a shard)
+                add("cpu", k * -(-min(workload.ingest_call_items, workload.capacity) // k) * (item - pools))
             home = spec.devices[0]
         else:
             add("disk", workload.capacity * item)
