@@ -4,17 +4,19 @@ An ingestion sent each producer's rows as one append per shard the plan chose; a
 hold the whole run refuses it, and so did every other shard: ``ClusterError`` for a batch whose elements fit the
 live pools together (e.g. 4 items x 200 elements into 2 shards of ``ragged_capacity=500``). The rows now go in
 runs that each fit one pool, as a checkpoint load sends them. Most tests use the in-process harness of
-``test_distributed_bookkeeping``; the last one runs on the real two-node cluster.
+``test_distributed_bookkeeping``; the last two run on the real two-node cluster.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conduit import OnPolicy
 from conduit.distributed.errors import ClusterError
+from conduit.distributed.experience import stage
 from conduit.distributed.plane import DistributedDataPlane
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -119,6 +121,86 @@ def test_a_batch_larger_than_the_pools_together_stores_none_of_it(replication):
     assert p.index.next_handle == 1
     p.ingest(_ragged_batch([101, 102], 200))  # the room the failed ingestion used is free again
     assert p.read(p.live_handles())["id"].tolist() == [100, 101, 102]
+
+
+def _partly_filled(p: DistributedDataPlane, length: int, **kw: Any) -> None:
+    """Put one item of ``length`` elements (ids 100, 101, ...) in each shard's pool, from that shard's node."""
+    for i, s in enumerate(p.alive_shards):
+        p.ingest(_ragged_batch([100 + i], length), node=p.shard_node(s), **kw)
+    assert len(_shards(p)) == len(p.alive_shards), "one item on each shard"
+
+
+@pytest.mark.usefixtures("fake_ray")
+@pytest.mark.parametrize("replication", [1, 2])
+def test_a_replay_batch_that_fits_the_partly_filled_pools_only_in_smaller_runs_is_stored_in_order(replication):
+    """The runs were sized to empty pools: 5 items x 100 elements made one run of 500, which both pools of 500,
+    holding 150 elements each, refused whole: ClusterError "No live shard can take the items" with 700 elements
+    free. A run every shard refuses for room is halved and sent again; every item is stored once, in order."""
+    nodes = ["a", "b"] if replication == 1 else ["a", "b", "c"]
+    p = _plane(nodes, schema=RAGGED, capacity=16, ragged_capacity=500, replication=replication)
+    _partly_filled(p, 150)
+    old = p.read(p.live_handles())["id"].tolist()
+    p.ingest(_ragged_batch(list(range(5)), 100))
+    got = p.read(p.live_handles())
+    assert got["id"].tolist() == old + [0, 1, 2, 3, 4] and len(p) == len(old) + 5 and not p.lost_items
+    assert got["tok"].values[-500:].tolist() == list(range(500))
+    assert got["tok"].lengths.tolist() == [150] * len(old) + [100] * 5
+    copies = sum(c * len(reps) for c, reps in (p.index.segment(r)[1:] for r in p.index.live_rows()))
+    assert p.under_replicated == replication * len(p) - copies
+
+
+@pytest.mark.usefixtures("fake_ray")
+def test_an_on_policy_batch_that_fits_the_partly_filled_pools_only_in_smaller_runs_is_delivered_exactly_once():
+    p = _plane(["a", "b"], schema=RAGGED, capacity=8, ragged_capacity=500,
+               semantics=OnPolicy(num_minibatches=2, num_epochs=1, seed=0))
+    _partly_filled(p, 150, version=0)
+    p.ingest(_ragged_batch([0, 1, 2, 3, 4], 100), version=0)
+    assert p.read(p.live_handles())["id"].tolist() == [100, 101, 0, 1, 2, 3, 4]
+    p.seal()
+    seen: list[int] = []
+    while True:
+        batch, info = p.deliver()
+        seen += batch["id"].tolist()
+        if info.last:
+            break
+    assert sorted(seen) == [0, 1, 2, 3, 4, 100, 101] and len(p) == 0
+
+
+@pytest.mark.usefixtures("fake_ray")
+def test_a_batch_that_does_not_fit_the_partly_filled_pools_even_in_single_items_stores_none_of_it():
+    """Halving stops at single items: 4 x 200 elements into two pools of 500 with 150 used each (350 free: one
+    item each) is refused, typed, and leaves the buffer as it was (its room free again)."""
+    p = _plane(["a", "b"], schema=RAGGED, capacity=16, ragged_capacity=500)
+    _partly_filled(p, 150)
+    with pytest.raises(ClusterError, match="ragged_capacity"):
+        p.ingest(_ragged_batch([0, 1, 2, 3], 200))
+    assert p.read(p.live_handles())["id"].tolist() == [100, 101] and p.index.next_handle == 2 and len(p) == 2
+    p.ingest(_ragged_batch([0, 1], 200))
+    assert p.read(p.live_handles())["id"].tolist() == [100, 101, 0, 1] and not p.lost_items
+
+
+@pytest.mark.slow
+def test_real_cluster_a_batch_that_fits_the_partly_filled_pools_only_in_smaller_runs_is_ingested(cluster, servers):
+    """On the real two-node cluster: both pools of 500 hold 150 elements; 5 items x 100 from the worker node (a
+    run of 500 each pool refuses) are stored in order, and 4 x 200 (one item fits each pool) store none. A staged
+    ExperienceRef (whose lengths the learner does not see: one run) of 4 x 200 is halved the same way."""
+    kw = {"servers": servers, "measure": False, "health_period": None, "ragged_capacity": 500}
+    p = DistributedDataPlane(RAGGED, capacity=16, **kw)
+    staged = DistributedDataPlane(RAGGED, capacity=8, **kw)
+    try:
+        staged.ingest(stage(_ragged_batch([0, 1, 2, 3], 200), RAGGED))
+        _check_exact(staged, [0, 1, 2, 3], 200)
+        _partly_filled(p, 150)
+        p.ingest(_ragged_batch(list(range(5)), 100), node=cluster.workers[0])
+        got = p.read(p.live_handles())
+        assert got["id"].tolist() == [100, 101, 0, 1, 2, 3, 4] and not p.lost_items
+        assert got["tok"].values[-500:].tolist() == list(range(500))
+        with pytest.raises(ClusterError, match="ragged_capacity"):
+            p.ingest(_ragged_batch([10, 11, 12, 13], 200))
+        assert p.read(p.live_handles())["id"].tolist() == [100, 101, 0, 1, 2, 3, 4] and len(p) == 7
+    finally:
+        p.close()
+        staged.close()
 
 
 @pytest.mark.slow

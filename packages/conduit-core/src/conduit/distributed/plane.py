@@ -669,6 +669,10 @@ class DistributedDataPlane:
         ``runs`` are (start, count, producer node): each run is placed by the plan for its
         producer, and every run's writes go out in one round of parallel calls. Each row gets
         ``copies`` replicas where there is room (default ``replication``).
+
+        A run of several rows that every shard it was sent to refused for room (a ragged pool that earlier items
+        partly fill: the runs are sized to empty pools) is halved and sent again, each row once from then on; a shard
+        counts as full only once it refuses a single row.
         """
         self._pinned = dict(enumerate(self._local_next))
         self._evicting, self._short_evicted, self._doubtful = oldest, [], set()
@@ -683,7 +687,10 @@ class DistributedDataPlane:
         placed: list[tuple[int, int, list[tuple[int, int]], str]] = []
         pending = list(runs)
         full: set[int] = set()
-        for _ in range(2 * self.num_shards + 2):
+        # (each round places, halves or refuses every pending run: a run halves at most its bit length times on
+        # each shard before that shard counts as full)
+        bits = max((c for _, c, _ in runs), default=0).bit_length()
+        for _ in range((self.num_shards + 1) * (bits + 2)):
             if not pending:
                 break
             live = [s for s in self.alive_shards if s not in full]
@@ -733,7 +740,7 @@ class DistributedDataPlane:
                     pending.append((p_start, p_count, producer))
             placed = kept
             for ci, (ch, producer) in enumerate(plan):
-                reps = []
+                reps, refused = [], []
                 for s in ch.shards:
                     o = outs[(ci, s)]
                     if o.ok:
@@ -742,15 +749,23 @@ class DistributedDataPlane:
                     elif o.lost:
                         pass  # settled above: the shard is lost
                     elif isinstance(o.error, CapacityError):
-                        full.add(s)
+                        refused.append(s)
                     elif isinstance(o.error, ConduitError):
                         raise o.error
                     else:
                         raise TransferError(f"The batch could not be read by shard {s} ({o.error}); if it was "
                                             f"staged on another node, its producer or node died before ingestion: "
                                             f"produce it again.") from o.error
+                if ch.count == 1:
+                    full.update(refused)
                 if reps:
                     placed.append((ch.start, ch.count, reps, producer))
+                elif refused and ch.count > 1:
+                    # refused for pool room that a smaller run may find: each half again, once (copies of the
+                    # first halves would take the room later ones need; _replicate copies where room is left)
+                    half = ch.count // 2
+                    pending += [(ch.start, half, producer), (ch.start + half, ch.count - half, producer)]
+                    copies = 1
                 else:
                     pending.append((ch.start, ch.count, producer))
         if pending:
