@@ -23,7 +23,7 @@ Path names (``BandwidthProfile.links`` keys):
   locking, accounting).
 
 :func:`profile_machine` measures these on the machine it runs on and caches the result
-in the user cache directory, keyed by machine (and reused only for the directory its disk tier
+in the user cache directory, keyed by machine and its GPUs (and reused only for the directory its disk tier
 was measured in); loading a profile measured on another machine raises
 :class:`conduit.PlacementError`. That cache file holds only this machine's measurement: a
 declared profile is neither saved there nor taken from there as one.
@@ -54,7 +54,7 @@ from conduit.storage.columnar import empty_column, gather_into
 from conduit.telemetry import write_atomically
 
 __all__ = ["LinkCost", "BandwidthProfile", "profile_machine", "measure_host_paths", "load_profile", "machine_id",
-           "machine_summary", "host_memory", "cache_dir", "profile_path", "PATHS"]
+           "machine_summary", "gpu_descriptions", "host_memory", "cache_dir", "profile_path", "PATHS"]
 
 #: the version of the profile file layout or of what its paths measure (bumped when either changes;
 #: older files are re-measured)
@@ -262,10 +262,26 @@ class LinkCost:
         return cls(over * 1e-6, per_row_s=per_row * 1e-9)  # a pure per-call (and per-row) cost
 
 
-def _gpu_names() -> list[str]:
+def _gpu_description(props: Any) -> str:
+    """One GPU as ``"<name> pci=<domain:bus:device> uuid=<uuid>"`` from its ``torch.cuda.get_device_properties``
+    (parts this torch does not report are left out)."""
+    out = str(props.name)
+    domain, bus, device = (getattr(props, k, None) for k in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+    if isinstance(domain, int) and isinstance(bus, int) and isinstance(device, int):
+        out += f" pci={domain:04x}:{bus:02x}:{device:02x}.0"
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        out += f" uuid={uuid}"
+    return out
+
+
+def gpu_descriptions() -> list[str]:
+    """This process's CUDA GPUs in device order, each by name, PCI location and UUID (``[]`` without CUDA): what
+    tells one set of GPUs from another on the same host (a GPU replaced, added or moved, another
+    ``CUDA_VISIBLE_DEVICES``)."""
     if not torch.cuda.is_available():
         return []
-    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return [_gpu_description(torch.cuda.get_device_properties(i)) for i in range(torch.cuda.device_count())]
 
 
 def _cpu_model() -> str:
@@ -286,15 +302,19 @@ def host_memory() -> int:
         return 0
 
 
-def machine_summary() -> dict[str, Any]:
-    """What identifies this machine for profiling: host name, CPU, cores, memory, GPUs."""
+def machine_summary(gpus: Sequence[str] | None = None) -> dict[str, Any]:
+    """What identifies this machine for profiling: host name, CPU, cores, memory, GPUs (``gpus``: their
+    descriptions, default :func:`gpu_descriptions`; none on a machine without CUDA)."""
     return {"hostname": socket.gethostname(), "platform": platform.machine(), "cpu": _cpu_model(),
-            "cpus": os.cpu_count() or 1, "host_memory": host_memory(), "gpus": _gpu_names()}
+            "cpus": os.cpu_count() or 1, "host_memory": host_memory(),
+            "gpus": gpu_descriptions() if gpus is None else list(gpus)}
 
 
-def machine_id() -> str:
-    """A short stable key of this machine (see :func:`machine_summary`)."""
-    blob = json.dumps(machine_summary(), sort_keys=True).encode()
+def machine_id(gpus: Sequence[str] | None = None) -> str:
+    """A short stable key of this machine (see :func:`machine_summary`; ``gpus`` as there). It changes with the
+    GPUs (their names, count, order, PCI locations and UUIDs), so a profile measured before a GPU change is not
+    this machine's; a machine without GPUs keeps its key."""
+    blob = json.dumps(machine_summary(gpus), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
