@@ -5,7 +5,7 @@ it part way must be found first: what got through before emptied the buffer and 
 ("Loading stopped after 0 of the checkpoint's N items"), or loaded a window later calls overflowed on.
 
 Most tests use the in-process harness of ``test_distributed_bookkeeping`` (real shard server bodies called
-without Ray); the last one runs the ragged refusal on the module's real local Ray cluster.
+without Ray); the last two run the ragged refusals on the module's real local Ray cluster.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conduit import CapacityError, ConfigurationError, ExperienceDataPlane
+import torch
+from conduit import CapacityError, ConfigurationError, ExperienceBatch, ExperienceDataPlane, Ragged
 from conduit.distributed.plane import DistributedDataPlane
 from conduit.testing.reference import ID_SCHEMA, id_batch
 
@@ -92,6 +93,40 @@ def test_a_ragged_checkpoint_larger_than_the_live_pools_is_refused_typed_and_cha
     assert got["tok"].lengths.tolist() == want["tok"].lengths.tolist()
 
 
+def _uneven_batch(lengths: list[int]) -> ExperienceBatch:
+    n = len(lengths)
+    return ExperienceBatch({"id": torch.arange(n, dtype=torch.int64),
+                            "tok": Ragged(torch.arange(sum(lengths), dtype=torch.int64),
+                                          torch.tensor(lengths, dtype=torch.int64))}, n)
+
+
+@pytest.mark.usefixtures("fake_ray")
+@pytest.mark.parametrize("lengths,fits", [([300, 300, 300], False), ([200, 400, 100, 300], True),
+                                          ([100, 300, 300, 200], True), ([250, 251, 251, 200], False)])
+def test_a_ragged_checkpoint_whose_items_cannot_be_packed_into_the_pools_is_refused_and_changes_nothing(lengths,
+                                                                                                       fits):
+    """3 items of 300 elements and 2 pools of 500: 900 elements fit 1000 in all, and no item is larger than a
+    pool, so the check passed; but an item's elements stay in one pool and no pool holds two of them, so the load
+    emptied the shards, then stopped: ClusterError "Loading stopped after 0 of the checkpoint's 3 items", the
+    buffer's own items gone. The check packs the items (in row order, else first fit decreasing) and refuses,
+    typed, before anything changes; checkpoints whose items can be packed still load exactly."""
+    p = _plane(["a", "b"], schema=RAGGED, capacity=4, ragged_capacity=10_000)
+    p.ingest(_uneven_batch(lengths))
+    state = p.state_dict()
+    q = _plane(["a", "b"], schema=RAGGED, capacity=4, ragged_capacity=500)
+    q.ingest(_ragged_batch([10, 11], 2))
+    if not fits:
+        with pytest.raises(CapacityError, match="packed"):
+            q.load_state_dict(state)
+        assert _ragged_ids(q) == [10, 11] and len(q) == 2 and not q.lost_items and not q.losses
+        return
+    q.load_state_dict(state)
+    got, want = q.read(q.live_handles()), p.read(p.live_handles())
+    assert got["id"].tolist() == want["id"].tolist() == list(range(len(lengths))) and not q.lost_items
+    assert got["tok"].values.tolist() == want["tok"].values.tolist()
+    assert got["tok"].lengths.tolist() == lengths
+
+
 @pytest.mark.slow
 def test_real_cluster_a_ragged_checkpoint_larger_than_the_live_pools_is_refused_and_changes_nothing(servers):
     """The ragged refusal above on a real two-node cluster: the buffer keeps its items and goes on; a buffer
@@ -163,3 +198,22 @@ def test_a_replicated_ragged_checkpoint_whose_copies_do_not_all_fit_loads_every_
     assert q.under_replicated == 12 - copies
     if pool == 700:  # a run of three items (600 elements) is copied where another pool has room for it
         assert copies > 6
+
+
+@pytest.mark.slow
+def test_real_cluster_a_ragged_checkpoint_whose_items_cannot_be_packed_is_refused_and_changes_nothing(servers):
+    """The packing refusal above on a real two-node cluster: 3 items of 300 elements and two pools of 500."""
+    kw = {"servers": servers, "measure": False, "health_period": None}
+    p = DistributedDataPlane(RAGGED, capacity=4, ragged_capacity=10_000, **kw)
+    q = DistributedDataPlane(RAGGED, capacity=4, ragged_capacity=500, **kw)
+    try:
+        p.ingest(_uneven_batch([300, 300, 300]))
+        q.ingest(_ragged_batch([10, 11], 2))
+        with pytest.raises(CapacityError, match="packed"):
+            q.load_state_dict(p.state_dict())
+        assert _ragged_ids(q) == [10, 11] and len(q) == 2 and not q.lost_items
+        q.ingest(_ragged_batch([12], 2))
+        assert _ragged_ids(q) == [10, 11, 12]
+    finally:
+        p.close()
+        q.close()

@@ -141,11 +141,20 @@ def _check_checkpoint(plane: DistributedDataPlane, state: Mapping[str, Any]) -> 
 def _check_ragged_room(plane: DistributedDataPlane, batch: ExperienceBatch, live: int) -> None:
     """Refuse a checkpoint whose ragged elements cannot fit the ``live`` shards' pools, before anything changes.
 
+    An item's elements go to one shard whole, so the elements fitting the pools together is not enough: the items
+    must be packed into ``live`` empty pools (and ``shard_capacity`` slots) each. The items in row order, each shard
+    taking as many as fit, are such a packing; when they are not, the items are packed largest first, each into
+    the first shard with room (first fit decreasing), and the checkpoint is refused when that finds none either.
+
     Raises:
-        CapacityError: a ragged field holds more elements than the live shards' pools together, or one item
-            more than a shard's pool.
+        CapacityError: a ragged field holds more elements than the live shards' pools together, one item
+            more than a shard's pool, or the items cannot be packed into the pools (e.g. 3 items of 300
+            elements into 2 pools of 500).
     """
     pool = pool_elements(plane._ragged_capacity, plane.shard_capacity)
+    if not plane.schema.ragged:
+        return
+    lengths = []
     for name in plane.schema.ragged:
         c = cast(Ragged, batch[name])  # (checked by _check_checkpoint)
         total, longest = int(c.values.shape[0]), int(c.lengths.max()) if c.lengths.numel() else 0
@@ -154,6 +163,37 @@ def _check_ragged_room(plane: DistributedDataPlane, batch: ExperienceBatch, live
                                 f"{longest} in one item) and the {live} live shards' pools hold {pool} each "
                                 f"(the buffer is unchanged); build the buffer with a larger ragged_capacity or "
                                 f"add shard servers before loading.")
+        lengths.append(c.lengths.cpu().numpy().astype(np.int64))
+    if not _packs(np.stack(lengths, axis=1), live, pool, plane.shard_capacity):
+        raise CapacityError(f"This checkpoint's {batch.batch_size} items fit the {live} live shards' ragged pools "
+                            f"({pool} elements each) in all, but cannot be packed into them item by item (an item's "
+                            f"elements stay in one pool; the buffer is unchanged); build the buffer with a larger "
+                            f"ragged_capacity or add shard servers before loading.")
+
+
+def _packs(lengths: np.ndarray, bins: int, pool: int, slots: int) -> bool:
+    """Whether items of ``lengths`` (one row per item, one column per ragged field) pack into ``bins`` shards of
+    ``pool`` elements per field and ``slots`` items: in row order, each shard taking the longest run that fits,
+    else first fit decreasing (a packing found is one the load can store; none found is taken as none)."""
+    n = lengths.shape[0]
+    ends = np.concatenate([np.zeros((1, lengths.shape[1]), np.int64), np.cumsum(lengths, axis=0)])
+    i = 0
+    for _ in range(bins):  # in row order
+        if i >= n:
+            return True
+        j = min(int(np.searchsorted(ends[:, f], ends[i, f] + pool, side="right")) - 1 for f in range(ends.shape[1]))
+        i = min(j, i + slots)
+    if i >= n:
+        return True
+    used, held = np.zeros((bins, lengths.shape[1]), np.int64), np.zeros(bins, np.int64)
+    for row in lengths[np.argsort(-lengths.max(axis=1), kind="stable")]:  # first fit decreasing
+        fits = (held < slots) & (used + row <= pool).all(axis=1)
+        b = int(np.argmax(fits))
+        if not fits[b]:
+            return False
+        used[b] += row
+        held[b] += 1
+    return True
 
 
 def _load_contents(plane: DistributedDataPlane, state: dict[str, Any], batch: ExperienceBatch) -> None:
