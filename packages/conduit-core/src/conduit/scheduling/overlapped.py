@@ -41,14 +41,16 @@ Against :class:`~conduit.scheduling.Synchronous` (same seed, same calls), replay
   call, so what is ingested or updated between that chunk's deliveries reaches the draws from
   the next chunk on (they are the draws of a synchronous buffer that delivers the chunk's
   batches back to back); with ``g_ing > 1`` an ingested batch reaches storage with its group's
-  write (every ``g_ing`` ingests, or ``flush``).
+  write (every ``g_ing`` ingests, or ``flush``). A call for another batch size or other options
+  gives the draws prepared for the earlier ones back (they are made again, for this call).
 * with overlap (``overlap=True``, whether ingestion is in the background or in the caller):
   the worker draws the next chunk right after a delivery, while the caller goes on, so draws
   are not reproducible when anything is ingested or priorities are updated between deliveries
   (within the bounds above: uniform, at most one chunk old; prioritized, at most
   ``max_priority_staleness`` updates). Deliveries with nothing ingested or updated between
-  them (e.g. after a ``flush``) draw the synchronous items, in order (prioritized weights are
-  then equal up to float32 rounding, being drawn with beta = 1 and raised to the call's beta).
+  them (e.g. after a ``flush``) draw the synchronous items, in order, also when the batch size
+  changes (prioritized weights are then equal up to float32 rounding, being drawn with beta = 1
+  and raised to the call's beta).
 
 On-policy deliveries are the synchronous ones always.
 """
@@ -511,8 +513,13 @@ class Overlapped(Scheduler):
             # then drop what does not fit this call. A usable head is older than the job's batches, so
             # taking it without waiting keeps the order of draws.
             self._await_job(cancel=True)
+            first = ready[0].selection.drawn_from if ready else None
             while ready and (ready[0].key != key or self._too_stale(ready[0])):
                 self._discard(ready.popleft())
+            if first is not None and not ready:
+                # every prepared draw was dropped: given back (as by invalidate), so this call and the next draw
+                # what a synchronous buffer would, instead of skipping the dropped draws
+                self._rewind(first)
         if ready:
             p = ready.popleft()
             self.prefetch_hits += 1
@@ -789,6 +796,17 @@ class Overlapped(Scheduler):
         if p.frees_buffer:
             self._ring.free(p.buf)
 
+    def _rewind(self, drawn: Any) -> None:
+        """Give back the draws made since ``drawn`` (a prepared batch's ``Selection.drawn_from``; none of them is
+        kept prepared): the sampler's RNG goes back to before them (:meth:`Semantics.rewind_draws`)."""
+        sem = self.edp.semantics
+
+        def rewind() -> None:
+            self._has_buffer_lock()
+            sem.rewind_draws(drawn)
+        with self._wanting_buffer_lock():
+            self.edp.read_locked(rewind)
+
     def _discard_all(self) -> None:
         self._await_job()
         while self._ready:
@@ -828,13 +846,7 @@ class Overlapped(Scheduler):
             drawn = self._ready[0].selection.drawn_from if self._ready else None
             self._discard_all()
             if drawn is not None:  # the draws prepared but not delivered are made again next (see above)
-                sem = self.edp.semantics
-
-                def rewind() -> None:
-                    self._has_buffer_lock()
-                    sem.rewind_draws(drawn)
-                with self._wanting_buffer_lock():
-                    self.edp.read_locked(rewind)
+                self._rewind(drawn)
             edp = self.edp
             ring = self._ring
             if (ring.schema != edp.schema or ring.storage_device != edp.storage.device
