@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conduit import ExperienceDataPlane, Overlapped, PrioritizedSampler, Replay, Scheduler, Synchronous
+from conduit.testing.lifecycle import wait_until
 from conduit.testing.reference import ID_SCHEMA, id_batch
 
 #: batch sizes of consecutive deliveries: every change discards what was prepared for the earlier size
@@ -37,3 +38,28 @@ def test_a_change_of_batch_size_gives_the_prepared_draws_back(kwargs: dict[str, 
     assert [h for h, _ in got] == [h for h, _ in want], "draws prepared for another batch size were skipped"
     for (_, w_got), (_, w_want) in zip(got, want, strict=True):
         np.testing.assert_allclose(w_got, w_want, rtol=1e-6)
+
+
+def test_retune_to_a_smaller_g_ing_stores_the_groups_it_completes_in_the_background() -> None:
+    """Three batches wait for a group of four; retune(g_ing=1) makes each a complete group: the worker stores them
+    without waiting for another ingest (the bound on ingestion lag is the new g_ing's)."""
+    sched = Overlapped(g_ing=4, g_del=1)
+    edp = ExperienceDataPlane(ID_SCHEMA, capacity=64, semantics=Replay(seed=1), scheduler=sched)
+    for k in range(3):
+        edp.ingest(id_batch(np.arange(2 * k, 2 * k + 2)))
+    assert len(sched.pending()) == 3 and len(edp) == 0  # (an incomplete group: not stored yet)
+    sched.retune(g_ing=1)
+    wait_until(lambda: len(edp) == 6, "the three groups complete at g_ing=1 are stored", timeout=30)
+    assert sched.pending() == []
+    edp.close()
+
+
+def test_retune_to_a_smaller_g_ing_in_the_caller_stores_at_the_next_ingest() -> None:
+    sched = Overlapped(g_ing=4, g_del=1, overlap=False)
+    edp = ExperienceDataPlane(ID_SCHEMA, capacity=64, semantics=Replay(seed=1), scheduler=sched)
+    for k in range(3):
+        edp.ingest(id_batch(np.arange(2 * k, 2 * k + 2)))
+    sched.retune(g_ing=2)
+    edp.ingest(id_batch(np.arange(6, 8)))
+    assert (len(edp), sched.pending()) == (8, []), "a complete group at the new g_ing was left queued"
+    edp.close()

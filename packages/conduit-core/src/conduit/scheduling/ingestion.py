@@ -204,6 +204,16 @@ class Ingestion:
                     self._drop(item)
                 raise
 
+    def regroup(self, g_ing: float) -> None:
+        """Store groups of ``g_ing`` from now on. In the background, groups of what is queued that are complete at a
+        smaller ``g_ing`` are stored at once (the worker is woken), not only after the next hand-over; in the
+        caller's mode they are stored by the producer's next ``handover`` or ``flush``, as every group is."""
+        with self._cv:
+            self.g_ing = g_ing
+            self.queue_depth = max(self.queue_depth, int(max(1, g_ing)))
+            if self.background and self._due(force=False) is not None:
+                self._cv.notify_all()
+
     def flush(self) -> None:
         """Return once every batch handed over before the call is stored (or raise why one cannot be).
 

@@ -340,7 +340,10 @@ class Overlapped(Scheduler):
 
         Off-policy ``g_del`` (batches per call) and either kind's ``g_ing`` may change; the
         semantics' bounds are checked as in the constructor. Prepared batches stay valid.
-        Both values are checked before either changes: a refused call changes nothing.
+        Both values are checked before either changes: a refused call changes nothing. With background
+        ingestion, handed-over batches that make complete groups at a smaller ``g_ing`` are stored now,
+        not left waiting for the next ``ingest`` (in the caller's mode, that ``ingest`` or a ``flush``
+        stores them, as it stores every group).
 
         Raises:
             ConfigurationError: a value outside the safe range, or this scheduler serves no buffer yet (the range
@@ -364,8 +367,7 @@ class Overlapped(Scheduler):
         try:
             if g_ing is not None:
                 self.g_ing = g_ing if self.on_policy else int(g_ing)
-                self._ingestion.g_ing = self.g_ing
-                self._ingestion.queue_depth = max(self._ingestion.queue_depth, int(max(1, self.g_ing)))
+                self._ingestion.regroup(self.g_ing)  # (a smaller g_ing may complete queued groups: see regroup)
             if new_g_del:
                 assert g_del is not None
                 self.g_del = self._g_del_arg = int(g_del)
