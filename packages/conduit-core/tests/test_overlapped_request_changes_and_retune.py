@@ -7,7 +7,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conduit import ExperienceDataPlane, Overlapped, PrioritizedSampler, Replay, Scheduler, Synchronous
+from conduit import (
+    ConfigurationError,
+    ExperienceDataPlane,
+    OnPolicy,
+    Overlapped,
+    PrioritizedSampler,
+    Replay,
+    Scheduler,
+    Synchronous,
+)
 from conduit.testing.lifecycle import wait_until
 from conduit.testing.reference import ID_SCHEMA, id_batch
 
@@ -63,3 +72,24 @@ def test_retune_to_a_smaller_g_ing_in_the_caller_stores_at_the_next_ingest() -> 
     edp.ingest(id_batch(np.arange(6, 8)))
     assert (len(edp), sched.pending()) == (8, []), "a complete group at the new g_ing was left queued"
     edp.close()
+
+
+def test_granularities_may_be_numpy_numbers() -> None:
+    """Counts elsewhere may be NumPy integers (read from a config array); Overlapped's granularities too. They were
+    refused with 'g_ing must be a positive number, got np.int64(2)' and retune's 'g_ing=2 is outside the safe range'."""
+    sched = Overlapped(g_ing=np.int64(2), g_del=np.int32(2))
+    edp = ExperienceDataPlane(ID_SCHEMA, capacity=64, semantics=Replay(seed=1), scheduler=sched)
+    assert (sched.g_ing, sched.g_del) == (2, 2) and type(sched.g_ing) is int
+    sched.retune(g_ing=np.int64(1), g_del=np.int64(3))
+    assert (sched.g_ing, sched.g_del) == (1, 3)
+    edp.ingest(id_batch(np.arange(8)))
+    assert edp.deliver(4)[0].batch_size == 4
+    edp.close()
+    on = Overlapped(g_ing=np.float32(0.5))
+    edp = ExperienceDataPlane(ID_SCHEMA, capacity=64, semantics=OnPolicy(num_minibatches=2), scheduler=on)
+    on.retune(g_ing=np.float64(1.0))
+    assert on.g_ing == 1.0 and type(on.g_ing) is float
+    edp.close()
+    for bad in (np.int64(0), np.bool_(True), "2"):
+        with pytest.raises(ConfigurationError, match="g_ing must be a positive number"):
+            Overlapped(g_ing=bad)

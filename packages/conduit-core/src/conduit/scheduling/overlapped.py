@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from conduit.batch import ExperienceBatch
-from conduit.checks import is_bool, is_int
+from conduit.checks import is_bool, is_int, is_real
 from conduit.errors import ConfigurationError, EmptyBufferError
 from conduit.scheduling.base import Scheduler, unattached, wait_refused
 from conduit.scheduling.buffers import ChunkRing, buffers_needed
@@ -125,8 +125,13 @@ class _Ticket:
 
 
 def _whole(g: Any) -> bool:
-    """``g`` is a finite whole number (a count of rollouts or batches)."""
-    return isinstance(g, (int, float)) and not isinstance(g, bool) and math.isfinite(g) and int(g) == g
+    """``g`` is a finite whole number (a count of rollouts or batches; NumPy's too)."""
+    return is_real(g) and math.isfinite(g) and int(g) == g
+
+
+def _number(g: Any) -> float:
+    """A granularity checked by :func:`is_real` as a plain Python number (an int stays an int)."""
+    return int(g) if is_int(g) else float(g)
 
 
 def _count(v: Any, least: int) -> bool:
@@ -203,10 +208,11 @@ class Overlapped(Scheduler):
                  max_priority_staleness: int | None = None, output_depth: int = 2,
                  rollout_size: int | None = None, copy_on_ingest: bool = False,
                  background_ingest: bool | None = None) -> None:
-        if not isinstance(g_ing, (int, float)) or isinstance(g_ing, bool) or not g_ing > 0:
+        if not is_real(g_ing) or not g_ing > 0:  # (NumPy numbers too: a granularity read from a config array)
             raise ConfigurationError(f"g_ing must be a positive number, got {g_ing!r}.")
-        if not isinstance(g_del, (int, float)) or isinstance(g_del, bool) or not g_del > 0:
+        if not is_real(g_del) or not g_del > 0:
             raise ConfigurationError(f"g_del must be a positive number, got {g_del!r}.")
+        g_ing, g_del = _number(g_ing), _number(g_del)
         if not _count(output_depth, 1):
             raise ConfigurationError(f"output_depth must be an int >= 1, got {output_depth!r}.")
         if max_priority_staleness is not None and not _count(max_priority_staleness, 0):
@@ -353,7 +359,7 @@ class Overlapped(Scheduler):
             raise unattached(self, "retune()")
         if g_ing is not None:
             if self.on_policy:
-                ok = isinstance(g_ing, (int, float)) and not isinstance(g_ing, bool) and 0 < g_ing <= 1
+                ok = is_real(g_ing) and 0 < g_ing <= 1
             else:
                 ok = _whole(g_ing) and g_ing >= 1
             if not ok:
@@ -366,7 +372,7 @@ class Overlapped(Scheduler):
             self._enter("retune()")  # (before anything changes: it may refuse)
         try:
             if g_ing is not None:
-                self.g_ing = g_ing if self.on_policy else int(g_ing)
+                self.g_ing = _number(g_ing) if self.on_policy else int(g_ing)
                 self._ingestion.regroup(self.g_ing)  # (a smaller g_ing may complete queued groups: see regroup)
             if new_g_del:
                 assert g_del is not None
