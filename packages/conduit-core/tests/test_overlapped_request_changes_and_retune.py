@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from conduit import (
     ConfigurationError,
     ExperienceDataPlane,
@@ -93,3 +94,21 @@ def test_granularities_may_be_numpy_numbers() -> None:
     for bad in (np.int64(0), np.bool_(True), "2"):
         with pytest.raises(ConfigurationError, match="g_ing must be a positive number"):
             Overlapped(g_ing=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [True, False])
+def test_gpu_storage_delivers_to_a_host_learner_under_overlapped(overlap: bool) -> None:
+    """Storage on the GPU, learner on the host: the hand-over asked torch.cuda.current_stream for the host device,
+    which raises ValueError ('Expected a cuda device'), on every delivery; now the host waits for the copies."""
+    from conduit.placement import DevicePlacement
+
+    edp = ExperienceDataPlane(ID_SCHEMA, capacity=512, semantics=Replay(seed=0), placement=DevicePlacement("cuda:0"),
+                              device="cpu", scheduler=Overlapped(g_del=2, overlap=overlap))
+    edp.ingest(id_batch(np.arange(512)))
+    edp.flush()
+    for _ in range(10):
+        b, info = edp.deliver(64)
+        assert b["id"].device.type == "cpu"
+        assert torch.equal(b["id"], info.handles.cpu())
+    edp.close()

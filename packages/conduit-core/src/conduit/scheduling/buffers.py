@@ -225,8 +225,13 @@ class ChunkRing:
 
         Ragged columns were allocated on the side stream: ``record_stream`` keeps the
         caching allocator from reusing their memory while the learner's stream reads them.
+        A learner on the host (storage on the GPU) has no stream to wait on: the CPU waits for
+        the copies here (a ragged column's ``non_blocking`` copy to the host is asynchronous).
         """
         if event is None or not self.cuda:
+            return
+        if self.device.type != "cuda":
+            event.synchronize()
             return
         cur = torch.cuda.current_stream(self.device)
         cur.wait_event(event)
