@@ -112,3 +112,44 @@ def test_gpu_storage_delivers_to_a_host_learner_under_overlapped(overlap: bool) 
         assert b["id"].device.type == "cpu"
         assert torch.equal(b["id"], info.handles.cpu())
     edp.close()
+
+
+def _versions_seal(scheduler: Scheduler) -> tuple[ExperienceDataPlane, list[int]]:
+    """Rollouts of versions 0, 1 and 2, handed over in batches of half a rollout and never sealed by seal(): each new
+    version's first batch seals the rollout before it (OnPolicy's documented rule). Returns the buffer and the
+    handles of the first minibatch of a synchronous buffer after the same calls."""
+    def fill(edp: ExperienceDataPlane) -> None:
+        for version, first in ((0, 0), (0, 6), (1, 12), (1, 18), (2, 24)):
+            edp.set_policy_version(version)
+            edp.ingest(id_batch(np.arange(first, first + 6)), version=version)
+
+    def make(s: Scheduler) -> ExperienceDataPlane:
+        return ExperienceDataPlane(ID_SCHEMA, capacity=256, scheduler=s,
+                                   semantics=OnPolicy(num_minibatches=3, max_staleness=1, seed=1))
+    ref = make(Synchronous())
+    fill(ref)
+    want = ref.deliver()[1].handles.tolist()
+    ref.close()
+    edp = make(scheduler)
+    fill(edp)
+    return edp, want
+
+
+@pytest.mark.parametrize("kwargs", [{"overlap": False}, {"background_ingest": False}, {"g_ing": 0.5, "overlap": False}])
+def test_a_new_versions_first_batch_seals_the_rollout_before_it_as_in_a_synchronous_buffer(
+        kwargs: dict[str, Any]) -> None:
+    """The version-2 batch waited for the rest of its rollout (g_ing of it) before being stored, so rollout 1 stayed
+    open: the delivery raised EmptyBufferError ('call seal()') where the synchronous buffer delivers from rollout 1."""
+    edp, want = _versions_seal(Overlapped(**kwargs))
+    assert edp.deliver()[1].handles.tolist() == want
+    edp.close()
+
+
+def test_a_new_versions_first_batch_seals_the_rollout_before_it_in_the_background() -> None:
+    """In the background the worker stores that batch without waiting for the rest of its rollout (before, it stayed
+    queued until the version-2 rollout was whole, or a flush)."""
+    sched = Overlapped()
+    edp, want = _versions_seal(sched)
+    wait_until(lambda: not sched.pending(), "the version-2 batch is stored", timeout=30)
+    assert edp.deliver()[1].handles.tolist() == want
+    edp.close()

@@ -426,9 +426,22 @@ class Ingestion:
         if not self._pending or self._error is not None or self._paused:
             return None
         group, complete = self._group()
-        if not (complete or force or self._force or self._closing or len(self._pending) >= self.queue_depth):
+        if not (complete or force or self._force or self._closing or len(self._pending) >= self.queue_depth
+                or self._seals_open_rollout(group[0])):
             return None
         return group
+
+    def _seals_open_rollout(self, head: Handover) -> bool:
+        """On-policy: storing ``head`` ends the rollout storage has open (items of another version seal it, see
+        :mod:`conduit.semantics.onpolicy`), which then becomes deliverable. Such a group is stored at once, as a
+        synchronous buffer stores it, instead of once it holds ``g_ing`` of its own rollout: else the rollout
+        before it stays open, and undeliverable, until then (with ``g_ing = 1``, until the next one is whole)."""
+        if not self.on_policy or head.version is None:
+            return False
+        edp = self._edp()
+        sem = None if edp is None else edp.semantics
+        rollout = sem.open_rollout if isinstance(sem, OnPolicy) else None
+        return rollout is not None and rollout[0] != head.version
 
     def _take(self, force: bool) -> list[Handover] | None:
         group = self._due(force)
