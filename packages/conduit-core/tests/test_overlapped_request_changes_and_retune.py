@@ -153,3 +153,23 @@ def test_a_new_versions_first_batch_seals_the_rollout_before_it_in_the_backgroun
     wait_until(lambda: not sched.pending(), "the version-2 batch is stored", timeout=30)
     assert edp.deliver()[1].handles.tolist() == want
     edp.close()
+
+
+@pytest.mark.parametrize("args", [(0, 4, "8"), ("0", 4, 8), (0, "4", 8), (-1, 4, 8), (float("nan"), 4, 8), (0, -4, 8),
+                                  (0, 4.5, 8), (0, 4, float("inf")), (0, True, 8)])
+def test_trim_buffers_refuses_bad_arguments_typed_and_keeps_the_buffers(args: tuple[Any, Any, Any]) -> None:
+    """A string raised TypeError (its docstring promises ConfigurationError), and a negative or NaN budget or a
+    negative batch let go of the idle buffers as if they were a budget."""
+    sched = Overlapped(g_del=2, overlap=False)
+    edp = ExperienceDataPlane(ID_SCHEMA, capacity=64, semantics=Replay(seed=1), scheduler=sched)
+    edp.ingest(id_batch(np.arange(16)))
+    edp.flush()
+    edp.deliver(4)
+    edp.deliver(4)  # (the chunk's second batch: its buffer is idle now)
+    held = sched._ring.held_rows()
+    with pytest.raises(ConfigurationError, match="must be"):
+        sched.trim_buffers(*args, room_for_a_chunk=False)
+    assert sched._ring.held_rows() == held
+    sched.trim_buffers(0, 4, 8, room_for_a_chunk=False)  # good arguments still let go of the idle ones
+    assert sched._ring.held_rows() < held
+    edp.close()

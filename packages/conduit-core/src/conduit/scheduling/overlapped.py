@@ -315,11 +315,17 @@ class Overlapped(Scheduler):
         of no bytes (a schema of ragged fields only, which the buffers do not hold) never exceed ``max_bytes``.
 
         Raises:
-            ConfigurationError: ``item_bytes`` is negative or not a number (nothing changed).
+            ConfigurationError: ``max_bytes`` or ``item_bytes`` is negative or not a number (``item_bytes`` also when
+                infinite), or ``batch`` is not an int >= 0 (nothing changed).
         """
-        if not item_bytes >= 0:
+        if not (is_real(item_bytes) and math.isfinite(item_bytes) and item_bytes >= 0):
             raise ConfigurationError(f"item_bytes must be a number >= 0 (the bytes of one item's fixed fields), "
                                      f"got {item_bytes!r}.")
+        if not (is_real(max_bytes) and max_bytes >= 0):
+            raise ConfigurationError(f"max_bytes must be a number >= 0 (the bytes the idle buffers may keep), got "
+                                     f"{max_bytes!r}.")
+        if not _count(batch, 0):
+            raise ConfigurationError(f"batch must be an int >= 0 (items per delivered batch), got {batch!r}.")
         if not self._serves:
             return  # (no buffers yet)
         self._enter("trim_buffers()")
