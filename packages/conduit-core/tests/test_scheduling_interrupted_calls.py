@@ -202,9 +202,19 @@ def test_an_ingest_refused_after_waiting_for_room_counts_as_exposed(monkeypatch:
             except ConfigurationError as e:
                 refused.append(e)
 
+        waiting = threading.Event()
+        refuse_wait = ingestion.refuse_wait
+
+        def waits_for_room(call: str) -> None:  # called under the queue's lock just before the producer waits in it
+            refuse_wait(call)
+            waiting.set()
+
+        monkeypatch.setattr(ingestion, "refuse_wait", waits_for_room)
         producer = threading.Thread(target=produce, daemon=True)
         producer.start()
-        assert eventually(lambda: producer.is_alive() and len(ingestion._pending) == 1, timeout=HANG_S)
+        # (the queue is full already: only the producer's own call says it is about to wait; close() takes the lock
+        # it waits in, so it cannot refuse the call before the call is recorded)
+        assert waiting.wait(HANG_S), "the producer did not wait for room in the full queue"
         closer = threading.Thread(target=edp.close, daemon=True)
         closer.start()
         assert eventually(lambda: ingestion._closing, timeout=HANG_S)
