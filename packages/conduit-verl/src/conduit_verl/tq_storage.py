@@ -564,7 +564,8 @@ class ConduitStorageManager(StorageManager):
 
         Raises:
             FileNotFoundError: a unit's file is missing (another ``num_units``); nothing is changed.
-            SchemaError: a unit's file was not written by a Conduit unit of this ``num_units``; nothing is changed.
+            SchemaError: a unit's file cannot be read (truncated, corrupt) or was not written by a Conduit unit of
+                this ``num_units``; nothing is changed.
         """
         paths = [os.path.join(checkpoint_dir, f"conduit_unit_{r}.pt") for r in range(len(self.units))]
         missing = [p for p in paths if not os.path.exists(p)]

@@ -384,8 +384,8 @@ class _UnitState:
         """Replace the held samples with what :meth:`save` wrote to ``path``.
 
         Raises:
-            SchemaError: ``path`` was not written by a Conduit unit, or by one of another ``num_units``
-                (samples are routed by ``global_index % num_units``); nothing is changed.
+            SchemaError: ``path`` cannot be read (truncated, corrupt), was not written by a Conduit unit, or by one
+                of another ``num_units`` (samples are routed by ``global_index % num_units``); nothing is changed.
             CapacityError: a field holds more samples than ``max_items``; nothing is changed.
         """
         self.stage(path)
@@ -402,7 +402,14 @@ class _UnitState:
                 (nothing is staged).
         """
         self.staged = None
-        state = torch.load(path, weights_only=False)
+        try:
+            state = torch.load(path, weights_only=False)
+        except (OSError, MemoryError):  # (a missing or unreadable path says so itself)
+            raise
+        except Exception as e:  # torch's, pickle's or an unpickled class's own error for bytes it cannot read
+            raise SchemaError(f"{path} could not be read as a Conduit storage unit checkpoint ({type(e).__name__}: "
+                              f"{e}): the file is truncated or corrupt, or was not written by a Conduit storage unit; "
+                              f"restore from an intact copy of the checkpoint.") from None
         if not isinstance(state, dict) or state.get("format") != 1:
             raise SchemaError(f"{path} was not written by a Conduit storage unit.")
         saved_units = state.get("num_units", self.num_units)  # absent: written before it was recorded
