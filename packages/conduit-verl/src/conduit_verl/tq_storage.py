@@ -467,8 +467,10 @@ class ConduitStorageManager(StorageManager):
             # the prepare phases of two puts can pass before either stores: unit 0 (whose calls are serialised) claims
             # each field's kind, dtype and rank limit, so the second of two racing first puts is refused before it
             # stores; this put holds the claims until it stored (then for good) or failed (then it gives them back)
-            kinds = {k: (str(c.dtype).removeprefix("torch."), int(c.shapes.shape[1])) if isinstance(c, PackedColumn)
-                     else (None, 0) for k, c in columns.items()}
+            # (a tensor field's rank limit: at least what a unit holds it at; after a checkpoint restore unit 0 knows
+            # nothing of a field only other units hold, and a lower-rank put would claim a limit below theirs)
+            kinds = {k: (str(c.dtype).removeprefix("torch."), max(int(c.shapes.shape[1]), widths.get(k, 0)))
+                     if isinstance(c, PackedColumn) else (None, 0) for k, c in columns.items()}
             confirmed = {k: kind for k, kind in self._claimed.items() if k in kinds}
             ask = {k: kind for k, kind in kinds.items() if not self._knows(k, kind)}
             if ask:
