@@ -633,6 +633,8 @@ class ConduitStorageManager(StorageManager):
                 counts it alive: without a bound this call would wait forever). The calls may still run on the
                 units; what they do stands as it would have.
         """
+        if not calls:  # (asyncio.wait refuses an empty set: a clear of no samples raised ValueError)
+            return []
         tasks = [asyncio.ensure_future(ref) for _, ref in calls]
         try:
             with _unit_errors():
