@@ -460,6 +460,36 @@ class LosesFirstItemOfNewVersion(CoreOnPolicyEndpoint):
         super().end_rollout()
 
 
+class LiveRangeFixedAtFirstDraw(UniformSampler):
+    """Draws over the live range it read at its first draw (as an index cached once): items inserted later are never
+    drawn (every other uniform check inserts before its first draw)."""
+
+    _range: tuple[int, int] | None = None
+
+    def sample(self, n: int, *, replace: bool, beta: float | None) -> Selection:
+        st = self.storage
+        if self._range is None:
+            self._range = (st.oldest, st.next_handle)
+        lo, hi = max(self._range[0], st.oldest), min(self._range[1], st.next_handle)
+        if hi <= lo:
+            lo, hi = st.oldest, st.next_handle
+        handles = torch.randint(lo, hi, (n,), generator=self._gen)
+        return Selection(self._slots(handles), SampleInfo(handles=handles))
+
+
+class WrappedTailKeepsEvictedPriority(PrioritizedSampler):
+    """An insert that runs past the ring's end sets the largest priority seen only up to the end: the items written
+    into slots 0.. keep the evicted items' priorities (every other prioritized insert stays within the ring's end)."""
+
+    def on_append(self, result: AppendResult, priorities: torch.Tensor | None) -> None:
+        cap = self.storage.capacity
+        start = result.first % cap
+        if priorities is None and start + result.count > cap:
+            self._tree.set(np.arange(start, cap), np.full(cap - start, self._max_priority ** self.alpha))
+        else:
+            super().on_append(result, priorities)
+
+
 class GlobalRngOrder(OnPolicy):
     """Shuffles each epoch with torch's global RNG: the endpoint's seed is ignored."""
 
@@ -578,6 +608,10 @@ REPLAY_MUTANTS = [
     (mutant_replay(prioritized=RunningMinWeights), "test_importance_weights",
      "after the least likely item was evicted"),
     (DropsWhatWrapsTheRing, "test_fifo_eviction_and_capacity", "wrapped around the ring's end"),
+    (mutant_replay(uniform=LiveRangeFixedAtFirstDraw), "test_uniform_draws_follow_inserts",
+     "filled the buffer .* fail chi-square"),
+    (mutant_replay(prioritized=WrappedTailKeepsEvictedPriority),
+     "test_new_items_crossing_the_ring_end_get_the_largest_priority", "ran past the ring's end"),
 ]
 
 FRESHNESS_MUTANTS = [

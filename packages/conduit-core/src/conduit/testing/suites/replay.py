@@ -28,8 +28,8 @@ __all__ = ["ReplaySuite"]
 
 #: chi-square tests reject below this p-value: a correct buffer fails each with probability P_MIN over seeds
 #: (Pearson's statistic with k-1 degrees of freedom; every expected count is > 200, so the chi-square
-#: approximation holds). ReplaySuite makes six such tests, so a correct adapter whose draws differ from
-#: core's fails with probability <= 6e-3; the draws are seeded, so whatever the result, it is reproducible.
+#: approximation holds). ReplaySuite makes nine such tests, so a correct adapter whose draws differ from
+#: core's fails with probability <= 9e-3; the draws are seeded, so whatever the result, it is reproducible.
 P_MIN = 1e-3
 
 
@@ -118,6 +118,35 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             assert p > P_MIN, f"uniform draws fail chi-square (p={p:.2e}); counts min={counts[37:].min()} " \
                               f"max={counts[37:].max()}"
 
+    def test_uniform_draws_follow_inserts(self) -> None:
+        """Items inserted after the buffer was sampled are drawn as often as the others, and the items that insert
+        evicted are drawn no more: each draw is over the items live when it is made (past the draws the endpoint
+        may have prepared before the insert), not over a set fixed at an earlier draw (chi-square).
+
+        Troubleshooting: read the live range at every draw, or refresh a cached index on every insert (a
+        prefetcher may deliver only the batches it prepared before the insert).
+        """
+        with self.replay(capacity=100, seed=16) as ep:
+            ep.insert(np.arange(50))
+            steps = (("that filled the buffer (ids 50..99 after 0..49)", np.arange(50, 100), np.arange(100)),
+                     ("that wrapped the ring (ids 100..139, evicting 0..39)", np.arange(100, 140), np.arange(40, 140)))
+            for what, new, live in steps:
+                draw(ep, self.chunk)  # the buffer is sampled before the insert
+                ep.insert(new)
+                for _ in range(2 * (staleness(ep) + 2)):  # draws prepared before the insert
+                    draw(ep, self.chunk)
+                counts = np.bincount(np.concatenate([draw(ep, self.chunk).ids for _ in range(30)]), minlength=140)
+                gone = np.setdiff1d(np.arange(140), live)
+                assert counts[gone].sum() == 0, (
+                    f"after an insert {what}, draws hold ids that are not live: "
+                    f"{np.nonzero(counts[gone])[0][:5].tolist()} (evicted, or never inserted)")
+                p = chi_square_p(counts[live], np.ones(len(live)))
+                assert p > P_MIN, (
+                    f"after an insert {what}, made once the buffer had been sampled, uniform draws fail chi-square "
+                    f"(p={p:.2e}): the {len(new)} new items were drawn {int(counts[new].sum())} times of "
+                    f"{int(counts.sum())}, expected {len(new) / len(live):.0%}; draw over the items live now, not "
+                    f"over those live at an earlier draw")
+
     def test_prioritized_frequency_proportional_to_priority_alpha(self) -> None:
         """Prioritized sampling draws item i with probability p_i^alpha / sum_j p_j^alpha (chi-square);
         items inserted later get the largest priority seen so far.
@@ -185,6 +214,35 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
                     f"{expected[-1] / expected.sum():.1%}: new items get the largest priority ever set ({top:g}), "
                     f"not the largest one live now; draw counts of the live ids {live[0]}..{live[-1]}: "
                     f"{counts.tolist()}, {len(ids) - counts.sum()} draws of other ids")
+
+    def test_new_items_crossing_the_ring_end_get_the_largest_priority(self) -> None:
+        """An insert whose items run past the ring's end (the first ones into the last slots, the rest into the
+        first slots, over evicted items) gives every one of them the largest priority seen so far, the items
+        written into the evicted items' slots too (chi-square over the live items).
+
+        Troubleshooting: set the new items' priorities over the slots they take modulo the capacity, both parts
+        of the wrapped range; do not leave the slots past the end with the evicted items' priorities.
+        """
+        n, alpha, top = 10, 1.0, 8.0
+        with self.replay(capacity=n, prioritized=True, alpha=alpha, seed=17) as ep:
+            needs(ep, CAP_PRIORITIZED)
+            ep.insert(np.arange(7))
+            prio = np.ones(7)
+            prio[6] = top  # the largest priority seen; ids 0..5 keep priority 1
+            self._set_priorities(ep, prio)
+            ep.insert(np.arange(7, 13))  # into slots 7, 8, 9, 0, 1, 2: evicts ids 0..2 (priority 1)
+            for _ in range(2 * (staleness(ep) + 2)):  # draws prepared before the insert
+                draw(ep, self.chunk)
+            live = np.arange(3, 13)
+            ids = np.concatenate([draw(ep, 1000).ids for _ in range(30)])  # >= 508 expected per item
+            counts = np.array([(ids == i).sum() for i in live])
+            expected = np.array([1.0, 1.0, 1.0] + [top] * 7) ** alpha
+            p = chi_square_p(counts, expected)
+            assert counts.sum() == len(ids) and p > P_MIN, (
+                f"after one insert of ids 7..12 that ran past the ring's end (capacity {n}, evicting ids 0..2 of "
+                f"priority 1), the draws do not give every new item the largest priority seen ({top:g}) (p={p:.2e}): "
+                f"draw counts of the live ids 3..12 {counts.tolist()}, expected in proportion to "
+                f"{expected.tolist()}, {len(ids) - counts.sum()} draws of other ids")
 
     def test_importance_weights(self) -> None:
         """Weights are (N P(i))^-beta normalised by the largest possible weight, over the items live now
