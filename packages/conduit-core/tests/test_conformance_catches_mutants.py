@@ -490,6 +490,37 @@ class WrappedTailKeepsEvictedPriority(PrioritizedSampler):
             super().on_append(result, priorities)
 
 
+class DropsOneStaleRolloutPerDelivery(OnPolicy):
+    """Drops the first stale rollout it meets, then delivers the next one without judging it (an ``if`` where a loop
+    belongs): one stale rollout behind another is served (every other staleness check has one stale rollout)."""
+
+    _dropped = False
+
+    def select(self, n: int | None = None, **unknown: Any) -> Selection:
+        self._dropped = False
+        return super().select(n, **unknown)
+
+    def _drop(self, r: Any) -> None:
+        super()._drop(r)
+        self._dropped = True
+
+    def stale(self, version: int) -> bool:
+        return not self._dropped and super().stale(version)
+
+
+class OlderVersionJoinsOpenRollout(OnPolicy):
+    """Adds items of a version older than the open rollout's (a late producer) to that rollout, under its version,
+    where they should be refused (or kept apart): no suite check ingested a version lower than the one before."""
+
+    def check_version_order(self, version: int) -> None:
+        pass
+
+    def on_append(self, result: AppendResult, *, version: int | None, priorities: torch.Tensor | None) -> None:
+        if self._open is not None and version is not None and version < self._open.version:
+            version = self._open.version
+        super().on_append(result, version=version, priorities=priorities)
+
+
 class GlobalRngOrder(OnPolicy):
     """Shuffles each epoch with torch's global RNG: the endpoint's seed is ignored."""
 
@@ -635,6 +666,10 @@ FRESHNESS_MUTANTS = [
     (LastEpochLabelled, "test_each_item_exactly_once_per_epoch", "minibatches"),
     (LosesFirstItemOfNewVersion, "test_version_purity",
      "epoch 0 of version 1's rollout .*opened by that ingest.* 1 missing \\(e.g. \\[1000\\]\\)"),
+    (mutant_on_policy(DropsOneStaleRolloutPerDelivery), "test_staleness_drop_skips_every_stale_rollout",
+     "versions 0 and 1 are both stale"),
+    (mutant_on_policy(OlderVersionJoinsOpenRollout), "test_items_of_an_older_version_never_join_a_newer_rollout",
+     "delivered under another version"),
 ]
 
 CONCURRENCY_MUTANTS = [

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conduit.errors import EmptyBufferError
+from conduit.errors import ConduitError, EmptyBufferError
 from conduit.testing.crossprocess import (
     ON_POLICY_SEED,
     deliver_rollout,
@@ -250,6 +250,67 @@ class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
                 f"with max_staleness=3 and the policy at version 4, the delivered rollouts (version, first ids) are "
                 f"{[(v, ids[:3]) for v, ids in got]}, expected versions 1 and 2 (3 and 2 versions behind), oldest "
                 f"first; only version 0 (4 behind) is dropped")
+
+    def test_staleness_drop_skips_every_stale_rollout(self) -> None:
+        """With on_stale="drop", every stale rollout waiting is dropped before a fresh one is delivered, not just the
+        first: with max_staleness=0 and the policy at version 2, the rollouts of versions 0 and 1 are dropped,
+        version 2's is delivered, and nothing is left.
+
+        Troubleshooting: after dropping a stale rollout, judge the next one the same way (a loop, not one check).
+        """
+        with self.on_policy(num_minibatches=2, num_epochs=1, max_staleness=0, on_stale="drop") as ep:
+            for v in range(3):
+                ep.set_policy_version(v)
+                ep.ingest(np.arange(10 * v, 10 * v + 10), version=v)
+                ep.end_rollout()
+            got: list[tuple[list[int], list[int]]] = []
+            for _ in range(4):  # at most the 3 rollouts waiting, then EmptyBufferError
+                try:
+                    mbs = ep.consume()
+                except EmptyBufferError:
+                    break
+                got.append((sorted({mb.version for mb in mbs}),
+                            sorted(np.concatenate([mb.ids for mb in mbs] or [np.zeros(0, np.int64)]).tolist())))
+            assert got == [([2], list(range(20, 30)))], (
+                f"with max_staleness=0 and the policy at version 2, the delivered rollouts (versions, first ids) are "
+                f"{[(v, ids[:3]) for v, ids in got]}, expected only version 2's (ids 20..29): the rollouts of versions "
+                f"0 and 1 are both stale and dropped, not only the first of them")
+
+    def test_items_of_an_older_version_never_join_a_newer_rollout(self) -> None:
+        """Items ingested with a version older than the open rollout's (a late producer) never join that rollout: the
+        ingest is refused with a Conduit error and changes nothing, or the items are dropped as late (all of them;
+        conduit-srl's ``on_stale="drop"``), or they are delivered apart, each minibatch reporting the version its
+        items were produced by. Either way the open rollout is delivered whole, under its own version.
+
+        Troubleshooting: refuse a version lower than the open rollout's (conduit's buffers raise
+        ConfigurationError), or close the open rollout first; never add the items to it under its version.
+        """
+        with self.on_policy(num_minibatches=2, num_epochs=1, max_staleness=5, seed=6) as ep:
+            ep.ingest(np.arange(10), version=1)
+            try:
+                ep.ingest(np.arange(100, 110), version=0)
+                refused = False
+            except ConduitError:
+                refused = True
+            ep.end_rollout()
+            mbs: list[Any] = []
+            for _ in range(3):  # at most the 2 rollouts, then EmptyBufferError
+                try:
+                    mbs += ep.consume()
+                except EmptyBufferError:
+                    break
+            mixed = [(mb.version, mb.ids.tolist()) for mb in mbs if (mb.version != np.where(mb.ids < 100, 1, 0)).any()]
+            assert not mixed, (
+                f"items of version 0 ingested while version 1's rollout was open (ids 100..109 after 0..9) were "
+                f"delivered under another version: (reported version, ids) {mixed[:2]}; refuse them, or keep them "
+                f"in a rollout of their own version")
+            got = sorted(set(np.concatenate([mb.ids for mb in mbs] or [np.zeros(0, np.int64)]).tolist()))
+            allowed = [list(range(10))] + ([] if refused else [list(range(10)) + list(range(100, 110))])
+            late = "" if refused else ", and all or none of version 0's 100..109"
+            assert got in allowed, (
+                f"after an ingest of the older version 0 into version 1's open rollout "
+                f"({'refused' if refused else 'accepted'}), the delivered ids are {got}, expected version 1's "
+                f"0..9{late}")
 
     def test_staleness_bound_raise(self) -> None:
         """With on_stale="raise", a too-stale rollout raises and stays in the buffer.
