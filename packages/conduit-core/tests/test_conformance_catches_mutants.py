@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from conduit.edp import ExperienceDataPlane
 from conduit.errors import ConfigurationError, StaleExperienceError
 from conduit.semantics import OnPolicy, PrioritizedSampler, Semantics, UniformSampler
 from conduit.semantics.base import SampleInfo, Selection
@@ -35,6 +37,7 @@ from conduit.testing import (
     assert_deterministic_across_processes,
     draws_in_subprocess,
 )
+from conduit.testing.reference import ID_SCHEMA
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _suite_mutants import (  # noqa: E402, I001  (the mutant tests' shared harness)
@@ -521,6 +524,29 @@ class OlderVersionJoinsOpenRollout(OnPolicy):
         super().on_append(result, version=version, priorities=priorities)
 
 
+class _ColumnByColumnReads(ExperienceDataPlane):
+    """Reads a draw's ids and its payload in two holds of the lock, 2 ms apart."""
+
+    def deliver_now(self, n: int | None = None, **kwargs: Any) -> Any:
+        with self._lock:
+            sel = self.semantics.select(n, **kwargs)
+            batch = self.storage.gather(sel.slots)
+        time.sleep(0.002)
+        with self._lock:
+            batch["obs"].copy_(self.storage.gather(sel.slots)["obs"])
+            self.semantics.after_gather(sel)
+        return batch, sel.info
+
+
+class ReadsColumnByColumn(CoreReplayEndpoint):
+    """Releases the buffer's lock between reading a draw's ids and reading its payload: an insert that evicts in
+    between leaves items with another item's payload (a torn read). Every draw of the other checks is made while
+    nothing is inserted, so they all pass."""
+
+    def _build(self, capacity: int, semantics: Semantics, **kwargs: Any) -> Any:
+        return _ColumnByColumnReads(ID_SCHEMA, capacity=capacity, semantics=semantics, **kwargs)
+
+
 class GlobalRngOrder(OnPolicy):
     """Shuffles each epoch with torch's global RNG: the endpoint's seed is ignored."""
 
@@ -675,6 +701,8 @@ FRESHNESS_MUTANTS = [
 CONCURRENCY_MUTANTS = [
     (LosesOneIn1e5, "test_concurrent_producers_lose_and_duplicate_nothing", "stored"),
     (TornWriteOneIn1e5, "test_concurrent_producers_lose_and_duplicate_nothing", "duplicates"),
+    (ReadsColumnByColumn, "test_sampling_while_producers_insert_draws_whole_items",
+     "the learner raised AssertionError: payload does not match its id"),
 ]
 
 

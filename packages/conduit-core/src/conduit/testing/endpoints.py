@@ -36,7 +36,7 @@ __all__ = [
 CAP_PRIORITIZED = "prioritized"
 #: the endpoint round-trips ``state_dict``/``load_state_dict``
 CAP_CHECKPOINT = "checkpoint"
-#: ``insert`` may be called from many threads at once
+#: ``insert`` may be called from many threads at once, also while another thread samples and updates priorities
 CAP_CONCURRENT_INGEST = "concurrent_ingest"
 
 

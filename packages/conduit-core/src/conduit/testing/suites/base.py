@@ -67,7 +67,7 @@ def staleness(endpoint: object) -> int:
 
 
 #: the suites' size settings: a subclass may raise them, never lower them (fewer draws, threads or items)
-STRENGTH_SETTINGS = ("draws", "threads", "items_per_thread", "payload_draws_per_item")
+STRENGTH_SETTINGS = ("draws", "threads", "items_per_thread", "payload_draws_per_item", "sampling_items_per_thread")
 #: settings a subclass may lower, never raise: items per insert call of the concurrent producers (fewer, larger
 #: calls leave fewer interleavings to race on) and draws per sample call of the distribution tests
 CEILING_SETTINGS = ("chunk",)

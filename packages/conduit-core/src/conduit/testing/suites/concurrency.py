@@ -7,8 +7,8 @@ from abc import abstractmethod
 
 import numpy as np
 
-from conduit.testing.endpoints import CAP_CONCURRENT_INGEST, ReplayEndpoint
-from conduit.testing.suites.base import SuiteBase, needs
+from conduit.testing.endpoints import CAP_CONCURRENT_INGEST, CAP_PRIORITIZED, ReplayEndpoint
+from conduit.testing.suites.base import SuiteBase, draw, needs
 
 __all__ = ["ConcurrencySuite"]
 
@@ -25,6 +25,8 @@ class ConcurrencySuite(SuiteBase):
     payload_draw_chunk: int = 10_000
     #: items per ``insert`` call of the order check (which inserts about half the buffer again)
     reorder_chunk: int = 20_000
+    #: items per producer thread while a learner samples (into a buffer a quarter of their total: every insert evicts)
+    sampling_items_per_thread: int = 10_000
 
     @abstractmethod
     def make_replay(self, *, capacity: int, prioritized: bool = False, alpha: float = 0.6, beta: float = 0.4,
@@ -73,6 +75,82 @@ class ConcurrencySuite(SuiteBase):
                 f"(e.g. {foreign[:5].tolist()}), {lost} lost")
             self._check_payloads(ep, ids)
             self._check_producer_order(ep, total)
+        finally:
+            ep.close()
+
+    def test_sampling_while_producers_insert_draws_whole_items(self) -> None:
+        """A learner that samples (and, prioritized, updates the drawn items' priorities) while producer threads insert
+        into a full buffer, every insert evicting, draws whole items: each with its own payload (checked by the
+        endpoint's ``sample``), none that no producer made; neither side raises; afterwards the buffer holds its
+        capacity of distinct items.
+
+        Troubleshooting: hold the lock every insert takes for its write over the whole read of a draw (selecting and
+        gathering the rows): an item evicted and overwritten while it was read is a torn read.
+        """
+        for prioritized in (False, True):
+            self._sample_while_producing(prioritized)
+
+    def _sample_while_producing(self, prioritized: bool) -> None:
+        """One half of :meth:`test_sampling_while_producers_insert_draws_whole_items` (uniform or prioritized)."""
+        total = self.threads * self.sampling_items_per_thread
+        cap = total // 4
+        ep = self.make_replay(capacity=cap, prioritized=prioritized, seed=18)
+        try:
+            needs(ep, CAP_CONCURRENT_INGEST)
+            if prioritized and CAP_PRIORITIZED not in ep.capabilities:
+                return
+            for s in range(total, total + cap, self.chunk):  # full before the producers start
+                ep.insert(np.arange(s, min(s + self.chunk, total + cap)))
+            errors: list[tuple[str, BaseException]] = []
+            foreign: list[int] = []
+            draws = [0]
+            drawing, produced = threading.Event(), threading.Event()
+
+            def produce(t: int) -> None:
+                try:
+                    drawing.wait()  # the learner has drawn once: the inserts overlap its draws
+                    base = t * self.sampling_items_per_thread
+                    for s in range(0, self.sampling_items_per_thread, self.chunk):
+                        ep.insert(np.arange(base + s, base + min(s + self.chunk, self.sampling_items_per_thread)))
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append((f"producer {t}", e))
+
+            def learn() -> None:
+                try:
+                    while True:
+                        last = produced.is_set()
+                        d = draw(ep, 256)
+                        foreign.extend(d.ids[(d.ids < 0) | (d.ids >= total + cap)][:5].tolist())
+                        if prioritized:
+                            ep.update_priorities(d.handles, (d.ids % 3 + 1).astype(np.float64))
+                        draws[0] += 1
+                        drawing.set()
+                        if last:
+                            return
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(("the learner", e))
+                finally:
+                    drawing.set()
+
+            learner = threading.Thread(target=learn)
+            ts = [threading.Thread(target=produce, args=(t,)) for t in range(self.threads)]
+            learner.start()
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            produced.set()
+            learner.join()
+            kind = f"prioritized={prioritized}"
+            assert not errors, (
+                f"{kind}: while {self.threads} threads inserted into a full buffer and a learner sampled it "
+                f"({draws[0]} draws), {errors[0][0]} raised {type(errors[0][1]).__name__}: {errors[0][1]} "
+                f"(a payload that does not match its id is a torn read: an item overwritten while it was read)")
+            assert not foreign, f"{kind}: draws made while producers inserted hold ids no producer made: {foreign}"
+            ids = ep.contents()
+            assert len(ep) == cap and len(np.unique(ids)) == len(ids) == cap, (
+                f"{kind}: after the concurrent inserts and draws the buffer holds {len(ep)} items, "
+                f"{len(np.unique(ids))} distinct ids, expected its capacity {cap}")
         finally:
             ep.close()
 
