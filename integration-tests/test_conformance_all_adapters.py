@@ -109,6 +109,10 @@ def test_every_package_is_registered_and_discovered() -> None:
 
 #: what an adapter is known not to provide, so the suites skip it: an endpoint kind ("replay", "on_policy") or a
 #: replay capability (CAP_*). Anything else missing fails below instead of turning into skipped conformance tests.
+#: Each entry says why. verl: its ``replay`` module (``ConduitReplayBuffer``) is verl's V1 group sampler, a
+#: staleness-gated selection of finished prompt groups from TransferQueue, not a buffer of uniform or prioritized
+#: draws with FIFO capacity, so ReplaySuite's semantics do not apply (its staleness rule is tested in
+#: packages/conduit-verl/tests/test_replay.py and test_sync_sample_staleness.py).
 KNOWN_GAPS: dict[str, set[str]] = {"verl": {"replay"}}
 
 
