@@ -161,7 +161,7 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                 except (TypeError, ValueError, RuntimeError) as e:  # SchemaError included: name the field
                     raise SchemaError(f"Field {k!r}: its per-item sequences do not pack into one column ({e}); "
                                       f"give every item a sequence of elements of one shape and dtype.") from e
-            elif isinstance(v, (list, tuple)) and v and (not isinstance(v[0], (int, float, bool)) or any(
+            elif isinstance(v, (list, tuple)) and v and (not isinstance(v[0], (int, float, complex, bool)) or any(
                     isinstance(x, (np.generic, np.ndarray, torch.Tensor)) for x in v)):
                 # NumPy scalars and 0-d tensors keep their dtype, wherever they stand in the list (np.float64 is a
                 # Python float too): torch would promote them with the rest (int64 2**53 + 1 -> float64 2**53)
@@ -390,7 +390,7 @@ def _check_ragged_parts(name: str, r: Ragged) -> None:
 
 def _is_scalar(x: object) -> bool:
     """Whether ``x`` is one scalar (Python, NumPy, or a 0-d array or tensor), not a sequence."""
-    return (isinstance(x, (int, float, bool, np.generic))
+    return (isinstance(x, (int, float, complex, bool, np.generic))
             or (isinstance(x, (np.ndarray, torch.Tensor)) and x.ndim == 0))
 
 

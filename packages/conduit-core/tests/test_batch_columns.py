@@ -1,0 +1,17 @@
+"""How ExperienceBatch and Ragged turn what a caller gives into columns, and refuse what they cannot."""
+
+from __future__ import annotations
+
+import torch
+from conduit import ExperienceDataPlane, ExperienceSchema, Field
+
+
+def test_a_list_of_python_complex_scalars_is_one_complex_column() -> None:
+    # a list of per-item Python scalars is a fixed column whether it starts with an int or a complex; a list that
+    # starts with a complex was read as a list of sequences and refused ("give every item a sequence")
+    edp = ExperienceDataPlane(ExperienceSchema(z=Field((), torch.complex64)), capacity=4)
+    assert edp.ingest({"z": [1 + 2j, 3]}).tolist() == [0, 1]
+    assert edp.ingest({"z": [4, 5j]}).tolist() == [2, 3]
+    batch, info = edp.deliver(4, replace=False)
+    got = dict(zip(info.handles.tolist(), batch.tensor("z").tolist(), strict=True))
+    assert got == {0: 1 + 2j, 1: 3, 2: 4, 3: 5j}
