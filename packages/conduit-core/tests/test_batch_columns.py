@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from conduit import ExperienceDataPlane, ExperienceSchema, Field
+from conduit import ExperienceDataPlane, ExperienceSchema, Field, Ragged, SchemaError
 
 
 def test_a_list_of_python_complex_scalars_is_one_complex_column() -> None:
@@ -15,3 +16,10 @@ def test_a_list_of_python_complex_scalars_is_one_complex_column() -> None:
     batch, info = edp.deliver(4, replace=False)
     got = dict(zip(info.handles.tolist(), batch.tensor("z").tolist(), strict=True))
     assert got == {0: 1 + 2j, 1: 3, 2: 4, 3: 5j}
+
+
+@pytest.mark.parametrize("seqs", [[torch.ones(2, 3), torch.ones(1, 4)], [torch.ones(2, 3), torch.ones(2)]])
+def test_sequences_whose_elements_differ_in_shape_are_refused_typed(seqs: list[torch.Tensor]) -> None:
+    # Ragged.from_sequences raised torch.cat's RuntimeError, which names nothing the caller gave
+    with pytest.raises(SchemaError, match="elements of different shapes"):
+        Ragged.from_sequences(seqs)

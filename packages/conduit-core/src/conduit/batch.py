@@ -67,7 +67,11 @@ class Ragged:
 
     @classmethod
     def from_sequences(cls, seqs: Sequence[object]) -> Ragged:
-        """Pack a list of per-item sequences (tensors or arrays)."""
+        """Pack a list of per-item sequences (tensors or arrays).
+
+        Raises:
+            SchemaError: an item is a scalar, or the sequences' elements differ in dtype or shape.
+        """
         ts = [as_tensor(s) for s in seqs]
         if any(t.dim() == 0 for t in ts):
             raise SchemaError("A list of per-item sequences holds a scalar; give every item a sequence "
@@ -80,6 +84,10 @@ class Ragged:
         if len(dtypes) > 1:  # torch.cat would promote them: int64 17 -> float32 16 is no value the caller gave
             raise SchemaError(f"The per-item sequences have different dtypes ({', '.join(sorted(map(str, dtypes)))}); "
                               f"give every sequence the field's dtype (e.g. 2.0, not 2, in a list for a float field).")
+        shapes = {tuple(t.shape[1:]) for t in parts if t.shape[0]}
+        if len(shapes) > 1:  # (torch.cat would raise a RuntimeError that names no field)
+            raise SchemaError(f"The per-item sequences have elements of different shapes "
+                              f"({', '.join(map(str, sorted(shapes)))}); give every element the field's element shape.")
         values = torch.cat(parts) if parts else torch.empty(0)
         return cls(values, lengths)
 
