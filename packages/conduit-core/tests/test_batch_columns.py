@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conduit import ExperienceDataPlane, ExperienceSchema, Field, Ragged, SchemaError
+from conduit.batch import ExperienceBatch
 
 
 def test_a_list_of_python_complex_scalars_is_one_complex_column() -> None:
@@ -23,3 +24,17 @@ def test_sequences_whose_elements_differ_in_shape_are_refused_typed(seqs: list[t
     # Ragged.from_sequences raised torch.cat's RuntimeError, which names nothing the caller gave
     with pytest.raises(SchemaError, match="elements of different shapes"):
         Ragged.from_sequences(seqs)
+
+
+def test_numpy_reads_columns_that_require_grad_or_carry_a_view_bit() -> None:
+    # ExperienceBatch.numpy() raised torch's RuntimeError ("Can't call numpy() on Tensor that requires grad",
+    # "... that has conjugate bit set") where conduit.batch.host_array reads the values
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    r = Ragged(torch.tensor([1.0, 2.0, 3.0], requires_grad=True), torch.tensor([2, 1]))
+    out = ExperienceBatch.from_mapping({"x": x, "z": z.conj(), "n": x.detach()._neg_view(), "r": r}).numpy()
+    assert out["x"].tolist() == [1.0, 2.0]
+    assert out["z"].tolist() == [1 - 2j, 3 + 4j]
+    assert out["n"].tolist() == [-1.0, -2.0]
+    assert out["r"].tolist() == [[1.0, 2.0], [3.0, 0.0]]
+    assert x.tolist() == [1.0, 2.0] and z.tolist() == [1 + 2j, 3 - 4j]  # (the caller's tensors are as given)

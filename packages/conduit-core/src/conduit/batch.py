@@ -288,16 +288,17 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         return ExperienceBatch(cols, n if n >= 0 else 0)
 
     def numpy(self) -> dict[str, np.ndarray]:
-        """Fixed fields as NumPy arrays sharing memory (host tensors only); ragged fields padded.
+        """Fixed fields as NumPy arrays sharing memory (host tensors only); ragged fields padded. A column that
+        requires grad is read detached; one with a conjugate or negative view bit by value (:func:`host_array`).
 
         Raises:
             SchemaError: a field's dtype has no NumPy equivalent (bfloat16).
         """
         out: dict[str, np.ndarray] = {}
         for k, c in self._columns.items():
-            t = (c.padded() if isinstance(c, Ragged) else c).cpu()
+            t = c.padded() if isinstance(c, Ragged) else c
             try:
-                out[k] = t.numpy()
+                out[k] = host_array(t)
             except TypeError as e:
                 raise SchemaError(f"Field {k!r} ({t.dtype}) has no NumPy dtype ({e}); read it as tensors, or "
                                   f"convert it, e.g. batch[{k!r}].float().numpy().") from e
