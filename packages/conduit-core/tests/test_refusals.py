@@ -173,3 +173,15 @@ def test_a_misspelt_delivery_option_is_refused_typed() -> None:
 def test_roles_and_devices_of_the_wrong_kind_are_refused_typed(kwargs: dict) -> None:
     with pytest.raises(ConfigurationError, match="must be a"):
         ExperienceDataPlane(ExperienceSchema(obs=Field((2,))), capacity=4, **kwargs)
+
+
+def _absent_cuda_device() -> str:
+    """A CUDA device this machine does not have (cuda:0 without a GPU)."""
+    return f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+
+
+def test_a_cuda_device_the_machine_lacks_is_refused_at_construction() -> None:
+    # accepted before: the first delivery then failed with torch's RuntimeError (pinned staging needs CUDA), after
+    # its draw had consumed the selection
+    with pytest.raises(ConfigurationError, match="not on this machine"):
+        ExperienceDataPlane(ExperienceSchema(obs=Field((2,))), capacity=4, device=_absent_cuda_device())

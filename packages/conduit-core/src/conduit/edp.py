@@ -129,9 +129,9 @@ _get_ident = threading.get_ident
 
 def check_roles(*, semantics: object = None, placement: object = None, scheduler: object = None,
                 device: object = None) -> torch.device | None:
-    """Refuse roles of the wrong kind (e.g. ``semantics="replay"``) and unknown devices with a
-    :class:`ConfigurationError` before a buffer builds anything; returns ``device`` as a torch device
-    (None stays None).
+    """Refuse roles of the wrong kind (e.g. ``semantics="replay"``), unknown devices and CUDA devices this machine
+    does not have with a :class:`ConfigurationError` before a buffer builds anything; returns ``device`` as a torch
+    device (None stays None).
     """
     roles = (("semantics", semantics, Semantics, "Replay() or OnPolicy(...)"),
              ("placement", placement, Placement, "HostPlacement(), DevicePlacement(...), ..."),
@@ -142,10 +142,16 @@ def check_roles(*, semantics: object = None, placement: object = None, scheduler
     if device is None:
         return None
     try:
-        return torch.device(device)  # type: ignore[call-overload]
+        dev = torch.device(device)  # type: ignore[call-overload]
     except (RuntimeError, TypeError) as exc:
         raise ConfigurationError(f"device must be a torch device or its name (e.g. 'cpu', 'cuda:0'), got "
                                  f"{device!r}.") from exc
+    # (refused here: the first delivery would fail untyped, after its draw)
+    count = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if dev.type == "cuda" else 0
+    if dev.type == "cuda" and (dev.index or 0) >= count:
+        raise ConfigurationError(f"device {str(dev)!r} is not on this machine ({count} CUDA device(s) visible); give "
+                                 f"a device it has (e.g. 'cpu', or 'cuda:0' on a machine with a GPU).")
+    return dev
 
 
 class ExperienceDataPlane:
