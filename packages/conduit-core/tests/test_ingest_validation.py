@@ -59,6 +59,17 @@ def test_capacity_must_be_a_positive_int(cap: object) -> None:
         ExperienceDataPlane(SCHEMA, capacity=cap)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("cap", [np.int64(6), np.int32(6), np.uint8(6)])
+def test_capacity_takes_a_numpy_integer_as_every_count_in_core_does(cap: object) -> None:
+    # refused before ("capacity must be a positive int, got np.int64(6)"), while ragged_capacity, num_minibatches and
+    # the distributed plane's shard_capacity take NumPy integers (conduit.checks.is_int)
+    edp = ExperienceDataPlane(SCHEMA, capacity=cap)  # type: ignore[arg-type]
+    assert edp.capacity == 6 and type(edp.capacity) is int  # (a checkpoint holds it: a plain int loads anywhere)
+    edp.ingest(good(6))
+    edp.ingest(good(2, start=6))
+    assert len(edp) == 6 and edp.state_dict()["storage"]["capacity"] == 6
+
+
 @pytest.mark.parametrize("prio", [float("nan"), float("inf"), -1.0])
 def test_bad_initial_priorities_change_nothing(prio: float) -> None:
     edp = ExperienceDataPlane(SCHEMA, capacity=8, semantics=Replay(PrioritizedSampler()))

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged
+from conduit.checks import is_int
 from conduit.errors import CapacityError, ConfigurationError, SchemaError
 from conduit.placement.base import HostPlacement, Placement
 from conduit.scheduling.base import (
@@ -211,6 +212,8 @@ class ExperienceDataPlane:
         if not isinstance(schema, ExperienceSchema):
             raise ConfigurationError("schema must be a conduit.ExperienceSchema.")
         device = check_roles(semantics=semantics, placement=placement, scheduler=scheduler, device=device)
+        if is_int(capacity):  # a NumPy integer is a count too: a Python int before any size is computed from it
+            capacity = int(capacity)
         self.schema = schema
         self.semantics: Semantics = semantics if semantics is not None else Replay()
         self.placement: Placement = placement if placement is not None else HostPlacement()

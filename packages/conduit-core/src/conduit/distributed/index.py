@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from conduit.batch import ExperienceBatch
+from conduit.checks import is_int
 from conduit.errors import CapacityError, ConfigurationError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import AppendResult, Storage
@@ -39,8 +40,9 @@ class ShardIndex(Storage):
     tier = "remote"
 
     def __init__(self, schema: ExperienceSchema, capacity: int, replication: int) -> None:
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+        if not is_int(capacity) or capacity <= 0:  # (NumPy's 8 is a count, as everywhere in core; True is none)
             raise ConfigurationError(f"capacity must be a positive int, got {capacity!r}.")
+        capacity = int(capacity)
         self.schema = schema
         self.capacity = capacity
         self.replication = replication

@@ -13,6 +13,7 @@ import torch
 
 from conduit._native import load_kernels
 from conduit.batch import ExperienceBatch, Ragged, ranges
+from conduit.checks import is_int
 from conduit.errors import CapacityError, ConfigurationError
 from conduit.schema import ExperienceSchema, same_width_integer
 from conduit.storage.base import AppendResult, Storage
@@ -219,8 +220,9 @@ class ColumnarStorage(Storage):
     def __init__(self, schema: ExperienceSchema, capacity: int, device: torch.device | str = "cpu", *,
                  ragged_capacity: int | None = None, pin_memory: bool = False,
                  allocator: Allocator | None = None, tier: str | None = None, prefault: bool = True) -> None:
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+        if not is_int(capacity) or capacity <= 0:  # (NumPy's 8 is a count, as everywhere in core; True is none)
             raise ConfigurationError(f"capacity must be a positive int, got {capacity!r}.")
+        capacity = int(capacity)
         self.schema = schema
         self.capacity = capacity
         self.device = torch.device(device)

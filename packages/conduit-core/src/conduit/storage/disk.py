@@ -19,6 +19,7 @@ from urllib.parse import quote
 import torch
 
 from conduit.batch import ExperienceBatch
+from conduit.checks import is_int
 from conduit.errors import ConfigurationError, PlacementError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import AppendResult
@@ -112,8 +113,9 @@ class DiskStorage(ColumnarStorage):
 
     def __init__(self, schema: ExperienceSchema, capacity: int, *, directory: str | Path | None = None,
                  ragged_capacity: int | None = None) -> None:
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+        if not is_int(capacity) or capacity <= 0:  # (NumPy's 8 is a count, as everywhere in core; True is none)
             raise ConfigurationError(f"capacity must be a positive int, got {capacity!r}.")
+        capacity = int(capacity)
         # absolute: the files are deleted by path on close() or collection, perhaps after the process changed its
         # working directory (a relative path would then name another directory, and the files would stay behind)
         parent = (Path(directory) if directory is not None else Path(tempfile.gettempdir())).absolute()

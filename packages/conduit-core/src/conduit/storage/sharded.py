@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged
+from conduit.checks import is_int
 from conduit.errors import CapacityError, ConfigurationError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import AppendResult, Storage
@@ -106,8 +107,9 @@ class ShardedStorage(Storage):
 
     def __init__(self, schema: ExperienceSchema, capacity: int, devices: Sequence[torch.device | str], *,
                  ragged_capacity: int | None = None, tier: str = "sharded") -> None:
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+        if not is_int(capacity) or capacity <= 0:  # (NumPy's 8 is a count, as everywhere in core; True is none)
             raise ConfigurationError(f"capacity must be a positive int, got {capacity!r}.")
+        capacity = int(capacity)
         devs = as_devices(devices, ConfigurationError)
         if not devs:
             raise ConfigurationError("ShardedStorage needs at least one device.")
