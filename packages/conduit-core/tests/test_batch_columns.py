@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conduit import ExperienceDataPlane, ExperienceSchema, Field, Ragged, SchemaError
@@ -38,3 +39,16 @@ def test_numpy_reads_columns_that_require_grad_or_carry_a_view_bit() -> None:
     assert out["n"].tolist() == [-1.0, -2.0]
     assert out["r"].tolist() == [[1.0, 2.0], [3.0, 0.0]]
     assert x.tolist() == [1.0, 2.0] and z.tolist() == [1 + 2j, 3 - 4j]  # (the caller's tensors are as given)
+
+
+@pytest.mark.parametrize("index", [1, -2, np.int64(1), torch.tensor(1)])
+def test_select_of_one_integer_is_a_batch_of_that_one_row(index: object) -> None:
+    # c[1] dropped the batch dimension: the obs row [2, 3] came back as a "batch" of its 2 elements (batch_size 2),
+    # and a scalar or ragged column raised IndexError
+    b = ExperienceBatch.from_mapping({"obs": torch.tensor([[0, 1], [2, 3], [4, 5]]), "r": torch.tensor([7, 8, 9]),
+                                      "seq": [torch.arange(1), torch.arange(2), torch.arange(3)]})
+    one = b.select(index)  # type: ignore[arg-type]
+    assert one.batch_size == 1
+    assert one.tensor("obs").tolist() == [[2, 3]] and one.tensor("r").tolist() == [8]
+    seq = one["seq"]
+    assert isinstance(seq, Ragged) and seq.values.tolist() == [0, 1] and seq.lengths.tolist() == [2]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from conduit.checks import is_int
 from conduit.errors import SchemaError
 from conduit.schema import ExperienceSchema
 
@@ -271,8 +272,12 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         return ExperienceBatch({k: (Ragged(c.values.clone(), c.lengths.clone()) if isinstance(c, Ragged)
                                     else c.clone()) for k, c in self._columns.items()}, self.batch_size)
 
-    def select(self, index: torch.Tensor | slice) -> ExperienceBatch:
-        """Rows ``index`` of every column (a copy for tensor indices, a view for slices of fixed fields)."""
+    def select(self, index: torch.Tensor | slice | int) -> ExperienceBatch:
+        """Rows ``index`` of every column (a copy for tensor indices, a view for slices of fixed fields); an integer
+        (or a 0-d integer tensor) selects that one row, as a batch of one item."""
+        if is_int(index) or (isinstance(index, torch.Tensor) and index.dim() == 0 and index.dtype in _INDEX_DTYPES):
+            # (indexing a column with it would drop the batch dimension: a row read as a batch of its elements)
+            index = torch.tensor([int(index)], dtype=torch.int64)
         cols: dict[str, torch.Tensor | Ragged] = {}
         n = -1
         for k, c in self._columns.items():
@@ -366,6 +371,8 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
 
 
 _STRIDED = torch.strided
+#: integer dtypes a 0-d tensor that :meth:`ExperienceBatch.select` reads as one row's index may have
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def _nested_error(name: str) -> str:
