@@ -95,6 +95,21 @@ def test_a_lower_version_after_seal_is_refused_and_changes_nothing(sched: str) -
 
 
 @pytest.mark.parametrize("sched", list(SCHEDULERS))
+def test_an_empty_batch_of_a_newer_version_opens_no_rollout_under_every_scheduler(sched: str) -> None:
+    """A batch of no items changes nothing, so the open rollout's version still rules: Synchronous took version 1
+    after an empty version-2 batch, a queueing scheduler refused it while the empty batch waited in its queue."""
+    with _buffer(sched) as edp:
+        edp.ingest(_items(0, 2), version=1)
+        edp.ingest(_items(0, 0), version=2)
+        edp.ingest(_items(2, 2), version=1)
+        edp.seal()
+        got = _drain(edp)
+    assert [(v, e, m) for v, e, m, _ in got] == [(1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)], got
+    for epoch in (0, 1):
+        assert sorted(x for _, e, _, items in got if e == epoch for x in items) == [0, 1, 2, 3], got
+
+
+@pytest.mark.parametrize("sched", list(SCHEDULERS))
 def test_a_version_between_two_sealed_ones_is_refused(sched: str) -> None:
     """Version 2 sealed by version 6's items, then version 6 sealed: 4 is above 2 but below 6."""
     with _buffer(sched) as edp, _buffer(sched) as twin:

@@ -171,7 +171,10 @@ class Ingestion:
             if self._error is not None:
                 self._raise_failure()
             if self.on_policy and item.version is not None:
-                last = (self._pending or self._inflight or (None,))[-1]
+                # the newest queued batch with items: an empty one opens no rollout (stored, it changes nothing), so
+                # a later batch is checked as it will be once that one is stored, and as Synchronous checks it
+                last = next((h for h in itertools.chain(reversed(self._pending), reversed(self._inflight))
+                             if h.batch.batch_size), None)
                 if last is not None and last.version is not None and item.version < last.version:
                     raise ConfigurationError(f"Version {item.version} arrived after version {last.version}; "
                                              f"on-policy versions must not go backwards.")
