@@ -52,3 +52,15 @@ def test_select_of_one_integer_is_a_batch_of_that_one_row(index: object) -> None
     assert one.tensor("obs").tolist() == [[2, 3]] and one.tensor("r").tolist() == [8]
     seq = one["seq"]
     assert isinstance(seq, Ragged) and seq.values.tolist() == [0, 1] and seq.lengths.tolist() == [2]
+
+
+def test_empty_lists_are_an_empty_batch_for_fixed_fields_too() -> None:
+    # an empty list already meant "no sequences" for a ragged field; for a fixed field torch read it as float32 [0],
+    # refused as "dtype torch.float32, the schema says torch.int64" or "per-item shape ()" for lists of no items
+    schema = ExperienceSchema(obs=Field((3,)), act=Field((), torch.int64), seq=Field((), torch.int64, ragged=True))
+    edp = ExperienceDataPlane(schema, capacity=4)
+    assert edp.ingest({"obs": [], "act": (), "seq": []}).tolist() == []
+    assert edp.ingest({"obs": torch.ones(1, 3), "act": [7], "seq": [[5, 6]]}).tolist() == [0]
+    assert len(edp) == 1
+    b = ExperienceBatch.checked({"obs": [], "act": [], "seq": []}, schema)
+    assert b.batch_size == 0 and b.tensor("obs").shape == (0, 3) and b.tensor("act").dtype == torch.int64

@@ -198,8 +198,8 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         A dict holding exactly the schema's fixed fields as tensors of the right dtype and
         per-item shape, all of one length, is checked in a single pass. A ragged field whose
         sequences are all empty (no elements, so no dtype of their own) takes the schema's
-        dtype and element shape; an empty list for a ragged field is a list of no sequences
-        (an empty batch).
+        dtype and element shape; an empty list for a ragged field is a list of no sequences,
+        for a fixed field a list of no per-item values (an empty batch either way).
 
         Raises:
             SchemaError: as :meth:`from_mapping` and :meth:`validate`.
@@ -209,11 +209,14 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
             if n >= 0:
                 return cls(dict(data), n)
         if isinstance(data, Mapping) and not isinstance(data, ExperienceBatch) and any(
-                isinstance(data.get(name), (list, tuple)) and not data.get(name) for name in schema.ragged):
-            # an empty list for a ragged field is a list of no sequences: an empty Ragged, not a fixed column
-            data = {k: (Ragged(torch.empty((0, *schema[k].shape), dtype=schema[k].dtype),
-                               torch.empty(0, dtype=torch.int64))
-                        if k in schema.ragged and isinstance(v, (list, tuple)) and not v else v)
+                isinstance(data.get(name), (list, tuple)) and not data.get(name) for name in schema):
+            # an empty list for a ragged field is a list of no sequences: an empty Ragged, not a fixed column; for a
+            # fixed field a list of no per-item values: no rows of the field's dtype and shape (torch reads [] as
+            # float32 of shape [0], which no int or shaped field takes)
+            data = {k: ((Ragged(torch.empty((0, *schema[k].shape), dtype=schema[k].dtype),
+                                torch.empty(0, dtype=torch.int64)) if schema[k].ragged
+                         else torch.empty((0, *schema[k].shape), dtype=schema[k].dtype))
+                        if k in schema and isinstance(v, (list, tuple)) and not v else v)
                     for k, v in data.items()}
         b = cls.from_mapping(data)
         for name in schema.ragged:  # sequences that are all empty (e.g. ``[[], []]``) carry no dtype of their own
