@@ -67,6 +67,10 @@ class _OutputRing:
         self._free: list[tuple[int, ...]] = []
         self._rows = 0
         self._i = 0
+        #: (page-locked rings) per buffer, the CUDA event after the copies out of it (:meth:`copied`), or None
+        self._copies: list[Any] = [None] * self.depth
+        #: the buffer :meth:`next` returned last (read under the caller's lock, as ``next`` is called)
+        self.last = 0
 
     def next(self, n: int) -> dict[str, torch.Tensor]:
         if n > self._rows:
@@ -79,12 +83,26 @@ class _OutputRing:
             big = n * self.schema.fixed_item_bytes >= _REUSE_MIN_BYTES
             self._held = [_held(b) for b in self._bufs] if self.reuse_free and big else []
             self._free = [_owners(h) for h in self._held]
+            self._copies = [None] * self.depth  # (the old buffers: the caching host allocator keeps them for them)
         elif not (self._free and _owners(self._held[self._i]) == self._free[self._i]):
             self._i = (self._i + 1) % self.depth
+        ev = self._copies[self._i]
+        if ev is not None:  # the GPU may lag: the CPU must not rewrite a buffer an enqueued copy has yet to read
+            ev.synchronize()
+            self._copies[self._i] = None
+        self.last = self._i
         buf = self._bufs[self._i]
         if n == self._rows:
             return buf
         return {k: v[:n] for k, v in buf.items()}
+
+    def copied(self, i: int, device: torch.device) -> None:
+        """Buffer ``i`` (page-locked) was just read by ``non_blocking`` copies enqueued on ``device``'s current
+        stream: :meth:`next` waits for them before it hands the buffer out again (no-op for other rings)."""
+        if self.pin and device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(device))
+            self._copies[i] = ev
 
 
 #: a buffer's tensors, each with its storage object (held, so that a check makes no new one)
@@ -467,14 +485,17 @@ class ExperienceDataPlane:
             self._check_open()
             sel = self.semantics.select(n, **kwargs)
             k = int(sel.slots.shape[0])
+            gather_out = self._gather_out
             try:
-                batch = self.storage.gather(sel.slots, self._gather_out.next(k))
+                batch = self.storage.gather(sel.slots, gather_out.next(k))
             finally:  # handed over either way: a read that failed consumed the selection (the error says so)
                 self.semantics.after_gather(sel)
             # taken under the lock: a migration may swap the ring, and concurrent deliveries get distinct buffers
+            source = gather_out.last
             dev_bufs = self._device_out.next(k) if self._device_out is not None else None
         if dev_bufs is not None:
             batch = self._to_device(batch, dev_bufs)
+            gather_out.copied(source, self.device)
         self.telemetry.record("deliver", k, self._nbytes(batch), t0, time.perf_counter())
         return batch, sel.info
 
@@ -588,13 +609,20 @@ class ExperienceDataPlane:
         return self.storage.gather(slots, view)
 
     def _to_device(self, batch: ExperienceBatch, out: dict[str, torch.Tensor]) -> ExperienceBatch:
+        """``batch`` on the learner's device: fixed fields into ``out``, ragged ones into new tensors.
+
+        To a GPU the copies are ``non_blocking`` (ordered before the learner's work on its current stream; a
+        page-locked source is kept until they ran, see :meth:`_OutputRing.copied`). To the host they are
+        synchronous: a ``non_blocking`` copy from a GPU into host memory (``.to`` makes that memory page-locked)
+        returns before the bytes arrived, and the host learner would read them early."""
         cols: dict[str, torch.Tensor | Ragged] = {}
+        non_blocking = self.device.type != "cpu"
         for name in self.schema:
             c = batch[name]
             if isinstance(c, Ragged):
-                cols[name] = c.to(self.device, non_blocking=True)
+                cols[name] = c.to(self.device, non_blocking=non_blocking)
             else:
-                cols[name] = out[name].copy_(c, non_blocking=True)
+                cols[name] = out[name].copy_(c, non_blocking=non_blocking)
         return ExperienceBatch(cols, batch.batch_size)
 
     def update_priorities(self, handles: torch.Tensor | np.ndarray, priorities: torch.Tensor | np.ndarray) -> int:
