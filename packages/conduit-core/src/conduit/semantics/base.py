@@ -165,7 +165,9 @@ class Semantics(ABC):
         except ConduitError:
             self.load_state_dict(before)
             raise
-        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        # (LookupError: a key missing, or a state indexed that is a tensor or NumPy scalar; OverflowError: an integer
+        # beyond float64 or the RNG's words)
+        except (LookupError, TypeError, ValueError, AttributeError, RuntimeError, OverflowError) as e:
             self.load_state_dict(before)
             raise ConfigurationError(
                 f"This checkpoint's semantics state does not fit {type(self).__name__} ({type(e).__name__}: {e}); "
