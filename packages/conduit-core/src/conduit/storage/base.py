@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged
+from conduit.checks import is_int
 from conduit.errors import CapacityError, ConfigurationError, SchemaError
 from conduit.schema import ExperienceSchema
 
@@ -163,7 +164,7 @@ class Storage(ABC):
         pool = getattr(self, "ragged_capacity", None)
         if layout is None or pool is None or not self.schema.ragged:
             return None
-        if not (isinstance(layout, Mapping) and isinstance(layout.get("starts"), Mapping)
+        if not (isinstance(layout, Mapping) and is_int(layout.get("pool")) and isinstance(layout.get("starts"), Mapping)
                 and isinstance(layout.get("heads"), Mapping)):
             raise ConfigurationError("This checkpoint's ragged_layout is damaged (expected {'pool': int, 'starts': "
                                      "{field: tensor}, 'heads': {field: int}}); load an undamaged state_dict().")
@@ -241,7 +242,9 @@ class Storage(ABC):
             oldest, nxt = operator.index(state["oldest"]), operator.index(state["next"])
             count, data = nxt - oldest, state["data"]
             items = list(data.items())
-        except (KeyError, TypeError, AttributeError, ValueError) as e:  # ConfigurationError from the schema included
+        # (ConfigurationError from the schema included; LookupError: a schema entry that is a tensor or a NumPy scalar,
+        # indexed by key; RuntimeError: a capacity that is a tensor of several values, whose truth torch refuses)
+        except (LookupError, TypeError, AttributeError, ValueError, RuntimeError, OverflowError) as e:
             raise ConfigurationError(f"This is not a storage checkpoint ({type(e).__name__}: {e}); load the "
                                      f"'storage' part of a state_dict() this storage type wrote.") from e
         if not fits:
