@@ -28,7 +28,7 @@ from conduit.schema import ExperienceSchema
 from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
 from conduit.semantics.onpolicy import OnPolicy, check_version
 from conduit.semantics.replay import Replay
-from conduit.storage.base import Storage
+from conduit.storage.base import AppendResult, Storage
 from conduit.storage.columnar import empty_column, pool_elements
 from conduit.telemetry import Telemetry
 
@@ -394,8 +394,17 @@ class ExperienceDataPlane:
             if self._upgrades:
                 batch = self._current(batch)
             outer, self._writer = self._writer, _get_ident()
+            oldest = self.storage.oldest
             try:
-                res = self.storage.append(batch, evict=self._replay)
+                try:
+                    res = self.storage.append(batch, evict=self._replay)
+                except BaseException:
+                    if self.storage.oldest > oldest:
+                        # a write that failed part way kept the evictions it made (nothing of the batch is live): the
+                        # semantics drop those items, so no draw returns an evicted handle
+                        self.semantics.on_append(AppendResult(self.storage.next_handle, 0, oldest,
+                                                              self.storage.oldest), version=None, priorities=None)
+                    raise
                 self.semantics.on_append(res, version=version, priorities=priorities)
                 if on_stored is not None:
                     on_stored()
