@@ -18,13 +18,37 @@ kernels themselves run on the side stream. Stream order is kept by events:
   caching allocator does not reuse them under the learner;
 * before the CPU overwrites a staging area, it waits for the previous copy out of it.
 
+Storage on a GPU is written on the writing thread's current stream (an ingestion write
+copies into the columns there; a host batch bound for a GPU shard even without blocking),
+and a fill gathers from it on the side stream, which PyTorch creates non-blocking: it
+does not wait for work on the default stream, nor that stream for it. So both are
+ordered under the buffer's lock, in the hold that gathers (:meth:`ChunkRing.before_gather`,
+:meth:`ChunkRing.after_gather`): per GPU the storage lives on, the stream the gather runs
+on first waits for the device's default stream and for the stream that was current on the
+filling thread before the fill, so every write stored before the gather has landed when it
+reads; after the gather, those streams wait for it, so no write stored after it (an
+eviction that overwrites the rows) runs before it has read. Writes are made under that
+lock, so each one is on one side of a gather. That covers Conduit's own writers: its
+ingestion worker writes on the default stream, and a thread that ingests in the caller
+and delivers (``overlap=False``) writes and fills from the same current stream. A user
+thread that stores with another stream current (``torch.cuda.stream(s)`` around an
+in-caller ``ingest``, ``load_state_dict`` or ``migrate``) while a prefetch may gather on
+another thread must make those writes on the default stream instead: let it wait for
+``s`` (``torch.cuda.default_stream(d).wait_stream(s)``) and store inside
+``torch.cuda.stream(torch.cuda.default_stream(d))`` (or use background ingestion, whose
+worker writes on the default stream). A batch produced on a GPU must be ready on the
+stream that stores it, as for any use of a tensor on another stream. The cost: a learner
+that runs on the default stream of the storage's GPU has the gather ordered between its
+kernels there, as a synchronous delivery's gather is (the selection, the host's share of
+the work, still overlaps).
+
 None of this runs without CUDA: there the host side is what the learner gets.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,13 +59,33 @@ from conduit.batch import ExperienceBatch, Ragged
 from conduit.schema import ExperienceSchema
 from conduit.storage.columnar import empty_column
 
-__all__ = ["ChunkRing", "buffers_needed"]
+__all__ = ["ChunkRing", "Fill", "buffers_needed", "storage_devices"]
 
 
 def buffers_needed(g_del: int, output_depth: int) -> int:
     """Chunk buffers for full overlap: the chunk being filled, the one being read, and those
     still holding valid batches (``output_depth - 1`` earlier batches, ``g_del`` per chunk)."""
     return math.ceil(max(0, output_depth - 1) / max(1, g_del)) + 2
+
+
+def storage_devices(storage: Any) -> list[torch.device]:
+    """The devices ``storage`` holds its columns on (every shard's for sharded storage; ``cuda`` without an index
+    read as ``cuda:0``, as a placement reads it)."""
+    devices = getattr(storage, "devices", None)
+    out = [torch.device(d) for d in (devices if devices else [storage.device])]
+    return [torch.device("cuda", 0) if d.type == "cuda" and d.index is None else d for d in out]
+
+
+class Fill:
+    """One fill of a buffer, on CUDA (see :meth:`ChunkRing.filling`): the stream current on the filling thread
+    before the fill, and, between :meth:`ChunkRing.before_gather` and :meth:`ChunkRing.after_gather`, per GPU
+    gathered from, the stream the gather runs on and the streams writes run on that it was ordered after."""
+
+    __slots__ = ("outer", "gathers")
+
+    def __init__(self, outer: Any) -> None:
+        self.outer = outer
+        self.gathers: list[tuple[Any, list[Any]]] = []
 
 
 @dataclass
@@ -154,17 +198,53 @@ class ChunkRing:
                     del self._calls[k]
 
     @contextmanager
-    def filling(self, i: int) -> Iterator[None]:
-        """Fill buffer ``i`` in the body: on CUDA, on the side stream, after the learner is done with it."""
+    def filling(self, i: int) -> Iterator[Fill | None]:
+        """Fill buffer ``i`` in the body: on CUDA, on the side stream, after the learner is done with it.
+
+        Yields what :meth:`before_gather` and :meth:`after_gather` take (``None`` off CUDA)."""
         if not self.cuda:
-            yield
+            yield None
             return
         s = self.slots[i]
+        fill = Fill(torch.cuda.current_stream(self.cuda_device))
         with torch.cuda.stream(self.stream):
             ev = self._calls.get(s.expires) if s.expires else None
             if ev is not None:
                 self.stream.wait_event(ev)
-            yield
+            yield fill
+
+    def before_gather(self, fill: Fill | None, devices: Sequence[torch.device]) -> None:
+        """Under the buffer's lock, right before the gather of ``fill`` from storage on ``devices``: on each GPU
+        among them, the stream the gather runs on (the side stream on this ring's device, else the thread's
+        current one) waits for the writes enqueued so far, on the device's default stream and on the stream
+        current before the fill (see the module docstring). Nothing off CUDA."""
+        if fill is None:
+            return
+        fill.gathers = []
+        for d in devices:
+            if d.type != "cuda":
+                continue
+            gather = torch.cuda.current_stream(d)
+            outer = fill.outer if fill.outer.device == gather.device else gather
+            writers: list[Any] = []
+            for w in (torch.cuda.default_stream(d), outer):
+                if w != gather and w not in writers:
+                    writers.append(w)
+                    gather.wait_stream(w)
+            if writers:
+                fill.gathers.append((gather, writers))
+
+    def after_gather(self, fill: Fill | None) -> None:
+        """Under the buffer's lock, right after the gather of ``fill`` (also one that failed part way): the streams
+        :meth:`before_gather` ordered it after wait for it, so that no write enqueued later on them (an eviction
+        overwriting the rows read) runs before the gather has read. Nothing off CUDA."""
+        if fill is None:
+            return
+        for gather, writers in fill.gathers:
+            ev = gather.record_event()
+            for w in writers:
+                w.wait_event(ev)
+        fill.gathers = []
 
     def filled(self, i: int) -> Any:
         """The event marking the end of buffer ``i``'s fill (``None`` off CUDA)."""

@@ -9,7 +9,9 @@
   select-and-gather into a reused buffer); while the learner updates on one batch, a
   worker thread prepares the next chunk (double/triple buffering, see
   :mod:`conduit.scheduling.buffers`). With a GPU learner and host storage the chunk is
-  gathered into page-locked staging and copied by a side CUDA stream. A prefetch whose
+  gathered into page-locked staging and copied by a side CUDA stream; with storage on a GPU
+  the gather itself runs on that stream, ordered both ways against ingestion writes (see
+  the stream order in :mod:`conduit.scheduling.buffers`). A prefetch whose
   draw finds nothing to deliver yet (a sampler that waits for new items, such as a queue,
   while the items it needs are handed over but not stored) is tried again as soon as the
   ingestion stores more, not only at the next delivery call.
@@ -62,7 +64,8 @@ import math
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,7 +75,7 @@ from conduit.batch import ExperienceBatch
 from conduit.checks import is_bool, is_int, is_real
 from conduit.errors import ConfigurationError, EmptyBufferError
 from conduit.scheduling.base import Scheduler, unattached, wait_refused
-from conduit.scheduling.buffers import ChunkRing, buffers_needed
+from conduit.scheduling.buffers import ChunkRing, Fill, buffers_needed, storage_devices
 from conduit.scheduling.ingestion import Handover, Ingestion
 from conduit.scheduling.worker import Job, Worker
 from conduit.semantics.base import SampleInfo, Selection
@@ -571,9 +574,9 @@ class Overlapped(Scheduler):
             ring = self._ring
             buf = ring.acquire(self._delivered, inside_call=True)
             try:
-                with ring.filling(buf):
-                    out, swapped = self._target(ring, buf)
-                    with self._wanting_buffer_lock():
+                with ring.filling(buf) as fill:
+                    out, swapped = self._target(ring, buf, fill)
+                    with self._wanting_buffer_lock(), self._gathering(ring, fill):
                         batch = self.edp.gather_now([sel], out)
                     (batch,) = self._to_device(ring, buf, [batch], swapped)
                     event = ring.filled(buf)
@@ -610,11 +613,12 @@ class Overlapped(Scheduler):
         try:
             n, kw = key
             epoch = [0]
-            with ring.filling(buf):
-                target, swapped = self._target(ring, buf)
+            with ring.filling(buf) as fill:
+                target, swapped = self._target(ring, buf, fill)
                 if self.on_policy:
-                    res = self.edp.prepare_now([None], target, peek=True,
-                                               when=lambda: self._entered_same_rollout(ticket))
+                    with self._gathering(ring, fill):
+                        res = self.edp.prepare_now([None], target, peek=True,
+                                                   when=lambda: self._entered_same_rollout(ticket))
                 else:
                     draw_beta = 1.0 if call_beta is None else call_beta[0]
                     extra: dict[str, Any] = {"beta": draw_beta} if self.prioritized else {}
@@ -629,7 +633,8 @@ class Overlapped(Scheduler):
                         return self._has_buffer_lock()
 
                     try:
-                        res = self.edp.prepare_now([n] * self._chunk, target, when=stamp, **dict(kw), **extra)
+                        with self._gathering(ring, fill):
+                            res = self.edp.prepare_now([n] * self._chunk, target, when=stamp, **dict(kw), **extra)
                     except EmptyBufferError:
                         if ticket is not None:  # nothing to draw yet: a later write re-arms the prefetch (_rearm)
                             ticket.starved = True
@@ -653,12 +658,14 @@ class Overlapped(Scheduler):
         out[-1].frees_buffer = True
         return out
 
-    def _target(self, ring: ChunkRing, buf: int) -> tuple[Callable[[int], dict[str, torch.Tensor] | None], list[bool]]:
+    def _target(self, ring: ChunkRing, buf: int, fill: Fill | None
+                ) -> tuple[Callable[[int], dict[str, torch.Tensor] | None], list[bool]]:
         """Buffer ``buf`` as a gather's output, checked where the gather runs (under the buffer's lock).
 
         A migration swaps the storage, then tells the scheduler (which rebuilds its buffers for the new
         schema or device); a gather in between gets ``None`` (fresh memory from the storage) instead of
-        buffers sized and placed for the old storage, and the flag returned is set.
+        buffers sized and placed for the old storage, and the flag returned is set. Either way the gather's
+        stream is first ordered after the writes stored so far (``fill``: see :meth:`ChunkRing.before_gather`).
         """
         host = ring.host(buf)
         edp = self.edp
@@ -666,12 +673,26 @@ class Overlapped(Scheduler):
 
         def get(rows: int) -> dict[str, torch.Tensor] | None:
             self._has_buffer_lock()
+            ring.before_gather(fill, storage_devices(edp.storage))
             if ((ring.schema is not edp.schema and ring.schema != edp.schema)
                     or ring.storage_device != edp.storage.device):
                 swapped[0] = True
                 return None
             return host(rows)
         return get, swapped
+
+    @contextmanager
+    def _gathering(self, ring: ChunkRing, fill: Fill | None) -> Iterator[None]:
+        """Hold the buffer's lock around a fill's select-and-gather (the body), and run
+        :meth:`ChunkRing.after_gather` at its end in the same hold, so that a write stored after the gather is
+        ordered after it on the GPU (see :mod:`conduit.scheduling.buffers`). The body takes the same lock again
+        (it is re-entrant); the marks of waiting for it (``_job_entered``, :meth:`_has_buffer_lock`) are set in
+        the body's callbacks under it, as before."""
+        with self.edp.lock:
+            try:
+                yield
+            finally:
+                ring.after_gather(fill)
 
     def _to_device(self, ring: ChunkRing, buf: int, parts: list[ExperienceBatch],
                    swapped: list[bool]) -> list[ExperienceBatch]:
