@@ -66,3 +66,38 @@ def test_rllib_readme_enable_signature_is_the_code_signature() -> None:
             actual.append("*")
         actual.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
     assert documented == actual, f"README: enable({', '.join(documented)}); code: enable({', '.join(actual)})"
+
+
+def test_rllib_readme_demo_commands_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's ``conduit demo ...`` lines are accepted by the demo conduit-rllib registers (parsed, not run:
+    the demo takes minutes)."""
+    pytest.importorskip("conduit_rllib.demo")
+    import argparse
+
+    from conduit.cli import main
+
+    lines = [ln.split("#", 1)[0].split() for block in re.findall(r"```bash\n(.*?)```", _readme("conduit-rllib"), re.S)
+             for ln in block.splitlines() if ln.startswith("conduit demo")]
+    assert len(lines) >= 2 and any(len(argv) > 2 for argv in lines), lines
+
+    class Parsed(BaseException):
+        pass
+
+    parsed_by: list[str] = []
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_only(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        real(self, *args, **kwargs)  # type: ignore[arg-type]
+        parsed_by.append(self.prog)
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    for argv in lines:
+        parsed_by.clear()
+        try:
+            main(argv[1:])
+        except Parsed:
+            pass
+        except SystemExit as e:
+            pytest.fail(f"the RLlib README's `{' '.join(argv)}` is refused by the demo (exit {e.code})")
+        assert parsed_by == ["conduit demo"], f"`{' '.join(argv)}` was not parsed by the RLlib demo: {parsed_by}"

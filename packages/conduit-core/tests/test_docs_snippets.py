@@ -1,6 +1,6 @@
 """What a user copies from the docs works as written: core's package README, the scheduling
-doc's example, every concrete ``conduit ...`` command line in the docs, and the placement
-map's boundaries quoted in ``benchmarks/docs/placement.md``.
+doc's example, every concrete ``conduit ...`` command line in the docs, the benchmark scripts' command
+lines, and the placement map's boundaries quoted in ``benchmarks/docs/placement.md``.
 
 (``test_docs.py`` covers the top-level README's Python blocks and the docstring examples.)
 """
@@ -106,3 +106,89 @@ def test_placement_doc_quotes_the_placement_map_boundaries() -> None:
     assert str(pmap.lookup(item(gpu_d))) == "gpu[cuda:0]" and str(pmap.lookup(item(gpu_d + 1))) != "gpu[cuda:0]"
     assert str(pmap.lookup(item(x2_d))) == "sharded[cuda:0,cuda:1]"
     assert str(pmap.lookup(item(x2_d + 1))) != "sharded[cuda:0,cuda:1]"
+
+
+# -- the benchmark scripts' and the synthetic demo's command lines the docs quote ------------------------------------
+
+#: run in a fresh interpreter (the scripts set environment variables and ``sys.path`` when loaded): each command's
+#: ``parse_args`` runs for real (a refused flag or value exits 2 with argparse's message), and nothing after it does
+_PARSE_ONLY = r"""
+import argparse, json, runpy, sys
+
+class Parsed(BaseException):
+    pass
+
+real = argparse.ArgumentParser.parse_args
+def parse_args(self, args=None, namespace=None):
+    real(self, args, namespace)
+    raise Parsed
+
+argparse.ArgumentParser.parse_args = parse_args
+results = {}
+for where, argv in json.loads(sys.argv[1]):
+    sys.argv = list(argv)
+    try:
+        if argv[0] == "conduit":
+            from conduit.cli import main
+            main(argv[1:])
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
+        results[where] = "ran past its arguments without parsing them"
+    except Parsed:
+        results[where] = "ok"
+    except SystemExit as e:
+        results[where] = f"refused (exit {e.code})"
+print(json.dumps(results))
+"""
+
+
+def _doc_script_commands() -> list[tuple[str, list[str]]]:
+    """The ``benchmarks/scripts/*.py`` command lines of the docs' bash blocks (``[--flag]`` taken as given) and of
+    their inline code with arguments, and the ``conduit demo --synthetic`` ones (core's own demo)."""
+    scripts = {p.name for p in (ROOT / "benchmarks/scripts").glob("*.py")}
+    out = []
+    for path in DOCS:
+        text = path.read_text()
+        blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+        lines = [(ln, True) for block in blocks for ln in block.splitlines()]
+        lines += [(span, False) for span in re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))]
+        for line, in_block in lines:
+            if not re.search(r"\.py\b|conduit demo", line):
+                continue
+            words = shlex.split(line.split("#", 1)[0].replace("[", " ").replace("]", " "))
+            if "..." in words:
+                continue  # a variant of a command quoted before
+            at = next((i for i, w in enumerate(words) if w.endswith(".py") and Path(w).name in scripts), None)
+            if at is not None and (in_block or len(words) > at + 1):
+                out.append((f"{path.relative_to(ROOT)}: {' '.join(words[at:])}",
+                            [str(ROOT / "benchmarks/scripts" / Path(words[at]).name), *words[at + 1:]]))
+            demo = next((i for i, w in enumerate(words) if w.endswith("conduit") and words[i + 1:i + 2] == ["demo"]),
+                        None)
+            if demo is not None and "--synthetic" in words and len(words) > demo + 3:
+                out.append((f"{path.relative_to(ROOT)}: {' '.join(words[demo:])}", ["conduit", *words[demo + 1:]]))
+    return sorted(dict(out).items())  # (a line quoted twice in one doc: once)
+
+
+@pytest.mark.timeout(300)
+def test_documented_script_and_synthetic_demo_commands_parse() -> None:
+    """Each benchmark script's command line as the docs quote it (e.g. ``rllib_breakdown.py dqn --obs-dim 5000
+    --capacity 50000 --iterations 6``) and ``conduit demo --synthetic --obs-dim 1000`` is accepted by the argument
+    parser of what it runs (not run: most take minutes)."""
+    import json
+    import subprocess
+    import sys
+
+    commands = _doc_script_commands()
+    assert len(commands) >= 10, commands
+    takes_none = [(w, argv) for w, argv in commands
+                  if argv[0] != "conduit" and "argparse" not in Path(argv[0]).read_text()]
+    assert all(len(argv) == 1 for _, argv in takes_none), f"given arguments it does not read: {takes_none}"
+    commands = [c for c in commands if c not in takes_none]
+    assert any("rllib_breakdown.py" in w for w, _ in commands) and any("demo --synthetic" in w for w, _ in commands)
+    done = subprocess.run([sys.executable, "-c", _PARSE_ONLY, json.dumps(commands)], capture_output=True, text=True,
+                          timeout=280, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    bad = {w: r for w, r in results.items() if r != "ok"}
+    assert not bad, f"{bad}\n{done.stderr[-3000:]}"
+    assert set(results) == {w for w, _ in commands}
