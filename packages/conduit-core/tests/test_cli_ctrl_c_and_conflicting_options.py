@@ -184,6 +184,6 @@ def test_calibrate_with_no_iterations_after_it_prints_no_zero_medians(capsys: py
     shown as measurements (``conduit demo --synthetic --iterations 0`` says "no iterations")."""
     assert main(["schedule", "calibrate", *TINY, "--warmup", "80", "--iterations", "0"]) == 0
     out = capsys.readouterr().out
-    assert "confirmed by measurement" in out, out  # the choice is still explained
+    assert "measured in the confirm phase" in out, out  # the choice is still explained
     assert "0.00 ms" not in out.split("after calibration")[-1], out
     assert "after calibration: no iterations measured (--iterations 0)" in out, out

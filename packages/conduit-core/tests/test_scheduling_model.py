@@ -213,7 +213,7 @@ def test_cli_calibrate_explains_the_choice(capsys: pytest.CaptureFixture[str]) -
     assert main(["schedule", "calibrate", "--obs-dim", "16", "--batch", "32", "--rollout", "64", "--capacity", "512",
                  "--g-del-max", "2", "--g-ing-max", "2", "--iterations", "1", "--warmup", "14"]) == 0
     out = capsys.readouterr().out
-    assert "chosen: g_ing=" in out and "delivery model:" in out and "confirmed by measurement" in out
+    assert "chosen: g_ing=" in out and "delivery model:" in out and "measured in the confirm phase" in out
 
 
 # -- the docstring examples -----------------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ def test_calibrate_without_warmup_finishes_at_any_number_of_updates(updates: str
     out = _conduit("schedule", "calibrate", "--obs-dim", "8", "--batch", "16", "--rollout", "16", "--capacity", "512",
                    "--updates", updates, "--iterations", "0")
     assert out.returncode == 0, (out.stdout[-800:], out.stderr[-800:])
-    assert "chosen: g_ing=" in out.stdout and "confirmed by measurement" in out.stdout, out.stdout
+    assert "chosen: g_ing=" in out.stdout and "measured in the confirm phase" in out.stdout, out.stdout
 
 
 def test_the_warmup_covers_the_most_deliveries_a_calibration_takes() -> None:

@@ -129,7 +129,7 @@ class Decision:
                       row("ingest, sequential", self.ingest_sequential),
                       row("ingest, overlapped", self.ingest_overlapped)]
         if self.confirmed:
-            lines.append("confirmed by measurement, cycle per delivery: "
+            lines.append("measured in the confirm phase (the reason above says if it decided), cycle per delivery: "
                          + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.confirmed.items()))
         return "\n".join(lines)
 
