@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from conduit.batch import ExperienceBatch
+from conduit.checks import is_int
 from conduit.errors import CapacityError, ConduitError, ConfigurationError, PlacementError, SchemaError
 from conduit.schema import ExperienceSchema
 from conduit.storage.base import Storage
@@ -122,7 +123,8 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
             items fail the migration (PlacementError).
 
     Raises:
-        ConfigurationError: a new schema without a transform; a ``ragged_capacity`` that is no int; the buffer was
+        ConfigurationError: a new schema without a transform; a ``ragged_capacity`` that is no int; a ``chunk_bytes``
+            that is no int >= 1, or a ``progress`` that is not callable; the buffer was
             closed (also by a ``close()`` on another thread while the items were copied: the copy stops, the new
             storage is let go); called holding
             the buffer's lock (inside ``read_locked()``) while the scheduler could drop its prepared deliveries only
@@ -142,6 +144,12 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
                                  f"{type(schema).__name__}.")
     if transform is not None and not callable(transform):
         raise ConfigurationError(f"transform must be a callable old_batch -> new_batch, got {transform!r}.")
+    if not is_int(chunk_bytes) or chunk_bytes < 1:
+        raise ConfigurationError(f"chunk_bytes must be an int >= 1 (bytes copied per hold of the buffer's lock), got "
+                                 f"{chunk_bytes!r}.")
+    if progress is not None and not callable(progress):
+        raise ConfigurationError(f"progress must be a callable (chunks copied, handle copied up to) -> None, or None; "
+                                 f"got {progress!r}.")
     if ragged_capacity is not None:  # refused as the buffer's constructor refuses it, ragged fields or not
         pool_elements(ragged_capacity, edp.capacity)
     new_schema = schema if schema is not None else edp.schema
