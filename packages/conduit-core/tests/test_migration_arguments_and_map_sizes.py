@@ -2,19 +2,26 @@
 
 * ``migrate``'s ``chunk_bytes`` that is no int >= 1 (a string raised a bare TypeError; 0, a negative count, a float
   or a bool were taken silently) and a ``progress`` that is not callable (a bare TypeError after the first chunk)
-  are a ConfigurationError before anything is built or copied.
+  are a ConfigurationError before anything is built or copied;
+* an item size that is no real number (a string, None, a bool, a tensor), looked up in a placement map (directly or
+  through ``AdaptivePlacement.rebalance``), or bounding a map to plan, is a ConfigurationError, not a bare TypeError
+  (a bool or a 0-d tensor was taken as a size); the buffer stays where it is.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from conduit import ConfigurationError, ExperienceDataPlane, ExperienceSchema, Field
-from conduit.placement import HostPlacement
+from conduit.placement import HostPlacement, Planner, load_topology
+from conduit.placement.base import PlacementSpec
+from conduit.placement.cost import Workload
 from conduit.placement.migration import migrate
+from conduit.placement.placement_map import AdaptivePlacement, MapRange, PlacementMap
 
 SCHEMA = ExperienceSchema(obs=Field((3,)))
 
@@ -44,3 +51,43 @@ def test_bad_chunk_bytes_or_progress_is_refused_before_anything_changes(kwargs: 
     report = migrate(edp, HostPlacement(), chunk_bytes=np.int64(12), progress=lambda c, h: seen.append((c, h)))
     assert report.items == 16 and report.chunks > 1 and seen
     assert torch.equal(edp.state_dict()["storage"]["data"]["obs"], before["storage"]["data"]["obs"])
+
+
+BAD_SIZES = ["64", None, True, torch.tensor(64.0)]
+BAD_SIZE_IDS = ["str", "none", "bool", "tensor"]
+
+
+def _map() -> PlacementMap:
+    return PlacementMap([MapRange(1.0, 100.0, PlacementSpec("host", ("cpu",))),
+                         MapRange(100.0, math.inf, PlacementSpec("disk", ("disk",)))],
+                        Workload.from_schema(SCHEMA, capacity=16, batch=4), "test", max_item_bytes=1000.0)
+
+
+@pytest.mark.parametrize("size", BAD_SIZES, ids=BAD_SIZE_IDS)
+def test_a_map_refuses_an_item_size_that_is_no_number(size: Any) -> None:
+    pmap = _map()
+    with pytest.raises(ConfigurationError, match="item_bytes"):
+        pmap.lookup(size)
+    with pytest.raises(ConfigurationError, match="item_bytes"):
+        pmap.range_of(size)
+    assert pmap.lookup(np.float64(12.0)) == PlacementSpec("host", ("cpu",))  # a NumPy number is a number
+
+
+@pytest.mark.parametrize("size", ["64", True, torch.tensor(64.0)], ids=["str", "bool", "tensor"])  # (None: observe)
+def test_rebalance_with_an_item_size_that_is_no_number_is_refused_and_moves_nothing(size: Any) -> None:
+    edp = _buffer()
+    storage, placement = edp.storage, edp.placement
+    adaptive = AdaptivePlacement(_map())
+    with pytest.raises(ConfigurationError, match="item_bytes"):
+        adaptive.rebalance(edp, item_bytes=size)
+    assert edp.storage is storage and edp.placement is placement and not adaptive.migrations
+    assert adaptive.rebalance(edp, item_bytes=12.0) is None  # host already: the map keeps it there
+
+
+@pytest.mark.parametrize("bounds", [("1", 100), (None, 100), (1, "100"), (True, 100)],
+                         ids=["str-min", "none-min", "str-max", "bool-min"])
+def test_a_map_to_plan_between_sizes_that_are_no_numbers_is_refused(bounds: tuple[Any, Any]) -> None:
+    planner = Planner(load_topology("dgx-a100-80g"))
+    with pytest.raises(ConfigurationError, match="min_item_bytes"):
+        planner.placement_map(Workload.from_schema(SCHEMA, capacity=16, batch=4), min_item_bytes=bounds[0],
+                              max_item_bytes=bounds[1], points=2)

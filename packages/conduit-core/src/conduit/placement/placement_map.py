@@ -110,7 +110,7 @@ class PlacementMap:
         """Plan over ``[min_item_bytes, max_item_bytes]`` (see :meth:`Planner.placement_map`).
 
         Raises:
-            ConfigurationError: not ``0 < min_item_bytes <= max_item_bytes`` (both finite), or ``points``
+            ConfigurationError: not ``0 < min_item_bytes <= max_item_bytes`` (both finite real numbers), or ``points``
                 is not an int in ``[2, MAX_POINTS]``.
             PlacementError: the planner refuses the workload whatever its item size (e.g. more learners
                 than GPUs): only sizes that fit nowhere (:class:`~conduit.placement.planner.NothingFitsError`)
@@ -118,9 +118,10 @@ class PlacementMap:
         """
         from conduit.placement.planner import NothingFitsError
 
-        if not 0 < min_item_bytes <= max_item_bytes < math.inf:
-            raise ConfigurationError(f"Need 0 < min_item_bytes <= max_item_bytes, both finite, got {min_item_bytes}, "
-                                     f"{max_item_bytes}.")
+        if not (is_real(min_item_bytes) and is_real(max_item_bytes)
+                and 0 < min_item_bytes <= max_item_bytes < math.inf):
+            raise ConfigurationError(f"Need numbers 0 < min_item_bytes <= max_item_bytes, both finite, got "
+                                     f"{min_item_bytes!r}, {max_item_bytes!r}.")
         if isinstance(points, bool) or not isinstance(points, int) or not 2 <= points <= MAX_POINTS:
             raise ConfigurationError(f"points must be an int >= 2 and at most {MAX_POINTS} (grid sizes planned before "
                                      f"the boundaries are refined by bisection), got {points!r}.")
@@ -182,9 +183,9 @@ class PlacementMap:
         :attr:`max_item_bytes`: its last, which :meth:`lookup` refuses for them).
 
         Raises:
-            ConfigurationError: ``item_bytes`` is NaN or negative.
+            ConfigurationError: ``item_bytes`` is no real number (a string, None, a bool), NaN or negative.
         """
-        if not item_bytes >= 0:
+        if not is_real(item_bytes) or not item_bytes >= 0:
             raise ConfigurationError(f"item_bytes must be a number >= 0, got {item_bytes!r}.")
         i = bisect.bisect_right([r.lo for r in self.ranges], item_bytes) - 1
         return self.ranges[max(0, i)]
@@ -196,7 +197,7 @@ class PlacementMap:
             PlacementError: nothing fits items of this size, or ``item_bytes`` exceeds
                 :attr:`max_item_bytes` (nothing checked that the last range's placement holds
                 such items: re-plan with a larger ``max_item_bytes``).
-            ConfigurationError: ``item_bytes`` is NaN or negative.
+            ConfigurationError: ``item_bytes`` is no real number, NaN or negative.
         """
         r = self.range_of(item_bytes)
         if r.spec is None:
@@ -437,6 +438,7 @@ class AdaptivePlacement(Placement):
                 pools (after a move: the target's, see below) take more memory than the map checked
                 for the placement (:meth:`check_pool`), or the migration failed; nothing was migrated
                 and the buffer is unchanged.
+            ConfigurationError: ``item_bytes`` is no real number, NaN or negative (the buffer is unchanged).
 
         A move sizes the target's ragged pools for the new size (:meth:`pool_for`), never below the
         current pools (which hold the live items: none is lost).
