@@ -5,7 +5,9 @@
   are a ConfigurationError before anything is built or copied;
 * an item size that is no real number (a string, None, a bool, a tensor), looked up in a placement map (directly or
   through ``AdaptivePlacement.rebalance``), or bounding a map to plan, is a ConfigurationError, not a bare TypeError
-  (a bool or a 0-d tensor was taken as a size); the buffer stays where it is.
+  (a bool or a 0-d tensor was taken as a size); the buffer stays where it is;
+* ``paper_schedule`` with fewer iterations than stage sizes is refused: it silently left the largest sizes out (the
+  default five stages over 4 iterations never reached 20000, so the growth experiment had nothing to migrate for).
 """
 
 from __future__ import annotations
@@ -91,3 +93,14 @@ def test_a_map_to_plan_between_sizes_that_are_no_numbers_is_refused(bounds: tupl
     with pytest.raises(ConfigurationError, match="min_item_bytes"):
         planner.placement_map(Workload.from_schema(SCHEMA, capacity=16, batch=4), min_item_bytes=bounds[0],
                               max_item_bytes=bounds[1], points=2)
+
+
+@pytest.mark.parametrize("iterations,sizes", [(4, None), (1, (128, 1000)), (2, (1, 2, 3))])
+def test_a_schedule_with_fewer_iterations_than_stages_is_refused(iterations: int, sizes: Any) -> None:
+    from conduit.placement.growth import paper_schedule
+
+    kwargs = {} if sizes is None else {"sizes": sizes}
+    with pytest.raises(ConfigurationError, match="stages"):
+        paper_schedule(iterations, **kwargs)
+    every = paper_schedule(5) if sizes is None else paper_schedule(len(sizes), sizes)
+    assert every == sorted(set(every)) == list(sizes or (128, 1000, 5000, 10000, 20000)), "a stage was left out"

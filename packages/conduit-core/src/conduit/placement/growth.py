@@ -34,12 +34,17 @@ def paper_schedule(iterations: int = 40, sizes: Sequence[int] = (128, 1000, 5000
     """Observation sizes growing from 128 to 20000 in equal stages over ``iterations``.
 
     Raises:
-        ConfigurationError: ``iterations`` is not an int >= 1, or ``sizes`` is empty.
+        ConfigurationError: ``iterations`` is not an int >= 1, ``sizes`` is empty, or there are fewer
+            iterations than sizes (a stage would get no iteration: the largest sizes would be left out).
     """
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ConfigurationError(f"iterations must be an int >= 1, got {iterations!r}.")
     if not sizes:
         raise ConfigurationError("sizes is empty; give the observation sizes of the stages, e.g. (128, 1000).")
+    if iterations < len(sizes):
+        raise ConfigurationError(f"{iterations} iterations cannot hold the {len(sizes)} stages of sizes {tuple(sizes)} "
+                                 f"(each stage needs at least one iteration; the largest sizes would be left out). "
+                                 f"Give iterations >= {len(sizes)}, or fewer sizes.")
     per = iterations / len(sizes)
     return [sizes[min(len(sizes) - 1, int(i / per))] for i in range(iterations)]
 
