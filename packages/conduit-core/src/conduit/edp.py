@@ -338,15 +338,17 @@ class ExperienceDataPlane:
         return out
 
     def _ingest_rows(self, columns: dict[str, Any], t0: float) -> torch.Tensor | None:
-        """:meth:`ingest`, for the common case in one step: synchronous replay, no migration pending, and a dict
-        that the storage checks and stores whole (:meth:`Storage.append_rows`: the host ring's compiled row store
-        takes exact tensors of the schema's fields). Stores, evicts, updates the sampler and records telemetry as
-        the general path does, without building an :class:`ExperienceBatch`. None, with nothing changed, for any
-        other buffer or batch: the general path then validates it, and stores or refuses it."""
+        """:meth:`ingest`, for the common case in one step: synchronous replay and a dict that the storage checks
+        and stores whole (:meth:`Storage.append_rows`: the host ring's compiled row store takes exact tensors of the
+        schema's fields). Stores, evicts, updates the sampler and records telemetry as the general path does, without
+        building an :class:`ExperienceBatch`. None, with nothing changed, for any other buffer or batch: the general
+        path then validates it, and stores or refuses it. Also after a migration to a new schema: the storage takes
+        only a dict of the current schema's fields, which the general path stores untransformed too (a batch of a
+        replaced schema goes the general path)."""
         if type(self.semantics) is not Replay:  # (Replay.check_ingest refuses nothing without priorities)
             return None
         with self._lock:
-            if self.closed or self._upgrades:
+            if self.closed:
                 return None
             outer, self._writer = self._writer, _get_ident()
             try:
