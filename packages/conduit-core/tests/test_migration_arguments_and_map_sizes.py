@@ -5,7 +5,8 @@
   are a ConfigurationError before anything is built or copied;
 * an item size that is no real number (a string, None, a bool, a tensor), looked up in a placement map (directly or
   through ``AdaptivePlacement.rebalance``), or bounding a map to plan, is a ConfigurationError, not a bare TypeError
-  (a bool or a 0-d tensor was taken as a size); the buffer stays where it is;
+  (a bool or a 0-d tensor was taken as a size); the buffer stays where it is; so is a map's ``max_item_bytes`` or an
+  ``AdaptivePlacement``'s ``mean_ragged_length`` that is no real number;
 * ``paper_schedule`` with fewer iterations than stage sizes is refused: it silently left the largest sizes out (the
   default five stages over 4 iterations never reached 20000, so the growth experiment had nothing to migrate for).
 """
@@ -104,3 +105,15 @@ def test_a_schedule_with_fewer_iterations_than_stages_is_refused(iterations: int
         paper_schedule(iterations, **kwargs)
     every = paper_schedule(5) if sizes is None else paper_schedule(len(sizes), sizes)
     assert every == sorted(set(every)) == list(sizes or (128, 1000, 5000, 10000, 20000)), "a stage was left out"
+
+
+@pytest.mark.parametrize("value", ["1000", True], ids=["str", "bool"])
+def test_a_map_maximum_or_a_mean_ragged_length_that_is_no_number_is_refused(value: Any) -> None:
+    ranges = [MapRange(1.0, math.inf, PlacementSpec("host", ("cpu",)))]
+    workload = Workload.from_schema(SCHEMA, capacity=16, batch=4)
+    with pytest.raises(ConfigurationError, match="max_item_bytes"):
+        PlacementMap(ranges, workload, "test", max_item_bytes=value)
+    with pytest.raises(ConfigurationError, match="mean_ragged_length"):
+        AdaptivePlacement(_map(), mean_ragged_length=value)
+    with pytest.raises(ConfigurationError, match="mean_ragged_length"):
+        AdaptivePlacement(_map(), mean_ragged_length=None)  # type: ignore[arg-type]

@@ -74,8 +74,8 @@ class PlacementMap:
     Raises:
         ConfigurationError: no ranges, an item that is not a :class:`MapRange`, a range that is
             empty or not a number, ranges that are unsorted or leave gaps (``hi`` of one must be
-            ``lo`` of the next), or a ``max_item_bytes`` that is NaN, negative, infinite or beyond
-            the last range's end.
+            ``lo`` of the next), or a ``max_item_bytes`` that is no real number, NaN, negative, infinite or
+            beyond the last range's end.
     """
 
     def __init__(self, ranges: list[MapRange], workload: Workload, topology: str, *,
@@ -92,7 +92,7 @@ class PlacementMap:
             if i and ranges[i - 1].hi != r.lo:
                 raise ConfigurationError(f"Placement map ranges must be sorted and contiguous: range {i - 1} ends at "
                                          f"{ranges[i - 1].hi} B, range {i} starts at {r.lo} B.")
-        if max_item_bytes is not None and not 0 <= max_item_bytes < math.inf:
+        if max_item_bytes is not None and not (is_real(max_item_bytes) and 0 <= max_item_bytes < math.inf):
             raise ConfigurationError(f"max_item_bytes must be a finite number >= 0 (the largest item size the map was "
                                      f"planned for; or None: the last range's end), got {max_item_bytes!r}.")
         if max_item_bytes is not None and max_item_bytes > ranges[-1].hi:  # (sizes there are in no range)
@@ -261,14 +261,15 @@ class AdaptivePlacement(Placement):
         window: recent ingestion calls averaged to observe the current item size (>= 1).
 
     Raises:
-        ConfigurationError: ``window`` < 1, or a negative or non-finite ``mean_ragged_length``.
+        ConfigurationError: ``window`` < 1, or a ``mean_ragged_length`` that is no real number, negative or
+            non-finite.
     """
 
     def __init__(self, placement_map: PlacementMap, *, directory: str | Path | None = None,
                  mean_ragged_length: float = 0.0, window: int = 32) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigurationError(f"window must be an int >= 1 (ingestion calls averaged), got {window!r}.")
-        if not 0 <= mean_ragged_length < math.inf:
+        if not (is_real(mean_ragged_length) and 0 <= mean_ragged_length < math.inf):
             raise ConfigurationError(f"mean_ragged_length must be a finite number >= 0, got {mean_ragged_length!r}.")
         self.map = placement_map
         self.directory = directory
