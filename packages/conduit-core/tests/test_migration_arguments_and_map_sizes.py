@@ -56,6 +56,17 @@ def test_bad_chunk_bytes_or_progress_is_refused_before_anything_changes(kwargs: 
     assert torch.equal(edp.state_dict()["storage"]["data"]["obs"], before["storage"]["data"]["obs"])
 
 
+
+def test_a_transform_with_the_schema_unchanged_is_refused_before_anything_changes() -> None:
+    """(Was: accepted; the stored items went through it, batches still on their way to storage did not: a buffer
+    of items of two kinds.)"""
+    edp = _buffer()
+    storage, before = edp.storage, edp.state_dict()
+    with pytest.raises(ConfigurationError, match="schema is unchanged"):
+        edp.migrate(HostPlacement(), transform=lambda b: {"obs": b["obs"] * 0})
+    assert edp.storage is storage
+    assert torch.equal(edp.state_dict()["storage"]["data"]["obs"], before["storage"]["data"]["obs"])
+
 BAD_SIZES = ["64", None, True, torch.tensor(64.0)]
 BAD_SIZE_IDS = ["str", "none", "bool", "tensor"]
 

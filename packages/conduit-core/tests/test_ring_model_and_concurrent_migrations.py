@@ -283,10 +283,16 @@ def test_replay_migrations_under_two_producers_and_a_learner_lose_duplicate_and_
                           ShardedPlacement(["cpu"] * 2), HostPlacement()]:
             report = migrate(edp, placement, chunk_bytes=600)
             assert report.items == 300 and report.chunks > 1
-        with pytest.raises(SchemaError):  # a migration failing part way, while the others go on
+        with pytest.raises(SchemaError):  # a migration to a grown schema failing part way, while the others go on
             calls = iter(range(1000))
-            migrate(edp, ShardedPlacement(["cpu"] * 2), chunk_bytes=600, schema=SCHEMA,
-                    transform=lambda b: b if next(calls) < 4 else {"id": b["id"]})
+            grown = ExperienceSchema(**dict(SCHEMA), flag=Field((), torch.int64))
+
+            def grow(b: ExperienceBatch) -> dict[str, Any]:
+                if next(calls) >= 4:
+                    return {"id": b["id"]}  # (the fifth chunk: fields missing)
+                return {**{k: b[k] for k in SCHEMA}, "flag": torch.zeros(b.batch_size, dtype=torch.int64)}
+
+            migrate(edp, ShardedPlacement(["cpu"] * 2), chunk_bytes=600, schema=grown, transform=grow)
         assert isinstance(edp.storage, ColumnarStorage) and edp.storage.tier == "host"
     finally:
         stop.set()

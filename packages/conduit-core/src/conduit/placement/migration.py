@@ -123,7 +123,8 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
             items fail the migration (PlacementError).
 
     Raises:
-        ConfigurationError: a new schema without a transform; a ``ragged_capacity`` that is no int; a ``chunk_bytes``
+        ConfigurationError: a new schema without a transform, or a transform with the schema unchanged; a
+            ``ragged_capacity`` that is no int; a ``chunk_bytes``
             that is no int >= 1, or a ``progress`` that is not callable; the buffer was
             closed (also by a ``close()`` on another thread while the items were copied: the copy stops, the new
             storage is let go); called holding
@@ -156,6 +157,10 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
     if new_schema != edp.schema and transform is None:
         raise ConfigurationError("Migrating to a new schema needs transform=old_batch -> new_batch (e.g. zero-pad "
                                  "the grown fields); or migrate with the current schema.")
+    if new_schema == edp.schema and transform is not None:  # (it would rewrite the stored items, not those in flight)
+        raise ConfigurationError("transform= maps old-schema batches to a new schema, and the schema is unchanged: "
+                                 "batches still on their way to storage would not go through it. Drop transform=, "
+                                 "or pass the new schema= it maps to.")
     edp.flush()
     if edp.holds_lock():
         # called holding the buffer's lock (inside read_locked, or a callback), a scheduler may be
