@@ -89,7 +89,12 @@ class Ragged:
         if len(shapes) > 1:  # (torch.cat would raise a RuntimeError that names no field)
             raise SchemaError(f"The per-item sequences have elements of different shapes "
                               f"({', '.join(map(str, sorted(shapes)))}); give every element the field's element shape.")
-        values = torch.cat(parts) if parts else torch.empty(0)
+        try:
+            values = torch.cat(parts) if parts else torch.empty(0)
+        except RuntimeError as e:  # only empty sequences, whose element shapes differ (no element to go by)
+            raise SchemaError(f"The per-item sequences are all empty but have elements of different shapes "
+                              f"({', '.join(map(str, sorted({tuple(t.shape[1:]) for t in parts})))}); give every "
+                              f"sequence the field's element shape.") from e
         return cls(values, lengths)
 
     @property
@@ -276,8 +281,12 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                                     else c.clone()) for k, c in self._columns.items()}, self.batch_size)
 
     def select(self, index: torch.Tensor | slice | int) -> ExperienceBatch:
-        """Rows ``index`` of every column (a copy for tensor indices, a view for slices of fixed fields); an integer
-        (or a 0-d integer tensor) selects that one row, as a batch of one item."""
+        """Rows ``index`` of every column (a copy for tensor indices and for slices with a negative step, a view for
+        other slices of fixed fields); an integer (or a 0-d integer tensor) selects that one row, as a batch of one
+        item."""
+        if isinstance(index, slice) and index.step is not None and index.step < 0:
+            # (torch slices take no negative step: the rows in that order, as Python's slicing gives them)
+            index = torch.tensor(range(self.batch_size)[index], dtype=torch.int64)
         if is_int(index) or (isinstance(index, torch.Tensor) and index.dim() == 0 and index.dtype in _INDEX_DTYPES):
             # (indexing a column with it would drop the batch dimension: a row read as a batch of its elements)
             index = torch.tensor([int(index)], dtype=torch.int64)
