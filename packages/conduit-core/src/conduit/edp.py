@@ -643,8 +643,9 @@ class ExperienceDataPlane:
             How many handles were live; updates for evicted handles are ignored.
 
         Raises:
-            PriorityError: NaN, infinite or negative priorities, a length mismatch, or a handle this buffer
-                never issued (negative, or beyond the last item ingested); no priority changes then.
+            PriorityError: NaN, infinite or negative priorities, priorities that are no numbers (bools, strings),
+                a length mismatch, or a handle this buffer never issued (negative, or beyond the last item
+                ingested); no priority changes then.
             ConfigurationError: the buffer is not prioritized.
         """
         if not isinstance(self.semantics, Replay):

@@ -114,7 +114,7 @@ class OnPolicy(Semantics):
             raise ConfigurationError(f"num_epochs must be a positive int, got {num_epochs!r}.")
         if not _non_negative_number(max_staleness):
             raise ConfigurationError(f"max_staleness must be a number >= 0 (versions), got {max_staleness!r}.")
-        if on_stale not in ("drop", "raise"):
+        if not isinstance(on_stale, str) or on_stale not in ("drop", "raise"):  # (np.array(["drop"]) is "in" them)
             raise ConfigurationError(f"on_stale must be 'drop' or 'raise', got {on_stale!r}.")
         if not is_bool(shuffle):  # (a string such as "no" is truthy: it shuffled)
             raise ConfigurationError(f"shuffle must be True or False, got {shuffle!r}.")

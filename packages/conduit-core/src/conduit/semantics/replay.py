@@ -229,6 +229,8 @@ class PrioritizedSampler(Sampler):
         """:meth:`check`, and the largest priority (0.0 for none), which the check reads anyway."""
         try:
             if isinstance(priorities, torch.Tensor):
+                if priorities.dtype is torch.bool:
+                    raise TypeError("bool values")  # (True would be read as priority 1)
                 if priorities.is_complex():
                     raise TypeError("complex values")  # NumPy would drop the imaginary parts with a warning
                 if priorities.is_floating_point():
@@ -237,6 +239,10 @@ class PrioritizedSampler(Sampler):
             else:
                 if np.iscomplexobj(priorities):
                     raise TypeError("complex values")
+                kind = np.asarray(priorities).dtype.kind
+                if kind in "bUS" or kind == "O" and any(isinstance(x, (str, bytes, bool, np.bool_))
+                                                         for x in np.asarray(priorities).flat):
+                    raise TypeError("bool or string values")  # (NumPy would read "1.0" as 1.0 and True as 1.0)
                 p = np.asarray(priorities, dtype=np.float64).reshape(-1)
         except (TypeError, ValueError, RuntimeError) as e:  # (RuntimeError: a meta or nested tensor torch cannot read)
             raise PriorityError(f"Priorities must be real numbers (a float tensor or array, one per item), got "
