@@ -294,7 +294,8 @@ class ExperienceDataPlane:
                 or lists of sequences for ragged fields).
 
         Keyword Args:
-            version: the policy version that produced the batch (required on-policy).
+            version: the policy version that produced the batch (required on-policy; replay semantics keep no versions
+                and ignore it, so that one producer can feed either kind of buffer).
             priorities: initial priorities (prioritized replay only; default: the max seen).
 
         Returns:

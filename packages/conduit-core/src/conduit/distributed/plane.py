@@ -449,7 +449,8 @@ class DistributedDataPlane:
                 staged on a producer's node.
 
         Keyword Args:
-            version: the producing policy version (required on-policy).
+            version: the producing policy version (required on-policy; replay semantics keep no versions and
+                ignore it, so that one producer can feed either kind of buffer).
             priorities: initial priorities (prioritized replay only).
             node: the producer's node id (default: the ref's node, or this process's node), one of
                 this Ray cluster's (alive or dead).
