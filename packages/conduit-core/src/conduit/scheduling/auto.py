@@ -532,12 +532,14 @@ class Automatic(Scheduler):
         buffers fit ``memory_budget`` for this call's batch size ``n`` (the probe range was sized from the first
         delivery, which may have been smaller), and let go of chunk buffers from earlier calls that would take the
         probe's buffers over the budget (see :meth:`_trim_buffers`). ``g_del = 1`` stays when even that does not
-        fit. A size the semantics refuse is left to them."""
+        fit. A later call whose batch fits goes back to the probed value. A size the semantics refuse is left to
+        them."""
         if self.on_policy or self.memory_budget is None or not is_int(n) or n <= 0:
             return
         batch_bytes = _item_bytes(self.edp) * int(n)
-        g = self._fitting_g_del(int(self.inner.g_del), batch_bytes)
-        if g < self.inner.g_del:
+        planned = self._del_plan[0] if self._del_plan else self.inner.g_del  # (not a value an earlier call lowered)
+        g = self._fitting_g_del(int(planned), batch_bytes)
+        if g != self.inner.g_del:
             self.inner.retune(g_del=g)
         self._trim_buffers(int(n), batch_bytes, room_for_a_chunk=True)
 
