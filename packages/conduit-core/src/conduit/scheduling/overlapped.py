@@ -115,12 +115,15 @@ class _Ticket:
     """One prefetch job's cancellation mark, read by the job under the buffer's lock as it enters (see
     :meth:`Overlapped._await_job`), and what its draw found (see :meth:`Overlapped._rearm`)."""
 
-    __slots__ = ("cancelled", "seen", "starved", "rearming")
+    __slots__ = ("cancelled", "seen", "starved", "rearming", "drawn_from")
 
     def __init__(self) -> None:
         self.cancelled = False
         #: the ingestion's writes stored when the job's draw began (read under the buffer's lock); None: not drawn
         self.seen: int | None = None
+        #: the semantics' draw state before the job's draw (:meth:`Semantics.draw_state`; None: not drawn, or
+        #: semantics that cannot give draws back), for a job that fails after drawing (see Overlapped._await_job)
+        self.drawn_from: Any = None
         #: the draw found nothing to deliver (EmptyBufferError): a later write re-arms the prefetch
         self.starved = False
         #: a re-arm check waits on the prefetch worker
@@ -630,6 +633,7 @@ class Overlapped(Scheduler):
                         self._job_entered = True
                         if ticket is not None:
                             ticket.seen = self._ingestion.stored
+                            ticket.drawn_from = self.edp.semantics.draw_state()
                         return self._has_buffer_lock()
 
                     try:
@@ -789,7 +793,9 @@ class Overlapped(Scheduler):
         Prefetch is speculative: whatever made it fail (nothing to draw yet, a storage error) is
         met again by the delivery call that prepares in the caller, and raised there, to the
         call it concerns, instead of from a later call (or ``close``/``invalidate``) that has
-        its own work done. A job that found nothing to draw is tried again when a write stores
+        its own work done. A job that failed after it drew (a read error) gives its draws back
+        (:meth:`_rewind`), so that the call draws what a synchronous delivery would, instead of
+        skipping them. A job that found nothing to draw is tried again when a write stores
         more before that delivery (see :meth:`_rearm`).
 
         When this thread holds the buffer's lock (inside ``read_locked()``, or a callback the buffer runs under
@@ -817,7 +823,9 @@ class Overlapped(Scheduler):
             self._job = None
             self._ready.extend(job.result())
         except Exception:  # noqa: BLE001 - see the docstring: the caller's own preparation reports it
-            pass
+            drawn, self._ticket.drawn_from = self._ticket.drawn_from, None
+            if drawn is not None and not self.edp.closed:  # (its draws come after those of the batches prepared)
+                self._rewind(drawn)
         finally:
             self._awaited = None
 
