@@ -217,7 +217,7 @@ def test_rows_replicated_after_an_ingestion_are_the_segments_it_added(fake_ray, 
     assert p.index._hi == p.index._first.shape[0] - 1
     seen: list[tuple[int, int]] = []
 
-    def fake_store(payload, runs, row_bytes, oldest, copies=None):
+    def fake_store(payload, runs, row_bytes, oldest, copies=None, **_):
         return [(0, 1, [(0, 900)]), (1, 1, [(1, 900)])]  # two single-replica segments
 
     def record(rows):

@@ -88,15 +88,29 @@ def test_fifo_eviction_across_exactly_full_shards_keeps_the_newest_items(replica
 
 @pytest.mark.usefixtures("fake_ray")
 def test_a_refusal_for_a_full_ragged_pool_says_to_raise_ragged_capacity():
-    """Shard 0's slots are full; shard 1 has a free slot but its ragged pool is full, so it refuses the item
-    and the retry finds no slot: the error said only "shard_capacity is too small. Raise shard_capacity or
-    add shard servers", nothing about the pool."""
+    """On-policy (which never evicts unconsumed data): shard 0's slots are full; shard 1 has a free slot but its
+    ragged pool is full, so it refuses the item and the retry finds no slot: the error said only "shard_capacity is
+    too small. Raise shard_capacity or add shard servers", nothing about the pool."""
+    p = _plane(["a", "b"], schema=RAGGED, capacity=4, shard_capacity=2, ragged_capacity=8,
+               semantics=OnPolicy(num_minibatches=1))
+    p.ingest(_ragged_batch([0, 1], 1), node="a", version=0)
+    p.ingest(_ragged_batch([2], 8), node="b", version=0)
+    with pytest.raises(ClusterError, match="ragged_capacity"):
+        p.ingest(_ragged_batch([3], 1), node="b", version=0)
+    assert sorted(p.read(p.live_handles())["id"].tolist()) == [0, 1, 2] and len(p) == 3, "nothing changed"
+
+
+@pytest.mark.usefixtures("fake_ray")
+def test_a_replay_buffer_whose_pools_are_full_evicts_the_oldest_item_as_a_single_node_one_does():
+    """Replay, the same buffer: the slots have room (3 of 4) but no shard can take the item, so the oldest item
+    (0, on shard 0) is evicted, FIFO, and the new one stored there, as a single-node buffer evicts for pool room.
+    The write was refused (ClusterError) for as long as the pools stayed full: the buffer took no new data."""
     p = _plane(["a", "b"], schema=RAGGED, capacity=4, shard_capacity=2, ragged_capacity=8)
     p.ingest(_ragged_batch([0, 1], 1), node="a")
     p.ingest(_ragged_batch([2], 8), node="b")
-    with pytest.raises(ClusterError, match="ragged_capacity"):
-        p.ingest(_ragged_batch([3], 1), node="b")
-    assert sorted(p.read(p.live_handles())["id"].tolist()) == [0, 1, 2] and len(p) == 3, "nothing changed"
+    h = p.ingest(_ragged_batch([3], 1), node="b")
+    assert h.tolist() == [3] and p.index.oldest == 1
+    assert p.read(p.live_handles())["id"].tolist() == [1, 2, 3] and len(p) == 3 and not p.lost_items
 
 
 # -- prioritized replay and lost shards -------------------------------------------------------------------

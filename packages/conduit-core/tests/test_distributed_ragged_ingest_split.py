@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-from conduit import OnPolicy
+import torch
+from conduit import ExperienceDataPlane, OnPolicy, PrioritizedSampler, Replay
 from conduit.distributed.errors import ClusterError
 from conduit.distributed.experience import stage
 from conduit.distributed.plane import DistributedDataPlane
@@ -179,11 +181,64 @@ def test_a_batch_that_does_not_fit_the_partly_filled_pools_even_in_single_items_
     assert p.read(p.live_handles())["id"].tolist() == [100, 101, 0, 1] and not p.lost_items
 
 
+def _single_node_ids(lengths: list[int], capacity: int, pool: int) -> list[int]:
+    """The ids a single-node replay buffer holds after ingesting one item of each length (ids 0, 1, ...)."""
+    single = ExperienceDataPlane(RAGGED, capacity=capacity, ragged_capacity=pool)
+    for i, length in enumerate(lengths):
+        single.ingest(_ragged_batch([i], length))
+    handles = torch.arange(single.storage.oldest, single.storage.next_handle)
+    return single.storage.gather(handles % capacity)["id"].tolist()
+
+
+@pytest.mark.usefixtures("fake_ray")
+@pytest.mark.parametrize("replication", [1, 2])
+def test_a_replay_buffer_whose_pools_are_full_evicts_the_oldest_items_over_the_union(replication):
+    """Items of 4 elements into pools of 8 (two items each) with free slots: an item no pool had room for was
+    refused (ClusterError "No live shard can take the items"), and every later one, while a single-node replay
+    buffer evicts the oldest items for pool room. Now the oldest items go, FIFO over the union of the shards: the
+    buffer holds what a single-node one with the pools' room holds, evicted items leave the priority total, and
+    with replication=2 copies go where the pools leave room (short ones counted in ``under_replicated``), as for
+    any batch too large for one pool."""
+    nodes = ["a", "b"] if replication == 1 else ["a", "b", "c"]
+    p = _plane(nodes, schema=RAGGED, capacity=16, shard_capacity=11, ragged_capacity=8, replication=replication,
+               semantics=Replay(PrioritizedSampler(alpha=1.0, beta=0.0)))
+    for i in range(9):
+        p.ingest(_ragged_batch([i], 4), node=nodes[i % 2], priorities=torch.tensor([float(i + 1)]))
+        live = p.live_handles().tolist()
+        assert live == list(range(i + 1 - len(live), i + 1)), f"after item {i}: the newest items, FIFO"
+        assert len(live) >= min(i + 1, 4 if replication == 1 else 3), f"after item {i}: room left unused"
+    if replication == 1:
+        assert live == _single_node_ids([4] * 9, 16, 16) == [5, 6, 7, 8]
+    got = p.read(p.live_handles())
+    assert got["id"].tolist() == live and got["tok"].values.tolist() == [0, 1, 2, 3] * len(live)
+    assert len(p) == len(live) and not p.lost_items
+    reps = [p.index.segment(r)[2] for r in p.index.live_rows()]
+    assert all(1 <= len(r) <= replication and len({s for s, _ in r}) == len(r) for r in reps), reps
+    tree = p.semantics.sampler._tree
+    gone = live[0]
+    assert tree.get(np.arange(gone)).tolist() == [0.0] * gone, "evicted items leave the priority total"
+    assert tree.total == pytest.approx(sum(range(gone + 1, 10)))
+
+
+@pytest.mark.usefixtures("fake_ray")
+def test_a_replay_batch_that_fits_no_empty_pool_is_refused_before_anything_is_evicted():
+    """An item longer than a pool, or more elements than the empty pools hold together, can never be stored:
+    refused typed, with the buffer unchanged (no item evicted for it)."""
+    p = _plane(["a", "b"], schema=RAGGED, capacity=16, ragged_capacity=8)
+    p.ingest(_ragged_batch([0, 1, 2, 3], 4))
+    for bad in (_ragged_batch([10], 9), _ragged_batch([10, 11, 12, 13, 14], 4)):
+        with pytest.raises(ClusterError, match="ragged_capacity"):
+            p.ingest(bad)
+        _check_exact(p, [0, 1, 2, 3], 4)
+        assert p.index.oldest == 0 and p.index.next_handle == 4
+
+
 @pytest.mark.slow
 def test_real_cluster_a_batch_that_fits_the_partly_filled_pools_only_in_smaller_runs_is_ingested(cluster, servers):
     """On the real two-node cluster: both pools of 500 hold 150 elements; 5 items x 100 from the worker node (a
-    run of 500 each pool refuses) are stored in order, and 4 x 200 (one item fits each pool) store none. A staged
-    ExperienceRef (whose lengths the learner does not see: one run) of 4 x 200 is halved the same way."""
+    run of 500 each pool refuses) are stored in order. A staged
+    ExperienceRef (whose lengths the learner does not see: one run) of 4 x 200 is halved the same way. Then 4 x 200
+    more fit only once the oldest items go: replay evicts them (FIFO)."""
     kw = {"servers": servers, "measure": False, "health_period": None, "ragged_capacity": 500}
     p = DistributedDataPlane(RAGGED, capacity=16, **kw)
     staged = DistributedDataPlane(RAGGED, capacity=8, **kw)
@@ -195,9 +250,11 @@ def test_real_cluster_a_batch_that_fits_the_partly_filled_pools_only_in_smaller_
         got = p.read(p.live_handles())
         assert got["id"].tolist() == [100, 101, 0, 1, 2, 3, 4] and not p.lost_items
         assert got["tok"].values[-500:].tolist() == list(range(500))
-        with pytest.raises(ClusterError, match="ragged_capacity"):
-            p.ingest(_ragged_batch([10, 11, 12, 13], 200))
-        assert p.read(p.live_handles())["id"].tolist() == [100, 101, 0, 1, 2, 3, 4] and len(p) == 7
+        # (replay: the full pools evict the oldest items, FIFO, for 4 x 200; the batch was refused before)
+        p.ingest(_ragged_batch([10, 11, 12, 13], 200))
+        ids = p.read(p.live_handles())["id"].tolist()
+        order = [100, 101, 0, 1, 2, 3, 4, 10, 11, 12, 13]
+        assert ids == order[len(order) - len(ids):] and ids[:1] != [100] and not p.lost_items, ids
     finally:
         p.close()
         staged.close()
@@ -232,3 +289,23 @@ def test_real_cluster_a_batch_that_fits_only_spread_over_both_nodes_is_ingested(
         replay.close()
         on_policy.close()
         replicated.close()
+
+
+@pytest.mark.slow
+def test_real_cluster_a_replay_buffer_whose_pools_are_full_evicts_the_oldest_items(cluster, servers):
+    """On the real two-node cluster: items of 4 elements from either node into pools of 8 with free slots (the
+    fifth was refused, and every later one), and a staged ExperienceRef (whose lengths only the shards see): the
+    oldest items are evicted, FIFO over both shards, as a single-node replay buffer evicts for pool room."""
+    p = DistributedDataPlane(RAGGED, capacity=16, servers=servers, measure=False, health_period=None,
+                             ragged_capacity=8)
+    try:
+        nodes = [cluster.head, cluster.workers[0]]
+        for i in range(7):
+            p.ingest(_ragged_batch([i], 4), node=nodes[i % 2])
+        p.ingest(stage(_ragged_batch([7], 4), RAGGED))
+        got = p.read(p.live_handles())
+        assert got["id"].tolist() == [4, 5, 6, 7] == _single_node_ids([4] * 8, 16, 16)
+        assert got["tok"].values.tolist() == [0, 1, 2, 3] * 4 and len(p) == 4 and not p.lost_items
+        assert p.index.oldest == 4 and len(_shards(p)) == 2
+    finally:
+        p.close()

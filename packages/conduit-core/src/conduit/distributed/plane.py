@@ -145,7 +145,12 @@ class DistributedDataPlane:
             everything, so routing never runs out of room). Below it, the shards that survive a loss
             may not hold ``capacity`` items: a replay ingestion then evicts the oldest items (FIFO)
             until they have room, so the buffer goes on holding fewer.
-        ragged_capacity: elements per ragged field's pool per shard (default ``64 * shard_capacity``).
+        ragged_capacity: elements per ragged field's pool per shard (default ``64 * shard_capacity``). A replay
+            ingestion whose items no shard's pool has room for evicts the oldest items (FIFO over the union of the
+            shards, as a single-node buffer evicts for pool room) until a shard can take them; copies go where the
+            pools leave room. On-policy never evicts: such an ingestion is refused (:class:`ClusterError`), as is,
+            before anything changes, a batch with an item longer than one pool or more elements than the live
+            pools hold together.
         reuse: expected deliveries per item, for the plan (default: 1 for replay, the
             number of epochs on-policy).
         measure: measure the links between nodes for the plan (once per server group);
@@ -287,6 +292,8 @@ class DistributedDataPlane:
         #: not re-replicated for a shard lost during it), and the segments left short for that reason (copied
         #: should the write fail and evict nothing)
         self._evicting: int | None = None
+        #: where the last write's window starts (see _store)
+        self._stored_oldest = 0
         self._short_evicted: list[int] = []
         #: while a write is under way, live shards with an append whose outcome is unknown (it timed out, or Ray
         #: reported the shard unavailable): it may still run, releasing what the write evicts (see _undo_store)
@@ -553,6 +560,8 @@ class DistributedDataPlane:
             if _PRODUCER in b:
                 b = ExperienceBatch({name: b[name] for name in self.schema}, b.batch_size)
             n, nbytes, payload = b.batch_size, b.nbytes(), None
+            if self._replay:
+                self._check_pools_fit(b)
         self.index.evictions_for(n)  # raises CapacityError for a batch larger than the capacity
         self.semantics.check_ingest(n, version=version, priorities=priorities)
         with self._lock:
@@ -572,7 +581,11 @@ class DistributedDataPlane:
                     payload = ray_module().put(to_wire(b, self.schema))
                 before = list(self._local_next)
                 try:
-                    placed = self._store(payload, runs, nbytes / n, new_oldest, copies)
+                    try:
+                        placed = self._store(payload, runs, nbytes / n, new_oldest, copies,
+                                             evict_for_room=self._replay)
+                    finally:
+                        new_oldest = max(new_oldest, self._stored_oldest)  # (later: it evicted for pool room)
                 except BaseException as e:
                     evicted = False  # (should the undo itself fail: the items stay reported lost)
                     try:
@@ -634,6 +647,55 @@ class DistributedDataPlane:
             i = j
         return runs
 
+    def _check_pools_fit(self, batch: ExperienceBatch) -> None:
+        """Refuse, before anything changes, a replay batch that cannot fit the live shards' pools even once they
+        are empty: an item with more elements than one pool, or more elements in all than the pools together hold
+        (a replay write evicts the oldest items for pool room, and a batch refused after that would leave them
+        evicted)."""
+        if not self.schema.ragged or not batch.batch_size:
+            return
+        pool = pool_elements(self._ragged_capacity, self.shard_capacity)
+        live = len(self.alive_shards)
+        for name in self.schema.ragged:
+            lengths = cast(Ragged, batch[name]).lengths
+            longest, total = int(lengths.max()), int(lengths.sum())
+            if longest > pool or total > pool * live:
+                raise ClusterError(f"Ragged field {name!r} brings {total} elements (up to {longest} in one item); "
+                                   f"the {live} live shards' pools hold {pool} each, even empty: split the batch, "
+                                   f"add shard servers, or raise ragged_capacity.")
+
+    def _release_for_room(self, payload: Any, row: int, shards: Sequence[int], oldest: int) -> int | None:
+        """Where the window must start (after ``oldest``) for one of ``shards``, which refused row ``row`` of
+        ``payload`` for room in its ragged pool, to take it: the earliest such start, so the oldest items go first
+        whichever shard holds them (FIFO over the union, as a single-node buffer evicts for pool room). None when
+        none of them can take it however many items go (the row fills a pool alone, or only rows this write stored
+        hold the room)."""
+        calls = {s: self.servers[s].actor.release_needed.remote(self.buffer_id, payload, row, 1,
+                                                                 self._room(s, oldest)[1]) for s in shards}
+        outs = wait_all(calls, self.timeout)
+        self._settle({s: o for s, o in outs.items() if o.lost})
+        best: int | None = None
+        for s, o in outs.items():
+            if not (o.ok and self._alive[s]) or o.value is None:
+                continue
+            need = int(o.value)
+
+            def fits(start: int, s: int = s, need: int = need) -> bool:
+                room, upto = self._room(s, start)
+                return room >= 1 and upto >= need
+
+            lo, hi = oldest + 1, self.index.next_handle
+            if hi < lo or not fits(hi):
+                continue
+            while lo < hi:  # (the room and the release point only grow as the window starts later)
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            best = lo if best is None else min(best, lo)
+        return best
+
     def _oldest_with_room(self, n: int, oldest: int) -> int:
         """Where the window must start for the live shards to have room for one copy of ``n`` more items: ``oldest``
         (the start the capacity asks for), or later when the shards lost since took their room with them.
@@ -664,7 +726,8 @@ class DistributedDataPlane:
         return self.shard_capacity - (self._local_next[shard] - upto), upto
 
     def _store(self, payload: Any, runs: Sequence[tuple[int, int, str]], row_bytes: float, oldest: int,
-               copies: int | None = None) -> list[tuple[int, int, list[tuple[int, int]]]]:
+               copies: int | None = None, *, evict_for_room: bool = False
+               ) -> list[tuple[int, int, list[tuple[int, int]]]]:
         """Write rows of ``payload`` to shards; returns (start, count, replicas) runs in row order.
 
         ``runs`` are (start, count, producer node): each run is placed by the plan for its
@@ -674,27 +737,47 @@ class DistributedDataPlane:
         A run of several rows that every shard it was sent to refused for room (a ragged pool that earlier items
         partly fill: the runs are sized to empty pools) is halved and sent again, each row once from then on; a shard
         counts as full only once it refuses a single row.
+
+        With ``evict_for_room`` (replay ingestion), once the shards that refused rows for room in their ragged pools
+        leave too few free slots for the rows still to store, the window starts later: the oldest items go (FIFO over
+        the union of the shards, whichever shard holds them) until a shard can take the first of those rows, as a
+        single-node replay buffer evicts for pool room, and every shard is tried again. :attr:`_stored_oldest` is
+        then where the window starts (also should the write fail: the shards may have released the items).
         """
         self._pinned = dict(enumerate(self._local_next))
         self._evicting, self._short_evicted, self._doubtful = oldest, [], set()
+        self._stored_oldest = oldest
         try:
-            return self._store_rounds(payload, runs, row_bytes, oldest, self.replication if copies is None else copies)
+            return self._store_rounds(payload, runs, row_bytes, oldest, self.replication if copies is None else copies,
+                                      evict_for_room)
         finally:
             self._pinned = {}
+            self._stored_oldest = cast(int, self._evicting)
             self._evicting = None
 
     def _store_rounds(self, payload: Any, runs: Sequence[tuple[int, int, str]], row_bytes: float, oldest: int,
-                      copies: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+                      copies: int, evict_for_room: bool) -> list[tuple[int, int, list[tuple[int, int]]]]:
         placed: list[tuple[int, int, list[tuple[int, int]], str]] = []
         pending = list(runs)
         full: set[int] = set()
         # (each round places, halves or refuses every pending run: a run halves at most its bit length times on
         # each shard before that shard counts as full)
         bits = max((c for _, c, _ in runs), default=0).bit_length()
-        for _ in range((self.num_shards + 1) * (bits + 2)):
+        # (evicting for pool room: each retry starts the window at least one item later)
+        evictable = self.index.next_handle - oldest if evict_for_room else 0
+        for _ in range((self.num_shards + 1) * (bits + 2) + evictable):
             if not pending:
                 break
             live = [s for s in self.alive_shards if s not in full]
+            if evict_for_room and full and sum(max(0, self._room(s, oldest)[0]) for s in live) < sum(
+                    c for _, c, _ in pending):
+                # the shards with free slots refused rows for pool room: evict the oldest items (whichever shards
+                # hold them) until a shard can take the first row left, and try every shard again
+                later = self._release_for_room(payload, min(pending)[0], self.alive_shards, oldest)
+                if later is not None:
+                    oldest = self._evicting = later
+                    full.clear()
+                    live = self.alive_shards
             if not live:
                 raise ClusterError("No live shard can take the items: every shard is lost or full. Add shard "
                                    "servers, or raise shard_capacity / ragged_capacity.")

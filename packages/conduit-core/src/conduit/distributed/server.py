@@ -26,6 +26,7 @@ import torch
 
 from conduit.distributed.errors import DistributedError
 from conduit.distributed.wire import Wire, pack_rows, ragged_lengths, to_wire, wire_rows
+from conduit.errors import CapacityError
 from conduit.schema import ExperienceSchema
 from conduit.storage.columnar import ColumnarStorage
 
@@ -99,6 +100,24 @@ class ShardServer:
             part.unrelease(before)
             raise
         return res.first, res.count, part.next_handle
+
+    def release_needed(self, buffer_id: str, cols: Wire, start: int, count: int, release_upto: int) -> int | None:
+        """The local handle below which items must be released for rows ``[start, start + count)`` of ``cols`` to
+        fit once those below ``release_upto`` are (``release_upto`` or later), or None when they cannot fit even in
+        an empty partition. Changes nothing: a replay driver asks this of a shard that refused the rows for pool room,
+        to find how many oldest items to evict."""
+        part = self._part(buffer_id)
+        before = part.oldest
+        part.release(release_upto)
+        try:
+            batch = wire_rows(cols, start, count, self._schemas[buffer_id])
+            try:
+                k, _ = part._evictions_for(batch)  # noqa: SLF001 - the room check an append makes, without the append
+            except CapacityError:
+                return None
+            return part.oldest + k
+        finally:
+            part.unrelease(before)
 
     def truncate(self, buffer_id: str, upto: int) -> int:
         """Forget local handles from ``upto`` on: undo appends of an ingestion the driver could not
