@@ -3,8 +3,8 @@ the tier-specific logic (sharded interleaving, memory-mapped files, device check
 
 from __future__ import annotations
 
-import ctypes
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -280,10 +280,13 @@ def test_sharded_host_shards_need_no_staging() -> None:
     assert ShardedStorage(SCHEMA, 8, ["cpu"] * 2)._staging is None
 
 
-def _resident_bytes(column: torch.Tensor) -> int:
-    """Bytes of ``column``'s own pages that are in memory now (Linux ``mincore``). Not the process's resident size:
-    another test's garbage freed meanwhile (by the collector, or by a thread it left) would shrink that, and in one
-    run under load it hid the whole 64 MiB a prefault had just committed."""
+_RESIDENT = """
+import ctypes, os
+import torch
+from conduit import ExperienceSchema, Field
+from conduit.storage import ColumnarStorage
+
+def resident(column):
     libc = ctypes.CDLL(None, use_errno=True)
     page = os.sysconf("SC_PAGE_SIZE")
     start = column.data_ptr() // page * page
@@ -293,17 +296,27 @@ def _resident_bytes(column: torch.Tensor) -> int:
         raise OSError(ctypes.get_errno(), "mincore failed")
     return sum(b & 1 for b in pages) * page
 
+schema = ExperienceSchema(obs=Field((1024,), torch.float32))  # 4 KiB per item, 64 MiB per storage
+lazy = ColumnarStorage(schema, 16384, prefault=False)
+eager = ColumnarStorage(schema, 16384)
+assert len(lazy) == len(eager) == 0
+print("RESIDENT", resident(lazy._cols["obs"]), resident(eager._cols["obs"]))
+"""
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads resident pages with Linux mincore")
 def test_host_columns_are_committed_at_construction_unless_prefault_is_off() -> None:
-    """prefault=True writes every page of a host column up front; prefault=False leaves them to the first write."""
-    schema = ExperienceSchema(obs=Field((1024,), torch.float32))  # 4 KiB per item, 64 MiB per storage
-    lazy = ColumnarStorage(schema, 16384, prefault=False)
-    eager = ColumnarStorage(schema, 16384)
-    lazy_resident, eager_resident = (_resident_bytes(st._cols["obs"]) for st in (lazy, eager))
+    """prefault=True writes every page of a host column up front; prefault=False leaves them to the first write.
+
+    Read with Linux ``mincore``: the bytes of each column's own pages in memory (not the process's resident size,
+    which another test's garbage freed meanwhile would shrink). In a fresh interpreter: in a worker that ran other
+    tests, the allocator once handed the lazy column pages already in memory (64 MiB resident "at construction")."""
+    out = subprocess.run([sys.executable, "-c", _RESIDENT], capture_output=True, text=True, timeout=300)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESIDENT")]
+    assert line, f"the measurement failed: {out.stderr[-2000:]}"
+    lazy_resident, eager_resident = (int(v) for v in line[0].split()[1:])
     assert eager_resident >= 60 << 20, f"only {eager_resident >> 20} MiB of the prefaulted column are in memory"
     assert lazy_resident < 16 << 20, f"prefault=False committed {lazy_resident >> 20} MiB of the column at construction"
-    assert len(lazy) == len(eager) == 0
 
 
 def test_truncate_forgets_the_newest_items_and_their_slots_take_the_next_append() -> None:
