@@ -85,16 +85,13 @@ class Ragged:
         if len(dtypes) > 1:  # torch.cat would promote them: int64 17 -> float32 16 is no value the caller gave
             raise SchemaError(f"The per-item sequences have different dtypes ({', '.join(sorted(map(str, dtypes)))}); "
                               f"give every sequence the field's dtype (e.g. 2.0, not 2, in a list for a float field).")
-        shapes = {tuple(t.shape[1:]) for t in parts if t.shape[0]}
+        # (an empty 1-D sequence, e.g. [], goes with any element shape, as torch.cat reads it; an empty one of more
+        # dimensions has an element shape, which torch.cat checks as it checks the others)
+        shapes = {tuple(t.shape[1:]) for t in parts if t.shape[0] or t.dim() > 1}
         if len(shapes) > 1:  # (torch.cat would raise a RuntimeError that names no field)
             raise SchemaError(f"The per-item sequences have elements of different shapes "
                               f"({', '.join(map(str, sorted(shapes)))}); give every element the field's element shape.")
-        try:
-            values = torch.cat(parts) if parts else torch.empty(0)
-        except RuntimeError as e:  # only empty sequences, whose element shapes differ (no element to go by)
-            raise SchemaError(f"The per-item sequences are all empty but have elements of different shapes "
-                              f"({', '.join(map(str, sorted({tuple(t.shape[1:]) for t in parts})))}); give every "
-                              f"sequence the field's element shape.") from e
+        values = torch.cat(parts) if parts else torch.empty(0)
         return cls(values, lengths)
 
     @property
