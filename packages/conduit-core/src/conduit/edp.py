@@ -165,11 +165,11 @@ def check_roles(*, semantics: object = None, placement: object = None, scheduler
     except (RuntimeError, TypeError) as exc:
         raise ConfigurationError(f"device must be a torch device or its name (e.g. 'cpu', 'cuda:0'), got "
                                  f"{device!r}.") from exc
-    # (refused here: the first delivery would fail untyped, after its draw)
-    count = (torch.cuda.device_count() if torch.cuda.is_available() else 0) if dev.type == "cuda" else 0
-    if dev.type == "cuda" and (dev.index or 0) >= count:
-        raise ConfigurationError(f"device {str(dev)!r} is not on this machine ({count} CUDA device(s) visible); give "
-                                 f"a device it has (e.g. 'cpu', or 'cuda:0' on a machine with a GPU).")
+    if dev.type == "cuda":  # (refused here: the first delivery would fail untyped, after its draw)
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            raise ConfigurationError(f"device {str(dev)!r} is not on this machine ({count} CUDA device(s) visible); "
+                                     f"give a device it has (e.g. 'cpu', or 'cuda:0' on a machine with a GPU).")
     return dev
 
 
