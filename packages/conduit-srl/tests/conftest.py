@@ -53,6 +53,14 @@ class TrainerWorker:
     buffer_args: dict = dataclasses.field(default_factory=dict)
     sample_stream: Any = None
     buffer_zero_copy: bool = False
+
+
+@dataclasses.dataclass
+class BufferWorker:
+    from_sample_stream: Any = None
+    to_sample_stream: Any = None
+    buffer_name: str = "priority_queue"
+    buffer_args: dict = dataclasses.field(default_factory=dict)
 """
 
 BUFFER = """

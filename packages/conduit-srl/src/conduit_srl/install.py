@@ -42,7 +42,8 @@ from conduit_srl.errors import SrlNotFoundError, StreamClaimError, ZeroCopyStrea
 from conduit_srl.streams import ConduitSampleConsumer, ConduitSampleProducer, StreamPolicy
 
 __all__ = ["install", "uninstall", "installed", "Installation", "Flavour", "FLAVOURS", "BUFFER_NAME",
-           "STREAM_MARKER", "is_conduit_buffer_name", "make_conduit_buffer", "check_trainer_config"]
+           "STREAM_MARKER", "is_conduit_buffer_name", "make_conduit_buffer", "check_trainer_config",
+           "check_buffer_worker_config"]
 
 #: ``buffer_name`` that selects a Conduit buffer (``"conduit:<semantics>"`` also works)
 BUFFER_NAME = "conduit"
@@ -157,6 +158,33 @@ def check_trainer_config(cfg: Any) -> None:
             f"[T, B, ...] samples; add batched_puts=True to buffer_args (or drop the stream's batch_size).")
 
 
+def check_buffer_worker_config(cfg: Any) -> None:
+    """Raise if a buffer-worker configuration asks for an on-policy Conduit buffer whose puts wait for room.
+
+    SRL's buffer worker calls ``consume_to`` (the buffer's ``put``) and ``get`` on one thread, its poll loop. An
+    on-policy buffer with ``on_full="wait"`` (the default) makes a put that does not fit wait for a ``get()``,
+    which only that same thread could make: once the buffer fills, the worker hangs for ever (its poll loop
+    also serves SRL's control requests, so it cannot even be stopped). ``on_full="keep"`` (over SRL's own
+    streams) or ``on_full="raise"`` (over a claimed ``conduit:<name>`` stream) never wait.
+
+    Raises:
+        ConfigurationError: such a configuration.
+    """
+    name = getattr(cfg, "buffer_name", None)
+    if not isinstance(name, str) or not is_conduit_buffer_name(name):
+        return
+    args = getattr(cfg, "buffer_args", None)
+    args = args if isinstance(args, Mapping) else {}
+    semantics = name.split(":", 1)[1] if ":" in name else args.get("semantics", "queue")
+    if semantics != "on_policy" or args.get("on_full", "wait") != "wait":
+        return
+    raise ConfigurationError(
+        f"BufferWorker(buffer_name={name!r}) with on_full='wait' (the default): SRL's buffer worker puts and gets "
+        f"on one thread, so a put that waits for room could only be released by a get() of that same thread, and "
+        f"the worker would hang once the buffer fills. Add on_full='keep' to buffer_args (over SRL's own sample "
+        f"streams), or on_full='raise' over a claimed 'conduit:<name>' stream.")
+
+
 # -- install / uninstall ----------------------------------------------------------------------------
 def installed() -> Installation | None:
     """The current installation, or None."""
@@ -176,7 +204,8 @@ def install(*, streams: bool = True, stream_policy: StreamPolicy | None = None,
         stream_policy: routing and coalescing of claimed streams (default ``StreamPolicy()``).
         stream_policies: per stream name (without the marker), overriding ``stream_policy``. A claimed
             ``NAME_MULTI_AGENT`` stream needs ``coalesce=1`` (its producer stacks agents along axis 1 itself).
-        check_configs: check trainer configurations as they are built (:func:`check_trainer_config`).
+        check_configs: check trainer and buffer-worker configurations as they are built
+            (:func:`check_trainer_config`, :func:`check_buffer_worker_config`).
         flavours: the layouts to look for.
 
     Returns:
@@ -333,7 +362,15 @@ def _patch_config(mod: ModuleType, inst: Installation) -> None:
     cls = getattr(mod, "TrainerWorker", None)
     if not isinstance(cls, type):
         inst.skipped[mod.__name__] = "has no TrainerWorker class"
-        return
+    else:
+        _patch_config_class(mod, cls, check_trainer_config, inst)
+    worker = getattr(mod, "BufferWorker", None)  # (srl-local has no buffer worker)
+    if isinstance(worker, type):
+        _patch_config_class(mod, worker, check_buffer_worker_config, inst)
+
+
+def _patch_config_class(mod: ModuleType, cls: type, check: Callable[[Any], None], inst: Installation) -> None:
+    """Run ``check`` on each ``cls`` configuration as given and as built."""
     original: Callable[..., None] = cast("Any", cls).__init__  # the class's own or inherited __init__
     try:
         signature: inspect.Signature | None = inspect.signature(original)
@@ -345,12 +382,12 @@ def _patch_config(mod: ModuleType, inst: Installation) -> None:
         # buffer_name="simple_queue" (and aligns the stream to it), after which nothing is left to check.
         given = _given(signature, self, args, kwargs)
         if given is not None:
-            check_trainer_config(given)
+            check(given)
         original(self, *args, **kwargs)
-        check_trainer_config(self)
+        check(self)
 
     __init__.__wrapped__ = original  # type: ignore[attr-defined]
-    _set(cls, "__init__", __init__, inst, f"{mod.__name__}.TrainerWorker.__init__ (config check)")
+    _set(cls, "__init__", __init__, inst, f"{mod.__name__}.{cls.__name__}.__init__ (config check)")
 
 
 def _given(signature: inspect.Signature | None, obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
