@@ -253,7 +253,8 @@ def test_zero_copy_check_sees_the_config_as_given_when_post_init_rewrites_it(srl
     with pytest.raises(ConfigurationError, match="batched_puts=True"):  # positional arguments are checked too
         cfg.TrainerWorker(cfg.SampleStream(type_=cfg.SampleStream.Type.SHARED_MEMORY, stream_name="s",
                                            batch_size=4), "conduit")
-    ok = cfg.TrainerWorker(sample_stream=shm, buffer_name="conduit", buffer_args={"batch_size": 8})
+    ok = cfg.TrainerWorker(sample_stream=shm, buffer_name="conduit", buffer_args={"batch_size": 8,
+                                                                                   "copy_on_put": True})
     assert ok.buffer_name == "conduit"
     plain = cfg.TrainerWorker(sample_stream=shm, buffer_name="priority_queue", buffer_zero_copy=True)
     assert plain.buffer_name == "simple_queue"

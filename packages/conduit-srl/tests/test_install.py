@@ -158,6 +158,9 @@ def test_check_trainer_config_needs_no_srl() -> None:
     with pytest.raises(ZeroCopyStreamError):
         check_trainer_config(Cfg())
     Cfg.buffer_zero_copy = False
+    with pytest.raises(ConfigurationError, match="copy_on_put=True"):  # (an unbatched read is a view of its slot)
+        check_trainer_config(Cfg())
+    Cfg.buffer_args = {"copy_on_put": True}
     check_trainer_config(Cfg())
 
 

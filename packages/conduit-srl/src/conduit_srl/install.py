@@ -133,10 +133,15 @@ def check_trainer_config(cfg: Any) -> None:
       samples and Conduit owns storage, batching, reuse and delivery.
     * a ``SHARED_MEMORY`` stream with ``batch_size`` delivers ``[T, B, ...]`` samples: the buffer
       then needs ``buffer_args["batched_puts"] = True``.
+    * a ``SHARED_MEMORY`` stream without ``batch_size`` hands each sample over as a *view* of its
+      shared-memory slot, and releases the slot to the writers before ``put`` (SRL's reader does so
+      right after reading): an actor may write the next sample into that slot while a Conduit worker
+      has yet to store the put one (a put hands over and returns). The buffer then needs
+      ``buffer_args["copy_on_put"] = True`` (a batched read copies: its slots are gathered).
 
     Raises:
         ZeroCopyStreamError: the first case.
-        ConfigurationError: the second.
+        ConfigurationError: the second and third.
     """
     if not is_conduit_buffer_name(getattr(cfg, "buffer_name", None)):
         return
@@ -150,12 +155,23 @@ def check_trainer_config(cfg: Any) -> None:
             f"stream: SRL ignores buffer_name in that case and batches inside the shared-memory dock, so no Conduit "
             f"buffer would be built. Set buffer_zero_copy=False (samples still arrive through shared memory; "
             f"Conduit owns storage, batching, reuse and delivery), or choose an SRL buffer.")
-    args = getattr(cfg, "buffer_args", None)
+    _check_shared_memory_reads(stream, getattr(cfg, "buffer_args", None))
+
+
+def _check_shared_memory_reads(stream: Any, args: Any) -> None:
+    """The ``buffer_args`` a Conduit buffer needs to take what a ``SHARED_MEMORY`` stream reads (see
+    :func:`check_trainer_config`, second and third case)."""
     args = args if isinstance(args, Mapping) else {}
     if getattr(stream, "batch_size", None) and not args.get("batched_puts", False):
         raise ConfigurationError(
-            f"The SHARED_MEMORY sample stream has batch_size={stream.batch_size}, so the trainer receives "
+            f"The SHARED_MEMORY sample stream has batch_size={stream.batch_size}, so the buffer receives "
             f"[T, B, ...] samples; add batched_puts=True to buffer_args (or drop the stream's batch_size).")
+    if not getattr(stream, "batch_size", None) and not args.get("copy_on_put", False):
+        raise ConfigurationError(
+            "The SHARED_MEMORY sample stream has no batch_size, so each sample reaches put() as a view of a "
+            "shared-memory slot that SRL's reader has already released to the actors, which may write the next "
+            "sample into it before Conduit stores this one (put hands over and returns): add copy_on_put=True to "
+            "buffer_args (or give the stream a batch_size, whose reads copy, with batched_puts=True).")
 
 
 def check_buffer_worker_config(cfg: Any) -> None:
@@ -167,6 +183,9 @@ def check_buffer_worker_config(cfg: Any) -> None:
     also serves SRL's control requests, so it cannot even be stopped). ``on_full="keep"`` (over SRL's own
     streams) or ``on_full="raise"`` (over a claimed ``conduit:<name>`` stream) never wait.
 
+    A ``SHARED_MEMORY`` ``from_sample_stream`` needs the ``buffer_args`` :func:`check_trainer_config` asks for
+    (``batched_puts`` with a ``batch_size``, ``copy_on_put`` without one).
+
     Raises:
         ConfigurationError: such a configuration.
     """
@@ -175,6 +194,9 @@ def check_buffer_worker_config(cfg: Any) -> None:
         return
     args = getattr(cfg, "buffer_args", None)
     args = args if isinstance(args, Mapping) else {}
+    stream: Any = getattr(cfg, "from_sample_stream", None)
+    if getattr(getattr(stream, "type_", None), "name", None) == "SHARED_MEMORY":
+        _check_shared_memory_reads(stream, args)
     semantics = name.split(":", 1)[1] if ":" in name else args.get("semantics", "queue")
     if semantics != "on_policy" or args.get("on_full", "wait") != "wait":
         return
