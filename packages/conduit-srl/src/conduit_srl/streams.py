@@ -152,9 +152,16 @@ def _stack(recs: Sequence[Any]) -> Any:
 
 
 def pack(samples: Sequence[Any]) -> Any:
-    """``k`` ``[T, ...]`` samples of one structure as one ``[T, k, ...]`` record marked as coalesced."""
+    """``k`` ``[T, ...]`` samples of one structure as one ``[T, k, ...]`` record marked as coalesced.
+
+    Metadata keys without a value (SRL's ``SampleBatch`` registers ``sampling_weight=None`` in every instance) are
+    kept on the message; the producer stacks only samples whose metadata holds no value (:meth:`ConduitSampleProducer
+    ._groups`), so nothing of it is lost.
+    """
     msg = _stack(samples)
-    msg.register_metadata(**{COALESCED_KEY: len(samples)})
+    keys = getattr(samples[0], "metadata", None) or {}
+    msg.register_metadata(**{k: None for k in keys if k not in msg.metadata and k != COALESCED_KEY},
+                          **{COALESCED_KEY: len(samples)})
     return msg
 
 
@@ -310,14 +317,18 @@ class ConduitSampleProducer:
     def _groups(samples: list[Any], k: int) -> list[list[Any]]:
         """Runs of up to ``k`` samples of one structure, in order.
 
-        Records that cannot carry metadata go alone, and so do records that carry some (stacking
-        would drop it) and records with a field that has no time axis (nothing to stack it on).
+        Records that cannot carry metadata go alone, and so do records whose metadata holds a value
+        (stacking would drop it) and records with a field that has no time axis (nothing to stack it on).
+        Metadata keys without a value, such as the ``sampling_weight=None`` every SRL ``SampleBatch``
+        registers, carry nothing to drop: such records are stacked with records of the same keys.
         """
         groups: list[list[Any]] = []
         sig: tuple[Any, ...] | None = None
         for s in samples:
-            can = k > 1 and hasattr(s, "register_metadata") and not getattr(s, "metadata", None)
-            this = _signature(s) if can else None
+            meta = getattr(s, "metadata", None) or {}
+            can = k > 1 and hasattr(s, "register_metadata") and all(v is None for v in meta.values())
+            structure = _signature(s) if can else None
+            this = None if structure is None else (structure, tuple(sorted(meta)))
             can = this is not None
             if groups and can and this == sig and len(groups[-1]) < k:
                 groups[-1].append(s)
