@@ -216,15 +216,20 @@ def test_enable_on_a_frozen_config_is_refused_typed_and_says_what_to_do(config_c
 
 BAD_OPTIONS = [("dqn", {"scheduler": conduit.Overlapped(g_del=2, background_ingest=False)}),
                ("dqn", {"scheduler": "overlapped"}), ("dqn", {"placement": "cuda"}),
-               ("dqn", {"placement": conduit.HostPlacement}), ("ppo", {"placement": "cpu"})]
+               ("dqn", {"placement": conduit.HostPlacement}), ("ppo", {"placement": "cpu"}),
+               # a factory that needs an argument: accepted, then a bare TypeError inside build_algo
+               ("dqn", {"scheduler": lambda g_del: conduit.Overlapped(g_del=g_del, background_ingest=False)})]
 
 
-@pytest.mark.parametrize(("algo", "options"), BAD_OPTIONS, ids=[f"{a}-{o!r}" for a, o in BAD_OPTIONS])
+@pytest.mark.parametrize(("algo", "options"), BAD_OPTIONS,
+                         ids=[f"{a}-{k}={getattr(v, '__name__', None) or v!r}" for a, o in BAD_OPTIONS
+                              for k, v in o.items()])
 def test_enable_refuses_a_scheduler_or_placement_of_the_wrong_kind_and_changes_nothing(
         algo: str, options: dict[str, Any]) -> None:
     """A Scheduler instance where a factory belongs (what the buffer itself takes), a name, or a Placement class was
     accepted and failed only once the algorithm was built or trained, untyped (``'Overlapped' object is not
-    callable``, an AttributeError at the first add or update)."""
+    callable``, an AttributeError at the first add or update); so was a factory that cannot be called without
+    arguments (``<lambda>() missing 1 required positional argument``, a TypeError from ``build_algo``)."""
     config = (DQNConfig() if algo == "dqn" else PPOConfig()).environment("CartPole-v1")
     with pytest.raises(UnsupportedConfigError, match="factory|Placement instance"):
         conduit_rllib.enable(config, **options)

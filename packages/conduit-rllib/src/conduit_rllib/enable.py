@@ -25,6 +25,7 @@ Anything else raises :class:`~conduit_rllib.errors.UnsupportedAlgorithmError` or
 from __future__ import annotations
 
 import importlib
+import inspect
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -322,6 +323,20 @@ def is_enabled(config: AlgorithmConfig) -> bool:
         isinstance(hook, InstallReplayBuffer) for hook in force_list(config.callbacks_on_algorithm_init))
 
 
+def _callable_without_arguments(factory: object) -> bool:
+    """Whether ``factory`` can be called with no arguments, as the ``on_algorithm_init`` callback calls it (a
+    callable whose signature Python cannot read, e.g. some builtins, counts as one)."""
+    if not callable(factory):
+        return False
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read
+        return True
+    return True
+
+
 def _learner_class(config: AlgorithmConfig, default: type, conduit: type, mixin: type) -> type:
     """The learner class ``enable`` sets: Conduit's for RLlib's stock learner, the config's own if it has the mixin.
 
@@ -363,8 +378,9 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
         UnsupportedAlgorithmError: not DQN, SAC or PPO (or a subclass), or ``algo_class`` is a name
             no trainable is registered under.
         UnsupportedConfigError: a frozen config (one a built algorithm holds; nothing is changed), a
-            ``placement`` that is no Placement, a ``scheduler`` that is no factory (e.g. a Scheduler instance), or a
-            ``prefetch`` that is no bool, ``prefetch=False`` for DQN/SAC (it applies to PPO only), a
+            ``placement`` that is no Placement, a ``scheduler`` that is no zero-argument factory (e.g. a Scheduler
+            instance, or a function that needs an argument), or a ``prefetch`` that is no bool, ``prefetch=False``
+            for DQN/SAC (it applies to PPO only), a
             setting the adapter cannot serve (old API stack, non-torch, multi-agent, RNN models, custom learner
             connectors off-policy, a replay buffer class defined in a function or nested in a class, which no
             dotted path names, a learner class, explicit or the config's default, without Conduit's mixin, PPO on
@@ -392,7 +408,7 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
         if not prefetch:  # (DQN/SAC replay overlaps through scheduler=)
             raise UnsupportedConfigError("prefetch= applies to PPO's minibatch delivery only; DQN/SAC replay is "
                                          "scheduled by scheduler= (synchronous by default). Drop prefetch=False.")
-        if scheduler is not None and (isinstance(scheduler, Scheduler) or not callable(scheduler)):
+        if scheduler is not None and (isinstance(scheduler, Scheduler) or not _callable_without_arguments(scheduler)):
             raise UnsupportedConfigError(f"scheduler= takes a zero-argument factory that returns a new scheduler "
                                          f"(e.g. lambda: conduit.Overlapped(g_del=2, background_ingest=False)): each "
                                          f"buffer built from this config needs its own scheduler; got {scheduler!r}.")
