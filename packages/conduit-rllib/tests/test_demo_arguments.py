@@ -89,3 +89,25 @@ def test_counts_written_as_1e6_are_read_as_conduit_plan_reads_them(capsys: pytes
     assert done.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--iterations must be >= 1, got 0" in line, line
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_a_seed_numpy_cannot_take_is_refused_before_ray_starts(seed: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``--seed 4294967296`` passed, started Ray and ended in a traceback from building the native variant (RLlib
+    seeds NumPy's global generator with it: ``ValueError: Seed must be between 0 and 2**32 - 1``)."""
+    import ray
+
+    def reached(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the demo started Ray: the seed was not refused")
+
+    monkeypatch.setattr(ray, "init", reached)
+    with pytest.raises(SystemExit) as done:
+        run(["--seed", seed, "--no-progress", "--out", str(tmp_path / "plot.png")])
+    assert done.value.code == 2
+    out, err = capsys.readouterr()
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("conduit demo: error: ") and "Traceback" not in err, err
+    assert f"--seed must be from 0 to 2**32 - 1, got {seed}" in line, line
+    assert "RLlib DQN on LargeObsCartPole" not in out, "the run started before the refusal"

@@ -130,7 +130,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                    help="replay capacity in transitions (default: 5000; 1e6 is accepted)")
     p.add_argument("--uniform", action="store_true", help="uniform replay (default: prioritized, as RLlib's DQN)")
     p.add_argument("--hidden", type=whole_number, default=64, help="hidden layer width (default: 64)")
-    p.add_argument("--seed", type=int, default=0, help="seed of both variants (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of both variants, 0 to 2**32 - 1 (default: 0)")
     p.add_argument("--out", type=Path, default=Path("conduit-demo-rllib.png"),
                    help="where to write the plot (default: conduit-demo-rllib.png)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in logs)")
@@ -145,6 +145,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             p.error(f"{flag} must be >= {least}, got {v}; give {flag} {least} or more")
         if v > MAX_COUNT:  # (RLlib's buffer took a capacity past int64 to numpy: a TypeError traceback)
             p.error(f"{flag} must be at most 2**63 - 1, got {v}; give a smaller {flag}")
+    if not 0 <= args.seed < 2**32:  # (RLlib seeds NumPy's global generator with it, in the native variant's build)
+        p.error(f"--seed must be from 0 to 2**32 - 1, got {args.seed}; give a seed in that range")
     _check_memory(p, args)
     args.out = _plot_path(p, args.out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
