@@ -111,3 +111,27 @@ def test_a_seed_numpy_cannot_take_is_refused_before_ray_starts(seed: str, tmp_pa
     assert line.startswith("conduit demo: error: ") and "Traceback" not in err, err
     assert f"--seed must be from 0 to 2**32 - 1, got {seed}" in line, line
     assert "RLlib DQN on LargeObsCartPole" not in out, "the run started before the refusal"
+
+
+def test_a_capacity_whose_observations_and_next_observations_overflow_memory_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Conduit's buffer preallocates each transition's observation and next observation (2 x capacity x d float32),
+    but the check counted the observations once: a --capacity whose two copies overflow memory passed, the native
+    run went first, and Conduit's first add then failed (a CapacityError traceback after minutes)."""
+    import conduit_rllib.demo as demo
+    import ray
+
+    def reached(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the demo started Ray: the capacity was not refused")
+
+    monkeypatch.setattr(ray, "init", reached)
+    monkeypatch.setattr(demo, "host_memory", lambda: 1 << 30)  # 1 GiB
+    # 30,000 x 5,000 float32 = 0.56 GiB of observations, 1.12 GiB with the next observations
+    with pytest.raises(SystemExit) as done:
+        run(["--capacity", "30000", "--obs-dim", "5000", "--no-progress", "--out", str(tmp_path / "plot.png")])
+    assert done.value.code == 2
+    out, err = capsys.readouterr()
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("conduit demo: error: ") and "Traceback" not in err, err
+    assert "--capacity 30000 with --obs-dim 5000: " in line and "lower --capacity or --obs-dim" in line, line
+    assert "RLlib DQN on LargeObsCartPole" not in out, "the run started before the refusal"

@@ -94,15 +94,16 @@ def _plot_path(p: argparse.ArgumentParser, out: Path) -> Path:
 
 def _check_memory(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, before Ray starts, sizes whose float32 observations alone need more than this machine's memory:
-    the replay buffer's (``--capacity``, preallocated by Conduit's), one train batch's (obs and next_obs) and the
-    network's first layer (``--obs-dim`` x ``--hidden``). A usage error (exit 2) naming the options; otherwise the
+    the replay buffer's (``--capacity``: Conduit's preallocates each transition's observation and next
+    observation), one train batch's (obs and next_obs) and the network's first layer (``--obs-dim`` x
+    ``--hidden``). A usage error (exit 2) naming the options; otherwise the
     native run went first, for as long as it took, and the run ended in an allocation's traceback."""
     host = host_memory()
     if not host:  # not said by this OS: nothing to compare with
         return
     d = args.obs_dim
-    for flags, values, count, what in ((("--capacity", "--obs-dim"), (args.capacity, d), args.capacity * d,
-                                        "the replay buffer's observations"),
+    for flags, values, count, what in ((("--capacity", "--obs-dim"), (args.capacity, d), 2 * args.capacity * d,
+                                        "the replay buffer's observations and next observations"),
                                        (("--batch", "--obs-dim"), (args.batch, d), 2 * args.batch * d,
                                         "one train batch's observations and next observations"),
                                        (("--hidden", "--obs-dim"), (args.hidden, d), args.hidden * d,
