@@ -293,3 +293,25 @@ def test_a_conduit_variant_leaves_the_config_it_was_given_unchanged(ray_local: N
         assert not conduit_rllib.is_enabled(cfg), "the caller's config was changed"
     finally:
         v.close()
+
+
+def test_a_variant_given_an_enable_function_runs_it_whatever_its_name(ray_local: None) -> None:
+    """``Variant("overlapped", cfg, enable=...)`` dropped the function (only a variant named "conduit" was
+    enabled): the variant ran native RLlib, and its rows were reported as the Conduit set-up it was named for."""
+    import conduit
+    import conduit_rllib
+
+    cfg = dqn_large_obs(8, steps=20, learning_starts=10, capacity=200)
+    v = Variant("overlapped", cfg, enable=lambda c: conduit_rllib.enable(
+        c, scheduler=lambda: conduit.Overlapped(g_del=2, background_ingest=False)))
+    try:
+        assert conduit_rllib.is_enabled(v.algo.config), "the variant given an enable function runs native RLlib"
+        assert isinstance(v.algo.local_replay_buffer, conduit_rllib.ConduitPrioritizedEpisodeReplayBuffer)
+        assert not conduit_rllib.is_enabled(cfg), "the caller's config was changed"
+    finally:
+        v.close()
+    native = Variant("native", cfg)
+    try:
+        assert not conduit_rllib.is_enabled(native.algo.config), "a variant without an enable function is native"
+    finally:
+        native.close()

@@ -62,8 +62,9 @@ def _set_rng_state(state: tuple[Any, ...]) -> None:
 
 
 class Variant:
-    """One built algorithm ("native" or "conduit") with its experience-path probe. A "conduit" variant enables
-    Conduit in a copy of ``config``: the config given is left unchanged.
+    """One built algorithm ("native" or "conduit") with its experience-path probe. A variant named "conduit", or one
+    given ``enable`` (whatever its name), enables Conduit in a copy of ``config`` (with ``enable``, default
+    ``conduit_rllib.enable``): the config given is left unchanged. Any other variant runs RLlib as configured.
 
     Each variant keeps its own copy of the process-global random states (Python's, NumPy's,
     torch's), seeded when it is built and swapped in around its ``train()`` calls: variants
@@ -74,7 +75,7 @@ class Variant:
     def __init__(self, name: str, config: Any, *, enable: Callable[[Any], Any] | None = None) -> None:
         from conduit_rllib.profiling import ExperiencePathProbe
 
-        if name == "conduit":
+        if name == "conduit" or enable is not None:
             import conduit_rllib
 
             config = config.copy(copy_frozen=False)  # (the caller's config stays as it is: it may build "native")
