@@ -14,7 +14,7 @@ from conduit_rllib.demo import run
 ALL = ("--obs-dim", "--iterations", "--steps", "--batch", "--capacity", "--hidden")
 
 
-@pytest.mark.parametrize(("flag", "value", "least"), [("--iterations", "0", 1), ("--steps", "-3", 1),
+@pytest.mark.parametrize(("flag", "value", "least"), [("--iterations", "1", 2), ("--steps", "-3", 1),
                                                       ("--obs-dim", "3", 4), ("--batch", "0", 1),
                                                       ("--capacity", "-1", 1), ("--hidden", "0", 1)])
 def test_each_bad_count_is_refused_by_its_own_name(flag: str, value: str, least: int,
@@ -88,7 +88,7 @@ def test_counts_written_as_1e6_are_read_as_conduit_plan_reads_them(capsys: pytes
         run(["--capacity", "1e6", "--steps", "2e2", "--iterations", "0", "--no-progress"])
     assert done.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "--iterations must be >= 1, got 0" in line, line
+    assert "--iterations must be >= 2, got 0" in line, line
 
 
 @pytest.mark.parametrize("seed", ["-1", str(2**32)])
