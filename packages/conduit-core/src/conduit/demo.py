@@ -213,9 +213,14 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
                     with tel.span("update", batch):
                         learner.update(b)
             if it >= warmup:
+                if it > warmup:  # the previous entry, revised with the worker spans still running when it ended
+                    result.iterations[-1] = log.iterations[-2]
                 result.iterations.append(log.iterations[-1])
                 if on_iteration is not None:
                     on_iteration(it - warmup, log.iterations[-1])
+        if result.iterations:  # the last one too (see ExposureLog.settle)
+            log.settle()
+            result.iterations[-1] = log.iterations[-1]
         if trace is not None:
             result.trace_dropped_calls = tel.chrome_trace(trace, since=t_start)["otherData"]["dropped_calls"]
         decision = getattr(sched, "decision", None)

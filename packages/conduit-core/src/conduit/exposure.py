@@ -14,12 +14,15 @@ Per iteration of a loop, from the spans in a :class:`~conduit.Telemetry`:
 * **total** -- exposed + hidden: the experience path's time in this iteration.
 
 All measures are unions of intervals clipped to the iteration, so overlapping spans are
-never counted twice. A span is recorded when it ends, so :class:`ExposureLog` accounts a
-background span that runs on past the end of an iteration only in the iteration where it
-ends (the part before the boundary is counted in neither): a worker's hidden time can be
-under-counted at iteration boundaries, never exposed time (the loop's own calls end within
-the iteration that makes them). A synchronous scheduler does everything on the loop's thread, so
-its experience path is all exposed; an overlapped one leaves the hand-over exposed.
+never counted twice. A span is recorded when it ends, so a worker's span still running when an
+iteration ends (or recorded a moment after it ended) is not there yet when :class:`ExposureLog` measures
+that iteration: the log revises its newest entry when it measures the next iteration (or on
+:meth:`ExposureLog.settle`), adding the part of such spans within it. Only the newest entry is
+revised: a worker span that runs on past the end of the next iteration too is counted in the last
+two iterations it overlaps, not in those before (a worker's hidden time can be under-counted then,
+never exposed time: the loop's own calls end within the iteration that makes them). A synchronous
+scheduler does everything on the loop's thread, so its experience path is all exposed; an
+overlapped one leaves the hand-over exposed.
 
 :class:`ExposureLog` reads the telemetry's bounded ring of recent calls (``Telemetry(maxlen=...)``):
 an iteration that records more calls than the ring holds would lose its earliest ones, so it
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -230,6 +234,10 @@ class ExposureLog:
         self.iterations: deque[IterationExposure] = deque(maxlen=keep)
         #: iterations accounted so far, including those :attr:`iterations` no longer holds
         self.accounted = 0
+        #: the newest entry, the calls it was measured from and the mark just past them (what was recorded after
+        #: it was measured starts there): what :meth:`_revise` needs; None when there is nothing to revise
+        self._newest: tuple[IterationExposure, list[CallRecord], int] | None = None
+        self._lock = threading.Lock()
 
     @contextmanager
     def iteration(self) -> Iterator[None]:
@@ -238,6 +246,9 @@ class ExposureLog:
         While it is open, :meth:`Telemetry.reset() <conduit.Telemetry.reset>` on the telemetry (from any thread)
         is refused with :class:`~conduit.errors.ConfigurationError`, so the iteration always counts every call
         it spanned.
+
+        The previous entry is revised first (see :meth:`settle`) with what the workers recorded since it was
+        measured: their spans still running when it ended.
 
         Raises:
             CapacityError: the telemetry's ring (``Telemetry(maxlen=...)``) dropped calls recorded during
@@ -254,7 +265,18 @@ class ExposureLog:
             t1 = time.perf_counter()
             try:
                 self.telemetry.record("iteration", 0, 0, t0, t1)
-                records, dropped = self.telemetry.calls_since(mark)  # (not the whole ring: it may hold 64k calls)
+                with self._lock:
+                    newest = self._newest
+                # one read for the previous entry's late calls and this iteration's (not the whole ring: it may hold
+                # 64k calls); an iteration that opened before the previous one was measured (one inside another, or
+                # on another thread) revises nothing
+                since, revise = mark, False
+                if newest is not None and newest[2] <= mark:
+                    since, revise = newest[2], True
+                records, dropped, read = self.telemetry._calls_since(since)
+                if dropped and revise:  # maybe only calls before this iteration: read its own, revise nothing
+                    records, dropped, read = self.telemetry._calls_since(mark)
+                    revise = False
             finally:
                 self.telemetry._close_window()
             if dropped:
@@ -270,9 +292,47 @@ class ExposureLog:
             else:
                 # every span overlapping the iteration, however long before it started (a span is recorded when
                 # it ends, so one ending after t0 was folded after the mark)
-                recs = [r for r in records if r.end > t0]
-                self.iterations.append(measure_iteration(recs, t0, t1, self.loop_threads))
-                self.accounted += 1
+                own = records[len(records) - (read - mark):]  # (those folded at or after the mark)
+                recs = [r for r in own if r.end > t0]
+                entry = measure_iteration(recs, t0, t1, self.loop_threads)
+                with self._lock:
+                    if revise and self._newest is newest:
+                        self._revise(records, read)
+                    self.iterations.append(entry)
+                    self.accounted += 1
+                    self._newest = (entry, recs, read)
+
+    def settle(self) -> None:
+        """Revise the newest entry of :attr:`iterations` with the calls recorded since it was measured.
+
+        A span is recorded when it ends: a worker's span still running when an iteration ended (or recorded a
+        moment after it ended) was not there when the iteration was measured. Its part within the iteration is
+        added here (hidden time, as it ran on a worker), and the entry replaced; :attr:`accounted` stays. The next
+        :meth:`iteration` does this itself, so call it after the last iteration of a run, once the scheduler's
+        work is done (e.g. after ``edp.flush()``). Does nothing when there is no entry, when the newest one is
+        gone from :attr:`iterations`, or when the telemetry's ring dropped calls recorded since.
+        """
+        with self._lock:
+            newest = self._newest
+            if newest is None:
+                return
+            records, dropped, read = self.telemetry._calls_since(newest[2])
+            if not dropped:
+                self._revise(records, read)
+
+    def _revise(self, late: list[CallRecord], read: int) -> None:
+        """Measure the newest entry again with ``late`` (the calls recorded since it was measured, up to the mark
+        ``read``) added, and replace it in :attr:`iterations` if it is still there (caller holds ``_lock``)."""
+        assert self._newest is not None
+        entry, recs, _ = self._newest
+        extra = [r for r in late if r.start < entry.end and r.end > entry.start]
+        if extra:
+            recs = recs + extra
+            revised = measure_iteration(recs, entry.start, entry.end, self.loop_threads)
+            if self.iterations and self.iterations[-1] is entry:
+                self.iterations[-1] = revised
+            entry = revised
+        self._newest = (entry, recs, read)
 
     def summary(self, skip: int = 0) -> dict[str, float]:
         """Median seconds per iteration of each part, over the iterations after the first ``skip`` accounted

@@ -274,11 +274,16 @@ class Telemetry:
             ConfigurationError: ``since`` is not a mark (an int >= 0).
         """
         _check_mark("calls_since", since)
+        records, dropped, _ = self._calls_since(since)
+        return records, dropped
+
+    def _calls_since(self, since: int) -> tuple[list[CallRecord], int, int]:
+        """:meth:`calls_since`, and the mark just past the calls it returns (:meth:`mark` read with them)."""
         with self._lock:
             self._fold_outermost()
             # read from the newest end: skipping the older calls from the left would walk the whole deque
             newer = itertools.islice(reversed(self._records), max(0, self._folded - max(since, self._first)))
-            return list(map(_new_record, newer))[::-1], self._dropped_since(since)
+            return list(map(_new_record, newer))[::-1], self._dropped_since(since), self._folded
 
     def _dropped_since(self, since: int) -> int:
         """Calls folded at or after the mark ``since`` that the ring dropped to make room (caller holds the lock)."""
