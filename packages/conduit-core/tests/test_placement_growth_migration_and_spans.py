@@ -172,7 +172,7 @@ def test_span_counts_of_numpy_or_tensor_integers_are_ints_and_the_trace_is_json(
     tel = Telemetry()
     with tel.span("rollout", items=np.int64(3), nbytes=torch.tensor([5, 7]).sum()):
         pass
-    tel.record("update", np.int32(2), np.int64(16), 1.0, 2.0)  # type: ignore[arg-type]  # (record() unchecked: hot path)
+    tel.record("update", np.int32(2), np.int64(16), 1.0, 2.0)  # type: ignore[arg-type]
     totals = tel.totals
     assert (totals["rollout"].items, totals["rollout"].nbytes) == (3, 12)
     assert type(totals["rollout"].items) is int and type(totals["rollout"].nbytes) is int  # was np.int64, a tensor

@@ -131,7 +131,20 @@ class Telemetry:
         self._dropped_end = -math.inf
 
     def record(self, kind: str, items: int, nbytes: int, start: float, end: float) -> None:
-        """Record one call (thread-safe)."""
+        """Record one call (thread-safe).
+
+        ``items`` and ``nbytes`` are counts (a NumPy integer or an integer tensor of one element is recorded as a
+        Python int), ``start`` and ``end`` ``time.perf_counter()`` readings (a NaN or an end before the start is
+        recorded, and adds no time: see :class:`Totals`).
+
+        Raises:
+            ConfigurationError: ``kind`` is not a str, ``items`` or ``nbytes`` not an integer, ``start`` or ``end``
+                not a real number; nothing is recorded (such a call would fail the fold that took it, losing the
+                calls other threads recorded with it).
+        """
+        if type(kind) is not str or type(items) is not int or type(nbytes) is not int or type(start) is not float \
+                or type(end) is not float:  # (the common case checked by type alone: record() is on every call)
+            kind, items, nbytes, start, end = _checked_call(kind, items, nbytes, start, end)
         new = self._new
         try:
             tid = _local.tid
@@ -512,7 +525,7 @@ def _lanes(tids: set[int]) -> dict[int, int]:
     return lanes
 
 
-def _count(name: str, v: object) -> int:
+def _count(name: str, v: object, method: str = "span") -> int:
     """``v``, an integer count (a NumPy integer, a one-element integer tensor), as a Python int.
 
     Raises:
@@ -523,7 +536,31 @@ def _count(name: str, v: object) -> int:
             return operator.index(v)  # type: ignore[arg-type]
         except TypeError:
             pass
-    raise ConfigurationError(f"Telemetry.span({name}=...) is a count: pass an int, got {v!r}.")
+    raise ConfigurationError(f"Telemetry.{method}({name}=...) is a count: pass an int, got {v!r}.")
+
+
+def _checked_call(kind: object, items: object, nbytes: object, start: object,
+                  end: object) -> tuple[str, int, int, float, float]:
+    """:meth:`Telemetry.record`'s arguments checked, counts as Python ints and times as floats.
+
+    Raises:
+        ConfigurationError: as :meth:`Telemetry.record` says.
+    """
+    if not isinstance(kind, str):
+        raise ConfigurationError(f"Telemetry.record(kind=...) names the call (e.g. 'deliver'): pass a str, got "
+                                 f"{kind!r}.")
+    counts = _count("items", items, "record"), _count("nbytes", nbytes, "record")
+    times = []
+    for name, t in (("start", start), ("end", end)):
+        if not is_real(t):
+            raise ConfigurationError(f"Telemetry.record({name}=...) is a time.perf_counter() reading: pass a number, "
+                                     f"got {t!r}.")
+        try:
+            times.append(float(t))
+        except OverflowError:  # (an int beyond a float's range: no clock reads that)
+            raise ConfigurationError(f"Telemetry.record({name}=...) is a time.perf_counter() reading: {t!r} is "
+                                     f"beyond a float's range.") from None
+    return kind, counts[0], counts[1], times[0], times[1]
 
 
 def _json_count(v: object) -> int | float | str:
