@@ -452,7 +452,14 @@ class ExperienceDataPlane:
         scheduler serves another buffer by then.
         """
         if not self.closed:
-            self.scheduler.flush()
+            if type(self.scheduler) is Synchronous:  # (stores in ingest: nothing to wait for)
+                self.scheduler.flush()
+                return
+            t0 = time.perf_counter()
+            try:
+                self.scheduler.flush()
+            finally:  # the caller's wait for the scheduler's writes (exposed time: see conduit.exposure)
+                self.telemetry.record("flush_wait", 0, 0, t0, time.perf_counter())
             return
         if getattr(self.scheduler, "edp", None) is self:
             with self._finishing():

@@ -5,7 +5,8 @@ Per iteration of a loop, from the spans in a :class:`~conduit.Telemetry`:
 * **exposed** -- experience-path time on the *critical path*: the union of the caller's
   ``ingest``/``deliver`` calls (``ingest_wait``/``deliver_wait``: validation, the work
   itself or the hand-over to background work, and any wait for it; a call that raised after
-  it reached the scheduler counts too, with no items) and of the work spans,
+  it reached the scheduler counts too, with no items), of its waits for background writes
+  (``flush_wait``: ``flush``, and ``seal``, ``state_dict`` and ``migrate``, which flush first) and of the work spans,
   on the threads that run the loop (those that record ``rollout``, ``update`` or
   ``iteration`` spans, unless the loop's threads are given: ``loop_threads``);
 * **hidden** -- experience-path work that other threads (the scheduler's workers) did
@@ -48,7 +49,7 @@ __all__ = ["IterationExposure", "ExposureLog", "measure_iteration", "EXPERIENCE_
            "LOOP_KINDS"]
 
 #: spans that belong to the experience path (work, or the caller's wait for it)
-EXPERIENCE_KINDS = frozenset({"ingest", "deliver", "stage", "ingest_wait", "deliver_wait"})
+EXPERIENCE_KINDS = frozenset({"ingest", "deliver", "stage", "ingest_wait", "deliver_wait", "flush_wait"})
 #: experience-path work itself, wherever it runs
 WORK_KINDS = frozenset({"ingest", "deliver", "stage"})
 #: spans the training loop records on its own thread(s)

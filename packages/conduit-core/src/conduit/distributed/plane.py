@@ -1445,7 +1445,11 @@ class DistributedDataPlane:
 
     def flush(self) -> None:
         """Block until every batch handed to ``ingest`` is in the shards (the scheduler's queue drained)."""
-        self.scheduler.flush()
+        t0 = time.perf_counter()
+        try:
+            self.scheduler.flush()
+        finally:  # the caller's wait for the background writes (exposed time: see conduit.exposure)
+            self.telemetry.record("flush_wait", 0, 0, t0, time.perf_counter())
 
     # -- faults (conduit.distributed.recovery) ----------------------------------------------------
     def check_health(self) -> list[LossReport]:
