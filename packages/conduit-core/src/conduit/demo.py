@@ -379,10 +379,17 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
     res = run_loop(scheduler=sched, trace=args.trace or None, on_iteration=show, **common)  # type: ignore[arg-type]
     _summary(res)
     if probing:  # those figures time its probes of every granularity, not its choice
+        assert isinstance(sched, Automatic)
+        if args.updates:  # the warm-up that holds its calibration at this --updates (not a fixed count: it
+            from conduit.scheduling.cli import _warmup_for  # calibrates on deliveries, --updates per iteration)
+
+            fix = (f"give --warmup {_warmup_for(sched, args.updates)} or more (what its calibration can take at "
+                   f"--updates {args.updates}, as `conduit schedule calibrate` warms up) to time its choice alone")
+        else:
+            fix = "it calibrates on the learner's deliveries, and --updates 0 gives it none: raise --updates"
         print(f"note: the automatic scheduler was still calibrating in {len(probing)} of the {len(res.iterations)} "
               f"accounted iterations ({'it decided later' if res.decision else 'it never decided'}), so these "
-              f"figures include its probing; raise --warmup (`conduit schedule calibrate` uses 28) to time its "
-              f"choice alone.")
+              f"figures include its probing; {fix}.")
     if res.decision:
         print("\nautomatic configuration:\n" + res.decision)
     if args.trace:

@@ -1,0 +1,40 @@
+"""``conduit demo --synthetic`` and ``conduit simulate``, run through the command line (:func:`conduit.cli.main`)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conduit.cli import main
+
+#: the synthetic loop, as small as it goes: a few ms per iteration
+TINY = ["--synthetic", "--no-baseline", "--trace", "", "--obs-dim", "4", "--batch", "8", "--rollout", "16",
+        "--capacity", "64", "--hidden", "4", "--scheduler", "auto"]
+
+
+@pytest.mark.timeout(300)
+def test_demo_auto_names_the_warmup_that_holds_its_calibration_at_the_updates_given(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """With ``--updates 1`` the calibration takes ~130 iterations: given ``--warmup 28``, the note told the user to
+    raise --warmup because "`conduit schedule calibrate` uses 28", the value they had given. It now names the
+    warm-up that holds the calibration at this --updates, and that warm-up is enough."""
+    assert main(["demo", *TINY, "--updates", "1", "--warmup", "28", "--iterations", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "still calibrating in 1 of the 1 accounted iterations" in out, out
+    assert "uses 28" not in out, out
+    m = re.search(r"give --warmup (\d+) or more", out)
+    assert m and int(m.group(1)) > 28, out
+    # what it names is enough: the scheduler has decided before the first accounted iteration
+    assert main(["demo", *TINY, "--updates", "1", "--warmup", m.group(1), "--iterations", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "still calibrating" not in out and "automatic configuration" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_demo_auto_without_updates_says_no_warmup_helps(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--updates 0`` gives the scheduler no delivery to calibrate on: raising --warmup, as the note said, never
+    helps."""
+    assert main(["demo", *TINY, "--updates", "0", "--warmup", "2", "--iterations", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "still calibrating" in out and "--updates 0 gives it none" in out, out
+    assert "--warmup" not in out.split("note:", 1)[1], out
