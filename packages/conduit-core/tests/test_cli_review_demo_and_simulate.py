@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from conduit.cli import main
@@ -38,3 +39,27 @@ def test_demo_auto_without_updates_says_no_warmup_helps(capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert "still calibrating" in out and "--updates 0 gives it none" in out, out
     assert "--warmup" not in out.split("note:", 1)[1], out
+
+
+def test_simulate_refused_after_making_its_output_folders_removes_all_it_made(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run refused once the output folder was made (no placement fits: found while simulating) removed only
+    the deepest folder of ``--out a/b``: ``a``, which the command had made too, stayed behind, empty."""
+    out = tmp_path / "a" / "b"
+    keep = tmp_path / "kept"
+    keep.mkdir()
+    for target in (out, keep / "c"):
+        assert main(["simulate", "--scenario", "a100", "--gpus", "1", "--obs-dim", "1e12", "--out", str(target)]) == 2
+        assert "No placement" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]  # a folder that was there is kept
+    assert not any(keep.iterdir())
+
+
+def test_simulate_keeps_folders_that_hold_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only empty folders go: a parent that held a file before the run stays, with its file."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "notes.txt").write_text("mine")
+    assert main(["simulate", "--scenario", "a100", "--gpus", "1", "--obs-dim", "1e12", "--out",
+                 str(tmp_path / "a" / "b" / "c")]) == 2
+    capsys.readouterr()
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["notes.txt"]

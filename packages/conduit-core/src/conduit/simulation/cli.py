@@ -7,7 +7,6 @@ next to the paper's figures, into ``--out``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -173,15 +172,17 @@ def simulate(args: argparse.Namespace) -> int:
         print(f"note: --samples applies to --baseline link-blind only; the {args.baseline} baseline simulates one "
               f"placement per scale.", file=sys.stderr)
     out = Path(args.out)
-    made = not out.exists()
+    made = [d for d in (out, *out.parents) if not d.exists()]  # the folders this command will make, deepest first
     try:
         return _simulate_into(out, args, scenarios, samples)
     except BaseException:
-        # interrupted (Ctrl-C) or refused before a file was written: the directory this command made for its
-        # output goes, if it is still empty (one that existed before, or that holds any file, is kept)
-        if made:
-            with contextlib.suppress(OSError):
-                out.rmdir()
+        # interrupted (Ctrl-C) or refused before a file was written: the directories this command made for its
+        # output go (its parents too), those still empty (one that existed before, or that holds any file, is kept)
+        for d in made:
+            try:
+                d.rmdir()
+            except OSError:
+                break  # (not empty: its parents are not either)
         raise
 
 
