@@ -63,3 +63,36 @@ def test_simulate_keeps_folders_that_hold_files(tmp_path: Path, capsys: pytest.C
                  str(tmp_path / "a" / "b" / "c")]) == 2
     capsys.readouterr()
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.timeout(300)
+def test_calibrate_medians_after_calibration_leave_out_iterations_it_was_still_calibrating_in(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """With a --warmup shorter than the calibration, Automatic went on calibrating in the measured iterations, and
+    ``conduit schedule calibrate`` printed "after calibration: ..." medians over all of them, probes included. Now
+    the iterations that ended still calibrating are left out, and it says how many and what --warmup would do."""
+    small = ["--obs-dim", "4", "--batch", "8", "--rollout", "16", "--capacity", "64"]
+    assert main(["schedule", "calibrate", *small, "--warmup", "0", "--iterations", "40"]) == 0
+    out = capsys.readouterr().out
+    line = out.split("after calibration:", 1)[1]
+    m = re.search(r"medians of (\d+) iterations\) \((\d+) of the 40 measured iterations ended with the calibration "
+                  r"still running; give --warmup (\d+) or more", line)
+    assert m, out
+    kept, left_out, warmup = (int(x) for x in m.groups())
+    assert left_out > 0 and kept + left_out == 40 and warmup > left_out, out
+    # a warm-up that holds the calibration: every measured iteration counts, and nothing is said
+    assert main(["schedule", "calibrate", *small, "--iterations", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "(medians of 3 iterations)" in out and "still running" not in out, out
+
+
+@pytest.mark.timeout(300)
+def test_calibrate_that_did_not_finish_names_the_warmup_that_would(capsys: pytest.CaptureFixture[str]) -> None:
+    """"raise --warmup" said no value; the command computes the one that holds the calibration (its default)."""
+    small = ["--obs-dim", "4", "--batch", "8", "--rollout", "16", "--capacity", "64", "--updates", "8"]
+    assert main(["schedule", "calibrate", *small, "--warmup", "2", "--iterations", "1"]) == 2
+    err = capsys.readouterr().err
+    m = re.search(r"calibration did not finish; raise --warmup to (\d+) or more", err)
+    assert m, err
+    assert main(["schedule", "calibrate", *small, "--warmup", m.group(1), "--iterations", "1"]) == 0
+    assert "(medians of 1 iterations)" in capsys.readouterr().out

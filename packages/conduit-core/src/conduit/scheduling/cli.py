@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from conduit.commands import MAX_COUNT, check_counts, whole_number
 from conduit.errors import ConfigurationError
 
 if TYPE_CHECKING:
+    from conduit.exposure import IterationExposure
     from conduit.scheduling.auto import Automatic
 
 __all__ = ["register"]
@@ -117,17 +119,34 @@ def _calibrate(args: argparse.Namespace) -> int:
     warmup = args.warmup if args.warmup is not None else _warmup_for(sched, args.updates)
     print(f"calibrating on the synthetic loop: d={args.obs_dim}, batch {args.batch}, rollout {args.rollout}, "
           f"{args.updates} updates per iteration, {warmup} warm-up iterations ...")
+    calibrating: set[int] = set()  # measured iterations that ended with the calibration still running
+
+    def measured(i: int, _e: IterationExposure) -> None:
+        if not sched.calibrated:
+            calibrating.add(i)
+
     res = run_loop(obs_dim=args.obs_dim, scheduler=sched, iterations=args.iterations, warmup=warmup,
-                   rollout=args.rollout, batch=args.batch, updates=args.updates, capacity=args.capacity)
+                   rollout=args.rollout, batch=args.batch, updates=args.updates, capacity=args.capacity,
+                   on_iteration=measured)
     if not sched.calibrated or sched.decision is None:  # (a decision exists before its confirm phase ends)
-        print("error: calibration did not finish; raise --warmup", file=sys.stderr)
+        print(f"error: calibration did not finish; raise --warmup to {_warmup_for(sched, args.updates)} or more "
+              f"(what it can take at --updates {args.updates})", file=sys.stderr)
         return 2
     print(sched.decision.explain())
     if not res.iterations:  # nothing was measured after it: medians of no iterations are not 0 ms
         print("\nafter calibration: no iterations measured (--iterations 0)")
         return 0
-    print(f"\nafter calibration: iteration {res.median('iteration_s') * 1e3:.2f} ms, exposed experience path "
-          f"{res.median('exposed_s') * 1e3:.3f} ms, hidden {res.median('hidden_s') * 1e3:.3f} ms (medians)")
+    # (a --warmup shorter than the calibration: it went on into the measured iterations, which time its probes)
+    after = [e for i, e in enumerate(res.iterations) if i not in calibrating]
+    left_out = (f" ({len(calibrating)} of the {len(res.iterations)} measured iterations ended with the calibration "
+                f"still running; give --warmup {_warmup_for(sched, args.updates)} or more to measure after it only)")
+    if not after:
+        print(f"\nafter calibration: no iterations measured{left_out}")
+        return 0
+    iteration, exposed, hidden = (statistics.median(getattr(e, k) for e in after)
+                                  for k in ("iteration_s", "exposed_s", "hidden_s"))
+    print(f"\nafter calibration: iteration {iteration * 1e3:.2f} ms, exposed experience path {exposed * 1e3:.3f} ms, "
+          f"hidden {hidden * 1e3:.3f} ms (medians of {len(after)} iterations){left_out if calibrating else ''}")
     return 0
 
 
