@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -40,6 +41,35 @@ class Scheduler(ABC):
     g_ing: float = 1
     #: delivery granularity: batches prepared per delivery call
     g_del: float = 1
+    #: the buffer served (see :attr:`edp`), held weakly; None before :meth:`attach`
+    _edp_ref: weakref.ref[ExperienceDataPlane] | None = None
+
+    @property
+    def edp(self) -> ExperienceDataPlane:
+        """The buffer this scheduler serves.
+
+        Held weakly: the buffer holds its scheduler, so a strong reference back would make a cycle, and a buffer
+        its user dropped (closed or not) would keep its storage, delivery buffers and worker threads until the
+        cyclic garbage collector ran. This way reference counting frees it at once.
+
+        Raises:
+            AttributeError: the scheduler serves no buffer (never attached, or the buffer was freed), as for an
+                attribute never set (``getattr(scheduler, "edp", None)`` is None then).
+        """
+        ref = self._edp_ref
+        edp = None if ref is None else ref()
+        if edp is None:
+            raise AttributeError(f"This {type(self).__name__} scheduler serves no buffer (it was never passed as "
+                                 f"scheduler= to one, or that buffer was freed).")
+        return edp
+
+    @edp.setter
+    def edp(self, edp: ExperienceDataPlane) -> None:
+        self._edp_ref = weakref.ref(edp)
+
+    @edp.deleter
+    def edp(self) -> None:
+        self._edp_ref = None
 
     def attach(self, edp: ExperienceDataPlane) -> None:
         """Serve ``edp`` (the buffer calls this once, when it is built).
@@ -51,7 +81,7 @@ class Scheduler(ABC):
             ConfigurationError: this scheduler already serves another open buffer (a shared
                 scheduler would store one buffer's batches in the other); build one scheduler per buffer.
         """
-        prev = getattr(self, "edp", None)  # (not self.__dict__: reading it would slow every attribute access)
+        prev = getattr(self, "edp", None)
         if prev is not None and prev is not edp and not getattr(prev, "closed", False):
             raise ConfigurationError(f"This {type(self).__name__} scheduler already serves another buffer; build one "
                                      f"scheduler per buffer.")
@@ -64,8 +94,9 @@ class Scheduler(ABC):
 
     @property
     def _serves(self) -> bool:
-        """Whether this scheduler was attached to a buffer (see :meth:`attach`; a closed one still counts)."""
-        return getattr(self, "edp", None) is not None
+        """Whether this scheduler was attached to a buffer (see :meth:`attach`; a closed one still counts, and so
+        does one since freed)."""
+        return self._edp_ref is not None
 
     def _attach(self, edp: ExperienceDataPlane) -> None:  # noqa: B027 - an optional hook
         """Set up for ``edp`` (subclasses); raising refuses the buffer and leaves the scheduler free."""

@@ -96,19 +96,22 @@ _RECHECK_S = 0.001
 
 class _LockWait:
     """Marks, while entered, that the calling thread (holding ``Overlapped._mu``) waits for the buffer's lock
-    (``Overlapped._lock_waiter``; cleared under that lock by ``Overlapped._has_buffer_lock``, or on exit). A plain
-    object reused for every call: the delivery path enters it once or twice per call."""
+    (:attr:`waiter`; cleared under that lock by ``Overlapped._has_buffer_lock``, or on exit). A plain object reused
+    for every call: the delivery path enters it once or twice per call. (It keeps the mark itself, not in its
+    scheduler: a reference back would make a cycle, and a dropped scheduler would wait for the cyclic garbage
+    collector to free its delivery buffers.)"""
 
-    __slots__ = ("_owner",)
+    __slots__ = ("waiter",)
 
-    def __init__(self, owner: Overlapped) -> None:
-        self._owner = owner
+    def __init__(self) -> None:
+        #: the thread holding ``_mu`` while it waits for the buffer's lock, or None
+        self.waiter: int | None = None
 
     def __enter__(self) -> None:
-        self._owner._lock_waiter = threading.get_ident()
+        self.waiter = threading.get_ident()
 
     def __exit__(self, *exc: object) -> None:
-        self._owner._lock_waiter = None
+        self.waiter = None
 
 
 class _Ticket:
@@ -298,11 +301,10 @@ class Overlapped(Scheduler):
         self._cancelled: Job[list[_Prepared]] | None = None  # the last job cancelled (it may wait for the lock yet)
         #: the job in flight has entered its hold of the buffer's lock (see _await_job); set under that lock
         self._job_entered = False
-        #: the thread holding ``_mu`` while it waits for the buffer's lock (reset under that lock), and the job it
-        #: waits for: what a call holding the buffer's lock checks before it waits for ``_mu`` (see _enter)
-        self._lock_waiter: int | None = None
+        #: the thread holding ``_mu`` while it waits for the buffer's lock (``waiter``, reset under that lock), and
+        #: the job it waits for: what a call holding the buffer's lock checks before it waits for ``_mu`` (see _enter)
+        self._lock_wait = _LockWait()
         self._awaited: Job[list[_Prepared]] | None = None
-        self._lock_wait = _LockWait(self)
         self._delivered = 0
         self._prio_epoch = 0
         self._prio_lock = threading.Lock()
@@ -493,7 +495,7 @@ class Overlapped(Scheduler):
     def _holder_wants_buffer_lock(self) -> bool:
         """Whether the thread holding ``_mu`` waits for the buffer's lock, or for a job that has yet to take it."""
         job = self._awaited
-        return self._lock_waiter is not None or (job is not None and not self._job_entered and not job.done())
+        return self._lock_wait.waiter is not None or (job is not None and not self._job_entered and not job.done())
 
     def _wanting_buffer_lock(self) -> _LockWait:
         """Around a call that takes the buffer's lock while this thread holds ``_mu``: this thread waits for that
@@ -503,8 +505,9 @@ class Overlapped(Scheduler):
     def _has_buffer_lock(self) -> bool:
         """Run under the buffer's lock (a ``when`` or ``out`` callback of the buffer's primitives): the calling
         thread no longer waits for it. Returns True (as a ``when`` that lets the call go on)."""
-        if self._lock_waiter == threading.get_ident():
-            self._lock_waiter = None
+        lw = self._lock_wait
+        if lw.waiter == threading.get_ident():
+            lw.waiter = None
         return True
 
     def _release(self, sel: Selection) -> None:
@@ -610,9 +613,14 @@ class Overlapped(Scheduler):
 
         Prioritized draws are weighted with beta = 1 (see :meth:`_reweight`), or with ``call_beta[0]``
         when given (a batch drawn for the delivery call that hands it out). A job (``ticket`` given) that a
-        delivery cancelled before it took the buffer's lock draws nothing and prepares nothing.
+        delivery cancelled before it took the buffer's lock draws nothing and prepares nothing, and so does a job
+        that starts after the buffer was freed (the scheduler holds it weakly: see :attr:`Scheduler.edp`).
         """
         ring = self._ring
+        edp = getattr(self, "edp", None)  # (held until the chunk is prepared)
+        if edp is None:
+            ring.free(buf)
+            return []
         try:
             n, kw = key
             epoch = [0]
@@ -823,6 +831,7 @@ class Overlapped(Scheduler):
             self._job = None
             self._ready.extend(job.result())
         except Exception:  # noqa: BLE001 - see the docstring: the caller's own preparation reports it
+            del job  # (the job holds the error, whose traceback holds this frame: no cycle through the job)
             drawn, self._ticket.drawn_from = self._ticket.drawn_from, None
             if drawn is not None and not self.edp.closed:  # (its draws come after those of the batches prepared)
                 self._rewind(drawn)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -44,9 +45,11 @@ class Job(Generic[T]):
             self._value = self._fn(*self._args)
         except BaseException as e:  # noqa: BLE001 - raised in the caller's thread by result()
             self._error = e
+            _drop_locals(e)
         finally:
             self._fn, self._args = _done, ()  # a finished job keeps nothing of its caller (e.g. a buffer) alive
             self._running.release()
+            del self  # (an error's traceback holds this frame: no cycle through the job)
 
     def done(self) -> bool:
         """Whether the job has finished (never blocks)."""
@@ -61,12 +64,28 @@ class Job(Generic[T]):
         """Wait for the job, then return its value or raise its exception."""
         self.wait()
         if self._error is not None:
-            raise self._error
+            try:
+                raise self._error
+            finally:
+                del self  # (the error's traceback holds this frame: no cycle through the job)
         return self._value  # type: ignore[return-value]
 
 
 def _done() -> None:
     """What a finished :class:`Job` holds instead of its function."""
+
+
+def _drop_locals(error: BaseException) -> None:
+    """Clear the local variables of the finished frames in ``error``'s traceback (and those of the exceptions it
+    chains): a job's function is often a method of whoever holds the job (a scheduler holds its job in flight), and
+    the frames would reference it back, a cycle only the cyclic garbage collector frees. The traceback still
+    shows where the error came from."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # (frames still running, such as Job._run's, are left as they are)
+        e = e.__cause__ or e.__context__
 
 
 class Worker:
