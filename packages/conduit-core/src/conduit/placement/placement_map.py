@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -284,6 +285,8 @@ class AdaptivePlacement(Placement):
         #: per buffer: (its schema changes seen, the time from which its ingestion has the current schema)
         self._schema_seen: weakref.WeakKeyDictionary[ExperienceDataPlane, tuple[int, float]] = \
             weakref.WeakKeyDictionary()
+        #: held by :meth:`rebalance` from its decision to its bookkeeping: one migration at a time
+        self._rebalancing = threading.RLock()
 
     def storage(self, schema: ExperienceSchema, capacity: int, *, ragged_capacity: int | None = None) -> Storage:
         """Storage in the placement the map names for ``schema``'s items.
@@ -439,11 +442,33 @@ class AdaptivePlacement(Placement):
                 pools (after a move: the target's, see below) take more memory than the map checked
                 for the placement (:meth:`check_pool`), or the migration failed; nothing was migrated
                 and the buffer is unchanged.
-            ConfigurationError: ``item_bytes`` is no real number, NaN or negative (the buffer is unchanged).
+            ConfigurationError: ``item_bytes`` is no real number, NaN or negative (the buffer is unchanged); or
+                another rebalance of this placement runs and this thread holds the buffer's lock (see below;
+                nothing changed: call it after the locked function returns).
 
         A move sizes the target's ragged pools for the new size (:meth:`pool_for`), never below the
         current pools (which hold the live items: none is lost).
+
+        Calls run one at a time (one migration at a time): a call from another thread waits for the one
+        running, then decides from where the storage lives by then, so the buffer stays on this placement and
+        :attr:`current` names the placement its storage is in. A call that would wait holding the buffer's lock
+        (inside ``edp.read_locked()``, or a callback the buffer runs under it) is refused instead: the running
+        migration needs that lock.
         """
+        if not self._rebalancing.acquire(blocking=not edp.holds_lock()):
+            raise ConfigurationError(
+                "This rebalance would wait for another rebalance of the placement, which runs a migration that "
+                "needs the buffer's lock that this thread holds (inside read_locked(), or a callback the buffer "
+                "runs under its lock): it would wait forever. Nothing was changed; call it after the locked "
+                "function returns.")
+        try:
+            return self._rebalance(edp, item_bytes, schema, transform)
+        finally:
+            self._rebalancing.release()
+
+    def _rebalance(self, edp: ExperienceDataPlane, item_bytes: float | None, schema: ExperienceSchema | None,
+                   transform: Callable[[ExperienceBatch], Any] | None) -> MigrationReport | None:
+        """:meth:`rebalance`, holding ``_rebalancing``."""
         # (a buffer built by another placement was never checked against the plan: neither a move nor a stay
         # on the map's placement says anything about it)
         self._check_capacity(edp.storage.capacity)
@@ -465,8 +490,9 @@ class AdaptivePlacement(Placement):
             self.check_pool(new_schema, cap, pool, item_bytes)
         owner = edp.placement
         report = edp.migrate(target, schema=schema, transform=transform, ragged_capacity=pool)
-        if owner is self:  # the buffer keeps following the map
-            edp.placement = self
-        self.current = spec
-        self.migrations.append(report)
+        with edp.lock:  # (read together with the storage: a reader under the lock sees both or neither)
+            if owner is self:  # the buffer keeps following the map
+                edp.placement = self
+            self.current = spec
+            self.migrations.append(report)
         return report
