@@ -135,6 +135,37 @@ class FifoSampler(Sampler):
         self._confirmed = self._selected
         self._starts.clear()
 
+    def draw_state(self) -> Any:
+        """Where selection stands (selections made, the selection cursor, :attr:`_picked`): what a prefetching
+        scheduler gives back through :meth:`rewind_draws` when it drops selections it made ahead."""
+        return self._selected, self._sel, self._picked
+
+    def rewind_draws(self, state: Any) -> None:
+        """Forget the selections made since ``state`` (a :meth:`draw_state`): they were not delivered (a prefetch
+        whose storage read failed, or prepared batches a scheduler discarded), so their items are selected again,
+        in order. Selections made before ``state`` and not confirmed yet stay selected.
+
+        Run under the buffer's lock. Items of the forgotten selections that eviction took meanwhile count in
+        ``dropped`` (as in :meth:`rewind`: no selection reaches them again), and a reused batch that eviction
+        took is abandoned (``abandoned``, once).
+        """
+        selected, (nxt, cur), picked = state
+        if self._selected <= selected:
+            return  # (nothing selected since)
+        for _ in range(min(self._selected - selected, len(self._starts))):
+            self._starts.pop()
+        oldest = self.storage.oldest
+        # the forgotten selections read [nxt, _picked) anew; on_append counted evictions past that only
+        self.dropped += max(0, min(self._picked, oldest) - nxt)
+        if cur is not None and cur[0] < oldest:
+            if cur[0] != self._abandoned_first:  # (else on_append counted it when eviction took it)
+                self.abandoned += 1
+                self._abandoned_first = cur[0]
+            cur = None
+        self._sel = (max(nxt, oldest), cur)
+        self._picked = picked
+        self._selected = selected
+
     # -- Sampler -------------------------------------------------------------------------------
     def on_append(self, result: AppendResult, priorities: torch.Tensor | None) -> None:
         nxt, cur = self._sel
