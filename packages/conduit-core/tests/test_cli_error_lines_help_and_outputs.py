@@ -225,3 +225,19 @@ def test_demo_help_names_the_synthetic_loop_beside_an_adapters_options(capsys: p
         assert "conduit demo --synthetic" in out, out[:400]
     else:  # core alone: the synthetic loop's own help
         assert "--scheduler" in out, out[:400]
+
+
+# -- python -m conduit -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_python_dash_m_conduit_runs_the_command_line() -> None:
+    """``python -m conduit`` failed ("No module named conduit.__main__") where the console script was not on PATH
+    (e.g. a venv not activated); it runs the same command line, with its exit codes."""
+    ok = subprocess.run([sys.executable, "-m", "conduit", "simulate", "--help"], capture_output=True, text=True,
+                        timeout=110)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("usage: conduit simulate"), ok.stdout[:200]
+    bad = subprocess.run([sys.executable, "-m", "conduit", "simulate", "--gpus", "12"], capture_output=True,
+                         text=True, timeout=110)
+    assert bad.returncode == 2 and "multiple of 8" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
