@@ -104,6 +104,20 @@ def test_one_node_id_given_where_a_list_is_wanted_is_refused_with_what_to_write(
         assert "Nodes [" not in str(e.value) and cluster.head in str(e.value)
 
 
+@pytest.mark.parametrize("nodes", [2, 2.0])
+def test_a_count_of_servers_given_where_node_ids_are_wanted_is_refused_typed(cluster, nodes):
+    """``ShardServers(2)`` (or ``servers=2``, read as "two shard servers") failed with a bare ``TypeError: 'int'
+    object is not iterable``. It is refused as the one-string case is: typed, saying what to pass, before any
+    server starts."""
+    before = _shard_server_actors()
+    for build in (lambda: ShardServers(nodes),
+                  lambda: DistributedDataPlane(SCHEMA, capacity=10, servers=nodes, measure=False,
+                                               health_period=None)):
+        with pytest.raises(ClusterError, match=r"list of node ids.*alive_nodes\(\)"):
+            build()
+    assert _shard_server_actors() == before
+
+
 def _shard_server_actors() -> int:
     """Shard server actors of this cluster that are not dead (started, or starting)."""
     import ray

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +45,8 @@ class ShardServers:
         start_timeout: seconds to wait for the servers to come up (a finite number > 0).
 
     Raises:
-        ClusterError: Ray is not initialised, a node is unknown or dead, ``nodes`` is one string, or a server did
-            not start in time.
+        ClusterError: Ray is not initialised, a node is unknown or dead, ``nodes`` is one string or no list at all
+            (e.g. a count of servers), or a server did not start in time.
         ConfigurationError: ``start_timeout`` is not a finite number > 0 (no server is started).
     """
 
@@ -59,6 +59,9 @@ class ShardServers:
         if isinstance(nodes, (str, bytes)):  # (a list of its characters would be refused as unknown nodes)
             raise ClusterError(f"nodes must be a list of node ids, got one string {nodes!r}; pass [node_id] for one "
                                f"server on that node, or alive_nodes() for one on every node.")
+        if nodes is not None and not isinstance(nodes, Iterable):  # (e.g. a count of servers: ``servers=2``)
+            raise ClusterError(f"nodes must be a list of node ids, got {nodes!r}; pass alive_nodes() for one server "
+                               f"on every node, or repeat a node id ([node_id] * 2) for several servers on it.")
         alive = alive_nodes()
         wanted = list(nodes) if nodes is not None else alive
         if not wanted:
