@@ -148,3 +148,21 @@ def test_a_link_probe_timeout_that_is_no_number_is_refused_typed(cluster, timeou
             servers.links(timeout=timeout)
     finally:
         servers.shutdown()
+
+
+def test_fencing_a_server_the_group_does_not_have_is_refused_and_kills_nothing(cluster):
+    """``ShardServers.kill(i)`` swallowed every error to make fencing a dead server a no-op, so an index past the
+    end (``kill(2)`` of servers 0 and 1: an off-by-one) silently fenced nothing, and the caller believed the server
+    gone. It is refused typed; every server still answers."""
+    import ray
+
+    servers = ShardServers([cluster.head, cluster.head])
+    try:
+        for bad in (2, -3, "0", 1.0):
+            with pytest.raises(ClusterError, match="no shard server"):
+                servers.kill(bad)
+        assert ray.get([s.actor.ping.remote() for s in servers.servers], timeout=60) == [0, 0]
+        servers.kill(1)  # a server of the group is fenced as before, and fencing it again does nothing
+        servers.kill(1)
+    finally:
+        servers.shutdown()

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from conduit.checks import is_int
 from conduit.distributed._ray import check_seconds, current_node_id, ray_module, wait_all, without_auto_init
 from conduit.distributed.errors import ClusterError
 from conduit.distributed.server import server_class
@@ -168,7 +169,14 @@ class ShardServers:
     def kill(self, i: int) -> None:
         """Fence server ``i``: it is killed and never restarts (a lost server must not come back).
 
-        Does nothing when it is dead already, or when Ray was shut down (its actors went with it)."""
+        Does nothing when it is dead already, or when Ray was shut down (its actors went with it).
+
+        Raises:
+            ClusterError: there is no server ``i`` in this group (nothing is killed).
+        """
+        if not is_int(i) or not -len(self.servers) <= i < len(self.servers):
+            raise ClusterError(f"There is no shard server {i!r}: this group has {len(self.servers)} (0 to "
+                               f"{len(self.servers) - 1}); nothing was killed.")
         try:
             with without_auto_init():  # (Ray shut down meanwhile: raise, never start a new Ray)
                 ray_module().kill(self.servers[i].actor, no_restart=True)
