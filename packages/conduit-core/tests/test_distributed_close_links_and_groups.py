@@ -178,6 +178,22 @@ def test_real_cluster_measuring_links_to_a_dead_server_is_a_typed_error(cluster)
         group.shutdown()
 
 
+def test_real_cluster_forming_a_torch_group_with_a_dead_server_names_that_server(cluster):
+    """A server of a group dies before its torch.distributed group is formed. The refusal named the first
+    server whose join failed: a live one, whose join had only timed out waiting for the dead one, with the advice
+    to check that the nodes reach each other over TCP. It names the dead server and says to start the servers
+    again."""
+    group = ShardServers([cluster.head, cluster.workers[0]])
+    try:
+        kill_server(group[1].actor)  # (returns once Ray reports it dead: ray.kill only asks for the kill)
+        with pytest.raises(ClusterError, match=r"Shard server 1 .* is gone.*alive_nodes") as e:
+            group.torch_group(timeout=3.0)
+        assert group[1].node_id[:8] in str(e.value) and "over TCP" not in str(e.value)
+        assert group.torch_group(create=False) is None
+    finally:
+        group.shutdown()
+
+
 def test_real_cluster_measuring_links_to_a_hung_server_is_bounded_by_the_buffers_timeout(cluster):
     """A server stops answering (SIGSTOP) before the first buffer on its group measures the links; the
     buffer's timeout is 3 s, but each link probe waited the measurement's own 60 s default before the

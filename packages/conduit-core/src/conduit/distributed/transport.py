@@ -110,7 +110,8 @@ class TorchGroup:
     Raises:
         ConfigurationError: torch.distributed or the backend is missing here, or ``timeout`` is not a finite
             number > 0 (nothing is formed).
-        ClusterError: a server could not join within ``timeout`` (the group is not formed).
+        ClusterError: a server could not join within ``timeout``, or is gone (named first; the group is not
+            formed).
         RemoteTimeoutError: measuring the links failed (the group formed, and is torn down: closed here and
             left by every server; forming it again starts afresh).
     """
@@ -143,7 +144,16 @@ class TorchGroup:
             self.pg = make_process_group(backend, self.group_id, host, 0, 0, world, self.timeout, store=self._store)
         except Exception as e:  # noqa: BLE001 - a server that never joins times the rendezvous out
             bad = wait_all(joins, 1.0)
-            why = next((f"server {i}: {o.error}" for i, o in bad.items() if not o.ok), str(e))
+            # the cause first: a server that is gone, then one that did not answer; the others' joins only time
+            # out waiting for it (naming one of them sent the user looking for a network fault)
+            failed = sorted((i for i, o in bad.items() if not o.ok), key=lambda i: (not bad[i].lost,
+                                                                                      bad[i].unconfirmed, i))
+            first = bad[failed[0]] if failed else None
+            if first is not None and first.lost and not first.unconfirmed:
+                raise ClusterError(f"Shard server {failed[0]} on node {servers[failed[0]].node_id[:8]} is gone "
+                                   f"({type(first.error).__name__}), so no torch.distributed group can be formed "
+                                   f"with it; start the ShardServers again on alive nodes (alive_nodes()).") from e
+            why = f"server {failed[0]}: {first.error}" if first is not None else str(e)
             raise ClusterError(f"The shard servers could not form a torch.distributed {backend} group with this "
                                f"process within {self.timeout:g} s ({why}); check that the nodes reach "
                                f"{host} over TCP, or use transport='object_store'.") from e
