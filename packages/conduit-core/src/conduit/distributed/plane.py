@@ -344,7 +344,7 @@ class DistributedDataPlane:
             self.close()
             s, o = next(iter(bad.items()))
             raise ClusterError(f"Shard {s} on node {nodes[s][:8]} could not open its partition ({o.error}); "
-                               f"check that node, or build the buffer on other servers.")
+                               f"check that node, or build the buffer on other servers.") from o.error
         self.semantics.bind(self.index)
         self.scheduler: Scheduler = scheduler if scheduler is not None else Synchronous()
         try:
@@ -1275,8 +1275,9 @@ class DistributedDataPlane:
                 elif o.lost:
                     failed.append(sel)
                 else:
-                    raise o.error if isinstance(o.error, ConduitError) else DistributedError(
-                        f"Shard {s} failed to read items: {o.error}")
+                    if isinstance(o.error, ConduitError):
+                        raise o.error
+                    raise DistributedError(f"Shard {s} failed to read items: {o.error}") from o.error
             pos = pos[np.concatenate(failed)] if failed else pos[:0]
         if not pos.size:
             return pos
