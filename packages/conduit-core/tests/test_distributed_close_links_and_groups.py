@@ -302,3 +302,23 @@ def test_an_older_version_checked_before_a_newer_one_was_stored_is_refused_on_sh
     check_payload(batch)
     assert sorted(batch.tensor("id").tolist()) == list(range(10, 16))
     plane.close()
+
+
+def test_real_cluster_a_shut_down_group_refuses_new_work_at_once(cluster):
+    """After ``ShardServers.shutdown()`` the closed torch group stayed attached: ``torch_group()`` handed it out,
+    and a new ``transport="torch"`` buffer renewed it, waiting out its whole timeout for servers that were gone
+    before a ClusterError. A shut-down group now refuses new groups, link measurements and buffers at once, and
+    shutting it down again is harmless."""
+    group = ShardServers([cluster.head, cluster.workers[0]])
+    try:
+        formed = group.torch_group(timeout=60.0)
+    finally:
+        group.shutdown()
+    assert group.closed and formed.broken is not None  # (the group it had formed was closed with it)
+    for call in (lambda: group.torch_group(timeout=60.0), lambda: group.torch_group(create=False),
+                 lambda: group.links(), lambda: DistributedDataPlane(ID_SCHEMA, capacity=10, servers=group,
+                                                                      transport="torch", health_period=None,
+                                                                      timeout=60.0)):
+        with pytest.raises(ClusterError, match="shut down; start new ones"):
+            call()
+    group.shutdown()

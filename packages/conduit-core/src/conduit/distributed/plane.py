@@ -198,7 +198,8 @@ class DistributedDataPlane:
             goes on through the object store.
 
     Raises:
-        ClusterError: Ray is not initialised, or servers cannot be started or reached.
+        ClusterError: Ray is not initialised, servers cannot be started or reached, or the ``servers`` group was
+            shut down.
         ConfigurationError: arguments that cannot work together.
     """
 
@@ -268,6 +269,7 @@ class DistributedDataPlane:
 
         self._owns_servers = not isinstance(servers, ShardServers)
         self.servers = servers if isinstance(servers, ShardServers) else ShardServers(servers)
+        self.servers.check_running()  # (a group shut down: its servers are gone)
         nodes = self.servers.nodes
         if replication > len(set(nodes)):
             if self._owns_servers:

@@ -51,6 +51,9 @@ class ShardServers:
         ConfigurationError: ``start_timeout`` is not a finite number > 0 (no server is started).
     """
 
+    #: :meth:`shutdown` was called: the servers are gone, and the group refuses new work (ClusterError)
+    closed: bool = False
+
     def __init__(self, nodes: Sequence[str] | None = None, *, start_timeout: float = 120.0) -> None:
         ray = ray_module()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -115,7 +118,12 @@ class ShardServers:
 
     def links(self, *, refresh: bool = False, **kwargs: Any) -> Any:
         """The measured :class:`~conduit.distributed.links.LinkProfile` between these servers' nodes and
-        this process's node (measured once, then cached; ``refresh`` measures again)."""
+        this process's node (measured once, then cached; ``refresh`` measures again).
+
+        Raises:
+            ClusterError: the servers were shut down (:meth:`shutdown`).
+        """
+        self.check_running()
         if self._links is None or refresh:
             from conduit.distributed.links import measure_links
 
@@ -148,8 +156,11 @@ class ShardServers:
         Raises:
             ConfigurationError: ``timeout`` is not a finite number of seconds > 0 (checked first: nothing is
                 started or torn down).
+            ClusterError: the servers were shut down (:meth:`shutdown`), even with ``create=False``: their group
+                went with them.
         """
         check_seconds("timeout", timeout)
+        self.check_running()
         if not create:
             return self._torch
         with self._torch_lock:
@@ -161,6 +172,13 @@ class ShardServers:
                 if old is not None:
                     self._leave(old)
             return self._torch
+
+    def check_running(self) -> None:
+        """:class:`ClusterError` after :meth:`shutdown` (a group handed out then was closed, and forming one would
+        wait out its whole timeout for servers that are gone)."""
+        if self.closed:
+            raise ClusterError("These shard servers were shut down; start new ones (ShardServers(...)) for new "
+                               "buffers or torch groups.")
 
     def _leave(self, group: Any) -> None:
         """Close ``group`` here and ask every server to leave it (fire and forget; a dead server left it already)."""
@@ -186,9 +204,13 @@ class ShardServers:
     def shutdown(self) -> None:
         """Kill every server, and close this process's side of their torch.distributed group (its sockets).
 
-        After ``ray.shutdown()`` (the servers went with it) this starts no new Ray."""
+        After ``ray.shutdown()`` (the servers went with it) this starts no new Ray. From then on the group refuses
+        new work (:meth:`torch_group`, :meth:`links`, a new buffer on it) with :class:`ClusterError`; calling this
+        again is harmless."""
+        self.closed = True
         with without_auto_init():
             if self._torch is not None:
                 self._torch.close()
+                self._torch = None
             for i in range(len(self.servers)):
                 self.kill(i)
