@@ -173,8 +173,8 @@ class ShardServer:
         Returns the bytes sent.
         """
         pg, dev = self._group(group_id)
+        batch = self._gathered(buffer_id, local)  # (first: a closed partition is refused typed, see _part)
         sch = self._schemas[buffer_id]
-        batch = self._gathered(buffer_id, local)
         if sch.ragged:
             pg.send([ragged_lengths(batch, sch).to(dev)], 0, tag).wait()
         payload = pack_rows(batch, sch).to(dev)
