@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from conduit.checks import is_int
+from conduit.checks import is_int, is_real
 from conduit.errors import PlacementError
 from conduit.placement.profile import PATHS, BandwidthProfile, LinkCost, host_memory, machine_id
 
@@ -114,13 +114,17 @@ class Topology:
         ``p2p:i:j`` for a pair) to ``{"gbps": G, "overhead_us": U, "per_row_ns": R}`` (each optional;
         without ``gbps`` the bandwidth is unlimited) or to a profile's link form (:meth:`LinkCost.to_dict`).
 
-        The file's top-level keys are :data:`_FILE_KEYS` (``nics`` is read by :mod:`conduit.simulation`), and
-        ``gpu``'s are :data:`_FILE_GPU_KEYS`; any other key is refused (a misspelt ``disk_gib`` would silently
-        leave the machine without a disk tier).
+        The file's top-level keys are :data:`_FILE_KEYS` (``nics`` is read by :mod:`conduit.simulation`),
+        ``gpu``'s are :data:`_FILE_GPU_KEYS` and ``p2p``'s :data:`_FILE_P2P_KEYS`; any other key is refused (a
+        misspelt ``disk_gib`` would silently leave the machine without a disk tier, a misspelt ``matrix_gbps``
+        its GPUs with one uniform link). A GPU-to-GPU figure is declared once: in ``links`` (``p2p``,
+        ``p2p:i:j``) or in the ``p2p`` block, not in both.
 
         Raises:
             PlacementError: the data is malformed or a figure is out of range; the message names what to fix
-                (a top-level or ``gpu`` key the file form does not have, listing the accepted ones; a link whose
+                (a top-level, ``gpu`` or ``p2p`` key the file form does not have, listing the accepted ones; a
+                figure of a GPU pair declared both in ``links`` and in the ``p2p`` block; a GPU index in
+                ``host_link_groups`` that is no int of the topology (a bool is none); a link whose
                 name is no path, that has a key a link does not have, or whose figure is not a finite number,
                 > 0 for a bandwidth and >= 0 otherwise, is named with it).
         """
@@ -131,7 +135,7 @@ class Topology:
             if isinstance(gpu, dict):
                 _known_keys(name, "gpu.", gpu, _FILE_GPU_KEYS)
             count = gpu.get("count", 0)
-            if isinstance(count, bool) or float(count) != int(float(count)):
+            if not is_real(count) or not math.isfinite(count) or float(count) != int(count):  # ("8": no count)
                 raise PlacementError(f"Topology {name!r}: gpu.count must be a whole number of GPUs, got {count!r}.")
             n = int(float(count))
             gib = (_figure(name, "gpu.memory_gib", gpu["memory_gib"], positive=False) if n > 0 else 0.0)
@@ -144,6 +148,9 @@ class Topology:
             links = {k: _declared_link(name, k, v, n) for k, v in d.get("links", {}).items()}
             p2p = d.get("p2p")
             if p2p:
+                if isinstance(p2p, dict):
+                    _known_keys(name, "p2p.", p2p, _FILE_P2P_KEYS)
+                block: dict[str, LinkCost] = {}  # the p2p block's figures
                 over = _figure(name, "p2p.overhead_us", p2p.get("overhead_us", 0.0), positive=False)
                 if "matrix_gbps" in p2p:
                     mat = p2p["matrix_gbps"]
@@ -151,7 +158,7 @@ class Topology:
                         raise PlacementError(f"Topology {name!r}: p2p.matrix_gbps must be {n}x{n}.")
                     default = p2p.get("gbps")  # the figure for pairs the matrix leaves out (null or 0)
                     if default is not None:
-                        links["p2p"] = LinkCost.constant(_figure(name, "p2p.gbps", default, positive=True), over)
+                        block["p2p"] = LinkCost.constant(_figure(name, "p2p.gbps", default, positive=True), over)
                     for i in range(n):
                         for j in range(n):
                             v = mat[i][j]
@@ -162,16 +169,23 @@ class Topology:
                                     f"Topology {name!r}: p2p.matrix_gbps[{i}][{j}] is {v!r}; every pair of distinct "
                                     f"GPUs needs a finite bandwidth > 0 in GB/s (null only on the diagonal, or give "
                                     f"p2p.gbps as the figure for the pairs left out).")
-                            links[f"p2p:{i}:{j}"] = LinkCost.constant(float(v), over)
+                            block[f"p2p:{i}:{j}"] = LinkCost.constant(float(v), over)
                 else:
-                    links["p2p"] = LinkCost.constant(_figure(name, "p2p.gbps", p2p["gbps"], positive=True), over)
+                    block["p2p"] = LinkCost.constant(_figure(name, "p2p.gbps", p2p["gbps"], positive=True), over)
+                twice = sorted(set(links) & set(block))  # two figures for one path: one would be dropped
+                if twice:
+                    where = "p2p.gbps" if twice[0] == "p2p" else "p2p.matrix_gbps"
+                    raise PlacementError(
+                        f"Topology {name!r}: links.{twice[0]} and {where} both declare the figure of {twice[0]!r} "
+                        f"(one would be silently dropped); declare it once, in links or in the p2p block.")
+                links.update(block)
             prof = BandwidthProfile(links, source="declared", machine=f"declared:{name}",
                                     details={"source": d.get("source", "")})
             groups = d.get("host_link_groups")
             if groups is not None:
                 flat = [i for g in groups for i in g] if isinstance(groups, list) and all(
                     isinstance(g, list) for g in groups) else None
-                if flat is None or any(not isinstance(i, int) or not 0 <= i < n for i in flat) or \
+                if flat is None or any(not is_int(i) or not 0 <= i < n for i in flat) or \
                         len(set(flat)) != len(flat):
                     raise PlacementError(f"Topology {name!r}: host_link_groups must be lists of GPU indices "
                                          f"(0..{n - 1}), each GPU in at most one group (the GPUs behind one PCIe "
@@ -189,6 +203,8 @@ _FILE_KEYS = frozenset({"name", "description", "source", "notes", "host_memory_g
                         "p2p", "host_link_groups", "nics"})
 #: the keys of a data file's ``gpu`` object
 _FILE_GPU_KEYS = frozenset({"count", "name", "memory_gib"})
+#: the keys of a data file's ``p2p`` object
+_FILE_P2P_KEYS = frozenset({"gbps", "overhead_us", "matrix_gbps"})
 
 
 def _known_keys(topology: str, where: str, d: dict[str, Any], allowed: frozenset[str]) -> None:
@@ -200,7 +216,7 @@ def _known_keys(topology: str, where: str, d: dict[str, Any], allowed: frozenset
     unknown = sorted(map(str, set(d) - allowed))
     if unknown:
         raise PlacementError(f"Topology {topology!r}: unknown key(s) {', '.join(where + k for k in unknown)}; "
-                             f"{'gpu' if where else 'a topology data file'} takes "
+                             f"{where.rstrip('.') if where else 'a topology data file'} takes "
                              f"{', '.join(where + k for k in sorted(allowed))} (compare with the files in "
                              f"conduit/placement/topologies/).")
 
