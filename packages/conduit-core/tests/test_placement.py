@@ -191,7 +191,8 @@ def test_missing_or_corrupt_profile_says_what_to_do(tmp_path) -> None:
 
 
 def test_local_plan_uses_the_measured_profile(measured: BandwidthProfile) -> None:
-    p = Planner(discover_topology(), measured).plan(Workload.transitions(1000, capacity=10_000, batch=256))
+    local = discover_topology(disk_directory=measured.details["disk_directory"])  # (the volume it measured)
+    p = Planner(local, measured).plan(Workload.transitions(1000, capacity=10_000, batch=256))
     assert p.profile_source == f"measured:{machine_id()}"
     assert p.placement.tier in ("host", "disk", "gpu", "sharded", "pinned")
     assert all(c.reason for c in p.candidates)

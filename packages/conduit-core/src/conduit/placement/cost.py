@@ -47,6 +47,7 @@ start and length in its pool (two int64) in host memory: charged to the host.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -360,6 +361,25 @@ _INDEX_BYTES = 8
 _RAGGED_INDEX_BYTES = 16
 
 
+def _check_disk_directory(topology: Topology, profile: BandwidthProfile) -> None:
+    """Refuse a measured profile whose disk tier was measured on another directory than the one whose free space the
+    discovered ``topology`` offers (``discover_topology(disk_directory=...)``): the volume decides ``disk_read`` and
+    ``disk_write``, so its disk tier would be priced at another volume's speed. Said only where both name theirs.
+
+    Raises:
+        PlacementError: the two directories differ (compared as real paths).
+    """
+    measured, offered = profile.details.get("disk_directory"), topology.details.get("disk_directory")
+    if profile.source != "measured" or not isinstance(measured, str) or not isinstance(offered, str):
+        return
+    if os.path.realpath(measured) != os.path.realpath(offered):
+        raise PlacementError(
+            f"This bandwidth profile measured the disk tier in {measured}, but topology {topology.name!r} offers the "
+            f"disk tier in {offered}: its disk_read and disk_write are another volume's. Measure there, "
+            f"profile_machine(disk_directory={offered!r}), or discover the topology with "
+            f"discover_topology(disk_directory={measured!r}).")
+
+
 def _cuda_index(device: str) -> int | None:
     return int(device.split(":", 1)[1]) if device.startswith("cuda:") else None
 
@@ -382,7 +402,8 @@ class CostModel:
         output_depth: delivery output buffers kept alive (the scheduler's ``output_depth``).
 
     Raises:
-        PlacementError: no profile for this topology, or a measured profile from another machine.
+        PlacementError: no profile for this topology, or a measured profile from another machine, or (on a
+            discovered topology) one whose disk tier was measured in another directory than the topology's.
     """
 
     def __init__(self, topology: Topology, profile: BandwidthProfile | None = None, *, headroom: float = 0.1,
@@ -394,6 +415,7 @@ class CostModel:
                                  f"conduit.placement.profile_machine() (or `conduit profile`) and pass the profile.")
         if topology.source == "discovered":
             prof.check_machine()
+            _check_disk_directory(topology, prof)
         if profile is not None and topology.declared is not None and profile is not topology.declared:
             # measured figures where the profile has them, the declared ones for the rest
             # (declared_paths: the paths priced by the declared figures, which a plan's provenance names)
