@@ -257,7 +257,8 @@ class Planner:
         in_memory = [(e, lb) for e, lb in feasible if e.spec.tier not in self.fallback_tiers]
         eligible = in_memory or feasible
         best_t = min(e.total_s for e, _ in eligible)
-        tied = [(e, lb) for e, lb in eligible if e.total_s <= best_t * (1 + self.tie_tolerance)]
+        # (the fastest is always tied with itself: at best_t 0 an unlimited tolerance gives 0 * inf, NaN)
+        tied = [(e, lb) for e, lb in eligible if e.total_s == best_t or e.total_s <= best_t * (1 + self.tie_tolerance)]
         chosen = min(tied, key=lambda p: (len(p[0].spec.devices), TIERS.index(p[0].spec.tier), p[0].total_s))[0]
         cands = [Candidate(e, e is chosen, self._reason(e, chosen, best_t, fallback_only=bool(in_memory)), lb)
                  for e, lb in priced]
