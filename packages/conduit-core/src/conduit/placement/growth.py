@@ -45,8 +45,9 @@ def paper_schedule(iterations: int = 40, sizes: Sequence[int] = (128, 1000, 5000
         raise ConfigurationError(f"{iterations} iterations cannot hold the {len(sizes)} stages of sizes {tuple(sizes)} "
                                  f"(each stage needs at least one iteration; the largest sizes would be left out). "
                                  f"Give iterations >= {len(sizes)}, or fewer sizes.")
-    per = iterations / len(sizes)
-    return [sizes[min(len(sizes) - 1, int(i / per))] for i in range(iterations)]
+    # stage j starts at the first iteration i with i >= j * iterations / len(sizes), in integers (float division
+    # put i / (iterations / len(sizes)) just below a whole j, e.g. 9 / (18 / 14), and started that stage late)
+    return [sizes[i * len(sizes) // iterations] for i in range(iterations)]
 
 
 @dataclass
