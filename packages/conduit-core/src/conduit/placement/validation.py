@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from conduit.checks import is_int
+from conduit.errors import ConfigurationError
 from conduit.placement.base import PlacementSpec
 from conduit.placement.cost import CostModel, Workload, transition_schema
 from conduit.placement.profile import (
@@ -79,6 +81,17 @@ def buffer_capacity(obs_dim: int, batch: int, buffer_bytes: int) -> int:
     return max(4 * batch, buffer_bytes // item)
 
 
+def _check_counts(**counts: tuple[object, int]) -> None:
+    """Refuse a count that is no int (a bool is none) or below its least value, before any buffer is built.
+
+    Raises:
+        ConfigurationError: naming the count (``name=(value, least)``).
+    """
+    for name, (v, least) in counts.items():
+        if not is_int(v) or v < least:
+            raise ConfigurationError(f"{name} must be an int >= {least}, got {v!r}.")
+
+
 def _filled_buffer(obs_dim: int, capacity: int, seed: int) -> Any:
     from conduit.edp import ExperienceDataPlane
     from conduit.semantics import Replay, UniformSampler
@@ -103,7 +116,12 @@ def _median_deliver(edp: Any, batch: int, reps: int, warmup: int, clock: Clock) 
 
 def measure_host_delivery(obs_dim: int, *, batch: int = 512, capacity: int, reps: int = 31, warmup: int = 5,
                           seed: int = 0, clock: Clock = time.perf_counter) -> float:
-    """Median seconds of ``deliver(batch)`` from a full host-tier transition buffer."""
+    """Median seconds of ``deliver(batch)`` from a full host-tier transition buffer.
+
+    Raises:
+        ConfigurationError: ``reps`` < 1 or ``warmup`` < 0 (no median to take), or either is no int.
+    """
+    _check_counts(reps=(reps, 1), warmup=(warmup, 0))
     edp = _filled_buffer(obs_dim, capacity, seed)
     try:
         return _median_deliver(edp, batch, reps, warmup, clock)
@@ -129,7 +147,12 @@ def check_host_delivery(obs_dims: Sequence[int] = (128, 1000, 5000, 20000), *, b
         clock: ``time.perf_counter`` (wall) or ``time.thread_time`` (this thread's CPU time:
             on a shared machine it leaves out time other processes held the core), used for
             both the profile and the deliveries.
+
+    Raises:
+        ConfigurationError: ``rounds`` or ``reps`` < 1 (no median to take), either no int; checked before any
+            buffer is filled.
     """
+    _check_counts(rounds=(rounds, 1), reps=(reps, 1))
     topo = topology if topology is not None else discover_topology()
     host = PlacementSpec("host", ("cpu",))
     buffer_bytes = max(buffer_bytes, 2 * _llc_bytes())
@@ -176,7 +199,9 @@ def check_host_delivery_isolated(obs_dims: Sequence[int] = (128, 1000, 5000, 200
 
     Raises:
         RuntimeError: the measuring process failed (its stderr is in the message).
+        ConfigurationError: ``rounds`` < 1 or no int (before the process is started).
     """
+    _check_counts(rounds=(rounds, 1))
     arg = json.dumps({"obs_dims": list(obs_dims), "batch": batch, "rounds": rounds, "buffer_bytes": buffer_bytes})
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", _ISOLATED, arg], env=env, capture_output=True, text=True,
