@@ -74,7 +74,8 @@ class PlacementMap:
 
     Raises:
         ConfigurationError: no ranges, an item that is not a :class:`MapRange`, a range that is
-            empty or not a number, ranges that are unsorted or leave gaps (``hi`` of one must be
+            empty or not a number, or whose placement is neither a :class:`PlacementSpec` nor None, ranges
+            that are unsorted or leave gaps (``hi`` of one must be
             ``lo`` of the next), or a ``max_item_bytes`` that is no real number, NaN, negative, infinite or
             beyond the last range's end.
     """
@@ -90,6 +91,10 @@ class PlacementMap:
                 raise ConfigurationError(f"Placement map range {i} ({r.lo!r} .. {r.hi!r}) must be numbers of bytes.")
             if not 0 <= r.lo < r.hi:  # (False for NaN)
                 raise ConfigurationError(f"Placement map range {i} ({r.lo} .. {r.hi} B) must have 0 <= lo < hi.")
+            if r.spec is not None and not isinstance(r.spec, PlacementSpec):  # (a lookup would hand it out)
+                raise ConfigurationError(f"Placement map range {i} places its items on {r.spec!r}, not a "
+                                         f"PlacementSpec; write e.g. PlacementSpec('host', ('cpu',)) (None: nothing "
+                                         f"fits).")
             if i and ranges[i - 1].hi != r.lo:
                 raise ConfigurationError(f"Placement map ranges must be sorted and contiguous: range {i - 1} ends at "
                                          f"{ranges[i - 1].hi} B, range {i} starts at {r.lo} B.")
