@@ -413,7 +413,11 @@ class BandwidthProfile:
                 or isinstance(llc, bool) or not isinstance(llc, int) or llc < 0):
             raise PlacementError(f"The bandwidth profile's details are malformed (a dict with 'machine' a dict and "
                                  f"'llc_bytes' an int >= 0, got {details!r}); re-create it with `conduit profile`.")
-        return cls({k: LinkCost.from_dict(v) for k, v in d["links"].items()}, source=d.get("source", "measured"),
+        source = d.get("source", "measured")
+        if source not in ("measured", "declared"):  # (any other went unchecked for its machine, yet read as measured)
+            raise PlacementError(f"The bandwidth profile's source is {source!r}, neither 'measured' nor 'declared'; "
+                                 f"re-create it with `conduit profile`.")
+        return cls({k: LinkCost.from_dict(v) for k, v in d["links"].items()}, source=source,
                    machine=d.get("machine", ""), created=d.get("created", ""), details=details)
 
     def save(self, path: str | Path | None = None) -> Path:
