@@ -121,10 +121,10 @@ def test_a_dropped_plane_stops_the_servers_it_started(cluster):
     def make() -> DistributedDataPlane:
         plane = _plane([cluster.head, cluster.workers[0]])  # owned servers, default health monitor
         pids.extend(s.pid for s in plane.servers.servers)
+        assert pids and all(process_running(p) for p in pids)  # (checked here: a dropped plane is freed at once)
         return plane
 
     ref = _drop(make)
-    assert pids and all(process_running(p) for p in pids)
     assert eventually(lambda: ref() is None, timeout=15), "the dropped plane is still alive"
     assert eventually(lambda: not any(process_running(p) for p in pids), timeout=60), (
         f"the shard servers the dropped plane started still run: pids {[p for p in pids if process_running(p)]}")

@@ -77,7 +77,7 @@ def test_simulate_refuses_an_existing_directory_it_cannot_write(tmp_path: Path,
 def _rllib_demo_refuses(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     pytest.importorskip("conduit_rllib.demo")
     with pytest.raises(SystemExit) as exc:
-        main(["demo", "--no-progress", "--obs-dim", "4", "--iterations", "1", "--steps", "1", *argv])
+        main(["demo", "--no-progress", "--obs-dim", "4", "--iterations", "2", "--steps", "1", *argv])
     err = capsys.readouterr().err
     assert exc.value.code == 2, (exc.value.code, err)
     assert "Traceback" not in err, err
