@@ -385,8 +385,23 @@ class ExperienceDataPlane:
         After :meth:`close` only the scheduler's own storing of what was handed over before it runs (from
         ``close()`` or ``flush()``, or on the thread that closed the buffer from inside a write); any other
         call raises :class:`ConfigurationError`.
+
+        A call that raises records its ``ingest`` span all the same, with no items (a failed write on a scheduler's
+        worker is that worker's experience-path time, see :mod:`conduit.exposure`).
         """
         t0 = time.perf_counter()
+        try:
+            res, batch = self._store_now(batch, version, priorities, on_stored)
+        except BaseException:
+            self.telemetry.record("ingest", 0, 0, t0, time.perf_counter())  # (no items: none stored)
+            raise
+        self.telemetry.record("ingest", res.count, self._nbytes(batch), t0, time.perf_counter())
+        return torch.from_numpy(np.arange(res.first, res.first + res.count, dtype=np.int64))
+
+    def _store_now(self, batch: ExperienceBatch, version: int | None, priorities: torch.Tensor | None,
+                   on_stored: Callable[[], None] | None) -> tuple[AppendResult, ExperienceBatch]:
+        """:meth:`ingest_now`'s write, without its telemetry: what it stored, and the batch as stored (in the
+        current schema)."""
         with self._lock:
             if self.closed and not getattr(self._tls, "finishing", False) and _get_ident() != self._drainer:
                 self._check_open()
@@ -413,8 +428,7 @@ class ExperienceDataPlane:
                     on_stored()
             finally:
                 self._writer = outer
-        self.telemetry.record("ingest", res.count, self._nbytes(batch), t0, time.perf_counter())
-        return torch.from_numpy(np.arange(res.first, res.first + res.count, dtype=np.int64))
+        return res, batch
 
     def _current(self, batch: ExperienceBatch) -> ExperienceBatch:
         """``batch`` in the current schema (call under the lock).
@@ -498,8 +512,20 @@ class ExperienceDataPlane:
         return batch, info
 
     def deliver_now(self, n: int | None = None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
-        """Select and gather now (the scheduler's primitive)."""
+        """Select and gather now (the scheduler's primitive).
+
+        A call that raises records its ``deliver`` span all the same, with no items (see :meth:`ingest_now`)."""
         t0 = time.perf_counter()
+        try:
+            batch, info, k = self._deliver_now(n, kwargs)
+        except BaseException:
+            self.telemetry.record("deliver", 0, 0, t0, time.perf_counter())  # (no items: none delivered)
+            raise
+        self.telemetry.record("deliver", k, self._nbytes(batch), t0, time.perf_counter())
+        return batch, info
+
+    def _deliver_now(self, n: int | None, kwargs: dict[str, Any]) -> tuple[ExperienceBatch, SampleInfo, int]:
+        """:meth:`deliver_now`'s selection and gather, without its telemetry: the batch, its info and its items."""
         with self._lock:
             self._check_open()
             sel = self.semantics.select(n, **kwargs)
@@ -515,8 +541,7 @@ class ExperienceDataPlane:
         if dev_bufs is not None:
             batch = self._to_device(batch, dev_bufs)
             gather_out.copied(source, self.device)
-        self.telemetry.record("deliver", k, self._nbytes(batch), t0, time.perf_counter())
-        return batch, sel.info
+        return batch, sel.info, k
 
     # -- primitives for prefetching schedulers -----------------------------------------------
     def select_now(self, sizes: Sequence[int | None], *, peek: bool = False, when: Callable[[], bool] | None = None,
@@ -586,11 +611,16 @@ class ExperienceDataPlane:
                    out: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor] | None] | None = None,
                    ) -> ExperienceBatch:
         """The rows of ``selections``, back to back, into ``out`` (or ``out(rows)``, called under the buffer's
-        lock; ``None`` there: fresh memory), on the storage's device."""
+        lock; ``None`` there: fresh memory), on the storage's device. A call that raises records its ``deliver``
+        span all the same, with no items (see :meth:`ingest_now`)."""
         t0 = time.perf_counter()
-        with self._lock:
-            self._check_open()
-            batch = self._gather(selections, out)
+        try:
+            with self._lock:
+                self._check_open()
+                batch = self._gather(selections, out)
+        except BaseException:
+            self.telemetry.record("deliver", 0, 0, t0, time.perf_counter())  # (no items: none gathered)
+            raise
         self.telemetry.record("deliver", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
         return batch
 
@@ -598,13 +628,18 @@ class ExperienceDataPlane:
                     out: dict[str, torch.Tensor] | Callable[[int], dict[str, torch.Tensor] | None] | None = None, *,
                     peek: bool = False, when: Callable[[], bool] | None = None,
                     **kwargs: Any) -> tuple[ExperienceBatch, list[Selection]] | None:
-        """:meth:`select_now` and :meth:`gather_now` under one lock hold (no ingestion in between)."""
+        """:meth:`select_now` and :meth:`gather_now` under one lock hold (no ingestion in between). A call that
+        raises records its ``deliver`` span all the same, with no items (see :meth:`ingest_now`)."""
         t0 = time.perf_counter()
-        with self._lock:
-            sels = self.select_now(sizes, peek=peek, when=when, **kwargs)
-            if sels is None:
-                return None
-            batch = self._gather(sels, out)
+        try:
+            with self._lock:
+                sels = self.select_now(sizes, peek=peek, when=when, **kwargs)
+                if sels is None:
+                    return None
+                batch = self._gather(sels, out)
+        except BaseException:
+            self.telemetry.record("deliver", 0, 0, t0, time.perf_counter())  # (no items: none gathered)
+            raise
         self.telemetry.record("deliver", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
         return batch, sels
 

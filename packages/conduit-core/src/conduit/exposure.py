@@ -11,7 +11,8 @@ Per iteration of a loop, from the spans in a :class:`~conduit.Telemetry`:
   ``iteration`` spans, unless the loop's threads are given: ``loop_threads``);
 * **hidden** -- experience-path work that other threads (the scheduler's workers) did
   while the loop was doing something else: the union of their ingest/deliver/stage
-  spans, minus the part that coincided with the loop waiting for it;
+  spans (a write or gather that raised counts too, with no items), minus the part that
+  coincided with the loop waiting for it;
 * **total** -- exposed + hidden: the experience path's time in this iteration.
 
 All measures are unions of intervals clipped to the iteration, so overlapping spans are

@@ -68,14 +68,15 @@ def observations(records: Iterable[CallRecord], kind: str) -> list[tuple[float, 
     """``(bytes, seconds, staged)`` per call of ``kind`` ("ingest" or "deliver").
 
     An ingestion write that followed a "stage" record of the same items on the same
-    thread counts as staged, and the staging time is added to it.
+    thread counts as staged, and the staging time is added to it. A call that raised (recorded
+    with no items) moved nothing to fit a model by, and is left out.
     """
     out = []
     stage: dict[int, CallRecord] = {}
     for r in records:
         if r.kind == "stage":
             stage[r.thread] = r
-        elif r.kind == kind:
+        elif r.kind == kind and r.items:
             s = stage.pop(r.thread, None)
             if s is not None and s.items == r.items and kind == "ingest":
                 out.append((float(r.nbytes), r.seconds + s.seconds, True))
