@@ -44,6 +44,7 @@ import math
 import statistics
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -236,6 +237,10 @@ class Automatic(Scheduler):
         self._confirm_name: str  # set by _next_confirm before it is read
         self._confirm_left = 0
         self._since = time.perf_counter()
+        #: the telemetry at attach and its mark then: the probe's calls are those folded at or after it
+        self._probe_telemetry, self._probe_mark = edp.telemetry, edp.telemetry.mark()
+        #: what the model was fitted without (see :meth:`_records`), said in the decision's reason
+        self._fit_note = ""
         self._candidates: dict[str, Overlapped] = {}
         #: a switch of scheduler that waits until the current one's queue can be stored (see _activate)
         self._retry: Callable[[], None] | None = None
@@ -620,7 +625,23 @@ class Automatic(Scheduler):
         self.range = GranularityRange(False, self.range.g_ing, g_del or self.range.g_del[:1])
 
     def _records(self) -> list[CallRecord]:
-        return self.edp.telemetry.since(self._since)
+        """The calls recorded since calibration began, oldest first.
+
+        A probe that records more calls than the telemetry's ring holds (``Telemetry(maxlen=...)``) loses its
+        earliest ones: the model is fitted on the rest, and a :class:`RuntimeWarning` and the decision's reason say
+        how many were dropped.
+        """
+        tel = self.edp.telemetry
+        # (a telemetry put in place since the scheduler was attached: all of its calls, from its first mark)
+        recs, dropped = tel.calls_since(self._probe_mark if tel is self._probe_telemetry else 0)
+        if dropped:
+            self._fit_note = (f"; fitted without the {dropped} earliest calls of the probe, which the telemetry's "
+                              f"ring (Telemetry(maxlen={tel.maxlen})) dropped")
+            warnings.warn(f"Automatic's probe recorded more calls than the buffer's telemetry keeps: its ring "
+                          f"(Telemetry(maxlen={tel.maxlen})) dropped the {dropped} earliest, so the latency model is "
+                          f"fitted on the rest. Raise the Telemetry's maxlen above the calls the probe records.",
+                          RuntimeWarning, stacklevel=2)
+        return [r for r in recs if r.start >= self._since]
 
     def _decide(self, last_items: int) -> None:
         """Choose from the probe's telemetry; ``last_items``: the size of the delivery that ended the probe."""
@@ -767,7 +788,7 @@ class Automatic(Scheduler):
         assert self.decision is not None
         gi, gd = self._choices[overlap]
         self.decision.g_ing, self.decision.g_del, self.decision.overlap = gi, gd, overlap
-        self.decision.reason = reason
+        self.decision.reason = reason + self._fit_note
         if self.on_policy:
             self.decision.g_del = self.range.g_del[0]
         name = "overlapped" if overlap else "sequential"
