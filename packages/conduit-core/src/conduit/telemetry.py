@@ -124,7 +124,11 @@ class Telemetry:
         #: the mark of the oldest call still in the ring (calls before it were dropped or reset)
         self._first = 0
         #: the marks of the calls the ring dropped to make room, as ascending [from, to) ranges (one more range
-        #: per reset that is followed by drops; what reset removes counts not)
+        #: per reset that removed calls and is followed by drops; what reset removes counts not). Kept whole: a
+        #: mark from before a reset still gets the drops at or after it, and merging two ranges would count the
+        #: calls reset removed between them as dropped. It grows by at most one range per ``maxlen + 1`` calls
+        #: folded (a new range needs a reset that empties the ring, then more calls than the ring holds), so
+        #: only a small ``maxlen`` reset often makes it long over a long run
         self._drops: list[list[int]] = []
         #: the mark at the last reset (calls dropped since are _first - _reset_at), and the latest end of those
         self._reset_at = 0
