@@ -51,7 +51,8 @@ class Totals:
 
     ``seconds`` sums the calls' durations; a call recorded with a NaN time, its end before its start or an
     infinite duration (a misused clock) adds no seconds, as it adds no time to an iteration's exposure, but
-    still counts in ``calls``, ``items`` and ``nbytes``.
+    still counts in ``calls``, ``items`` and ``nbytes``. A buffer's ``ingest``/``deliver`` call that raised is
+    recorded with no items and no bytes: it counts in ``calls`` and ``seconds`` (the time was spent all the same).
     """
 
     calls: int = 0

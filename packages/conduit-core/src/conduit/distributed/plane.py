@@ -536,8 +536,16 @@ class DistributedDataPlane:
         routed by each row's producer node, so one write that coalesces batches of several
         producers still places each batch as the plan wants it for its producer; rows
         without one count as produced on the learner's node.
+
+        A call that raises records its ``ingest`` span all the same, with no items (as
+        ``ExperienceDataPlane.ingest_now``'s: a failed write on a scheduler's worker is that worker's time).
         """
-        return self._ingest(batch, version, priorities, None, validated=True, on_stored=on_stored)
+        t0 = time.perf_counter()
+        try:
+            return self._ingest(batch, version, priorities, None, validated=True, on_stored=on_stored)
+        except BaseException:
+            self.telemetry.record("ingest", 0, 0, t0, time.perf_counter())  # (no items: none stored)
+            raise
 
     def _ingest(self, batch: Mapping[str, Any] | ExperienceBatch | ExperienceRef, version: int | None,
                 priorities: torch.Tensor | None, node: str | None, *, validated: bool,
@@ -967,16 +975,21 @@ class DistributedDataPlane:
         return batch, info
 
     def deliver_now(self, n: int | None = None, **kwargs: Any) -> tuple[ExperienceBatch, SampleInfo]:
-        """Select and read now (the scheduler's primitive)."""
+        """Select and read now (the scheduler's primitive). A call that raises records its ``deliver`` span all the
+        same, with no items (see :meth:`ingest_now`)."""
         t0 = time.perf_counter()
-        with self._lock:
-            self._check_open()
-            if self._replay:
-                batch, info = self._deliver_replay(n, **kwargs)
-            else:
-                batch, info = self._deliver_on_policy(n, **kwargs)
-        if self.device.type != "cpu":
-            batch = batch.to(self.device, non_blocking=True)
+        try:
+            with self._lock:
+                self._check_open()
+                if self._replay:
+                    batch, info = self._deliver_replay(n, **kwargs)
+                else:
+                    batch, info = self._deliver_on_policy(n, **kwargs)
+            if self.device.type != "cpu":
+                batch = batch.to(self.device, non_blocking=True)
+        except BaseException:
+            self.telemetry.record("deliver", 0, 0, t0, time.perf_counter())  # (no items: none delivered)
+            raise
         self.telemetry.record("deliver", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
         return batch, info
 
@@ -1031,8 +1044,22 @@ class DistributedDataPlane:
         lost items, and with ``skip_lost`` (the selections are real, not a prefetch's
         prediction) the last selection, when its items were all lost, becomes the
         semantics' next minibatch, as :meth:`deliver` skips it.
+
+        A call that raises records its ``deliver`` span all the same, with no items (see :meth:`ingest_now`).
         """
         t0 = time.perf_counter()
+        try:
+            batch = self._gather_now(selections, out, replace, beta, skip_lost)
+        except BaseException:
+            self.telemetry.record("deliver", 0, 0, t0, time.perf_counter())  # (no items: none read)
+            raise
+        self.telemetry.record("deliver", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
+        return batch
+
+    def _gather_now(self, selections: Sequence[Selection],
+                    out: Mapping[str, torch.Tensor] | Callable[[int], Mapping[str, torch.Tensor]] | None,
+                    replace: bool, beta: float | None, skip_lost: bool) -> ExperienceBatch:
+        """:meth:`gather_now`'s read, without its telemetry."""
         with self._callbacks.deferring(), self._lock:  # (a scheduler's primitive: see LossCallbacks.deferring)
             self._check_open()
             total = sum(int(s.slots.shape[0]) for s in selections)
@@ -1060,16 +1087,21 @@ class DistributedDataPlane:
                 shrunk = grown or any(p.batch_size != int(s.slots.shape[0])
                                       for p, s in zip(parts, selections, strict=True))
                 batch = parts[0] if len(parts) == 1 else concat(self.schema, parts, None if shrunk else bufs)
-        self.telemetry.record("deliver", batch.batch_size, batch.nbytes(), t0, time.perf_counter())
         return batch
 
     def prepare_now(self, sizes: Sequence[int | None],
                     out: Mapping[str, torch.Tensor] | Callable[[int], Mapping[str, torch.Tensor]] | None = None, *,
                     peek: bool = False, when: Callable[[], bool] | None = None,
                     **kwargs: Any) -> tuple[ExperienceBatch, list[Selection]] | None:
-        """:meth:`select_now` and :meth:`gather_now` under one lock hold (no ingestion in between)."""
+        """:meth:`select_now` and :meth:`gather_now` under one lock hold (no ingestion in between). A call that
+        raises records its ``deliver`` span all the same, with no items (see :meth:`ingest_now`)."""
+        t0 = time.perf_counter()
         with self._callbacks.deferring(), self._lock:  # (a scheduler's primitive: see LossCallbacks.deferring)
-            sels = self.select_now(sizes, peek=peek, when=when, **kwargs)
+            try:
+                sels = self.select_now(sizes, peek=peek, when=when, **kwargs)
+            except BaseException:  # (a failed read records its span in gather_now)
+                self.telemetry.record("deliver", 0, 0, t0, time.perf_counter())  # (no items: none selected)
+                raise
             if sels is None:
                 return None
             return self.gather_now(sels, out, replace=kwargs.get("replace", True), beta=kwargs.get("beta"),
