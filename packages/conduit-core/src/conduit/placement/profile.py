@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from conduit.checks import is_real
 from conduit.errors import PlacementError
 from conduit.storage.columnar import empty_column, gather_into
 from conduit.telemetry import write_atomically
@@ -250,16 +251,50 @@ class LinkCost:
                 :func:`load_profile` reports them as a :class:`PlacementError`.
         """
         if "overhead_s" in d:
-            pts = tuple((float(b), math.inf if bw is None else float(bw)) for b, bw in d["points"])
+            pts = tuple((_number("points", b), math.inf if bw is None else _number("points", bw))
+                        for b, bw in d["points"])
             by_row = d.get("by_row", False)
             if not isinstance(by_row, bool):  # (bool("false") is True: the points would be read per row)
                 raise ValueError(f"by_row must be true or false, got {by_row!r}")
-            return cls(float(d["overhead_s"]), pts, float(d.get("per_row_s", 0.0)), by_row)
-        over = float(d.get("overhead_us", 0.0))
-        per_row = float(d.get("per_row_ns", 0.0))
+            return cls(_number("overhead_s", d["overhead_s"]), pts, _number("per_row_s", d.get("per_row_s", 0.0)),
+                       by_row)
+        over = _number("overhead_us", d.get("overhead_us", 0.0))
+        per_row = _number("per_row_ns", d.get("per_row_ns", 0.0))
         if "gbps" in d:
-            return cls.constant(float(d["gbps"]), over, per_row)
+            return cls.constant(_number("gbps", d["gbps"]), over, per_row)
         return cls(over * 1e-6, per_row_s=per_row * 1e-9)  # a pure per-call (and per-row) cost
+
+
+def _number(what: str, v: Any) -> float:
+    """A link figure of a file as a float. Raises TypeError: it is no real number (``float()`` would read the
+    string ``"0.5"`` and ``true`` as figures)."""
+    if not is_real(v):
+        raise TypeError(f"{what} must be a number, got {v!r}")
+    return float(v)
+
+
+#: the paths priced per GPU (``name:i``); ``p2p`` is priced per pair (``p2p:i:j``)
+PER_GPU_PATHS = frozenset({"h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable", "gpu_gather"})
+
+
+def link_name_problem(key: str) -> str | None:
+    """Why ``key`` is no link name (``None`` when it is one): a path of :data:`PATHS`, ``name:i`` for a path
+    priced per GPU, ``p2p:i:j`` for two distinct GPUs (indices written as plain ints)."""
+    kind, *indices = str(key).split(":")
+    if kind not in PATHS:
+        return (f"{key!r} names no data path Conduit prices; use one of {', '.join(PATHS)} (for one GPU 'name:i', "
+                f"for a GPU pair 'p2p:i:j')")
+    if not indices:
+        return None
+    want = 2 if kind == "p2p" else 1 if kind in PER_GPU_PATHS else 0
+    if not want:
+        return f"{key!r}: {kind} is not priced per GPU, so this entry would never be read; write {kind!r}"
+    if len(indices) != want or any(not i.isdigit() or str(int(i)) != i for i in indices) or \
+            (want == 2 and indices[0] == indices[1]):
+        form = "p2p:i:j" if want == 2 else f"{kind}:i"
+        return (f"{key!r} is no link name; write '{form}' with "
+                f"{'two distinct GPU indices' if want == 2 else 'a GPU index'} (0, 1, ...), or '{kind}' for every GPU")
+    return None
 
 
 def _gpu_description(props: Any) -> str:
@@ -417,7 +452,12 @@ class BandwidthProfile:
         if source not in ("measured", "declared"):  # (any other went unchecked for its machine, yet read as measured)
             raise PlacementError(f"The bandwidth profile's source is {source!r}, neither 'measured' nor 'declared'; "
                                  f"re-create it with `conduit profile`.")
-        return cls({k: LinkCost.from_dict(v) for k, v in d["links"].items()}, source=source,
+        items = d["links"].items()  # (no dict: AttributeError, a malformed file to load_profile)
+        for k, _ in items:  # (an entry under another name is one no lookup reads: the figure it meant is missing)
+            problem = link_name_problem(k)
+            if problem is not None:
+                raise PlacementError(f"The bandwidth profile's link {problem}; re-create it with `conduit profile`.")
+        return cls({k: LinkCost.from_dict(v) for k, v in items}, source=source,
                    machine=d.get("machine", ""), created=d.get("created", ""), details=details)
 
     def save(self, path: str | Path | None = None) -> Path:

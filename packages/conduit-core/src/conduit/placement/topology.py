@@ -21,7 +21,7 @@ import torch
 
 from conduit.checks import is_int, is_real
 from conduit.errors import PlacementError
-from conduit.placement.profile import PATHS, BandwidthProfile, LinkCost, host_memory, machine_id
+from conduit.placement.profile import PATHS, PER_GPU_PATHS, BandwidthProfile, LinkCost, host_memory, machine_id
 
 __all__ = ["Gpu", "Topology", "load_topology", "discover_topology", "available_topologies"]
 
@@ -123,7 +123,8 @@ class Topology:
         Raises:
             PlacementError: the data is malformed or a figure is out of range; the message names what to fix
                 (a top-level, ``gpu`` or ``p2p`` key the file form does not have, listing the accepted ones; a
-                figure of a GPU pair declared both in ``links`` and in the ``p2p`` block; a GPU index in
+                figure of a GPU pair declared both in ``links`` and in the ``p2p`` block; a ``p2p.matrix_gbps``
+                diagonal entry that is not null or 0 (it is never read); a GPU index in
                 ``host_link_groups`` that is no int of the topology (a bool is none); a link whose
                 name is no path, that has a key a link does not have, or whose figure is not a finite number,
                 > 0 for a bandwidth and >= 0 otherwise, is named with it).
@@ -162,7 +163,13 @@ class Topology:
                     for i in range(n):
                         for j in range(n):
                             v = mat[i][j]
-                            if i == j or ((v is None or v == 0) and default is not None):
+                            if i == j:  # (a GPU's copy within itself is no P2P copy: gpu_gather prices it)
+                                if v is None or (is_real(v) and v == 0):
+                                    continue
+                                raise PlacementError(
+                                    f"Topology {name!r}: p2p.matrix_gbps[{i}][{j}] is {v!r}; the diagonal is not "
+                                    f"read (a copy within one GPU is priced by links.gpu_gather): write null there.")
+                            if (v is None or v == 0) and default is not None:
                                 continue
                             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
                                 raise PlacementError(
@@ -243,7 +250,7 @@ def _figure(topology: str, where: str, v: Any, *, positive: bool) -> float:
 
 
 #: the paths priced per GPU (``name:i``) in a data file's ``links``; ``p2p`` is priced per pair (``p2p:i:j``)
-_PER_GPU_PATHS = frozenset({"h2d_pinned", "h2d_pageable", "d2h_pinned", "d2h_pageable", "gpu_gather"})
+_PER_GPU_PATHS = PER_GPU_PATHS
 
 
 def _declared_link(topology: str, key: str, entry: Any, num_gpus: int) -> LinkCost:
