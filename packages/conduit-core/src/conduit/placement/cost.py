@@ -183,7 +183,8 @@ class Workload:
     @classmethod
     def from_schema(cls, schema: ExperienceSchema, *, capacity: int, batch: int, learners: int = 1,
                     ingest_items: int | None = None, mean_ragged_length: float = 0.0, name: str = "") -> Workload:
-        """The workload of ``schema`` items (ragged fields counted at ``mean_ragged_length`` elements).
+        """The workload of ``schema`` items (ragged fields counted at ``mean_ragged_length`` elements, each
+        field's bytes rounded up to a whole byte: the plan never counts less than the mean takes).
 
         Raises:
             ConfigurationError: ``mean_ragged_length`` is NaN, infinite or negative (or a count is invalid).
@@ -194,7 +195,9 @@ class Workload:
         fb = []
         for n in schema:
             f = schema[n]
-            fb.append(int(round(f.element_bytes * (mean_ragged_length if f.ragged else 1))))
+            # (rounded up: a mean below half an element would plan no bytes, so no pool, and any rounding down
+            # pools that hold fewer elements than capacity items at the mean take)
+            fb.append(math.ceil(f.element_bytes * (mean_ragged_length if f.ragged else 1)))
         growing = tuple(i for i, n in enumerate(schema) if schema[n].ragged or schema[n].item_numel > 1) or None
         scalar = tuple(i for i, n in enumerate(schema) if not schema[n].ragged and schema[n].item_numel == 1)
         ragged = tuple(i for i, n in enumerate(schema) if schema[n].ragged)
