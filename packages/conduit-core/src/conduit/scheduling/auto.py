@@ -458,7 +458,8 @@ class Automatic(Scheduler):
         A decision this scheduler's own settings do not allow is not applied (it goes on as before, e.g. it
         calibrates): another on/off-policy kind or M, ``g_ing``/``g_del`` above ``g_ing_max``/``g_del_max``,
         overlap other than a forced ``overlap``, or ``g_del > 1`` whose delivery buffers exceed ``memory_budget``
-        at the saved batch size. An empty state (saved while calibrating) changes nothing.
+        at the saved batch size. An empty state (saved while calibrating) changes nothing. An applied decision's
+        range and predicted costs keep only the granularities within this scheduler's caps (what it may use).
 
         Raises:
             ConfigurationError: ``state`` is damaged (nothing changed), or this scheduler serves no open buffer.
@@ -479,6 +480,15 @@ class Automatic(Scheduler):
         self._retry = None
         self._ing_plan, self._del_plan, self._del_left = [], [], 0
         self._probe_rollout = None
+        # the saved range (and its predictions) may reach past this scheduler's caps: the decision says, and saves,
+        # the granularities this scheduler may use (its g_ing and g_del among them, see _allows)
+        g_ing = tuple(g for g in d.range.g_ing if any(math.isclose(g, h) for h in self.range.g_ing))
+        g_del = d.range.g_del if self.on_policy else tuple(g for g in d.range.g_del if g <= self.g_del_max)
+        d.range = GranularityRange(d.range.on_policy, g_ing, g_del, d.range.num_minibatches)
+        for costs, kept in ((d.deliver_sequential, g_del), (d.deliver_overlapped, g_del),
+                            (d.ingest_sequential, g_ing), (d.ingest_overlapped, g_ing)):
+            for g in [g for g in costs if g not in kept]:
+                del costs[g]
         self.range = d.range
         self.decision = d
         self._choices = {d.overlap: (d.g_ing, d.g_del)}
