@@ -365,7 +365,10 @@ class MinibatchPrefetch(Scheduler):
         self._cancel_waiting_job()  # inside the buffer's lock (read_locked): drawn here, as a synchronous delivery
         if self._pending is not None:
             fut, self._pending = self._pending, None
-            staged = fut.result()
+            try:
+                staged = fut.result()
+            finally:
+                del fut  # (a failed job holds its error, whose traceback holds this frame: no cycle through the job)
             assert staged is not None  # (only a cancelled job returns nothing, and it is no longer pending)
             batch, info, done = staged
         else:  # staged here (the first minibatch, or an epoch's first with seed=None): after the learner's work so far
