@@ -32,6 +32,7 @@ such as ``uint16``) also goes to verl's own iterator, with one log line.
 from __future__ import annotations
 
 import bisect
+import inspect
 import json
 import logging
 import os
@@ -46,6 +47,7 @@ import numpy as np
 import torch
 from conduit import (
     CapacityError,
+    ConduitError,
     ConfigurationError,
     ExperienceDataPlane,
     ExperienceSchema,
@@ -119,6 +121,9 @@ class VerlOnPolicy(OnPolicy):
     process's: a draw another thread makes during the prediction, which holds the buffer's lock,
     is undone with it). A delivery with ``n`` or options is refused (as :class:`~conduit.OnPolicy`
     refuses it) before an epoch waiting for its first delivery starts: it draws nothing.
+
+    The loader runs the user's code (a ``sampler``, worker processes): a pass that raises is refused the same way, as
+    a :class:`~conduit.ConfigurationError` chained to its error, and the retry draws that pass again.
 
     ``state_dict`` keeps how many of the current rollout's epoch orders were drawn and whether the
     next epoch waits for its first delivery; a load rebuilds a seeded loader and replays its passes
@@ -213,7 +218,14 @@ class VerlOnPolicy(OnPolicy):
         if epoch == 0 or self._orders is None:
             self._orders, self._orders_drawn = self._epoch_orders(n), 0
         self._orders_drawn += 1
-        return next(self._orders)
+        try:
+            return next(self._orders)
+        except ConduitError:
+            raise
+        except Exception as e:  # the user's loader (a sampler, a worker) failed: refused, so the pass is given back
+            raise ConfigurationError(f"verl's DataLoader failed drawing epoch {epoch}'s order ({type(e).__name__}: "
+                                     f"{e}); nothing was delivered: fix dataloader_kwargs (e.g. the sampler) or the "
+                                     f"cause, then deliver again (the same order is drawn).") from e
 
     def release_loader(self) -> None:
         """End the current rollout's loader (and the worker processes ``num_workers`` with ``persistent_workers``
@@ -238,9 +250,12 @@ class VerlOnPolicy(OnPolicy):
         except ConfigurationError:
             if rng is not None:
                 torch.set_rng_state(rng)
-            if orders is not None and orders is self._orders and self.loader_seed is not None and self._cur is not None:
+            # (a loader pass that raised ended its generator: a fresh one draws the next pass)
+            ended = orders is not None and inspect.getgeneratorstate(orders) == inspect.GEN_CLOSED
+            if orders is not None and orders is self._orders and self._cur is not None and (
+                    self.loader_seed is not None or ended):
                 orders = self._epoch_orders(self._cur.count)  # the loader in use drew the refused pass: replay it
-                for _ in range(drawn):
+                for _ in range(drawn if self.loader_seed is not None else 0):  # (unseeded: each pass draws anew)
                     next(orders)
             self._orders, self._orders_drawn = orders, drawn
             raise
