@@ -379,8 +379,12 @@ class MinibatchPrefetch(Scheduler):
             return self.edp.deliver_now(n, **kwargs)
         self._cancel_waiting_job()  # inside the buffer's lock (read_locked): drawn here, as a synchronous delivery
         if self._pending is not None:
-            fut, self._pending = self._pending, None
+            fut = self._pending
             try:
+                # the job stays staged until it has ended: a wait interrupted here (Ctrl-C's KeyboardInterrupt) leaves
+                # its minibatch (already selected) to the next delivery, instead of skipping it
+                fut.wait()
+                self._pending = None
                 staged = fut.result()
             finally:
                 del fut  # (a failed job holds its error, whose traceback holds this frame: no cycle through the job)
