@@ -194,6 +194,26 @@ def test_real_cluster_forming_a_torch_group_with_a_dead_server_names_that_server
         group.shutdown()
 
 
+def test_real_cluster_measuring_torch_links_to_a_dead_server_names_that_server(cluster):
+    """A server dies after its torch.distributed group formed; measuring the group's links raised
+    RemoteTimeoutError "the cluster is overloaded or a node is unreachable" (the object-store measurement names
+    the dead server): the user looked for load instead of a dead node. It is a ClusterError naming the server and
+    its node, and the group is retired (a failed transfer over it)."""
+    from conduit.distributed.transport import TorchGroup
+
+    group = ShardServers([cluster.head, cluster.workers[0]])
+    try:
+        g = TorchGroup(group, timeout=20.0, measure=False)
+        kill_server(group[1].actor)  # (returns once Ray reports it dead: ray.kill only asks for the kill)
+        with pytest.raises(ClusterError, match=r"Shard server 1 .* is gone.*alive_nodes") as e:
+            g.measure()
+        assert group[1].node_id[:8] in str(e.value) and "overloaded" not in str(e.value)
+        assert g.broken is not None, "a failed probe retires the group, as a failed delivery does"
+        g.close()
+    finally:
+        group.shutdown()
+
+
 def test_real_cluster_measuring_links_to_a_hung_server_is_bounded_by_the_buffers_timeout(cluster):
     """A server stops answering (SIGSTOP) before the first buffer on its group measures the links; the
     buffer's timeout is 3 s, but each link probe waited the measurement's own 60 s default before the

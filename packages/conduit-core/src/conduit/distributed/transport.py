@@ -39,7 +39,7 @@ import torch
 from conduit.distributed._ray import check_seconds, current_node_id, ray_module, wait_all
 from conduit.distributed.errors import ClusterError, RemoteTimeoutError
 from conduit.distributed.links import LinkProfile, check_probes
-from conduit.errors import ConfigurationError
+from conduit.errors import ConduitError, ConfigurationError
 from conduit.placement.profile import LinkCost
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ class TorchGroup:
         ConfigurationError: torch.distributed or the backend is missing here, or ``timeout`` is not a finite
             number > 0 (nothing is formed).
         ClusterError: a server could not join within ``timeout``, or is gone (named first; the group is not
-            formed).
+            formed, or is torn down as below when the server died while its links were measured).
         RemoteTimeoutError: measuring the links failed (the group formed, and is torn down: closed here and
             left by every server; forming it again starts afresh).
     """
@@ -199,8 +199,13 @@ class TorchGroup:
         Each probe is one Ray call asking the server to send ``nbytes`` and the matching
         receive here, timed from the call to the end of the receive.
 
+        A probe that fails retires the group (:attr:`broken`), as a failed delivery does.
+
         Raises:
             ConfigurationError: bad probe settings (see :func:`~conduit.distributed.links.check_probes`).
+            ClusterError: a server is gone (its actor or its node died; named), as in
+                :func:`~conduit.distributed.links.measure_links`.
+            DistributedError: a server refused the probe (e.g. it left the group: form it again).
             RemoteTimeoutError: a probe did not finish within the group's timeout.
         """
         sizes = check_probes(sizes, repeats, self.timeout)
@@ -219,6 +224,18 @@ class TorchGroup:
                 self.recv(buf, server, tag).wait()
                 ray.get(ref, timeout=self.timeout)
             except Exception as e:  # noqa: BLE001 - gloo and Ray raise plain errors
+                self.broken = self.broken or f"a link probe from server {server} failed: {e}"
+                # the server's own call tells a dead server (its receive here fails at once: the connection
+                # closed) from a refusal or a slow one; only the last is a matter of load
+                out = wait_all({0: ref}, max(1.0, self.timeout - (time.perf_counter() - t0)))[0]
+                if out.lost and not out.unconfirmed:
+                    node = self.nodes[server]
+                    raise ClusterError(f"Shard server {server} on node {node[:8]} is gone "
+                                       f"({type(out.error).__name__}), so the torch.distributed links to it cannot "
+                                       f"be measured; start the ShardServers again on alive nodes "
+                                       f"(alive_nodes()).") from e
+                if isinstance(out.error, ConduitError):
+                    raise out.error from e
                 raise RemoteTimeoutError(f"A torch.distributed link probe from server {server} failed ({e}); the "
                                          f"cluster is overloaded or a node is unreachable.") from e
             return time.perf_counter() - t0
