@@ -110,7 +110,7 @@ def test_torch_transport_delivers_complex128_without_retiring_the_group(cluster,
 
 
 @pytest.mark.parametrize("kwargs", [{"repeats": 0}, {"sizes": ()}, {"sizes": (0,)}, {"sizes": (-4,)},
-                                    {"sizes": (1.5,)}, {"timeout": 0.0}])
+                                    {"sizes": (1.5,)}, {"timeout": 0.0}, {"sizes": 1 << 20}, {"sizes": None}])
 def test_link_probes_refuse_settings_that_measure_nothing(cluster, servers, kwargs):
     """Object-store probes: a typed error before anything is sent; the cached profile is kept."""
     before = servers.links()
@@ -119,7 +119,7 @@ def test_link_probes_refuse_settings_that_measure_nothing(cluster, servers, kwar
     assert servers.links() is before
 
 
-@pytest.mark.parametrize("kwargs", [{"repeats": 0}, {"sizes": ()}, {"sizes": (0,)}])
+@pytest.mark.parametrize("kwargs", [{"repeats": 0}, {"sizes": ()}, {"sizes": (0,)}, {"sizes": 1 << 20}])
 def test_torch_link_probes_refuse_settings_that_measure_nothing(cluster, servers, kwargs):
     """torch.distributed probes: the same typed error, and the group stays usable."""
     g = servers.torch_group()
@@ -127,3 +127,4 @@ def test_torch_link_probes_refuse_settings_that_measure_nothing(cluster, servers
         g.measure(**kwargs)
     assert g.broken is None
     assert g.measure(sizes=(1 << 12,), repeats=1).links
+

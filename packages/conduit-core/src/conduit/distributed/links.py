@@ -35,7 +35,10 @@ def check_probes(sizes: Sequence[int], repeats: int, timeout: float) -> tuple[in
         ConfigurationError: no size, a size that is not a positive int, ``repeats`` < 1, or a ``timeout`` that is
             not a finite number > 0 (a profile without a bandwidth point would price every transfer as free).
     """
-    sz = tuple(sizes)
+    try:
+        sz = tuple(sizes)
+    except TypeError:  # (one int: a size, not sizes)
+        sz = ()
     if not sz or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x <= 0 for x in sz):
         raise ConfigurationError(f"Link probe sizes must be one or more positive ints (bytes), got {sizes!r}; e.g. "
                                  f"sizes=(1 << 18, 1 << 22).")
