@@ -128,3 +128,14 @@ def test_torch_link_probes_refuse_settings_that_measure_nothing(cluster, servers
     assert g.broken is None
     assert g.measure(sizes=(1 << 12,), repeats=1).links
 
+
+def test_links_asked_with_other_probe_settings_are_measured_with_them(cluster, servers):
+    """``servers.links(sizes=..., repeats=...)`` returned the profile cached by an earlier measurement (a buffer's,
+    with the default probes), silently: the user asked for other probe sizes and more repeats and got neither.
+    Other settings measure again; the same settings (or none) reuse the cache."""
+    first = servers.links(refresh=True, sizes=(1 << 12,), repeats=1)
+    assert servers.links() is first and servers.links(sizes=[1 << 12], repeats=1) is first
+    again = servers.links(sizes=(1 << 12, 1 << 16), repeats=2)
+    assert again is not first
+    assert again.sizes == (1 << 12, 1 << 16) and again.repeats == 2
+    assert servers.links() is again

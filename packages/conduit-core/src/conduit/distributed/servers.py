@@ -118,13 +118,23 @@ class ShardServers:
 
     def links(self, *, refresh: bool = False, **kwargs: Any) -> Any:
         """The measured :class:`~conduit.distributed.links.LinkProfile` between these servers' nodes and
-        this process's node (measured once, then cached; ``refresh`` measures again).
+        this process's node (measured once, then cached; ``refresh`` measures again, and so do probe
+        ``sizes`` or ``repeats`` other than the cached profile's).
+
+        Keyword Args:
+            kwargs: probe settings for :func:`~conduit.distributed.links.measure_links`.
 
         Raises:
             ClusterError: the servers were shut down (:meth:`shutdown`).
         """
         self.check_running()
-        if self._links is None or refresh:
+        if isinstance(kwargs.get("sizes"), list):
+            kwargs["sizes"] = tuple(kwargs["sizes"])
+        cached = self._links
+        other = cached is not None and any(
+            k in kwargs and not (type(kwargs[k]) is type(getattr(cached, k)) and kwargs[k] == getattr(cached, k))
+            for k in ("sizes", "repeats"))
+        if cached is None or refresh or other:
             from conduit.distributed.links import measure_links
 
             self._links = measure_links(self, **kwargs)
