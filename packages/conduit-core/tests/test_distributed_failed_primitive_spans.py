@@ -9,8 +9,9 @@ scheduler's worker runs it; no timing.
 
 from __future__ import annotations
 
-import threading
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,30 +22,12 @@ pytest.importorskip("ray")
 from conduit import ExperienceBatch  # noqa: E402
 from conduit.distributed import DistributedDataPlane  # noqa: E402
 from conduit.errors import CapacityError, ConfigurationError, EmptyBufferError  # noqa: E402
-from conduit.telemetry import thread_id  # noqa: E402
 from conduit.testing.reference import ID_SCHEMA, id_batch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_telemetry_failed_background_calls import _on_worker  # noqa: E402, I001  (runs a primitive on a thread)
+
 pytestmark = pytest.mark.timeout(300)
-TIMEOUT = 60.0
-
-
-def _on_worker(fn: Callable[[], Any]) -> tuple[BaseException | None, int]:
-    out: list[Any] = []
-
-    def run() -> None:
-        tid = thread_id()
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - handed back to the test
-            out.append((e, tid))
-        else:
-            out.append((None, tid))
-
-    t = threading.Thread(target=run, name="worker")
-    t.start()
-    t.join(TIMEOUT)
-    assert not t.is_alive() and out
-    return out[0]
 
 
 @pytest.mark.parametrize("call", ["ingest_now", "deliver_now", "prepare_now", "gather_now"])

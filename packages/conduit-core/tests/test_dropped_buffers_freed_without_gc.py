@@ -9,7 +9,6 @@ until the cyclic garbage collector happened to run. The tests here run with that
 from __future__ import annotations
 
 import gc
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,7 +28,7 @@ from conduit import (
     Synchronous,
 )
 from conduit.semantics import Selection, UniformSampler
-from conduit.testing.lifecycle import HANG_S, live_workers
+from conduit.testing.lifecycle import holds_within, live_workers
 
 SCHEMA = ExperienceSchema(x=Field((8,)))
 
@@ -44,15 +43,6 @@ def _no_cyclic_gc() -> Iterator[None]:
         gc.enable()
 
 
-def _until(cond: Callable[[], bool]) -> bool:
-    """Whether ``cond()`` holds within ``HANG_S`` (a worker finishing the job it runs), polled without ever
-    collecting garbage (unlike ``eventually``): what holds then was freed by reference counting."""
-    end = time.monotonic() + HANG_S
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 class _OneDraw(UniformSampler):
@@ -109,18 +99,18 @@ def test_a_dropped_buffer_is_freed_by_reference_counting(case: str, close: bool)
     before = live_workers()
     refs = CASES[case](close)
     # (a prefetch job that runs holds the buffer until it has prepared its chunk: polled, never collected)
-    assert _until(lambda: refs[0]() is None), f"{case}: the dropped buffer is alive without a garbage collection"
+    assert holds_within(lambda: refs[0]() is None), f"{case}: the dropped buffer is alive without a garbage collection"
     assert refs[1]() is None, f"{case}: the dropped buffer's storage is alive"
-    assert _until(lambda: refs[2]() is None), f"{case}: the dropped scheduler is alive without a garbage collection"
-    assert _until(lambda: live_workers() <= before), f"{case}: worker threads still run: {live_workers() - before}"
+    assert holds_within(lambda: refs[2]() is None), f"{case}: the dropped scheduler is alive without a collection"
+    assert holds_within(lambda: live_workers() <= before), f"{case}: workers still run: {live_workers() - before}"
 
 
 def test_a_scheduler_kept_by_its_user_does_not_keep_its_buffer() -> None:
     before = live_workers()
     scheduler = Overlapped(g_ing=2, g_del=2)
     edp_ref = _off_policy(scheduler, close=False)[0]
-    assert _until(lambda: edp_ref() is None), "the scheduler kept its dropped buffer alive"
-    assert _until(lambda: live_workers() <= before), f"worker threads still run: {live_workers() - before}"
+    assert holds_within(lambda: edp_ref() is None), "the scheduler kept its dropped buffer alive"
+    assert holds_within(lambda: live_workers() <= before), f"worker threads still run: {live_workers() - before}"
     assert getattr(scheduler, "edp", None) is None
     # it serves a new buffer (the old one is gone), and serves it whole
     edp = ExperienceDataPlane(SCHEMA, capacity=64, semantics=Replay(seed=0), scheduler=scheduler)

@@ -10,14 +10,13 @@ scheduler is collected) lived on until a collection happened to run. The test ru
 from __future__ import annotations
 
 import gc
-import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from conduit.testing.lifecycle import HANG_S, live_workers
+from conduit.testing.lifecycle import holds_within, live_workers
 from tensordict import TensorDict
 from torch.utils.data import Sampler
 
@@ -40,14 +39,6 @@ class _OnePass(Sampler[int]):
         return iter(range(self.n))
 
 
-def _until(cond: Callable[[], bool]) -> bool:
-    """Whether ``cond()`` holds within ``HANG_S``, polled without collecting garbage."""
-    end = time.monotonic() + HANG_S
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _fail_one_prefetch(close: bool) -> list[weakref.ref[Any]]:
@@ -86,7 +77,7 @@ def _no_cyclic_gc() -> Iterator[None]:
 def test_a_delivery_whose_prefetch_failed_is_freed_without_gc(close: bool) -> None:
     before = live_workers()
     refs = _fail_one_prefetch(close)
-    assert _until(lambda: refs[0]() is None), "the delivery is alive without a garbage collection"
-    assert _until(lambda: refs[1]() is None), "its scheduler is alive without a garbage collection (the failed job)"
+    assert holds_within(lambda: refs[0]() is None), "the delivery is alive without a garbage collection"
+    assert holds_within(lambda: refs[1]() is None), "its scheduler is alive without a collection (the failed job)"
     assert refs[2]() is None, "its buffer's storage is alive"
-    assert _until(lambda: live_workers() <= before), f"prefetch threads still run: {live_workers() - before}"
+    assert holds_within(lambda: live_workers() <= before), f"prefetch threads still run: {live_workers() - before}"

@@ -88,6 +88,18 @@ def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
         time.sleep(0.01)
 
 
+def holds_within(cond: Callable[[], bool], timeout: float = HANG_S) -> bool:
+    """Whether ``cond()`` holds within ``timeout`` seconds, polled every 10 ms without ever collecting garbage
+    (unlike :func:`eventually`): in a test that disabled the cyclic collector, what holds then was freed by
+    reference counting (a worker finishing the job it runs may take a moment)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def wait_until(cond: Callable[[], object], what: str, timeout: float = 10.0) -> None:
     """Fail the test unless ``cond()`` holds within ``timeout`` seconds (the bound is reached only on a hang).
 
