@@ -529,7 +529,8 @@ class ConduitSampleConsumer:
                 if isinstance(e.__cause__, BufferFullError):  # still no room: kept, first in line
                     self._backlog[0] = e.samples[0]
                     return shim.count
-                rest = list(self._backlog)
+                # (of the refused one, only what was not stored: a batched sample the buffer took in part is cut)
+                rest = [e.samples[0], *list(self._backlog)[1:]]
                 self._backlog.clear()
                 cause = e.__cause__ if isinstance(e.__cause__, Exception) else e
                 raise UnstoredSamplesError(stored=total - len(rest), total=total, samples=rest,
