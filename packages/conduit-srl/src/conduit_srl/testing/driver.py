@@ -208,6 +208,9 @@ class DriverReport:
     consume_seconds: float = 0.0
     #: ids of every posted sample
     posted: list[int] = field(default_factory=list)
+    #: samples the trainer's Conduit consumer had received but not put when it stopped (its ``close()`` returned
+    #: them: the left-overs of a refusal by a full ``on_full="raise"`` buffer); 0 when every sample arrived
+    unput: int = 0
 
     @property
     def delivered_ids(self) -> np.ndarray:
@@ -277,6 +280,12 @@ class SrlDriver:
         producers: list[ZmqSampleProducer] = []
         lock = threading.Lock()
 
+        def close_consumer() -> None:  # (a Conduit consumer closes its socket and returns what it still holds)
+            if consumer is socket:
+                socket.close()
+            else:
+                report.unput += len(consumer.close())
+
         def actor(a: int) -> None:
             try:
                 sender = ZmqSampleProducer(socket.address)
@@ -345,7 +354,7 @@ class SrlDriver:
             except BaseException as e:  # noqa: BLE001 - reported by run()
                 errors.append(e)
             finally:
-                socket.close()  # (this thread is its only user; one that run() gave up on closes it when it ends)
+                close_consumer()  # (this thread is its only user; one that run() gave up on closes it when it ends)
 
         threads = [threading.Thread(target=actor, args=(a,), name=f"actor-{a}", daemon=True)
                    for a in range(self.actors)]
@@ -373,7 +382,7 @@ class SrlDriver:
             # every join is bounded: the threads were told to stop
             stuck = _join_within([*threads, trainer, main], time.monotonic() + STOP_GRACE_S)
             if main.ident is None:
-                socket.close()  # (the consuming thread never started; otherwise it closes the socket itself)
+                close_consumer()  # (the consuming thread never started; otherwise it closes the consumer itself)
         report.seconds = time.perf_counter() - t0
         report.sent = sum(p.sent for p in producers)
         report.dropped = sum(p.dropped for p in producers)
@@ -381,6 +390,9 @@ class SrlDriver:
             raise errors[0]
         if late is not None or stuck:
             why = late or f"SrlDriver.run: thread(s) {stuck} did not finish {STOP_GRACE_S} s after being told to stop"
+            if report.unput:
+                why += (f"; {report.unput} more samples were received, and refused by the full buffer, and not put "
+                        f"(the consumer's close() returned them)")
             if stuck:
                 why += f"; thread(s) {stuck} left running as daemon threads"
             if main.name in stuck:
