@@ -10,7 +10,10 @@ semantics, and the caps are optional. It runs in three phases:
    cost, :mod:`conduit.scheduling.model`) is fitted to those calls; the caller's own time
    between calls (the learner's update, the actor's rollout) is read from the same
    telemetry. The model predicts the cost per batch of every granularity in the range,
-   sequential and overlapped, and picks the cheapest (the smaller on ties).
+   sequential and overlapped, and picks the cheapest (the smaller on ties). The fit comes when the
+   delivery probe ends; off-policy, an ingestion probe that has not written at every probed ``g_ing``
+   by then (the producer ingests rarely) fits no ingestion model: ``g_ing`` stays the smallest, and
+   the decision's reason says which were not written.
 3. **confirm** (only when ``overlap`` is left to it) -- windows of a few deliveries
    alternate between the chosen sequential configuration and the chosen overlapped one;
    the one with the shorter median cycle per delivery (experience path plus everything
@@ -129,6 +132,9 @@ class Decision:
                       f"time between ingestions {self.ingest_gap_s * 1e3:.3f} ms",
                       row("ingest, sequential", self.ingest_sequential),
                       row("ingest, overlapped", self.ingest_overlapped)]
+        elif not self.range.on_policy:
+            lines.append(f"ingestion model: none (too few ingestion writes while probing); g_ing={self.g_ing:g}, the "
+                         f"smallest")
         if self.confirmed:
             lines.append("measured in the confirm phase (the reason above says if it decided), cycle per delivery: "
                          + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.confirmed.items()))
@@ -256,6 +262,8 @@ class Automatic(Scheduler):
         #: current ``g_del`` (an empty range makes the next delivery check its size)
         self._budget_g = 0
         self._checked_lo, self._checked_hi = 1, 0
+        #: added to the decision's reason when the ingestion probe did not write every probed g_ing (see _decide)
+        self._ing_unprobed = ""
         self.inner = self._make(self._ing_plan[0] if self._ing_plan else 1, 1, overlap=False)
 
     def _make(self, g_ing: float, g_del: float, *, overlap: bool) -> Overlapped:
@@ -480,6 +488,7 @@ class Automatic(Scheduler):
         self._retry = None
         self._ing_plan, self._del_plan, self._del_left = [], [], 0
         self._probe_rollout = None
+        self._ing_unprobed = ""  # (the saved reason says it already)
         # the saved range (and its predictions) may reach past this scheduler's caps: the decision says, and saves,
         # the granularities this scheduler may use (its g_ing and g_del among them, see _allows)
         g_ing = tuple(g for g in d.range.g_ing if any(math.isclose(g, h) for h in self.range.g_ing))
@@ -660,6 +669,16 @@ class Automatic(Scheduler):
         i_obs = observations(recs, "ingest")
         dfit = fit_latency(d_obs) if d_obs else None
         ifit = fit_latency(i_obs) if len({(b, s) for b, _, s in i_obs}) >= 2 else None
+        #: off-policy, what the ingestion probe left unwritten (it goes as fast as the producer ingests): a model
+        #: fitted to the calls of a few small granularities only would rank the larger ones by extrapolation
+        self._ing_unprobed = ""
+        probed = _probe_values(self.range.g_ing)
+        written = len(probed) * self.probe_rounds - len(self._ing_plan)
+        if not self.on_policy and written < len(probed):
+            ifit = None
+            self._ing_unprobed = (f"; g_ing={self.range.g_ing[0]:g}, the smallest: no ingestion model, the probe "
+                                  f"ended after {len(i_obs)} ingestion writes, before one at "
+                                  f"{', '.join(f'g_ing={g:g}' for g in probed[written:])}")
         # (calls that raised are recorded with no items: they delivered or accepted nothing to size the model by)
         waits = [r for r in recs if r.kind == "deliver_wait" and r.items]
         ing = [r for r in recs if r.kind == "ingest_wait" and r.items]
@@ -798,7 +817,7 @@ class Automatic(Scheduler):
         assert self.decision is not None
         gi, gd = self._choices[overlap]
         self.decision.g_ing, self.decision.g_del, self.decision.overlap = gi, gd, overlap
-        self.decision.reason = reason + self._fit_note
+        self.decision.reason = reason + self._ing_unprobed + self._fit_note
         if self.on_policy:
             self.decision.g_del = self.range.g_del[0]
         name = "overlapped" if overlap else "sequential"

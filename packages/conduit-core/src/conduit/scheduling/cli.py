@@ -133,6 +133,11 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"(what it can take at --updates {args.updates})", file=sys.stderr)
         return 2
     print(sched.decision.explain())
+    if sched.decision.ingest_fit is None:  # (the loop ingests one rollout per iteration of --updates deliveries)
+        print(f"  (g_ing was not calibrated: the decision comes when the delivery probe ends, after "
+              f"{calibration_deliveries(sched, probe_only=True)} deliveries, and one round of the ingestion probe "
+              f"needs {_ingestion_rollouts(sched)} rollouts; give --updates {_updates_for_ingestion(sched)} or "
+              f"fewer to calibrate it too)")
     if not res.iterations:  # nothing was measured after it: medians of no iterations are not 0 ms
         print("\nafter calibration: no iterations measured (--iterations 0)")
         return 0
@@ -150,18 +155,33 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def calibration_deliveries(sched: Automatic) -> int:
+def calibration_deliveries(sched: Automatic, *, probe_only: bool = False) -> int:
     """The most deliveries an off-policy calibration of ``sched`` takes (the synthetic loop is off-policy): the
     probe (``probe_rounds`` chunks of each probed ``g_del``, a chunk being ``g_del`` deliveries), then, unless
     overlap is forced, ``confirm_windows`` windows per configuration of one untimed chunk and
-    ``confirm_deliveries`` timed deliveries each, at ``g_del_max`` at most."""
+    ``confirm_deliveries`` timed deliveries each, at ``g_del_max`` at most. ``probe_only``: the probe's alone
+    (the decision is made when it ends)."""
     from conduit.scheduling.auto import _probe_values
 
     probed = _probe_values(tuple(float(g) for g in range(1, sched.g_del_max + 1)))
     probe = sched.probe_rounds * int(sum(probed))
-    if sched.force_overlap is not None:
+    if sched.force_overlap is not None or probe_only:
         return probe
     return probe + 2 * sched.confirm_windows * (sched.g_del_max + sched.confirm_deliveries)
+
+
+def _ingestion_rollouts(sched: Automatic) -> int:
+    """Rollouts one round of the off-policy ingestion probe writes (one write at each probed ``g_ing``): fewer by
+    the decision, and it fits no ingestion model."""
+    from conduit.scheduling.auto import _probe_values
+
+    return int(sum(_probe_values(tuple(float(g) for g in range(1, sched.g_ing_max + 1)))))
+
+
+def _updates_for_ingestion(sched: Automatic) -> int:
+    """The most ``--updates`` at which the loop (one rollout ingested per iteration) ingests a round of the
+    ingestion probe while the delivery probe runs (the rollouts ingested before the first iteration not counted)."""
+    return max(1, calibration_deliveries(sched, probe_only=True) // _ingestion_rollouts(sched))
 
 
 def _warmup_for(sched: Automatic, updates: int) -> int:
