@@ -690,6 +690,8 @@ class Automatic(Scheduler):
         ingest_gap = _median_gap(ing)
         m = self.range.num_minibatches
         per_call = statistics.median(r.items for r in ing) if ing else 0
+        #: producer calls per model unit: a write of g units that covers more than one call concatenates (stages) them
+        calls = 1.0
         if self.on_policy and m and per_call > 0:
             # on-policy g_ing is a part of a *rollout* (the model's unit), which the producer may hand over in
             # several ingest calls: one rollout feeds M deliveries, so it holds M deliveries' items
@@ -707,7 +709,7 @@ class Automatic(Scheduler):
                                                            window_units=1 if prioritized else None)
         if ifit is not None:
             for g in self.range.g_ing:
-                staged = not self.on_policy and g > 1
+                staged = g * calls > 1 + 1e-9  # (on-policy too: 1/2 of a rollout handed over in quarters is staged)
                 d.ingest_sequential[g] = per_unit(ifit, g, rollout_bytes, staged=staged)
                 d.ingest_overlapped[g] = exposed_per_unit(ifit, g, rollout_bytes, gap_s=d.ingest_gap_s,
                                                           handover_s=HANDOVER_S, staged=staged)
