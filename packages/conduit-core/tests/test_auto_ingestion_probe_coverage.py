@@ -51,3 +51,11 @@ def test_calibrate_says_the_ingestion_was_not_calibrated(capsys) -> None:  # typ
     assert rc == 0, out
     assert "ingestion model: none" in out, out
     assert "--updates" in out.split("ingestion model: none", 1)[1], f"no way to calibrate it is given: {out}"
+
+
+def test_calibrate_with_one_g_ing_claims_nothing_about_ingestion(capsys) -> None:  # type: ignore[no-untyped-def]
+    rc = main(["schedule", "calibrate", "--obs-dim", "4", "--batch", "8", "--rollout", "16", "--capacity", "256",
+               "--updates", "64", "--iterations", "0", "--g-ing-max", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "g_ing in {1}" in out and "ingestion model: none" not in out and "not calibrated" not in out, out

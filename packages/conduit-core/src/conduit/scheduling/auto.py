@@ -132,7 +132,7 @@ class Decision:
                       f"time between ingestions {self.ingest_gap_s * 1e3:.3f} ms",
                       row("ingest, sequential", self.ingest_sequential),
                       row("ingest, overlapped", self.ingest_overlapped)]
-        elif not self.range.on_policy:
+        elif not self.range.on_policy and len(self.range.g_ing) > 1:  # (one g_ing: nothing to choose)
             lines.append(f"ingestion model: none (too few ingestion writes while probing); g_ing={self.g_ing:g}, the "
                          f"smallest")
         if self.confirmed:

@@ -133,7 +133,7 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"(what it can take at --updates {args.updates})", file=sys.stderr)
         return 2
     print(sched.decision.explain())
-    if sched.decision.ingest_fit is None:  # (the loop ingests one rollout per iteration of --updates deliveries)
+    if sched.decision.ingest_fit is None and len(sched.decision.range.g_ing) > 1:  # (one rollout per iteration)
         print(f"  (g_ing was not calibrated: the decision comes when the delivery probe ends, after "
               f"{calibration_deliveries(sched, probe_only=True)} deliveries, and one round of the ingestion probe "
               f"needs {_ingestion_rollouts(sched)} rollouts; give --updates {_updates_for_ingestion(sched)} or "
