@@ -59,3 +59,12 @@ def test_calibrate_with_one_g_ing_claims_nothing_about_ingestion(capsys) -> None
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "g_ing in {1}" in out and "ingestion model: none" not in out and "not calibrated" not in out, out
+
+
+def test_calibrate_names_no_updates_that_cannot_help(capsys) -> None:  # type: ignore[no-untyped-def]
+    """A delivery probe of 3 deliveries (--g-del-max 1) ends before 15 rollouts, whatever --updates is."""
+    rc = main(["schedule", "calibrate", "--obs-dim", "4", "--batch", "8", "--rollout", "16", "--capacity", "256",
+               "--updates", "1", "--g-del-max", "1", "--iterations", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "ingestion model: none" in out and "--updates 1 or fewer" not in out and "--g-ing-max" in out, out

@@ -134,10 +134,13 @@ def _calibrate(args: argparse.Namespace) -> int:
         return 2
     print(sched.decision.explain())
     if sched.decision.ingest_fit is None and len(sched.decision.range.g_ing) > 1:  # (one rollout per iteration)
-        print(f"  (g_ing was not calibrated: the decision comes when the delivery probe ends, after "
-              f"{calibration_deliveries(sched, probe_only=True)} deliveries, and one round of the ingestion probe "
-              f"needs {_ingestion_rollouts(sched)} rollouts; give --updates {_updates_for_ingestion(sched)} or "
-              f"fewer to calibrate it too)")
+        probe, rollouts = calibration_deliveries(sched, probe_only=True), _ingestion_rollouts(sched)
+        fix = (f"give --updates {probe // rollouts} or fewer" if probe >= rollouts else
+               "no --updates ingests them in time (one rollout per iteration); lower --g-ing-max or raise "
+               "--g-del-max")
+        print(f"  (g_ing was not calibrated: the decision comes when the delivery probe ends, after {probe} "
+              f"deliveries, and one round of the ingestion probe needs {rollouts} rollouts; {fix} to calibrate it "
+              f"too)")
     if not res.iterations:  # nothing was measured after it: medians of no iterations are not 0 ms
         print("\nafter calibration: no iterations measured (--iterations 0)")
         return 0
@@ -176,12 +179,6 @@ def _ingestion_rollouts(sched: Automatic) -> int:
     from conduit.scheduling.auto import _probe_values
 
     return int(sum(_probe_values(tuple(float(g) for g in range(1, sched.g_ing_max + 1)))))
-
-
-def _updates_for_ingestion(sched: Automatic) -> int:
-    """The most ``--updates`` at which the loop (one rollout ingested per iteration) ingests a round of the
-    ingestion probe while the delivery probe runs (the rollouts ingested before the first iteration not counted)."""
-    return max(1, calibration_deliveries(sched, probe_only=True) // _ingestion_rollouts(sched))
 
 
 def _warmup_for(sched: Automatic, updates: int) -> int:
