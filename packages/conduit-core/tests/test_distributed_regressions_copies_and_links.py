@@ -25,7 +25,7 @@ pytest.importorskip("ray")
 from conduit import ConfigurationError  # noqa: E402
 from conduit.distributed import DistributedDataPlane, LinkProfile, ShardServers  # noqa: E402
 from conduit.distributed._ray import wait_all  # noqa: E402
-from conduit.distributed.errors import RemoteTimeoutError  # noqa: E402
+from conduit.distributed.errors import DistributedError  # noqa: E402
 from conduit.distributed.testing import kill_server  # noqa: E402
 from conduit.distributed.transport import TorchGroup, make_process_group  # noqa: E402
 from conduit.placement.profile import LinkCost  # noqa: E402
@@ -126,8 +126,9 @@ def test_a_copy_no_live_target_stores_is_counted_under_replicated(cluster):
 
 # -- 2. a torch group whose measurement fails ----------------------------------------------------------------------
 def test_a_torch_group_whose_measurement_fails_is_torn_down_and_a_retry_forms_a_new_one(cluster):
-    """Server 1 leaves the group once it is formed, so the link probe from it fails: the group is closed here and
-    server 0 leaves it too (nothing is kept), nothing is cached, and forming again gives a new, working group."""
+    """Server 1 leaves the group once it is formed, so the link probe from it fails (the server's own refusal is
+    raised: it is in no such group): the group is closed here and server 0 leaves it too (nothing is kept), nothing
+    is cached, and forming again gives a new, working group."""
     import ray
 
     servers = ShardServers([cluster.head, cluster.workers[0]])
@@ -140,7 +141,7 @@ def test_a_torch_group_whose_measurement_fails_is_torn_down_and_a_retry_forms_a_
             return super().measure(*args, **kwargs)
 
     try:
-        with pytest.raises(RemoteTimeoutError):
+        with pytest.raises(DistributedError, match="not in torch.distributed group"):
             LeavesBeforeMeasuring(servers, timeout=15.0)
         old = formed[0]
         assert old.broken is not None and old.pg is None
