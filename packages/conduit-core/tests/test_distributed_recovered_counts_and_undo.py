@@ -18,6 +18,7 @@ from conduit.distributed import stage
 from conduit.distributed.errors import TransferError
 from conduit.distributed.testing import kill_server
 from conduit.distributed.wire import to_wire
+from conduit.testing.lifecycle import eventually
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -88,6 +89,21 @@ def test_real_cluster_items_an_ingestion_evicts_are_not_counted_recovered_with_t
     assert _ids(p) == list(range(4, 12)) and len(p) == 8
 
 
+def _wait_dead(actor: Any) -> None:
+    """Return once Ray reports ``actor`` dead (a killed actor's objects are lost from then on)."""
+
+    def dead() -> bool:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError as e:
+            return not isinstance(e, ray.exceptions.ActorUnavailableError)  # (unavailable proves no death yet)
+        except ray.exceptions.GetTimeoutError:
+            pass
+        return False
+
+    assert eventually(dead, timeout=60), "the killed producer still answers"
+
+
 @ray.remote(num_cpus=0)
 class _Producer:
     def produce(self, ids: np.ndarray) -> Any:
@@ -105,6 +121,7 @@ def test_real_cluster_a_failed_evicting_ingestion_counts_the_items_it_left_in_pl
     producer = _Producer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(third, soft=False)).remote()
     staged = ray.get(producer.produce.remote(np.arange(8, 12)), timeout=120)
     ray.kill(producer, no_restart=True)  # its staged batch goes with it
+    _wait_dead(producer)  # (ray.kill only asks: a fetch right after it could still be answered)
     kill_server(p.servers[2].actor)
     with pytest.raises(TransferError):
         p.ingest(staged)  # placed on shard 2 first (the producer's node): finds it dead
