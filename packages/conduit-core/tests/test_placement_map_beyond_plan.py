@@ -168,3 +168,18 @@ def test_simulate_help_lists_the_float_arguments(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert e.value.code == 0
     assert "--replay-ratio REPLAY_RATIO" in out and "--rpc-us RPC_US" in out, out
+
+
+def test_a_fractional_item_size_is_placed_by_the_whole_bytes_it_needs() -> None:
+    """A mean item size (ragged items) of 100.5 B needs more than the 100 B a host of 100,000 B holds for
+    1000 rows: it was looked up at 100 B (host) and planned as 100 B (banker's rounding)."""
+    planner, template, pmap = _map_up_to(200)
+    assert [(r.lo, r.spec) for r in pmap.ranges] == [(40, HOST), (101, None)], pmap.explain()
+    assert sum(template.resized(100.5).field_bytes) == 101
+    assert sum(template.resized(100.0).field_bytes) == 100  # whole sizes stay exact
+    with pytest.raises(PlacementError, match="fits"):
+        planner.plan(template.resized(100.5))
+    with pytest.raises(PlacementError, match=r"100\.50 B.*below 101 B"):
+        pmap.lookup(100.5)
+    assert pmap.lookup(100) == HOST and pmap.lookup(99.5) == HOST
+    assert pmap.range_of(100.5) is pmap.ranges[1] and pmap.range_of(100) is pmap.ranges[0]

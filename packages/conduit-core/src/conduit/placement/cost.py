@@ -214,7 +214,8 @@ class Workload:
 
     def resized(self, item_bytes: float) -> Workload:
         """The same workload (of the same class, every other field kept) with items of ``item_bytes``
-        (only the growing fields change).
+        (only the growing fields change). A fractional size is rounded up to whole bytes: memory checks
+        then count at least what the items hold.
 
         Raises:
             ConfigurationError: ``item_bytes`` is NaN, infinite or negative.
@@ -229,8 +230,8 @@ class Workload:
         exact = {i: target * (self.field_bytes[i] / g_now if g_now else 1.0 / len(grow)) for i in grow}
         for i in grow:
             fb[i] = int(math.floor(exact[i]))
-        # hand the bytes lost to rounding down to the largest remainders: the item is exactly item_bytes
-        short = int(round(target)) - sum(fb[i] for i in grow)
+        # hand the bytes lost to rounding down to the largest remainders: the item is item_bytes, rounded up
+        short = int(math.ceil(target)) - sum(fb[i] for i in grow)
         for i in sorted(grow, key=lambda i: (-(exact[i] - fb[i]), i))[:max(0, short)]:
             fb[i] += 1
         # (replace: a subclass, e.g. the simulation's ReplayWorkload, keeps its own fields and kind)

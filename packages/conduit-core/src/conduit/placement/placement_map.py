@@ -186,14 +186,17 @@ class PlacementMap:
 
     def range_of(self, item_bytes: float) -> MapRange:
         """The range holding items of ``item_bytes`` (sizes below the map: its first range; above
-        :attr:`max_item_bytes`: its last, which :meth:`lookup` refuses for them).
+        :attr:`max_item_bytes`: its last, which :meth:`lookup` refuses for them). A fractional size (a mean
+        over ragged items) is located by the whole bytes it needs, rounded up: the map was planned at whole
+        bytes, and the range below a boundary may not hold items even a fraction of a byte larger.
 
         Raises:
             ConfigurationError: ``item_bytes`` is no real number (a string, None, a bool), NaN or negative.
         """
         if not is_real(item_bytes) or not item_bytes >= 0:
             raise ConfigurationError(f"item_bytes must be a number >= 0, got {item_bytes!r}.")
-        i = bisect.bisect_right([r.lo for r in self.ranges], item_bytes) - 1
+        whole = math.ceil(item_bytes) if math.isfinite(item_bytes) else item_bytes
+        i = bisect.bisect_right([r.lo for r in self.ranges], whole) - 1
         return self.ranges[max(0, i)]
 
     def lookup(self, item_bytes: float) -> PlacementSpec:
@@ -206,13 +209,13 @@ class PlacementMap:
             ConfigurationError: ``item_bytes`` is no real number, NaN or negative.
         """
         r = self.range_of(item_bytes)
+        size = f"{item_bytes:.0f}" if float(item_bytes).is_integer() else f"{item_bytes:.2f}"
         if r.spec is None:
             raise PlacementError(f"No placement on {self.topology!r} fits {self.workload.capacity} items of "
-                                 f"{item_bytes:.0f} B; lower the capacity or shrink the items before they reach "
-                                 f"{r.lo:.0f} B.")
+                                 f"{size} B; lower the capacity or shrink the items below {r.lo:.0f} B (whole "
+                                 f"bytes, rounded up).")
         top = self.max_item_bytes
         if item_bytes > top:
-            size = f"{item_bytes:.0f}" if float(item_bytes).is_integer() else f"{item_bytes:.2f}"
             raise PlacementError(
                 f"Items of {size} B exceed the range this placement map on {self.topology!r} was planned for (up "
                 f"to {top:.0f} B per item): nothing checked that {r.spec} holds {self.workload.capacity} of them. "
