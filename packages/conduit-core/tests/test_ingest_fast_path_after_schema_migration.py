@@ -71,3 +71,42 @@ def test_exact_dicts_take_the_row_store_after_a_schema_migration(prioritized: bo
     batch, info = edp.deliver(8)
     assert torch.equal(batch.tensor("act"), info.handles), "a drawn row of another item"
     edp.close()
+
+
+RAGGED_OLD = ExperienceSchema(tok=Field((), torch.int64, ragged=True), r=Field(()))
+RAGGED_NEW = ExperienceSchema(tok=Field((), torch.int64, ragged=True), r=Field(()), w=Field(()))
+
+
+def test_a_batch_stored_after_a_schema_migration_is_checked_once_not_again_when_stored(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ragged batch went through every check twice after a migration: in ``ingest`` and again when stored
+    (``_current`` re-checked it against the current schema: its lengths' running sums, one host sync each).
+    A batch of the replaced schema is still refused, and a batch validated against another schema object is
+    still checked in full."""
+    import conduit.batch as batch_module
+
+    edp = ExperienceDataPlane(RAGGED_OLD, capacity=8)
+    edp.ingest({"tok": [[1, 2], [3]], "r": torch.tensor([0.0, 1.0])})
+    edp.migrate(HostPlacement(), schema=RAGGED_NEW,
+                transform=lambda b: {**dict(b), "w": torch.ones(b.batch_size)})
+    checks: list[str] = []
+    real = batch_module._check_ragged_parts
+
+    def counting(name: str, c: Any) -> None:
+        checks.append(name)
+        real(name, c)
+
+    monkeypatch.setattr(batch_module, "_check_ragged_parts", counting)
+    edp.ingest({"tok": [[4, 5, 6], []], "r": torch.tensor([2.0, 3.0]), "w": torch.tensor([0.5, 0.5])})
+    assert checks == ["tok"], f"ragged checks run while ingesting one batch: {checks}"
+    with pytest.raises(SchemaError):  # a batch of the replaced schema: refused, nothing stored
+        edp.ingest({"tok": [[7]], "r": torch.tensor([4.0])})
+    assert len(edp) == 4
+    rows = edp.storage.gather(torch.arange(4))
+    assert rows["w"].tolist() == [1.0, 1.0, 0.5, 0.5] and rows["r"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    # validation is remembered per schema object, not per equal-looking schema
+    b = ExperienceBatch.checked({"tok": [[1]], "r": torch.tensor([0.0]), "w": torch.tensor([0.0])}, RAGGED_NEW)
+    other = ExperienceSchema(tok=Field((), torch.int64, ragged=True), r=Field(()), w=Field((), torch.int64))
+    with pytest.raises(SchemaError):
+        b.validate(other)
+    edp.close()

@@ -129,11 +129,13 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
     arrays and lists of sequences without copying fixed fields.
     """
 
-    __slots__ = ("_columns", "batch_size")
+    __slots__ = ("_columns", "_valid_for", "batch_size")
 
     def __init__(self, columns: dict[str, torch.Tensor | Ragged], batch_size: int) -> None:
         self._columns = columns
         self.batch_size = batch_size
+        #: the schema object this batch last passed :meth:`validate` against (columns are never replaced)
+        self._valid_for: ExperienceSchema | None = None
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, object]) -> ExperienceBatch:
@@ -209,7 +211,9 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         if type(data) is dict:
             n = _matching_rows(data, schema)
             if n >= 0:
-                return cls(dict(data), n)
+                b = cls(dict(data), n)
+                b._valid_for = schema
+                return b
         if isinstance(data, Mapping) and not isinstance(data, ExperienceBatch) and any(
                 isinstance(data.get(name), (list, tuple)) and not data.get(name) for name in schema):
             # an empty list for a ragged field is a list of no sequences: an empty Ragged, not a fixed column; for a
@@ -319,12 +323,16 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
         return out
 
     def validate(self, schema: ExperienceSchema) -> None:
-        """Check this batch against ``schema``.
+        """Check this batch against ``schema``. A batch that passed against this very schema object is not
+        checked again (a batch stored after a migration is checked against the schema it was validated for).
 
         Raises:
             SchemaError: a missing or extra field, a wrong dtype, shape, or lengths.
         """
+        if self._valid_for is schema:
+            return
         if _matching_rows(self._columns, schema) == self.batch_size:  # fast path: tensors that all match
+            self._valid_for = schema
             return
         missing = [n for n in schema if n not in self._columns]
         extra = [n for n in self._columns if n not in schema]
@@ -377,6 +385,7 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
                 if c.dim() == 0 or c.shape[0] != n:
                     raise SchemaError(f"Field {name!r} has {c.shape[0] if c.dim() else 0} rows for a batch of {n} "
                                       f"items; give every field one row per item.")
+        self._valid_for = schema
 
 
 _STRIDED = torch.strided
