@@ -52,13 +52,20 @@ def _run(fn: Any) -> tuple[threading.Thread, list[Any]]:
     return t, out
 
 
-def test_concurrent_rebalances_leave_the_buffer_on_the_adaptive_placement_where_current_says(tmp_path: Path) -> None:
+def _paused_buffer(tmp_path: Path) -> tuple[ExperienceDataPlane, AdaptivePlacement, _PauseAfterSwap]:
+    """A buffer holding ids 0..9 on the host tier of an adaptive placement (host below 30 B per item, disk from
+    there), whose scheduler pauses the first migration right after its swap."""
     pmap = PlacementMap([MapRange(1.0, 30.0, HOST), MapRange(30.0, float("inf"), DISK)],
                         Workload.from_schema(SCHEMA, capacity=CAPACITY, batch=1), "test", max_item_bytes=10_000)
     adaptive = AdaptivePlacement(pmap, directory=tmp_path)
     sched = _PauseAfterSwap()
     edp = ExperienceDataPlane(SCHEMA, capacity=CAPACITY, placement=adaptive, scheduler=sched)
     edp.ingest({"id": torch.arange(10), "obs": torch.ones(10, 4)})
+    return edp, adaptive, sched
+
+
+def test_concurrent_rebalances_leave_the_buffer_on_the_adaptive_placement_where_current_says(tmp_path: Path) -> None:
+    edp, adaptive, sched = _paused_buffer(tmp_path)
     assert adaptive.current == HOST
 
     first, first_out = _run(lambda: adaptive.rebalance(edp, item_bytes=40))  # to disk; pauses after its swap
@@ -81,12 +88,7 @@ def test_concurrent_rebalances_leave_the_buffer_on_the_adaptive_placement_where_
 
 
 def test_a_rebalance_that_would_wait_holding_the_buffers_lock_is_refused(tmp_path: Path) -> None:
-    pmap = PlacementMap([MapRange(1.0, 30.0, HOST), MapRange(30.0, float("inf"), DISK)],
-                        Workload.from_schema(SCHEMA, capacity=CAPACITY, batch=1), "test", max_item_bytes=10_000)
-    adaptive = AdaptivePlacement(pmap, directory=tmp_path)
-    sched = _PauseAfterSwap()
-    edp = ExperienceDataPlane(SCHEMA, capacity=CAPACITY, placement=adaptive, scheduler=sched)
-    edp.ingest({"id": torch.arange(10), "obs": torch.ones(10, 4)})
+    edp, adaptive, sched = _paused_buffer(tmp_path)
     first, first_out = _run(lambda: adaptive.rebalance(edp, item_bytes=40))
     assert sched.paused.wait(HANG_S)
     try:
