@@ -558,6 +558,45 @@ def mutant_on_policy(sem: type[OnPolicy]) -> type:
     return type(f"Mutant{sem.__name__}", (MutantOnPolicy,), {"semantics": sem})
 
 
+# -- on-policy checkpoint mutants: the restore loses one part of the saved state ------------------------------------
+class RestoresWithoutOpenRollout(OnPolicy):
+    """Restores the ended rollouts but not the open one: its items from before the save are never delivered."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(dict(state, open=None))
+
+
+class RestoresWithPolicyZero(OnPolicy):
+    """Restores everything but the policy version (back to 0): a rollout stale at the saved version is delivered."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(dict(state, policy_version=0))
+
+
+class RestoresWithoutLastSealed(OnPolicy):
+    """Forgets the version of the last ended rollout: after the restore an older version is taken again."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(dict(state, last_sealed=None))
+
+
+class RestoresWithItsOwnRng(OnPolicy):
+    """Keeps its own (seeded) shuffle RNG instead of the saved one."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        rng = self._gen.get_state()
+        super().load_state_dict(state)
+        self._gen.set_state(rng)
+
+
+class SealsOpenRolloutOnRestore(OnPolicy):
+    """Ends the open rollout on restore: what is ingested after it becomes a rollout of its own."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.seal()
+
+
 GlobalRngShuffle = mutant_on_policy(GlobalRngOrder)
 
 
@@ -696,6 +735,16 @@ FRESHNESS_MUTANTS = [
      "versions 0 and 1 are both stale"),
     (mutant_on_policy(OlderVersionJoinsOpenRollout), "test_items_of_an_older_version_never_join_a_newer_rollout",
      "delivered under another version"),
+    (mutant_on_policy(RestoresWithoutOpenRollout), "test_checkpoint_with_rollouts_waiting",
+     r"restored: the delivered rollouts .* \(3, \[311, 312, 313, 314\]\)\], expected .*\(3, \[300, 301"),
+    (mutant_on_policy(RestoresWithPolicyZero), "test_checkpoint_between_rollouts",
+     r"restored: the delivered rollouts .* are \[\(2, \[200, .*no stale rollout"),
+    (mutant_on_policy(RestoresWithoutLastSealed), "test_checkpoint_between_rollouts",
+     "restored endpoint took an ingest of a version older"),
+    (mutant_on_policy(RestoresWithItsOwnRng), "test_checkpoint_between_rollouts",
+     "restored endpoint .* delivers differently"),
+    (mutant_on_policy(SealsOpenRolloutOnRestore), "test_checkpoint_with_rollouts_waiting",
+     r"restored: the delivered rollouts .* \(3, \[300, 301, 302, 303\]\), \(3, \[311, 312"),
 ]
 
 CONCURRENCY_MUTANTS = [

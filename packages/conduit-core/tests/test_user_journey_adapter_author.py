@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conduit.errors import EmptyBufferError, PriorityError, StaleExperienceError
+from conduit.errors import ConfigurationError, EmptyBufferError, PriorityError, StaleExperienceError
 from conduit.testing import (
     CAP_CHECKPOINT,
+    CAP_CHECKPOINT_BETWEEN_ROLLOUTS,
     CAP_CONCURRENT_INGEST,
     CAP_PRIORITIZED,
     ConcurrencySuite,
@@ -156,6 +157,15 @@ class DequeOnPolicy:
                     for part in np.array_split(ids[self.rng.permutation(len(ids))], self.m)]
         raise EmptyBufferError("no ended rollout is waiting")
 
+    def state(self) -> dict[str, Any]:
+        return {"sealed": [(v, ids.copy()) for v, ids in self.sealed], "open": list(self.open),
+                "open_version": self.open_version, "policy": self.policy, "rng": self.rng.bit_generator.state}
+
+    def load(self, s: dict[str, Any]) -> None:
+        self.sealed = deque((v, ids.copy()) for v, ids in s["sealed"])
+        self.open, self.open_version, self.policy = list(s["open"]), s["open_version"], s["policy"]
+        self.rng.bit_generator.state = s["rng"]
+
 
 # -- the endpoints, written from conduit.testing's docstrings ------------------------------------------------------
 class DequeReplayEndpoint(ReplayEndpoint):
@@ -192,9 +202,12 @@ class DequeReplayEndpoint(ReplayEndpoint):
 
 
 class DequeOnPolicyEndpoint(OnPolicyEndpoint):
+    capabilities = frozenset({CAP_CHECKPOINT})
+    buffer_type: type[DequeOnPolicy] = DequeOnPolicy
+
     def __init__(self, *, num_minibatches: int, num_epochs: int, max_staleness: int = 0, on_stale: str = "drop",
                  seed: int = 0) -> None:
-        self.buf = DequeOnPolicy(num_minibatches, num_epochs, max_staleness, on_stale, seed)
+        self.buf = self.buffer_type(num_minibatches, num_epochs, max_staleness, on_stale, seed)
 
     def ingest(self, ids: np.ndarray, version: int) -> None:
         self.buf.add(ids, version)
@@ -207,6 +220,12 @@ class DequeOnPolicyEndpoint(OnPolicyEndpoint):
 
     def consume(self) -> list[Minibatch]:
         return self.buf.next_rollout()
+
+    def state_dict(self) -> Any:
+        return self.buf.state()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.buf.load(state)
 
 
 #: what the author registers under ``conduit.conformance`` (see test_an_installed_adapter_is_discovered)
@@ -327,6 +346,71 @@ def test_an_empty_rollout_sealed_by_end_rollout_fails_the_suite() -> None:
         suite.test_ending_an_empty_rollout_delivers_nothing()
 
 
+class SavesOnlyEndedRollouts(DequeOnPolicy):
+    """The checkpoint keeps the ended rollouts and forgets the open one (still being collected at the save): its
+    items from before the save are lost, and the restored buffer delivers only those ingested after it."""
+
+    def state(self) -> dict[str, Any]:
+        return dict(super().state(), open=[], open_version=None)
+
+
+class RestoresWithoutThePolicy(DequeOnPolicy):
+    """The checkpoint keeps the rollouts and the RNG but not the policy version: the restored buffer judges staleness
+    against version 0 and delivers a rollout the saved one drops as stale."""
+
+    def load(self, s: dict[str, Any]) -> None:
+        super().load(dict(s, policy=0))
+
+
+@pytest.mark.parametrize(("buffer", "check", "match"), [
+    (SavesOnlyEndedRollouts, "test_checkpoint_with_rollouts_waiting", r"restored: the delivered rollouts .*lost"),
+    (RestoresWithoutThePolicy, "test_checkpoint_between_rollouts", r"restored: the delivered rollouts .*stale"),
+])
+def test_an_on_policy_checkpoint_that_loses_state_fails_the_suite(buffer: type, check: str, match: str) -> None:
+    """Each mistake passes the other checkpoint check (the open rollout matters only with rollouts waiting, the
+    policy version only where a restored rollout is stale) and fails its own, saying what the restore delivered."""
+    ep = type(f"{buffer.__name__}Endpoint", (DequeOnPolicyEndpoint,), {"buffer_type": buffer})
+    other = ({"test_checkpoint_between_rollouts", "test_checkpoint_with_rollouts_waiting"} - {check}).pop()
+    getattr(freshness_suite(ep), other)()
+    with pytest.raises(AssertionError, match=match):
+        getattr(freshness_suite(ep), check)()
+
+
+class SavesBetweenRollouts(DequeOnPolicy):
+    """Checkpoints only with nothing waiting for delivery, refusing (a Conduit error) while a rollout waits."""
+
+    def state(self) -> dict[str, Any]:
+        if self.sealed or self.open:
+            raise ConfigurationError("a rollout is waiting for delivery: checkpoint between rollouts")
+        return super().state()
+
+
+class RefusesAndDrops(SavesBetweenRollouts):
+    """Refuses the checkpoint while rollouts wait, but drops them while at it."""
+
+    def state(self) -> dict[str, Any]:
+        if self.sealed or self.open:
+            self.sealed.clear()
+        return super().state()
+
+
+def test_an_endpoint_that_checkpoints_between_rollouts_only_must_refuse_with_rollouts_waiting() -> None:
+    """Declaring CAP_CHECKPOINT_BETWEEN_ROLLOUTS, the buffer that refuses a save while rollouts wait passes both
+    checkpoint checks; one whose refusal drops what waits fails, and so does the correct one declaring the full
+    CAP_CHECKPOINT."""
+    def endpoint(buffer: type[DequeOnPolicy], caps: frozenset[str]) -> type:
+        return type(f"{buffer.__name__}Endpoint", (DequeOnPolicyEndpoint,), {"buffer_type": buffer,
+                                                                             "capabilities": caps})
+    between = frozenset({CAP_CHECKPOINT_BETWEEN_ROLLOUTS})
+    for check in ("test_checkpoint_between_rollouts", "test_checkpoint_with_rollouts_waiting"):
+        getattr(freshness_suite(endpoint(SavesBetweenRollouts, between)), check)()
+    with pytest.raises(AssertionError, match="refused state_dict.* changes nothing"):
+        freshness_suite(endpoint(RefusesAndDrops, between)).test_checkpoint_with_rollouts_waiting()
+    with pytest.raises(AssertionError, match="declares 'checkpoint'"):
+        freshness_suite(endpoint(SavesBetweenRollouts, frozenset({CAP_CHECKPOINT}))
+                        ).test_checkpoint_with_rollouts_waiting()
+
+
 class DeclaresButLacksUpdates(DequeReplayEndpoint):
     """Half implemented: declares CAP_PRIORITIZED and CAP_CHECKPOINT but implements neither's methods."""
 
@@ -368,6 +452,10 @@ def test_the_endpoint_contract_is_written_where_the_author_reads_it() -> None:
         "OnPolicyEndpoint.set_policy_version": (OnPolicyEndpoint.set_policy_version.__doc__,
                                                 ("version - v > max_staleness", '"drop"', '"raise"')),
         "OnPolicyEndpoint.consume": (OnPolicyEndpoint.consume.__doc__, ("permutation", "N // M")),
+        "OnPolicyEndpoint.state_dict": (OnPolicyEndpoint.state_dict.__doc__,
+                                        ("the open one", "policy version", "CAP_CHECKPOINT_BETWEEN_ROLLOUTS")),
+        "OnPolicyEndpoint.load_state_dict": (OnPolicyEndpoint.load_state_dict.__doc__,
+                                             ("any ``seed``", "exactly once per epoch")),
         "Minibatch": (inspect.getsource(Minibatch), ("ingested with", "not the learner's", "counted from 0")),
     }
     missing = {name: [f for f in want if f not in " ".join((doc or "").split())] for name, (doc, want) in facts.items()}

@@ -27,6 +27,7 @@ from conduit.testing.crossprocess import (  # noqa: E402
 )
 from conduit.testing.endpoints import (  # noqa: E402
     CAP_CHECKPOINT,
+    CAP_CHECKPOINT_BETWEEN_ROLLOUTS,
     CAP_CONCURRENT_INGEST,
     CAP_PRIORITIZED,
     Draw,
@@ -50,6 +51,7 @@ __all__ = [
     "Minibatch",
     "CAP_PRIORITIZED",
     "CAP_CHECKPOINT",
+    "CAP_CHECKPOINT_BETWEEN_ROLLOUTS",
     "CAP_CONCURRENT_INGEST",
     "ReplaySuite",
     "FreshnessSuite",

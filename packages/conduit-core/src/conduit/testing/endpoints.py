@@ -29,13 +29,18 @@ __all__ = [
     "Minibatch",
     "CAP_PRIORITIZED",
     "CAP_CHECKPOINT",
+    "CAP_CHECKPOINT_BETWEEN_ROLLOUTS",
     "CAP_CONCURRENT_INGEST",
 ]
 
 #: the endpoint supports prioritized sampling (``prioritized=True``) and priority updates
 CAP_PRIORITIZED = "prioritized"
-#: the endpoint round-trips ``state_dict``/``load_state_dict``
+#: the endpoint round-trips ``state_dict``/``load_state_dict`` (on-policy: also while rollouts wait for delivery, the
+#: open one included)
 CAP_CHECKPOINT = "checkpoint"
+#: on-policy only: ``state_dict``/``load_state_dict`` round-trip between rollouts, with nothing waiting for delivery;
+#: while something waits, ``state_dict`` raises a Conduit error (a state that left it out would lose it)
+CAP_CHECKPOINT_BETWEEN_ROLLOUTS = "checkpoint_between_rollouts"
 #: ``insert`` may be called from many threads at once, also while another thread samples and updates priorities
 CAP_CONCURRENT_INGEST = "concurrent_ingest"
 
@@ -172,6 +177,7 @@ class OnPolicyEndpoint(ABC):
     (no global RNG).
     """
 
+    #: capabilities this endpoint declares: :data:`CAP_CHECKPOINT` or :data:`CAP_CHECKPOINT_BETWEEN_ROLLOUTS`
     capabilities: frozenset[str] = frozenset()
 
     @abstractmethod
@@ -208,6 +214,33 @@ class OnPolicyEndpoint(ABC):
             conduit.EmptyBufferError: no rollout is waiting.
             conduit.StaleExperienceError: the next rollout is too stale and the policy is to raise.
         """
+
+    def state_dict(self) -> Any:
+        """Everything a restore needs: the rollouts waiting for delivery (ended, and the open one, which later
+        ingests of its version join), the policy version, the version of the last ended rollout (versions do not go
+        back across a restore) and the shuffle RNG's state. Picklable (tensors and plain Python values, as
+        ``torch.save``/``torch.load`` carry); taking it changes nothing the endpoint delivers. Needed for
+        :data:`CAP_CHECKPOINT`.
+
+        With :data:`CAP_CHECKPOINT_BETWEEN_ROLLOUTS` instead, it is needed only with nothing waiting (every ended
+        rollout delivered, none open); while something waits it raises a :class:`conduit.ConduitError` and changes
+        nothing.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__}.state_dict is not implemented, and the endpoint declares CAP_CHECKPOINT or "
+            f"CAP_CHECKPOINT_BETWEEN_ROLLOUTS: implement state_dict and load_state_dict, or do not declare the "
+            f"capability")
+
+    def load_state_dict(self, state: Any) -> None:
+        """Restore a :meth:`state_dict` into an endpoint built with the same ``num_minibatches``, ``num_epochs``,
+        ``max_staleness`` and ``on_stale``, but any ``seed``: from there it delivers exactly what the saved endpoint
+        delivers (the same minibatches, in the same order): each waiting rollout whole, its items exactly once per
+        epoch, nothing delivered before the save again, staleness judged against the saved policy version. Needed
+        for :data:`CAP_CHECKPOINT` and :data:`CAP_CHECKPOINT_BETWEEN_ROLLOUTS`."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.load_state_dict is not implemented, and the endpoint declares CAP_CHECKPOINT or "
+            f"CAP_CHECKPOINT_BETWEEN_ROLLOUTS: implement state_dict and load_state_dict, or do not declare the "
+            f"capability")
 
     def close(self) -> None:  # noqa: B027
         """Release framework resources."""

@@ -99,6 +99,8 @@ class CoreOnPolicyEndpoint(OnPolicyEndpoint):
     """An :class:`~conduit.ExperienceDataPlane` with on-policy semantics, driven directly
     (another buffer with its methods: override :meth:`_build`)."""
 
+    capabilities = frozenset({CAP_CHECKPOINT})
+
     def __init__(self, *, num_minibatches: int, num_epochs: int, max_staleness: int = 0, on_stale: str = "drop",
                  seed: int = 0, capacity: int = 4096, **edp_kwargs: Any) -> None:
         sem = OnPolicy(num_minibatches=num_minibatches, num_epochs=num_epochs, max_staleness=max_staleness,
@@ -125,6 +127,12 @@ class CoreOnPolicyEndpoint(OnPolicyEndpoint):
             out.append(Minibatch(check_payload(batch), info.version, info.epoch))
             if info.last:
                 return out
+
+    def state_dict(self) -> Any:
+        return self.edp.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.edp.load_state_dict(state)
 
     def close(self) -> None:
         self.edp.close()

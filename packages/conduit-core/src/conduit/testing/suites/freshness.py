@@ -1,4 +1,4 @@
-"""On-policy freshness: exactly once per epoch, M minibatches, version purity, staleness bound."""
+"""On-policy freshness: exactly once per epoch, M minibatches, version purity, staleness bound, checkpoints."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ from conduit.testing.crossprocess import (
 )
 from conduit.testing.endpoints import OnPolicyEndpoint
 from conduit.testing.suites.base import SuiteBase
+from conduit.testing.suites.onpolicy_checkpoint import OnPolicyCheckpointChecks
 from conduit.testing.suites.prefetch import PrefetchFreshnessChecks, expect_stale
 
 __all__ = ["FreshnessSuite"]
 
 
-class FreshnessSuite(PrefetchFreshnessChecks, SuiteBase):
+class FreshnessSuite(PrefetchFreshnessChecks, OnPolicyCheckpointChecks, SuiteBase):
     """On-policy semantics every adapter keeps. Subclass and implement :meth:`make_on_policy`."""
 
     @abstractmethod
