@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from conduit.testing import (
     CAP_CHECKPOINT,
+    CAP_CHECKPOINT_BETWEEN_ROLLOUTS,
     CAP_CONCURRENT_INGEST,
     CAP_PRIORITIZED,
     ConcurrencySuite,
@@ -107,20 +108,34 @@ def test_every_package_is_registered_and_discovered() -> None:
     assert not problems, "\n".join(problems)
 
 
-#: what an adapter is known not to provide, so the suites skip it: an endpoint kind ("replay", "on_policy") or a
-#: replay capability (CAP_*). Anything else missing fails below instead of turning into skipped conformance tests.
-#: Each entry says why. verl: its ``replay`` module (``ConduitReplayBuffer``) is verl's V1 group sampler, a
-#: staleness-gated selection of finished prompt groups from TransferQueue, not a buffer of uniform or prioritized
-#: draws with FIFO capacity, so ReplaySuite's semantics do not apply (its staleness rule is tested in
-#: packages/conduit-verl/tests/test_replay.py and test_sync_sample_staleness.py).
-KNOWN_GAPS: dict[str, set[str]] = {"verl": {"replay"}}
+#: an on-policy endpoint that does not declare CAP_CHECKPOINT: its restore with rollouts waiting is not tested (an
+#: endpoint declaring CAP_CHECKPOINT_BETWEEN_ROLLOUTS is checked to refuse that save instead)
+ON_POLICY_CHECKPOINT = f"on_policy:{CAP_CHECKPOINT}"
+#: an on-policy endpoint that declares neither checkpoint capability: the on-policy checkpoint tests skip
+ON_POLICY_CHECKPOINT_BETWEEN_ROLLOUTS = f"on_policy:{CAP_CHECKPOINT_BETWEEN_ROLLOUTS}"
+
+#: what an adapter is known not to provide, so the suites skip it: an endpoint kind ("replay", "on_policy"), a
+#: replay capability (CAP_*) or an on-policy checkpoint capability (ON_POLICY_*). Anything else missing fails below
+#: instead of turning into skipped conformance tests. Each entry says why.
+#: verl: its ``replay`` module (``ConduitReplayBuffer``) is verl's V1 group sampler, a staleness-gated selection of
+#: finished prompt groups from TransferQueue, not a buffer of uniform or prioritized draws with FIFO capacity, so
+#: ReplaySuite's semantics do not apply (its staleness rule is tested in packages/conduit-verl/tests/test_replay.py and
+#: test_sync_sample_staleness.py). Its on-policy ``MinibatchDelivery`` has no checkpoint: verl builds one per
+#: ``make_iterator`` call (one step's batch, seeded by verl each call) and checkpoints between training steps, when it
+#: is gone, so there is nothing to restore.
+#: rllib: the PPO learner's ``MinibatchFeed`` checkpoints between updates only (its ``state_dict`` refuses while a
+#: rollout waits, which the suite checks); the restore between rollouts is tested.
+KNOWN_GAPS: dict[str, set[str]] = {"verl": {"replay", ON_POLICY_CHECKPOINT, ON_POLICY_CHECKPOINT_BETWEEN_ROLLOUTS},
+                                   "rllib": {ON_POLICY_CHECKPOINT}}
 
 
 def untested(f: EndpointFactory) -> set[str]:
-    """What the suites skip for ``f``: the endpoint kinds it does not build, and the replay capabilities its
-    replay endpoint does not declare (the tests that need them skip). The suites build uniform and prioritized
-    endpoints and check each one's capabilities, so a capability counts only if both declare it (a checkpoint
-    declared by the uniform endpoint alone would skip the prioritized half of the checkpoint tests)."""
+    """What the suites skip for ``f``: the endpoint kinds it does not build, the replay capabilities its
+    replay endpoint does not declare (the tests that need them skip), and the on-policy checkpoint capabilities its
+    on-policy endpoint does not declare (:data:`ON_POLICY_CHECKPOINT`, :data:`ON_POLICY_CHECKPOINT_BETWEEN_ROLLOUTS`).
+    The suites build uniform and prioritized endpoints and check each one's capabilities, so a capability counts
+    only if both declare it (a checkpoint declared by the uniform endpoint alone would skip the prioritized half of
+    the checkpoint tests)."""
     gaps = {kind for kind, make in (("replay", f.make_replay), ("on_policy", f.make_on_policy)) if make is None}
     if f.make_replay is not None:
         caps = {CAP_PRIORITIZED, CAP_CHECKPOINT, CAP_CONCURRENT_INGEST}
@@ -131,6 +146,16 @@ def untested(f: EndpointFactory) -> set[str]:
             finally:
                 ep.close()
         gaps |= {CAP_PRIORITIZED, CAP_CHECKPOINT, CAP_CONCURRENT_INGEST} - caps
+    if f.make_on_policy is not None:
+        ep = f.make_on_policy(num_minibatches=2, num_epochs=1)
+        try:
+            caps = set(getattr(ep, "capabilities", frozenset()))
+        finally:
+            ep.close()
+        if CAP_CHECKPOINT not in caps:
+            gaps.add(ON_POLICY_CHECKPOINT)
+            if CAP_CHECKPOINT_BETWEEN_ROLLOUTS not in caps:
+                gaps.add(ON_POLICY_CHECKPOINT_BETWEEN_ROLLOUTS)
     return gaps
 
 

@@ -11,6 +11,7 @@ not the harness.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from conduit.semantics import PrioritizedSampler
 from conduit.storage.base import AppendResult
 from conduit.testing import (
     CAP_CHECKPOINT,
+    CAP_CHECKPOINT_BETWEEN_ROLLOUTS,
     CAP_CONCURRENT_INGEST,
     CAP_PRIORITIZED,
     ConcurrencySuite,
@@ -255,6 +257,30 @@ def test_integration_counts_a_capability_only_both_endpoint_kinds_declare() -> N
         mod.test_no_conformance_test_is_skipped_unannounced(f)
     full = EndpointFactory("full", make_replay=CoreReplayEndpoint, make_on_policy=CoreOnPolicyEndpoint)
     assert mod.untested(full) == set()
+
+
+class OnPolicyWithoutCheckpoint(CoreOnPolicyEndpoint):
+    capabilities: frozenset[str] = frozenset()
+
+
+class OnPolicyCheckpointBetweenRollouts(CoreOnPolicyEndpoint):
+    capabilities = frozenset({CAP_CHECKPOINT_BETWEEN_ROLLOUTS})
+
+
+def test_integration_counts_the_on_policy_checkpoint_capabilities() -> None:
+    """An on-policy endpoint that stops declaring its checkpoint (both checkpoint tests skip), or declares only the
+    one between rollouts (the restore with rollouts waiting goes untested), fails the gap check unless KNOWN_GAPS
+    lists what goes untested."""
+    mod = integration_module()
+    both = [mod.ON_POLICY_CHECKPOINT, mod.ON_POLICY_CHECKPOINT_BETWEEN_ROLLOUTS]
+    for endpoint, gaps in ((OnPolicyWithoutCheckpoint, both), (OnPolicyCheckpointBetweenRollouts, both[:1])):
+        f = EndpointFactory("onpolicygap", make_replay=CoreReplayEndpoint, make_on_policy=endpoint)
+        assert sorted(mod.untested(f)) == gaps
+        with pytest.raises(AssertionError, match=rf"adapter 'onpolicygap' leaves {re.escape(str(gaps))} untested"):
+            mod.test_no_conformance_test_is_skipped_unannounced(f)
+        mod.KNOWN_GAPS["onpolicygap"] = set(gaps)
+        mod.test_no_conformance_test_is_skipped_unannounced(f)
+        del mod.KNOWN_GAPS["onpolicygap"]
 
 
 # -- on-policy: a staleness bound of more than one version -----------------------------------------

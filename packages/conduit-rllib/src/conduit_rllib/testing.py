@@ -7,7 +7,8 @@
   the learner would receive. Priority updates go through ``update_priorities(priorities)``,
   which (as in RLlib) applies to the last sample; checkpoints through ``get_state``/``set_state``.
 * On-policy: a :class:`~conduit_rllib.on_policy.MinibatchFeed`, the piece PPO's learner uses:
-  RLlib ``SampleBatch`` train batches in, ``MultiAgentBatch`` minibatches out.
+  RLlib ``SampleBatch`` train batches in, ``MultiAgentBatch`` minibatches out; checkpoints between
+  rollouts only (the learner's, between updates), through its ``state_dict``/``load_state_dict``.
 
 Registered under the ``conduit.conformance`` entry-point group as ``rllib``.
 """
@@ -22,6 +23,7 @@ import gymnasium as gym
 import numpy as np
 from conduit.testing import (
     CAP_CHECKPOINT,
+    CAP_CHECKPOINT_BETWEEN_ROLLOUTS,
     CAP_CONCURRENT_INGEST,
     CAP_PRIORITIZED,
     Draw,
@@ -138,7 +140,13 @@ class RLlibReplayEndpoint(ReplayEndpoint):
 
 
 class RLlibOnPolicyEndpoint(OnPolicyEndpoint):
-    """The PPO learner's minibatch feed: SampleBatch rollouts in, MultiAgentBatch minibatches out."""
+    """The PPO learner's minibatch feed: SampleBatch rollouts in, MultiAgentBatch minibatches out.
+
+    Checkpoints go through the feed's ``state_dict``/``load_state_dict``, which the PPO learner takes between
+    updates: with nothing waiting for delivery (a rollout waiting is refused, not left out of the state).
+    """
+
+    capabilities = frozenset({CAP_CHECKPOINT_BETWEEN_ROLLOUTS})
 
     def __init__(self, *, num_minibatches: int, num_epochs: int, max_staleness: int = 0, on_stale: str = "drop",
                  seed: int = 0) -> None:
@@ -164,6 +172,12 @@ class RLlibOnPolicyEndpoint(OnPolicyEndpoint):
             ids = _ids_of(dict(mab.policy_batches[DEFAULT_MODULE_ID]))
             out.append(Minibatch(ids, info.version, info.epoch))
         return out
+
+    def state_dict(self) -> Any:
+        return self.feed.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.feed.load_state_dict(state)
 
     def close(self) -> None:
         self.feed.close()

@@ -89,6 +89,8 @@ class SrlReplayEndpoint(ReplayEndpoint):
 class SrlOnPolicyEndpoint(OnPolicyEndpoint):
     """An on-policy Conduit buffer reached through SRL's buffer calls (plus ``seal``/``set_policy_version``)."""
 
+    capabilities = frozenset({CAP_CHECKPOINT})
+
     def __init__(self, *, num_minibatches: int, num_epochs: int, max_staleness: int = 0, on_stale: str = "drop",
                  seed: int = 0, capacity: int = 4096, **buffer_args: Any) -> None:
         self.buffer = ConduitBuffer(semantics="on_policy", capacity=capacity, num_minibatches=num_minibatches,
@@ -114,6 +116,13 @@ class SrlOnPolicyEndpoint(OnPolicyEndpoint):
             assert entry.info is not None
             if entry.info.last:
                 return out
+
+    def state_dict(self) -> Any:
+        return pickle.dumps(self.buffer)
+
+    def load_state_dict(self, state: Any) -> None:
+        self.buffer.close()
+        self.buffer = pickle.loads(state)
 
     def close(self) -> None:
         self.buffer.close()
