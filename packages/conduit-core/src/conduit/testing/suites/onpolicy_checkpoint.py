@@ -58,7 +58,8 @@ def _drain(ep: OnPolicyEndpoint, limit: int = 8) -> list[Rollout]:
                 f"each: {[r[0][2][:3] if r else [] for r in out]}")
 
 
-def _check_rollouts(got: list[Rollout], expected: list[tuple[int, list[int]]], m: int, e: int, what: str) -> None:
+def _check_rollouts(got: list[Rollout], expected: list[tuple[int, list[int]]], m: int, epochs: int,
+                    what: str) -> None:
     """``got`` is exactly the ``expected`` rollouts (version, items), oldest first: each in M x E minibatches of its
     own version, each epoch delivering each of its items exactly once."""
     seen = [(r[0][0] if r else None, sorted({i for _, _, ids in r for i in ids})) for r in got]
@@ -75,15 +76,16 @@ def _check_rollouts(got: list[Rollout], expected: list[tuple[int, list[int]]], m
         versions = sorted({v for v, _, _ in rollout})
         assert versions == [version], (
             f"{what}: the rollout of version {version} came in minibatches reporting versions {versions}")
-        assert len(rollout) == m * e, (
-            f"{what}: the rollout of version {version} came in {len(rollout)} minibatches, expected M*E = {m * e}")
-        for epoch in range(e):
+        assert len(rollout) == m * epochs, (
+            f"{what}: the rollout of version {version} came in {len(rollout)} minibatches, expected M*E = "
+            f"{m * epochs}")
+        for epoch in range(epochs):
             ids = [i for _, ep_, part in rollout if ep_ == epoch for i in part]
-            lost, extra = sorted(set(items) - set(ids)), len(ids) - len(set(ids))
+            missing, repeated = sorted(set(items) - set(ids)), len(ids) - len(set(ids))
             assert sorted(ids) == items, (
                 f"{what}: epoch {epoch} of the rollout of version {version} ({len(items)} items) delivered "
-                f"{len(ids)}: {len(lost)} lost (e.g. {lost[:5]}), {extra} duplicated; every epoch delivers each of "
-                f"the rollout's items exactly once")
+                f"{len(ids)}: {len(missing)} lost (e.g. {missing[:5]}), {repeated} duplicated; every epoch delivers "
+                f"each of the rollout's items exactly once")
 
 
 class OnPolicyCheckpointChecks:
@@ -101,11 +103,11 @@ class OnPolicyCheckpointChecks:
         all three the same minibatches. Returns whether the save was taken: an endpoint that declares only
         CAP_CHECKPOINT_BETWEEN_ROLLOUTS may refuse it (checked: with a Conduit error, and the refused save changed
         nothing)."""
-        m, e = settings["num_minibatches"], settings["num_epochs"]
+        m, epochs = settings["num_minibatches"], settings["num_epochs"]
         with self.on_policy(seed=_SEED, **settings) as ref:
             before(ref)
             expected = after(ref)
-        _check_rollouts(expected[1], rollouts, m, e, f"{what}, never saved")
+        _check_rollouts(expected[1], rollouts, m, epochs, f"{what}, never saved")
         with self.on_policy(seed=_SEED, **settings) as ep:
             caps = _caps(ep)
             if CAP_CHECKPOINT not in caps and CAP_CHECKPOINT_BETWEEN_ROLLOUTS not in caps:
@@ -114,15 +116,15 @@ class OnPolicyCheckpointChecks:
             before(ep)
             try:
                 state = ep.state_dict()
-            except ConduitError as e:
+            except ConduitError as err:
                 if CAP_CHECKPOINT in caps:
-                    raise AssertionError(f"{what}: state_dict() raised {type(e).__name__} ({e}), and the endpoint "
+                    raise AssertionError(f"{what}: state_dict() raised {type(err).__name__} ({err}), and the endpoint "
                                          f"declares {CAP_CHECKPOINT!r} (a checkpoint also while rollouts wait); "
                                          f"declare {CAP_CHECKPOINT_BETWEEN_ROLLOUTS!r} instead if it checkpoints only "
-                                         f"between rollouts") from e
+                                         f"between rollouts") from err
                 went_on = after(ep)
                 assert went_on == expected, (
-                    f"{what}: after a refused state_dict() ({type(e).__name__}) the endpoint delivers differently "
+                    f"{what}: after a refused state_dict() ({type(err).__name__}) the endpoint delivers differently "
                     f"from one never asked: {went_on[1][:1]} instead of {expected[1][:1]}; a refused checkpoint "
                     f"changes nothing")
                 return False
@@ -134,7 +136,7 @@ class OnPolicyCheckpointChecks:
         with self.on_policy(seed=_OTHER_SEED, **settings) as other:
             other.load_state_dict(state)
             restored = after(other)
-        _check_rollouts(restored[1], rollouts, m, e, f"{what}, restored")
+        _check_rollouts(restored[1], rollouts, m, epochs, f"{what}, restored")
         assert restored[0] == expected[0], (
             f"{what}: the restored endpoint {'refused' if restored[0] else 'took'} an ingest of a version older than "
             f"the last ended rollout, the saved one {'refused' if expected[0] else 'took'} it (save the version of "
