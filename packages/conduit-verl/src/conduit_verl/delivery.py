@@ -615,7 +615,10 @@ class MinibatchDelivery:
         dataloader_kwargs: verl's loader options (``shuffle``).
         prefetch: stage minibatch k+1 while k trains.
         device: where minibatches land (default: the current CUDA device if any, else CPU).
-        capacity: rows the buffer holds (default: the first shard's size).
+        capacity: rows the buffer holds, a limit: a shard that does not fit next to the rows not yet delivered is
+            refused (CapacityError, the buffer unchanged). Default: the first shard's size, grown (to at least twice
+            as many rows, every live row and the rollouts' progress kept) when a later shard does not fit, as a larger
+            rollout, one put as several shards, or the next rollout ingested while one waits needs.
         ragged_capacity: packed elements per jagged column, a limit (default: sized from the first shard, and grown
             online when a later shard's sequences do not fit, as GRPO responses grow).
 
@@ -662,20 +665,80 @@ class MinibatchDelivery:
         return HostPlacement(pin_memory=self.device.type == "cuda")
 
     def _ingest(self, batch: ExperienceBatch, version: int) -> torch.Tensor | None:
-        """Ingest ``batch``; when its sequences do not fit a default-sized pool (``ragged_capacity=None``) while its
-        rows fit the slots, grow the pools first (conduit-core's online migration: every row kept) and retry."""
+        """Ingest ``batch``, growing what is default-sized when it does not fit, then retrying: the rows
+        (``capacity=None``: :meth:`_grow`) and the jagged pools (``ragged_capacity=None``: conduit-core's online
+        migration). Every live row is kept either way. An explicit ``capacity`` the rows do not fit is refused
+        (CapacityError, the buffer unchanged)."""
+        for _ in range(3):  # (at most the rows, then the pools, grow)
+            assert self.edp is not None
+            try:
+                return self.edp.ingest(batch, version=version)
+            except CapacityError as e:
+                st = self.edp.storage
+                if not isinstance(st, ColumnarStorage):
+                    raise
+                live = st.next_handle - st.oldest
+                if live + batch.batch_size > st.capacity:  # out of slots (no pool helps)
+                    if self.capacity is not None:
+                        raise CapacityError(
+                            f"MinibatchDelivery(capacity={self.capacity}) holds at most {self.capacity} rows: this "
+                            f"shard's {batch.batch_size} rows do not fit next to the {live} rows not yet delivered. "
+                            f"Deliver the waiting rollouts first (minibatches()), or build the delivery with a larger "
+                            f"capacity= (or capacity=None, which grows as rollouts do). The buffer is unchanged."
+                        ) from e
+                    self._grow(live + batch.batch_size)
+                    continue
+                brought = [int(cast(Ragged, batch[k]).values.shape[0]) for k in self.edp.schema.ragged]
+                if self.ragged_capacity is not None or not brought:
+                    raise
+                pool = st.ragged_capacity
+            self.edp.migrate(self._placement(), ragged_capacity=2 * (pool + max(brought)))  # room for what is held
         assert self.edp is not None
-        try:
-            return self.edp.ingest(batch, version=version)
-        except CapacityError:
-            st = self.edp.storage
-            brought = [int(cast(Ragged, batch[k]).values.shape[0]) for k in self.edp.schema.ragged]
-            if (self.ragged_capacity is not None or not brought or not isinstance(st, ColumnarStorage)
-                    or st.next_handle - st.oldest + batch.batch_size > st.capacity):  # (out of slots: no pool helps)
-                raise
-            pool = st.ragged_capacity
-        self.edp.migrate(self._placement(), ragged_capacity=2 * (pool + max(brought)))  # room for what is held too
         return self.edp.ingest(batch, version=version)
+
+    def _grow(self, rows: int) -> None:
+        """Rebuild the buffer (default capacity) with room for ``rows`` rows: at least twice its capacity.
+
+        conduit-core's :meth:`~conduit.ExperienceDataPlane.migrate` keeps the capacity (a sampler's state may be keyed
+        by slot, ``handle % capacity``). :class:`VerlOnPolicy` keys its rollouts, epochs and orders by handle only, so
+        here a new buffer of the larger capacity takes the live rows at their handles (the storage's checkpoint, which
+        lists them in handle order), the same semantics (rebound to the new storage: nothing of the rollouts'
+        progress changes) and a scheduler holding the minibatch already staged, if any: the next delivery is the one
+        it would have been. Jagged pools grow in proportion unless ``ragged_capacity`` fixes them. A failure before the
+        swap (e.g. out of memory) leaves the old buffer in use, unchanged.
+        """
+        old, sched = self.edp, self.scheduler
+        assert old is not None and isinstance(old.storage, ColumnarStorage)
+        sched._cancel_waiting_job()  # (inside read_locked: the job drew nothing; the next delivery draws it)
+        pending = sched._pending
+        if pending is not None:
+            pending.wait()  # its minibatch was drawn from the old buffer: it stays staged, for the next delivery
+        st = old.storage
+        cap = max(2 * st.capacity, rows)
+        pool = self.ragged_capacity
+        if pool is None and old.schema.ragged:
+            pool = -(-st.ragged_capacity * cap // st.capacity)
+        state = {**st.state_dict(), "capacity": cap}
+        scheduler = MinibatchPrefetch(prefetch=sched.prefetch)
+        try:
+            edp = ExperienceDataPlane(old.schema, capacity=cap, semantics=self.semantics, placement=self._placement(),
+                                      scheduler=scheduler, device=self.device, ragged_capacity=pool)
+            try:
+                edp.storage.load_state_dict(state)
+            except BaseException:
+                edp.close()
+                scheduler.detach()
+                raise
+        except BaseException:
+            self.semantics.bind(st)
+            raise
+        scheduler._pending, scheduler._ticket = sched._pending, sched._ticket
+        scheduler.staged, scheduler.g_del = sched.staged, sched.g_del
+        sched._pending = None
+        edp.telemetry = old.telemetry
+        self.edp, self.scheduler = edp, scheduler
+        old.close()  # (its scheduler has nothing pending: it stops its thread)
+        sched.detach()
 
     def ingest(self, td: TensorDict, *, version: int) -> None:
         """Add a shard produced by policy ``version`` to the open rollout.
