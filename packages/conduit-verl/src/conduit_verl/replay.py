@@ -14,7 +14,7 @@ its staleness rule with Conduit's on-policy one
 trajectory *spans* (staleness + 1), so ``max_staleness = max_off_policy_threshold - 1`` and
 the two agree where both apply. On top of verl's ``drop`` and ``wait`` it adds Conduit's
 ``raise`` (``+trainer.v1.sampler.sampler_kwargs.on_stale=raise``): a stale group stops the
-run with :class:`conduit.StaleExperienceError` instead of being silently dropped. Under
+run with :class:`StaleGroupsError` (a :class:`conduit.StaleExperienceError`) instead of being silently dropped. Under
 ``drop`` and ``raise`` every selected batch is re-checked against the bound before
 TransferQueue is touched (a refused sample clears nothing); verl's ``wait`` is dropless (it
 holds sampling until stale in-flight groups finish, then trains them, past the bound by design),
@@ -56,10 +56,24 @@ stale like any other. In ``sync`` mode:
   the batch, sampling would wait forever: instead ``sample`` raises
   :class:`conduit.StaleExperienceError` *before* dropping anything (TransferQueue unchanged).
 * ``raise`` raises as soon as a stale group would be dropped, before anything is cleared.
+
+Going on after ``raise``. The refusal clears nothing (as :class:`conduit.OnPolicy`'s ``raise`` leaves its
+state unchanged), and a group's staleness only grows, so the stale groups stay and every later
+``sample`` raises again until they are dropped: ``raise`` stops the run unless the caller decides.
+:class:`StaleGroupsError` says exactly what is stale (``uids``, the number of ``trajectories``, at
+``global_steps`` in ``partition_id``); a caller that catches it and chooses to go on calls
+:meth:`ConduitReplayBuffer.drop_stale` (verl's trainer keeps the buffer as ``trainer.replay_buffer``),
+which drops every group stale at that step as ``on_stale=drop`` would (cleared from TransferQueue,
+counted in ``stale_groups`` and reported by the next ``sample``'s ``conduit/stale_groups/sum``), then
+samples again. The raise does not drop them itself: a run stopped by it keeps the evidence, and a
+drop is never made without a caller asking for it, so nothing is lost unseen. In ``sync`` mode
+verl's trainer refills nothing dropped: after ``drop_stale`` the next ``sample`` waits for groups
+still generating to make up the batch.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from conduit import ConfigurationError, StaleExperienceError
@@ -67,7 +81,7 @@ from omegaconf import DictConfig, OmegaConf
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
-__all__ = ["ConduitReplayBuffer", "staleness", "SAMPLER_KWARGS"]
+__all__ = ["ConduitReplayBuffer", "StaleGroupsError", "staleness", "SAMPLER_KWARGS"]
 
 #: the ``trainer.v1.sampler.sampler_kwargs`` keys :class:`ConduitReplayBuffer` reads (any other is refused)
 SAMPLER_KWARGS = frozenset({"on_stale"})
@@ -76,6 +90,27 @@ SAMPLER_KWARGS = frozenset({"on_stale"})
 def staleness(global_steps: int, group_steps: int) -> int:
     """Conduit's staleness of a group: learner version minus producing version (verl's span - 1)."""
     return int(global_steps) - int(group_steps)
+
+
+class StaleGroupsError(StaleExperienceError):
+    """``on_stale="raise"``: finished GRPO groups are past the staleness bound; nothing was cleared.
+
+    Attributes:
+        uids: the stale groups' prompt uids, sorted.
+        trajectories: how many trajectories (TransferQueue keys ``{uid}_{session}_{index}``) they hold.
+        global_steps: the step they are stale at.
+        partition_id: their TransferQueue partition.
+
+    To go on, call :meth:`ConduitReplayBuffer.drop_stale` ``(global_steps, partition_id)`` and sample again.
+    """
+
+    def __init__(self, message: str, *, uids: list[str], trajectories: int, global_steps: int,
+                 partition_id: str) -> None:
+        super().__init__(message)
+        self.uids = uids
+        self.trajectories = trajectories
+        self.global_steps = global_steps
+        self.partition_id = partition_id
 
 
 class ConduitReplayBuffer(ReplayBufferAsync):
@@ -170,15 +205,40 @@ class ConduitReplayBuffer(ReplayBufferAsync):
         if stale and self.on_stale == "raise":
             steps = self.prompt_global_steps[partition_id]
             worst = max(staleness(global_steps, steps.get(u, global_steps)) for u in stale)
-            raise StaleExperienceError(
-                f"{len(stale)} finished GRPO group(s) are up to {worst} policy versions behind step {global_steps} "
-                f"(max_staleness={self.max_staleness}, i.e. max_off_policy_threshold={self.max_off_policy_threshold})"
-                f"; raise the threshold, generate closer to training, or use on_stale=drop.")
+            uids = sorted(stale)
+            trajectories = sum(key.split("_")[0] in stale for key in self.partitions[partition_id])
+            shown = ", ".join(repr(u) for u in uids[:8]) + (f", ... ({len(uids) - 8} more)" if len(uids) > 8 else "")
+            raise StaleGroupsError(
+                f"{len(stale)} finished GRPO group(s) ({trajectories} trajectories: {shown}) are up to {worst} policy "
+                f"versions behind step {global_steps} (max_staleness={self.max_staleness}, i.e. "
+                f"max_off_policy_threshold={self.max_off_policy_threshold}); nothing was cleared, and every sample "
+                f"raises again while they stay. To go on, drop them with replay_buffer.drop_stale({global_steps}, "
+                f"{partition_id!r}) and sample again; or raise the threshold, generate closer to training, or use "
+                f"on_stale=drop.", uids=uids, trajectories=trajectories, global_steps=int(global_steps),
+                partition_id=partition_id)
         if stale and self.trainer_mode == "sync":
             self._check_refillable(global_steps, partition_id, eviction_reasons)
         out = super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
         self.stale_groups += out[1]
         return out
+
+    def drop_stale(self, global_steps: int, partition_id: str = "train") -> int:
+        """Drop the finished groups stale at ``global_steps`` (``sync`` mode: failed ones too), as ``on_stale=drop``
+        would: cleared from TransferQueue and counted in :attr:`stale_groups` (the next ``sample`` reports them in
+        ``conduit/stale_groups/sum``). The way on after a :class:`StaleGroupsError`; under ``wait``, with no
+        threshold, or for the ``val`` partition nothing is stale and nothing is dropped.
+
+        Returns:
+            The number of groups dropped.
+        """
+        self._sync_metadata_from_transfer_queue()
+        stale = self._stale_terminal_keys(int(global_steps), partition_id)
+        if not stale:
+            return 0
+        out = ReplayBuffer._evict_terminal_groups(self, int(global_steps), partition_id,
+                                                  (stale, set(), set(), Counter()))
+        self.stale_groups += out[1]
+        return int(out[1])
 
     def _check_refillable(self, global_steps: int, partition_id: str, eviction_reasons: Any) -> None:
         """``sync`` mode: refuse to drop stale groups when the groups left could never make up the batch.
