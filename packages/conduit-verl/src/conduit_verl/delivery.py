@@ -58,6 +58,7 @@ from conduit import (
     SampleInfo,
     Scheduler,
     SchemaError,
+    StaleExperienceError,
 )
 from conduit.batch import ExperienceBatch
 from conduit.scheduling.base import wait_refused
@@ -196,6 +197,38 @@ class VerlOnPolicy(OnPolicy):
                 super()._start_epoch()  # a refused order raises here and leaves the epoch deferred
                 self._deferred = False
         return super().select(n, **kwargs)
+
+    def stale_error(self, version: int) -> StaleExperienceError:
+        """OnPolicy's error, with the stale rollout's rows and the way on (:meth:`drop_stale`)."""
+        waiting = [r for r in (self._cur, *self._sealed) if r is not None and r.version == version]
+        rows = f" ({waiting[0].count} rows)" if waiting else ""
+        return StaleExperienceError(
+            f"Rollout of policy version {version}{rows} is {self.policy_version - version} versions behind policy "
+            f"{self.policy_version} (max_staleness={self.max_staleness}); nothing was delivered or dropped, and every "
+            f"delivery raises again while it waits. To go on, drop the stale rollouts with drop_stale() (counted in "
+            f"dropped_items) and deliver again; or deliver sooner, raise max_staleness, or use on_stale='drop'.")
+
+    def drop_stale(self) -> int:
+        """Drop the rollouts waiting for delivery (oldest first) that are too stale at the current policy version,
+        as ``on_stale="drop"`` drops them at a delivery: their storage is released and their rows are counted in
+        ``dropped_items``. The way on after ``on_stale="raise"`` refused a delivery (that refusal leaves them, so
+        every delivery raises again); fresh rollouts are untouched. Call it under the buffer's lock
+        (:meth:`MinibatchDelivery.drop_stale` does).
+
+        Returns:
+            The rows dropped (0 when nothing is stale).
+        """
+        dropped = 0
+        if self._cur is not None and self.stale(self._cur.version):
+            dropped += self._cur.count
+            self._drop(self._cur)
+            self._cur, self._deferred = None, False
+        # (versions never go backwards: the stale rollouts are the oldest ones)
+        while self._cur is None and self._sealed and self.stale(self._sealed[0].version):
+            r = self._sealed.popleft()
+            dropped += r.count
+            self._drop(r)
+        return dropped
 
     def _epoch_orders(self, n: int) -> Generator[torch.Tensor, None, None]:
         gen = None
@@ -603,7 +636,9 @@ class MinibatchDelivery:
     sealed rollout, as TensorDicts shaped like verl's own (dense columns dense, jagged
     columns jagged, objects and constants carried along). Staleness is
     ``policy_version - rollout_version`` and is enforced at delivery (``max_staleness``,
-    ``on_stale``), as :class:`conduit.OnPolicy` defines it.
+    ``on_stale``), as :class:`conduit.OnPolicy` defines it. With ``on_stale="raise"`` the refused
+    rollout stays waiting (nothing is dropped unasked), so every delivery raises again until
+    :meth:`drop_stale` drops the stale rollouts (counted in ``semantics.dropped_items``).
 
     A yielded minibatch's dense columns are reused buffers: valid until the third one after it.
 
@@ -856,6 +891,27 @@ class MinibatchDelivery:
         if info.last:
             self._forget_before(self.edp.storage.oldest)
         return self.codec.decode(batch, objects, consts), info
+
+    def drop_stale(self) -> int:
+        """Drop the rollouts waiting for delivery that are too stale now (``max_staleness``), oldest first, as
+        ``on_stale="drop"`` would: counted in ``semantics.dropped_items``, their rows freed. With ``on_stale="raise"``
+        a refused delivery leaves the stale rollout waiting, so every delivery raises again: this is the way on.
+
+        Returns:
+            The rows dropped (0 when nothing is stale).
+
+        Raises:
+            ConfigurationError: called after :meth:`close`, or while a rollout is half delivered (it is fresh: the
+                policy version changes only between rollouts).
+        """
+        self._check_open()
+        if self._mid_rollout:
+            raise ConfigurationError("drop_stale during a rollout's minibatches; finish the rollout first.")
+        if self.edp is None:
+            return 0
+        dropped = self.edp.read_locked(self.semantics.drop_stale)
+        self._forget_before(self.edp.storage.oldest)
+        return dropped
 
     def _forget_before(self, handle: int) -> None:
         while len(self._segments) > 1 and self._segments[1][0] <= handle:
