@@ -87,6 +87,8 @@ def pack_column(value: Any, n: int, name: str = "column") -> PackedColumn | list
     if isinstance(value, torch.Tensor):
         _check_packable(name, value)
         t = value.detach()
+        if not t.is_nested:  # by value: a lazy view bit cannot be stored or viewed as another dtype (copied only then)
+            t = t.resolve_conj().resolve_neg()
         if t.device.type != "cpu":
             t = t.cpu()
         if t.is_nested:
