@@ -2,7 +2,7 @@
 
 The refusal leaves the stale rollout at the head (as ``conduit.OnPolicy``'s ``raise`` leaves its state unchanged) and
 its staleness only grows, so every later delivery raised again, also for the fresh rollouts behind it, and nothing
-public dropped it. The error now says how many rows are stale and how to go on; ``drop_stale`` drops them (counted
+public dropped it. The error now says how many items are stale and how to go on; ``drop_stale`` drops them (counted
 in ``dropped_items``, as ``on_stale="drop"`` counts them).
 """
 
@@ -30,7 +30,7 @@ def test_drop_stale_drops_the_stale_rollouts_and_delivery_goes_on(prefetch: bool
     for _ in range(2):  # refused again and again while it stays, nothing dropped
         with pytest.raises(StaleExperienceError) as e:
             d.next_minibatch()
-        assert "4 rows" in str(e.value) and "drop_stale()" in str(e.value), str(e.value)
+        assert "4 items" in str(e.value) and "drop_stale()" in str(e.value), str(e.value)
     assert d.semantics.dropped_items == 0 and d.delivered == 0
     assert d.drop_stale() == 7  # the rollouts of versions 0 and 1, oldest first
     assert d.semantics.dropped_items == 7

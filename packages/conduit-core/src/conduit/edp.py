@@ -714,6 +714,22 @@ class ExperienceDataPlane:
             self._check_open()
             sem.seal()
 
+    def drop_stale(self) -> int:
+        """Drop the sealed rollouts too stale to deliver at the current policy version (see
+        :meth:`OnPolicy.drop_stale`): the way on after a delivery refused one with ``on_stale="raise"``,
+        which leaves it waiting, so that every later delivery raises again.
+
+        Returns:
+            The items dropped (0 when nothing is stale).
+
+        Raises:
+            ConfigurationError: the buffer is not on-policy, or is closed.
+        """
+        sem = self._on_policy()
+        with self._lock:
+            self._check_open()
+            return sem.drop_stale()
+
     def set_policy_version(self, version: int) -> None:
         """Tell the buffer which policy version the learner is at (staleness is measured against it).
 

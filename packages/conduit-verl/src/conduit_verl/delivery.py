@@ -58,7 +58,6 @@ from conduit import (
     SampleInfo,
     Scheduler,
     SchemaError,
-    StaleExperienceError,
 )
 from conduit.batch import ExperienceBatch
 from conduit.scheduling.base import wait_refused
@@ -198,36 +197,12 @@ class VerlOnPolicy(OnPolicy):
                 self._deferred = False
         return super().select(n, **kwargs)
 
-    def stale_error(self, version: int) -> StaleExperienceError:
-        """OnPolicy's error, with the stale rollout's rows and the way on (:meth:`drop_stale`)."""
-        waiting = [r for r in (self._cur, *self._sealed) if r is not None and r.version == version]
-        rows = f" ({waiting[0].count} rows)" if waiting else ""
-        return StaleExperienceError(
-            f"Rollout of policy version {version}{rows} is {self.policy_version - version} versions behind policy "
-            f"{self.policy_version} (max_staleness={self.max_staleness}); nothing was delivered or dropped, and every "
-            f"delivery raises again while it waits. To go on, drop the stale rollouts with drop_stale() (counted in "
-            f"dropped_items) and deliver again; or deliver sooner, raise max_staleness, or use on_stale='drop'.")
-
     def drop_stale(self) -> int:
-        """Drop the rollouts waiting for delivery (oldest first) that are too stale at the current policy version,
-        as ``on_stale="drop"`` drops them at a delivery: their storage is released and their rows are counted in
-        ``dropped_items``. The way on after ``on_stale="raise"`` refused a delivery (that refusal leaves them, so
-        every delivery raises again); fresh rollouts are untouched. Call it under the buffer's lock
-        (:meth:`MinibatchDelivery.drop_stale` does).
-
-        Returns:
-            The rows dropped (0 when nothing is stale).
-        """
-        dropped = 0
-        if self._cur is not None and self.stale(self._cur.version):
-            dropped += self._cur.count
-            self._drop(self._cur)
-            self._cur, self._deferred = None, False
-        # (versions never go backwards: the stale rollouts are the oldest ones)
-        while self._cur is None and self._sealed and self.stale(self._sealed[0].version):
-            r = self._sealed.popleft()
-            dropped += r.count
-            self._drop(r)
+        """:meth:`OnPolicy.drop_stale`; a deferred epoch of a dropped rollout is not started."""
+        cur = self._cur
+        dropped = super().drop_stale()
+        if cur is not None and self._cur is None:
+            self._deferred = False
         return dropped
 
     def _epoch_orders(self, n: int) -> Generator[torch.Tensor, None, None]:

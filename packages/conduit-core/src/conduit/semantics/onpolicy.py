@@ -13,7 +13,9 @@ minibatch of the last epoch the rollout's storage is released.
 
 Staleness is ``policy_version - rollout_version``; when it exceeds ``max_staleness`` at
 delivery time the rollout is dropped (``on_stale="drop"``, counted in ``dropped_items``)
-or :class:`conduit.StaleExperienceError` is raised (``on_stale="raise"``, state unchanged).
+or :class:`conduit.StaleExperienceError` is raised (``on_stale="raise"``, state unchanged: the
+stale rollout keeps waiting, and every delivery raises again until :meth:`OnPolicy.drop_stale`,
+``ExperienceDataPlane.drop_stale()``, drops it as ``"drop"`` would, or the policy version goes back).
 
 Consumed storage is never freed under a selection that was made but not handed over yet
 (:meth:`OnPolicy.after_gather`, i.e. ``release_now``): a rollout dropped, or finished, while an
@@ -396,12 +398,38 @@ class OnPolicy(Semantics):
         elif was_outstanding and self._due is not None:  # a held-back release may be free to go now
             self._release(self._due)
 
+    def drop_stale(self) -> int:
+        """Drop the rollouts waiting for delivery that are too stale at the current policy version, oldest first,
+        as ``on_stale="drop"`` drops them at a delivery: counted in ``dropped_items``, their storage released (once
+        no selection of them is outstanding). Fresh rollouts, and the open one, are untouched. The way on after
+        ``on_stale="raise"`` refused a delivery (the refusal leaves the stale rollout waiting). Call it under the
+        buffer's lock (:meth:`conduit.ExperienceDataPlane.drop_stale` does).
+
+        Returns:
+            The items dropped (0 when nothing is stale).
+        """
+        dropped = 0
+        if self._cur is not None and self.stale(self._cur.version):
+            dropped += self._cur.count
+            self._drop(self._cur)
+            self._cur = None
+        # (versions never go backwards: the stale rollouts are the oldest ones)
+        while self._cur is None and self._sealed and self.stale(self._sealed[0].version):
+            r = self._sealed.popleft()
+            dropped += r.count
+            self._drop(r)
+        return dropped
+
     def stale_error(self, version: int) -> StaleExperienceError:
         """The error a delivery raises (``on_stale="raise"``) for a rollout of policy ``version`` that is stale."""
+        waiting = [r for r in (self._cur, *self._sealed) if r is not None and r.version == version]
+        items = f" ({waiting[0].count} items)" if waiting else ""
         return StaleExperienceError(
-            f"Rollout of policy version {version} is {self.policy_version - version} versions behind policy "
-            f"{self.policy_version} (max_staleness={self.max_staleness}); deliver it sooner, raise max_staleness, "
-            f"or use on_stale='drop'.")
+            f"Rollout of policy version {version}{items} is {self.policy_version - version} versions behind policy "
+            f"{self.policy_version} (max_staleness={self.max_staleness}); nothing was delivered or dropped, and "
+            f"every delivery raises again while it waits. To go on, drop the stale rollouts with drop_stale() "
+            f"(counted in dropped_items) and deliver again; or deliver sooner, raise max_staleness, or use "
+            f"on_stale='drop'.")
 
     # -- checkpoint ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
