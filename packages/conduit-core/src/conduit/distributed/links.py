@@ -32,8 +32,9 @@ def check_probes(sizes: Sequence[int], repeats: int, timeout: float) -> tuple[in
     """``sizes`` as ints, once the probe settings are checked (before anything is sent).
 
     Raises:
-        ConfigurationError: no size, a size that is not a positive int, ``repeats`` < 1, or a ``timeout`` that is
-            not a finite number > 0 (a profile without a bandwidth point would price every transfer as free).
+        ConfigurationError: no size, a size that is not a positive int, a size given twice (one bandwidth point
+            per size), ``repeats`` < 1, or a ``timeout`` that is not a finite number > 0 (a profile without a
+            bandwidth point would price every transfer as free).
     """
     try:
         sz = tuple(sizes)
@@ -42,6 +43,9 @@ def check_probes(sizes: Sequence[int], repeats: int, timeout: float) -> tuple[in
     if not sz or any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x <= 0 for x in sz):
         raise ConfigurationError(f"Link probe sizes must be one or more positive ints (bytes), got {sizes!r}; e.g. "
                                  f"sizes=(1 << 18, 1 << 22).")
+    if len(set(int(x) for x in sz)) < len(sz):
+        raise ConfigurationError(f"Link probe sizes must be distinct (one bandwidth point per size), got {sizes!r}; "
+                                 f"give each size once.")
     if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
         raise ConfigurationError(f"Link probe repeats must be an int >= 1, got {repeats!r}.")
     check_seconds("Link probe timeout", timeout)
@@ -77,10 +81,21 @@ class LinkProfile:
         return self.link(src, dst).seconds(nbytes)
 
     def table(self) -> list[dict[str, Any]]:
-        """One row per link (node ids shortened), for reports."""
+        """One row per link (node ids shortened), for reports: a ``MBps@<size>`` column per bandwidth point, its size
+        named exactly (see :func:`_size_label`), so distinct probe sizes get distinct columns."""
         return [{"src": s[:8], "dst": d[:8], "same_node": s == d, "overhead_ms": ln.overhead_s * 1e3,
-                 **{f"MBps@{int(b) >> 10}KiB": bw / 1e6 for b, bw in ln.points}}
+                 **{f"MBps@{_size_label(b)}": bw / 1e6 for b, bw in ln.points}}
                 for (s, d), ln in sorted(self.links.items())]
+
+
+def _size_label(nbytes: float) -> str:
+    """``nbytes`` named exactly and readably: ``"256KiB"`` for a whole number of KiB, else ``"1500B"`` (or the
+    float's repr for a fraction of a byte, e.g. a declared point). Distinct sizes get distinct labels."""
+    b = float(nbytes)
+    if b.is_integer():
+        n = int(b)
+        return f"{n >> 10}KiB" if n and n % 1024 == 0 else f"{n}B"
+    return f"{b!r}B"
 
 
 def measure_links(servers: ShardServers, *, sizes: Sequence[int] = (1 << 18, 1 << 22), repeats: int = 3,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from conduit.distributed.errors import ClusterError
 from conduit.distributed.links import LinkProfile
+from conduit.errors import ConfigurationError
 
 __all__ = ["ShardPlan", "Chunk"]
 
@@ -49,16 +50,31 @@ class ShardPlan:
 
     Keyword Args:
         links: measured links (None: count node crossings instead, one at ingestion and ``reuse``
-            at delivery).
+            at delivery). Deliveries are priced from the links to ``learner_node``, so they must name the link from
+            every shard's node to it (measured to that node, or declared); ingestion from a producer node they do
+            not name is priced as the slowest measured link of its kind.
         reuse: expected deliveries per stored item.
         tie: relative cost difference below which two shards count as equally cheap.
         tie_seconds: absolute cost difference below which two shards count as equally cheap.
+
+    Raises:
+        ClusterError: ``reuse`` < 0.
+        ConfigurationError: ``links`` name no link from a shard's node to ``learner_node`` (deliveries would be
+            priced from other nodes' links).
     """
 
     def __init__(self, shard_nodes: Sequence[str], learner_node: str, *, links: LinkProfile | None = None,
                  reuse: float = 1.0, tie: float = 0.1, tie_seconds: float = 1e-3) -> None:
         if reuse < 0:
             raise ClusterError(f"reuse must be >= 0, got {reuse}.")
+        if links is not None:
+            missing = [n for n in dict.fromkeys(shard_nodes) if (n, learner_node) not in links.links]
+            if missing:
+                raise ConfigurationError(
+                    f"The links name no link to the learner's node {learner_node[:8]} from the shards' node(s) "
+                    f"{[n[:8] for n in missing]}, so deliveries cannot be priced (links measured from node "
+                    f"{links.learner_node[:8]} reach only the servers' nodes and that one); measure them to the "
+                    f"learner's node, declare them, or pass links=None to rank shards by locality.")
         self.shard_nodes = list(shard_nodes)
         self.learner_node = learner_node
         self.links = links

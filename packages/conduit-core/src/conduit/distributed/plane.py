@@ -163,6 +163,9 @@ class DistributedDataPlane:
             node of this Ray cluster (``ray.get_runtime_context().get_node_id()`` in the learner's process, or
             one of :func:`~conduit.distributed.alive_nodes`); anything else (a host name, an address, a shortened
             or dead node's id) is refused with :class:`~conduit.ConfigurationError` before any server starts.
+            Deliveries are priced from the links to this node: measured links reach it only where it holds one of
+            the servers or is this process's node, so with ``measure`` (and no ``links``) another node is refused
+            the same way (declare ``links`` to it, or ``measure=False`` to rank shards by locality).
         device: the torch device delivered batches land on (default: host memory).
         timeout: seconds any remote call may take; a shard that does not answer in time is lost.
         health_period: seconds between health checks of the monitor thread (None: no thread;
@@ -238,6 +241,8 @@ class DistributedDataPlane:
         ray_module()
         if learner_node is not None:
             _check_learner_node(learner_node, servers)
+            if links is None and measure:
+                _check_learner_measurable(learner_node, servers)
         self.schema = schema
         self.semantics: Semantics = semantics if semantics is not None else Replay()
         self._replay = isinstance(self.semantics, Replay)
@@ -1671,6 +1676,26 @@ def _check_links(links: LinkProfile, nodes: Sequence[str]) -> None:
         raise ConfigurationError(f"The declared links name no link {a[:8]} -> {b[:8]} ({len(missing)} links "
                                  f"missing); declare every directed link between the servers' nodes and the "
                                  f"learner's node (same-node ones too), or leave links out to measure them.")
+
+
+def _check_learner_measurable(node: str, servers: ShardServers | Sequence[str] | None) -> None:
+    """Refuse to measure links for a ``learner_node`` that neither holds one of the servers nor is this process's
+    node: :func:`~conduit.distributed.links.measure_links` probes only between those nodes, so no link to it would
+    be measured and deliveries would be priced from other nodes' links. (``servers=None`` puts a server on every
+    alive node, the learner's included.)
+
+    Raises:
+        ConfigurationError: no link to ``node`` can be measured (says what to pass instead).
+    """
+    if servers is None or isinstance(servers, (str, bytes)) or node == current_node_id():
+        return
+    nodes = servers.nodes if isinstance(servers, ShardServers) else list(servers)
+    if node not in nodes:
+        raise ConfigurationError(f"learner_node={node[:8]}... holds no shard server and is not this process's node, "
+                                 f"so no link to it can be measured (links are probed between the servers' nodes and "
+                                 f"this process's); deliveries would be priced from other nodes' links. Declare the "
+                                 f"links to it (links=LinkProfile(...), e.g. measured by a process on that node), "
+                                 f"put a server on it, or pass measure=False to rank shards by locality.")
 
 
 def _check_learner_node(node: Any, servers: ShardServers | Sequence[str] | None) -> None:
