@@ -24,12 +24,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from conduit.distributed.errors import ClusterError
 from conduit.distributed.links import LinkProfile
 from conduit.errors import ConfigurationError
 
-__all__ = ["ShardPlan", "Chunk"]
+__all__ = ["ShardPlan", "Chunk", "pools_needed"]
 
 
 @dataclass
@@ -157,3 +160,31 @@ class ShardPlan:
                     missing += left
             chunks = placed
         return chunks, missing
+
+
+def pools_needed(lengths: Any, pool: int) -> int:
+    """A lower bound on the ragged pools of ``pool`` elements that items of ``lengths`` elements need, even empty:
+    an item is never split between pools, so no placement fits them in fewer (Martello and Toth's bound ``L2``).
+
+    For each ``t`` (0, and every length of at most ``pool / 2``): the items longer than ``pool - t`` need a pool
+    each, shared with no item of ``t`` or more; those longer than ``pool / 2`` (and at most ``pool - t``) need one
+    each too, and the items of ``t`` to ``pool / 2`` that do not fit in what those leave free need further pools.
+    With ``t = 0`` this is at least ``ceil(total / pool)``. Items longer than ``pool`` are counted as one pool each
+    (refuse them first).
+    """
+    w = np.sort(np.asarray(lengths, dtype=np.int64).reshape(-1))
+    if not w.size:
+        return 0
+    cap, half = int(pool), int(pool) // 2  # (an int w is > pool / 2 exactly when w > pool // 2)
+    prefix = np.concatenate([[0], np.cumsum(w)])
+    total, n = int(prefix[-1]), int(w.size)
+    ts = np.unique(np.concatenate([[0], w[w <= half]]))
+    above_half = np.searchsorted(w, half, side="right")  # items up to pool // 2 come before it
+    big = np.searchsorted(w, cap - ts, side="right")  # items up to pool - t come before it
+    n1 = n - big
+    n2 = big - above_half
+    s2 = prefix[big] - prefix[above_half]
+    s3 = prefix[above_half] - prefix[np.searchsorted(w, ts, side="left")]
+    rest = s3 - (n2 * cap - s2)
+    bound = n1 + n2 + np.where(rest > 0, -(-rest // max(cap, 1)), 0)
+    return int(bound.max())

@@ -74,7 +74,7 @@ from conduit.distributed.experience import ExperienceRef
 from conduit.distributed.faults import LossReport
 from conduit.distributed.index import ShardIndex
 from conduit.distributed.links import LinkProfile
-from conduit.distributed.plan import Chunk, ShardPlan
+from conduit.distributed.plan import Chunk, ShardPlan, pools_needed
 from conduit.distributed.servers import ShardServers
 from conduit.distributed.transport import OBJECT_STORE, TORCH, TRANSPORTS, TorchGroup
 from conduit.distributed.wire import from_wire, packed_nbytes, to_wire, unpack_rows
@@ -149,8 +149,11 @@ class DistributedDataPlane:
             ingestion whose items no shard's pool has room for evicts the oldest items (FIFO over the union of the
             shards, as a single-node buffer evicts for pool room) until a shard can take them; copies go where the
             pools leave room. On-policy never evicts: such an ingestion is refused (:class:`ClusterError`), as is,
-            before anything changes, a batch with an item longer than one pool or more elements than the live
-            pools hold together.
+            before anything changes, a replay batch with an item longer than one pool or items that need more pools
+            than are live however they are placed (more elements than the live pools hold together, or e.g. items of
+            3, 6 and 6 elements into two pools of 8: see :func:`~conduit.distributed.plan.pools_needed`). A replay
+            batch that fits the emptied pools can still be refused after evicting the oldest items when the rows it
+            stored first take the pool room a later row needs (the write never evicts its own rows).
         reuse: expected deliveries per item, for the plan (default: 1 for replay, the
             number of epochs on-policy).
         measure: measure the links between nodes for the plan (once per server group);
@@ -664,20 +667,23 @@ class DistributedDataPlane:
 
     def _check_pools_fit(self, batch: ExperienceBatch) -> None:
         """Refuse, before anything changes, a replay batch that cannot fit the live shards' pools even once they
-        are empty: an item with more elements than one pool, or more elements in all than the pools together hold
-        (a replay write evicts the oldest items for pool room, and a batch refused after that would leave them
-        evicted)."""
+        are empty: an item with more elements than one pool, or items that need more pools than there are live
+        shards however they are placed (:func:`~conduit.distributed.plan.pools_needed`, a lower bound: at least the
+        elements over one pool's; an item is never split between shards). A replay write evicts the oldest items
+        for pool room, and a batch refused after that would leave them evicted."""
         if not self.schema.ragged or not batch.batch_size:
             return
         pool = pool_elements(self._ragged_capacity, self.shard_capacity)
         live = len(self.alive_shards)
         for name in self.schema.ragged:
-            lengths = cast(Ragged, batch[name]).lengths
+            lengths = cast(Ragged, batch[name]).lengths.cpu().numpy()
             longest, total = int(lengths.max()), int(lengths.sum())
-            if longest > pool or total > pool * live:
-                raise ClusterError(f"Ragged field {name!r} brings {total} elements (up to {longest} in one item); "
-                                   f"the {live} live shards' pools hold {pool} each, even empty: split the batch, "
-                                   f"add shard servers, or raise ragged_capacity.")
+            need = pools_needed(lengths, pool) if longest <= pool else live + 1
+            if need > live:
+                raise ClusterError(f"Ragged field {name!r} brings {total} elements (up to {longest} in one item), "
+                                   f"whose items need at least {need} of the shards' pools of {pool} elements even "
+                                   f"empty (an item is never split between shards), and {live} shards are live: "
+                                   f"split the batch, add shard servers, or raise ragged_capacity.")
 
     def _release_for_room(self, payload: Any, row: int, shards: Sequence[int], oldest: int) -> int | None:
         """Where the window must start (after ``oldest``) for one of ``shards``, which refused row ``row`` of
