@@ -177,7 +177,7 @@ def pools_needed(lengths: Any, pool: int) -> int:
         return 0
     cap, half = int(pool), int(pool) // 2  # (an int w is > pool / 2 exactly when w > pool // 2)
     prefix = np.concatenate([[0], np.cumsum(w)])
-    total, n = int(prefix[-1]), int(w.size)
+    n = int(w.size)
     ts = np.unique(np.concatenate([[0], w[w <= half]]))
     above_half = np.searchsorted(w, half, side="right")  # items up to pool // 2 come before it
     big = np.searchsorted(w, cap - ts, side="right")  # items up to pool - t come before it
