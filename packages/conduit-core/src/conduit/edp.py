@@ -25,7 +25,7 @@ from conduit.scheduling.base import (
     thread_flag,
 )
 from conduit.schema import ExperienceSchema
-from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
+from conduit.semantics.base import SampleInfo, Selection, Semantics, check_unshared, claim, select_many
 from conduit.semantics.onpolicy import OnPolicy, check_version
 from conduit.semantics.replay import Replay
 from conduit.storage.base import AppendResult, Storage
@@ -232,6 +232,8 @@ class ExperienceDataPlane:
         device = check_roles(semantics=semantics, placement=placement, scheduler=scheduler, device=device)
         if is_int(capacity):  # a NumPy integer is a count too: a Python int before any size is computed from it
             capacity = int(capacity)
+        if semantics is not None:  # (before anything is built: a buffer open with them would lose them)
+            check_unshared(semantics)
         self.schema = schema
         self.semantics: Semantics = semantics if semantics is not None else Replay()
         self.placement: Placement = placement if placement is not None else HostPlacement()
@@ -258,6 +260,7 @@ class ExperienceDataPlane:
         self.scheduler: Scheduler = scheduler if scheduler is not None else Synchronous()
         self._build_outputs()
         self.scheduler.attach(self)
+        claim(self.semantics, self)  # (once built: a build that failed claims nothing)
 
     def _build_outputs(self) -> None:
         same = self.device == self.storage.device

@@ -82,7 +82,7 @@ from conduit.edp import check_roles
 from conduit.errors import CapacityError, ConduitError, ConfigurationError, EmptyBufferError
 from conduit.scheduling.base import Scheduler, Synchronous, lock_held
 from conduit.schema import ExperienceSchema
-from conduit.semantics.base import SampleInfo, Selection, Semantics, select_many
+from conduit.semantics.base import SampleInfo, Selection, Semantics, check_unshared, claim, select_many
 from conduit.semantics.onpolicy import OnPolicy, check_version
 from conduit.semantics.replay import PrioritizedSampler, Replay, UniformSampler
 from conduit.storage.base import AppendResult
@@ -241,6 +241,8 @@ class DistributedDataPlane:
         if _PRODUCER in schema:
             raise ConfigurationError(f"The field name {_PRODUCER!r} is reserved by DistributedDataPlane; rename it.")
         device = check_roles(semantics=semantics, scheduler=scheduler, device=device) or torch.device("cpu")
+        if semantics is not None:  # (before anything is built: a buffer open with them would lose them)
+            check_unshared(semantics)
         ray_module()
         if learner_node is not None:
             _check_learner_node(learner_node, servers)
@@ -363,6 +365,7 @@ class DistributedDataPlane:
             self._closed = True
             self._close_shards()
             raise
+        claim(self.semantics, self)  # (once built: a build that failed claims nothing)
         if health_period is not None:
             # (it holds the plane weakly: a dropped plane is freed, and its finalizer stops the thread)
             self._monitor = threading.Thread(target=_watch, args=(weakref.ref(self), self._stop, float(health_period)),

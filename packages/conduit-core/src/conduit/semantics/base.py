@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,7 +14,8 @@ from conduit.checks import is_int
 from conduit.errors import ConduitError, ConfigurationError
 from conduit.storage.base import AppendResult, Storage, handles_at
 
-__all__ = ["Semantics", "Selection", "SampleInfo", "RingHandles", "select_many", "check_seed"]
+__all__ = ["Semantics", "Selection", "SampleInfo", "RingHandles", "select_many", "check_seed", "check_unshared",
+           "claim"]
 
 
 @dataclass
@@ -173,6 +175,55 @@ class Semantics(ABC):
                 f"This checkpoint's semantics state does not fit {type(self).__name__} ({type(e).__name__}: {e}); "
                 f"load it into a buffer built with the same semantics and sampler.") from e
         return before
+
+
+#: id of a semantics object (or sampler) -> (weak reference to it, weak reference to the buffer it serves). Kept
+#: here, not on the objects: a copied or pickled semantics object is free, and pickles as before
+_SERVING: dict[int, tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
+
+
+def _parts(semantics: Semantics) -> tuple[object, ...]:
+    """``semantics`` and the sampler it holds, if any: the objects a buffer binds to its storage."""
+    sampler = getattr(semantics, "sampler", None)
+    return (semantics,) if sampler is None else (semantics, sampler)
+
+
+def _serving(part: object) -> Any:
+    """The open buffer ``part`` serves (see :func:`claim`), or None."""
+    entry = _SERVING.get(id(part))
+    if entry is None or entry[0]() is not part:  # (an id reused by another object after the first was freed)
+        return None
+    buffer = entry[1]()
+    return None if buffer is None or getattr(buffer, "closed", False) else buffer
+
+
+def check_unshared(semantics: Semantics) -> None:
+    """:class:`ConfigurationError` when ``semantics``, or the sampler it holds, serves another buffer that is open
+    (built with it and not closed, see :func:`claim`).
+
+    A buffer binds its semantics to its storage (:meth:`Semantics.bind`; a sampler is reset there): a second buffer
+    built with the same object would take it over, and the first would then draw from the second's items, gather
+    its own rows at those slots and update the second's priorities. Called before a buffer builds anything.
+    """
+    for part in _parts(semantics):
+        if _serving(part) is not None:
+            raise ConfigurationError(
+                f"This {type(part).__name__} already serves another open buffer (a second buffer would take it "
+                f"over: the first would draw from the second's items); build a new {type(semantics).__name__}"
+                f"(...) (and sampler) for each buffer, or close the other buffer first.")
+
+
+def claim(semantics: Semantics, buffer: object) -> None:
+    """Record that ``buffer``, just built, serves ``semantics`` (and its sampler): :func:`check_unshared` refuses
+    them to another buffer while ``buffer`` is open. Held weakly: a buffer dropped frees them, as a closed one."""
+    for key, (part, buf) in list(_SERVING.items()):
+        if part() is None or buf() is None:
+            _SERVING.pop(key, None)  # (entries of objects or buffers freed since)
+    for obj in _parts(semantics):
+        try:
+            _SERVING[id(obj)] = (weakref.ref(obj), weakref.ref(buffer))
+        except TypeError:  # (an object that takes no weak reference: not tracked)
+            pass
 
 
 def check_seed(seed: object) -> int:
