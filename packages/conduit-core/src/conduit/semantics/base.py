@@ -243,7 +243,8 @@ def select_many(semantics: Semantics, sizes: Sequence[int | None], *, peek: bool
     On-policy, a call refused part way (the rollouts run out before the last size) selects nothing,
     as a refused delivery makes none: the call is checked on a prediction first. One refused at its
     first selection is refused as that delivery would be (rollouts dropped as stale on the way stay
-    dropped). (Uniform and prioritized replay refuse a call at its first selection or not at all.)
+    dropped). Replay refused at a later selection than its first (e.g. sizes ``[1, 100]`` without replacement from
+    50 items) gives the draws made before it back (:meth:`Semantics.rewind_draws`), so that the call changes nothing.
     """
     if not peek and len(sizes) > 1 and semantics.kind == "on_policy":
         made: list[Selection] = []
@@ -252,7 +253,13 @@ def select_many(semantics: Semantics, sizes: Sequence[int | None], *, peek: bool
         except ConduitError:
             if made:
                 raise
-    return _select(semantics, sizes, peek, [], kwargs)
+    start = semantics.draw_state() if not peek and len(sizes) > 1 and semantics.kind == "replay" else None
+    try:
+        return _select(semantics, sizes, peek, [], kwargs)
+    except ConduitError:
+        if start is not None:
+            semantics.rewind_draws(start)
+        raise
 
 
 def _select(semantics: Semantics, sizes: Sequence[int | None], peek: bool, out: list[Selection],
