@@ -182,6 +182,8 @@ class PrioritizedSampler(Sampler):
         if not (_finite_non_negative(alpha) and _finite_non_negative(beta)):
             raise ConfigurationError(f"alpha and beta must be finite numbers >= 0, got alpha={alpha!r}, "
                                      f"beta={beta!r}.")
+        if not is_bool(max_from_ingest):  # (bool("no") is True: the opposite of what was asked)
+            raise ConfigurationError(f"max_from_ingest must be True or False, got {max_from_ingest!r}.")
         self.alpha = float(alpha)
         self.beta = float(beta)
         self.max_from_ingest = bool(max_from_ingest)
