@@ -460,6 +460,11 @@ class Replay(Semantics):
     kind = "replay"
 
     def __init__(self, sampler: Sampler | None = None, *, seed: int = 0) -> None:
+        if sampler is not None and not isinstance(sampler, Sampler):
+            fix = (f"{sampler.__name__}()" if isinstance(sampler, type) and issubclass(sampler, Sampler)
+                   else "UniformSampler() or PrioritizedSampler(alpha=..., beta=...)")
+            raise ConfigurationError(f"Replay's sampler must be a conduit Sampler instance, e.g. {fix}; got "
+                                     f"{sampler!r}.")
         self.sampler = sampler if sampler is not None else UniformSampler()
         self.seed = check_seed(seed)
 
