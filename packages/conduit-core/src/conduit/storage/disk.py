@@ -105,7 +105,7 @@ class DiskStorage(ColumnarStorage):
         ragged_capacity: elements in each ragged field's pool (default ``capacity * 64``).
 
     Raises:
-        ConfigurationError: a capacity or ragged_capacity that is no positive int.
+        ConfigurationError: a capacity or ragged_capacity that is no positive int, a directory that is no path.
         PlacementError: the directory lacks the free space the columns need (their blocks are
             reserved at construction), cannot be made or used (a path that is a file, or not
             writable), or a column's file cannot be made there.
@@ -118,7 +118,11 @@ class DiskStorage(ColumnarStorage):
         capacity = int(capacity)
         # absolute: the files are deleted by path on close() or collection, perhaps after the process changed its
         # working directory (a relative path would then name another directory, and the files would stay behind)
-        parent = (Path(directory) if directory is not None else Path(tempfile.gettempdir())).absolute()
+        try:
+            parent = (Path(directory) if directory is not None else Path(tempfile.gettempdir())).absolute()
+        except TypeError:  # (pathlib takes str and os.PathLike only: not an int, nor bytes)
+            raise ConfigurationError(f"directory must be a path (a str or os.PathLike such as pathlib.Path), got "
+                                     f"{directory!r}.") from None
         pool = pool_elements(ragged_capacity, capacity)
         if schema.ragged and pool <= 0:  # refused before a directory is made
             raise ConfigurationError("ragged_capacity must be positive for a schema with ragged fields.")
