@@ -202,7 +202,8 @@ class ExperienceDataPlane:
 
     Keyword Args:
         capacity: item slots.
-        semantics: ``Replay(...)`` (default: uniform) or ``OnPolicy(...)``.
+        semantics: ``Replay(...)`` (default: uniform) or ``OnPolicy(...)``; one object (and sampler) per buffer: one
+            that another open buffer holds is refused (:class:`ConfigurationError`).
         placement: where the storage lives (default: host memory).
         scheduler: when work runs (default: synchronously in the caller).
         device: the learner's device delivered batches land on (default: the storage's).

@@ -137,7 +137,8 @@ class DistributedDataPlane:
     Keyword Args:
         capacity: global item slots (FIFO eviction is global: the oldest items go first,
             whichever shard holds them).
-        semantics: ``Replay(...)`` (default: uniform) or ``OnPolicy(...)``.
+        semantics: ``Replay(...)`` (default: uniform) or ``OnPolicy(...)``; one object (and sampler) per buffer: one
+            that another open buffer holds is refused (:class:`ConfigurationError`).
         servers: a :class:`ShardServers` group to use (shared, left running on close), or
             node ids to start one server on each (owned), or None for every alive node.
         replication: copies of each item, on distinct nodes (1 or more).
