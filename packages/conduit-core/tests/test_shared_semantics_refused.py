@@ -112,3 +112,23 @@ def test_a_distributed_buffer_and_a_local_one_cannot_share_replay(monkeypatch: p
         p.close()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_released_semantics_can_be_handed_to_a_new_buffer_and_claimed_back() -> None:
+    """An adapter replacing an open buffer by a larger one hands its semantics over (conduit-verl's growing delivery):
+    ``release`` lets the new buffer take them, ``claim`` gives them back to the old one should that build fail."""
+    from conduit.semantics.base import check_unshared, claim, release
+
+    sem = Replay(PrioritizedSampler(), seed=0)
+    old = ExperienceDataPlane(SCHEMA, capacity=8, semantics=sem)
+    release(sem)
+    check_unshared(sem)  # free now
+    claim(sem, old)
+    with pytest.raises(ConfigurationError, match="another open buffer"):
+        check_unshared(sem)
+    release(sem)
+    new = ExperienceDataPlane(SCHEMA, capacity=16, semantics=sem)
+    old.close()
+    with pytest.raises(ConfigurationError, match="another open buffer"):
+        ExperienceDataPlane(SCHEMA, capacity=8, semantics=sem)  # the new buffer holds them now
+    new.close()

@@ -63,7 +63,7 @@ from conduit.batch import ExperienceBatch
 from conduit.scheduling.base import wait_refused
 from conduit.scheduling.worker import Job, Worker
 from conduit.schema import storable
-from conduit.semantics.base import Selection
+from conduit.semantics.base import Selection, claim, release
 from conduit.semantics.onpolicy import check_version
 from conduit.storage import ColumnarStorage
 from tensordict import NonTensorData, NonTensorStack, TensorDict
@@ -730,6 +730,7 @@ class MinibatchDelivery:
             pool = -(-st.ragged_capacity * cap // st.capacity)
         state = {**st.state_dict(), "capacity": cap}
         scheduler = MinibatchPrefetch(prefetch=sched.prefetch)
+        release(self.semantics)  # (handed over to the new buffer: the old one is closed once it is built)
         try:
             edp = ExperienceDataPlane(old.schema, capacity=cap, semantics=self.semantics, placement=self._placement(),
                                       scheduler=scheduler, device=self.device, ragged_capacity=pool)
@@ -741,6 +742,7 @@ class MinibatchDelivery:
                 raise
         except BaseException:
             self.semantics.bind(st)
+            claim(self.semantics, old)
             raise
         scheduler._pending, scheduler._ticket = sched._pending, sched._ticket
         scheduler.staged, scheduler.g_del = sched.staged, sched.g_del

@@ -15,7 +15,7 @@ from conduit.errors import ConduitError, ConfigurationError
 from conduit.storage.base import AppendResult, Storage, handles_at
 
 __all__ = ["Semantics", "Selection", "SampleInfo", "RingHandles", "select_many", "check_seed", "check_unshared",
-           "claim"]
+           "claim", "release"]
 
 
 @dataclass
@@ -224,6 +224,16 @@ def claim(semantics: Semantics, buffer: object) -> None:
             _SERVING[id(obj)] = (weakref.ref(obj), weakref.ref(buffer))
         except TypeError:  # (an object that takes no weak reference: not tracked)
             pass
+
+
+def release(semantics: Semantics) -> None:
+    """Forget which buffer serves ``semantics`` (and its sampler), for a hand-over: an adapter that replaces an open
+    buffer by a larger one carrying the same semantics (their state is keyed by handle) releases them before it
+    builds the new buffer, and claims them back for the old one (:func:`claim`) should that build fail."""
+    for part in _parts(semantics):
+        entry = _SERVING.get(id(part))
+        if entry is not None and entry[0]() is part:
+            del _SERVING[id(part)]
 
 
 def check_seed(seed: object) -> int:
