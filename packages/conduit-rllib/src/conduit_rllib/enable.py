@@ -12,7 +12,10 @@ What it sets, all through RLlib's public configuration API:
   :class:`~conduit_rllib.learner.ConduitOffPolicyLearner` mixed in. The training step, the loss and
   the replay-buffer config stay RLlib's, except that a type given as a class is written into it
   as its name or dotted path, the only forms RLlib 2.60's ``build_algo`` takes (a class defined in
-  a function, which no dotted path names, is refused).
+  a function, which no dotted path names, is refused), and a type RLlib's build would not take for
+  the algorithm (a plain Conduit name; for SAC, whose config check takes RLlib's buffer names only,
+  any form of a buffer Conduit replaces or of its own two) as RLlib's name of its kind (a subclass of
+  Conduit's buffers is refused for SAC).
 * PPO (on-policy): a learner class with :class:`~conduit_rllib.learner.ConduitOnPolicyLearner`
   mixed in, and Conduit's options in ``config.learner_config_dict["conduit"]``.
 
@@ -220,6 +223,38 @@ def _buildable_type(rb_type: type) -> str:
         f"pass the class or its dotted path (e.g. 'my_pkg.buffers.MyBuffer'). {_WHAT_TO_SET}")
 
 
+#: RLlib's name of the kind of each buffer Conduit builds for a stock type: the form every build of RLlib 2.60 takes
+_RLLIB_NAME: dict[type, str] = {ConduitEpisodeReplayBuffer: "EpisodeReplayBuffer",
+                                ConduitPrioritizedEpisodeReplayBuffer: "PrioritizedEpisodeReplayBuffer"}
+
+
+def _buildable(base: type, rb_type: object, cls: type) -> str | None:
+    """``replay_buffer_config["type"]`` written the way RLlib 2.60's ``build_algo`` of ``base`` (DQN or SAC) takes
+    it, or None where it takes the type as it is. ``cls``: the Conduit buffer the type builds (:func:`_replay_class`).
+
+    RLlib resolves a plain name among its own buffers only, so a plain Conduit name (``"ConduitEpisodeReplayBuffer"``)
+    becomes RLlib's name of its kind; SAC's config check takes RLlib's buffer names only, so for SAC every type whose
+    buffer is Conduit's own (RLlib's buffers and their subclasses, which Conduit replaces, and Conduit's two buffers,
+    in any form) becomes RLlib's name of its kind. A class for DQN is written by :func:`_buildable_type`.
+
+    Raises:
+        UnsupportedConfigError: SAC with a subclass of Conduit's buffers (no name SAC's check takes builds it, with
+            or without Conduit); a class no dotted path names (:func:`_buildable_type`).
+    """
+    if isinstance(rb_type, str) and rb_type in ("EpisodeReplayBuffer", "PrioritizedEpisodeReplayBuffer"):
+        return None
+    if base is SAC or (isinstance(rb_type, str) and rb_type in _PLAIN_NAMES):
+        name = _RLLIB_NAME.get(cls)
+        if name is None:
+            raise UnsupportedConfigError(
+                f"replay_buffer_config['type'] is {rb_type!r}, a subclass of Conduit's buffers ({cls.__qualname__}), "
+                f"but RLlib 2.60's SAC config check takes only RLlib's buffer names, so SAC cannot build it (with or "
+                f"without Conduit). For SAC set 'EpisodeReplayBuffer' (uniform) or 'PrioritizedEpisodeReplayBuffer': "
+                f"Conduit installs its own buffer of that kind. (DQN takes the subclass by its dotted path.)")
+        return name
+    return _buildable_type(rb_type) if isinstance(rb_type, type) else None
+
+
 class _IterationOf:
     """The algorithm's current training iteration (None once it is gone: the buffer holds no reference to it)."""
 
@@ -367,7 +402,9 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
     Conduit's on-policy path (each row once per epoch, minibatch k + 1 prepared while k trains).
     Calling it twice is harmless. A ``replay_buffer_config["type"]`` given as a class is replaced in
     ``config`` by its plain name (RLlib's ``EpisodeReplayBuffer`` / ``PrioritizedEpisodeReplayBuffer``) or its
-    dotted path ``module.Class`` (any other class), as RLlib 2.60's ``build_algo`` takes no class there.
+    dotted path ``module.Class`` (any other class), as RLlib 2.60's ``build_algo`` takes no class there; a type
+    RLlib's build would not take (a plain Conduit name, or for SAC anything but RLlib's buffer names) by RLlib's name
+    of its kind, where Conduit installs its own buffer of that kind.
 
     Keyword Args:
         placement: where experience lives (default: host memory; a PPO batch stays on its device).
@@ -383,7 +420,8 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
             for DQN/SAC (it applies to PPO only), a
             setting the adapter cannot serve (old API stack, non-torch, multi-agent, RNN models, custom learner
             connectors off-policy, a replay buffer class defined in a function or nested in a class, which no
-            dotted path names, a learner class, explicit or the config's default, without Conduit's mixin, PPO on
+            dotted path names, a subclass of Conduit's buffers for SAC, which SAC's config check refuses, a learner
+            class, explicit or the config's default, without Conduit's mixin, PPO on
             two or more learners without a ``minibatch_size``, which RLlib's learner group cannot shard, ...).
         conduit_rllib.compat.RLlibCompatibilityError: the installed RLlib moved a hook we use.
     """
@@ -415,7 +453,7 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
         _check_off_policy(config)
         replay_config = cast("DQNConfig | SACConfig", config)
         rb_type = replay_config.replay_buffer_config.get("type")
-        buildable = _buildable_type(rb_type) if isinstance(rb_type, type) else None
+        buildable = _buildable(base, rb_type, _replay_class(config))
         learner = _learner_class(config, default_learner, conduit_learner, ConduitOffPolicyLearner)
         hooks = force_list(config.callbacks_on_algorithm_init)
         hooks = [h for h in hooks if not isinstance(h, InstallReplayBuffer)]
