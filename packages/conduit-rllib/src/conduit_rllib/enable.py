@@ -185,14 +185,27 @@ def _check_off_policy(config: AlgorithmConfig) -> None:
     """Refuse what DQN/SAC's Conduit path cannot serve on top of :func:`_check_served`.
 
     Raises:
-        UnsupportedConfigError: custom learner connector pieces (Conduit's batches skip the connector), or a
-            ``replay_buffer_config["type"]`` Conduit does not replace (see :func:`_replay_class`).
+        UnsupportedConfigError: custom learner connector pieces (Conduit's batches skip the connector), a
+            ``replay_buffer_config["type"]`` Conduit does not replace (see :func:`_replay_class`), or a
+            ``replay_buffer_config`` key naming a buffer option ``enable`` sets itself (see :data:`_SET_ELSEWHERE`).
     """
     if config._learner_connector is not None:
         raise UnsupportedConfigError("Conduit delivers DQN/SAC train batches ready-made, so custom learner "
                                      "connector pieces would be skipped; remove "
                                      "config.learners(learner_connector=...) or run without Conduit.")
+    rbc = cast("DQNConfig | SACConfig", config).replay_buffer_config
+    for key, where in _SET_ELSEWHERE.items():
+        if key in rbc:
+            raise UnsupportedConfigError(f"replay_buffer_config holds {key!r}, a Conduit buffer option that enable "
+                                         f"sets itself, so the value would not be used; remove it from "
+                                         f"replay_buffer_config and set it as {where}.")
     _replay_class(config)
+
+
+#: buffer options ``InstallReplayBuffer`` takes from elsewhere, never from ``replay_buffer_config``: where to set them
+_SET_ELSEWHERE = {"placement": "conduit_rllib.enable(config, placement=...)",
+                  "scheduler": "conduit_rllib.enable(config, scheduler=...), a zero-argument factory",
+                  "device": "the learner's device (Conduit delivers there: config.learners(num_gpus_per_learner=...))"}
 
 
 def _buildable_type(rb_type: type) -> str:
@@ -323,8 +336,9 @@ class InstallReplayBuffer:
             kwargs_rb.update({k: v for k, v in rbc.items() if k not in _SET_HERE})
         if issubclass(cls, ConduitPrioritizedEpisodeReplayBuffer):
             kwargs_rb["alpha"] = rbc.get("alpha", 1.0)
-        # every get_metrics call logs, as RLlib's buffers do: each iteration's replay counts are RLlib's
-        kwargs_rb.setdefault("metrics_every", 1)
+        # every get_metrics call logs, as RLlib's buffers do (each iteration's replay counts are RLlib's), unless
+        # the config says otherwise (the buffer checks it)
+        kwargs_rb.setdefault("metrics_every", rbc.get("metrics_every", 1))
         # capacity and alpha as configured: the buffer checks them (a ConfigurationError saying what is wrong)
         scheduler = self.scheduler() if self.scheduler is not None else None
         if scheduler is not None and not isinstance(scheduler, Scheduler):
