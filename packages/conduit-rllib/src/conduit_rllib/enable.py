@@ -187,12 +187,18 @@ def _check_off_policy(config: AlgorithmConfig) -> None:
     Raises:
         UnsupportedConfigError: custom learner connector pieces (Conduit's batches skip the connector), a
             ``replay_buffer_config["type"]`` Conduit does not replace (see :func:`_replay_class`), or a
-            ``replay_buffer_config`` key naming a buffer option ``enable`` sets itself (see :data:`_SET_ELSEWHERE`).
+            ``replay_buffer_config`` key naming a buffer option ``enable`` sets itself (see :data:`_SET_ELSEWHERE`),
+            or Conduit's PPO options in ``learner_config_dict`` (DQN/SAC would not read them).
     """
     if config._learner_connector is not None:
         raise UnsupportedConfigError("Conduit delivers DQN/SAC train batches ready-made, so custom learner "
                                      "connector pieces would be skipped; remove "
                                      "config.learners(learner_connector=...) or run without Conduit.")
+    if CONFIG_KEY in config.learner_config_dict:
+        raise UnsupportedConfigError(f"learner_config_dict[{CONFIG_KEY!r}] holds Conduit's options for PPO's minibatch "
+                                     f"delivery; DQN/SAC do not read it, so its values would not be used. Remove it, "
+                                     f"and set DQN/SAC's options with conduit_rllib.enable(config, placement=..., "
+                                     f"scheduler=...).")
     rbc = cast("DQNConfig | SACConfig", config).replay_buffer_config
     for key, where in _SET_ELSEWHERE.items():
         if key in rbc:

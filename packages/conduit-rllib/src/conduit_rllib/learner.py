@@ -401,13 +401,19 @@ class ConduitOnPolicyLearner:
 
         Raises:
             conduit.ConfigurationError: ``learner_config_dict["conduit"]`` holds a ``prefetch`` that is no bool or a
-                ``placement`` that is no conduit Placement.
+                ``placement`` that is no conduit Placement, or a key that is neither (it would not be used).
         """
+        config = self.config  # type: ignore[attr-defined]
+        opts = dict(config.learner_config_dict.get(CONFIG_KEY, {}))
+        unknown = sorted(map(repr, set(opts) - {"placement", "prefetch"}))
+        if unknown:  # (before RLlib's build: a refused config builds nothing)
+            raise ConfigurationError(f"learner_config_dict[{CONFIG_KEY!r}] holds {', '.join(unknown)}, which Conduit's "
+                                     f"PPO learner does not take (it takes 'placement' and 'prefetch'), so the value "
+                                     f"would not be used; remove it, or set the options with "
+                                     f"conduit_rllib.enable(config, placement=..., prefetch=...).")
         super().build()  # type: ignore[misc]
         if getattr(self, "conduit_feed", None) is not None:
             return
-        config = self.config  # type: ignore[attr-defined]
-        opts = dict(config.learner_config_dict.get(CONFIG_KEY, {}))
         seed = config.seed
         self.conduit_feed = MinibatchFeed(seed=0 if seed is None else int(seed), max_staleness=0, on_stale="drop",
                                           placement=opts.get("placement"), prefetch=opts.get("prefetch", True))
