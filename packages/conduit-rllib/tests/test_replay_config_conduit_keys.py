@@ -65,3 +65,27 @@ def test_options_enable_sets_itself_are_refused_in_the_replay_config(key: str, v
 
     with pytest.raises(UnsupportedConfigError, match=where):
         _check_still_served(later)
+
+
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("rb_type", ["EpisodeReplayBuffer", "PrioritizedEpisodeReplayBuffer"])
+def test_a_replay_config_without_capacity_or_alpha_gets_the_defaults_rllibs_buffer_has(rb_type: str) -> None:
+    """RLlib replaces the whole replay_buffer_config when its type changes, so it may hold no capacity (or alpha):
+    RLlib's buffer then has its constructor's defaults. Conduit's buffer was built with capacity 50,000."""
+    from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
+    from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
+
+    config = _dqn()
+    config.training(replay_buffer_config={"type": "EpisodeReplayBuffer"})  # (a type change: the dict replaced)
+    config.training(replay_buffer_config={"type": rb_type})
+    assert config.replay_buffer_config == {"type": rb_type}, "RLlib's config holds no capacity or alpha"
+    native = {"EpisodeReplayBuffer": EpisodeReplayBuffer,
+              "PrioritizedEpisodeReplayBuffer": PrioritizedEpisodeReplayBuffer}[rb_type]()
+    algo: Any = conduit_rllib.enable(config).build_algo()
+    try:
+        buf = algo.local_replay_buffer
+        assert buf.capacity == native.capacity, f"capacity {buf.capacity}, RLlib's buffer has {native.capacity}"
+        if rb_type == "PrioritizedEpisodeReplayBuffer":
+            assert buf._alpha == native._alpha, f"alpha {buf._alpha}, RLlib's buffer has {native._alpha}"
+    finally:
+        algo.stop()

@@ -340,8 +340,12 @@ class InstallReplayBuffer:
         if cls not in (ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer):
             # your subclass gets the config's other keys too, as RLlib passes them to the type it builds
             kwargs_rb.update({k: v for k, v in rbc.items() if k not in _SET_HERE})
-        if issubclass(cls, ConduitPrioritizedEpisodeReplayBuffer):
-            kwargs_rb["alpha"] = rbc.get("alpha", 1.0)
+        # capacity and alpha only as configured: without them (RLlib replaces the whole dict when its type changes)
+        # the buffer has its class's defaults, as RLlib's buffer then has its own (Conduit's equal RLlib's)
+        if "capacity" in rbc:
+            kwargs_rb["capacity"] = rbc["capacity"]
+        if issubclass(cls, ConduitPrioritizedEpisodeReplayBuffer) and "alpha" in rbc:
+            kwargs_rb["alpha"] = rbc["alpha"]
         # every get_metrics call logs, as RLlib's buffers do (each iteration's replay counts are RLlib's), unless
         # the config says otherwise (the buffer checks it)
         kwargs_rb.setdefault("metrics_every", rbc.get("metrics_every", 1))
@@ -351,7 +355,7 @@ class InstallReplayBuffer:
             raise UnsupportedConfigError(f"The scheduler factory given to conduit_rllib.enable(scheduler=...) returned "
                                          f"{scheduler!r}, not a conduit Scheduler; make it return a new one (e.g. "
                                          f"lambda: conduit.Overlapped(g_del=2, background_ingest=False)).")
-        buffer = cls(capacity=rbc.get("capacity", 50_000), seed=cfg.seed, device=device,
+        buffer = cls(seed=cfg.seed, device=device,
                      placement=self.placement, scheduler=scheduler,
                      metrics_num_episodes_for_smoothing=cfg.metrics_num_episodes_for_smoothing, **kwargs_rb)
         buffer.iteration_of = _IterationOf(algorithm)  # metrics in every iteration's results
