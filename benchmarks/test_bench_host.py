@@ -8,6 +8,7 @@ gather itself, nothing else. Run: ``.venv/bin/python -m pytest benchmarks/test_b
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -123,6 +124,28 @@ def test_sample_512(benchmark, buffers, lib: str, ratios) -> None:  # noqa: ANN0
                note=f"Sample {BATCH} float32 observations (host tier, 1 thread).")
 
 
+def draw_then_read(lib: str, sample: Callable[[], object]) -> Callable[[], tuple[object, float]]:
+    """``sample`` as a learner uses it: the draw, then one read of every value of the batch (a sum, the same kernel
+    for every library). A draw alone leaves out where its batch ended up: a gather that writes around the caches
+    (Conduit's, from 4 MiB per field) hands the reader a batch in memory, one with plain stores in the cache."""
+
+    def call() -> tuple[object, float]:
+        out = sample()
+        return out, float(sampled_rows(lib, out).sum())
+    return call
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_sample_512_then_read(benchmark, buffers, lib: str, ratios) -> None:  # noqa: ANN001
+    d, made, data = buffers
+    benchmark.group = f"sample512-read-d{d}"
+    out, _ = benchmark(draw_then_read(lib, made[lib][2]))
+    check_sample(lib, out, data)
+    ratios.add("host_sample512_read", f"d={d}", lib, benchmark, baseline="floor",
+               note=f"Sample {BATCH} float32 observations, then read the batch once (a sum) as a learner would "
+                    f"(host tier, 1 thread).")
+
+
 @pytest.mark.parametrize("chunk", [1, 256])
 @pytest.mark.parametrize("lib", LIBS)
 def test_ingest(benchmark, buffers, lib: str, chunk: int, ratios) -> None:  # noqa: ANN001
@@ -141,9 +164,11 @@ NO_REPEAT_D = 16
 
 @pytest.fixture(scope="module", params=NO_REPEAT_CAPS, ids=lambda c: f"cap{c}")
 def no_repeat(request: pytest.FixtureRequest):  # noqa: ANN201
-    """A full buffer of ``cap`` items (d = 16) and three ways to draw 512 of them: Conduit's ``replace=False``
-    delivery; ``permutation``: what one writes with torch alone (the head of ``randperm(cap)``, gathered into a
-    reused buffer); ``floor``: a draw *with* replacement gathered the same way (the cost of any 512-row draw)."""
+    """A full buffer of ``cap`` items (d = 16) and four ways to draw 512 of them: Conduit's ``replace=False``
+    delivery; ``permutation``: the naive torch draw (the head of ``randperm(cap)``, gathered into a reused buffer);
+    ``numpy-choice``: NumPy's ``Generator.choice(cap, 512, replace=False)`` (what a user would pick: its cost does
+    not grow with ``cap``), gathered the same way; ``floor``: a draw *with* replacement gathered the same way (the
+    cost of any 512-row draw)."""
     torch.set_num_threads(1)
     cap = request.param
     edp = ExperienceDataPlane(ExperienceSchema(obs=Field((NO_REPEAT_D,))), capacity=cap, semantics=Replay(seed=0))
@@ -156,9 +181,13 @@ def no_repeat(request: pytest.FixtureRequest):  # noqa: ANN201
     assert torch.equal(store[:, 0], torch.arange(cap, dtype=torch.float32))
     out = torch.empty(BATCH, NO_REPEAT_D)
     gen = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
     calls = {
         "conduit": lambda: edp.deliver(BATCH, replace=False),
         "permutation": lambda: torch.index_select(store, 0, torch.randperm(cap, generator=gen)[:BATCH], out=out),
+        # NumPy's own draw without replacement (Floyd's algorithm for a small draw: it does not grow with cap)
+        "numpy-choice": lambda: torch.index_select(
+            store, 0, torch.from_numpy(rng.choice(cap, BATCH, replace=False)), out=out),
         "floor": lambda: torch.index_select(store, 0, torch.randint(cap, (BATCH,), generator=gen), out=out),
     }
     for lib, call in calls.items():
@@ -181,7 +210,7 @@ def check_items(lib: str, out: object, store: torch.Tensor, *, distinct: bool) -
         assert items.unique().numel() == BATCH, f"{lib}: a draw without replacement repeated an item"
 
 
-@pytest.mark.parametrize("lib", ["floor", "conduit", "permutation"])
+@pytest.mark.parametrize("lib", ["floor", "conduit", "permutation", "numpy-choice"])
 def test_sample_512_without_replacement(benchmark, no_repeat, lib: str, ratios) -> None:  # noqa: ANN001
     cap, calls, store = no_repeat
     benchmark.group = f"sample512-norepeat-cap{cap}"

@@ -6,7 +6,8 @@ round times every library once, in a shuffled order, ``--calls`` calls each (med
 calls, the thread's CPU clock), and a ratio is taken within the round. The figure per cell is
 the median of the per-round ratios with a 95% bootstrap interval: the form in which "faster
 than cpprb" can be told apart from a tie. The buffers are the benchmark's own
-(``benchmarks/test_bench_host.py``: same capacities, data and floor).
+(``benchmarks/test_bench_host.py``: same capacities, data and floor). Ops: sample 512; sample 512 then one read of
+the batch (``sample512_read``: where the gather left the batch shows in the reader's time); ingest 256; ingest 1.
 
     .venv/bin/python benchmarks/scripts/host_paired.py [--dims 128 1000 5000 20000] [--rounds 30]
 
@@ -31,9 +32,16 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from config_sweep import bootstrap_ci  # noqa: E402
-from test_bench_host import LIBS, build, capacity_for  # noqa: E402
+from test_bench_host import LIBS, build, capacity_for, draw_then_read  # noqa: E402
 
-OPS = {"sample512": 2, "ingest256": 1, "ingest1": 0}  # index into build()'s (ingest one, ingest 256, sample)
+#: op -> the call it times, from a library's name and build()'s (ingest one, ingest 256, sample); sample512_read:
+#: the draw, then one read of the batch (a sum), as a learner uses it
+OPS: dict[str, Callable[[str, tuple[Callable[[], object], ...]], Callable[[], object]]] = {
+    "sample512": lambda lib, calls: calls[2],
+    "sample512_read": lambda lib, calls: draw_then_read(lib, calls[2]),
+    "ingest256": lambda lib, calls: calls[1],
+    "ingest1": lambda lib, calls: calls[0],
+}
 
 
 def time_call(fn: Callable[[], object], calls: int) -> float:
@@ -41,18 +49,20 @@ def time_call(fn: Callable[[], object], calls: int) -> float:
     return _median_seconds(fn, reps=calls, warmup=1, clock=time.thread_time, min_total=0)
 
 
-def measure(d: int, rounds: int, calls: int, libs: list[str], rng: random.Random) -> dict[str, dict[str, list[float]]]:
+def measure(d: int, rounds: int, reps: int, libs: list[str], rng: random.Random) -> dict[str, dict[str, list[float]]]:
     """Per op, per library: one median per round."""
     data = torch.randn(1024, d)
     made = {lib: build(lib, d, capacity_for(d), data) for lib in libs}
+    calls = {op: {lib: pick(lib, made[lib]) for lib in libs} for op, pick in OPS.items()}
     out: dict[str, dict[str, list[float]]] = {op: {lib: [] for lib in libs} for op in OPS}
     for _ in range(rounds):
-        for op, i in OPS.items():
+        for op in OPS:
             order = list(libs)
             rng.shuffle(order)
             for lib in order:
-                out[op][lib].append(time_call(made[lib][i], calls))
+                out[op][lib].append(time_call(calls[op][lib], reps))
     made.clear()
+    calls.clear()
     gc.collect()
     return out
 
