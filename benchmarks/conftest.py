@@ -1,6 +1,6 @@
 """Benchmarks: `.venv/bin/python -m pytest benchmarks` (not part of the test suite).
 
-The ``ratios`` fixture collects each benchmark's median into a named table; at the end of
+The ``ratios`` fixture collects each benchmark's median (or mean, where a table asks) into a named table; at the end of
 a run with statistics, every table is written to ``benchmarks/results/<table>.md`` with
 each cell as a ratio to the table's baseline column, all from the same run.
 """
@@ -25,13 +25,18 @@ class Ratios:
         self.tables: dict[str, dict[str, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
         self.baselines: dict[str, str] = {}
         self.notes: dict[str, str] = {}
+        self.stats: dict[str, str] = {}
 
-    def add(self, table: str, row: str, column: str, benchmark: Any, *, baseline: str, note: str = "") -> None:
+    def add(self, table: str, row: str, column: str, benchmark: Any, *, baseline: str, note: str = "",
+            stat: str = "median") -> None:
+        """Record ``benchmark``'s ``stat`` (``median``, or ``mean`` where the calls of one column fall into groups
+        of different cost, whose median would be either group's) as ``table[row][column]``."""
         stats = getattr(benchmark, "stats", None)
         if stats is None or not getattr(stats, "stats", None) or not stats.stats.data:
             return  # --benchmark-disable: no statistics to report
-        self.tables[table][row][column] = stats.stats.median
+        self.tables[table][row][column] = getattr(stats.stats, stat)
         self.baselines[table] = baseline
+        self.stats[table] = stat
         if note:
             self.notes[table] = note
 
@@ -40,9 +45,11 @@ class Ratios:
         written = []
         for table, rows in self.tables.items():
             base = self.baselines[table]
+            stat = self.stats.get(table, "median")
             cols = sorted({c for r in rows.values() for c in r}, key=lambda c: (c != base, c))
             lines = [f"# {table}", "", self.notes.get(table, ""), "",
-                     f"Median per call; ratio = median / median of `{base}` in the same row, same run.", "",
+                     f"{stat.capitalize()} per call; ratio = {stat} / {stat} of `{base}` in the same row, same run.",
+                     "",
                      "| row | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
             for row, cells in rows.items():
                 b = cells.get(base)

@@ -97,7 +97,9 @@ def test_delivery_after_a_training_step(benchmark: Any, dim: int, lib: str, rati
         ratios.add("delivery_prefetch", f"d={dim}", lib, benchmark, baseline="conduit-sync",
                    note=f"Caller-side time of one draw of {BATCH} float32 observations after a training step "
                         f"(the step untimed; prefetching variants prepare during it). Capacity {CAPACITY}, "
-                        f"1 torch thread.")
+                        f"1 torch thread. Means over rounds: with g_del = 2 Conduit's draws alternate between a "
+                        f"plain hand-over and one that also submits the next chunk's prefetch job, and a median "
+                        f"would be either kind's.", stat="mean")
     finally:
         release()
         gc.collect()
