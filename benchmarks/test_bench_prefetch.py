@@ -18,6 +18,7 @@ table is written to ``benchmarks/results/delivery_prefetch.md``.
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,17 +58,39 @@ def observations(lib: str, out: Any) -> torch.Tensor:
     return out[0]["obs"] if lib.startswith("conduit") else out["obs"]
 
 
-#: matrix products per stand-in training step: the step must outlast the slowest draw
-#: (TorchRL's at d = 5000, ~3 ms here), so that every prefetcher can keep up and what is timed
-#: is its hand-over, not a queue running dry
-STEP_PRODUCTS = {128: 8, 5000: 32}
+#: wall time of the stand-in training step: it must outlast the slowest draw (TorchRL's at d = 5000, ~3 ms), so
+#: that every prefetcher can keep up and what is timed is its hand-over, not a queue running dry. The number of
+#: products is calibrated on the machine: a fixed count (8 and 32) took 2.5 / 10 ms on one VM but 0.8 / 3.2 ms on
+#: another, where TorchRL's prefetch queue then ran dry now and then.
+STEP_MS = {128: 2.5, 5000: 10.0}
+_PRODUCTS: dict[int, int] = {}
+
+
+def _product(a: torch.Tensor) -> torch.Tensor:
+    return torch.mm(a, a).clamp_(max=1.0)  # (ones stay ones: no subnormal slow-down)
+
+
+def step_products(d: int) -> int:
+    """Products per training step at ``d``: STEP_MS over one warm product's time (the fastest of three blocks)."""
+    if d not in _PRODUCTS:
+        a = torch.ones(192, 192)
+        for _ in range(20):
+            a = _product(a)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(50):
+                a = _product(a)
+            best = min(best, (time.perf_counter() - t0) / 50)
+        _PRODUCTS[d] = max(1, round(STEP_MS[d] / 1e3 / best))
+    return _PRODUCTS[d]
 
 
 def training_step(d: int) -> None:
-    """GIL-free compute (2.5 ms at d = 128, ~10 ms at d = 5000 here): what a prefetch hides behind."""
+    """GIL-free compute (about STEP_MS[d]): what a prefetch hides behind."""
     a = torch.ones(192, 192)
-    for _ in range(STEP_PRODUCTS[d]):
-        a = torch.mm(a, a).clamp_(max=1.0)
+    for _ in range(step_products(d)):
+        a = _product(a)
 
 
 @pytest.fixture(scope="module", params=DIMS, ids=lambda d: f"d{d}")
@@ -85,6 +108,7 @@ def test_delivery_after_a_training_step(benchmark: Any, dim: int, lib: str, rati
             training_step(dim)
             out = draw()
         benchmark.group = f"prefetch-d{dim}"
+        benchmark.extra_info["step_products"] = step_products(dim)
         out = benchmark.pedantic(draw, setup=lambda: training_step(dim), rounds=ROUNDS, iterations=1)
         batch = observations(lib, out).clone()
         training_step(dim)
@@ -99,7 +123,8 @@ def test_delivery_after_a_training_step(benchmark: Any, dim: int, lib: str, rati
                         f"(the step untimed; prefetching variants prepare during it). Capacity {CAPACITY}, "
                         f"1 torch thread. Means over rounds: with g_del = 2 Conduit's draws alternate between a "
                         f"plain hand-over and one that also submits the next chunk's prefetch job, and a median "
-                        f"would be either kind's.", stat="mean")
+                        f"would be either kind's. Training step calibrated to "
+                        + ", ".join(f"{ms} ms at d = {d}" for d, ms in STEP_MS.items()) + ".", stat="mean")
     finally:
         release()
         gc.collect()
