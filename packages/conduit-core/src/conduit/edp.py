@@ -14,7 +14,7 @@ import torch
 
 from conduit.batch import ExperienceBatch, Ragged
 from conduit.checks import is_int
-from conduit.errors import CapacityError, ConfigurationError, SchemaError
+from conduit.errors import CapacityError, ConfigurationError, NotCopyableError, SchemaError
 from conduit.placement.base import HostPlacement, Placement
 from conduit.scheduling.base import (
     Scheduler,
@@ -283,6 +283,15 @@ class ExperienceDataPlane:
     def __len__(self) -> int:
         with self._lock:
             return len(self.storage)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Refuse ``pickle``, ``copy.copy`` and ``copy.deepcopy``: the buffer owns its storage, locks and scheduler
+        threads, which a copy could neither own nor share. Its :meth:`state_dict` (tensors and plain values) is
+        what pickles; :meth:`load_state_dict` puts it into a new buffer built with the same schema and capacity."""
+        raise NotCopyableError(
+            "An ExperienceDataPlane cannot be pickled or copied (it owns its storage, locks and scheduler threads). "
+            "Save its contents with edp.state_dict() (torch.save or pickle take it) and load them with "
+            "load_state_dict() into a new ExperienceDataPlane built with the same schema and capacity.")
 
     def __repr__(self) -> str:
         return (f"ExperienceDataPlane({self.schema!r}, capacity={self.capacity}, "

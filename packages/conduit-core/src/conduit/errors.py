@@ -42,5 +42,10 @@ class ConfigurationError(ConduitError, ValueError):
     """A constructor or a role got arguments that cannot work together."""
 
 
+class NotCopyableError(ConfigurationError, TypeError):
+    """An object that owns storage, locks or threads (an ``ExperienceDataPlane``) was pickled or copied; its
+    ``state_dict()`` is what pickles. A ``TypeError`` too, as Python's own refusal to pickle such an object is."""
+
+
 class PlacementError(ConduitError):
     """No placement fits the request, or a topology/profile cannot be used here."""
