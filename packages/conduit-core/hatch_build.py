@@ -13,6 +13,7 @@ or runs the source tree)::
 
     python packages/conduit-core/hatch_build.py                  # next to the sources, in src/
     python packages/conduit-core/hatch_build.py --into SITE      # into SITE/conduit/..., where a wheel went
+                                                                 # (SITE must hold conduit/__init__.py)
 
 It prints what it built or why not, and exits 1 when a kernel could not be built (conduit then runs without it).
 """
@@ -102,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Compile conduit-core's C kernels for the Python running this.")
     p.add_argument("--into", type=Path, help="a folder holding the installed conduit package (default: src/)")
     args = p.parse_args(argv)
+    if args.into is not None and not (args.into / "conduit" / "__init__.py").is_file():  # (a mistyped SITE)
+        p.error(f"--into {args.into} holds no conduit package (no {args.into / 'conduit' / '__init__.py'}), so the "
+                f"installed conduit would not import kernels built there. Pass the folder conduit was installed into: "
+                f"{sys.executable} -c 'import conduit, pathlib; print(pathlib.Path(conduit.__file__).parents[1])'")
     built, failed = compile_kernels(ROOT, args.into)
     for out in built.values():
         print(f"built {out}")

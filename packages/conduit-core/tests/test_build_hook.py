@@ -34,6 +34,8 @@ def test_the_script_builds_every_kernel_into_a_site_folder(tmp_path: Path) -> No
     """``hatch_build.py --into SITE`` puts each module where an installed ``conduit`` package would import it, with
     every kernel the package looks for; where this install has no compiled kernels (no compiler at install) the
     script says so and exits 1 instead."""
+    (tmp_path / "conduit").mkdir()
+    (tmp_path / "conduit" / "__init__.py").write_text("")  # (where a wheel installed conduit)
     proc = subprocess.run([sys.executable, str(HOOK), "--into", str(tmp_path)], capture_output=True, text=True,
                           timeout=240)
     if not sumtree.COMPILED:  # (test_the_compiled_tree_is_built says whether that is expected here)
@@ -46,6 +48,19 @@ def test_the_script_builds_every_kernel_into_a_site_folder(tmp_path: Path) -> No
     assert f"built {rows}" in proc.stdout and f"built {tree}" in proc.stdout, proc.stdout
     assert all(hasattr(_load(rows, "_rows"), k) for k in ("put", "gather"))
     assert all(hasattr(_load(tree, "_sumtree"), k) for k in sumtree.KERNELS)
+
+
+def test_into_a_folder_that_holds_no_conduit_package_is_refused_and_builds_nothing(tmp_path: Path) -> None:
+    """A mistyped ``--into`` (another Python's site-packages, a folder that does not exist) would otherwise print
+    ``built ...`` for modules the installed conduit never imports, and ``sumtree.COMPILED`` would stay False there.
+    The script refuses it, says what to pass, and writes nothing."""
+    site = tmp_path / "site-packages"
+    proc = subprocess.run([sys.executable, str(HOOK), "--into", str(site)], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "holds no conduit package" in proc.stderr and "conduit.__file__" in proc.stderr, proc.stderr
+    assert "built" not in proc.stdout, proc.stdout
+    assert not site.exists(), "a refused --into created folders"
 
 
 def test_a_kernel_that_does_not_compile_is_reported_and_leaves_no_module(tmp_path: Path) -> None:
