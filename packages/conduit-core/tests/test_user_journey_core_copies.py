@@ -10,10 +10,9 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
+import conduit
 import pytest
 import torch
-
-import conduit
 from conduit import ExperienceDataPlane, ExperienceSchema, Field, OnPolicy, PrioritizedSampler, Replay
 
 SCHEMA = ExperienceSchema(obs=Field((4,), torch.float32), action=Field((), torch.int64))
@@ -33,8 +32,8 @@ def test_copying_a_buffer_is_refused_with_a_typed_error_naming_state_dict(make: 
                                                                          copy_with: Callable[[Any], Any]) -> None:
     edp = make()
     try:
-        edp.ingest({"obs": torch.randn(8, 4), "action": torch.arange(8)}, **({"version": 0}
-                                                                          if isinstance(edp.semantics, OnPolicy) else {}))
+        version = {"version": 0} if isinstance(edp.semantics, OnPolicy) else {}
+        edp.ingest({"obs": torch.randn(8, 4), "action": torch.arange(8)}, **version)
         with pytest.raises(conduit.ConfigurationError, match=r"state_dict\(\)") as refused:
             copy_with(edp)
         assert isinstance(refused.value, TypeError), "code that checks picklability catches TypeError"
