@@ -33,6 +33,10 @@ def _demo(args: argparse.Namespace) -> int:
                       f"[--help]` runs core's synthetic actor/learner loop instead.\n")
             run = demos[0].load()
             return int(run(args.rest) or 0)
+        # core alone: say so, or the RLlib demo's options read as unknown options of a command never typed
+        print("conduit demo: no adapter demo is installed (conduit-rllib registers the RLlib DQN demo: pip install "
+              "conduit-rllib); running core's synthetic actor/learner loop, `conduit demo --synthetic`, instead.",
+              file=sys.stderr)
     from conduit.demo import run_synthetic
 
     return run_synthetic(args.rest)
