@@ -114,17 +114,23 @@ def test_real_cluster_a_failed_evicting_ingestion_counts_the_items_it_left_in_pl
     """The same, but the batch was staged by a producer that died: the ingestion fails and evicts nothing, so 0-3
     stay in the window, deliverable from their other replica: the report counts them recovered after all."""
     nodes = [cluster.head, cluster.workers[0], third]
-    p = _plane(owned, nodes, replication=2)
-    p.ingest(id_batch(np.arange(4)), node=third)
-    p.ingest(id_batch(np.arange(4, 8)), node=cluster.head)
-    assert _shards_of(p, 0)[-1] == 2 and 2 not in _shards_of(p, 4)
-    producer = _Producer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(third, soft=False)).remote()
-    staged = ray.get(producer.produce.remote(np.arange(8, 12)), timeout=120)
-    ray.kill(producer, no_restart=True)  # its staged batch goes with it
-    _wait_dead(producer)  # (ray.kill only asks: a fetch right after it could still be answered)
-    kill_server(p.servers[2].actor)
-    with pytest.raises(TransferError):
-        p.ingest(staged)  # placed on shard 2 first (the producer's node): finds it dead
+    for _ in range(3):  # (the premise is Ray's: a dead producer's object can still be served for a while)
+        p = _plane(owned, nodes, replication=2)
+        p.ingest(id_batch(np.arange(4)), node=third)
+        p.ingest(id_batch(np.arange(4, 8)), node=cluster.head)
+        assert _shards_of(p, 0)[-1] == 2 and 2 not in _shards_of(p, 4)
+        producer = _Producer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(third, soft=False)).remote()
+        staged = ray.get(producer.produce.remote(np.arange(8, 12)), timeout=120)
+        ray.kill(producer, no_restart=True)  # its staged batch goes with it
+        _wait_dead(producer)  # (ray.kill only asks: a fetch right after it could still be answered)
+        kill_server(p.servers[2].actor)
+        try:
+            p.ingest(staged)  # placed on shard 2 first (the producer's node): finds it dead
+        except TransferError:
+            break
+        p.close()  # Ray still served the dead producer's batch (stored after shard 2's loss): not this test's case
+    else:
+        pytest.fail("Ray served a killed producer's staged batch three times: the failed ingestion never happened")
     assert [r.shard for r in p.losses] == [2]
     report = p.losses[0]
     assert report.lost.tolist() == [] and p.lost_items == 0
