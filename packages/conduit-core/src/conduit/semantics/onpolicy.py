@@ -295,23 +295,18 @@ class OnPolicy(Semantics):
         if n is not None:
             raise ConfigurationError("On-policy delivery sizes are set by num_minibatches/minibatch_size; "
                                      "call deliver() without n.")
-        if self._cur is not None and self.stale(self._cur.version):
-            if self.on_stale == "raise":
-                raise self.stale_error(self._cur.version)
-            self._drop(self._cur)
-            self._cur = None
-        while self._cur is None:
+        if self.on_stale == "drop":
+            self.drop_stale()
+        elif self._cur is not None and self.stale(self._cur.version):
+            raise self.stale_error(self._cur.version)
+        if self._cur is None:
             if not self._sealed:
                 hint = " (an open rollout exists: call seal())" if self._open is not None else ""
                 raise EmptyBufferError(f"No sealed rollout is waiting for delivery{hint}; ingest a rollout and "
                                        f"seal it.")
             r = self._sealed[0]
-            if self.stale(r.version):
-                if self.on_stale == "raise":
-                    raise self.stale_error(r.version)
-                self._sealed.popleft()
-                self._drop(r)
-                continue
+            if self.stale(r.version):  # (on_stale="raise": "drop" dropped every stale rollout above)
+                raise self.stale_error(r.version)
             epoch = self._epoch
             self._cur, self._epoch = r, 0
             try:
