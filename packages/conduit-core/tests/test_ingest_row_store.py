@@ -167,11 +167,24 @@ def test_without_the_row_store_ingestion_takes_the_general_path(monkeypatch: pyt
     edp.close()
 
 
+@pytest.fixture(params=["streamed", "plain"])
+def streaming(request: pytest.FixtureRequest):  # noqa: ANN201 - yields the setting's name
+    """The compiled copies with non-temporal stores from 16 bytes (every copy they can take) or never, whatever
+    this machine's cache picked (``conduit.storage.columnar.stream_thresholds``); restored after."""
+    if columnar._rows is None:
+        pytest.skip("no compiled row store in this install (whether one is expected: test_the_compiled_tree_is_built)")
+    size = 16 if request.param == "streamed" else 1 << 62
+    before = columnar._rows.streaming(size, size)
+    yield request.param
+    columnar._rows.streaming(*before)
+
+
 # -- gathers: the compiled row copy behind ColumnarStorage.gather -------------------------------------------------
 @needs_rows
+@pytest.mark.usefixtures("streaming")
 @pytest.mark.parametrize(("dtype", "item", "rows"), [
-    (torch.float32, (5000,), 300),  # 6 MB: written around the caches (non-temporal stores)
-    (torch.float32, (1000,), 512),  # 2 MB: one memcpy per row, the GIL released
+    (torch.float32, (5000,), 300),  # 6 MB
+    (torch.float32, (1000,), 512),  # 2 MB: the GIL released
     (torch.float32, (4,), 32),  # 512 bytes
     (torch.float16, (3, 3), 700),  # rows of 18 bytes: no 16-byte stores
     (torch.bfloat16, (7,), 40), (torch.bool, (2,), 17), (torch.uint8, (1999,), 2200),
@@ -179,8 +192,9 @@ def test_without_the_row_store_ingestion_takes_the_general_path(monkeypatch: pyt
     (torch.int64, (), 9),  # a scalar column: torch's own gather
 ])
 def test_compiled_gathers_equal_index_select(dtype: torch.dtype, item: tuple[int, ...], rows: int) -> None:
-    """Rows drawn with repeats, in any order, of several dtypes and row sizes (both copy kinds, both sides of
-    the GIL threshold) come out as torch.index_select gives them, in the reused buffers handed in."""
+    """Rows drawn with repeats, in any order, of several dtypes and row sizes (with and without non-temporal
+    stores, both sides of the GIL threshold) come out as torch.index_select gives them, in the reused buffers
+    handed in."""
     cap = 2500 if item != (5000,) else 400
     st = ColumnarStorage(ExperienceSchema(x=Field(item, dtype)), cap)
     g = torch.Generator().manual_seed(rows)
@@ -220,10 +234,10 @@ def test_gathers_the_row_copy_cannot_take_go_to_index_select() -> None:
 
 
 @needs_rows
-def test_large_stores_and_stores_from_the_ring_itself_keep_every_byte() -> None:
-    """Runs of 1 MiB or more are written around the caches (and with the GIL released), a batch that wraps the
-    ring is two runs, and a source that overlaps its destination (rows of the ring itself) is copied as memmove
-    copies it: each case leaves exactly the rows given."""
+def test_large_stores_and_stores_from_the_ring_itself_keep_every_byte(streaming: str) -> None:
+    """Large runs (written around the caches, or not, and with the GIL released), a batch that wraps the ring
+    (two runs), and a source that overlaps its destination (rows of the ring itself: copied as memmove copies it,
+    never streamed) each leave exactly the rows given."""
     d, cap = 5000, 120  # 20 kB rows
     st = ColumnarStorage(ExperienceSchema(x=Field((d,))), cap)
     g = torch.Generator().manual_seed(0)
@@ -238,6 +252,42 @@ def test_large_stores_and_stores_from_the_ring_itself_keep_every_byte() -> None:
     expected = view.clone()
     assert st.append_rows({"x": view}) == (160, 60, 40, 100)
     assert torch.equal(ring[40:100], expected)
+
+
+def test_stream_thresholds_grow_with_the_last_level_cache() -> None:
+    """From 4 MiB (gathers) and 1 MiB (ring runs) where the cache is unknown or small, from an eighth and a quarter
+    of it where it is large; the compiled copies use what this machine's cache gives."""
+    assert columnar.stream_thresholds(None) == (4 << 20, 1 << 20)
+    assert columnar.stream_thresholds(16 << 20) == (4 << 20, 4 << 20)
+    assert columnar.stream_thresholds(300 << 20) == (300 << 17, 75 << 20)
+    if columnar._rows is not None:
+        assert columnar._rows.streaming(None, None) == columnar.stream_thresholds(columnar.last_level_cache())
+
+
+def test_the_last_level_cache_is_the_highest_data_or_unified_level(tmp_path) -> None:  # noqa: ANN001
+    """Read from Linux's cache directories: the instruction cache is skipped, sizes in K/M are bytes; a missing or
+    unreadable directory reports none."""
+    for i, (kind, level, size) in enumerate([("Data", 1, "48K"), ("Instruction", 1, "32K"),
+                                             ("Unified", 2, "2048K"), ("Unified", 3, "30M"),
+                                             ("Instruction", 4, "64M")]):
+        d = tmp_path / "cache" / f"index{i}"
+        d.mkdir(parents=True)
+        for name, value in (("type", kind), ("level", level), ("size", size)):
+            (d / name).write_text(f"{value}\n")
+    assert columnar.last_level_cache(str(tmp_path)) == 30 << 20
+    assert columnar.last_level_cache(str(tmp_path / "none")) is None
+    (tmp_path / "cache" / "index3" / "size").write_text("lots\n")
+    assert columnar.last_level_cache(str(tmp_path)) is None
+
+
+@needs_rows
+def test_the_streaming_setting_refuses_sizes_below_one_byte_and_changes_nothing() -> None:
+    before = columnar._rows.streaming(None, None)
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        columnar._rows.streaming(0, 5)
+    with pytest.raises(TypeError):
+        columnar._rows.streaming(None)
+    assert columnar._rows.streaming(None, None) == before
 
 
 def _child(code: str) -> str:

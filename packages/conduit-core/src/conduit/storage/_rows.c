@@ -7,8 +7,10 @@
  * torch.Tensor (not a subclass) of the column's dtype, strided, on the CPU, C-contiguous, without a negative
  * view bit, of the per-item shape the plan names, with as many rows as every other field, 1 <= rows <=
  * capacity; the dict holds exactly the plan's fields. Otherwise put returns -1 with nothing written, and
- * the caller's general path converts the batch or refuses it with a typed error. Runs of 1 MiB or more are
- * written with non-temporal stores (0.5-0.7x glibc's memmove for runs of 5-20 MB on this project's VM).
+ * the caller's general path converts the batch or refuses it with a typed error. Long runs are written with
+ * non-temporal stores (0.5-0.7x glibc's memmove for runs of 5-20 MB on a 16 MiB L3; slower than it on a 300 MiB
+ * one, which keeps them cached): from 1 MiB, or what streaming() set (conduit.storage.columnar sets it from the
+ * machine's last-level cache at import: stream_thresholds).
  *
  * plan: a tuple with one (name, dtype, item shape tuple, column address, bytes per row, column) per field; the
  * caller holds it through the call, so the columns stay alive (and mapped) until the copy ends, and keeps it
@@ -19,11 +21,11 @@
  *
  * gather(dst, src, row, slots, n, capacity) copies rows src[slots[i]] to dst[i] by raw addresses the caller
  * checked: every slot is checked against the capacity first (a copy that releases the GIL checks and reads its
- * own copy of the slots, which no other thread can write); a copy of 4 MiB or more uses non-temporal
- * stores (SSE2), so that writing the batch neither first reads each output line nor evicts the cache for
- * rows nobody reads before they are evicted anyway (measured on this project's VM: about 0.76x the time of
- * torch.index_select for 512 rows of 20 kB); smaller copies are one memcpy per row. Both prefetch the rows
- * ahead; copies of 64 KiB or more release the GIL, as torch's own ops do.
+ * own copy of the slots, which no other thread can write); a large copy (from 4 MiB, or what streaming()
+ * set) uses non-temporal stores (SSE2), so that writing the batch neither first reads each output line nor
+ * evicts the cache for rows nobody reads before they are evicted anyway (measured on a 16 MiB L3: about 0.76x
+ * the time of torch.index_select for 512 rows of 20 kB); smaller copies are one memcpy per row. Both prefetch
+ * the rows ahead; copies of 64 KiB or more release the GIL, as torch's own ops do.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -36,19 +38,19 @@
 #define MAX_FIELDS 256
 /* Gathers of at least this many bytes write around the caches (non-temporal stores): the rows would evict
  * each other before anyone read them, and a plain store first reads every line it writes. */
-#define STREAM_MIN_BYTES ((Py_ssize_t)4 << 20)
+static Py_ssize_t stream_min_bytes = (Py_ssize_t)4 << 20;
 /* Stores (sequential runs into the ring) of at least this many bytes per run write around the caches: a
  * replay buffer's newest rows are a small part of what it samples, so keeping them cached buys little. */
-#define STREAM_RUN_MIN_BYTES ((Py_ssize_t)1 << 20)
+static Py_ssize_t stream_run_min_bytes = (Py_ssize_t)1 << 20;
 /* Copies of at least this many bytes run with the GIL released (as torch's copies and ctypes' memmove do). */
 #define RELEASE_MIN_BYTES ((Py_ssize_t)1 << 16)
 /* Rows ahead whose first lines are prefetched. */
 #define AHEAD 4
 
-/* memmove(dst, src, n), by non-temporal stores from STREAM_RUN_MIN_BYTES up where the ranges do not overlap. */
+/* memmove(dst, src, n), by non-temporal stores from stream_run_min_bytes up where the ranges do not overlap. */
 static void copy_run(char *dst, const char *src, Py_ssize_t n) {
 #ifdef __SSE2__
-    if (n >= STREAM_RUN_MIN_BYTES && (dst + n <= src || src + n <= dst)) {
+    if (n >= stream_run_min_bytes && (dst + n <= src || src + n <= dst)) {
         Py_ssize_t head = (Py_ssize_t)((16 - ((uintptr_t)dst & 15)) & 15);
         memcpy(dst, src, (size_t)head);
         Py_ssize_t m = (n - head) / 16;
@@ -236,7 +238,7 @@ done:
 
 static void copy_rows(char *dst, const char *src, Py_ssize_t row, const int64_t *slots, Py_ssize_t n) {
 #ifdef __SSE2__
-    if (n * row >= STREAM_MIN_BYTES && row % 16 == 0 && ((uintptr_t)dst & 15) == 0) {
+    if (n * row >= stream_min_bytes && row % 16 == 0 && ((uintptr_t)dst & 15) == 0) {
         Py_ssize_t m = row / 16;
         for (Py_ssize_t i = 0; i < n; i++) {
             if (i + AHEAD < n) {
@@ -341,9 +343,40 @@ static PyObject *gather(PyObject *module, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+/* streaming(gather_min, run_min) -> (gather_min, run_min) before: the sizes from which gathers and ring runs use
+ * non-temporal stores (bytes; None keeps one). A process-wide setting, for measuring one against the other. */
+static PyObject *streaming(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "streaming(gather_min, run_min)");
+        return NULL;
+    }
+    Py_ssize_t want[2] = {stream_min_bytes, stream_run_min_bytes};
+    for (int i = 0; i < 2; i++) {
+        if (args[i] == Py_None) {
+            continue;
+        }
+        want[i] = PyLong_AsSsize_t(args[i]);
+        if (want[i] == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (want[i] < 1) {
+            PyErr_SetString(PyExc_ValueError, "streaming needs sizes of at least 1 byte (or None)");
+            return NULL;
+        }
+    }
+    PyObject *before = Py_BuildValue("(nn)", stream_min_bytes, stream_run_min_bytes);
+    if (before) {
+        stream_min_bytes = want[0];
+        stream_run_min_bytes = want[1];
+    }
+    return before;
+}
+
 static PyMethodDef methods[] = {
     {"put", (PyCFunction)(void (*)(void))put, METH_FASTCALL, "put(columns, plan, slot, capacity) -> rows or -1"},
     {"gather", (PyCFunction)(void (*)(void))gather, METH_FASTCALL, "gather(dst, src, row, slots, n, capacity)"},
+    {"streaming", (PyCFunction)(void (*)(void))streaming, METH_FASTCALL,
+     "streaming(gather_min, run_min) -> the non-temporal store thresholds before (bytes; None keeps one)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import operator
+import os
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -162,8 +163,47 @@ def _raw_rows(column: torch.Tensor) -> tuple[int, int, torch.dtype] | None:
     return column.data_ptr(), column[:1].nbytes, column.dtype
 
 
+def last_level_cache(cpu: str = "/sys/devices/system/cpu/cpu0") -> int | None:
+    """The size in bytes of CPU 0's last-level cache, as Linux reports it (``cache/index*/``: the data or unified
+    cache of the highest level), or None where nothing readable reports one."""
+    best: tuple[int, int] | None = None  # (level, bytes)
+    try:
+        for index in os.scandir(os.path.join(cpu, "cache")):
+            if not index.name.startswith("index"):
+                continue
+            info = {}
+            for name in ("type", "level", "size"):
+                with open(os.path.join(index.path, name)) as f:
+                    info[name] = f.read().strip()
+            size = info["size"]
+            value = int(size.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+            level = int(info["level"])
+            if info["type"] != "Instruction" and value > 0 and (best is None or level > best[0]):
+                best = (level, value)
+    except (OSError, ValueError):
+        return None
+    return None if best is None else best[1]
+
+
+def stream_thresholds(llc: int | None) -> tuple[int, int]:
+    """The sizes in bytes from which the compiled row copies write around the caches (non-temporal stores): (a
+    gather, a run of rows into the ring), for a last-level cache of ``llc`` bytes (None: unknown).
+
+    A plain store first reads each line it writes, and a copy larger than the cache evicts what it wrote before
+    anyone reads it; a copy the cache holds is read back from it. Measured (``benchmarks/scripts/stream_ab.py``):
+    with a 16 MiB L3 streaming won from 4 MiB gathers and 5 MB runs; with a 300 MiB L3 it lost for gathers of
+    10 MB and runs of 5-82 MB, and won for gathers from 41 MB. So: from 4 MiB or an eighth of the cache for a
+    gather, from 1 MiB or a quarter of the cache for a run, whichever is larger."""
+    gather, run = 4 << 20, 1 << 20
+    if llc:
+        gather, run = max(gather, llc // 8), max(run, llc // 4)
+    return gather, run
+
+
 #: the compiled row copies (see gather_into and ColumnarStorage.append_rows), or None
-_rows: Any = load_kernels("conduit.storage._rows", ("put", "gather"))
+_rows: Any = load_kernels("conduit.storage._rows", ("put", "gather", "streaming"))
+if _rows is not None:
+    _rows.streaming(*stream_thresholds(last_level_cache()))
 
 
 def gather_into(column: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
