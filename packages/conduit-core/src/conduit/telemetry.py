@@ -124,13 +124,15 @@ class Telemetry:
         self._folded = 0
         #: the mark of the oldest call still in the ring (calls before it were dropped or reset)
         self._first = 0
-        #: the marks of the calls the ring dropped to make room, as ascending [from, to) ranges (one more range
-        #: per reset that removed calls and is followed by drops; what reset removes counts not). Kept whole: a
-        #: mark from before a reset still gets the drops at or after it, and merging two ranges would count the
-        #: calls reset removed between them as dropped. It grows by at most one range per ``maxlen + 1`` calls
-        #: folded (a new range needs a reset that empties the ring, then more calls than the ring holds), so
-        #: only a small ``maxlen`` reset often makes it long over a long run
-        self._drops: list[list[int]] = []
+        #: the marks of the calls the ring dropped to make room before the last reset, as ascending [from, to) ranges
+        #: (the drops since the last reset are [_reset_at, _first): two ints a fold moves, no list). reset() closes
+        #: that range here, so this grows by one range per reset that removed calls and followed drops (what reset
+        #: removes counts not, so two such ranges stay apart: a mark between them gets only the later drops). The
+        #: newest _DROPS_KEPT ranges are kept; older ones are summed into _old_drops
+        self._drops: list[tuple[int, int]] = []
+        #: the ranges forgotten from _drops, as (lowest mark, highest mark + 1, calls dropped in them): exact for a
+        #: mark at or before the lowest (or past the highest); for one among them, an upper bound (never fewer)
+        self._old_drops = (0, 0, 0)
         #: the mark at the last reset (calls dropped since are _first - _reset_at), and the latest end of those
         self._reset_at = 0
         self._dropped_end = -math.inf
@@ -211,14 +213,11 @@ class Telemetry:
             totals[k] = (t[0], t[1], t[2], t[3])
         # the ring pushes out its oldest calls once it is full: account for them once per fold
         over = len(self._records) + n - self.maxlen
-        first, drops, dropped_end = self._first, self._drops, self._dropped_end
+        first, dropped_end = self._first, self._dropped_end
         if over > 0:
             # the calls pushed out: the ring's oldest, then (more folded at once than it holds) the first new ones
+            # (they extend the drops since the last reset, [_reset_at, first): nothing more to keep)
             through = max(0, n - self.maxlen)
-            if drops and drops[-1][1] == first:
-                drops = [*drops[:-1], [drops[-1][0], first + over]]
-            else:
-                drops = [*drops, [first, first + over]]
             first += over
             # (the running latest first: max() then passes over a NaN end)
             dropped_end = max(itertools.chain(
@@ -227,7 +226,6 @@ class Telemetry:
         folded = self._folded + n
         # the commit (see above: no allocation or call before the extend)
         self._totals = totals
-        self._drops = drops
         self._first = first
         self._dropped_end = dropped_end
         self._folded = folded
@@ -273,7 +271,9 @@ class Telemetry:
     def snapshot(self, since: int) -> tuple[tuple[CallRecord, ...], int]:
         """:attr:`records` and, read together with them, how many calls folded at or after the mark
         ``since`` (from :meth:`mark`) the ring has already dropped to make room (0 while all of them are
-        still in the snapshot; calls removed by :meth:`reset` do not count).
+        still in the snapshot; calls removed by :meth:`reset` do not count). Exact for every mark but one older
+        than the 1024 newest resets that each removed calls and followed drops: for such a mark, an upper bound
+        (never fewer than were dropped), so that the drop record stays bounded over a long run.
 
         Raises:
             ConfigurationError: ``since`` is not a mark (an int >= 0).
@@ -305,12 +305,15 @@ class Telemetry:
 
     def _dropped_since(self, since: int) -> int:
         """Calls folded at or after the mark ``since`` that the ring dropped to make room (caller holds the lock)."""
-        dropped = 0
+        dropped = max(0, self._first - max(self._reset_at, since))  # since the last reset
         for a, b in reversed(self._drops):
             if b <= since:
-                break
+                return dropped
             dropped += b - max(a, since)
-        return dropped
+        lo, hi, count = self._old_drops
+        if since <= lo:
+            return dropped + count
+        return dropped + min(count, max(0, hi - since))  # (a mark among forgotten ranges: never fewer than dropped)
 
     def recent(self, kind: str, n: int) -> list[CallRecord]:
         """The newest ``n`` calls of ``kind``, oldest first (read from the newest end, without a full copy).
@@ -402,8 +405,18 @@ class Telemetry:
                     f"Telemetry.reset() was called while {self._open} ExposureLog.iteration() on this telemetry "
                     f"is open: it would forget calls that iteration spanned and under-count it. Nothing was reset; "
                     f"reset between iterations (after the `with log.iteration():` block ends).")
+            drops, old = self._drops, self._old_drops
+            if self._first > self._reset_at:  # close the range dropped since the last reset
+                if drops and drops[-1][1] == self._reset_at:  # that reset removed nothing: one range with the last
+                    drops = [*drops[:-1], (drops[-1][0], self._first)]
+                else:
+                    drops = [*drops, (self._reset_at, self._first)]
+                if len(drops) > _DROPS_KEPT:
+                    (a, b), drops = drops[0], drops[1:]
+                    old = (a, b, b - a) if not old[2] else (old[0], b, old[2] + b - a)
             self._records.clear()
             self._totals = {}
+            self._drops, self._old_drops = drops, old
             self._first = self._reset_at = self._folded
             self._dropped_end = -math.inf
 
@@ -657,6 +670,9 @@ _END: Final = 4
 _THREAD: Final = 5
 #: the totals of a kind never recorded: (calls, items, bytes, seconds)
 _NO_CALLS = (0, 0, 0, 0.0)
+#: ranges of dropped calls a Telemetry keeps apart, one per reset that removed calls and followed drops (see
+#: Telemetry._drops): a mark from before the older ones gets an upper bound of the calls dropped since
+_DROPS_KEPT = 1024
 #: thread names a Telemetry keeps beyond twice those it needs before it forgets the unneeded ones
 _NAMES_SLACK = 64
 
