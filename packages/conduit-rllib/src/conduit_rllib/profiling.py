@@ -20,7 +20,9 @@ clipped to the window between two :meth:`~ExperiencePathProbe.take` calls, minus
 during which the loop sat in one of the wrapped calls (waiting for that work, which is then
 exposed already). So ``exposed + background`` never counts a moment twice, and a span that
 started before the window counts for the part inside it. Times are exclusive: a wrapped call
-nested in another counts once.
+nested in another counts once. A wrapped call still running when a window closes (on another
+thread, or one inside which ``take()`` is called) counts in each window for its part inside it,
+and the loop's wait in it hides no worker span in either.
 
 The rest of an iteration is timed too, as *context* (not experience path), so a difference
 in iteration time can be placed: ``env`` (the local EnvRunner's ``sample``), ``weights``
@@ -67,6 +69,16 @@ PARTS = ("add", "sample", "priorities", "batch", "minibatch")
 CONTEXT = ("env", "weights", "update")
 
 
+class _Frame:
+    """A wrapped call under way: its part, when it began, and (since ``start``: when it began, or when the last
+    :meth:`ExperiencePathProbe.take` closed a window it ran in) the seconds spent in wrapped calls nested in it."""
+
+    __slots__ = ("part", "began", "start", "inner")
+
+    def __init__(self, part: str, began: float) -> None:
+        self.part, self.began, self.start, self.inner = part, began, began, 0.0
+
+
 class _TimedIterator:
     def __init__(self, it: Iterable[Any], probe: ExperiencePathProbe) -> None:
         self._it: Iterator[Any] = iter(it)
@@ -104,7 +116,10 @@ class ExperiencePathProbe:
         #: the experience-path parts this probe times (the learner's own are not in this process when remote)
         self.parts: tuple[str, ...] = tuple(p for p in PARTS if p not in ("batch", "minibatch")) if remote else PARTS
         self._acc: dict[str, float] = defaultdict(float)
-        self._local = threading.local()
+        #: the wrapped calls under way, per thread (thread_id()), outermost first; with _acc, _waits and
+        #: _loop_threads under _lock (wrapped calls may run on several threads, take() on yet another)
+        self._stacks: dict[int, list[_Frame]] = {}
+        self._lock = threading.Lock()
         self._main = thread_id()
         #: threads that ran wrapped calls (the training loop's), and the wrapped experience-path calls' spans
         self._loop_threads: set[int] = {self._main}
@@ -175,23 +190,41 @@ class ExperiencePathProbe:
         algo.metrics.aggregate = aggregate
 
     def _timed(self, part: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        stack: list[float] = getattr(self._local, "stack", None) or []
-        self._local.stack = stack
-        stack.append(0.0)  # time spent in nested wrapped calls
-        t0 = time.perf_counter()
+        ident = thread_id()
+        with self._lock:
+            frame = _Frame(part, time.perf_counter())
+            stack = self._stacks.setdefault(ident, [])
+            stack.append(frame)
         try:
             return fn(*args, **kwargs)
         finally:
-            t1 = time.perf_counter()
-            dt = t1 - t0
-            inner = stack.pop()
-            self._acc[part] += dt - inner
-            if stack:
-                stack[-1] += dt
-            ident = thread_id()
-            self._loop_threads.add(ident)
-            if part in PARTS and not self._closed:  # the loop waits here: background work meanwhile is not hidden
-                self._waits.append(CallRecord("deliver_wait", 0, 0, t0, t1, ident))
+            with self._lock:
+                t1 = time.perf_counter()
+                stack.pop()  # (this frame: the calls nested in it have ended)
+                dt = t1 - frame.start  # (since it began, or since the window it began in closed)
+                self._acc[part] += dt - frame.inner
+                if stack:
+                    stack[-1].inner += dt
+                else:
+                    del self._stacks[ident]
+                self._loop_threads.add(ident)
+                if part in PARTS and not self._closed:  # the loop waits here: background work meanwhile is not hidden
+                    self._waits.append(CallRecord("deliver_wait", 0, 0, frame.began, t1, ident))
+
+    def _close_window(self, now: float) -> tuple[list[CallRecord], set[int]]:
+        """Credit the wrapped calls under way with their time up to ``now`` (exclusive, as when they end) and
+        start their time in the next window there; return the loop's waits in them so far and the threads they
+        run on (what :meth:`_hidden` needs for this window). Caller holds ``_lock``."""
+        waits: list[CallRecord] = []
+        for ident, stack in self._stacks.items():
+            for i, f in enumerate(stack):
+                upto = stack[i + 1].start if i + 1 < len(stack) else now
+                self._acc[f.part] += (upto - f.start) - f.inner
+                if f.part in PARTS:
+                    waits.append(CallRecord("deliver_wait", 0, 0, f.began, now, ident))
+            for f in stack:
+                f.start, f.inner = now, 0.0
+        return waits, set(self._stacks)
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -204,8 +237,9 @@ class ExperiencePathProbe:
         """Stop timing the garbage collector and keeping the calls' spans (the wrapped calls stay timed
         while the algorithm lives)."""
         _remove_callback(self._gc_callback)
-        self._closed = True
-        self._waits.clear()
+        with self._lock:
+            self._closed = True
+            self._waits.clear()
 
     def _planes(self) -> list[Any]:
         planes = []
@@ -235,10 +269,17 @@ class ExperiencePathProbe:
                 since the last :meth:`take`, so the hidden time would be under-counted.
         """
         end = time.perf_counter() if until is None else until
-        return self._hidden(since, end, self._marks)
+        with self._lock:
+            waits = list(self._waits)
+            threads = set(self._loop_threads) | set(self._stacks)
+            waits += [CallRecord("deliver_wait", 0, 0, f.began, end, ident)
+                      for ident, stack in self._stacks.items() for f in stack if f.part in PARTS]
+        return self._hidden(since, end, self._marks, waits, threads)
 
-    def _hidden(self, since: float, end: float, marks: dict[Telemetry, int]) -> float:
-        """:meth:`background` from the calls recorded after ``marks``."""
+    def _hidden(self, since: float, end: float, marks: dict[Telemetry, int], waits: list[CallRecord],
+                loop_threads: set[int]) -> float:
+        """:meth:`background` from the calls recorded after ``marks``, the loop's ``waits`` in wrapped calls and
+        the threads that make them."""
         recs: list[CallRecord] = []
         for edp in self._planes():
             tel = edp.telemetry
@@ -251,8 +292,8 @@ class ExperiencePathProbe:
                     f"under-counted. Raise the Telemetry's maxlen above the calls one window records, or call "
                     f"take() more often.")
             recs += [r for r in calls if r.end > since and r.start < end]
-        recs += [w for w in list(self._waits) if w.end > since and w.start < end]
-        return measure_iteration(recs, since, end, loop_threads=set(self._loop_threads)).hidden_s
+        recs += [w for w in waits if w.end > since and w.start < end]
+        return measure_iteration(recs, since, end, loop_threads=loop_threads).hidden_s
 
     def take(self) -> dict[str, float]:
         """Seconds per part (:attr:`parts`) and context part since the last call, plus ``exposed``,
@@ -263,19 +304,20 @@ class ExperiencePathProbe:
             CapacityError: as :meth:`background`: the window's background time cannot be measured. The window
                 is over all the same (the next call reports the one after it).
         """
-        out = {p: self._acc.get(p, 0.0) for p in self.parts + CONTEXT}
-        out["gc"] = self._acc.get("gc", 0.0)
-        out["exposed"] = sum(out[p] for p in self.parts)
         since, marks = self._t0, self._marks
         self._marks = self._marks_now()  # before the clock: the next window's calls all come after it
-        now = time.perf_counter()
-        seen = len(self._waits)
-        try:
-            out["background"] = self._hidden(since, now, marks)
-        finally:
+        with self._lock:
+            now = time.perf_counter()
+            running, threads = self._close_window(now)
+            out = {p: self._acc.get(p, 0.0) for p in self.parts + CONTEXT}
+            out["gc"] = self._acc.get("gc", 0.0)
             self._acc.clear()
-            del self._waits[:seen]  # all ended before now; later ones belong to the next window
+            # all ended by now (appended under the lock); those that end later belong to the next window
+            waits, self._waits = self._waits + running, []
+            threads |= self._loop_threads
             self._t0 = now
+        out["exposed"] = sum(out[p] for p in self.parts)
+        out["background"] = self._hidden(since, now, marks, waits, threads)
         out["total"] = out["exposed"] + out["background"]
         return out
 
