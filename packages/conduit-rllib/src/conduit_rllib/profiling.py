@@ -117,9 +117,10 @@ class ExperiencePathProbe:
         self.parts: tuple[str, ...] = tuple(p for p in PARTS if p not in ("batch", "minibatch")) if remote else PARTS
         self._acc: dict[str, float] = defaultdict(float)
         #: the wrapped calls under way, per thread (thread_id()), outermost first; with _acc, _waits and
-        #: _loop_threads under _lock (wrapped calls may run on several threads, take() on yet another)
+        #: _loop_threads under _lock (wrapped calls may run on several threads, take() on yet another); reentrant:
+        #: a finalizer or garbage-collector callback run inside a locked part that times or takes must not hang
         self._stacks: dict[int, list[_Frame]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._main = thread_id()
         #: threads that ran wrapped calls (the training loop's), and the wrapped experience-path calls' spans
         self._loop_threads: set[int] = {self._main}
@@ -216,7 +217,7 @@ class ExperiencePathProbe:
         start their time in the next window there; return the loop's waits in them so far and the threads they
         run on (what :meth:`_hidden` needs for this window). Caller holds ``_lock``."""
         waits: list[CallRecord] = []
-        for ident, stack in self._stacks.items():
+        for ident, stack in list(self._stacks.items()):
             for i, f in enumerate(stack):
                 upto = stack[i + 1].start if i + 1 < len(stack) else now
                 self._acc[f.part] += (upto - f.start) - f.inner
