@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from conduit.exposure import WORK_KINDS
-from conduit.telemetry import thread_id
+from conduit.telemetry import CallRecord, Telemetry, thread_id
 from conduit_rllib.compare import Variant
 from conduit_rllib.profiling import CONTEXT, PARTS
 from conduit_rllib.workloads import dqn_large_obs
@@ -140,3 +140,36 @@ def test_worker_work_the_loop_waits_for_in_a_call_still_running_is_not_hidden(co
         f"the worker's gather ran wholly while the loop waited in sample(): exposed, not hidden; background="
         f"{a['background']:.6f} s with {other:.6f} s of other work off the loop ({a})")
     assert until > since
+
+
+class _LetGoWhenRead(Telemetry):
+    """The data plane's telemetry, real, that lets a blocked wrapped call end the first time take() reads the calls
+    recorded in its window: a call that ends while take() measures the window's background time."""
+
+    def __init__(self, call: _Blocked) -> None:
+        super().__init__()
+        self.call: _Blocked | None = call
+
+    def calls_since(self, since: int) -> tuple[list[CallRecord], int]:
+        call, self.call = self.call, None
+        if call is not None:
+            call.finish()
+        return super().calls_since(since)
+
+
+def test_a_call_that_ends_while_take_measures_the_window_is_not_lost(conduit_variant: Variant) -> None:
+    probe = conduit_variant.probe
+    edp = probe.buffer.edp
+    probe.take()
+    call = _Blocked(probe, ("sample",))
+    own = edp.telemetry
+    edp.telemetry = _LetGoWhenRead(call)  # (the probe reads a telemetry new in this window from its first mark)
+    try:
+        a = probe.take()
+        assert not call.thread.is_alive(), "the call ended inside take()"
+        b = probe.take()
+    finally:
+        edp.telemetry = own
+    t = call.t
+    assert t["out"] - t["in"] <= a["sample"] + b["sample"] <= t["ret"] - t["call"], (
+        f"the call ran {t['out'] - t['in']:.6f} s, the windows account for {a['sample'] + b['sample']:.6f} s of it")
