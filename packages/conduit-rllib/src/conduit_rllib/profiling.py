@@ -228,11 +228,12 @@ class ExperiencePathProbe:
         return waits, set(self._stacks)
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-        elif self._gc_start:
-            self._acc["gc"] += time.perf_counter() - self._gc_start
-            self._gc_start = 0.0
+        with self._lock:  # (take() may close a window on another thread while this collection runs)
+            if phase == "start":
+                self._gc_start = time.perf_counter()
+            elif self._gc_start:
+                self._acc["gc"] += time.perf_counter() - self._gc_start
+                self._gc_start = 0.0
 
     def close(self) -> None:
         """Stop timing the garbage collector and keeping the calls' spans (the wrapped calls stay timed
@@ -310,6 +311,9 @@ class ExperiencePathProbe:
         with self._lock:
             now = time.perf_counter()
             running, threads = self._close_window(now)
+            if self._gc_start:  # a collection under way (on another thread): its part so far is this window's
+                self._acc["gc"] += now - self._gc_start
+                self._gc_start = now
             out = {p: self._acc.get(p, 0.0) for p in self.parts + CONTEXT}
             out["gc"] = self._acc.get("gc", 0.0)
             self._acc.clear()
