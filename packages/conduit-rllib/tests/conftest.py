@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -22,3 +23,18 @@ def ray_local() -> Iterator[None]:
     with kept_cluster(1, num_cpus=2, object_store_memory=512 << 20, fast_failure_detection=False,
                       logging_level="ERROR"):
         yield
+
+
+@pytest.fixture(scope="module")
+def conduit_variant(ray_local: None) -> Iterator[Any]:
+    """A Conduit DQN variant (large observations, 16 envs steps of 40, a buffer of 500) that ran one iteration:
+    the buffer is filled and learning has started. Closed after the module."""
+    from conduit_rllib.compare import Variant
+    from conduit_rllib.workloads import dqn_large_obs
+
+    v = Variant("conduit", dqn_large_obs(16, steps=40, learning_starts=20, capacity=500))
+    try:
+        v.iteration()
+        yield v
+    finally:
+        v.close()

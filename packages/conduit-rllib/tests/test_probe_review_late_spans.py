@@ -12,25 +12,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 from conduit.exposure import WORK_KINDS
 from conduit.telemetry import CallRecord, Telemetry, thread_id
 from conduit_rllib.compare import Variant
 from conduit_rllib.profiling import CONTEXT, PARTS
-from conduit_rllib.workloads import dqn_large_obs
-
-
-@pytest.fixture(scope="module")
-def conduit_variant(ray_local: None) -> Iterator[Variant]:
-    v = Variant("conduit", dqn_large_obs(16, steps=40, learning_starts=20, capacity=500))
-    try:
-        v.iteration()  # fills the buffer; learning starts within it
-        yield v
-    finally:
-        v.close()
 
 
 class _Blocked:
