@@ -313,6 +313,53 @@ class FreshnessSuite(PrefetchFreshnessChecks, OnPolicyCheckpointChecks, SuiteBas
                 f"({'refused' if refused else 'accepted'}), the delivered ids are {got}, expected version 1's "
                 f"0..9{late}")
 
+    def test_no_rollout_of_an_older_version_after_a_newer_one(self) -> None:
+        """Once a rollout of version 1 has ended (waiting, or already delivered), items a late producer ingests with
+        version 0 never reach the learner after it: the ingest is refused with a Conduit error and changes nothing
+        (the endpoint then takes and delivers version 1's next rollout as before), or the items are dropped as late.
+        The version-0 rollout is within ``max_staleness``, so only the order forbids it: the learner never gets
+        experience of an older policy after a newer one's, with either ``on_stale``.
+
+        Troubleshooting: keep the version of the last ended rollout and refuse (or drop) an ingest below it, not
+        only one below the open rollout's (conduit's buffers raise ConfigurationError).
+        """
+        for on_stale in ("drop", "raise"):
+            for delivered in (False, True):
+                with self.on_policy(num_minibatches=2, num_epochs=1, max_staleness=5, on_stale=on_stale,
+                                    seed=7) as ep:
+                    what = (f"with on_stale={on_stale!r}, items of version 0 (ids 100..109) ingested after version "
+                            f"1's rollout (ids 0..9) ended{' and was delivered' if delivered else ''}")
+                    ep.set_policy_version(1)
+                    ep.ingest(np.arange(10), version=1)
+                    ep.end_rollout()
+                    got: list[Any] = self._drain(ep) if delivered else []
+                    try:
+                        ep.ingest(np.arange(100, 110), version=0)
+                    except ConduitError:
+                        pass
+                    ep.end_rollout()
+                    ep.ingest(np.arange(20, 30), version=1)  # the endpoint goes on as before
+                    ep.end_rollout()
+                    got += self._drain(ep)
+                    order = [(mb.version, sorted(mb.ids.tolist())) for mb in got]
+                    assert all(mb.version == 1 for mb in got) and all((mb.ids < 100).all() for mb in got), (
+                        f"{what} were delivered after it: (version, ids) of the minibatches in delivery order "
+                        f"{order}; refuse an ingest below the last ended rollout's version, or drop its items")
+                    assert self._epochs(got, 1) == [list(range(10)) + list(range(20, 30))], (
+                        f"{what}: the delivered ids are {self._epochs(got, 1)[0]}, expected version 1's rollouts "
+                        f"0..9 and 20..29 (the refused or dropped ingest changed them)")
+
+    @staticmethod
+    def _drain(ep: OnPolicyEndpoint) -> list[Any]:
+        """Every minibatch ``ep`` delivers until it raises EmptyBufferError (at most 10 rollouts)."""
+        out: list[Any] = []
+        for _ in range(10):
+            try:
+                out += ep.consume()
+            except EmptyBufferError:
+                return out
+        pytest.fail(f"more than 10 rollouts were delivered, minibatch versions {[mb.version for mb in out]}")
+
     def test_staleness_bound_raise(self) -> None:
         """With on_stale="raise", a too-stale rollout raises and stays in the buffer.
 

@@ -28,8 +28,8 @@ __all__ = ["ReplaySuite"]
 
 #: chi-square tests reject below this p-value: a correct buffer fails each with probability P_MIN over seeds
 #: (Pearson's statistic with k-1 degrees of freedom; every expected count is > 200, so the chi-square
-#: approximation holds). ReplaySuite makes nine such tests, so a correct adapter whose draws differ from
-#: core's fails with probability <= 9e-3; the draws are seeded, so whatever the result, it is reproducible.
+#: approximation holds). ReplaySuite makes eleven such tests, so a correct adapter whose draws differ from
+#: core's fails with probability <= 1.1e-2; the draws are seeded, so whatever the result, it is reproducible.
 P_MIN = 1e-3
 
 
@@ -175,6 +175,38 @@ class ReplaySuite(PrefetchReplayChecks, SuiteBase):
             assert abs(share - expected) < 0.03, (
                 f"items inserted after priority updates are {share:.1%} of the draws, expected {expected:.1%}: "
                 f"new items must get the largest priority seen so far")
+
+    def test_draws_are_over_the_union_of_insert_calls(self) -> None:
+        """Items inserted in calls of unequal sizes (which a sharded adapter spreads over its shards or nodes, one
+        call each) are drawn from one distribution over all live items: uniformly, and prioritized with one global
+        total ``sum_j p_j^alpha``, never per call or per shard (picking a shard first, evenly or by its item count,
+        then an item within it). Chi-square over a partly filled buffer.
+
+        Troubleshooting: sample over a global index of the live items (one sum tree over every shard's priorities);
+        do not split a draw between shards.
+        """
+        sizes, cap, alpha = (36, 12, 4, 8), 80, 1.0
+        n = sum(sizes)
+        for prioritized in (False, True):
+            with self.replay(capacity=cap, prioritized=prioritized, alpha=alpha, seed=19) as ep:
+                if prioritized and CAP_PRIORITIZED not in ep.capabilities:
+                    continue
+                for lo, hi in zip(np.cumsum((0,) + sizes[:-1]), np.cumsum(sizes), strict=True):
+                    ep.insert(np.arange(lo, hi))
+                weight = np.ones(n)
+                if prioritized:  # per call: 1, 4, 1, 4 (each id's priority by the call that inserted it)
+                    weight = np.repeat([1.0, 4.0, 1.0, 4.0], sizes)
+                    self._set_priorities(ep, weight)
+                counts = self._counts(ep, cap)
+                assert counts[n:].sum() == 0, f"ids that were never inserted were drawn: {np.nonzero(counts[n:])[0]}"
+                p = chi_square_p(counts[:n], weight ** alpha)
+                calls = [int(c.sum()) for c in np.split(counts[:n], np.cumsum(sizes)[:-1])]
+                share = (np.add.reduceat(weight ** alpha, np.cumsum((0,) + sizes[:-1])) / (weight ** alpha).sum())
+                assert p > P_MIN, (
+                    f"prioritized={prioritized}: draws over items inserted in calls of {list(sizes)} items "
+                    f"(priorities {'1, 4, 1, 4 by call' if prioritized else 'uniform'}) fail chi-square (p={p:.2e}): "
+                    f"the calls' items were drawn {calls} times of {int(counts.sum())}, expected shares "
+                    f"{np.round(share, 3).tolist()}; draw over the union of the live items with one global total")
 
     def test_new_items_get_the_largest_priority_ever_set(self) -> None:
         """Items inserted without a priority get the largest priority ever set, a running maximum that neither
