@@ -10,8 +10,8 @@ injected bug, not the harness)::
     test_replay_suite_catches_mutant = catches_mutants(replay_suite, REPLAY_MUTANTS)
 
 It also holds the mutants and helpers that more than one mutant file uses (:class:`MutantReplay` /
-:func:`mutant_replay`, :class:`OneDrawBehind`, :func:`integration_module`), so no test module imports
-another (pytest would load a second copy of it).
+:func:`mutant_replay`, :class:`OneDrawBehind`, :func:`integration_module`, :class:`MiniReplay`), so no test
+module imports another (pytest would load a second copy of it).
 
 Test files import this module as they import sibling test modules (``sys.path`` holds the tests dir).
 It is not collected itself: its name does not start with ``test_``.
@@ -19,15 +19,28 @@ It is not collected itself: its name does not start with ``test_``.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import pytest
+from conduit.errors import EmptyBufferError, PriorityError
 from conduit.semantics import PrioritizedSampler, Replay, Semantics, UniformSampler
-from conduit.testing import ConcurrencySuite, CoreReplayEndpoint, Draw, FreshnessSuite, ReplaySuite
+from conduit.testing import (
+    CAP_CHECKPOINT,
+    CAP_CONCURRENT_INGEST,
+    CAP_PRIORITIZED,
+    ConcurrencySuite,
+    CoreReplayEndpoint,
+    Draw,
+    FreshnessSuite,
+    ReplaySuite,
+)
 
 #: what a failing suite check raises: a plain assertion, or pytest.fail's exception
 FAILED = (AssertionError, pytest.fail.Exception)
@@ -155,3 +168,83 @@ def integration_module() -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+class MiniReplay:
+    """A small, correct, pure-NumPy replay endpoint (slot-based ring, handles stamped with their insertion index),
+    the base of replay mutants: it passes the whole ReplaySuite (test_suite_catches_more_bugs's
+    test_mini_replay_conforms)."""
+
+    capabilities = frozenset({CAP_PRIORITIZED, CAP_CHECKPOINT, CAP_CONCURRENT_INGEST})
+    priority_staleness = 0
+
+    def __init__(self, *, capacity: int, prioritized: bool = False, alpha: float = 0.6, beta: float = 0.4,
+                 seed: int = 0) -> None:
+        self.cap, self.prioritized, self.alpha, self.beta = capacity, prioritized, alpha, beta
+        self.data = np.zeros(capacity, dtype=np.int64)
+        self.prio = np.zeros(capacity)  # p^alpha per slot, 0 for empty slots
+        self.next = 0  # handle of the next insert; handle h lives in slot h % cap
+        self.max_p = 1.0
+        self.rng = self._make_rng(seed)
+        self.lock = threading.Lock()
+
+    def _make_rng(self, seed: int) -> Any:
+        return np.random.default_rng(seed)
+
+    @property
+    def oldest(self) -> int:
+        return max(0, self.next - self.cap)
+
+    def __len__(self) -> int:
+        return self.next - self.oldest
+
+    def insert(self, ids: np.ndarray) -> None:
+        ids = np.asarray(ids, dtype=np.int64)
+        with self.lock:
+            h = np.arange(self.next, self.next + len(ids))[-self.cap:]
+            self.data[h % self.cap] = ids[-self.cap:]
+            self.prio[h % self.cap] = self.max_p ** self.alpha
+            self.next += len(ids)
+
+    def _slots(self, n: int) -> np.ndarray:
+        if self.prioritized:
+            return self.rng.choice(self.cap, n, p=self.prio / self.prio.sum())
+        return self.rng.integers(0, len(self), n)  # slots 0..len-1 are live (full ring: all of them)
+
+    def sample(self, n: int) -> Draw:
+        if len(self) == 0:
+            raise EmptyBufferError("empty")
+        slots = self._slots(n)
+        handles = self.oldest + (slots - self.oldest) % self.cap
+        w = None
+        if self.prioritized:
+            probs = self.prio / self.prio.sum()
+            live = probs[np.arange(self.oldest, self.next) % self.cap]
+            w = (len(self) * probs[slots]) ** (-self.beta) / (len(self) * live.min()) ** (-self.beta)
+        return Draw(self.data[slots].copy(), handles, w)
+
+    def _live(self, h: np.ndarray) -> np.ndarray:
+        return (h >= self.oldest) & (h < self.next)
+
+    def update_priorities(self, handles: Any, priorities: np.ndarray) -> None:
+        h, p = np.asarray(handles), np.asarray(priorities, dtype=np.float64)
+        if h.shape != p.shape or not np.isfinite(p).all():
+            raise PriorityError("pass one finite priority per handle")
+        ok = self._live(h)
+        self.prio[h[ok] % self.cap] = p[ok] ** self.alpha
+        self.max_p = max(self.max_p, float(p.max(initial=0)))
+
+    def contents(self) -> np.ndarray:
+        return self.data[np.arange(self.oldest, self.next) % self.cap].copy()
+
+    def state_dict(self) -> Any:
+        return copy.deepcopy({"data": self.data, "prio": self.prio, "next": self.next, "max_p": self.max_p,
+                              "rng": self.rng.bit_generator.state})
+
+    def load_state_dict(self, state: Any) -> None:
+        s = copy.deepcopy(state)
+        self.data, self.prio, self.next, self.max_p = s["data"], s["prio"], s["next"], s["max_p"]
+        self.rng.bit_generator.state = s["rng"]
+
+    def close(self) -> None:
+        pass

@@ -7,7 +7,6 @@ mutants post-process the core endpoint's deliveries.
 
 from __future__ import annotations
 
-import copy
 import sys
 import threading
 from pathlib import Path
@@ -15,11 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conduit.errors import EmptyBufferError, PriorityError
 from conduit.testing import (
     CAP_CHECKPOINT,
-    CAP_CONCURRENT_INGEST,
-    CAP_PRIORITIZED,
     CoreOnPolicyEndpoint,
     CoreReplayEndpoint,
     Draw,
@@ -30,89 +26,12 @@ from conduit.testing import (
 sys.path.insert(0, str(Path(__file__).parent))
 from _suite_mutants import (  # noqa: E402, I001  (the mutant tests' shared harness)
     FAILED,
+    MiniReplay,
     catches_mutants,
     concurrency_suite,
     freshness_suite,
     replay_suite,
 )
-
-
-class MiniReplay:
-    """Correct reference: passes the whole ReplaySuite (see test_mini_replay_conforms)."""
-
-    capabilities = frozenset({CAP_PRIORITIZED, CAP_CHECKPOINT, CAP_CONCURRENT_INGEST})
-    priority_staleness = 0
-
-    def __init__(self, *, capacity: int, prioritized: bool = False, alpha: float = 0.6, beta: float = 0.4,
-                 seed: int = 0) -> None:
-        self.cap, self.prioritized, self.alpha, self.beta = capacity, prioritized, alpha, beta
-        self.data = np.zeros(capacity, dtype=np.int64)
-        self.prio = np.zeros(capacity)  # p^alpha per slot, 0 for empty slots
-        self.next = 0  # handle of the next insert; handle h lives in slot h % cap
-        self.max_p = 1.0
-        self.rng = self._make_rng(seed)
-        self.lock = threading.Lock()
-
-    def _make_rng(self, seed: int) -> Any:
-        return np.random.default_rng(seed)
-
-    @property
-    def oldest(self) -> int:
-        return max(0, self.next - self.cap)
-
-    def __len__(self) -> int:
-        return self.next - self.oldest
-
-    def insert(self, ids: np.ndarray) -> None:
-        ids = np.asarray(ids, dtype=np.int64)
-        with self.lock:
-            h = np.arange(self.next, self.next + len(ids))[-self.cap:]
-            self.data[h % self.cap] = ids[-self.cap:]
-            self.prio[h % self.cap] = self.max_p ** self.alpha
-            self.next += len(ids)
-
-    def _slots(self, n: int) -> np.ndarray:
-        if self.prioritized:
-            return self.rng.choice(self.cap, n, p=self.prio / self.prio.sum())
-        return self.rng.integers(0, len(self), n)  # slots 0..len-1 are live (full ring: all of them)
-
-    def sample(self, n: int) -> Draw:
-        if len(self) == 0:
-            raise EmptyBufferError("empty")
-        slots = self._slots(n)
-        handles = self.oldest + (slots - self.oldest) % self.cap
-        w = None
-        if self.prioritized:
-            probs = self.prio / self.prio.sum()
-            live = probs[np.arange(self.oldest, self.next) % self.cap]
-            w = (len(self) * probs[slots]) ** (-self.beta) / (len(self) * live.min()) ** (-self.beta)
-        return Draw(self.data[slots].copy(), handles, w)
-
-    def _live(self, h: np.ndarray) -> np.ndarray:
-        return (h >= self.oldest) & (h < self.next)
-
-    def update_priorities(self, handles: Any, priorities: np.ndarray) -> None:
-        h, p = np.asarray(handles), np.asarray(priorities, dtype=np.float64)
-        if h.shape != p.shape or not np.isfinite(p).all():
-            raise PriorityError("pass one finite priority per handle")
-        ok = self._live(h)
-        self.prio[h[ok] % self.cap] = p[ok] ** self.alpha
-        self.max_p = max(self.max_p, float(p.max(initial=0)))
-
-    def contents(self) -> np.ndarray:
-        return self.data[np.arange(self.oldest, self.next) % self.cap].copy()
-
-    def state_dict(self) -> Any:
-        return copy.deepcopy({"data": self.data, "prio": self.prio, "next": self.next, "max_p": self.max_p,
-                              "rng": self.rng.bit_generator.state})
-
-    def load_state_dict(self, state: Any) -> None:
-        s = copy.deepcopy(state)
-        self.data, self.prio, self.next, self.max_p = s["data"], s["prio"], s["next"], s["max_p"]
-        self.rng.bit_generator.state = s["rng"]
-
-    def close(self) -> None:
-        pass
 
 
 # -- replay mutants -----------------------------------------------------------------------

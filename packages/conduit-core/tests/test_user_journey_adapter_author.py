@@ -121,7 +121,8 @@ class DequeReplay:
 
 
 class DequeOnPolicy:
-    """Rollouts sealed on ``end_rollout`` or a new version; each delivered whole, M minibatches x E epochs."""
+    """Rollouts sealed on ``end_rollout`` or a new version; each delivered whole, M minibatches x E epochs; a version
+    below the open or the last sealed rollout's is refused."""
 
     def __init__(self, m: int, e: int, max_staleness: int, on_stale: str, seed: int) -> None:
         self.m, self.e, self.max_staleness, self.on_stale = m, e, max_staleness, on_stale
@@ -129,9 +130,13 @@ class DequeOnPolicy:
         self.sealed: deque[tuple[int, np.ndarray]] = deque()
         self.open: list[int] = []
         self.open_version: int | None = None
+        self.last_sealed: int | None = None
         self.policy = 0
 
     def add(self, ids: np.ndarray, version: int) -> None:
+        newest = max((v for v in (self.open_version, self.last_sealed) if v is not None), default=None)
+        if newest is not None and version < newest:
+            raise ConfigurationError(f"version {version} arrived after version {newest}: versions do not go back")
         if self.open_version is not None and version != self.open_version:
             self.seal()
         self.open += np.asarray(ids).tolist()
@@ -141,6 +146,7 @@ class DequeOnPolicy:
         if self.open:
             assert self.open_version is not None
             self.sealed.append((self.open_version, np.array(self.open, dtype=np.int64)))
+            self.last_sealed = self.open_version
         self.open, self.open_version = [], None
 
     def next_rollout(self) -> list[Minibatch]:
@@ -159,11 +165,13 @@ class DequeOnPolicy:
 
     def state(self) -> dict[str, Any]:
         return {"sealed": [(v, ids.copy()) for v, ids in self.sealed], "open": list(self.open),
-                "open_version": self.open_version, "policy": self.policy, "rng": self.rng.bit_generator.state}
+                "open_version": self.open_version, "last_sealed": self.last_sealed, "policy": self.policy,
+                "rng": self.rng.bit_generator.state}
 
     def load(self, s: dict[str, Any]) -> None:
         self.sealed = deque((v, ids.copy()) for v, ids in s["sealed"])
         self.open, self.open_version, self.policy = list(s["open"]), s["open_version"], s["policy"]
+        self.last_sealed = s["last_sealed"]
         self.rng.bit_generator.state = s["rng"]
 
 

@@ -185,7 +185,9 @@ class OnPolicyEndpoint(ABC):
         """Add items produced by policy ``version`` to the current rollout.
 
         The calls of one version form one rollout; items of another version first close the open rollout (a
-        minibatch never mixes versions)."""
+        minibatch never mixes versions). Versions do not go back: items of a version lower than the open rollout's
+        or the last ended rollout's (a late producer) are refused with a Conduit error that changes nothing, or
+        dropped; they never reach the learner after a newer version's."""
 
     @abstractmethod
     def end_rollout(self) -> None:

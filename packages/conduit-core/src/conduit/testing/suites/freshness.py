@@ -280,8 +280,9 @@ class FreshnessSuite(PrefetchFreshnessChecks, OnPolicyCheckpointChecks, SuiteBas
     def test_items_of_an_older_version_never_join_a_newer_rollout(self) -> None:
         """Items ingested with a version older than the open rollout's (a late producer) never join that rollout: the
         ingest is refused with a Conduit error and changes nothing, or the items are dropped as late (all of them;
-        conduit-srl's ``on_stale="drop"``), or they are delivered apart, each minibatch reporting the version its
-        items were produced by. Either way the open rollout is delivered whole, under its own version.
+        conduit-srl's ``on_stale="drop"``). Either way the open rollout is delivered whole, under its own version.
+        (Delivering them apart, after it, is what :meth:`test_no_rollout_of_an_older_version_after_a_newer_one`
+        refuses.)
 
         Troubleshooting: refuse a version lower than the open rollout's (conduit's buffers raise
         ConfigurationError), or close the open rollout first; never add the items to it under its version.
@@ -314,25 +315,26 @@ class FreshnessSuite(PrefetchFreshnessChecks, OnPolicyCheckpointChecks, SuiteBas
                 f"0..9{late}")
 
     def test_no_rollout_of_an_older_version_after_a_newer_one(self) -> None:
-        """Once a rollout of version 1 has ended (waiting, or already delivered), items a late producer ingests with
-        version 0 never reach the learner after it: the ingest is refused with a Conduit error and changes nothing
-        (the endpoint then takes and delivers version 1's next rollout as before), or the items are dropped as late.
-        The version-0 rollout is within ``max_staleness``, so only the order forbids it: the learner never gets
-        experience of an older policy after a newer one's, with either ``on_stale``.
+        """Once items of version 1 were ingested (their rollout open, ended, or ended and delivered), items a late
+        producer ingests with version 0 never reach the learner after them: the ingest is refused with a Conduit
+        error and changes nothing (the endpoint then takes and delivers version 1's next rollout as before), or the
+        items are dropped as late. The version-0 rollout is within ``max_staleness``, so only the order forbids it:
+        the learner never gets experience of an older policy after a newer one's, with either ``on_stale``.
 
-        Troubleshooting: keep the version of the last ended rollout and refuse (or drop) an ingest below it, not
-        only one below the open rollout's (conduit's buffers raise ConfigurationError).
+        Troubleshooting: keep the version of the last ended rollout and refuse (or drop) an ingest below it or below
+        the open rollout's (conduit's buffers raise ConfigurationError); do not deliver it as a rollout of its own.
         """
         for on_stale in ("drop", "raise"):
-            for delivered in (False, True):
+            for stage in ("was open", "ended", "ended and was delivered"):
                 with self.on_policy(num_minibatches=2, num_epochs=1, max_staleness=5, on_stale=on_stale,
                                     seed=7) as ep:
                     what = (f"with on_stale={on_stale!r}, items of version 0 (ids 100..109) ingested after version "
-                            f"1's rollout (ids 0..9) ended{' and was delivered' if delivered else ''}")
+                            f"1's rollout (ids 0..9) {stage}")
                     ep.set_policy_version(1)
                     ep.ingest(np.arange(10), version=1)
-                    ep.end_rollout()
-                    got: list[Any] = self._drain(ep) if delivered else []
+                    if stage != "was open":
+                        ep.end_rollout()
+                    got: list[Any] = self._drain(ep) if stage == "ended and was delivered" else []
                     try:
                         ep.ingest(np.arange(100, 110), version=0)
                     except ConduitError:
