@@ -18,7 +18,7 @@ from conduit.testing.crossprocess import (
 )
 from conduit.testing.endpoints import OnPolicyEndpoint
 from conduit.testing.suites.base import SuiteBase
-from conduit.testing.suites.onpolicy_checkpoint import OnPolicyCheckpointChecks
+from conduit.testing.suites.onpolicy_checkpoint import OnPolicyCheckpointChecks, _drain
 from conduit.testing.suites.prefetch import PrefetchFreshnessChecks, expect_stale
 
 __all__ = ["FreshnessSuite"]
@@ -334,7 +334,7 @@ class FreshnessSuite(PrefetchFreshnessChecks, OnPolicyCheckpointChecks, SuiteBas
                     ep.ingest(np.arange(10), version=1)
                     if stage != "was open":
                         ep.end_rollout()
-                    got: list[Any] = self._drain(ep) if stage == "ended and was delivered" else []
+                    got = _drain(ep) if stage == "ended and was delivered" else []
                     try:
                         ep.ingest(np.arange(100, 110), version=0)
                     except ConduitError:
@@ -342,25 +342,16 @@ class FreshnessSuite(PrefetchFreshnessChecks, OnPolicyCheckpointChecks, SuiteBas
                     ep.end_rollout()
                     ep.ingest(np.arange(20, 30), version=1)  # the endpoint goes on as before
                     ep.end_rollout()
-                    got += self._drain(ep)
-                    order = [(mb.version, sorted(mb.ids.tolist())) for mb in got]
-                    assert all(mb.version == 1 for mb in got) and all((mb.ids < 100).all() for mb in got), (
+                    got += _drain(ep)
+                    mbs = [mb for rollout in got for mb in rollout]  # (version, epoch, ids), in delivery order
+                    assert all(v == 1 and all(i < 100 for i in ids) for v, _, ids in mbs), (
                         f"{what} were delivered after it: (version, ids) of the minibatches in delivery order "
-                        f"{order}; refuse an ingest below the last ended rollout's version, or drop its items")
-                    assert self._epochs(got, 1) == [list(range(10)) + list(range(20, 30))], (
-                        f"{what}: the delivered ids are {self._epochs(got, 1)[0]}, expected version 1's rollouts "
-                        f"0..9 and 20..29 (the refused or dropped ingest changed them)")
-
-    @staticmethod
-    def _drain(ep: OnPolicyEndpoint) -> list[Any]:
-        """Every minibatch ``ep`` delivers until it raises EmptyBufferError (at most 10 rollouts)."""
-        out: list[Any] = []
-        for _ in range(10):
-            try:
-                out += ep.consume()
-            except EmptyBufferError:
-                return out
-        pytest.fail(f"more than 10 rollouts were delivered, minibatch versions {[mb.version for mb in out]}")
+                        f"{[(v, sorted(ids)) for v, _, ids in mbs]}; refuse an ingest below the last ended or the "
+                        f"open rollout's version, or drop its items")
+                    ids = sorted(i for _, _, part in mbs for i in part)
+                    assert ids == list(range(10)) + list(range(20, 30)), (
+                        f"{what}: the delivered ids are {ids}, expected version 1's rollouts 0..9 and 20..29, each "
+                        f"once (the refused or dropped ingest changed them)")
 
     def test_staleness_bound_raise(self) -> None:
         """With on_stale="raise", a too-stale rollout raises and stays in the buffer.
