@@ -203,6 +203,13 @@ class BufferConfig:
         if bad:
             raise ConfigurationError(f"drop_fields are field names (str), got {bad!r}.")
         if self.semantics == "on_policy":
+            # (a dropped field, or one inside a dropped record, is never stored: no version could be read from it)
+            hides = [f for f in self.drop_fields
+                     if self.version_field == f or self.version_field.startswith(f + ".")]
+            if hides:
+                raise ConfigurationError(f"on_policy reads policy versions from {self.version_field!r}, which "
+                                         f"drop_fields {hides!r} would drop before it is stored; remove it from "
+                                         f"drop_fields, or set version_field= to another field.")
             if self.g_ing > 1:
                 raise ConfigurationError(f"on_policy g_ing is a part of one rollout, in (0, 1]; got {self.g_ing}.")
             if self.g_del != 1:
