@@ -181,7 +181,9 @@ def check_buffer_worker_config(cfg: Any) -> None:
     on-policy buffer with ``on_full="wait"`` (the default) makes a put that does not fit wait for a ``get()``,
     which only that same thread could make: once the buffer fills, the worker hangs for ever (its poll loop
     also serves SRL's control requests, so it cannot even be stopped). ``on_full="keep"`` (over SRL's own
-    streams) or ``on_full="raise"`` (over a claimed ``conduit:<name>`` stream) never wait.
+    streams) or ``on_full="raise"`` (over a claimed ``conduit:<name>`` stream) never wait. ``on_full="raise"`` over
+    a ``from_sample_stream`` that is SRL's own is refused too: SRL's ``consume_to`` lets the error out of the poll
+    loop, which stops the worker once the buffer fills (with no ``from_sample_stream`` given it is not checked).
 
     A ``SHARED_MEMORY`` ``from_sample_stream`` needs the ``buffer_args`` :func:`check_trainer_config` asks for
     (``batched_puts`` with a ``batch_size``, ``copy_on_put`` without one).
@@ -198,13 +200,37 @@ def check_buffer_worker_config(cfg: Any) -> None:
     if getattr(getattr(stream, "type_", None), "name", None) == "SHARED_MEMORY":
         _check_shared_memory_reads(stream, args)
     semantics = name.split(":", 1)[1] if ":" in name else args.get("semantics", "queue")
-    if semantics != "on_policy" or args.get("on_full", "wait") != "wait":
+    if semantics != "on_policy":
+        return
+    if args.get("on_full", "wait") == "raise" and stream is not None and not _claimed_stream(stream):
+        raise ConfigurationError(
+            f"BufferWorker(buffer_name={name!r}) with on_full='raise' over SRL's own sample stream "
+            f"{_stream_name(stream)!r}: SRL's consume_to takes each message off its socket before put, so the first "
+            f"put that does not fit raises out of the worker's poll loop, which stops the worker (the refused sample "
+            f"leaves with the error). Use on_full='keep' over SRL's own streams, or claim the stream (name it "
+            f"'conduit:<name>' with install(streams=True)), whose consumer keeps what a full buffer refuses.")
+    if args.get("on_full", "wait") != "wait":
         return
     raise ConfigurationError(
         f"BufferWorker(buffer_name={name!r}) with on_full='wait' (the default): SRL's buffer worker puts and gets "
         f"on one thread, so a put that waits for room could only be released by a get() of that same thread, and "
         f"the worker would hang once the buffer fills. Add on_full='keep' to buffer_args (over SRL's own sample "
         f"streams), or on_full='raise' over a claimed 'conduit:<name>' stream.")
+
+
+def _stream_name(stream: Any) -> Any:
+    """A sample-stream config's name (a plain ``str`` is SRL's shorthand for a NAME stream of that name)."""
+    return stream if isinstance(stream, str) else getattr(stream, "stream_name", None)
+
+
+def _claimed_stream(stream: Any) -> bool:
+    """Whether a buffer worker's ``from_sample_stream`` reaches it through a Conduit consumer: named
+    ``conduit:<name>``, and not an installation that left streams alone (``install(streams=False)``)."""
+    name = _stream_name(stream)
+    if not isinstance(name, str) or not name.startswith(STREAM_MARKER):
+        return False
+    current = _CURRENT
+    return current is None or bool(current.settings.get("streams", True))
 
 
 # -- install / uninstall ----------------------------------------------------------------------------
