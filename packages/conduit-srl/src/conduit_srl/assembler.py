@@ -689,7 +689,7 @@ class Assembler:
                             open=(self._open_version, self._open_count), rollout_open=self._rollout_open,
                             epoch_items=self._epoch_items, first_epoch_items=self._first_epoch_items,
                             held=list(self._held), held_version=self._held_version,
-                            prio_updates=self._prio_updates,
+                            prio_updates=self._prio_updates, armed=self._armed,
                             slots=None if self._slot_uses is None else (self._slot_handle.copy(),  # type: ignore[union-attr]
                                                                         self._slot_uses.copy()))
             return base
@@ -726,6 +726,10 @@ class Assembler:
                 if state["slots"] is not None:
                     a._slot_handle, a._slot_uses = state["slots"]
                 a._discarded_seen = a._scheduler().discarded
+                if state.get("armed", False):  # (queue, on-policy: a get() happened; replay's snapshot disarms)
+                    with a._cv:  # assemble ahead as the live buffer goes on to: a restored buffer that waited for its
+                        a._armed = True  # first get() turned no batch a put completed, and later puts evicted it
+                        a._kick()  # (dropped) where the live one delivered it as turned
             except BaseException:
                 a.close()  # (the data plane started its workers: stop them)
                 raise
