@@ -1,11 +1,12 @@
 """On-policy drop counters across a checkpoint taken with entries assembled ahead (``prefetch`` > 0).
 
-The open limitation "drop counter split after restore with prefetch" was looked for here: a rollout's samples must
+The open limitation "drop counter split after restore with prefetch" was a queue's (a restored buffer came back
+disarmed: test_srl_review_restore_prefetch_queue.py). On-policy it was looked for here too: a rollout's samples must
 land in exactly one of ``samples_delivered`` / ``stale_dropped`` (assembled ahead, never handed out) /
 ``rollout_dropped`` (never assembled), and a buffer restored from ``pickle`` must count a later drop exactly as the
 live buffer it was taken from. These cases (prefetch 1 and 2, first or second epoch, version moved before or after
-the checkpoint, the drop met by ``get()`` or ``empty()``, a second rollout behind) all agree on this version; they
-guard the restore path.
+the checkpoint, the drop met by ``get()`` or ``empty()``, a second rollout behind) agreed before that fix too; they
+guard the on-policy restore path.
 """
 
 from __future__ import annotations
