@@ -815,6 +815,9 @@ class Overlapped(Scheduler):
         job = self._job
         if job is None:
             return
+        if not job.done():
+            self._refuse_on_prefetch_worker("This call (a delivery that needs the prepared batches, state_dict(), "
+                                            "load_state_dict(), migrate() or close())")
         if not self._job_entered and not job.done() and self.edp.holds_lock():
             # the job waits for the lock this thread holds (read with it held: it cannot enter meanwhile)
             if cancel:
@@ -837,6 +840,17 @@ class Overlapped(Scheduler):
                 self._rewind(drawn)
         finally:
             self._awaited = None
+
+    def _refuse_on_prefetch_worker(self, call: str) -> None:
+        """:class:`ConfigurationError` for ``call``, which waits for the prefetch job, when made on the prefetch
+        worker itself (a callback inside the job's select-and-gather, e.g. a storage tier's or a sampler's hook): the
+        job cannot end before the call returns, so it would wait forever. Nothing was changed."""
+        pool = self._pool
+        if pool is not None and pool.on_thread:
+            raise ConfigurationError(f"{call} was called from a callback inside a read of this buffer on its "
+                                     f"prefetch worker (it prepares the next batch), and would wait for that read, "
+                                     f"which cannot finish before the callback returns: it would wait forever. "
+                                     f"Nothing was changed; call it after the read returns (from another thread).")
 
     def _too_stale(self, p: _Prepared) -> bool:
         """A prepared draw missed more priority updates than :attr:`priority_staleness` declares now (after a
@@ -921,6 +935,10 @@ class Overlapped(Scheduler):
         ``read_locked()`` on another thread is refused (:func:`~conduit.scheduling.base.wait_refused`, nothing
         changed), as it is while a delivery waits for that lock, instead of waiting forever.
 
+        Called from a callback on the prefetch worker (inside the prefetch job's read) it is refused
+        (:class:`~conduit.errors.ConfigurationError`, nothing changed): stopping that worker waits for the job, as
+        does any call that needs the job's batches (a delivery, ``state_dict``, ``migrate``).
+
         A close interrupted while it stopped the prefetch (Ctrl-C's ``KeyboardInterrupt``) is finished by the next
         one. Before this scheduler serves a buffer there is nothing to close: it returns at once.
         """
@@ -928,6 +946,7 @@ class Overlapped(Scheduler):
             return
         on_worker = self._ingestion.on_worker
         if not on_worker:  # refused before anything changes (not once the prefetch stopped)
+            self._refuse_on_prefetch_worker("close()")  # (stopping the prefetch worker waits for the job it runs)
             self._ingestion.refuse_wait("close()")
         if self._closed and (on_worker or self._closer is not None or self._prefetch_stopped):
             if self._closer is not None and not on_worker:

@@ -118,6 +118,11 @@ class Worker:
             self._queue.put(job)
         return job
 
+    @property
+    def on_thread(self) -> bool:
+        """Whether the calling thread is this worker's (a job, or a callback inside one, is running there)."""
+        return threading.current_thread() is self._thread
+
     def shutdown(self) -> None:
         """Finish the queued jobs, then stop the thread; later submits are refused (see :meth:`submit`)."""
         self.stop()
