@@ -28,7 +28,7 @@ from conduit import (
 )
 from conduit.placement import HostPlacement
 from conduit.scheduling.base import Scheduler
-from conduit.testing.lifecycle import call_bounded
+from conduit.testing.lifecycle import call_bounded, wait_until
 from conduit.testing.reference import ID_SCHEMA, id_batch
 
 
@@ -101,3 +101,53 @@ def test_a_call_that_waits_for_the_prefetch_job_from_inside_it_is_refused_not_hu
     call_bounded(edp.close, hang="close() after the refused call hung")
     pool = sched._pool
     assert pool is not None and not pool._thread.is_alive(), "close() left the prefetch worker running"
+
+
+_WHILE_AWAITED: dict[str, Callable[[ExperienceDataPlane], object]] = {
+    "deliver": lambda edp: edp.deliver(4),
+    "state_dict": lambda edp: edp.state_dict(),
+    "retune": lambda edp: edp.scheduler.retune(g_del=2),
+    "release_buffers": lambda edp: edp.scheduler.release_buffers(),
+    "close": lambda edp: edp.close(),
+}
+
+
+@pytest.mark.parametrize("call", sorted(_WHILE_AWAITED))
+def test_a_call_from_inside_the_prefetch_job_while_a_delivery_waits_for_that_job_is_refused(call: str) -> None:
+    """Another thread's delivery holds the scheduler's delivery lock while it waits for the prefetch job; a call from a
+    callback inside that job that takes the delivery lock (even one that never waits for the job itself, such as
+    ``retune`` or ``release_buffers``) waited for that delivery, which waited for the job: both hung forever."""
+    ref = _buffer(Synchronous())
+    want = [ref.deliver(8)[1].handles.tolist() for _ in range(3)]
+    ref.close()
+
+    edp = _buffer(Overlapped(), _HookPlacement())
+    sched = edp.scheduler
+    assert isinstance(sched, Overlapped)
+    storage = edp.storage
+    assert isinstance(storage, _HookStorage)
+    started: list[Any] = []
+
+    def hook() -> object:
+        # until the other delivery waits for this very job (it marks that wait in the scheduler before it begins)
+        wait_until(lambda: started and sched._awaited is started[0], "the second delivery waits for the prefetch job",
+                   timeout=60)
+        return _WHILE_AWAITED[call](edp)
+
+    storage.hook = hook
+    got = [edp.deliver(8)[1].handles.tolist()]  # starts the prefetch job, whose gather runs the hook
+    job = sched._job
+    assert job is not None, "the delivery started no prefetch job"
+    started.append(job)
+    # the same request: it waits for the job's batch (a request for another size would first wait for the lock)
+    second = call_bounded(lambda: edp.deliver(8), name="second",
+                          hang=f"{call} from inside the prefetch job and the delivery waiting for that job hung")
+    assert storage.ran.is_set()
+    err = storage.outcome
+    assert isinstance(err, ConfigurationError), f"{call} inside the prefetch job was not refused: {err!r}"
+    assert "prefetch worker" in str(err) and "Nothing was changed" in str(err), err
+    assert not isinstance(second, BaseException), second
+    got.append(second[1].handles.tolist())
+    got.append(edp.deliver(8)[1].handles.tolist())
+    assert got == want
+    call_bounded(edp.close, hang="close() after the refused call hung")

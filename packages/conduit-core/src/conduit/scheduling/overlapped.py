@@ -473,24 +473,37 @@ class Overlapped(Scheduler):
         """Take ``_mu`` (deliveries and what changes prepared batches hold it), waiting for another thread that holds
         it; refuse ``call``, changing nothing, only when waiting could last forever.
 
-        That is the case when this thread holds the buffer's lock (inside ``read_locked()``, or a callback the buffer
-        runs under it) and the thread holding ``_mu`` waits for that lock, directly or through a prefetch job that has
-        not taken it yet (``_mu`` is taken before the buffer's lock everywhere else). A thread holding ``_mu`` marks
-        such waits (:meth:`_wanting_buffer_lock`, ``_awaited``) before it starts them, and a wait that has begun
-        lasts while this thread holds the lock. So the outcome does not depend on timing: a delivery that does not
-        need the buffer's lock any more (e.g. handing out a prepared batch) is waited for, and this call goes on
-        after it; one that needs it gets the lock once this thread lets go of it, and this call is refused.
+        That is the case on the prefetch worker (a callback inside a prefetch job) while the thread holding ``_mu``
+        waits for a prefetch job, which cannot end before this call returns; and when this thread holds the buffer's
+        lock (inside ``read_locked()``, or a callback the buffer runs under it) and the thread holding ``_mu`` waits
+        for that lock, directly or through a prefetch job that has not taken it yet (``_mu`` is taken before the
+        buffer's lock everywhere else). A thread holding ``_mu`` marks such waits (:meth:`_wanting_buffer_lock`,
+        ``_awaited``) before it starts them, and a wait that has begun lasts while this thread holds the lock. So
+        the outcome does not depend on timing: a delivery that does not need the buffer's lock any more (e.g.
+        handing out a prepared batch) is waited for, and this call goes on after it; one that needs it gets the lock
+        once this thread lets go of it, and this call is refused.
         """
         if self._mu.acquire(blocking=False):  # (free now: a caller may have found it held a moment ago)
             return
-        if not self.edp.holds_lock():
+        pool = self._pool
+        on_pool = pool is not None and pool.on_thread
+        if not on_pool and not self.edp.holds_lock():
             self._mu.acquire()
             return
         # (re-checked as the holder goes on: it marks a wait for the buffer's lock only while it holds _mu)
         while not self._mu.acquire(timeout=_RECHECK_S):
-            if self._holder_wants_buffer_lock():
+            if on_pool and self._holder_awaits_job():
+                # a callback inside the prefetch job: the holder waits for that job (or one queued behind it)
+                self._refuse_on_prefetch_worker(call)
+            if (not on_pool or self.edp.holds_lock()) and self._holder_wants_buffer_lock():
                 raise wait_refused(call, "close() running on another thread (it stops the prefetch worker)"
                                    if self._closed else "delivery running on another thread")
+
+    def _holder_awaits_job(self) -> bool:
+        """Whether the thread holding ``_mu`` waits for a prefetch job that has not ended (see :meth:`_await_job`;
+        ``close`` marks a cancelled job it waits for likewise)."""
+        job = self._awaited
+        return job is not None and not job.done()
 
     def _holder_wants_buffer_lock(self) -> bool:
         """Whether the thread holding ``_mu`` waits for the buffer's lock, or for a job that has yet to take it."""
