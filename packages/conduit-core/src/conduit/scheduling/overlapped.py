@@ -186,7 +186,9 @@ class Overlapped(Scheduler):
         queue_depth: handed-over batches that may wait for storage before ``ingest``
             blocks (backpressure). At least ``g_ing`` off-policy.
         max_priority_staleness: prioritized replay only: how many ``update_priorities``
-            calls a delivered batch's draw may precede (default ``g_del``).
+            calls a delivered batch's draw may precede (default ``g_del``). A chunk then holds at
+            most ``max_priority_staleness + 1`` batches: a smaller bound draws smaller chunks than
+            ``g_del`` asks (``g_del=4, max_priority_staleness=1`` draws two batches at a time).
         output_depth: deliveries a delivered batch stays valid for (default 2).
         rollout_size: on-policy items per rollout, for ``g_ing`` (default: learned).
         copy_on_ingest: copy each batch in ``ingest`` before handing it over, so the
