@@ -74,6 +74,8 @@ from ray.rllib.utils.metrics import (
     NUM_ENV_STEPS_STORED,
     NUM_EPISODES_ADDED,
     NUM_EPISODES_ADDED_LIFETIME,
+    NUM_EPISODES_EVICTED,
+    NUM_EPISODES_EVICTED_LIFETIME,
 )
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
@@ -171,8 +173,12 @@ class _ConduitReplay:
         self._succ = self._rew = self._done = None  # per-slot n-step links, allocated with the EDP
         self._eid = None  # per-slot source episode ids, allocated with the EDP
         self._last_handles: torch.Tensor | None = None
-        self._counts = {"added": 0, "episodes": 0, "evicted": 0, "sampled": 0, "n_step_sum": 0}
-        self._lifetime = {"added": 0, "evicted": 0, "sampled": 0, "episodes": 0}
+        # episode id -> handle of its newest stored step, in the order of those handles: an episode whose newest
+        # step is evicted is evicted whole (RLlib's num_episodes_evicted; rebuilt from the per-slot ids on restore)
+        self._newest: dict[str, int] = {}
+        self._counts = {"added": 0, "episodes": 0, "evicted": 0, "sampled": 0, "n_step_sum": 0,
+                        "episodes_evicted": 0}
+        self._lifetime = {"added": 0, "evicted": 0, "sampled": 0, "episodes": 0, "episodes_evicted": 0}
         self._ones: dict[torch.dtype, torch.Tensor] = {}
         if not is_int(metrics_every) or metrics_every < 1:  # (no bool, fraction or string: int() would take them)
             raise ConfigurationError(f"metrics_every must be an int >= 1 (log on every n-th get_metrics call), got "
@@ -419,6 +425,12 @@ class _ConduitReplay:
                 del ended[next(iter(ended))]
         self._counts["added"] += n
         self._counts["evicted"] += max(0, oldest - before)
+        newest = self._newest  # (kept in the order of their newest steps: the evicted ones are at the front)
+        newest.pop(chunk.episode_id, None)
+        newest[chunk.episode_id] = self._next - 1
+        while newest and next(iter(newest.values())) < self._next - cap:
+            del newest[next(iter(newest))]
+            self._counts["episodes_evicted"] += 1
         if len(self._tail) > 4 * cap:  # episodes that never finished (e.g. a dropped EnvRunner)
             self._tail = {k: h for k, h in self._tail.items() if h >= oldest}
             self._tail_t = {k: t for k, t in self._tail_t.items() if k in self._tail}
@@ -687,7 +699,15 @@ class _ConduitReplay:
         return self._lifetime["sampled"] + self._counts["sampled"]
 
     def get_num_episodes_evicted(self, module_id: str | None = None) -> int:
-        return 0  # eviction is per transition; see get_metrics() for evicted steps
+        """Episodes evicted over the buffer's lifetime (restored with its state), as RLlib's buffers count them.
+
+        Eviction is per transition, so an episode counts as evicted once its last stored step is (RLlib evicts
+        the oldest episode whole: while Conduit still holds part of it, RLlib's count is one higher). An episode
+        whose id comes back after it was evicted is a new episode (see :meth:`add`), counted again when evicted.
+        Single-agent, as RLlib's single-agent buffers: every ``module_id`` reads this one count.
+        """
+        with self._lock:
+            return self._lifetime["episodes_evicted"] + self._counts["episodes_evicted"]
 
     def get_metrics(self) -> dict[str, Any]:
         """RLlib-style buffer metrics (added/evicted/sampled steps, stored size), reduced: the counts since
@@ -722,6 +742,8 @@ class _ConduitReplay:
             log(NUM_EPISODES_ADDED_LIFETIME, c["episodes"], reduce="lifetime_sum")
             log(NUM_ENV_STEPS_EVICTED, c["evicted"], reduce="sum")
             log(NUM_ENV_STEPS_EVICTED_LIFETIME, c["evicted"], reduce="lifetime_sum")
+            log(NUM_EPISODES_EVICTED, c["episodes_evicted"], reduce="sum")
+            log(NUM_EPISODES_EVICTED_LIFETIME, c["episodes_evicted"], reduce="lifetime_sum")
             log(NUM_ENV_STEPS_SAMPLED, c["sampled"], reduce="sum")
             log(NUM_ENV_STEPS_SAMPLED_LIFETIME, c["sampled"], reduce="lifetime_sum")
             if c["sampled"]:
@@ -850,7 +872,9 @@ class _ConduitReplay:
             metrics_calls = int(state.get("metrics_calls", 0))
             logged_iteration = state.get("logged_iteration")
             logged_iteration = None if logged_iteration is None else int(logged_iteration)
-            lifetime = {k: int(lifetime[k]) - unlogged[k] for k in self._lifetime}
+            # (a state saved before evicted episodes were counted: none counted up to it)
+            lifetime = {k: int(lifetime.get(k, 0) if k == "episodes_evicted" else lifetime[k]) - unlogged[k]
+                        for k in self._lifetime}
             np.random.PCG64().state = state["n_rng"]
             last, obs_space, act_space = state["last_handles"], state["observation_space"], state["action_space"]
             if last is not None and not (isinstance(last, torch.Tensor) and last.dim() == 1
@@ -882,8 +906,11 @@ class _ConduitReplay:
                 self._load_plane(c.schema, state["edp"], c.alpha)  # checks the saved plane before it changes
                 assert c.links is not None
                 self._succ, self._rew, self._done, self._eid = c.links
-            elif self.edp is not None:  # the state was saved before anything was added: drop our contents
-                self._discard()
+                self._newest = _newest_steps(self._eid, c.next, self.capacity)
+            else:
+                if self.edp is not None:  # the state was saved before anything was added: drop our contents
+                    self._discard()
+                self._newest = {}
             self._alpha = c.alpha
             self.seed, self._next = c.seed, c.next
             self._tail = c.tail
@@ -945,6 +972,21 @@ def _real_priorities(priorities: Any) -> np.ndarray:
             raise TypeError("complex values")
         raw = priorities
     return np.asarray(raw, dtype=np.float64).reshape(-1)
+
+
+def _newest_steps(eid: np.ndarray, nxt: int, capacity: int) -> dict[str, int]:
+    """Each stored episode's newest step: episode id -> handle, ordered by handle, from the per-slot ids ``eid`` of
+    a buffer whose next handle is ``nxt`` (slots of unknown episodes, None, are left out)."""
+    live = np.arange(max(0, nxt - capacity), nxt, dtype=np.int64)
+    ids = eid[live % capacity]
+    known = np.fromiter((e is not None for e in ids), dtype=np.bool_, count=ids.size)
+    ids, live = ids[known][::-1], live[known][::-1]  # newest first: an id's first occurrence is its newest step
+    if not ids.size:
+        return {}
+    unique, first = np.unique(ids, return_index=True)
+    handles = live[first]
+    order = np.argsort(handles)
+    return dict(zip(unique[order].tolist(), handles[order].tolist(), strict=True))
 
 
 def _whole_handles(handles: Any) -> np.ndarray:
