@@ -172,7 +172,8 @@ class MinibatchFeed:
     exceed :attr:`capacity` raises :class:`conduit.CapacityError` and ingests nothing. The PPO learner
     keeps one rollout waiting at a time; to queue more yourself, pass ``capacity`` >= the rows you let
     wait. (A bound in rows, not rollouts: rows are what storage costs, and rollouts need not be of one
-    size.)
+    size.) The capacity travels in :meth:`state_dict`, so a restored feed holds what the saved one held, not
+    what the first rollout after the restore would size.
     """
 
     def __init__(self, *, num_minibatches: int = 1, num_epochs: int = 1, max_staleness: int = 0,
@@ -194,6 +195,7 @@ class MinibatchFeed:
         self.placement = placement
         self.prefetch = bool(prefetch)
         self.capacity = int(capacity)
+        self._min_capacity = self.capacity  # the capacity asked for: a restored state's is raised to it
         self.edp: ExperienceDataPlane | None = None
         self.module_id: str | None = None
         #: SampleInfo of every minibatch of the rollout being (or last) delivered, in order
@@ -414,8 +416,8 @@ class MinibatchFeed:
     _STATE_KEYS = ("policy_version", "rng", "dropped_items", "last_sealed")
 
     def state_dict(self, *, drop_pending: bool = False) -> dict[str, Any]:
-        """What outlives an update: the policy version, the epoch-permutation RNG, the drop count and
-        the version of the last sealed rollout.
+        """What outlives an update: the policy version, the epoch-permutation RNG, the drop count, the
+        version of the last sealed rollout and the storage's :attr:`capacity` (rows).
 
         Exact between iterations: with nothing waiting for delivery, a feed that loads the state delivers
         what this one delivers from here on. A rollout still waiting (ingested, sealed, or partly delivered:
@@ -439,7 +441,7 @@ class MinibatchFeed:
         self._settle()
         if self.edp is None and self._restored is not None:  # (a copy: the caller may change what it gets)
             return dict(self._restored, policy_version=self._policy_version,  # (set_policy_version since)
-                        rng=self._restored["rng"].clone())
+                        rng=self._restored["rng"].clone(), capacity=self.capacity)
         full = self.semantics.state_dict()
         waiting = [r for r in (full["cur"], *full["sealed"], full["open"]) if r is not None]
         if not drop_pending and not self._idle():
@@ -452,7 +454,7 @@ class MinibatchFeed:
                 f"from once what is waiting is dropped.")
         dropped = full["dropped_items"] + (sum(int(r[2]) for r in waiting) if drop_pending else 0)
         return {"policy_version": self._policy_version, "rng": full["rng"].clone(),
-                "dropped_items": dropped, "last_sealed": full["last_sealed"]}
+                "dropped_items": dropped, "last_sealed": full["last_sealed"], "capacity": self.capacity}
 
     def _full_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """An idle ``OnPolicy`` state carrying ``state``'s values."""
@@ -468,11 +470,17 @@ class MinibatchFeed:
         if not isinstance(state, Mapping) or any(k not in state for k in self._STATE_KEYS):
             raise ConfigurationError(f"This on-policy feed state is damaged (expected the keys {self._STATE_KEYS}); "
                                      f"load an undamaged MinibatchFeed.state_dict().")
+        cap = state.get("capacity", 0)  # (a state saved before the capacity was kept: none)
+        if not is_int(cap) or cap < 0:
+            raise ConfigurationError(f"This on-policy feed state is damaged: its capacity is {cap!r}, not an int >= 0 "
+                                     f"(rows of storage); load an undamaged MinibatchFeed.state_dict().")
         _CyclicOrder(**self._sem_args).load_state_dict(self._full_state(state))  # validates
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; whatever was waiting for delivery is discarded. The feed keeps a copy of
-        ``state``'s RNG tensor (changing either later does not change the other).
+        ``state``'s RNG tensor (changing either later does not change the other). Its :attr:`capacity` becomes
+        the saved one's (at least the ``capacity`` this feed was built with), so the next rollout is stored as
+        in the saved feed; a state saved without a capacity (by an older version) leaves this feed's as it is.
 
         Raises:
             conduit.ConfigurationError: the state is damaged (nothing changes then).
@@ -487,6 +495,8 @@ class MinibatchFeed:
             # a copy of the RNG state: the caller's tensor stays the caller's (checked a tensor above)
             self._restored = {k: state[k].clone() if k == "rng" else state[k] for k in self._STATE_KEYS}
             self._policy_version = int(state["policy_version"])
+            if "capacity" in state:
+                self.capacity = max(self._min_capacity, int(state["capacity"]))
 
     # -- delivery -------------------------------------------------------------------------------
     def _deliver(self, closes: int | None = None) -> tuple[ExperienceBatch, SampleInfo]:
