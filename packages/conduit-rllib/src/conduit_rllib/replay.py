@@ -76,6 +76,7 @@ from ray.rllib.utils.metrics import (
     NUM_EPISODES_ADDED_LIFETIME,
     NUM_EPISODES_EVICTED,
     NUM_EPISODES_EVICTED_LIFETIME,
+    NUM_EPISODES_STORED,
 )
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
@@ -736,6 +737,9 @@ class _ConduitReplay:
             c, lt = self._counts, self._lifetime
             log = self.metrics.log_value
             log(NUM_ENV_STEPS_STORED, len(self), reduce="mean", window=self._metrics_num_episodes_for_smoothing)
+            # episodes with a stored step (one partly evicted too, which RLlib has dropped whole)
+            log(NUM_EPISODES_STORED, len(self._newest), reduce="mean",
+                window=self._metrics_num_episodes_for_smoothing)
             log(NUM_ENV_STEPS_ADDED, c["added"], reduce="sum")
             log(NUM_ENV_STEPS_ADDED_LIFETIME, c["added"], reduce="lifetime_sum")
             log(NUM_EPISODES_ADDED, c["episodes"], reduce="sum")
