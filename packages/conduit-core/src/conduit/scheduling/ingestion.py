@@ -630,4 +630,7 @@ class Ingestion:
                 return type(e)(msg)
             except TypeError:
                 return e
+        # another library's error keeps its type (callers may catch it); a note says where it came from, once
+        if not any(note.startswith("Background ingestion failed") for note in getattr(e, "__notes__", ())):
+            e.add_note(msg)
         return e
