@@ -1,7 +1,8 @@
 """Convergence: with Conduit, DQN and PPO on CartPole-v1 reach the return native RLlib reaches, in the same budget.
 
 Budgets are env steps (not seconds: this machine is shared), thresholds well below what both
-reach with these settings, so the tests check that learning is intact, not who is luckier.
+reach with these settings, so the tests check that learning is intact, not who is luckier. Native RLlib
+runs only when Conduit's run falls short, to tell a broken setting from a Conduit failure.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ def steps_to_reach(config: Any, threshold: float, budget: int) -> tuple[int | No
 ])
 def test_conduit_reaches_the_native_threshold_in_the_same_budget(name: str, make: Any, threshold: float,
                                                                  budget: int) -> None:
-    native, native_curve = steps_to_reach(make(), threshold, budget)
-    assert native is not None, f"native {name} did not reach {threshold} in {budget} steps: {native_curve}"
     conduit, conduit_curve = steps_to_reach(conduit_rllib.enable(make()), threshold, budget)
-    assert conduit is not None, (f"{name} with Conduit did not reach {threshold} in {budget} env steps "
-                                 f"(native reached it at {native}): {conduit_curve}")
+    if conduit is None:  # native RLlib, same settings, tells a broken setup from a Conduit failure (only then run)
+        native, native_curve = steps_to_reach(make(), threshold, budget)
+        assert native is not None, (f"neither native {name} nor Conduit's reached {threshold} in {budget} steps: "
+                                    f"the settings are off. Native: {native_curve}; Conduit: {conduit_curve}")
+        raise AssertionError(f"{name} with Conduit did not reach {threshold} in {budget} env steps (native reached "
+                             f"it at {native}): {conduit_curve}")
