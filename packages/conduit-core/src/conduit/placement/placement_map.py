@@ -115,6 +115,9 @@ class PlacementMap:
               points: int = 48, resize: Callable[[float], Workload] | None = None) -> PlacementMap:
         """Plan over ``[min_item_bytes, max_item_bytes]`` (see :meth:`Planner.placement_map`).
 
+        The map's :attr:`max_item_bytes` is the largest whole size planned (``floor(max_item_bytes)``, or
+        ``ceil(min_item_bytes)`` for a range without a whole byte): sizes are planned in whole bytes, rounded up.
+
         Raises:
             ConfigurationError: not ``0 < min_item_bytes <= max_item_bytes`` (both finite real numbers), or ``points``
                 is not an int in ``[2, MAX_POINTS]``.
@@ -170,7 +173,10 @@ class PlacementMap:
             hi = starts[i + 1] if i + 1 < len(starts) else math.inf
             spec, t = at(s)
             ranges.append(MapRange(float(s), float(hi), spec, t))
-        return cls(ranges, workload, planner.topology.name, max_item_bytes=float(max_item_bytes))
+        # (the largest whole size planned, not a fractional maximum above it: sizes in between are located by
+        # the whole bytes they need, hi_b + 1, which no plan checked; hi_b is ceil(min) when no whole byte lies in
+        # the range, and that plan covers it)
+        return cls(ranges, workload, planner.topology.name, max_item_bytes=float(hi_b))
 
     @property
     def boundaries(self) -> list[float]:
