@@ -126,12 +126,22 @@ class LinkCost:
         The bound takes the smallest measured time as the per-call overhead and each sample's
         whole time as moving its bytes, so larger transfers still cost more (never an infinite
         bandwidth from a noisy measurement).
+
+        Raises:
+            PlacementError: no sample of a positive size took a positive time (a clock that did not tick, NaN
+                timings): nothing bounds the link, and an unlimited one would cost nothing.
         """
         try:
             return cls.fit(samples, overhead_s)
         except PlacementError:
+            timed = tuple((b, b / t) for b, t in samples if b > 0 and t > 0)
+            if not timed:
+                raise PlacementError(
+                    f"No measurement of this link took any time (samples {list(samples)!r}): the clock did not "
+                    f"resolve the transfers, so nothing bounds its bandwidth. Re-run the measurement with larger "
+                    f"transfer sizes or more repeats.") from None
             floor = min([overhead_s, *(t for _, t in samples)])
-            return cls(max(0.0, floor), tuple((b, b / t) for b, t in samples if b > 0 and t > 0) or ((1.0, math.inf),))
+            return cls(max(0.0, floor), timed)
 
     @classmethod
     def fit_rows(cls, samples: Iterable[tuple[float, float, float]], overhead_s: float) -> LinkCost:
