@@ -29,9 +29,9 @@ DISK = PlacementSpec("disk", ("disk",))
 CAPACITY = 100
 #: 8 B id + 8 B per token: 40 B per item at 4 tokens
 TOKENS = ExperienceSchema(id=Field((), torch.int64), tok=Field((), torch.int64, ragged=True))
-#: the host range's end: the map checked host for CAPACITY items of < 44 B, i.e. 4,400 B; the ids take 800 B,
-#: which leaves 3,600 B = 450 tokens for the pool
-HOST_POOL = 450
+#: the host range's end: the map checked host for CAPACITY items of < 44 B, i.e. of at most 43 whole bytes,
+#: 4,300 B; the ids take 800 B, which leaves 3,500 B = 437 tokens for the pool
+HOST_POOL = 437
 
 
 def _map() -> PlacementMap:

@@ -266,7 +266,8 @@ class AdaptivePlacement(Placement):
             more items is refused (:meth:`storage`, and :meth:`rebalance` of a buffer built by another
             placement); plan the map for the buffer's capacity. Its item sizes bound the ragged pools
             (``ragged_capacity`` elements per ragged field): the pools' bytes plus the fixed fields' may not
-            exceed what the map checked for the placement (its capacity x the end of the looked-up range).
+            exceed what the map checked for the placement (its capacity x the largest whole item size of the
+            looked-up range: see :meth:`check_pool`).
 
     Keyword Args:
         directory: where the disk tier puts its files, if the map ever chooses it.
@@ -358,8 +359,9 @@ class AdaptivePlacement(Placement):
 
     def check_pool(self, schema: ExperienceSchema, capacity: int, ragged_capacity: int, item_bytes: float) -> None:
         """Refuse ragged pools that, with the fixed fields of ``capacity`` items, take more bytes than the map
-        checked that the placement for ``item_bytes`` holds: the map's capacity x the end of that range (its
-        largest items; the map's maximum for the last range).
+        checked that the placement for ``item_bytes`` holds: the map's capacity x the largest whole item size in
+        that range (``ceil(hi) - 1`` for a range ``[lo, hi)``: ``hi`` is where the map found another placement,
+        so items of ``hi`` bytes were never checked on this one; the map's maximum when that is smaller).
 
         Raises:
             PlacementError: the pools exceed it.
@@ -367,7 +369,8 @@ class AdaptivePlacement(Placement):
         """
         pool = pool_elements(ragged_capacity, capacity)
         r = self.map.range_of(item_bytes)
-        top = min(r.hi, self.map.max_item_bytes)
+        # (sizes are located by the whole bytes they need: the largest in [lo, hi) is ceil(hi) - 1)
+        top = min(math.ceil(r.hi) - 1 if math.isfinite(r.hi) else r.hi, self.map.max_item_bytes)
         checked = self.map.workload.capacity * top
         fixed = capacity * schema.fixed_item_bytes
         per = sum(schema[n].element_bytes for n in schema.ragged)
