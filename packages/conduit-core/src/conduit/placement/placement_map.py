@@ -185,10 +185,16 @@ class PlacementMap:
 
     @property
     def max_item_bytes(self) -> float:
-        """The largest item size the map was planned for."""
+        """The largest item size the map was planned for and places: the ``max_item_bytes`` given (default: the
+        last range's end, or its start when it is open), but at most the largest whole size in a last range that
+        ends at a finite ``hi`` (``ceil(hi) - 1``: ranges are half-open and sizes are located by the whole bytes
+        they need, so ``hi`` itself lies in no range)."""
+        last = self.ranges[-1]
         if self._max_item_bytes is not None:
-            return self._max_item_bytes
-        return self.ranges[-1].lo if math.isinf(self.ranges[-1].hi) else self.ranges[-1].hi
+            top = self._max_item_bytes
+        else:
+            top = last.lo if math.isinf(last.hi) else last.hi
+        return top if math.isinf(last.hi) else min(top, float(math.ceil(last.hi) - 1))
 
     def range_of(self, item_bytes: float) -> MapRange:
         """The range holding items of ``item_bytes`` (sizes below the map: its first range; above
