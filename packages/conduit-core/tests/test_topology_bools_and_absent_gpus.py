@@ -61,7 +61,8 @@ def test_a_link_naming_a_gpu_the_topology_lacks_is_refused_by_name(key: str, sai
 def test_links_for_gpus_the_topology_has_are_taken_and_read() -> None:
     d = _h200()
     d["gpu"]["count"] = 2
-    d["links"].update({"h2d_pinned:1": {"gbps": 7}, "p2p:1:0": {"gbps": 3}})
+    d["links"].update({"h2d_pinned:1": {"gbps": 7}, "p2p:1:0": {"gbps": 3},
+                       "p2p:0:1": {"gbps": 4}})  # (both directions: a pair declared one way is refused)
     prof = Topology.from_file_dict(d).declared
     assert prof is not None
     assert prof.link("h2d_pinned", 1).bandwidth(1 << 30) == pytest.approx(7e9)

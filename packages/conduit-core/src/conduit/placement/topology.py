@@ -125,7 +125,8 @@ class Topology:
                 (a top-level, ``gpu`` or ``p2p`` key the file form does not have, listing the accepted ones; a
                 figure of a GPU pair declared both in ``links`` and in the ``p2p`` block; a ``p2p.matrix_gbps``
                 diagonal entry that is not null or 0 (it is never read); a GPU index in
-                ``host_link_groups`` that is no int of the topology (a bool is none); a link whose
+                ``host_link_groups`` that is no int of the topology (a bool is none); a ``p2p:i:j`` link without
+                ``p2p:j:i`` and without a default ``p2p``; a link whose
                 name is no path, that has a key a link does not have, or whose figure is not a finite number,
                 > 0 for a bandwidth and >= 0 otherwise, is named with it).
         """
@@ -186,6 +187,15 @@ class Topology:
                         f"Topology {name!r}: links.{twice[0]} and {where} both declare the figure of {twice[0]!r} "
                         f"(one would be silently dropped); declare it once, in links or in the p2p block.")
                 links.update(block)
+            if "p2p" not in links:  # (without a default, a pair declared one way only fails every plan over it)
+                pairs = {tuple(k.split(":")[1:]) for k in links if k.startswith("p2p:")}
+                one_way = sorted((j, i) for i, j in pairs if (j, i) not in pairs)
+                if one_way:
+                    j, i = one_way[0]
+                    raise PlacementError(
+                        f"Topology {name!r}: links.p2p:{i}:{j} declares GPU {i} -> {j} but nothing declares "
+                        f"p2p:{j}:{i} (the planner copies both ways between shards): add links.p2p:{j}:{i}, or a "
+                        f"default links.p2p (or p2p.gbps) for the pairs left out.")
             prof = BandwidthProfile(links, source="declared", machine=f"declared:{name}",
                                     details={"source": d.get("source", "")})
             groups = d.get("host_link_groups")
