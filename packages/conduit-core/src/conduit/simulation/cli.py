@@ -186,6 +186,21 @@ def simulate(args: argparse.Namespace) -> int:
         raise
 
 
+def _check_outputs(paths: list[Path]) -> None:
+    """Refuse, before anything is simulated or written, an output name already taken by something a file cannot
+    replace (a folder, a device): found only when that output was written, it ended the command after the
+    outputs written before it (a half output).
+
+    Raises:
+        ConfigurationError: naming the path and --out.
+    """
+    for path in paths:
+        if path.exists() and not path.is_file():  # (a link to a regular file is written through)
+            what = "a directory" if path.is_dir() else "not a regular file"
+            raise ConfigurationError(f"Cannot write {str(path)!r}: it is {what}; move it away or give --out another "
+                                     f"directory.")
+
+
 def _simulate_into(out: Path, args: argparse.Namespace, scenarios: dict[str, Scenario], samples: int) -> int:
     """Make ``out``, simulate every scenario, then write the tables, the JSON files and the plot there."""
     try:
@@ -195,6 +210,8 @@ def _simulate_into(out: Path, args: argparse.Namespace, scenarios: dict[str, Sce
     except OSError as e:
         raise ConfigurationError(f"Cannot use --out {str(out)!r} as the output directory ({e.strerror or e}); "
                                  f"give a directory path that can be created or written.") from e
+    _check_outputs([out / f"scale-{name}.{ext}" for name in scenarios for ext in ("md", "json")]
+                   + [out / "scale.png"])
     results: dict[str, tuple[Scenario, list[dict[str, Any]]]] = {}
     nets: dict[str, Network] = {}
     # every scenario simulated before any file is written: a refusal (nothing fits) leaves no half output
@@ -232,11 +249,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                        description="Simulate one iteration of Conduit's experience path on declared clusters "
                                    "(a SIMULATION driving the placement planner and cost model) and write a "
                                    "table and a PNG next to the paper's figures.")
-    p.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
+    p.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all",
+                   help="the cluster to simulate (default all: each, one table each)")
     p.add_argument("--out", default="simulation-out",
                    help="directory for the tables and the plot (default simulation-out in the current directory)")
     p.add_argument("--baseline", choices=BASELINES, default="rank-order",
-                   help="what 'adaptive placement off' means (see docs)")
+                   help="what 'adaptive placement off' means (see docs; default rank-order)")
     p.add_argument("--samples", type=count,
                    help="placements simulated per scale with --baseline link-blind (default 8)")
     p.add_argument("--gpus", type=_scales, help="comma-separated scales, simulated in increasing order (default: the "
@@ -244,11 +262,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--obs-dim", dest="obs_dim", type=count, help="transition size d (default 20000)")
     p.add_argument("--capacity", type=count, help="global buffer capacity (default 1e6)")
     p.add_argument("--replay-ratio", dest="replay_ratio", type=_positive_float,
-                   help="deliveries per ingested item (at least total batch / capacity: an iteration ingests "
-                        "at most the buffer's capacity)")
+                   help="deliveries per ingested item (default 1; at least total batch / capacity: an iteration "
+                        "ingests at most the buffer's capacity)")
     p.add_argument("--rpc-us", dest="rpc_us", type=_rpc_us,
                    help="cost of one remote fetch at the requester (us, 0 to 1e6; default: the network's)")
     p.add_argument("--fetch", choices=("per-node", "per-learner"), default="per-node",
-                   help="remote fetches: one per pair of nodes for all of a node's learners (default), or one "
-                        "per learner")
+                   help="remote fetches: per-node, one per pair of nodes for all of a node's learners (default "
+                        "per-node), or per-learner, one per learner")
     p.set_defaults(func=simulate)
