@@ -118,6 +118,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     q.add_argument("--obs-dim", type=count, required=True, help="observation size d (obs and next_obs, float32)")
     q.add_argument("--capacity", type=count, required=True, help="buffer capacity in items (1e6 is accepted)")
     q.add_argument("--batch", type=count, required=True, help="items per delivery, per learner")
-    q.add_argument("--learners", type=count, default=1, help="learners (one GPU each where there are GPUs)")
+    q.add_argument("--learners", type=count, default=1, help="learners (one GPU each where there are GPUs; default 1)")
     q.add_argument("--json", action="store_true", help="print the plan as JSON (top-level 'placement')")
     q.set_defaults(func=_plan)
