@@ -24,7 +24,7 @@ from conduit.telemetry import probe_writable
 
 from conduit_rllib.compare import Row
 
-__all__ = ["run", "plot"]
+__all__ = ["run", "plot", "median_heading"]
 
 
 def plot(rows: dict[str, list[Row]], path: Path, title: str) -> Path:
@@ -59,6 +59,16 @@ def plot(rows: dict[str, list[Row]], path: Path, title: str) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def median_heading(*, iterations: int, steps: int, capacity: int) -> str:
+    """The line above the medians: the iterations they cover, and what the first one, left out, did. It collects
+    ``steps`` transitions before learning starts (:func:`~conduit_rllib.workloads.dqn_large_obs` starts learning
+    after ``steps``): the buffer is full then only when ``capacity <= steps``."""
+    stored = "fills the buffer" if capacity <= steps else \
+        f"stores the first {steps} of the buffer's {capacity} transitions"
+    return (f"\nmedian over iterations 2..{iterations} (iteration 1 {stored} and pays one-time costs; learning starts "
+            f"at its end):")
 
 
 def _plot_path(p: argparse.ArgumentParser, out: Path) -> Path:
@@ -123,8 +133,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--obs-dim", type=whole_number, default=5000,
                    help="observation size d, float32 values (default: 5000)")
     p.add_argument("--iterations", type=whole_number, default=5,
-                   help="training iterations per variant, at least 2: the first fills the buffer and pays one-time "
-                        "costs (imports, allocations), so the medians compare iterations 2.. (default: 5)")
+                   help="training iterations per variant, at least 2: the first collects --steps transitions before "
+                        "learning starts and pays one-time costs (imports, allocations), so the medians compare "
+                        "iterations 2.. (default: 5)")
     p.add_argument("--steps", type=whole_number, default=200,
                    help="env steps (= learner updates) per iteration (default: 200)")
     p.add_argument("--batch", type=whole_number, default=32, help="train batch size (default: 32, RLlib's DQN default)")
@@ -178,8 +189,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     print()
     print(table(rows))
     s = summarize(rows)
-    print(f"\nmedian over iterations 2..{args.iterations} (iteration 1 fills the buffer; learning starts at its "
-          f"end):")
+    print(median_heading(iterations=args.iterations, steps=args.steps, capacity=args.capacity))
     for attr, label in (("experience_s", "experience path"), ("exposed_s", "exposed experience path"),
                         ("iteration_s", "iteration time"), ("cpu_s", "iteration CPU time")):
         n, c, ch = s["native"][attr], s["conduit"][attr], s["conduit"]["change"][attr]
