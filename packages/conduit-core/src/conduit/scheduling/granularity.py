@@ -49,7 +49,8 @@ class GranularityRange:
         def fmt(v: float) -> str:
             f = Fraction(v).limit_denominator(bound)
             return str(f.numerator) if f.denominator == 1 else f"{f.numerator}/{f.denominator}"
-        kind = f"on-policy (M={self.num_minibatches})" if self.on_policy else "off-policy"
+        m = "M not given: whole rollouts only" if self.num_minibatches is None else f"M={self.num_minibatches}"
+        kind = f"on-policy ({m})" if self.on_policy else "off-policy"
         return (f"{kind}: g_ing in {{{', '.join(fmt(g) for g in self.g_ing)}}}, "
                 f"g_del in {{{', '.join(fmt(g) for g in self.g_del)}}}")
 
