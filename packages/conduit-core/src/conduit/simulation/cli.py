@@ -49,6 +49,10 @@ def table(scenario: Scenario, rows: list[dict[str, Any]], baseline: str, network
     net = network or NETWORKS[scenario.network]
     fetch = "one fetch per pair of nodes" if net.node_fetch else "one fetch per learner"
     fetch += f", {net.rpc_overhead_s * 1e6:g} us per remote fetch"
+    sampled = sorted({r["non_adaptive_placements"] for r in rows if r["sim_non_adaptive_ms"] is not None})
+    if baseline == "link-blind" and sampled:  # (--samples changes its figures: said, as the JSON's rows say it)
+        n = str(sampled[0]) if len(sampled) == 1 else f"{sampled[0]}-{sampled[-1]}"
+        baseline += f" (mean of {n} sampled placement{'' if n == '1' else 's'} per scale)"
     head = [f"**{LABEL}** - {scenario.title}: {scenario.topology} nodes, {net.name}, {fetch}, transitions "
             f"d={scenario.obs_dim}, capacity {scenario.capacity}, replay ratio {scenario.replay_ratio:g}, "
             f"non-adaptive = {baseline}", "",
