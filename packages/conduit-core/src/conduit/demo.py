@@ -37,7 +37,7 @@ from conduit.semantics import Replay
 from conduit.semantics.replay import MAX_DRAW
 from conduit.telemetry import Telemetry, probe_writable
 
-__all__ = ["run_synthetic", "run_loop", "LoopResult", "make_scheduler", "SCHEDULERS"]
+__all__ = ["run_synthetic", "run_loop", "LoopResult", "make_scheduler", "SCHEDULERS", "check_memory"]
 
 #: ``--scheduler`` choices
 SCHEDULERS = ("sync", "sequential", "overlapped", "auto")
@@ -268,6 +268,35 @@ def check_rollout_fits(rollout: int, capacity: int) -> None:
                                  f"{capacity}); lower --rollout or raise --capacity.")
 
 
+def check_memory(*, obs_dim: int, capacity: int, batch: int, hidden: int | None = None) -> None:
+    """Refuse, before a command prints or runs anything, sizes whose float32 observations alone need more than this
+    machine's memory (nothing is refused where the OS does not say it): the buffer's observations and next
+    observations (``--capacity`` x ``--obs-dim``, allocated whole), one delivered batch's (``--batch``), and the
+    learner's first layer (``--hidden``, when the command takes it). Without it, an array larger than memory was
+    refused only once the run had started, and arrays each smaller but together larger were allocated and
+    filled until the machine ran out.
+
+    Raises:
+        ConfigurationError: naming the options, the GiB needed and the machine's memory.
+    """
+    from conduit.placement.profile import host_memory
+
+    host = host_memory()
+    if not host:
+        return
+    for given, floats, what, lower in (
+            (f"--capacity {capacity} with --obs-dim {obs_dim}", 2 * capacity * obs_dim,
+             "the buffer's observations and next observations", "--capacity or --obs-dim"),
+            (f"--batch {batch} with --obs-dim {obs_dim}", 2 * batch * obs_dim,
+             "one delivered batch's observations and next observations", "--batch or --obs-dim"),
+            *(() if hidden is None else ((f"--hidden {hidden} with --obs-dim {obs_dim}", hidden * obs_dim,
+                                          "the learner's first layer", "--hidden or --obs-dim"),))):
+        need = 4 * floats
+        if need > host:
+            raise ConfigurationError(f"{given}: {what} would need {need / 2**30:,.1f} GiB alone (float32), more than "
+                                     f"this machine's {host / 2**30:,.1f} GiB of memory; lower {lower}.")
+
+
 def _check_output(path: Path) -> None:
     """Make sure the trace can be written to ``path`` once the run is over (probed now, left as it was): it is
     written beside ``path`` and renamed over it (:func:`~conduit.telemetry.write_atomically`), so ``path`` is a
@@ -333,6 +362,7 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
                  ("--g-ing", args.g_ing, 1, None, "rollouts per ingestion call"),
                  ("--g-del", args.g_del, 1, None, "batches per delivery call"))
     check_rollout_fits(args.rollout, args.capacity)
+    check_memory(obs_dim=args.obs_dim, capacity=args.capacity, batch=args.batch, hidden=args.hidden)
     for flag, given in (("--g-ing", args.g_ing), ("--g-del", args.g_del)):
         if given is not None and args.scheduler not in ("sequential", "overlapped"):  # it would be ignored
             raise ConfigurationError(f"{flag} sets the granularity of the sequential and overlapped schedulers; "

@@ -96,7 +96,7 @@ def _ranges(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from conduit.demo import check_rollout_fits, run_loop
+    from conduit.demo import check_memory, check_rollout_fits, run_loop
     from conduit.scheduling.auto import Automatic
     from conduit.semantics.replay import MAX_DRAW
 
@@ -114,6 +114,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                  ("--iterations", args.iterations, 0, None, "iterations measured after calibration"))
     _check_listed(("--g-ing-max", args.g_ing_max), ("--g-del-max", args.g_del_max))
     check_rollout_fits(args.rollout, args.capacity)
+    check_memory(obs_dim=args.obs_dim, capacity=args.capacity, batch=args.batch)
     overlap = {"auto": None, "on": True, "off": False}[args.overlap]
     sched = Automatic(overlap=overlap, g_ing_max=args.g_ing_max, g_del_max=args.g_del_max)
     warmup = args.warmup if args.warmup is not None else _warmup_for(sched, args.updates)
