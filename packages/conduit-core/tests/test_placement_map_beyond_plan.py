@@ -1,9 +1,13 @@
-"""A placement map refuses item sizes above the largest it was planned for (nothing checked that they fit),
-and the online migration reports that as a PlacementError without touching the buffer; plus the
+"""A placement map refuses item sizes above the largest it was planned for (nothing checked that they fit):
+above the whole bytes a fractional maximum planned, at or past a finite last range's end; an adaptive
+placement holds ragged pools to the largest whole item size in the looked-up range (a range ``[lo, hi)``
+holds items of at most ``hi - 1`` whole bytes: ``hi`` is where the map found the placement no longer fits);
+the online migration reports a refusal as a PlacementError without touching the buffer; plus the
 ``conduit simulate`` float arguments."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,7 @@ from conduit.batch import ExperienceBatch
 from conduit.cli import main
 from conduit.errors import PlacementError
 from conduit.placement import AdaptivePlacement, BandwidthProfile, LinkCost, PlacementSpec, Planner, Topology, Workload
+from conduit.placement.planner import NothingFitsError
 
 #: 40 B per item (8 B id + 8 float32)
 SCHEMA = ExperienceSchema(id=Field((), torch.int64), obs=Field((8,), torch.float32))
@@ -20,6 +25,8 @@ SCHEMA = ExperienceSchema(id=Field((), torch.int64), obs=Field((8,), torch.float
 GROWN = ExperienceSchema(id=Field((), torch.int64), obs=Field((32,), torch.float32))
 CAPACITY = 998  # + 2 output rows (batch 1): host memory of 100,000 B holds items of <= 100 B exactly
 HOST = PlacementSpec("host", ("cpu",))
+#: 8 B id + 8 B per token
+TOKENS = ExperienceSchema(id=Field((), torch.int64), tok=Field((), torch.int64, ragged=True))
 
 
 def _host_only_planner() -> Planner:
@@ -183,3 +190,45 @@ def test_a_fractional_item_size_is_placed_by_the_whole_bytes_it_needs() -> None:
         pmap.lookup(100.5)
     assert pmap.lookup(100) == HOST and pmap.lookup(99.5) == HOST
     assert pmap.range_of(100.5) is pmap.ranges[1] and pmap.range_of(100) is pmap.ranges[0]
+
+def test_map_with_a_fractional_maximum_refuses_sizes_above_the_whole_bytes_it_planned() -> None:
+    planner = _host_only_planner()
+    template = Workload.from_schema(SCHEMA, capacity=CAPACITY, batch=1)
+    pmap = planner.placement_map(template, min_item_bytes=40, max_item_bytes=100.5, points=8)
+    # items of 100.4 B are planned as 101 whole bytes: nothing fits them on this machine
+    with pytest.raises(NothingFitsError):
+        planner.plan(template.resized(100.4))
+    with pytest.raises(PlacementError, match="Re-plan with a larger maximum"):
+        pmap.lookup(100.4)  # was: host, which does not hold 998 items of 101 B
+    assert pmap.lookup(100) == planner.plan(template.resized(100)).placement  # the largest size it planned
+    assert pmap.max_item_bytes == 100
+
+
+def test_map_over_a_range_without_a_whole_byte_still_covers_its_maximum() -> None:
+    planner = _host_only_planner()
+    template = Workload.from_schema(SCHEMA, capacity=CAPACITY, batch=1)
+    pmap = planner.placement_map(template, min_item_bytes=60.2, max_item_bytes=60.7, points=2)
+    assert pmap.lookup(60.7) == planner.plan(template.resized(61)).placement
+
+def test_a_pool_for_items_of_the_ranges_end_is_refused_it_was_never_checked() -> None:
+    planner = _host_only_planner()
+    template = Workload.from_schema(TOKENS, capacity=CAPACITY, batch=1, mean_ragged_length=4)
+    pmap = planner.placement_map(template, min_item_bytes=16, max_item_bytes=1000, points=8)
+    host = pmap.ranges[0]
+    assert host.spec == PlacementSpec("host", ("cpu",)) and pmap.ranges[1].spec is None
+    end = int(host.hi)  # the first size the host does not hold
+    # the largest pool whose bytes, with the ids', stay within CAPACITY items of `end` bytes
+    pool = (CAPACITY * end - 8 * CAPACITY) // 8
+    per_item = (8 * CAPACITY + 8 * pool) / CAPACITY
+    assert end - 1 < per_item <= end
+    with pytest.raises(NothingFitsError):  # the buffer's items at that size fit nowhere on this machine
+        planner.plan(template.resized(per_item))
+    adaptive = AdaptivePlacement(pmap, mean_ragged_length=4)
+    with pytest.raises(PlacementError, match="ragged_capacity"):
+        ExperienceDataPlane(TOKENS, capacity=CAPACITY, placement=adaptive, ragged_capacity=pool)  # was: built
+    assert adaptive.current is None
+    # the largest pool of items the map checked (end - 1 bytes) is accepted
+    most = (CAPACITY * (end - 1) - 8 * CAPACITY) // 8
+    planner.plan(template.resized((8 * CAPACITY + 8 * most) / CAPACITY))  # (fits)
+    edp = ExperienceDataPlane(TOKENS, capacity=CAPACITY, placement=adaptive, ragged_capacity=most)
+    assert edp.storage.tier == "host" and math.isclose(adaptive.map.max_item_bytes, 1000)
