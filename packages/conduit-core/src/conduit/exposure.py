@@ -347,8 +347,9 @@ class ExposureLog:
         if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
             raise ConfigurationError(f"ExposureLog.summary(skip=...) is how many first iterations (warm-up) to leave "
                                      f"out: pass an int >= 0, got {skip!r}.")
-        held = list(self.iterations)
-        gone = self.accounted - len(held)  # the first iterations, no longer held
+        with self._lock:  # (read together: an iteration being accounted appends, then counts)
+            held = list(self.iterations)
+            gone = self.accounted - len(held)  # the first iterations, no longer held
         its = held[max(0, skip - gone):] or held
         if not its:
             return {}
