@@ -54,6 +54,12 @@ class MapRange:
     #: predicted experience-path seconds per iteration at ``lo`` (None when nothing fits)
     total_s: float | None = None
 
+    @property
+    def largest_whole(self) -> float:
+        """The largest whole item size this range holds: ``ceil(hi) - 1`` (ranges are half-open, and sizes are
+        located by the whole bytes they need, so ``hi`` itself lies in the next range); inf for an open range."""
+        return float(math.ceil(self.hi) - 1) if math.isfinite(self.hi) else self.hi
+
     def to_dict(self) -> dict[str, Any]:
         return {"lo_bytes": self.lo, "hi_bytes": None if math.isinf(self.hi) else self.hi,
                 "placement": None if self.spec is None else self.spec.to_dict(),
@@ -194,7 +200,7 @@ class PlacementMap:
             top = self._max_item_bytes
         else:
             top = last.lo if math.isinf(last.hi) else last.hi
-        return top if math.isinf(last.hi) else min(top, float(math.ceil(last.hi) - 1))
+        return min(top, last.largest_whole)
 
     def range_of(self, item_bytes: float) -> MapRange:
         """The range holding items of ``item_bytes`` (sizes below the map: its first range; above
@@ -375,8 +381,7 @@ class AdaptivePlacement(Placement):
         """
         pool = pool_elements(ragged_capacity, capacity)
         r = self.map.range_of(item_bytes)
-        # (sizes are located by the whole bytes they need: the largest in [lo, hi) is ceil(hi) - 1)
-        top = min(math.ceil(r.hi) - 1 if math.isfinite(r.hi) else r.hi, self.map.max_item_bytes)
+        top = min(r.largest_whole, self.map.max_item_bytes)
         checked = self.map.workload.capacity * top
         fixed = capacity * schema.fixed_item_bytes
         per = sum(schema[n].element_bytes for n in schema.ragged)
