@@ -202,14 +202,15 @@ def check_buffer_worker_config(cfg: Any) -> None:
     semantics = name.split(":", 1)[1] if ":" in name else args.get("semantics", "queue")
     if semantics != "on_policy":
         return
-    if args.get("on_full", "wait") == "raise" and stream is not None and not _claimed_stream(stream):
+    on_full = args.get("on_full", "wait")
+    if on_full == "raise" and stream is not None and not _claimed_stream(stream):
         raise ConfigurationError(
             f"BufferWorker(buffer_name={name!r}) with on_full='raise' over SRL's own sample stream "
             f"{_stream_name(stream)!r}: SRL's consume_to takes each message off its socket before put, so the first "
             f"put that does not fit raises out of the worker's poll loop, which stops the worker (the refused sample "
             f"leaves with the error). Use on_full='keep' over SRL's own streams, or claim the stream (name it "
             f"'conduit:<name>' with install(streams=True)), whose consumer keeps what a full buffer refuses.")
-    if args.get("on_full", "wait") != "wait":
+    if on_full != "wait":
         return
     raise ConfigurationError(
         f"BufferWorker(buffer_name={name!r}) with on_full='wait' (the default): SRL's buffer worker puts and gets "
@@ -455,7 +456,7 @@ def _given(signature: inspect.Signature | None, obj: Any, args: tuple[Any, ...],
 # -- the stream seam ---------------------------------------------------------------------------------
 def _claim(spec: Any) -> tuple[Any, str] | None:
     """``(spec without the marker, stream name)`` if ``spec`` names a Conduit stream, else None."""
-    name = spec if isinstance(spec, str) else getattr(spec, "stream_name", None)
+    name = _stream_name(spec)
     if not isinstance(name, str) or not name.startswith(STREAM_MARKER):
         return None
     bare = name[len(STREAM_MARKER):]
