@@ -19,10 +19,10 @@ Writes ``benchmarks/results/verl_tq_paired.md``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,20 +30,18 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+from conduit.placement.profile import _median_seconds  # noqa: E402
 from config_sweep import bootstrap_ci  # noqa: E402
 from test_bench_verl import N, same_back, trajectories  # noqa: E402
 
 BACKENDS = ["SimpleStorage", "Conduit"]
 FIELDS = ["input_ids", "responses", "response_mask", "rollout_log_probs", "uid"]
+_keys = itertools.count()
 
 
-def median_ms(fn: Callable[[], Any], calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+def median_ms(fn: Callable[[], Any], calls: int, before: Callable[[], Any] | None = None, warmup: int = 0) -> float:
+    """Median wall milliseconds of ``calls`` calls of ``fn`` (``before`` runs untimed before each)."""
+    return _median_seconds(fn, reps=calls, warmup=warmup, before=before, min_total=0) * 1e3
 
 
 def one_backend(backend: str, td: Any, calls: int, split: dict[str, list[float]]) -> tuple[float, float]:
@@ -63,14 +61,17 @@ def one_backend(backend: str, td: Any, calls: int, split: dict[str, list[float]]
         if backend == "Conduit":
             conduit_split(keys, calls, split)
         tq.kv_clear(keys=keys, partition_id="p")
-        times = []
-        for i in range(calls + 1):  # the first of fresh keys untimed (as the benchmark's warm-up)
-            fresh = [f"r{i}-{j}" for j in range(N)]
-            t = time.perf_counter()
-            tq.kv_batch_put(keys=fresh, partition_id="p", fields=td, tags=[{}] * N)
-            times.append(time.perf_counter() - t)
-            tq.kv_clear(keys=fresh, partition_id="p")  # (outside the timing)
-        put_ms = statistics.median(times[1:]) * 1e3
+        live: list[list[str]] = []
+
+        def fresh() -> None:  # (untimed: the last put's keys cleared, new ones made)
+            while live:
+                tq.kv_clear(keys=live.pop(), partition_id="p")
+            live.append([f"r{next(_keys)}" for _ in range(N)])
+
+        put_ms = median_ms(lambda: tq.kv_batch_put(keys=live[-1], partition_id="p", fields=td, tags=[{}] * N),
+                           calls, before=fresh, warmup=1)  # (a first put of fresh keys untimed, as the benchmark's)
+        while live:
+            tq.kv_clear(keys=live.pop(), partition_id="p")
         return get, put_ms
     finally:
         tq.close()
