@@ -187,3 +187,13 @@ def test_calibrate_with_no_iterations_after_it_prints_no_zero_medians(capsys: py
     assert "measured in the confirm phase" in out, out  # the choice is still explained
     assert "0.00 ms" not in out.split("after calibration")[-1], out
     assert "after calibration: no iterations measured (--iterations 0)" in out, out
+
+
+def test_synthetic_demo_with_no_iterations_runs_no_baseline(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--iterations 0`` still ran the synchronous baseline loop (its warm-up too) and printed its "no iterations"
+    summary: work whose figures nothing could be compared with."""
+    assert main(["demo", "--synthetic", *TINY, "--warmup", "1", "--iterations", "0", "--trace", ""]) == 0
+    out = capsys.readouterr().out
+    assert "baseline: not run (--iterations 0 accounts no iteration to compare)" in out, out
+    assert "synchronous scheduling of the same loop" not in out, out
+    assert out.count("no iterations") == 1, out  # the overlapped run's summary only

@@ -427,7 +427,9 @@ def run_synthetic(argv: Sequence[str] | None = None) -> int:
         if res.trace_dropped_calls:
             print(f"note: the trace misses {res.trace_dropped_calls} calls that the telemetry ring dropped to make "
                   f"room (the oldest); run fewer --iterations for a complete trace.")
-    if args.baseline and args.scheduler != "sync":
+    if args.baseline and args.scheduler != "sync" and not args.iterations:  # it would account nothing either
+        print("\nbaseline: not run (--iterations 0 accounts no iteration to compare)")
+    elif args.baseline and args.scheduler != "sync":
         print("\nbaseline: synchronous scheduling of the same loop")
         base = run_loop(scheduler=Synchronous(), **common)  # type: ignore[arg-type]
         _summary(base)
