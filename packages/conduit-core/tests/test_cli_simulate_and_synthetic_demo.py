@@ -168,3 +168,16 @@ def test_demo_g_del_beyond_the_runs_deliveries_is_refused_not_prepared(
     assert "synthetic loop" not in out.out
     assert main([*base, "--g-del", "8"]) == 0  # the whole run in one chunk is still allowed
     assert f"g_del=8, overlap={scheduler == 'overlapped'}" in capsys.readouterr().out
+
+
+def test_simulate_one_scenario_names_another_scenarios_earlier_files_left_in_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An earlier run's ``scale-mi250x.*`` stayed beside a new ``--scenario a100`` run's files, and the new
+    ``scale.png`` (a100 only) said nothing of them: the folder read as one run."""
+    (tmp_path / "scale-mi250x.md").write_text("earlier\n")
+    assert main(["simulate", "--scenario", "a100", "--gpus", "16", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "scale-mi250x.md" in err and "from an earlier run" in err, err
+    assert (tmp_path / "scale-mi250x.md").read_text() == "earlier\n"  # a user's file is never deleted
+    assert main(["simulate", "--scenario", "a100", "--gpus", "16", "--out", str(tmp_path / "fresh")]) == 0
+    assert "earlier run" not in capsys.readouterr().err

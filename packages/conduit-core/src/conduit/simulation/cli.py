@@ -244,6 +244,14 @@ def _simulate_into(out: Path, args: argparse.Namespace, scenarios: dict[str, Sce
                                  f"space there or give --out a writable directory.") from e
     print(f"wrote {out}/scale-*.md, scale-*.json" + (f" and {png}" if png else
                                                       " (no PNG: pip install 'conduit-core[plot]')"))
+    # another scenario's files from an earlier run stay (nothing a user wrote is deleted), but the plot no longer
+    # shows them: said, so the folder is not read as one run
+    earlier = [p.name for n in SCENARIOS if n not in scenarios for p in (out / f"scale-{n}.md", out / f"scale-{n}.json")
+               if p.exists()]
+    if earlier:
+        print(f"note: {', '.join(earlier)} in {out} are from an earlier run (not this one's --scenario), and "
+              f"{out / 'scale.png'} now shows only {', '.join(scenarios)}; remove them, or give --out another "
+              f"directory, to keep one run per folder.", file=sys.stderr)
     return 0
 
 
