@@ -772,7 +772,8 @@ class ExperienceDataPlane:
         nothing is lost, duplicated or re-prioritised. Ingestion and delivery continue
         between copied chunks and wait only for the last chunk and the swap (the report's
         ``max_blocked_s``). With a new ``schema`` (experience grew), ``transform`` maps
-        each old-schema chunk to the new schema. See :mod:`conduit.placement.migration`.
+        each old-schema chunk to the new schema. Once it commits, the old storage is closed (the disk tier's
+        files are deleted then); a migration that fails keeps it in use. See :mod:`conduit.placement.migration`.
 
         Raises:
             PlacementError: the new placement cannot hold the buffer (the buffer is unchanged).

@@ -147,9 +147,7 @@ class Placement(ABC):
     def storage_abandoned(self, storage: Storage) -> None:
         """``storage``, built by :meth:`storage`, will not be used (a migration into it failed): a storage
         that holds resources until it is collected (the disk tier's files) releases them now (``close``)."""
-        close = getattr(storage, "close", None)
-        if callable(close):
-            close()
+        release_storage(storage)
 
     def describe(self) -> str:
         return type(self).__name__
@@ -158,6 +156,14 @@ class Placement(ABC):
     def spec(self) -> PlacementSpec | None:
         """This placement as data, when it is one of the built-in tiers."""
         return None
+
+
+def release_storage(storage: Storage) -> None:
+    """Release now what ``storage`` holds until it is collected (the disk tier's files), through its ``close``, if
+    it has one: for a storage no buffer uses any more (a failed migration's target, a committed one's source)."""
+    close = getattr(storage, "close", None)
+    if callable(close):
+        close()
 
 
 def _check_device(device: torch.device) -> None:

@@ -12,6 +12,8 @@ meanwhile (``load_state_dict``) starts the copy over from its items. Once the it
 began are copied, chunks go on only while what is left shrinks: if ingestion adds items
 faster than chunks copy them, the rest (at most the capacity) is copied in that last hold,
 so a migration always ends. A ``close()`` meanwhile ends it too (the buffer keeps its storage, closed).
+Once the swap commits, the old storage is closed at once (the disk tier's files are deleted then, not when it is
+collected); a migration that fails keeps it, and the buffer goes on with it.
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
         Any of these leaves the buffer exactly as it was.
     """
     from conduit.placement.base import Placement as PlacementRole
+    from conduit.placement.base import release_storage
 
     if not isinstance(placement, PlacementRole):
         raise ConfigurationError(f"migrate needs a Placement instance (e.g. HostPlacement()), got {placement!r}.")
@@ -189,6 +192,10 @@ def migrate(edp: ExperienceDataPlane, placement: Placement, *, schema: Experienc
     except BaseException:
         placement.storage_abandoned(new)  # the buffer keeps its storage (AdaptivePlacement forgets ``new``)
         raise
+    # committed: nothing uses the old storage any more (every read and write takes ``edp.storage`` under the lock,
+    # and a concurrent migration checks the swap before it copies again), so what it holds until it is collected
+    # (the disk tier's files) goes now, not whenever the last reference to it is dropped
+    release_storage(old)
     # prepared deliveries hold the same items, but in buffers sized and placed for the old storage
     edp.scheduler.invalidate("contents")
     t1 = time.perf_counter()
