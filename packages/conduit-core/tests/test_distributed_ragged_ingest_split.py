@@ -170,15 +170,21 @@ def test_an_on_policy_batch_that_fits_the_partly_filled_pools_only_in_smaller_ru
 
 @pytest.mark.usefixtures("fake_ray")
 def test_a_batch_that_does_not_fit_the_partly_filled_pools_even_in_single_items_stores_none_of_it():
-    """Halving stops at single items: 4 x 200 elements into two pools of 500 with 150 used each (350 free: one
-    item each) is refused, typed, and leaves the buffer as it was (its room free again)."""
-    p = _plane(["a", "b"], schema=RAGGED, capacity=16, ragged_capacity=500)
-    _partly_filled(p, 150)
+    """Halving stops at single items: 4 x 200 elements into two on-policy pools of 500 with 150 used each (350
+    free: one item each) is refused, typed, and leaves the buffer as it was (its room free again). A replay buffer
+    evicts the oldest items for the room instead (each pool then holds its two items of 200 once compacted)."""
+    p = _plane(["a", "b"], schema=RAGGED, capacity=16, ragged_capacity=500,
+               semantics=OnPolicy(num_minibatches=1, seed=0))
+    _partly_filled(p, 150, version=0)
     with pytest.raises(ClusterError, match="ragged_capacity"):
-        p.ingest(_ragged_batch([0, 1, 2, 3], 200))
+        p.ingest(_ragged_batch([0, 1, 2, 3], 200), version=0)
     assert p.read(p.live_handles())["id"].tolist() == [100, 101] and p.index.next_handle == 2 and len(p) == 2
-    p.ingest(_ragged_batch([0, 1], 200))
+    p.ingest(_ragged_batch([0, 1], 200), version=0)
     assert p.read(p.live_handles())["id"].tolist() == [100, 101, 0, 1] and not p.lost_items
+    replay = _plane(["a", "b"], schema=RAGGED, capacity=16, ragged_capacity=500)
+    _partly_filled(replay, 150)
+    replay.ingest(_ragged_batch([0, 1, 2, 3], 200))
+    assert replay.read(replay.live_handles())["id"].tolist() == [0, 1, 2, 3] and not replay.lost_items
 
 
 def _single_node_ids(lengths: list[int], capacity: int, pool: int) -> list[int]:

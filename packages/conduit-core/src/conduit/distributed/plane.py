@@ -152,9 +152,11 @@ class DistributedDataPlane:
             pools leave room. On-policy never evicts: such an ingestion is refused (:class:`ClusterError`), as is,
             before anything changes, a replay batch with an item longer than one pool or items that need more pools
             than are live however they are placed (more elements than the live pools hold together, or e.g. items of
-            3, 6 and 6 elements into two pools of 8: see :func:`~conduit.distributed.plan.pools_needed`). A replay
-            batch that fits the emptied pools can still be refused after evicting the oldest items when the rows it
-            stored first take the pool room a later row needs (the write never evicts its own rows).
+            3, 6 and 6 elements into two pools of 8: see :func:`~conduit.distributed.plan.pools_needed`). A shard
+            whose pool has the room for rows in total but split compacts it first. A replay batch that fits the
+            emptied pools only grouped otherwise than the plan sends its rows (by free slots and producer, blind to
+            how elements pack) can still be refused after evicting the oldest items (the write never evicts its own
+            rows).
         reuse: expected deliveries per item, for the plan (default: 1 for replay, the
             number of epochs on-policy).
         measure: measure the links between nodes for the plan (once per server group);

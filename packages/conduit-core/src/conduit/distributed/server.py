@@ -85,15 +85,28 @@ class ShardServer:
     def append(self, buffer_id: str, cols: Wire, start: int, count: int, release_upto: int) -> AppendAck:
         """Release local handles below ``release_upto``, then store rows ``[start, start + count)`` of ``cols``.
 
+        A ragged pool whose free elements would hold the rows in total, but not in one block (the ring's free tail is
+        too short and its start is taken), is compacted first (:meth:`ColumnarStorage.compact`): live items keep their
+        handles and contents, and the driver never sees the layout.
+
         Raises:
-            CapacityError: the rows do not fit without overwriting live items.
+            CapacityError: the rows do not fit without overwriting live items, even compacted (nothing changed).
         """
         part = self._part(buffer_id)
         before = part.oldest
         part.release(release_upto)
         try:
             batch = wire_rows(cols, start, count, self._schemas[buffer_id])
-            res = part.append(batch, evict=False)
+            try:
+                res = part.append(batch, evict=False)
+            except CapacityError:
+                if not part.schema.ragged or part.evictions_if_compacted(batch):
+                    raise
+                # the pools have room in total, split (a free tail too short, the pool's start taken): compact
+                # them, and the rows fit. The release stands from here (compacting may overwrite released elements)
+                part.compact()
+                before = part.oldest
+                res = part.append(batch, evict=False)
         except BaseException:
             # a refused append changes nothing: the driver still indexes the items it would have released
             # (an append checks before it writes, so undoing the release restores the partition exactly)
@@ -112,7 +125,8 @@ class ShardServer:
         try:
             batch = wire_rows(cols, start, count, self._schemas[buffer_id])
             try:
-                k, _ = part._evictions_for(batch)  # noqa: SLF001 - the room check an append makes, without the append
+                # an append compacts pools whose free elements are split (see append): what it must release
+                k = part.evictions_if_compacted(batch)
             except CapacityError:
                 return None
             return part.oldest + k

@@ -463,6 +463,51 @@ class ColumnarStorage(Storage):
         self._next = first + n
         return AppendResult(first, n, ev_from, self._oldest)
 
+    def evictions_if_compacted(self, batch: ExperienceBatch) -> int:
+        """How many oldest items must go for ``batch`` to fit once the pools are compacted (:meth:`compact`): the
+        slots, and each ragged field's free elements taken as one block. At most what :meth:`append` evicts without
+        compacting (its swept span holds no live item, so the live items leave room for the batch in total).
+
+        Raises:
+            CapacityError: ``batch`` is larger than the capacity, or brings more elements than a pool.
+        """
+        n = batch.batch_size
+        if n > self.capacity:
+            raise CapacityError(f"A batch of {n} items is larger than the capacity ({self.capacity}); "
+                                f"split it or raise capacity.")
+        self.check_ragged_fits(batch)
+        k = max(0, self._next - self._oldest + n - self.capacity)
+        if not self._pools or self._next == self._oldest:
+            return k
+        slots = np.arange(self._oldest, self._next, dtype=np.int64) % self.capacity
+        for name in self.schema.ragged:
+            col = batch[name]
+            assert isinstance(col, Ragged)
+            held = np.cumsum(self._rlen[name].numpy()[slots])  # elements of the oldest 1, 2, ... items
+            excess = int(held[-1]) + int(col.values.shape[0]) - self.ragged_capacity
+            if excess > 0:
+                k = max(k, int(np.searchsorted(held, excess, side="left")) + 1)
+        return k
+
+    def compact(self) -> None:
+        """Move the live items' ragged elements to the start of each pool, end to end in handle order, and put each
+        pool's head after them: the free elements then form one block (an append refused only because the free
+        elements were split, e.g. a free tail too short and the pool's start taken, fits after it).
+
+        Items keep their handles and contents; only where their elements lie changes, so a caller must not hold
+        views into the pools (a :meth:`gather` copies) nor call it while another thread reads them. Released items'
+        elements may be overwritten: :meth:`unrelease` cannot restore them afterwards.
+        """
+        slots = torch.remainder(torch.arange(self._oldest, self._next, dtype=torch.int64), self.capacity)
+        for name, pool in self._pools.items():
+            st, ln = self._rstart[name][slots], self._rlen[name][slots]
+            total = int(ln.sum())
+            if total:
+                # a copy first (index_select never aliases the pool): the new places may overlap the old ones
+                pool[:total].copy_(torch.index_select(pool, 0, ranges(st, ln).to(pool.device)))
+            self._rstart[name][slots] = torch.cumsum(ln, 0) - ln
+            self._rhead[name] = total
+
     def release(self, upto: int) -> None:
         self._oldest = max(self._oldest, min(int(upto), self._next))
 
