@@ -85,10 +85,10 @@ def load_state_dict(plane: DistributedDataPlane, state: dict[str, Any]) -> None:
         if n > plane.shard_capacity * live:
             raise CapacityError(f"This checkpoint holds {n} items and the {live} live shards hold at most "
                                 f"{plane.shard_capacity * live}; add shard servers or raise shard_capacity.")
-        _check_ragged_room(plane, batch, live)
+        packing = _check_ragged_room(plane, batch, live)
         before = plane.semantics.load_checked(state["semantics"])  # a checkpoint of other semantics: unchanged
         try:
-            _load_contents(plane, state, batch)
+            _load_contents(plane, state, batch, packing)
         except _PartlyLoaded:
             plane.semantics.load_state_dict(state["semantics"])  # the index now describes the checkpoint
             forget_lost_priorities(plane)  # the items not loaded are lost, as a lost shard's
@@ -138,8 +138,10 @@ def _check_checkpoint(plane: DistributedDataPlane, state: Mapping[str, Any]) -> 
     return batch
 
 
-def _check_ragged_room(plane: DistributedDataPlane, batch: ExperienceBatch, live: int) -> None:
-    """Refuse a checkpoint whose ragged elements cannot fit the ``live`` shards' pools, before anything changes.
+def _check_ragged_room(plane: DistributedDataPlane, batch: ExperienceBatch, live: int) -> np.ndarray | None:
+    """Refuse a checkpoint whose ragged elements cannot fit the ``live`` shards' pools, before anything changes;
+    returns the packing found (the live shard, by position, of each item: the load stores it there), or None
+    without ragged fields.
 
     An item's elements go to one shard whole, so the elements fitting the pools together is not enough: the items
     must be packed into ``live`` empty pools (and ``shard_capacity`` slots) each. The items in row order, each shard
@@ -153,7 +155,7 @@ def _check_ragged_room(plane: DistributedDataPlane, batch: ExperienceBatch, live
     """
     pool = pool_elements(plane._ragged_capacity, plane.shard_capacity)
     if not plane.schema.ragged:
-        return
+        return None
     lengths = []
     for name in plane.schema.ragged:
         c = cast(Ragged, batch[name])  # (checked by _check_checkpoint)
@@ -164,40 +166,51 @@ def _check_ragged_room(plane: DistributedDataPlane, batch: ExperienceBatch, live
                                 f"(the buffer is unchanged); build the buffer with a larger ragged_capacity or "
                                 f"add shard servers before loading.")
         lengths.append(c.lengths.cpu().numpy().astype(np.int64))
-    if not _packs(np.stack(lengths, axis=1), live, pool, plane.shard_capacity):
+    packing = _packing(np.stack(lengths, axis=1), live, pool, plane.shard_capacity)
+    if packing is None:
         raise CapacityError(f"This checkpoint's {batch.batch_size} items fit the {live} live shards' ragged pools "
                             f"({pool} elements each) in all, but cannot be packed into them item by item (an item's "
                             f"elements stay in one pool; the buffer is unchanged); build the buffer with a larger "
                             f"ragged_capacity or add shard servers before loading.")
+    return packing
 
 
-def _packs(lengths: np.ndarray, bins: int, pool: int, slots: int) -> bool:
-    """Whether items of ``lengths`` (one row per item, one column per ragged field) pack into ``bins`` shards of
-    ``pool`` elements per field and ``slots`` items: in row order, each shard taking the longest run that fits,
-    else first fit decreasing (a packing found is one the load can store; none found is taken as none)."""
+def _packing(lengths: np.ndarray, bins: int, pool: int, slots: int) -> np.ndarray | None:
+    """A packing of items of ``lengths`` (one row per item, one column per ragged field) into ``bins`` shards of
+    ``pool`` elements per field and ``slots`` items: the bin of each item. In row order, each shard taking the
+    longest run that fits, else first fit decreasing; None when neither finds one (taken as none)."""
     n = lengths.shape[0]
     ends = np.concatenate([np.zeros((1, lengths.shape[1]), np.int64), np.cumsum(lengths, axis=0)])
+    out = np.zeros(n, np.int64)
     i = 0
-    for _ in range(bins):  # in row order
+    for b in range(bins):  # in row order
         if i >= n:
-            return True
+            break
         j = min(int(np.searchsorted(ends[:, f], ends[i, f] + pool, side="right")) - 1 for f in range(ends.shape[1]))
-        i = min(j, i + slots)
+        j = min(j, i + slots)
+        out[i:j] = b
+        i = j
     if i >= n:
-        return True
+        return out
     used, held = np.zeros((bins, lengths.shape[1]), np.int64), np.zeros(bins, np.int64)
-    for row in lengths[np.argsort(-lengths.max(axis=1), kind="stable")]:  # first fit decreasing
-        fits = (held < slots) & (used + row <= pool).all(axis=1)
+    for item in np.argsort(-lengths.max(axis=1), kind="stable"):  # first fit decreasing
+        fits = (held < slots) & (used + lengths[item] <= pool).all(axis=1)
         b = int(np.argmax(fits))
         if not fits[b]:
-            return False
-        used[b] += row
+            return None
+        used[b] += lengths[item]
         held[b] += 1
-    return True
+        out[item] = b
+    return out
 
 
-def _load_contents(plane: DistributedDataPlane, state: dict[str, Any], batch: ExperienceBatch) -> None:
-    """Replace every live shard's items and the index by the checkpoint's ``batch`` (under the lock)."""
+def _load_contents(plane: DistributedDataPlane, state: dict[str, Any], batch: ExperienceBatch,
+                   packing: np.ndarray | None = None) -> None:
+    """Replace every live shard's items and the index by the checkpoint's ``batch`` (under the lock).
+
+    With ``packing`` (the position in the live shards of each item, see :func:`_check_ragged_room`), each item is
+    stored on that shard while it is live: the plan places rows by item slots, blind to the ragged pools, and a
+    checkpoint that packs into them only grouped otherwise was refused after the shards were emptied."""
     live = plane.alive_shards
     outs = wait_all({s: plane.servers[s].actor.open.remote(plane.buffer_id, plane.schema.to_dict(),
                                                           plane.shard_capacity, plane._ragged_capacity)
@@ -228,8 +241,14 @@ def _load_contents(plane: DistributedDataPlane, state: dict[str, Any], batch: Ex
             if first > cursor:
                 plane.index.add_segment(cursor, first - cursor, [])
                 cursor = first  # recorded: a load that stops below must not record it again
-            runs = [(r, k, plane.learner_node) for r, k in plane._pool_runs(batch, a, b)]
-            for start, count, reps in plane._store(payload, runs, plane.schema.fixed_item_bytes, oldest, copies):
+            pieces = [(a, b)]
+            if packing is not None:  # runs of consecutive items packed into one shard
+                cut = (np.nonzero(np.diff(packing[a:b]) != 0)[0] + a + 1).tolist()
+                pieces = list(zip([a, *cut], [*cut, b], strict=True))
+            runs = [(r, k, plane.learner_node) for c, d in pieces for r, k in plane._pool_runs(batch, c, d)]
+            targets = None if packing is None else {r: live[int(packing[r])] for r, _, _ in runs}
+            for start, count, reps in plane._store(payload, runs, plane.schema.fixed_item_bytes, oldest, copies,
+                                                   targets=targets):
                 plane.index.add_segment(first + start - a, count, reps)
             cursor = first + (b - a)
     except Exception as e:  # noqa: BLE001 - whatever stopped it, the buffer must describe the checkpoint

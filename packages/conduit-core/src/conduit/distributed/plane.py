@@ -753,7 +753,7 @@ class DistributedDataPlane:
         return self.shard_capacity - (self._local_next[shard] - upto), upto
 
     def _store(self, payload: Any, runs: Sequence[tuple[int, int, str]], row_bytes: float, oldest: int,
-               copies: int | None = None, *, evict_for_room: bool = False
+               copies: int | None = None, *, evict_for_room: bool = False, targets: Mapping[int, int] | None = None
                ) -> list[tuple[int, int, list[tuple[int, int]]]]:
         """Write rows of ``payload`` to shards; returns (start, count, replicas) runs in row order.
 
@@ -770,20 +770,24 @@ class DistributedDataPlane:
         the union of the shards, whichever shard holds them) until a shard can take the first of those rows, as a
         single-node replay buffer evicts for pool room, and every shard is tried again. :attr:`_stored_oldest` is
         then where the window starts (also should the write fail: the shards may have released the items).
+
+        ``targets`` maps a run's first row to the shard it goes to while that shard is live and not full (a checkpoint
+        load places items as its packing into the ragged pools says); the plan places the other runs.
         """
         self._pinned = dict(enumerate(self._local_next))
         self._evicting, self._short_evicted, self._doubtful = oldest, [], set()
         self._stored_oldest = oldest
         try:
             return self._store_rounds(payload, runs, row_bytes, oldest, self.replication if copies is None else copies,
-                                      evict_for_room)
+                                      evict_for_room, dict(targets or {}))
         finally:
             self._pinned = {}
             self._stored_oldest = cast(int, self._evicting)
             self._evicting = None
 
     def _store_rounds(self, payload: Any, runs: Sequence[tuple[int, int, str]], row_bytes: float, oldest: int,
-                      copies: int, evict_for_room: bool) -> list[tuple[int, int, list[tuple[int, int]]]]:
+                      copies: int, evict_for_room: bool, targets: dict[int, int]
+                      ) -> list[tuple[int, int, list[tuple[int, int]]]]:
         placed: list[tuple[int, int, list[tuple[int, int]], str]] = []
         pending = list(runs)
         full: set[int] = set()
@@ -814,8 +818,10 @@ class DistributedDataPlane:
             calls: dict[tuple[int, int], Any] = {}
             plan: list[tuple[Chunk, str]] = []
             for p_start, p_count, producer in pending:
+                t = targets.get(p_start)
                 try:
-                    chunks, _ = self.plan.split(p_count, producer, row_bytes * p_count, rooms, copies)
+                    chunks, _ = self.plan.split(p_count, producer, row_bytes * p_count,
+                                                {t: rooms[t]} if t in rooms else rooms, copies)
                 except ClusterError as e:
                     if not full:
                         raise
@@ -876,6 +882,8 @@ class DistributedDataPlane:
                     # first halves would take the room later ones need; _replicate copies where room is left)
                     half = ch.count // 2
                     pending += [(ch.start, half, producer), (ch.start + half, ch.count - half, producer)]
+                    if ch.start in targets:
+                        targets[ch.start + half] = targets[ch.start]
                     copies = 1
                 else:
                     pending.append((ch.start, ch.count, producer))
