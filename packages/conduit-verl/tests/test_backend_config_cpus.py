@@ -27,24 +27,26 @@ def test_a_finite_unit_num_cpus_is_kept(cpus: float) -> None:
     assert _validated(dict(DEFAULTS, unit_num_cpus=cpus))["unit_num_cpus"] == cpus
 
 
-@pytest.mark.parametrize(("capacity", "mean_length", "says"), [
-    (10**6, 10**7, "physical memory"),  # 9 TiB of pool: the first put raised an untyped MemoryError
-    (10**30, 256, "int64"),  # the first put raised an untyped TypeError (overflow unpacking the size)
-], ids=["beyond-memory", "beyond-int64"])
-def test_a_first_pool_that_could_never_be_allocated_is_refused_at_init(capacity: int, mean_length: int,
-                                                                        says: str) -> None:
+def test_a_first_pool_beyond_int64_is_refused_at_init() -> None:
     """capacity x mean_length sizes every tensor field's first pool, which a unit allocates whole at the field's
-    first put. A size no machine of this kind could allocate was accepted here, and only that put failed, untyped;
-    it is refused with the keys and the bytes it would need."""
+    first put. A size beyond int64 was accepted here, and only that put failed, untyped; it is refused with the keys
+    and the bytes it would need. (A pool beyond the memory of a unit's node is refused when the units are placed:
+    test_unit_memory_check_on_the_units_node.py.)"""
     from conduit_verl.columns import FieldStore, PoolLadder
 
-    assert capacity * mean_length > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # (impossible here)
-    if says == "int64":  # what the first put met (the other case is not tried: it could page in the machine)
-        with pytest.raises(TypeError):
-            FieldStore("responses", torch.uint8, 1, PoolLadder(capacity, capacity * mean_length))
-    with pytest.raises(ConfigurationError, match=rf"capacity={capacity}.*mean_length={mean_length}.*{says}") as e:
+    capacity, mean_length = 10**30, 256
+    with pytest.raises(TypeError):  # what the first put met (overflow unpacking the size)
+        FieldStore("responses", torch.uint8, 1, PoolLadder(capacity, capacity * mean_length))
+    with pytest.raises(ConfigurationError, match=rf"capacity={capacity}.*mean_length={mean_length}.*int64") as e:
         _validated(dict(DEFAULTS, capacity=capacity, mean_length=mean_length))
     assert f"{capacity * mean_length + 25 * capacity} bytes" in str(e.value)
+
+
+def test_a_first_pool_beyond_the_drivers_memory_is_left_to_the_units_nodes() -> None:
+    """The machine that runs ``tq.init`` allocates no pool: its memory bounds nothing (before, a pool of 9 TiB was
+    refused here by this machine's memory, whatever the nodes the units run on have)."""
+    assert 10**13 > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert _validated(dict(DEFAULTS, capacity=10**6, mean_length=10**7))["capacity"] == 10**6
 
 
 def test_a_first_pool_that_fits_is_accepted() -> None:

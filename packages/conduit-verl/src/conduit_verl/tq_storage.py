@@ -27,8 +27,8 @@ section, so a hydra override adds a key with a leading ``+``: ``+transfer_queue.
 
 ``num_units`` (1), ``capacity`` (1024 sample slots per field and unit before the first
 migration), ``mean_length`` (256 elements per sample in the first placement; a first pool of
-``capacity * mean_length`` elements beyond int64, or at one byte each beyond the physical memory of
-the machine that runs ``tq.init``, is refused there, as a field's first put could never allocate it),
+``capacity * mean_length`` elements beyond int64, or at one byte each, over the units a Ray node runs, beyond
+the memory Ray has on that node, is refused by ``tq.init``, as a field's first put could never allocate it),
 ``growth`` (2.0, the placement map's factor, at least 1.01), ``max_items`` (null: unbounded),
 ``unit_num_cpus`` (0; ``tq.init`` refuses units that together reserve more CPUs than their
 node has, and stops them if one has not started within :data:`UNIT_START_TIMEOUT_S`),
@@ -54,7 +54,6 @@ from typing import Any, cast
 import ray
 import torch
 from conduit import ConduitError, ConfigurationError, SchemaError, Telemetry
-from conduit.placement.profile import host_memory
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tensordict import NonTensorStack, TensorDict
 from transfer_queue.metadata import BatchMeta, extract_field_schema
@@ -165,35 +164,70 @@ def _validated(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _check_first_placement(cfg: dict[str, Any], where: str) -> None:
-    """Refuse a ``capacity`` x ``mean_length`` that no field's first placement could ever be allocated with.
+def _first_pool(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(elements, bytes) of the first placement of each tensor field on each unit, the bytes a lower bound.
 
     A unit allocates a tensor field's first placement whole when the field's first put arrives
     (:class:`~conduit_verl.columns.FieldStore`, rung 0 of :class:`~conduit_verl.columns.PoolLadder`): a packed pool of
     ``capacity * mean_length`` elements and ``min(capacity, max_items)`` slots, each with at least 25 bytes of
-    bookkeeping (start, length and held elements, int64; alive, bool). At one byte per element (the smallest
-    dtype) that is a lower bound of what each field needs; a pool beyond int64 elements, or bytes beyond this
-    machine's physical memory, failed only at that put, with an untyped MemoryError, RuntimeError or TypeError.
-
-    Raises:
-        ConfigurationError: the pool's elements exceed int64, or its lower bound exceeds the physical memory.
+    bookkeeping (start, length and held elements, int64; alive, bool). At one byte per element (the smallest dtype)
+    that is a lower bound of what each field needs on each unit.
     """
     capacity, mean_length = int(cfg["capacity"]), int(cfg["mean_length"])
     slots = capacity if cfg["max_items"] is None else min(capacity, int(cfg["max_items"]))
     elements = capacity * mean_length
-    need = elements + 25 * slots
+    return elements, elements + 25 * slots
+
+
+def _check_first_placement(cfg: dict[str, Any], where: str) -> None:
+    """Refuse a ``capacity`` x ``mean_length`` whose first pool (:func:`_first_pool`) is beyond int64 elements: no
+    tensor can hold it, and a field's first put failed only there, with an untyped TypeError. (Whether its bytes fit
+    the memory of the nodes the units run on is :func:`_check_unit_memory`'s.)
+
+    Raises:
+        ConfigurationError: the pool's elements exceed int64.
+    """
+    elements, need = _first_pool(cfg)
     if elements > _INT64_MAX:
         raise ConfigurationError(
-            f"{where}.capacity={capacity} x {where}.mean_length={mean_length} = {elements} elements in each tensor "
-            f"field's first pool, beyond what a tensor can hold (int64, {_INT64_MAX}); that is at least {need} "
-            f"bytes per field and unit. Lower capacity or mean_length (the pool grows when sequences need it).")
-    memory = host_memory()  # (0: not said by this system, nothing to compare with)
-    if memory and need > memory:
-        raise ConfigurationError(
-            f"{where}.capacity={capacity} x {where}.mean_length={mean_length} sizes each tensor field's first pool "
-            f"at {elements} elements: at least {need} bytes per field and unit (at one byte per element), more "
-            f"than this machine's {memory} bytes of physical memory, so a field's first put could never allocate "
-            f"it. Lower capacity or mean_length (the pool grows when sequences need it).")
+            f"{where}.capacity={cfg['capacity']} x {where}.mean_length={cfg['mean_length']} = {elements} elements in "
+            f"each tensor field's first pool, beyond what a tensor can hold (int64, {_INT64_MAX}); that is at least "
+            f"{need} bytes per field and unit. Lower capacity or mean_length (the pool grows when sequences need it).")
+
+
+def _node_memory(node: dict[str, Any]) -> int:
+    """The bytes of memory Ray has on ``node`` (an entry of ``ray.nodes()``): its ``memory`` resource (for tasks and
+    actors) plus its object store, which Ray sizes from that node's own memory (a container's limit included) unless
+    the node was started with ``--memory`` / ``--object-store-memory``; 0 when the node says neither."""
+    resources = node.get("Resources", {})
+    return int(float(resources.get("memory", 0)) + float(resources.get("object_store_memory", 0)))
+
+
+def _check_unit_memory(cfg: dict[str, Any], node_ids: list[str]) -> None:
+    """Refuse a first pool (:func:`_first_pool`) that the units pinned to one node (``node_ids[rank]``) could never
+    allocate there together: each unit allocates it for each tensor field at the field's first put, in its own
+    process on its own node, so the bound is that node's memory as Ray has it (:func:`_node_memory`), not the memory
+    of the machine that runs ``tq.init`` (a node that says none is not checked).
+
+    Raises:
+        ConfigurationError: a node has less memory than the first pools of one tensor field on its units need.
+    """
+    where = f"transfer_queue.backend.{BACKEND}"
+    elements, need = _first_pool(cfg)
+    has = {node["NodeID"]: _node_memory(node) for node in ray.nodes() if node.get("Alive", False)}
+    units: dict[str, int] = {}
+    for node_id in node_ids:
+        units[node_id] = units.get(node_id, 0) + 1
+    for node_id, count in units.items():
+        memory = has.get(node_id, 0)
+        if memory and count * need > memory:
+            raise ConfigurationError(
+                f"{where}.capacity={cfg['capacity']} x {where}.mean_length={cfg['mean_length']} sizes each tensor "
+                f"field's first pool at {elements} elements: at least {need} bytes per field and unit (at one byte "
+                f"per element), and the {count} storage unit(s) placed on Ray node {node_id[:12]} need "
+                f"{count * need} bytes for one field, more than the {memory} bytes of memory Ray has on that node, so "
+                f"a field's first put could never allocate it. Lower capacity or mean_length (the pool grows when "
+                f"sequences need it). Nothing was started.")
 
 
 _INT64_MAX = 2**63 - 1
@@ -299,7 +333,8 @@ def bootstrap(conf: DictConfig) -> dict[str, Any]:
 
     Raises:
         ConfigurationError: ``transfer_queue.backend.Conduit`` has an unknown key or a bad value, or its units
-            reserve more CPUs than their nodes have (nothing started); or a unit did not start within
+            reserve more CPUs than their nodes have, or a field's first pools on the units of a node exceed the
+            memory Ray has there (nothing started); or a unit did not start within
             :data:`UNIT_START_TIMEOUT_S` (the units started are stopped).
     """
     try:
@@ -317,6 +352,7 @@ def _start_units(conf: DictConfig) -> dict[str, Any]:
     n = int(checked["num_units"])
     strategies = get_node_round_robin_scheduling_strategies(n)
     _check_unit_cpus(checked, [s.node_id for s in strategies])
+    _check_unit_memory(checked, [s.node_id for s in strategies])
     with open_dict(backend):
         if backend.get(BACKEND) is None:
             backend[BACKEND] = {}
