@@ -93,3 +93,34 @@ def test_a_restore_with_a_truncated_unit_file_raises_schema_error_itself(tq_sess
     assert type(err.value) is SchemaError and not isinstance(err.value, ray.exceptions.RayTaskError)
     assert str(err.value).startswith(f"{unit1} could not be read"), str(err.value)[:300]
     assert _state(manager, tmp_path) == now, "a refused restore changed the units"
+
+
+@pytest.mark.slow
+def test_a_relative_checkpoint_dir_is_the_callers(tq_session: Any, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's ``trainer.default_local_dir`` is relative (``checkpoints/<project>/<experiment>``) and TransferQueue hands
+    the checkpoint dir on as given. The manager created it in its own working directory, but each unit wrote its file
+    relative to the unit process's working directory (another one; on another node, another machine): the save failed
+    there with Ray's untyped wrapper of FileNotFoundError, or the files landed outside the checkpoint. Saves and
+    restores now resolve the dir against the caller's working directory."""
+    import sys
+
+    import transfer_queue as tq
+    import verl  # noqa: F401  (verl loads its plugins: conduit-verl registers the "Conduit" backend)
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_put_all_or_nothing import _metas, _rows, _run, _state
+
+    tq_session("Conduit", num_units=1, capacity=4, mean_length=2)
+    client = tq.get_client()
+    manager = client.storage_manager
+    _run(lambda: manager.put_data(_rows([1.0, 2.0], ["a0", "a1"]), _metas(client, "rel", ["a0", "a1"])))
+    saved = _state(manager, tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # (the units' processes keep the working directory they started in)
+    _run(lambda: manager.save_checkpoint("checkpoints/step_1/transfer_queue"))
+    assert (work / "checkpoints/step_1/transfer_queue/conduit_unit_0.pt").is_file()
+    _run(lambda: manager.put_data(_rows([3.0], ["b0"]), _metas(client, "rel", ["b0"])))
+    _run(lambda: manager.load_checkpoint("checkpoints/step_1/transfer_queue"))
+    assert _state(manager, tmp_path) == saved, "the restore did not bring back what was saved"

@@ -591,7 +591,13 @@ class ConduitStorageManager(StorageManager):
         os.replace(path + ".tmp", path)
 
     async def save_checkpoint(self, checkpoint_dir: str) -> None:
-        """Each unit writes its samples to ``checkpoint_dir/conduit_unit_<rank>.pt``."""
+        """Each unit writes its samples to ``checkpoint_dir/conduit_unit_<rank>.pt``.
+
+        A relative ``checkpoint_dir`` (verl's ``trainer.default_local_dir`` is one, and TransferQueue hands it on as
+        given) is taken from this process's working directory, not from each unit's (another directory, and on
+        another node another machine); with several nodes it must be on a file system they share at the same path.
+        """
+        checkpoint_dir = os.path.abspath(checkpoint_dir)
         os.makedirs(checkpoint_dir, exist_ok=True)
         await self._answers([(r, u.save.remote(os.path.join(checkpoint_dir, f"conduit_unit_{r}.pt")))
                              for r, u in enumerate(self.units)], "a checkpoint save")
@@ -604,7 +610,10 @@ class ConduitStorageManager(StorageManager):
             FileNotFoundError: a unit's file is missing (another ``num_units``); nothing is changed.
             SchemaError: a unit's file cannot be read (truncated, corrupt) or was not written by a Conduit unit of
                 this ``num_units``; nothing is changed.
+
+        A relative ``checkpoint_dir`` is taken from this process's working directory (as :meth:`save_checkpoint`).
         """
+        checkpoint_dir = os.path.abspath(checkpoint_dir)
         paths = [os.path.join(checkpoint_dir, f"conduit_unit_{r}.pt") for r in range(len(self.units))]
         missing = [p for p in paths if not os.path.exists(p)]
         if missing:
