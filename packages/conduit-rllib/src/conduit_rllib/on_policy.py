@@ -60,6 +60,10 @@ def _columns(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
                 raise UnsupportedConfigError(f"Train-batch column {name!r} holds {col.dtype} values, which torch "
                                              f"cannot hold ({e}); cast the column to a torch-supported dtype "
                                              f"(e.g. float64) or drop it from the train batch.") from e
+            if cols[name].dim() == 0:  # (the rows are counted from a column's first dimension)
+                raise SchemaError(f"Train-batch column {name!r} is a single value (a 0-d array), not one row per "
+                                  f"timestep; give it a first dimension of the batch's rows (e.g. col[None] "
+                                  f"repeated per row) or drop it from the train batch.")
         elif name.startswith("_"):
             continue  # SampleBatch bookkeeping
         else:
@@ -334,6 +338,8 @@ class MinibatchFeed:
 
         Raises:
             UnsupportedConfigError: a column is not a flat array, or a second module is fed.
+            conduit.SchemaError: a column is a single value (a 0-d array), not one row per timestep; nothing is
+                ingested then.
             conduit.ConfigurationError: ``version`` is not an integer (a NumPy or 0-d tensor integer is fine;
                 a bool, float or string is refused, never rounded); nothing is ingested then.
             conduit.CapacityError: the rows waiting for delivery and this batch's would exceed

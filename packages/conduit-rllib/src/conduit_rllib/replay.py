@@ -58,7 +58,7 @@ from conduit import (
     Scheduler,
     UniformSampler,
 )
-from conduit.checks import is_bool, is_int
+from conduit.checks import is_bool, is_int, is_real
 from conduit.scheduling.base import check_scheduler_entry
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
@@ -268,7 +268,7 @@ class _ConduitReplay:
                 of its episode already added, while a step of it is still stored (they would be stored
                 twice), ``t_started`` 0 included; any chunk of an episode that ended in an earlier add while
                 a step of it is still stored (give new steps a new episode id).
-            conduit.PriorityError: a weight that is no number, or is NaN, infinite or negative.
+            conduit.PriorityError: a weight that is no number (text and bools too), or is NaN, infinite or negative.
             conduit.CapacityError: one chunk holds more steps than the capacity; nothing of this add
                 is stored. (RLlib's buffer keeps such a chunk over capacity until the next add; Conduit's
                 storage is preallocated for ``capacity`` transitions. Raise the capacity or add shorter
@@ -281,8 +281,8 @@ class _ConduitReplay:
                                      "ConduitPrioritizedEpisodeReplayBuffer or drop the weight.")
         if weight is not None:
             try:
-                if isinstance(weight, (str, bytes)):  # (float() would parse "2.0")
-                    raise TypeError("text is no number")
+                if isinstance(weight, (str, bytes)) or is_bool(weight):  # (float() would parse "2.0", take True)
+                    raise TypeError(f"a {type(weight).__name__} is no number")
                 weight = float(weight)
             except (TypeError, ValueError) as e:
                 raise PriorityError(f"An add's weight is one initial priority for all its steps, a number; got "
@@ -872,13 +872,14 @@ class _ConduitReplay:
                     raise ValueError(f"n-step links of shapes {shapes} for {self.capacity} slots and next handle "
                                      f"{nxt} for a plane whose next is {state['edp']['storage']['next']}")
             # (states saved before these two were kept: nothing unlogged, the cycle at its start)
-            unlogged = {k: int(state.get("unlogged", {}).get(k, 0)) for k in self._counts}
-            metrics_calls = int(state.get("metrics_calls", 0))
+            unlogged = {k: _count(f"unlogged {k}", dict(state.get("unlogged", {})).get(k, 0)) for k in self._counts}
+            metrics_calls = _count("metrics_calls", state.get("metrics_calls", 0))
             logged_iteration = state.get("logged_iteration")
-            logged_iteration = None if logged_iteration is None else int(logged_iteration)
-            # (a state saved before evicted episodes were counted: none counted up to it)
-            lifetime = {k: int(lifetime.get(k, 0) if k == "episodes_evicted" else lifetime[k]) - unlogged[k]
-                        for k in self._lifetime}
+            logged_iteration = None if logged_iteration is None else _count("logged_iteration", logged_iteration)
+            # (a state saved before evicted episodes were counted: none counted up to it); the lifetime counts
+            # include the unlogged ones
+            lifetime = {k: _count(f"lifetime {k}", lifetime.get(k, 0) if k == "episodes_evicted" else lifetime[k],
+                                  at_least=unlogged[k]) - unlogged[k] for k in self._lifetime}
             np.random.PCG64().state = state["n_rng"]
             last, obs_space, act_space = state["last_handles"], state["observation_space"], state["action_space"]
             if last is not None and not (isinstance(last, torch.Tensor) and last.dim() == 1
@@ -958,12 +959,25 @@ class _ConduitReplay:
             raise
 
 
+def _count(what: str, value: Any, at_least: int = 0) -> int:
+    """A saved counter ``value`` as an int, checked: an integer (not a bool, fraction or text) >= ``at_least``.
+
+    Raises:
+        ValueError: anything else (a damaged state: ``int()`` would truncate 2.7 or parse "3", and a negative count
+            would be reported as such by get_metrics).
+    """
+    if not is_int(value) or value < at_least:
+        raise ValueError(f"{what} {value!r} is no int >= {at_least}")
+    return int(value)
+
+
 def _real_priorities(priorities: Any) -> np.ndarray:
     """``update_priorities``'s ``priorities`` as a 1-d float64 array, read as the data plane reads them: a floating
     tensor of any dtype (bfloat16 too, which NumPy has no counterpart for) is converted by torch first.
 
     Raises:
-        TypeError: complex values (NumPy would drop their imaginary parts with only a warning), or no numbers.
+        TypeError: complex values (NumPy would drop their imaginary parts with only a warning), text or bools
+            (NumPy would parse "2.0" and take True as 1), or no numbers.
         ValueError: values that form no array of numbers.
     """
     if isinstance(priorities, torch.Tensor):
@@ -975,7 +989,11 @@ def _real_priorities(priorities: Any) -> np.ndarray:
         if np.iscomplexobj(priorities):
             raise TypeError("complex values")
         raw = priorities
-    return np.asarray(raw, dtype=np.float64).reshape(-1)
+    arr = np.asarray(raw)
+    # (NumPy's float conversion would parse text, "2.0", and take bools as 0 and 1)
+    if arr.dtype.kind in "USb" or (arr.dtype.kind == "O" and not all(is_real(v) for v in arr.reshape(-1))):
+        raise TypeError(f"{arr.dtype} values")
+    return np.asarray(arr, dtype=np.float64).reshape(-1)
 
 
 def _newest_steps(eid: np.ndarray, nxt: int, capacity: int) -> dict[str, int]:
