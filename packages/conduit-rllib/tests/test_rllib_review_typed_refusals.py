@@ -3,7 +3,7 @@
 Reported in review:
 
 * ``MinibatchFeed.ingest`` with a 0-d column raised a bare ``IndexError`` (rows are counted from a column's first
-  dimension);
+  dimension), and ``minibatches(env_steps=...)`` took any value (a string, a fraction) for the env steps RLlib sums;
 * a replay state whose metric counters were damaged (negative, fractional, bool, text) was restored: ``int()``
   truncated 2.7 and parsed "3", and ``get_metrics`` then reported a negative number of steps added;
 * ``update_priorities`` parsed text priorities (``["1", "2"]``) and took bools as 0 and 1, and ``add`` took
@@ -37,6 +37,21 @@ def test_a_feed_refuses_a_zero_d_column_typed_and_ingests_nothing() -> None:
         feed.ingest("m", {"obs": torch.arange(4.0)[:, None]}, version=0)  # the feed goes on as if never called
         feed.seal()
         assert [mb.policy_batches["m"]["obs"][:, 0].tolist() for mb in feed.minibatches()] == [[0, 1], [2, 3]]
+    finally:
+        feed.close()
+
+
+@pytest.mark.parametrize("env_steps", ["x", 2.5, -1, True])
+def test_a_feed_refuses_env_steps_that_are_no_count_and_delivers_nothing(env_steps: Any) -> None:
+    """The env steps each minibatch reports (RLlib sums them into num_env_steps_trained). Failed before: taken, the
+    minibatches reporting e.g. "x" env steps."""
+    feed = MinibatchFeed(minibatch_size=2, prefetch=False)
+    try:
+        feed.ingest("m", {"obs": torch.arange(4.0)[:, None]}, version=0)
+        feed.seal()
+        with pytest.raises(ConfigurationError, match="env_steps"):
+            feed.minibatches(env_steps=env_steps)
+        assert [mb.env_steps() for mb in feed.minibatches(env_steps=np.int64(7))] == [7, 7]  # nothing was taken
     finally:
         feed.close()
 

@@ -564,8 +564,13 @@ class MinibatchFeed:
         Raises:
             conduit.EmptyBufferError: nothing sealed is waiting.
             conduit.StaleExperienceError: the rollout is too stale and ``on_stale="raise"``.
-            conduit.ConfigurationError: (from the iteration) the feed was closed on another thread meanwhile.
+            conduit.ConfigurationError: ``env_steps`` is no int >= 0 (nothing is delivered then); or (from the
+                iteration) the feed was closed on another thread meanwhile.
         """
+        if env_steps is not None and (not is_int(env_steps) or env_steps < 0):  # (RLlib would sum it into results)
+            raise ConfigurationError(f"env_steps must be None (each minibatch's rows) or an int >= 0 (the env steps "
+                                     f"each minibatch reports, e.g. the train batch's env_steps()), got "
+                                     f"{env_steps!r}.")
         closes = self._closes
         self._claim_inflight()  # an earlier iteration, stopped but not closed yet, prefetched the next delivery
         first = self._take_held()
