@@ -88,9 +88,9 @@ def test_the_dotted_name_check_catches_a_wrong_name() -> None:
 
 def _test_functions() -> set[str]:
     names: set[str] = set()
-    for path in ROOT.glob("**/test*.py"):
-        if ".venv" not in path.parts:
-            names |= set(re.findall(r"^\s*(?:async )?def (test_\w+)", path.read_text(), re.M))
+    for rel in _repository_files():
+        if Path(rel).name.startswith("test") and rel.endswith(".py"):
+            names |= set(re.findall(r"^\s*(?:async )?def (test_\w+)", (ROOT / rel).read_text(), re.M))
     for path in (ROOT / "packages/conduit-core/src/conduit/testing").rglob("*.py"):  # the conformance suites' tests
         names |= set(re.findall(r"^\s*def (test_\w+)", path.read_text(), re.M))
     return names
@@ -107,9 +107,16 @@ def test_every_test_the_docs_cite_exists() -> None:
 
 
 def _repository_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
-    return [p for p in out.splitlines() if (ROOT / p).exists()]
+    """The files under the repository root, outside version-control, environment and cache folders (no git needed:
+    the tests also run from an unpacked source tree)."""
+    import os
+
+    skip = {".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache", "node_modules"}
+    files = []
+    for folder, subfolders, names in os.walk(ROOT):
+        subfolders[:] = [s for s in subfolders if s not in skip]  # (not walked at all: a venv holds many files)
+        files += [str((Path(folder) / n).relative_to(ROOT)) for n in names]
+    return files
 
 
 _PATH = re.compile(r"`([\w./{},-]+\.(?:py|md|json|sh|png|txt|toml|pt|log|csv|so))`|\]\(((?!https?:|#|mailto:)[^)#\s]+)")
