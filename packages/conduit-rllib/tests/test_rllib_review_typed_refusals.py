@@ -41,6 +41,20 @@ def test_a_feed_refuses_a_zero_d_column_typed_and_ingests_nothing() -> None:
         feed.close()
 
 
+def test_a_rollout_whose_column_changed_shape_while_one_waits_is_refused_naming_the_shapes() -> None:
+    """The refusal said "columns ['obs'] arrived while one with ['obs'] is waiting" for a column that kept its
+    name and changed its row shape: nothing to tell what differed."""
+    feed = MinibatchFeed(minibatch_size=2, prefetch=False)
+    try:
+        feed.ingest("m", {"obs": torch.zeros(4, 3)}, version=0)
+        with pytest.raises(SchemaError, match=r"obs=torch.float32\[5\].*obs=torch.float32\[3\]"):
+            feed.ingest("m", {"obs": torch.zeros(4, 5)}, version=0)
+        feed.seal()  # the waiting rollout is as it was
+        assert [tuple(mb.policy_batches["m"]["obs"].shape) for mb in feed.minibatches()] == [(2, 3), (2, 3)]
+    finally:
+        feed.close()
+
+
 @pytest.mark.parametrize("env_steps", ["x", 2.5, -1, True])
 def test_a_feed_refuses_env_steps_that_are_no_count_and_delivers_nothing(env_steps: Any) -> None:
     """The env steps each minibatch reports (RLlib sums them into num_env_steps_trained). Failed before: taken, the

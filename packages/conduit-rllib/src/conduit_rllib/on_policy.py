@@ -308,8 +308,9 @@ class MinibatchFeed:
             return edp
         if edp is not None and not self._idle():
             if edp.schema != schema:
-                raise SchemaError(f"A rollout with columns {list(schema)} arrived while one with "
-                                  f"{list(edp.schema)} is waiting; consume it first.")
+                # (dtypes and row shapes too: a column whose shape changed has the same name)
+                raise SchemaError(f"A rollout of {schema!r} arrived while one of {edp.schema!r} is waiting; "
+                                  f"consume it first.")
             return edp  # too large: the ingest raises CapacityError
         if edp is not None:  # idle: its state goes on in the new plane (kept here should building that fail)
             self._restored = self.state_dict()
