@@ -693,10 +693,10 @@ class CostModel:
         ingestion path, spread over the destination's devices; GPU to GPU uses P2P.
 
         Raises:
-            ConfigurationError: ``nbytes`` is NaN or infinite.
+            ConfigurationError: ``nbytes`` is no real number, NaN, infinite or negative.
         """
-        if not is_real(nbytes) or not math.isfinite(nbytes):
-            raise ConfigurationError(f"nbytes must be a finite number of bytes, got {nbytes!r}.")
+        if not is_real(nbytes) or not 0 <= nbytes < math.inf:
+            raise ConfigurationError(f"nbytes must be a finite number of bytes >= 0, got {nbytes!r}.")
         if nbytes <= 0:
             return 0.0
         chunk = 64 << 20

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from conduit.checks import is_real
-from conduit.errors import PlacementError
+from conduit.errors import ConfigurationError, PlacementError
 from conduit.storage.columnar import empty_column, gather_into
 from conduit.telemetry import write_atomically
 
@@ -196,7 +196,11 @@ class LinkCost:
         small transfer measured slower than a larger one) or a bandwidth that the log-size
         interpolation raises almost as fast as the size would otherwise predict less time for more
         bytes. Points whose predictions already grow with size are not changed.
+
+        Raises:
+            ConfigurationError: ``nbytes`` is no real number, NaN, infinite or negative.
         """
+        _check_size("nbytes", nbytes)
         bw = self._interpolated(nbytes)
         slowest = self._slowest(nbytes)
         if slowest > 0 and nbytes < bw * slowest:  # (nbytes / bw < slowest; bw may be infinite)
@@ -230,7 +234,13 @@ class LinkCost:
         """Predicted seconds for one call moving ``nbytes`` (in ``rows`` random rows, for a gather).
 
         A call that moves nothing costs nothing.
+
+        Raises:
+            ConfigurationError: ``nbytes`` or ``rows`` is no real number, NaN, infinite or negative (a NaN
+                priced as NaN seconds, and a negative size as nothing, would compare silently wrong).
         """
+        _check_size("nbytes", nbytes)
+        _check_size("rows", rows)
         if nbytes <= 0:
             return 0.0
         per_row = self.by_row and rows > 0
@@ -273,6 +283,13 @@ class LinkCost:
         if "gbps" in d:
             return cls.constant(_number("gbps", d["gbps"]), over, per_row)
         return cls(over * 1e-6, per_row_s=per_row * 1e-9)  # a pure per-call (and per-row) cost
+
+
+def _check_size(what: str, v: object) -> None:
+    """Raise :class:`ConfigurationError` unless ``v`` is a finite real number >= 0 (a count of bytes or rows)."""
+    if not is_real(v) or not 0 <= v < math.inf:
+        raise ConfigurationError(f"{what} must be a finite number >= 0, got {v!r}; pass the bytes (or rows) the call "
+                                 f"moves.")
 
 
 def _number(what: str, v: Any) -> float:
