@@ -572,7 +572,8 @@ def _median_seconds(fn: Callable[[], object], *, reps: int, warmup: int = 2,
     for _ in range(warmup):
         timed()
     times = [timed() for _ in range(reps)]
-    extra = min(7 * reps, int(min_total / max(statistics.median(times), 1e-9))) - reps
+    # (as many runs in all as fit in min_total, of which at most 7x reps more than the reps already run)
+    extra = min(7 * reps, int(min_total / max(statistics.median(times), 1e-9)) - reps)
     times += [timed() for _ in range(max(0, extra))]
     return statistics.median(times)
 
