@@ -113,7 +113,8 @@ class Workload:
     """What a buffer holds and how one training iteration uses it.
 
     Args:
-        field_bytes: bytes per item of each column (ragged fields: at their mean length).
+        field_bytes: bytes per item of each column (ragged fields: at their mean length); a fractional
+            size is rounded up to whole bytes, so memory checks count at least what the items take.
         capacity: item slots.
         batch: items per delivery, per learner.
         learners: learners, each taking one delivery per iteration.
@@ -157,7 +158,9 @@ class Workload:
             raise ConfigurationError(f"ingest_items must be a positive int (or None), got {self.ingest_items!r}.")
         if self.batch > self.capacity:
             raise ConfigurationError(f"batch ({self.batch}) exceeds capacity ({self.capacity}).")
-        object.__setattr__(self, "field_bytes", tuple(int(b) for b in self.field_bytes))
+        # rounded up, as from_schema and resized round: a fractional size (a ragged field's mean bytes) truncated
+        # would plan less memory than the items take
+        object.__setattr__(self, "field_bytes", tuple(math.ceil(b) for b in self.field_bytes))
         if self.growing is not None:
             object.__setattr__(self, "growing", _field_indices("growing", self.growing, len(self.field_bytes)))
             if not self.growing:
