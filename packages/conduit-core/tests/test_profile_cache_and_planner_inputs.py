@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conduit.errors import ConfigurationError
 from conduit.placement import BandwidthProfile, LinkCost, Planner, Workload, load_topology
 from conduit.placement.cost import transition_schema
@@ -24,7 +25,8 @@ def _fake_cached(directory: Path, *, quick: bool = True) -> BandwidthProfile:
     links = {k: LinkCost.constant(1.0, 1.0) for k in ("host_copy", "host_gather", "edp_deliver", "edp_ingest",
                                                       "disk_read", "disk_write")}
     prof = BandwidthProfile(links, source="measured", machine=machine_id(), created="2000-01-01T00:00:00+00:00",
-                            details={"disk_directory": os.path.realpath(directory), "quick": quick})
+                            details={"disk_directory": os.path.realpath(directory), "quick": quick,
+                                     "torch_threads": torch.get_num_threads()})
     prof.save()
     return prof
 

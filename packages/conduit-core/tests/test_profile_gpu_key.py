@@ -49,7 +49,8 @@ def _measured(machine: str) -> BandwidthProfile:
     links = {k: LinkCost.constant(1.0, 1.0) for k in ("host_copy", "host_gather", "edp_deliver", "edp_ingest",
                                                       "disk_read", "disk_write")}
     return BandwidthProfile(links, source="measured", machine=machine, created="2000-01-01T00:00:00+00:00",
-                            details={"disk_directory": os.path.realpath(Path.cwd()), "quick": True})
+                            details={"disk_directory": os.path.realpath(Path.cwd()), "quick": True,
+                                     "torch_threads": torch.get_num_threads()})
 
 
 def test_gpus_of_the_same_model_on_other_pci_buses_are_another_machine(tmp_path: Path,

@@ -791,6 +791,11 @@ def profile_machine(*, cache: bool = True, refresh: bool = False, quick: bool = 
         disk_directory: where to measure the disk tier (default: the temp dir). The cached profile is
             returned only when its disk tier was measured there (the volume decides ``disk_read`` and
             ``disk_write``); otherwise this one is measured, and cached in its place.
+
+    A cached profile is likewise returned only when it was measured with the intra-op threads torch uses
+    now (``torch.get_num_threads()``, its ``details["torch_threads"]``): host copies and gathers of large
+    tensors run on that many threads, so figures measured with 16 would price a process that runs with 1
+    (``OMP_NUM_THREADS=1``, a Ray worker) at several times its bandwidth. Otherwise it is measured again.
     """
     disk_dir = os.path.realpath(disk_directory or tempfile.gettempdir())
     if cache and not refresh:
@@ -799,7 +804,8 @@ def profile_machine(*, cache: bool = True, refresh: bool = False, quick: bool = 
         except PlacementError:
             pass
         else:
-            if cached.details.get("disk_directory") == disk_dir and (quick or cached.details.get("quick") is False):
+            if (cached.details.get("disk_directory") == disk_dir and (quick or cached.details.get("quick") is False)
+                    and cached.details.get("torch_threads") == torch.get_num_threads()):
                 return cached
     reps = 11 if quick else 21
     cpu = torch.device("cpu")
