@@ -89,12 +89,13 @@ class LinkCost:
 
     def __post_init__(self) -> None:
         pts = tuple(sorted((float(b), float(bw)) for b, bw in self.points))
-        if (not pts or any(not (b > 0 and bw > 0) for b, bw in pts) or not 0 <= self.overhead_s < math.inf
+        # (a point's size is finite: one at an infinite size, which a profile file's ``Infinity`` reads as, was
+        # measured by no transfer; alone it priced every transfer at its figure)
+        if (not pts or any(not (0 < b < math.inf and bw > 0) for b, bw in pts) or not 0 <= self.overhead_s < math.inf
                 or not 0 <= self.per_row_s < math.inf):
             raise PlacementError(f"A link needs a finite overhead >= 0, a finite per-row cost >= 0 and positive "
-                                 f"(bytes, bandwidth) "
-                                 f"points, got overhead={self.overhead_s}, per_row={self.per_row_s}, "
-                                 f"points={self.points}; re-run `conduit profile`.")
+                                 f"(bytes, bandwidth) points, the bytes finite, got overhead={self.overhead_s}, "
+                                 f"per_row={self.per_row_s}, points={self.points}; re-run `conduit profile`.")
         object.__setattr__(self, "points", pts)
 
     @classmethod
