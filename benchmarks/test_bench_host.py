@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -25,16 +26,31 @@ def capacity_for(d: int) -> int:
     return int(min(100_000, (512 << 20) // (4 * d)))
 
 
-def build(lib: str, d: int, cap: int, data: torch.Tensor):  # noqa: ANN201 - returns (ingest1, ingest256, sample)
-    """Fill a buffer of ``lib`` with ``cap`` items; return its (ingest one, ingest 256, sample 512) calls."""
+class Calls(NamedTuple):
+    """One library's buffer: the timed calls, and ``newest(n)``, the ``n`` rows it stored last (untimed: the
+    ingestion check)."""
+
+    ingest1: Callable[[], object]
+    ingest256: Callable[[], object]
+    sample: Callable[[], object]
+    newest: Callable[[int], torch.Tensor]
+
+
+def build(lib: str, d: int, cap: int, data: torch.Tensor) -> Calls:
+    """Fill a buffer of ``lib`` with ``cap`` items; return its (ingest one, ingest 256, sample 512, newest) calls."""
     if lib in ("floor", "conduit"):
         edp = ExperienceDataPlane(ExperienceSchema(obs=Field((d,))), capacity=cap, semantics=Replay(seed=0))
         for s in range(0, cap, 1024):
             edp.ingest({"obs": data[: min(1024, cap - s)]})
         if lib == "conduit":
             one, chunk = data[:1], data[:256]
-            return (lambda: edp.ingest({"obs": one}), lambda: edp.ingest({"obs": chunk}),
-                    lambda: edp.deliver(BATCH))
+            store = edp.storage
+
+            def newest(n: int) -> torch.Tensor:
+                nxt = store.next_handle
+                return store._cols["obs"][torch.arange(nxt - n, nxt) % cap]
+            return Calls(lambda: edp.ingest({"obs": one}), lambda: edp.ingest({"obs": chunk}),
+                         lambda: edp.deliver(BATCH), newest)
         store = edp.storage._cols["obs"]  # a storage of its own, built and filled as Conduit's is
         out = torch.empty(BATCH, d)
         gen = torch.Generator().manual_seed(0)
@@ -48,8 +64,9 @@ def build(lib: str, d: int, cap: int, data: torch.Tensor):  # noqa: ANN201 - ret
             pos[0] = p + n
 
         one, chunk = data[:1], data[:256]
-        return (lambda: copy_into(one), lambda: copy_into(chunk),
-                lambda: torch.index_select(store, 0, torch.randint(cap, (BATCH,), generator=gen), out=out))
+        return Calls(lambda: copy_into(one), lambda: copy_into(chunk),
+                     lambda: torch.index_select(store, 0, torch.randint(cap, (BATCH,), generator=gen), out=out),
+                     lambda n: ring[pos[0] - n:pos[0]])
     if lib == "cpprb":
         import cpprb
 
@@ -58,7 +75,11 @@ def build(lib: str, d: int, cap: int, data: torch.Tensor):  # noqa: ANN201 - ret
         for s in range(0, cap, 1024):
             rb.add(obs=arr[: min(1024, cap - s)])
         one, chunk = arr[:1], arr[:256]
-        return lambda: rb.add(obs=one), lambda: rb.add(obs=chunk), lambda: rb.sample(BATCH)
+
+        def newest_cpprb(n: int) -> torch.Tensor:
+            nxt = rb.get_next_index()
+            return torch.from_numpy(rb._encode_sample(np.arange(nxt - n, nxt) % cap)["obs"])
+        return Calls(lambda: rb.add(obs=one), lambda: rb.add(obs=chunk), lambda: rb.sample(BATCH), newest_cpprb)
     if lib == "torchrl":
         from tensordict import TensorDict
         from torchrl.data import LazyTensorStorage, ReplayBuffer
@@ -69,7 +90,11 @@ def build(lib: str, d: int, cap: int, data: torch.Tensor):  # noqa: ANN201 - ret
             rb.extend(TensorDict({"obs": data[:n]}, batch_size=[n]))
         one = TensorDict({"obs": data[0]}, batch_size=[])  # one item: TorchRL's add (extend of a batch of one
         chunk = TensorDict({"obs": data[:256]}, batch_size=[256])  # costs ~1.7x as much at d = 128)
-        return lambda: rb.add(one), lambda: rb.extend(chunk), lambda: rb.sample()
+
+        def newest_torchrl(n: int) -> torch.Tensor:
+            nxt = int(rb._writer._cursor)
+            return rb.storage[torch.arange(nxt - n, nxt) % cap]["obs"]
+        return Calls(lambda: rb.add(one), lambda: rb.extend(chunk), lambda: rb.sample(), newest_torchrl)
     raise ValueError(lib)
 
 
@@ -92,6 +117,14 @@ def check_sample(lib: str, out: object, data: torch.Tensor) -> None:
     assert all(stored_row(row, data) is not None for row in rows), f"{lib}: a sampled row is none of the rows ingested"
 
 
+def check_ingest(lib: str, calls: Calls, chunk: int, data: torch.Tensor) -> None:
+    """The rows ``lib`` stored last are the ones its timed ingest call hands over (``data[:chunk]``, float32): an
+    ingestion that drops, truncates or garbles its rows must not be timed as one."""
+    rows = calls.newest(chunk)
+    assert tuple(rows.shape) == (chunk, data.shape[1]) and rows.dtype == torch.float32, (lib, rows.shape, rows.dtype)
+    assert torch.equal(rows, data[:chunk]), f"{lib}: the rows stored last are not the {chunk} rows ingested"
+
+
 def stored_row(row: torch.Tensor, data: torch.Tensor) -> int | None:
     """The index of a row of ``data`` equal to ``row`` (candidates found by the first value), or None."""
     for i in (data[:, 0] == row[0]).nonzero().flatten().tolist():
@@ -107,8 +140,8 @@ def buffers(request: pytest.FixtureRequest):  # noqa: ANN201
     cap = capacity_for(d)
     data = torch.randn(1024, d)
     made = {lib: build(lib, d, cap, data) for lib in LIBS}
-    for lib, (_, _, sample) in made.items():
-        check_sample(lib, sample(), data)
+    for lib, calls in made.items():
+        check_sample(lib, calls.sample(), data)
     yield d, made, data
     made.clear()
     gc.collect()
@@ -149,10 +182,11 @@ def test_sample_512_then_read(benchmark, buffers, lib: str, ratios) -> None:  # 
 @pytest.mark.parametrize("chunk", [1, 256])
 @pytest.mark.parametrize("lib", LIBS)
 def test_ingest(benchmark, buffers, lib: str, chunk: int, ratios) -> None:  # noqa: ANN001
-    d, made, _ = buffers
+    d, made, data = buffers
     fn = made[lib][0 if chunk == 1 else 1]
     benchmark.group = f"ingest{chunk}-d{d}"
     benchmark(fn)
+    check_ingest(lib, made[lib], chunk, data)
     ratios.add(f"host_ingest{chunk}", f"d={d}", lib, benchmark, baseline="floor",
                note=f"Ingest chunks of {chunk} float32 observations; floor = one copy_ into a preallocated ring.")
 

@@ -32,10 +32,11 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from config_sweep import bootstrap_ci  # noqa: E402
-from test_bench_host import LIBS, build, capacity_for, draw_then_read  # noqa: E402
+from test_bench_host import LIBS, build, capacity_for, check_ingest, check_sample, draw_then_read  # noqa: E402
 
 #: op -> the call it times, from a library's name and build()'s (ingest one, ingest 256, sample); sample512_read:
 #: the draw, then one read of the batch (a sum), as a learner uses it
+INGEST_ROWS = {"ingest256": 256, "ingest1": 1}
 OPS: dict[str, Callable[[str, tuple[Callable[[], object], ...]], Callable[[], object]]] = {
     "sample512": lambda lib, calls: calls[2],
     "sample512_read": lambda lib, calls: draw_then_read(lib, calls[2]),
@@ -50,17 +51,25 @@ def time_call(fn: Callable[[], object], calls: int) -> float:
 
 
 def measure(d: int, rounds: int, reps: int, libs: list[str], rng: random.Random) -> dict[str, dict[str, list[float]]]:
-    """Per op, per library: one median per round."""
+    """Per op, per library: one median per round. Every library's draws are checked before and after the rounds
+    (``BATCH`` rows of the data ingested) and its ingestion after each timing (the rows it stored last are the
+    ones handed over): a fast wrong answer is not a measurement."""
     data = torch.randn(1024, d)
     made = {lib: build(lib, d, capacity_for(d), data) for lib in libs}
     calls = {op: {lib: pick(lib, made[lib]) for lib in libs} for op, pick in OPS.items()}
     out: dict[str, dict[str, list[float]]] = {op: {lib: [] for lib in libs} for op in OPS}
+    for lib in libs:
+        check_sample(lib, made[lib].sample(), data)
     for _ in range(rounds):
         for op in OPS:
             order = list(libs)
             rng.shuffle(order)
             for lib in order:
                 out[op][lib].append(time_call(calls[op][lib], reps))
+                if op in INGEST_ROWS:
+                    check_ingest(lib, made[lib], INGEST_ROWS[op], data)
+    for lib in libs:
+        check_sample(lib, made[lib].sample(), data)
     made.clear()
     calls.clear()
     gc.collect()
