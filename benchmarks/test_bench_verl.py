@@ -31,6 +31,7 @@ pytest.importorskip("transfer_queue")
 BACKENDS = ["SimpleStorage", "Conduit"]
 LENGTHS = [1024, 4096, 8192]
 N = 256
+FIELDS = ["input_ids", "responses", "response_mask", "rollout_log_probs", "uid"]
 _keys = itertools.count()
 
 
@@ -100,6 +101,8 @@ def test_put(benchmark: Any, backend: str, mean_len: int, ratios: Any) -> None:
     benchmark.group = f"verl-put-L{mean_len}"
     benchmark.extra_info["bytes"] = nbytes(td)
     benchmark.pedantic(put, setup=setup, rounds=5, warmup_rounds=1)
+    # the last timed put stored every field as given: a put that drops or garbles data must not be timed as one
+    same_back(tq.kv_batch_get(keys=live[-1], partition_id="bench", select_fields=FIELDS), td)
     while live:
         tq.kv_clear(keys=live.pop(), partition_id="bench")
     ratios.add("verl_tq_put", f"256 x {mean_len} tokens ({nbytes(td) / 2**20:.0f} MiB)", backend, benchmark,
@@ -122,10 +125,9 @@ def test_get(benchmark: Any, backend: str, mean_len: int, ratios: Any) -> None:
     td = trajectories(N, mean_len)
     keys = [f"k{next(_keys)}" for _ in range(N)]
     tq.kv_batch_put(keys=keys, partition_id="bench", fields=td, tags=[{}] * N)
-    fields = ["input_ids", "responses", "response_mask", "rollout_log_probs", "uid"]
 
     def get() -> Any:
-        return tq.kv_batch_get(keys=keys, partition_id="bench", select_fields=fields)
+        return tq.kv_batch_get(keys=keys, partition_id="bench", select_fields=FIELDS)
 
     same_back(get(), td)
     benchmark.group = f"verl-get-L{mean_len}"

@@ -5,7 +5,8 @@ drift of the machine, or what the first backend left behind (Ray's object store,
 them. Here each round starts both backends afresh in a shuffled order (``tq.init`` ... ``tq.close``) and times
 ``--calls`` gets and puts of the same 256 GRPO trajectories (``test_bench_verl.trajectories``) on each; the ratio
 Conduit / SimpleStorage is taken within the round. Each cell: the median of the per-round ratios with its 95%
-bootstrap interval, and the two medians in ms. Every get is checked to return what was put.
+bootstrap interval, and the two medians in ms. Every get is checked to return what was put, and the last put of
+each timing to have stored it.
 
 For Conduit the round also splits the get (medians, ms): the unit's gather (its telemetry), the unit call's round
 trip (gather, then Ray's copy of the reply into the object store and back), and the reader's rebuild (the
@@ -70,6 +71,7 @@ def one_backend(backend: str, td: Any, calls: int, split: dict[str, list[float]]
 
         put_ms = median_ms(lambda: tq.kv_batch_put(keys=live[-1], partition_id="p", fields=td, tags=[{}] * N),
                            calls, before=fresh, warmup=1)  # (a first put of fresh keys untimed, as the benchmark's)
+        same_back(tq.kv_batch_get(keys=live[-1], partition_id="p", select_fields=FIELDS), td)  # the last put stored it
         while live:
             tq.kv_clear(keys=live.pop(), partition_id="p")
         return get, put_ms
