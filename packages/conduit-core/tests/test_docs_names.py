@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -201,60 +200,3 @@ def test_every_link_to_a_heading_in_the_docs_resolves() -> None:
     assert _broken_anchors(doc, "[a](../README.md#prioritized-replay-step) `../README.md#host-tier`") == []
     assert _broken_anchors(doc, "[a](../README.md#prioritised-replay-step) [b](#no-such-heading)") == [
         "../README.md#prioritised-replay-step", "#no-such-heading"]
-
-
-#: run in a fresh interpreter: each ``python -m conduit...`` command's ``parse_args`` runs for real (a refused flag
-#: exits 2 with argparse's message), and nothing after it does
-_PARSE_MODULE = r"""
-import argparse, json, runpy, sys
-
-class Parsed(BaseException):
-    pass
-
-real = argparse.ArgumentParser.parse_args
-def parse_args(self, args=None, namespace=None):
-    real(self, args, namespace)
-    raise Parsed
-
-argparse.ArgumentParser.parse_args = parse_args
-module, *argv = json.loads(sys.argv[1])
-sys.argv = [module, *argv]
-try:
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
-    print("ran past its arguments without parsing them")
-except Parsed:
-    print("ok")
-"""
-
-
-def _module_commands() -> list[tuple[str, list[str]]]:
-    """``python -m conduit.X ...`` / ``python -m conduit_<adapter>.X ...`` in the docs' code spans and bash blocks."""
-    import shlex
-
-    out = []
-    for doc in DOCS:
-        for m in re.finditer(r"python -m (conduit(?:_\w+)?(?:\.\w+)*)([^`\n]*)", doc.read_text()):
-            argv = [m.group(1), *shlex.split(m.group(2).split("#", 1)[0].rstrip(" \\"))]
-            out.append((f"{_rel(doc)}: python -m {' '.join(argv)}", argv))
-    return sorted(dict(out).items())
-
-
-MODULE_COMMANDS = _module_commands()
-
-
-@pytest.mark.parametrize(("where", "argv"), MODULE_COMMANDS, ids=[w for w, _ in MODULE_COMMANDS])
-def test_every_python_dash_m_command_in_the_docs_parses(where: str, argv: list[str]) -> None:
-    """``python -m conduit.distributed.measure --repeats 9 --kills 1``, ``python -m conduit_verl.tiny DIR``: the
-    module runs as a program and takes these arguments (parsed, not run: they start Ray or build models)."""
-    import json
-    import sys
-
-    pytest.importorskip(argv[0].split(".")[0])
-    done = subprocess.run([sys.executable, "-c", _PARSE_MODULE, json.dumps(argv)], capture_output=True, text=True,
-                          timeout=280, cwd=ROOT)
-    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1:] == ["ok"], \
-        f"{where}: {done.stdout[-500:]}{done.stderr[-2000:]}"
-
-
-def test_the_docs_quote_python_dash_m_commands() -> None:
-    assert any("conduit.distributed.measure" in w for w, _ in MODULE_COMMANDS), MODULE_COMMANDS

@@ -7,6 +7,7 @@ lines, and the placement map's boundaries quoted in ``benchmarks/docs/placement.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shlex
 from pathlib import Path
@@ -131,6 +132,9 @@ for where, argv in json.loads(sys.argv[1]):
         if argv[0] == "conduit":
             from conduit.cli import main
             main(argv[1:])
+        elif argv[0] == "-m":  # python -m conduit.X / conduit_<adapter>.X
+            sys.argv = list(argv[1:])
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(argv[0], run_name="__main__")
         results[where] = "ran past its arguments without parsing them"
@@ -144,7 +148,8 @@ print(json.dumps(results))
 
 def _doc_script_commands() -> list[tuple[str, list[str]]]:
     """The ``benchmarks/scripts/*.py`` command lines of the docs' bash blocks (``[--flag]`` taken as given) and of
-    their inline code with arguments, and the ``conduit demo --synthetic`` ones (core's own demo)."""
+    their inline code with arguments, the ``conduit demo --synthetic`` ones (core's own demo), and the ``python -m
+    conduit.X ...`` / ``python -m conduit_<adapter>.X ...`` ones of installed packages."""
     scripts = {p.name for p in (ROOT / "benchmarks/scripts").glob("*.py")}
     out = []
     for path in DOCS:
@@ -166,6 +171,10 @@ def _doc_script_commands() -> list[tuple[str, list[str]]]:
                         None)
             if demo is not None and "--synthetic" in words and len(words) > demo + 3:
                 out.append((f"{path.relative_to(ROOT)}: {' '.join(words[demo:])}", ["conduit", *words[demo + 1:]]))
+        for m in re.finditer(r"python -m (conduit(?:_\w+)?(?:\.\w+)*)([^`\n]*)", text):  # an installed package's
+            if importlib.util.find_spec(m.group(1).split(".")[0]) is not None:
+                argv = [m.group(1), *shlex.split(m.group(2).split("#", 1)[0].rstrip(" \\"))]
+                out.append((f"{path.relative_to(ROOT)}: python -m {' '.join(argv)}", ["-m", *argv]))
     return sorted(dict(out).items())  # (a line quoted twice in one doc: once)
 
 
@@ -181,10 +190,11 @@ def test_documented_script_and_synthetic_demo_commands_parse() -> None:
     commands = _doc_script_commands()
     assert len(commands) >= 10, commands
     takes_none = [(w, argv) for w, argv in commands
-                  if argv[0] != "conduit" and "argparse" not in Path(argv[0]).read_text()]
+                  if argv[0] not in ("conduit", "-m") and "argparse" not in Path(argv[0]).read_text()]
     assert all(len(argv) == 1 for _, argv in takes_none), f"given arguments it does not read: {takes_none}"
     commands = [c for c in commands if c not in takes_none]
     assert any("rllib_breakdown.py" in w for w, _ in commands) and any("demo --synthetic" in w for w, _ in commands)
+    assert any("python -m conduit.distributed.measure" in w for w, _ in commands), commands
     done = subprocess.run([sys.executable, "-c", _PARSE_ONLY, json.dumps(commands)], capture_output=True, text=True,
                           timeout=280, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
