@@ -58,7 +58,7 @@ import torch
 from conduit.checks import is_int, is_real
 from conduit.errors import ConfigurationError, PlacementError
 from conduit.placement.base import PlacementSpec
-from conduit.placement.profile import BandwidthProfile, LinkCost
+from conduit.placement.profile import BandwidthProfile, LinkCost, _check_size
 from conduit.placement.topology import Topology
 from conduit.schema import ExperienceSchema, Field
 
@@ -698,8 +698,7 @@ class CostModel:
         Raises:
             ConfigurationError: ``nbytes`` is no real number, NaN, infinite or negative.
         """
-        if not is_real(nbytes) or not 0 <= nbytes < math.inf:
-            raise ConfigurationError(f"nbytes must be a finite number of bytes >= 0, got {nbytes!r}.")
+        _check_size("nbytes", nbytes)
         if nbytes <= 0:
             return 0.0
         chunk = 64 << 20

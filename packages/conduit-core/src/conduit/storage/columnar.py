@@ -358,6 +358,19 @@ class ColumnarStorage(Storage):
         cols = list(self._cols.values()) + list(self._pools.values())
         return sum(c.numel() * c.element_size() for c in cols)
 
+    def _slot_evictions(self, batch: ExperienceBatch) -> int:
+        """How many oldest items must go for ``batch``'s item slots, once it is checked to fit at all.
+
+        Raises:
+            CapacityError: ``batch`` is larger than the capacity, or brings more elements than a pool.
+        """
+        n = batch.batch_size
+        if n > self.capacity:
+            raise CapacityError(f"A batch of {n} items is larger than the capacity ({self.capacity}); "
+                                f"split it or raise capacity.")
+        self.check_ragged_fits(batch)
+        return max(0, self._next - self._oldest + n - self.capacity)
+
     def _evictions_for(self, batch: ExperienceBatch) -> tuple[int, dict[str, int]]:
         """How many oldest items must go for ``batch`` to fit, and where each ragged block starts.
 
@@ -367,13 +380,9 @@ class ColumnarStorage(Storage):
         cost grows with the items evicted, not with the items live (:func:`_ring_walk`).
         """
         n = batch.batch_size
-        if n > self.capacity:
-            raise CapacityError(f"A batch of {n} items is larger than the capacity ({self.capacity}); "
-                                f"split it or raise capacity.")
         size = self._next - self._oldest
-        k = max(0, size + n - self.capacity)
+        k = self._slot_evictions(batch)
         starts: dict[str, int] = {}
-        self.check_ragged_fits(batch)
         pool = self.ragged_capacity
         for name in self.schema.ragged:
             col = batch[name]
@@ -471,12 +480,7 @@ class ColumnarStorage(Storage):
         Raises:
             CapacityError: ``batch`` is larger than the capacity, or brings more elements than a pool.
         """
-        n = batch.batch_size
-        if n > self.capacity:
-            raise CapacityError(f"A batch of {n} items is larger than the capacity ({self.capacity}); "
-                                f"split it or raise capacity.")
-        self.check_ragged_fits(batch)
-        k = max(0, self._next - self._oldest + n - self.capacity)
+        k = self._slot_evictions(batch)
         if not self._pools or self._next == self._oldest:
             return k
         slots = np.arange(self._oldest, self._next, dtype=np.int64) % self.capacity
