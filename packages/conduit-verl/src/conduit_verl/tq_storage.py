@@ -47,6 +47,7 @@ import math
 import os
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from numbers import Integral, Real
 from typing import Any, cast
@@ -195,17 +196,16 @@ def _check_first_placement(cfg: dict[str, Any], where: str) -> None:
             f"{need} bytes per field and unit. Lower capacity or mean_length (the pool grows when sequences need it).")
 
 
-def _node_memory(node: dict[str, Any]) -> int:
-    """The bytes of memory Ray has on ``node`` (an entry of ``ray.nodes()``): its ``memory`` resource (for tasks and
-    actors) plus its object store, which Ray sizes from that node's own memory (a container's limit included) unless
-    the node was started with ``--memory`` / ``--object-store-memory``; 0 when the node says neither."""
-    resources = node.get("Resources", {})
+def _node_memory(resources: dict[str, Any]) -> int:
+    """The bytes of memory Ray has on a node of these ``resources``: its ``memory`` resource (for tasks and actors)
+    plus its object store, which Ray sizes from that node's own memory (a container's limit included) unless the
+    node was started with ``--memory`` / ``--object-store-memory``; 0 when the node says neither."""
     return int(float(resources.get("memory", 0)) + float(resources.get("object_store_memory", 0)))
 
 
-def _check_unit_memory(cfg: dict[str, Any], node_ids: list[str]) -> None:
-    """Refuse a first pool (:func:`_first_pool`) that the units pinned to one node (``node_ids[rank]``) could never
-    allocate there together: each unit allocates it for each tensor field at the field's first put, in its own
+def _check_unit_memory(cfg: dict[str, Any], units: Counter[str], nodes: dict[str, dict[str, Any]]) -> None:
+    """Refuse a first pool (:func:`_first_pool`) that the ``units`` pinned to one node could never allocate there
+    together: each unit allocates it for each tensor field at the field's first put, in its own
     process on its own node, so the bound is that node's memory as Ray has it (:func:`_node_memory`), not the memory
     of the machine that runs ``tq.init`` (a node that says none is not checked).
 
@@ -214,12 +214,8 @@ def _check_unit_memory(cfg: dict[str, Any], node_ids: list[str]) -> None:
     """
     where = f"transfer_queue.backend.{BACKEND}"
     elements, need = _first_pool(cfg)
-    has = {node["NodeID"]: _node_memory(node) for node in ray.nodes() if node.get("Alive", False)}
-    units: dict[str, int] = {}
-    for node_id in node_ids:
-        units[node_id] = units.get(node_id, 0) + 1
     for node_id, count in units.items():
-        memory = has.get(node_id, 0)
+        memory = _node_memory(nodes.get(node_id, {}))
         if memory and count * need > memory:
             raise ConfigurationError(
                 f"{where}.capacity={cfg['capacity']} x {where}.mean_length={cfg['mean_length']} sizes each tensor "
@@ -236,9 +232,9 @@ _INT64_MAX = 2**63 - 1
 UNIT_START_TIMEOUT_S = 600.0
 
 
-def _check_unit_cpus(cfg: dict[str, Any], node_ids: list[str]) -> None:
-    """Refuse units that could never start: those pinned to one node (``node_ids[rank]``) reserve more CPUs
-    together than the node has (Ray would hold the last ones back for good, and ``tq.init`` wait for them).
+def _check_unit_cpus(cfg: dict[str, Any], units: Counter[str], nodes: dict[str, dict[str, Any]]) -> None:
+    """Refuse units that could never start: the ``units`` pinned to one node reserve more CPUs together than the
+    node has (its ``nodes`` resources; Ray would hold the last ones back for good, and ``tq.init`` wait for them).
 
     Raises:
         ConfigurationError: a node has fewer CPUs than its units reserve.
@@ -246,16 +242,12 @@ def _check_unit_cpus(cfg: dict[str, Any], node_ids: list[str]) -> None:
     cpus = float(cfg["unit_num_cpus"])
     if cpus <= 0:
         return
-    has = {node["NodeID"]: float(node.get("Resources", {}).get("CPU", 0.0)) for node in ray.nodes()
-           if node.get("Alive", False)}
-    asked: dict[str, float] = {}
-    for node_id in node_ids:
-        asked[node_id] = asked.get(node_id, 0.0) + cpus
-    for node_id, want in asked.items():
-        if want > has.get(node_id, 0.0):
+    for node_id, count in units.items():
+        has = float(nodes.get(node_id, {}).get("CPU", 0.0))
+        if count * cpus > has:
             raise ConfigurationError(
-                f"transfer_queue.backend.{BACKEND}: {int(want / cpus)} storage unit(s) with unit_num_cpus={cpus:g} "
-                f"are placed on Ray node {node_id[:12]}, which has {has.get(node_id, 0.0):g} CPUs, so they could "
+                f"transfer_queue.backend.{BACKEND}: {count} storage unit(s) with unit_num_cpus={cpus:g} "
+                f"are placed on Ray node {node_id[:12]}, which has {has:g} CPUs, so they could "
                 f"never all start; lower unit_num_cpus (0 reserves none) or num_units (units go round-robin over "
                 f"the alive nodes). Nothing was started.")
 
@@ -351,8 +343,11 @@ def _start_units(conf: DictConfig) -> dict[str, Any]:
     checked = _validated(_with_defaults(backend.get(BACKEND)))
     n = int(checked["num_units"])
     strategies = get_node_round_robin_scheduling_strategies(n)
-    _check_unit_cpus(checked, [s.node_id for s in strategies])
-    _check_unit_memory(checked, [s.node_id for s in strategies])
+    # the units each alive node would run, and its resources (one query of Ray for both checks)
+    units = Counter(s.node_id for s in strategies)
+    nodes = {node["NodeID"]: node.get("Resources", {}) for node in ray.nodes() if node.get("Alive", False)}
+    _check_unit_cpus(checked, units, nodes)
+    _check_unit_memory(checked, units, nodes)
     with open_dict(backend):
         if backend.get(BACKEND) is None:
             backend[BACKEND] = {}
