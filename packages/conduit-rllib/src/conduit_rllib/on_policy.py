@@ -481,16 +481,29 @@ class MinibatchFeed:
         if not is_int(cap) or cap < 0:
             raise ConfigurationError(f"This on-policy feed state is damaged: its capacity is {cap!r}, not an int >= 0 "
                                      f"(rows of storage); load an undamaged MinibatchFeed.state_dict().")
-        _CyclicOrder(**self._sem_args).load_state_dict(self._full_state(state))  # validates
+        dropped = state["dropped_items"]
+        if not is_int(dropped) or dropped < 0:  # (a count of rows, reported back by dropped_items)
+            raise ConfigurationError(f"This on-policy feed state is damaged: its dropped_items is {dropped!r}, not an "
+                                     f"int >= 0 (rows dropped); load an undamaged MinibatchFeed.state_dict().")
+        try:  # (torch's own errors, TypeError or RuntimeError, would escape the load untyped)
+            torch.Generator().set_state(state["rng"])
+        except (TypeError, RuntimeError) as e:
+            raise ConfigurationError(f"This on-policy feed state is damaged: its rng is no torch.Generator state "
+                                     f"({e}); load an undamaged MinibatchFeed.state_dict().") from e
+        _CyclicOrder(**self._sem_args).load_state_dict(self._full_state(state))  # validates the versions
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; whatever was waiting for delivery is discarded. The feed keeps a copy of
         ``state``'s RNG tensor (changing either later does not change the other). Its :attr:`capacity` becomes
         the saved one's (at least the ``capacity`` this feed was built with), so the next rollout is stored as
         in the saved feed; a state saved without a capacity (by an older version) leaves this feed's as it is.
+        Its versions are integers as :meth:`set_policy_version` takes them (a NumPy or 0-d tensor integer is kept
+        as an int; a version may be negative, as the data plane allows).
 
         Raises:
-            conduit.ConfigurationError: the state is damaged (nothing changes then).
+            conduit.ConfigurationError: the state is damaged (nothing changes then): a key missing, a version that is
+                no integer (a bool, float or text; never rounded), a ``dropped_items`` or ``capacity`` that is no int
+                >= 0, or an ``rng`` that is no ``torch.Generator`` state.
         """
         self.check_state_dict(state)
         self._settle()  # let a running gather finish before the data plane goes (as in drop_leftovers)
@@ -500,8 +513,11 @@ class MinibatchFeed:
                 self.edp = None
             self._held = self._inflight = None
             # a copy of the RNG state: the caller's tensor stays the caller's (checked a tensor above)
-            self._restored = {k: state[k].clone() if k == "rng" else state[k] for k in self._STATE_KEYS}
-            self._policy_version = int(state["policy_version"])
+            last_sealed = state["last_sealed"]  # (integers of any kind checked above: kept as plain ints)
+            self._restored = {"policy_version": int(state["policy_version"]), "rng": state["rng"].clone(),
+                              "dropped_items": int(state["dropped_items"]),
+                              "last_sealed": None if last_sealed is None else int(last_sealed)}
+            self._policy_version = self._restored["policy_version"]
             if "capacity" in state:
                 self.capacity = max(self._min_capacity, int(state["capacity"]))
 

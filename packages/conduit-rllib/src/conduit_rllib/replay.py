@@ -831,12 +831,15 @@ class _ConduitReplay:
                                      f"build the same kind and capacity "
                                      f"(this one: prioritized={self.prioritized}, capacity={self.capacity}).")
         try:  # everything read (and checked) before anything changes
-            alpha = float(state["alpha"])
-            if not (alpha >= 0 and math.isfinite(alpha)):
-                raise ValueError(f"alpha {alpha} is not a finite number >= 0")
+            alpha = state["alpha"]  # (no bool or text: float() would take True or "1.0")
+            if not (is_real(alpha) and alpha >= 0 and math.isfinite(alpha)):
+                raise ValueError(f"alpha {alpha!r} is not a finite number >= 0")
+            alpha = float(alpha)
             has_plane = state["edp"] is not None
             schema = ExperienceSchema.from_dict(state["schema"]) if has_plane else None
-            seed, nxt, tail, lifetime = state["seed"], int(state["next"]), dict(state["tail"]), dict(state["lifetime"])
+            # (the next handle checked as a count: int() would truncate 4.5, parse "4" and take False as 0)
+            seed, nxt = state["seed"], _count("next handle", state["next"])
+            tail, lifetime = dict(state["tail"]), dict(state["lifetime"])
             if isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= int(seed) < 2 ** 63:
                 raise ValueError(f"seed {seed!r} is no int in [0, 2**63)")  # (the data plane's, at the next add)
             if not has_plane and nxt != 0:  # (the plane an add builds hands out 0 first)
