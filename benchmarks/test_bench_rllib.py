@@ -19,14 +19,20 @@ Two measurements per workload, native vs Conduit, each a ratio table in ``benchm
   (synchronous) scheduler.
 * ``rllib_iteration``: one ``algo.train()`` (DQN/SAC: 50 env steps and updates; PPO: 2000 steps).
 
+Before either is timed, each workload's two variants build one train batch (PPO: one update's minibatches, from
+one rollout both learners get a copy of) outside the timed region, and the two must be alike
+(:func:`check_same_train_batches`: the same modules, columns, dtypes and shapes, rows included): a variant
+that built a smaller or an empty batch would otherwise be timed as the faster one.
+
 The longer, interleaved runs and their tables are in ``benchmarks/docs/rllib.md``
 (``benchmarks/scripts/rllib_breakdown.py``). Run: ``.venv/bin/python -m pytest benchmarks/test_bench_rllib.py``.
 """
 
 from __future__ import annotations
 
+import copy
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,7 +86,8 @@ class Built:
         """pytest-benchmark ``setup``: a fresh one-step chunk from the EnvRunner (not timed)."""
         return (self.runner.sample(num_timesteps=1),), {}
 
-    def off_policy_step(self, chunk: list[Any]) -> None:
+    def off_policy_step(self, chunk: list[Any]) -> Any:
+        """One training step's experience path; returns the train batch the learner made (a MultiAgentBatch)."""
         from ray.rllib.core.learner.training_data import TrainingData
 
         cfg = self.algo.config
@@ -90,31 +97,99 @@ class Built:
                             min_batch_length_T=0, gamma=cfg.gamma, beta=cfg.replay_buffer_config.get("beta"),
                             sample_episodes=True)
         self.algo.metrics.aggregate([buf.get_metrics()], key="replay_buffer")
-        self.learner._make_batch_if_necessary(TrainingData(episodes=sample))
+        batch = self.learner._make_batch_if_necessary(TrainingData(episodes=sample))
         if hasattr(buf, "update_priorities"):
             buf.update_priorities(np.abs(np.random.randn(cfg.total_train_batch_size)) + 0.01, "default_policy")
+        return batch
 
     def rollout(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """pytest-benchmark ``setup`` for PPO: 2000 steps of episodes from the EnvRunner (not timed)."""
         return (self.runner.sample(num_timesteps=self.algo.config.total_train_batch_size),), {}
 
-    def on_policy_update_path(self, episodes: list[Any]) -> None:
+    def on_policy_update_path(self, episodes: list[Any], keep: list[Any] | None = None) -> None:
+        """The train batch and every minibatch of one update of ``episodes``; with ``keep``, the minibatches are
+        appended to it (the timed calls keep none)."""
         from ray.rllib.core.learner.training_data import TrainingData
 
         cfg = self.algo.config
         it = self.learner._create_iterator_if_necessary(
             training_data=TrainingData(episodes=episodes), num_epochs=cfg.num_epochs,
             minibatch_size=cfg.minibatch_size, shuffle_batch_per_epoch=cfg.shuffle_batch_per_epoch)
-        for _ in it:
-            pass
+        for minibatch in it:
+            if keep is not None:
+                keep.append(minibatch)
 
     def close(self) -> None:
         self.algo.stop()
 
 
+def _columns(batch: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(name, array)`` for every column of a (possibly nested) batch; a nested column's name joins its keys by /."""
+    for key, value in batch.items():
+        if isinstance(value, Mapping):
+            yield from _columns(value, f"{prefix}{key}/")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _dtype(value: Any) -> str:
+    """A column's dtype, named alike for a torch tensor and a NumPy array (``float32``, ``int64``, ``bool``)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return str(value.dtype).removeprefix("torch.")
+    return np.asarray(value).dtype.name
+
+
+def batch_signature(batches: Sequence[Any]) -> dict[str, list[dict[str, tuple[str, tuple[int, ...]]]]]:
+    """What train batches (MultiAgentBatches) are made of, per module and batch: each column's dtype and full shape
+    (its rows included). The values are each variant's own experience, so they are not compared."""
+    sig: dict[str, list[dict[str, tuple[str, tuple[int, ...]]]]] = {}
+    for batch in batches:
+        for module_id, module_batch in batch.policy_batches.items():
+            sig.setdefault(str(module_id), []).append(
+                {name: (_dtype(col), tuple(np.shape(col))) for name, col in _columns(module_batch)})
+    return sig
+
+
+def check_same_train_batches(native: Sequence[Any], conduit: Sequence[Any], workload: str = "") -> None:
+    """Raise AssertionError unless the two variants' train batches are alike: the same modules, as many batches
+    (minibatches) each, every batch with rows, and in each the same columns with the same dtypes and shapes (hence
+    the same rows per module)."""
+    a, b = batch_signature(native), batch_signature(conduit)
+    assert a and sorted(a) == sorted(b), f"{workload}: modules {sorted(b)} (conduit) vs {sorted(a)} (native)"
+    for module_id, want in a.items():
+        got = b[module_id]
+        assert len(got) == len(want), f"{workload} {module_id}: {len(got)} batches (conduit) vs {len(want)} (native)"
+        for i, (x, y) in enumerate(zip(want, got, strict=True)):
+            where = f"{workload} {module_id} batch {i}"
+            assert x.keys() == y.keys(), (f"{where}: columns only native's {sorted(x.keys() - y.keys())}, only "
+                                          f"conduit's {sorted(y.keys() - x.keys())}")
+            differ = {k: (x[k], y[k]) for k in x if x[k] != y[k]}
+            assert not differ, f"{where}: (dtype, shape) native vs conduit differ: {differ}"
+            rows = {shape[0] for _, shape in x.values() if shape}
+            assert rows and 0 not in rows, f"{where}: no rows ({rows})"
+
+
+def check_variants_build_alike(made: dict[str, Built]) -> None:
+    """Run each variant's experience path once, untimed, and check their train batches are alike (PPO: one
+    rollout, each learner updating on its own copy, since the learner connector changes the episodes it gets)."""
+    native = made["native"]
+    if native.workload.startswith("ppo"):
+        (episodes,), _ = native.rollout()
+        kept: dict[str, list[Any]] = {"native": [], "conduit": []}
+        for variant, b in made.items():
+            b.on_policy_update_path(copy.deepcopy(episodes), keep=kept[variant])
+        check_same_train_batches(kept["native"], kept["conduit"], native.workload)
+    else:
+        batches = {variant: b.off_policy_step(*b.next_chunk()[0]) for variant, b in made.items()}
+        check_same_train_batches([batches["native"]], [batches["conduit"]], native.workload)
+
+
 @pytest.fixture(scope="module", params=WORKLOADS)
 def built(request: pytest.FixtureRequest, ray_local: None) -> Iterator[dict[str, Built]]:
     made = {v: Built(request.param, v) for v in VARIANTS}
+    check_variants_build_alike(made)  # once per workload, before (and outside) anything timed
     yield made
     for b in made.values():
         b.close()
@@ -176,3 +251,31 @@ def test_iteration(benchmark: Any, built: dict[str, Built], variant: str, ratios
     benchmark.extra_info["exposed_experience_path_s_median"] = float(np.median(exposed))
     ratios.add("rllib_iteration", b.workload, variant, benchmark, baseline="native",
                note=f"One algo.train() (DQN/SAC: {STEPS} env steps and updates; PPO: 2000 steps, 6 epochs).")
+
+
+def test_the_train_batch_check_refuses_a_planted_difference() -> None:
+    """check_same_train_batches passes alike batches (a torch and a NumPy side) and fails each planted difference:
+    a column dropped, fewer rows, another dtype, another column shape, an empty batch, another module, a
+    minibatch missing."""
+    import torch
+    from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
+
+    def batch(rows: int = 32, *, drop: str = "", dtype: Any = np.float32, d: int = 4, module: str = "default_policy",
+              as_torch: bool = False) -> MultiAgentBatch:
+        cols = {"obs": np.zeros((rows, d), dtype=dtype), "actions": np.zeros(rows, dtype=np.int64),
+                "weights": np.ones(rows, dtype=np.float32)}
+        cols = {k: torch.from_numpy(v) if as_torch else v for k, v in cols.items() if k != drop}
+        return MultiAgentBatch({module: SampleBatch(cols)}, env_steps=rows)
+
+    check_same_train_batches([batch()], [batch(as_torch=True)])  # alike: passes
+    check_same_train_batches([batch(), batch(8)], [batch(as_torch=True), batch(8, as_torch=True)])
+    planted = {"a column dropped": [batch(drop="weights")], "fewer rows": [batch(16)],
+               "another dtype": [batch(dtype=np.float64)], "another column shape": [batch(d=5)],
+               "an empty batch": [batch(0)], "another module": [batch(module="other")],
+               "a minibatch missing": []}
+    for what, conduit in planted.items():
+        with pytest.raises(AssertionError):
+            check_same_train_batches([batch()], conduit)
+            pytest.fail(f"{what}: not refused")  # (reached only when the check passed)
+    with pytest.raises(AssertionError, match="no rows"):
+        check_same_train_batches([batch(0)], [batch(0)])  # both empty: still refused
