@@ -64,3 +64,33 @@ def test_a_checkpoint_that_does_not_account_for_its_live_items_is_refused_unchan
         assert sorted(sum(got[:2], [])) == sorted(sum(got[2:], [])) == [0, 1, 2, 3] and len(edp) == 0
     finally:
         edp.close()
+
+
+@pytest.mark.parametrize(("damage", "value"), [
+    ("dropped_items", -1),
+    ("rng", torch.zeros(5, dtype=torch.float32)),
+    ("rng", torch.zeros(3, dtype=torch.uint8)),
+], ids=["negative dropped count", "float rng", "short rng"])
+def test_a_damaged_drop_count_or_rng_state_is_refused_typed_and_unchanged(damage: str, value: Any) -> None:
+    """A drop count below 0 (it would be reported back as rows dropped), or an RNG tensor that is no
+    ``torch.Generator`` state (torch's own TypeError/RuntimeError escaped the load, untyped): a
+    ``ConfigurationError`` naming the state damaged, and the buffer delivers as the undamaged twin does."""
+    def built() -> ExperienceDataPlane:
+        edp = ExperienceDataPlane(SCHEMA, capacity=8, semantics=OnPolicy(num_minibatches=2, seed=1))
+        edp.ingest(rows(range(4)), version=0)
+        return edp
+
+    edp, twin = built(), built()
+    try:
+        state = edp.state_dict()
+        damaged = {**state, "semantics": {**state["semantics"], damage: value}}
+        with pytest.raises(ConfigurationError, match="damaged"):
+            edp.load_state_dict(damaged)
+        assert edp.state_dict()["semantics"]["dropped_items"] == 0
+        for p in (edp, twin):
+            p.seal()
+        assert [edp.deliver()[0]["act"].tolist() for _ in range(2)] == [twin.deliver()[0]["act"].tolist()
+                                                                         for _ in range(2)]
+    finally:
+        edp.close()
+        twin.close()

@@ -481,16 +481,8 @@ class MinibatchFeed:
         if not is_int(cap) or cap < 0:
             raise ConfigurationError(f"This on-policy feed state is damaged: its capacity is {cap!r}, not an int >= 0 "
                                      f"(rows of storage); load an undamaged MinibatchFeed.state_dict().")
-        dropped = state["dropped_items"]
-        if not is_int(dropped) or dropped < 0:  # (a count of rows, reported back by dropped_items)
-            raise ConfigurationError(f"This on-policy feed state is damaged: its dropped_items is {dropped!r}, not an "
-                                     f"int >= 0 (rows dropped); load an undamaged MinibatchFeed.state_dict().")
-        try:  # (torch's own errors, TypeError or RuntimeError, would escape the load untyped)
-            torch.Generator().set_state(state["rng"])
-        except (TypeError, RuntimeError) as e:
-            raise ConfigurationError(f"This on-policy feed state is damaged: its rng is no torch.Generator state "
-                                     f"({e}); load an undamaged MinibatchFeed.state_dict().") from e
-        _CyclicOrder(**self._sem_args).load_state_dict(self._full_state(state))  # validates the versions
+        # (validates the versions, the drop count and the RNG state as the data plane does)
+        _CyclicOrder(**self._sem_args).load_state_dict(self._full_state(state))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; whatever was waiting for delivery is discarded. The feed keeps a copy of

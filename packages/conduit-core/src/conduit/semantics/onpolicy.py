@@ -468,6 +468,14 @@ class OnPolicy(Semantics):
                 or not (perm is None or isinstance(perm, torch.Tensor)) or not isinstance(state["rng"], torch.Tensor)):
             raise ConfigurationError("This checkpoint's on-policy state is damaged (a counter, the permutation or "
                                      "the RNG state has the wrong type); load an undamaged state_dict().")
+        if counters[1] < 0:  # (reported back as rows dropped)
+            raise ConfigurationError(f"This checkpoint's on-policy dropped_items {counters[1]} is damaged (expected "
+                                     f"a count >= 0); load an undamaged state_dict().")
+        try:  # (torch's own TypeError or RuntimeError would escape the load untyped, after nothing changed)
+            torch.Generator().set_state(state["rng"])
+        except (TypeError, RuntimeError) as e:
+            raise ConfigurationError(f"This checkpoint's on-policy RNG state is damaged ({e}); load an undamaged "
+                                     f"state_dict().") from e
         if cur is not None:  # the rollout being delivered: its epoch's order and cuts must fit it
             epoch, k = counters[2], counters[3]
             # (epochs are not bounded by num_epochs here: an adapter may save its rollout's own; one that starts an
