@@ -15,7 +15,10 @@ table is written to ``benchmarks/results/prioritized_step.md``.
 
 from __future__ import annotations
 
+import importlib.util
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -83,3 +86,35 @@ def test_prioritized_step(benchmark: Any, lib: str, cap: int, ratios: Any) -> No
     ratios.add("prioritized_step", f"capacity {cap}", lib, benchmark, baseline="cpprb",
                note=f"One training step's prioritized-replay work: draw {BATCH} with importance weights, then update "
                     f"their {BATCH} priorities (alpha 0.6, beta 0.4, full buffer, 1 thread).")
+
+
+def test_prioritized_trees_script_writes_its_figures_with_the_machine_and_command(tmp_path: Path) -> None:
+    """``scripts/prioritized_trees.py --out FILE`` (the paired figures ``benchmarks/README.md`` quotes) writes, after
+    a line naming the machine, the command and the date, one row per capacity whose times and ratios parse (run here
+    at a tiny size: the figures themselves are not asserted)."""
+    path = Path(__file__).parent / "scripts" / "prioritized_trees.py"
+    spec = importlib.util.spec_from_file_location("prioritized_trees_under_test", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    if not script.COMPILED:
+        pytest.skip("this install has no compiled sum tree, which the script measures")
+    out = tmp_path / "trees.md"
+    script.main(["--capacities", "64", "300", "--rounds", "3", "--calls", "5", "--out", str(out)])
+    text = out.read_text()
+    header = re.search(r"^Machine: (\d+) CPUs \(nproc\), (.+); command: `(.+)`; date: (\d{4}-\d{2}-\d{2})\.$", text,
+                       re.M)
+    assert header is not None, text
+    assert int(header.group(1)) >= 1 and header.group(2)
+    assert header.group(3).startswith("python benchmarks/scripts/prioritized_trees.py --capacities 64 300")
+    rows = re.findall(r"^\| (\d+) \| (.+) \|$", text, re.M)
+    assert [int(cap) for cap, _ in rows] == [64, 300], text
+    ratio = re.compile(r"(\d+\.\d+)x \((\d+\.\d+)-(\d+\.\d+)\)")
+    for _, cells in rows:
+        *times, general, numpy_ = cells.split(" | ")
+        assert len(times) == 3 and all(float(t) > 0 for t in times), cells
+        for figure in (general, numpy_):
+            m = ratio.fullmatch(figure)
+            assert m is not None, figure
+            med, lo, hi = map(float, m.groups())
+            assert 0 < lo <= med <= hi, figure

@@ -11,7 +11,8 @@ the batch (``sample512_read``: where the gather left the batch shows in the read
 
     .venv/bin/python benchmarks/scripts/host_paired.py [--dims 128 1000 5000 20000] [--rounds 30]
 
-Writes ``benchmarks/results/host_paired.md``.
+Writes ``benchmarks/results/host_paired.md`` (``--out``: another file), after a line naming the machine, the command
+and the date.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from config_sweep import bootstrap_ci  # noqa: E402
+from results_header import header_line  # noqa: E402
 from test_bench_host import LIBS, build, capacity_for, check_ingest, check_sample, draw_then_read  # noqa: E402
 
 #: op -> the call it times, from a library's name and build()'s (ingest one, ingest 256, sample); sample512_read:
@@ -82,14 +84,14 @@ def cell(num: list[float], den: list[float], rng: random.Random) -> str:
     return f"{statistics.median(ratios):.2f}x ({lo:.2f}-{hi:.2f})"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dims", type=int, nargs="+", default=[128, 1000, 5000, 20000])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--calls", type=int, default=15)
     ap.add_argument("--no-torchrl", action="store_true", help="leave TorchRL out (its d = 20000 sample takes ~50 ms)")
     ap.add_argument("--out", type=Path, default=HERE.parent / "results" / "host_paired.md")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     libs = [lib for lib in LIBS if not (args.no_torchrl and lib == "torchrl")]
     others = [lib for lib in libs if lib != "floor"]
@@ -104,7 +106,7 @@ def main() -> None:
                    + f" | {cell(r['conduit'], r['cpprb'], rng)} |")
             rows[op].append(row)
             print(op, row, flush=True)
-    lines = ["# host_paired", "",
+    lines = ["# host_paired", "", header_line("host_paired.py", argv), "",
              f"Paired rounds ({args.rounds} per d, {args.calls} calls per library per round, shuffled order, "
              "thread CPU clock, 1 torch thread): the median of the per-round ratios, with its 95% bootstrap "
              "interval. `benchmarks/scripts/host_paired.py`.", ""]

@@ -12,7 +12,10 @@ buffers that differ only in their sampler's tree, loaded with the same prioritie
 Each round times all three, in a shuffled order (median of ``--calls`` calls, the thread's CPU clock); each figure
 is the median of the per-round ratios with a 95% bootstrap interval.
 
-    .venv/bin/python benchmarks/scripts/prioritized_trees.py [--capacities 5000 50000] [--rounds 12]
+    .venv/bin/python benchmarks/scripts/prioritized_trees.py [--capacities 5000 50000] [--rounds 12] [--out FILE]
+
+Prints one line per capacity; with ``--out``, also writes them as a Markdown table to FILE, after a line naming
+the machine, the command and the date.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from conduit.semantics.sumtree import COMPILED, CompiledSumTree, SumTree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from config_sweep import bootstrap_ci  # noqa: E402
+from results_header import header_line  # noqa: E402
+
+VARIANTS = ("compiled", "general", "numpy")
 
 
 class GeneralPathTree(CompiledSumTree):
@@ -58,18 +64,20 @@ def step_of(capacity: int, variant: str) -> Callable[[], object]:
     return step
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--capacities", type=int, nargs="+", default=[5000, 50000])
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--calls", type=int, default=500)
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=None, help="also write the figures to this Markdown file")
+    args = ap.parse_args(argv)
     if not COMPILED:
         sys.exit("this install has no compiled sum tree (see packages/conduit-core/hatch_build.py)")
     torch.set_num_threads(1)
     rng = random.Random(0)
+    rows = []
     for cap in args.capacities:
-        steps = {k: step_of(cap, k) for k in ("compiled", "general", "numpy")}
+        steps = {k: step_of(cap, k) for k in VARIANTS}
         times: dict[str, list[float]] = {k: [] for k in steps}
         for _ in range(args.rounds):
             order = list(steps)
@@ -79,11 +87,24 @@ def main() -> None:
                                                 min_total=0))
         medians = ", ".join(f"{k} {statistics.median(t) * 1e6:.1f} us" for k, t in times.items())
         figures = []
+        cells = [f"{statistics.median(times[k]) * 1e6:.1f}" for k in VARIANTS]
         for other in ("general", "numpy"):
             ratios = [c / o for c, o in zip(times["compiled"], times[other], strict=True)]
             lo, hi = bootstrap_ci(ratios, rng=rng)
             figures.append(f"compiled / {other} {statistics.median(ratios):.3f}x ({lo:.3f}-{hi:.3f})")
+            cells.append(f"{statistics.median(ratios):.3f}x ({lo:.3f}-{hi:.3f})")
         print(f"capacity {cap}: {medians}; {'; '.join(figures)}", flush=True)
+        rows.append(f"| {cap} | " + " | ".join(cells) + " |")
+    if args.out is not None:
+        lines = ["# prioritized_trees", "", header_line("prioritized_trees.py", argv), "",
+                 f"Paired rounds ({args.rounds}, {args.calls} calls per variant per round, shuffled order, thread "
+                 "CPU clock, 1 torch thread): one step is draw 32 with weights + update their 32 priorities. "
+                 "Times: the median of the per-round medians; ratios: the median of the per-round ratios, with its "
+                 "95% bootstrap interval.", "",
+                 "| capacity | compiled, us | general, us | numpy, us | compiled / general | compiled / numpy |",
+                 "|---|---|---|---|---|---|", *rows, ""]
+        args.out.write_text("\n".join(lines))
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
