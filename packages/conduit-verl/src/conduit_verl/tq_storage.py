@@ -270,10 +270,20 @@ def _await_units(handles: dict[str, Any], cfg: dict[str, Any]) -> None:
                 f"was left running.")
         ray.get(ready)  # a unit that failed to start raises here
     except BaseException:
-        for h in handles.values():
-            with contextlib.suppress(Exception):
-                ray.kill(h)
+        _stop_units(handles)
         raise
+
+
+def _stop_units(handles: dict[str, Any]) -> None:
+    """Stop the units of a start that failed (those ``handles`` name), before its error goes on to the caller.
+
+    Without it they would live on, holding their memory and ``unit_num_cpus``, for as long as anything held the
+    error (its traceback has the only handles to them: an ``except`` block retrying ``tq.init``, a logger, a REPL).
+    A unit already gone (with its node) is skipped.
+    """
+    for h in handles.values():
+        with contextlib.suppress(Exception):
+            ray.kill(h)
 
 
 #: the name and namespace ``tq.init`` gives TransferQueue's controller actor
@@ -328,6 +338,9 @@ def bootstrap(conf: DictConfig) -> dict[str, Any]:
             reserve more CPUs than their nodes have, or a field's first pools on the units of a node exceed the
             memory Ray has there (nothing started); or a unit did not start within
             :data:`UNIT_START_TIMEOUT_S` (the units started are stopped).
+
+    Any other error of a unit's start (Ray refusing it, e.g. another actor holds its name; the unit failing in its own
+    process) reaches the caller as Ray raised it, the units this start had started stopped first.
     """
     try:
         return _start_units(conf)
@@ -354,12 +367,16 @@ def _start_units(conf: DictConfig) -> dict[str, Any]:
         cfg = _with_defaults(backend[BACKEND])
         cfg["_run_id"] = uuid.uuid4().hex[:12]
         backend[BACKEND] = cfg
-    handles = {}
-    for rank in range(n):
-        name = unit_name(cfg["_run_id"], rank)
-        handles[name] = ConduitStorageUnit.options(  # type: ignore[attr-defined]
-            name=name, namespace=NAMESPACE, scheduling_strategy=strategies[rank],
-            num_cpus=float(cfg["unit_num_cpus"])).remote(cfg)
+    handles: dict[str, Any] = {}
+    try:
+        for rank in range(n):
+            name = unit_name(cfg["_run_id"], rank)
+            handles[name] = ConduitStorageUnit.options(  # type: ignore[attr-defined]
+                name=name, namespace=NAMESPACE, scheduling_strategy=strategies[rank],
+                num_cpus=float(cfg["unit_num_cpus"])).remote(cfg)
+    except BaseException:  # Ray refused unit `rank` (e.g. its name is taken), or an interrupt: stop those started
+        _stop_units(handles)
+        raise
     _await_units(handles, cfg)
     _OWNED_RUNS.add(cfg["_run_id"])
     logger.info("Conduit storage: %d unit(s) started (run %s)", n, cfg["_run_id"])
