@@ -2,7 +2,8 @@
 
 NaN passed the backend's config check (``cpus < 0`` is false for NaN) and ``tq.init`` then failed inside Ray's actor
 options with an untyped ``ValueError: cannot convert float NaN to integer``; ``True`` was taken as one CPU, although
-the whole-number keys refuse booleans. Both are now a ``ConfigurationError`` naming the key.
+the whole-number keys refuse booleans. Both are now a ``ConfigurationError`` naming the key. So is a share finer than
+Ray's step of 0.0001 CPU, which Ray refused at the first unit's start with an untyped ``ValueError``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 from conduit import ConfigurationError
 from conduit_verl.tq_storage import DEFAULTS, _validated
+from conduit_verl.unit import ConduitStorageUnit
 
 
 @pytest.mark.parametrize("cpus", [math.nan, True, -1, math.inf])
@@ -22,9 +24,20 @@ def test_a_bad_unit_num_cpus_is_a_configuration_error(cpus: object) -> None:
         _validated(dict(DEFAULTS, unit_num_cpus=cpus))
 
 
-@pytest.mark.parametrize("cpus", [0, 1, 0.5, 2.0])
+@pytest.mark.parametrize("cpus", [0, 1, 0.5, 2.0, 0.0001])
 def test_a_finite_unit_num_cpus_is_kept(cpus: float) -> None:
     assert _validated(dict(DEFAULTS, unit_num_cpus=cpus))["unit_num_cpus"] == cpus
+    ConduitStorageUnit.options(num_cpus=float(cpus))  # Ray takes it for a unit
+
+
+@pytest.mark.parametrize("cpus", [1e-5, 0.00009])
+def test_a_unit_num_cpus_finer_than_ray_counts_is_a_configuration_error(cpus: float) -> None:
+    """Ray counts CPUs in steps of 0.0001: it refuses a smaller share at the unit's start, with an untyped
+    ValueError (the config check had passed it)."""
+    with pytest.raises(ValueError, match="cannot go beyond 0.0001"):
+        ConduitStorageUnit.options(num_cpus=cpus)
+    with pytest.raises(ConfigurationError, match="unit_num_cpus=.*0.0001"):
+        _validated(dict(DEFAULTS, unit_num_cpus=cpus))
 
 
 def test_a_first_pool_beyond_int64_is_refused_at_init() -> None:

@@ -30,8 +30,8 @@ migration), ``mean_length`` (256 elements per sample in the first placement; a f
 ``capacity * mean_length`` elements beyond int64, or at one byte each, over the units a Ray node runs, beyond
 the memory Ray has on that node, is refused by ``tq.init``, as a field's first put could never allocate it),
 ``growth`` (2.0, the placement map's factor, at least 1.01), ``max_items`` (null: unbounded),
-``unit_num_cpus`` (0; ``tq.init`` refuses units that together reserve more CPUs than their
-node has, and stops them if one has not started within :data:`UNIT_START_TIMEOUT_S`),
+``unit_num_cpus`` (0, or at least 0.0001, Ray's step; ``tq.init`` refuses units that together reserve more CPUs
+than their node has, and stops them if one has not started within :data:`UNIT_START_TIMEOUT_S`),
 ``device`` (``cpu``; ``auto`` returns tensors on the reading process's accelerator; nothing else),
 ``delivery`` (``prefetch``; ``sync``, or ``off`` to leave verl's minibatch iteration alone:
 see :mod:`conduit_verl.delivery`).
@@ -112,6 +112,9 @@ def _with_defaults(cfg: Any) -> dict[str, Any]:
     return out
 
 
+#: Ray counts a resource in steps of 1/this; it refuses a share of a CPU finer than one step
+_CPU_STEPS = 10_000
+
 #: the keys that take a whole number (``max_items`` also null)
 _WHOLE_NUMBERS = ("num_units", "capacity", "mean_length", "max_items")
 
@@ -148,6 +151,9 @@ def _validated(cfg: dict[str, Any]) -> dict[str, Any]:
         # failed with an untyped "cannot convert float NaN to integer"; True was taken as 1 CPU)
         raise ConfigurationError(f"{where}.unit_num_cpus={cfg['unit_num_cpus']!r}: give a finite number of CPUs >= 0 "
                                  f"(e.g. 0, which reserves none, or 1).")
+    if cpus and int(cpus * _CPU_STEPS) == 0:  # (Ray's own test: it refused the unit's start, with a ValueError)
+        raise ConfigurationError(f"{where}.unit_num_cpus={cfg['unit_num_cpus']!r}: Ray counts CPUs in steps of "
+                                 f"{1 / _CPU_STEPS:g}; give 0, which reserves none, or at least {1 / _CPU_STEPS:g}.")
     timeout = cfg["call_timeout_s"]
     if isinstance(timeout, bool) or not isinstance(timeout, Real) or not 0 < float(timeout) < math.inf:
         raise ConfigurationError(f"{where}.call_timeout_s={timeout!r}: give a finite number of seconds > 0 (e.g. "
