@@ -87,39 +87,36 @@ class _GathersBadHandles(ServerStandIn):
         return _Gather()
 
 
-def test_a_shards_open_error_is_the_cause_of_the_cluster_error(cluster):
+def test_a_shards_open_error_is_the_cause_of_the_cluster_error(servers):
+    """(On the module's shared servers: shard 0's opens fail until the stand-in is restored.)"""
     from conduit.distributed import ClusterError
 
-    group = ShardServers([cluster.head])
-    stand_in = _OpensWithABadCapacity(group, 0)
+    stand_in = _OpensWithABadCapacity(servers, 0)
     try:
         with pytest.raises(ClusterError, match="could not open its partition") as e:
-            DistributedDataPlane(ID_SCHEMA, capacity=8, servers=group, measure=False, health_period=None)
+            DistributedDataPlane(ID_SCHEMA, capacity=8, servers=servers, measure=False, health_period=None)
         assert isinstance(e.value.__cause__, ConfigurationError)
         assert "capacity must be a positive int, got 'not a capacity'" in str(e.value.__cause__)
     finally:
         stand_in.restore()
-        group.shutdown()
 
 
-def test_a_shards_read_error_is_the_cause_of_the_distributed_error(cluster):
-    group = ShardServers([cluster.head])
-    try:
-        with DistributedDataPlane(ID_SCHEMA, capacity=8, servers=group, measure=False, health_period=None,
-                                  transport="object_store") as p:
-            p.ingest(id_batch(np.arange(4)))
-            stand_in = _GathersBadHandles(group, 0)
-            try:
-                with pytest.raises(DistributedError, match="Shard 0 failed to read items") as e:
-                    p.deliver(4)
-            finally:
-                stand_in.restore()
-            cause = e.value.__cause__
-            assert isinstance(cause, ValueError) and "invalid literal for int()" in str(cause)
-            assert not p.losses  # an error, not a loss
-            assert p.deliver(4)[0].batch_size == 4
-    finally:
-        group.shutdown()
+def test_a_shards_read_error_is_the_cause_of_the_distributed_error(cluster, servers):
+    """(On the module's shared servers: the buffer has a partition of its own; its items are all on shard 0.)"""
+    with DistributedDataPlane(ID_SCHEMA, capacity=8, servers=servers, measure=False, health_period=None,
+                              transport="object_store") as p:
+        p.ingest(id_batch(np.arange(4)), node=cluster.head)
+        assert servers[0].node_id == cluster.head
+        stand_in = _GathersBadHandles(servers, 0)
+        try:
+            with pytest.raises(DistributedError, match="Shard 0 failed to read items") as e:
+                p.deliver(4)
+        finally:
+            stand_in.restore()
+        cause = e.value.__cause__
+        assert isinstance(cause, ValueError) and "invalid literal for int()" in str(cause)
+        assert not p.losses  # an error, not a loss
+        assert p.deliver(4)[0].batch_size == 4
 
 
 def test_gather_send_for_a_closed_partition_raises_the_typed_error_in_a_joined_group(cluster, servers):
