@@ -9,6 +9,9 @@ refused with a typed error that says what to do, before any server starts.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -27,6 +30,16 @@ from conduit.distributed import (  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 SCHEMA = ExperienceSchema(obs=Field((4,), torch.float32), reward=Field((), torch.float32))
+
+
+@pytest.fixture(scope="module")
+def head_server(cluster: Any) -> Iterator[ShardServers]:
+    """One shard server on the head node for this module (the worker node holds none), shared by the tests that
+    need a group but no server of their own: each buffer on it has a partition of its own, and nothing here
+    measures its links (a link-probe refusal below must find no profile cached)."""
+    group = ShardServers([cluster.head])
+    yield group
+    group.shutdown()
 
 
 def _batch(n: int, start: int = 0) -> dict[str, torch.Tensor]:
@@ -75,22 +88,19 @@ def test_a_learner_node_that_is_no_alive_node_id_is_refused_typed(cluster, kind)
                              health_period=None)
 
 
-def test_a_learner_node_without_a_shard_server_is_taken(cluster):
+def test_a_learner_node_without_a_shard_server_is_taken(cluster, head_server):
     """An alive node that holds no server (e.g. a GPU learner's node) is a valid learner node; so is a server's."""
     head, worker = cluster.head, cluster.workers[0]
-    servers = ShardServers([head])
-    try:
-        for learner in (worker, head):
-            buf = DistributedDataPlane(SCHEMA, capacity=10, servers=servers, learner_node=learner, measure=False,
-                                       health_period=None)
-            try:
-                assert buf.learner_node == learner
-                buf.ingest(_batch(4))
-                assert buf.deliver(4)[0].batch_size == 4
-            finally:
-                buf.close()
-    finally:
-        servers.shutdown()
+    assert head_server.nodes == [head]  # the worker's node holds no server
+    for learner in (worker, head):
+        buf = DistributedDataPlane(SCHEMA, capacity=10, servers=head_server, learner_node=learner, measure=False,
+                                   health_period=None)
+        try:
+            assert buf.learner_node == learner
+            buf.ingest(_batch(4))
+            assert buf.deliver(4)[0].batch_size == 4
+        finally:
+            buf.close()
 
 
 def test_one_node_id_given_where_a_list_is_wanted_is_refused_with_what_to_write(cluster):
@@ -139,15 +149,11 @@ def test_a_bad_start_timeout_is_refused_typed_and_starts_no_server(cluster, star
 
 
 @pytest.mark.parametrize("timeout", [None, "5", float("inf")])
-def test_a_link_probe_timeout_that_is_no_number_is_refused_typed(cluster, timeout):
+def test_a_link_probe_timeout_that_is_no_number_is_refused_typed(head_server, timeout):
     """``ShardServers.links(timeout=None)`` failed with a bare ``TypeError`` from the settings check itself; ``inf``
     was taken, unlike every other timeout of the tier."""
-    servers = ShardServers([cluster.head])
-    try:
-        with pytest.raises(ConfigurationError, match="timeout must be a finite number of seconds > 0"):
-            servers.links(timeout=timeout)
-    finally:
-        servers.shutdown()
+    with pytest.raises(ConfigurationError, match="timeout must be a finite number of seconds > 0"):
+        head_server.links(timeout=timeout)
 
 
 def test_fencing_a_server_the_group_does_not_have_is_refused_and_kills_nothing(cluster):
