@@ -35,8 +35,8 @@ SCHEMA = ExperienceSchema(obs=Field((4,), torch.float32), reward=Field((), torch
 @pytest.fixture(scope="module")
 def head_server(cluster: Any) -> Iterator[ShardServers]:
     """One shard server on the head node for this module (the worker node holds none), shared by the tests that
-    need a group but no server of their own: each buffer on it has a partition of its own, and nothing here
-    measures its links (a link-probe refusal below must find no profile cached)."""
+    need a group but no server of their own: each buffer on it has a partition of its own (its links may be
+    measured and cached: a link-probe setting is checked with or without a cached profile)."""
     group = ShardServers([cluster.head])
     yield group
     group.shutdown()
@@ -154,6 +154,17 @@ def test_a_link_probe_timeout_that_is_no_number_is_refused_typed(head_server, ti
     was taken, unlike every other timeout of the tier."""
     with pytest.raises(ConfigurationError, match="timeout must be a finite number of seconds > 0"):
         head_server.links(timeout=timeout)
+
+
+@pytest.mark.parametrize("timeout", [None, "5", float("inf")])
+def test_a_link_probe_timeout_that_is_no_number_is_refused_once_links_are_measured_too(head_server, timeout):
+    """Once the group had measured its links, ``links(timeout=None)`` (or ``"5"``, or ``inf``) returned the cached
+    profile and took the bad setting silently; it is refused typed as before a measurement, and the cached profile
+    stays."""
+    profile = head_server.links()  # measured once, then cached
+    with pytest.raises(ConfigurationError, match="timeout must be a finite number of seconds > 0"):
+        head_server.links(timeout=timeout)
+    assert head_server.links() is profile
 
 
 def test_fencing_a_server_the_group_does_not_have_is_refused_and_kills_nothing(cluster):

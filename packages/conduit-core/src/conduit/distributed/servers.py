@@ -125,9 +125,13 @@ class ShardServers:
             kwargs: probe settings for :func:`~conduit.distributed.links.measure_links`.
 
         Raises:
+            ConfigurationError: a ``timeout`` that is not a finite number of seconds > 0 (refused even when the
+                cached profile is returned: nothing would be measured with it).
             ClusterError: the servers were shut down (:meth:`shutdown`).
         """
         self.check_running()
+        if "timeout" in kwargs:  # (a cached profile is returned without a probe: check the setting here too)
+            check_seconds("Link probe timeout", kwargs["timeout"])
         if isinstance(kwargs.get("sizes"), list):
             kwargs["sizes"] = tuple(kwargs["sizes"])
         cached = self._links
