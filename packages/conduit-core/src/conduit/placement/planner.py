@@ -9,7 +9,9 @@ are proposed too, so the plan shows why they lose) and, when the topology declar
 many host links as possible (staged ingestion fills the shards over their host links at
 once, so GPUs sharing a switch ingest no faster than one). Each candidate is priced by the
 :class:`~conduit.placement.CostModel`; the chosen one is the fastest feasible (candidates
-within ``tie_tolerance`` of it prefer fewer devices, then the simpler tier). The disk tier
+within ``tie_tolerance`` of it prefer fewer devices, then the simpler tier, then the faster; of costs
+equal up to float rounding, the first proposed, so the choice is a function of the costs, not of the
+order their sums were added in). The disk tier
 is chosen only when nothing in memory fits: it is for buffers larger than memory.
 
 GPUs are ranked by their links to the learners: first by the learners they host, then by
@@ -35,6 +37,15 @@ if TYPE_CHECKING:
     from conduit.placement.placement_map import PlacementMap
 
 __all__ = ["Candidate", "Plan", "Planner", "NothingFitsError"]
+
+
+#: costs this close (relative) are one cost: they differ only by float rounding (:meth:`Planner.plan`)
+_ROUNDING = 1e-12
+
+
+def _same_cost(t: float, fastest: float) -> bool:
+    """Whether ``t`` is ``fastest`` up to float rounding (``t >= fastest``)."""
+    return t == fastest or t <= fastest + _ROUNDING * abs(fastest)
 
 
 class NothingFitsError(PlacementError):
@@ -259,7 +270,13 @@ class Planner:
         best_t = min(e.total_s for e, _ in eligible)
         # (the fastest is always tied with itself: at best_t 0 an unlimited tolerance gives 0 * inf, NaN)
         tied = [(e, lb) for e, lb in eligible if e.total_s == best_t or e.total_s <= best_t * (1 + self.tie_tolerance)]
-        chosen = min(tied, key=lambda p: (len(p[0].spec.devices), TIERS.index(p[0].spec.tier), p[0].total_s))[0]
+        simplest = min((len(e.spec.devices), TIERS.index(e.spec.tier)) for e, _ in tied)
+        same = [e for e, _ in tied if (len(e.spec.devices), TIERS.index(e.spec.tier)) == simplest]
+        fastest = min(e.total_s for e in same)
+        # the fastest of the simplest; of candidates whose costs differ only by float rounding (GPUs linked alike to
+        # the learners: the same sums added in another order), the first proposed, so the choice does not flip
+        # between them with the last bit from one item size to the next (a placement map plans only some sizes)
+        chosen = next(e for e in same if _same_cost(e.total_s, fastest))
         cands = [Candidate(e, e is chosen, self._reason(e, chosen, best_t, fallback_only=bool(in_memory)), lb)
                  for e, lb in priced]
         cands.sort(key=lambda c: (not c.chosen, not c.feasible, c.estimate.total_s))
@@ -277,7 +294,7 @@ class Planner:
 
     def _reason(self, e: Estimate, chosen: Estimate, best_t: float, *, fallback_only: bool = False) -> str:
         if e is chosen:
-            if e.total_s > best_t:
+            if not _same_cost(e.total_s, best_t):
                 return (f"chosen: within {self._tolerance} of the fastest and uses fewer devices or a simpler "
                         f"tier")
             return "chosen: fastest feasible"

@@ -1,0 +1,56 @@
+"""A placement map names, at every whole item size it covers, the placement ``Planner.plan`` chooses there.
+
+The map plans a geometric grid and bisects only between neighbours that differ, so a choice that changes and
+changes back between two grid sizes would be missed. On the MI250X node with a learner on each of GCDs 0-3,
+GCD 0 and GCD 2 are linked alike to the learners: their costs are the same sums in another order, equal up to
+the last bit of a float. The planner broke that tie on the last bit, so its choice flipped between them from
+one byte to the next, and the map (which planned neither flip) disagreed with it at those sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conduit.placement import Planner, Workload, load_topology
+from conduit.placement.planner import NothingFitsError
+
+
+def _planned(planner: Planner, workload: Workload) -> object:
+    try:
+        return planner.plan(workload).placement
+    except NothingFitsError:
+        return None
+
+
+def test_symmetric_gcds_do_not_flip_the_plan_from_byte_to_byte() -> None:
+    """The same item sizes give the same choice between two candidates of equal cost (the first proposed),
+    so the map, which plans only a grid, agrees with the planner at every size (on main the planner flipped to
+    GCD 2 at 29, 32, 62, 76, 90, 239, ... B, and the map said GCD 0 there)."""
+    planner = Planner(load_topology("mi250x-node"))
+    w = Workload.transitions(64, capacity=10**6, batch=4096, learners=4)
+    pmap = planner.placement_map(w, min_item_bytes=16, max_item_bytes=500)
+    plans = {b: planner.plan(w.resized(b)) for b in range(16, 501)}
+    assert {str(p.placement) for p in plans.values()} == {"gpu[cuda:0]"}
+    assert plans[29].chosen.reason == "chosen: fastest feasible"
+    assert [b for b, p in plans.items() if pmap.lookup(b) != p.placement] == []
+
+
+@pytest.mark.parametrize(("topology", "capacity", "batch", "learners"), [
+    ("mi250x-node", 10**6, 4096, 4),
+    ("mi250x-node", 10**6, 512, 1),
+    ("dgx-a100-80g", 10**6, 512, 1),
+    ("dgx-a100-80g", 10**5, 256, 2),
+    ("h200x1", 10**4, 64, 1),
+])
+def test_map_agrees_with_the_planner_at_every_size_near_its_boundaries(topology: str, capacity: int, batch: int,
+                                                                       learners: int) -> None:
+    """Around every boundary of a map over 16 B .. 10 MB (and over the small sizes, where overheads decide), the
+    map's placement is the planner's, byte by byte."""
+    planner = Planner(load_topology(topology))
+    w = Workload.transitions(64, capacity=capacity, batch=batch, learners=learners)
+    pmap = planner.placement_map(w, min_item_bytes=16, max_item_bytes=10**7)
+    sizes = set(range(16, 400))
+    for edge in pmap.boundaries:
+        sizes |= set(range(max(16, int(edge) - 20), min(10**7, int(edge) + 20)))
+    bad = [(b, str(pmap.range_of(b).spec), str(_planned(planner, w.resized(b))))
+           for b in sorted(sizes) if pmap.range_of(b).spec != _planned(planner, w.resized(b))]
+    assert bad == []
