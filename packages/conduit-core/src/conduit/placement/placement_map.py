@@ -124,6 +124,14 @@ class PlacementMap:
         The map's :attr:`max_item_bytes` is the largest whole size planned (``floor(max_item_bytes)``, or
         ``ceil(min_item_bytes)`` for a range without a whole byte): sizes are planned in whole bytes, rounded up.
 
+        Between two neighbouring planned sizes that chose the same placement nothing more is planned, so a choice
+        that changes and changes back in between is not found (its fit is still checked: never an unfit one).
+        The planner's choice depends on the candidates' costs alone (costs equal up to float rounding go to the
+        first proposed), but near a ``tie_tolerance`` boundary it can alternate over a few bytes: the default
+        ``resize`` splits a size over equal growing fields unevenly every other byte, and a sharded ingestion's
+        last DMA prices one field, so costs step rather than grow affinely with the size. There the map names
+        the placement found on one side (both are within about the tolerance of each other).
+
         Raises:
             ConfigurationError: not ``0 < min_item_bytes <= max_item_bytes`` (both finite real numbers), or ``points``
                 is not an int in ``[2, MAX_POINTS]``.
