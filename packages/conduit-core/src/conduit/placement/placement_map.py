@@ -125,7 +125,9 @@ class PlacementMap:
         ``ceil(min_item_bytes)`` for a range without a whole byte): sizes are planned in whole bytes, rounded up.
 
         Between two neighbouring planned sizes that chose the same placement nothing more is planned, so a choice
-        that changes and changes back in between is not found (its fit is still checked: never an unfit one).
+        that changes and changes back in between is not found (its fit is still checked: never an unfit one): e.g.
+        a placement that wins only for a few percent of sizes because a measured link's time steps up there (the
+        profile's points are not mapped to item sizes and planned).
         The planner's choice depends on the candidates' costs alone (costs equal up to float rounding go to the
         first proposed), but near a ``tie_tolerance`` boundary it can alternate over a few bytes: the default
         ``resize`` splits a size over equal growing fields unevenly every other byte, and a sharded ingestion's
