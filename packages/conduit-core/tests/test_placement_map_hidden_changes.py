@@ -5,12 +5,16 @@ changes back between two grid sizes would be missed. On the MI250X node with a l
 GCD 0 and GCD 2 are linked alike to the learners: their costs are the same sums in another order, equal up to
 the last bit of a float. The planner broke that tie on the last bit, so its choice flipped between them from
 one byte to the next, and the map (which planned neither flip) disagreed with it at those sizes.
+
+A measured link whose time steps up at some call size (pageable host-to-GPU copies 80 us slower per call above
+640 KB) makes the host the fastest only for items of about 20.4 .. 22.5 KB: narrower than one step of the
+geometric grid, so the map, planning neither side of the step, named the slower GPU there.
 """
 
 from __future__ import annotations
 
 import pytest
-from conduit.placement import Planner, Workload, load_topology
+from conduit.placement import BandwidthProfile, LinkCost, Planner, Workload, load_topology
 from conduit.placement.planner import NothingFitsError
 
 
@@ -54,3 +58,21 @@ def test_map_agrees_with_the_planner_at_every_size_near_its_boundaries(topology:
     bad = [(b, str(pmap.range_of(b).spec), str(_planned(planner, w.resized(b))))
            for b in sorted(sizes) if pmap.range_of(b).spec != _planned(planner, w.resized(b))]
     assert bad == []
+
+
+def test_map_plans_each_side_of_a_step_in_a_measured_curve() -> None:
+    """The grid holds the item sizes where a growing field's bytes per ingestion call reach a point of the
+    measured h2d_pageable curve, so the window in which its step makes the host fastest is in the map."""
+    topo = load_topology("h200x1")
+    step, extra = 640_000.0, 80e-6  # (bytes per call, seconds the step adds; the time never decreases)
+    pts = ((step, 12e9), *((step * f, step * f / (step * f / 12e9 + extra)) for f in (1.02, 1.5, 2, 4, 8, 16, 64)))
+    prof = BandwidthProfile({"h2d_pageable": LinkCost(15e-6, pts)}, source="measured", machine="stepped-pcie")
+    planner = Planner(topo, prof)
+    w = Workload.transitions(64, capacity=10**4, batch=64)
+    pmap = planner.placement_map(w, min_item_bytes=16, max_item_bytes=10**6)
+    assert [str(r.spec) for r in pmap.ranges] == ["host", "gpu[cuda:0]", "host", "gpu[cuda:0]"]
+    window = pmap.ranges[2]
+    sizes = [*range(int(window.lo) - 30, int(window.lo) + 30), *range(int(window.hi) - 30, int(window.hi) + 30),
+             *range(20_000, 23_000, 50)]
+    assert [b for b in sizes if pmap.range_of(b).spec != planner.plan(w.resized(b)).placement] == []
+    assert planner.plan(w.resized(21_000)).placement.tier == "host"

@@ -39,8 +39,11 @@ if TYPE_CHECKING:
 
 __all__ = ["MapRange", "PlacementMap", "AdaptivePlacement", "MAX_POINTS"]
 
-#: the most grid sizes :meth:`PlacementMap.build` plans (each is one planner run; the boundaries are refined
-#: by bisection anyway, so more points only cost time)
+#: the most geometric grid sizes :meth:`PlacementMap.build` plans (each is one planner run; the boundaries are
+#: refined by bisection anyway, so more points only cost time). With a measured profile the grid also holds two
+#: sizes per bend of a cost curve in the range (see ``_kinks``): at most 2 x the profile's distinct point sizes x
+#: the call shapes priced (a row, an ingestion call, a batch, their share per shard count) x the growing fields'
+#: distinct shares, in practice a few hundred; declared links have one point, so none.
 MAX_POINTS = 4096
 
 
@@ -124,10 +127,13 @@ class PlacementMap:
         The map's :attr:`max_item_bytes` is the largest whole size planned (``floor(max_item_bytes)``, or
         ``ceil(min_item_bytes)`` for a range without a whole byte): sizes are planned in whole bytes, rounded up.
 
-        Between two neighbouring planned sizes that chose the same placement nothing more is planned, so a choice
-        that changes and changes back in between is not found (its fit is still checked: never an unfit one): e.g.
-        a placement that wins only for a few percent of sizes because a measured link's time steps up there (the
-        profile's points are not mapped to item sizes and planned).
+        The grid holds ``points`` sizes spaced geometrically and, with the default ``resize``, each side of every
+        size where a measured cost curve bends (a profile point reached by a growing field in a priced call), so a
+        placement that wins only between two geometric sizes because a measured link's time steps up there is
+        planned. Between two neighbouring planned sizes that chose the same placement nothing more is planned, so
+        a choice that changes and changes back in between for another reason (a faster candidate that stops
+        fitting in between, a curve bending between two of its points, the tie tolerance as below) is still not
+        found; its fit is checked, so the map never names an unfit placement, only at worst a slower one.
         The planner's choice depends on the candidates' costs alone (costs equal up to float rounding go to the
         first proposed), but near a ``tie_tolerance`` boundary it can alternate over a few bytes: the default
         ``resize`` splits a size over equal growing fields unevenly every other byte, and a sharded ingestion's
@@ -165,7 +171,8 @@ class PlacementMap:
         lo_b = int(math.ceil(min_item_bytes))
         hi_b = max(lo_b, int(math.floor(max_item_bytes)))  # a range without a whole byte in it: plan at lo_b
         n = points
-        grid = sorted({int(round(lo_b * (hi_b / lo_b) ** (i / (n - 1)))) for i in range(n)} | {lo_b, hi_b})
+        grid = sorted({int(round(lo_b * (hi_b / lo_b) ** (i / (n - 1)))) for i in range(n)} | {lo_b, hi_b}
+                      | (_kinks(planner, workload, lo_b, hi_b) if resize is None else set()))
         starts = [grid[0]]
 
         def refine(a: int, b: int) -> None:
@@ -262,6 +269,38 @@ class PlacementMap:
             hi = "inf" if math.isinf(r.hi) else f"{r.hi:.0f}"
             lines.append(f"  {r.lo:>12.0f} .. {hi:>12} B/item -> {r.spec if r.spec else 'nothing fits'}")
         return "\n".join(lines)
+
+
+def _kinks(planner: Planner, workload: Workload, lo_b: int, hi_b: int) -> set[int]:
+    """Item sizes in ``[lo_b, hi_b]`` (whole bytes, each side of the exact size) where a cost curve bends: where
+    a growing field's bytes, in one of the calls the cost model prices (a row, an ingestion call's or a batch's
+    rows, their share of a shard), reach a point of a multi-point link of the planner's profile, or a scalar
+    column reaches half the last-level cache. Between two of these the links' figures change smoothly, so the
+    grid plans each side of every step of a measured curve (declared links have one point: none there).
+    Sizes as :meth:`Workload.resized` splits them over the growing fields."""
+    points = {b for link in planner.profile.links.values() if len(link.points) > 1 for b, _ in link.points}
+    llc = planner.profile.details.get("llc_bytes")
+    grow = workload.growing if workload.growing is not None else tuple(range(len(workload.field_bytes)))
+    if not points and not (isinstance(llc, int) and llc > 0 and set(grow) & set(workload.scalar)):
+        return set()
+    items, rows, cap = workload.ingest_call_items, workload.batch, workload.capacity
+    shards = [k for k in (2, 4, 8, 16, 32, 64) if k < planner.topology.num_gpus] + [planner.topology.num_gpus]
+    per_call = {1.0, float(items), float(rows), *(x / k for x in (items, rows) for k in shards if k > 1)}
+    sizes = {(b, x) for b in points for x in per_call}
+    if isinstance(llc, int) and llc > 0:  # a scalar column in or out of the cache (CostModel._gather)
+        sizes |= {(llc // 2, float(x)) for x in (cap, rows, *(cap / k for k in shards if k > 1))}
+    fixed = sum(b for i, b in enumerate(workload.field_bytes) if i not in grow)
+    g_now = sum(workload.field_bytes[i] for i in grow)
+    out: set[int] = set()
+    for i in grow:
+        share = workload.field_bytes[i] / g_now if g_now else 1.0 / len(grow)
+        if share <= 0:
+            continue
+        for b, x in sizes:
+            exact = fixed + b / x / share
+            if lo_b - 1 <= exact <= hi_b + 1:
+                out |= {min(hi_b, max(lo_b, int(math.floor(exact)) + d)) for d in (0, 1)}
+    return out
 
 
 def storage_spec(storage: Storage) -> PlacementSpec | None:
