@@ -9,13 +9,17 @@ one byte to the next, and the map (which planned neither flip) disagreed with it
 A measured link whose time steps up at some call size (pageable host-to-GPU copies 80 us slower per call above
 640 KB) makes the host the fastest only for items of about 20.4 .. 22.5 KB: narrower than one step of the
 geometric grid, so the map, planning neither side of the step, named the slower GPU there.
+
+A GPU smaller than host memory is the fastest from about 959 B per item (below, the host's smaller overheads
+win) until it stops fitting at 1042 B: a window inside one grid step, which the map missed (host throughout).
 """
 
 from __future__ import annotations
 
 import pytest
-from conduit.placement import BandwidthProfile, LinkCost, Planner, Workload, load_topology
+from conduit.placement import BandwidthProfile, LinkCost, Planner, Topology, Workload, load_topology
 from conduit.placement.planner import NothingFitsError
+from conduit.placement.topology import GIB, Gpu
 
 
 def _planned(planner: Planner, workload: Workload) -> object:
@@ -76,3 +80,17 @@ def test_map_plans_each_side_of_a_step_in_a_measured_curve() -> None:
              *range(20_000, 23_000, 50)]
     assert [b for b in sizes if pmap.range_of(b).spec != planner.plan(w.resized(b)).placement] == []
     assert planner.plan(w.resized(21_000)).placement.tier == "host"
+
+
+def test_map_plans_where_a_faster_candidate_stops_fitting() -> None:
+    """Each candidate's largest fitting size is planned, so the GPU's window between the host's cheap small
+    items and the GPU's memory limit is in the map."""
+    declared = load_topology("h200x1").declared
+    topo = Topology("small-gpu", 512 * GIB, (Gpu(0, "a 16 GiB GPU", 16 * GIB),), 0, declared, "one small GPU")
+    planner = Planner(topo)
+    w = Workload.transitions(64, capacity=13_500_000, batch=64)
+    pmap = planner.placement_map(w, min_item_bytes=16, max_item_bytes=10**5)
+    assert [str(r.spec) for r in pmap.ranges] == ["host", "gpu[cuda:0]", "host", "None"]
+    gpu = pmap.ranges[1]
+    assert [b for b in range(int(gpu.lo) - 40, int(gpu.hi) + 40)
+            if pmap.range_of(b).spec != planner.plan(w.resized(b)).placement] == []

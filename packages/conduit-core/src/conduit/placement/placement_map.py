@@ -43,7 +43,9 @@ __all__ = ["MapRange", "PlacementMap", "AdaptivePlacement", "MAX_POINTS"]
 #: refined by bisection anyway, so more points only cost time). With a measured profile the grid also holds two
 #: sizes per bend of a cost curve in the range (see ``_kinks``): at most 2 x the profile's distinct point sizes x
 #: the call shapes priced (a row, an ingestion call, a batch, their share per shard count) x the growing fields'
-#: distinct shares, in practice a few hundred; declared links have one point, so none.
+#: distinct shares, in practice a few hundred; declared links have one point, so none. It also holds each
+#: candidate's largest fitting size and the next where that lies in the range (two per candidate; found with
+#: the cost model's memory check, about 25 estimates per candidate, not planner runs).
 MAX_POINTS = 4096
 
 
@@ -130,10 +132,11 @@ class PlacementMap:
         The grid holds ``points`` sizes spaced geometrically and, with the default ``resize``, each side of every
         size where a measured cost curve bends (a profile point reached by a growing field in a priced call), so a
         placement that wins only between two geometric sizes because a measured link's time steps up there is
-        planned. Between two neighbouring planned sizes that chose the same placement nothing more is planned, so
-        a choice that changes and changes back in between for another reason (a faster candidate that stops
-        fitting in between, a curve bending between two of its points, the tie tolerance as below) is still not
-        found; its fit is checked, so the map never names an unfit placement, only at worst a slower one.
+        planned; so is each candidate's largest fitting size (and the next), so a faster candidate that stops
+        fitting between two geometric sizes is found. Between two neighbouring planned sizes that chose the same
+        placement nothing more is planned, so a choice that changes and changes back in between for another reason
+        (a curve bending between two of its points, the tie tolerance as below) is still not found; its fit is
+        checked, so the map never names an unfit placement, only at worst a slower one.
         The planner's choice depends on the candidates' costs alone (costs equal up to float rounding go to the
         first proposed), but near a ``tie_tolerance`` boundary it can alternate over a few bytes: the default
         ``resize`` splits a size over equal growing fields unevenly every other byte, and a sharded ingestion's
@@ -172,7 +175,8 @@ class PlacementMap:
         hi_b = max(lo_b, int(math.floor(max_item_bytes)))  # a range without a whole byte in it: plan at lo_b
         n = points
         grid = sorted({int(round(lo_b * (hi_b / lo_b) ** (i / (n - 1)))) for i in range(n)} | {lo_b, hi_b}
-                      | (_kinks(planner, workload, lo_b, hi_b) if resize is None else set()))
+                      | (_kinks(planner, workload, lo_b, hi_b) if resize is None else set())
+                      | _fit_limits(planner, sized, lo_b, hi_b))
         starts = [grid[0]]
 
         def refine(a: int, b: int) -> None:
@@ -269,6 +273,32 @@ class PlacementMap:
             hi = "inf" if math.isinf(r.hi) else f"{r.hi:.0f}"
             lines.append(f"  {r.lo:>12.0f} .. {hi:>12} B/item -> {r.spec if r.spec else 'nothing fits'}")
         return "\n".join(lines)
+
+
+def _fit_limits(planner: Planner, sized: Callable[[float], Workload], lo_b: int, hi_b: int) -> set[int]:
+    """Each candidate's largest item size in ``[lo_b, hi_b]`` that fits, and the next (found by bisection on the
+    cost model's memory check, which needs more memory for larger items), for every candidate that fits at
+    ``lo_b`` but not at ``hi_b``: a faster candidate that stops fitting between two grid sizes is planned."""
+    def fits(spec: PlacementSpec, b: int) -> bool:
+        return planner.cost.estimate(spec, sized(b)).feasible
+
+    out: set[int] = set()
+    try:
+        specs = [spec for spec, _ in planner.candidates(sized(lo_b))]
+        for spec in specs:
+            if not fits(spec, lo_b) or fits(spec, hi_b):
+                continue
+            lo, hi = lo_b, hi_b
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if fits(spec, mid):
+                    lo = mid
+                else:
+                    hi = mid
+            out |= {lo, hi}
+    except PlacementError:  # (a workload the planner refuses at every size: plan() says why)
+        return set()
+    return out
 
 
 def _kinks(planner: Planner, workload: Workload, lo_b: int, hi_b: int) -> set[int]:
