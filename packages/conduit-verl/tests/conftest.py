@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
@@ -103,24 +104,54 @@ def ray_local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         kill_marked(marker)
 
 
+def _tq_init(backend: str, **cfg: Any) -> Any:
+    """``tq.init`` on the local Ray with ``backend``: SimpleStorage (one unit), or Conduit configured by ``cfg``."""
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+
+    conf: dict[str, Any] = {"backend": {"storage_backend": backend,
+                                        "SimpleStorage": {"num_data_storage_units": 1, "total_storage_size": 4096}}}
+    if backend == "Conduit":
+        conf["backend"]["Conduit"] = cfg
+    return tq.init(OmegaConf.create(conf))
+
+
 @pytest.fixture
 def tq_session(ray_local: Path) -> Iterator[Callable[..., Any]]:
     """``start(backend, **backend_cfg)``: a TransferQueue on the local Ray, closed afterwards."""
     import transfer_queue as tq
-    from omegaconf import OmegaConf
 
     started = []
 
     def start(backend: str, **cfg: Any) -> Any:
-        conf = {"backend": {"storage_backend": backend,
-                            "SimpleStorage": {"num_data_storage_units": 1, "total_storage_size": 4096}}}
-        if backend == "Conduit":
-            conf["backend"]["Conduit"] = cfg
         started.append(True)
-        return tq.init(OmegaConf.create(conf))
+        return _tq_init(backend, **cfg)
 
     try:
         yield start
     finally:
         if started:
             tq.close()
+
+
+@pytest.fixture(scope="class")
+def tq_shared(request: pytest.FixtureRequest, ray_local: Path) -> Iterator[Callable[[str], str]]:
+    """One TransferQueue for every test of a class, started with the class's ``TQ_BACKEND = (backend, cfg)`` before
+    its first test and closed after its last: for tests that each need only an empty store of one configuration
+    (each start costs a controller and its units, seconds of CPU apiece).
+
+    Yields ``fresh(name)``: ``name`` with a suffix no other test of the class got, for the test's partition ids,
+    keys and field names (a field keeps its kind on every unit, whatever partition a sample is in). Keeping to its
+    own names, a test sees an empty store and passes alone and in any order. A test that kills or restores units,
+    or checks a start or a close, starts its own (``tq_session``)."""
+    import transfer_queue as tq
+
+    backend, cfg = request.cls.TQ_BACKEND
+    if backend == "Conduit":
+        import verl  # noqa: F401  (verl loads its plugins: conduit-verl registers the "Conduit" backend)
+    _tq_init(backend, **cfg)
+    count = itertools.count()
+    try:
+        yield lambda name: f"{name}{next(count)}"
+    finally:
+        tq.close()
