@@ -102,8 +102,8 @@ def test_a_stale_rollout_draws_no_deferred_epoch_order() -> None:
 
 
 # -- racing first puts ---------------------------------------------------------------------------------
-def _row(value: Any) -> TensorDict:
-    return TensorDict({"f": value}, batch_size=[1])
+def _row(value: Any, name: str = "f") -> TensorDict:
+    return TensorDict({name: value}, batch_size=[1])
 
 
 def _held(manager: Any, name: str) -> list[int]:
@@ -113,46 +113,51 @@ def _held(manager: Any, name: str) -> list[int]:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("first", "second", "match"), [
-    (torch.tensor([1.5]), NonTensorStack("text"), "tensor"),
-    (NonTensorStack("text"), torch.tensor([1.5]), "tensor"),
-    (torch.tensor([1.5]), torch.tensor([7]), "float32"),
-    (torch.tensor([1.5]), torch.tensor([[1.0, 2.0]]), "rank"),
-], ids=["tensor-vs-object", "object-vs-tensor", "other-dtype", "higher-rank"])
-def test_racing_first_puts_of_a_field_in_two_kinds_store_only_one(tq_session: Any, first: Any, second: Any,
-                                                                  match: str) -> None:
-    """Two first puts of field "f", each to its own unit, whose checks both run before either stores (submitted
-    together on one event loop): the second must be refused with a SchemaError and store nothing; the field is then
-    held in one kind only and reads back whole."""
-    import transfer_queue as tq
-    import verl  # noqa: F401  (verl loads its plugins: conduit-verl registers the "Conduit" backend)
-    from conduit import SchemaError
+class TestRacingFirstPuts:
+    """The cases share one TransferQueue over two units (``tq_shared``); each uses its own partition and field."""
 
-    tq_session("Conduit", num_units=2, capacity=4, mean_length=2)
-    client = tq.get_client()
-    manager = client.storage_manager
-    meta_a = client.kv_retrieve_meta(keys=["a"], partition_id="race", create=True)
-    meta_b = client.kv_retrieve_meta(keys=["b"], partition_id="race", create=True)
-    gis = [int(meta_a.global_indexes[0]), int(meta_b.global_indexes[0])]
-    assert gis[0] % 2 != gis[1] % 2, f"the two samples should route to different units: {gis}"
+    TQ_BACKEND = ("Conduit", {"num_units": 2, "capacity": 4, "mean_length": 2})
 
-    async def race() -> list[Any]:
-        return await asyncio.gather(manager.put_data(_row(first), meta_a), manager.put_data(_row(second), meta_b),
-                                    return_exceptions=True)
+    @pytest.mark.slow
+    @pytest.mark.parametrize(("first", "second", "match"), [
+        (torch.tensor([1.5]), NonTensorStack("text"), "tensor"),
+        (NonTensorStack("text"), torch.tensor([1.5]), "tensor"),
+        (torch.tensor([1.5]), torch.tensor([7]), "float32"),
+        (torch.tensor([1.5]), torch.tensor([[1.0, 2.0]]), "rank"),
+    ], ids=["tensor-vs-object", "object-vs-tensor", "other-dtype", "higher-rank"])
+    def test_racing_first_puts_of_a_field_in_two_kinds_store_only_one(self, tq_shared: Any, first: Any, second: Any,
+                                                                      match: str) -> None:
+        """Two first puts of field ``f``, each to its own unit, whose checks both run before either stores (submitted
+        together on one event loop): the second must be refused with a SchemaError and store nothing; the field is then
+        held in one kind only and reads back whole."""
+        import transfer_queue as tq
+        import verl  # noqa: F401  (verl loads its plugins: conduit-verl registers the "Conduit" backend)
+        from conduit import SchemaError
 
-    results = asyncio.run(race())
-    errors = [r for r in results if isinstance(r, BaseException)]
-    assert len(errors) == 1, f"exactly one of two racing first puts in different kinds must be refused: {results}"
-    assert isinstance(errors[0], SchemaError), f"refused untyped: {errors[0]!r}"
-    assert match in str(errors[0]) and "another field name" in str(errors[0]), f"unhelpful message: {errors[0]}"
-    held = _held(manager, "f")
-    assert sorted(held) == [0, 1], f"the refused put stored its sample anyway: samples per unit {held}"
-    winner = 0 if results[0] is None else 1
-    key, value = ("a", first) if winner == 0 else ("b", second)
-    got = tq.kv_batch_get(keys=[key], partition_id="race", select_fields=["f"])["f"]
-    want = value.tolist()
-    assert (got.tolist() if isinstance(got, torch.Tensor) else list(got)) == want, f"read back {got}, put {want}"
+        part, f = tq_shared("race"), tq_shared("f")  # this test's partition and field
+        client = tq.get_client()
+        manager = client.storage_manager
+        meta_a = client.kv_retrieve_meta(keys=["a"], partition_id=part, create=True)
+        meta_b = client.kv_retrieve_meta(keys=["b"], partition_id=part, create=True)
+        gis = [int(meta_a.global_indexes[0]), int(meta_b.global_indexes[0])]
+        assert gis[0] % 2 != gis[1] % 2, f"the two samples should route to different units: {gis}"
+
+        async def race() -> list[Any]:
+            return await asyncio.gather(manager.put_data(_row(first, f), meta_a),
+                                        manager.put_data(_row(second, f), meta_b), return_exceptions=True)
+
+        results = asyncio.run(race())
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert len(errors) == 1, f"exactly one of two racing first puts in different kinds must be refused: {results}"
+        assert isinstance(errors[0], SchemaError), f"refused untyped: {errors[0]!r}"
+        assert match in str(errors[0]) and "another field name" in str(errors[0]), f"unhelpful message: {errors[0]}"
+        held = _held(manager, f)
+        assert sorted(held) == [0, 1], f"the refused put stored its sample anyway: samples per unit {held}"
+        winner = 0 if results[0] is None else 1
+        key, value = ("a", first) if winner == 0 else ("b", second)
+        got = tq.kv_batch_get(keys=[key], partition_id=part, select_fields=[f])[f]
+        want = value.tolist()
+        assert (got.tolist() if isinstance(got, torch.Tensor) else list(got)) == want, f"read back {got}, put {want}"
 
 
 @pytest.mark.slow
