@@ -40,26 +40,26 @@ WAIT_S = 120.0
 
 
 # -- verl's sync sampling, on a live TransferQueue -----------------------------------------------------------
-def _groups(groups: dict[str, tuple[str, int]]) -> None:
-    """Register GRPO groups as verl's trainer and agent loop do: ``uid -> (status, global_steps)``; a finished or
-    failed group gets one trajectory ``{uid}_0_0`` with a field."""
+def _groups(groups: dict[str, tuple[str, int]], partition: str = "train") -> None:
+    """Register GRPO groups in ``partition`` as verl's trainer and agent loop do: ``uid -> (status, global_steps)``; a
+    finished or failed group gets one trajectory ``{uid}_0_0`` with a field."""
     import transfer_queue as tq
 
     uids = list(groups)
-    tq.kv_batch_put(keys=uids, partition_id="train",
+    tq.kv_batch_put(keys=uids, partition_id=partition,
                     tags=[{"is_prompt": True, "status": st, "global_steps": step} for st, step in groups.values()])
     done = [u for u in uids if groups[u][0] in ("finished", "failure")]
     if done:
         fields = TensorDict({"responses": torch.arange(len(done) * 3, dtype=torch.int64).reshape(len(done), 3)},
                             batch_size=[len(done)])
-        tq.kv_batch_put(keys=[f"{u}_0_0" for u in done], partition_id="train", fields=fields,
+        tq.kv_batch_put(keys=[f"{u}_0_0" for u in done], partition_id=partition, fields=fields,
                         tags=[{"status": "success", "global_steps": groups[u][1]} for u in done])
 
 
-def _listing() -> dict[str, dict[str, Any]]:
+def _listing(partition: str = "train") -> dict[str, dict[str, Any]]:
     import transfer_queue as tq
 
-    return {k: dict(v) for k, v in (tq.kv_list("train") or {}).get("train", {}).items()}
+    return {k: dict(v) for k, v in (tq.kv_list(partition) or {}).get(partition, {}).items()}
 
 
 def _buffer(on_stale: str, cls: Any = None, threshold: int = 1) -> Any:
@@ -70,13 +70,13 @@ def _buffer(on_stale: str, cls: Any = None, threshold: int = 1) -> Any:
                                         poll_interval=0.05)
 
 
-def _sample(buf: Any, global_steps: int, batch_size: int) -> tuple[Any, BaseException | None]:
-    """``buf.sample`` in a thread: (its result, its error); fails the test if it does not return."""
+def _sample(buf: Any, global_steps: int, batch_size: int, partition: str = "train") -> tuple[Any, BaseException | None]:
+    """``buf.sample`` of ``partition`` in a thread: (its result, its error); fails the test if it does not return."""
     out: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            out["result"] = buf.sample(global_steps, "train", batch_size)
+            out["result"] = buf.sample(global_steps, partition, batch_size)
         except BaseException as e:  # noqa: BLE001  (the test inspects it)
             out["error"] = e
 
@@ -93,83 +93,87 @@ def _live_tq(tq_session: Callable[..., Any]) -> None:
     tq_session("Conduit", num_units=1, capacity=8, mean_length=4)
 
 
-@pytest.mark.slow
-def test_sync_raise_refuses_a_left_over_stale_group_before_transfer_queue_changes(tq_session: Any) -> None:
-    """A group of step 1 left unsampled is stale at step 2 with threshold 1 (verl's sync sampling selects the oldest
-    first). on_stale=raise must raise StaleExperienceError with TransferQueue as it was; it used to raise after
-    verl had cleared the selected prompt, so the group was gone from the listing."""
-    from conduit import StaleExperienceError
+class TestSyncSampling:
+    """The sampling tests share one live TransferQueue (``tq_shared``, ``_live_tq``'s configuration); each registers
+    its groups in a partition of its own. (verl prefixes its own metrics of a partition other than ``train`` with
+    ``validation/``; these tests check Conduit's ``conduit/...`` metrics, whose names do not depend on it.)"""
 
-    _live_tq(tq_session)
-    _groups({"old": ("finished", 1), "new": ("finished", 2)})
-    before = _listing()
-    _, err = _sample(_buffer("raise"), 2, 1)
-    assert isinstance(err, StaleExperienceError), f"a stale group under on_stale=raise was not refused: {err!r}"
-    assert _listing() == before, f"the refused sample changed TransferQueue ({err})"
-    assert "1 policy versions behind step 2" in str(err) and "on_stale=drop" in str(err), f"says not what: {err}"
+    TQ_BACKEND = ("Conduit", {"num_units": 1, "capacity": 8, "mean_length": 4})
 
+    @pytest.mark.slow
+    def test_sync_raise_refuses_a_left_over_stale_group_before_transfer_queue_changes(self, tq_shared: Any) -> None:
+        """A group of step 1 left unsampled is stale at step 2 with threshold 1 (verl's sync sampling selects the oldest
+        first). on_stale=raise must raise StaleExperienceError with TransferQueue as it was; it used to raise after
+        verl had cleared the selected prompt, so the group was gone from the listing."""
+        from conduit import StaleExperienceError
 
-@pytest.mark.slow
-def test_sync_drop_drops_the_stale_group_and_samples_a_fresh_one(tq_session: Any) -> None:
-    """Under on_stale=drop the stale left-over group is dropped (cleared, counted) and the batch is the fresh group;
-    it used to raise StaleExperienceError after clearing the stale group's prompt."""
-    _live_tq(tq_session)
-    _groups({"old": ("finished", 1), "new": ("finished", 2)})
-    buf = _buffer("drop")
-    result, err = _sample(buf, 2, 1)
-    assert err is None, f"on_stale=drop raised instead of dropping: {err!r}"
-    batch, metrics = result
-    assert list(batch.keys) == ["new_0_0"], f"sampled {batch.keys}, want the fresh group's trajectory"
-    assert buf.stale_groups == 1 and metrics["conduit/stale_groups/sum"] == 1
-    assert metrics["conduit/staleness/max"] == 0
-    assert sorted(_listing()) == ["new_0_0"], f"left in TransferQueue: {sorted(_listing())}"
+        part = tq_shared("train")  # this test's partition
+        _groups({"old": ("finished", 1), "new": ("finished", 2)}, part)
+        before = _listing(part)
+        _, err = _sample(_buffer("raise"), 2, 1, part)
+        assert isinstance(err, StaleExperienceError), f"a stale group under on_stale=raise was not refused: {err!r}"
+        assert _listing(part) == before, f"the refused sample changed TransferQueue ({err})"
+        assert "1 policy versions behind step 2" in str(err) and "on_stale=drop" in str(err), f"says not what: {err}"
 
+    @pytest.mark.slow
+    def test_sync_drop_drops_the_stale_group_and_samples_a_fresh_one(self, tq_shared: Any) -> None:
+        """Under on_stale=drop the stale left-over group is dropped (cleared, counted) and the batch is the fresh group;
+        it used to raise StaleExperienceError after clearing the stale group's prompt."""
+        part = tq_shared("train")  # this test's partition
+        _groups({"old": ("finished", 1), "new": ("finished", 2)}, part)
+        buf = _buffer("drop")
+        result, err = _sample(buf, 2, 1, part)
+        assert err is None, f"on_stale=drop raised instead of dropping: {err!r}"
+        batch, metrics = result
+        assert list(batch.keys) == ["new_0_0"], f"sampled {batch.keys}, want the fresh group's trajectory"
+        assert buf.stale_groups == 1 and metrics["conduit/stale_groups/sum"] == 1
+        assert metrics["conduit/staleness/max"] == 0
+        assert sorted(_listing(part)) == ["new_0_0"], f"left in TransferQueue: {sorted(_listing(part))}"
 
-@pytest.mark.slow
-def test_sync_drop_leaving_too_few_groups_raises_instead_of_waiting(tq_session: Any) -> None:
-    """Dropping the stale group would leave one fresh group for a batch of two, and verl's sync trainer refills
-    nothing dropped: sample must raise a typed error that says what to do, dropping nothing (not wait forever, and
-    not raise after clearing)."""
-    from conduit import StaleExperienceError
+    @pytest.mark.slow
+    def test_sync_drop_leaving_too_few_groups_raises_instead_of_waiting(self, tq_shared: Any) -> None:
+        """Dropping the stale group would leave one fresh group for a batch of two, and verl's sync trainer refills
+        nothing dropped: sample must raise a typed error that says what to do, dropping nothing (not wait forever, and
+        not raise after clearing)."""
+        from conduit import StaleExperienceError
 
-    _live_tq(tq_session)
-    _groups({"old": ("finished", 1), "new": ("finished", 2)})
-    before = _listing()
-    buf = _buffer("drop")
-    _, err = _sample(buf, 2, 2)
-    assert isinstance(err, StaleExperienceError), f"want StaleExperienceError, got {err!r}"
-    assert _listing() == before, f"the refused sample changed TransferQueue ({err})"
-    msg = str(err)
-    assert "leaving 1 fresh group(s)" in msg and "batch of 2" in msg and "max_off_policy_threshold" in msg, msg
-    assert buf.stale_groups == 0, "a refused drop was counted"
+        part = tq_shared("train")  # this test's partition
+        _groups({"old": ("finished", 1), "new": ("finished", 2)}, part)
+        before = _listing(part)
+        buf = _buffer("drop")
+        _, err = _sample(buf, 2, 2, part)
+        assert isinstance(err, StaleExperienceError), f"want StaleExperienceError, got {err!r}"
+        assert _listing(part) == before, f"the refused sample changed TransferQueue ({err})"
+        msg = str(err)
+        assert "leaving 1 fresh group(s)" in msg and "batch of 2" in msg and "max_off_policy_threshold" in msg, msg
+        assert buf.stale_groups == 0, "a refused drop was counted"
 
+    @pytest.mark.slow
+    def test_sync_drop_waits_for_a_fresh_group_still_generating(self, tq_shared: Any) -> None:
+        """A fresh group still running counts toward the batch: the stale group is dropped and sampling waits for the
+        running one (here the rollout finishes it at the first poll), instead of refusing."""
+        import transfer_queue as tq
+        from conduit_verl.replay import ConduitReplayBuffer
 
-@pytest.mark.slow
-def test_sync_drop_waits_for_a_fresh_group_still_generating(tq_session: Any) -> None:
-    """A fresh group still running counts toward the batch: the stale group is dropped and sampling waits for the
-    running one (here the rollout finishes it at the first poll), instead of refusing."""
-    import transfer_queue as tq
-    from conduit_verl.replay import ConduitReplayBuffer
+        part = tq_shared("train")  # this test's partition
+        _groups({"old": ("finished", 1), "new": ("running", 2)}, part)
 
-    _live_tq(tq_session)
-    _groups({"old": ("finished", 1), "new": ("running", 2)})
+        class RolloutFinishesAtFirstPoll(ConduitReplayBuffer):
+            """The agent loop's part, played between two polls: the running group finishes."""
 
-    class RolloutFinishesAtFirstPoll(ConduitReplayBuffer):
-        """The agent loop's part, played between two polls: the running group finishes."""
+            polls = 0
 
-        polls = 0
+            def _wait_for_next_poll(self, partition_id: str, last_debug_time: float) -> float:
+                self.polls += 1
+                if self.polls == 1:
+                    _groups({"new": ("finished", 2)}, part)
+                return float(super()._wait_for_next_poll(partition_id, last_debug_time))
 
-        def _wait_for_next_poll(self, partition_id: str, last_debug_time: float) -> float:
-            self.polls += 1
-            if self.polls == 1:
-                _groups({"new": ("finished", 2)})
-            return float(super()._wait_for_next_poll(partition_id, last_debug_time))
-
-    buf = _buffer("drop", RolloutFinishesAtFirstPoll)
-    result, err = _sample(buf, 2, 1)
-    assert err is None, f"a fresh group was still generating, yet the sample was refused: {err!r}"
-    assert list(result[0].keys) == ["new_0_0"] and buf.polls >= 1 and buf.stale_groups == 1
-    assert "old" not in (tq.kv_list("train") or {}).get("train", {})
+        buf = _buffer("drop", RolloutFinishesAtFirstPoll)
+        result, err = _sample(buf, 2, 1, part)
+        assert err is None, f"a fresh group was still generating, yet the sample was refused: {err!r}"
+        assert list(result[0].keys) == ["new_0_0"] and buf.polls >= 1 and buf.stale_groups == 1
+        assert "old" not in (tq.kv_list(part) or {}).get(part, {})
 
 
 # -- a refused epoch start gives its loader pass back ----------------------------------------------------------
