@@ -314,7 +314,10 @@ def _kinks(planner: Planner, workload: Workload, lo_b: int, hi_b: int) -> set[in
     if not points and not (isinstance(llc, int) and llc > 0 and set(grow) & set(workload.scalar)):
         return set()
     items, rows, cap = workload.ingest_call_items, workload.batch, workload.capacity
-    shards = [k for k in (2, 4, 8, 16, 32, 64) if k < planner.topology.num_gpus] + [planner.topology.num_gpus]
+    try:  # (the shard counts the planner proposes: a sharded call's per-shard share)
+        shards = sorted({len(spec.devices) for spec, _ in planner.candidates(workload)})
+    except PlacementError:  # (a workload the planner refuses at every size: plan() says why)
+        shards = []
     per_call = {1.0, float(items), float(rows), *(x / k for x in (items, rows) for k in shards if k > 1)}
     sizes = {(b, x) for b in points for x in per_call}
     if isinstance(llc, int) and llc > 0:  # a scalar column in or out of the cache (CostModel._gather)
