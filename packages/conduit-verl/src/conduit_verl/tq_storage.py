@@ -259,37 +259,21 @@ def _check_unit_cpus(cfg: dict[str, Any], units: Counter[str], nodes: dict[str, 
 
 
 def _await_units(handles: dict[str, Any], cfg: dict[str, Any]) -> None:
-    """Wait (at most :data:`UNIT_START_TIMEOUT_S`) until every unit answers; on any failure stop them all.
+    """Wait (at most :data:`UNIT_START_TIMEOUT_S`) until every unit answers (the caller stops them all on a failure).
 
     Raises:
         ConfigurationError: a unit did not start in time (its node's CPUs are held by other tasks or actors).
     """
-    try:
-        calls = [h.stats.remote() for h in handles.values()]
-        ready, waiting = ray.wait(calls, num_returns=len(calls), timeout=UNIT_START_TIMEOUT_S)
-        if waiting:
-            raise ConfigurationError(
-                f"{len(waiting)} of {len(calls)} Conduit storage unit(s) did not start within "
-                f"{UNIT_START_TIMEOUT_S:g} s: Ray holds them back while their nodes' CPUs are taken by other tasks or "
-                f"actors (each unit reserves transfer_queue.backend.{BACKEND}.unit_num_cpus="
-                f"{float(cfg['unit_num_cpus']):g}); lower unit_num_cpus (0 reserves none) or free CPUs. No unit "
-                f"was left running.")
-        ray.get(ready)  # a unit that failed to start raises here
-    except BaseException:
-        _stop_units(handles)
-        raise
-
-
-def _stop_units(handles: dict[str, Any]) -> None:
-    """Stop the units of a start that failed (those ``handles`` name), before its error goes on to the caller.
-
-    Without it they would live on, holding their memory and ``unit_num_cpus``, for as long as anything held the
-    error (its traceback has the only handles to them: an ``except`` block retrying ``tq.init``, a logger, a REPL).
-    A unit already gone (with its node) is skipped.
-    """
-    for h in handles.values():
-        with contextlib.suppress(Exception):
-            ray.kill(h)
+    calls = [h.stats.remote() for h in handles.values()]
+    ready, waiting = ray.wait(calls, num_returns=len(calls), timeout=UNIT_START_TIMEOUT_S)
+    if waiting:
+        raise ConfigurationError(
+            f"{len(waiting)} of {len(calls)} Conduit storage unit(s) did not start within "
+            f"{UNIT_START_TIMEOUT_S:g} s: Ray holds them back while their nodes' CPUs are taken by other tasks or "
+            f"actors (each unit reserves transfer_queue.backend.{BACKEND}.unit_num_cpus="
+            f"{float(cfg['unit_num_cpus']):g}); lower unit_num_cpus (0 reserves none) or free CPUs. No unit "
+            f"was left running.")
+    ray.get(ready)  # a unit that failed to start raises here
 
 
 #: the name and namespace ``tq.init`` gives TransferQueue's controller actor
@@ -380,10 +364,16 @@ def _start_units(conf: DictConfig) -> dict[str, Any]:
             handles[name] = ConduitStorageUnit.options(  # type: ignore[attr-defined]
                 name=name, namespace=NAMESPACE, scheduling_strategy=strategies[rank],
                 num_cpus=float(cfg["unit_num_cpus"])).remote(cfg)
-    except BaseException:  # Ray refused unit `rank` (e.g. its name is taken), or an interrupt: stop those started
-        _stop_units(handles)
+        _await_units(handles, cfg)
+    except BaseException:
+        # Ray refused a unit's start (e.g. its name is taken), a unit failed or did not start in time, or an
+        # interrupt: the units started so far are stopped before the error goes on. Otherwise they would live, holding
+        # their memory and unit_num_cpus, as long as anything held the error (its traceback has the only handles to
+        # them: an except block retrying tq.init, a logger, a REPL). A unit already gone (with its node) is skipped.
+        for h in handles.values():
+            with contextlib.suppress(Exception):
+                ray.kill(h)
         raise
-    _await_units(handles, cfg)
     _OWNED_RUNS.add(cfg["_run_id"])
     logger.info("Conduit storage: %d unit(s) started (run %s)", n, cfg["_run_id"])
     return handles
