@@ -264,87 +264,92 @@ def test_racing_puts_over_two_units_store_all_or_nothing(tq_session: Any, tmp_pa
 
 
 # -- gap 2: a claim is held by every put in flight that relies on it -----------------------------------
-@pytest.mark.slow
-def test_a_failed_put_keeps_the_claim_a_racing_put_of_its_kind_still_stores_under(tq_session: Any,
-                                                                                 tmp_path: Path) -> None:
-    """Put A claims new field "f" as float32 and is held before storing; put B of "f" as float32 (to the other
-    unit) passes the claim and is held before storing too; A is then cancelled. A third put of "f" as Python
-    objects must be refused (SchemaError) and store nothing, B must store, and "f" must be held as float32
-    tensors only (it used to be held as objects on one unit and float32 on the other)."""
-    import transfer_queue as tq
-    import verl  # noqa: F401
-    from conduit import SchemaError
+class TestClaims:
+    """The claim tests share one TransferQueue (``tq_shared``: two units, capacity 4, mean length 2); each puts its
+    field under a name and in a partition of its own, so it claims a field no other test touched."""
 
-    tq_session("Conduit", num_units=2, capacity=4, mean_length=2)
-    client = tq.get_client()
-    manager = client.storage_manager
-    meta_a, meta_b = _on_unit(client, "claim", "a", 0), _on_unit(client, "claim", "b", 1)
-    meta_c = _on_unit(client, "claim", "c", 0)
+    TQ_BACKEND = ("Conduit", {"num_units": 2, "capacity": 4, "mean_length": 2})
 
-    with _gated(manager) as gates:
-        a = _Put(manager, TensorDict({"f": torch.tensor([[1.5]])}, batch_size=[1]), meta_a, gates, _Gate())
-        _reach(a)  # A claimed "f" and waits before storing
-        b = _Put(manager, TensorDict({"f": torch.tensor([[2.5]])}, batch_size=[1]), meta_b, gates, _Gate())
-        _reach(b)  # B passed the claim of "f" and waits before storing
-        a.cancel()
-        a_error = a.finish()
-        assert isinstance(a_error, asyncio.CancelledError), f"put A should have been cancelled: {a_error!r}"
-        c = _Put(manager, TensorDict({"f": NonTensorStack("text")}, batch_size=[1]), meta_c, gates)
-        c.start()
-        c_error = c.finish()
-        assert b.gate is not None
-        b.gate.open()
-        b_error = b.finish()
+    @pytest.mark.slow
+    def test_a_failed_put_keeps_the_claim_a_racing_put_of_its_kind_still_stores_under(self, tq_shared: Any,
+                                                                                     tmp_path: Path) -> None:
+        """Put A claims new field "f" as float32 and is held before storing; put B of "f" as float32 (to the other
+        unit) passes the claim and is held before storing too; A is then cancelled. A third put of "f" as Python
+        objects must be refused (SchemaError) and store nothing, B must store, and "f" must be held as float32
+        tensors only (it used to be held as objects on one unit and float32 on the other)."""
+        import transfer_queue as tq
+        from conduit import SchemaError
 
-    assert b_error is None, f"put B, which passed the claim, was refused: {b_error!r}"
-    assert isinstance(c_error, SchemaError), (f"a put of 'f' as Python objects passed the claim while a put of it as "
-                                              f"float32 was storing: {c_error!r}")
-    assert "tensor" in str(c_error) and "another field name" in str(c_error), f"says not what to do: {c_error}"
-    got = _state(manager, tmp_path)
-    held = {rank: u["fields"].get("f") for rank, u in got.items()}
-    want_b = {int(meta_b.global_indexes[0]): ("float32", (1, 1), [2.5])}
-    assert held == {0: None, 1: want_b}, f"'f' should be held by put B alone, as float32: {held}"
+        part, f = tq_shared("claim"), tq_shared("f")  # this test's partition and field
+        client = tq.get_client()
+        manager = client.storage_manager
+        meta_a, meta_b = _on_unit(client, part, "a", 0), _on_unit(client, part, "b", 1)
+        meta_c = _on_unit(client, part, "c", 0)
 
+        with _gated(manager) as gates:
+            a = _Put(manager, TensorDict({f: torch.tensor([[1.5]])}, batch_size=[1]), meta_a, gates, _Gate())
+            _reach(a)  # A claimed "f" and waits before storing
+            b = _Put(manager, TensorDict({f: torch.tensor([[2.5]])}, batch_size=[1]), meta_b, gates, _Gate())
+            _reach(b)  # B passed the claim of "f" and waits before storing
+            a.cancel()
+            a_error = a.finish()
+            assert isinstance(a_error, asyncio.CancelledError), f"put A should have been cancelled: {a_error!r}"
+            c = _Put(manager, TensorDict({f: NonTensorStack("text")}, batch_size=[1]), meta_c, gates)
+            c.start()
+            c_error = c.finish()
+            assert b.gate is not None
+            b.gate.open()
+            b_error = b.finish()
 
-@pytest.mark.slow
-def test_a_claim_goes_only_when_every_put_that_held_it_gave_it_back(tq_session: Any, tmp_path: Path) -> None:
-    """Puts A and B of new field "f" as float32 are each cancelled right after unit 0 answered their claim (neither
-    stores). While B still holds the claim a put of "f" as objects is refused; once B gave it back too, the field is
-    free and such a put stores (it used to stay claimed for good: a put cancelled while claiming never gave its
-    claim back)."""
-    import transfer_queue as tq
-    import verl  # noqa: F401
-    from conduit import SchemaError
+        assert b_error is None, f"put B, which passed the claim, was refused: {b_error!r}"
+        assert isinstance(c_error, SchemaError), (f"a put of {f!r} as Python objects passed the claim while a put of "
+                                                  f"it as float32 was storing: {c_error!r}")
+        assert "tensor" in str(c_error) and "another field name" in str(c_error), f"says not what to do: {c_error}"
+        got = _state(manager, tmp_path)
+        held = {rank: u["fields"].get(f) for rank, u in got.items()}
+        want_b = {int(meta_b.global_indexes[0]): ("float32", (1, 1), [2.5])}
+        assert held == {0: None, 1: want_b}, f"{f!r} should be held by put B alone, as float32: {held}"
 
-    tq_session("Conduit", num_units=2, capacity=4, mean_length=2)
-    client = tq.get_client()
-    manager = client.storage_manager
-    meta_a, meta_b = _on_unit(client, "hold", "a", 0), _on_unit(client, "hold", "b", 1)
-    meta_c, meta_d = _on_unit(client, "hold", "c", 0), _on_unit(client, "hold", "d", 1)
-    objects = TensorDict({"f": NonTensorStack("text")}, batch_size=[1])
+    @pytest.mark.slow
+    def test_a_claim_goes_only_when_every_put_that_held_it_gave_it_back(self, tq_shared: Any, tmp_path: Path) -> None:
+        """Puts A and B of new field "f" as float32 are each cancelled right after unit 0 answered their claim
+        (neither stores). While B still holds the claim a put of "f" as objects is refused; once B gave it back too,
+        the field is free and such a put stores (it used to stay claimed for good: a put cancelled while claiming
+        never gave its claim back)."""
+        import transfer_queue as tq
+        from conduit import SchemaError
 
-    with _gated(manager) as gates:
-        a = _Put(manager, TensorDict({"f": torch.tensor([[1.5]])}, batch_size=[1]), meta_a, gates, _Gate(after=True),
-                 methods=("claim",))
-        _reach(a)
-        b = _Put(manager, TensorDict({"f": torch.tensor([[2.5]])}, batch_size=[1]), meta_b, gates, _Gate(after=True),
-                 methods=("claim",))
-        _reach(b)
-        a.cancel()
-        assert isinstance(a.finish(), asyncio.CancelledError)
-        c = _Put(manager, objects, meta_c, gates)
-        c.start()
-        c_error = c.finish()
-        assert isinstance(c_error, SchemaError), f"put B still holds the claim of 'f', yet C passed it: {c_error!r}"
-        b.cancel()
-        assert isinstance(b.finish(), asyncio.CancelledError)
-        d = _Put(manager, objects, meta_d, gates)
-        d.start()
-        d_error = d.finish()
+        part, f = tq_shared("hold"), tq_shared("f")  # this test's partition and field
+        client = tq.get_client()
+        manager = client.storage_manager
+        meta_a, meta_b = _on_unit(client, part, "a", 0), _on_unit(client, part, "b", 1)
+        meta_c, meta_d = _on_unit(client, part, "c", 0), _on_unit(client, part, "d", 1)
+        objects = TensorDict({f: NonTensorStack("text")}, batch_size=[1])
 
-    assert d_error is None, f"'f' stayed claimed after every put that held it failed without storing: {d_error!r}"
-    held = {rank: u["fields"].get("f") for rank, u in _state(manager, tmp_path).items()}
-    assert held == {0: None, 1: {int(meta_d.global_indexes[0]): "text"}}, f"'f' should be D's object alone: {held}"
+        with _gated(manager) as gates:
+            a = _Put(manager, TensorDict({f: torch.tensor([[1.5]])}, batch_size=[1]), meta_a, gates,
+                     _Gate(after=True), methods=("claim",))
+            _reach(a)
+            b = _Put(manager, TensorDict({f: torch.tensor([[2.5]])}, batch_size=[1]), meta_b, gates,
+                     _Gate(after=True), methods=("claim",))
+            _reach(b)
+            a.cancel()
+            assert isinstance(a.finish(), asyncio.CancelledError)
+            c = _Put(manager, objects, meta_c, gates)
+            c.start()
+            c_error = c.finish()
+            assert isinstance(c_error, SchemaError), (f"put B still holds the claim of {f!r}, yet C passed it: "
+                                                      f"{c_error!r}")
+            b.cancel()
+            assert isinstance(b.finish(), asyncio.CancelledError)
+            d = _Put(manager, objects, meta_d, gates)
+            d.start()
+            d_error = d.finish()
+
+        assert d_error is None, f"{f!r} stayed claimed after every put that held it failed without storing: {d_error!r}"
+        held = {rank: u["fields"].get(f) for rank, u in _state(manager, tmp_path).items()}
+        want_d = {int(meta_d.global_indexes[0]): "text"}
+        assert held == {0: None, 1: want_d}, f"{f!r} should be D's object alone: {held}"
 
 
 # -- the units' two phases, in process ------------------------------------------------------------------
