@@ -218,22 +218,27 @@ def test_close_twice_and_close_after_the_finalizer_ran_are_harmless(servers, clu
 
 # -- after ray.shutdown() --------------------------------------------------------------------------
 _AFTER_SHUTDOWN = """
-import time, numpy as np, ray
+import sys, time, numpy as np, ray
 from conduit.distributed import DistributedDataPlane, ShardServers
-from conduit.distributed.testing import local_cluster
 from conduit.testing.lifecycle import eventually
 from conduit.testing.reference import ID_SCHEMA, id_batch
-with local_cluster(1) as lc:
-    group = ShardServers([lc.head])
+address, head = sys.argv[1:3]
+# a job of its own on the test module's cluster (its actors go when this process shuts Ray down; the cluster runs on,
+# as a remote cluster would: starting one here took seconds of CPU)
+ray.init(address=address, log_to_driver=False, configure_logging=False)
+try:
+    group = ShardServers([head])
     # timeout=5: a health check in flight when Ray goes down may wait that long for its pings (the default 30 s
     # would outlast the wait below on a loaded machine); a monitor ends at most one check after the shutdown
     # (a 30 s wait failed once in CI under load, with no trace: the wait is 60 s and a failure prints the stacks)
     shared = DistributedDataPlane(ID_SCHEMA, capacity=8, servers=group, measure=False, health_period=0.05,
                                   timeout=5)
-    owned = DistributedDataPlane(ID_SCHEMA, capacity=8, servers=[lc.head], measure=False, health_period=0.05,
+    owned = DistributedDataPlane(ID_SCHEMA, capacity=8, servers=[head], measure=False, health_period=0.05,
                                  timeout=5)
     shared.ingest(id_batch(np.arange(4)))
     time.sleep(0.3)
+finally:
+    ray.shutdown()
 ended = eventually(lambda: not shared._monitor.is_alive() and not owned._monitor.is_alive(), timeout=60)
 if not ended:  # where a monitor still runs (the failure message shows it)
     import sys, traceback
@@ -252,10 +257,11 @@ print("RESULT", ended, ray.is_initialized(), errors, flush=True)
 """
 
 
-def test_after_ray_shutdown_monitors_end_without_starting_a_new_ray_and_close_is_harmless():
+def test_after_ray_shutdown_monitors_end_without_starting_a_new_ray_and_close_is_harmless(cluster):
     """Planes still open when Ray is shut down: their monitors pinged on, and a ping through Ray's
     auto-init started a new local Ray in the learner's process; close() then raised ClusterError."""
-    out = subprocess.run([sys.executable, "-c", _AFTER_SHUTDOWN], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", _AFTER_SHUTDOWN, cluster.cluster.address, cluster.head],
+                         capture_output=True, text=True, timeout=300)
     result = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
     assert result, f"the script failed: {out.stdout[-2000:]}{out.stderr[-3000:]}"
     stacks = [ln for ln in out.stdout.splitlines() if ln.startswith("STACK")]
