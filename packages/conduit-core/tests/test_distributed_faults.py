@@ -202,7 +202,8 @@ def test_hung_shard_times_out_is_fenced_and_nothing_hangs(cluster):
         servers.shutdown()
 
 
-def test_experience_staged_on_a_dead_node_is_a_typed_error_not_a_hang(cluster):
+def test_experience_staged_on_a_dead_node_is_a_typed_error_not_a_hang(cluster, servers):
+    """The producer's node dies, not a server's: the module's shared servers serve it (no fresh ones needed)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -215,7 +216,6 @@ def test_experience_staged_on_a_dead_node_is_a_typed_error_not_a_hang(cluster):
 
     producer = Producer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(victim, soft=False)).remote()
     ref = ray.get(producer.produce.remote(np.arange(50)), timeout=120)
-    servers = ShardServers([cluster.workers[0]])
     plane = DistributedDataPlane(ID_SCHEMA, capacity=100, servers=servers, health_period=None, timeout=5.0,
                                  measure=False)
     try:
@@ -230,7 +230,6 @@ def test_experience_staged_on_a_dead_node_is_a_typed_error_not_a_hang(cluster):
         assert torch.equal(plane.read(plane.live_handles())["id"], torch.arange(10))
     finally:
         plane.close()
-        servers.shutdown()
 
 
 def _hold_data_thread(actor, gate: str):
@@ -247,15 +246,16 @@ def _hold_data_thread(actor, gate: str):
     return actor.__ray_call__.remote(wait_for_gate)
 
 
-def test_a_shard_whose_data_calls_hang_gives_typed_errors_naming_the_timeout_and_changes_nothing(cluster, tmp_path):
+def test_a_shard_whose_data_calls_hang_gives_typed_errors_naming_the_timeout_and_changes_nothing(
+        cluster, servers, tmp_path):
     """A shard's data thread hangs (its pings answer): a delivery raises RemoteTimeoutError and an ingestion
     TransferError, each after the timeout, and their messages name it as set: 2.5 s read "within 2 s" (rounded,
     sub-second timeouts read "0 s"). Each refused call is recorded as the caller's wait, with no items. Nothing is
-    lost, and once the hang ends every item reads back."""
+    lost, and once the hang ends every item reads back. (The hang ends and nothing is fenced: the module's shared
+    servers serve it.)"""
     import ray
     from conduit.distributed import RemoteTimeoutError
 
-    servers = ShardServers([cluster.head, cluster.workers[0]])
     plane = DistributedDataPlane(ID_SCHEMA, capacity=100, servers=servers, health_period=None, timeout=2.5,
                                  measure=False, semantics=Replay(seed=4))
     gate = tmp_path / "open"
@@ -280,7 +280,6 @@ def test_a_shard_whose_data_calls_hang_gives_typed_errors_naming_the_timeout_and
     finally:
         gate.touch()
         plane.close()
-        servers.shutdown()
 
 
 @pytest.mark.parametrize("replication", [1, 2])
@@ -331,12 +330,11 @@ def test_a_shard_whose_data_thread_stays_stuck_is_fenced_and_the_loop_goes_on(cl
         servers.shutdown()
 
 
-def test_a_data_thread_busy_for_less_than_stuck_after_is_not_fenced(cluster, tmp_path):
+def test_a_data_thread_busy_for_less_than_stuck_after_is_not_fenced(cluster, servers, tmp_path):
     """A data call that runs long but ends before ``stuck_after`` loses nothing: the probe waits behind it, answers,
-    and the next checks send new ones."""
+    and the next checks send new ones. (Nothing is fenced: the module's shared servers serve it.)"""
     import ray
 
-    servers = ShardServers([cluster.head, cluster.workers[0]])
     plane = DistributedDataPlane(ID_SCHEMA, capacity=100, servers=servers, health_period=0.2, timeout=2.0,
                                  stuck_after=60.0, measure=False, semantics=Replay(seed=6))
     gate = tmp_path / "open"
@@ -356,7 +354,6 @@ def test_a_data_thread_busy_for_less_than_stuck_after_is_not_fenced(cluster, tmp
     finally:
         gate.touch()
         plane.close()
-        servers.shutdown()
 
 
 def test_stuck_after_must_be_a_positive_number_of_seconds(cluster):
