@@ -323,6 +323,15 @@ def bootstrap(conf: DictConfig) -> dict[str, Any]:
     error reaches ``tq.init``'s caller, and a later ``tq.init`` (with a corrected config) starts TransferQueue
     afresh instead of waiting forever for the failed one.
 
+    The handles it returns (unit name -> handle) become TransferQueue's storage record of the run
+    (``transfer_queue.interface._TQ_STORAGE["Conduit"]``) and are the only handles the units' creator holds, so Ray
+    stops the units once ``tq.close()`` drops that record (handles from ``ray.get_actor`` do not keep them alive).
+    That is what stops them after a ``tq.init`` that failed past this bootstrap (TransferQueue's own later steps: its
+    metrics exporter refusing ``metrics.port``, building its client), which built no client whose storage manager
+    would; nothing here may keep those handles elsewhere. Such a ``tq.init`` leaves TransferQueue's controller running
+    with its config stored: call ``tq.close()`` before ``tq.init`` again (without it, ``tq.init`` attaches to that
+    controller, ignores the config it is given and skips what failed, as it does for any backend).
+
     Raises:
         ConfigurationError: ``transfer_queue.backend.Conduit`` has an unknown key or a bad value, or its units
             reserve more CPUs than their nodes have, or a field's first pools on the units of a node exceed the
@@ -642,9 +651,10 @@ class ConduitStorageManager(StorageManager):
         """Close TransferQueue's sockets; when this is the storage manager of ``tq.init``'s client in the process
         that started the units (``tq.close()`` closes that client), stop them too.
 
-        ``tq.close()`` stops only SimpleStorage's units itself; this is where Conduit's go. Any other client's
-        manager (TransferQueue builds more, e.g. for a ``StreamingDataset``) closes its sockets only: the units
-        serve ``tq.init``'s client until ``tq.close()``.
+        ``tq.close()`` stops only SimpleStorage's units itself; Conduit's go here, and with the storage record it drops
+        first (:func:`bootstrap`: the only way after a ``tq.init`` that failed before it built its client). Any other
+        client's manager (TransferQueue builds more, e.g. for a ``StreamingDataset``) closes its sockets only: the
+        units serve ``tq.init``'s client until ``tq.close()``.
         """
         run = self.cfg.get("_run_id")
         if run in _OWNED_RUNS and self._serves_tq_client():
