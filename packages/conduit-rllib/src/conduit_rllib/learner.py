@@ -38,7 +38,12 @@ from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 from conduit_rllib.delivery import ConduitSampledEpisodes
 from conduit_rllib.errors import UnsupportedConfigError
 from conduit_rllib.on_policy import MinibatchFeed
-from conduit_rllib.replay import STATE_FORMAT, ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer
+from conduit_rllib.replay import (
+    STATE_FORMAT,
+    ConduitEpisodeReplayBuffer,
+    ConduitPrioritizedEpisodeReplayBuffer,
+    fresh_seed,
+)
 
 __all__ = [
     "ConduitOffPolicyLearner",
@@ -379,7 +384,8 @@ class ConduitOnPolicyLearner:
     for all (``num_total_minibatches``, so that they step in lock step); each learner's feed then cuts its
     shard into exactly that many, cycling over it as RLlib's iterator does. Options come from
     ``config.learner_config_dict["conduit"]`` (``prefetch``: gather minibatch k + 1 while k trains,
-    default True; ``placement``).
+    default True; ``placement``). The reshuffles are seeded by ``config.seed``; without one (RLlib's default) each
+    learner takes a fresh seed, so unseeded runs train different orders, as RLlib's unseeded reshuffles do.
     The update count and the feed's permutation RNG are saved with the learner's state, so a
     learner restored from a state saved between updates continues the versions and the minibatch order
     where the saved one was (inside an update :meth:`get_state` refuses Conduit's part: see there).
@@ -414,8 +420,10 @@ class ConduitOnPolicyLearner:
         super().build()  # type: ignore[misc]
         if getattr(self, "conduit_feed", None) is not None:
             return
+        # without a seed RLlib reshuffles from an unseeded generator: a fresh seed here, so unseeded runs differ too
         seed = config.seed
-        self.conduit_feed = MinibatchFeed(seed=0 if seed is None else int(seed), max_staleness=0, on_stale="drop",
+        self.conduit_feed = MinibatchFeed(seed=fresh_seed() if seed is None else int(seed), max_staleness=0,
+                                          on_stale="drop",
                                           placement=opts.get("placement"), prefetch=opts.get("prefetch", True))
 
     def _create_iterator_if_necessary(self, *, training_data: Any, num_total_minibatches: int = 0,

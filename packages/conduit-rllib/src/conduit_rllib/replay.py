@@ -88,10 +88,18 @@ from conduit_rllib.transitions import ChunkColumns, chunk_columns, transition_sc
 if TYPE_CHECKING:
     from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
-__all__ = ["ConduitEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer", "STATE_FORMAT"]
+__all__ = ["ConduitEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer", "STATE_FORMAT", "fresh_seed"]
 
 #: tag of the dict ``get_state`` returns
 STATE_FORMAT = "conduit-rllib/replay/1"
+
+
+def fresh_seed() -> int:
+    """A seed drawn from the OS's entropy, in [0, 2**31): what a Conduit buffer or PPO feed takes when the config
+    has no seed (RLlib's default), so unseeded runs draw differently, as RLlib's unseeded generators do."""
+    return int(cast(int, np.random.SeedSequence().entropy) % (2 ** 31))
+
+
 #: RLlib's floor for priorities (``PrioritizedEpisodeReplayBuffer.update_priorities``)
 MIN_PRIORITY = 1e-12
 
@@ -155,7 +163,7 @@ class _ConduitReplay:
                                  or not 0 <= int(seed) < 2 ** 63):  # (the data plane's range, checked at each add)
             raise ConfigurationError(f"seed must be None (a fresh random seed) or an int in [0, 2**63), got "
                                      f"{seed!r}.")
-        self.seed = int(seed) if seed is not None else int(cast(int, np.random.SeedSequence().entropy) % (2 ** 31))
+        self.seed = int(seed) if seed is not None else fresh_seed()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.placement = placement
         self.scheduler = scheduler
