@@ -109,6 +109,24 @@ def _passes(num_epochs: Any) -> int:
     return int(math.ceil(num_epochs))
 
 
+def _refuse_stateful_modules(modules: Any) -> None:
+    """Refuse a built learner's stateful RLModules (an initial state: LSTM, attention or other recurrent modules),
+    which ``enable`` sees only when ``model_config`` asks for one (``use_lstm``/``use_attention``), not when the
+    module is given as a class. Refused here, when the learner is built, rather than in the first update.
+
+    Raises:
+        UnsupportedConfigError: a module of ``modules`` (a MultiRLModule) is stateful.
+    """
+    for module_id in modules.keys():
+        module = modules[module_id]
+        if module.is_stateful():
+            raise UnsupportedConfigError(
+                f"RLModule {module_id!r} ({type(module).__name__}) is stateful (it has an initial state, as LSTM or "
+                f"attention modules do); Conduit's on-policy delivery cuts minibatches by timestep and cannot keep "
+                f"its sequences whole. Use a feed-forward module, or build this config without conduit_rllib.enable "
+                f"(RLlib's own minibatching).")
+
+
 #: RLlib's ``Learner.update`` signature: how :meth:`ConduitOffPolicyLearner.update` finds the episodes it is given
 _UPDATE_ARGS = inspect.signature(Learner.update)
 
@@ -408,6 +426,8 @@ class ConduitOnPolicyLearner:
         Raises:
             conduit.ConfigurationError: ``learner_config_dict["conduit"]`` holds a ``prefetch`` that is no bool or a
                 ``placement`` that is no conduit Placement, or a key that is neither (it would not be used).
+            UnsupportedConfigError: a stateful (recurrent) RLModule, e.g. one given as a module class, which
+                ``enable`` cannot see in ``model_config`` (see :func:`_refuse_stateful_modules`).
         """
         config = self.config  # type: ignore[attr-defined]
         opts = dict(config.learner_config_dict.get(CONFIG_KEY, {}))
@@ -418,6 +438,7 @@ class ConduitOnPolicyLearner:
                                      f"would not be used; remove it, or set the options with "
                                      f"conduit_rllib.enable(config, placement=..., prefetch=...).")
         super().build()  # type: ignore[misc]
+        _refuse_stateful_modules(self.module)  # type: ignore[attr-defined]
         if getattr(self, "conduit_feed", None) is not None:
             return
         # without a seed RLlib reshuffles from an unseeded generator: a fresh seed here, so unseeded runs differ too
