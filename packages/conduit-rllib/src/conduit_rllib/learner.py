@@ -426,12 +426,17 @@ class ConduitOnPolicyLearner:
         Raises:
             conduit.ConfigurationError: ``learner_config_dict["conduit"]`` holds a ``prefetch`` that is no bool or a
                 ``placement`` that is no conduit Placement, or a key that is neither (it would not be used).
-            UnsupportedConfigError: a stateful (recurrent) RLModule, e.g. one given as a module class, which
+            UnsupportedConfigError: a multi-agent config (made so after ``enable``, which refuses it; nothing is
+                built), or a stateful (recurrent) RLModule, e.g. one given as a module class, which
                 ``enable`` cannot see in ``model_config`` (see :func:`_refuse_stateful_modules`).
         """
         config = self.config  # type: ignore[attr-defined]
         opts = dict(config.learner_config_dict.get(CONFIG_KEY, {}))
         unknown = sorted(map(repr, set(opts) - {"placement", "prefetch"}))
+        if config.is_multi_agent:  # (enable refuses it; this config was made multi-agent after enable)
+            raise UnsupportedConfigError("Conduit's RLlib adapter trains one RLModule, and this PPO config is "
+                                         "multi-agent (conduit_rllib.enable refuses that; it was changed after "
+                                         "enable): make it single-agent, or build it without conduit_rllib.enable.")
         if unknown:  # (before RLlib's build: a refused config builds nothing)
             raise ConfigurationError(f"learner_config_dict[{CONFIG_KEY!r}] holds {', '.join(unknown)}, which Conduit's "
                                      f"PPO learner does not take (it takes 'placement' and 'prefetch'), so the value "
