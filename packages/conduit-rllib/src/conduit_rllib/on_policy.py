@@ -69,7 +69,9 @@ def _columns(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         else:
             raise UnsupportedConfigError(f"Train-batch column {name!r} is a {type(col).__name__}; Conduit's "
                                          f"on-policy delivery takes flat arrays per column (nested observation "
-                                         f"spaces and RNN states are not supported).")
+                                         f"spaces and RNN states are not supported). Flatten nested observations "
+                                         f"(e.g. RLlib's FlattenObservations env-to-module connector) or drop the "
+                                         f"column, or build this config without conduit_rllib.enable.")
     return cols
 
 

@@ -1,0 +1,24 @@
+"""A PPO train batch whose observations are nested (a Dict observation space, e.g. an action-masking module's
+{"action_mask", "observations"}) cannot go through Conduit's on-policy feed: the refusal is typed and says what
+to do. No Ray is started."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conduit_rllib import MinibatchFeed, UnsupportedConfigError
+
+
+def test_a_nested_observation_column_is_refused_naming_the_column_and_what_to_do() -> None:
+    """Before: 'Train-batch column 'obs' is a dict; ... (nested observation spaces and RNN states are not
+    supported)', naming no way on."""
+    feed = MinibatchFeed(minibatch_size=4, num_epochs=1, shuffle=False, seed=0, prefetch=False)
+    try:
+        with pytest.raises(UnsupportedConfigError, match=r"(?s)'obs'.*FlattenObservations.*without "
+                                                         r"conduit_rllib.enable"):
+            feed.ingest("default_policy", {"advantages": torch.zeros(6),
+                                           "obs": {"action_mask": np.ones((6, 2)), "observations": np.zeros((6, 3))}},
+                        version=0)
+    finally:
+        feed.close()
