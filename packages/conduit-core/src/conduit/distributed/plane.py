@@ -171,7 +171,10 @@ class DistributedDataPlane:
             or dead node's id) is refused with :class:`~conduit.ConfigurationError` before any server starts.
             Deliveries are priced from the links to this node: measured links reach it only where it holds one of
             the servers or is this process's node, so with ``measure`` (and no ``links``) another node is refused
-            the same way (declare ``links`` to it, or ``measure=False`` to rank shards by locality).
+            the same way (declare ``links`` to it, or ``measure=False`` to rank shards by locality). The torch
+            transport delivers into this process, not to another node: with a ``learner_node`` other than this
+            process's, ``transport="torch"`` is refused and ``"auto"`` delivers through the object store (see
+            ``transport``).
         device: the torch device delivered batches land on (default: host memory).
         timeout: seconds any remote call may take; a shard that does not answer in time is lost.
         health_period: seconds between health checks of the monitor thread (None: no thread;
@@ -204,7 +207,14 @@ class DistributedDataPlane:
             these servers, per shard where its measured link is faster than the object
             store's (unmeasured: for shards on other nodes), else the object store. A torch
             transfer that fails between live peers retires the group for this buffer, which
-            goes on through the object store.
+            goes on through the object store. The group's receiving end (rank 0) is this process, and its
+            links are measured to this process's node, so it is used only when ``learner_node`` is this
+            process's node: with another one ``"torch"`` is refused (:class:`~conduit.ConfigurationError`,
+            before any server starts or any group forms; build the buffer in the learner's process on that
+            node, which forms its own group with the servers, or use ``"object_store"``), and ``"auto"``
+            delivers every shard through the object store (choosing and pricing the torch path by links to
+            ``learner_node`` would route a shard on this process's node over loopback TCP and price the
+            shards as if the bytes went to ``learner_node``).
 
     Raises:
         ClusterError: Ray is not initialised, servers cannot be started or reached, or the ``servers`` group was
@@ -249,6 +259,8 @@ class DistributedDataPlane:
         ray_module()
         if learner_node is not None:
             _check_learner_node(learner_node, servers)
+            if transport == TORCH:
+                _check_torch_learner_node(learner_node)
             if links is None and measure:
                 _check_learner_measurable(learner_node, servers)
         self.schema = schema
@@ -336,7 +348,9 @@ class DistributedDataPlane:
                 self._torch = self.servers.torch_group(timeout=self.timeout, replace_broken=True)
             elif transport == "auto":
                 g = self.servers.torch_group(create=False)
-                self._torch = g if g is not None and g.broken is None else None
+                # (a group delivers to its rank 0, this process: only where that is the learner's node)
+                usable = g is not None and g.broken is None and g.learner_node == self.learner_node
+                self._torch = g if usable else None
         except BaseException:
             if self._owns_servers:
                 self.servers.shutdown()
@@ -1716,6 +1730,23 @@ def _check_learner_measurable(node: str, servers: ShardServers | Sequence[str] |
                                  f"this process's); deliveries would be priced from other nodes' links. Declare the "
                                  f"links to it (links=LinkProfile(...), e.g. measured by a process on that node), "
                                  f"put a server on it, or pass measure=False to rank shards by locality.")
+
+
+def _check_torch_learner_node(node: str) -> None:
+    """Refuse ``transport="torch"`` for a ``learner_node`` other than this process's node: the torch group delivers
+    into this process (its rank 0), and its links are measured to this node, so the buffer would choose and price
+    the torch path by links to a node the bytes never go to (a shard on this process's node priced as remote, one
+    on ``learner_node`` as local, while its rows cross to this process).
+
+    Raises:
+        ConfigurationError: ``node`` is not this process's node (says what to do instead).
+    """
+    here = current_node_id()
+    if node != here:
+        raise ConfigurationError(f"transport='torch' delivers into this process (rank 0 of the torch.distributed "
+                                 f"group, on node {here[:8]}...), not to learner_node={node[:8]}...; build the "
+                                 f"buffer in the learner's process on that node (it forms its own group with the "
+                                 f"servers), leave learner_node out, or use transport='object_store'.")
 
 
 def _check_learner_node(node: Any, servers: ShardServers | Sequence[str] | None) -> None:
