@@ -1,5 +1,5 @@
 """The torch.distributed delivery transport on a real local Ray cluster (2 nodes, gloo on CPU): a learner node other
-than this process's.
+than this process's, and a server whose reply comes late or whose data thread is slow.
 
 * The torch group delivers into this process (its rank 0), and its links are measured to this process's node. With
   ``learner_node`` on another node, ``transport="auto"`` chose the torch path per shard by comparing links to
@@ -8,10 +8,17 @@ than this process's.
   ``transport="torch"`` priced every shard as if the bytes went to ``learner_node``. Now ``"torch"`` is refused with
   such a ``learner_node`` (typed, before any group forms, saying what to do), and ``"auto"`` delivers through the
   object store.
+* A torch delivery waited for the shard's Ray reply (the bytes it sent) after both messages had arrived: a reply
+  later than the timeout turned rows in hand into a ``RemoteTimeoutError`` and retired a working group. Now rows that
+  arrived whole are delivered.
+* By design (proved, unchanged): a shard whose data thread is slow (pings answer) fails the delivery with a typed
+  ``RemoteTimeoutError`` within the timeout, loses nothing, retires the group, and its late send neither hangs its
+  data thread nor adds or drops an item; a new torch buffer forms a new group and delivers the same bytes.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -19,8 +26,9 @@ import pytest
 
 pytest.importorskip("ray")
 
-from conduit import ConfigurationError  # noqa: E402
-from conduit.distributed import DistributedDataPlane, ShardServers  # noqa: E402
+from conduit import ConfigurationError, Replay  # noqa: E402
+from conduit.distributed import DistributedDataPlane, RemoteTimeoutError, ShardServers  # noqa: E402
+from conduit.distributed.testing import ServerStandIn  # noqa: E402
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -72,4 +80,116 @@ def test_torch_with_another_learner_node_is_refused_before_a_group_forms(cluster
             _fill(p, head, worker)
             assert sorted(check_payload(p.read(p.live_handles())).tolist()) == list(range(20))
     finally:
+        group.shutdown()
+
+
+# -- 2. a late reply, a slow server ------------------------------------------------------------------------------------
+def _answer_late() -> Any:
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def answer_late(answer: Any, seconds: float) -> Any:
+        import time
+
+        time.sleep(seconds)
+        return answer
+
+    return answer_late
+
+
+class _RepliesLate(ServerStandIn):
+    """The real server's ``gather_send`` (it sends its rows at once), whose reply reaches the caller ``delay``
+    seconds after the server returned it."""
+
+    def __init__(self, servers: ShardServers, shard: int, delay: float) -> None:
+        super().__init__(servers, shard)
+        self._late = _answer_late()
+        self._delay = delay
+
+    @property
+    def gather_send(self) -> Any:
+        real, late, delay = self._real, self._late, self._delay
+
+        class _GatherSend:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                return late.remote(real.gather_send.remote(*args), delay)
+
+        return _GatherSend()
+
+
+def test_rows_that_arrived_are_delivered_when_the_servers_reply_comes_late(cluster):
+    head, worker = cluster.head, cluster.workers[0]
+    group = ShardServers([head, worker])
+    try:
+        with DistributedDataPlane(ID_SCHEMA, capacity=64, servers=group, transport="torch", measure=False,
+                                  health_period=None, timeout=10.0, semantics=Replay(seed=3)) as p:
+            _fill(p, head, worker)
+            late = _RepliesLate(group, 1, delay=10.0 + 3.0)  # later than the whole delivery's timeout
+            try:
+                b, info = p.deliver(64)
+                ids = check_payload(b)
+                assert sorted(set(ids.tolist())) == sorted(set(info.handles.tolist()))  # (handles are ids here)
+                assert (ids >= 10).any(), "the late-replying shard's rows should be in the batch"
+                assert p.transports == ["torch", "torch"], "a transfer that arrived retired the group"
+                assert group.torch_group(create=False).broken is None
+                assert not p.losses and len(p) == 20
+            finally:
+                late.restore()
+    finally:
+        group.shutdown()
+
+
+def _hold_data_thread(actor: Any, gate: str) -> Any:
+    """Block a shard server's data calls until the file ``gate`` exists (its pings, on their own thread, answer)."""
+
+    def wait_for_gate(_server: Any, path: str = gate) -> int:
+        import os
+        import time
+
+        while not os.path.exists(path):
+            time.sleep(0.02)
+        return 1
+
+    return actor.__ray_call__.remote(wait_for_gate)
+
+
+def test_a_slow_server_fails_the_delivery_typed_and_its_late_send_changes_nothing(cluster, tmp_path):
+    import ray
+
+    head, worker = cluster.head, cluster.workers[0]
+    group = ShardServers([head, worker])
+    gate = str(tmp_path / "open")
+    try:
+        with DistributedDataPlane(ID_SCHEMA, capacity=64, servers=group, transport="torch", measure=False,
+                                  health_period=None, timeout=2.5, semantics=Replay(seed=3)) as p:
+            _fill(p, head, worker)
+            g = group.torch_group(create=False)
+            held = _hold_data_thread(group[1].actor, gate)
+            with pytest.raises(RemoteTimeoutError, match=r"Shards \[1\] answer health checks.*within 2\.5 s"):
+                p.deliver(64)
+            assert not p.losses and p.alive_shards == [0, 1] and len(p) == 20
+            assert g.broken and p.transports == ["object_store", "object_store"]
+            with open(gate, "w"):
+                pass  # the server now runs the delivery's send, long after the delivery gave up
+            assert ray.get(held, timeout=60) == 1
+            # its data thread is free again (the late send did not hang it), and every item reads back once
+            assert ray.get(group[1].actor.__ray_call__.remote(lambda _server: os.getpid()), timeout=60) > 0
+            assert sorted(check_payload(p.read(p.live_handles())).tolist()) == list(range(20))
+            b, info = p.deliver(64)
+            assert sorted(set(check_payload(b).tolist())) == sorted(set(info.handles.tolist()))
+        # a new torch buffer forms a new group, and delivers the same bytes as the object store
+        got = {}
+        for transport in ("object_store", "torch"):
+            with DistributedDataPlane(ID_SCHEMA, capacity=64, servers=group, transport=transport, measure=False,
+                                      health_period=None, timeout=30.0, semantics=Replay(seed=9)) as p:
+                _fill(p, head, worker)
+                got[transport] = p.deliver(64)[0]
+                assert p.transports == [transport] * 2
+        assert group.torch_group(create=False) is not g
+        assert all(bool((got["torch"][k] == got["object_store"][k]).all()) for k in ID_SCHEMA)
+    finally:
+        if not os.path.exists(gate):
+            with open(gate, "w"):
+                pass
         group.shutdown()

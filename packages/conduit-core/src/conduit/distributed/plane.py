@@ -1365,6 +1365,12 @@ class DistributedDataPlane:
         or the failure of the shard's call (a dead or hung peer: ``lost``). A receive that
         fails while the shard's call succeeded means the group broke between live peers:
         the group is retired and those shards are read through the object store.
+
+        Rows that arrived whole are delivered without waiting for the shard's call to answer: both
+        messages received mean its sends completed, so nothing of that transfer is left in flight, and a
+        reply that comes late (a loaded cluster) neither fails the delivery nor retires the group. Only
+        the calls of shards whose rows did not arrive are waited for (what is left of ``timeout``, at
+        least 0.5 s), to tell a dead or hung peer from a transport failure.
         """
         g = self._torch
         assert g is not None
@@ -1386,14 +1392,13 @@ class DistributedDataPlane:
                 failed[s] = f.exception()  # type: ignore[assignment]
             else:
                 got[s] = f.result()
-        done = wait_all(refs, max(0.5, deadline - time.monotonic()))
-        outs: dict[int, Outcome] = {}
+        # (a shard's rows in hand prove its sends completed: its call's answer adds nothing, and waiting for a late
+        # one turned delivered rows into a RemoteTimeoutError and retired a working group)
+        outs: dict[int, Outcome] = {s: Outcome(b) for s, b in got.items()}
+        pending = {s: ref for s, ref in refs.items() if s not in got}
+        done = wait_all(pending, max(0.5, deadline - time.monotonic())) if pending else {}
         retry: dict[int, Any] = {}
-        for s in reads:
-            o = done[s]
-            if o.ok and s in got:
-                outs[s] = Outcome(got[s])
-                continue
+        for s, o in done.items():
             # gloo closes every pair of a group after a timeout, and a peer's reset may leave the group
             # half-open: any failed transfer retires the group (ShardServers.torch_group(refresh=True)
             # forms a new one)
