@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -21,19 +22,17 @@ import pytest
 
 pytestmark = [pytest.mark.requires("verl"), pytest.mark.slow]
 
-
-def test_main_ppo_runs_grpo_steps_through_conduit(tiny: dict[str, Path], tmp_path: Path,
-                                                   reaper: Callable[[str], None]) -> None:
-    from conduit_verl.cpu.config import main_ppo_overrides
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-    root = tiny["model"].parent
+def _main_ppo(overrides: list[str], tmp_path: Path, reaper: Callable[[str], None]) -> tuple[str, Path]:
+    """``python -m verl.trainer.main_ppo OVERRIDES`` in a fresh process; its output and the trace directory."""
     marker = uuid.uuid4().hex
     trace = tmp_path / "trace"
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", CONDUIT_VERL_TRACE_DIR=str(trace), CONDUIT_TEST_RUN=marker)
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *main_ppo_overrides(str(root), steps=2),
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides,
            f"+ray_kwargs.ray_init.runtime_env.env_vars.CONDUIT_VERL_TRACE_DIR={trace}",
            f"+ray_kwargs.ray_init.runtime_env.env_vars.CONDUIT_TEST_RUN={marker}"]
     try:
@@ -42,7 +41,19 @@ def test_main_ppo_runs_grpo_steps_through_conduit(tiny: dict[str, Path], tmp_pat
         reaper(marker)  # Ray workers outliving the driver, if any
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    steps = [line for line in out.splitlines() if " step:" in line and "actor/pg_loss" in line]
+    return out, trace
+
+
+def _step_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if " step:" in line and "actor/pg_loss" in line]
+
+
+def test_main_ppo_runs_grpo_steps_through_conduit(tiny: dict[str, Path], tmp_path: Path,
+                                                   reaper: Callable[[str], None]) -> None:
+    from conduit_verl.cpu.config import main_ppo_overrides
+
+    out, trace = _main_ppo(main_ppo_overrides(str(tiny["model"].parent), steps=2), tmp_path, reaper)
+    steps = _step_lines(out)
     assert len(steps) == 2, out[-4000:]
     for line in steps:
         assert "conduit/staleness/max:0" in line  # the Conduit replay buffer sampled, nothing stale
@@ -58,3 +69,28 @@ def test_main_ppo_runs_grpo_steps_through_conduit(tiny: dict[str, Path], tmp_pat
     gets = sum(s["telemetry"].get("get", {}).get("calls", 0) for s in storage)
     assert puts >= 2 * 3 and gets >= 2 * 3  # trajectories, log-probs, advantages written; workers read them
     assert len(storage) >= 3  # the agent loop, the trainer and the actor worker each used Conduit storage
+
+
+def test_main_ppo_with_conduit_turned_off_as_the_readme_says_runs_verls_own_path(
+        tiny: dict[str, Path], tmp_path: Path, reaper: Callable[[str], None]) -> None:
+    """The README's command with Conduit switched off the way its text says (the Conduit lines dropped, its stated
+    override added) trains through verl's own storage and iterator. Dropping the Conduit lines alone used to hang
+    forever, silently: verl's SimpleStorage starts 8 units reserving a CPU each, more than the command's
+    ``num_cpus=8`` leaves beside the trainer, and ``tq.init`` waits for the last one."""
+    from conduit_verl.cpu.config import main_ppo_overrides
+
+    readme = README.read_text()
+    off = re.search(r"\*\*Turning Conduit off\*\*(.*?)\n\n", readme, re.S)
+    assert off, "the README does not say how to turn Conduit off again"
+    conduit_keys = r"transfer_queue\.backend\.storage_backend|trainer\.v1\.sampler\.custom_sampler\.\w+"
+    dropped = re.findall(rf"`((?:{conduit_keys})=[^`]+)`", off.group(1))
+    added = re.findall(r"add `([^`]+=[^`]+)`", off.group(1))
+    overrides = main_ppo_overrides(str(tiny["model"].parent), steps=2)
+    assert len(dropped) == 3 and set(dropped) <= set(overrides), dropped
+    out, trace = _main_ppo([o for o in overrides if o not in dropped] + added, tmp_path, reaper)
+    steps = _step_lines(out)
+    assert len(steps) == 2, out[-4000:]
+    for line in steps:
+        assert "conduit/" not in line and "actor/grad_norm" in line  # verl's own sampler, not Conduit's
+    assert not list(trace.glob("delivery-*.json"))  # verl's own minibatch iterator
+    assert not list(trace.glob("storage-*.json"))  # no Conduit storage anywhere
