@@ -10,7 +10,9 @@ When verl picks it, :func:`activate` does the two things verl's registries need 
 
 * registers verl's FSDP engines (actor and critic) for device ``cpu`` through
   ``EngineRegistry.register`` (verl declares them for ``cuda``/``npu`` only; the engines
-  themselves are device-agnostic), as soon as verl has loaded them;
+  themselves are device-agnostic), as soon as verl has loaded them. The critic's refuses to
+  start (:data:`CRITIC_ON_CPU`, a ``ConfigurationError``): verl 0.9.1 loads a value model with
+  flash-attention hard-coded, which no CPU host runs;
 * wraps ``verl.utils.distributed.initialize_global_process_group_ray``. verl builds the
   process-group backend as ``f"cpu:gloo,{device}:{backend}"``, which torch rejects when the
   device is ``cpu`` ("Duplicate device type cpu"); no registry reaches that string, so the
@@ -30,7 +32,7 @@ import torch
 from verl.plugin.platform import PlatformRegistry
 from verl.plugin.platform.platform_base import PlatformBase
 
-__all__ = ["PlatformCPU", "activate", "cpu_device_module", "no_accelerator"]
+__all__ = ["CRITIC_ON_CPU", "PlatformCPU", "activate", "cpu_device_module", "no_accelerator"]
 
 logger = logging.getLogger(__name__)
 _activated = False
@@ -198,6 +200,21 @@ def activate() -> None:
     _register_engines()
 
 
+#: why a critic (verl's value-model engine) is refused on a CPU-only host, and what to do
+CRITIC_ON_CPU = ("A critic cannot run on this CPU-only host: verl 0.9.1 loads the value model with "
+                 "attn_implementation='flash_attention_2' hard-coded (verl.utils.model.load_valuehead_model; "
+                 "model.override_config does not reach it, and installing trl does not help), and flash-attention "
+                 "needs a GPU. Use a critic-free advantage estimator here (algorithm.adv_estimator=grpo, leaving "
+                 "critic.enable unset), or run PPO with a critic (adv_estimator=gae) on a GPU host.")
+
+
+def _refuse_critic(self: Any, *args: Any, **kwargs: Any) -> None:
+    """The CPU critic engine's ``initialize`` (verl's first call to it, where it would load the model)."""
+    from conduit import ConfigurationError
+
+    raise ConfigurationError(CRITIC_ON_CPU)
+
+
 def _register_engines() -> None:
     """Register verl's FSDP engines for ``cpu`` once their module has finished loading.
 
@@ -212,7 +229,9 @@ def _register_engines() -> None:
     if impl is None or base is None or not hasattr(impl, "FSDPEngineWithValueHead"):
         return
     _engines_registered = True
-    engines = (("language_model", impl.FSDPEngineWithLMHead), ("value_model", impl.FSDPEngineWithValueHead))
+    critic = type("CPUValueHeadEngine", (impl.FSDPEngineWithValueHead,), {"initialize": _refuse_critic,
+                                                                            "__doc__": CRITIC_ON_CPU})
+    engines = (("language_model", impl.FSDPEngineWithLMHead), ("value_model", critic))
     for model_type, cls in engines:
         try:
             base.EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(cls)
