@@ -76,7 +76,7 @@ def test_main_ppo_with_conduit_turned_off_as_the_readme_says_runs_verls_own_path
     """The README's command with Conduit switched off the way its text says (the Conduit lines dropped, its stated
     override added) trains through verl's own storage and iterator. Dropping the Conduit lines alone used to hang
     forever, silently: verl's SimpleStorage starts 8 units reserving a CPU each, more than the command's
-    ``num_cpus=8`` leaves beside the trainer, and ``tq.init`` waits for the last one."""
+    ``num_cpus=8`` leaves beside the trainer and TransferQueue's controller, and ``tq.init`` waits for them."""
     from conduit_verl.cpu.config import main_ppo_overrides
 
     readme = README.read_text()
