@@ -289,3 +289,38 @@ def test_host_paired_script_writes_its_figures_with_the_machine_and_command(tmp_
                 assert m is not None, figure
                 med, lo, hi = map(float, m.groups())
                 assert 0 < lo <= med <= hi, figure
+
+
+@pytest.mark.parametrize(("name", "args", "rows"), [
+    ("torchrl_add_extend", ["--dims", "8", "16", "--rounds", "3", "--calls", "2"], 2),
+    ("host_hold", ["--dims", "8", "16", "--rounds", "3", "--calls", "2"], 2),
+    ("host_memory", ["--rounds", "2", "--item-dim", "16", "--item-capacity", "64", "--dims", "8", "--gather-rounds",
+                     "3", "--calls", "2"], 2),
+])
+def test_host_side_scripts_write_their_figures_with_the_machine_and_command(
+        tmp_path: Path, name: str, args: list[str], rows: int) -> None:
+    """The paired scripts behind the README's side figures (TorchRL's ``add`` against ``extend`` of one, a held batch
+    against a dropped one, prefault and huge pages) write, after a line naming the machine, the command and the date,
+    their table rows, whose ratios parse with the median inside its interval (run here at a tiny size: the figures
+    themselves are not asserted)."""
+    if name == "torchrl_add_extend" and importlib.util.find_spec("torchrl") is None:
+        pytest.skip("TorchRL is not installed")
+    path = Path(__file__).parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / f"{name}.md"
+    script.main([*args, "--out", str(out)])
+    text = out.read_text()
+    header = re.search(r"^Machine: (\d+) CPUs \(nproc\), (.+); command: `(.+)`; date: (\d{4}-\d{2}-\d{2})\.$", text,
+                       re.M)
+    assert header is not None, text
+    assert header.group(3).startswith(f"python benchmarks/scripts/{name}.py {' '.join(args[:2])}")
+    table_rows = [line for line in text.splitlines() if re.match(r"^\| [\w=.]+ \|", line)
+                  and not re.match(r"^\| (d|append) ", line)]
+    assert len(table_rows) == rows, text
+    figures = re.findall(r"(\d+\.\d+)x \((\d+\.\d+)-(\d+\.\d+)\)", text)
+    assert figures, text
+    for med, lo, hi in figures:
+        assert 0 < float(lo) <= float(med) <= float(hi), (med, lo, hi)
