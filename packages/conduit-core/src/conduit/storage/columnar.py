@@ -127,9 +127,10 @@ def empty_column(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     """An uninitialised tensor for a storage column or a delivery buffer.
 
     Pageable host tensors live in memory NumPy allocates where the dtype allows: NumPy asks
-    Linux for transparent huge pages on allocations of 4 MiB and more (``madvise``), so a
-    large column takes far fewer TLB misses under random row gathers (sample-512 measured
-    15-18% faster at d = 1000-5000 on this project's machine). Page-locked and GPU tensors,
+    Linux for transparent huge pages on allocations of 4 MiB and more (``madvise``), meant to
+    cut TLB misses under random row gathers; whether they help depends on the machine (on the
+    Intel VM of ``benchmarks/results/host_memory_2026-12-06*.md`` the kernel granted them and
+    gathers took the same time as from ``torch.empty`` memory). Page-locked and GPU tensors,
     and dtypes NumPy lacks (bfloat16), come from ``torch.empty``.
 
     The tensor is a normal one also when made under ``torch.inference_mode()``: a column or buffer outlives that
@@ -249,10 +250,10 @@ class ColumnarStorage(Storage):
         allocator: custom column allocation (e.g. memory-mapped files for the disk tier).
         tier: the tier name reported by placement.
         prefault: commit pageable host columns at construction (zero every page), so that no
-            ingestion call takes first-touch page faults while the ring fills. Measured here:
-            appending one 40 KB item to a fresh column took 85-110 us on average during the
-            first pass of the ring and 15-25 us once its pages were committed. Costs about
-            0.1-2 ms per MB once, at construction. Pass False to let the OS commit memory as
+            ingestion call takes first-touch page faults while the ring fills. Measured
+            (``benchmarks/results/host_memory_2026-12-06*.md``, two runs): a first-pass append without it
+            took 1.44-1.57x the time of one into committed pages; building a 200 MB storage took
+            36-44 ms more with it. Pass False to let the OS commit memory as
             it is written (a capacity far above what a run will fill). Page-locked, device
             and custom-allocated columns are unaffected.
     """
