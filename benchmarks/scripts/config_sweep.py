@@ -187,6 +187,13 @@ def bootstrap_ci(values: Sequence[float], *, rng: random.Random, draws: int = 20
     return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
+def ratio_cell(num: Sequence[float], den: Sequence[float], rng: random.Random) -> str:
+    """The median of the per-round ratios ``num / den`` with its 95% bootstrap interval, as a table cell."""
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    lo, hi = bootstrap_ci(ratios, rng=rng)
+    return f"{statistics.median(ratios):.2f}x ({lo:.2f}-{hi:.2f})"
+
+
 def exposed_pairs(d: int, overlapped: str, *, rounds: int, iterations: int, warmup: int, rng: random.Random,
                   ) -> dict[str, Any]:
     """Exposed experience-path time of an overlapped configuration against the synchronous baseline, paired rounds."""

@@ -29,7 +29,7 @@ from conduit.placement.profile import _median_seconds
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from config_sweep import bootstrap_ci  # noqa: E402
+from config_sweep import ratio_cell  # noqa: E402
 from results_header import header_line  # noqa: E402
 from test_bench_host import build, capacity_for, check_sample  # noqa: E402
 
@@ -71,12 +71,6 @@ def measure(d: int, rounds: int, calls: int, rng: random.Random) -> dict[str, li
     return out
 
 
-def cell(num: list[float], den: list[float], rng: random.Random) -> str:
-    ratios = [a / b for a, b in zip(num, den, strict=True)]
-    lo, hi = bootstrap_ci(ratios, rng=rng)
-    return f"{statistics.median(ratios):.2f}x ({lo:.2f}-{hi:.2f})"
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dims", type=int, nargs="+", default=[1000, 5000, 20000])
@@ -90,8 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     for d in args.dims:
         r = measure(d, args.rounds, args.calls, rng)
         row = (f"| d={d} | {statistics.median(r['cpprb drop']) * 1e3:.4f} | "
-               f"{cell(r['conduit drop'], r['cpprb drop'], rng)} | {cell(r['conduit hold'], r['cpprb hold'], rng)} | "
-               f"{cell(r['conduit hold'], r['conduit drop'], rng)} | {cell(r['cpprb hold'], r['cpprb drop'], rng)} |")
+               f"{ratio_cell(r['conduit drop'], r['cpprb drop'], rng)} | "
+               f"{ratio_cell(r['conduit hold'], r['cpprb hold'], rng)} | "
+               f"{ratio_cell(r['conduit hold'], r['conduit drop'], rng)} | "
+               f"{ratio_cell(r['cpprb hold'], r['cpprb drop'], rng)} |")
         print(row, flush=True)
         rows.append(row)
     if args.out is not None:

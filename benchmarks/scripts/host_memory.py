@@ -35,7 +35,7 @@ from conduit.storage.columnar import ColumnarStorage, empty_column
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from config_sweep import bootstrap_ci  # noqa: E402
+from config_sweep import bootstrap_ci, ratio_cell  # noqa: E402
 from results_header import header_line  # noqa: E402
 from test_bench_host import BATCH, capacity_for  # noqa: E402
 
@@ -76,12 +76,6 @@ def gather_call(column: torch.Tensor) -> tuple[object, torch.Tensor]:
     out = torch.empty(BATCH, d)
     gen = torch.Generator().manual_seed(0)
     return (lambda: torch.index_select(column, 0, torch.randint(cap, (BATCH,), generator=gen), out=out)), out
-
-
-def ratio_cell(num: list[float], den: list[float], rng: random.Random) -> str:
-    ratios = [a / b for a, b in zip(num, den, strict=True)]
-    lo, hi = bootstrap_ci(ratios, rng=rng)
-    return f"{statistics.median(ratios):.2f}x ({lo:.2f}-{hi:.2f})"
 
 
 def main(argv: list[str] | None = None) -> None:

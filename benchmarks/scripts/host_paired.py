@@ -32,7 +32,7 @@ from conduit.placement.profile import _median_seconds
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from config_sweep import bootstrap_ci  # noqa: E402
+from config_sweep import ratio_cell  # noqa: E402
 from results_header import header_line  # noqa: E402
 from test_bench_host import LIBS, build, capacity_for, check_ingest, check_sample, draw_then_read  # noqa: E402
 
@@ -78,12 +78,6 @@ def measure(d: int, rounds: int, reps: int, libs: list[str], rng: random.Random)
     return out
 
 
-def cell(num: list[float], den: list[float], rng: random.Random) -> str:
-    ratios = [a / b for a, b in zip(num, den, strict=True)]
-    lo, hi = bootstrap_ci(ratios, rng=rng)
-    return f"{statistics.median(ratios):.2f}x ({lo:.2f}-{hi:.2f})"
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dims", type=int, nargs="+", default=[128, 1000, 5000, 20000])
@@ -101,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
         res = measure(d, args.rounds, args.calls, libs, rng)
         for op in OPS:
             r = res[op]
-            cells = [cell(r[lib], r["floor"], rng) for lib in others]
+            cells = [ratio_cell(r[lib], r["floor"], rng) for lib in others]
             row = (f"| d={d} | {statistics.median(r['floor']) * 1e3:.4f} | " + " | ".join(cells)
-                   + f" | {cell(r['conduit'], r['cpprb'], rng)} |")
+                   + f" | {ratio_cell(r['conduit'], r['cpprb'], rng)} |")
             rows[op].append(row)
             print(op, row, flush=True)
     lines = ["# host_paired", "", header_line("host_paired.py", argv), "",

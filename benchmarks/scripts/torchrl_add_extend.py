@@ -28,7 +28,7 @@ from conduit.placement.profile import _median_seconds
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from config_sweep import bootstrap_ci  # noqa: E402
+from config_sweep import ratio_cell  # noqa: E402
 from results_header import header_line  # noqa: E402
 from test_bench_host import build, capacity_for, check_ingest  # noqa: E402
 
@@ -64,12 +64,6 @@ def _torchrl_buffer(calls: object) -> object:
     raise RuntimeError("no TorchRL ReplayBuffer behind these calls")
 
 
-def cell(num: list[float], den: list[float], rng: random.Random) -> str:
-    ratios = [a / b for a, b in zip(num, den, strict=True)]
-    lo, hi = bootstrap_ci(ratios, rng=rng)
-    return f"{statistics.median(ratios):.2f}x ({lo:.2f}-{hi:.2f})"
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dims", type=int, nargs="+", default=[128, 1000, 5000, 20000])
@@ -82,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for d in args.dims:
         r = measure(d, args.rounds, args.calls, rng)
-        row = (f"| d={d} | {statistics.median(r['floor']) * 1e3:.4f} | {cell(r['add'], r['floor'], rng)} | "
-               f"{cell(r['extend1'], r['floor'], rng)} | {cell(r['add'], r['extend1'], rng)} |")
+        row = (f"| d={d} | {statistics.median(r['floor']) * 1e3:.4f} | {ratio_cell(r['add'], r['floor'], rng)} | "
+               f"{ratio_cell(r['extend1'], r['floor'], rng)} | {ratio_cell(r['add'], r['extend1'], rng)} |")
         print(row, flush=True)
         rows.append(row)
     if args.out is not None:
