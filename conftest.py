@@ -14,6 +14,9 @@ import pytest
 DURATIONS = Path(__file__).with_name(".test-durations.json")
 #: where a run writes each file's seconds (setup, call and teardown of its tests), when set
 RECORD = "CONDUIT_RECORD_DURATIONS"
+#: read once and taken out of the environment: a pytest subprocess that a test starts would otherwise record too and
+#: write its one file over the durations file mid-run (the controller of an xdist run gets every worker's reports)
+_record_to = os.environ.pop(RECORD, None)
 _recorded: dict[str, float] = {}
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -86,13 +89,12 @@ def _heaviest_files_first(items: list[pytest.Item]) -> None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if os.environ.get(RECORD):
+    if _record_to:
         f = report.nodeid.split("::", 1)[0]
         _recorded[f] = _recorded.get(f, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    out = os.environ.get(RECORD)
-    if out and _recorded and not hasattr(session.config, "workerinput"):  # (the controller has every report)
+    if _record_to and _recorded and not hasattr(session.config, "workerinput"):  # (the controller has every report)
         rows = ",\n".join(f"  {json.dumps(f)}: {round(s, 1)}" for f, s in sorted(_recorded.items()))
-        Path(out).write_text("{\n" + rows + "\n}\n")
+        Path(_record_to).write_text("{\n" + rows + "\n}\n")

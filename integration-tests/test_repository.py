@@ -72,11 +72,20 @@ def test_test_files_go_to_the_workers_heaviest_first_each_file_whole() -> None:
 
 
 def test_a_run_records_each_files_seconds_for_the_durations_file(tmp_path: Path) -> None:
+    """A recording run writes each file's seconds, and the tests it runs do not see the variable (a pytest subprocess
+    a test starts would record too and write its one file over the durations file mid-run)."""
     out = tmp_path / "durations.json"
-    target = "packages/conduit-core/tests/test_worker.py"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", target], cwd=ROOT,
+    target = "integration-tests/test_repository.py"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"{target}::test_tests_do_not_inherit_the_recording_variable"], cwd=ROOT,
                           env={**os.environ, "CONDUIT_RECORD_DURATIONS": str(out)}, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recorded = json.loads(out.read_text())
     assert list(recorded) == [target] and recorded[target] >= 0
+
+
+def test_tests_do_not_inherit_the_recording_variable() -> None:
+    """(Checked for real when :func:`test_a_run_records_each_files_seconds_for_the_durations_file` runs it in a
+    recording run.)"""
+    assert "CONDUIT_RECORD_DURATIONS" not in os.environ
