@@ -10,7 +10,7 @@ than this process's, and a server whose reply comes late or whose data thread is
   object store.
 * A torch delivery waited for the shard's Ray reply (the bytes it sent) after both messages had arrived: a reply
   later than the timeout turned rows in hand into a ``RemoteTimeoutError`` and retired a working group. Now rows that
-  arrived whole are delivered.
+  arrived whole are delivered. The group's link probes waited for their replies the same way; now they do not.
 * By design (proved, unchanged): a shard whose data thread is slow (pings answer) fails the delivery with a typed
   ``RemoteTimeoutError`` within the timeout, loses nothing, retires the group, and its late send neither hangs its
   data thread nor adds or drops an item; a new torch buffer forms a new group and delivers the same bytes.
@@ -29,6 +29,7 @@ pytest.importorskip("ray")
 from conduit import ConfigurationError, Replay  # noqa: E402
 from conduit.distributed import DistributedDataPlane, RemoteTimeoutError, ShardServers  # noqa: E402
 from conduit.distributed.testing import ServerStandIn  # noqa: E402
+from conduit.distributed.transport import TorchGroup  # noqa: E402
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -98,24 +99,26 @@ def _answer_late() -> Any:
 
 
 class _RepliesLate(ServerStandIn):
-    """The real server's ``gather_send`` (it sends its rows at once), whose reply reaches the caller ``delay``
-    seconds after the server returned it."""
+    """The real server's ``method`` (``gather_send`` or ``probe_send``: it sends at once), whose reply reaches the
+    caller ``delay`` seconds after the server returned it."""
 
-    def __init__(self, servers: ShardServers, shard: int, delay: float) -> None:
+    def __init__(self, servers: ShardServers, shard: int, delay: float, method: str = "gather_send") -> None:
         super().__init__(servers, shard)
         self._late = _answer_late()
         self._delay = delay
+        self._method = method
 
-    @property
-    def gather_send(self) -> Any:
-        real, late, delay = self._real, self._late, self._delay
+    def __getattr__(self, name: str) -> Any:
+        if name != self._method:
+            return super().__getattr__(name)
+        real, late, delay = getattr(self._real, name), self._late, self._delay
 
-        class _GatherSend:
+        class _Late:
             @staticmethod
             def remote(*args: Any) -> Any:
-                return late.remote(real.gather_send.remote(*args), delay)
+                return late.remote(real.remote(*args), delay)
 
-        return _GatherSend()
+        return _Late()
 
 
 def test_rows_that_arrived_are_delivered_when_the_servers_reply_comes_late(cluster):
@@ -136,6 +139,26 @@ def test_rows_that_arrived_are_delivered_when_the_servers_reply_comes_late(clust
                 assert not p.losses and len(p) == 20
             finally:
                 late.restore()
+    finally:
+        group.shutdown()
+
+
+def test_link_probes_whose_bytes_arrived_do_not_wait_for_the_servers_reply(cluster):
+    """(Failed before: ``TorchGroup.measure`` waited for each probe's Ray reply, so a reply later than the group's
+    timeout raised RemoteTimeoutError and retired a group whose every probe had arrived.)"""
+    head, worker = cluster.head, cluster.workers[0]
+    group = ShardServers([head, worker])
+    try:
+        g = TorchGroup(group, timeout=3.0, measure=False)
+        late = _RepliesLate(group, 1, delay=3.0 + 2.0, method="probe_send")
+        try:
+            prof = g.measure(sizes=(1 << 12,), repeats=1)
+            assert g.broken is None, g.broken
+        finally:
+            late.restore()
+            g.tear_down()
+        assert set(prof.links) == {(head, head), (worker, head)}
+        assert all(ln.seconds(1 << 12) > 0 for ln in prof.links.values())
     finally:
         group.shutdown()
 

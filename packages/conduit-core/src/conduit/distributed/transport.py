@@ -197,7 +197,9 @@ class TorchGroup:
         """Measure server -> learner over this group (one server per node), like :func:`measure_links`.
 
         Each probe is one Ray call asking the server to send ``nbytes`` and the matching
-        receive here, timed from the call to the end of the receive.
+        receive here, timed from the call to the end of the receive. As in a delivery, the call's
+        answer is not waited for once the bytes arrived whole (a late answer adds nothing to a
+        transfer that completed; waiting for it failed the probe and retired a working group).
 
         A probe that fails retires the group (:attr:`broken`), as a failed delivery does.
 
@@ -209,7 +211,6 @@ class TorchGroup:
             RemoteTimeoutError: a probe did not finish within the group's timeout.
         """
         sizes = check_probes(sizes, repeats, self.timeout)
-        ray = ray_module()
         probe: dict[str, int] = {}
         for i, node in enumerate(self.nodes):
             probe.setdefault(node, i)
@@ -222,7 +223,6 @@ class TorchGroup:
             ref = self._servers[server].actor.probe_send.remote(self.group_id, nbytes, tag)
             try:
                 self.recv(buf, server, tag).wait()
-                ray.get(ref, timeout=self.timeout)
             except Exception as e:  # noqa: BLE001 - gloo and Ray raise plain errors
                 self.broken = self.broken or f"a link probe from server {server} failed: {e}"
                 # the server's own call tells a dead server (its receive here fails at once: the connection
