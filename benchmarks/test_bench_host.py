@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import random
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -324,3 +326,32 @@ def test_host_side_scripts_write_their_figures_with_the_machine_and_command(
     assert figures, text
     for med, lo, hi in figures:
         assert 0 < float(lo) <= float(med) <= float(hi), (med, lo, hi)
+
+
+def test_paired_rounds_times_every_variant_once_a_round_in_the_rngs_shuffled_order() -> None:
+    """``config_sweep.paired_rounds`` (the host scripts' paired loop), with callables that log their calls: each
+    round runs every variant's ``warmup`` + ``reps`` calls together, then its ``after`` check, in the order
+    ``rng.shuffle`` gives that round (a second ``Random`` of the same seed replays it; the orders differ between
+    rounds); it returns one time per round per variant, keyed in the callables' order."""
+    path = Path(__file__).parent / "scripts" / "config_sweep.py"
+    spec = importlib.util.spec_from_file_location("config_sweep_under_test", path)
+    assert spec is not None and spec.loader is not None
+    sweep = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = sweep  # (its dataclasses look their module up)
+    spec.loader.exec_module(sweep)
+    log: list[str] = []
+    keys = ["a", "b", "c", "d"]
+    calls = {k: (lambda k=k: log.append(k)) for k in keys}
+    rounds, reps, warmup = 5, 3, 2
+    times = sweep.paired_rounds(calls, rounds=rounds, reps=reps, warmup=warmup, rng=random.Random(7),
+                                after=lambda k: log.append(f"after {k}"))
+    assert list(times) == keys
+    assert all(len(t) == rounds and all(x >= 0 for x in t) for t in times.values()), times
+    replay = random.Random(7)
+    orders = []
+    for _ in range(rounds):
+        order = list(keys)
+        replay.shuffle(order)
+        orders.append(order)
+    assert len({tuple(o) for o in orders}) > 1  # (this seed does reorder them)
+    assert log == [x for order in orders for k in order for x in [k] * (warmup + reps) + [f"after {k}"]]

@@ -27,7 +27,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ import torch
 from conduit import Automatic, Overlapped, Synchronous
 from conduit.demo import run_loop
 from conduit.placement import DevicePlacement, DiskPlacement, HostPlacement, Placement
+from conduit.placement.profile import _median_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "config_sweep.json"
@@ -192,6 +193,27 @@ def ratio_cell(num: Sequence[float], den: Sequence[float], rng: random.Random) -
     ratios = [a / b for a, b in zip(num, den, strict=True)]
     lo, hi = bootstrap_ci(ratios, rng=rng)
     return f"{statistics.median(ratios):.2f}x ({lo:.2f}-{hi:.2f})"
+
+
+def paired_rounds(calls: Mapping[str, Callable[[], object]], *, rounds: int, reps: int, warmup: int,
+                  rng: random.Random, after: Callable[[str], object] | None = None) -> dict[str, list[float]]:
+    """Time every call of ``calls`` once per round, in an order ``rng`` shuffles afresh each round.
+
+    One timing is the median thread-CPU seconds of one call over ``reps`` calls, after ``warmup`` untimed ones
+    (``_median_seconds`` with ``min_total=0``: exactly ``reps`` timed calls, whatever a call costs); ``after(key)``
+    runs untimed after each timing (a check that the call did its work). Returns, per key in ``calls``' order, one
+    time per round: the i-th times of two keys were taken in the same round, under the same load from other jobs, so
+    their ratio is a paired one (``ratio_cell``).
+    """
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(rounds):
+        order = list(calls)
+        rng.shuffle(order)
+        for k in order:
+            times[k].append(_median_seconds(calls[k], reps=reps, warmup=warmup, clock=time.thread_time, min_total=0))
+            if after is not None:
+                after(k)
+    return times
 
 
 def exposed_pairs(d: int, overlapped: str, *, rounds: int, iterations: int, warmup: int, rng: random.Random,

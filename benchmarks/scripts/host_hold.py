@@ -19,17 +19,15 @@ import gc
 import random
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from conduit.placement.profile import _median_seconds
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from config_sweep import ratio_cell  # noqa: E402
+from config_sweep import paired_rounds, ratio_cell  # noqa: E402
 from results_header import header_line  # noqa: E402
 from test_bench_host import build, capacity_for, check_sample  # noqa: E402
 
@@ -57,12 +55,7 @@ def measure(d: int, rounds: int, calls: int, rng: random.Random) -> dict[str, li
         check_sample(lib, m.sample(), data)
     steps = {f"{lib} {how}": wrap(m.sample) for lib, m in made.items()
              for how, wrap in (("drop", dropping), ("hold", holding))}
-    out: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(rounds):
-        order = list(steps)
-        rng.shuffle(order)
-        for k in order:
-            out[k].append(_median_seconds(steps[k], reps=calls, warmup=2, clock=time.thread_time, min_total=0))
+    out = paired_rounds(steps, rounds=rounds, reps=calls, warmup=2, rng=rng)
     for lib, m in made.items():
         check_sample(lib, m.sample(), data)
     made.clear()

@@ -29,13 +29,12 @@ from pathlib import Path
 
 import torch
 from conduit import ExperienceSchema, Field
-from conduit.placement.profile import _median_seconds
 from conduit.storage.columnar import ColumnarStorage, empty_column
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from config_sweep import bootstrap_ci, ratio_cell  # noqa: E402
+from config_sweep import bootstrap_ci, paired_rounds, ratio_cell  # noqa: E402
 from results_header import header_line  # noqa: E402
 from test_bench_host import BATCH, capacity_for  # noqa: E402
 
@@ -135,13 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         numpy_col.normal_()
         huge_numpy = anon_huge_kib() - huge0 - huge_plain
         calls = {"torch": gather_call(plain)[0], "numpy": gather_call(numpy_col)[0]}
-        times: dict[str, list[float]] = {k: [] for k in calls}
-        for _ in range(args.gather_rounds):
-            order = list(calls)
-            rng.shuffle(order)
-            for k in order:
-                times[k].append(_median_seconds(calls[k], reps=args.calls, warmup=1, clock=time.thread_time,
-                                                min_total=0))
+        times = paired_rounds(calls, rounds=args.gather_rounds, reps=args.calls, warmup=1, rng=rng)
         row = (f"| {d} | {cap} | {statistics.median(times['torch']) * 1e3:.4f} | "
                f"{ratio_cell(times['numpy'], times['torch'], rng)} | {huge_plain} | {huge_numpy} |")
         print(row, flush=True)

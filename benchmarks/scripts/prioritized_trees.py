@@ -24,18 +24,16 @@ import argparse
 import random
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay
-from conduit.placement.profile import _median_seconds
 from conduit.semantics.sumtree import COMPILED, CompiledSumTree, SumTree
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from config_sweep import bootstrap_ci  # noqa: E402
+from config_sweep import bootstrap_ci, paired_rounds  # noqa: E402
 from results_header import header_line  # noqa: E402
 
 VARIANTS = ("compiled", "general", "numpy")
@@ -78,13 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for cap in args.capacities:
         steps = {k: step_of(cap, k) for k in VARIANTS}
-        times: dict[str, list[float]] = {k: [] for k in steps}
-        for _ in range(args.rounds):
-            order = list(steps)
-            rng.shuffle(order)
-            for k in order:
-                times[k].append(_median_seconds(steps[k], reps=args.calls, warmup=50, clock=time.thread_time,
-                                                min_total=0))
+        times = paired_rounds(steps, rounds=args.rounds, reps=args.calls, warmup=50, rng=rng)
         medians = ", ".join(f"{k} {statistics.median(t) * 1e6:.1f} us" for k, t in times.items())
         figures = []
         cells = [f"{statistics.median(times[k]) * 1e6:.1f}" for k in VARIANTS]

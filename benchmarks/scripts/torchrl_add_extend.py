@@ -19,16 +19,14 @@ import argparse
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-from conduit.placement.profile import _median_seconds
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from config_sweep import ratio_cell  # noqa: E402
+from config_sweep import paired_rounds, ratio_cell  # noqa: E402
 from results_header import header_line  # noqa: E402
 from test_bench_host import build, capacity_for, check_ingest  # noqa: E402
 
@@ -43,17 +41,10 @@ def measure(d: int, rounds: int, calls: int, rng: random.Random) -> dict[str, li
     trl = build("torchrl", d, cap, data)
     batch_of_one = TensorDict({"obs": data[:1]}, batch_size=[1])
     buffer = _torchrl_buffer(trl)
-    variants = {"floor": (floor, floor.ingest1), "add": (trl, trl.ingest1),
-                "extend1": (trl, lambda: buffer.extend(batch_of_one))}
-    out: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(rounds):
-        order = list(variants)
-        rng.shuffle(order)
-        for k in order:
-            owner, fn = variants[k]
-            out[k].append(_median_seconds(fn, reps=calls, warmup=1, clock=time.thread_time, min_total=0))
-            check_ingest(k, owner, 1, data)
-    return out
+    variants = {"floor": floor.ingest1, "add": trl.ingest1, "extend1": lambda: buffer.extend(batch_of_one)}
+    owners = {"floor": floor, "add": trl, "extend1": trl}
+    return paired_rounds(variants, rounds=rounds, reps=calls, warmup=1, rng=rng,
+                         after=lambda k: check_ingest(k, owners[k], 1, data))
 
 
 def _torchrl_buffer(calls: object) -> object:
