@@ -25,6 +25,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,7 +70,7 @@ def prefault_round(prefault: bool, item: dict[str, torch.Tensor], cap: int) -> d
     return out
 
 
-def gather_call(column: torch.Tensor) -> tuple[object, torch.Tensor]:
+def gather_call(column: torch.Tensor) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
     """The floor's sample-512 over ``column`` (filled), and its output buffer."""
     cap, d = column.shape
     out = torch.empty(BATCH, d)
