@@ -3,7 +3,10 @@
 * Racing *first* puts of one field in different kinds, dtypes or ranks, from two puts whose checks pass before
   either stores (two clients, or one client's concurrent puts): each unit checked only what was held, so both were
   stored on different units and only a later get reported the mismatch. Unit 0 (whose calls Ray serialises) now
-  claims each field's kind before any unit stores it: the second put is refused, typed, and stores nothing.
+  claims each field's kind before any unit stores it: the second put in another kind or dtype is refused, typed,
+  and stores nothing. Of two puts in different ranks the second is refused only when it brings the higher rank; a
+  lower-rank one after a higher-rank claim is stored, padded to the claimed rank limit (as on one unit). Which claim
+  unit 0 answers first is not fixed (two units' replies), so either outcome is legal: both orders are checked.
 * ``seed=None``: verl's loader draws an epoch's order from torch's global RNG when the consumer asks for the
   epoch's first minibatch; Conduit drew it when the previous epoch's last minibatch was selected (before that
   minibatch trained; with prefetch, in a background thread), so the order and the global RNG stream differed.
@@ -12,11 +15,16 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from tensordict import NonTensorStack, TensorDict
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_put_all_or_nothing import _Gate, _gated, _Put, _reach, _state  # noqa: E402, I001  (forced interleavings)
 
 pytestmark = pytest.mark.requires("verl")
 
@@ -123,13 +131,12 @@ class TestRacingFirstPuts:
         (torch.tensor([1.5]), NonTensorStack("text"), "tensor"),
         (NonTensorStack("text"), torch.tensor([1.5]), "tensor"),
         (torch.tensor([1.5]), torch.tensor([7]), "float32"),
-        (torch.tensor([1.5]), torch.tensor([[1.0, 2.0]]), "rank"),
-    ], ids=["tensor-vs-object", "object-vs-tensor", "other-dtype", "higher-rank"])
+    ], ids=["tensor-vs-object", "object-vs-tensor", "other-dtype"])
     def test_racing_first_puts_of_a_field_in_two_kinds_store_only_one(self, tq_shared: Any, first: Any, second: Any,
                                                                       match: str) -> None:
-        """Two first puts of field ``f``, each to its own unit, whose checks both run before either stores (submitted
-        together on one event loop): the second must be refused with a SchemaError and store nothing; the field is then
-        held in one kind only and reads back whole."""
+        """Two first puts of field ``f`` in different kinds or dtypes, each to its own unit, whose checks both run
+        before either stores (submitted together on one event loop): whichever comes second must be refused with a
+        SchemaError and store nothing; the field is then held in one kind only and reads back whole."""
         import transfer_queue as tq
         import verl  # noqa: F401  (verl loads its plugins: conduit-verl registers the "Conduit" backend)
         from conduit import SchemaError
@@ -158,6 +165,66 @@ class TestRacingFirstPuts:
         got = tq.kv_batch_get(keys=[key], partition_id=part, select_fields=[f])[f]
         want = value.tolist()
         assert (got.tolist() if isinstance(got, torch.Tensor) else list(got)) == want, f"read back {got}, put {want}"
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("order", ["raced", "lower-claimed-first", "higher-claimed-first"])
+    def test_racing_first_puts_of_a_field_in_two_ranks_refuse_only_the_higher_after_the_lower(
+            self, tq_shared: Any, tmp_path: Path, order: str) -> None:
+        """Two first puts of field ``f``, a rank-0 sample to unit 0 and a rank-1 sample (``(2,)``) to unit 1, whose
+        checks both pass before either stores. Unit 0 answers their claims in either order. Rank-1 claimed after
+        rank 0: the rank-1 put is refused (SchemaError naming the rank) and stores nothing; only the rank-0 sample is
+        held, unpadded. Rank 0 claimed after rank 1: both store, the rank-0 sample padded to the claimed shape-row
+        width (as a lower-rank put into a held field is) so the field keeps one rank limit on every unit, and both
+        read back as put. ``raced`` submits both together on one event loop and checks whichever order unit 0 saw;
+        the others force the order: the first put is held right after unit 0 answered its claim, the second runs
+        whole, then the first goes on."""
+        import transfer_queue as tq
+        from conduit import SchemaError
+
+        part, f = tq_shared("rank"), tq_shared("f")  # this test's partition and field
+        client = tq.get_client()
+        manager = client.storage_manager
+        (key_lo, meta_lo), (key_hi, meta_hi) = _key_on_unit(client, part, "lo", 0), _key_on_unit(client, part, "hi", 1)
+        lo, hi = _row(torch.tensor([1.5]), f), _row(torch.tensor([[1.0, 2.0]]), f)
+
+        if order == "raced":
+            async def race() -> list[Any]:
+                return await asyncio.gather(manager.put_data(lo, meta_lo), manager.put_data(hi, meta_hi),
+                                            return_exceptions=True)
+
+            lo_error, hi_error = asyncio.run(race())
+        else:
+            lo_first = order == "lower-claimed-first"
+            with _gated(manager) as gates:
+                first = _Put(manager, *((lo, meta_lo) if lo_first else (hi, meta_hi)), gates, _Gate(after=True),
+                             methods=("claim",))
+                _reach(first)  # unit 0 answered the first put's claim; it waits before storing
+                second = _Put(manager, *((hi, meta_hi) if lo_first else (lo, meta_lo)), gates)
+                second.start()
+                second_error = second.finish()
+                assert first.gate is not None
+                first.gate.open()
+                first_error = first.finish()
+            lo_error, hi_error = (first_error, second_error) if lo_first else (second_error, first_error)
+
+        assert lo_error is None, f"the rank-0 put was refused ({order}): {lo_error!r}"
+        g_lo, g_hi = int(meta_lo.global_indexes[0]), int(meta_hi.global_indexes[0])
+        held = {rank: u["fields"].get(f) for rank, u in _state(manager, tmp_path).items()}
+        if hi_error is not None:  # unit 0 claimed rank 0 first
+            assert order != "higher-claimed-first", f"the rank-1 put, claimed first, was refused: {hi_error!r}"
+            assert isinstance(hi_error, SchemaError), f"refused untyped: {hi_error!r}"
+            assert "rank" in str(hi_error) and "another field name" in str(hi_error), f"unhelpful: {hi_error}"
+            assert held == {0: {g_lo: ("float32", (0,), [1.5])}, 1: None}, \
+                f"the refused rank-1 put stored something, or the rank-0 sample is not held as put: {held}"
+            reads = {key_lo: [1.5]}
+        else:  # unit 0 claimed rank 1 first
+            assert order != "lower-claimed-first", "a rank-1 put after a rank-0 claim of its field was stored"
+            assert held == {0: {g_lo: ("float32", (0, 0), [1.5])}, 1: {g_hi: ("float32", (1, 2), [1.0, 2.0])}}, \
+                f"the rank-0 sample is not padded to the rank-1 claim's width, or a sample is not held as put: {held}"
+            reads = {key_lo: [1.5], key_hi: [[1.0, 2.0]]}
+        for key, want in reads.items():  # (by rows: a field of two ranks reads as nested, as in SimpleStorage)
+            got = [r.tolist() for r in tq.kv_batch_get(keys=[key], partition_id=part, select_fields=[f])[f].unbind()]
+            assert got == want, f"{key} read back {got}, put {want}"
 
 
 @pytest.mark.slow
@@ -203,3 +270,12 @@ def test_a_refused_claim_claims_nothing_and_a_failed_put_gives_its_claims_back(t
     with pytest.raises(SchemaError, match="tensor"):
         tq.kv_batch_put(keys=["o2"], partition_id="cap", fields=_row(NonTensorStack("text")).rename_key_("f", won),
                         tags=[{}])
+
+
+def _key_on_unit(client: Any, partition: str, prefix: str, rank: int) -> tuple[str, Any]:
+    """A new key of ``partition`` whose global index routes to unit ``rank`` of two, and its metadata."""
+    for i in range(8):
+        meta = client.kv_retrieve_meta(keys=[f"{prefix}{i}"], partition_id=partition, create=True)
+        if int(meta.global_indexes[0]) % 2 == rank:
+            return f"{prefix}{i}", meta
+    raise AssertionError(f"no key of {prefix!r} routed to unit {rank}")

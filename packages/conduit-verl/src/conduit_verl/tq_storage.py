@@ -519,7 +519,8 @@ class ConduitStorageManager(StorageManager):
                     widths[name] = max(widths.get(name, 0), width)
             # the prepare phases of two puts can pass before either stores: unit 0 (whose calls are serialised) claims
             # each field's kind, dtype and rank limit, so the second of two racing first puts is refused before it
-            # stores; this put holds the claims until it stored (then for good) or failed (then it gives them back)
+            # stores (unless it brings a lower rank: then it is padded to the claimed limit); this put holds the
+            # claims until it stored (then for good) or failed (then it gives them back)
             # (a tensor field's rank limit: at least what a unit holds it at; after a checkpoint restore unit 0 knows
             # nothing of a field only other units hold, and a lower-rank put would claim a limit below theirs)
             kinds = {k: (str(c.dtype).removeprefix("torch."), max(int(c.shapes.shape[1]), widths.get(k, 0)))

@@ -201,7 +201,10 @@ class _UnitState:
     def claim(self, kinds: dict[str, tuple[str | None, int]], holder: str | None = None, lease: Any = None
               ) -> tuple[list[str], dict[str, tuple[str | None, int]]]:
         """Check-and-set of the fields' kinds (the unit's calls are serialised, so of two racing first puts of a
-        field in different kinds, dtypes or ranks, the second is refused here before it stores anything).
+        field in different kinds or dtypes, the second is refused here before it stores anything; of two in different
+        ranks, the second is refused only when it brings the higher rank: a lower-rank one is accepted, and padded to
+        the rank limit claimed first: whether both store or only the lower-rank one depends on which claim reaches
+        this unit first).
 
         ``kinds``: field -> (dtype name, or None for Python objects; the column's shape-row width). Every field is
         checked against what was claimed (or is held) here before any is claimed; a field new here is claimed with
