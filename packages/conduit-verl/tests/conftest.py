@@ -8,6 +8,7 @@ import signal
 import socket
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,25 @@ def tq_session(ray_local: Path) -> Iterator[Callable[..., Any]]:
     finally:
         if started:
             tq.close()
+
+
+@contextmanager
+def _tq_running(backend: str, **cfg: Any) -> Iterator[None]:
+    import transfer_queue as tq
+
+    _tq_init(backend, **cfg)
+    try:
+        yield
+    finally:
+        tq.close()
+
+
+@pytest.fixture(scope="module")
+def tq_module(ray_local: Path) -> Callable[..., AbstractContextManager[None]]:
+    """``with tq_module(backend, **backend_cfg):`` a TransferQueue on the local Ray, closed when the block ends: for a
+    module-scoped fixture (``tq_session`` is per test), e.g. one computing references once before a class's
+    ``tq_shared`` starts (one TransferQueue runs at a time in a process)."""
+    return _tq_running
 
 
 @pytest.fixture(scope="class")
