@@ -1,9 +1,6 @@
-"""Per-step ``stale_groups``, unit 0's claims across a put, and jagged columns padded as verl pads them.
+"""Unit 0's claims across a put, and jagged columns padded as verl pads them. (The per-step ``stale_groups`` test
+of this round runs on a shared live TransferQueue in ``test_replay_raise_names_and_drops_stale_groups.py``.)
 
-* ``conduit/stale_groups`` was the replay plug's running total since the buffer was built: verl's trainer checkpoints
-  no replay-buffer state, so after a resume it restarted from zero and a resumed run logged other values than an
-  uninterrupted one. It is now a per-step value: the stale groups dropped since the previous ``sample`` reported
-  (drops made by the separate-async trainer's wait before a step included).
 * A put over several storage units sent unit 0 the message to keep its claims without waiting for it, then its
   commits. Ray orders no calls to different actors, so a client killed with a commit stored could leave the keep
   undelivered, and unit 0 then gave back the claim of a field a unit holds (a racing put could then store the field
@@ -25,8 +22,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_put_all_or_nothing import _metas  # noqa: E402, I001  (metadata of new keys)
-from test_sync_sample_staleness import _groups, _live_tq, _sample  # noqa: E402  (verl's groups on a live TQ)
+from test_put_all_or_nothing import _metas  # noqa: E402  (metadata of new keys)
 
 pytestmark = pytest.mark.requires("verl")
 
@@ -34,46 +30,7 @@ pytestmark = pytest.mark.requires("verl")
 WAIT_S = 120.0
 
 
-# -- 1. conduit/stale_groups is the step's drops ----------------------------------------------------------------
-def _async_buffer() -> Any:
-    """The plug as verl's separate-async trainer builds it (threshold 2: a group may be one version behind)."""
-    from conduit_verl.replay import ConduitReplayBuffer
-
-    return ConduitReplayBuffer(trainer_mode="separate_async", trainer_config={}, max_off_policy_threshold=2,
-                               max_off_policy_strategy="drop", sampler_kwargs={"on_stale": "drop"}, poll_interval=0.05)
-
-
-def _reported(buf: Any, global_steps: int) -> tuple[list[str], int]:
-    """The keys one ``sample`` of a one-group batch returns, and its ``conduit/stale_groups/sum``."""
-    result, err = _sample(buf, global_steps, 1)
-    assert err is None, f"sample({global_steps}) raised {err!r}"
-    batch, metrics = result
-    return list(batch.keys), metrics["conduit/stale_groups/sum"]
-
-
-@pytest.mark.slow
-def test_stale_groups_is_the_steps_drops_so_a_resumed_run_reports_alike(tq_session: Any) -> None:
-    """Step 3 drops one stale group (in the trainer's wait before the step), step 4 one more, step 5 none. An
-    uninterrupted run must report 1, 1, 0, and a run resumed at step 4 (a new buffer, as verl builds on restart)
-    must report what the uninterrupted one does there; the running total reported 1, 2, 2 and, resumed, 1."""
-    _live_tq(tq_session)
-    run = _async_buffer()
-    _groups({"a": ("finished", 1), "b": ("finished", 3)})
-    run.wait_for_sampleable(3, "train", 1)  # the separate-async trainer's prepare_step: drops "a", outside sample
-    assert run.stale_groups == 1
-    assert _reported(run, 3) == (["b_0_0"], 1), "a drop made before the step's sample was not reported with it"
-    _groups({"c": ("finished", 2), "d": ("finished", 4)})
-    step4 = _reported(run, 4)
-    assert step4 == (["d_0_0"], 1), f"step 4 dropped one stale group, reported {step4}"
-    _groups({"g": ("finished", 5)})
-    assert _reported(run, 5) == (["g_0_0"], 0), "a step that dropped nothing reported drops"
-
-    resumed = _async_buffer()  # verl's trainer after a restart: a new replay buffer, nothing of the old one restored
-    _groups({"e": ("finished", 2), "f": ("finished", 4)})
-    assert _reported(resumed, 4) == (["f_0_0"], step4[1]), "a resumed run reports another value at the same step"
-
-
-# -- 2. a killed client's claim stays with the part it stored ---------------------------------------------------
+# -- 1. a killed client's claim stays with the part it stored ---------------------------------------------------
 @pytest.mark.slow
 def test_a_client_killed_after_a_commit_leaves_unit_0s_claim_with_the_stored_part(tq_session: Any) -> None:
     """A client process (a Ray actor) puts a new float32 field over two units: its first commit (unit 1's) stores,
@@ -158,7 +115,7 @@ def test_a_client_killed_after_a_commit_leaves_unit_0s_claim_with_the_stored_par
     assert "f" not in client.kv_retrieve_meta(keys=[first, second], partition_id="dead").field_names
 
 
-# -- 3. padded shapes of jagged minibatch columns are verl's -----------------------------------------------------
+# -- 2. padded shapes of jagged minibatch columns are verl's -----------------------------------------------------
 def _shard(n: int = 8) -> TensorDict:
     g = torch.Generator().manual_seed(3)
     lengths = [int(x) for x in torch.randint(1, 7, (n,), generator=g)]
