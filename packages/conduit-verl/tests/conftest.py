@@ -164,14 +164,9 @@ def tq_shared(request: pytest.FixtureRequest, ray_local: Path) -> Iterator[Calla
     keys and field names (a field keeps its kind on every unit, whatever partition a sample is in). Keeping to its
     own names, a test sees an empty store and passes alone and in any order. A test that kills or restores units,
     or checks a start or a close, starts its own (``tq_session``)."""
-    import transfer_queue as tq
-
     backend, cfg = request.cls.TQ_BACKEND
     if backend == "Conduit":
         import verl  # noqa: F401  (verl loads its plugins: conduit-verl registers the "Conduit" backend)
-    _tq_init(backend, **cfg)
     count = itertools.count()
-    try:
+    with _tq_running(backend, **cfg):
         yield lambda name: f"{name}{next(count)}"
-    finally:
-        tq.close()
