@@ -9,6 +9,8 @@
 * DAPO's group filter (``algorithm.filter_groups``) and sync mode's ``sync_refill_failed_groups``, which verl 0.9.1
   does not hand to a custom sampler, were silently ignored under ``ConduitReplayBuffer``: verl's own trainer now
   gets a ``ConfigurationError`` that says what to do when it builds the buffer.
+* ReMax (``algorithm.adv_estimator=remax``), which verl 0.9.1's V1 trainer cannot compute, failed untyped after the
+  first rollout: the Conduit sampler now refuses it, typed, when verl's trainer builds it.
 * The usual actor choices (dynamic batch sizes, several PPO epochs, shuffled minibatches, GRPO's n rollouts per
   prompt) train through Conduit's delivery exactly as through verl's own iterator.
 """
@@ -20,6 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conduit import ConfigurationError
@@ -169,6 +172,26 @@ def test_sync_refill_of_failed_groups_with_the_conduit_sampler_is_refused_in_syn
         _trainer("sync", refill)
     assert not _trainer("colocate_async", refill).replay_buffer.sync_refill_failed_groups
 
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_remax_with_the_conduit_sampler_is_refused_before_any_rollout(mode: str) -> None:
+    """``algorithm.adv_estimator=remax`` through ``main_ppo`` with Conduit on started every worker, generated a whole
+    rollout and then died in verl's advantage step with an untyped ``TypeError`` (Conduit off dies the same way): verl
+    0.9.1's V1 trainer never generates ReMax's greedy baseline. verl's trainer now stops when it builds the Conduit
+    sampler, with a ConfigurationError that says which estimators to use instead."""
+    from verl import DataProto
+    from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+
+    with pytest.raises(ConfigurationError, match=r"adv_estimator=remax.*reward_baselines.*grpo, rloo.*use_v1=False"):
+        _trainer(mode, "algorithm.adv_estimator=remax")
+    # what is refused cannot run: the V1 advantage step, given what the V1 trainer has, has no ReMax baseline
+    data = DataProto.from_dict(tensors={"token_level_rewards": torch.tensor([[0.0, 1.0], [0.0, 0.5]]),
+                                        "response_mask": torch.ones(2, 2)},
+                               non_tensors={"uid": np.array(["a", "b"], dtype=object)})
+    with pytest.raises(TypeError, match="reward_baselines"):
+        compute_advantage_for_multi_trajectories(data, ["a_0_0", "b_0_0"], "remax")
+    assert type(_trainer(mode, "algorithm.adv_estimator=rloo").replay_buffer).__name__ == "ConduitReplayBuffer"
 
 # -- 4. the actor's usual choices, through Conduit's delivery ---------------------------------------------------------
 @pytest.mark.parametrize(("choice", "kw", "extra"), [

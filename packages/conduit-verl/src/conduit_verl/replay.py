@@ -43,7 +43,9 @@ verl 0.9.1 hands a custom sampler neither DAPO's group filter (``algorithm.filte
 ``trainer.v1.sampler.sync_refill_failed_groups``, so this plug could neither DAPO-filter groups nor
 (``sync`` mode) refill failed ones. Rather than train unfiltered groups silently, it refuses a trainer
 config that turns either on (:class:`conduit.ConfigurationError` when verl's trainer builds it): for
-DAPO keep verl's own sampler (Conduit's storage backend and delivery still apply).
+DAPO keep verl's own sampler (Conduit's storage backend and delivery still apply). It refuses
+``algorithm.adv_estimator=remax`` the same way: verl 0.9.1's V1 trainer never generates ReMax's
+greedy baseline and fails untyped at its first step, with any sampler.
 
 The rule holds in every trainer mode, ``sync`` included: there verl ignores staleness (its sync
 sampling is meant to be on-policy), but a finished group can still be left for a later step
@@ -154,13 +156,22 @@ class ConduitReplayBuffer(ReplayBufferAsync):
 
         Raises:
             ConfigurationError: ``algorithm.filter_groups.enable`` is on (DAPO), or ``sync`` mode with
-                ``trainer.v1.sampler.sync_refill_failed_groups`` on, and the trainer did not pass it here.
+                ``trainer.v1.sampler.sync_refill_failed_groups`` on, and the trainer did not pass it here; or
+                ``algorithm.adv_estimator=remax``, which verl's V1 trainer cannot compute (it has no greedy
+                baseline): refused before any rollout instead of failing untyped at the first step.
         """
         cfg = getattr(getattr(self.refill_fn, "__self__", None), "config", None)
         if not isinstance(cfg, DictConfig):
             return
         keep = ("drop the trainer.v1.sampler.custom_sampler overrides to use verl's own sampler (Conduit's storage "
                 "backend and minibatch delivery stay on)")
+        if str(OmegaConf.select(cfg, "algorithm.adv_estimator", default="")).lower() == "remax":
+            raise ConfigurationError(
+                "algorithm.adv_estimator=remax, but verl 0.9.1's V1 trainer never computes ReMax's greedy baseline "
+                "(reward_baselines), so every run fails at its first advantage computation, Conduit on or off. Use a "
+                "critic-free estimator the V1 trainer computes (grpo, rloo, reinforce_plus_plus), or verl's legacy "
+                "trainer (trainer.use_v1=False), which generates the baseline; Conduit's storage backend and sampler "
+                "do not apply there (drop the Conduit overrides).")
         if self.filter_groups_metric is None and OmegaConf.select(cfg, "algorithm.filter_groups.enable", default=False):
             raise ConfigurationError(
                 f"algorithm.filter_groups.enable=True (DAPO), but verl 0.9.1 does not hand the group filter to a "
