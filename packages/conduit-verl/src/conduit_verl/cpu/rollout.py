@@ -18,10 +18,12 @@ three parts verl's rollout contract asks for, registered through verl's registri
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import threading
-from collections.abc import Generator
+from collections import Counter
+from collections.abc import Generator, Sequence
 from typing import Any, cast
 
 import ray
@@ -38,6 +40,16 @@ def server_name(replica_rank: int, suffix: str = "", role: str = "") -> str:
     """The Ray actor name of replica ``replica_rank``'s server; ``role`` (``reward``, ``teacher``) keeps a reward or
     teacher model's replicas apart from the policy's rollout replicas of the same rank, as verl's servers are."""
     return f"conduit_hf_{role}_server_{replica_rank}{suffix}" if role else f"conduit_hf_server_{replica_rank}{suffix}"
+
+
+def request_seed(seed: int, prompt_ids: Sequence[int], occurrence: int) -> int:
+    """The sampling seed of a request: ``rollout.seed``, the prompt's tokens and how many times the server was given
+    that prompt before (``occurrence``), hashed. It does not depend on the order requests reach the server, which
+    verl's agent loop does not fix (its requests race), so one seed gives each prompt the same responses run after
+    run; the ``rollout.n`` copies of a prompt differ by ``occurrence``."""
+    digest = hashlib.blake2b(repr((int(seed), int(occurrence), [int(t) for t in prompt_ids])).encode(),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 class _Server:
@@ -60,6 +72,8 @@ class _Server:
         self.seed = int(seed)
         self.global_steps: int | None = None
         self.requests = 0
+        #: how many requests each prompt (its tokens) has had, for :func:`request_seed`
+        self.prompt_requests: Counter[tuple[int, ...]] = Counter()
         self.weight_updates = 0
         self._lock = threading.Lock()
 
@@ -83,9 +97,11 @@ class _Server:
         ids = torch.tensor([prompt_ids], dtype=torch.int64)
         with self._lock, torch.no_grad():
             self.requests += 1
-            gen = torch.Generator().manual_seed(self.seed + self.requests)
+            key = tuple(prompt_ids)
+            seed = request_seed(self.seed, key, self.prompt_requests[key])
+            self.prompt_requests[key] += 1
             state = torch.get_rng_state()
-            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+            torch.manual_seed(seed)
             try:
                 out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **gen_kwargs)
             finally:
