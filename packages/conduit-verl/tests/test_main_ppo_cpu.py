@@ -94,3 +94,45 @@ def test_main_ppo_with_conduit_turned_off_as_the_readme_says_runs_verls_own_path
         assert "conduit/" not in line and "actor/grad_norm" in line  # verl's own sampler, not Conduit's
     assert not list(trace.glob("delivery-*.json"))  # verl's own minibatch iterator
     assert not list(trace.glob("storage-*.json"))  # no Conduit storage anywhere
+
+
+def _replaced(overrides: list[str], *extra: str) -> list[str]:
+    """``overrides`` with each key ``extra`` sets given its value there (a ``+`` prefix ignored when matching)."""
+    keys = {e.split("=", 1)[0].lstrip("+") for e in extra}
+    return [o for o in overrides if o.split("=", 1)[0].lstrip("+") not in keys] + list(extra)
+
+
+def test_main_ppo_saves_and_resumes_an_async_run_through_conduits_units(
+        tiny: dict[str, Path], tmp_path: Path, reaper: Callable[[str], None]) -> None:
+    """What a user changes past the README's command, in one async run: RLOO with two rollouts per prompt, two
+    shuffled PPO epochs, dynamic batch sizes, no sequence balancing, a checkpoint every step. A first ``main_ppo``
+    trains step 1 and saves it (actor, dataloader, and TransferQueue with Conduit's unit file); a second one resumes
+    from it (``resume_mode=auto``), restores the prompt groups the first left in Conduit's units and trains step 2."""
+    from conduit_verl.cpu.config import main_ppo_overrides
+
+    ckpt = tmp_path / "ckpt"
+    overrides = _replaced(
+        main_ppo_overrides(str(tiny["model"].parent), steps=1),
+        "trainer.v1.trainer_mode=colocate_async", "algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.shuffle=True",
+        "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=40", "trainer.balance_batch=False",
+        "trainer.save_freq=1", f"trainer.default_local_dir={ckpt}")
+    (tmp_path / "first").mkdir()
+    out, trace = _main_ppo(overrides, tmp_path / "first", reaper)
+    assert [line.split(" step:")[1].split()[0] for line in _step_lines(out)] == ["1"], out[-4000:]
+    assert (ckpt / "global_step_1" / "transfer_queue" / "conduit_unit_0.pt").is_file()
+    deliveries = [json.loads(p.read_text()) for p in trace.glob("delivery-*.json")]
+    assert len(deliveries) == 1 and deliveries[0]["epochs"] == 2  # 2 prompts x 2 rollouts, minibatch 1 prompt
+    assert deliveries[0]["minibatches"] == 2 * deliveries[0]["num_minibatches"] == 4
+
+    (tmp_path / "second").mkdir()
+    out, trace = _main_ppo(_replaced(overrides, "trainer.total_training_steps=2", "trainer.resume_mode=auto"),
+                           tmp_path / "second", reaper)
+    restored = re.search(r"Restored (\d+) training prompt groups from TransferQueue", out)
+    assert restored and int(restored.group(1)) >= 1, out[-4000:]
+    steps = _step_lines(out)
+    assert [line.split(" step:")[1].split()[0] for line in steps] == ["2"], out[-4000:]  # resumed after step 1
+    assert "conduit/staleness/max" in steps[0] and "actor/grad_norm" in steps[0]
+    assert len(list(trace.glob("delivery-*.json"))) == 1
