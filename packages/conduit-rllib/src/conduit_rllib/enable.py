@@ -54,12 +54,14 @@ from ray.tune.registry import get_trainable_cls
 from conduit_rllib import compat
 from conduit_rllib.errors import UnsupportedAlgorithmError, UnsupportedConfigError
 from conduit_rllib.learner import (
+    CHANGED_AFTER_ENABLE,
     CONFIG_KEY,
     ConduitDQNTorchLearner,
     ConduitOffPolicyLearner,
     ConduitOnPolicyLearner,
     ConduitPPOTorchLearner,
     ConduitSACTorchLearner,
+    refuse_stateful_model_config,
 )
 from conduit_rllib.remote import route_to_remote_learners
 from conduit_rllib.replay import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer
@@ -176,9 +178,7 @@ def _check_served(config: AlgorithmConfig) -> None:
     if config.is_multi_agent:
         raise UnsupportedConfigError("Conduit's RLlib adapter supports single-agent training; this config is "
                                      "multi-agent.")
-    if config.model_config.get("use_lstm") or config.model_config.get("use_attention"):
-        raise UnsupportedConfigError("Stateful (LSTM/attention) modules need sequence sampling, which Conduit's "
-                                     "RLlib adapter does not support; use a feed-forward model.")
+    refuse_stateful_model_config(config)
 
 
 def _check_off_policy(config: AlgorithmConfig) -> None:
@@ -307,8 +307,7 @@ def _check_still_served(config: AlgorithmConfig) -> None:
                                          f"cannot train on Conduit's replay samples. Give it "
                                          f"conduit_rllib.ConduitOffPolicyLearner first in its bases.")
     except UnsupportedConfigError as e:
-        raise UnsupportedConfigError(f"{e} (conduit_rllib.enable accepted this config before it was changed: make "
-                                     f"the change before enable(), or call enable() again after it.)") from e
+        raise UnsupportedConfigError(f"{e}{CHANGED_AFTER_ENABLE}") from e
 
 
 @dataclass

@@ -109,10 +109,29 @@ def _passes(num_epochs: Any) -> int:
     return int(math.ceil(num_epochs))
 
 
-def _refuse_stateful_modules(modules: Any) -> None:
+#: the note a refusal of a config changed after ``enable`` ends with (``enable`` refused that setting)
+CHANGED_AFTER_ENABLE = (" (conduit_rllib.enable accepted this config before it was changed: make the change before "
+                        "enable(), or call enable() again after it.)")
+
+
+def refuse_stateful_model_config(config: Any) -> None:
+    """Refuse a ``model_config`` that asks RLlib's default module for an LSTM or attention (a stateful module).
+
+    Raises:
+        UnsupportedConfigError: ``use_lstm`` or ``use_attention`` is set.
+    """
+    if config.model_config.get("use_lstm") or config.model_config.get("use_attention"):
+        raise UnsupportedConfigError("Stateful (LSTM/attention) modules need sequence sampling, which Conduit's "
+                                     "RLlib adapter does not support; use a feed-forward model.")
+
+
+def _refuse_stateful_modules(modules: Any, why: str, instead: str) -> None:
     """Refuse a built learner's stateful RLModules (an initial state: LSTM, attention or other recurrent modules),
     which ``enable`` sees only when ``model_config`` asks for one (``use_lstm``/``use_attention``), not when the
-    module is given as a class. Refused here, when the learner is built, rather than in the first update.
+    module is given as a class. Called on the modules the learner's build just made (none is built for the
+    check), so such a config is refused when the learner (and so the algorithm) is built, not in the first
+    sample or update. ``why``: why Conduit's path cannot train it; ``instead``: RLlib's own path it would take
+    without ``enable``.
 
     Raises:
         UnsupportedConfigError: a module of ``modules`` (a MultiRLModule) is stateful.
@@ -122,9 +141,8 @@ def _refuse_stateful_modules(modules: Any) -> None:
         if module.is_stateful():
             raise UnsupportedConfigError(
                 f"RLModule {module_id!r} ({type(module).__name__}) is stateful (it has an initial state, as LSTM or "
-                f"attention modules do); Conduit's on-policy delivery cuts minibatches by timestep and cannot keep "
-                f"its sequences whole. Use a feed-forward module, or build this config without conduit_rllib.enable "
-                f"(RLlib's own minibatching).")
+                f"attention modules do); {why}. Use a feed-forward module, or build this config without "
+                f"conduit_rllib.enable ({instead}).")
 
 
 #: RLlib's ``Learner.update`` signature: how :meth:`ConduitOffPolicyLearner.update` finds the episodes it is given
@@ -199,6 +217,27 @@ class ConduitOffPolicyLearner:
     native_batches: int = 0
     conduit_last_handles: Any = None
     _conduit_pending_state: Any = None
+
+    def build(self) -> None:
+        """RLlib's build, then a check of the module it built (a second call, which RLlib skips, checks again).
+
+        Raises:
+            UnsupportedConfigError: a ``model_config`` asking for an LSTM/attention (``enable`` refuses it: the
+                config was changed after ``enable``; refused before anything is built), or
+                a stateful (recurrent) RLModule, e.g. one given as a module class, which
+                ``enable`` cannot see in ``model_config`` (see :func:`_refuse_stateful_modules`): Conduit's buffer
+                samples one-step (n-step) transitions, and RLlib's DQN/SAC training step would ask it for sequences
+                (or, without a ``max_seq_len`` in the config's ``model_config``, train the module on stateless
+                one-step batches).
+        """
+        try:  # (enable refuses it: named as a change after enable, before a module is built)
+            refuse_stateful_model_config(self.config)  # type: ignore[attr-defined]
+        except UnsupportedConfigError as e:
+            raise UnsupportedConfigError(f"{e}{CHANGED_AFTER_ENABLE}") from e
+        super().build()  # type: ignore[misc]
+        _refuse_stateful_modules(self.module,  # type: ignore[attr-defined]
+                                 "Conduit's replay buffer samples one-step (n-step) transitions, not the sequences "
+                                 "and states a stateful module trains on", "RLlib's own replay buffer")
 
     def conduit_attach_replay(self, buffer: Any) -> None:
         """Attach the driver's Conduit replay buffer (local learner only): it is saved with this learner (see
@@ -443,7 +482,9 @@ class ConduitOnPolicyLearner:
                                      f"would not be used; remove it, or set the options with "
                                      f"conduit_rllib.enable(config, placement=..., prefetch=...).")
         super().build()  # type: ignore[misc]
-        _refuse_stateful_modules(self.module)  # type: ignore[attr-defined]
+        _refuse_stateful_modules(self.module,  # type: ignore[attr-defined]
+                                 "Conduit's on-policy delivery cuts minibatches by timestep and cannot keep its "
+                                 "sequences whole", "RLlib's own minibatching")
         if getattr(self, "conduit_feed", None) is not None:
             return
         # without a seed RLlib reshuffles from an unseeded generator: a fresh seed here, so unseeded runs differ too
