@@ -22,3 +22,18 @@ def test_a_nested_observation_column_is_refused_naming_the_column_and_what_to_do
                         version=0)
     finally:
         feed.close()
+
+
+def test_a_nested_actions_column_is_refused_naming_the_action_space_not_observations() -> None:
+    """A Dict/Tuple action space gives a nested 'actions' column (a PPO config on such an env builds and fails in
+    its first update). Before: the refusal told the user to flatten observations (FlattenObservations), which
+    leaves the actions as they are."""
+    feed = MinibatchFeed(minibatch_size=4, num_epochs=1, shuffle=False, seed=0, prefetch=False)
+    try:
+        with pytest.raises(UnsupportedConfigError, match=r"(?s)'actions'.*action space.*Box, Discrete or "
+                                                         r"MultiDiscrete.*without conduit_rllib.enable") as e:
+            feed.ingest("default_policy", {"advantages": torch.zeros(6),
+                                           "actions": (np.zeros(6, np.int64), np.ones(6, np.int64))}, version=0)
+        assert "FlattenObservations" not in str(e.value)
+    finally:
+        feed.close()

@@ -66,6 +66,11 @@ def _columns(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
                                   f"repeated per row) or drop it from the train batch.")
         elif name.startswith("_"):
             continue  # SampleBatch bookkeeping
+        elif name == SampleBatch.ACTIONS:  # (a Dict/Tuple action space: no observation connector flattens it)
+            raise UnsupportedConfigError(f"Train-batch column {name!r} is a {type(col).__name__} (a nested, "
+                                         f"Dict/Tuple, action space); Conduit's on-policy delivery takes flat arrays "
+                                         f"per column. Use a flat action space (Box, Discrete or MultiDiscrete), or "
+                                         f"build this config without conduit_rllib.enable.")
         else:
             raise UnsupportedConfigError(f"Train-batch column {name!r} is a {type(col).__name__}; Conduit's "
                                          f"on-policy delivery takes flat arrays per column (nested observation "
