@@ -60,3 +60,11 @@ def test_a_stateful_module_class_is_refused_when_the_algorithm_is_built(algo: st
         config.build_algo()
     assert not _conduit_threads() - before, "the refused build left Conduit threads running"
     assert not config._is_frozen, "the refused build froze the user's config"
+
+
+def test_a_remote_learner_refuses_it_typed_too(ray_local: None) -> None:
+    """With ``num_learners=1`` the learner is built in its own actor: the refusal reaches ``build_algo``'s caller
+    as the same type, with the same message."""
+    config = _config("dqn", {"max_seq_len": 4}).learners(num_learners=1)
+    with pytest.raises(UnsupportedConfigError, match=r"(?s)stateful.*one-step.*feed-forward"):
+        config.build_algo()

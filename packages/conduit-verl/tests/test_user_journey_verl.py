@@ -173,7 +173,6 @@ def test_sync_refill_of_failed_groups_with_the_conduit_sampler_is_refused_in_syn
     assert not _trainer("colocate_async", refill).replay_buffer.sync_refill_failed_groups
 
 
-
 @pytest.mark.parametrize("mode", ["sync", "colocate_async"])
 def test_remax_with_the_conduit_sampler_is_refused_before_any_rollout(mode: str) -> None:
     """``algorithm.adv_estimator=remax`` through ``main_ppo`` with Conduit on started every worker, generated a whole
@@ -192,6 +191,7 @@ def test_remax_with_the_conduit_sampler_is_refused_before_any_rollout(mode: str)
     with pytest.raises(TypeError, match="reward_baselines"):
         compute_advantage_for_multi_trajectories(data, ["a_0_0", "b_0_0"], "remax")
     assert type(_trainer(mode, "algorithm.adv_estimator=rloo").replay_buffer).__name__ == "ConduitReplayBuffer"
+
 
 # -- 4. the actor's usual choices, through Conduit's delivery ---------------------------------------------------------
 @pytest.mark.parametrize(("choice", "kw", "extra"), [
