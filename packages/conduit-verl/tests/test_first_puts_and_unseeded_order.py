@@ -24,7 +24,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_put_all_or_nothing import _Gate, _gated, _Put, _reach, _state  # noqa: E402, I001  (forced interleavings)
+from test_put_all_or_nothing import _Gate, _gated, _key_on_unit, _Put, _reach, _state  # noqa: E402, I001  (forced interleavings)
 
 pytestmark = pytest.mark.requires("verl")
 
@@ -270,12 +270,3 @@ def test_a_refused_claim_claims_nothing_and_a_failed_put_gives_its_claims_back(t
     with pytest.raises(SchemaError, match="tensor"):
         tq.kv_batch_put(keys=["o2"], partition_id="cap", fields=_row(NonTensorStack("text")).rename_key_("f", won),
                         tags=[{}])
-
-
-def _key_on_unit(client: Any, partition: str, prefix: str, rank: int) -> tuple[str, Any]:
-    """A new key of ``partition`` whose global index routes to unit ``rank`` of two, and its metadata."""
-    for i in range(8):
-        meta = client.kv_retrieve_meta(keys=[f"{prefix}{i}"], partition_id=partition, create=True)
-        if int(meta.global_indexes[0]) % 2 == rank:
-            return f"{prefix}{i}", meta
-    raise AssertionError(f"no key of {prefix!r} routed to unit {rank}")

@@ -179,13 +179,18 @@ def _metas(client: Any, partition: str, keys: list[str]) -> Any:
     return client.kv_retrieve_meta(keys=keys, partition_id=partition, create=True)
 
 
-def _on_unit(client: Any, partition: str, prefix: str, rank: int, units: int = 2) -> Any:
-    """Metadata of one new key whose global index routes to unit ``rank``."""
+def _key_on_unit(client: Any, partition: str, prefix: str, rank: int, units: int = 2) -> tuple[str, Any]:
+    """One new key of ``partition`` whose global index routes to unit ``rank``, and its metadata."""
     for i in range(4 * units):
         meta = _metas(client, partition, [f"{prefix}{i}"])
         if int(meta.global_indexes[0]) % units == rank:
-            return meta
+            return f"{prefix}{i}", meta
     raise AssertionError(f"no key of {prefix!r} routed to unit {rank}")
+
+
+def _on_unit(client: Any, partition: str, prefix: str, rank: int, units: int = 2) -> Any:
+    """Metadata of one new key whose global index routes to unit ``rank``."""
+    return _key_on_unit(client, partition, prefix, rank, units)[1]
 
 
 def _rows(values: list[float], uids: list[str]) -> TensorDict:
