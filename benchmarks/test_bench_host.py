@@ -14,12 +14,13 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 import pytest
 import torch
 from conduit import ExperienceDataPlane, ExperienceSchema, Field, Replay
+from conduit.storage.columnar import ColumnarStorage
 
 DIMS = [128, 1000, 5000, 20000]
 BATCH = 512
@@ -49,14 +50,14 @@ def build(lib: str, d: int, cap: int, data: torch.Tensor) -> Calls:
             edp.ingest({"obs": data[: min(1024, cap - s)]})
         if lib == "conduit":
             one, chunk = data[:1], data[:256]
-            store = edp.storage
+            store = cast(ColumnarStorage, edp.storage)
 
             def newest(n: int) -> torch.Tensor:
                 nxt = store.next_handle
                 return store._cols["obs"][torch.arange(nxt - n, nxt) % cap]
             return Calls(lambda: edp.ingest({"obs": one}), lambda: edp.ingest({"obs": chunk}),
                          lambda: edp.deliver(BATCH), newest)
-        store = edp.storage._cols["obs"]  # a storage of its own, built and filled as Conduit's is
+        filled = cast(ColumnarStorage, edp.storage)._cols["obs"]  # its own storage, built and filled as Conduit's is
         out = torch.empty(BATCH, d)
         gen = torch.Generator().manual_seed(0)
         ring = torch.empty(cap, d).fill_(1.0)  # touch every page, as a filled buffer has
@@ -70,7 +71,7 @@ def build(lib: str, d: int, cap: int, data: torch.Tensor) -> Calls:
 
         one, chunk = data[:1], data[:256]
         return Calls(lambda: copy_into(one), lambda: copy_into(chunk),
-                     lambda: torch.index_select(store, 0, torch.randint(cap, (BATCH,), generator=gen), out=out),
+                     lambda: torch.index_select(filled, 0, torch.randint(cap, (BATCH,), generator=gen), out=out),
                      lambda n: ring[pos[0] - n:pos[0]])
     if lib == "cpprb":
         import cpprb
@@ -79,12 +80,12 @@ def build(lib: str, d: int, cap: int, data: torch.Tensor) -> Calls:
         arr = data.numpy()
         for s in range(0, cap, 1024):
             rb.add(obs=arr[: min(1024, cap - s)])
-        one, chunk = arr[:1], arr[:256]
+        one_np, chunk_np = arr[:1], arr[:256]
 
         def newest_cpprb(n: int) -> torch.Tensor:
             nxt = rb.get_next_index()
             return torch.from_numpy(rb._encode_sample(np.arange(nxt - n, nxt) % cap)["obs"])
-        return Calls(lambda: rb.add(obs=one), lambda: rb.add(obs=chunk), lambda: rb.sample(BATCH), newest_cpprb)
+        return Calls(lambda: rb.add(obs=one_np), lambda: rb.add(obs=chunk_np), lambda: rb.sample(BATCH), newest_cpprb)
     if lib == "torchrl":
         from tensordict import TensorDict
         from torchrl.data import LazyTensorStorage, ReplayBuffer
@@ -216,7 +217,7 @@ def no_repeat(request: pytest.FixtureRequest):  # noqa: ANN201
         part = data[: min(data.shape[0], cap - s)].clone()
         part[:, 0] = torch.arange(s, s + part.shape[0])  # each item's first value is its index: draws can be checked
         edp.ingest({"obs": part})
-    store = edp.storage._cols["obs"]
+    store = cast(ColumnarStorage, edp.storage)._cols["obs"]
     assert torch.equal(store[:, 0], torch.arange(cap, dtype=torch.float32))
     out = torch.empty(BATCH, NO_REPEAT_D)
     gen = torch.Generator().manual_seed(0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ from conduit.placement import (
     CostModel,
     DiskPlacement,
     HostPlacement,
+    Placement,
     PlacementSpec,
     Planner,
     ShardedPlacement,
@@ -134,7 +136,8 @@ def test_host_delivery_check_isolated(benchmark) -> None:  # noqa: ANN001
         _ISOLATED[:] = rows
 
 
-TIERS = {"host": HostPlacement, "sharded-cpu-x4": lambda: ShardedPlacement(["cpu"] * 4), "disk": DiskPlacement}
+TIERS: dict[str, Callable[[], Placement]] = {
+    "host": HostPlacement, "sharded-cpu-x4": lambda: ShardedPlacement(["cpu"] * 4), "disk": DiskPlacement}
 
 
 @pytest.mark.parametrize("tier", list(TIERS))

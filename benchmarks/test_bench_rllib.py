@@ -31,6 +31,7 @@ The longer, interleaved runs and their tables are in ``benchmarks/docs/rllib.md`
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -52,7 +53,7 @@ def ray_local() -> Iterator[None]:
     import torch
 
     torch.set_num_threads(1)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     yield
     ray.shutdown()
 
@@ -262,7 +263,7 @@ def test_the_train_batch_check_refuses_a_planted_difference() -> None:
 
     def batch(rows: int = 32, *, drop: str = "", dtype: Any = np.float32, d: int = 4, module: str = "default_policy",
               as_torch: bool = False) -> MultiAgentBatch:
-        cols = {"obs": np.zeros((rows, d), dtype=dtype), "actions": np.zeros(rows, dtype=np.int64),
+        cols: dict[str, Any] = {"obs": np.zeros((rows, d), dtype=dtype), "actions": np.zeros(rows, dtype=np.int64),
                 "weights": np.ones(rows, dtype=np.float32)}
         cols = {k: torch.from_numpy(v) if as_torch else v for k, v in cols.items() if k != drop}
         return MultiAgentBatch({module: SampleBatch(cols)}, env_steps=rows)

@@ -12,6 +12,7 @@ Run: ``.venv/bin/python -m pytest benchmarks/test_bench_rllib_remote.py``.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -35,7 +36,7 @@ def algos() -> Iterator[dict[str, Any]]:
 
     torch.set_num_threads(1)
     # a learner actor takes one CPU; the driver runs the EnvRunner
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     made: dict[str, Any] = {}
     try:
         for variant in VARIANTS:

@@ -98,7 +98,7 @@ def run_config(cfg: Config, d: int, *, iterations: int, warmup: int, auto_warmup
     note = ""
     if cfg.special == "sync":
         sched: Any = Synchronous()
-        plc = HostPlacement()
+        plc: Placement = HostPlacement()
     elif cfg.special == "auto":
         sched = Automatic()
         plc, note = auto_placement(d)
@@ -110,7 +110,8 @@ def run_config(cfg: Config, d: int, *, iterations: int, warmup: int, auto_warmup
     res = run_loop(obs_dim=d, scheduler=sched, placement=plc, iterations=iterations,
                    warmup=auto_warmup if cfg.special == "auto" else warmup, rollout=ROLLOUT, batch=BATCH,
                    updates=UPDATES, capacity=cap, hidden=HIDDEN, prefill=min(cap, 8 * BATCH))
-    out = {k: res.median(k) for k in ("iteration_s", "exposed_s", "hidden_s", "total_s", "update_s", "rollout_s")}
+    keys = ("iteration_s", "exposed_s", "hidden_s", "total_s", "update_s", "rollout_s")
+    out: dict[str, Any] = {k: res.median(k) for k in keys}
     out["note"] = note
     out["decision"] = res.decision
     out["calibrated"] = cfg.special != "auto" or bool(res.decision)  # auto finished calibrating in its warm-up

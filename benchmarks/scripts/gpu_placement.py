@@ -22,6 +22,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 from conduit import ExperienceDataPlane, Replay
@@ -34,6 +35,7 @@ from conduit.placement import (
     profile_machine,
     transition_schema,
 )
+from conduit.storage.columnar import ColumnarStorage
 
 DIMS = [128, 1000, 5000, 20000]
 BATCH = 512
@@ -77,7 +79,8 @@ def main() -> int:
             edp.ingest({"obs": ids[:, None].float().expand(n, d), "next_obs": ids[:, None].float().expand(n, d),
                         "action": ids % 16, "reward": ids.float(), "done": ids % 100 == 0})
         conduit_s = median_cuda(lambda edp=edp: edp.deliver(BATCH), args.reps)
-        cols = [edp.storage._cols[n] for n in schema]  # the very memory the GPU tier gathers from
+        storage = cast(ColumnarStorage, edp.storage)
+        cols = [storage._cols[n] for n in schema]  # the very memory the GPU tier gathers from
         outs = [torch.empty((BATCH, *c.shape[1:]), dtype=c.dtype, device="cuda:0") for c in cols]
         gen = torch.Generator(device="cuda:0").manual_seed(0)
 

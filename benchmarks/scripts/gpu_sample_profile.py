@@ -38,8 +38,9 @@ def episodes(obs_dim: int, n: int, length: int, seed: int) -> list[Any]:
     out = []
     for k in range(n):
         out.append(SingleAgentEpisode(
-            id_=f"ep-{seed}-{k}", observations=rng.standard_normal((length + 1, obs_dim), dtype=np.float32),
-            infos=[{}] * (length + 1), actions=rng.integers(0, 2, length), rewards=rng.random(length, np.float32),
+            id_=f"ep-{seed}-{k}", observations=list(rng.standard_normal((length + 1, obs_dim), dtype=np.float32)),
+            infos=[{}] * (length + 1), actions=list(rng.integers(0, 2, length)),
+            rewards=list(rng.random(length, np.float32)),
             terminated=True, observation_space=obs_space, action_space=gym.spaces.Discrete(2),
             len_lookback_buffer=0))
     return out

@@ -34,12 +34,12 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from config_sweep import ratio_cell  # noqa: E402
 from results_header import header_line  # noqa: E402
-from test_bench_host import LIBS, build, capacity_for, check_ingest, check_sample, draw_then_read  # noqa: E402
+from test_bench_host import LIBS, Calls, build, capacity_for, check_ingest, check_sample, draw_then_read  # noqa: E402
 
 #: op -> the call it times, from a library's name and build()'s (ingest one, ingest 256, sample); sample512_read:
 #: the draw, then one read of the batch (a sum), as a learner uses it
 INGEST_ROWS = {"ingest256": 256, "ingest1": 1}
-OPS: dict[str, Callable[[str, tuple[Callable[[], object], ...]], Callable[[], object]]] = {
+OPS: dict[str, Callable[[str, Calls], Callable[[], object]]] = {
     "sample512": lambda lib, calls: calls[2],
     "sample512_read": lambda lib, calls: draw_then_read(lib, calls[2]),
     "ingest256": lambda lib, calls: calls[1],

@@ -29,6 +29,11 @@ from conduit.placement.growth import paper_schedule, simulate_growth
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
+def _ms(seconds: float | None) -> str:
+    """A table cell: milliseconds, or OOM where the strategy had no placement that fit."""
+    return "OOM" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--topology", default="dgx-a100-80g")
@@ -55,10 +60,9 @@ def main() -> int:
     for d in sorted(set(schedule)):
         its = [i for i, x in enumerate(schedule) if x == d]
         steady = [i for i in its if not any(m[0] == i for m in k.migrations)]
-        gl = g.latency_s[steady[0]]
-        print(f"| {d} | {its[0]}-{its[-1]} | {'OOM' if gl is None else f'{gl * 1e3:.1f}'} | "
-              f"{c.latency_s[steady[0]] * 1e3:.1f} | {k.latency_s[steady[0]] * 1e3:.1f} | "
-              f"{1 - k.latency_s[steady[0]] / c.latency_s[steady[0]]:.0%} | {k.placements[its[0]]} |")
+        gl, cl, kl = (s.latency_s[steady[0]] for s in (g, c, k))
+        below = "-" if cl is None or kl is None else f"{1 - kl / cl:.0%}"
+        print(f"| {d} | {its[0]}-{its[-1]} | {_ms(gl)} | {_ms(cl)} | {_ms(kl)} | {below} | {k.placements[its[0]]} |")
     print()
     for i, s, a, b in k.migrations:
         print(f"- migration at iteration {i} (d = {schedule[i]}): {a} -> {b}, {s * 1e3:.1f} ms predicted")
@@ -85,8 +89,10 @@ def main() -> int:
         ax.annotate("Greedy: out of GPU memory", (g.failed_at, ax.get_ylim()[1] * 0.6), color="C0", fontsize=8,
                     xytext=(4, 0), textcoords="offset points")
     for i, s, _, b in k.migrations:
+        lat = k.latency_s[i]
+        assert lat is not None  # the iteration that migrated ran (its latency includes the migration)
         ax.annotate(f"migrate -> {b.split('[')[0]} x{b.count('cuda')}\n(+{s * 1e3:.0f} ms)",
-                    (i, k.latency_s[i] * 1e3), fontsize=7, xytext=(-105, -4), textcoords="offset points",
+                    (i, lat * 1e3), fontsize=7, xytext=(-105, -4), textcoords="offset points",
                     arrowprops={"arrowstyle": "->", "lw": 0.6})
     ax.set_ylabel("experience-path latency per iteration (ms)")
     ax.set_title(f"Online migration, cost-model simulation on {args.topology}\n"

@@ -49,6 +49,7 @@ def step_of(capacity: int, variant: str) -> Callable[[], object]:
     edp = ExperienceDataPlane(ExperienceSchema(obs=Field((4,))), capacity=capacity,
                               semantics=Replay(PrioritizedSampler(alpha=0.6, beta=0.4), seed=0))
     edp.ingest({"obs": torch.from_numpy(obs)})
+    assert isinstance(edp.semantics, Replay)
     sampler = edp.semantics.sampler
     if variant != "compiled":
         tree = SumTree(capacity) if variant == "numpy" else GeneralPathTree(capacity)

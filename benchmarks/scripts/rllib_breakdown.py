@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def main() -> int:
             return ppo_cartpole(batch=max(args.steps, 500), minibatch=args.batch or 128, seed=args.seed)
     name = result_name(args)
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     try:
         configs = {"native": make(), "conduit": make()}
         if args.overlap and args.algo != "ppo":

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import traceback
 from pathlib import Path
@@ -160,7 +161,7 @@ def main() -> int:
             "steps": args.steps, "batch": args.batch, "prioritized": not args.uniform}
     print(info, flush=True)
     ray.init(address="local", num_cpus=args.num_cpus, num_gpus=gpus, include_dashboard=False,
-             log_to_driver=False, logging_level="ERROR")
+             log_to_driver=False, logging_level=logging.ERROR)
     errors: dict[str, str] = {}
     devices: dict[str, list[str]] = {}
     result: dict[str, Any] = {"info": info, "errors": errors, "learner_devices": devices}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -124,7 +125,7 @@ def main() -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / f"{args.workload}.json"
     data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     try:
         for seed in args.seeds:
             for variant in args.variants:

@@ -26,7 +26,8 @@ from conduit.storage import columnar
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from host_paired import OPS, cell, time_call  # noqa: E402
+from config_sweep import ratio_cell  # noqa: E402
+from host_paired import OPS, time_call  # noqa: E402
 from test_bench_host import build, capacity_for  # noqa: E402
 
 NEVER = 1 << 62
@@ -66,7 +67,7 @@ def main() -> None:
                     finally:
                         columnar._rows.streaming(*defaults)
         cells = [f"{statistics.median(times[op]['streamed']) * 1e3:.3f} ms, "
-                 + cell(times[op]["plain"], times[op]["streamed"], rng) for op in sorted(ABOVE)]
+                 + ratio_cell(times[op]["plain"], times[op]["streamed"], rng) for op in sorted(ABOVE)]
         row = f"| d={d} | " + " | ".join(cells) + " |"
         rows.append(row)
         print(row, flush=True)

@@ -20,6 +20,7 @@ import random
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,7 +48,7 @@ def measure(d: int, rounds: int, calls: int, rng: random.Random) -> dict[str, li
                          after=lambda k: check_ingest(k, owners[k], 1, data))
 
 
-def _torchrl_buffer(calls: object) -> object:
+def _torchrl_buffer(calls: object) -> Any:
     """The TorchRL ``ReplayBuffer`` behind ``build("torchrl", ...)``'s calls (its ``newest`` closes over it)."""
     for c in calls.newest.__closure__ or ():  # type: ignore[attr-defined]
         if type(c.cell_contents).__name__ == "ReplayBuffer":
