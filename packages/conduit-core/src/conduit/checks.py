@@ -11,8 +11,9 @@ import numbers
 from typing import TypeGuard
 
 import numpy as np
+import torch
 
-__all__ = ["is_bool", "is_int", "is_real"]
+__all__ = ["is_bool", "is_int", "is_real", "out_of_memory"]
 
 
 def is_int(x: object) -> TypeGuard[int]:
@@ -30,3 +31,13 @@ def is_real(x: object) -> TypeGuard[float]:
     """``x`` is a real number (Python's, NumPy's or any other ``numbers.Real``), not a bool: what a duration, a ratio
     or a size in bytes must be (``float`` to the type checker; NaN and infinity are the caller's to refuse)."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """``e`` is an allocation that failed for want of memory: NumPy's ``MemoryError`` (or its ``ValueError`` for a
+    size past what an array can have), torch's ``OutOfMemoryError`` or its CPU allocator's ``RuntimeError``."""
+    if isinstance(e, MemoryError):
+        return True
+    if isinstance(e, ValueError):
+        return "array is too big" in str(e) or "Maximum allowed dimension exceeded" in str(e)
+    return isinstance(e, RuntimeError) and (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e))

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
+from conduit.checks import out_of_memory
 from conduit.commands import MAX_COUNT, check_counts, whole_number
 from conduit.edp import ExperienceDataPlane
-from conduit.errors import ConfigurationError
+from conduit.errors import CapacityError, ConfigurationError
 from conduit.exposure import ExposureLog, IterationExposure
 from conduit.placement.base import HostPlacement, Placement
 from conduit.scheduling import Automatic, Overlapped, Scheduler, Synchronous
@@ -162,11 +163,12 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
     try:
         edp = ExperienceDataPlane(transition_schema(obs_dim), capacity=capacity, semantics=Replay(seed=seed),
                                   placement=plc, scheduler=sched, device=device)
-    except (MemoryError, RuntimeError) as e:  # the buffer is allocated whole, up front
-        if not _out_of_memory(e):
+    except (MemoryError, RuntimeError, CapacityError) as e:  # the buffer is allocated whole, up front
+        cause = e.__cause__ if isinstance(e, CapacityError) else e  # (the storage's refusal names no demo option)
+        if cause is None or not out_of_memory(cause):
             raise
         raise ConfigurationError(f"Not enough memory for a buffer of capacity {capacity} transitions of "
-                                 f"d={obs_dim} ({_first_line(e)}); lower capacity or obs_dim.") from e
+                                 f"d={obs_dim} ({_first_line(cause)}); lower capacity or obs_dim.") from e
     # every call of an iteration must fit the telemetry's ring, or the ExposureLog refuses to account for it (and
     # tells the user to raise a maxlen that `conduit demo` has no option for): per update, the delivery call, the
     # scheduler's work for it (twice at most: a prefetch it dropped and its own draw) and the update; the rest is the
@@ -179,7 +181,7 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
         learner = _Learner(obs_dim, hidden, actions, seed, edp.device)
     except (MemoryError, RuntimeError) as e:
         edp.close()
-        if not _out_of_memory(e):
+        if not out_of_memory(e):
             raise
         raise ConfigurationError(f"Not enough memory for the learner's network (d={obs_dim}, hidden {hidden}, "
                                  f"{actions} actions) ({_first_line(e)}); lower hidden or obs_dim.") from e
@@ -235,12 +237,6 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
 #: the most calls :func:`run_loop` records per learner update, and per iteration besides them (with room to spare)
 _CALLS_PER_UPDATE = 4
 _CALLS_PER_ITERATION = 64
-
-
-def _out_of_memory(e: BaseException) -> bool:
-    """``e`` is an allocation that failed for want of memory (numpy's MemoryError, torch's RuntimeError)."""
-    return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and (
-        isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)))
 
 
 def _first_line(e: BaseException) -> str:
