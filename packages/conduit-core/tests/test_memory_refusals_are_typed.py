@@ -3,6 +3,10 @@
 1. A buffer whose capacity cannot be allocated raised NumPy's ``ValueError: array is too big`` (or its
    ``MemoryError: Unable to allocate ...``) from inside the storage: no Conduit error, nothing saying which
    argument to change.
+2. A replay delivery with replacement whose output rows cannot be allocated (``deliver(n)`` with a huge ``n``)
+   raised NumPy's ``MemoryError`` after the sampler had drawn: the buffer's next samples were no longer the ones
+   it would have drawn, although the delivery returned nothing. Under ``Overlapped`` the chunk buffer kept the size
+   it failed to allocate, and every later delivery raised ``KeyError``.
 
 The sizes are far beyond any machine's address space, so the allocations fail at once and nothing is committed.
 """
@@ -11,10 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conduit import ExperienceDataPlane, ExperienceSchema, Field, PrioritizedSampler, Replay
+from conduit import ExperienceDataPlane, ExperienceSchema, Field, Overlapped, PrioritizedSampler, Replay, Synchronous
 from conduit.errors import CapacityError
 
 SCHEMA = ExperienceSchema(obs=Field((4,), torch.float32), action=Field((), torch.int64))
+#: 64 MiB per item: a delivery of 2**22 of them needs 256 TiB
+BIG_ITEMS = ExperienceSchema(obs=Field((2**26,), torch.uint8))
 
 
 @pytest.mark.parametrize("capacity", [2**50, 2**62])
@@ -26,6 +32,33 @@ def test_a_capacity_no_memory_holds_is_a_capacity_error_and_the_semantics_stay_u
     edp.ingest({"obs": torch.ones(2, 4), "action": torch.zeros(2, dtype=torch.int64)})
     assert len(edp) == 2
     edp.close()
+
+
+SCHEDULERS = {"synchronous": Synchronous, "overlapped": Overlapped,
+              "overlapped-in-call-g_del-2": lambda: Overlapped(overlap=False, g_del=2)}
+
+
+@pytest.mark.parametrize("scheduler", list(SCHEDULERS))
+@pytest.mark.parametrize("prioritized", [False, True], ids=["uniform", "prioritized"])
+def test_a_delivery_no_memory_holds_is_refused_before_anything_is_drawn(prioritized: bool, scheduler: str) -> None:
+    """With an overlapping scheduler the chunk buffer also kept the size it failed to allocate, and every later
+    delivery raised ``KeyError: 'obs'``."""
+    def build() -> ExperienceDataPlane:
+        edp = ExperienceDataPlane(BIG_ITEMS, capacity=2, scheduler=SCHEDULERS[scheduler](),
+                                  semantics=Replay(PrioritizedSampler() if prioritized else None, seed=3))
+        edp.ingest({"obs": torch.arange(2, dtype=torch.uint8)[:, None].expand(2, 2**26).contiguous()})
+        edp.flush()
+        return edp
+
+    kwargs = {"beta": 0.4} if prioritized else {}
+    edp, twin = build(), build()
+    with pytest.raises(CapacityError, match="deliver fewer"):
+        edp.deliver(2**22, **kwargs)
+    assert len(edp) == 2
+    got, want = edp.deliver(3, **kwargs)[1], twin.deliver(3, **kwargs)[1]
+    assert torch.equal(got.handles, want.handles), "the refused delivery advanced the sampler"
+    edp.close()
+    twin.close()
 
 
 def test_the_synthetic_loop_still_names_its_own_options_for_a_buffer_no_memory_holds() -> None:

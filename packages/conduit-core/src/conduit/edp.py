@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged
-from conduit.checks import is_int
+from conduit.checks import is_int, out_of_memory
 from conduit.errors import CapacityError, ConfigurationError, NotCopyableError, SchemaError
 from conduit.placement.base import HostPlacement, Placement
 from conduit.scheduling.base import (
@@ -74,10 +74,11 @@ class _OutputRing:
 
     def next(self, n: int) -> dict[str, torch.Tensor]:
         if n > self._rows:
-            self._rows = n
+            # (rows set once the buffers are: an allocation that fails leaves the ring as it was)
             self._bufs = [{k: empty_column((n, *self.schema[k].shape), self.schema[k].dtype, self.device,
                                            pin_memory=self.pin) for k in self.schema.fixed}
                           for _ in range(self.depth)]
+            self._rows = n
             # what "nobody else holds it" reads as, taken while that is certain (the counts an
             # interpreter reports for a loop variable or an argument differ between Python versions)
             big = n * self.schema.fixed_item_bytes >= _REUSE_MIN_BYTES
@@ -214,6 +215,11 @@ class ExperienceDataPlane:
             schema carries no mean length). Set it for longer sequences: a batch with
             more elements than a pool is refused (:class:`CapacityError`), and when the pool wraps, replay evicts
             the oldest items before the slots are full (on-policy refuses the write until items are consumed).
+
+    Raises:
+        CapacityError: the storage of ``capacity`` items (and ragged pools) cannot be allocated where the placement
+            puts it (too little memory); lower capacity or choose another placement. The semantics stay free for
+            another buffer.
 
     Examples:
         >>> import torch
@@ -508,7 +514,9 @@ class ExperienceDataPlane:
 
         Raises:
             EmptyBufferError: nothing to deliver.
-            CapacityError: a draw without replacement larger than the contents.
+            CapacityError: a draw without replacement larger than the contents; a replay delivery too large for
+                memory (its indices or rows cannot be allocated; ``Synchronous`` scheduler), refused with nothing
+                drawn (the sampler's RNG as before the call).
             StaleExperienceError: on-policy data too stale and ``on_stale="raise"``.
             ConfigurationError: the buffer is closed; an option the semantics do not take (e.g. ``beta`` on a
                 uniform buffer). Nothing is drawn then.
@@ -541,11 +549,23 @@ class ExperienceDataPlane:
         """:meth:`deliver_now`'s selection and gather, without its telemetry: the batch, its info and its items."""
         with self._lock:
             self._check_open()
-            sel = self.semantics.select(n, **kwargs)
-            k = int(sel.slots.shape[0])
             gather_out = self._gather_out
+            # a replay delivery too large for memory (its draw, or its rows) is refused with its draw given back;
+            # only one larger than every delivery before it can be (the output buffers then grow)
+            drawn = self.semantics.draw_state() if is_int(n) and n > gather_out._rows else None
             try:
-                batch = self.storage.gather(sel.slots, gather_out.next(k))
+                sel = self.semantics.select(n, **kwargs)
+            except (MemoryError, RuntimeError) as e:
+                self._refuse_if_too_large(e, n, drawn)
+                raise
+            k = int(sel.slots.shape[0])
+            try:
+                try:
+                    rows = gather_out.next(k)
+                except (MemoryError, ValueError, RuntimeError) as e:
+                    self._refuse_if_too_large(e, n, drawn)
+                    raise
+                batch = self.storage.gather(sel.slots, rows)
             finally:  # handed over either way: a read that failed consumed the selection (the error says so)
                 self.semantics.after_gather(sel)
             # taken under the lock: a migration may swap the ring, and concurrent deliveries get distinct buffers
@@ -555,6 +575,17 @@ class ExperienceDataPlane:
             batch = self._to_device(batch, dev_bufs)
             gather_out.copied(source, self.device)
         return batch, sel.info, k
+
+    def _refuse_if_too_large(self, e: BaseException, n: int | None, drawn: Any) -> None:
+        """:class:`CapacityError` when ``e`` is a replay delivery of ``n`` items that did not fit in memory (its
+        indices or its rows), with the sampler's RNG put back to ``drawn`` (its :meth:`Semantics.draw_state` before
+        the draw): the buffer's next samples are those it would have drawn without the call. Returns otherwise
+        (another error, or semantics that cannot give a draw back), for the caller to raise ``e``."""
+        if drawn is None or not out_of_memory(e):
+            return
+        self.semantics.rewind_draws(drawn)
+        raise CapacityError(f"A delivery of {n} items does not fit in memory ({str(e).strip().splitlines()[0]}); "
+                            f"deliver fewer items per call. Nothing was drawn.") from e
 
     # -- primitives for prefetching schedulers -----------------------------------------------
     def select_now(self, sizes: Sequence[int | None], *, peek: bool = False, when: Callable[[], bool] | None = None,
@@ -642,14 +673,23 @@ class ExperienceDataPlane:
                     peek: bool = False, when: Callable[[], bool] | None = None,
                     **kwargs: Any) -> tuple[ExperienceBatch, list[Selection]] | None:
         """:meth:`select_now` and :meth:`gather_now` under one lock hold (no ingestion in between). A call that
-        raises records its ``deliver`` span all the same, with no items (see :meth:`ingest_now`)."""
+        raises records its ``deliver`` span all the same, with no items (see :meth:`ingest_now`).
+
+        Raises:
+            CapacityError: replay selections whose rows cannot be allocated (too large for memory); their draws
+                are given back, as if none were made.
+        """
         t0 = time.perf_counter()
         try:
             with self._lock:
                 sels = self.select_now(sizes, peek=peek, when=when, **kwargs)
                 if sels is None:
                     return None
-                batch = self._gather(sels, out)
+                try:
+                    batch = self._gather(sels, out)
+                except (MemoryError, ValueError, RuntimeError) as e:  # (real replay draws are given back then)
+                    self._refuse_if_too_large(e, sizes[0], sels[0].drawn_from if sels else None)
+                    raise
         except BaseException:
             self.telemetry.record("deliver", 0, 0, t0, time.perf_counter())  # (no items: none gathered)
             raise

@@ -262,10 +262,10 @@ class ChunkRing:
             if s.copied is not None and self.storage_device.type == "cpu":  # the last copy out of the staging
                 s.copied.synchronize()
                 s.copied = None
-            if rows > s.rows:
-                s.rows = rows
-                s.host = self._alloc(rows, self.storage_device, self.pin)
+            if rows > s.rows:  # (rows set once both sides are: an allocation that fails leaves the buffer as it was)
+                host = self._alloc(rows, self.storage_device, self.pin)
                 s.dev = self._alloc(rows, self.device, False) if self.move else {}
+                s.host, s.rows = host, rows
             return s.host
         return get
 
