@@ -30,6 +30,23 @@ def test_bool_or_string_priorities_are_refused_and_change_nothing(bad: object) -
     assert edp.update_priorities(handles, np.array([1, 2], dtype=object)) == 2  # numbers in an object array: fine
 
 
+@pytest.mark.parametrize("bad", [None, [None, None], np.array([1.0, None], dtype=object)])
+def test_none_priorities_are_refused_as_missing_not_as_nan(bad: object) -> None:
+    """NumPy reads None as NaN: ``update_priorities(handles, None)`` said "1 priorities are NaN, infinite or
+    negative (first: nan)", naming a value the caller never passed."""
+    edp = ExperienceDataPlane(SCHEMA, capacity=4, semantics=Replay(PrioritizedSampler(alpha=1.0), seed=0))
+    handles = edp.ingest({"a": torch.arange(2)}, priorities=torch.tensor([3.0, 5.0]))
+    assert handles is not None
+    before = edp.state_dict()["semantics"]["sampler"]
+    with pytest.raises(PriorityError, match="real numbers.*None"):
+        edp.update_priorities(handles, bad)  # type: ignore[arg-type]
+    if bad is not None:  # (ingest's priorities=None is its default: the max seen)
+        with pytest.raises(PriorityError, match="real numbers.*None"):
+            edp.ingest({"a": torch.arange(2)}, priorities=bad)  # type: ignore[arg-type]
+    assert len(edp) == 2
+    assert repr(edp.state_dict()["semantics"]["sampler"]) == repr(before)
+
+
 @pytest.mark.parametrize("bad", [np.array(["drop"]), np.array(["raise"]), np.array(["drop", "raise"]), ["drop"]])
 def test_on_stale_must_be_a_string(bad: object) -> None:
     with pytest.raises(ConfigurationError, match="on_stale must be"):

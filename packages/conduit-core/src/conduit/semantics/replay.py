@@ -245,6 +245,8 @@ class PrioritizedSampler(Sampler):
                 if kind in "bUS" or kind == "O" and any(isinstance(x, (str, bytes, bool, np.bool_))
                                                          for x in np.asarray(priorities).flat):
                     raise TypeError("bool or string values")  # (NumPy would read "1.0" as 1.0 and True as 1.0)
+                if kind == "O" and any(x is None for x in np.asarray(priorities).flat):
+                    raise TypeError("None values")  # (NumPy would read None as NaN, and the refusal would say "nan")
                 p = np.asarray(priorities, dtype=np.float64).reshape(-1)
         except (TypeError, ValueError, RuntimeError) as e:  # (RuntimeError: a meta or nested tensor torch cannot read)
             raise PriorityError(f"Priorities must be real numbers (a float tensor or array, one per item), got "
