@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conduit import ExperienceDataPlane, ExperienceSchema, Field, Overlapped, PrioritizedSampler, Replay, Synchronous
-from conduit.errors import CapacityError
+from conduit.errors import AllocationError, CapacityError
 
 SCHEMA = ExperienceSchema(obs=Field((4,), torch.float32), action=Field((), torch.int64))
 #: 64 MiB per item: a delivery of 2**22 of them needs 256 TiB
@@ -26,8 +26,9 @@ BIG_ITEMS = ExperienceSchema(obs=Field((2**26,), torch.uint8))
 @pytest.mark.parametrize("capacity", [2**50, 2**62])
 def test_a_capacity_no_memory_holds_is_a_capacity_error_and_the_semantics_stay_usable(capacity: int) -> None:
     semantics = Replay(PrioritizedSampler(), seed=0)
-    with pytest.raises(CapacityError, match="lower capacity"):
+    with pytest.raises(CapacityError, match="lower capacity") as refused:
         ExperienceDataPlane(SCHEMA, capacity=capacity, semantics=semantics)
+    assert isinstance(refused.value, AllocationError) and isinstance(refused.value, MemoryError)  # (caught as before)
     edp = ExperienceDataPlane(SCHEMA, capacity=8, semantics=semantics)  # not claimed by the failed buffer
     edp.ingest({"obs": torch.ones(2, 4), "action": torch.zeros(2, dtype=torch.int64)})
     assert len(edp) == 2
@@ -52,8 +53,9 @@ def test_a_delivery_no_memory_holds_is_refused_before_anything_is_drawn(prioriti
 
     kwargs = {"beta": 0.4} if prioritized else {}
     edp, twin = build(), build()
-    with pytest.raises(CapacityError, match="deliver fewer"):
+    with pytest.raises(CapacityError, match="deliver fewer") as refused:
         edp.deliver(2**22, **kwargs)
+    assert isinstance(refused.value, AllocationError) and isinstance(refused.value, MemoryError)
     assert len(edp) == 2
     got, want = edp.deliver(3, **kwargs)[1], twin.deliver(3, **kwargs)[1]
     assert torch.equal(got.handles, want.handles), "the refused delivery advanced the sampler"

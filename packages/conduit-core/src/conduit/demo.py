@@ -29,7 +29,7 @@ import torch
 from conduit.checks import out_of_memory
 from conduit.commands import MAX_COUNT, check_counts, whole_number
 from conduit.edp import ExperienceDataPlane
-from conduit.errors import CapacityError, ConfigurationError
+from conduit.errors import AllocationError, ConfigurationError
 from conduit.exposure import ExposureLog, IterationExposure
 from conduit.placement.base import HostPlacement, Placement
 from conduit.scheduling import Automatic, Overlapped, Scheduler, Synchronous
@@ -163,10 +163,11 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
     try:
         edp = ExperienceDataPlane(transition_schema(obs_dim), capacity=capacity, semantics=Replay(seed=seed),
                                   placement=plc, scheduler=sched, device=device)
-    except (MemoryError, RuntimeError, CapacityError) as e:  # the buffer is allocated whole, up front
-        cause = e.__cause__ if isinstance(e, CapacityError) else e  # (the storage's refusal names no demo option)
-        if cause is None or not out_of_memory(cause):
+    except (MemoryError, RuntimeError) as e:  # the buffer is allocated whole, up front
+        if not out_of_memory(e):
             raise
+        # (the storage's AllocationError names no option of the loop: the allocator's words, under the loop's)
+        cause = e.__cause__ if isinstance(e, AllocationError) and e.__cause__ is not None else e
         raise ConfigurationError(f"Not enough memory for a buffer of capacity {capacity} transitions of "
                                  f"d={obs_dim} ({_first_line(cause)}); lower capacity or obs_dim.") from e
     # every call of an iteration must fit the telemetry's ring, or the ExposureLog refuses to account for it (and

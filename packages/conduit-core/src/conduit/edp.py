@@ -14,7 +14,7 @@ import torch
 
 from conduit.batch import ExperienceBatch, Ragged
 from conduit.checks import is_int, out_of_memory
-from conduit.errors import CapacityError, ConfigurationError, NotCopyableError, SchemaError
+from conduit.errors import AllocationError, CapacityError, ConfigurationError, NotCopyableError, SchemaError
 from conduit.placement.base import HostPlacement, Placement
 from conduit.scheduling.base import (
     Scheduler,
@@ -217,9 +217,9 @@ class ExperienceDataPlane:
             the oldest items before the slots are full (on-policy refuses the write until items are consumed).
 
     Raises:
-        CapacityError: the storage of ``capacity`` items (and ragged pools) cannot be allocated where the placement
-            puts it (too little memory); lower capacity or choose another placement. The semantics stay free for
-            another buffer.
+        AllocationError: the storage of ``capacity`` items (and ragged pools) cannot be allocated where the
+            placement puts it (too little memory; a :class:`CapacityError` and a ``MemoryError``); lower capacity or
+            choose another placement. The semantics stay free for another buffer.
 
     Examples:
         >>> import torch
@@ -515,8 +515,8 @@ class ExperienceDataPlane:
         Raises:
             EmptyBufferError: nothing to deliver.
             CapacityError: a draw without replacement larger than the contents; a replay delivery too large for
-                memory (its indices or rows cannot be allocated; ``Synchronous`` scheduler), refused with nothing
-                drawn (the sampler's RNG as before the call).
+                memory (its indices or rows cannot be allocated), refused with nothing drawn (the sampler's RNG as
+                before the call) as :class:`~conduit.errors.AllocationError`, a ``CapacityError`` and a ``MemoryError``.
             StaleExperienceError: on-policy data too stale and ``on_stale="raise"``.
             ConfigurationError: the buffer is closed; an option the semantics do not take (e.g. ``beta`` on a
                 uniform buffer). Nothing is drawn then.
@@ -577,15 +577,15 @@ class ExperienceDataPlane:
         return batch, sel.info, k
 
     def _refuse_if_too_large(self, e: BaseException, n: int | None, drawn: Any) -> None:
-        """:class:`CapacityError` when ``e`` is a replay delivery of ``n`` items that did not fit in memory (its
+        """:class:`AllocationError` when ``e`` is a replay delivery of ``n`` items that did not fit in memory (its
         indices or its rows), with the sampler's RNG put back to ``drawn`` (its :meth:`Semantics.draw_state` before
         the draw): the buffer's next samples are those it would have drawn without the call. Returns otherwise
         (another error, or semantics that cannot give a draw back), for the caller to raise ``e``."""
         if drawn is None or not out_of_memory(e):
             return
         self.semantics.rewind_draws(drawn)
-        raise CapacityError(f"A delivery of {n} items does not fit in memory ({str(e).strip().splitlines()[0]}); "
-                            f"deliver fewer items per call. Nothing was drawn.") from e
+        raise AllocationError(f"A delivery of {n} items does not fit in memory ({str(e).strip().splitlines()[0]}); "
+                              f"deliver fewer items per call. Nothing was drawn.") from e
 
     # -- primitives for prefetching schedulers -----------------------------------------------
     def select_now(self, sizes: Sequence[int | None], *, peek: bool = False, when: Callable[[], bool] | None = None,
@@ -676,8 +676,8 @@ class ExperienceDataPlane:
         raises records its ``deliver`` span all the same, with no items (see :meth:`ingest_now`).
 
         Raises:
-            CapacityError: replay selections whose rows cannot be allocated (too large for memory); their draws
-                are given back, as if none were made.
+            AllocationError: replay selections whose rows cannot be allocated (too large for memory; a
+                :class:`CapacityError` and a ``MemoryError``); their draws are given back, as if none were made.
         """
         t0 = time.perf_counter()
         try:

@@ -6,6 +6,7 @@ __all__ = [
     "ConduitError",
     "SchemaError",
     "CapacityError",
+    "AllocationError",
     "EmptyBufferError",
     "PriorityError",
     "StaleExperienceError",
@@ -24,6 +25,12 @@ class SchemaError(ConduitError, ValueError):
 
 class CapacityError(ConduitError, ValueError):
     """A request does not fit: a batch larger than capacity, or a sample larger than the contents."""
+
+
+class AllocationError(CapacityError, MemoryError):
+    """Memory for a request could not be allocated: a buffer's storage (its capacity, its ragged pools) or a
+    delivery's rows. Nothing was built, stored or drawn. A ``MemoryError`` too, as the allocator's own refusal is
+    (code that caught that goes on catching it); the allocator's error is its ``__cause__``."""
 
 
 class EmptyBufferError(ConduitError, LookupError):

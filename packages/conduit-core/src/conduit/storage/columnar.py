@@ -15,7 +15,7 @@ import torch
 from conduit._native import load_kernels
 from conduit.batch import ExperienceBatch, Ragged, ranges
 from conduit.checks import is_int, out_of_memory
-from conduit.errors import CapacityError, ConfigurationError
+from conduit.errors import AllocationError, CapacityError, ConfigurationError
 from conduit.schema import ExperienceSchema, same_width_integer
 from conduit.storage.base import AppendResult, Storage
 
@@ -292,10 +292,10 @@ class ColumnarStorage(Storage):
             if not out_of_memory(e):
                 raise
             pools = f" and ragged pools of {self.ragged_capacity} elements" if schema.ragged else ""
-            raise CapacityError(f"A storage of {capacity} items ({schema.fixed_item_bytes} bytes each in fixed fields"
-                                f"{pools}) cannot be allocated on {self.tier} ({str(e).strip().splitlines()[0]}); "
-                                f"lower capacity (or ragged_capacity), or place the buffer where there is room "
-                                f"(e.g. DiskPlacement).") from e
+            raise AllocationError(f"A storage of {capacity} items ({schema.fixed_item_bytes} bytes each in fixed fields"
+                                  f"{pools}) cannot be allocated on {self.tier} ({str(e).strip().splitlines()[0]}); "
+                                  f"lower capacity (or ragged_capacity), or place the buffer where there is room "
+                                  f"(e.g. DiskPlacement).") from e
         self._rhead = {n: 0 for n in schema.ragged}
         #: per ragged field, handles (a, b) whose items a .. b - 1 hold no elements: an eviction walk from an oldest
         #: item in [a, b] starts at b (a bound from below, so that an oldest moved back is walked from again)
