@@ -318,7 +318,9 @@ class ExperienceDataPlane:
             priorities: initial priorities (prioritized replay only; default: the max seen).
 
         Returns:
-            The items' handles (int64), or None when the scheduler stores the batch later.
+            The items' handles (int64), or None when the scheduler stores the batch later: it then still reads the
+            batch's tensors and arrays, so do not write into them until :meth:`flush` (or build the scheduler with
+            ``copy_on_ingest=True``, ``Overlapped`` and ``Automatic`` take it, to let the producer reuse them at once).
 
         Raises:
             SchemaError: fields, dtypes or shapes do not match the schema.

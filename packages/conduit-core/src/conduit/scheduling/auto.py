@@ -177,6 +177,10 @@ class Automatic(Scheduler):
         confirm_windows: windows per configuration in the confirm phase (alternating, median kept).
         output_depth: deliveries a delivered batch stays valid for.
         queue_depth: ingestion queue bound (backpressure) once overlapped.
+        copy_on_ingest: copy each batch in ``ingest`` before handing it over, so the producer may overwrite its
+            arrays at once (as :class:`Overlapped`'s). Off by default: every phase may hold handed-over batches
+            (``ingest`` returns None), coalescing them at ``g_ing`` or storing them on a worker, so the producer
+            must not write into a handed-over batch until ``flush()``.
 
     Raises:
         ConfigurationError: a setting of the wrong type or below its bound (checked here, before a
@@ -201,7 +205,8 @@ class Automatic(Scheduler):
 
     def __init__(self, *, overlap: bool | None = None, g_ing_max: int = 8, g_del_max: int = 8,
                  memory_budget: int | None = 1 << 30, probe_rounds: int = 3, confirm_deliveries: int = 6,
-                 confirm_windows: int = 3, output_depth: int = 2, queue_depth: int = 8) -> None:
+                 confirm_windows: int = 3, output_depth: int = 2, queue_depth: int = 8,
+                 copy_on_ingest: bool = False) -> None:
         for name, v in (("probe_rounds", probe_rounds), ("confirm_deliveries", confirm_deliveries),
                         ("confirm_windows", confirm_windows)):
             if not is_int(v):
@@ -209,6 +214,8 @@ class Automatic(Scheduler):
         if overlap is not None and not is_bool(overlap):
             raise ConfigurationError(f"overlap must be True, False or None (let the measurement decide), got "
                                      f"{overlap!r}.")
+        if not is_bool(copy_on_ingest):  # ("false" from a config is truthy)
+            raise ConfigurationError(f"copy_on_ingest must be True or False, got {copy_on_ingest!r}.")
         if not is_int(queue_depth) or queue_depth < 1:
             raise ConfigurationError(f"queue_depth must be an int >= 1, got {queue_depth!r}.")
         # the caps are checked here, not at the buffer's first delivery (ConfigurationError, as safe_ranges says)
@@ -223,6 +230,7 @@ class Automatic(Scheduler):
         self.confirm_windows: int = max(1, int(confirm_windows))
         self.output_depth: int = int(output_depth)
         self.queue_depth: int = int(queue_depth)
+        self.copy_on_ingest: bool = bool(copy_on_ingest)
         #: set once calibration is over
         self.decision: Decision | None = None
 
@@ -268,7 +276,7 @@ class Automatic(Scheduler):
 
     def _make(self, g_ing: float, g_del: float, *, overlap: bool) -> Overlapped:
         s = Overlapped(g_ing=g_ing, g_del=g_del, overlap=overlap, output_depth=self.output_depth,
-                       queue_depth=self.queue_depth)
+                       queue_depth=self.queue_depth, copy_on_ingest=self.copy_on_ingest)
         s.attach(self.edp)
         return s
 
