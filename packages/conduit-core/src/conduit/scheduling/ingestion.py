@@ -499,7 +499,8 @@ class Ingestion:
                        and self.edp.storage.device.type == "cuda")
                 buf = empty_column((n, *first.shape[1:]), first.dtype, first.device, pin_memory=pin)
                 self._stage[name] = buf
-            torch.cat([b[name] for b in batches], out=buf[:n])  # type: ignore[misc]
+            with torch.no_grad():  # (values only: torch refuses cat(out=) of tensors that require grad)
+                torch.cat([b[name] for b in batches], out=buf[:n])  # type: ignore[misc]
             cols[name] = buf[:n]
         return ExperienceBatch(cols, n)
 
