@@ -560,9 +560,11 @@ class Assembler:
             if self.cfg.semantics == "queue":
                 fifo = self._fifo()
 
-                def read_queue() -> None:  # (prepared selections eviction took: dropped, as their delivery will be)
+                # (prepared selections eviction took: dropped, as their delivery will be; a reused batch it took:
+                # abandoned, as it is once the confirmed cursor leaves it)
+                def read_queue() -> None:
                     out["queue_dropped"] = fifo.dropped + fifo.held_ahead()
-                    out["queue_abandoned"] = fifo.abandoned
+                    out["queue_abandoned"] = fifo.abandoned + fifo.owed_evicted()
                     out["samples_waiting"] = self._pending_samples() + fifo.undelivered() + ready_first
 
                 self.read_plane(read_queue)

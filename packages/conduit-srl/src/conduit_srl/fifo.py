@@ -61,10 +61,9 @@ class FifoSampler(Sampler):
         self._starts: deque[int] = deque()
         #: items evicted before they were delivered
         self.dropped = 0
-        #: batches whose remaining reuses were skipped because eviction took some of their items
+        #: batches delivered (confirmed) fewer than ``reuses`` times whose remaining reuses were skipped because
+        #: eviction took some of their items, counted once the confirmed cursor left them (see :meth:`owed_evicted`)
         self.abandoned = 0
-        #: first handle of the last batch :meth:`on_append` counted in ``abandoned`` (-1: none)
-        self._abandoned_first = -1
 
     # -- what is left --------------------------------------------------------------------------
     def undelivered(self) -> int:
@@ -78,6 +77,16 @@ class FifoSampler(Sampler):
         oldest = self.storage.oldest
         first = self._starts[0] if self._starts else self._picked
         return max(0, min(self._picked, oldest) - max(self._conf[0], first))
+
+    def owed_evicted(self) -> int:
+        """1 when eviction took items of the batch the confirmed cursor still owes reuses (it is abandoned: its
+        prepared reuses are discarded, as :meth:`prepared_evicted`, and no selection reaches it again), else 0.
+        ``abandoned`` counts it once the cursor leaves it (:meth:`confirm` of the next batch, :meth:`rewind`).
+
+        Only delivered batches are abandoned: a batch selected ahead that eviction took before its first delivery
+        is never delivered, and its items count in ``dropped`` (:meth:`held_ahead`), as without prefetch."""
+        cur = self._conf[1]
+        return int(cur is not None and cur[0] < self.storage.oldest)
 
     def prepared_evicted(self) -> bool:
         """Whether eviction took items of a selection prepared ahead (not confirmed): the scheduler must discard
@@ -104,6 +113,9 @@ class FifoSampler(Sampler):
         self._confirmed += 1
         if self._starts:
             self._starts.popleft()
+        owed = self._conf[1]
+        if owed is not None and owed[0] != first:  # selection left a batch owed reuses: only eviction does that
+            self.abandoned += 1
         self._conf = (max(self._conf[0], first + count), None if uses >= self.reuses else (first, count, uses))
 
     def _rewound(self) -> tuple[_Cursor, int, int]:
@@ -114,18 +126,12 @@ class FifoSampler(Sampler):
         (lost if their delivery is discarded); items evicted before any selection reached them
         were counted in :meth:`on_append` already (also those between the confirmed cursor and
         the first unconfirmed selection, which eviction made the selection skip). ``abandoned``
-        adds a reused batch that eviction took while its remaining reuses were selected ahead
-        (when it took the batch while reuses were still to be selected, :meth:`on_append` counted it).
+        adds the confirmed cursor's reused batch when eviction took it (:meth:`owed_evicted`).
         """
         oldest = self.storage.oldest
         nxt, cur = self._conf
-        lost = self.held_ahead()
-        abandoned = self.abandoned
-        if cur is not None and cur[0] < oldest:
-            if cur[0] != self._abandoned_first:  # (else on_append counted it when eviction took it)
-                abandoned += 1
-            cur = None
-        return (max(nxt, oldest), cur), self.dropped + lost, abandoned
+        owed = self.owed_evicted()
+        return (max(nxt, oldest), None if owed else cur), self.dropped + self.held_ahead(), self.abandoned + owed
 
     def rewind(self) -> None:
         """Forget selections that were not confirmed (their deliveries were discarded)."""
@@ -146,8 +152,8 @@ class FifoSampler(Sampler):
         in order. Selections made before ``state`` and not confirmed yet stay selected.
 
         Run under the buffer's lock. Items of the forgotten selections that eviction took meanwhile count in
-        ``dropped`` (as in :meth:`rewind`: no selection reaches them again), and a reused batch that eviction
-        took is abandoned (``abandoned``, once).
+        ``dropped`` (as in :meth:`rewind`: no selection reaches them again); a reused batch that eviction took is
+        not selected again (``abandoned`` counts it by the confirmed cursor, :meth:`owed_evicted`).
         """
         selected, (nxt, cur), picked = state
         if self._selected <= selected:
@@ -158,9 +164,6 @@ class FifoSampler(Sampler):
         # the forgotten selections read [nxt, _picked) anew; on_append counted evictions past that only
         self.dropped += max(0, min(self._picked, oldest) - nxt)
         if cur is not None and cur[0] < oldest:
-            if cur[0] != self._abandoned_first:  # (else on_append counted it when eviction took it)
-                self.abandoned += 1
-                self._abandoned_first = cur[0]
             cur = None
         self._sel = (max(nxt, oldest), cur)
         self._picked = picked
@@ -172,9 +175,7 @@ class FifoSampler(Sampler):
         if result.evicted_to > nxt:
             self.dropped += result.evicted_to - max(result.evicted_from, nxt)
             nxt = result.evicted_to
-        if cur is not None and cur[0] < result.evicted_to:
-            self.abandoned += 1
-            self._abandoned_first = cur[0]
+        if cur is not None and cur[0] < result.evicted_to:  # (abandoned: counted by the confirmed cursor)
             cur = None
         self._sel = (nxt, cur)
 
@@ -210,6 +211,5 @@ class FifoSampler(Sampler):
         self._picked = int(nxt)
         self._selected = self._confirmed = 0
         self._starts.clear()
-        self._abandoned_first = -1
         self.dropped = int(state["dropped"])
         self.abandoned = int(state["abandoned"])
