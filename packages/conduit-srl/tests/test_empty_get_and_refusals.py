@@ -47,6 +47,27 @@ def test_queue_empty_counts_the_eviction_by_a_put_still_on_its_way(closing) -> N
     assert b.stats()["queue_abandoned"] == 1
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_queue_get_delivers_the_reuse_empty_reported_when_a_put_on_another_thread_evicts_it(closing,
+                                                                                          overlap: bool) -> None:
+    # SRL's training thread calls empty() then get() while its main thread puts: a put landing between the two
+    # that evicted the batch owed a reuse made the get() raise EmptyBufferError, which stops SRL's training thread
+    b = closing(batch_size=2, capacity=2, reuses=2, prefetch=0, overlap=overlap)
+    b.put(make_sample([0]))
+    b.put(make_sample([1]))
+    assert entry_ids(b.get()).tolist() == [0, 1]
+    assert not b.empty()  # the batch's second delivery is waiting
+    main = threading.Thread(target=b.put, args=(make_sample([2]),))  # evicts sample 0
+    main.start()
+    main.join()
+    again = b.get()  # before the fix: EmptyBufferError ("1 new samples wait, a batch needs 2")
+    assert entry_ids(again).tolist() == [0, 1] and again.reuses == 1 and again.reuses_left == 0
+    b.put(make_sample([3]))
+    assert entry_ids(b.get()).tolist() == [2, 3]
+    s = b.stats()
+    assert (s["queue_abandoned"], s["queue_dropped"], s["samples_delivered"]) == (0, 0, 4), s
+
+
 def test_queue_refuses_g_del_above_one_instead_of_losing_samples() -> None:
     # a chunk of g_del batches cannot be selected from fewer waiting batches: the first one was lost
     with pytest.raises(ConfigurationError, match="g_del"):

@@ -462,6 +462,11 @@ class Assembler:
         Entries assembled ahead that may no longer be handed out do not count (they are dropped,
         as ``get()`` would); neither do on-policy rollouts that are all too stale with
         ``on_stale="drop"`` (they are dropped here, which frees their storage).
+
+        A queue whose only deliverable batch is one owed reuses has that reuse assembled here (kept for ``get()``,
+        delivered as assembled, as an entry the assembler thread prepared is): a put on another thread that evicts
+        the batch after this call, before the ``get()`` (SRL's trainer puts on its main thread and calls ``empty()``
+        then ``get()`` on its training thread), would otherwise leave that ``get()`` with nothing to deliver.
         """
         with self._cv:
             self._check_open()
@@ -476,8 +481,13 @@ class Assembler:
                 # samples on their way can only add batches, but their eviction can abandon a reused one
                 self.edp.flush()
             with self._cv:
-                if self._prune_ready() or self._deliverable():
-                    return False
+                ready = self._prune_ready()
+                could = ready or self._deliverable()
+                pin = could and not ready and self._owed_reuse_only()
+            if pin:
+                return not self._pin_reuse()
+            if could:
+                return False
             if self._drop_stale_rollouts():
                 return False
         if self._held:
@@ -502,6 +512,23 @@ class Assembler:
         self.edp.flush()
         with self._deliver_lock, self._cv:
             return not (self._prune_ready() or self._deliverable())
+
+    def _owed_reuse_only(self) -> bool:
+        """Queue: a delivery now could only be a reuse of a batch delivered before (fewer than a batch of new samples
+        wait), which a put evicting that batch can take away; puts never lower the new samples waiting (the
+        caller holds ``_cv``)."""
+        return self.cfg.semantics == "queue" and self._fifo().undelivered() < (self._n or 1)
+
+    def _pin_reuse(self) -> bool:
+        """For ``empty()``: assemble the owed reuse into ``_ready``, so that the next ``get()`` delivers it whatever
+        puts evict meanwhile; whether something is deliverable (a put evicted the batch first: what is left). The
+        caller holds ``_deliver_lock``."""
+        try:
+            self._deliver(demand=False)  # (kept in _ready)
+        except EmptyBufferError:
+            with self._cv:
+                return self._prune_ready() or self._deliverable()
+        return True
 
     def qsize(self) -> int:
         """Samples not yet delivered (queue: never delivered; replay: held; on-policy: in unfinished rollouts).

@@ -103,6 +103,8 @@ class ConduitBuffer:
         return self._a.get(batch_size)
 
     def empty(self) -> bool:
+        """False only when ``get()`` will deliver, also after a put on another thread meanwhile (a queue reuse that
+        such a put could evict is assembled here and kept for ``get()``)."""
         return self._a.empty()
 
     def qsize(self) -> int:
@@ -174,7 +176,8 @@ class ConduitBuffer:
         ``get()`` at least once; replay: drawn at least once while stored), ``late_dropped``, ``stale_dropped`` and
         ``rollout_dropped`` (on-policy: never handed out, dropped as late, in an entry assembled ahead that went
         stale, or with a stale rollout), ``queue_dropped`` (evicted before their first delivery) and
-        ``queue_abandoned`` (batches whose remaining reuses eviction skipped), ``redrawn`` (replay entries
+        ``queue_abandoned`` (batches handed out fewer than ``reuses`` times whose remaining reuses eviction
+        skipped), ``redrawn`` (replay entries
         assembled ahead and discarded), ``samples_waiting`` (queue and on-policy: stored or on their way, never
         handed out, not dropped; replay: held) and ``qsize`` (what :meth:`qsize` returns at the same moment).
 
