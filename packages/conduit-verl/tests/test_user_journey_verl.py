@@ -10,7 +10,8 @@
   does not hand to a custom sampler, were silently ignored under ``ConduitReplayBuffer``: verl's own trainer now
   gets a ``ConfigurationError`` that says what to do when it builds the buffer.
 * ReMax (``algorithm.adv_estimator=remax``), which verl 0.9.1's V1 trainer cannot compute, failed untyped after the
-  first rollout: the Conduit sampler now refuses it, typed, when verl's trainer builds it.
+  first rollout: the Conduit sampler now refuses it, typed, when verl's trainer builds it; so it refuses Pass@k
+  (``grpo_passk``) with one rollout per prompt, which verl's advantage step cannot compute either.
 * The usual actor choices (dynamic batch sizes, several PPO epochs, shuffled minibatches, GRPO's n rollouts per
   prompt) train through Conduit's delivery exactly as through verl's own iterator.
 """
@@ -191,6 +192,31 @@ def test_remax_with_the_conduit_sampler_is_refused_before_any_rollout(mode: str)
     with pytest.raises(TypeError, match="reward_baselines"):
         compute_advantage_for_multi_trajectories(data, ["a_0_0", "b_0_0"], "remax")
     assert type(_trainer(mode, "algorithm.adv_estimator=rloo").replay_buffer).__name__ == "ConduitReplayBuffer"
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_grpo_passk_with_one_rollout_per_prompt_is_refused_before_any_rollout(mode: str) -> None:
+    """``algorithm.adv_estimator=grpo_passk`` with ``actor_rollout_ref.rollout.n=1`` through ``main_ppo`` started every
+    worker, generated and scored a whole rollout, then died in verl's advantage step with an untyped ``ValueError``
+    ("Pass@k requires at least 2 samples per group"), Conduit on or off. The Conduit sampler now refuses it when
+    verl's trainer builds it, saying to raise ``rollout.n`` or which estimator takes one response per prompt."""
+    from verl import DataProto
+    from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+
+    one = "actor_rollout_ref.rollout.n=1"
+    refused = r"grpo_passk.*rollout\.n=1.*rollout\.n=2 or more.*reinforce_plus_plus"
+    with pytest.raises(ConfigurationError, match=refused):
+        _trainer(mode, "algorithm.adv_estimator=grpo_passk", one)
+    # what is refused cannot run: verl's advantage step on one response per prompt, as the V1 trainer calls it
+    data = DataProto.from_dict(tensors={"token_level_rewards": torch.tensor([[0.0, 1.0], [0.0, 0.5]]),
+                                        "response_mask": torch.ones(2, 2)},
+                               non_tensors={"uid": np.array(["a", "b"], dtype=object)})
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        compute_advantage_for_multi_trajectories(data, ["a_0_0", "b_0_0"], "grpo_passk", num_repeat=1,
+                                                 config=_trainer(mode).config.algorithm)
+    # what it says to use instead is built: grpo_passk with two rollouts, and reinforce_plus_plus with one
+    assert type(_trainer(mode, "algorithm.adv_estimator=grpo_passk").replay_buffer).__name__ == "ConduitReplayBuffer"
+    assert _trainer(mode, "algorithm.adv_estimator=reinforce_plus_plus", one).config.actor_rollout_ref.rollout.n == 1
 
 
 # -- 4. the actor's usual choices, through Conduit's delivery ---------------------------------------------------------

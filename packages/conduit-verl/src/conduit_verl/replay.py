@@ -45,7 +45,9 @@ verl 0.9.1 hands a custom sampler neither DAPO's group filter (``algorithm.filte
 config that turns either on (:class:`conduit.ConfigurationError` when verl's trainer builds it): for
 DAPO keep verl's own sampler (Conduit's storage backend and delivery still apply). It refuses
 ``algorithm.adv_estimator=remax`` the same way: verl 0.9.1's V1 trainer never generates ReMax's
-greedy baseline and fails untyped at its first step, with any sampler.
+greedy baseline and fails untyped at its first step, with any sampler; and ``grpo_passk`` with fewer than
+two rollouts per prompt (``actor_rollout_ref.rollout.n=1``), whose advantage step raises after the first
+rollout, with any sampler.
 
 The rule holds in every trainer mode, ``sync`` included: there verl ignores staleness (its sync
 sampling is meant to be on-policy), but a finished group can still be left for a later step
@@ -158,20 +160,30 @@ class ConduitReplayBuffer(ReplayBufferAsync):
             ConfigurationError: ``algorithm.filter_groups.enable`` is on (DAPO), or ``sync`` mode with
                 ``trainer.v1.sampler.sync_refill_failed_groups`` on, and the trainer did not pass it here; or
                 ``algorithm.adv_estimator=remax``, which verl's V1 trainer cannot compute (it has no greedy
-                baseline): refused before any rollout instead of failing untyped at the first step.
+                baseline): refused before any rollout instead of failing untyped at the first step; or
+                ``algorithm.adv_estimator=grpo_passk`` with ``actor_rollout_ref.rollout.n`` below 2 (Pass@k needs two
+                responses per prompt; verl's advantage step raises after the first rollout).
         """
         cfg = getattr(getattr(self.refill_fn, "__self__", None), "config", None)
         if not isinstance(cfg, DictConfig):
             return
         keep = ("drop the trainer.v1.sampler.custom_sampler overrides to use verl's own sampler (Conduit's storage "
                 "backend and minibatch delivery stay on)")
-        if str(OmegaConf.select(cfg, "algorithm.adv_estimator", default="")).lower() == "remax":
+        estimator = str(OmegaConf.select(cfg, "algorithm.adv_estimator", default="")).lower()
+        if estimator == "remax":
             raise ConfigurationError(
                 "algorithm.adv_estimator=remax, but verl 0.9.1's V1 trainer never computes ReMax's greedy baseline "
                 "(reward_baselines), so every run fails at its first advantage computation, Conduit on or off. Use a "
                 "critic-free estimator the V1 trainer computes (grpo, rloo, reinforce_plus_plus), or verl's legacy "
                 "trainer (trainer.use_v1=False), which generates the baseline; Conduit's storage backend and sampler "
                 "do not apply there (drop the Conduit overrides).")
+        n = OmegaConf.select(cfg, "actor_rollout_ref.rollout.n", default=None)
+        if estimator == "grpo_passk" and isinstance(n, int) and n < 2:
+            raise ConfigurationError(
+                f"algorithm.adv_estimator=grpo_passk with actor_rollout_ref.rollout.n={n}: Pass@k compares the best "
+                f"two responses of each prompt, so verl's advantage step fails (ValueError) after the first rollout "
+                f"with fewer than 2 responses per prompt, Conduit on or off. Set actor_rollout_ref.rollout.n=2 or "
+                f"more, or for one response per prompt use reinforce_plus_plus (which needs no groups).")
         if self.filter_groups_metric is None and OmegaConf.select(cfg, "algorithm.filter_groups.enable", default=False):
             raise ConfigurationError(
                 f"algorithm.filter_groups.enable=True (DAPO), but verl 0.9.1 does not hand the group filter to a "
