@@ -11,7 +11,8 @@
   gets a ``ConfigurationError`` that says what to do when it builds the buffer.
 * ReMax (``algorithm.adv_estimator=remax``), which verl 0.9.1's V1 trainer cannot compute, failed untyped after the
   first rollout: the Conduit sampler now refuses it, typed, when verl's trainer builds it; so it refuses Pass@k
-  (``grpo_passk``) with one rollout per prompt, which verl's advantage step cannot compute either.
+  (``grpo_passk``) with one rollout per prompt, which verl's advantage step cannot compute either, and GDPO and the
+  optimal token baselines, whose inputs the V1 trainer never fetches for that step.
 * The usual actor choices (dynamic batch sizes, several PPO epochs, shuffled minibatches, GRPO's n rollouts per
   prompt) train through Conduit's delivery exactly as through verl's own iterator.
 """
@@ -217,6 +218,31 @@ def test_grpo_passk_with_one_rollout_per_prompt_is_refused_before_any_rollout(mo
     # what it says to use instead is built: grpo_passk with two rollouts, and reinforce_plus_plus with one
     assert type(_trainer(mode, "algorithm.adv_estimator=grpo_passk").replay_buffer).__name__ == "ConduitReplayBuffer"
     assert _trainer(mode, "algorithm.adv_estimator=reinforce_plus_plus", one).config.actor_rollout_ref.rollout.n == 1
+
+
+@pytest.mark.parametrize("estimator", ["gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_estimators_whose_inputs_the_v1_trainer_never_fetches_are_refused_before_any_rollout(estimator: str) -> None:
+    """GDPO and the optimal token baselines through ``main_ppo`` started every worker, generated and scored a whole
+    rollout, then died in verl's advantage step with an untyped ``AssertionError``, Conduit on or off, even configured
+    as the assertion asks (``actor.calculate_sum_pi_squared=True``): verl 0.9.1's V1 trainer reads only a few fields
+    from TransferQueue for that step, never the reward components or ``sum_pi_squared``. The Conduit sampler now
+    refuses them when verl's trainer builds it, saying what to use instead."""
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+
+    refused = rf"adv_estimator={estimator} needs .*never hands its advantage step.*grpo, rloo.*use_v1=False"
+    with pytest.raises(ConfigurationError, match=refused):
+        _trainer("sync", f"algorithm.adv_estimator={estimator}",
+                 "actor_rollout_ref.actor.calculate_sum_pi_squared=True")
+    # what is refused cannot run: the fields the V1 trainer's advantage step has, configured as each estimator asks
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.5], [1.0, 0.0], [0.0, 0.0]])
+    data = DataProto.from_dict(tensors={"token_level_rewards": rewards, "response_mask": torch.ones(4, 2),
+                                        "old_log_probs": torch.zeros(4, 2), "rollout_log_probs": torch.zeros(4, 2)},
+                               non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)})
+    with pytest.raises((AssertionError, KeyError), match=r"sum_pi_squared|prompts"):  # GDPO: no prompts either
+        compute_advantage_for_multi_trajectories(data, ["a_0_0", "a_1_0", "b_0_0", "b_1_0"], estimator, num_repeat=2,
+                                                 config=OmegaConf.create({"gdpo_reward_keys": ["acc"]}))
 
 
 # -- 4. the actor's usual choices, through Conduit's delivery ---------------------------------------------------------

@@ -45,9 +45,11 @@ verl 0.9.1 hands a custom sampler neither DAPO's group filter (``algorithm.filte
 config that turns either on (:class:`conduit.ConfigurationError` when verl's trainer builds it): for
 DAPO keep verl's own sampler (Conduit's storage backend and delivery still apply). It refuses
 ``algorithm.adv_estimator=remax`` the same way: verl 0.9.1's V1 trainer never generates ReMax's
-greedy baseline and fails untyped at its first step, with any sampler; and ``grpo_passk`` with fewer than
-two rollouts per prompt (``actor_rollout_ref.rollout.n=1``), whose advantage step raises after the first
-rollout, with any sampler.
+greedy baseline and fails untyped at its first step, with any sampler; so ``gdpo``,
+``optimal_token_baseline`` and ``tir_optimal_token_baseline``, whose inputs (reward components,
+the actor's ``sum_pi_squared``) that trainer never fetches for its advantage step; and
+``grpo_passk`` with fewer than two rollouts per prompt (``actor_rollout_ref.rollout.n=1``), whose
+advantage step raises after the first rollout, with any sampler.
 
 The rule holds in every trainer mode, ``sync`` included: there verl ignores staleness (its sync
 sampling is meant to be on-policy), but a finished group can still be left for a later step
@@ -89,6 +91,14 @@ __all__ = ["ConduitReplayBuffer", "StaleGroupsError", "staleness", "SAMPLER_KWAR
 
 #: the ``trainer.v1.sampler.sampler_kwargs`` keys :class:`ConduitReplayBuffer` reads (any other is refused)
 SAMPLER_KWARGS = frozenset({"on_stale"})
+
+#: advantage estimators verl 0.9.1 registers whose inputs its V1 trainer's advantage step never fetches (refused):
+#: estimator -> what it needs
+V1_ADVANTAGE_INPUTS_MISSING = {
+    "gdpo": "each reward component (algorithm.gdpo_reward_keys, from compute_score's dict) and the prompts",
+    "optimal_token_baseline": "the actor's sum_pi_squared (actor.calculate_sum_pi_squared=True)",
+    "tir_optimal_token_baseline": "the actor's sum_pi_squared (actor.calculate_sum_pi_squared=True)",
+}
 
 
 def staleness(global_steps: int, group_steps: int) -> int:
@@ -161,6 +171,8 @@ class ConduitReplayBuffer(ReplayBufferAsync):
                 ``trainer.v1.sampler.sync_refill_failed_groups`` on, and the trainer did not pass it here; or
                 ``algorithm.adv_estimator=remax``, which verl's V1 trainer cannot compute (it has no greedy
                 baseline): refused before any rollout instead of failing untyped at the first step; or
+                ``algorithm.adv_estimator`` one of :data:`V1_ADVANTAGE_INPUTS_MISSING` (GDPO, the optimal token
+                baselines), whose inputs verl's V1 trainer never fetches for its advantage step; or
                 ``algorithm.adv_estimator=grpo_passk`` with ``actor_rollout_ref.rollout.n`` below 2 (Pass@k needs two
                 responses per prompt; verl's advantage step raises after the first rollout).
         """
@@ -177,6 +189,15 @@ class ConduitReplayBuffer(ReplayBufferAsync):
                 "critic-free estimator the V1 trainer computes (grpo, rloo, reinforce_plus_plus), or verl's legacy "
                 "trainer (trainer.use_v1=False), which generates the baseline; Conduit's storage backend and sampler "
                 "do not apply there (drop the Conduit overrides).")
+        if estimator in V1_ADVANTAGE_INPUTS_MISSING:
+            raise ConfigurationError(
+                f"algorithm.adv_estimator={estimator} needs {V1_ADVANTAGE_INPUTS_MISSING[estimator]}, which verl "
+                f"0.9.1's V1 trainer never hands its advantage step (it reads only uid, response_mask, rm_scores, "
+                f"log-probs and values from TransferQueue), so every run fails at its first advantage computation, "
+                f"after a whole rollout, Conduit on or off. Use a critic-free estimator the V1 trainer computes (grpo, "
+                f"rloo, reinforce_plus_plus), or verl's legacy trainer (trainer.use_v1=False), whose advantage step "
+                f"gets the whole batch; Conduit's storage backend and sampler do not apply there (drop the Conduit "
+                f"overrides).")
         n = OmegaConf.select(cfg, "actor_rollout_ref.rollout.n", default=None)
         if estimator == "grpo_passk" and isinstance(n, int) and n < 2:
             raise ConfigurationError(
