@@ -1,0 +1,232 @@
+"""Nodes that die in the middle of a run, on the real local Ray cluster of ``conftest.py``, at points the other
+fault tests leave out: a second node dying after the first one's items were re-replicated, a node dying during an
+on-policy epoch after the first, while priority updates are under way, and between a checkpoint and its restore.
+
+Each test adds its own victim nodes and kills them as a crash would (``LocalCluster.kill_node``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ray")
+
+from conduit import OnPolicy, PrioritizedSampler, Replay  # noqa: E402
+from conduit.distributed import DistributedDataPlane, ShardServers  # noqa: E402
+from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+#: seconds within which a killed node's shard must be reported lost (as in test_distributed_faults.py)
+DETECTION_BOUND = 30.0
+
+
+def _replica_shards(plane: DistributedDataPlane) -> dict[int, set[int]]:
+    """The shards holding a copy of each live item, by handle."""
+    out: dict[int, set[int]] = {}
+    for row in plane.index.live_rows():
+        first, count, reps = plane.index.segment(row)
+        for h in range(first, first + count):
+            out[h] = {s for s, _ in reps}
+    return out
+
+
+def _wait_for_losses(plane: DistributedDataPlane, n: int, work) -> None:
+    """Keep the training loop going (``work()``) until ``n`` losses are reported."""
+    t0 = time.monotonic()
+    while len(plane.losses) < n:
+        assert time.monotonic() - t0 < DETECTION_BOUND, f"loss {n} was not detected within the bound"
+        work()
+
+
+def _wait_dead(*nodes: str) -> None:
+    """Return once Ray declares ``nodes`` dead (without asking the buffer)."""
+    import ray
+
+    deadline = time.monotonic() + 60
+    while {n["NodeID"] for n in ray.nodes() if n.get("Alive")} & set(nodes):
+        assert time.monotonic() < deadline, "Ray did not declare the killed nodes dead"
+        time.sleep(0.2)
+
+
+def test_real_cluster_a_second_node_dying_after_the_first_ones_items_were_re_replicated_loses_nothing(cluster):
+    """Replication 2 on four nodes; one victim dies, its items are copied again; then the other victim dies:
+    every item is still delivered, both reports count exactly the items that had a copy there, and each item
+    ends with two copies on the two surviving nodes."""
+    va, vb = cluster.add_node(), cluster.add_node()
+    own = ShardServers([cluster.head, cluster.workers[0], va, vb])
+    p = DistributedDataPlane(ID_SCHEMA, capacity=400, replication=2, servers=own, measure=False, health_period=0.2,
+                             timeout=10.0, transport="object_store")
+    try:
+        for i, node in enumerate(own.nodes):
+            p.ingest(id_batch(np.arange(1000 * i, 1000 * i + 50)), node=node)
+        all_ids = set(check_payload(p.read(p.live_handles())).tolist())
+        assert len(all_ids) == 200
+        on_a = sum(2 in s for s in _replica_shards(p).values())
+        assert on_a > 0
+
+        cluster.kill_node(va)
+        _wait_for_losses(p, 1, lambda: p.deliver(16))
+        first = p.losses[0]
+        assert first.shard == 2 and first.num_lost == 0
+        assert first.recovered == first.re_replicated == on_a
+        reps = _replica_shards(p)
+        assert all(len(s) == 2 and 2 not in s for s in reps.values()), "replication 2 was not restored"
+        on_b = sum(3 in s for s in reps.values())
+        assert on_b > 0
+
+        cluster.kill_node(vb)
+        _wait_for_losses(p, 2, lambda: p.deliver(16))
+        second = p.losses[1]
+        assert second.shard == 3 and second.num_lost == 0 and p.lost_items == 0
+        assert second.recovered == second.re_replicated == on_b
+        assert all(s == {0, 1} for s in _replica_shards(p).values())
+        assert p.under_replicated == 0 and len(p) == 200
+        assert set(check_payload(p.read(p.live_handles())).tolist()) == all_ids
+        for _ in range(5):  # the loop goes on
+            assert set(check_payload(p.deliver(64)[0]).tolist()) <= all_ids
+    finally:
+        p.close()
+        own.shutdown()
+
+
+def test_real_cluster_a_node_dying_in_the_second_epoch_keeps_exactly_once_for_the_survivors(cluster):
+    """On-policy, two epochs of four minibatches: the victim dies after the first epoch and a minibatch of the
+    second. The report names exactly the victim's items; the rest of the second epoch delivers each survivor not
+    yet delivered in it exactly once, and nothing of the victim."""
+    victim = cluster.add_node()
+    own = ShardServers([cluster.workers[0], victim])
+    p = DistributedDataPlane(ID_SCHEMA, capacity=200, servers=own, health_period=0.2, timeout=10.0, measure=False,
+                             transport="object_store", semantics=OnPolicy(num_minibatches=4, num_epochs=2, seed=5))
+    try:
+        h_keep = p.ingest(id_batch(np.arange(0, 40)), version=0, node=cluster.workers[0])
+        h_lost = p.ingest(id_batch(np.arange(100, 140)), version=0, node=victim)
+        p.seal()
+        epochs: dict[int, list[int]] = {}
+        for _ in range(5):
+            batch, info = p.deliver()
+            epochs.setdefault(info.epoch, []).extend(check_payload(batch).tolist())
+        assert sorted(epochs[0]) == [*range(40), *range(100, 140)] and len(epochs[1]) == 20
+
+        cluster.kill_node(victim)
+        _wait_for_losses(p, 1, lambda: time.sleep(0.05))  # the learner waits for the monitor
+        rep = p.losses[0]
+        assert rep.lost.tolist() == sorted(h_lost.tolist()) and rep.recovered == 0
+        assert not set(rep.lost.tolist()) & set(h_keep.tolist())
+
+        while True:
+            batch, info = p.deliver()
+            ids = check_payload(batch).tolist()
+            assert info.epoch == 1 and not any(i >= 100 for i in ids), "a lost item was delivered after its report"
+            epochs[1].extend(ids)
+            if info.last:
+                break
+        second = [i for i in epochs[1] if i < 100]
+        assert sorted(second) == list(range(40)), "each survivor is delivered exactly once in the second epoch"
+        assert len(p) == 0
+        p.set_policy_version(1)  # the next rollout goes on
+        p.ingest(id_batch(np.arange(200, 210)), version=1, node=cluster.workers[0])
+        p.seal()
+        assert sorted(check_payload(p.read(p.live_handles())).tolist()) == list(range(200, 210))
+    finally:
+        p.close()
+        own.shutdown()
+
+
+def test_real_cluster_a_node_dying_while_priorities_are_updated_leaves_a_consistent_total(cluster):
+    """Prioritized replay on two nodes; a learner thread updates priorities of every item (both shards) while
+    the victim dies and the monitor fences it. Afterwards the global total is exactly the sum of the surviving
+    items' priorities: every lost item has priority 0, none was revived by an update that raced the loss."""
+    victim = cluster.add_node()
+    own = ShardServers([cluster.workers[0], victim])
+    p = DistributedDataPlane(ID_SCHEMA, capacity=256, servers=own, health_period=0.2, timeout=10.0, measure=False,
+                             transport="object_store", semantics=Replay(PrioritizedSampler(alpha=1.0), seed=2))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    try:
+        h = torch.cat([p.ingest(id_batch(np.arange(0, 64)), node=cluster.workers[0]),
+                       p.ingest(id_batch(np.arange(64, 128)), node=victim)])
+
+        def learner() -> None:
+            rng = np.random.default_rng(0)
+            try:
+                while not stop.is_set():
+                    p.update_priorities(h, torch.from_numpy(rng.uniform(0.5, 2.0, h.shape[0])))
+                    p.deliver(16)
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                errors.append(e)
+
+        t = threading.Thread(target=learner)
+        t.start()
+        cluster.kill_node(victim)
+        _wait_for_losses(p, 1, lambda: time.sleep(0.05))
+        time.sleep(0.5)  # a few more updates after the loss
+        stop.set()
+        t.join(60)
+        assert not t.is_alive() and not errors, errors
+        rep = p.losses[0]
+        assert rep.num_lost == 64
+        tree = p.semantics.sampler._tree
+        live = p.live_handles()
+        assert np.all(tree.get(rep.lost % p.capacity) == 0), "a lost item has a priority again"
+        assert tree.total == pytest.approx(float(tree.get(live % p.capacity).sum()))
+        assert p.update_priorities(h, torch.ones(h.shape[0])) == 64
+        assert tree.total == pytest.approx(64.0)
+        _, info = p.deliver(64)
+        assert set(info.handles.tolist()) <= set(live.tolist())
+    finally:
+        stop.set()
+        p.close()
+        own.shutdown()
+
+
+def test_real_cluster_a_checkpoint_restored_after_a_node_died_loads_every_item_on_the_survivors(cluster):
+    """A checkpoint is taken; a node dies before it is restored (no monitor: the restore finds it). The
+    restore fences the dead shard, reports none of the checkpoint's items lost, and stores them all on the
+    surviving shard; the loop goes on."""
+    victim = cluster.add_node()
+    own = ShardServers([cluster.workers[0], victim])
+    p = DistributedDataPlane(ID_SCHEMA, capacity=64, servers=own, health_period=None, timeout=10.0, measure=False,
+                             transport="object_store", semantics=Replay(seed=4))
+    try:
+        p.ingest(id_batch(np.arange(0, 20)), node=cluster.workers[0])
+        p.ingest(id_batch(np.arange(20, 40)), node=victim)
+        state = p.state_dict()
+        cluster.kill_node(victim)
+        _wait_dead(victim)
+        p.load_state_dict(state)
+        assert len(p.losses) == 1 and p.losses[0].shard == 1 and p.losses[0].num_lost == 0
+        assert p.alive_shards == [0] and len(p) == 40
+        assert sorted(check_payload(p.read(p.live_handles())).tolist()) == list(range(40))
+        p.ingest(id_batch(np.arange(40, 50)))
+        assert sorted(check_payload(p.read(p.live_handles())).tolist()) == list(range(50))
+    finally:
+        p.close()
+        own.shutdown()
+
+
+def test_real_cluster_a_checkpoint_taken_after_a_node_died_leaves_exactly_its_items_out(cluster):
+    """A node dies (no monitor) and the next checkpoint is what finds it: the report names exactly that node's
+    items, the checkpoint holds exactly the others, and it restores into the same buffer."""
+    victim = cluster.add_node()
+    own = ShardServers([cluster.workers[0], victim])
+    p = DistributedDataPlane(ID_SCHEMA, capacity=64, servers=own, health_period=None, timeout=10.0, measure=False,
+                             transport="object_store")
+    try:
+        p.ingest(id_batch(np.arange(0, 20)), node=cluster.workers[0])
+        h_lost = p.ingest(id_batch(np.arange(20, 40)), node=victim)
+        cluster.kill_node(victim)
+        _wait_dead(victim)
+        state = p.state_dict()
+        assert len(p.losses) == 1 and p.losses[0].lost.tolist() == h_lost.tolist()
+        assert sorted(check_payload(p.read(state["handles"])).tolist()) == list(range(20))
+        p.load_state_dict(state)
+        assert len(p) == 20 and sorted(check_payload(p.read(p.live_handles())).tolist()) == list(range(20))
+    finally:
+        p.close()
+        own.shutdown()
