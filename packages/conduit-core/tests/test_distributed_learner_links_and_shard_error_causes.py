@@ -66,8 +66,8 @@ class _OpensWithABadCapacity(ServerStandIn):
 
         class _Open:
             @staticmethod
-            def remote(buffer_id: str, schema: Any, capacity: int, ragged: Any) -> Any:
-                return real.open.remote(buffer_id, schema, "not a capacity", ragged)
+            def remote(buffer_id: str, schema: Any, capacity: int, ragged: Any, *owner: Any) -> Any:
+                return real.open.remote(buffer_id, schema, "not a capacity", ragged, *owner)
 
         return _Open()
 

@@ -18,6 +18,7 @@ pytest.importorskip("ray")
 
 from conduit import OnPolicy, PrioritizedSampler, Replay  # noqa: E402
 from conduit.distributed import DistributedDataPlane, ShardServers  # noqa: E402
+from conduit.testing.lifecycle import eventually  # noqa: E402
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -230,3 +231,94 @@ def test_real_cluster_a_checkpoint_taken_after_a_node_died_leaves_exactly_its_it
     finally:
         p.close()
         own.shutdown()
+
+
+def _partitions(group: ShardServers) -> list[int]:
+    """How many buffer partitions each server of ``group`` holds."""
+    import ray
+    from conduit.distributed.server import ping
+
+    return [int(ray.get(ping(info.actor), timeout=60)) for info in group.servers]
+
+
+def test_real_cluster_the_partitions_of_a_learner_whose_node_died_are_dropped_when_another_buffer_opens(cluster):
+    """A learner actor on its own node builds a buffer on shard servers this process started (shared, so they
+    outlive it), then its node dies. Nothing of that learner can close its partitions any more; the next buffer
+    opened on those servers (its replacement) drops them, and a buffer whose process lives keeps its own."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    victim = cluster.add_node()
+    own = ShardServers([cluster.head, cluster.workers[0]])
+
+    @ray.remote(num_cpus=0)
+    class Learner:
+        def start(self, group: ShardServers) -> int:
+            self.plane = DistributedDataPlane(ID_SCHEMA, capacity=64, servers=group, health_period=None,
+                                              measure=False, transport="object_store")
+            self.plane.ingest(id_batch(np.arange(100, 132)))
+            return len(self.plane)
+
+    kept = DistributedDataPlane(ID_SCHEMA, capacity=64, servers=own, health_period=None, measure=False,
+                                transport="object_store")
+    renewed = None
+    try:
+        kept.ingest(id_batch(np.arange(16)))
+        learner = Learner.options(scheduling_strategy=NodeAffinitySchedulingStrategy(victim, soft=False)).remote()
+        assert ray.get(learner.start.remote(own), timeout=120) == 32
+        assert _partitions(own) == [2, 2]
+        cluster.kill_node(victim)
+        _wait_dead(victim)
+        # (Ray tells the servers of the learner's death some seconds after the node's: its open, or the health
+        # checks of a buffer with a monitor, drop the partitions then)
+        renewed = DistributedDataPlane(ID_SCHEMA, capacity=64, servers=own, health_period=0.2, measure=False,
+                                       transport="object_store")
+        assert eventually(lambda: _partitions(own) == [2, 2], timeout=60), \
+            f"the dead learner's partitions are still held on the servers: {_partitions(own)}"
+        assert sorted(check_payload(kept.read(kept.live_handles())).tolist()) == list(range(16))
+        renewed.ingest(id_batch(np.arange(200, 210)))
+        assert sorted(check_payload(renewed.read(renewed.live_handles())).tolist()) == list(range(200, 210))
+    finally:
+        kept.close()
+        if renewed is not None:
+            renewed.close()
+        own.shutdown()
+
+
+def test_real_cluster_a_node_that_comes_back_serves_only_a_buffer_built_on_servers_started_there(cluster):
+    """As documented (``servers``): a lost shard is never used again, a node that joins adds no shard to the
+    buffer, and a new buffer on servers that include the new node takes the old one's checkpoint."""
+    from conduit.distributed import ClusterError
+
+    victim = cluster.add_node()
+    own = ShardServers([cluster.workers[0], victim])
+    p = DistributedDataPlane(ID_SCHEMA, capacity=64, servers=own, health_period=None, timeout=10.0, measure=False,
+                             transport="object_store")
+    fresh = q = None
+    try:
+        p.ingest(id_batch(np.arange(0, 20)), node=cluster.workers[0])
+        p.ingest(id_batch(np.arange(20, 40)), node=victim)
+        cluster.kill_node(victim)
+        _wait_dead(victim)
+        (rep,) = p.check_health()
+        assert rep.num_lost == 20
+        back = cluster.add_node()  # the node comes back (a new node id, the same resources)
+        p.ingest(id_batch(np.arange(40, 50)), node=cluster.workers[0])
+        assert p.alive_shards == [0] and p.num_shards == 2  # it adds no shard to this buffer
+        with pytest.raises(ClusterError, match="could not open its partition"):  # the old group has a fenced server
+            DistributedDataPlane(ID_SCHEMA, capacity=64, servers=own, health_period=None, measure=False)
+        fresh = ShardServers([cluster.workers[0], back])
+        q = DistributedDataPlane(ID_SCHEMA, capacity=64, servers=fresh, health_period=None, timeout=10.0,
+                                 measure=False, transport="object_store")
+        q.load_state_dict(p.state_dict())
+        assert sorted(check_payload(q.read(q.live_handles())).tolist()) == [*range(20), *range(40, 50)]
+        h = q.ingest(id_batch(np.arange(50, 60)), node=back)
+        shard, _ = q.index.replicas(q.index.segments_of(h.numpy()), h.numpy())
+        assert (shard[:, 0] == 1).all(), "the new node's server serves the new buffer"
+    finally:
+        p.close()
+        if q is not None:
+            q.close()
+        own.shutdown()
+        if fresh is not None:
+            fresh.shutdown()

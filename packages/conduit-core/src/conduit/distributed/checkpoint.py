@@ -213,7 +213,8 @@ def _load_contents(plane: DistributedDataPlane, state: dict[str, Any], batch: Ex
     checkpoint that packs into them only grouped otherwise was refused after the shards were emptied."""
     live = plane.alive_shards
     outs = wait_all({s: plane.servers[s].actor.open.remote(plane.buffer_id, plane.schema.to_dict(),
-                                                          plane.shard_capacity, plane._ragged_capacity)
+                                                          plane.shard_capacity, plane._ragged_capacity,
+                                                          plane._owner)
                      for s in live},
                     plane.timeout)
     h = state["handles"].numpy()

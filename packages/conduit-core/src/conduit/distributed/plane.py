@@ -140,7 +140,12 @@ class DistributedDataPlane:
         semantics: ``Replay(...)`` (default: uniform) or ``OnPolicy(...)``; one object (and sampler) per buffer: one
             that another open buffer holds is refused (:class:`ConfigurationError`).
         servers: a :class:`ShardServers` group to use (shared, left running on close), or
-            node ids to start one server on each (owned), or None for every alive node.
+            node ids to start one server on each (owned), or None for every alive node. A buffer whose process
+            dies (e.g. a learner actor whose node died) cannot close its partitions on shared servers: each server
+            drops them itself a few seconds after Ray reports that process dead (a restarted learner's new buffer
+            does not sit beside its dead predecessor's items). A lost shard is never used again, and no server is
+            added to a buffer: a node that comes back, or a new one, serves only buffers built on servers started
+            there (take a :meth:`state_dict`, build a buffer on ``ShardServers`` that include the new nodes, load it).
         replication: copies of each item, on distinct nodes (1 or more).
         shard_capacity: item slots per shard (default ``capacity``: any shard can take
             everything, so routing never runs out of room). Below it, the shards that survive a loss
@@ -365,8 +370,12 @@ class DistributedDataPlane:
         self._release = weakref.finalize(self, _release_dropped, self._stop, self.servers, self._owns_servers,
                                          self.buffer_id, self._alive, self._pools)
         self._release.atexit = False  # at exit Ray stops this process's actors itself, and may be gone already
+        #: this process's owner token, given to every partition (see :mod:`~conduit.distributed.server`): once this
+        #: process died, the next buffer opened on a server drops this buffer's partition there
+        self._owner = [ray_module().put(b"")]
         opened = wait_all({s: info.actor.open.remote(self.buffer_id, schema.to_dict(), self.shard_capacity,
-                                                     ragged_capacity) for s, info in enumerate(self.servers.servers)},
+                                                     ragged_capacity, self._owner)
+                           for s, info in enumerate(self.servers.servers)},
                           self.timeout)
         bad = {s: o for s, o in opened.items() if not o.ok}
         if bad:

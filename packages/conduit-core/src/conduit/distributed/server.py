@@ -7,6 +7,14 @@ handles to (server, local handle). The server never decides what to evict: the d
 tells it, with each append, up to which local handle nothing is needed any more, and an
 append that would need more room fails instead of overwriting live items.
 
+Each partition may carry its buffer's *owner token*: a tiny Ray object the buffer's process put (and so owns).
+A buffer whose process died (its node died, or the learner actor that built it crashed) can never close its
+partitions; when another buffer opens a partition on the server, the server drops every partition whose token
+Ray reports ``OwnerDiedError`` for (a process that died), so a learner that is restarted on shared servers does
+not leave a dead predecessor's items in their memory. Ray reports such a death some seconds after it, so a
+thread of the server looks at the tokens every :data:`OWNER_CHECK_PERIOD_S`, and the partitions it finds orphaned
+are dropped on the data thread by the next ``open`` or health probe (:func:`tick`).
+
 Data calls run one at a time in submission order; health checks (:func:`ping`) run in a
 separate concurrency group, so a server whose data call waits for an unreadable argument
 still answers them, and only a server that answers nothing is lost at once. The health monitor
@@ -19,6 +27,8 @@ This module imports no Ray at import time; :func:`server_class` wraps the class 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -35,6 +45,12 @@ __all__ = ["ShardServer", "server_class", "ping", "tick", "AppendAck"]
 #: what an append returns: (first local handle written, items written, next local handle)
 AppendAck = tuple[int, int, int]
 
+#: seconds between two looks at the owner tokens by the server's owner thread
+OWNER_CHECK_PERIOD_S = 2.0
+#: seconds the owner thread waits for one token (an owner that cannot be reached within it is taken as alive:
+#: its partition stays, and is looked at again)
+OWNER_CHECK_S = 10.0
+
 
 class ShardServer:
     """Holds partitions of buffers on one node (the body of the Ray actor)."""
@@ -43,6 +59,11 @@ class ShardServer:
         torch.set_num_threads(1)
         self._parts: dict[str, ColumnarStorage] = {}
         self._schemas: dict[str, ExperienceSchema] = {}
+        #: the owner token (an ObjectRef the buffer's process owns) of each partition that was given one
+        self._owners: dict[str, Any] = {}
+        #: buffers whose owner the owner thread found dead (their partitions are dropped on the data thread)
+        self._orphans: set[str] = set()
+        self._owner_thread: threading.Thread | None = None
         #: torch.distributed groups joined: group id -> (process group, backend)
         self._groups: dict[str, tuple[Any, str]] = {}
 
@@ -60,20 +81,66 @@ class ShardServer:
 
     def tick(self) -> int:
         """Answer on the data thread (the default concurrency group), once the data calls queued before it
-        have run: the health monitor's probe of that thread (:func:`tick`). Returns the number of partitions."""
+        have run: the health monitor's probe of that thread (:func:`tick`). Returns the number of partitions.
+
+        It first drops the partitions of buffers whose process died (:meth:`drop_orphans`)."""
+        self.drop_orphans()
         return len(self._parts)
 
     # -- partitions ---------------------------------------------------------------------------
-    def open(self, buffer_id: str, schema: dict[str, Any], capacity: int, ragged_capacity: int | None) -> None:
-        """Create (or recreate, empty) the partition of ``buffer_id``."""
+    def open(self, buffer_id: str, schema: dict[str, Any], capacity: int, ragged_capacity: int | None,
+             owner: list[Any] | None = None) -> None:
+        """Create (or recreate, empty) the partition of ``buffer_id``; first drop the partitions of buffers whose
+        process died (see :meth:`drop_orphans`).
+
+        ``owner``: ``[token]``, an ObjectRef the buffer's process owns (in a list, so Ray passes the reference and
+        does not resolve it); without it the partition is only ever dropped by :meth:`close`.
+        """
         sch = ExperienceSchema.from_dict(schema)
+        self.drop_orphans()
         self._parts[buffer_id] = ColumnarStorage(sch, capacity, "cpu", ragged_capacity=ragged_capacity,
                                                  tier="remote")
         self._schemas[buffer_id] = sch
+        if owner and _is_ref(owner[0]):
+            self._owners[buffer_id] = owner[0]
+            self._orphans.discard(buffer_id)
+            if self._owner_thread is None:
+                self._owner_thread = threading.Thread(target=self._watch_owners, daemon=True,
+                                                      name="conduit-owners")
+                self._owner_thread.start()
 
     def close(self, buffer_id: str) -> None:
         self._parts.pop(buffer_id, None)
         self._schemas.pop(buffer_id, None)
+        self._owners.pop(buffer_id, None)
+
+    def drop_orphans(self) -> list[str]:
+        """Drop the partitions of buffers whose process died, as the owner thread found them (their owner token
+        raised ``OwnerDiedError``: nothing will ever close them); returns their buffer ids."""
+        dropped = []
+        for b in list(self._orphans):
+            self._orphans.discard(b)
+            if b in self._owners:
+                self.close(b)
+                dropped.append(b)
+        return dropped
+
+    def _watch_owners(self) -> None:
+        """The owner thread: every :data:`OWNER_CHECK_PERIOD_S`, mark the buffers whose owner token Ray reports
+        ``OwnerDiedError`` for (waiting at most :data:`OWNER_CHECK_S` for each; no answer in time proves no death).
+        It only marks them: the partitions are dropped on the data thread (:meth:`drop_orphans`)."""
+        import ray
+
+        while True:
+            time.sleep(OWNER_CHECK_PERIOD_S)
+            for b, t in list(self._owners.items()):
+                try:
+                    ray.get(t, timeout=OWNER_CHECK_S)
+                except ray.exceptions.OwnerDiedError:
+                    if self._owners.get(b) is t:  # (not closed, nor reopened by a new owner, meanwhile)
+                        self._orphans.add(b)
+                except Exception:  # noqa: BLE001 - anything else proves no death: looked at again
+                    pass
 
     def _part(self, buffer_id: str) -> ColumnarStorage:
         part = self._parts.get(buffer_id)
@@ -219,6 +286,15 @@ class ShardServer:
     def sink(self, data: np.ndarray) -> int:
         """Receive a probe's payload (Ray moves it to this node before the call runs)."""
         return int(data.nbytes)
+
+
+def _is_ref(x: Any) -> bool:
+    """Whether ``x`` is a Ray ObjectRef (an owner token; the tests' in-process servers get other stand-ins)."""
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - a server runs in Ray
+        return False
+    return isinstance(x, ray.ObjectRef)
 
 
 _REMOTE: Any = None
