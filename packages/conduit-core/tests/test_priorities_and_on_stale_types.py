@@ -13,13 +13,18 @@ from conduit.semantics.replay import PrioritizedSampler
 SCHEMA = ExperienceSchema(a=Field((), torch.int64))
 
 
-@pytest.mark.parametrize("bad", [torch.tensor([True, False]), np.array([True, True]), ["1.0", "2.0"],
-                                 np.array(["1.0", "2.0"]), np.array([1.0, "2"], dtype=object)])
-def test_bool_or_string_priorities_are_refused_and_change_nothing(bad: object) -> None:
+def _two_prioritized_items() -> tuple[ExperienceDataPlane, torch.Tensor, object]:
+    """A prioritized buffer holding two items, their handles and its sampler's state."""
     edp = ExperienceDataPlane(SCHEMA, capacity=4, semantics=Replay(PrioritizedSampler(alpha=1.0), seed=0))
     handles = edp.ingest({"a": torch.arange(2)}, priorities=torch.tensor([3.0, 5.0]))
     assert handles is not None
-    before = edp.state_dict()["semantics"]["sampler"]
+    return edp, handles, edp.state_dict()["semantics"]["sampler"]
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([True, False]), np.array([True, True]), ["1.0", "2.0"],
+                                 np.array(["1.0", "2.0"]), np.array([1.0, "2"], dtype=object)])
+def test_bool_or_string_priorities_are_refused_and_change_nothing(bad: object) -> None:
+    edp, handles, before = _two_prioritized_items()
     with pytest.raises(PriorityError, match="real numbers"):
         edp.update_priorities(handles, bad)  # type: ignore[arg-type]
     with pytest.raises(PriorityError, match="real numbers"):
@@ -34,10 +39,7 @@ def test_bool_or_string_priorities_are_refused_and_change_nothing(bad: object) -
 def test_none_priorities_are_refused_as_missing_not_as_nan(bad: object) -> None:
     """NumPy reads None as NaN: ``update_priorities(handles, None)`` said "1 priorities are NaN, infinite or
     negative (first: nan)", naming a value the caller never passed."""
-    edp = ExperienceDataPlane(SCHEMA, capacity=4, semantics=Replay(PrioritizedSampler(alpha=1.0), seed=0))
-    handles = edp.ingest({"a": torch.arange(2)}, priorities=torch.tensor([3.0, 5.0]))
-    assert handles is not None
-    before = edp.state_dict()["semantics"]["sampler"]
+    edp, handles, before = _two_prioritized_items()
     with pytest.raises(PriorityError, match="real numbers.*None"):
         edp.update_priorities(handles, bad)  # type: ignore[arg-type]
     if bad is not None:  # (ingest's priorities=None is its default: the max seen)
