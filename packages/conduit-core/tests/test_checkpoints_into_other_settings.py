@@ -36,7 +36,9 @@ def test_on_policy_progress_of_other_settings_is_refused_and_changes_nothing(set
     edp = ExperienceDataPlane(SCALAR, capacity=8, semantics=OnPolicy(**settings))  # type: ignore[arg-type]
     edp.ingest({"r": torch.full((3,), 7.0)}, version=4)
     edp.seal()
-    with pytest.raises(ConfigurationError, match="same OnPolicy settings"):
+    # (said "damaged" before, though the checkpoint is whole: it names both settings now)
+    with pytest.raises(ConfigurationError, match=r"other OnPolicy settings.*in epoch 2.*num_minibatches="
+                                                 rf"{settings['num_minibatches']}, minibatch_size=None, num_epochs={settings['num_epochs']}"):
         edp.load_state_dict(state)  # type: ignore[arg-type]
     assert len(edp) == 3, f"a refused checkpoint changed the storage: {len(edp)} items live, 3 expected"
     batch, info = edp.deliver()

@@ -493,7 +493,17 @@ class OnPolicy(Semantics):
             if ok and own_cuts:
                 # this buffer's own epochs and cuts: a checkpoint of other OnPolicy settings (more epochs, another
                 # M) would deliver past the last epoch forever, or cut the rollout differently from here on
-                ok = epoch < self.num_epochs and bounds == _cuts(self.epoch_sizes(cur[2], epoch))
+                cuts = _cuts(self.epoch_sizes(cur[2], epoch)) if epoch < self.num_epochs else None
+                if bounds != cuts:
+                    here = (f"cuts it at {cuts!r}" if cuts is not None
+                            else f"has epochs 0 to {self.num_epochs - 1} only")
+                    raise ConfigurationError(
+                        f"This checkpoint was saved by a buffer with other OnPolicy settings: its rollout of "
+                        f"{cur[2]} items is in epoch {epoch}, cut at {bounds!r}, where this buffer "
+                        f"(num_minibatches={self.num_minibatches}, minibatch_size={self.minibatch_size}, "
+                        f"num_epochs={self.num_epochs}) {here}. Load it "
+                        f"into a buffer with the same OnPolicy settings (num_minibatches or minibatch_size, "
+                        f"num_epochs) as the one that saved it.")
             if not ok:
                 raise ConfigurationError(f"This checkpoint's on-policy progress is damaged (epoch {epoch}, minibatch "
                                          f"{k}, cuts {bounds!r} and an order that must "
