@@ -37,8 +37,9 @@ def test_on_policy_progress_of_other_settings_is_refused_and_changes_nothing(set
     edp.ingest({"r": torch.full((3,), 7.0)}, version=4)
     edp.seal()
     # (said "damaged" before, though the checkpoint is whole: it names both settings now)
-    with pytest.raises(ConfigurationError, match=r"other OnPolicy settings.*in epoch 2.*num_minibatches="
-                                                 rf"{settings['num_minibatches']}, minibatch_size=None, num_epochs={settings['num_epochs']}"):
+    m, e = settings["num_minibatches"], settings["num_epochs"]
+    with pytest.raises(ConfigurationError, match=rf"other OnPolicy settings.*in epoch 2.*num_minibatches={m}, "
+                                                 rf"minibatch_size=None, num_epochs={e}"):
         edp.load_state_dict(state)  # type: ignore[arg-type]
     assert len(edp) == 3, f"a refused checkpoint changed the storage: {len(edp)} items live, 3 expected"
     batch, info = edp.deliver()
