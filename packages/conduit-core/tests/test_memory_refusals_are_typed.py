@@ -17,6 +17,7 @@ import pytest
 import torch
 from conduit import ExperienceDataPlane, ExperienceSchema, Field, Overlapped, PrioritizedSampler, Replay, Synchronous
 from conduit.errors import AllocationError, CapacityError
+from conduit.storage.columnar import ColumnarStorage
 
 SCHEMA = ExperienceSchema(obs=Field((4,), torch.float32), action=Field((), torch.int64))
 #: 64 MiB per item: a delivery of 2**22 of them needs 256 TiB
@@ -70,3 +71,15 @@ def test_the_synthetic_loop_still_names_its_own_options_for_a_buffer_no_memory_h
 
     with pytest.raises(ConfigurationError, match="lower capacity or obs_dim"):
         run_loop(obs_dim=4, capacity=2**50, iterations=1, warmup=0, rollout=8, batch=4)
+
+
+def test_an_allocator_that_raises_a_bare_memory_error_is_refused_typed_too() -> None:
+    """A custom allocator (the disk tier's kind of hook) may raise ``MemoryError()`` with no message: quoting its
+    first line raised ``IndexError`` instead of the refusal; the refusal names the error's type then."""
+
+    def no_memory(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
+        raise MemoryError()
+
+    with pytest.raises(AllocationError, match="lower capacity") as refused:
+        ColumnarStorage(SCHEMA, 8, "cpu", allocator=no_memory)
+    assert "(MemoryError)" in str(refused.value)

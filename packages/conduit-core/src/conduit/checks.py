@@ -13,7 +13,7 @@ from typing import TypeGuard
 import numpy as np
 import torch
 
-__all__ = ["is_bool", "is_int", "is_real", "out_of_memory"]
+__all__ = ["first_line", "is_bool", "is_int", "is_real", "out_of_memory"]
 
 
 def is_int(x: object) -> TypeGuard[int]:
@@ -41,3 +41,10 @@ def out_of_memory(e: BaseException) -> bool:
     if isinstance(e, ValueError):
         return "array is too big" in str(e) or "Maximum allowed dimension exceeded" in str(e)
     return isinstance(e, RuntimeError) and (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e))
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, for a refusal that quotes it; the exception's type name when the message is
+    empty (a bare ``MemoryError()``, as a custom allocator may raise)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from conduit.checks import out_of_memory
+from conduit.checks import first_line, out_of_memory
 from conduit.commands import MAX_COUNT, check_counts, whole_number
 from conduit.edp import ExperienceDataPlane
 from conduit.errors import AllocationError, ConfigurationError
@@ -169,7 +169,7 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
         # (the storage's AllocationError names no option of the loop: the allocator's words, under the loop's)
         cause = e.__cause__ if isinstance(e, AllocationError) and e.__cause__ is not None else e
         raise ConfigurationError(f"Not enough memory for a buffer of capacity {capacity} transitions of "
-                                 f"d={obs_dim} ({_first_line(cause)}); lower capacity or obs_dim.") from e
+                                 f"d={obs_dim} ({first_line(cause)}); lower capacity or obs_dim.") from e
     # every call of an iteration must fit the telemetry's ring, or the ExposureLog refuses to account for it (and
     # tells the user to raise a maxlen that `conduit demo` has no option for): per update, the delivery call, the
     # scheduler's work for it (twice at most: a prefetch it dropped and its own draw) and the update; the rest is the
@@ -185,7 +185,7 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
         if not out_of_memory(e):
             raise
         raise ConfigurationError(f"Not enough memory for the learner's network (d={obs_dim}, hidden {hidden}, "
-                                 f"{actions} actions) ({_first_line(e)}); lower hidden or obs_dim.") from e
+                                 f"{actions} actions) ({first_line(e)}); lower hidden or obs_dim.") from e
     actor = _Learner(obs_dim, 16, actions, seed + 2, torch.device("cpu"))
     tel = edp.telemetry
     log = ExposureLog(tel)
@@ -238,10 +238,6 @@ def run_loop(*, obs_dim: int, scheduler: Scheduler | None = None, placement: Pla
 #: the most calls :func:`run_loop` records per learner update, and per iteration besides them (with room to spare)
 _CALLS_PER_UPDATE = 4
 _CALLS_PER_ITERATION = 64
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _change(new: float, old: float) -> str:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from conduit.batch import ExperienceBatch, Ragged
-from conduit.checks import is_int, out_of_memory
+from conduit.checks import first_line, is_int, out_of_memory
 from conduit.errors import AllocationError, CapacityError, ConfigurationError, NotCopyableError, SchemaError
 from conduit.placement.base import HostPlacement, Placement
 from conduit.scheduling.base import (
@@ -586,7 +586,7 @@ class ExperienceDataPlane:
         if drawn is None or not out_of_memory(e):
             return
         self.semantics.rewind_draws(drawn)
-        raise AllocationError(f"A delivery of {n} items does not fit in memory ({str(e).strip().splitlines()[0]}); "
+        raise AllocationError(f"A delivery of {n} items does not fit in memory ({first_line(e)}); "
                               f"deliver fewer items per call. Nothing was drawn.") from e
 
     # -- primitives for prefetching schedulers -----------------------------------------------

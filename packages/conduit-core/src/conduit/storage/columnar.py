@@ -14,7 +14,7 @@ import torch
 
 from conduit._native import load_kernels
 from conduit.batch import ExperienceBatch, Ragged, ranges
-from conduit.checks import is_int, out_of_memory
+from conduit.checks import first_line, is_int, out_of_memory
 from conduit.errors import AllocationError, CapacityError, ConfigurationError
 from conduit.schema import ExperienceSchema, same_width_integer
 from conduit.storage.base import AppendResult, Storage
@@ -293,7 +293,7 @@ class ColumnarStorage(Storage):
                 raise
             pools = f" and ragged pools of {self.ragged_capacity} elements" if schema.ragged else ""
             raise AllocationError(f"A storage of {capacity} items ({schema.fixed_item_bytes} bytes each in fixed fields"
-                                  f"{pools}) cannot be allocated on {self.tier} ({str(e).strip().splitlines()[0]}); "
+                                  f"{pools}) cannot be allocated on {self.tier} ({first_line(e)}); "
                                   f"lower capacity (or ragged_capacity), or place the buffer where there is room "
                                   f"(e.g. DiskPlacement).") from e
         self._rhead = {n: 0 for n in schema.ragged}
