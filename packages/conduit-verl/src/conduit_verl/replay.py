@@ -101,6 +101,16 @@ V1_ADVANTAGE_INPUTS_MISSING = {
 }
 
 
+def _v1_cannot(why: str, *, legacy: str, after: str = "") -> ConfigurationError:
+    """The refusal of an advantage estimator verl 0.9.1's V1 trainer cannot compute (``why``), pointing to the
+    estimators it does compute and to verl's legacy trainer (``legacy``: why that one can)."""
+    return ConfigurationError(
+        f"{why}, so every run fails at its first advantage computation{after}, Conduit on or off. Use a critic-free "
+        f"estimator the V1 trainer computes (grpo, rloo, reinforce_plus_plus), or verl's legacy trainer "
+        f"(trainer.use_v1=False), {legacy}; Conduit's storage backend and sampler do not apply there (drop the Conduit "
+        f"overrides).")
+
+
 def staleness(global_steps: int, group_steps: int) -> int:
     """Conduit's staleness of a group: learner version minus producing version (verl's span - 1)."""
     return int(global_steps) - int(group_steps)
@@ -183,21 +193,13 @@ class ConduitReplayBuffer(ReplayBufferAsync):
                 "backend and minibatch delivery stay on)")
         estimator = str(OmegaConf.select(cfg, "algorithm.adv_estimator", default="")).lower()
         if estimator == "remax":
-            raise ConfigurationError(
-                "algorithm.adv_estimator=remax, but verl 0.9.1's V1 trainer never computes ReMax's greedy baseline "
-                "(reward_baselines), so every run fails at its first advantage computation, Conduit on or off. Use a "
-                "critic-free estimator the V1 trainer computes (grpo, rloo, reinforce_plus_plus), or verl's legacy "
-                "trainer (trainer.use_v1=False), which generates the baseline; Conduit's storage backend and sampler "
-                "do not apply there (drop the Conduit overrides).")
+            raise _v1_cannot("algorithm.adv_estimator=remax, but verl 0.9.1's V1 trainer never computes ReMax's greedy "
+                             "baseline (reward_baselines)", legacy="which generates the baseline")
         if estimator in V1_ADVANTAGE_INPUTS_MISSING:
-            raise ConfigurationError(
-                f"algorithm.adv_estimator={estimator} needs {V1_ADVANTAGE_INPUTS_MISSING[estimator]}, which verl "
-                f"0.9.1's V1 trainer never hands its advantage step (it reads only uid, response_mask, rm_scores, "
-                f"log-probs and values from TransferQueue), so every run fails at its first advantage computation, "
-                f"after a whole rollout, Conduit on or off. Use a critic-free estimator the V1 trainer computes (grpo, "
-                f"rloo, reinforce_plus_plus), or verl's legacy trainer (trainer.use_v1=False), whose advantage step "
-                f"gets the whole batch; Conduit's storage backend and sampler do not apply there (drop the Conduit "
-                f"overrides).")
+            raise _v1_cannot(f"algorithm.adv_estimator={estimator} needs {V1_ADVANTAGE_INPUTS_MISSING[estimator]}, "
+                             f"which verl 0.9.1's V1 trainer never hands its advantage step (it reads only uid, "
+                             f"response_mask, rm_scores, log-probs and values from TransferQueue)",
+                             legacy="whose advantage step gets the whole batch", after=", after a whole rollout")
         n = OmegaConf.select(cfg, "actor_rollout_ref.rollout.n", default=None)
         if estimator == "grpo_passk" and isinstance(n, int) and n < 2:
             raise ConfigurationError(
