@@ -114,16 +114,13 @@ class ShardServer:
         self._schemas.pop(buffer_id, None)
         self._owners.pop(buffer_id, None)
 
-    def drop_orphans(self) -> list[str]:
+    def drop_orphans(self) -> None:
         """Drop the partitions of buffers whose process died, as the owner thread found them (their owner token
-        raised ``OwnerDiedError``: nothing will ever close them); returns their buffer ids."""
-        dropped = []
+        raised ``OwnerDiedError``: nothing will ever close them)."""
         for b in list(self._orphans):
             self._orphans.discard(b)
             if b in self._owners:
                 self.close(b)
-                dropped.append(b)
-        return dropped
 
     def _watch_owners(self) -> None:
         """The owner thread: every :data:`OWNER_CHECK_PERIOD_S`, mark the buffers whose owner token Ray reports
