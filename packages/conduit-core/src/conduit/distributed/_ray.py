@@ -134,12 +134,25 @@ class Outcome:
         the callee dead on this alone: a health probe decides."""
         return self.lost and (isinstance(self.error, TimeoutError) or _unavailable(self.error))
 
+    @property
+    def argument_lost(self) -> bool:
+        """Failed because an object the call took as argument was lost before the callee had it (Ray's
+        ``ObjectLostError`` and its kinds, e.g. the object's node died after the task that made it ran): the
+        callee did nothing wrong, the maker of the object is the one to suspect."""
+        return self.error is not None and not self.lost and _object_lost(self.error)
+
 
 def _unavailable(e: BaseException | None) -> bool:
     """Whether ``e`` is Ray's ``ActorUnavailableError`` (a ``RayActorError`` that proves no death)."""
     if e is None:
         return False
     cls = getattr(getattr(ray_module(initialized=False), "exceptions", None), "ActorUnavailableError", None)
+    return cls is not None and isinstance(e, cls)
+
+
+def _object_lost(e: BaseException) -> bool:
+    """Whether ``e`` is Ray's ``ObjectLostError`` (or one of its kinds: reconstruction failed, owner died...)."""
+    cls = getattr(getattr(ray_module(initialized=False), "exceptions", None), "ObjectLostError", None)
     return cls is not None and isinstance(e, cls)
 
 

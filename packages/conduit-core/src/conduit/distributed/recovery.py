@@ -192,8 +192,11 @@ def replicate(plane: DistributedDataPlane, rows: list[int]) -> int:
     A copy that fails while its source lives (its target refused it, died, or answered a health probe but
     did not store the copy within ``timeout``) is sent again to another target, in at most
     :data:`_COPY_ROUNDS` rounds in all; a target whose copy failed gets no more copies in this call (a late
-    copy there is discarded, see :func:`_discard_late`). Before a retry, the shards of copies whose outcome
-    is unknown are probed (at most ``timeout``), so a retry never waits on a source found dead. A segment
+    copy there is discarded, see :func:`_discard_late`). A copy whose rows were lost after its source read them
+    (Ray's ``ObjectLostError``: the source's node died before the target fetched them) does not count against its
+    target, which stays a candidate for every copy; its source is probed instead. Before a retry, the shards of
+    copies whose outcome is unknown are probed (at most ``timeout``), so a retry never waits on a source found
+    dead. A segment
     still short of ``replication`` copies afterwards (no room on another node, or every copy failed) counts
     its items in the plane's ``under_replicated``; one whose source (or another replica) was lost meanwhile is
     accounted by that loss instead, and so is one whose copy landed on a target lost later in this call (that
@@ -299,6 +302,14 @@ def _copy_round(plane: DistributedDataPlane, rows: list[int], oldest: int, held:
         elif o.lost:
             late.add(t)
             unsure[src] = unsure[t] = o
+        elif o.argument_lost:
+            # the rows the source read were lost before the target fetched them (the source's node died after
+            # the read): the target did nothing wrong and stays a candidate; the source is probed before a retry
+            unsure.setdefault(src, Outcome(error=TimeoutError(f"the rows it read for a copy were lost before "
+                                                              f"the copy's target had them ({failure(o)})"),
+                                           lost=True))
+            retry.append(row)
+            continue
         avoid.add(t)
         retry.append(row)
     _discard_late(plane, late)
