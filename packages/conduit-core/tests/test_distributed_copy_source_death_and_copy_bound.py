@@ -13,6 +13,8 @@ bound on how long re-replication holds the caller.
 
 from __future__ import annotations
 
+import time
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -23,8 +25,11 @@ pytest.importorskip("ray")
 
 from conduit import ExperienceSchema, Field  # noqa: E402
 from conduit.distributed import DistributedDataPlane, ShardServers  # noqa: E402
-from conduit.distributed.testing import LocalCluster, ServerStandIn, kill_server  # noqa: E402
+from conduit.distributed._ray import Outcome  # noqa: E402
+from conduit.distributed.recovery import COPY_ROUNDS  # noqa: E402
+from conduit.distributed.testing import LocalCluster, ServerStandIn, held_data_thread, kill_server  # noqa: E402
 from conduit.testing.lifecycle import eventually  # noqa: E402
+from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -118,6 +123,81 @@ def test_a_copy_whose_source_node_dies_after_reading_leaves_its_target_a_candida
         assert plane.under_replicated == 0
         assert target.appends == 2
         assert _ids(plane.read(b)) == list(range(4, 8))
+    finally:
+        plane.close()
+        servers.shutdown()
+
+
+# -- 2. the bound on re-replication ---------------------------------------------------------------------------------
+class _CountsAppends(ServerStandIn):
+    """Stands in for a server's actor handle: counts the ``append`` calls sent (each goes to the real actor)."""
+
+    def __init__(self, servers: ShardServers, shard: int) -> None:
+        super().__init__(servers, shard)
+        self.appends = 0
+
+    @property
+    def append(self) -> Any:
+        self.appends += 1
+        return self._real.append
+
+
+def test_re_replication_gives_up_after_copy_rounds_and_counts_the_items_left_with_one_copy(cluster):
+    """Shard 1's loss leaves every item with one copy (on shard 0, the head node). The four other shards, on the
+    worker node, answer health checks but their data threads are held, so no copy is ever stored. Re-replication
+    sends one copy per round, each to a target not tried before, for :data:`COPY_ROUNDS` rounds and no more (the
+    fourth target is never tried), probes the shards of the unanswered copies after each round (no monitor thread:
+    after the last one too), and returns: the items stay readable with one copy, counted in ``under_replicated``
+    and in the report (recovered, not re-replicated); no stuck target is declared lost, and the late copies are
+    discarded once the targets run them. The caller was held for ``COPY_ROUNDS`` waits of at most ``timeout``
+    (the copies) and ``COPY_ROUNDS`` probes of at most ``timeout``: the bound the docstrings state."""
+    assert COPY_ROUNDS == 3
+    w = cluster.workers[0]
+    servers = ShardServers([cluster.head, w, w, w, w, w])
+    plane = DistributedDataPlane(ID_SCHEMA, capacity=20, servers=servers, replication=2, measure=False,
+                                 health_period=None, timeout=2.0, transport="object_store")
+    probes: list[set[int]] = []
+    settle = plane._settle
+
+    def counted_settle(failed: dict[int, Outcome]) -> set[int]:
+        probes.append(set(failed))
+        return settle(failed)
+
+    plane._settle = counted_settle  # type: ignore[method-assign]
+    try:
+        h = plane.ingest(id_batch(np.arange(10)))
+        assert _replicas(plane, h) == {0, 1}
+        targets = {s: _CountsAppends(servers, s) for s in (2, 3, 4, 5)}
+        try:
+            with ExitStack() as held:
+                for s in targets:
+                    held.enter_context(held_data_thread(servers[s], f"conduit-test-hold-{s}"))
+                kill_server(servers[1].actor)  # (returns once Ray reports it dead)
+                probes.clear()  # (the ingestion settles its failures too: none)
+                t0 = time.monotonic()
+                found = plane.check_health()
+                took = time.monotonic() - t0
+                assert {s: t.appends for s, t in targets.items()} == {2: 1, 3: 1, 4: 1, 5: 0}, \
+                    "re-replication did not send exactly one copy a round, to a new target, for COPY_ROUNDS rounds"
+                # one probe after each round, of the copy's source and target (only the probes of the check's
+                # pings and of the copies: nothing else was unsure)
+                assert probes == [{0, 2}, {0, 3}, {0, 4}]
+                assert [r.shard for r in found] == [1]
+                assert found[0].num_lost == 0 and found[0].recovered == 10 and found[0].re_replicated == 0
+                assert plane.under_replicated == 10
+                assert plane.alive_shards == [0, 2, 3, 4, 5]
+                assert _replicas(plane, h) == {0}
+                assert sorted(check_payload(plane.read(h)).tolist()) == list(range(10))
+        finally:
+            for t in targets.values():
+                t.restore()
+        print(f"re-replication with every target stuck held check_health {took:.2f} s "
+              f"(timeout={plane.timeout:g} s, COPY_ROUNDS={COPY_ROUNDS})")
+        # the late copies ran once the targets were free, and were discarded
+        import ray
+
+        for s in targets:
+            assert tuple(ray.get(servers[s].actor.span.remote(plane.buffer_id), timeout=60)) == (0, 0)
     finally:
         plane.close()
         servers.shutdown()

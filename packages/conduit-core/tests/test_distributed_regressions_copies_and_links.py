@@ -12,9 +12,6 @@ completes only when the test says so, while its health checks (their own thread)
 
 from __future__ import annotations
 
-import datetime
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -26,36 +23,12 @@ from conduit import ConfigurationError  # noqa: E402
 from conduit.distributed import DistributedDataPlane, LinkProfile, ShardServers  # noqa: E402
 from conduit.distributed._ray import wait_all  # noqa: E402
 from conduit.distributed.errors import DistributedError  # noqa: E402
-from conduit.distributed.testing import kill_server  # noqa: E402
-from conduit.distributed.transport import TorchGroup, make_process_group  # noqa: E402
+from conduit.distributed.testing import held_data_thread, kill_server  # noqa: E402
+from conduit.distributed.transport import TorchGroup  # noqa: E402
 from conduit.placement.profile import LinkCost  # noqa: E402
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@contextmanager
-def _held(server: Any) -> Iterator[None]:
-    """Hold ``server``'s data thread (its calls queue behind) until the block ends; its pings still answer.
-
-    The server joins a two-rank gloo group whose other rank (this process) joins only on leaving the block.
-    """
-    import ray
-    import torch.distributed as dist
-
-    host = str(ray.util.get_node_ip_address())
-    store = dist.TCPStore(host, 0, 2, True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
-    joined = server.actor.join_group.remote("conduit-test-hold", host, int(store.port), 1, 2, "gloo", 240.0)
-    try:
-        yield
-    finally:
-        # (kept until the server's join returns: a group dropped at once closes its sockets under the server's
-        # connectFullMesh, which then fails with "Connection closed by peer")
-        group = make_process_group("gloo", "conduit-test-hold", host, 0, 0, 2, 120.0, store=store)
-        try:
-            assert ray.get(joined, timeout=120) == 1
-        finally:
-            del group
 
 
 def _span(plane: DistributedDataPlane, shard: int) -> tuple[int, int]:
@@ -84,7 +57,7 @@ def test_a_copy_a_live_target_never_stores_is_sent_to_another_target(cluster):
     try:
         h = plane.ingest(id_batch(np.arange(10)))
         assert _replicas(plane, h) == {0, 1}
-        with _held(servers[2]):
+        with held_data_thread(servers[2]):
             kill_server(servers[1].actor)  # (returns once Ray reports it dead)
             found = plane.check_health()
             assert [r.shard for r in found] == [1]
@@ -109,7 +82,7 @@ def test_a_copy_no_live_target_stores_is_counted_under_replicated(cluster):
     try:
         h = plane.ingest(id_batch(np.arange(10)))
         assert _replicas(plane, h) == {0, 1}
-        with _held(servers[2]):
+        with held_data_thread(servers[2]):
             kill_server(servers[1].actor)  # (returns once Ray reports it dead)
             found = plane.check_health()
             assert [r.shard for r in found] == [1]

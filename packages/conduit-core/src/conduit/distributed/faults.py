@@ -16,7 +16,8 @@ class LossReport:
     ``lost`` names exactly the items that can no longer be delivered (global handles, the
     ones ``ingest`` returned); items that had a replica elsewhere are counted in
     ``recovered`` and stay deliverable. ``re_replicated`` of those got a fresh replica on
-    another node (replication restored); the rest run with fewer copies until then. The
+    another node (replication restored); the rest run with fewer copies from then on (counted in
+    the plane's ``under_replicated``). The
     oldest items that the ingestion which found the loss evicts are evicted, neither lost nor
     recovered, and left out of both (counted after all when that ingestion fails and evicts
     nothing).
@@ -37,7 +38,8 @@ class LossReport:
     lost: np.ndarray = field(repr=False)
     #: items whose other replica survived
     recovered: int = 0
-    #: of those, items copied to a new replica
+    #: of those, items copied to a new replica; the others stay with one copy fewer (counted in the plane's
+    #: ``under_replicated``) once re-replication gave up (see :data:`~conduit.distributed.recovery.COPY_ROUNDS`)
     re_replicated: int = 0
 
     @property

@@ -30,6 +30,15 @@ the health probe of a shard that did not answer; one waiting on the lost shard f
 itself), which makes the bound ``health_period + 3 * timeout``. A call that meets several
 failures holds it longer: ``2 * timeout`` more for each replica it reads or copy round it
 sends after fencing a shard (re-replication with ``replication=2``).
+
+Re-replication is not moved off the caller's path: it runs in the thread that found the loss (the call that
+met the failure, ``check_health``, or the monitor thread), under the buffer's lock, so every call of the
+training loop waits for it. For one lost shard it is at most
+:data:`~conduit.distributed.recovery.COPY_ROUNDS` (3) rounds of copies, each waiting at most ``timeout``,
+and a probe of at most ``timeout`` after each round whose copies did not all answer (after the last only
+without a monitor): ``6 * timeout`` at most (``5 * timeout`` with the monitor), plus as much for each shard
+found lost while copying. Then it gives up: segments left short stay readable from their remaining copy and
+are counted in ``under_replicated`` (not in the report's ``re_replicated``); nothing copies them later.
 """
 
 from __future__ import annotations

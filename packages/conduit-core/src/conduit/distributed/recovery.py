@@ -25,7 +25,8 @@ from conduit.semantics.base import Semantics
 if TYPE_CHECKING:
     from conduit.distributed.plane import DistributedDataPlane
 
-__all__ = ["check_health", "forget_lost_priorities", "failure", "lose", "replicate", "settle", "stuck_data_threads"]
+__all__ = ["COPY_ROUNDS", "check_health", "forget_lost_priorities", "failure", "lose", "replicate", "settle",
+           "stuck_data_threads"]
 
 log = logging.getLogger("conduit.distributed")
 
@@ -33,8 +34,11 @@ log = logging.getLogger("conduit.distributed")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 #: rounds of re-replication copies in one call (the first and its retries): a copy that fails while its source
-#: lives is sent again to another target, so one stuck or refusing target does not leave a segment short
-_COPY_ROUNDS = 3
+#: lives is sent again to another target, so one stuck or refusing target does not leave a segment short. Each
+#: round waits at most ``timeout`` for its copies, then probes the shards of copies whose outcome is unknown (at
+#: most ``timeout``; after the last round only when no health monitor runs): one lost shard's re-replication holds
+#: the caller at most ``2 * COPY_ROUNDS * timeout`` (see :func:`replicate`), and then gives up
+COPY_ROUNDS = 3
 
 
 def check_health(plane: DistributedDataPlane) -> list[LossReport]:
@@ -149,6 +153,10 @@ def lose(plane: DistributedDataPlane, shard: int, reason: str, *,
 
     Once the plane's ``close()`` marked the buffer closed (under this lock) this does nothing: a health check that was
     under way then (its pings out, or past its own "closed?" check) reports no loss for shards close() stops.
+
+    Runs in the calling thread (the call that met the failure, ``check_health``, or the health monitor's thread)
+    under the plane's lock, re-replication included: the plane's other calls (``ingest``, ``deliver``, ``read``...)
+    wait for it, at most the bound :func:`replicate` states, for this shard and for each shard the copies find lost.
     """
     with plane._lock:
         if plane._closed or not plane._alive[shard]:
@@ -191,7 +199,7 @@ def replicate(plane: DistributedDataPlane, rows: list[int]) -> int:
 
     A copy that fails while its source lives (its target refused it, died, or answered a health probe but
     did not store the copy within ``timeout``) is sent again to another target, in at most
-    :data:`_COPY_ROUNDS` rounds in all; a target whose copy failed gets no more copies in this call (a late
+    :data:`COPY_ROUNDS` rounds in all; a target whose copy failed gets no more copies in this call (a late
     copy there is discarded, see :func:`_discard_late`). A copy whose rows were lost after its source read them
     (Ray's ``ObjectLostError``: the source's node died before the target fetched them) does not count against its
     target, which stays a candidate for every copy; its source is probed instead. Before a retry, the shards of
@@ -204,6 +212,14 @@ def replicate(plane: DistributedDataPlane, rows: list[int]) -> int:
     ingestion stores its batch) only the items the write keeps are copied, into the room its evictions free:
     the oldest items it evicts are not (a segment it evicts whole is kept aside, and copied only if the write
     fails and evicts nothing).
+
+    Bound: this runs on the caller's thread, under the plane's lock (nothing is copied in the background), and
+    waits at most ``COPY_ROUNDS * timeout`` for copies plus ``COPY_ROUNDS * timeout`` for probes (``(COPY_ROUNDS -
+    1) * timeout`` with a health monitor running): ``6 * timeout`` (``5 * timeout``) at the default 3 rounds. A shard
+    found lost meanwhile (a copy's source or target died) is fenced at once, and its own re-replication adds its own
+    bound. Then it gives up: a segment still short stays readable from the copies it has, is counted in the plane's
+    ``under_replicated`` and left out of the count returned (the loss report's ``re_replicated``); nothing copies it
+    later.
     """
     if plane.replication < 2:
         return 0
@@ -214,9 +230,9 @@ def replicate(plane: DistributedDataPlane, rows: list[int]) -> int:
     copied: dict[int, int] = {}  # rows that got a copy -> their items
     avoid: set[int] = set()  # targets whose copy failed in this call
     todo = list(held)
-    for attempt in range(_COPY_ROUNDS):
+    for attempt in range(COPY_ROUNDS):
         retry, unsure = _copy_round(plane, todo, oldest, held, avoid, copied)
-        last = attempt == _COPY_ROUNDS - 1 or not retry
+        last = attempt == COPY_ROUNDS - 1 or not retry
         if unsure and (not last or plane._monitor is None):
             # probe now (at most ``timeout``): before a retry, so it does not wait on a dead source; and
             # when no health monitor will look at them, so a shard that stays unreachable is found lost

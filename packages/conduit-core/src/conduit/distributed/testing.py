@@ -36,7 +36,7 @@ from conduit.testing.reference import ID_SCHEMA, CoreOnPolicyEndpoint, CoreRepla
 
 __all__ = ["LocalCluster", "local_cluster", "kept_cluster", "stop_kept_cluster", "ServerStandIn",
            "DistributedReplayEndpoint", "DistributedOnPolicyEndpoint", "FAST_FAILURE_DETECTION", "ENDPOINTS",
-           "shared_servers", "shutdown_shared", "kill_server", "SHARED_CLUSTER_ENV"]
+           "shared_servers", "shutdown_shared", "kill_server", "held_data_thread", "SHARED_CLUSTER_ENV"]
 
 #: Ray settings that declare a dead node within about 1.5 s (defaults take tens of seconds)
 FAST_FAILURE_DETECTION = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
@@ -119,6 +119,37 @@ def kill_server(actor: Any, *, timeout: float = 60.0) -> None:
             pass
         time.sleep(0.05)
     raise AssertionError(f"the killed server still answers after {timeout:.0f} s")
+
+
+@contextmanager
+def held_data_thread(server: Any, group_id: str = "conduit-test-hold") -> Iterator[None]:
+    """Hold the data thread of ``server`` (a :class:`~conduit.distributed.servers.ShardServers` entry) until the block
+    ends: its data calls queue behind, while its health checks (their own thread) still answer. A "stuck" shard made
+    for real.
+
+    The server joins a two-rank gloo group ``group_id`` (one per server held at once) whose other rank, this
+    process, joins only on leaving the block.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    from conduit.distributed.transport import make_process_group
+
+    ray = ray_module()
+    host = str(ray.util.get_node_ip_address())
+    store = dist.TCPStore(host, 0, 2, True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False)
+    joined = server.actor.join_group.remote(group_id, host, int(store.port), 1, 2, "gloo", 240.0)
+    try:
+        yield
+    finally:
+        # (kept until the server's join returns: a group dropped at once closes its sockets under the server's
+        # connectFullMesh, which then fails with "Connection closed by peer")
+        group = make_process_group("gloo", group_id, host, 0, 0, 2, 120.0, store=store)
+        try:
+            assert ray.get(joined, timeout=120) == 1
+        finally:
+            del group
 
 
 @contextmanager
