@@ -145,3 +145,20 @@ def test_wire_round_trip_shares_memory_and_carries_dtypes_numpy_lacks():
     assert back.tensor("done").data_ptr() == b.tensor("done").data_ptr()  # no copy on either side
     part = wire_rows(cols, 1, 2, schema)
     assert part["tok"].lengths.tolist() == [2, 3] and part["tok"].values.tolist() == [1, 2, 3, 4, 5]
+
+
+# -- outcomes of remote calls ------------------------------------------------------------------------------
+def test_an_outcome_whose_argument_was_lost_blames_no_callee():
+    """A call that failed because an object it took was lost (Ray's ObjectLostError and its kinds, as a copy's append
+    gets when the source's node died after the read) is neither a lost callee nor an unconfirmed one; other failures
+    are not argument losses."""
+    exc = pytest.importorskip("ray.exceptions")
+    from conduit.distributed._ray import Outcome, _classify
+
+    ray = pytest.importorskip("ray")
+    for err in (exc.ObjectLostError("ab" * 14, None, ""), exc.ObjectReconstructionFailedError("ab" * 14, None, "")):
+        o = _classify(ray, err)
+        assert o.argument_lost and not o.lost and not o.unconfirmed and not o.ok
+    assert not Outcome(error=TimeoutError("no answer"), lost=True).argument_lost
+    assert not Outcome(error=CapacityError("full")).argument_lost
+    assert not Outcome(value=1).argument_lost
