@@ -25,8 +25,10 @@ def test_a_nested_observation_column_is_refused_naming_the_column_and_what_to_do
 
 
 def test_a_nested_actions_column_is_refused_naming_the_action_space_not_observations() -> None:
-    """A Dict/Tuple action space gives a nested 'actions' column (a PPO config on such an env builds and fails in
-    its first update). Before: the refusal told the user to flatten observations (FlattenObservations), which
+    """A Dict/Tuple action space gives a nested 'actions' column (RLlib's stock PPO module on such a space is refused
+    when the learner is built, test_ppo_nested_action_space_refused_at_build.py; a module class of your own that
+    hands the learner nested actions reaches this refusal in its first update). Before: the refusal told the user to
+    flatten observations (FlattenObservations), which
     leaves the actions as they are."""
     feed = MinibatchFeed(minibatch_size=4, num_epochs=1, shuffle=False, seed=0, prefetch=False)
     try:
