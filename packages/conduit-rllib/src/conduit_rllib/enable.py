@@ -327,6 +327,35 @@ class InstallReplayBuffer:
     scheduler: Callable[[], Scheduler] | None = None
 
     def __call__(self, *, algorithm: Any, metrics_logger: Any = None, **kwargs: Any) -> None:
+        """Install the buffer; a refusal (or any error) stops what RLlib's setup started before it is raised.
+
+        RLlib calls this at the end of its setup, from inside ``build_algo``: the env runners (Ray actors with
+        ``num_env_runners >= 1``) and the learner group already run, and the algorithm being built is reachable only
+        through the raised error's traceback, so without a stop they would hold their CPUs/GPUs until the garbage
+        collector freed it (never, while a notebook or the caller keeps the error). What ``algorithm.stop()`` runs
+        ends them (and closes a buffer the learner was given): ``cleanup()`` and closing the log files (``stop()``
+        itself needs the resource monitor RLlib's ``Trainable`` starts only after setup); the error is then raised
+        as it was.
+
+        Raises:
+            UnsupportedConfigError: the config was changed after ``enable`` into one Conduit cannot serve, or the
+                scheduler factory returned no Scheduler.
+            conduit.ConfigurationError: the buffer refuses the config's settings (e.g. its capacity).
+        """
+        try:
+            self._install(algorithm)
+        except BaseException as e:
+            try:
+                algorithm.cleanup()  # (learners, aggregators, env runners: Algorithm.stop() minus the monitor)
+                close_logfiles = getattr(algorithm, "_close_logfiles", None)
+                if close_logfiles is not None:
+                    close_logfiles()
+            except Exception as stop_error:  # noqa: BLE001 - the refusal is what the caller must see
+                e.add_note(f"(stopping the half-built algorithm after this error failed too: "
+                           f"{type(stop_error).__name__}: {stop_error})")
+            raise
+
+    def _install(self, algorithm: Any) -> None:
         cfg = algorithm.config
         _check_still_served(cfg)
         group = algorithm.learner_group
@@ -358,13 +387,17 @@ class InstallReplayBuffer:
                      placement=self.placement, scheduler=scheduler,
                      metrics_num_episodes_for_smoothing=cfg.metrics_num_episodes_for_smoothing, **kwargs_rb)
         buffer.iteration_of = _IterationOf(algorithm)  # metrics in every iteration's results
-        if group.is_local:
-            # attached first: a buffer the learner refuses (it cannot take a replay part restored before it was
-            # attached) is not the one the algorithm samples from either
-            for res in group.foreach_learner(lambda learner: learner.conduit_attach_replay(buffer)):
-                res.get()
-        else:  # the buffer stays here; each remote learner gets its slice of every sample
-            route_to_remote_learners(group, buffer)
+        try:
+            if group.is_local:
+                # attached first: a buffer the learner refuses (it cannot take a replay part restored before it was
+                # attached) is not the one the algorithm samples from either
+                for res in group.foreach_learner(lambda learner: learner.conduit_attach_replay(buffer)):
+                    res.get()
+            else:  # the buffer stays here; each remote learner gets its slice of every sample
+                route_to_remote_learners(group, buffer)
+        except BaseException:
+            buffer.close()  # (no one else holds it: its worker threads end here)
+            raise
         algorithm.local_replay_buffer = buffer
 
 
