@@ -23,6 +23,12 @@ earlier selection of it or of an older rollout is still outstanding keeps its it
 selection is handed over (schedulers that select ahead, and direct callers of ``select_now``, hand
 over every real selection; the built-in ones do so at once). Checkpoints keep both the outstanding
 selections and the release they hold back.
+
+Selections made ahead of their delivery (an adapter that assembles the next minibatches while the learner steps)
+and then discarded undelivered because their rollout went stale can give their permutation draws back
+(:meth:`OnPolicy.draw_mark`, :meth:`OnPolicy.take_back_draws`): the rollouts ordered afterwards are then shuffled
+exactly as if those selections had never been made, so the order a learner sees does not depend on how far
+ahead, or how fast, the adapter selected.
 """
 
 from __future__ import annotations
@@ -131,6 +137,13 @@ class OnPolicy(Semantics):
         self.policy_version = 0
         self.dropped_items = 0
         self._gen = torch.Generator().manual_seed(self.seed)
+        #: real selections made so far (a :meth:`draw_mark` records it; checkpointed)
+        self._selections = 0
+        #: set (under the buffer's lock) around a selection made ahead of its delivery: while it is True a selection
+        #: that finds a waiting rollout stale raises :class:`~conduit.EmptyBufferError` and changes nothing, instead
+        #: of dropping it (``on_stale="drop"``) or raising :class:`~conduit.StaleExperienceError`; the delivery the
+        #: learner asks for drops it, at the policy version of that request. Not checkpointed
+        self.defer_stale: bool = False
         self._open: _Rollout | None = None
         self._sealed: deque[_Rollout] = deque()
         self._cur: _Rollout | None = None
@@ -295,6 +308,9 @@ class OnPolicy(Semantics):
         if n is not None:
             raise ConfigurationError("On-policy delivery sizes are set by num_minibatches/minibatch_size; "
                                      "call deliver() without n.")
+        if self.defer_stale and self.fresh_rollouts < self.pending_rollouts:
+            raise EmptyBufferError("A rollout waiting for delivery is stale; a selection made ahead leaves it to the "
+                                   "delivery the learner asks for (defer_stale).")
         if self.on_stale == "drop":
             self.drop_stale()
         elif self._cur is not None and self.stale(self._cur.version):
@@ -341,7 +357,44 @@ class OnPolicy(Semantics):
                     raise
         if not self.peeking:  # outstanding until handed over (after_gather): its rollout's storage stays live
             self._outstanding[cur.first] = self._outstanding.get(cur.first, 0) + 1
+            self._selections += 1
         return sel
+
+    def draw_mark(self) -> tuple[int, torch.Tensor]:
+        """A mark of where the permutation generator and the real selections are now, for :meth:`take_back_draws`.
+
+        Take it under the buffer's lock (``ExperienceDataPlane.read_locked``) right before a real selection that is
+        made ahead of its delivery (an adapter's prefetch), with no other real selection in between.
+        """
+        return self._selections, self._gen.get_state()
+
+    def take_back_draws(self, mark: tuple[int, torch.Tensor], discarded: int) -> bool:
+        """Give back the permutation draws of ``discarded`` real selections made since ``mark`` (:meth:`draw_mark`)
+        that the caller threw away undelivered because their rollout went stale (an adapter's prefetch).
+
+        The generator goes back to ``mark``, so every rollout ordered from now on (the next epoch's order, or the next
+        rollout's) is shuffled as it would have been had those selections never been made: without them the next
+        delivery drops the stale rollout where they found it, and orders the next one from the generator as it was
+        at ``mark``. Only the generator moves back: the selections stay made (their rollout's position, rollouts
+        dropped, ``dropped_items``, storage releases and outstanding selections are as they were), so each item is
+        still delivered at most once per epoch and the staleness counts do not change.
+
+        Given back only where that holds: ``discarded`` are all the real selections made since ``mark`` (none of them
+        was kept), and the rollout being delivered, if any, is stale at the current policy version (the next
+        delivery, or :meth:`drop_stale` under ``on_stale="raise"``, drops it without another selection from it).
+        Otherwise nothing changes and ``False`` is returned (e.g. a later selection was kept, or the policy version
+        went back so that the rollout goes on being delivered). Call it under the buffer's lock.
+
+        Returns:
+            Whether the draws were given back.
+        """
+        count, rng = mark
+        if self.peeking or discarded <= 0 or self._selections != count + discarded:
+            return False
+        if self._cur is not None and not self.stale(self._cur.version):
+            return False
+        self._gen.set_state(rng)
+        return True
 
     def check_live(self, oldest: int, next_handle: int) -> None:
         """:class:`ConfigurationError` when the current state (a checkpoint just loaded) does not account for the
@@ -436,7 +489,7 @@ class OnPolicy(Semantics):
                 "k": self._k, "perm": None if self._perm is None else self._perm.clone(),
                 "bounds": list(self._bounds), "finished_end": self._finished_end,
                 "last_sealed": self._last_sealed, "outstanding": sorted(self._outstanding.items()),
-                "due": self._due}
+                "due": self._due, "selections": self._selections}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         def rr(t: tuple[int, int, int] | None) -> _Rollout | None:
@@ -464,6 +517,11 @@ class OnPolicy(Semantics):
         if due is not None and (_as_version(due) is None or int(due) < 0):
             raise ConfigurationError(f"This checkpoint's on-policy held-back release {due!r} is damaged (expected None "
                                      f"or a handle >= 0); load an undamaged state_dict().")
+        # real selections made (absent in older checkpoints: counted from 0 again)
+        selections = state.get("selections", 0)
+        if _as_version(selections) is None or int(selections) < 0:
+            raise ConfigurationError(f"This checkpoint's on-policy selection count {selections!r} is damaged "
+                                     f"(expected an integer >= 0); load an undamaged state_dict().")
         if (len(counters) != len(maybe) or len(bounds) != len(maybe_bounds)
                 or not (perm is None or isinstance(perm, torch.Tensor)) or not isinstance(state["rng"], torch.Tensor)):
             raise ConfigurationError("This checkpoint's on-policy state is damaged (a counter, the permutation or "
@@ -519,6 +577,7 @@ class OnPolicy(Semantics):
         self._finished_end = None if finished is None else int(finished)
         self._outstanding = outstanding
         self._due = None if due is None else int(due)
+        self._selections = int(selections)
         if "last_sealed" in state:
             self._last_sealed = None if last_sealed is None else int(last_sealed)
         else:  # an older checkpoint: the newest sealed rollout it still holds, if any
