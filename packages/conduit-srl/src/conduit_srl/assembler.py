@@ -20,7 +20,12 @@ prepared batch may miss). What is SRL-specific stays here:
   discarded when ``get`` asks another batch size or a checkpoint is taken (draws are not data);
   a prioritized one after more than ``prefetch`` priority updates; an on-policy minibatch whose
   version a later ``set_policy_version`` made too stale is dropped (counted), as Conduit drops
-  the rest of that rollout. Queue batches and on-policy minibatches are never discarded otherwise
+  the rest of that rollout, and its selection's permutation draws are given back
+  (:meth:`conduit.OnPolicy.take_back_draws`, before the next selection): the rollouts ordered after it
+  are shuffled as without prefetch. The assembler never selects ahead from a rollout that went stale
+  (``OnPolicy.defer_stale``: ``get()`` drops it, as without prefetch). So the same puts, version
+  changes and gets deliver the same on-policy minibatches in the same order whatever ``prefetch`` and
+  the assembler's timing. Queue batches and on-policy minibatches are never discarded otherwise
   (they are checkpointed with the buffer). An entry ``get`` delivers for itself (none was ready) is
   handed out as delivered (on-policy staleness as of that delivery): priority updates or version moves
   that other threads make while it is assembled are concurrent with the ``get``, and discarding it for
@@ -95,6 +100,9 @@ class ReplayEntry:
     #: on-policy: the samples of the rollout this entry finishes (the plane released their storage when it
     #: delivered the entry; until ``get()`` hands it out they count in ``qsize()``)
     _released: int = field(default=0, repr=False)
+    #: on-policy: ``OnPolicy.draw_mark()`` right before this entry's selection (its draws are given back if it is
+    #: discarded as stale); None in an entry of an older checkpoint
+    _mark: Any = field(default=None, repr=False)
 
 
 @dataclass
@@ -178,6 +186,9 @@ class Assembler:
         self._plane_dropped = 0
         self._prio_updates = 0
         self._discarded_seen = 0
+        #: on-policy: the mark of the first entry assembled ahead and discarded as stale since the last selection, and
+        #: how many were discarded (their draws are given back before the next selection: _take_back_draws)
+        self._owed_draws: tuple[Any, int] | None = None
         #: on_full="keep": samples that did not fit, as checked item-major arrays and their count, in put order; stored
         #: (first, before any later put's samples) as deliveries free room
         self._held: deque[tuple[dict[str, np.ndarray], int]] = deque()
@@ -706,6 +717,8 @@ class Assembler:
             if self.edp is None:
                 return base
             self._pay_owed_seal()  # (a restored buffer would not know that the open rollout is complete)
+            if self.cfg.semantics == "on_policy":
+                self._take_back_draws()  # (the checkpoint's generator is the one the next selection draws from)
             edp_state = self.edp.state_dict()  # stores every put first; Conduit drops prepared draws
             if self.cfg.semantics == "queue":  # nothing is prepared now: forget the dropped batches' selections
                 self._fifo().rewind()
@@ -1073,8 +1086,9 @@ class Assembler:
                         with self._cv:
                             self.read_plane(self._fifo().rewind)
                         self._discarded_seen = seen
+                mark = None
                 if self.cfg.semantics == "on_policy":
-                    batch, info = self._deliver_rollout_part()
+                    batch, info, mark = self._deliver_rollout_part(ahead=not demand)
                 else:
                     batch, info = edp.deliver(self._n)
                 break
@@ -1087,6 +1101,7 @@ class Assembler:
         queue = self.cfg.semantics == "queue"
         try:
             entry = self._assemble(batch, info)
+            entry._mark = mark
         except BaseException:
             with self._cv:  # the batch left the plane: delivered (and lost with this error), not selected again
                 if queue:
@@ -1106,12 +1121,30 @@ class Assembler:
             self._cv.notify_all()  # on-policy room may have been freed
         return entry
 
-    def _deliver_rollout_part(self) -> tuple[ExperienceBatch, SampleInfo]:
-        """On-policy: the plane's next minibatch; a failed delivery's drops are counted here, a successful one's by
-        the caller with the minibatch (:meth:`_count_plane_delivery`). The caller holds ``_deliver_lock``."""
+    def _deliver_rollout_part(self, *, ahead: bool = False) -> tuple[ExperienceBatch, SampleInfo, Any]:
+        """On-policy: the plane's next minibatch and the semantics' draw mark before its selection; a failed
+        delivery's drops are counted here, a successful one's by the caller with the minibatch
+        (:meth:`_count_plane_delivery`). The draws of entries discarded as stale are given back first
+        (:meth:`_take_back_draws`). A selection ``ahead`` of demand (the assembler thread's) that finds a rollout
+        stale selects nothing (``OnPolicy.defer_stale``: EmptyBufferError): ``get()`` drops it, as without prefetch,
+        after the entries discarded from it gave their draws back. The caller holds ``_deliver_lock``."""
         assert self.edp is not None
+        sem = self.edp.semantics
+        assert isinstance(sem, OnPolicy)
+
+        def defer(on: bool) -> None:
+            sem.defer_stale = on
         try:
-            return self.edp.deliver()
+            self._take_back_draws()
+            mark = self.read_plane(sem.draw_mark)  # (no other real selection in between: they hold _deliver_lock)
+            if ahead:
+                self.read_plane(lambda: defer(True))
+            try:
+                batch, info = self.edp.deliver()
+            finally:
+                if ahead:
+                    self.read_plane(lambda: defer(False))
+            return batch, info, mark
         except BaseException:
             with self._cv:  # (it may have dropped stale rollouts before it found nothing fresh)
                 self._count_plane_delivery(None)
@@ -1197,11 +1230,29 @@ class Assembler:
             assert self.edp is not None
             current = self.edp.semantics.policy_version  # type: ignore[attr-defined]
             if current - entry.info.version > cfg.max_staleness:
-                if not entry.info.epoch:  # (a later epoch's samples were handed out in the first one)
-                    with self._cv:
+                with self._cv:
+                    if not entry.info.epoch:  # (a later epoch's samples were handed out in the first one)
                         self.stats.stale_dropped += int(entry.sampling_indices.shape[0])
+                    # (entries are discarded oldest first: the first one's mark is where the draws go back to)
+                    owed = self._owed_draws
+                    self._owed_draws = (entry._mark, 1) if owed is None else (owed[0], owed[1] + 1)
                 return False
         return True
+
+    def _take_back_draws(self) -> None:
+        """On-policy: give back the permutation draws of the entries discarded as stale since the last selection
+        (:meth:`conduit.OnPolicy.take_back_draws`; it gives nothing back unless they are all the selections made since
+        the first one's mark and their rollout is done with). The caller holds ``_deliver_lock`` (not ``_cv``), right
+        before a selection or a checkpoint."""
+        with self._cv:
+            owed, self._owed_draws = self._owed_draws, None
+        if owed is not None and owed[0] is not None:
+            assert self.edp is not None
+            sem = self.edp.semantics
+            assert isinstance(sem, OnPolicy)
+            mark, discarded = owed
+            self.read_plane(lambda: sem.take_back_draws(mark, discarded))
+
 
     def _drop_stale_rollouts(self) -> bool:
         """On-policy, on_stale="drop": drop pending rollouts that are all too stale now, as ``get()`` would.
@@ -1218,13 +1269,14 @@ class Assembler:
         if pending == 0 or fresh > 0:
             return False
         try:
-            batch, info = self._deliver_rollout_part()
+            batch, info, mark = self._deliver_rollout_part()
         except EmptyBufferError:
             with self._cv:
                 self._cv.notify_all()  # room was freed
             return False
         try:
             entry = self._assemble(batch, info)
+            entry._mark = mark
         except BaseException:
             with self._cv:  # (as in _deliver: the minibatch left the plane)
                 self._count_plane_delivery(info)

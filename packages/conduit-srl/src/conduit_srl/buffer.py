@@ -94,7 +94,8 @@ class ConduitBuffer:
 
         An entry assembled ahead that aged (prioritized: more than ``prefetch`` priority updates; on-policy: a
         version change made it too stale) is discarded; one delivered for this call is returned as delivered,
-        also while other threads keep updating priorities or moving the policy version.
+        also while other threads keep updating priorities or moving the policy version. A discarded on-policy entry
+        gives its shuffle draws back, so on-policy deliveries (contents and order) are those of ``prefetch=0``.
 
         Raises:
             EmptyBufferError: nothing to deliver (``empty()`` was True).
