@@ -1253,7 +1253,6 @@ class Assembler:
             mark, discarded = owed
             self.read_plane(lambda: sem.take_back_draws(mark, discarded))
 
-
     def _drop_stale_rollouts(self) -> bool:
         """On-policy, on_stale="drop": drop pending rollouts that are all too stale now, as ``get()`` would.
 
