@@ -6,7 +6,8 @@ registered with verl's ``PlatformRegistry`` under ``cpu``. verl probes the regis
 platforms in order, so on a host with an accelerator the built-in platform still wins;
 ``VERL_PLATFORM=cpu`` selects this one explicitly.
 
-When verl picks it, :func:`activate` does the two things verl's registries need on a CPU:
+When verl picks it, :func:`activate` does the three things verl needs on a CPU that its registries
+do not reach:
 
 * registers verl's FSDP engines (actor and critic) for device ``cpu`` through
   ``EngineRegistry.register`` (verl declares them for ``cuda``/``npu`` only; the engines
@@ -16,8 +17,21 @@ When verl picks it, :func:`activate` does the two things verl's registries need 
 * wraps ``verl.utils.distributed.initialize_global_process_group_ray``. verl builds the
   process-group backend as ``f"cpu:gloo,{device}:{backend}"``, which torch rejects when the
   device is ``cpu`` ("Duplicate device type cpu"); no registry reaches that string, so the
-  wrapper passes ``backend="cpu:gloo"`` when the caller gave none. This is the only patch of
-  a verl function, and it exists only on CPU-only hosts.
+  wrapper passes ``backend="cpu:gloo"`` when the caller gave none;
+* rebinds the name ``CPUOffloadPolicy`` in ``verl.workers.engine.fsdp.transformer_impl`` to
+  :class:`UnpinnedCPUOffloadPolicy`, torch's policy with ``pin_memory`` always ``False``. verl
+  builds a forward-only engine (the reference model) and any engine with
+  ``fsdp_config.offload_policy=True`` with ``CPUOffloadPolicy(pin_memory=True)`` hard-coded
+  (FSDP2), no config reaches that flag, and pinning host memory needs an accelerator, so on a
+  CPU-only host the reference model's ``init_model`` failed ("Cannot access accelerator device
+  when none is available"). Everything else about the offload policy stays verl's (parameters
+  kept on the CPU, verl's offload-aware code paths); pinning only speeds host-to-device copies,
+  and there is no device here. Done together with the engine registration, once verl has
+  loaded that module, and only if the name is still torch's class.
+
+The last two are conduit-verl's only changes to verl's module attributes (the wrapper is also
+bound in the verl modules that had imported the original); both exist only where this platform
+is chosen (a host without an accelerator), where what they replace cannot run.
 """
 
 from __future__ import annotations
@@ -25,14 +39,17 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy
 from verl.plugin.platform import PlatformRegistry
 from verl.plugin.platform.platform_base import PlatformBase
 
-__all__ = ["CRITIC_ON_CPU", "PlatformCPU", "activate", "cpu_device_module", "no_accelerator"]
+__all__ = ["CRITIC_ON_CPU", "PlatformCPU", "UnpinnedCPUOffloadPolicy", "activate", "cpu_device_module",
+           "no_accelerator"]
 
 logger = logging.getLogger(__name__)
 _activated = False
@@ -177,7 +194,8 @@ class PlatformCPU(PlatformBase):
 
 
 def activate() -> None:
-    """Register verl's FSDP engines for ``cpu`` and the gloo process-group default (idempotent)."""
+    """Register verl's FSDP engines for ``cpu``, the gloo process-group default and the unpinned offload policy
+    (idempotent)."""
     global _activated
     if _activated:
         return
@@ -215,8 +233,30 @@ def _refuse_critic(self: Any, *args: Any, **kwargs: Any) -> None:
     raise ConfigurationError(CRITIC_ON_CPU)
 
 
+@dataclass
+class UnpinnedCPUOffloadPolicy(CPUOffloadPolicy):
+    """torch's FSDP2 ``CPUOffloadPolicy`` whose ``pin_memory`` is ``False`` whatever the caller asked.
+
+    Parameters, gradients and optimizer states stay on the CPU exactly as under the parent
+    policy (FSDP2 checks ``isinstance(policy, CPUOffloadPolicy)``, which still holds); only the
+    page-locking is left out, which needs an accelerator and only speeds copies to one.
+    """
+
+    def __post_init__(self) -> None:
+        self.pin_memory = False
+
+
+def _unpin_offload_policy(impl: Any) -> None:
+    """Make verl's FSDP engine module build :class:`UnpinnedCPUOffloadPolicy` where it builds torch's policy."""
+    if getattr(impl, "CPUOffloadPolicy", None) is CPUOffloadPolicy:
+        impl.CPUOffloadPolicy = UnpinnedCPUOffloadPolicy
+    elif getattr(impl, "CPUOffloadPolicy", None) is not UnpinnedCPUOffloadPolicy:
+        logger.warning("verl.workers.engine.fsdp.transformer_impl no longer names torch's CPUOffloadPolicy; a "
+                       "reference model (forward-only engine) may fail to pin memory on this CPU-only host")
+
+
 def _register_engines() -> None:
-    """Register verl's FSDP engines for ``cpu`` once their module has finished loading.
+    """Register verl's FSDP engines for ``cpu`` (and unpin its offload policy) once their module has loaded.
 
     Never imports it: verl may be in the middle of importing it (it asks for the platform at
     import time); the engine lookup asks for the device name, which lands here again.
@@ -229,6 +269,7 @@ def _register_engines() -> None:
     if impl is None or base is None or not hasattr(impl, "FSDPEngineWithValueHead"):
         return
     _engines_registered = True
+    _unpin_offload_policy(impl)
     critic = type("CPUValueHeadEngine", (impl.FSDPEngineWithValueHead,), {"initialize": _refuse_critic,
                                                                             "__doc__": CRITIC_ON_CPU})
     engines = (("language_model", impl.FSDPEngineWithLMHead), ("value_model", critic))
