@@ -10,6 +10,7 @@ is found by a marker in its environment and ended by id.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -48,6 +49,30 @@ def _step_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if " step:" in line and "actor/pg_loss" in line]
 
 
+def _turned_off(overrides: list[str]) -> list[str]:
+    """``overrides`` with Conduit switched off the way the README says: its lines dropped, its stated override added."""
+    off = re.search(r"\*\*Turning Conduit off\*\*(.*?)\n\n", README.read_text(), re.S)
+    assert off, "the README does not say how to turn Conduit off again"
+    conduit_keys = r"transfer_queue\.backend\.storage_backend|trainer\.v1\.sampler\.custom_sampler\.\w+"
+    dropped = re.findall(rf"`((?:{conduit_keys})=[^`]+)`", off.group(1))
+    added = re.findall(r"add `([^`]+=[^`]+)`", off.group(1))
+    assert len(dropped) == 3 and set(dropped) <= set(overrides), dropped
+    return [o for o in overrides if o not in dropped] + added
+
+
+def _step_metrics(line: str) -> dict[str, float]:
+    """The numbers of one console step line (``step:1 - actor/pg_loss:0.1 - ...``)."""
+    out = {}
+    for item in line.split(" step:", 1)[1].split(" - ")[1:]:
+        key, _, value = item.partition(":")
+        value = re.sub(r"^np\.\w+\((.*)\)$", r"\1", value.strip())  # pprint of a NumPy scalar
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            pass
+    return out
+
+
 def test_main_ppo_runs_grpo_steps_through_conduit(tiny: dict[str, Path], tmp_path: Path,
                                                    reaper: Callable[[str], None]) -> None:
     from conduit_verl.cpu.config import main_ppo_overrides
@@ -79,15 +104,7 @@ def test_main_ppo_with_conduit_turned_off_as_the_readme_says_runs_verls_own_path
     ``num_cpus=8`` leaves beside the trainer and TransferQueue's controller, and ``tq.init`` waits for them."""
     from conduit_verl.cpu.config import main_ppo_overrides
 
-    readme = README.read_text()
-    off = re.search(r"\*\*Turning Conduit off\*\*(.*?)\n\n", readme, re.S)
-    assert off, "the README does not say how to turn Conduit off again"
-    conduit_keys = r"transfer_queue\.backend\.storage_backend|trainer\.v1\.sampler\.custom_sampler\.\w+"
-    dropped = re.findall(rf"`((?:{conduit_keys})=[^`]+)`", off.group(1))
-    added = re.findall(r"add `([^`]+=[^`]+)`", off.group(1))
-    overrides = main_ppo_overrides(str(tiny["model"].parent), steps=2)
-    assert len(dropped) == 3 and set(dropped) <= set(overrides), dropped
-    out, trace = _main_ppo([o for o in overrides if o not in dropped] + added, tmp_path, reaper)
+    out, trace = _main_ppo(_turned_off(main_ppo_overrides(str(tiny["model"].parent), steps=2)), tmp_path, reaper)
     steps = _step_lines(out)
     assert len(steps) == 2, out[-4000:]
     for line in steps:
@@ -136,3 +153,50 @@ def test_main_ppo_saves_and_resumes_an_async_run_through_conduits_units(
     assert [line.split(" step:")[1].split()[0] for line in steps] == ["2"], out[-4000:]  # resumed after step 1
     assert "conduit/staleness/max" in steps[0] and "actor/grad_norm" in steps[0]
     assert len(list(trace.glob("delivery-*.json"))) == 1
+
+
+#: a reference model on a CPU: its FSDP config is its own (fp32, no ``torch.compile``, its micro-batch size), and a
+#: learning rate that moves the policy enough in two steps for a fp32 KL to be non-zero (verl's 1e-6 does not)
+REFERENCE = ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+             "actor_rollout_ref.ref.fsdp_config.model_dtype=fp32",
+             "+actor_rollout_ref.ref.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+             "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
+             "actor_rollout_ref.actor.optim.lr=1e-2"]
+
+#: step-line metrics that are timings, throughput or memory (they differ from run to run)
+_RUN_DEPENDENT = re.compile(r"^(timing|perf|timing_s|timing_per_token_ms|conduit)/|/(time|throughput)|memory|mfu")
+
+
+@pytest.mark.parametrize("kl", [
+    pytest.param(("actor_rollout_ref.actor.use_kl_loss=True", "actor/kl_loss"), id="kl_loss"),
+    pytest.param(("algorithm.use_kl_in_reward=True", "actor/reward_kl_penalty"), id="kl_in_reward"),
+])
+def test_main_ppo_with_a_reference_model_matches_conduit_off(
+        kl: tuple[str, str], tiny: dict[str, Path], tmp_path: Path, reaper: Callable[[str], None]) -> None:
+    """GRPO with verl's reference model on this CPU (KL in the loss, verl's default ``low_var_kl``; or KL in the
+    reward), Conduit on and off: the reference starts (conduit-verl's CPU platform builds its offloaded FSDP2 engine
+    unpinned), ``ref_log_prob`` goes through Conduit's storage and delivery, and every step's losses, rewards and
+    KL match verl's own path to float rounding. The KL is 0 on the first update (the policy is the reference) and
+    finite and non-zero once the policy has moved."""
+    from conduit_verl.cpu.config import main_ppo_overrides
+
+    switch, metric = kl
+    # one minibatch per step (the README's way to compare): verl batches trajectories in the order they finish
+    overrides = _replaced(main_ppo_overrides(str(tiny["model"].parent), steps=2), switch, *REFERENCE,
+                          "actor_rollout_ref.actor.ppo_mini_batch_size=2")
+    (tmp_path / "on").mkdir()
+    (tmp_path / "off").mkdir()
+    out_on, trace = _main_ppo(overrides, tmp_path / "on", reaper)
+    out_off, _ = _main_ppo(_turned_off(overrides), tmp_path / "off", reaper)
+    on, off = [[_step_metrics(line) for line in _step_lines(o)] for o in (out_on, out_off)]
+    assert len(on) == len(off) == 2, (out_on[-3000:], out_off[-3000:])
+    assert len(list(trace.glob("delivery-*.json"))) == 2  # Conduit delivered both updates
+    for step, (a, b) in enumerate(zip(on, off, strict=True), 1):
+        assert metric in a and "conduit/staleness/max" in a and "conduit/staleness/max" not in b, step
+        compared = {k for k in b if not _RUN_DEPENDENT.search(k)}
+        assert {"actor/pg_loss", "actor/grad_norm", metric} <= compared <= a.keys(), step
+        differ = {k: (a[k], b[k]) for k in sorted(compared)
+                  if a[k] != pytest.approx(b[k], rel=1e-4, abs=1e-6, nan_ok=True)}
+        assert not differ, (step, differ)
+        assert math.isfinite(a[metric]), (step, a[metric])
+    assert on[1][metric] > 0, on  # the policy moved off the reference after step 1
