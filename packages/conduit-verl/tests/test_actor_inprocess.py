@@ -108,13 +108,8 @@ def test_actor_update_through_conduit_matches_verl(tiny: dict[str, Path], gloo: 
     assert rec["telemetry"]["deliver"]["calls"] == 4
 
 
-#: what ``actor_rollout_ref.ref`` needs on a CPU beside the actor's :func:`~conduit_verl.cpu.config.cpu_overrides`
-#: (its FSDP config is its own: fp32, no ``torch.compile``), with the KL loss on
-KL_LOSS = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-           "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-           "actor_rollout_ref.ref.fsdp_config.model_dtype=fp32",
-           "+actor_rollout_ref.ref.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
-           "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False"]
+#: the KL loss on (verl's default type, named)
+KL_LOSS = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=low_var_kl"]
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -164,10 +159,11 @@ def test_kl_loss_update_through_conduit_matches_verl(tiny: dict[str, Path], gloo
     micro-batch, as verl's own iterator: same KL losses, same policy losses.
 
     8 rows, minibatches of 4, 2 shuffled epochs, micro-batches of 2: 4 optimizer steps, 8 loss calls."""
-    from conduit_verl.cpu.config import compose, cpu_overrides
+    from conduit_verl.cpu.config import compose, cpu_overrides, reference_overrides
 
     cfg = compose(cpu_overrides(str(tiny["model"]), n=4, mini_batch=1, micro_batch=2, epochs=2, shuffle=True)
-                  + KL_LOSS + ["actor_rollout_ref.actor.optim.lr=1e-2"])  # verl's 1e-6 moves no log-prob in fp32
+                  + reference_overrides(micro_batch=2) + KL_LOSS
+                  + ["actor_rollout_ref.actor.optim.lr=1e-2"])  # verl's 1e-6 moves no fp32 low_var_kl off 0
     monkeypatch.setenv("CONDUIT_VERL_TRACE_DIR", str(tmp_path))
     ref_metrics, ref_seen, batch = run_update_with_ref(cfg, "off")
     assert not list(tmp_path.iterdir()), "verl's own path must not go through Conduit"

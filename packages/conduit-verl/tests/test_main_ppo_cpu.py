@@ -155,13 +155,8 @@ def test_main_ppo_saves_and_resumes_an_async_run_through_conduits_units(
     assert len(list(trace.glob("delivery-*.json"))) == 1
 
 
-#: a reference model on a CPU: its FSDP config is its own (fp32, no ``torch.compile``, its micro-batch size), and a
-#: learning rate that moves the policy enough in two steps for a fp32 KL to be non-zero (verl's 1e-6 does not)
-REFERENCE = ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
-             "actor_rollout_ref.ref.fsdp_config.model_dtype=fp32",
-             "+actor_rollout_ref.ref.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
-             "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
-             "actor_rollout_ref.actor.optim.lr=1e-2"]
+#: a learning rate that moves the policy enough in one update for a fp32 ``low_var_kl`` to leave 0 (1e-6 does not)
+KL_LR = "actor_rollout_ref.actor.optim.lr=1e-2"
 
 #: step-line metrics that are timings, throughput or memory (they differ from run to run)
 _RUN_DEPENDENT = re.compile(r"^(timing|perf|timing_s|timing_per_token_ms|conduit)/|/(time|throughput)|memory|mfu")
@@ -178,12 +173,12 @@ def test_main_ppo_with_a_reference_model_matches_conduit_off(
     unpinned), ``ref_log_prob`` goes through Conduit's storage and delivery, and every step's losses, rewards and
     KL match verl's own path to float rounding. The KL is 0 on the first update (the policy is the reference) and
     finite and non-zero once the policy has moved."""
-    from conduit_verl.cpu.config import main_ppo_overrides
+    from conduit_verl.cpu.config import main_ppo_overrides, reference_overrides
 
     switch, metric = kl
     # one minibatch per step (the README's way to compare): verl batches trajectories in the order they finish
-    overrides = _replaced(main_ppo_overrides(str(tiny["model"].parent), steps=2), switch, *REFERENCE,
-                          "actor_rollout_ref.actor.ppo_mini_batch_size=2")
+    overrides = _replaced(main_ppo_overrides(str(tiny["model"].parent), steps=2), switch, *reference_overrides(),
+                          KL_LR, "actor_rollout_ref.actor.ppo_mini_batch_size=2")
     (tmp_path / "on").mkdir()
     (tmp_path / "off").mkdir()
     out_on, trace = _main_ppo(overrides, tmp_path / "on", reaper)

@@ -23,3 +23,11 @@ def test_readme_main_ppo_command_is_the_tested_one() -> None:
     args = shlex.split(cmd.replace("\\\n", " "))
     start = args.index("verl.trainer.main_ppo") + 1
     assert args[start:] == main_ppo_overrides("/tmp/conduit-tiny", steps=2)
+
+
+def test_readme_names_the_reference_models_cpu_overrides() -> None:
+    from conduit_verl.cpu.config import reference_overrides
+
+    limits = README.read_text().split("## Limits", 1)[1]
+    for override in reference_overrides():
+        assert f"`{override}`" in limits or f"`'{override}'`" in limits, override

@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["cpu_overrides", "main_ppo_overrides", "compose"]
+__all__ = ["cpu_overrides", "main_ppo_overrides", "reference_overrides", "compose"]
 
 
 def cpu_overrides(model_path: str, *, n: int = 4, mini_batch: int = 1, micro_batch: int = 4, epochs: int = 1,
@@ -35,6 +35,19 @@ def cpu_overrides(model_path: str, *, n: int = 4, mini_batch: int = 1, micro_bat
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro_batch}",
         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=False",
         "trainer.device=cpu",
+    ]
+
+
+def reference_overrides(*, micro_batch: int = 4) -> list[str]:
+    """What verl's reference model (``use_kl_loss`` or ``use_kl_in_reward``) needs on a CPU beside
+    :func:`cpu_overrides`: its FSDP config is its own, so the actor's fp32, no-``torch.compile``
+    settings and a log-prob micro-batch size are given to it again."""
+    ref = "actor_rollout_ref.ref"
+    return [
+        f"{ref}.log_prob_micro_batch_size_per_gpu={micro_batch}",
+        f"{ref}.fsdp_config.model_dtype=fp32",
+        f"+{ref}.fsdp_config.mixed_precision={{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}}",
+        f"{ref}.fsdp_config.use_torch_compile=False",
     ]
 
 
