@@ -190,8 +190,9 @@ def test_main_ppo_with_a_reference_model_matches_conduit_off(
         assert metric in a and "conduit/staleness/max" in a and "conduit/staleness/max" not in b, step
         compared = {k for k in b if not _RUN_DEPENDENT.search(k)}
         assert {"actor/pg_loss", "actor/grad_norm", metric} <= compared <= a.keys(), step
+        # abs 1e-5: differences of fp32 log-probs near -6 (ulp ~5e-7), e.g. rollout_corr/*, are rounding noise there
         differ = {k: (a[k], b[k]) for k in sorted(compared)
-                  if a[k] != pytest.approx(b[k], rel=1e-4, abs=1e-6, nan_ok=True)}
+                  if a[k] != pytest.approx(b[k], rel=1e-4, abs=1e-5, nan_ok=True)}
         assert not differ, (step, differ)
         assert math.isfinite(a[metric]), (step, a[metric])
     assert on[1][metric] > 0, on  # the policy moved off the reference after step 1
