@@ -203,8 +203,11 @@ def replicate(plane: DistributedDataPlane, rows: list[int]) -> int:
     copy there is discarded, see :func:`_discard_late`). A copy whose rows were lost after its source read them
     (Ray's ``ObjectLostError``: the source's node died before the target fetched them) does not count against its
     target, which stays a candidate for every copy; its source is probed instead. Before a retry, the shards of
-    copies whose outcome is unknown are probed (at most ``timeout``), so a retry never waits on a source found
-    dead. A segment
+    copies whose outcome is unknown (timed out, or Ray reported the shard unavailable) are probed (at most
+    ``timeout``), so a retry never waits on a source found dead; and a target of such copies that answered the
+    probe, while the probe found every source it waited for lost (dead, though Ray had not reported it when the
+    copy timed out), never had the rows to store: it is a candidate again for the next rounds (a target whose
+    copy failed otherwise in the call, or that waited for a source that lives, stays skipped). A segment
     still short of ``replication`` copies afterwards (no room on another node, or every copy failed) counts
     its items in the plane's ``under_replicated``; one whose source (or another replica) was lost meanwhile is
     accounted by that loss instead, and so is one whose copy landed on a target lost later in this call (that
@@ -229,15 +232,21 @@ def replicate(plane: DistributedDataPlane, rows: list[int]) -> int:
     held = {row: {s for s, _ in plane.index.segment(row, oldest)[2]} for row in rows}
     copied: dict[int, int] = {}  # rows that got a copy -> their items
     avoid: set[int] = set()  # targets whose copy failed in this call
+    waited: dict[int, set[int]] = {}  # targets in ``avoid`` only because copies timed out -> those copies' sources
     todo = list(held)
     for attempt in range(COPY_ROUNDS):
-        retry, unsure = _copy_round(plane, todo, oldest, held, avoid, copied)
+        retry, unsure = _copy_round(plane, todo, oldest, held, avoid, waited, copied)
         last = attempt == COPY_ROUNDS - 1 or not retry
         if unsure and (not last or plane._monitor is None):
             # probe now (at most ``timeout``): before a retry, so it does not wait on a dead source; and
             # when no health monitor will look at them, so a shard that stays unreachable is found lost
             # here (its segments accounted again by its loss), not never
             plane._settle(unsure)
+            # a target that answered the probe and whose failed copies only waited for sources found lost did
+            # nothing wrong (the rows it waited for never came): a candidate again
+            for t in [t for t, srcs in waited.items() if plane._alive[t] and not any(plane._alive[s] for s in srcs)]:
+                avoid.discard(t)
+                del waited[t]
         if last:
             break
         todo = retry
@@ -251,14 +260,16 @@ def replicate(plane: DistributedDataPlane, rows: list[int]) -> int:
 
 
 def _copy_round(plane: DistributedDataPlane, rows: list[int], oldest: int, held: dict[int, set[int]], avoid: set[int],
-                copied: dict[int, int]) -> tuple[list[int], dict[int, Outcome]]:
+                waited: dict[int, set[int]], copied: dict[int, int]) -> tuple[list[int], dict[int, Outcome]]:
     """One round of :func:`replicate`: copy each short segment of ``rows`` to targets not in ``avoid``.
 
     Records the copies that landed (in the index, ``copied`` and ``held``), all of them before any failed copy
     is settled: a target (or source) found lost by a failure then has its landed copies in the index, so its
     loss accounts them (the index never names a replica on a lost shard). Adds the targets whose copy failed to
-    ``avoid``. Returns the rows to copy again (their source lives) and the outcomes of copies whose outcome
-    is unknown, by shard (source and target), to probe.
+    ``avoid``; those whose every failed copy of the round timed out (or was unavailable) also to ``waited``, with
+    the sources of those copies (:func:`replicate` puts them back as candidates once those sources are found
+    lost). Returns the rows to copy again (their source lives) and the outcomes of copies whose outcome is
+    unknown, by shard (source and target), to probe.
     """
     rooms = {s: plane._room(s, oldest) for s in plane.alive_shards if s not in avoid}
     jobs: dict[tuple[int, int], tuple[int, int, int]] = {}
@@ -292,6 +303,8 @@ def _copy_round(plane: DistributedDataPlane, rows: list[int], oldest: int, held:
     outs = wait_all(calls, plane.timeout)
     late: set[int] = set()  # targets of copies whose outcome is unknown (they may still run)
     unsure: dict[int, Outcome] = {}  # their sources and targets
+    waits: dict[int, set[int]] = {}  # targets of those copies -> their sources
+    blamed: set[int] = set()  # targets whose copy failed otherwise (refused, or the target died)
     retry: list[int] = []
     for (row, t), o in outs.items():
         # first every copy that landed (no loss is settled before: each target here is alive)
@@ -318,6 +331,10 @@ def _copy_round(plane: DistributedDataPlane, rows: list[int], oldest: int, held:
         elif o.lost:
             late.add(t)
             unsure[src] = unsure[t] = o
+            waits.setdefault(t, set()).add(src)
+            avoid.add(t)
+            retry.append(row)
+            continue
         elif o.argument_lost:
             # the rows the source read were lost before the target fetched them (the source's node died after
             # the read): the target did nothing wrong and stays a candidate; the source is probed before a retry
@@ -326,8 +343,14 @@ def _copy_round(plane: DistributedDataPlane, rows: list[int], oldest: int, held:
                                            lost=True))
             retry.append(row)
             continue
+        blamed.add(t)
         avoid.add(t)
         retry.append(row)
+    for t, srcs in waits.items():
+        if t not in blamed:
+            waited.setdefault(t, set()).update(srcs)
+    for t in blamed:
+        waited.pop(t, None)
     _discard_late(plane, late)
     return list(dict.fromkeys(retry)), unsure
 
