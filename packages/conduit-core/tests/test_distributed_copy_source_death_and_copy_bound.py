@@ -60,6 +60,31 @@ def _replicas(plane: DistributedDataPlane, handles: Any) -> set[int]:
     return set(shard[shard >= 0].tolist())
 
 
+def _kill_node_reported_dead(cluster: LocalCluster, node: str) -> None:
+    """Kill ``node`` for real (as a crash) and return once Ray reports it dead."""
+    import ray
+
+    cluster.kill_node(node)
+    assert eventually(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node), timeout=60), \
+        "Ray did not report the killed node dead"
+
+
+def _check_a_lost_and_b_copied_to_shard_1(plane: DistributedDataPlane, found: list[Any], a: Any, b: Any,
+                                          why: str) -> None:
+    """The outcome both copy-source tests expect: shards 0 and 2 lost; segment A (replicas on both) reported lost,
+    exactly, once; segment B (replica on shard 3) recovered and copied again to shard 1 (``why`` if not), nothing
+    left under-replicated."""
+    assert sorted(r.shard for r in found) == [0, 2]
+    by = {r.shard: r for r in found}
+    assert sorted(np.concatenate([r.lost for r in found]).tolist()) == sorted(a.tolist())
+    assert plane.lost_items == 4
+    assert by[2].recovered == 4, "B (replica on shard 3) is recovered by shard 2's loss"
+    assert plane.alive_shards == [1, 3]
+    assert _replicas(plane, b) == {1, 3}, why
+    assert by[2].re_replicated == 4
+    assert plane.under_replicated == 0
+
+
 class _SourceNodeDiesAfterReading(ServerStandIn):
     """Stands in for a copy target's actor handle: before its first ``append`` is sent, the copy's source has
     read the rows (the object the append takes is created, on the source's node) and that node is killed for real
@@ -84,10 +109,8 @@ class _SourceNodeDiesAfterReading(ServerStandIn):
                 if not proxy.killed:
                     ready, _ = ray.wait([data], timeout=60, fetch_local=False)
                     assert ready, "the source did not read the rows"
-                    proxy._cluster.kill_node(proxy._node)
+                    _kill_node_reported_dead(proxy._cluster, proxy._node)
                     proxy.killed = True
-                    assert eventually(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == proxy._node),
-                                      timeout=60), "Ray did not report the killed node dead"
                 return proxy._real.append.remote(buffer_id, data, *args)
 
         return _Append()
@@ -115,16 +138,8 @@ def test_a_copy_whose_source_node_dies_after_reading_leaves_its_target_a_candida
         finally:
             target.restore()
         assert target.killed
-        assert sorted(r.shard for r in found) == [0, 2]
-        by = {r.shard: r for r in found}
-        # A had its replicas on shards 2 and 0: lost, exactly, once
-        assert sorted(np.concatenate([r.lost for r in found]).tolist()) == sorted(a.tolist())
-        assert plane.lost_items == 4
-        assert by[2].recovered == 4, "B (replica on shard 3) is recovered by shard 2's loss"
-        assert plane.alive_shards == [1, 3]
-        assert _replicas(plane, b) == {1, 3}, "B's copy was not sent again to the healthy target of A's copy"
-        assert by[2].re_replicated == 4
-        assert plane.under_replicated == 0
+        _check_a_lost_and_b_copied_to_shard_1(plane, found, a, b,
+                                              "B's copy was not sent again to the healthy target of A's copy")
         assert target.appends == 2
         assert _ids(plane.read(b)) == list(range(4, 8))
     finally:
@@ -228,8 +243,6 @@ def test_a_copy_timed_out_on_a_source_found_dead_leaves_its_target_a_candidate(c
     that follows, node N is killed for real: the probe finds shard 0 lost (A is lost: both replicas are gone). Shard
     1 answered the probe and only waited for shard 0's rows, so B's copy is sent again to shard 1, and B gets its
     second replica back: nothing that survived is reported lost, nothing is left under-replicated."""
-    import ray
-
     n_node, m_node = cluster.add_node(), cluster.add_node()
     servers = ShardServers([n_node, cluster.workers[0], cluster.head, m_node])
     plane = DistributedDataPlane(BIG, capacity=32, shard_capacity=16, servers=servers, replication=2, measure=False,
@@ -241,9 +254,7 @@ def test_a_copy_timed_out_on_a_source_found_dead_leaves_its_target_a_candidate(c
         probes.append(set(failed))
         if len(probes) == 1:
             assert 0 in failed, "the first round's copies did not time out on shard 0"
-            cluster.kill_node(n_node)
-            assert eventually(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == n_node),
-                              timeout=60), "Ray did not report the killed node dead"
+            _kill_node_reported_dead(cluster, n_node)
         return settle(failed)
 
     try:
@@ -257,17 +268,9 @@ def test_a_copy_timed_out_on_a_source_found_dead_leaves_its_target_a_candidate(c
         del store
         # the first round's two copies timed out (shard 0 held), and their shards were probed after it
         assert probes[0] == {0, 1, 3}
-        assert sorted(r.shard for r in found) == [0, 2]
-        by = {r.shard: r for r in found}
-        # A had its replicas on shards 2 and 0: lost, exactly, once
-        assert sorted(np.concatenate([r.lost for r in found]).tolist()) == sorted(a.tolist())
-        assert plane.lost_items == 4
-        assert by[2].recovered == 4, "B (replica on shard 3) is recovered by shard 2's loss"
-        assert plane.alive_shards == [1, 3]
-        assert _replicas(plane, b) == {1, 3}, \
-            "B's copy was not sent again to shard 1, whose only failed copy timed out on a source found dead"
-        assert by[2].re_replicated == 4
-        assert plane.under_replicated == 0
+        _check_a_lost_and_b_copied_to_shard_1(
+            plane, found, a, b, "B's copy was not sent again to shard 1, whose only failed copy timed out on a "
+                                "source found dead")
         assert _ids(plane.read(b)) == list(range(4, 8))
     finally:
         plane.close()
