@@ -56,6 +56,8 @@ def test_a_build_refused_in_on_algorithm_init_returns_the_env_runners_cpus(
     try:
         assert not getattr(held.value, "__notes__", None), "stopping the half-built algorithm failed"
         assert _free_cpus_after(10, before) == before, "the refused build left its env runner holding a CPU"
+        if refused is not _scheduler_factory_returning_no_scheduler:
+            return  # (the build below is the same after either refusal: once is enough)
         # the same session builds the corrected config at once, with the CPUs the refused build had taken
         algo: Any = conduit_rllib.enable(_config()).build_algo()
         try:
