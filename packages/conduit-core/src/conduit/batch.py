@@ -199,8 +199,9 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
     def checked(cls, data: Mapping[str, object], schema: ExperienceSchema) -> ExperienceBatch:
         """:meth:`from_mapping` then :meth:`validate` against ``schema``.
 
-        A dict holding exactly the schema's fixed fields as tensors of the right dtype and
-        per-item shape, all of one length, is checked in a single pass. A ragged field whose
+        A dict holding exactly the schema's fixed fields as tensors or NumPy arrays of the right dtype and
+        per-item shape, all of one length, is checked in a single pass (an array becomes a tensor as
+        :func:`as_tensor` makes it, the same one :meth:`from_mapping` makes). A ragged field whose
         sequences are all empty (no elements, so no dtype of their own) takes the schema's
         dtype and element shape; an empty list for a ragged field is a list of no sequences,
         for a fixed field a list of no per-item values (an empty batch either way).
@@ -212,6 +213,11 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
             n = _matching_rows(data, schema)
             if n >= 0:
                 b = cls(dict(data), n)
+                b._valid_for = schema
+                return b
+            tensors = _arrays_as_tensors(data, schema)
+            if tensors is not None and (n := _matching_rows(tensors, schema)) >= 0:
+                b = cls(tensors, n)
                 b._valid_for = schema
                 return b
         if isinstance(data, Mapping) and not isinstance(data, ExperienceBatch) and any(
@@ -474,6 +480,30 @@ def _matching_rows(columns: Mapping[str, object], schema: ExperienceSchema) -> i
             return -1
         n = s[0]
     return n
+
+
+def _arrays_as_tensors(columns: dict[str, object], schema: ExperienceSchema) -> dict[str, torch.Tensor | Ragged] | None:
+    """``columns`` with each NumPy array (exactly ``np.ndarray``, of a numeric or bool dtype) made a tensor by
+    :func:`as_tensor`, as :meth:`ExperienceBatch.from_mapping` makes it, for :func:`_matching_rows`; None when a column
+    is neither a tensor nor such an array, none is an array, or the schema has ragged fields (the full checks then
+    take the columns as given)."""
+    if schema.ragged or len(columns) != len(schema.fixed_checks):
+        return None
+    out: dict[str, torch.Tensor | Ragged] = {}
+    arrays = False
+    for name, c in columns.items():
+        if type(c) is np.ndarray:
+            if c.dtype.kind not in "biufc":
+                return None
+            try:
+                c = as_tensor(c)
+            except (TypeError, RuntimeError):  # (a dtype this torch cannot share: the full checks say so)
+                return None
+            arrays = True
+        elif type(c) is not torch.Tensor:
+            return None
+        out[name] = c
+    return out if arrays else None
 
 
 def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
