@@ -4,7 +4,9 @@ Producers hand validated batches over; the data reaches storage in *groups*. A g
 up to ``g_ing`` hand-overs off-policy (rollouts per ingestion call), or up to ``g_ing``
 of a rollout's items on-policy (rollout parts per ingestion call), never mixing policy
 versions, batches with and without priorities, or batches of different fields (validated either
-side of a migration to a new schema: each is stored, an old one transformed, apart). A group of
+side of a migration to a new schema: each is stored, an old one transformed, apart), and never holding more
+rows than the capacity or more elements of a ragged field than its pool (each batch alone fits: checked at
+``ingest``; a group that did not could never be stored). A group of
 several batches is staged into one reused buffer and stored with one storage write (one lock hold, one semantics
 update): the per-call overhead is paid once per group.
 
@@ -73,6 +75,35 @@ def _same_fields(a: ExperienceBatch, b: ExperienceBatch) -> bool:
         if tx.dtype != ty.dtype or tx.shape[1:] != ty.shape[1:]:
             return False
     return True
+
+
+class _Size:
+    """The rows of a group and, when the storage has ragged pools (``pool`` elements each), each ragged field's
+    elements: what a group may grow to (:meth:`fits`)."""
+
+    __slots__ = ("pool", "rows", "elements")
+
+    def __init__(self, pool: int | None) -> None:
+        self.pool = pool
+        self.rows = 0
+        self.elements: dict[str, int] = {}
+
+    def add(self, batch: ExperienceBatch) -> None:
+        self.rows += batch.batch_size
+        if self.pool is not None:
+            for name, c in batch.items():
+                if isinstance(c, Ragged):
+                    self.elements[name] = self.elements.get(name, 0) + int(c.values.shape[0])
+
+    def fits(self, batch: ExperienceBatch, capacity: int) -> bool:
+        """Whether this group and ``batch`` together stay within ``capacity`` rows and every ragged pool."""
+        if self.rows + batch.batch_size > capacity:
+            return False
+        if self.pool is not None:
+            for name, c in batch.items():
+                if isinstance(c, Ragged) and self.elements.get(name, 0) + int(c.values.shape[0]) > self.pool:
+                    return False
+        return True
 
 
 class Ingestion:
@@ -411,18 +442,24 @@ class Ingestion:
         head = self._pending[0]
         group = [head]
         units = head.batch.batch_size if self.on_policy else 1
-        rows = head.batch.batch_size
+        size = _Size(self._pool())
+        size.add(head.batch)
         target = self._target()
         for h in itertools.islice(self._pending, 1, None):
             if units >= target:
                 return group, True
             if (h.version != head.version or (h.priorities is None) != (head.priorities is None)
-                    or rows + h.batch.batch_size > self._capacity or not _same_fields(h.batch, head.batch)):
+                    or not _same_fields(h.batch, head.batch) or not size.fits(h.batch, self._capacity)):
                 return group, True  # the next hand-over starts another group
             group.append(h)
             units += h.batch.batch_size if self.on_policy else 1
-            rows += h.batch.batch_size
+            size.add(h.batch)
         return group, units >= target
+
+    def _pool(self) -> int | None:
+        """Elements each ragged field's pool holds in the storage now (None: no pools, or the buffer is gone)."""
+        edp = self._edp()
+        return None if edp is None else getattr(edp.storage, "ragged_capacity", None)
 
     def _due(self, force: bool) -> list[Handover] | None:
         """The group to store now, or None while it may still grow (must be called under the lock)."""
