@@ -48,16 +48,31 @@ def _wait_for_loss(plane, t0: float, work) -> float:
     return time.monotonic() - t0
 
 
-def test_killed_node_is_detected_and_exactly_its_items_are_reported_lost(cluster):
+def test_a_killed_node_is_found_by_every_buffer_with_a_shard_there(cluster):
+    """One victim node, killed once as a crash, holds a shard of three buffers, each with its own health monitor
+    (one node started and killed for the three: each buffer finds the loss on its own, within the bound):
+
+    * replication 1, producers on both nodes and the learner sampling: the loss reaches ``on_loss``, the report
+      names exactly the items the dead shard held, and the loop goes on on the survivor (nothing lost is delivered,
+      no survivor is missing, new items go to the live shard);
+    * replication 2 over three nodes: every item is recovered and again has two copies, on the two surviving nodes;
+    * on-policy, mid rollout: the 40 victim items (none consumed yet) are reported lost, and the rest of the
+      rollout delivers each survivor exactly once per epoch."""
     victim = cluster.add_node()
-    servers = ShardServers([cluster.workers[0], victim])
+    servers = ShardServers([cluster.workers[0], victim])  # replication 1 and on-policy: shard 1 on the victim
+    servers3 = ShardServers([cluster.head, cluster.workers[0], victim])  # replication 2: shard 2 on the victim
     reports = []
     plane = DistributedDataPlane(ID_SCHEMA, capacity=5000, servers=servers, semantics=Replay(seed=1),
                                  health_period=0.2, timeout=10.0, measure=False, on_loss=reports.append)
+    replicated = DistributedDataPlane(ID_SCHEMA, capacity=3000, servers=servers3, replication=2, health_period=0.2,
+                                      timeout=10.0, measure=False)
+    on_policy = DistributedDataPlane(ID_SCHEMA, capacity=1000, servers=servers, health_period=0.2, timeout=10.0,
+                                     measure=False, semantics=OnPolicy(num_minibatches=4, num_epochs=2, seed=3))
     try:
+        # replication 1: the run, producers on both nodes, the learner sampling
         id_of_handle: dict[int, int] = {}
         nxt = 0
-        for _ in range(5):  # the run: producers on both nodes, the learner sampling
+        for _ in range(5):
             for node in (cluster.workers[0], victim):
                 ids = np.arange(nxt, nxt + 100)
                 nxt += 100
@@ -67,6 +82,23 @@ def test_killed_node_is_detected_and_exactly_its_items_are_reported_lost(cluster
         on_victim = {id_of_handle[h] for h in plane.live_handles().tolist()
                      if _shard_of(plane, [h])[0, 0] == 1}
         assert len(on_victim) == 500
+
+        # replication 2
+        for i, node in enumerate(servers3.nodes):
+            replicated.ingest(id_batch(np.arange(1000 * i, 1000 * i + 300)), node=node)
+        shard = _shard_of(replicated, replicated.live_handles())
+        assert (shard >= 0).all() and (shard[:, 0] != shard[:, 1]).all()
+        had_copy_on_victim = int((shard == 2).any(axis=1).sum())
+        assert had_copy_on_victim > 0
+        all_ids = set(check_payload(replicated.read(replicated.live_handles())).tolist())
+
+        # on-policy: the first minibatch of the rollout before the death
+        on_policy.ingest(id_batch(np.arange(0, 40)), version=0, node=cluster.workers[0])
+        on_policy.ingest(id_batch(np.arange(100, 140)), version=0, node=victim)
+        on_policy.seal()
+        first, info = on_policy.deliver()
+        before = check_payload(first)
+        assert info.epoch == 0 and info.minibatch == 0
 
         t0 = time.monotonic()
         cluster.kill_node(victim)
@@ -79,6 +111,12 @@ def test_killed_node_is_detected_and_exactly_its_items_are_reported_lost(cluster
 
         detected = _wait_for_loss(plane, t0, step)
         assert detected < DETECTION_BOUND
+        _wait_for_loss(replicated, t0, lambda: replicated.deliver(32))
+        while not on_policy.losses:  # the on-policy learner waits for the monitor before its next step
+            assert time.monotonic() - t0 < DETECTION_BOUND
+            time.sleep(0.05)
+
+        # replication 1
         rep = plane.losses[0]
         # (a loss the health monitor found is in .losses before the monitor thread has called on_loss)
         assert eventually(lambda: len(reports) > 0, timeout=60), "on_loss was not called with the loss"
@@ -87,7 +125,6 @@ def test_killed_node_is_detected_and_exactly_its_items_are_reported_lost(cluster
         lost_ids = {id_of_handle[h] for h in rep.lost.tolist()}
         assert lost_ids == on_victim, "the report must name exactly the items the dead shard held"
         assert plane.lost_items == 500 and plane.alive_shards == [0]
-
         # the loop continues on the survivors: nothing lost is delivered, nothing survivor is missing
         survivors = set(check_payload(plane.read(plane.live_handles())).tolist())
         assert survivors.isdisjoint(on_victim) and len(plane) == len(survivors)
@@ -97,80 +134,41 @@ def test_killed_node_is_detected_and_exactly_its_items_are_reported_lost(cluster
             assert got <= survivors
         h = plane.ingest(id_batch(np.arange(90_000, 90_010)))
         assert (_shard_of(plane, h)[:, 0] == 0).all()
-    finally:
-        plane.close()
-        servers.shutdown()
 
-
-def test_replication_two_recovers_every_item_and_restores_the_copies(cluster):
-    victim = cluster.add_node()
-    servers = ShardServers([cluster.head, cluster.workers[0], victim])
-    plane = DistributedDataPlane(ID_SCHEMA, capacity=3000, servers=servers, replication=2, health_period=0.2,
-                                 timeout=10.0, measure=False)
-    try:
-        for i, node in enumerate(servers.nodes):
-            plane.ingest(id_batch(np.arange(1000 * i, 1000 * i + 300)), node=node)
-        shard = _shard_of(plane, plane.live_handles())
-        assert (shard >= 0).all() and (shard[:, 0] != shard[:, 1]).all()
-        had_copy_on_victim = int((shard == 2).any(axis=1).sum())
-        assert had_copy_on_victim > 0
-        all_ids = set(check_payload(plane.read(plane.live_handles())).tolist())
-
-        t0 = time.monotonic()
-        cluster.kill_node(victim)
-        _wait_for_loss(plane, t0, lambda: plane.deliver(32))
-        rep = plane.losses[0]
-        assert rep.shard == 2 and rep.num_lost == 0 and plane.lost_items == 0
+        # replication 2
+        rep = replicated.losses[0]
+        assert rep.shard == 2 and rep.num_lost == 0 and replicated.lost_items == 0
         assert rep.recovered == had_copy_on_victim and rep.re_replicated == had_copy_on_victim
-
-        assert set(check_payload(plane.read(plane.live_handles())).tolist()) == all_ids and len(plane) == 900
-        shard = _shard_of(plane, plane.live_handles())
+        assert set(check_payload(replicated.read(replicated.live_handles())).tolist()) == all_ids
+        assert len(replicated) == 900
+        shard = _shard_of(replicated, replicated.live_handles())
         assert (shard >= 0).all() and not (shard == 2).any() and (shard[:, 0] != shard[:, 1]).all(), \
             "every item should again have two copies, on the two surviving nodes"
         for _ in range(10):
-            assert set(check_payload(plane.deliver(300)[0]).tolist()) <= all_ids
-    finally:
-        plane.close()
-        servers.shutdown()
+            assert set(check_payload(replicated.deliver(300)[0]).tolist()) <= all_ids
 
-
-def test_on_policy_loss_mid_rollout_keeps_exactly_once_for_the_survivors(cluster):
-    victim = cluster.add_node()
-    servers = ShardServers([cluster.workers[0], victim])
-    plane = DistributedDataPlane(ID_SCHEMA, capacity=1000, servers=servers, health_period=0.2, timeout=10.0,
-                                 measure=False, semantics=OnPolicy(num_minibatches=4, num_epochs=2, seed=3))
-    try:
-        plane.ingest(id_batch(np.arange(0, 40)), version=0, node=cluster.workers[0])
-        plane.ingest(id_batch(np.arange(100, 140)), version=0, node=victim)
-        plane.seal()
-        first, info = plane.deliver()
-        before = check_payload(first)
-        assert info.epoch == 0 and info.minibatch == 0
-
-        cluster.kill_node(victim)
-        t0 = time.monotonic()
-        while not plane.losses:  # the learner waits for the monitor before its next step
-            assert time.monotonic() - t0 < DETECTION_BOUND
-            time.sleep(0.05)
-        rep = plane.losses[0]
+        # on-policy
+        rep = on_policy.losses[0]
         assert sorted(rep.lost.tolist()) == list(range(40, 80)), "all 40 victim items were live (not yet consumed)"
-
         epochs: dict[int, list[int]] = {0: before.tolist()}
         while True:
-            batch, info = plane.deliver()
+            batch, info = on_policy.deliver()
             ids = check_payload(batch)
             assert not (ids >= 100).any(), "a lost item was delivered after its loss was reported"
             assert info.handles.shape[0] == ids.shape[0]
             epochs.setdefault(info.epoch, []).extend(ids.tolist())
             if info.last:
                 break
-        survivors = list(range(40))
-        assert sorted(i for i in epochs[0] if i < 100) == survivors
-        assert sorted(epochs[1]) == survivors
-        assert len(plane) == 0
+        alive = list(range(40))
+        assert sorted(i for i in epochs[0] if i < 100) == alive
+        assert sorted(epochs[1]) == alive
+        assert len(on_policy) == 0
     finally:
         plane.close()
+        replicated.close()
+        on_policy.close()
         servers.shutdown()
+        servers3.shutdown()
 
 
 def test_hung_shard_times_out_is_fenced_and_nothing_hangs(cluster):
@@ -282,52 +280,63 @@ def test_a_shard_whose_data_calls_hang_gives_typed_errors_naming_the_timeout_and
         plane.close()
 
 
-@pytest.mark.parametrize("replication", [1, 2])
-def test_a_shard_whose_data_thread_stays_stuck_is_fenced_and_the_loop_goes_on(cluster, tmp_path, replication):
+def test_a_shard_whose_data_thread_stays_stuck_is_fenced_and_the_loop_goes_on(cluster, tmp_path):
     """A shard answers pings but its data thread never finishes a call: every call touching it would fail after the
     timeout for as long as the hang lasts. The health monitor fences it once its no-op on the data thread has waited
     ``stuck_after``: its items are reported lost exactly (replication 1) or recovered (2), and deliveries and
-    ingestion go on without it."""
+    ingestion go on without it. (The two buffers, one per replication, run side by side on server groups of their
+    own: each fences its own stuck server, so both wait out ``stuck_after`` once.)"""
     import ray
 
-    servers = ShardServers([cluster.head, cluster.workers[0]])
-    plane = DistributedDataPlane(ID_SCHEMA, capacity=100, servers=servers, replication=replication,
-                                 health_period=0.2, timeout=2.0, stuck_after=3.0, measure=False,
-                                 semantics=Replay(seed=5))
+    groups: list[ShardServers] = []
+    cases: list[tuple[int, ShardServers, DistributedDataPlane]] = []
     gate = tmp_path / "open"
     try:
-        assert plane.stuck_after == 3.0
-        plane.ingest(id_batch(np.arange(20)), node=cluster.head)
-        plane.ingest(id_batch(np.arange(20, 40)), node=cluster.workers[0])
-        shard = _shard_of(plane, plane.live_handles())
-        on_one = {i for i, row in zip(range(40), shard, strict=True) if 1 in row.tolist()}
-        assert on_one and not plane.losses
-        held = _hold_data_thread(servers[1].actor, str(gate))
+        for replication in (1, 2):
+            servers = ShardServers([cluster.head, cluster.workers[0]])
+            groups.append(servers)
+            plane = DistributedDataPlane(ID_SCHEMA, capacity=100, servers=servers, replication=replication,
+                                         health_period=0.2, timeout=2.0, stuck_after=3.0, measure=False,
+                                         semantics=Replay(seed=5))
+            cases.append((replication, servers, plane))
+            assert plane.stuck_after == 3.0
+            plane.ingest(id_batch(np.arange(20)), node=cluster.head)
+            plane.ingest(id_batch(np.arange(20, 40)), node=cluster.workers[0])
+        on_one, held = {}, {}
+        for replication, _, plane in cases:
+            shard = _shard_of(plane, plane.live_handles())
+            on_one[replication] = {i for i, row in zip(range(40), shard, strict=True) if 1 in row.tolist()}
+            assert on_one[replication] and not plane.losses
         t0 = time.monotonic()
-        while not plane.losses:
-            assert time.monotonic() - t0 < DETECTION_BOUND, "the stuck shard was not fenced within the bound"
-            time.sleep(0.05)
-        rep = plane.losses[0]
-        assert rep.shard == 1 and "data thread" in rep.reason and "stuck_after=3 s" in rep.reason, rep.reason
-        assert time.monotonic() - t0 >= 3.0, "fenced before its probe had waited stuck_after"
-        assert plane.alive_shards == [0]
-        if replication == 1:
-            assert rep.num_lost == len(on_one) == 20 and rep.recovered == 0
-            survivors = set(range(40)) - on_one
-        else:
-            assert rep.num_lost == 0 and rep.recovered == len(on_one) == 40
-            survivors = set(range(40))
-        assert _ids_of(plane, plane.live_handles()) == survivors
-        # the loop goes on, on the live shard only
-        assert set(check_payload(plane.deliver(1000)[0]).tolist()) == survivors
-        h = plane.ingest(id_batch(np.arange(100, 110)))
-        assert (_shard_of(plane, h)[:, 0] == 0).all()
-        with pytest.raises(Exception):  # noqa: B017,PT011 - the fenced server was killed (any of Ray's errors)
-            ray.get(held, timeout=60)
+        for replication, servers, _ in cases:
+            held[replication] = _hold_data_thread(servers[1].actor, str(gate))
+        for replication, _, plane in cases:
+            while not plane.losses:
+                assert time.monotonic() - t0 < DETECTION_BOUND, "the stuck shard was not fenced within the bound"
+                time.sleep(0.05)
+            rep = plane.losses[0]
+            assert rep.shard == 1 and "data thread" in rep.reason and "stuck_after=3 s" in rep.reason, rep.reason
+            assert time.monotonic() - t0 >= 3.0, "fenced before its probe had waited stuck_after"
+            assert plane.alive_shards == [0]
+            if replication == 1:
+                assert rep.num_lost == len(on_one[1]) == 20 and rep.recovered == 0
+                survivors = set(range(40)) - on_one[1]
+            else:
+                assert rep.num_lost == 0 and rep.recovered == len(on_one[2]) == 40
+                survivors = set(range(40))
+            assert _ids_of(plane, plane.live_handles()) == survivors
+            # the loop goes on, on the live shard only
+            assert set(check_payload(plane.deliver(1000)[0]).tolist()) == survivors
+            h = plane.ingest(id_batch(np.arange(100, 110)))
+            assert (_shard_of(plane, h)[:, 0] == 0).all()
+            with pytest.raises(Exception):  # noqa: B017,PT011 - the fenced server was killed (any of Ray's errors)
+                ray.get(held[replication], timeout=60)
     finally:
         gate.touch()
-        plane.close()
-        servers.shutdown()
+        for _, _, plane in cases:
+            plane.close()
+        for servers in groups:
+            servers.shutdown()
 
 
 def test_a_data_thread_busy_for_less_than_stuck_after_is_not_fenced(cluster, servers, tmp_path):
