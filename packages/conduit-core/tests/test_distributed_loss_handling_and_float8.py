@@ -87,10 +87,15 @@ def test_real_cluster_a_shard_ray_reports_unavailable_but_that_answers_a_probe_i
 
 
 # -- 2. loss callbacks run outside the lock, in order, once each ---------------------------------------------------
-def test_real_cluster_loss_callbacks_run_outside_the_lock_in_order_once_each(cluster, third, owned):
+def test_real_cluster_loss_callbacks_run_outside_the_lock_in_order_once_each_with_plain_reasons(cluster, third, owned):
     """Items 0-3 live on shards 0 and 1 (replication 2), which both die. The health check finds one; copying its
     items from the other finds that one lost too, and its on_loss ran inside the first loss's hold of the buffer's
-    lock: a callback that calls the buffer from another thread (or waits for a scheduler's worker) deadlocked."""
+    lock: a callback that calls the buffer from another thread (or waits for a scheduler's worker) deadlocked.
+
+    The same two deaths, for the reasons: that second loss's reason was the copy's RayTaskError header: ANSI colour
+    codes and the target's process and actor ("RayTaskError(ActorDiedError): \\x1b[36mray::ShardServer.append()
+    ...(pid=..., actor_id=<the target's>...)"), naming the shard that took the copy, not what happened. Both
+    reasons now say what failed; the items are lost once."""
     calls: list[tuple[LossReport, bool, int]] = []
     p: DistributedDataPlane | None = None
 
@@ -117,7 +122,10 @@ def test_real_cluster_loss_callbacks_run_outside_the_lock_in_order_once_each(clu
         "each report is handed to on_loss exactly once, in the order of .losses"
     assert [held for _, held, _ in calls] == [False, False], "on_loss ran under the buffer's lock"
     assert [n for _, _, n in calls] == [0, 0]
-    assert sorted(np.concatenate([r.lost for r in p.losses]).tolist()) == [0, 1, 2, 3]
+    assert sorted(np.concatenate([r.lost for r in p.losses]).tolist()) == [0, 1, 2, 3] and p.lost_items == 4
+    for r in found:
+        assert r.reason.startswith("ActorDiedError: "), r.reason
+        assert "\x1b" not in r.reason and "ray::" not in r.reason, r.reason
 
 
 # -- 3. float8 through the shards ----------------------------------------------------------------------------------
@@ -179,37 +187,44 @@ def test_real_cluster_a_re_replication_copy_that_lands_after_its_timeout_leaves_
 
 
 # -- 5. a loss found by an evicting ingestion ----------------------------------------------------------------------
-def _evicting_setup(owned: list[Any], cluster: Any, shard_capacity: int) -> DistributedDataPlane:
-    """Items 0-3 on shard 1, 4-7 on shard 0 (capacity 8, full), then shard 1 dies."""
-    p = _plane(owned, [cluster.head, cluster.workers[0]], shard_capacity=shard_capacity)
-    p.ingest(id_batch(np.arange(4)), node=cluster.workers[0])
-    p.ingest(id_batch(np.arange(4, 8)), node=cluster.head)
-    assert _shards_of(p, 0) == [1] and _shards_of(p, 4) == [0] and len(p) == 8
-    kill_server(p.servers[1].actor)
-    return p
+def _evicting_plane(owned: list[Any], servers: ShardServers, shard_capacity: int) -> DistributedDataPlane:
+    """Items 0-3 on shard 1, 4-7 on shard 0 (capacity 8, full), on ``servers`` (the head node's, the worker's)."""
+    plane = DistributedDataPlane(ID_SCHEMA, servers=servers, measure=False, health_period=None,
+                                 transport="object_store", capacity=8, timeout=20.0, shard_capacity=shard_capacity)
+    owned.append(plane)
+    plane.ingest(id_batch(np.arange(4)), node=servers.nodes[1])
+    plane.ingest(id_batch(np.arange(4, 8)), node=servers.nodes[0])
+    assert _shards_of(plane, 0) == [1] and _shards_of(plane, 4) == [0] and len(plane) == 8
+    return plane
 
 
-def test_real_cluster_items_an_ingestion_evicts_are_not_reported_lost_with_the_shard_it_finds_dead(cluster, owned):
-    """Ingesting 8-11 evicts 0-3, which lived on shard 1; the write finds shard 1 dead. Its report named 0-3
-    lost (lost_items 4), although the ingestion evicts them: nothing deliverable was lost."""
-    p = _evicting_setup(owned, cluster, shard_capacity=8)
-    h = p.ingest(id_batch(np.arange(8, 12)), node=cluster.workers[0])
-    assert h.tolist() == [8, 9, 10, 11]
-    assert [r.shard for r in p.losses] == [1]
-    assert p.losses[0].lost.tolist() == [] and p.lost_items == 0
-    assert _ids(p) == list(range(4, 12)) and len(p) == 8
+def test_real_cluster_an_evicting_ingestion_that_finds_a_shard_dead_reports_exactly_what_it_left_in_place(
+        cluster, owned):
+    """Two buffers on the same two servers (one server group and one death for both), then shard 1 dies.
 
+    Ingesting 8-11 evicts 0-3, which lived on shard 1; the write finds shard 1 dead. Its report named 0-3
+    lost (lost_items 4), although the ingestion evicts them: nothing deliverable was lost.
 
-def test_real_cluster_a_failed_evicting_ingestion_reports_the_items_it_left_in_place_lost(cluster, owned):
-    """The same, but shard 0 has no room: the ingestion fails and evicts nothing, so 0-3 stay in the window,
+    The same, but shard 0 has no room: the ingestion fails and evicts nothing, so 0-3 stay in the window,
     lost with shard 1: the report names them (and only them)."""
-    p = _evicting_setup(owned, cluster, shard_capacity=4)
+    servers = ShardServers([cluster.head, cluster.workers[0]])
+    owned.append(servers)
+    evicts = _evicting_plane(owned, servers, shard_capacity=8)
+    fails = _evicting_plane(owned, servers, shard_capacity=4)
+    kill_server(servers[1].actor)
+
+    h = evicts.ingest(id_batch(np.arange(8, 12)), node=cluster.workers[0])
+    assert h.tolist() == [8, 9, 10, 11]
+    assert [r.shard for r in evicts.losses] == [1]
+    assert evicts.losses[0].lost.tolist() == [] and evicts.lost_items == 0
+    assert _ids(evicts) == list(range(4, 12)) and len(evicts) == 8
+
     with pytest.raises(ClusterError):
-        p.ingest(id_batch(np.arange(8, 12)), node=cluster.workers[0])
-    assert [r.shard for r in p.losses] == [1]
-    assert p.losses[0].lost.tolist() == [0, 1, 2, 3] and p.lost_items == 4
-    assert p.index.oldest == 0 and len(p) == 4
-    assert _ids(p) == [4, 5, 6, 7]
+        fails.ingest(id_batch(np.arange(8, 12)), node=cluster.workers[0])
+    assert [r.shard for r in fails.losses] == [1]
+    assert fails.losses[0].lost.tolist() == [0, 1, 2, 3] and fails.lost_items == 4
+    assert fails.index.oldest == 0 and len(fails) == 4
+    assert _ids(fails) == [4, 5, 6, 7]
 
 
 def test_real_cluster_after_a_loss_a_replay_ingestion_evicts_further_to_fit_the_surviving_shards(cluster, owned):
@@ -233,21 +248,3 @@ def test_real_cluster_after_a_loss_a_replay_ingestion_evicts_further_to_fit_the_
     assert set(check_payload(p.deliver(200)[0]).tolist()) == {6, 7, 8, 9}
     p.ingest(id_batch(np.arange(10, 14)), node=cluster.workers[0])  # (routed to the surviving shard)
     assert _ids(p) == [10, 11, 12, 13]
-
-
-def test_real_cluster_both_replicas_dead_before_a_check_are_reported_with_plain_reasons(cluster, third, owned):
-    """Items 0-3 have copies on shards 0 and 1, and both die before a health check. The check loses one shard;
-    copying its items from the other fails, and that loss's reason was the copy's RayTaskError header: ANSI colour
-    codes and the target's process and actor ("RayTaskError(ActorDiedError): \\x1b[36mray::ShardServer.append()
-    ...(pid=..., actor_id=<the target's>...)"), naming the shard that took the copy, not what happened. Both
-    reasons now say what failed; the items are lost once."""
-    p = _plane(owned, [cluster.head, cluster.workers[0], third], replication=2)
-    p.ingest(id_batch(np.arange(4)), node=cluster.head)
-    assert _shards_of(p, 0) == [0, 1]
-    kill_server(p.servers[0].actor)
-    kill_server(p.servers[1].actor)
-    found = p.check_health()
-    assert sorted(r.shard for r in found) == [0, 1] and p.lost_items == 4
-    for r in found:
-        assert r.reason.startswith("ActorDiedError: "), r.reason
-        assert "\x1b" not in r.reason and "ray::" not in r.reason, r.reason
