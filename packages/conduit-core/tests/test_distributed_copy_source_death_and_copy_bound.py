@@ -60,6 +60,13 @@ def _replicas(plane: DistributedDataPlane, handles: Any) -> set[int]:
     return set(shard[shard >= 0].tolist())
 
 
+@pytest.fixture(scope="module")
+def m_node(cluster: LocalCluster) -> str:
+    """Node M of the two copy-source tests: it holds a shard there and is never killed, so one node serves both
+    (node N, which each test kills, is each test's own)."""
+    return str(cluster.add_node())
+
+
 def _kill_node_reported_dead(cluster: LocalCluster, node: str) -> None:
     """Kill ``node`` for real (as a crash) and return once Ray reports it dead."""
     import ray
@@ -117,13 +124,13 @@ class _SourceNodeDiesAfterReading(ServerStandIn):
 
 
 # -- 1. a copy whose source's node dies after reading --------------------------------------------------------------
-def test_a_copy_whose_source_node_dies_after_reading_leaves_its_target_a_candidate(cluster):
+def test_a_copy_whose_source_node_dies_after_reading_leaves_its_target_a_candidate(cluster, m_node):
     """Shards 0 (node N), 1 (node W), 2 (the head node) and 3 (node M). Segment A lives on shards 0 and 2, segment
     B on shards 3 and 2. Shard 2 is lost: A is copied from shard 0 to shard 1 and B from shard 3 to shard 0 (each
     the cheapest shard of another node). Node N dies after shard 0 read A's rows, before shard 1 fetched them: A's
     copy fails for want of its source (A is lost: both replicas are gone), B's fails with its target. Shard 1 did
     nothing wrong, so B's copy is sent again to shard 1, and B gets its second replica back."""
-    n_node, m_node = cluster.add_node(), cluster.add_node()
+    n_node = cluster.add_node()
     servers = ShardServers([n_node, cluster.workers[0], cluster.head, m_node])
     plane = DistributedDataPlane(BIG, capacity=32, shard_capacity=16, servers=servers, replication=2, measure=False,
                                  health_period=None, timeout=20.0, transport="object_store")
@@ -235,7 +242,7 @@ def _hold_until_its_node_dies(server: Any) -> Any:
     return store
 
 
-def test_a_copy_timed_out_on_a_source_found_dead_leaves_its_target_a_candidate(cluster):
+def test_a_copy_timed_out_on_a_source_found_dead_leaves_its_target_a_candidate(cluster, m_node):
     """Shards 0 (node N), 1 (node W), 2 (the head node) and 3 (node M). Segment A lives on shards 0 and 2, segment
     B on shards 3 and 2. Shard 0's data thread is held (its pings answer): it stands for a node that died without
     Ray knowing yet. Shard 2 is lost: A is copied from shard 0 to shard 1 and B from shard 3 to shard 0; both copies
@@ -243,7 +250,7 @@ def test_a_copy_timed_out_on_a_source_found_dead_leaves_its_target_a_candidate(c
     that follows, node N is killed for real: the probe finds shard 0 lost (A is lost: both replicas are gone). Shard
     1 answered the probe and only waited for shard 0's rows, so B's copy is sent again to shard 1, and B gets its
     second replica back: nothing that survived is reported lost, nothing is left under-replicated."""
-    n_node, m_node = cluster.add_node(), cluster.add_node()
+    n_node = cluster.add_node()
     servers = ShardServers([n_node, cluster.workers[0], cluster.head, m_node])
     plane = DistributedDataPlane(BIG, capacity=32, shard_capacity=16, servers=servers, replication=2, measure=False,
                                  health_period=None, timeout=10.0, transport="object_store")
