@@ -25,7 +25,7 @@ from conduit import (  # noqa: E402
     Replay,
     SchemaError,
 )
-from conduit.distributed import DistributedDataPlane, ShardServers, stage  # noqa: E402
+from conduit.distributed import DistributedDataPlane, stage  # noqa: E402
 from conduit.distributed.errors import ClusterError  # noqa: E402
 from conduit.distributed.testing import (  # noqa: E402
     DistributedOnPolicyEndpoint,
@@ -58,21 +58,18 @@ def _span(plane, shard: int) -> tuple[int, int]:
 
 
 # -- no cluster needed -----------------------------------------------------------------------------
-def test_import_conduit_needs_no_ray():
-    """``import conduit`` (and even ``conduit.distributed``) does not import Ray."""
-    code = "import sys, conduit, conduit.distributed; print('ray' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
-
-
-def test_without_ray_init_a_typed_error_says_what_to_do():
-    code = ("from conduit.distributed import DistributedDataPlane, ClusterError\n"
+def test_import_conduit_needs_no_ray_and_without_ray_init_a_typed_error_says_what_to_do():
+    """``import conduit`` (and even ``conduit.distributed``) does not import Ray; a plane built without ``ray.init``
+    raises ClusterError naming it. (One fresh interpreter checks both, in that order: the build imports Ray.)"""
+    code = ("import sys, conduit, conduit.distributed\n"
+            "print('ray' in sys.modules)\n"
+            "from conduit.distributed import DistributedDataPlane, ClusterError\n"
             "from conduit.testing.reference import ID_SCHEMA\n"
             "try:\n    DistributedDataPlane(ID_SCHEMA, capacity=8)\n"
             "except ClusterError as e:\n    print('ClusterError', 'ray.init' in str(e))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "ClusterError True", out.stdout + out.stderr
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines() == ["False", "ClusterError True"], out.stdout + out.stderr
 
 
 # -- pinning and routing ---------------------------------------------------------------------------
@@ -174,13 +171,13 @@ def test_a_checkpoint_of_other_semantics_is_refused_and_changes_nothing(servers)
         assert torch.equal(p.semantics.state_dict()["sampler"]["rng"], rng)
 
 
-def test_replication_needs_distinct_nodes(cluster):
-    group = ShardServers([cluster.workers[0]])
-    try:
-        with pytest.raises(ConfigurationError):
-            DistributedDataPlane(ID_SCHEMA, capacity=10, servers=group, replication=2, health_period=None)
-    finally:
-        group.shutdown()
+def test_replication_needs_distinct_nodes(servers):
+    """More copies than the servers' distinct nodes is refused, naming both (the module's servers span two nodes:
+    no group of its own is started for this refusal), and the servers are left running for other buffers."""
+    with pytest.raises(ConfigurationError, match="replication=3 needs servers on at least 3 distinct nodes; "
+                                                 "these servers span 2"):
+        DistributedDataPlane(ID_SCHEMA, capacity=10, servers=servers, replication=3, health_period=None)
+    servers.check_running()
 
 
 # -- semantics across shards -----------------------------------------------------------------------
