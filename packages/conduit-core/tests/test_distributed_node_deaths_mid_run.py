@@ -96,15 +96,28 @@ def test_real_cluster_a_second_node_dying_after_the_first_ones_items_were_re_rep
         own.shutdown()
 
 
-def test_real_cluster_a_node_dying_in_the_second_epoch_keeps_exactly_once_for_the_survivors(cluster):
-    """On-policy, two epochs of four minibatches: the victim dies after the first epoch and a minibatch of the
+def test_real_cluster_a_node_dying_in_the_second_epoch_or_while_priorities_are_updated_keeps_both_buffers_exact(
+        cluster):
+    """One victim node holds a shard of two buffers, each with its own health monitor (one node started and killed
+    for both: each buffer finds the loss on its own).
+
+    On-policy, two epochs of four minibatches: the victim dies after the first epoch and a minibatch of the
     second. The report names exactly the victim's items; the rest of the second epoch delivers each survivor not
-    yet delivered in it exactly once, and nothing of the victim."""
+    yet delivered in it exactly once, and nothing of the victim.
+
+    Prioritized replay on the same two nodes: a learner thread updates priorities of every item (both shards) while
+    the victim dies and the monitor fences it. Afterwards the global total is exactly the sum of the surviving
+    items' priorities: every lost item has priority 0, none was revived by an update that raced the loss."""
     victim = cluster.add_node()
     own = ShardServers([cluster.workers[0], victim])
     p = DistributedDataPlane(ID_SCHEMA, capacity=200, servers=own, health_period=0.2, timeout=10.0, measure=False,
                              transport="object_store", semantics=OnPolicy(num_minibatches=4, num_epochs=2, seed=5))
+    q = DistributedDataPlane(ID_SCHEMA, capacity=256, servers=own, health_period=0.2, timeout=10.0, measure=False,
+                             transport="object_store", semantics=Replay(PrioritizedSampler(alpha=1.0), seed=2))
+    stop = threading.Event()
+    errors: list[BaseException] = []
     try:
+        # the on-policy buffer: the first epoch and a minibatch of the second before the death
         h_keep = p.ingest(id_batch(np.arange(0, 40)), version=0, node=cluster.workers[0])
         h_lost = p.ingest(id_batch(np.arange(100, 140)), version=0, node=victim)
         p.seal()
@@ -114,12 +127,35 @@ def test_real_cluster_a_node_dying_in_the_second_epoch_keeps_exactly_once_for_th
             epochs.setdefault(info.epoch, []).extend(check_payload(batch).tolist())
         assert sorted(epochs[0]) == [*range(40), *range(100, 140)] and len(epochs[1]) == 20
 
+        # the prioritized buffer: its learner updates priorities while the victim dies
+        h = torch.cat([q.ingest(id_batch(np.arange(0, 64)), node=cluster.workers[0]),
+                       q.ingest(id_batch(np.arange(64, 128)), node=victim)])
+
+        def learner() -> None:
+            rng = np.random.default_rng(0)
+            try:
+                while not stop.is_set():
+                    q.update_priorities(h, torch.from_numpy(rng.uniform(0.5, 2.0, h.shape[0])))
+                    q.deliver(16)
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                errors.append(e)
+
+        t = threading.Thread(target=learner)
+        t.start()
         cluster.kill_node(victim)
-        _wait_for_losses(p, 1, lambda: time.sleep(0.05))  # the learner waits for the monitor
+        t0 = time.monotonic()
+        while not (p.losses and q.losses):  # the on-policy learner waits for its monitor
+            assert time.monotonic() - t0 < DETECTION_BOUND, "a loss was not detected within the bound"
+            time.sleep(0.05)
+        time.sleep(0.5)  # a few more priority updates after the loss
+        stop.set()
+        t.join(60)
+        assert not t.is_alive() and not errors, errors
+
+        # on-policy: exactly the victim's items reported; the second epoch goes on exactly once over the survivors
         rep = p.losses[0]
         assert rep.lost.tolist() == sorted(h_lost.tolist()) and rep.recovered == 0
         assert not set(rep.lost.tolist()) & set(h_keep.tolist())
-
         while True:
             batch, info = p.deliver()
             ids = check_payload(batch).tolist()
@@ -134,103 +170,97 @@ def test_real_cluster_a_node_dying_in_the_second_epoch_keeps_exactly_once_for_th
         p.ingest(id_batch(np.arange(200, 210)), version=1, node=cluster.workers[0])
         p.seal()
         assert sorted(check_payload(p.read(p.live_handles())).tolist()) == list(range(200, 210))
-    finally:
-        p.close()
-        own.shutdown()
 
-
-def test_real_cluster_a_node_dying_while_priorities_are_updated_leaves_a_consistent_total(cluster):
-    """Prioritized replay on two nodes; a learner thread updates priorities of every item (both shards) while
-    the victim dies and the monitor fences it. Afterwards the global total is exactly the sum of the surviving
-    items' priorities: every lost item has priority 0, none was revived by an update that raced the loss."""
-    victim = cluster.add_node()
-    own = ShardServers([cluster.workers[0], victim])
-    p = DistributedDataPlane(ID_SCHEMA, capacity=256, servers=own, health_period=0.2, timeout=10.0, measure=False,
-                             transport="object_store", semantics=Replay(PrioritizedSampler(alpha=1.0), seed=2))
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    try:
-        h = torch.cat([p.ingest(id_batch(np.arange(0, 64)), node=cluster.workers[0]),
-                       p.ingest(id_batch(np.arange(64, 128)), node=victim)])
-
-        def learner() -> None:
-            rng = np.random.default_rng(0)
-            try:
-                while not stop.is_set():
-                    p.update_priorities(h, torch.from_numpy(rng.uniform(0.5, 2.0, h.shape[0])))
-                    p.deliver(16)
-            except BaseException as e:  # noqa: BLE001 - reported by the test
-                errors.append(e)
-
-        t = threading.Thread(target=learner)
-        t.start()
-        cluster.kill_node(victim)
-        _wait_for_losses(p, 1, lambda: time.sleep(0.05))
-        time.sleep(0.5)  # a few more updates after the loss
-        stop.set()
-        t.join(60)
-        assert not t.is_alive() and not errors, errors
-        rep = p.losses[0]
+        # prioritized: the total is exactly the survivors' priorities
+        rep = q.losses[0]
         assert rep.num_lost == 64
-        tree = p.semantics.sampler._tree
-        live = p.live_handles()
-        assert np.all(tree.get(rep.lost % p.capacity) == 0), "a lost item has a priority again"
-        assert tree.total == pytest.approx(float(tree.get(live % p.capacity).sum()))
-        assert p.update_priorities(h, torch.ones(h.shape[0])) == 64
+        tree = q.semantics.sampler._tree
+        live = q.live_handles()
+        assert np.all(tree.get(rep.lost % q.capacity) == 0), "a lost item has a priority again"
+        assert tree.total == pytest.approx(float(tree.get(live % q.capacity).sum()))
+        assert q.update_priorities(h, torch.ones(h.shape[0])) == 64
         assert tree.total == pytest.approx(64.0)
-        _, info = p.deliver(64)
+        _, info = q.deliver(64)
         assert set(info.handles.tolist()) <= set(live.tolist())
     finally:
         stop.set()
         p.close()
+        q.close()
         own.shutdown()
 
 
-def test_real_cluster_a_checkpoint_restored_after_a_node_died_loads_every_item_on_the_survivors(cluster):
-    """A checkpoint is taken; a node dies before it is restored (no monitor: the restore finds it). The
-    restore fences the dead shard, reports none of the checkpoint's items lost, and stores them all on the
-    surviving shard; the loop goes on."""
+def test_real_cluster_a_checkpoint_or_health_check_after_a_node_died_and_a_node_that_comes_back(cluster):
+    """One victim node holds a shard of three buffers without a monitor (one node started and killed for all
+    three: each buffer finds the death on its own, by the call named below).
+
+    A checkpoint is taken; the node dies before it is restored: the restore fences the dead shard, reports none
+    of the checkpoint's items lost, and stores them all on the surviving shard; the loop goes on.
+
+    The node dies and the next checkpoint is what finds it: the report names exactly that node's items, the
+    checkpoint holds exactly the others, and it restores into the same buffer.
+
+    As documented (``servers``): a lost shard is never used again, a node that joins adds no shard to the buffer,
+    and a new buffer on servers that include the new node takes the old one's checkpoint."""
+    from conduit.distributed import ClusterError
+
     victim = cluster.add_node()
     own = ShardServers([cluster.workers[0], victim])
-    p = DistributedDataPlane(ID_SCHEMA, capacity=64, servers=own, health_period=None, timeout=10.0, measure=False,
-                             transport="object_store", semantics=Replay(seed=4))
-    try:
-        p.ingest(id_batch(np.arange(0, 20)), node=cluster.workers[0])
-        p.ingest(id_batch(np.arange(20, 40)), node=victim)
-        state = p.state_dict()
-        cluster.kill_node(victim)
-        _wait_dead(victim)
-        p.load_state_dict(state)
-        assert len(p.losses) == 1 and p.losses[0].shard == 1 and p.losses[0].num_lost == 0
-        assert p.alive_shards == [0] and len(p) == 40
-        assert sorted(check_payload(p.read(p.live_handles())).tolist()) == list(range(40))
-        p.ingest(id_batch(np.arange(40, 50)))
-        assert sorted(check_payload(p.read(p.live_handles())).tolist()) == list(range(50))
-    finally:
-        p.close()
-        own.shutdown()
-
-
-def test_real_cluster_a_checkpoint_taken_after_a_node_died_leaves_exactly_its_items_out(cluster):
-    """A node dies (no monitor) and the next checkpoint is what finds it: the report names exactly that node's
-    items, the checkpoint holds exactly the others, and it restores into the same buffer."""
-    victim = cluster.add_node()
-    own = ShardServers([cluster.workers[0], victim])
+    restored = DistributedDataPlane(ID_SCHEMA, capacity=64, servers=own, health_period=None, timeout=10.0,
+                                    measure=False, transport="object_store", semantics=Replay(seed=4))
+    taken = DistributedDataPlane(ID_SCHEMA, capacity=64, servers=own, health_period=None, timeout=10.0,
+                                 measure=False, transport="object_store")
     p = DistributedDataPlane(ID_SCHEMA, capacity=64, servers=own, health_period=None, timeout=10.0, measure=False,
                              transport="object_store")
+    fresh = q = None
     try:
+        restored.ingest(id_batch(np.arange(0, 20)), node=cluster.workers[0])
+        restored.ingest(id_batch(np.arange(20, 40)), node=victim)
+        state = restored.state_dict()
+        taken.ingest(id_batch(np.arange(0, 20)), node=cluster.workers[0])
+        h_lost = taken.ingest(id_batch(np.arange(20, 40)), node=victim)
         p.ingest(id_batch(np.arange(0, 20)), node=cluster.workers[0])
-        h_lost = p.ingest(id_batch(np.arange(20, 40)), node=victim)
+        p.ingest(id_batch(np.arange(20, 40)), node=victim)
         cluster.kill_node(victim)
         _wait_dead(victim)
-        state = p.state_dict()
-        assert len(p.losses) == 1 and p.losses[0].lost.tolist() == h_lost.tolist()
-        assert sorted(check_payload(p.read(state["handles"])).tolist()) == list(range(20))
-        p.load_state_dict(state)
-        assert len(p) == 20 and sorted(check_payload(p.read(p.live_handles())).tolist()) == list(range(20))
+
+        # a checkpoint taken before the death, restored after it
+        restored.load_state_dict(state)
+        assert len(restored.losses) == 1 and restored.losses[0].shard == 1 and restored.losses[0].num_lost == 0
+        assert restored.alive_shards == [0] and len(restored) == 40
+        assert sorted(check_payload(restored.read(restored.live_handles())).tolist()) == list(range(40))
+        restored.ingest(id_batch(np.arange(40, 50)))
+        assert sorted(check_payload(restored.read(restored.live_handles())).tolist()) == list(range(50))
+
+        # a checkpoint taken after the death finds it
+        taken_state = taken.state_dict()
+        assert len(taken.losses) == 1 and taken.losses[0].lost.tolist() == h_lost.tolist()
+        assert sorted(check_payload(taken.read(taken_state["handles"])).tolist()) == list(range(20))
+        taken.load_state_dict(taken_state)
+        assert len(taken) == 20 and sorted(check_payload(taken.read(taken.live_handles())).tolist()) == list(range(20))
+
+        # a health check finds it; the node comes back
+        (rep,) = p.check_health()
+        assert rep.num_lost == 20
+        back = cluster.add_node()  # the node comes back (a new node id, the same resources)
+        p.ingest(id_batch(np.arange(40, 50)), node=cluster.workers[0])
+        assert p.alive_shards == [0] and p.num_shards == 2  # it adds no shard to this buffer
+        with pytest.raises(ClusterError, match="could not open its partition"):  # the old group has a fenced server
+            DistributedDataPlane(ID_SCHEMA, capacity=64, servers=own, health_period=None, measure=False)
+        fresh = ShardServers([cluster.workers[0], back])
+        q = DistributedDataPlane(ID_SCHEMA, capacity=64, servers=fresh, health_period=None, timeout=10.0,
+                                 measure=False, transport="object_store")
+        q.load_state_dict(p.state_dict())
+        assert sorted(check_payload(q.read(q.live_handles())).tolist()) == [*range(20), *range(40, 50)]
+        h = q.ingest(id_batch(np.arange(50, 60)), node=back)
+        shard, _ = q.index.replicas(q.index.segments_of(h.numpy()), h.numpy())
+        assert (shard[:, 0] == 1).all(), "the new node's server serves the new buffer"
     finally:
-        p.close()
+        for plane in (restored, taken, p, q):
+            if plane is not None:
+                plane.close()
         own.shutdown()
+        if fresh is not None:
+            fresh.shutdown()
 
 
 def _partitions(group: ShardServers) -> list[int]:
@@ -283,45 +313,6 @@ def test_real_cluster_the_partitions_of_a_learner_whose_node_died_are_dropped_wh
         if renewed is not None:
             renewed.close()
         own.shutdown()
-
-
-def test_real_cluster_a_node_that_comes_back_serves_only_a_buffer_built_on_servers_started_there(cluster):
-    """As documented (``servers``): a lost shard is never used again, a node that joins adds no shard to the
-    buffer, and a new buffer on servers that include the new node takes the old one's checkpoint."""
-    from conduit.distributed import ClusterError
-
-    victim = cluster.add_node()
-    own = ShardServers([cluster.workers[0], victim])
-    p = DistributedDataPlane(ID_SCHEMA, capacity=64, servers=own, health_period=None, timeout=10.0, measure=False,
-                             transport="object_store")
-    fresh = q = None
-    try:
-        p.ingest(id_batch(np.arange(0, 20)), node=cluster.workers[0])
-        p.ingest(id_batch(np.arange(20, 40)), node=victim)
-        cluster.kill_node(victim)
-        _wait_dead(victim)
-        (rep,) = p.check_health()
-        assert rep.num_lost == 20
-        back = cluster.add_node()  # the node comes back (a new node id, the same resources)
-        p.ingest(id_batch(np.arange(40, 50)), node=cluster.workers[0])
-        assert p.alive_shards == [0] and p.num_shards == 2  # it adds no shard to this buffer
-        with pytest.raises(ClusterError, match="could not open its partition"):  # the old group has a fenced server
-            DistributedDataPlane(ID_SCHEMA, capacity=64, servers=own, health_period=None, measure=False)
-        fresh = ShardServers([cluster.workers[0], back])
-        q = DistributedDataPlane(ID_SCHEMA, capacity=64, servers=fresh, health_period=None, timeout=10.0,
-                                 measure=False, transport="object_store")
-        q.load_state_dict(p.state_dict())
-        assert sorted(check_payload(q.read(q.live_handles())).tolist()) == [*range(20), *range(40, 50)]
-        h = q.ingest(id_batch(np.arange(50, 60)), node=back)
-        shard, _ = q.index.replicas(q.index.segments_of(h.numpy()), h.numpy())
-        assert (shard[:, 0] == 1).all(), "the new node's server serves the new buffer"
-    finally:
-        p.close()
-        if q is not None:
-            q.close()
-        own.shutdown()
-        if fresh is not None:
-            fresh.shutdown()
 
 
 @pytest.mark.parametrize("gap_s", [0.0, 1.5])
