@@ -59,7 +59,9 @@ def test_a_build_refused_in_on_algorithm_init_returns_the_env_runners_cpus(
         if refused is not _scheduler_factory_returning_no_scheduler:
             return  # (the build below is the same after either refusal: once is enough)
         # the same session builds the corrected config at once, with the CPUs the refused build had taken
-        algo: Any = conduit_rllib.enable(_config()).build_algo()
+        # (an iteration of 20 env steps, not DQN's default 1000: past the 10 before learning starts, so it samples
+        # on the new env runner and trains, at a fiftieth of the cost)
+        algo: Any = conduit_rllib.enable(_config().reporting(min_sample_timesteps_per_iteration=20)).build_algo()
         try:
             algo.train()
         finally:
