@@ -17,11 +17,17 @@ from ray.rllib.algorithms.dqn import DQNConfig
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 
+CAPACITY = 64
+
+
 def _config(num_env_runners: int) -> DQNConfig:
+    # iterations of 40 env steps (DQN's default is 1000): the saver's two fill the buffer of 64 and wrap it, so the
+    # checkpoint holds a buffer that has evicted, as the 2000 steps into 300 did, at a twenty-fifth of the steps
     return (DQNConfig().environment("CartPole-v1").env_runners(num_env_runners=num_env_runners,
                                                                rollout_fragment_length=20)
             .training(train_batch_size=8, num_steps_sampled_before_learning_starts=10, store_buffer_in_checkpoints=True,
-                      replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": 300})
+                      replay_buffer_config={"type": "PrioritizedEpisodeReplayBuffer", "capacity": CAPACITY})
+            .reporting(min_sample_timesteps_per_iteration=40)
             .debugging(seed=0))
 
 
@@ -50,7 +56,7 @@ def test_a_checkpoint_restores_into_another_number_of_env_runners(tmp_path: Path
         path = algo.save_to_path(tmp_path / "ckpt")
     finally:
         algo.stop()
-    assert stored > 0
+    assert stored == CAPACITY and saved["next"] > CAPACITY, "the saver's buffer did not fill and wrap"
     restored: Any = conduit_rllib.enable(_config(restorer)).build_algo()
     try:
         restored.restore_from_path(path)
