@@ -54,13 +54,19 @@ def roundtrip(start: Any, backend: str, **cfg: Any) -> dict[str, Any]:
     out["left"] = [r.tolist() for r in left["responses"].unbind()]
     if backend == "Conduit":
         out["stats"] = tq.get_client().storage_manager.stats()
-    tq.close()
     return out
 
 
-def test_same_columns_as_simple_storage(tq_session: Any) -> None:
-    """Every column comes back as SimpleStorage returns it (types, values, padding), before and after clears."""
+def test_same_columns_as_simple_storage_and_a_checkpoint_through_transfer_queue(tq_session: Any,
+                                                                               tmp_path: Any) -> None:
+    """Every column comes back as SimpleStorage returns it (types, values, padding), before and after clears.
+
+    Then, on the same Conduit units (a TransferQueue start fewer): tq.save_checkpoint / tq.load_checkpoint (what
+    verl's async trainers call) keep Conduit's samples."""
+    import transfer_queue as tq
+
     ref = roundtrip(tq_session, "SimpleStorage")
+    tq.close()
     got = roundtrip(tq_session, "Conduit", num_units=2, capacity=4, mean_length=2)  # forces routing + migration
     assert got["types"] == ref["types"]
     assert got["rows"] == ref["rows"] and got["padded"] == ref["padded"]
@@ -71,13 +77,6 @@ def test_same_columns_as_simple_storage(tq_session: Any) -> None:
     assert len(stats) == 2 and all(s["fields"]["responses"]["samples"] == 2 for s in stats)  # 4 of 8 left, 2 units
     assert any(s["migrations"] for s in stats), "tiny first placements should have migrated"
 
-
-def test_checkpoint_through_transfer_queue(tq_session: Any, tmp_path: Any) -> None:
-    """tq.save_checkpoint / tq.load_checkpoint (what verl's async trainers call) keep Conduit's samples."""
-    import transfer_queue as tq
-    import verl  # noqa: F401
-
-    tq_session("Conduit", num_units=2)
     keys = [f"c{i}" for i in range(6)]
     tq.kv_batch_put(keys=keys, partition_id="train", fields=trajectories(6, 3), tags=[{}] * 6)
     before = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["responses", "uid"])
