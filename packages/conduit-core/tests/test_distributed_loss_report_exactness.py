@@ -122,25 +122,42 @@ def _wait_dead(nodes: set[str]) -> None:
 
 
 @pytest.mark.slow
-def test_real_cluster_a_prioritized_delivery_that_finds_two_killed_replicas_is_exact_and_the_loop_goes_on(cluster):
-    """Both fixes on the real local cluster. Items 0-3 (priority 3) on two victim nodes (replication 2), items
-    4-7 (priority 1) on the head node and a victim; both victims are killed and the next delivery finds it. The
-    reports name 0-3 lost and only 4-7 recovered (each item once), every draw's probability and weight is the
-    survivors' (1/4 and 1), a checkpoint taken after the loss round-trips, and ingestion and delivery go on."""
+def test_real_cluster_deliveries_that_find_killed_nodes_are_exact_and_the_loop_goes_on(cluster):
+    """Both fixes on the real local cluster, for two buffers with shards on the same two victim nodes, killed once
+    (one pair of nodes started and killed for both: each buffer's own next delivery finds the loss):
+
+    * prioritized, replication 2: items 0-3 (priority 3) on both victims, items 4-7 (priority 1) on the head node
+      and a victim. The reports name 0-3 lost and only 4-7 recovered (each item once), every draw's probability
+      and weight is the survivors' (1/4 and 1), a checkpoint taken after the loss round-trips, and ingestion and
+      delivery go on;
+    * uniform: 996 of 1000 items on a victim. The next delivery (with replacement) finds the loss and delivers the
+      4 survivors, and so do draws without replacement, a checkpoint round-trip and the ingestions after it."""
     from conduit import PrioritizedSampler, Replay
 
     va, vb = cluster.add_node(), cluster.add_node()
     own = ShardServers([va, vb, cluster.head, cluster.workers[0]])
+    own_u = ShardServers([va, cluster.head])  # the uniform buffer's shard 0 on a victim
     p = DistributedDataPlane(ID_SCHEMA, capacity=16, replication=2, servers=own, measure=False, health_period=None,
                              timeout=10.0, transport="object_store", learner_node=vb,
                              semantics=Replay(PrioritizedSampler(alpha=1.0, beta=1.0), seed=11))
+    u = DistributedDataPlane(ID_SCHEMA, capacity=1000, servers=own_u, measure=False, health_period=None,
+                             timeout=10.0, transport="object_store", learner_node=cluster.head,
+                             semantics=Replay(seed=7))
     try:
+        # prioritized
         p.ingest(id_batch(np.arange(4)), node=va, priorities=np.full(4, 3.0))
         p.ingest(id_batch(np.arange(4, 8)), node=cluster.head, priorities=np.ones(4))
         assert sorted(s for s, _ in p.index.segment(0)[2]) == [0, 1], "the plan put items 0-3 elsewhere"
+        # uniform
+        u.ingest(id_batch(np.arange(996)), node=va)
+        u.ingest(id_batch(np.arange(996, 1000)), node=cluster.head)
+        assert [s for s, _ in u.index.segment(0)[2]] == [0] and [s for s, _ in u.index.segment(1)[2]] == [1]
+
         cluster.kill_node(va)
         cluster.kill_node(vb)
         _wait_dead({va, vb})
+
+        # prioritized
         batch, info = p.deliver(32)
         ids = check_payload(batch).tolist()
         assert set(ids) <= {4, 5, 6, 7} and ids == info.handles.tolist()
@@ -159,37 +176,19 @@ def test_real_cluster_a_prioritized_delivery_that_finds_two_killed_replicas_is_e
         batch, info = p.deliver(64)
         assert set(check_payload(batch).tolist()) == set(range(4, 12))
         assert p.update_priorities(info.handles, np.ones(64)) == 64
-    finally:
-        p.close()
-        own.shutdown()
 
-
-@pytest.mark.slow
-def test_real_cluster_uniform_draws_go_on_after_a_killed_node_took_nearly_every_item(cluster):
-    """The uniform fixes on the real local cluster: 996 of 1000 items on a victim node, which is killed; the
-    next delivery (with replacement) finds the loss and delivers the 4 survivors, and so do draws without
-    replacement, a checkpoint round-trip and the ingestions after it."""
-    from conduit import Replay
-
-    victim = cluster.add_node()
-    own = ShardServers([victim, cluster.head])
-    p = DistributedDataPlane(ID_SCHEMA, capacity=1000, servers=own, measure=False, health_period=None, timeout=10.0,
-                             transport="object_store", learner_node=cluster.head, semantics=Replay(seed=7))
-    try:
-        p.ingest(id_batch(np.arange(996)), node=victim)
-        p.ingest(id_batch(np.arange(996, 1000)), node=cluster.head)
-        assert [s for s, _ in p.index.segment(0)[2]] == [0] and [s for s, _ in p.index.segment(1)[2]] == [1]
-        cluster.kill_node(victim)
-        _wait_dead({victim})
-        batch, info = p.deliver(64)
+        # uniform
+        batch, info = u.deliver(64)
         assert set(check_payload(batch).tolist()) == {996, 997, 998, 999}
-        assert len(p.losses) == 1 and p.losses[0].lost.tolist() == list(range(996)) and len(p) == 4
-        batch, _ = p.deliver(4, replace=False)
+        assert len(u.losses) == 1 and u.losses[0].lost.tolist() == list(range(996)) and len(u) == 4
+        batch, _ = u.deliver(4, replace=False)
         assert sorted(check_payload(batch).tolist()) == [996, 997, 998, 999]
-        p.load_state_dict(p.state_dict())
-        p.ingest(id_batch(np.arange(1000, 1004)))  # the training loop goes on (evicting lost items first)
-        batch, _ = p.deliver(64)
-        assert set(check_payload(batch).tolist()) <= set(range(996, 1004)) and len(p) == 8
+        u.load_state_dict(u.state_dict())
+        u.ingest(id_batch(np.arange(1000, 1004)))  # the training loop goes on (evicting lost items first)
+        batch, _ = u.deliver(64)
+        assert set(check_payload(batch).tolist()) <= set(range(996, 1004)) and len(u) == 8
     finally:
         p.close()
+        u.close()
         own.shutdown()
+        own_u.shutdown()
