@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -109,57 +110,64 @@ def test_a_health_check_returns_the_loss_its_re_replication_found(fake_ray):  # 
     assert len(p) == 0
 
 
-@pytest.mark.slow
-def test_real_cluster_a_killed_shard_found_by_an_evicting_ingestion_keeps_two_copies_of_every_kept_item(cluster):
-    """The first test on the real local cluster: three nodes, the victim's shard server is killed, and the
-    ingestion that evicts finds it."""
+def _wait_gone(actor: Any) -> None:
+    """Until the killed shard server ``actor`` is gone (``ray.kill`` is asynchronous; without asking the buffer)."""
     import ray
 
-    victim = cluster.add_node()
-    own = ShardServers([victim, cluster.head, cluster.workers[0]])
-    p = DistributedDataPlane(ID_SCHEMA, capacity=6, shard_capacity=6, replication=2, servers=own, measure=False,
-                             health_period=None, timeout=10.0, transport="object_store")
-    try:
-        _fill_three_nodes(p, [victim, cluster.head, cluster.workers[0]])
-        ray.kill(own[0].actor, no_restart=True)
-        deadline = time.monotonic() + 60
-        while True:  # ray.kill is asynchronous: wait until the server is gone (without asking the buffer)
-            assert time.monotonic() < deadline, "the killed shard server did not go"
-            try:
-                ray.get(own[0].actor.ping.remote(), timeout=5)
-            except ray.exceptions.RayActorError:
-                break
-            except ray.exceptions.GetTimeoutError:
-                pass
-            time.sleep(0.2)
-        p.ingest(id_batch(np.arange(6, 9)), node=victim)
-        assert len(p.losses) == 1 and p.losses[0].shard == 0 and p.losses[0].num_lost == 0
-        copies = _copies(p)
-        short = sorted(h for h, c in copies.items() if c < 2)
-        assert sorted(copies) == [3, 4, 5, 6, 7, 8] and not short, f"items {short} kept with one copy"
-        assert p.under_replicated == 0, f"{p.under_replicated} items counted under-replicated"
-        assert sorted(check_payload(p.read(p.live_handles())).tolist()) == [3, 4, 5, 6, 7, 8]
-    finally:
-        p.close()
-        own.shutdown()
-        cluster.kill_node(victim)
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, "the killed shard server did not go"
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.2)
 
 
 @pytest.mark.slow
-def test_real_cluster_two_killed_replicas_are_both_reported_by_one_health_check(cluster):
-    """The health-check test on the real local cluster: items 0-3 on two victim nodes, both nodes killed."""
+def test_real_cluster_a_killed_server_and_two_killed_nodes_are_found_exactly(cluster):
+    """The evicting-ingestion and health-check tests on the real local cluster, two buffers with shards on the same
+    two victim nodes (one pair of nodes started for both; each buffer finds its loss through its own call):
+
+    * evicting ingestion: replication 2 over three nodes, the victim's shard server of this buffer is killed, and
+      the ingestion that evicts finds it: every kept item has two copies, none is counted under-replicated;
+    * health check: items 0-3 on the two victim nodes, both nodes killed: one health check reports both shards,
+      the 4 items lost and none under-replicated, and the training loop goes on with the survivors."""
+    import ray
+
     va, vb = cluster.add_node(), cluster.add_node()
+    killed = False
+    own_e = ShardServers([va, cluster.head, cluster.workers[0]])  # the evicting buffer's shard 0 on a victim
     own = ShardServers([va, vb, cluster.head, cluster.workers[0]])
+    e = DistributedDataPlane(ID_SCHEMA, capacity=6, shard_capacity=6, replication=2, servers=own_e, measure=False,
+                             health_period=None, timeout=10.0, transport="object_store")
     # (the plan ranks the producer's node, then the learner's: items 0-3 go to both victims)
     p = DistributedDataPlane(ID_SCHEMA, capacity=8, replication=2, servers=own, measure=False, health_period=None,
                              timeout=10.0, transport="object_store", learner_node=vb)
     try:
+        # health check: the items on both victims
         p.ingest(id_batch(np.arange(4)), node=va)
         assert sorted(s for s, _ in p.index.segment(0)[2]) == [0, 1], "the plan put the items elsewhere"
+
+        # evicting ingestion: only this buffer's server on the victim is killed (the node stays up)
+        _fill_three_nodes(e, [va, cluster.head, cluster.workers[0]])
+        ray.kill(own_e[0].actor, no_restart=True)
+        _wait_gone(own_e[0].actor)
+        e.ingest(id_batch(np.arange(6, 9)), node=va)
+        assert len(e.losses) == 1 and e.losses[0].shard == 0 and e.losses[0].num_lost == 0
+        copies = _copies(e)
+        short = sorted(h for h, c in copies.items() if c < 2)
+        assert sorted(copies) == [3, 4, 5, 6, 7, 8] and not short, f"items {short} kept with one copy"
+        assert e.under_replicated == 0, f"{e.under_replicated} items counted under-replicated"
+        assert sorted(check_payload(e.read(e.live_handles())).tolist()) == [3, 4, 5, 6, 7, 8]
+
+        # health check: both victim nodes killed
+        assert not p.losses
+        killed = True
         cluster.kill_node(va)
         cluster.kill_node(vb)
-        import ray
-
         deadline = time.monotonic() + 60
         while {n["NodeID"] for n in ray.nodes() if n.get("Alive")} & {va, vb}:  # Ray declares both dead first
             assert time.monotonic() < deadline, "Ray did not declare the killed nodes dead"
@@ -172,5 +180,10 @@ def test_real_cluster_two_killed_replicas_are_both_reported_by_one_health_check(
         p.ingest(id_batch(np.arange(4, 8)))  # the training loop goes on with the survivors
         assert sorted(check_payload(p.read(p.live_handles())).tolist()) == [4, 5, 6, 7]
     finally:
+        e.close()
         p.close()
+        own_e.shutdown()
         own.shutdown()
+        if not killed:
+            cluster.kill_node(va)
+            cluster.kill_node(vb)
