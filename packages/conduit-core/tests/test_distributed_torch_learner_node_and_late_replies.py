@@ -42,10 +42,28 @@ def _fill(p: DistributedDataPlane, head: str, worker: str) -> None:
 
 
 # -- 1. a learner node other than this process's -------------------------------------------------------------------
-def test_auto_with_another_learner_node_delivers_through_the_object_store(cluster):
+def test_a_learner_node_other_than_this_processs_refuses_torch_and_auto_goes_through_the_object_store(cluster):
+    """One server group, fresh (nothing formed or measured on it), for both halves: ``transport="torch"`` with
+    another ``learner_node`` is refused before a group forms, and ``"auto"`` with it delivers through the object
+    store while a group formed for this process's node is left as it was."""
     head, worker = cluster.head, cluster.workers[0]
     group = ShardServers([head, worker])
     try:
+        # torch with another learner node: refused before a group forms
+        for servers in (group, [head, worker]):
+            with pytest.raises(ConfigurationError, match=r"transport='torch' delivers into this process.*"
+                                                         r"learner_node=.*transport='object_store'"):
+                DistributedDataPlane(ID_SCHEMA, capacity=64, servers=servers, learner_node=worker,
+                                     transport="torch", health_period=None)
+        assert group.torch_group(create=False) is None and group._links is None  # nothing formed or measured
+        # this process's node, named, is the learner's: taken
+        with DistributedDataPlane(ID_SCHEMA, capacity=64, servers=group, learner_node=head, transport="torch",
+                                  measure=False, health_period=None, timeout=30.0) as p:
+            assert p.transports == ["torch", "torch"]
+            _fill(p, head, worker)
+            assert sorted(check_payload(p.read(p.live_handles())).tolist()) == list(range(20))
+
+        # auto with another learner node: through the object store (the group formed above is the one asked for)
         g = group.torch_group(timeout=60.0)
         assert g.learner_node == head  # the group's receiving end: this process, on the head node
         kw: dict[str, Any] = dict(capacity=64, servers=group, measure=False, health_period=None, timeout=30.0)
@@ -60,26 +78,6 @@ def test_auto_with_another_learner_node_delivers_through_the_object_store(cluste
             _fill(p, head, worker)
             assert sorted(check_payload(p.read(p.live_handles())).tolist()) == list(range(20))
         assert g.broken is None and group.torch_group(create=False) is g  # the group is left as it was
-    finally:
-        group.shutdown()
-
-
-def test_torch_with_another_learner_node_is_refused_before_a_group_forms(cluster):
-    head, worker = cluster.head, cluster.workers[0]
-    group = ShardServers([head, worker])
-    try:
-        for servers in (group, [head, worker]):
-            with pytest.raises(ConfigurationError, match=r"transport='torch' delivers into this process.*"
-                                                         r"learner_node=.*transport='object_store'"):
-                DistributedDataPlane(ID_SCHEMA, capacity=64, servers=servers, learner_node=worker,
-                                     transport="torch", health_period=None)
-        assert group.torch_group(create=False) is None and group._links is None  # nothing formed or measured
-        # this process's node, named, is the learner's: taken
-        with DistributedDataPlane(ID_SCHEMA, capacity=64, servers=group, learner_node=head, transport="torch",
-                                  measure=False, health_period=None, timeout=30.0) as p:
-            assert p.transports == ["torch", "torch"]
-            _fill(p, head, worker)
-            assert sorted(check_payload(p.read(p.live_handles())).tolist()) == list(range(20))
     finally:
         group.shutdown()
 
@@ -121,46 +119,43 @@ class _RepliesLate(ServerStandIn):
         return _Late()
 
 
-def test_rows_that_arrived_are_delivered_when_the_servers_reply_comes_late(cluster):
+def test_rows_that_arrived_are_delivered_when_the_servers_reply_comes_late(cluster, servers):
+    """(On the module's server group: the late reply is only delayed on its way back, and the test asserts the
+    group's torch group is left unbroken.)"""
     head, worker = cluster.head, cluster.workers[0]
-    group = ShardServers([head, worker])
-    try:
-        with DistributedDataPlane(ID_SCHEMA, capacity=64, servers=group, transport="torch", measure=False,
-                                  health_period=None, timeout=10.0, semantics=Replay(seed=3)) as p:
-            _fill(p, head, worker)
-            late = _RepliesLate(group, 1, delay=10.0 + 3.0)  # later than the whole delivery's timeout
-            try:
-                b, info = p.deliver(64)
-                ids = check_payload(b)
-                assert sorted(set(ids.tolist())) == sorted(set(info.handles.tolist()))  # (handles are ids here)
-                assert (ids >= 10).any(), "the late-replying shard's rows should be in the batch"
-                assert p.transports == ["torch", "torch"], "a transfer that arrived retired the group"
-                assert group.torch_group(create=False).broken is None
-                assert not p.losses and len(p) == 20
-            finally:
-                late.restore()
-    finally:
-        group.shutdown()
-
-
-def test_link_probes_whose_bytes_arrived_do_not_wait_for_the_servers_reply(cluster):
-    """(Failed before: ``TorchGroup.measure`` waited for each probe's Ray reply, so a reply later than the group's
-    timeout raised RemoteTimeoutError and retired a group whose every probe had arrived.)"""
-    head, worker = cluster.head, cluster.workers[0]
-    group = ShardServers([head, worker])
-    try:
-        g = TorchGroup(group, timeout=3.0, measure=False)
-        late = _RepliesLate(group, 1, delay=3.0 + 2.0, method="probe_send")
+    group = servers
+    with DistributedDataPlane(ID_SCHEMA, capacity=64, servers=group, transport="torch", measure=False,
+                              health_period=None, timeout=10.0, semantics=Replay(seed=3)) as p:
+        _fill(p, head, worker)
+        late = _RepliesLate(group, 1, delay=10.0 + 3.0)  # later than the whole delivery's timeout
         try:
-            prof = g.measure(sizes=(1 << 12,), repeats=1)
-            assert g.broken is None, g.broken
+            b, info = p.deliver(64)
+            ids = check_payload(b)
+            assert sorted(set(ids.tolist())) == sorted(set(info.handles.tolist()))  # (handles are ids here)
+            assert (ids >= 10).any(), "the late-replying shard's rows should be in the batch"
+            assert p.transports == ["torch", "torch"], "a transfer that arrived retired the group"
+            assert group.torch_group(create=False).broken is None
+            assert not p.losses and len(p) == 20
         finally:
             late.restore()
-            g.tear_down()
-        assert set(prof.links) == {(head, head), (worker, head)}
-        assert all(ln.seconds(1 << 12) > 0 for ln in prof.links.values())
+
+
+def test_link_probes_whose_bytes_arrived_do_not_wait_for_the_servers_reply(cluster, servers):
+    """(Failed before: ``TorchGroup.measure`` waited for each probe's Ray reply, so a reply later than the group's
+    timeout raised RemoteTimeoutError and retired a group whose every probe had arrived.) On the module's server
+    group: the probes' group is one of its own, torn down here, and the servers are left as they were."""
+    head, worker = cluster.head, cluster.workers[0]
+    group = servers
+    g = TorchGroup(group, timeout=3.0, measure=False)
+    late = _RepliesLate(group, 1, delay=3.0 + 2.0, method="probe_send")
+    try:
+        prof = g.measure(sizes=(1 << 12,), repeats=1)
+        assert g.broken is None, g.broken
     finally:
-        group.shutdown()
+        late.restore()
+        g.tear_down()
+    assert set(prof.links) == {(head, head), (worker, head)}
+    assert all(ln.seconds(1 << 12) > 0 for ln in prof.links.values())
 
 
 def _hold_data_thread(actor: Any, gate: str) -> Any:
