@@ -34,22 +34,24 @@ KINDS = {"uniform": (ConduitEpisodeReplayBuffer, EpisodeReplayBuffer),
 
 @pytest.fixture(scope="module")
 def cartpole_chunks() -> list[list[Any]]:
-    """What a DQN EnvRunner hands the buffer: 60 samples of 7 CartPole steps (random actions), each a list of
-    episode chunks (an episode spans several samples; a sample may end one episode and begin the next)."""
+    """What a DQN EnvRunner hands the buffer: 120 samples of 7 CartPole steps (random actions), each a list of
+    episode chunks (an episode spans several samples; a sample may end one episode and begin the next). (840 steps:
+    the random episodes' lengths differ from run to run, and a CI run's 420 steps evicted only 8 of RLlib's
+    episodes from the capacity of 100, short of the 10 the test asks to be sure it overfilled the buffer.)"""
     from ray.rllib.algorithms.dqn import DQNConfig
     from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 
     config = DQNConfig().environment("CartPole-v1").env_runners(rollout_fragment_length=7).debugging(seed=3)
     runner = SingleAgentEnvRunner(config=config)
     try:
-        return [runner.sample(num_timesteps=7, random_actions=True) for _ in range(60)]
+        return [runner.sample(num_timesteps=7, random_actions=True) for _ in range(120)]
     finally:
         runner.stop()
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_evicted_episodes_of_real_cartpole_chunks_match_rllibs(kind: str, cartpole_chunks: list[list[Any]]) -> None:
-    """420 CartPole steps in chunks into a capacity of 100, Conduit's buffer and RLlib's of the same kind: after
+    """840 CartPole steps in chunks into a capacity of 100, Conduit's buffer and RLlib's of the same kind: after
     every add, Conduit's evicted count is RLlib's less the episodes Conduit still holds in part. Failed before:
     Conduit's count stayed 0 while RLlib's rose past 10."""
     conduit_cls, rllib_cls = KINDS[kind]
