@@ -46,9 +46,12 @@ def owned() -> Iterator[list[Any]]:
         t.close() if isinstance(t, DistributedDataPlane) else t.shutdown()
 
 
-def _plane(owned: list[Any], nodes: list[str], schema: ExperienceSchema = ID_SCHEMA, **kw: Any) -> DistributedDataPlane:
-    servers = ShardServers(nodes)
-    owned.append(servers)
+def _plane(owned: list[Any], nodes: list[str] | ShardServers, schema: ExperienceSchema = ID_SCHEMA,
+           **kw: Any) -> DistributedDataPlane:
+    """A plane on servers started on ``nodes`` (owned here), or on the given server group (owned by the caller)."""
+    servers = nodes if isinstance(nodes, ShardServers) else ShardServers(nodes)
+    if servers is not nodes:
+        owned.append(servers)
     kw.setdefault("capacity", 8)
     kw.setdefault("timeout", 20.0)
     plane = DistributedDataPlane(schema, servers=servers, measure=False, health_period=None,
@@ -189,9 +192,7 @@ def test_real_cluster_a_re_replication_copy_that_lands_after_its_timeout_leaves_
 # -- 5. a loss found by an evicting ingestion ----------------------------------------------------------------------
 def _evicting_plane(owned: list[Any], servers: ShardServers, shard_capacity: int) -> DistributedDataPlane:
     """Items 0-3 on shard 1, 4-7 on shard 0 (capacity 8, full), on ``servers`` (the head node's, the worker's)."""
-    plane = DistributedDataPlane(ID_SCHEMA, servers=servers, measure=False, health_period=None,
-                                 transport="object_store", capacity=8, timeout=20.0, shard_capacity=shard_capacity)
-    owned.append(plane)
+    plane = _plane(owned, servers, shard_capacity=shard_capacity)
     plane.ingest(id_batch(np.arange(4)), node=servers.nodes[1])
     plane.ingest(id_batch(np.arange(4, 8)), node=servers.nodes[0])
     assert _shards_of(plane, 0) == [1] and _shards_of(plane, 4) == [0] and len(plane) == 8
