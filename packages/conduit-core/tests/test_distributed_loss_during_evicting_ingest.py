@@ -10,12 +10,12 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 from conduit.distributed import ClusterError, DistributedDataPlane, ShardServers, TransferError
 from conduit.distributed.experience import ExperienceRef
+from conduit.distributed.testing import kill_server
 from conduit.testing.reference import ID_SCHEMA, check_payload, id_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -110,22 +110,6 @@ def test_a_health_check_returns_the_loss_its_re_replication_found(fake_ray):  # 
     assert len(p) == 0
 
 
-def _wait_gone(actor: Any) -> None:
-    """Until the killed shard server ``actor`` is gone (``ray.kill`` is asynchronous; without asking the buffer)."""
-    import ray
-
-    deadline = time.monotonic() + 60
-    while True:
-        assert time.monotonic() < deadline, "the killed shard server did not go"
-        try:
-            ray.get(actor.ping.remote(), timeout=5)
-        except ray.exceptions.RayActorError:
-            return
-        except ray.exceptions.GetTimeoutError:
-            pass
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_real_cluster_a_killed_server_and_two_killed_nodes_are_found_exactly(cluster):
     """The evicting-ingestion and health-check tests on the real local cluster, two buffers with shards on the same
@@ -153,8 +137,7 @@ def test_real_cluster_a_killed_server_and_two_killed_nodes_are_found_exactly(clu
 
         # evicting ingestion: only this buffer's server on the victim is killed (the node stays up)
         _fill_three_nodes(e, [va, cluster.head, cluster.workers[0]])
-        ray.kill(own_e[0].actor, no_restart=True)
-        _wait_gone(own_e[0].actor)
+        kill_server(own_e[0].actor)
         e.ingest(id_batch(np.arange(6, 9)), node=va)
         assert len(e.losses) == 1 and e.losses[0].shard == 0 and e.losses[0].num_lost == 0
         copies = _copies(e)
