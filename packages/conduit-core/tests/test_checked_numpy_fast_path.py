@@ -118,3 +118,19 @@ def test_numpy_columns_take_the_single_pass(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(SchemaError):
         ExperienceBatch.checked({**_columns(), "obs": _columns()["obs"].astype(np.float64)}, SCHEMA)
     assert calls == ["from_mapping", "validate"], "a column the schema refuses must take the full path (its message)"
+
+
+@pytest.mark.parametrize("as_given", [lambda d: {k: torch.from_numpy(v) for k, v in d.items()}, lambda d: d],
+                         ids=["tensors", "numpy"])
+def test_the_checked_batch_keeps_its_columns_when_the_callers_dict_changes(
+        as_given: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """The single pass keeps a dict of its own: a key the caller removes or replaces afterwards is still there, as
+    it was, in the batch (which stays valid for the schema)."""
+    data = as_given(_columns())
+    b = ExperienceBatch.checked(data, SCHEMA)
+    ids = b["id"]
+    del data["obs"]
+    data["id"] = torch.zeros(N, dtype=torch.int64)
+    assert set(b) == {"obs", "id", "done"} and b["id"] is ids and len(b) == 3
+    assert torch.equal(b.tensor("id"), torch.arange(N))
+    b.validate(SCHEMA)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -210,14 +211,12 @@ class ExperienceBatch(Mapping[str, "torch.Tensor | Ragged"]):
             SchemaError: as :meth:`from_mapping` and :meth:`validate`.
         """
         if type(data) is dict:
+            columns: Mapping[str, Any] | None = data
             n = _matching_rows(data, schema)
-            if n >= 0:
-                b = cls(dict(data), n)
-                b._valid_for = schema
-                return b
-            tensors = _arrays_as_tensors(data, schema)
-            if tensors is not None and (n := _matching_rows(tensors, schema)) >= 0:
-                b = cls(tensors, n)
+            if n < 0 and (columns := _arrays_as_tensors(data, schema)) is not None:
+                n = _matching_rows(columns, schema)
+            if n >= 0 and columns is not None:
+                b = cls(dict(columns), n)  # (a new dict: the caller's stays theirs)
                 b._valid_for = schema
                 return b
         if isinstance(data, Mapping) and not isinstance(data, ExperienceBatch) and any(
