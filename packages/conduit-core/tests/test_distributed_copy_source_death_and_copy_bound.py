@@ -16,7 +16,6 @@ bound on how long re-replication holds the caller.
 
 from __future__ import annotations
 
-import datetime
 import time
 from contextlib import ExitStack
 from typing import Any
@@ -229,19 +228,6 @@ def test_re_replication_gives_up_after_copy_rounds_and_counts_the_items_left_wit
         servers.shutdown()
 
 
-def _hold_until_its_node_dies(server: Any) -> Any:
-    """Hold the data thread of ``server`` for good (its health checks still answer): it joins a two-rank gloo group
-    whose other rank never joins, and so runs no other data call until its process dies. Returns the group's store
-    (keep it until the server's node is killed)."""
-    import ray
-    import torch.distributed as dist
-
-    host = str(ray.util.get_node_ip_address())
-    store = dist.TCPStore(host, 0, 2, True, timeout=datetime.timedelta(seconds=300), wait_for_workers=False)
-    server.actor.join_group.remote("conduit-test-hold-forever", host, int(store.port), 1, 2, "gloo", 300.0)
-    return store
-
-
 def test_a_copy_timed_out_on_a_source_found_dead_leaves_its_target_a_candidate(cluster, m_node):
     """Shards 0 (node N), 1 (node W), 2 (the head node) and 3 (node M). Segment A lives on shards 0 and 2, segment
     B on shards 3 and 2. Shard 0's data thread is held (its pings answer): it stands for a node that died without
@@ -269,10 +255,9 @@ def test_a_copy_timed_out_on_a_source_found_dead_leaves_its_target_a_candidate(c
         b = plane.ingest(_batch(np.arange(4, 8)), node=m_node)
         assert _replicas(plane, a) == {0, 2} and _replicas(plane, b) == {2, 3}
         plane._settle = settle_after_the_source_node_died  # type: ignore[method-assign]
-        store = _hold_until_its_node_dies(servers[0])
-        kill_server(servers[2].actor)
-        found = plane.check_health()
-        del store
+        with held_data_thread(servers[0], release=False):  # (until node N is killed, in the probe's settle)
+            kill_server(servers[2].actor)
+            found = plane.check_health()
         # the first round's two copies timed out (shard 0 held), and their shards were probed after it
         assert probes[0] == {0, 1, 3}
         _check_a_lost_and_b_copied_to_shard_1(

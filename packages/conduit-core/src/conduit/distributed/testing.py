@@ -122,13 +122,14 @@ def kill_server(actor: Any, *, timeout: float = 60.0) -> None:
 
 
 @contextmanager
-def held_data_thread(server: Any, group_id: str = "conduit-test-hold") -> Iterator[None]:
+def held_data_thread(server: Any, group_id: str = "conduit-test-hold", *, release: bool = True) -> Iterator[None]:
     """Hold the data thread of ``server`` (a :class:`~conduit.distributed.servers.ShardServers` entry) until the block
     ends: its data calls queue behind, while its health checks (their own thread) still answer. A "stuck" shard made
     for real.
 
     The server joins a two-rank gloo group ``group_id`` (one per server held at once) whose other rank, this
-    process, joins only on leaving the block.
+    process, joins only on leaving the block. With ``release=False`` it never joins: for a server whose process the
+    block kills (a server still alive after the block stays held until its join gives up, 240 s).
     """
     import datetime
 
@@ -143,13 +144,14 @@ def held_data_thread(server: Any, group_id: str = "conduit-test-hold") -> Iterat
     try:
         yield
     finally:
-        # (kept until the server's join returns: a group dropped at once closes its sockets under the server's
-        # connectFullMesh, which then fails with "Connection closed by peer")
-        group = make_process_group("gloo", group_id, host, 0, 0, 2, 120.0, store=store)
-        try:
-            assert ray.get(joined, timeout=120) == 1
-        finally:
-            del group
+        if release:
+            # (kept until the server's join returns: a group dropped at once closes its sockets under the server's
+            # connectFullMesh, which then fails with "Connection closed by peer")
+            group = make_process_group("gloo", group_id, host, 0, 0, 2, 120.0, store=store)
+            try:
+                assert ray.get(joined, timeout=120) == 1
+            finally:
+                del group
 
 
 @contextmanager
