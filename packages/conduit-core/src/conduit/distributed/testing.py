@@ -129,7 +129,7 @@ def held_data_thread(server: Any, group_id: str = "conduit-test-hold", *, releas
 
     The server joins a two-rank gloo group ``group_id`` (one per server held at once) whose other rank, this
     process, joins only on leaving the block. With ``release=False`` it never joins: for a server whose process the
-    block kills (a server still alive after the block stays held until its join gives up, 240 s).
+    block kills (a server that outlives the block stays held until its join fails, at the latest after 240 s).
     """
     import datetime
 
