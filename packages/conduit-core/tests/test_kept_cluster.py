@@ -41,6 +41,12 @@ def test_the_next_use_connects_to_the_same_cluster_with_nothing_of_the_last_job_
         # (Ray's resource view trails the actor's start under load)
         assert eventually(lambda: ray.available_resources().get("CPU", 0) == 0, timeout=60)
         head = first.head
+        # neither a log monitor (no one reads what it forwards) nor an autoscaler (nothing to scale)
+        assert not {"log_monitor", "monitor"} & set(first.cluster.head_node.all_processes)
+    assert not ray.is_initialized()
+    with pytest.raises(ClusterError, match="no log monitor"), kept_cluster(1, num_cpus=1, fast_failure_detection=False,
+                                                                           log_to_driver=True):
+        pass  # pragma: no cover - refused: nothing would be forwarded
     assert not ray.is_initialized()
     with kept_cluster(1, num_cpus=1, fast_failure_detection=False) as second:
         assert second.head == head  # the same cluster, not a fresh one

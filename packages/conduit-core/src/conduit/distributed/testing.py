@@ -159,6 +159,9 @@ def local_cluster(num_nodes: int = 2, *, num_cpus: int = 1, object_store_memory:
                   fast_failure_detection: bool = True) -> Iterator[LocalCluster]:
     """A local Ray cluster of ``num_nodes`` nodes, this process connected to it; shut down on exit.
 
+    It runs no dashboard, no autoscaler and no log monitor: workers' output stays in the session's log files
+    (``session_latest/logs`` under Ray's temp dir) and is not printed here.
+
     Keyword Args:
         num_cpus: logical CPUs per node (shard servers take none).
         object_store_memory: bytes of object store per node (keep it small on a shared machine).
@@ -201,9 +204,13 @@ def kept_cluster(num_nodes: int = 2, *, num_cpus: int = 1, object_store_memory: 
         connect: more ``ray.init`` arguments for this connection only (``runtime_env``, ``logging_level``...).
 
     Raises:
-        ClusterError: Ray is already initialised in this process.
+        ClusterError: Ray is already initialised in this process, or ``connect`` asks for ``log_to_driver=True``
+            (the cluster has no log monitor to forward workers' output).
     """
     ray = _not_connected()
+    if connect.get("log_to_driver"):
+        raise ClusterError("A kept cluster runs no log monitor, so log_to_driver=True would print nothing; read the "
+                           "workers' output in the session's log files (ray/session_latest/logs under Ray's temp dir).")
     shape = (num_nodes, num_cpus, object_store_memory, fast_failure_detection)
     init = {"log_to_driver": False, "configure_logging": False, **connect}
     with _KEPT_LOCK:
@@ -278,7 +285,10 @@ def _start_cluster(num_nodes: int, num_cpus: int, object_store_memory: int,
     from ray.cluster_utils import Cluster
 
     node_args = {"num_cpus": num_cpus, "object_store_memory": object_store_memory}
-    head_args: dict[str, Any] = {**node_args, "include_dashboard": False}
+    # no dashboard, no autoscaler monitor (nothing to scale), and no log monitor: every connection here leaves workers'
+    # output in the session's log files
+    head_args: dict[str, Any] = {**node_args, "include_dashboard": False, "include_log_monitor": False,
+                                 "no_monitor": True}
     if fast_failure_detection:
         head_args["_system_config"] = dict(FAST_FAILURE_DETECTION)
     cluster = _retry_startup(lambda: Cluster(initialize_head=True, head_node_args=head_args))
