@@ -21,10 +21,6 @@ _recorded: dict[str, float] = {}
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-#: no idle workers prestarted for each new Ray job: every test module is a job of its own on a kept cluster, and the two
-#: workers Ray starts for it ahead of any actor mostly go unused (about 120 per run, 2 CPU-s each, measured); actors
-#: start their own workers as before. Set here, so the Ray processes every test starts (subprocesses too) inherit it.
-os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 
 def pytest_configure(config: pytest.Config) -> None:
