@@ -15,6 +15,9 @@ trainer's main thread runs ``consume_to(buffer, max_iter=1024)``, and a training
   8 samples per message (``StreamPolicy(coalesce=8, max_delay_s=0.05)``); the Conduit consumer
   hands a message to the Conduit buffer as one ``put_batch``, to the FIFO as 8 ``put`` calls.
 
+``test_put_path`` times the consuming thread's part alone: one thread puts ``SAMPLES`` samples and takes each
+batch with ``get()``, no transport (table ``benchmarks/results/srl_put_path.md``, ratios to ``fifo``).
+
 Per run: ``SAMPLES`` samples end to end (the benchmarked call), ``get`` latency (median, p95, as
 the training thread measured it), and the consuming thread's time inside ``consume_to`` per
 sample. Tables go to ``benchmarks/results/srl_driver.md``; nothing here asserts a speed.
@@ -31,6 +34,7 @@ import pytest
 from conduit_srl import ConduitBuffer, StreamPolicy
 from conduit_srl.testing.driver import DriverReport, SrlDriver
 from conduit_srl.testing.fifo import FifoBuffer
+from conduit_srl.testing.records import make_sample
 
 RESULTS = Path(__file__).parent / "results"
 DIMS = (128, 5000)
@@ -85,6 +89,65 @@ def test_driver_samples_per_second_and_get_latency(benchmark, kind: str, d: int)
            "consume_us_per_sample": float(consume * 1e6)}
     benchmark.extra_info.update(row)
     _ROWS[(d, kind)] = row
+
+
+#: the put path alone: one thread puts, as SRL's consuming thread does, and takes each batch once it is complete
+PUT_KINDS = ("fifo", "conduit", "conduit-sync")
+
+
+def _put_buffer(kind: str, d: int) -> Any:
+    """A buffer for the put-path case, its storage built and one batch put and taken (a first put sizes it)."""
+    buffer: Any
+    if kind == "fifo":
+        buffer = FifoBuffer(batch_size=BATCH)
+    else:
+        buffer = ConduitBuffer(batch_size=BATCH, capacity=SAMPLES,
+                               **({"overlap": False, "prefetch": 0} if kind == "conduit-sync" else {}))
+    for i in range(BATCH):
+        buffer.put(make_sample([-1 - i], time_steps=T, dim=d))
+    buffer.get()
+    return buffer
+
+
+@pytest.mark.parametrize("kind", PUT_KINDS)
+@pytest.mark.parametrize("d", DIMS, ids=lambda d: f"d{d}")
+def test_put_path(benchmark, ratios, kind: str, d: int) -> None:  # noqa: ANN001
+    """``SAMPLES`` puts of one ``[T, d]`` sample each from one thread, with a ``get()`` after every ``BATCH`` of
+    them: the work SRL's consuming thread does per sample, without the transport. Per put; the buffers' own
+    first-put sizing is done before the timed calls."""
+    samples = [make_sample([i], time_steps=T, dim=d) for i in range(SAMPLES)]
+    buffers: list[Any] = []  # the last round's is closed at the end (pytest-benchmark runs no teardown without
+    # statistics)
+
+    def close_all() -> None:
+        while buffers:
+            close = getattr(buffers.pop(), "close", None)
+            if close is not None:
+                close()
+
+    def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        close_all()  # (the previous round's, outside the timed call)
+        buffers.append(_put_buffer(kind, d))
+        return (buffers[-1],), {}
+
+    def run(buffer: Any) -> None:
+        ids = []
+        for i, sample in enumerate(samples):
+            buffer.put(sample)
+            if (i + 1) % BATCH == 0:
+                ids.append(np.asarray(buffer.get().sample.id)[0])
+        # queue semantics: every sample once, in put order
+        assert np.concatenate(ids).tolist() == list(range(SAMPLES)), f"{kind}: delivered ids are not the put ids"
+
+    benchmark.group = f"srl-put-d{d}"
+    try:
+        benchmark.pedantic(run, setup=setup, rounds=ROUNDS, iterations=1)
+    finally:
+        close_all()
+    ratios.add("srl_put_path", f"d={d}", kind, benchmark, baseline="fifo",
+               note=f"One thread puts {SAMPLES} `[T={T}, d]` samples and takes each batch of {BATCH} with `get()` "
+                    f"(no transport). `conduit`: `ConduitBuffer` defaults (puts stored by a background worker); "
+                    f"`conduit-sync`: `overlap=False, prefetch=0` (stored in `put`, assembled in `get`).")
 
 
 @pytest.fixture(scope="module", autouse=True)
