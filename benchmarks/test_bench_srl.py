@@ -47,30 +47,41 @@ STEP_S = 0.002
 ROUNDS = 5
 
 
-def make(kind: str) -> Any:
+def make(kind: str, **conduit_args: Any) -> Any:
+    """The buffer of ``kind`` (``fifo...`` or ``conduit...``); ``conduit_args`` go to the ConduitBuffer."""
     if kind.startswith("fifo"):
         return FifoBuffer(batch_size=BATCH)
-    return ConduitBuffer(batch_size=BATCH, capacity=SAMPLES)
+    return ConduitBuffer(batch_size=BATCH, capacity=SAMPLES, **conduit_args)
+
+
+def close(buffer: Any) -> None:
+    """Close ``buffer`` where it can be (the FIFO has nothing to close)."""
+    done = getattr(buffer, "close", None)
+    if done is not None:
+        done()
 
 
 _ROWS: dict[tuple[int, str], dict[str, float]] = {}
 
 
-def run_once(kind: str, d: int, reports: list[DriverReport]) -> None:
-    buffer = make(kind)
+def drive(buffer: Any, d: int, policy: StreamPolicy | None = None) -> DriverReport:
+    """One driver run of ``SAMPLES`` samples through ``buffer`` (closed afterwards), checked: a broken run is not a
+    measurement."""
     try:
-        policy = StreamPolicy(coalesce=8, max_delay_s=0.05) if kind.endswith("coalesce8") else None
         r = SrlDriver(buffer, actors=ACTORS, samples_per_actor=SAMPLES // ACTORS, per_poll=4, time_steps=T, dim=d,
                       step_seconds=STEP_S, stream_policy=policy).run(timeout_s=300)
     finally:
-        close = getattr(buffer, "close", None)
-        if close is not None:
-            close()
-    # a broken run is not a measurement: every posted sample delivered exactly once (queue semantics), not merely
-    # as many deliveries as samples (a lost sample and a repeated one would make up the count)
+        close(buffer)
+    # every posted sample delivered exactly once (queue semantics), not merely as many deliveries as samples (a lost
+    # sample and a repeated one would make up the count)
     assert r.received == SAMPLES and len(r.posted) == SAMPLES
-    assert sorted(r.delivered_ids.tolist()) == sorted(r.posted), f"{kind}: delivered ids are not the posted ids"
-    reports.append(r)
+    assert sorted(r.delivered_ids.tolist()) == sorted(r.posted), f"{buffer!r}: delivered ids are not the posted ids"
+    return r
+
+
+def run_once(kind: str, d: int, reports: list[DriverReport]) -> None:
+    policy = StreamPolicy(coalesce=8, max_delay_s=0.05) if kind.endswith("coalesce8") else None
+    reports.append(drive(make(kind), d, policy))
 
 
 @pytest.mark.parametrize("kind", BUFFERS)
@@ -97,12 +108,7 @@ PUT_KINDS = ("fifo", "conduit", "conduit-sync")
 
 def _put_buffer(kind: str, d: int) -> Any:
     """A buffer for the put-path case, its storage built and one batch put and taken (a first put sizes it)."""
-    buffer: Any
-    if kind == "fifo":
-        buffer = FifoBuffer(batch_size=BATCH)
-    else:
-        buffer = ConduitBuffer(batch_size=BATCH, capacity=SAMPLES,
-                               **({"overlap": False, "prefetch": 0} if kind == "conduit-sync" else {}))
+    buffer = make(kind, **({"overlap": False, "prefetch": 0} if kind == "conduit-sync" else {}))
     for i in range(BATCH):
         buffer.put(make_sample([-1 - i], time_steps=T, dim=d))
     buffer.get()
@@ -121,9 +127,7 @@ def test_put_path(benchmark, ratios, kind: str, d: int) -> None:  # noqa: ANN001
 
     def close_all() -> None:
         while buffers:
-            close = getattr(buffers.pop(), "close", None)
-            if close is not None:
-                close()
+            close(buffers.pop())
 
     def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
         close_all()  # (the previous round's, outside the timed call)

@@ -22,35 +22,25 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from conduit_srl import ConduitBuffer
-from conduit_srl.testing.driver import SrlDriver
-from conduit_srl.testing.fifo import FifoBuffer
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE)]
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from results_header import header_line  # noqa: E402
+from test_bench_srl import SAMPLES, drive, make  # noqa: E402
 
 #: configuration name -> ConduitBuffer arguments (None: the FIFO)
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "fifo": None, "defaults": {}, "overlap=False": {"overlap": False},
     "overlap=False, prefetch=0": {"overlap": False, "prefetch": 0}}
-SAMPLES, BATCH = 256, 32
 
 
 def run_once(kw: dict[str, Any] | None, d: int) -> tuple[float, float, float]:
-    """(samples/s, consume_to seconds per sample, get median seconds) of one driver run."""
-    buffer: Any = FifoBuffer(batch_size=BATCH) if kw is None else ConduitBuffer(batch_size=BATCH, capacity=SAMPLES,
-                                                                                 **kw)
-    try:
-        t0 = time.perf_counter()
-        r = SrlDriver(buffer, actors=2, samples_per_actor=SAMPLES // 2, per_poll=4, time_steps=8, dim=d,
-                      step_seconds=0.002).run(timeout_s=300)
-        elapsed = time.perf_counter() - t0
-    finally:
-        getattr(buffer, "close", lambda: None)()
-    if r.received != SAMPLES or sorted(r.delivered_ids.tolist()) != sorted(r.posted):
-        raise SystemExit(f"{kw}: a broken run (delivered ids are not the posted ones)")
+    """(samples/s, consume_to seconds per sample, get median seconds) of one checked driver run."""
+    buffer = make("fifo") if kw is None else make("conduit", **kw)
+    t0 = time.perf_counter()
+    r = drive(buffer, d)
+    elapsed = time.perf_counter() - t0
     return SAMPLES / elapsed, r.consume_seconds / SAMPLES, float(np.median(r.get_latencies))
 
 
