@@ -246,11 +246,11 @@ finally:
     ray.shutdown()
 ended = eventually(lambda: not shared._monitor.is_alive() and not owned._monitor.is_alive(), timeout=60)
 if not ended:  # where a monitor still runs (the failure message shows it)
-    import sys, traceback
-    frames = sys._current_frames()
+    import traceback
+    from conduit.testing.lifecycle import thread_frame
     for t in (shared._monitor, owned._monitor):
         if t.is_alive():
-            print("STACK", t.name, "".join(traceback.format_stack(frames[t.ident])).replace(chr(10), " | "))
+            print("STACK", t.name, "".join(traceback.format_stack(thread_frame(t))).replace(chr(10), " | "))
 errors = []
 for plane in (shared, owned):
     for _ in range(2):

@@ -4,7 +4,6 @@ draws against ``Synchronous``."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any
 
@@ -21,12 +20,12 @@ from conduit import (
     Synchronous,
 )
 from conduit.scheduling.base import Scheduler
-from conduit.testing.lifecycle import wait_until
+from conduit.testing.lifecycle import thread_frame, wait_until
 from conduit.testing.reference import ID_SCHEMA, id_batch
 
 
 def _innermost(thread: threading.Thread) -> str:
-    frame = sys._current_frames().get(thread.ident or -1)
+    frame = thread_frame(thread)
     return "" if frame is None else frame.f_code.co_name
 
 

@@ -9,7 +9,6 @@ with a minibatch missing). Now the job stays staged until its minibatch is hande
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conduit.testing.lifecycle import HANG_S
+from conduit.testing.lifecycle import HANG_S, thread_frame
 from tensordict import TensorDict
 from torch.utils.data import Sampler
 
@@ -47,7 +46,7 @@ class _SlowSecondPass(Sampler[int]):
 
 
 def _waiting_for_the_job(main: int) -> bool:
-    frame: FrameType | None = sys._current_frames().get(main)
+    frame: FrameType | None = thread_frame(main)
     while frame is not None:
         if frame.f_code.co_name == "wait" and frame.f_code.co_filename.endswith("worker.py"):
             return True

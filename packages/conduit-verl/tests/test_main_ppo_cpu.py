@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.requires("verl"), pytest.mark.slow]
+# two bounded runs per test at most (1200 s each, below) and their checks: above the suite's 900 s default
+pytestmark = [pytest.mark.requires("verl"), pytest.mark.slow, pytest.mark.timeout(2700)]
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 
-__all__ = ["WORKER_THREADS", "HANG_S", "call_bounded", "start_bounded", "eventually", "wait_until", "worker_threads",
-           "live_workers", "no_workers_beyond", "open_fds", "process_running", "ctrl_c_enabled"]
+__all__ = ["WORKER_THREADS", "HANG_S", "call_bounded", "start_bounded", "eventually", "wait_until", "thread_frame",
+           "worker_threads", "live_workers", "no_workers_beyond", "open_fds", "process_running", "ctrl_c_enabled"]
 
 #: the names of the threads Conduit's schedulers and adapters start
 WORKER_THREADS = ("conduit-ingest", "conduit-prefetch", "conduit-minibatch", "conduit-srl-assembler")
@@ -111,6 +113,32 @@ def wait_until(cond: Callable[[], object], what: str, timeout: float = 10.0) -> 
     while not cond():
         assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting until {what}"
         time.sleep(0.002)
+
+
+_FRAMES_LOCK = threading.Lock()
+
+
+def thread_frame(thread: threading.Thread | int | None) -> FrameType | None:
+    """The frame ``thread`` (a thread or its ident) runs now, or ``None`` where it is not running.
+
+    Use this, never ``sys._current_frames()`` directly, to see where another thread waits: on CPython 3.11 that
+    call holds the interpreter's thread-list lock while it allocates frame objects, and a garbage collection
+    started by one of those allocations can finalize an object that needs the same lock, which freezes the whole
+    process (GIL included, so no timeout ever fires; python/cpython#106883). The cyclic collector is off for the
+    call, under a lock so that two callers never turn it back on under each other.
+    """
+    ident = thread.ident if isinstance(thread, threading.Thread) else thread
+    if ident is None:
+        return None
+    with _FRAMES_LOCK:
+        was_on = gc.isenabled()
+        gc.disable()
+        try:
+            frames = sys._current_frames()
+        finally:
+            if was_on:
+                gc.enable()
+    return frames.get(ident)
 
 
 def worker_threads() -> list[str]:
