@@ -9,8 +9,8 @@ trainer's main thread runs ``consume_to(buffer, max_iter=1024)``, and a training
 * ``fifo``: :class:`conduit_srl.testing.fifo.FifoBuffer`, SRL's queue buffer behaviour made
   thread-safe: ``put`` stacks a batch (``[T, B, d]``) in the consuming thread once ``BATCH``
   samples wait, ``get`` pops it.
-* ``conduit``: :class:`conduit_srl.ConduitBuffer` (``semantics="queue"``, defaults: Overlapped
-  ingestion ``g_ing=1``, gather ahead ``g_del=1``, one entry assembled ahead).
+* ``conduit``: :class:`conduit_srl.ConduitBuffer` (``semantics="queue"``, defaults: each put stored in
+  ``put``, ``g_ing=1``; one entry assembled ahead by the assembler thread).
 * ``... +coalesce8``: the same buffer behind a claimed stream: each actor's Conduit producer sends
   8 samples per message (``StreamPolicy(coalesce=8, max_delay_s=0.05)``); the Conduit consumer
   hands a message to the Conduit buffer as one ``put_batch``, to the FIFO as 8 ``put`` calls.
@@ -102,20 +102,22 @@ def test_driver_samples_per_second_and_get_latency(benchmark, kind: str, d: int)
     _ROWS[(d, kind)] = row
 
 
-#: the put path alone: one thread puts, as SRL's consuming thread does, and takes each batch once it is complete
-PUT_KINDS = ("fifo", "conduit", "conduit-sync")
+#: the put path alone: one thread puts, as SRL's consuming thread does, and takes each batch once it is complete;
+#: the ConduitBuffer arguments of each Conduit kind (``conduit``: the defaults)
+PUT_KINDS: dict[str, dict[str, Any]] = {"fifo": {}, "conduit": {}, "conduit-overlap": {"overlap": True},
+                                        "conduit-sync": {"prefetch": 0}}
 
 
 def _put_buffer(kind: str, d: int) -> Any:
     """A buffer for the put-path case, its storage built and one batch put and taken (a first put sizes it)."""
-    buffer = make(kind, **({"overlap": False, "prefetch": 0} if kind == "conduit-sync" else {}))
+    buffer = make(kind, **PUT_KINDS[kind])
     for i in range(BATCH):
         buffer.put(make_sample([-1 - i], time_steps=T, dim=d))
     buffer.get()
     return buffer
 
 
-@pytest.mark.parametrize("kind", PUT_KINDS)
+@pytest.mark.parametrize("kind", list(PUT_KINDS))
 @pytest.mark.parametrize("d", DIMS, ids=lambda d: f"d{d}")
 def test_put_path(benchmark, ratios, kind: str, d: int) -> None:  # noqa: ANN001
     """``SAMPLES`` puts of one ``[T, d]`` sample each from one thread, with a ``get()`` after every ``BATCH`` of
@@ -150,8 +152,9 @@ def test_put_path(benchmark, ratios, kind: str, d: int) -> None:  # noqa: ANN001
         close_all()
     ratios.add("srl_put_path", f"d={d}", kind, benchmark, baseline="fifo",
                note=f"One thread puts {SAMPLES} `[T={T}, d]` samples and takes each batch of {BATCH} with `get()` "
-                    f"(no transport). `conduit`: `ConduitBuffer` defaults (puts stored by a background worker); "
-                    f"`conduit-sync`: `overlap=False, prefetch=0` (stored in `put`, assembled in `get`).")
+                    f"(no transport). `conduit`: `ConduitBuffer` defaults (stored in `put`, one entry assembled "
+                    f"ahead); `conduit-overlap`: `overlap=True` (puts stored by a background worker); "
+                    f"`conduit-sync`: `prefetch=0` (stored in `put`, assembled in `get`).")
 
 
 @pytest.fixture(scope="module", autouse=True)

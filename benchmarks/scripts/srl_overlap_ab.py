@@ -1,7 +1,7 @@
 """SRL driver, interleaved: the Conduit buffer with and without overlap, beside the plain FIFO (outside CI).
 
 Each round runs every configuration once, at every d, in the same order: the FIFO, ``ConduitBuffer`` defaults
-(``overlap=True``), ``overlap=False`` and ``overlap=False, prefetch=0``, each through the driver of
+(``overlap=False``), ``overlap=True`` and ``prefetch=0``, each through the driver of
 ``benchmarks/test_bench_srl.py`` (2 actor threads, ZMQ on 127.0.0.1, ``consume_to``, a training thread with a
 2 ms step; 256 samples, batches of 32, no coalescing). Interleaving keeps a change of machine load from
 falling on one configuration only. Per configuration: median samples/s, ``consume_to`` time per sample and
@@ -31,8 +31,7 @@ from test_bench_srl import SAMPLES, drive, make  # noqa: E402
 
 #: configuration name -> ConduitBuffer arguments (None: the FIFO)
 CONFIGS: dict[str, dict[str, Any] | None] = {
-    "fifo": None, "defaults": {}, "overlap=False": {"overlap": False},
-    "overlap=False, prefetch=0": {"overlap": False, "prefetch": 0}}
+    "fifo": None, "defaults": {}, "overlap=True": {"overlap": True}, "prefetch=0": {"prefetch": 0}}
 
 
 def run_once(kw: dict[str, Any] | None, d: int) -> tuple[float, float, float]:

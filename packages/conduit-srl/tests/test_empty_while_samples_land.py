@@ -15,7 +15,7 @@ from conduit_srl.testing import entry_ids, make_sample
 
 
 def test_a_batch_stored_between_empty_looks_is_not_reported_empty() -> None:
-    b = ConduitBuffer(batch_size=4, capacity=16)
+    b = ConduitBuffer(batch_size=4, capacity=16, overlap=True)  # (Conduit's worker stores: its call is gated)
     try:
         b.put(make_sample([0]))
         b.flush()

@@ -25,7 +25,7 @@ def _drain(b: ConduitBuffer) -> list[tuple[list[int], list[int], float]]:
 
 
 def test_a_restored_queue_does_not_redeliver_a_reused_batch_that_eviction_took() -> None:
-    b = ConduitBuffer(batch_size=2, capacity=6, reuses=2, prefetch=0)
+    b = ConduitBuffer(batch_size=2, capacity=6, reuses=2, prefetch=0, overlap=True)  # (Conduit selects ahead)
     for i in range(6):
         b.put(make_sample([i], time_steps=2))
     assert entry_ids(b.get()).tolist() == [0, 1]  # first of its two uses
@@ -48,7 +48,7 @@ def test_a_restored_queue_does_not_redeliver_a_reused_batch_that_eviction_took()
 
 
 def test_queue_dropped_counts_each_evicted_undelivered_sample_once_across_a_checkpoint() -> None:
-    b = ConduitBuffer(batch_size=2, capacity=6)
+    b = ConduitBuffer(batch_size=2, capacity=6, overlap=True)  # (Conduit selects ahead)
     for i in range(6):
         b.put(make_sample([i], time_steps=2))
     b.flush()  # (else Conduit's prefetch after the assembler's delivery may look before 4 and 5 are stored)

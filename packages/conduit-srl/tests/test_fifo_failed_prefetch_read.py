@@ -32,7 +32,7 @@ def _fail_first_prefetch_read(b: ConduitBuffer) -> threading.Event:
 
 
 def test_the_batch_of_a_failed_prefetch_read_is_delivered_later_in_order() -> None:
-    b = ConduitBuffer(batch_size=2, capacity=64, prefetch=0)
+    b = ConduitBuffer(batch_size=2, capacity=64, prefetch=0, overlap=True)  # (Conduit's prefetch reads)
     try:
         for i in range(12):
             b.put(make_sample([i], time_steps=2))
@@ -48,7 +48,7 @@ def test_the_batch_of_a_failed_prefetch_read_is_delivered_later_in_order() -> No
 
 
 def test_a_reused_batch_whose_prefetch_read_failed_keeps_its_reuses() -> None:
-    b = ConduitBuffer(batch_size=2, capacity=64, reuses=2, prefetch=0)
+    b = ConduitBuffer(batch_size=2, capacity=64, reuses=2, prefetch=0, overlap=True)  # (Conduit's prefetch reads)
     try:
         for i in range(6):
             b.put(make_sample([i], time_steps=2))

@@ -319,7 +319,8 @@ def test_a_queue_rewind_runs_under_the_planes_lock_so_no_eviction_goes_uncounted
     from conduit_srl.fifo import FifoSampler
 
     held: list[bool] = []
-    buffer = ConduitBuffer(semantics="queue", batch_size=1, capacity=4, prefetch=0, pin_memory=False)
+    buffer = ConduitBuffer(semantics="queue", batch_size=1, capacity=4, prefetch=0, pin_memory=False,
+                           overlap=True)  # (Conduit selects ahead)
     real = FifoSampler.rewind
 
     def rewind(self: FifoSampler) -> None:

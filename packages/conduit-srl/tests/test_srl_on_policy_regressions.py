@@ -188,7 +188,7 @@ def _await_prepared(b: ConduitBuffer) -> None:
 def test_a_prepared_batch_whose_samples_were_evicted_is_dropped_as_without_prefetch(closing) -> None:
     """Prefetch never changes what a queue delivers: a batch prepared ahead whose samples eviction took is
     dropped (counted), as a queue that did not prepare ahead drops them; qsize() does not count it."""
-    b = closing(batch_size=1, capacity=2, prefetch=0)
+    b = closing(batch_size=1, capacity=2, prefetch=0, overlap=True)  # (Conduit prepares ahead)
     b.put(make_sample([0]))
     b.put(make_sample([1]))
     b.flush()  # (else the prefetch after the get may look before 1 is stored, find no batch, and prepare nothing)
@@ -226,7 +226,7 @@ def test_assembler_always_prepares_the_next_minibatch_of_the_rollout() -> None:
 
 
 def test_qsize_leaves_out_a_prepared_batch_that_puts_on_their_way_will_evict(closing) -> None:
-    b = closing(batch_size=1, capacity=2, prefetch=0, g_ing=3)  # (puts are stored three at a time)
+    b = closing(batch_size=1, capacity=2, prefetch=0, g_ing=3, overlap=True)  # (stored three at a time, ahead)
     b.put(make_sample([0]))
     b.put(make_sample([1]))
     assert entry_ids(b.get()).tolist() == [0]  # (get stores what was put first)

@@ -344,7 +344,7 @@ def _queue_run(ops: list[tuple[str, int]], *, wait_prepared: bool, checkpoint: b
     prepare; ``prepared[0]`` counts those); ``checkpoint``: then pickle the buffer (a checkpoint discards
     prepared batches).
     """
-    b = ConduitBuffer(batch_size=1, capacity=4, prefetch=0)
+    b = ConduitBuffer(batch_size=1, capacity=4, prefetch=0, overlap=True)  # (Conduit prepares ahead)
     out: list[int] = []
     try:
         for op, i in ops:

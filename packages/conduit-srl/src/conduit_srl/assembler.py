@@ -1,9 +1,10 @@
 """What sits between SRL's buffer calls and the Experience Data Plane.
 
-The EDP runs with Conduit's :class:`~conduit.Overlapped` scheduler: ``put`` hands a validated
-sample over and returns, a core worker stores hand-overs ``g_ing`` at a time, and each delivery
-gathers the next ``g_del`` batches ahead (see :mod:`conduit.scheduling.overlapped` for what a
-prepared batch may miss). What is SRL-specific stays here:
+The EDP runs with Conduit's :class:`~conduit.Overlapped` scheduler. By default (``overlap=False``)
+``put`` stores a validated sample ``g_ing`` hand-overs at a time before it returns and each delivery
+gathers in the caller; with ``overlap=True`` ``put`` hands the sample over and returns, a core
+worker stores hand-overs, and each delivery gathers the next ``g_del`` batches ahead (see
+:mod:`conduit.scheduling.overlapped` for what a prepared batch may miss). What is SRL-specific stays here:
 
 * **put**: the sample is checked against the first sample's layout and split into items in the
   caller, so a bad sample fails at its ``put`` and nothing of it is stored. On-policy, the

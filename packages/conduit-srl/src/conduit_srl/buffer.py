@@ -23,7 +23,8 @@ class ConduitBuffer:
 
     * ``put(sample)`` takes one ``[T, ...]`` sample (``put_batch`` or ``batched_puts=True``: a
       ``[T, B, ...]`` one), checks it against the first sample's fields, dtypes and shapes, and
-      hands it to the EDP, whose :class:`~conduit.Overlapped` scheduler stores it in the background.
+      hands it to the EDP's :class:`~conduit.Overlapped` scheduler, which stores it before ``put`` returns
+      (``overlap=True``: a core worker stores it in the background and ``put`` returns once it is handed over).
     * ``get()`` returns a :class:`ReplayEntry` whose ``sample`` is a record of the put samples'
       class with ``[T, B, ...]`` host NumPy fields (page-locked when CUDA exists), including the
       policy-version field; ``reuses`` and ``sampling_indices`` as SRL's trainer reads them. The
@@ -141,7 +142,7 @@ class ConduitBuffer:
         self._a.seal()
 
     def flush(self) -> None:
-        """Wait until every sample put so far is stored (Conduit stores in the background)."""
+        """Wait until every sample put so far is stored (with ``overlap=True`` a core worker stores them)."""
         self._a.flush()
 
     def __len__(self) -> int:

@@ -86,11 +86,15 @@ class BufferConfig:
     g_ing: float = 1
     #: Conduit's scheduler: batches it gathers ahead per delivery (replay, prioritized; queue and on_policy: 1)
     g_del: int = 1
-    #: run ingestion and gathering in the background (False: the same granularity, in the caller)
-    overlap: bool = True
+    #: run ingestion and gathering in the background. False (default): the same granularity, stored in ``put`` and
+    #: gathered in the delivery: with one putting thread a background worker only shares the GIL with it (about
+    #: 2x per put, 1.3x fewer samples/s end to end, benchmarks/docs/srl.md); the assembler still prepares ahead
+    overlap: bool = False
     #: puts that may wait for storage before ``put`` blocks (backpressure)
     queue_depth: int = 8
-    #: copy each sample in ``put`` (otherwise its arrays are read when stored: do not write into them after put)
+    #: copy each sample first thing in ``put`` (otherwise its arrays are read when stored: after the checks in
+    #: ``put``, or later on a worker with ``overlap=True``: do not write into them before ``put`` returns, nor, with
+    #: ``overlap=True``, before ``flush``)
     copy_on_put: bool = False
     #: entries assembled ([T, B, ...] records) ahead in the background (None: 1; 0 for prioritized and for
     #: on_policy with on_stale="raise", where an entry prepared ahead could miss a priority or version change)

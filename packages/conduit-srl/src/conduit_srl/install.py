@@ -135,8 +135,9 @@ def check_trainer_config(cfg: Any) -> None:
       then needs ``buffer_args["batched_puts"] = True``.
     * a ``SHARED_MEMORY`` stream without ``batch_size`` hands each sample over as a *view* of its
       shared-memory slot, and releases the slot to the writers before ``put`` (SRL's reader does so
-      right after reading): an actor may write the next sample into that slot while a Conduit worker
-      has yet to store the put one (a put hands over and returns). The buffer then needs
+      right after reading): an actor may write the next sample into that slot while the put one is
+      still to be stored (after ``put``'s checks, or later on a worker with ``overlap=True``). The buffer
+      then needs
       ``buffer_args["copy_on_put"] = True`` (a batched read copies: its slots are gathered).
 
     Raises:
@@ -170,7 +171,8 @@ def _check_shared_memory_reads(stream: Any, args: Any) -> None:
         raise ConfigurationError(
             "The SHARED_MEMORY sample stream has no batch_size, so each sample reaches put() as a view of a "
             "shared-memory slot that SRL's reader has already released to the actors, which may write the next "
-            "sample into it before Conduit stores this one (put hands over and returns): add copy_on_put=True to "
+            "sample into it before Conduit stores this one (after put's checks, or later with overlap=True): add "
+            "copy_on_put=True, which copies first thing in put, to "
             "buffer_args (or give the stream a batch_size, whose reads copy, with batched_puts=True).")
 
 
