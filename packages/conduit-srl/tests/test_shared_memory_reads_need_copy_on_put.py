@@ -2,8 +2,9 @@
 
 SRL's shared-memory reader (``SharedMemoryReader.read`` in openpsi-project/srl ``base/shared_memory.py``) reads one
 sample as ``buf[:, slot]`` (a view of the slot), releases the slot to the writers, and only then returns it to
-``consume_to``, which puts it. A Conduit put hands over and returns; the sample's arrays are read when a Conduit
-worker stores them, by which time an actor may have written the next sample into that slot. The trainer then gets
+``consume_to``, which puts it. A Conduit put reads the sample's arrays only when it stores them: in a later put
+where ``g_ing`` groups puts, or on a Conduit worker with ``overlap=True``; by then an actor may have written the
+next sample into that slot. The trainer then gets
 later samples in place of earlier ones, silently. ``check_trainer_config`` accepted such a configuration.
 """
 
@@ -50,7 +51,7 @@ class _SharedMemoryDock:
 @pytest.mark.parametrize("copy_on_put", [False, True])
 def test_a_put_of_a_released_slot_keeps_its_sample_only_with_copy_on_put(copy_on_put: bool) -> None:
     """What the check prevents. (Puts are stored two at a time in the caller, so the overwrite happens before the
-    first of them is stored on every run; with the defaults it depends on when Conduit's worker stores.)"""
+    first of them is stored on every run; with ``overlap=True`` it depends on when Conduit's worker stores.)"""
     dock = _SharedMemoryDock(qsize=4)
     buffer = conduit_srl.ConduitBuffer(batch_size=1, capacity=8, overlap=False, g_ing=2, copy_on_put=copy_on_put)
     try:
