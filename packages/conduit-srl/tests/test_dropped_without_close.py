@@ -14,12 +14,14 @@ from conduit_srl import ConduitBuffer, ConduitSampleConsumer, ConduitSampleProdu
 from conduit_srl.testing import make_sample
 from conduit_srl.testing.driver import ZmqSampleConsumer, ZmqSampleProducer
 
+#: overlap=True where a Conduit worker thread runs beside the assembler (the default stores in put)
 SRL_CASES: dict[str, dict[str, Any]] = {
-    "queue": {"semantics": "queue", "batch_size": 4, "capacity": 64, "prefetch": 2},
-    "replay": {"semantics": "replay", "batch_size": 4, "capacity": 64, "warmup": 4, "prefetch": 2, "g_del": 2},
-    "replay-no-overlap": {"semantics": "replay", "batch_size": 4, "capacity": 64, "warmup": 4, "overlap": False},
-    "prioritized": {"semantics": "prioritized", "batch_size": 4, "capacity": 64, "warmup": 4},
-    "on_policy": {"semantics": "on_policy", "num_minibatches": 2, "capacity": 64},
+    "queue": {"semantics": "queue", "batch_size": 4, "capacity": 64, "prefetch": 2, "overlap": True},
+    "replay": {"semantics": "replay", "batch_size": 4, "capacity": 64, "warmup": 4, "prefetch": 2, "g_del": 2,
+               "overlap": True},
+    "replay-defaults": {"semantics": "replay", "batch_size": 4, "capacity": 64, "warmup": 4},
+    "prioritized": {"semantics": "prioritized", "batch_size": 4, "capacity": 64, "warmup": 4, "overlap": True},
+    "on_policy": {"semantics": "on_policy", "num_minibatches": 2, "capacity": 64, "overlap": True},
 }
 
 

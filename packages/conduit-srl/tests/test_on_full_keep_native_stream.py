@@ -308,8 +308,9 @@ def test_srl_trainer_pattern_with_on_full_keep_accounts_for_every_posted_sample(
         buffer.close()
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "in-put"])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_puts_gets_seals_and_checkpoints_lose_and_repeat_nothing(seed: int) -> None:
+def test_random_puts_gets_seals_and_checkpoints_lose_and_repeat_nothing(seed: int, overlap: bool) -> None:
     """Found while fixing: a kept sample stored by get() while earlier puts were still being stored waited for
     them through a call that takes the put lock again, and the buffer deadlocked. Random on-policy traffic
     (puts of one to three samples, some of an older version, seals, version changes, checkpoints) into a small
@@ -320,7 +321,7 @@ def test_random_puts_gets_seals_and_checkpoints_lose_and_repeat_nothing(seed: in
     rng = random.Random(seed)
     cap = rng.choice([4, 6, 8])
     rollout = rng.choice([None, 2, 4])
-    buffer = on_policy(capacity=cap, rollout_size=rollout, max_staleness=rng.choice([0, 1, 5]))
+    buffer = on_policy(capacity=cap, rollout_size=rollout, max_staleness=rng.choice([0, 1, 5]), overlap=overlap)
     posted, refused, version, learner = 0, 0, 0, 0
     first: list[int] = []
 
