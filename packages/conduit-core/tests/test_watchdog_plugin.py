@@ -3,6 +3,7 @@ worker past its limit plus the grace, and the report names the test and shows wh
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ def test_after_it():
 @pytest.mark.timeout(300)
 def test_a_test_frozen_with_the_gil_held_fails_alone_with_its_stack(tmp_path: Path) -> None:
     (tmp_path / "test_frozen.py").write_text(FROZEN)
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("PYTEST_", "CONDUIT_WATCHDOG"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "CONDUIT_WATCHDOG"))}
     env["CONDUIT_WATCHDOG_GRACE_S"] = "1"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "1", "-p", "no:cacheprovider",
                            "-p", "conduit.testing.watchdog", "test_frozen.py"],
