@@ -62,6 +62,12 @@ def _expected(key: str) -> dict[str, Any]:
     return {"resp_bf16": vals, "resp_fp16": vals, "ids": vals, "score": b, "uid": key}
 
 
+def _uids(got: TensorDict) -> list[str]:
+    """The ``uid`` column of ``got``, as a list (a NonTensorStack or a plain list)."""
+    uids = got["uid"]
+    return uids.tolist() if hasattr(uids, "tolist") else list(uids)
+
+
 def _check(keys: list[str], got: TensorDict) -> list[str]:
     """What in ``got`` (read for ``keys``, in order) is not each key's own values in its own dtype."""
     bad = []
@@ -75,8 +81,7 @@ def _check(keys: list[str], got: TensorDict) -> list[str]:
                 bad.append(f"{name}[{key}]: {row.tolist()}")
     if got["score"].dtype != torch.int64 or got["score"].tolist() != [_expected(k)["score"] for k in keys]:
         bad.append(f"score: {got['score']}")
-    uids = got["uid"]
-    uids = uids.tolist() if hasattr(uids, "tolist") else list(uids)
+    uids = _uids(got)
     if uids != keys:
         bad.append(f"uid: {uids}")
     return bad
@@ -242,12 +247,9 @@ def test_a_checkpoint_restored_while_clients_put_leaves_no_prepared_put_and_its_
         except ValueError as e:  # a key the restored controller handed out while its put was refused
             assert "not ready" in str(e) and key not in mine, (key, e)
             continue
-        if key in mine:
-            assert _check([key], got) == [], key
-            continue
-        uid = got["uid"]
-        owner = str((uid.tolist() if hasattr(uid, "tolist") else list(uid))[0])
-        assert _check([owner], got) == [], (key, owner)  # its own row, or one put's whole row over it
+        # a checkpoint key: its own row; a key put since: its own row, or one put's whole row over it
+        owner = key if key in mine else str(_uids(got)[0])
+        assert _check([owner], got) == [], (key, owner)
     for r in results:  # a put refused by the restore says what to do
         for why in r["refused"]:
             assert "put the samples again" in why or "not found" in why, why

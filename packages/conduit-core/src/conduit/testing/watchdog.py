@@ -49,6 +49,10 @@ def time_limit(item: pytest.Item) -> float:
         return 0.0
 
 
+def _grace_s() -> float:
+    return float(os.environ.get(GRACE_ENV, 300))
+
+
 def _stacks_file(worker: str) -> Path:
     return Path(os.environ[DIR_ENV]) / f"{worker}.txt"
 
@@ -78,7 +82,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
     limit, out, armed = time_limit(item), _out, False
     if limit > 0 and out is not None:
-        faulthandler.dump_traceback_later(limit + float(os.environ.get(GRACE_ENV, 300)), exit=True, file=out)
+        faulthandler.dump_traceback_later(limit + _grace_s(), exit=True, file=out)
         armed = True
     try:
         yield
@@ -95,6 +99,6 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
         return
     path = _stacks_file(str(gateway.id))
     if path.is_file() and path.stat().st_size:
-        report.longrepr = (f"{report.longrepr}\nThe watchdog ended the worker {os.environ.get(GRACE_ENV, 300)} s "
+        report.longrepr = (f"{report.longrepr}\nThe watchdog ended the worker {_grace_s():g} s "
                            f"past the test's time limit (frozen: pytest-timeout could not fail it). Every thread's "
                            f"stack:\n{path.read_text()}")
