@@ -87,8 +87,9 @@ class BufferConfig:
     #: Conduit's scheduler: batches it gathers ahead per delivery (replay, prioritized; queue and on_policy: 1)
     g_del: int = 1
     #: run ingestion and gathering in the background. False (default): the same granularity, stored in ``put`` and
-    #: gathered in the delivery: with one putting thread a background worker only shares the GIL with it (about
-    #: 2x per put, 1.3x fewer samples/s end to end, benchmarks/docs/srl.md); the assembler still prepares ahead
+    #: gathered in the delivery: with one putting thread a background worker only shares the GIL with it (1.2x-2.3x
+    #: per put; the default moved 1.24x-1.43x the samples/s end to end, benchmarks/docs/srl.md); the assembler still
+    #: prepares ahead
     overlap: bool = False
     #: puts that may wait for storage before ``put`` blocks (backpressure)
     queue_depth: int = 8
