@@ -15,3 +15,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q -r requirements/dev.txt
   echo "$want" > "$stamp"
 fi
+# The packages are installed editable, so pip compiled none of their modules; where PYTHONDONTWRITEBYTECODE is set
+# (as on CI) every process that imports them (each test worker, Ray actor and subprocess) would compile them again.
+.venv/bin/python -m compileall -q packages/*/src > /dev/null
