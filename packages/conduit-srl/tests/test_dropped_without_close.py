@@ -9,7 +9,7 @@ import weakref
 from typing import Any
 
 import pytest
-from conduit.testing.lifecycle import eventually, live_workers, no_workers_beyond, open_fds, worker_threads
+from conduit.testing.lifecycle import eventually, fd_targets, live_workers, no_workers_beyond, open_fds, worker_threads
 from conduit_srl import ConduitBuffer, ConduitSampleConsumer, ConduitSampleProducer, StreamPolicy
 from conduit_srl.testing import make_sample
 from conduit_srl.testing.driver import ZmqSampleConsumer, ZmqSampleProducer
@@ -23,6 +23,11 @@ SRL_CASES: dict[str, dict[str, Any]] = {
     "prioritized": {"semantics": "prioritized", "batch_size": 4, "capacity": 64, "warmup": 4, "overlap": True},
     "on_policy": {"semantics": "on_policy", "num_minibatches": 2, "capacity": 64, "overlap": True},
 }
+
+
+#: descriptors the test process may open meanwhile for reasons of its own (the module before this one in the same
+#: pytest worker may leave a connection that opens one late); a leak in every round, or in three, is still caught
+SLACK = 2
 
 
 @pytest.mark.parametrize("case", sorted(SRL_CASES))
@@ -66,11 +71,11 @@ def test_srl_streams_dropped_without_close_release_their_sockets() -> None:
         warnings.simplefilter("ignore", ResourceWarning)  # pyzmq warns when it closes a dropped socket
         one_round()  # (the ZMQ context's own descriptors open on first use)
         assert eventually(lambda: True)  # (collects the first round's garbage)
-        base = open_fds()
+        base, before = open_fds(), fd_targets()
         for _ in range(10):
             one_round()
-        assert eventually(lambda: open_fds() <= base), \
-            f"{open_fds() - base} descriptors left open by 10 dropped streams"
+        assert eventually(lambda: open_fds() <= base + SLACK), (
+            f"{open_fds() - base} descriptors left open by 10 dropped streams: {_new(before)}")
 
 
 def test_fifty_build_close_cycles_leave_no_threads_or_descriptors() -> None:
@@ -91,8 +96,14 @@ def test_fifty_build_close_cycles_leave_no_threads_or_descriptors() -> None:
 
     for i in range(4):
         cycle(i)
-    threads, fds = live_workers(), open_fds()
+    threads, fds, before = live_workers(), open_fds(), fd_targets()
     for i in range(50):
         cycle(i)
     assert eventually(lambda: no_workers_beyond(threads)), f"threads left by 50 cycles: {worker_threads()}"
-    assert eventually(lambda: open_fds() <= fds), f"{open_fds() - fds} descriptors left open by 50 cycles"
+    assert eventually(lambda: open_fds() <= fds + SLACK), (
+        f"{open_fds() - fds} descriptors left open by 50 cycles: {_new(before)}")
+
+
+def _new(before: dict[int, str]) -> list[str]:
+    """What the descriptors opened since ``before`` refer to."""
+    return sorted(t for fd, t in fd_targets().items() if before.get(fd) != t)

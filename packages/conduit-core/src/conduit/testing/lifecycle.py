@@ -16,7 +16,8 @@ from collections.abc import Callable
 from types import FrameType
 
 __all__ = ["WORKER_THREADS", "HANG_S", "call_bounded", "start_bounded", "eventually", "wait_until", "thread_frame",
-           "worker_threads", "live_workers", "no_workers_beyond", "open_fds", "process_running", "ctrl_c_enabled"]
+           "worker_threads", "live_workers", "no_workers_beyond", "open_fds", "fd_targets", "process_running",
+           "ctrl_c_enabled"]
 
 #: the names of the threads Conduit's schedulers and adapters start
 WORKER_THREADS = ("conduit-ingest", "conduit-prefetch", "conduit-minibatch", "conduit-srl-assembler")
@@ -170,6 +171,17 @@ def process_running(pid: int) -> bool:
 def open_fds() -> int:
     """File descriptors open in this process (Linux: ``/proc/self/fd``)."""
     return len(os.listdir("/proc/self/fd"))
+
+
+def fd_targets() -> dict[int, str]:
+    """What each descriptor open in this process refers to (``socket:[...]``, a path...): for a leak's message."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # (closed meanwhile, or the listing's own descriptor)
+            pass
+    return out
 
 
 def ctrl_c_enabled() -> None:
