@@ -97,8 +97,9 @@ def test_bad_input_raises_typed_errors() -> None:
     feed = MinibatchFeed(num_minibatches=2)
     with pytest.raises(EmptyBufferError):
         feed.minibatches()
-    with pytest.raises(UnsupportedConfigError):
-        feed.ingest("default_policy", {"obs": np.zeros((4, 2)), "state_in": {"h": np.zeros((4, 2))}}, version=0)
+    for state in ({"h": np.zeros((4, 2))}, np.zeros((4, 2))):  # an RNN's state, nested or not
+        with pytest.raises(UnsupportedConfigError, match=r"'state_in'.*recurrent module's state"):
+            feed.ingest("default_policy", {"obs": np.zeros((4, 2)), "state_in": state}, version=0)
     feed.ingest("default_policy", rollout(0, 8), version=0)
     with pytest.raises(UnsupportedConfigError):
         feed.ingest("other_policy", rollout(0, 8), version=0)

@@ -29,9 +29,7 @@ from typing import Any, cast
 
 from conduit import ConfigurationError, EmptyBufferError
 from conduit.checks import is_real
-from gymnasium import spaces
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
-from ray.rllib.algorithms.ppo.torch.default_ppo_torch_rl_module import DefaultPPOTorchRLModule
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
 from ray.rllib.core.learner.learner import Learner
@@ -145,30 +143,6 @@ def _refuse_stateful_modules(modules: Any, why: str, instead: str) -> None:
                 f"RLModule {module_id!r} ({type(module).__name__}) is stateful (it has an initial state, as LSTM or "
                 f"attention modules do); {why}. Use a feed-forward module, or build this config without "
                 f"conduit_rllib.enable ({instead}).")
-
-
-def _refuse_nested_actions_of_stock_module(modules: Any) -> None:
-    """Refuse RLlib's stock PPO module (``DefaultPPOTorchRLModule`` itself) on a Dict or Tuple action space: its
-    actions reach the train batch as a dict/tuple of arrays, which Conduit's on-policy feed cannot deliver (it
-    would refuse them in the first update, after a whole iteration's sampling). Only the stock module is refused
-    here: a module class of your own may hand the learner flat actions (e.g. emitting nested actions for the env
-    only, as ``actions_for_env``), so whether its batch can be delivered is known at its first update, where a
-    nested 'actions' column is refused typed as well.
-
-    Raises:
-        UnsupportedConfigError: a module of ``modules`` (a MultiRLModule) is RLlib's stock PPO module with a
-            Dict/Tuple action space.
-    """
-    for module_id in modules.keys():
-        module = modules[module_id]
-        space = getattr(module, "action_space", None)
-        if type(module) is DefaultPPOTorchRLModule and isinstance(space, (spaces.Dict, spaces.Tuple)):
-            raise UnsupportedConfigError(
-                f"RLModule {module_id!r} acts in a nested action space ({type(space).__name__}: {space}), so its "
-                f"train batch's 'actions' column is a {'dict' if isinstance(space, spaces.Dict) else 'tuple'} of "
-                f"arrays; Conduit's on-policy delivery takes flat arrays per column. Give the env a flat action "
-                f"space (Box, Discrete or MultiDiscrete, e.g. a wrapper that flattens it), or build this config "
-                f"without conduit_rllib.enable (RLlib's own minibatching trains it).")
 
 
 #: RLlib's ``Learner.update`` signature: how :meth:`ConduitOffPolicyLearner.update` finds the episodes it is given
@@ -493,8 +467,7 @@ class ConduitOnPolicyLearner:
                 ``placement`` that is no conduit Placement, or a key that is neither (it would not be used).
             UnsupportedConfigError: a multi-agent config (made so after ``enable``, which refuses it; nothing is
                 built), or a stateful (recurrent) RLModule, e.g. one given as a module class, which
-                ``enable`` cannot see in ``model_config`` (see :func:`_refuse_stateful_modules`), or RLlib's stock
-                PPO module on a Dict/Tuple action space (see :func:`_refuse_nested_actions_of_stock_module`).
+                ``enable`` cannot see in ``model_config`` (see :func:`_refuse_stateful_modules`).
         """
         config = self.config  # type: ignore[attr-defined]
         opts = dict(config.learner_config_dict.get(CONFIG_KEY, {}))
@@ -512,7 +485,6 @@ class ConduitOnPolicyLearner:
         _refuse_stateful_modules(self.module,  # type: ignore[attr-defined]
                                  "Conduit's on-policy delivery cuts minibatches by timestep and cannot keep its "
                                  "sequences whole", "RLlib's own minibatching")
-        _refuse_nested_actions_of_stock_module(self.module)  # type: ignore[attr-defined]
         if getattr(self, "conduit_feed", None) is not None:
             return
         # without a seed RLlib reshuffles from an unseeded generator: a fresh seed here, so unseeded runs differ too

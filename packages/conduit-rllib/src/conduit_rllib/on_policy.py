@@ -38,6 +38,7 @@ from conduit.batch import as_tensor
 from conduit.checks import is_bool, is_int
 from conduit.scheduling.worker import Job, Worker
 from conduit.semantics.onpolicy import check_version
+from ray.rllib.core.columns import Columns
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
 from conduit_rllib.errors import UnsupportedConfigError
@@ -46,38 +47,75 @@ from conduit_rllib.transitions import storable_field
 __all__ = ["MinibatchFeed"]
 
 
-def _columns(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+#: a column's layout: its leaf field's name (a flat column), or a dict / tuple of layouts (a nested one)
+Layout = Any
+
+
+def _leaf(name: str, col: Any) -> torch.Tensor:
+    """One array of a train-batch column (``name``: its field's name) as a tensor, refused typed if unstorable."""
+    if isinstance(col, np.ndarray) and col.dtype.kind in "OSUVMm":  # objects, strings, records, dates
+        raise UnsupportedConfigError(f"Train-batch column {name!r} holds {col.dtype} values; Conduit's "
+                                     f"on-policy delivery takes numeric arrays per column. Drop the column "
+                                     f"from the train batch (or encode it as numbers).")
+    try:
+        t = as_tensor(col)
+    except TypeError as e:  # a NumPy dtype torch has no counterpart for (e.g. np.longdouble)
+        raise UnsupportedConfigError(f"Train-batch column {name!r} holds {col.dtype} values, which torch "
+                                     f"cannot hold ({e}); cast the column to a torch-supported dtype "
+                                     f"(e.g. float64) or drop it from the train batch.") from e
+    if t.dim() == 0:  # (the rows are counted from a column's first dimension)
+        raise SchemaError(f"Train-batch column {name!r} is a single value (a 0-d array), not one row per "
+                          f"timestep; give it a first dimension of the batch's rows (e.g. col[None] "
+                          f"repeated per row) or drop it from the train batch.")
+    return t
+
+
+def _flatten(name: str, col: Any, cols: dict[str, torch.Tensor]) -> Layout:
+    """Add the arrays of column ``name`` to ``cols`` and return its layout. A dict or tuple (a Dict/Tuple
+    action or observation space) is flattened depth first: its arrays become fields named by their path
+    (``actions[move]``, ``actions[1]``), one row per timestep each."""
+    if isinstance(col, (torch.Tensor, np.ndarray)):
+        if name in cols:
+            raise UnsupportedConfigError(f"Train-batch column {name!r} occurs twice once nested columns are "
+                                         f"flattened (Conduit names a nested array by its path, e.g. "
+                                         f"'actions[move]'); rename one of them.")
+        cols[name] = _leaf(name, col)
+        return name
+    if isinstance(col, Mapping) and col:
+        return {key: _flatten(f"{name}[{key}]", value, cols) for key, value in col.items()}
+    if isinstance(col, tuple) and col:
+        return tuple(_flatten(f"{name}[{i}]", value, cols) for i, value in enumerate(col))
+    raise UnsupportedConfigError(f"Train-batch column {name!r} is a {type(col).__name__}; Conduit's on-policy "
+                                 f"delivery takes arrays with one row per timestep, or dicts and tuples of them "
+                                 f"(nested action and observation spaces). Convert or drop the column, or build "
+                                 f"this config without conduit_rllib.enable.")
+
+
+def _columns(batch: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Layout]]:
+    """The train batch's arrays as flat fields (nested columns flattened, see :func:`_flatten`), and each
+    column's layout to rebuild it from them (:func:`_nest`). SampleBatch bookkeeping (``_``-prefixed columns
+    that are no arrays) is left out."""
     cols: dict[str, torch.Tensor] = {}
+    layout: dict[str, Layout] = {}
     for name, col in batch.items():
-        if isinstance(col, np.ndarray) and col.dtype.kind in "OSUVMm":  # objects, strings, records, dates
-            raise UnsupportedConfigError(f"Train-batch column {name!r} holds {col.dtype} values; Conduit's "
-                                         f"on-policy delivery takes numeric arrays per column. Drop the column "
-                                         f"from the train batch (or encode it as numbers).")
-        if isinstance(col, (torch.Tensor, np.ndarray)):
-            try:
-                cols[name] = as_tensor(col)
-            except TypeError as e:  # a NumPy dtype torch has no counterpart for (e.g. np.longdouble)
-                raise UnsupportedConfigError(f"Train-batch column {name!r} holds {col.dtype} values, which torch "
-                                             f"cannot hold ({e}); cast the column to a torch-supported dtype "
-                                             f"(e.g. float64) or drop it from the train batch.") from e
-            if cols[name].dim() == 0:  # (the rows are counted from a column's first dimension)
-                raise SchemaError(f"Train-batch column {name!r} is a single value (a 0-d array), not one row per "
-                                  f"timestep; give it a first dimension of the batch's rows (e.g. col[None] "
-                                  f"repeated per row) or drop it from the train batch.")
-        elif name.startswith("_"):
+        if name.startswith("_") and not isinstance(col, (torch.Tensor, np.ndarray)):
             continue  # SampleBatch bookkeeping
-        elif name == SampleBatch.ACTIONS:  # (a Dict/Tuple action space: no observation connector flattens it)
-            raise UnsupportedConfigError(f"Train-batch column {name!r} is a {type(col).__name__} (a nested, "
-                                         f"Dict/Tuple, action space); Conduit's on-policy delivery takes flat arrays "
-                                         f"per column. Use a flat action space (Box, Discrete or MultiDiscrete), or "
-                                         f"build this config without conduit_rllib.enable.")
-        else:
-            raise UnsupportedConfigError(f"Train-batch column {name!r} is a {type(col).__name__}; Conduit's "
-                                         f"on-policy delivery takes flat arrays per column (nested observation "
-                                         f"spaces and RNN states are not supported). Flatten nested observations "
-                                         f"(e.g. RLlib's FlattenObservations env-to-module connector) or drop the "
-                                         f"column, or build this config without conduit_rllib.enable.")
-    return cols
+        if name in (Columns.STATE_IN, Columns.STATE_OUT):
+            raise UnsupportedConfigError(f"Train-batch column {name!r} holds a recurrent module's state; Conduit's "
+                                         f"on-policy delivery cuts minibatches by timestep and cannot keep "
+                                         f"sequences whole. Use a feed-forward module, or build this config "
+                                         f"without conduit_rllib.enable (RLlib's own minibatching).")
+        layout[name] = _flatten(name, col, cols)
+    return cols, layout
+
+
+def _nest(layout: Layout, cols: Mapping[str, torch.Tensor]) -> Any:
+    """The column of ``layout`` rebuilt from the delivered fields ``cols`` (dicts and tuples as ingested)."""
+    if isinstance(layout, str):
+        return cols[layout]
+    if isinstance(layout, dict):
+        return {key: _nest(sub, cols) for key, sub in layout.items()}
+    return tuple(_nest(sub, cols) for sub in layout)
 
 
 def _cyclic_plan(n: int, size: int, epochs: int, total: int = 0) -> tuple[int, int]:
@@ -208,6 +246,8 @@ class MinibatchFeed:
         self.capacity = int(capacity)
         self._min_capacity = self.capacity  # the capacity asked for: a restored state's is raised to it
         self.edp: ExperienceDataPlane | None = None
+        #: the columns of the rollouts :attr:`edp` holds, each a field's name or (nested) a dict/tuple of them
+        self._layout: dict[str, Layout] = {}
         self.module_id: str | None = None
         #: SampleInfo of every minibatch of the rollout being (or last) delivered, in order
         self.delivered: list[SampleInfo] = []
@@ -305,19 +345,21 @@ class MinibatchFeed:
                 args["shuffle"]
             sem.cycle, sem.total, sem.rllib_epochs = args["cycle"], args["total"], args["num_epochs"]
 
-    def _ensure(self, cols: dict[str, torch.Tensor], n: int) -> ExperienceDataPlane:
+    def _ensure(self, cols: dict[str, torch.Tensor], n: int, layout: dict[str, Layout]) -> ExperienceDataPlane:
         fields = {name: storable_field(f"train-batch column {name!r}", tuple(col.shape[1:]), col.dtype)
                   for name, col in cols.items()}
         schema = ExperienceSchema(fields)
         device = next(iter(cols.values())).device
         edp = self.edp
-        if edp is not None and edp.schema == schema and n <= edp.capacity and edp.storage.device == device:
+        same = edp is not None and edp.schema == schema and layout == self._layout
+        if edp is not None and same and n <= edp.capacity and edp.storage.device == device:
             return edp
         if edp is not None and not self._idle():
-            if edp.schema != schema:
-                # (dtypes and row shapes too: a column whose shape changed has the same name)
-                raise SchemaError(f"A rollout of {schema!r} arrived while one of {edp.schema!r} is waiting; "
-                                  f"consume it first.")
+            if not same:
+                # (dtypes and row shapes too: a column whose shape changed has the same name; and the nesting:
+                # a tuple where a dict was)
+                raise SchemaError(f"A rollout of {schema!r} (columns {layout}) arrived while one of {edp.schema!r} "
+                                  f"(columns {self._layout}) is waiting; consume it first.")
             return edp  # too large: the ingest raises CapacityError
         if edp is not None:  # idle: its state goes on in the new plane (kept here should building that fail)
             self._restored = self.state_dict()
@@ -333,6 +375,7 @@ class MinibatchFeed:
         scheduler.output_depth = Synchronous.output_depth + 1
         self.edp = ExperienceDataPlane(schema, capacity=cap, semantics=sem, scheduler=scheduler,
                                        placement=self.placement or DevicePlacement(device), device=device)
+        self._layout = layout
         self._restored = None
         if state is not None:  # nothing is pending: carry the permutation RNG and counters over
             sem.load_state_dict(state)
@@ -344,8 +387,15 @@ class MinibatchFeed:
     def ingest(self, module_id: str, batch: Mapping[str, Any], *, version: int) -> None:
         """Add a train batch (RLlib column -> array, one row per timestep) produced by policy ``version``.
 
+        A column may also be a dict or tuple of such arrays, nested to any depth (the actions of a Dict/Tuple
+        action space, a Dict observation): each array is stored as its own field, and every minibatch carries
+        the column rebuilt as it came (same keys, same order, tuples as tuples), its arrays cut row for row
+        with the others.
+
         Raises:
-            UnsupportedConfigError: a column is not a flat array, or a second module is fed.
+            UnsupportedConfigError: a column (or an array nested in one) is no numeric array, a column holds a
+                recurrent module's state (``state_in``/``state_out``), or a second module is fed; nothing is
+                ingested then.
             conduit.SchemaError: a column is a single value (a 0-d array), not one row per timestep; nothing is
                 ingested then.
             conduit.ConfigurationError: ``version`` is not an integer (a NumPy or 0-d tensor integer is fine;
@@ -356,7 +406,7 @@ class MinibatchFeed:
             conduit.SchemaError / conduit.ConfigurationError: as :meth:`conduit.ExperienceDataPlane.ingest`.
         """
         version = check_version(version)
-        cols = _columns(batch)
+        cols, layout = _columns(batch)
         if not cols:
             raise SchemaError("The train batch has no columns.")
         n = int(next(iter(cols.values())).shape[0])
@@ -365,7 +415,7 @@ class MinibatchFeed:
                 raise UnsupportedConfigError(f"This feed serves module {self.module_id!r}; Conduit's RLlib adapter "
                                              f"supports single-agent training (one RLModule).")
             self.module_id = module_id
-            edp = self._ensure(cols, n)
+            edp = self._ensure(cols, n, layout)
             try:
                 edp.ingest(cols, version=version)
             except CapacityError as e:
@@ -551,7 +601,8 @@ class MinibatchFeed:
     def _to_rllib(self, cols: dict[str, torch.Tensor], env_steps: int | None) -> MultiAgentBatch:
         assert self.module_id is not None
         rows = int(next(iter(cols.values())).shape[0])
-        return MultiAgentBatch({self.module_id: SampleBatch(cols)}, env_steps=rows if env_steps is None else env_steps)
+        batch = SampleBatch({name: _nest(layout, cols) for name, layout in self._layout.items()})
+        return MultiAgentBatch({self.module_id: batch}, env_steps=rows if env_steps is None else env_steps)
 
     def minibatches(self, *, env_steps: int | None = None) -> Iterator[MultiAgentBatch]:
         """Every minibatch of the oldest waiting rollout, as RLlib train batches: M per epoch for E

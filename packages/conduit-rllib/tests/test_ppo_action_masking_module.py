@@ -1,10 +1,7 @@
-"""Why PPO's refusal of a nested (Dict observation) train-batch column stays at the first update rather than at
-build: a Dict observation space does not decide it. RLlib's own action-masking module takes a Dict observation
-space and, in its forward pass inside the learner connector, replaces the Dict column by flat 'obs' and
-'action_mask' columns, so its train batch reaches Conduit's feed flat and it trains; RLlib's stock PPO module
-refuses a Dict space itself when it is built. Only running the module tells the two apart, so a refusal from the
-space at build would refuse a config that trains (the first-update refusal says what to do: see
-test_ppo_nested_column_refusal_says_what_to_do.py). Real RLlib, local Ray."""
+"""RLlib's own action-masking module on a Dict observation space ({"action_mask", "observations"}) trains through
+Conduit's on-policy feed. Its forward pass inside the learner connector replaces the Dict column by flat 'obs' and
+'action_mask' columns, so the train batch reaches the feed flat; a module that leaves the Dict column nested is
+delivered it nested (test_ppo_nested_columns.py). Real RLlib, local Ray."""
 
 from __future__ import annotations
 
