@@ -257,7 +257,7 @@ def test_a_real_ppo_run_checkpoints_mid_training_and_goes_on_where_it_was(ray_lo
         learner = _ppo_learner(restored)
         state = learner.get_state(components=ON_POLICY_COMPONENT)[ON_POLICY_COMPONENT]
         assert state["version"] == saved["version"] == 1
-        assert state["feed"]["rng"].equal(saved["feed"]["rng"])
+        assert state["feeds"]["default_policy"]["rng"].equal(saved["feeds"]["default_policy"]["rng"])
         restored.train()
         assert learner.conduit_version == 2 and learner.conduit_feed.delivered
     finally:

@@ -10,10 +10,11 @@ import conduit_rllib
 import gymnasium as gym
 import pytest
 import torch
-from conduit import ConfigurationError, EmptyBufferError
+from conduit import ConfigurationError, EmptyBufferError, SchemaError
 from conduit_rllib import MinibatchFeed, UnsupportedAlgorithmError, UnsupportedConfigError
 from conduit_rllib.learner import ConduitPPOTorchLearner
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
+from ray.rllib.algorithms.dqn import DQNConfig
 from ray.rllib.algorithms.marwil import MARWILConfig
 from ray.rllib.algorithms.ppo import PPOConfig
 from ray.rllib.core import DEFAULT_MODULE_ID
@@ -191,12 +192,15 @@ def test_versions_stay_pure_when_weights_change_between_updates(learner: Any) ->
     assert learner.conduit_version == start + 3
 
 
-def test_a_multi_module_batch_is_refused_naming_what_is_supported(learner: Any) -> None:
+def test_a_batch_with_a_module_the_learner_lacks_is_refused_before_anything_is_ingested(learner: Any) -> None:
+    """RLlib refuses such a batch at its first minibatch (a ValueError); Conduit's refusal is one too, and comes
+    before any module's rows are ingested."""
     version = learner.conduit_version
     batch = MultiAgentBatch({DEFAULT_MODULE_ID: module_batch(10), "other": module_batch(10)}, env_steps=10)
-    with pytest.raises(UnsupportedConfigError, match=r"one RLModule.*'default_policy', 'other'.*Multi-agent"):
+    with pytest.raises(SchemaError, match=r"modules \['other'\].*has \['default_policy'\].*Nothing was ingested"):
         learner.update(batch=batch, minibatch_size=4, num_epochs=2)
     assert learner.conduit_version == version and learner.conduit_feed.semantics.pending_rollouts == 0
+    assert list(learner.conduit_feeds) == [DEFAULT_MODULE_ID], "a feed was made for the unknown module"
     mbs = conduit_minibatches(learner, train_batch(10), minibatch_size=4, num_epochs=1, shuffle=False)
     assert [ids for _, _, ids in mbs] == rllib_minibatches(10, 4, 1) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]
     assert {v for v, _, _ in mbs} == {version}, "the refused batch took no version"
@@ -236,8 +240,8 @@ def test_a_restored_learner_continues_versions_and_minibatch_order(tmp_path: Pat
 @pytest.mark.parametrize(("config", "error", "words"), [
     (AlgorithmConfig(), UnsupportedAlgorithmError, "DQN and SAC.*PPO"),
     (MARWILConfig(), UnsupportedAlgorithmError, "DQN and SAC.*PPO.*MARWIL"),
-    (PPOConfig().multi_agent(policies={"a", "b"}, policy_mapping_fn=lambda aid, *a, **k: "a"),
-     UnsupportedConfigError, "single-agent"),
+    (DQNConfig().multi_agent(policies={"a", "b"}, policy_mapping_fn=lambda aid, *a, **k: "a"),
+     UnsupportedConfigError, "DQN/SAC replay supports single-agent.*PPO takes multi-agent"),
     (PPOConfig().rl_module(model_config={"use_attention": True}), UnsupportedConfigError, "feed-forward"),
     (PPOConfig().framework("tf2"), UnsupportedConfigError, "torch"),
 ])

@@ -30,7 +30,8 @@ class StubLearner(ConduitOnPolicyLearner):
     """Just what ConduitOnPolicyLearner._create_iterator_if_necessary touches of a Learner."""
 
     def __init__(self, **feed_kwargs: Any) -> None:
-        self.conduit_feed = MinibatchFeed(**feed_kwargs)
+        self.module = {"default_policy": None}  # (the learner's modules: only their ids are read)
+        self.conduit_feeds = {"default_policy": MinibatchFeed(**feed_kwargs)}
 
     def _make_batch_if_necessary(self, training_data: Any) -> MultiAgentBatch:
         return training_data.batch

@@ -63,6 +63,24 @@ def test_a_checkpoint_of_a_stopped_update_restores_the_order_the_saved_learner_g
         b.conduit_feed.close()
 
 
+def test_a_state_saved_with_one_feed_before_multi_agent_learners_still_restores() -> None:
+    """Conduit's part was ``{"version", "feed"}`` before each module got a feed (``{"version", "feeds"}``): such a
+    checkpoint restores a single-agent learner as it did."""
+    a, b = build_learner(), build_learner()  # (b restores from a, which has trained one update since its build)
+    try:
+        row_order(a, 12)
+        state = a.get_state(components=ON_POLICY_COMPONENT)
+        part = state[ON_POLICY_COMPONENT]
+        assert set(part) == {"version", "feeds"} and list(part["feeds"]) == [DEFAULT_MODULE_ID]
+        state[ON_POLICY_COMPONENT] = {"version": part["version"], "feed": part["feeds"][DEFAULT_MODULE_ID]}
+        b.set_state(state)
+        assert b.conduit_version == a.conduit_version == 1
+        assert row_order(b, 12) == row_order(a, 12), "the restored learner must deliver what the saved one does"
+    finally:
+        a.conduit_feed.close()
+        b.conduit_feed.close()
+
+
 def test_a_feed_state_taken_while_a_gather_runs_is_the_state_after_it() -> None:
     for seed in range(5):
         feed = MinibatchFeed(minibatch_size=4, num_epochs=3, seed=seed)

@@ -28,14 +28,3 @@ def test_a_feed_forward_module_class_is_still_built() -> None:
     config = conduit_rllib.enable(PPOConfig().environment("CartPole-v1"))
     learner = config.build_learner(env=gym.make("CartPole-v1"))
     learner.conduit_feed.close()
-
-
-def test_a_config_made_multi_agent_after_enable_is_refused_when_the_learner_is_built() -> None:
-    """Before: the learner built (DQN/SAC refuse such a config at build); the first update, after a whole
-    iteration's sampling, refused the two modules' batch."""
-    from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
-
-    config = conduit_rllib.enable(PPOConfig().environment(MultiAgentCartPole, env_config={"num_agents": 2}))
-    config.multi_agent(policies={"p0", "p1"}, policy_mapping_fn=lambda agent_id, *args, **kwargs: f"p{agent_id}")
-    with pytest.raises(UnsupportedConfigError, match=r"(?s)multi-agent.*enable"):
-        config.build_learner(env=MultiAgentCartPole({"num_agents": 2}))

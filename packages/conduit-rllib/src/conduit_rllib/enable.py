@@ -166,7 +166,7 @@ def _check_served(config: AlgorithmConfig) -> None:
     """Refuse the settings of a supported algorithm's config that the adapter cannot serve (DQN, SAC and PPO).
 
     Raises:
-        UnsupportedConfigError: old API stack, not torch, multi-agent, a stateful (LSTM/attention) model.
+        UnsupportedConfigError: old API stack, not torch, a stateful (LSTM/attention) model.
     """
     if not (config.enable_rl_module_and_learner and config.enable_env_runner_and_connector_v2):
         raise UnsupportedConfigError("Conduit plugs into RLlib's new API stack (RLModule, Learner, EnvRunner); "
@@ -175,9 +175,6 @@ def _check_served(config: AlgorithmConfig) -> None:
     if config.framework_str != "torch":
         raise UnsupportedConfigError(f"Conduit's RLlib adapter supports framework 'torch', not "
                                      f"{config.framework_str!r}.")
-    if config.is_multi_agent:
-        raise UnsupportedConfigError("Conduit's RLlib adapter supports single-agent training; this config is "
-                                     "multi-agent.")
     refuse_stateful_model_config(config)
 
 
@@ -185,11 +182,16 @@ def _check_off_policy(config: AlgorithmConfig) -> None:
     """Refuse what DQN/SAC's Conduit path cannot serve on top of :func:`_check_served`.
 
     Raises:
-        UnsupportedConfigError: custom learner connector pieces (Conduit's batches skip the connector), a
+        UnsupportedConfigError: a multi-agent config (Conduit's replay buffers are single-agent), custom learner
+            connector pieces (Conduit's batches skip the connector), a
             ``replay_buffer_config["type"]`` Conduit does not replace (see :func:`_replay_class`), or a
             ``replay_buffer_config`` key naming a buffer option ``enable`` sets itself (see :data:`_SET_ELSEWHERE`),
             or Conduit's PPO options in ``learner_config_dict`` (DQN/SAC would not read them).
     """
+    if config.is_multi_agent:
+        raise UnsupportedConfigError("Conduit's DQN/SAC replay supports single-agent training; this config is "
+                                     "multi-agent. Make it single-agent, or build it without conduit_rllib.enable "
+                                     "(PPO takes multi-agent configs).")
     if config._learner_connector is not None:
         raise UnsupportedConfigError("Conduit delivers DQN/SAC train batches ready-made, so custom learner "
                                      "connector pieces would be skipped; remove "
@@ -474,7 +476,7 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
             ``placement`` that is no Placement, a ``scheduler`` that is no zero-argument factory (e.g. a Scheduler
             instance, or a function that needs an argument), or a ``prefetch`` that is no bool, ``prefetch=False``
             for DQN/SAC (it applies to PPO only), a
-            setting the adapter cannot serve (old API stack, non-torch, multi-agent, RNN models, custom learner
+            setting the adapter cannot serve (old API stack, non-torch, multi-agent DQN/SAC, RNN models, custom learner
             connectors off-policy, a replay buffer class defined in a function or nested in a class, which no
             dotted path names, a subclass of Conduit's buffers for SAC, which SAC's config check refuses, a learner
             class, explicit or the config's default, without Conduit's mixin, PPO on

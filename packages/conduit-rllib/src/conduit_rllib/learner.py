@@ -24,14 +24,16 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-from collections.abc import Collection, Iterable
+import zlib
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any, cast
 
-from conduit import ConfigurationError, EmptyBufferError
+from conduit import ConfigurationError, EmptyBufferError, SchemaError
 from conduit.checks import is_real
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
+from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.learner.learner import Learner
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
@@ -421,6 +423,26 @@ class ConduitOffPolicyLearner:
                 self._conduit_pending_state = rb_state
 
 
+def _in_lock_step(iterators: dict[str, Iterator[MultiAgentBatch]], env_steps: int) -> Iterator[MultiAgentBatch]:
+    """One train batch per step holding every module's next minibatch, as RLlib's iterator walks a multi-agent
+    batch (each feed cuts the same count; the minibatches each report the train batch's ``env_steps``). When
+    the caller stops early each feed keeps what it delivered and did not hand over, as a single feed does."""
+    try:
+        while True:
+            parts = {m: next(it, None) for m, it in iterators.items()}
+            if all(p is None for p in parts.values()):
+                return
+            done = sorted(m for m, p in parts.items() if p is None)
+            if done:  # pragma: no cover - the feeds are configured with one count
+                raise RuntimeError(f"The minibatch feeds of modules {done} ended before the others'.")
+            yield MultiAgentBatch({m: p.policy_batches[m] for m, p in parts.items() if p is not None}, env_steps)
+    finally:
+        for it in iterators.values():
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+
 class ConduitOnPolicyLearner:
     """Mixin for PPO learners: minibatches come from Conduit's on-policy delivery.
 
@@ -447,14 +469,21 @@ class ConduitOnPolicyLearner:
     learner restored from a state saved between updates continues the versions and the minibatch order
     where the saved one was (inside an update :meth:`get_state` refuses Conduit's part: see there).
 
+    Multi-agent: each RLModule's rows go through a feed of their own (:attr:`conduit_feeds`), and every
+    minibatch RLlib trains carries each module's next minibatch, as RLlib's iterator walks the modules'
+    batches in lock step: with a ``minibatch_size``, each module cuts minibatches of that many of its own rows
+    until every module has had ``num_epochs`` passes, K = ceil(num_epochs * the largest module's rows /
+    minibatch_size) (or RLlib's ``num_total_minibatches`` with several learners), so a module with fewer rows
+    cycles through more passes, as in RLlib.
+
     Attributes:
-        conduit_feed: the :class:`~conduit_rllib.on_policy.MinibatchFeed` (its ``delivered``
-            lists the SampleInfo of each delivery of the latest update: one per minibatch, or
+        conduit_feeds: one :class:`~conduit_rllib.on_policy.MinibatchFeed` per RLModule trained, by module id (its
+            ``delivered`` lists the SampleInfo of each delivery of the latest update: one per minibatch, or
             several for a minibatch that spans an epoch boundary).
         conduit_version: the version the next rollout is ingested under.
     """
 
-    conduit_feed: MinibatchFeed
+    conduit_feeds: dict[str, MinibatchFeed]
     conduit_version: int = 0
     _conduit_updating: bool = False  # inside update(): a checkpoint now would not be exact (see get_state)
 
@@ -465,17 +494,12 @@ class ConduitOnPolicyLearner:
         Raises:
             conduit.ConfigurationError: ``learner_config_dict["conduit"]`` holds a ``prefetch`` that is no bool or a
                 ``placement`` that is no conduit Placement, or a key that is neither (it would not be used).
-            UnsupportedConfigError: a multi-agent config (made so after ``enable``, which refuses it; nothing is
-                built), or a stateful (recurrent) RLModule, e.g. one given as a module class, which
+            UnsupportedConfigError: a stateful (recurrent) RLModule, e.g. one given as a module class, which
                 ``enable`` cannot see in ``model_config`` (see :func:`_refuse_stateful_modules`).
         """
         config = self.config  # type: ignore[attr-defined]
         opts = dict(config.learner_config_dict.get(CONFIG_KEY, {}))
         unknown = sorted(map(repr, set(opts) - {"placement", "prefetch"}))
-        if config.is_multi_agent:  # (enable refuses it; this config was made multi-agent after enable)
-            raise UnsupportedConfigError("Conduit's RLlib adapter trains one RLModule, and this PPO config is "
-                                         "multi-agent (conduit_rllib.enable refuses that; it was changed after "
-                                         "enable): make it single-agent, or build it without conduit_rllib.enable.")
         if unknown:  # (before RLlib's build: a refused config builds nothing)
             raise ConfigurationError(f"learner_config_dict[{CONFIG_KEY!r}] holds {', '.join(unknown)}, which Conduit's "
                                      f"PPO learner does not take (it takes 'placement' and 'prefetch'), so the value "
@@ -485,13 +509,43 @@ class ConduitOnPolicyLearner:
         _refuse_stateful_modules(self.module,  # type: ignore[attr-defined]
                                  "Conduit's on-policy delivery cuts minibatches by timestep and cannot keep its "
                                  "sequences whole", "RLlib's own minibatching")
-        if getattr(self, "conduit_feed", None) is not None:
+        if getattr(self, "conduit_feeds", None) is not None:
             return
         # without a seed RLlib reshuffles from an unseeded generator: a fresh seed here, so unseeded runs differ too
         seed = config.seed
-        self.conduit_feed = MinibatchFeed(seed=fresh_seed() if seed is None else int(seed), max_staleness=0,
-                                          on_stale="drop",
-                                          placement=opts.get("placement"), prefetch=opts.get("prefetch", True))
+        self._conduit_seed = fresh_seed() if seed is None else int(seed)
+        self._conduit_opts = opts
+        self.conduit_feeds = {}
+        for module_id in self.module.keys():  # type: ignore[attr-defined]
+            self._conduit_feed_of(module_id)
+
+    def _conduit_feed_of(self, module_id: str) -> MinibatchFeed:
+        """The feed of ``module_id``, made on first use (a module added after the build gets one then). Its
+        permutations are seeded by the learner's seed (the default module's by the seed itself, so a
+        single-agent learner reshuffles as before; any other module's by the seed and its id)."""
+        feed = self.conduit_feeds.get(module_id)
+        if feed is None:
+            seed = self._conduit_seed
+            if module_id != DEFAULT_MODULE_ID:
+                seed = (seed + zlib.crc32(str(module_id).encode())) % 2 ** 63
+            opts = self._conduit_opts
+            feed = self.conduit_feeds[module_id] = MinibatchFeed(
+                seed=seed, max_staleness=0, on_stale="drop", placement=opts.get("placement"),
+                prefetch=opts.get("prefetch", True))
+        return feed
+
+    @property
+    def conduit_feed(self) -> MinibatchFeed:
+        """The feed of a single-agent learner's one RLModule (:attr:`conduit_feeds` has every module's).
+
+        Raises:
+            AttributeError: the learner is not built, or trains several modules (use :attr:`conduit_feeds`).
+        """
+        feeds = self.__dict__.get("conduit_feeds")
+        if feeds is None or len(feeds) != 1:
+            raise AttributeError("conduit_feed is the feed of a single-agent PPO learner's one module once built; "
+                                 f"this learner has {'none' if feeds is None else sorted(feeds)}: use conduit_feeds.")
+        return next(iter(feeds.values()))
 
     def _create_iterator_if_necessary(self, *, training_data: Any, num_total_minibatches: int = 0,
                                       num_epochs: int = 1, minibatch_size: int | None = None,
@@ -506,40 +560,60 @@ class ConduitOnPolicyLearner:
                 del batch.policy_batches[module_id]
         if not batch.policy_batches:
             return {}
-        if len(batch.policy_batches) != 1:
-            raise UnsupportedConfigError(f"Conduit's RLlib adapter trains one RLModule; this batch has "
-                                         f"{sorted(batch.policy_batches)}. Multi-agent PPO is not supported.")
-        ((module_id, module_batch),) = batch.policy_batches.items()
-        if module_batch.zero_padded or module_batch.get(SampleBatch.SEQ_LENS) is not None:
-            raise UnsupportedConfigError("Conduit's on-policy delivery cuts minibatches by timestep; stateful "
-                                         "(RNN) modules with time-padded batches are not supported.")
-        rows = len(module_batch)
-        if rows == 0:
-            raise EmptyBufferError(f"The train batch for module {module_id!r} has no rows; an update needs at least "
-                                   f"one timestep (sample some before calling update).")
+        have = sorted(self.module.keys())  # type: ignore[attr-defined]
+        unknown = sorted(set(batch.policy_batches) - set(have))
+        if unknown:  # (RLlib's loop refuses them at the first minibatch: here before anything is ingested)
+            raise SchemaError(f"The train batch holds rows of modules {unknown} this learner has no RLModule for (it "
+                              f"has {have}); add them (learner.add_module) or leave their rows out. Nothing was "
+                              f"ingested.")
+        rows = {}
+        for module_id, module_batch in batch.policy_batches.items():
+            if module_batch.zero_padded or module_batch.get(SampleBatch.SEQ_LENS) is not None:
+                raise UnsupportedConfigError("Conduit's on-policy delivery cuts minibatches by timestep; stateful "
+                                             "(RNN) modules with time-padded batches are not supported.")
+            rows[module_id] = len(module_batch)
+            if rows[module_id] == 0:
+                raise EmptyBufferError(f"The train batch for module {module_id!r} has no rows; an update needs at "
+                                       f"least one timestep (sample some before calling update).")
         num_epochs = _passes(num_epochs)  # (RLlib's iterator makes ceil(num_epochs) passes)
-        size = _minibatch_rows(batch, rows, minibatch_size, num_epochs)
-        feed = self.conduit_feed
-        version = self.conduit_version
-        feed.set_policy_version(version)
-        feed.drop_leftovers()  # an earlier update that stopped mid-epoch may have left its (now stale) rollout
         # RLlib's cuts: ceil(E * rows / size) minibatches of size rows (see _minibatch_rows), or with several
         # learners num_total_minibatches of them (RLlib's one-batch iterator, without minibatch_size and with
-        # one epoch, ignores that count)
+        # one epoch, ignores that count); several modules step together until the largest had E passes
         cyclic = bool(minibatch_size) or num_epochs > 1
-        feed.configure(minibatch_size=size, num_epochs=max(1, num_epochs),
-                       shuffle=bool(shuffle_batch_per_epoch and num_epochs > 1),
-                       num_total_minibatches=int(num_total_minibatches) if cyclic else 0)
-        feed.ingest(module_id, module_batch, version=version)
-        feed.seal()
-        self.conduit_version = version + 1  # counted once ingested: a refused train batch is no update
-        return feed.minibatches(env_steps=batch.env_steps())  # RLlib reports the train batch's on each
+        sizes = {m: _minibatch_rows(batch, n, minibatch_size, num_epochs) for m, n in rows.items()}
+        total = int(num_total_minibatches) if cyclic else 0
+        if cyclic and total <= 0 and len(rows) > 1:
+            total = max(-(-num_epochs * n // sizes[m]) for m, n in rows.items())
+        feeds = {m: self._conduit_feed_of(m) for m in rows}
+        version = self.conduit_version
+        for feed in self.conduit_feeds.values():
+            feed.set_policy_version(version)
+            feed.drop_leftovers()  # an earlier update that stopped mid-epoch may have left its (now stale) rollout
+        ingested = []
+        try:
+            for m, feed in feeds.items():
+                feed.configure(minibatch_size=sizes[m], num_epochs=max(1, num_epochs),
+                               shuffle=bool(shuffle_batch_per_epoch and num_epochs > 1), num_total_minibatches=total)
+                feed.ingest(m, batch.policy_batches[m], version=version)
+                ingested.append(feed)
+        finally:
+            # counted once ingested: a train batch refused whole is no update. One refused for a module after
+            # another module's rows were ingested leaves those as a stopped update does: sealed, and dropped by
+            # the next update (counted in their feed's dropped_items)
+            for feed in ingested:
+                feed.seal()
+            if ingested:
+                self.conduit_version = version + 1
+        env_steps = batch.env_steps()  # RLlib reports the train batch's on each minibatch
+        iterators = {m: feed.minibatches(env_steps=env_steps) for m, feed in feeds.items()}
+        if len(iterators) == 1:
+            return next(iter(iterators.values()))
+        return _in_lock_step(iterators, env_steps)
 
     def shutdown(self) -> None:
         """Stop the feed's prefetch thread and data plane (``LearnerGroup.shutdown`` calls this); the
         feed's state is kept, and a later update starts them again."""
-        feed = getattr(self, "conduit_feed", None)  # (none when build() did not run or failed)
-        if feed is not None:
+        for feed in getattr(self, "conduit_feeds", {}).values():  # (none when build() did not run or failed)
             feed.close()
         super().shutdown()  # type: ignore[misc]
 
@@ -553,7 +627,7 @@ class ConduitOnPolicyLearner:
 
     def get_state(self, components: str | Collection[str] | None = None, *,
                   not_components: str | Collection[str] | None = None, **kwargs: Any) -> dict[str, Any]:
-        """RLlib's learner state, with Conduit's part (the update count and the feed's state) under
+        """RLlib's learner state, with Conduit's part (the update count and each module's feed state) under
         :data:`ON_POLICY_COMPONENT`.
 
         Exact between updates: a learner restored from it delivers the minibatches this one does from here
@@ -575,12 +649,35 @@ class ConduitOnPolicyLearner:
                     "algo.save_to_path between algo.train() calls), or leave Conduit's part out "
                     f"(get_state(not_components={ON_POLICY_COMPONENT!r})).")
             # (outside an update nothing is waiting, or a stopped update's leftover our next update drops)
-            feed_state = self.conduit_feed.state_dict(drop_pending=True)
-            state[ON_POLICY_COMPONENT] = {"version": self.conduit_version, "feed": feed_state}
+            feeds = {m: feed.state_dict(drop_pending=True) for m, feed in self.conduit_feeds.items()}
+            state[ON_POLICY_COMPONENT] = {"version": self.conduit_version, "feeds": feeds}
         return state
 
+    def _conduit_feed_states(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """The feed states of Conduit's part ``saved``, by module id, each checked as its feed would load it (a
+        module without a feed yet by a feed of the defaults). A part saved before multi-agent learners (one
+        ``"feed"``) is the state of a single-agent learner's one feed.
+
+        Raises:
+            conduit.ConfigurationError: the part or a feed state in it is damaged.
+        """
+        if "feeds" in saved:
+            states = saved["feeds"]
+        elif "feed" in saved and len(self.conduit_feeds) == 1:
+            states = {next(iter(self.conduit_feeds)): saved["feed"]}
+        else:
+            states = None
+        if not isinstance(states, dict) or not all(isinstance(m, str) for m in states):
+            raise ConfigurationError(f"This checkpoint's {ON_POLICY_COMPONENT!r} state is damaged (expected "
+                                     f"{{'version': int >= 0, 'feeds': {{module_id: feed state}}}}); load an "
+                                     f"undamaged checkpoint.")
+        for m, feed_state in states.items():
+            (self.conduit_feeds.get(m) or MinibatchFeed()).check_state_dict(feed_state)
+        return states
+
     def set_state(self, state: dict[str, Any]) -> None:
-        """Restore RLlib's part of ``state``, then Conduit's (the update count and the feed's state).
+        """Restore RLlib's part of ``state``, then Conduit's (the update count and each module's feed state; a
+        module this learner has no feed for yet gets one).
 
         Conduit's part is checked before anything is restored and applied only once RLlib's part was
         restored, so a refused state (Conduit's part damaged, or RLlib's ``set_state`` raising) leaves
@@ -599,11 +696,12 @@ class ConduitOnPolicyLearner:
             version = saved.get("version") if isinstance(saved, dict) else None
             if isinstance(version, bool) or not isinstance(version, int) or version < 0:
                 raise ConfigurationError(f"This checkpoint's {ON_POLICY_COMPONENT!r} state is damaged (expected "
-                                         f"{{'version': int >= 0, 'feed': ...}}); load an undamaged checkpoint.")
-            self.conduit_feed.check_state_dict(saved.get("feed"))
+                                         f"{{'version': int >= 0, 'feeds': ...}}); load an undamaged checkpoint.")
+            feed_states = self._conduit_feed_states(saved)
         super().set_state(state)  # type: ignore[misc]
         if saved is not None:  # checked above: cannot be refused now
-            self.conduit_feed.load_state_dict(saved["feed"])
+            for m, feed_state in feed_states.items():
+                self._conduit_feed_of(m).load_state_dict(feed_state)
             self.conduit_version = version
 
 

@@ -412,8 +412,9 @@ class MinibatchFeed:
         n = int(next(iter(cols.values())).shape[0])
         with self._lock:
             if self.module_id is not None and module_id != self.module_id and not self._idle():
-                raise UnsupportedConfigError(f"This feed serves module {self.module_id!r}; Conduit's RLlib adapter "
-                                             f"supports single-agent training (one RLModule).")
+                raise UnsupportedConfigError(f"This feed serves module {self.module_id!r}, whose rollout waits for "
+                                             f"delivery; give module {module_id!r}'s rows a feed of their own (one "
+                                             f"feed per RLModule, as the PPO learner's conduit_feeds).")
             self.module_id = module_id
             edp = self._ensure(cols, n, layout)
             try:

@@ -247,9 +247,9 @@ class ExperiencePathProbe:
         planes = []
         if self.buffer is not None and getattr(self.buffer, "edp", None) is not None:
             planes.append(self.buffer.edp)
-        feed = getattr(self.learner, "conduit_feed", None)
-        if feed is not None and feed.edp is not None:
-            planes.append(feed.edp)
+        for feed in getattr(self.learner, "conduit_feeds", {}).values():
+            if feed.edp is not None:
+                planes.append(feed.edp)
         return planes
 
     def _marks_now(self) -> dict[Telemetry, int]:
