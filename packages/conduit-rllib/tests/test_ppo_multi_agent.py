@@ -168,3 +168,23 @@ def test_a_multi_agent_ppo_iteration_trains_each_module_through_conduit_as_rllib
         finally:
             algo.stop()
     assert trained[True] == trained[False] and all(v > 0 for v in trained[True].values())
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_two_remote_learners_cut_rllibs_common_count_for_every_module() -> None:
+    """Two learners, each on its shard of the episodes: RLlib hands both one count of minibatches (from the largest
+    module's steps) and every module of every learner cuts exactly that many, as RLlib's own iterator does."""
+    config = _config().learners(num_learners=2).training(train_batch_size=200, minibatch_size=32, num_epochs=2)
+    trained = {}
+    for conduit in (True, False):
+        algo = (conduit_rllib.enable(config.copy()) if conduit else config.copy()).build_algo()
+        try:
+            result = algo.train()["learners"]
+            trained[conduit] = {m: result[m]["num_module_steps_trained"] for m in MODULES}
+            if conduit:
+                counts = [r.get() for r in algo.learner_group.foreach_learner(lambda learner: (
+                    learner.conduit_version, {m: len(f.delivered) for m, f in learner.conduit_feeds.items()}))]
+                assert [v for v, _ in counts] == [1, 1] and all(min(c.values()) > 0 for _, c in counts), counts
+        finally:
+            algo.stop()
+    assert trained[True] == trained[False] and all(v > 0 for v in trained[True].values()), trained
