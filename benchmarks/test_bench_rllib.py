@@ -5,7 +5,9 @@ Workloads (one local EnvRunner and learner in this process, CPU, one thread):
 * ``dqn-d128`` / ``dqn-d5000``: DQN on LargeObsCartPole with d float32 observations, RLlib's
   defaults (batch 32, prioritized replay, one env step and one update per training step);
 * ``sac-pendulum``: SAC on Pendulum-v1 (batch 256, prioritized replay);
-* ``ppo-cartpole``: PPO on CartPole-v1 (2000 steps per update, 6 epochs of minibatch 128).
+* ``ppo-cartpole``: PPO on CartPole-v1 (2000 steps per update, 6 epochs of minibatch 128);
+* ``ppo-2-agent-cartpole``: the same, multi-agent: RLlib's MultiAgentCartPole with two agents, each trained by
+  its own module (Conduit: one feed per module, minibatches in lock step).
 
 Two measurements per workload, native vs Conduit, each a ratio table in ``benchmarks/results``:
 
@@ -42,7 +44,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-WORKLOADS = ["dqn-d128", "dqn-d5000", "sac-pendulum", "ppo-cartpole"]
+WORKLOADS = ["dqn-d128", "dqn-d5000", "sac-pendulum", "ppo-cartpole", "ppo-2-agent-cartpole"]
 VARIANTS = ["native", "conduit"]
 STEPS = 50
 
@@ -59,12 +61,14 @@ def ray_local() -> Iterator[None]:
 
 
 def make_config(workload: str) -> Any:
-    from conduit_rllib.workloads import dqn_large_obs, ppo_cartpole, sac_pendulum
+    from conduit_rllib.workloads import dqn_large_obs, ppo_cartpole, ppo_multi_agent_cartpole, sac_pendulum
 
     if workload.startswith("dqn"):
         return dqn_large_obs(int(workload.split("-d")[1]), steps=STEPS, batch=32, capacity=5000)
     if workload == "sac-pendulum":
         return sac_pendulum(steps=STEPS, batch=256)
+    if workload == "ppo-2-agent-cartpole":
+        return ppo_multi_agent_cartpole(agents=2, batch=2000, minibatch=128, epochs=6)
     return ppo_cartpole(batch=2000, minibatch=128, epochs=6)
 
 
@@ -200,8 +204,8 @@ def conduit_path_count(b: Built) -> int | None:
     """How often Conduit's path has served the learner so far (off-policy: train batches taken from Conduit's
     sample; PPO: train batches its minibatch feed took in); None for a learner without Conduit's parts."""
     if b.workload.startswith("ppo"):
-        feed = getattr(b.learner, "conduit_feed", None)
-        return None if feed is None else b.learner.conduit_version
+        feeds = getattr(b.learner, "conduit_feeds", None)
+        return None if feeds is None else b.learner.conduit_version
     return getattr(b.learner, "conduit_batches", None)
 
 

@@ -7,6 +7,7 @@ both alike. Prints the per-iteration table and the medians; writes JSON with eve
     .venv/bin/python benchmarks/scripts/rllib_breakdown.py dqn --obs-dim 5000 --iterations 6 --overlap 2
     .venv/bin/python benchmarks/scripts/rllib_breakdown.py sac --iterations 6
     .venv/bin/python benchmarks/scripts/rllib_breakdown.py ppo --iterations 6
+    .venv/bin/python benchmarks/scripts/rllib_breakdown.py ppo --agents 2 --steps 2000 --iterations 6 --sequential
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def result_name(args: argparse.Namespace) -> str:
     elif args.algo == "sac":
         name = f"sac_pendulum_b{args.batch or 256}{'_uniform' if args.uniform else ''}"
     else:
-        return f"ppo_cartpole_{max(args.steps, 500)}"  # --sequential only adds a variant
+        agents = f"{args.agents}_agent_" if args.agents > 1 else ""
+        return f"ppo_{agents}cartpole_{max(args.steps, 500)}"  # --sequential only adds a variant
     if args.overlap:
         name += f"_overlap{args.overlap}{'_caller' if args.ingest_in_caller else ''}"
     return name
@@ -54,13 +56,15 @@ def main() -> int:
                         "delivery still prefetches")
     p.add_argument("--sequential", action="store_true",
                    help="PPO: also run Conduit without minibatch prefetch (variant 'conduit-sequential')")
+    p.add_argument("--agents", type=int, default=1,
+                   help="PPO: agents of RLlib's MultiAgentCartPole, each trained by its own module (1: CartPole-v1)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
     import ray
     import torch
     from conduit_rllib.compare import run_interleaved, summarize, table
-    from conduit_rllib.workloads import dqn_large_obs, ppo_cartpole, sac_pendulum
+    from conduit_rllib.workloads import dqn_large_obs, ppo_cartpole, ppo_multi_agent_cartpole, sac_pendulum
 
     torch.set_num_threads(1)
     if args.algo == "dqn":
@@ -71,6 +75,10 @@ def main() -> int:
         def make():
             return sac_pendulum(steps=args.steps, batch=args.batch or 256, seed=args.seed,
                                 prioritized=not args.uniform)
+    elif args.agents > 1:
+        def make():
+            return ppo_multi_agent_cartpole(agents=args.agents, batch=max(args.steps, 500),
+                                            minibatch=args.batch or 128, seed=args.seed)
     else:
         def make():
             return ppo_cartpole(batch=max(args.steps, 500), minibatch=args.batch or 128, seed=args.seed)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["dqn_large_obs", "dqn_cartpole", "sac_pendulum", "ppo_cartpole"]
+__all__ = ["dqn_large_obs", "dqn_cartpole", "sac_pendulum", "ppo_cartpole", "ppo_multi_agent_cartpole"]
 
 
 def _model(hidden: int) -> Any:
@@ -91,3 +91,15 @@ def ppo_cartpole(*, seed: int = 0, batch: int = 2000, minibatch: int = 128, epoc
             .rl_module(model_config=_model(64))
             .reporting(metrics_num_episodes_for_smoothing=20)
             .debugging(seed=seed, log_level="ERROR"))
+
+
+def ppo_multi_agent_cartpole(*, agents: int = 2, seed: int = 0, batch: int = 2000, minibatch: int = 128,
+                             epochs: int = 6) -> Any:
+    """Multi-agent PPO: RLlib's ``MultiAgentCartPole`` with ``agents`` CartPoles, each agent trained by its own
+    module (``p0``, ``p1``, ...), otherwise as :func:`ppo_cartpole`."""
+    from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
+
+    return (ppo_cartpole(seed=seed, batch=batch, minibatch=minibatch, epochs=epochs)
+            .environment(MultiAgentCartPole, env_config={"num_agents": agents})
+            .multi_agent(policies={f"p{i}" for i in range(agents)},
+                         policy_mapping_fn=lambda agent_id, *args, **kwargs: f"p{agent_id}"))
