@@ -177,7 +177,7 @@ def test_breakdown_runs_with_prefetch_do_not_overwrite_the_plain_comparison() ->
 
     def name(**kw: object) -> str:
         args = dict(algo="dqn", obs_dim=5000, iterations=8, steps=200, batch=None, uniform=False, capacity=50000,
-                    seed=0, overlap=0, ingest_in_caller=False, sequential=False, out=None) | kw
+                    seed=0, overlap=0, ingest_in_caller=False, sequential=False, agents=1, out=None) | kw
         return script.result_name(Namespace(**args))  # type: ignore[attr-defined]
 
     # the files benchmarks/docs/rllib.md cites for each command
@@ -187,6 +187,7 @@ def test_breakdown_runs_with_prefetch_do_not_overwrite_the_plain_comparison() ->
     assert name(overlap=2, capacity=5000) == "dqn_d5000_b32_overlap2"
     assert name(algo="sac", overlap=2) == "sac_pendulum_b256_overlap2"
     assert name(algo="ppo", steps=2000, sequential=True) == "ppo_cartpole_2000"
+    assert name(algo="ppo", steps=2000, sequential=True, agents=2) == "ppo_2_agent_cartpole_2000"
 
 
 def test_interleaved_variants_with_the_same_seed_draw_the_same_random_streams(ray_local: None) -> None:
