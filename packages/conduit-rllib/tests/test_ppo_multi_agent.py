@@ -188,3 +188,26 @@ def test_two_remote_learners_cut_rllibs_common_count_for_every_module() -> None:
         finally:
             algo.stop()
     assert trained[True] == trained[False] and all(v > 0 for v in trained[True].values()), trained
+
+
+def test_a_removed_module_takes_its_feed_with_it_and_the_others_train_on() -> None:
+    """Before: the removed module's feed (its prefetch thread and data plane) stayed with the learner for its
+    life, one more per module a league removed."""
+    import threading
+
+    learner = conduit_rllib.enable(_config()).build_learner(env=MultiAgentCartPole({"num_agents": 2}))
+    try:
+        learner.update(batch=_batch({"p0": 40, "p1": 40}), minibatch_size=16, num_epochs=2)
+        gone = learner.conduit_feeds["p1"]
+        assert gone.edp is not None, "p1's feed made no data plane in the update"
+        threads = sum(t.name.startswith("conduit-minibatch") and t.is_alive() for t in threading.enumerate())
+        learner.remove_module("p1")
+        assert list(learner.conduit_feeds) == ["p0"] and gone.edp is None, "p1's feed was not closed and dropped"
+        after = sum(t.name.startswith("conduit-minibatch") and t.is_alive() for t in threading.enumerate())
+        assert after == threads - 1, f"p1's prefetch thread did not end ({threads} -> {after} threads)"
+        data = TrainingData(batch=_batch({"p0": 8}))
+        got = _rows(learner._create_iterator_if_necessary(training_data=data, num_epochs=1, minibatch_size=4,
+                                                          shuffle_batch_per_epoch=False))
+        assert got == [{"p0": [0, 1, 2, 3]}, {"p0": [4, 5, 6, 7]}]
+    finally:
+        learner.shutdown()

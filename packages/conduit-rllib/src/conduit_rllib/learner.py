@@ -617,6 +617,16 @@ class ConduitOnPolicyLearner:
             feed.close()
         super().shutdown()  # type: ignore[misc]
 
+    def remove_module(self, module_id: str, **kwargs: Any) -> Any:
+        """RLlib's ``remove_module``, then the module's feed is closed and dropped (its prefetch thread and data
+        plane end with it; a module added again under that id gets a fresh feed). A league that keeps adding
+        and removing modules keeps no feed of a module it removed."""
+        spec = super().remove_module(module_id, **kwargs)  # type: ignore[misc]
+        feed = getattr(self, "conduit_feeds", {}).pop(module_id, None)
+        if feed is not None:
+            feed.close()
+        return spec
+
     def update(self, *args: Any, **kwargs: Any) -> Any:
         """RLlib's ``update``; while it runs, :meth:`get_state` refuses Conduit's part (see there)."""
         self._conduit_updating = True
