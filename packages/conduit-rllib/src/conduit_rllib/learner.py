@@ -39,7 +39,7 @@ from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
 from conduit_rllib.delivery import ConduitSampledEpisodes
 from conduit_rllib.errors import UnsupportedConfigError
-from conduit_rllib.on_policy import MinibatchFeed
+from conduit_rllib.on_policy import MinibatchFeed, _cyclic_plan
 from conduit_rllib.replay import (
     STATE_FORMAT,
     ConduitEpisodeReplayBuffer,
@@ -583,7 +583,7 @@ class ConduitOnPolicyLearner:
         sizes = {m: _minibatch_rows(batch, n, minibatch_size, num_epochs) for m, n in rows.items()}
         total = int(num_total_minibatches) if cyclic else 0
         if cyclic and total <= 0 and len(rows) > 1:
-            total = max(-(-num_epochs * n // sizes[m]) for m, n in rows.items())
+            total = max(_cyclic_plan(n, sizes[m], num_epochs)[0] for m, n in rows.items())
         feeds = {m: self._conduit_feed_of(m) for m in rows}
         version = self.conduit_version
         for feed in self.conduit_feeds.values():
