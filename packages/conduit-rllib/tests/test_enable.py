@@ -64,9 +64,11 @@ def test_settings_the_adapter_cannot_serve() -> None:
         (DQNConfig().api_stack(enable_rl_module_and_learner=False, enable_env_runner_and_connector_v2=False),
          "new API stack"),
         (DQNConfig().framework("tf2"), "torch"),
-        (DQNConfig().multi_agent(policies={"a", "b"}, policy_mapping_fn=lambda aid, *a, **k: "a"), "single-agent"),
+        # (a multi-agent config takes RLlib's multi-agent buffer types, a single-agent one the single-agent types)
+        (DQNConfig().multi_agent(policies={"a", "b"}, policy_mapping_fn=lambda aid, *a, **k: "a"),
+         "multi-agent, but .*single-agent buffer.*'MultiAgentPrioritizedEpisodeReplayBuffer'"),
         (DQNConfig().training(replay_buffer_config={"type": "MultiAgentPrioritizedEpisodeReplayBuffer"}),
-         "EpisodeReplayBuffer"),
+         "single-agent, but .*multi-agent buffer.*'PrioritizedEpisodeReplayBuffer'"),
         (DQNConfig().rl_module(model_config={"use_lstm": True}), "Stateful"),
         (DQNConfig().learners(learner_connector=lambda *a: []), "learner connector"),
     ]

@@ -241,7 +241,7 @@ def test_a_restored_learner_continues_versions_and_minibatch_order(tmp_path: Pat
     (AlgorithmConfig(), UnsupportedAlgorithmError, "DQN and SAC.*PPO"),
     (MARWILConfig(), UnsupportedAlgorithmError, "DQN and SAC.*PPO.*MARWIL"),
     (DQNConfig().multi_agent(policies={"a", "b"}, policy_mapping_fn=lambda aid, *a, **k: "a"),
-     UnsupportedConfigError, "DQN/SAC replay supports single-agent.*PPO takes multi-agent"),
+     UnsupportedConfigError, "multi-agent, but .*single-agent buffer"),
     (PPOConfig().rl_module(model_config={"use_attention": True}), UnsupportedConfigError, "feed-forward"),
     (PPOConfig().framework("tf2"), UnsupportedConfigError, "torch"),
 ])

@@ -128,9 +128,10 @@ def test_a_dotted_type_naming_a_supported_class_is_accepted(rb_type: object, wan
 @pytest.mark.parametrize(("rb_type", "words"), [
     ("no_such_pkg_for_conduit.buffers.MyBuffer", r"does not resolve.*ModuleNotFoundError.*importable"),
     (f"{__name__}.NoSuchBuffer", r"does not resolve.*AttributeError"),
-    ("collections.OrderedDict", r"Conduit replaces the single-agent"),
-    ("ray.rllib.utils.replay_buffers.MultiAgentEpisodeReplayBuffer", r"Conduit replaces the single-agent"),
-    (f"{__name__}.DQN_KW", r"Conduit replaces the single-agent"),
+    ("collections.OrderedDict", r"Conduit replaces RLlib's episode replay buffers only"),
+    # (a multi-agent buffer for a single-agent config; a multi-agent config takes it)
+    ("ray.rllib.utils.replay_buffers.MultiAgentEpisodeReplayBuffer", r"single-agent, but .*a multi-agent buffer"),
+    (f"{__name__}.DQN_KW", r"Conduit replaces RLlib's episode replay buffers only"),
 ], ids=["no-module", "no-class", "not-a-buffer", "multi-agent", "not-a-class"])
 def test_a_dotted_type_that_does_not_resolve_or_names_another_class_is_a_typed_error(rb_type: str, words: str) -> None:
     config = _dqn(rb_type)

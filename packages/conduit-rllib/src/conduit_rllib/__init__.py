@@ -6,7 +6,7 @@
 See :func:`conduit_rllib.enable`. Importing this package imports RLlib (a few seconds).
 """
 
-from conduit_rllib.delivery import ConduitSampledEpisodes
+from conduit_rllib.delivery import ConduitMultiAgentSample, ConduitSampledEpisodes
 from conduit_rllib.enable import SUPPORTED_ALGORITHMS, enable, is_enabled
 from conduit_rllib.errors import UnsupportedAlgorithmError, UnsupportedConfigError
 from conduit_rllib.learner import (
@@ -15,6 +15,10 @@ from conduit_rllib.learner import (
     ConduitOnPolicyLearner,
     ConduitPPOTorchLearner,
     ConduitSACTorchLearner,
+)
+from conduit_rllib.multi_agent import (
+    ConduitMultiAgentEpisodeReplayBuffer,
+    ConduitMultiAgentPrioritizedEpisodeReplayBuffer,
 )
 from conduit_rllib.on_policy import MinibatchFeed
 from conduit_rllib.replay import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer
@@ -27,7 +31,10 @@ __all__ = [
     "SUPPORTED_ALGORITHMS",
     "ConduitEpisodeReplayBuffer",
     "ConduitPrioritizedEpisodeReplayBuffer",
+    "ConduitMultiAgentEpisodeReplayBuffer",
+    "ConduitMultiAgentPrioritizedEpisodeReplayBuffer",
     "ConduitSampledEpisodes",
+    "ConduitMultiAgentSample",
     "MinibatchFeed",
     "ConduitOffPolicyLearner",
     "ConduitOnPolicyLearner",

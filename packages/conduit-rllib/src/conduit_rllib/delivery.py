@@ -21,7 +21,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
-__all__ = ["ConduitSampledEpisodes", "WEIGHTS", "N_STEP"]
+__all__ = ["ConduitSampledEpisodes", "ConduitMultiAgentSample", "CONDUIT_SAMPLES", "WEIGHTS", "N_STEP"]
 
 #: importance-weight column the DQN/SAC losses read
 WEIGHTS = "weights"
@@ -99,7 +99,7 @@ class ConduitSampledEpisodes(Sequence[SingleAgentEpisode]):
             eid = self.episode_ids[i] = uuid.uuid4().hex
         c = {k: v[i].detach().cpu().numpy() for k, v in self.columns.items()}
         return SingleAgentEpisode(
-            id_=eid,
+            id_=eid, module_id=self.module_id,
             observation_space=self.observation_space, action_space=self.action_space,
             observations=[c[Columns.OBS], c[Columns.NEXT_OBS]], actions=[c[Columns.ACTIONS]],
             rewards=[float(c[Columns.REWARDS])], terminated=bool(c[Columns.TERMINATEDS]),
@@ -110,3 +110,64 @@ class ConduitSampledEpisodes(Sequence[SingleAgentEpisode]):
     def __iter__(self) -> Iterator[SingleAgentEpisode]:
         for i in range(len(self)):
             yield self[i]
+
+
+class ConduitMultiAgentSample(Sequence[SingleAgentEpisode]):
+    """A multi-agent replay sample: each RLModule's B transitions as a ready train batch of its own.
+
+    What :class:`~conduit_rllib.multi_agent.ConduitMultiAgentEpisodeReplayBuffer` hands RLlib where its
+    ``MultiAgentEpisodeReplayBuffer`` returns a list of one-step episodes, B per module, grouped by module.
+    Iterating it gives those episodes (each with its ``module_id``), module after module.
+
+    Attributes:
+        parts: module id -> that module's sample (a :class:`ConduitSampledEpisodes`), in the order sampled.
+    """
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: dict[str, ConduitSampledEpisodes]) -> None:
+        self.parts = parts
+
+    @property
+    def handles(self) -> dict[str, torch.Tensor]:
+        """Module id -> the Conduit handles of its sampled items (what its ``update_priorities`` names)."""
+        return {m: p.handles for m, p in self.parts.items()}
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts.values())
+
+    def __repr__(self) -> str:
+        return f"ConduitMultiAgentSample({', '.join(f'{m}: B={len(p)}' for m, p in self.parts.items())})"
+
+    def to_multi_agent_batch(self) -> MultiAgentBatch:
+        """The train batch RLlib's learner consumes: one ``SampleBatch`` per module (wraps the columns; copies
+        nothing). Its env steps are all modules' rows together, as RLlib's learner counts a list of one-step
+        episodes."""
+        return MultiAgentBatch({m: SampleBatch(p.columns) for m, p in self.parts.items()}, env_steps=len(self))
+
+    @overload
+    def __getitem__(self, i: int) -> SingleAgentEpisode: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[SingleAgentEpisode]: ...
+
+    def __getitem__(self, i: int | slice) -> SingleAgentEpisode | list[SingleAgentEpisode]:
+        """Transition ``i`` (counted module after module) as a one-step ``SingleAgentEpisode`` (slow path)."""
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"transition {i} of {len(self)}")
+        i %= len(self)
+        for part in self.parts.values():
+            if i < len(part):
+                return part[i]
+            i -= len(part)
+        raise AssertionError("unreachable: i < len(self)")
+
+    def __iter__(self) -> Iterator[SingleAgentEpisode]:
+        for part in self.parts.values():
+            yield from part
+
+
+#: what a Conduit replay buffer's ``sample()`` returns: the types Conduit's learners train on directly
+CONDUIT_SAMPLES = (ConduitSampledEpisodes, ConduitMultiAgentSample)

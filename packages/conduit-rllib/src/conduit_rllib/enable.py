@@ -47,6 +47,9 @@ from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
 from ray.rllib.utils import force_list
 from ray.rllib.utils.replay_buffers.episode_replay_buffer import EpisodeReplayBuffer
 from ray.rllib.utils.replay_buffers.multi_agent_episode_buffer import MultiAgentEpisodeReplayBuffer
+from ray.rllib.utils.replay_buffers.multi_agent_prioritized_episode_buffer import (
+    MultiAgentPrioritizedEpisodeReplayBuffer,
+)
 from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import PrioritizedEpisodeReplayBuffer
 from ray.tune.error import TuneError
 from ray.tune.registry import get_trainable_cls
@@ -62,6 +65,11 @@ from conduit_rllib.learner import (
     ConduitPPOTorchLearner,
     ConduitSACTorchLearner,
     refuse_stateful_model_config,
+)
+from conduit_rllib.multi_agent import (
+    ConduitMultiAgentEpisodeReplayBuffer,
+    ConduitMultiAgentPrioritizedEpisodeReplayBuffer,
+    _ConduitMultiAgentReplay,
 )
 from conduit_rllib.remote import route_to_remote_learners
 from conduit_rllib.replay import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer
@@ -111,10 +119,18 @@ _PLAIN_NAMES: dict[str, type] = {
     "PrioritizedEpisodeReplayBuffer": ConduitPrioritizedEpisodeReplayBuffer,
     "ConduitEpisodeReplayBuffer": ConduitEpisodeReplayBuffer,
     "ConduitPrioritizedEpisodeReplayBuffer": ConduitPrioritizedEpisodeReplayBuffer,
+    "MultiAgentEpisodeReplayBuffer": ConduitMultiAgentEpisodeReplayBuffer,
+    "MultiAgentPrioritizedEpisodeReplayBuffer": ConduitMultiAgentPrioritizedEpisodeReplayBuffer,
+    "ConduitMultiAgentEpisodeReplayBuffer": ConduitMultiAgentEpisodeReplayBuffer,
+    "ConduitMultiAgentPrioritizedEpisodeReplayBuffer": ConduitMultiAgentPrioritizedEpisodeReplayBuffer,
 }
-_WHAT_TO_SET = ("Set 'EpisodeReplayBuffer' (uniform) or 'PrioritizedEpisodeReplayBuffer', or the dotted path of your "
-                "subclass of conduit_rllib.ConduitEpisodeReplayBuffer / ConduitPrioritizedEpisodeReplayBuffer (e.g. "
-                "'my_pkg.buffers.MyBuffer').")
+#: the buffers ``enable`` builds for RLlib's stock types (any other Conduit buffer class is a user's subclass)
+_STOCK = (ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer, ConduitMultiAgentEpisodeReplayBuffer,
+          ConduitMultiAgentPrioritizedEpisodeReplayBuffer)
+_WHAT_TO_SET = ("Set 'EpisodeReplayBuffer' (uniform) or 'PrioritizedEpisodeReplayBuffer' (for a multi-agent config: "
+                "'MultiAgentEpisodeReplayBuffer' or 'MultiAgentPrioritizedEpisodeReplayBuffer'), or the dotted path "
+                "of your subclass of a Conduit buffer, e.g. conduit_rllib.ConduitEpisodeReplayBuffer "
+                "('my_pkg.buffers.MyBuffer').")
 
 
 def _resolve_buffer_type(rb_type: str) -> object:
@@ -139,27 +155,29 @@ def _resolve_buffer_type(rb_type: str) -> object:
 
 def _replay_class(config: AlgorithmConfig) -> type:
     """The Conduit buffer class ``replay_buffer_config["type"]`` asks for: a subclass of Conduit's buffers is
-    built itself; RLlib's single-agent ``EpisodeReplayBuffer`` / ``PrioritizedEpisodeReplayBuffer`` (or a
-    subclass of them) is replaced by Conduit's buffer of the same kind. The type may be the class, or its name
-    or dotted path (resolved as RLlib resolves it).
+    built itself; RLlib's ``EpisodeReplayBuffer`` / ``PrioritizedEpisodeReplayBuffer`` and their multi-agent
+    kinds (or a subclass of them) are replaced by Conduit's buffer of the same kind. The type may be the class, or
+    its name or dotted path (resolved as RLlib resolves it).
 
     Raises:
-        UnsupportedConfigError: a type that does not resolve, or names anything else (multi-agent buffers,
-            old-stack buffers, non-classes).
+        UnsupportedConfigError: a type that does not resolve, or names anything else (old-stack buffers,
+            non-classes).
     """
     # only DQN/SAC (sub)class configs come here; they define replay_buffer_config
     rb_type = cast("DQNConfig | SACConfig", config).replay_buffer_config.get("type")
     cls = _resolve_buffer_type(rb_type) if isinstance(rb_type, str) else rb_type
-    if isinstance(cls, type) and issubclass(cls, EpisodeReplayBuffer) and not issubclass(
-            cls, MultiAgentEpisodeReplayBuffer):
-        if issubclass(cls, (ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer)):
+    if isinstance(cls, type) and issubclass(cls, EpisodeReplayBuffer):
+        if issubclass(cls, (ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer,
+                            _ConduitMultiAgentReplay)):
             return cls
+        if issubclass(cls, MultiAgentEpisodeReplayBuffer):
+            return (ConduitMultiAgentPrioritizedEpisodeReplayBuffer if issubclass(
+                cls, MultiAgentPrioritizedEpisodeReplayBuffer) else ConduitMultiAgentEpisodeReplayBuffer)
         return (ConduitPrioritizedEpisodeReplayBuffer if issubclass(cls, PrioritizedEpisodeReplayBuffer)
                 else ConduitEpisodeReplayBuffer)
     named = f" (which names {cls!r})" if isinstance(rb_type, str) else ""
-    raise UnsupportedConfigError(f"replay_buffer_config['type'] is {rb_type!r}{named}; Conduit replaces the "
-                                 f"single-agent 'EpisodeReplayBuffer' (uniform) and 'PrioritizedEpisodeReplayBuffer' "
-                                 f"only. {_WHAT_TO_SET}")
+    raise UnsupportedConfigError(f"replay_buffer_config['type'] is {rb_type!r}{named}; Conduit replaces RLlib's "
+                                 f"episode replay buffers only. {_WHAT_TO_SET}")
 
 
 def _check_served(config: AlgorithmConfig) -> None:
@@ -182,16 +200,12 @@ def _check_off_policy(config: AlgorithmConfig) -> None:
     """Refuse what DQN/SAC's Conduit path cannot serve on top of :func:`_check_served`.
 
     Raises:
-        UnsupportedConfigError: a multi-agent config (Conduit's replay buffers are single-agent), custom learner
-            connector pieces (Conduit's batches skip the connector), a
-            ``replay_buffer_config["type"]`` Conduit does not replace (see :func:`_replay_class`), or a
+        UnsupportedConfigError: a multi-agent config with a single-agent buffer type or the other way round (RLlib's
+            buffer would fail at the first add too), custom learner connector pieces (Conduit's batches skip the
+            connector), a ``replay_buffer_config["type"]`` Conduit does not replace (see :func:`_replay_class`), or a
             ``replay_buffer_config`` key naming a buffer option ``enable`` sets itself (see :data:`_SET_ELSEWHERE`),
             or Conduit's PPO options in ``learner_config_dict`` (DQN/SAC would not read them).
     """
-    if config.is_multi_agent:
-        raise UnsupportedConfigError("Conduit's DQN/SAC replay supports single-agent training; this config is "
-                                     "multi-agent. Make it single-agent, or build it without conduit_rllib.enable "
-                                     "(PPO takes multi-agent configs).")
     if config._learner_connector is not None:
         raise UnsupportedConfigError("Conduit delivers DQN/SAC train batches ready-made, so custom learner "
                                      "connector pieces would be skipped; remove "
@@ -207,7 +221,18 @@ def _check_off_policy(config: AlgorithmConfig) -> None:
             raise UnsupportedConfigError(f"replay_buffer_config holds {key!r}, a Conduit buffer option that enable "
                                          f"sets itself, so the value would not be used; remove it from "
                                          f"replay_buffer_config and set it as {where}.")
-    _replay_class(config)
+    multi_agent_buffer = issubclass(_replay_class(config), _ConduitMultiAgentReplay)
+    if multi_agent_buffer != bool(config.is_multi_agent):
+        rb_type = rbc.get("type")
+        raise UnsupportedConfigError(
+            f"This config is {'multi' if config.is_multi_agent else 'single'}-agent, but replay_buffer_config['type'] "
+            f"is {rb_type!r}, a {'single' if config.is_multi_agent else 'multi'}-agent buffer: its first add would "
+            f"fail (with RLlib's buffers too). Set "
+            + ("'MultiAgentPrioritizedEpisodeReplayBuffer' or 'MultiAgentEpisodeReplayBuffer'" if config.is_multi_agent
+               else "'PrioritizedEpisodeReplayBuffer' or 'EpisodeReplayBuffer'")
+            + ": Conduit installs its own buffer of that kind (conduit_rllib."
+            + ("ConduitMultiAgentEpisodeReplayBuffer" if config.is_multi_agent else "ConduitEpisodeReplayBuffer")
+            + " or its prioritized kind).")
 
 
 #: buffer options ``InstallReplayBuffer`` takes from elsewhere, never from ``replay_buffer_config``: where to set them
@@ -228,7 +253,7 @@ def _buildable_type(rb_type: type) -> str:
         UnsupportedConfigError: a class no dotted path names (defined in a function, nested in a class, or no
             longer what its module's attribute of that name is).
     """
-    if rb_type in (EpisodeReplayBuffer, PrioritizedEpisodeReplayBuffer):
+    if rb_type in _RLLIB_TYPES:
         return rb_type.__name__
     path = f"{rb_type.__module__}.{rb_type.__qualname__}"
     try:
@@ -246,7 +271,13 @@ def _buildable_type(rb_type: type) -> str:
 
 #: RLlib's name of the kind of each buffer Conduit builds for a stock type: the form every build of RLlib 2.60 takes
 _RLLIB_NAME: dict[type, str] = {ConduitEpisodeReplayBuffer: "EpisodeReplayBuffer",
-                                ConduitPrioritizedEpisodeReplayBuffer: "PrioritizedEpisodeReplayBuffer"}
+                                ConduitPrioritizedEpisodeReplayBuffer: "PrioritizedEpisodeReplayBuffer",
+                                ConduitMultiAgentEpisodeReplayBuffer: "MultiAgentEpisodeReplayBuffer",
+                                ConduitMultiAgentPrioritizedEpisodeReplayBuffer:
+                                    "MultiAgentPrioritizedEpisodeReplayBuffer"}
+#: RLlib's stock episode buffers (the types SAC's config check takes, by these names)
+_RLLIB_TYPES = (EpisodeReplayBuffer, PrioritizedEpisodeReplayBuffer, MultiAgentEpisodeReplayBuffer,
+                MultiAgentPrioritizedEpisodeReplayBuffer)
 
 
 def _buildable(base: type, rb_type: object, cls: type) -> str | None:
@@ -262,7 +293,7 @@ def _buildable(base: type, rb_type: object, cls: type) -> str | None:
         UnsupportedConfigError: SAC with a subclass of Conduit's buffers (no name SAC's check takes builds it, with
             or without Conduit); a class no dotted path names (:func:`_buildable_type`).
     """
-    if isinstance(rb_type, str) and rb_type in ("EpisodeReplayBuffer", "PrioritizedEpisodeReplayBuffer"):
+    if isinstance(rb_type, str) and rb_type in (t.__name__ for t in _RLLIB_TYPES):
         return None
     if base is SAC or (isinstance(rb_type, str) and rb_type in _PLAIN_NAMES):
         name = _RLLIB_NAME.get(cls)
@@ -297,7 +328,8 @@ def _check_still_served(config: AlgorithmConfig) -> None:
     ``enable`` (RLlib's config stays mutable) must not be served wrong or fail untyped.
 
     Raises:
-        UnsupportedConfigError: the config is no longer one ``enable`` accepts (multi-agent, a stateful model, a
+        UnsupportedConfigError: the config is no longer one ``enable`` accepts (made multi-agent with a single-agent
+            buffer type or the other way round, a stateful model, a
             learner connector, another replay buffer type, a learner class without ``ConduitOffPolicyLearner``).
     """
     try:
@@ -367,26 +399,28 @@ class InstallReplayBuffer:
         device = (next(iter(group.foreach_learner(lambda learner: learner.device))).get() if group.is_local
                   else torch.device("cpu"))
         kwargs_rb: dict[str, Any] = {}
-        if cls not in (ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer):
+        if cls not in _STOCK:
             # your subclass gets the config's other keys too, as RLlib passes them to the type it builds
             kwargs_rb.update({k: v for k, v in rbc.items() if k not in _SET_HERE})
         # capacity and alpha only as configured: without them (RLlib replaces the whole dict when its type changes)
         # the buffer has its class's defaults, as RLlib's buffer then has its own (Conduit's equal RLlib's)
         if "capacity" in rbc:
             kwargs_rb["capacity"] = rbc["capacity"]
-        if issubclass(cls, ConduitPrioritizedEpisodeReplayBuffer) and "alpha" in rbc:
+        if getattr(cls, "prioritized", False) and "alpha" in rbc:
             kwargs_rb["alpha"] = rbc["alpha"]
         # every get_metrics call logs, as RLlib's buffers do (each iteration's replay counts are RLlib's), unless
         # the config says otherwise (the buffer checks it)
         kwargs_rb.setdefault("metrics_every", rbc.get("metrics_every", 1))
         # capacity and alpha as configured: the buffer checks them (a ConfigurationError saying what is wrong)
-        scheduler = self.scheduler() if self.scheduler is not None else None
+        # a multi-agent buffer builds one plane, so one scheduler, per module: it takes the factory itself
+        multi_agent = issubclass(cls, _ConduitMultiAgentReplay)
+        scheduler = self.scheduler() if self.scheduler is not None and not multi_agent else None
         if scheduler is not None and not isinstance(scheduler, Scheduler):
             raise UnsupportedConfigError(f"The scheduler factory given to conduit_rllib.enable(scheduler=...) returned "
                                          f"{scheduler!r}, not a conduit Scheduler; make it return a new one (e.g. "
                                          f"lambda: conduit.Overlapped(g_del=2, background_ingest=False)).")
         buffer = cls(seed=cfg.seed, device=device,
-                     placement=self.placement, scheduler=scheduler,
+                     placement=self.placement, scheduler=self.scheduler if multi_agent else scheduler,
                      metrics_num_episodes_for_smoothing=cfg.metrics_num_episodes_for_smoothing, **kwargs_rb)
         buffer.iteration_of = _IterationOf(algorithm)  # metrics in every iteration's results
         try:
@@ -476,7 +510,8 @@ def enable(config: AlgorithmConfig, *, placement: Placement | None = None,
             ``placement`` that is no Placement, a ``scheduler`` that is no zero-argument factory (e.g. a Scheduler
             instance, or a function that needs an argument), or a ``prefetch`` that is no bool, ``prefetch=False``
             for DQN/SAC (it applies to PPO only), a
-            setting the adapter cannot serve (old API stack, non-torch, multi-agent DQN/SAC, RNN models, custom learner
+            setting the adapter cannot serve (old API stack, non-torch, multi-agent DQN/SAC with a single-agent buffer
+            type or the other way round, RNN models, custom learner
             connectors off-policy, a replay buffer class defined in a function or nested in a class, which no
             dotted path names, a subclass of Conduit's buffers for SAC, which SAC's config check refuses, a learner
             class, explicit or the config's default, without Conduit's mixin, PPO on

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-import zlib
 from collections.abc import Collection, Iterable, Iterator
 from typing import Any, cast
 
@@ -33,18 +32,23 @@ from conduit.checks import is_real
 from ray.rllib.algorithms.dqn.torch.dqn_torch_learner import DQNTorchLearner
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.algorithms.sac.torch.sac_torch_learner import SACTorchLearner
-from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.learner.learner import Learner
 from ray.rllib.policy.sample_batch import MultiAgentBatch, SampleBatch
 
-from conduit_rllib.delivery import ConduitSampledEpisodes
+from conduit_rllib.delivery import CONDUIT_SAMPLES
 from conduit_rllib.errors import UnsupportedConfigError
+from conduit_rllib.multi_agent import (
+    MULTI_AGENT_STATE_FORMAT,
+    ConduitMultiAgentEpisodeReplayBuffer,
+    ConduitMultiAgentPrioritizedEpisodeReplayBuffer,
+)
 from conduit_rllib.on_policy import MinibatchFeed, _cyclic_plan
 from conduit_rllib.replay import (
     STATE_FORMAT,
     ConduitEpisodeReplayBuffer,
     ConduitPrioritizedEpisodeReplayBuffer,
     fresh_seed,
+    module_seed,
 )
 
 __all__ = [
@@ -160,23 +164,26 @@ def _check_unattached_replay_part(state: Any) -> None:
     Raises:
         conduit.ConfigurationError: no Conduit replay-buffer state, or a damaged one.
     """
-    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in (STATE_FORMAT, MULTI_AGENT_STATE_FORMAT):
         raise ConfigurationError(f"This learner state's {REPLAY_COMPONENT!r} part is not a Conduit replay-buffer "
                                  f"state (get_state() of a Conduit buffer); load a checkpoint a Conduit-enabled "
                                  f"DQN/SAC learner saved, or leave that part out of the state.")
-    prioritized, capacity, plane = state.get("prioritized"), state.get("capacity"), state.get("edp")
+    multi_agent = state["format"] == MULTI_AGENT_STATE_FORMAT
+    prioritized, capacity = state.get("prioritized"), state.get("capacity")
     try:  # (a saved plane has one n-step link per slot: checked first, so no scratch is sized by a damaged capacity)
+        parts = list(state["modules"].values()) if multi_agent else [state]
         ok = (isinstance(prioritized, bool) and isinstance(capacity, int) and not isinstance(capacity, bool)
-              and capacity > 0 and (plane is None or len(state["succ"]) == capacity))
-    except (KeyError, TypeError) as e:
+              and capacity > 0 and all(part["edp"] is None or len(part["succ"]) == capacity for part in parts))
+    except (KeyError, TypeError, AttributeError) as e:
         raise ConfigurationError(f"This Conduit replay-buffer state is damaged ({type(e).__name__}: {e}); load an "
                                  f"undamaged get_state().") from e
     if not ok:
         raise ConfigurationError(f"This Conduit replay-buffer state is damaged (prioritized {prioritized!r} and "
                                  f"capacity {capacity!r} do not describe its contents); load an undamaged "
                                  f"get_state().")
-    cls = ConduitPrioritizedEpisodeReplayBuffer if prioritized else ConduitEpisodeReplayBuffer
-    cls(capacity=cast(int, capacity), seed=0).check_state(state)
+    kinds: tuple[type, type] = ((ConduitMultiAgentEpisodeReplayBuffer, ConduitMultiAgentPrioritizedEpisodeReplayBuffer)
+                                if multi_agent else (ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer))
+    kinds[bool(prioritized)](capacity=cast(int, capacity), seed=0).check_state(state)
 
 
 def includes_replay_part(owner: Any, components: str | Collection[str] | None,
@@ -319,7 +326,7 @@ class ConduitOffPolicyLearner:
             given = _UPDATE_ARGS.bind_partial(self, *args, **kwargs).arguments
             data = given.get("training_data")
             episodes = getattr(data, "episodes", None) if data is not None else given.get("episodes")
-            if isinstance(episodes, ConduitSampledEpisodes):
+            if isinstance(episodes, CONDUIT_SAMPLES):
                 kept = (" It holds a replay part restored for a buffer not attached yet: attaching the buffer "
                         "restores that part into it first (or call conduit_drop_kept_replay_state() to give it up)."
                         if self._conduit_pending_state is not None else "")
@@ -335,17 +342,17 @@ class ConduitOffPolicyLearner:
 
     def _make_batch_if_necessary(self, training_data: Any) -> Any:
         episodes = training_data.episodes
-        if isinstance(episodes, ConduitSampledEpisodes):  # delivered onto this learner's device
+        if isinstance(episodes, CONDUIT_SAMPLES):  # delivered onto this learner's device
             self.conduit_batches += 1
             self.conduit_last_handles = episodes.handles
             return episodes.to_multi_agent_batch()
         piece = training_data.batch
-        if isinstance(piece, ConduitSampledEpisodes):  # a remote learner's slice, in host memory
+        if isinstance(piece, CONDUIT_SAMPLES):  # a remote learner's slice, in host memory
             self.conduit_batches += 1
             self.conduit_last_handles = piece.handles
             batch = piece.to_multi_agent_batch()
             device = self.device  # type: ignore[attr-defined]
-            on_device = all(col.device == device for col in piece.columns.values())
+            on_device = all(col.device == device for part in batch.policy_batches.values() for col in part.values())
             return batch if on_device else self._convert_batch_type(batch)  # type: ignore[attr-defined]
         self.native_batches += 1
         return super()._make_batch_if_necessary(training_data)  # type: ignore[misc]
@@ -525,9 +532,7 @@ class ConduitOnPolicyLearner:
         single-agent learner reshuffles as before; any other module's by the seed and its id)."""
         feed = self.conduit_feeds.get(module_id)
         if feed is None:
-            seed = self._conduit_seed
-            if module_id != DEFAULT_MODULE_ID:
-                seed = (seed + zlib.crc32(str(module_id).encode())) % 2 ** 63
+            seed = module_seed(self._conduit_seed, module_id)
             opts = self._conduit_opts
             feed = self.conduit_feeds[module_id] = MinibatchFeed(
                 seed=seed, max_staleness=0, on_stale="drop", placement=opts.get("placement"),

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Collection
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import ray
 from conduit import ConfigurationError
 from ray.rllib.core import COMPONENT_LEARNER
 from ray.rllib.core.learner.learner_group import LearnerGroup
 
-from conduit_rllib.delivery import ConduitSampledEpisodes
+from conduit_rllib.delivery import CONDUIT_SAMPLES, ConduitMultiAgentSample, ConduitSampledEpisodes
 from conduit_rllib.errors import UnsupportedConfigError
 from conduit_rllib.learner import REPLAY_COMPONENT, includes_replay_part
 
@@ -37,12 +37,15 @@ __all__ = ["ConduitLearnerGroup", "split_sample", "route_to_remote_learners"]
 #: RLlib's ``LearnerGroup.update`` signature: where :meth:`ConduitLearnerGroup.update` finds the sample it is given
 _UPDATE_ARGS = inspect.signature(LearnerGroup.update)
 #: the arguments that name the training data (one of them carries the sample)
+#: a Conduit sample: one module's, or a multi-agent one
+_S = TypeVar("_S", ConduitSampledEpisodes, ConduitMultiAgentSample)
 _DATA_ARGS = frozenset({"batch", "batches", "batch_refs", "episodes", "episodes_refs", "data_iterators",
                         "training_data"})
 
 
-def split_sample(sample: ConduitSampledEpisodes, num_shards: int) -> list[ConduitSampledEpisodes]:
-    """``sample``'s rows in ``num_shards`` contiguous slices, in order, on the host.
+def split_sample(sample: _S, num_shards: int) -> list[_S]:
+    """``sample``'s rows in ``num_shards`` contiguous slices, in order, on the host (a multi-agent sample: each
+    module's rows so, slice k holding every module's k-th slice).
 
     Slice k holds rows ``[k * q + min(k, r), (k + 1) * q + min(k + 1, r))`` with ``q, r = divmod(B, num_shards)``
     (the first ``r`` slices one row longer), columns and handles copied into tensors of its own. Episode ids are
@@ -52,6 +55,9 @@ def split_sample(sample: ConduitSampledEpisodes, num_shards: int) -> list[Condui
         conduit.ConfigurationError: ``num_shards < 1``, or fewer rows than slices (a learner would get an empty
             batch); raise ``train_batch_size_per_learner`` or lower ``num_learners``.
     """
+    if isinstance(sample, ConduitMultiAgentSample):
+        parts = {m: split_sample(part, num_shards) for m, part in sample.parts.items()}
+        return [ConduitMultiAgentSample({m: slices[k] for m, slices in parts.items()}) for k in range(num_shards)]
     rows = len(sample)
     if num_shards < 1 or rows < num_shards:
         raise ConfigurationError(f"A sample of {rows} rows cannot be split among {num_shards} learners (each needs "
@@ -76,7 +82,7 @@ class ConduitLearnerGroup(LearnerGroup):
     ``conduit_rllib.enable``'s ``on_algorithm_init`` callback turns the algorithm's ``LearnerGroup`` into this
     class (:func:`route_to_remote_learners`); what changes:
 
-    * :meth:`update`: a :class:`ConduitSampledEpisodes` (``episodes=``, or ``training_data=`` holding it) goes to
+    * :meth:`update`: a Conduit sample (``episodes=``, or ``training_data=`` holding it) goes to
       RLlib's ``update`` as ``batches=``, one slice per learner (:func:`split_sample`), every other argument
       unchanged; any other call goes through unchanged.
     * checkpoints: the buffer is saved and restored under the learner's state as with a learner in the driver
@@ -97,7 +103,7 @@ class ConduitLearnerGroup(LearnerGroup):
         given = _UPDATE_ARGS.bind_partial(self, *args, **kwargs).arguments
         data = given.get("training_data")
         sample = getattr(data, "episodes", None) if data is not None else given.get("episodes")
-        if not isinstance(sample, ConduitSampledEpisodes):
+        if not isinstance(sample, CONDUIT_SAMPLES):
             return super().update(*args, **kwargs)
         rest = {k: v for k, v in given.items() if k not in _DATA_ARGS and k not in ("self", "kwargs")}
         slices: Any = split_sample(sample, len(self))  # (RLlib types batches= as MultiAgentBatch only)

@@ -36,6 +36,7 @@ import functools
 import math
 import threading
 import warnings
+import zlib
 from collections.abc import Callable
 from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
@@ -88,7 +89,8 @@ from conduit_rllib.transitions import ChunkColumns, chunk_columns, transition_sc
 if TYPE_CHECKING:
     from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
-__all__ = ["ConduitEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer", "STATE_FORMAT", "fresh_seed"]
+__all__ = ["ConduitEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer", "STATE_FORMAT", "fresh_seed",
+           "module_seed"]
 
 #: tag of the dict ``get_state`` returns
 STATE_FORMAT = "conduit-rllib/replay/1"
@@ -98,6 +100,15 @@ def fresh_seed() -> int:
     """A seed drawn from the OS's entropy, in [0, 2**31): what a Conduit buffer or PPO feed takes when the config
     has no seed (RLlib's default), so unseeded runs draw differently, as RLlib's unseeded generators do."""
     return int(cast(int, np.random.SeedSequence().entropy) % (2 ** 31))
+
+
+def module_seed(seed: int, module_id: Any) -> int:
+    """The seed of one RLModule's data plane in a multi-agent run: ``seed`` for RLlib's default module (so a
+    single-agent run draws as before), else ``seed`` offset by a CRC-32 of the module id, so modules draw apart and
+    every run draws the same (Python's ``hash`` of a string changes between processes)."""
+    if module_id == DEFAULT_MODULE_ID:
+        return seed
+    return (seed + zlib.crc32(str(module_id).encode())) % 2 ** 63
 
 
 #: RLlib's floor for priorities (``PrioritizedEpisodeReplayBuffer.update_priorities``)
@@ -168,6 +179,8 @@ class _ConduitReplay:
         self.placement = placement
         self.scheduler = scheduler
         self.edp: ExperienceDataPlane | None = None
+        #: the RLModule its samples train (a multi-agent buffer's module buffers each name theirs)
+        self.module_id: str = DEFAULT_MODULE_ID
         self.observation_space: Any = None
         self.action_space: Any = None
         self._lock = threading.RLock()
@@ -283,6 +296,17 @@ class _ConduitReplay:
                 chunks.)
         """
         episodes = force_list(episodes)
+        chunks, weight = self._prepared(episodes, weight)
+        with self._lock:
+            self._check_open("store episodes (add)")
+            self._check_continuations(chunks)
+            if len(chunks) > 1:  # a bad chunk after good ones must not leave the good ones stored
+                self._check_chunks(chunks)
+            self._store(episodes, chunks, weight)
+
+    def _prepared(self, episodes: list[Any], weight: float | None) -> tuple[list[ChunkColumns], float | None]:
+        """``episodes``' chunks and ``weight`` as a float, refused as :meth:`add` says (weights, sizes, schemas)
+        before anything is stored; what needs the stored steps is checked under the lock."""
         chunks = [chunk_columns(e) for e in episodes]
         if weight is not None and not self.prioritized:
             raise ConfigurationError("A weight (initial priority) was given to a uniform buffer; use "
@@ -302,25 +326,25 @@ class _ConduitReplay:
                                     f"capacity as RLlib's does for a while: raise replay_buffer_config['capacity'] "
                                     f"to at least {c.length}, or add shorter chunks (e.g. a smaller "
                                     f"rollout_fragment_length).")
-        with self._lock:
-            self._check_open("store episodes (add)")
-            self._check_continuations(chunks)
-            if len(chunks) > 1:  # a bad chunk after good ones must not leave the good ones stored
-                self._check_chunks(chunks)
-            for eps, chunk in zip(episodes, chunks, strict=True):
-                if chunk.length == 0:
-                    continue
-                if self.edp is None:
-                    self._build(transition_schema(chunk))
-                    try:
-                        self._ingest(chunk, weight)
-                    except BaseException:  # refused (too large, bad weight): the next add decides the schema
-                        self._discard()
-                        raise
-                    self.observation_space = getattr(eps, "observation_space", None)
-                    self.action_space = getattr(eps, "action_space", None)
-                    continue
+        return chunks, weight
+
+    def _store(self, episodes: list[Any], chunks: list[ChunkColumns], weight: float | None) -> None:
+        """Store checked chunks (under the lock); the first builds the data plane unless one was built for them."""
+        for eps, chunk in zip(episodes, chunks, strict=True):
+            if chunk.length == 0:
+                continue
+            if self.edp is None:
+                self._build(transition_schema(chunk))
+                try:
+                    self._ingest(chunk, weight)
+                except BaseException:  # refused (too large, bad weight): the next add decides the schema
+                    self._discard()
+                    raise
+            else:
                 self._ingest(chunk, weight)
+            if self.observation_space is None:
+                self.observation_space = getattr(eps, "observation_space", None)
+                self.action_space = getattr(eps, "action_space", None)
 
     def _check_continuations(self, chunks: list[ChunkColumns]) -> None:
         """Refuse, before anything is stored, a chunk that starts inside steps of its unfinished episode already
@@ -532,7 +556,7 @@ class _ConduitReplay:
             self._last_handles = handles
             self._counts["sampled"] += b
             self._counts["n_step_sum"] += b if actual is None else int(actual.sum())
-            return ConduitSampledEpisodes(cols, handles, module_id=DEFAULT_MODULE_ID,
+            return ConduitSampledEpisodes(cols, handles, module_id=self.module_id,
                                           observation_space=self.observation_space, action_space=self.action_space,
                                           episode_ids=functools.partial(self._episode_ids, handles, self._eid))
 

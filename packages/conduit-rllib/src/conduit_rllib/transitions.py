@@ -89,14 +89,15 @@ def chunk_columns(episode: Any) -> ChunkColumns:
     Raises:
         SchemaError: the observations or actions are not plain arrays (Dict/Tuple spaces, or
             values whose shape differs between steps).
-        UnsupportedConfigError: a ``MultiAgentEpisode`` (the adapter serves one agent).
+        UnsupportedConfigError: a ``MultiAgentEpisode`` (a multi-agent buffer splits those into their agents').
         SchemaError: anything else that is no ``SingleAgentEpisode`` (e.g. an old-API-stack ``SampleBatch``,
             a dict or an array).
     """
     if isinstance(episode, MultiAgentEpisode):
-        raise UnsupportedConfigError("conduit-rllib's replay buffers store single-agent episodes; this is a "
-                                     "MultiAgentEpisode. Multi-agent training is not supported: run it without "
-                                     "Conduit (RLlib's MultiAgentEpisodeReplayBuffer).")
+        raise UnsupportedConfigError("This single-agent replay buffer stores SingleAgentEpisode chunks; this is a "
+                                     "MultiAgentEpisode. For a multi-agent config set replay_buffer_config['type'] "
+                                     "to 'MultiAgentEpisodeReplayBuffer' or 'MultiAgentPrioritizedEpisodeReplayBuffer' "
+                                     "(Conduit installs its own of that kind: ConduitMultiAgentEpisodeReplayBuffer).")
     if not isinstance(episode, SingleAgentEpisode):
         raise SchemaError(f"conduit-rllib's replay buffers store SingleAgentEpisode chunks (what the new API "
                           f"stack's EnvRunners sample); got a {type(episode).__name__}. Pass episodes, e.g. "

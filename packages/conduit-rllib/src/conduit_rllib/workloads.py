@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["dqn_large_obs", "dqn_cartpole", "sac_pendulum", "ppo_cartpole", "ppo_multi_agent_cartpole"]
+__all__ = ["dqn_large_obs", "dqn_cartpole", "dqn_multi_agent_cartpole", "sac_pendulum", "ppo_cartpole",
+           "ppo_multi_agent_cartpole"]
 
 
 def _model(hidden: int) -> Any:
@@ -41,6 +42,34 @@ def dqn_large_obs(obs_dim: int, *, steps: int = 200, batch: int = 32, capacity: 
             .learners(num_learners=0)
             .training(lr=5e-4, train_batch_size=batch, replay_buffer_config=_replay(prioritized, capacity),
                       num_steps_sampled_before_learning_starts=steps if learning_starts is None else learning_starts)
+            .rl_module(model_config=_model(hidden))
+            .reporting(min_sample_timesteps_per_iteration=steps, metrics_num_episodes_for_smoothing=20)
+            .debugging(seed=seed, log_level="ERROR"))
+
+
+def _agents(agents: int) -> dict[str, Any]:
+    """``config.multi_agent`` arguments: ``agents`` modules ``p0``, ``p1``, ..., agent i trained by ``p{i}``."""
+    return {"policies": {f"p{i}" for i in range(agents)},
+            "policy_mapping_fn": lambda agent_id, *args, **kwargs: f"p{agent_id}"}
+
+
+def dqn_multi_agent_cartpole(*, agents: int = 2, steps: int = 200, batch: int = 32, capacity: int = 5000,
+                             seed: int = 0, prioritized: bool = True, hidden: int = 64) -> Any:
+    """Multi-agent DQN: RLlib's ``MultiAgentCartPole`` with ``agents`` CartPoles, each agent trained by its own
+    module, replayed from RLlib's multi-agent buffer of the kind (Conduit: a data plane per module), ``batch``
+    transitions per module per update; otherwise RLlib's DQN defaults, as :func:`dqn_large_obs`."""
+    from ray.rllib.algorithms.dqn import DQNConfig
+    from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole
+
+    replay = _replay(prioritized, capacity)
+    replay["type"] = f"MultiAgent{replay['type']}"
+    return (DQNConfig()
+            .environment(MultiAgentCartPole, env_config={"num_agents": agents})
+            .multi_agent(**_agents(agents))
+            .env_runners(num_env_runners=0)
+            .learners(num_learners=0)
+            .training(lr=5e-4, train_batch_size=batch, replay_buffer_config=replay,
+                      num_steps_sampled_before_learning_starts=steps)
             .rl_module(model_config=_model(hidden))
             .reporting(min_sample_timesteps_per_iteration=steps, metrics_num_episodes_for_smoothing=20)
             .debugging(seed=seed, log_level="ERROR"))
@@ -101,5 +130,4 @@ def ppo_multi_agent_cartpole(*, agents: int = 2, seed: int = 0, batch: int = 200
 
     return (ppo_cartpole(seed=seed, batch=batch, minibatch=minibatch, epochs=epochs)
             .environment(MultiAgentCartPole, env_config={"num_agents": agents})
-            .multi_agent(policies={f"p{i}" for i in range(agents)},
-                         policy_mapping_fn=lambda agent_id, *args, **kwargs: f"p{agent_id}"))
+            .multi_agent(**_agents(agents)))
