@@ -4,6 +4,8 @@ Workloads (one local EnvRunner and learner in this process, CPU, one thread):
 
 * ``dqn-d128`` / ``dqn-d5000``: DQN on LargeObsCartPole with d float32 observations, RLlib's
   defaults (batch 32, prioritized replay, one env step and one update per training step);
+* ``dqn-2-agent-cartpole``: DQN on RLlib's MultiAgentCartPole with two agents, each trained by its own module,
+  batch 32 per module, RLlib's ``MultiAgentPrioritizedEpisodeReplayBuffer`` (Conduit: a data plane per module);
 * ``sac-pendulum``: SAC on Pendulum-v1 (batch 256, prioritized replay);
 * ``ppo-cartpole``: PPO on CartPole-v1 (2000 steps per update, 6 epochs of minibatch 128);
 * ``ppo-2-agent-cartpole``: the same, multi-agent: RLlib's MultiAgentCartPole with two agents, each trained by
@@ -44,7 +46,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-WORKLOADS = ["dqn-d128", "dqn-d5000", "sac-pendulum", "ppo-cartpole", "ppo-2-agent-cartpole"]
+WORKLOADS = ["dqn-d128", "dqn-d5000", "dqn-2-agent-cartpole", "sac-pendulum", "ppo-cartpole", "ppo-2-agent-cartpole"]
 VARIANTS = ["native", "conduit"]
 STEPS = 50
 
@@ -61,8 +63,16 @@ def ray_local() -> Iterator[None]:
 
 
 def make_config(workload: str) -> Any:
-    from conduit_rllib.workloads import dqn_large_obs, ppo_cartpole, ppo_multi_agent_cartpole, sac_pendulum
+    from conduit_rllib.workloads import (
+        dqn_large_obs,
+        dqn_multi_agent_cartpole,
+        ppo_cartpole,
+        ppo_multi_agent_cartpole,
+        sac_pendulum,
+    )
 
+    if workload == "dqn-2-agent-cartpole":
+        return dqn_multi_agent_cartpole(agents=2, steps=STEPS, batch=32, capacity=5000)
     if workload.startswith("dqn"):
         return dqn_large_obs(int(workload.split("-d")[1]), steps=STEPS, batch=32, capacity=5000)
     if workload == "sac-pendulum":
@@ -103,8 +113,9 @@ class Built:
                             sample_episodes=True)
         self.algo.metrics.aggregate([buf.get_metrics()], key="replay_buffer")
         batch = self.learner._make_batch_if_necessary(TrainingData(episodes=sample))
-        if hasattr(buf, "update_priorities"):
-            buf.update_priorities(np.abs(np.random.randn(cfg.total_train_batch_size)) + 0.01, "default_policy")
+        if hasattr(buf, "update_priorities"):  # (each module's priorities of its rows, as RLlib's training step)
+            for module_id, rows in batch.policy_batches.items():
+                buf.update_priorities(np.abs(np.random.randn(len(rows))) + 0.01, module_id)
         return batch
 
     def rollout(self) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -5,6 +5,7 @@ both alike. Prints the per-iteration table and the medians; writes JSON with eve
 
     .venv/bin/python benchmarks/scripts/rllib_breakdown.py dqn --obs-dim 5000 --iterations 6
     .venv/bin/python benchmarks/scripts/rllib_breakdown.py dqn --obs-dim 5000 --iterations 6 --overlap 2
+    .venv/bin/python benchmarks/scripts/rllib_breakdown.py dqn --agents 2 --iterations 6
     .venv/bin/python benchmarks/scripts/rllib_breakdown.py sac --iterations 6
     .venv/bin/python benchmarks/scripts/rllib_breakdown.py ppo --iterations 6
     .venv/bin/python benchmarks/scripts/rllib_breakdown.py ppo --agents 2 --steps 2000 --iterations 6 --sequential
@@ -25,7 +26,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 def result_name(args: argparse.Namespace) -> str:
     """The workload's name in the results file: one per set of variants run, so that a run with
     ``--overlap``/``--ingest-in-caller`` does not overwrite the plain comparison of the same workload."""
-    if args.algo == "dqn":
+    if args.algo == "dqn" and args.agents > 1:
+        name = f"dqn_{args.agents}_agent_cartpole_b{args.batch or 32}{'_uniform' if args.uniform else ''}"
+    elif args.algo == "dqn":
         name = (f"dqn_d{args.obs_dim}_b{args.batch or 32}{'_uniform' if args.uniform else ''}"
                 f"{f'_cap{args.capacity}' if args.capacity != 5000 else ''}")
     elif args.algo == "sac":
@@ -57,17 +60,28 @@ def main() -> int:
     p.add_argument("--sequential", action="store_true",
                    help="PPO: also run Conduit without minibatch prefetch (variant 'conduit-sequential')")
     p.add_argument("--agents", type=int, default=1,
-                   help="PPO: agents of RLlib's MultiAgentCartPole, each trained by its own module (1: CartPole-v1)")
+                   help="DQN/PPO: agents of RLlib's MultiAgentCartPole, each trained by its own module (1: DQN's "
+                        "LargeObsCartPole, PPO's CartPole-v1)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
     import ray
     import torch
     from conduit_rllib.compare import run_interleaved, summarize, table
-    from conduit_rllib.workloads import dqn_large_obs, ppo_cartpole, ppo_multi_agent_cartpole, sac_pendulum
+    from conduit_rllib.workloads import (
+        dqn_large_obs,
+        dqn_multi_agent_cartpole,
+        ppo_cartpole,
+        ppo_multi_agent_cartpole,
+        sac_pendulum,
+    )
 
     torch.set_num_threads(1)
-    if args.algo == "dqn":
+    if args.algo == "dqn" and args.agents > 1:
+        def make():
+            return dqn_multi_agent_cartpole(agents=args.agents, steps=args.steps, batch=args.batch or 32,
+                                            seed=args.seed, prioritized=not args.uniform, capacity=args.capacity)
+    elif args.algo == "dqn":
         def make():
             return dqn_large_obs(args.obs_dim, steps=args.steps, batch=args.batch or 32, seed=args.seed,
                                  prioritized=not args.uniform, capacity=args.capacity)
