@@ -1,11 +1,12 @@
-"""The conformance suites, through RLlib's buffer interface and the PPO learner's minibatch feed."""
+"""The conformance suites, through RLlib's buffer interfaces (single- and multi-agent) and the PPO learner's minibatch
+feed."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from conduit.testing import ConcurrencySuite, FreshnessSuite, ReplaySuite
-from conduit_rllib.testing import RLlibOnPolicyEndpoint, RLlibReplayEndpoint
+from conduit_rllib.testing import RLlibMultiAgentReplayEndpoint, RLlibOnPolicyEndpoint, RLlibReplayEndpoint
 
 
 class TestRLlibReplay(ReplaySuite):
@@ -16,6 +17,16 @@ class TestRLlibReplay(ReplaySuite):
 class TestRLlibConcurrency(ConcurrencySuite):
     def make_replay(self, **kwargs: Any) -> RLlibReplayEndpoint:
         return RLlibReplayEndpoint(**kwargs)
+
+
+class TestRLlibMultiAgentReplay(ReplaySuite):
+    def make_replay(self, **kwargs: Any) -> RLlibMultiAgentReplayEndpoint:
+        return RLlibMultiAgentReplayEndpoint(**kwargs)
+
+
+class TestRLlibMultiAgentConcurrency(ConcurrencySuite):
+    def make_replay(self, **kwargs: Any) -> RLlibMultiAgentReplayEndpoint:
+        return RLlibMultiAgentReplayEndpoint(**kwargs)
 
 
 class TestRLlibFreshness(FreshnessSuite):

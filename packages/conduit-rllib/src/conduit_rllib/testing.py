@@ -6,6 +6,9 @@
   with the exact arguments DQN's training step passes; ids are read back from the train batch
   the learner would receive. Priority updates go through ``update_priorities(priorities)``,
   which (as in RLlib) applies to the last sample; checkpoints through ``get_state``/``set_state``.
+* Multi-agent replay (:class:`RLlibMultiAgentReplayEndpoint`, run by the package's own conformance tests): the
+  same through a :class:`~conduit_rllib.multi_agent.ConduitMultiAgentEpisodeReplayBuffer`, fed with
+  ``MultiAgentEpisode`` chunks.
 * On-policy: a :class:`~conduit_rllib.on_policy.MinibatchFeed`, the piece PPO's learner uses:
   RLlib ``SampleBatch`` train batches in, ``MultiAgentBatch`` minibatches out; checkpoints between
   rollouts only (the learner's, between updates), through its ``state_dict``/``load_state_dict``.
@@ -34,15 +37,20 @@ from conduit.testing import (
 )
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
+from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.policy.sample_batch import SampleBatch
 
 from conduit_rllib.delivery import WEIGHTS
+from conduit_rllib.multi_agent import (
+    ConduitMultiAgentEpisodeReplayBuffer,
+    ConduitMultiAgentPrioritizedEpisodeReplayBuffer,
+)
 from conduit_rllib.on_policy import MinibatchFeed
 from conduit_rllib.replay import ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer
 
-__all__ = ["RLlibReplayEndpoint", "RLlibOnPolicyEndpoint", "ENDPOINTS", "id_episode", "OBS_SPACE", "ACTION_SPACE",
-           "DQN_SAMPLE_KWARGS"]
+__all__ = ["RLlibReplayEndpoint", "RLlibMultiAgentReplayEndpoint", "RLlibOnPolicyEndpoint", "ENDPOINTS", "id_episode",
+           "OBS_SPACE", "ACTION_SPACE", "DQN_SAMPLE_KWARGS"]
 
 #: what RLlib 2.60's DQN training step passes to a replay buffer's ``sample()`` besides ``num_items``, ``n_step``,
 #: ``gamma`` and ``beta`` (to sample in a test as DQN does: ``buffer.sample(32, n_step=1, **DQN_SAMPLE_KWARGS)``)
@@ -88,14 +96,14 @@ class RLlibReplayEndpoint(ReplayEndpoint):
     """A Conduit replay buffer driven as RLlib's DQN/SAC training step drives it."""
 
     capabilities = frozenset({CAP_PRIORITIZED, CAP_CHECKPOINT, CAP_CONCURRENT_INGEST})
+    #: the module whose draws the endpoint reports (and whose priorities it updates)
+    module_id = DEFAULT_MODULE_ID
+    #: the buffer classes, uniform and prioritized
+    kinds: tuple[type, type] = (ConduitEpisodeReplayBuffer, ConduitPrioritizedEpisodeReplayBuffer)
 
     def __init__(self, *, capacity: int, prioritized: bool = False, alpha: float = 0.6, beta: float = 0.4,
                  seed: int = 0) -> None:
-        if prioritized:
-            self.buffer: ConduitEpisodeReplayBuffer | ConduitPrioritizedEpisodeReplayBuffer = (
-                ConduitPrioritizedEpisodeReplayBuffer(capacity=capacity, alpha=alpha, seed=seed))
-        else:
-            self.buffer = ConduitEpisodeReplayBuffer(capacity=capacity, seed=seed)
+        self.buffer: Any = self.kinds[prioritized](capacity=capacity, alpha=alpha, seed=seed)
         self.beta = beta
         self._last: Any = None
         self._lock = threading.Lock()
@@ -105,27 +113,35 @@ class RLlibReplayEndpoint(ReplayEndpoint):
 
     def sample(self, n: int) -> Draw:
         with self._lock:
-            batch = self.buffer.sample(num_items=n, n_step=1, batch_length_T=0, lookback=0, min_batch_length_T=0,
-                                       gamma=0.99, beta=self.beta, sample_episodes=True)
+            batch = self._part(self.buffer.sample(num_items=n, n_step=1, gamma=0.99, beta=self.beta,
+                                                  **DQN_SAMPLE_KWARGS))
             self._last = batch
             w = batch.columns[WEIGHTS].detach().cpu().numpy().copy() if self.buffer.prioritized else None
             return Draw(_ids_of(batch.columns), handles=batch.handles, weights=w)
 
+    def _part(self, sample: Any) -> Any:
+        """The reported module's part of a sample."""
+        return sample
+
+    def _plane_state(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """The reported module's buffer state in the buffer's ``get_state()`` (None: nothing added yet)."""
+        return state
+
     def update_priorities(self, handles: Any, priorities: np.ndarray) -> None:
-        assert isinstance(self.buffer, ConduitPrioritizedEpisodeReplayBuffer)
+        assert self.buffer.prioritized
         p = np.asarray(priorities, dtype=np.float64)
         if self._last is not None and handles is self._last.handles:
             # RLlib's call: update_priorities(td_errors, module_id) refers to the last sample()
-            self.buffer.update_priorities(p, DEFAULT_MODULE_ID)
+            self.buffer.update_priorities(p, self.module_id)
         else:  # a subset or an older sample: Conduit's handle-based extension
-            self.buffer.update_priorities(p, DEFAULT_MODULE_ID, handles=handles)
+            self.buffer.update_priorities(p, self.module_id, handles=handles)
 
     def __len__(self) -> int:
-        return len(self.buffer)
+        return self.buffer.get_num_timesteps(self.module_id)
 
     def contents(self) -> np.ndarray:
-        state = self.buffer.get_state()
-        if state["edp"] is None:
+        state = self._plane_state(self.buffer.get_state())
+        if state is None or state["edp"] is None:
             return np.zeros(0, dtype=np.int64)
         return state["edp"]["storage"]["data"][Columns.OBS][:, 0].numpy().astype(np.int64)
 
@@ -137,6 +153,38 @@ class RLlibReplayEndpoint(ReplayEndpoint):
 
     def close(self) -> None:
         self.buffer.close()
+
+
+class RLlibMultiAgentReplayEndpoint(RLlibReplayEndpoint):
+    """A Conduit multi-agent replay buffer driven as RLlib's multi-agent DQN/SAC training step drives it.
+
+    Every insert is one ``MultiAgentEpisode`` chunk in which agent ``a0`` (module ``p0``) steps through the ids
+    and agent ``a1`` (module ``p1``) through the same ids; every sample draws both modules, as RLlib's
+    independent replay does, and reports ``p0``'s draw, whose priorities it updates.
+    """
+
+    module_id = "p0"
+    kinds = (ConduitMultiAgentEpisodeReplayBuffer, ConduitMultiAgentPrioritizedEpisodeReplayBuffer)
+
+    def insert(self, ids: np.ndarray) -> None:
+        one = id_episode(ids)  # (its observations and actions, as the single-agent endpoint's)
+        obs, acts = one.get_observations(), one.get_actions()
+        n = len(acts)
+        agents = ("a0", "a1")
+        self.buffer.add([MultiAgentEpisode(
+            observations=[dict.fromkeys(agents, obs[t]) for t in range(n + 1)],
+            actions=[dict.fromkeys(agents, acts[t]) for t in range(n)],
+            rewards=[dict.fromkeys(agents, 0.0) for _ in range(n)],
+            observation_space=gym.spaces.Dict(dict.fromkeys(agents, OBS_SPACE)),
+            action_space=gym.spaces.Dict(dict.fromkeys(agents, ACTION_SPACE)), len_lookback_buffer=0,
+            agent_to_module_mapping_fn=lambda agent_id, episode: f"p{str(agent_id)[1:]}")])
+
+    def _part(self, sample: Any) -> Any:
+        assert list(sample.parts) == ["p0", "p1"] and len(sample.parts["p1"]) == len(sample.parts["p0"])
+        return sample.parts["p0"]
+
+    def _plane_state(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        return state["modules"].get("p0")
 
 
 class RLlibOnPolicyEndpoint(OnPolicyEndpoint):
