@@ -12,7 +12,15 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from conduit import CapacityError, ConfigurationError, EmptyBufferError, PriorityError, SchemaError, Synchronous
+from conduit import (
+    CapacityError,
+    ConfigurationError,
+    EmptyBufferError,
+    Overlapped,
+    PriorityError,
+    SchemaError,
+    Synchronous,
+)
 from conduit_rllib import (
     ConduitMultiAgentEpisodeReplayBuffer,
     ConduitMultiAgentPrioritizedEpisodeReplayBuffer,
@@ -230,6 +238,28 @@ def test_sampling_refusals_are_typed_and_draw_nothing() -> None:
         ConduitMultiAgentEpisodeReplayBuffer(capacity=10, scheduler=Synchronous())  # not a factory
     with pytest.raises(ConfigurationError, match="capacity"):
         ConduitMultiAgentEpisodeReplayBuffer(capacity=0)
+
+
+def test_each_module_gets_a_scheduler_of_its_own_from_the_factory() -> None:
+    """A scheduler serves one data plane: the factory is called once per module, and the overlapped draws are the
+    module's own transitions. Before the first add nothing is built; close() ends every module's scheduler."""
+    made: list[Overlapped] = []
+
+    def factory() -> Overlapped:
+        made.append(Overlapped(g_del=2, background_ingest=True))
+        return made[-1]
+
+    buf = filled(ConduitMultiAgentPrioritizedEpisodeReplayBuffer, scheduler=factory)
+    assert len(made) == 2 and [b.edp.scheduler for b in buf.buffers.values()] == made
+    for _ in range(3):
+        c = columns(buf.sample(num_items=16, n_step=1, gamma=0.9, beta=0.4, **DQN_KW))
+        assert set(c["p0"][Columns.OBS][:, 0] // 100) <= {1, 3} and set(c["p1"][Columns.OBS][:, 0] // 100) == {2}
+        buf.update_priorities(np.ones(16), "p0")
+        buf.update_priorities(np.ones(16), "p1")
+    buf.close()
+    assert all(b.edp.closed for b in buf.buffers.values())
+    with pytest.raises(ConfigurationError, match="not a conduit Scheduler"):
+        filled(scheduler=lambda: "not a scheduler")
 
 
 def test_remote_slices_keep_every_modules_rows_in_order() -> None:
