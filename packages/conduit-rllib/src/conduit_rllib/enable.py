@@ -223,16 +223,12 @@ def _check_off_policy(config: AlgorithmConfig) -> None:
                                          f"replay_buffer_config and set it as {where}.")
     multi_agent_buffer = issubclass(_replay_class(config), _ConduitMultiAgentReplay)
     if multi_agent_buffer != bool(config.is_multi_agent):
-        rb_type = rbc.get("type")
+        kinds, prefix = (("multi", "single"), "MultiAgent") if config.is_multi_agent else (("single", "multi"), "")
         raise UnsupportedConfigError(
-            f"This config is {'multi' if config.is_multi_agent else 'single'}-agent, but replay_buffer_config['type'] "
-            f"is {rb_type!r}, a {'single' if config.is_multi_agent else 'multi'}-agent buffer: its first add would "
-            f"fail (with RLlib's buffers too). Set "
-            + ("'MultiAgentPrioritizedEpisodeReplayBuffer' or 'MultiAgentEpisodeReplayBuffer'" if config.is_multi_agent
-               else "'PrioritizedEpisodeReplayBuffer' or 'EpisodeReplayBuffer'")
-            + ": Conduit installs its own buffer of that kind (conduit_rllib."
-            + ("ConduitMultiAgentEpisodeReplayBuffer" if config.is_multi_agent else "ConduitEpisodeReplayBuffer")
-            + " or its prioritized kind).")
+            f"This config is {kinds[0]}-agent, but replay_buffer_config['type'] is {rbc.get('type')!r}, a {kinds[1]}"
+            f"-agent buffer: its first add would fail (with RLlib's buffers too). Set '{prefix}PrioritizedEpisode"
+            f"ReplayBuffer' or '{prefix}EpisodeReplayBuffer': Conduit installs its own buffer of that kind "
+            f"(conduit_rllib.Conduit{prefix}EpisodeReplayBuffer or its prioritized kind).")
 
 
 #: buffer options ``InstallReplayBuffer`` takes from elsewhere, never from ``replay_buffer_config``: where to set them

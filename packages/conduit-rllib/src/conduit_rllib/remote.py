@@ -36,9 +36,9 @@ __all__ = ["ConduitLearnerGroup", "split_sample", "route_to_remote_learners"]
 
 #: RLlib's ``LearnerGroup.update`` signature: where :meth:`ConduitLearnerGroup.update` finds the sample it is given
 _UPDATE_ARGS = inspect.signature(LearnerGroup.update)
-#: the arguments that name the training data (one of them carries the sample)
 #: a Conduit sample: one module's, or a multi-agent one
 _S = TypeVar("_S", ConduitSampledEpisodes, ConduitMultiAgentSample)
+#: the arguments that name the training data (one of them carries the sample)
 _DATA_ARGS = frozenset({"batch", "batches", "batch_refs", "episodes", "episodes_refs", "data_iterators",
                         "training_data"})
 
