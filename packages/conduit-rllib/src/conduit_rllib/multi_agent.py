@@ -130,6 +130,11 @@ class _ConduitMultiAgentReplay:
         buffer.module_id = module_id
         return buffer
 
+    def _module(self, module_id: str) -> _ConduitReplay:
+        """``module_id``'s buffer, or a new empty one (not registered: :meth:`add` registers it once it stored)."""
+        buffer = self.buffers.get(module_id)
+        return self._new_module(module_id) if buffer is None else buffer
+
     def _give_scheduler(self, buffer: _ConduitReplay) -> None:
         """Give ``buffer`` a scheduler of its own from the factory, before its plane is built."""
         if self.scheduler is None:
@@ -196,7 +201,7 @@ class _ConduitMultiAgentReplay:
         groups = self._by_module(episodes)
         with self._lock:
             self._check_open("store episodes (add)")
-            buffers = {m: self.buffers.get(m) or self._new_module(m) for m in groups}
+            buffers = {m: self._module(m) for m in groups}
             prepared = {}
             for m, chunks_in in groups.items():  # every module checked before anything is stored
                 chunks, w = buffers[m]._prepared(chunks_in, weight)
@@ -336,7 +341,7 @@ class _ConduitMultiAgentReplay:
                                      f"{type(modules).__name__}, not a dict); load an undamaged get_state().")
         into = {}
         for m, part in modules.items():
-            buffer = self.buffers.get(m) or self._new_module(m)
+            buffer = self._module(m)
             try:
                 buffer.check_state(part)
             except ConfigurationError as e:
