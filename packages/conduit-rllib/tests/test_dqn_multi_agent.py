@@ -154,6 +154,48 @@ def test_counts_match_rllibs_multi_agent_buffer_for_a_real_env_runners_chunks() 
     assert {m: len(p) for m, p in s.parts.items()} == {"p0": 64, "p1": 64}
 
 
+def _transitions(obs: Any, next_obs: Any, actions: Any, rewards: Any) -> list[tuple[Any, ...]]:
+    """Transitions as sortable tuples (obs and next obs as tuples of floats)."""
+    return sorted((tuple(map(float, o)), int(a), round(float(r), 5), tuple(map(float, n)))
+                  for o, a, r, n in zip(obs, actions, rewards, next_obs, strict=True))
+
+
+def test_a_turn_based_games_transitions_are_rllibs_for_each_module() -> None:
+    """TicTacToe: the players act in turns, so an agent's next observation is the one at its next turn, and
+    chunks are cut with one player's action still waiting for its next observation. Every module holds exactly
+    the transitions of its agent's episodes in RLlib's buffer (its ``agent_episodes``, concatenated across
+    chunks), in any order."""
+    from ray.rllib.examples.envs.classes.multi_agent.tic_tac_toe import TicTacToe
+
+    config = (DQNConfig().environment(TicTacToe)
+              .multi_agent(policies={"p1", "p2"}, policy_mapping_fn=lambda agent_id, *args, **kwargs: (
+                  "p1" if agent_id == "player1" else "p2"))
+              .env_runners(num_envs_per_env_runner=1, rollout_fragment_length=7).debugging(seed=1))
+    runner = MultiAgentEnvRunner(config=config)
+    ours = ConduitMultiAgentEpisodeReplayBuffer(capacity=10_000, seed=0)
+    theirs = MultiAgentEpisodeReplayBuffer(capacity=10_000)
+    try:
+        for _ in range(30):
+            episodes = runner.sample(num_timesteps=7, random_actions=True)
+            ours.add(episodes)
+            theirs.add(episodes)
+    finally:
+        runner.stop()
+    state = ours.get_state()["modules"]
+    for m, agent in (("p1", "player1"), ("p2", "player2")):
+        want = []
+        for episode in theirs.episodes:
+            sa = episode.agent_episodes.get(agent)
+            if sa is not None and len(sa):
+                obs = np.asarray(sa.get_observations())
+                want += _transitions(obs[:-1], obs[1:], sa.get_actions(), sa.get_rewards())
+        n = state[m]["edp"]["storage"]["next"]
+        data = {k: v[:n].numpy() for k, v in state[m]["edp"]["storage"]["data"].items()}
+        got = _transitions(data[Columns.OBS], data[Columns.NEXT_OBS], data[Columns.ACTIONS], data[Columns.REWARDS])
+        assert len(want) > 30 and got == sorted(want), f"{m}: {len(got)} transitions, RLlib's buffer holds {len(want)}"
+        assert ours.get_num_timesteps(m) == theirs.get_num_timesteps(m)
+
+
 def _unchanged(buf: Any, before: dict[str, int]) -> None:
     assert {m: buf.get_num_timesteps(m) for m in buf.get_module_ids()} == before
     assert {m: buf.get_added_timesteps(m) for m in buf.get_module_ids()} == before
