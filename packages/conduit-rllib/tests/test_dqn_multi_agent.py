@@ -131,29 +131,6 @@ def test_modules_draw_apart() -> None:
     assert not np.array_equal(c["p0"][Columns.OBS][:, 0] % 100, c["p1"][Columns.OBS][:, 0] % 100)
 
 
-def test_counts_match_rllibs_multi_agent_buffer_for_a_real_env_runners_chunks() -> None:
-    """Three sample() calls of RLlib's MultiAgentEnvRunner (chunks continue across calls) into both buffers."""
-    config = (DQNConfig().environment(MultiAgentCartPole, env_config={"num_agents": 2})
-              .multi_agent(policies=set(MODULES), policy_mapping_fn=lambda agent_id, *args, **kwargs: f"p{agent_id}")
-              .env_runners(num_envs_per_env_runner=2, rollout_fragment_length=40).debugging(seed=3))
-    runner = MultiAgentEnvRunner(config=config)
-    ours = ConduitMultiAgentEpisodeReplayBuffer(capacity=10_000, seed=0)
-    theirs = MultiAgentEpisodeReplayBuffer(capacity=10_000)
-    try:
-        for _ in range(3):
-            episodes = runner.sample(num_timesteps=80, random_actions=True)
-            ours.add(episodes)
-            theirs.add(episodes)
-    finally:
-        runner.stop()
-    assert sorted(ours.get_module_ids()) == sorted(theirs.get_module_ids()) == list(MODULES)
-    for m in MODULES:
-        assert ours.get_num_timesteps(m) == theirs.get_num_timesteps(m) > 0, m
-        assert ours.get_added_timesteps(m) == theirs.get_added_timesteps(m), m
-    s = ours.sample(num_items=64, n_step=1, gamma=0.99, **DQN_KW)
-    assert {m: len(p) for m, p in s.parts.items()} == {"p0": 64, "p1": 64}
-
-
 def _transitions(obs: Any, next_obs: Any, actions: Any, rewards: Any) -> list[tuple[Any, ...]]:
     """Transitions as sortable tuples (obs and next obs as tuples of floats)."""
     return sorted((tuple(map(float, o)), int(a), round(float(r), 5), tuple(map(float, n)))
@@ -164,13 +141,13 @@ def test_a_turn_based_games_transitions_are_rllibs_for_each_module() -> None:
     """TicTacToe: the players act in turns, so an agent's next observation is the one at its next turn, and
     chunks are cut with one player's action still waiting for its next observation. Every module holds exactly
     the transitions of its agent's episodes in RLlib's buffer (its ``agent_episodes``, concatenated across
-    chunks), in any order."""
+    chunks), in any order; two envs per runner, so chunks of two episodes interleave."""
     from ray.rllib.examples.envs.classes.multi_agent.tic_tac_toe import TicTacToe
 
     config = (DQNConfig().environment(TicTacToe)
               .multi_agent(policies={"p1", "p2"}, policy_mapping_fn=lambda agent_id, *args, **kwargs: (
                   "p1" if agent_id == "player1" else "p2"))
-              .env_runners(num_envs_per_env_runner=1, rollout_fragment_length=7).debugging(seed=1))
+              .env_runners(num_envs_per_env_runner=2, rollout_fragment_length=7).debugging(seed=1))
     runner = MultiAgentEnvRunner(config=config)
     ours = ConduitMultiAgentEpisodeReplayBuffer(capacity=10_000, seed=0)
     theirs = MultiAgentEpisodeReplayBuffer(capacity=10_000)
@@ -194,6 +171,10 @@ def test_a_turn_based_games_transitions_are_rllibs_for_each_module() -> None:
         got = _transitions(data[Columns.OBS], data[Columns.NEXT_OBS], data[Columns.ACTIONS], data[Columns.REWARDS])
         assert len(want) > 30 and got == sorted(want), f"{m}: {len(got)} transitions, RLlib's buffer holds {len(want)}"
         assert ours.get_num_timesteps(m) == theirs.get_num_timesteps(m)
+        assert ours.get_added_timesteps(m) == theirs.get_added_timesteps(m)
+    assert sorted(ours.get_module_ids()) == sorted(theirs.get_module_ids()) == ["p1", "p2"]
+    s = ours.sample(num_items=64, n_step=1, gamma=0.99, **DQN_KW)
+    assert {m: len(p) for m, p in s.parts.items()} == {"p1": 64, "p2": 64}
 
 
 def _unchanged(buf: Any, before: dict[str, int]) -> None:
