@@ -38,6 +38,7 @@ from ray.rllib.env.multi_agent_env_runner import MultiAgentEnvRunner
 from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole, MultiAgentPendulum
+from ray.rllib.utils.metrics import TD_ERROR_KEY
 from ray.rllib.utils.replay_buffers.multi_agent_episode_buffer import MultiAgentEpisodeReplayBuffer
 
 MODULES = ("p0", "p1")
@@ -333,16 +334,34 @@ def test_multi_agent_dqn_trains_every_module_through_conduit_as_rllib_alone_does
 
 
 @pytest.mark.usefixtures("ray_local")
-def test_two_remote_learners_train_each_modules_slices() -> None:
-    config = _dqn().learners(num_learners=2)
+def test_two_remote_learners_train_each_modules_slices_in_order_and_a_restore_brings_the_buffer_back(
+        tmp_path: Any) -> None:
+    """Learner k trains the k-th contiguous slice of every module's rows, so RLlib's concatenation of the learners'
+    TD errors (per module, in learner order) follows each module's sample. A checkpoint saved through the remote
+    learners brings every module's buffer back into the driver, and no learner keeps a copy."""
+    config = _dqn().learners(num_learners=2).training(store_buffer_in_checkpoints=True)
     algo = conduit_rllib.enable(config).build_algo()
     try:
         for _ in range(2):
             result = algo.train()
         assert min(_trained(result).values()) > 0
-        counts = [r.get() for r in algo.learner_group.foreach_learner(
-            lambda learner: (learner.conduit_batches, learner.native_batches, sorted(learner.conduit_last_handles)))]
-        assert all(c > 0 and n == 0 and mods == list(MODULES) for c, n, mods in counts), counts
+        buf = algo.local_replay_buffer
+        sample = buf.sample(num_items=10, n_step=1, gamma=0.99, beta=0.4, **DQN_KW)
+        results = algo.learner_group.update(episodes=sample)
+        views = [r.get() for r in algo.learner_group.foreach_learner(lambda learner: (
+            learner.conduit_batches, learner.native_batches,
+            {m: h.tolist() for m, h in learner.conduit_last_handles.items()}))]
+        assert all(c > 0 and n == 0 for c, n, _ in views), views
+        for k, (_, _, handles) in enumerate(views):
+            assert handles == {m: sample.parts[m].handles[5 * k:5 * k + 5].tolist() for m in MODULES}, k
+        errors = [{m: sum(len(e) for e in r[m][TD_ERROR_KEY].peek()) for m in MODULES} for r in results]
+        assert errors == [{"p0": 5, "p1": 5}] * 2, errors
+        stored = {m: buf.get_num_timesteps(m) for m in MODULES}
+        algo.save_to_path(str(tmp_path))
+        algo.restore_from_path(str(tmp_path))
+        assert {m: algo.local_replay_buffer.get_num_timesteps(m) for m in MODULES} == stored
+        kept = [r.get() for r in algo.learner_group.foreach_learner(lambda lr: lr._conduit_pending_state is None)]
+        assert kept == [True, True], "a learner still holds a copy of the buffer's state"
     finally:
         algo.stop()
 
