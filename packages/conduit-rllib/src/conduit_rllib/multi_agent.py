@@ -53,6 +53,7 @@ from conduit_rllib.replay import (
     ConduitEpisodeReplayBuffer,
     ConduitPrioritizedEpisodeReplayBuffer,
     _ConduitReplay,
+    check_state_kind,
     module_seed,
 )
 from conduit_rllib.transitions import transition_schema
@@ -326,15 +327,7 @@ class _ConduitMultiAgentReplay:
     def _checked(self, state: Any) -> dict[str, _ConduitReplay]:
         """Module id -> the buffer each saved module's state goes into (this buffer's, or a new one), every saved
         module's state checked by it."""
-        if not isinstance(state, dict) or state.get("format") != MULTI_AGENT_STATE_FORMAT:
-            raise ConfigurationError("This is not a Conduit multi-agent replay-buffer state (get_state() of a Conduit "
-                                     "multi-agent buffer); single-agent and RLlib-native states cannot be loaded into "
-                                     "it.")
-        if state.get("prioritized") != self.prioritized or state.get("capacity") != self.capacity:
-            kind = "prioritized" if state.get("prioritized") else "uniform"
-            raise ConfigurationError(f"The state was saved by a {kind} multi-agent buffer of capacity "
-                                     f"{state.get('capacity')}; build the same kind and capacity (this one: "
-                                     f"prioritized={self.prioritized}, capacity={self.capacity}).")
+        check_state_kind(state, MULTI_AGENT_STATE_FORMAT, self, "multi-agent ")
         modules = state.get("modules")
         if not isinstance(modules, dict):
             raise ConfigurationError(f"This Conduit multi-agent replay-buffer state is damaged (its modules are a "

@@ -90,7 +90,7 @@ if TYPE_CHECKING:
     from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
 __all__ = ["ConduitEpisodeReplayBuffer", "ConduitPrioritizedEpisodeReplayBuffer", "STATE_FORMAT", "fresh_seed",
-           "module_seed"]
+           "module_seed", "check_state_kind"]
 
 #: tag of the dict ``get_state`` returns
 STATE_FORMAT = "conduit-rllib/replay/1"
@@ -109,6 +109,25 @@ def module_seed(seed: int, module_id: Any) -> int:
     if module_id == DEFAULT_MODULE_ID:
         return seed
     return (seed + zlib.crc32(str(module_id).encode())) % 2 ** 63
+
+
+def check_state_kind(state: Any, state_format: str, buffer: Any, kind: str) -> None:
+    """Raise unless ``state`` is a ``get_state()`` of ``state_format`` saved by a buffer of ``buffer``'s kind and
+    capacity. ``kind``: how the message names the buffer (``""``, or ``"multi-agent "``).
+
+    Raises:
+        conduit.ConfigurationError: another format (another kind of Conduit buffer, or an RLlib-native state), or
+            a uniform state for a prioritized buffer (or the other way round), or another capacity.
+    """
+    if not isinstance(state, dict) or state.get("format") != state_format:
+        raise ConfigurationError(f"This is not a Conduit {kind}replay-buffer state (get_state() of a Conduit {kind}"
+                                 f"buffer); other Conduit buffers' and RLlib-native buffer states cannot be loaded "
+                                 f"into it.")
+    if state.get("prioritized") != buffer.prioritized or state.get("capacity") != buffer.capacity:
+        saved = "prioritized" if state.get("prioritized") else "uniform"
+        raise ConfigurationError(f"The state was saved by a {saved} {kind}buffer of capacity {state.get('capacity')}; "
+                                 f"build the same kind and capacity (this one: prioritized={buffer.prioritized}, "
+                                 f"capacity={buffer.capacity}).")
 
 
 #: RLlib's floor for priorities (``PrioritizedEpisodeReplayBuffer.update_priorities``)
@@ -854,14 +873,7 @@ class _ConduitReplay:
         Raises:
             conduit.ConfigurationError: as :meth:`set_state`.
         """
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ConfigurationError("This is not a Conduit replay-buffer state (get_state() of a Conduit "
-                                     "buffer); RLlib-native buffer states cannot be loaded into it.")
-        if state.get("prioritized") != self.prioritized or state.get("capacity") != self.capacity:
-            kind = "prioritized" if state.get("prioritized") else "uniform"
-            raise ConfigurationError(f"The state was saved by a {kind} buffer of capacity {state.get('capacity')}; "
-                                     f"build the same kind and capacity "
-                                     f"(this one: prioritized={self.prioritized}, capacity={self.capacity}).")
+        check_state_kind(state, STATE_FORMAT, self, "")
         try:  # everything read (and checked) before anything changes
             alpha = state["alpha"]  # (no bool or text: float() would take True or "1.0")
             if not (is_real(alpha) and alpha >= 0 and math.isfinite(alpha)):
