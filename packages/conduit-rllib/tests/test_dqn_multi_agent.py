@@ -369,11 +369,11 @@ def test_two_remote_learners_train_each_modules_slices_in_order_and_a_restore_br
 @pytest.mark.usefixtures("ray_local")
 def test_multi_agent_sac_trains_as_rllib_alone_and_its_checkpoint_brings_every_modules_buffer_back(
         tmp_path: Any) -> None:
-    """SAC on the uniform kind, iterations cut by sampled steps (not by time, SAC's default), so both runs train
-    the same number of times."""
+    """SAC on the uniform kind, its episodes sampled by a remote EnvRunner (they reach the buffer through Ray),
+    iterations cut by sampled steps (not by time, SAC's default), so both runs train the same number of times."""
     config = (SACConfig().environment(MultiAgentPendulum, env_config={"num_agents": 2})
               .multi_agent(policies=set(MODULES), policy_mapping_fn=lambda agent_id, *args, **kwargs: f"p{agent_id}")
-              .env_runners(num_env_runners=0, rollout_fragment_length=50)
+              .env_runners(num_env_runners=1, rollout_fragment_length=50)
               .training(replay_buffer_config={"type": "MultiAgentEpisodeReplayBuffer", "capacity": 2000},
                         num_steps_sampled_before_learning_starts=100, train_batch_size=32,
                         store_buffer_in_checkpoints=True)
